@@ -1,0 +1,1 @@
+"""minispec: a minimal, fast PyTorch engine for speculative decoding."""

@@ -1,0 +1,1 @@
+"""Handwritten model families; each file: config -> layers -> model -> checkpoint key mapping."""

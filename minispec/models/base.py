@@ -1,0 +1,129 @@
+"""What every minispec model shares: the static KV cache and the one interface decoding code uses.
+
+Decoding code (generate.py, speculative.py, beam.py) drives any family through these calls only:
+
+    prefix = model.encode(prompt)    # T5: runs the encoder once, returns the decoder's start token;
+                                     # decoder-only models return the prompt unchanged
+    logits = model.prefill(prefix)   # empties the cache and fills it from position 0
+    logits = model.decode(tokens)    # appends 1..k tokens at position `model.length`
+    model.rollback(length)           # forget everything from `length` on: moves a pointer, copies nothing
+    model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
+
+A family implements `setup_caches(batch_size, max_seq_len)` and `forward(tokens, input_pos)`;
+`forward` writes keys/values at `input_pos` and attends only to cache positions <= each query's
+position, so entries past the current length are never read and rolling back needs no clearing.
+"""
+
+import torch
+from torch import nn
+
+
+class KVCache(nn.Module):
+    """Keys and values of one attention layer, preallocated for `max_seq_len` positions."""
+
+    def __init__(self, batch_size, n_heads, max_seq_len, head_dim, dtype, device):
+        super().__init__()
+        shape = (batch_size, n_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        """Write k, v of shape [batch, heads, len(input_pos), head_dim] at `input_pos`; return the whole cache."""
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+    def reorder(self, beam_idx):
+        self.k.copy_(self.k.index_select(0, beam_idx))
+        self.v.copy_(self.v.index_select(0, beam_idx))
+
+
+def causal_mask(input_pos, max_seq_len):
+    """Boolean [len(input_pos), max_seq_len]: query i may read cache position j iff j <= input_pos[i]."""
+    return torch.arange(max_seq_len, device=input_pos.device)[None, :] <= input_pos[:, None]
+
+
+class CachedLM(nn.Module):
+    """Base of every minispec model: the decoding interface on top of a family's `forward`."""
+
+    is_encoder_decoder = False
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0  # number of valid positions in the KV caches
+        self.encoder_calls = 0  # stays 0 for decoder-only models
+        self.cache_batch_size = 0
+        self.cache_max_seq_len = 0
+        # Set by the loader (minispec.checkpoint.load_model): tokenizer and special token ids.
+        self.tokenizer = None
+        self.bos_token_id = None
+        self.eos_token_ids = ()
+        self.pad_token_id = None
+        self.name = type(self).__name__
+
+    # --- to implement in each family ------------------------------------------------------------
+    @property
+    def context_length(self):
+        """Longest sequence the model supports (None: no limit, e.g. T5's relative positions)."""
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self):
+        raise NotImplementedError
+
+    def setup_caches(self, batch_size, max_seq_len):
+        """Allocate every layer's KVCache; subclasses call super() to record the shape."""
+        self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, max_seq_len, 0
+
+    def forward(self, tokens, input_pos):
+        """tokens [batch, n] at positions input_pos [n] -> float32 logits [batch, n, vocab]."""
+        raise NotImplementedError
+
+    # --- the shared interface ---------------------------------------------------------------------
+    def ensure_caches(self, batch_size, max_seq_len):
+        """Reuse the caches when they fit; allocate (once per shape) otherwise."""
+        if self.context_length is not None and max_seq_len > self.context_length:
+            raise ValueError(
+                f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
+                f"{self.context_length} tokens; use a shorter prompt or fewer new tokens"
+            )
+        if batch_size != self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
+            self.setup_caches(batch_size, max_seq_len)
+
+    def encode(self, prompt):
+        """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
+        return prompt
+
+    def prefill(self, tokens):
+        self.length = 0
+        return self.decode(tokens)
+
+    def decode(self, tokens):
+        n = tokens.shape[1]
+        if self.length + n > self.cache_max_seq_len:
+            raise ValueError(
+                f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
+                f"{self.cache_max_seq_len} positions"
+            )
+        input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
+        logits = self.forward(tokens, input_pos)
+        self.length += n
+        return logits
+
+    def rollback(self, length):
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.length} positions")
+        self.length = length
+
+    def reorder_cache(self, beam_idx):
+        for module in self.modules():
+            if isinstance(module, KVCache):
+                module.reorder(beam_idx)
+
+    @property
+    def device(self):
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.parameters()).dtype

@@ -1,0 +1,120 @@
+"""Tiny random-init checkpoints built with the reference implementation (transformers), saved as
+Hugging Face-layout safetensors directories, for tests to load into minispec and compare against.
+
+Default initialization (std 0.02) makes tiny models collapse into repeating one token, which would
+make greedy-equivalence tests weak; `spread_init` draws weights with std 3/sqrt(fan_in) instead,
+so logits are far from uniform and greedy outputs vary.
+"""
+
+import math
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 96
+
+TINY_CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "llama": lambda: transformers.LlamaConfig(  # multi-head attention, untied head
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    ),
+    "llama_gqa": lambda: transformers.LlamaConfig(  # grouped-query attention, llama3 rope scaling, tied head
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=500000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(  # q/k/v bias, GQA
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    ),
+    "t5_v1_0": lambda: transformers.T5Config(  # ReLU feed-forward, tied head (output scaled by d_model^-0.5)
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+        feed_forward_proj="relu", tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ),
+    "t5_v1_1": lambda: transformers.T5Config(  # gated GELU feed-forward, untied head
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ),
+}
+
+MODEL_CLASSES = {
+    "gpt2": transformers.GPT2LMHeadModel,
+    "llama": transformers.LlamaForCausalLM,
+    "llama_gqa": transformers.LlamaForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "t5_v1_0": transformers.T5ForConditionalGeneration,
+    "t5_v1_1": transformers.T5ForConditionalGeneration,
+}
+
+
+def spread_init(model, seed, gain=3.0):
+    """Re-draw every weight so tiny random models produce varied, confident predictions."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                # GPT-2's Conv1D stores [in, out]; everything else [out, in].
+                fan_in = param.shape[0] if any(k in name for k in ("c_attn", "c_fc", "c_proj")) else param.shape[1]
+                std = gain / math.sqrt(fan_in)
+                if any(k in name for k in ("wte", "wpe", "embed", "shared", "relative_attention_bias")):
+                    std = 1.0
+                if name.endswith(".q.weight"):  # T5 has no 1/sqrt(d) in attention: keep its softmax soft
+                    std *= 0.35
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            else:  # norm weights
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+# Seeds whose greedy continuations vary (checked by the model tests' distinct-token asserts).
+SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "t5_v1_0": 1, "t5_v1_1": 0}
+
+
+def make_reference(kind, seed=None):
+    """A tiny transformers model of `kind` (a key of TINY_CONFIGS) in eval mode, fp32."""
+    seed = SEEDS[kind] if seed is None else seed
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[kind](TINY_CONFIGS[kind]()).eval()
+    return spread_init(model, seed)
+
+
+def save_reference(model, directory):
+    """Save a transformers model as config.json + model.safetensors; returns the directory."""
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def noisy_copy(model, seed, scale=0.05):
+    """The same weights plus small noise: a draft model that agrees with the target most of the time."""
+    generator = torch.Generator().manual_seed(seed)
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale * param.std().clamp(min=1e-3))
+    return copy
+
+
+@pytest.fixture(scope="session")
+def reference_dirs(tmp_path_factory):
+    """Every tiny kind saved once per test session: {kind: (transformers model, checkpoint dir)}."""
+    out = {}
+    for kind in TINY_CONFIGS:
+        model = make_reference(kind)
+        out[kind] = (model, save_reference(model, tmp_path_factory.mktemp(kind)))
+    return out
