@@ -1,16 +1,136 @@
-"""Placeholder: being written."""
-from .base import CachedLM
+"""GPT-2 (Radford et al. 2019): learned absolute positions, pre-LayerNorm blocks, GELU MLP, head tied to wte."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import CachedLM, KVCache, causal_mask
+
+# HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
+GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
+@dataclass
 class GPT2Config:
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_positions: int = 1024
+    vocab_size: int = 50257
+    layer_norm_epsilon: float = 1e-5
+    activation_function: str = "gelu_new"
+    n_inner: int = 3072  # MLP width; HF stores null for the default 4 * n_embd
+
     @classmethod
     def from_hf(cls, hf):
-        raise NotImplementedError
+        if hf.get("activation_function", "gelu_new") not in GELU_APPROXIMATION:
+            raise ValueError(
+                f"GPT-2 activation_function {hf['activation_function']!r} is not supported; "
+                f"minispec supports {', '.join(GELU_APPROXIMATION)}"
+            )
+        # These variants change the attention math; refuse them rather than compute something else.
+        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
+            raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported")
+        if hf.get("tie_word_embeddings") is False:
+            raise ValueError("GPT-2 checkpoints with an untied lm_head (tie_word_embeddings=false) are not supported")
+        return cls(
+            n_embd=hf["n_embd"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_positions=hf["n_positions"],
+            vocab_size=hf["vocab_size"],
+            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            activation_function=hf.get("activation_function", "gelu_new"),
+            n_inner=hf.get("n_inner") or 4 * hf["n_embd"],
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.kv_cache = None  # set by GPT2.setup_caches
+
+    def forward(self, x, input_pos, mask):
+        batch, seq_len, dim = x.shape
+        q, k, v = self.c_attn(x).split(dim, dim=-1)
+        q, k, v = (t.view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        k, v = self.kv_cache.update(input_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, seq_len, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.n_inner)
+        self.c_proj = nn.Linear(config.n_inner, config.n_embd)
+        self.approximate = GELU_APPROXIMATION[config.activation_function]
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = Attention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x, input_pos, mask):
+        x = x + self.attn(self.ln_1(x), input_pos, mask)
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT2(CachedLM):
-    pass
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    @property
+    def context_length(self):
+        return self.config.n_positions
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        head_dim = self.config.n_embd // self.config.n_head
+        for block in self.h:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_head, max_seq_len, head_dim, self.dtype, self.device)
+
+    def forward(self, tokens, input_pos):
+        mask = causal_mask(input_pos, self.cache_max_seq_len)
+        x = self.wte(tokens) + self.wpe(input_pos)
+        for block in self.h:
+            x = block(x, input_pos, mask)
+        return F.linear(self.ln_f(x), self.wte.weight).float()  # the output head is wte itself
+
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def convert_hf_weights(weights, config):
-    raise NotImplementedError
+    """HF GPT-2 keys -> ours: drop the `transformer.` prefix (absent in the original openai-community/gpt2
+    files), drop the causal-mask buffers and the tied lm_head, and transpose Conv1D's [in, out] weights."""
+    out = {}
+    for name, tensor in weights.items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t().contiguous()
+        out[name] = tensor
+    return out
