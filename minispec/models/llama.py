@@ -1,16 +1,251 @@
-"""Placeholder: being written."""
-from .base import CachedLM
+"""Llama 1/2/3 and its close relatives: Mistral (sliding-window attention), Qwen2 (q/k/v bias), SmolLM.
+
+Pre-norm decoder: RMSNorm -> attention with rotary position embeddings (RoPE) -> RMSNorm -> SwiGLU MLP.
+Multi-head and grouped-query attention share one code path (a K/V head serves `n_heads // n_kv_heads`
+query heads). Layout follows gpt-fast: q/k/v projections (and gate/up) are fused into one matmul each.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import CachedLM, KVCache, causal_mask
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
+@dataclass
 class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # rope_type plus its parameters (factor, ...)
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    windows: tuple = ()  # per layer: sliding-window size, or None for full causal attention
+
     @classmethod
     def from_hf(cls, hf):
-        raise NotImplementedError
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"llama: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
+        # transformers >= 5: everything in rope_parameters.
+        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ValueError(f"llama: rope_type {rope['rope_type']!r} is not supported ({', '.join(ROPE_TYPES)})")
+        n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+        qwen2 = hf.get("model_type") == "qwen2"
+        window = hf.get("sliding_window")
+        if "layer_types" in hf:  # transformers >= 5 lists which layers slide
+            windows = tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
+        elif qwen2:  # Qwen2 slides only when asked to, and only from layer max_window_layers on
+            slide = hf.get("use_sliding_window", False)
+            windows = tuple(window if slide and i >= hf.get("max_window_layers", 0) else None for i in range(n_layers))
+        else:  # Mistral: every layer slides when sliding_window is set
+            windows = (window,) * n_layers
+        return cls(
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            intermediate_size=hf["intermediate_size"],
+            max_seq_len=hf["max_position_embeddings"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope,
+            qkv_bias=qwen2 or hf.get("attention_bias", False),
+            out_bias=not qwen2 and hf.get("attention_bias", False),  # Qwen2's output projection has no bias
+            mlp_bias=hf.get("mlp_bias", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            windows=windows,
+        )
+
+
+def rope_frequencies(config):
+    """Inverse frequencies of each rotated pair, with the checkpoint's context-extension scaling."""
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+    scaling = config.rope_scaling
+    if scaling["rope_type"] == "linear":  # positions divided by `factor`
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "llama3":
+        # Llama 3.1: slow the low frequencies by `factor`, keep the high ones, interpolate in between.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+def rope_tables(config, max_seq_len, device):
+    """cos, sin of shape [max_seq_len, head_dim] in float32 (halves repeated, as rotate_half expects)."""
+    inv_freq = rope_frequencies(config).to(device)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x [B, T, heads, head_dim] by its positions' angles; the pairs are (i, i + head_dim/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos[:, None] + rotated * sin[:, None]).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalize in float32 (bf16 sums of squares lose precision), as the reference does.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config, window):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.window = window
+        self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
+        self.kv_cache = None
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        B, T, _ = x.shape
+        kv_size = self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
+        # (consecutive heads) become extra query rows of that head, each block of T rows with the same mask.
+        group = self.n_heads // self.n_kv_heads
+        q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
+        y = y.view(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(gate) * up), with gate and up fused into w13."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config, window):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, window)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        x = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Llama(CachedLM):
-    pass
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    @property
+    def context_length(self):
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        c = self.config
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.dtype, self.device)
+        cos, sin = rope_tables(c, max_seq_len, self.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens, input_pos):
+        causal = causal_mask(input_pos, self.cache_max_seq_len)
+        # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
+        key_pos = torch.arange(self.cache_max_seq_len, device=input_pos.device)
+        masks = {w: causal if w is None else causal & (key_pos[None, :] > input_pos[:, None] - w)
+                 for w in set(self.config.windows)}
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, input_pos, cos, sin, masks[layer.attention.window])
+        x = self.norm(x)
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(x, head).float()
+
+
+def fuse(weights, names, fused_name):
+    """Concatenate checkpoint tensors along dim 0 into one of our fused tensors (when all are present)."""
+    if all(name in weights for name in names):
+        parts = [weights.pop(name) for name in names]
+        if len({p.shape[1:] for p in parts}) > 1:
+            from ..checkpoint import CheckpointError  # imported here: checkpoint.py imports this module
+
+            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+            raise CheckpointError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
+        weights[fused_name] = torch.cat(parts)
 
 
 def convert_hf_weights(weights, config):
-    raise NotImplementedError
+    """Hugging Face names -> ours; q/k/v and gate/up projections fused. Unknown keys pass through, so
+    the loader reports them as unexpected."""
+    renames = {
+        "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
+        ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
+        ".input_layernorm.": ".attention_norm.", ".post_attention_layernorm.": ".ffn_norm.",
+    }
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved RoPE frequencies; we recompute them
+            continue
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        out[name.removeprefix("model.")] = tensor
+    if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
+        out.pop("output.weight", None)
+    for i in range(config.n_layers):
+        for kind in ("weight", "bias"):
+            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+            fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
+            fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
+    return out
