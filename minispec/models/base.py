@@ -95,8 +95,9 @@ class CachedLM(nn.Module):
         return prompt
 
     def prefill(self, tokens):
+        """Start a sequence: the cache then holds exactly `tokens` (which may be empty)."""
         self.length = 0
-        return self.decode(tokens)
+        return self.decode(tokens) if tokens.shape[1] else None
 
     def decode(self, tokens):
         n = tokens.shape[1]

@@ -1,0 +1,166 @@
+"""Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
+
+    drafter.start(prompt_ids, max_new_tokens)                    a new request
+    drafts, q = drafter.propose(generated, k, sampling, rng)     <= k guesses [k'] and their q [k', vocab]
+    drafter.rollback(n_generated)                                the accepted text is prompt + generated[:n]
+    drafter.calls, drafter.encoder_calls                         for statistics
+
+Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
+guess is really drawn from the q it reports (a one-hot q for deterministic guesses).
+"""
+
+from collections import Counter, defaultdict
+
+import torch
+
+from .models.base import CachedLM
+from .sampling import adjust, sample
+
+
+def make_drafter(draft, target):
+    """A drafter for `draft`: a loaded model, a checkpoint path or hub id, "ngram" or "lookup"."""
+    if isinstance(draft, str) and draft in MODEL_FREE:
+        return MODEL_FREE[draft](target.vocab_size, target.device)
+    if isinstance(draft, str):
+        from .checkpoint import load_model
+
+        draft = load_model(draft, device=target.device, dtype=target.dtype)
+    if not isinstance(draft, CachedLM):
+        raise ValueError(f"draft must be a minispec model, a checkpoint, 'ngram' or 'lookup'; got {draft!r}")
+    check_same_vocabulary(target, draft)
+    return ModelDrafter(draft)
+
+
+def check_same_vocabulary(target, draft):
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(
+            f"target {target.name} and draft {draft.name} have different vocabularies "
+            f"({target.vocab_size} vs {draft.vocab_size} tokens); speculative decoding needs the same one"
+        )
+    if target.tokenizer and draft.tokenizer and target.tokenizer.fingerprint != draft.tokenizer.fingerprint:
+        raise ValueError(f"target {target.name} and draft {draft.name} use different tokenizers")
+
+
+def one_hot(tokens, vocab_size, device):
+    q = torch.zeros(len(tokens), vocab_size, device=device)
+    return q.scatter_(1, torch.tensor(tokens, dtype=torch.long, device=device).view(-1, 1), 1.0)
+
+
+class ModelDrafter:
+    """A smaller language model M_q with its own static KV cache (any family, same vocabulary)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = 0
+
+    @property
+    def encoder_calls(self):
+        return self.model.encoder_calls
+
+    def start(self, prompt_ids, max_new_tokens):
+        self.prefix = self.model.encode(prompt_ids.to(self.model.device))
+        self.model.ensure_caches(1, self.prefix.shape[1] + max_new_tokens)
+        self.model.prefill(self.prefix[:, :-1])
+        self.calls = int(self.prefix.shape[1] > 1)
+
+    def propose(self, generated, k, sampling, generator):
+        model = self.model
+        if k == 0:
+            return torch.zeros(0, dtype=torch.long, device=model.device), torch.zeros(0, model.vocab_size, device=model.device)
+        # Feed what the cache has not seen: the last accepted token, plus the final guess of the
+        # previous step when all of them were accepted (it was sampled but never fed).
+        seen_generated = max(model.length - self.prefix.shape[1], 0)
+        unseen = torch.cat([self.prefix[:, model.length:],
+                            torch.tensor([generated[seen_generated:]], dtype=torch.long, device=model.device)], dim=1)
+        logits = model.decode(unseen)[0, -1]
+        drafts, qs = [], []
+        for i in range(k):
+            q = adjust(logits, sampling)
+            drafts.append(sample(q, generator))
+            qs.append(q)
+            if i < k - 1:
+                logits = model.decode(drafts[-1].view(1, 1))[0, -1]
+        self.calls += k
+        return torch.stack(drafts), torch.stack(qs)
+
+    def rollback(self, n_generated):
+        # Keep only cache entries that are part of the accepted sequence (all but its last token).
+        self.model.rollback(min(self.model.length, self.prefix.shape[1] + n_generated - 1))
+
+
+class NgramDrafter:
+    """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
+    far, falling back to unigram counts for an unseen previous token. q = normalized counts."""
+
+    encoder_calls = 0
+    calls = 0
+
+    def __init__(self, vocab_size, device):
+        self.vocab_size, self.device = vocab_size, device
+
+    def start(self, prompt_ids, max_new_tokens):
+        self.prompt = prompt_ids.view(-1).tolist()
+        self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
+        self.counted = 0  # context tokens already counted
+
+    def count(self, context):
+        for i in range(self.counted, len(context)):
+            self.unigrams[context[i]] += 1
+            if i > 0:
+                self.bigrams[context[i - 1]][context[i]] += 1
+        self.counted = len(context)
+
+    def counts_after(self, token):
+        counts = self.bigrams.get(token) or self.unigrams
+        row = torch.zeros(self.vocab_size, device=self.device)
+        row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype, device=self.device)
+        return row
+
+    def propose(self, generated, k, sampling, generator):
+        context = self.prompt + generated
+        self.count(context)
+        drafts, qs, previous = [], [], context[-1]
+        for _ in range(k):
+            q = adjust(self.counts_after(previous).log(), sampling)  # same standardization as p
+            previous = int(sample(q, generator))
+            drafts.append(previous)
+            qs.append(q)
+        if not drafts:
+            return torch.zeros(0, dtype=torch.long, device=self.device), torch.zeros(0, self.vocab_size, device=self.device)
+        return torch.tensor(drafts, device=self.device), torch.stack(qs)
+
+    def rollback(self, n_generated):
+        pass  # counts come from accepted tokens only
+
+
+class LookupDrafter:
+    """Paper 3.6's copy heuristic (prompt lookup): find the most recent earlier occurrence of the
+    longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
+    The guesses are deterministic, so q is one-hot; no match means no guesses this step."""
+
+    encoder_calls = 0
+    calls = 0
+
+    def __init__(self, vocab_size, device, max_ngram=3):
+        self.vocab_size, self.device, self.max_ngram = vocab_size, device, max_ngram
+
+    def start(self, prompt_ids, max_new_tokens):
+        self.prompt = prompt_ids.view(-1).tolist()
+
+    def continuation(self, context, k):
+        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
+            suffix = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == suffix:
+                    return context[start + n:start + n + k]
+        return []
+
+    def propose(self, generated, k, sampling, generator):
+        drafts = self.continuation(self.prompt + generated, k) if k else []
+        return torch.tensor(drafts, dtype=torch.long, device=self.device), one_hot(drafts, self.vocab_size, self.device)
+
+    def rollback(self, n_generated):
+        pass
+
+
+MODEL_FREE = {"ngram": NgramDrafter, "lookup": LookupDrafter}

@@ -1,0 +1,110 @@
+"""The public entry point: `generate(target, prompt, draft=...)`, and the autoregressive baseline
+that speculative decoding must equal (token for token when greedy, in distribution when sampling).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters import make_drafter
+from .sampling import Sampling, adjust, sample
+from .speculative import speculative
+
+
+@dataclass
+class Generation:
+    tokens: list  # generated token ids, prompt excluded
+    text: str | None  # decoded tokens (None when the model has no tokenizer)
+    stats: dict
+    # (token ids, kind) in generation order, kind one of "target" (sampled by the target),
+    # "accepted" / "rejected" (draft tokens) or "corrected" (the target's replacement of a rejection).
+    trace: list = field(default_factory=list)
+
+
+def prompt_tensor(model, prompt):
+    """A prompt given as text, a list of ids or a tensor -> LongTensor [1, n] on the model's device."""
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ValueError(f"{model.name} has no tokenizer files; pass the prompt as token ids")
+        prompt = model.tokenizer.encode(prompt)
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).reshape(1, -1)
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty")
+    if ids.min() < 0 or ids.max() >= model.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {model.vocab_size}) for {model.name}")
+    return ids
+
+
+def check_fits(model, prefix_length, max_new_tokens):
+    """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
+    context = model.context_length
+    if context is not None and prefix_length > context:
+        raise ValueError(f"the prompt has {prefix_length} tokens, longer than {model.name}'s context of {context}")
+    if context is not None and prefix_length + max_new_tokens > context:
+        raise ValueError(
+            f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds {model.name}'s "
+            f"context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
+        )
+    model.ensure_caches(1, prefix_length + max_new_tokens)
+
+
+@torch.inference_mode()
+def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator):
+    """Plain decoding: one target forward per token. Returns (tokens, stats)."""
+    logits = model.prefill(prefix)[:, -1]
+    tokens = []
+    calls = 1
+    while True:
+        token = sample(adjust(logits, sampling), generator)
+        tokens.append(int(token))
+        if len(tokens) == max_new_tokens or tokens[-1] in stop_ids:
+            break
+        logits = model.decode(token.view(1, 1))[:, -1]
+        calls += 1
+    return tokens, {"target_calls": calls}
+
+
+def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+             seed=0, lenience=1.0, ignore_eos=False):
+    """Generate from `target`, speculatively when `draft` is given (a model, "ngram" or "lookup").
+
+    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
+    has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
+    """
+    sampling = Sampling(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    drafter = None
+    if draft is not None and draft != "none":
+        if not (isinstance(gamma, int) and gamma >= 1):
+            raise ValueError(f"gamma (draft tokens per step) must be an integer >= 1, got {gamma}")
+        if not 0 < lenience <= 1:
+            raise ValueError(f"lenience must be in (0, 1], got {lenience}")
+        drafter = make_drafter(draft, target)
+    stop_ids = set() if ignore_eos else set(target.eos_token_ids)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+
+    start = time.perf_counter()
+    encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
+    prompt_ids = prompt_tensor(target, prompt)
+    with torch.inference_mode():
+        prefix = target.encode(prompt_ids)
+    check_fits(target, prefix.shape[1], max_new_tokens)
+    if drafter is None:
+        tokens, stats = autoregressive(target, prefix, max_new_tokens, sampling, stop_ids, generator)
+        trace = [(tokens, "target")]
+    else:
+        tokens, stats, trace = speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling,
+                                           stop_ids, generator, gamma, lenience)
+    seconds = time.perf_counter() - start
+
+    stats.update(
+        new_tokens=len(tokens),
+        encoder_calls=target.encoder_calls - encodes_before[0],
+        draft_encoder_calls=(drafter.encoder_calls if drafter else 0) - encodes_before[1],
+        seconds=seconds,
+        tokens_per_second=len(tokens) / seconds if seconds > 0 else float("inf"),
+    )
+    text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
+    return Generation(tokens, text, stats, trace)

@@ -1,0 +1,111 @@
+"""Speculative decoding: Algorithm 1 of Leviathan, Kalman & Matias (ICML 2023), step by step.
+
+    for each step:
+        x_1..x_γ ~ q_1..q_γ               the drafter guesses γ tokens autoregressively
+        p_1..p_{γ+1} = M_p(prefix + x)     the target scores all of them in ONE forward
+        r_i ~ U(0, 1)
+        n = first i with r_i > p_i(x_i) / q_i(x_i), else γ
+        t ~ norm(max(0, p_{n+1} - q_{n+1}))   (just p_{γ+1} when all γ were accepted)
+        prefix += x_1..x_n, t
+
+This yields between 1 and γ+1 tokens per target forward, and the tokens have exactly the target's
+distribution (Appendix A.1). Greedy decoding is the same algorithm with one-hot p and q: a guess is
+accepted iff it is the target's argmax, so the output equals target-only greedy token for token.
+Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l = 1 is exact.
+
+Both models keep static KV caches; after each step they are rolled back to the accepted sequence by
+moving their length pointers (the target's cache always holds every accepted token but the last).
+"""
+
+import torch
+
+from .sampling import adjust, sample
+
+
+def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
+    """Algorithm 1's verification, on the device, without a host sync.
+
+    p [k+1, V]: the target's adjusted distributions at the k draft positions and one beyond;
+    q [k, V]: the drafter's; drafts [k]. Returns (n, t): how many drafts are accepted, and the token
+    that follows them. `greedy_p` (raw target softmax) switches on greedy lenience: accept x when
+    p(x) >= l * max(p), the paper's rule for argmax sampling.
+    """
+    k = drafts.shape[0]
+    rows = torch.arange(k, device=drafts.device)
+    p_x, q_x = p[rows, drafts], q[rows, drafts]
+    r = torch.rand(k, generator=generator, device=p.device)
+    # r < p/(l·q), written without a division so zeros in p or q (top-k masks, one-hot greedy) are safe.
+    accepted = r * lenience * q_x < p_x
+    if greedy_p is not None:
+        accepted = greedy_p[rows, drafts] >= lenience * greedy_p[:k].amax(-1)
+    n = accepted.long().cumprod(0).sum()  # leading run of acceptances
+    # p' = norm(max(0, p_{n+1} - q_{n+1})); with q_{γ+1} := 0 this is p_{γ+1} when all were accepted.
+    q_next = torch.cat([q, q.new_zeros(1, q.shape[1])])[n]
+    residual = (p[n] - q_next).clamp(min=0)
+    residual = torch.where(residual.sum() > 0, residual, p[n])  # p == q up to rounding: p itself
+    return n, sample(residual, generator)  # sample() needs no normalization
+
+
+@torch.inference_mode()
+def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, stop_ids, generator,
+                gamma, lenience):
+    """Generate up to max_new_tokens after `prefix` (the target's decoder start). Returns
+    (tokens, stats, trace) with trace as in generate.Generation."""
+    drafter.start(prompt_ids, max_new_tokens)
+    target.prefill(prefix[:, :-1])
+    last = prefix[:, -1:]  # the one accepted token the target has not seen yet
+    generated, trace = [], []
+    stats = {"target_calls": 1 if prefix.shape[1] > 1 else 0, "proposed": 0, "accepted": 0, "verified": 0,
+             "accepted_lengths": [0] * (gamma + 1)}
+    overlap_sum = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
+
+    while len(generated) < max_new_tokens:
+        k = min(gamma, max_new_tokens - len(generated) - 1)  # never draft past max_new_tokens
+        drafts, q = drafter.propose(generated, k, sampling, generator)
+        k = drafts.shape[0]  # model-free drafters may guess fewer
+        logits = target.decode(torch.cat([last, drafts.view(1, -1)], dim=1))[0]
+        p = adjust(logits, sampling)
+        greedy_p = logits.float().softmax(-1) if sampling.greedy and lenience < 1 else None
+        n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
+
+        tested = torch.clamp(n + 1, max=k)  # positions whose acceptance test ran
+        overlap_sum += (torch.minimum(p[:k], q).sum(-1) * (torch.arange(k, device=p.device) < tested)).sum()
+        n, *block = torch.cat([n.view(1), drafts, t.view(1)]).tolist()  # the step's one host sync
+        new_tokens = block[:n] + [block[-1]]
+
+        stats["target_calls"] += 1
+        stats["proposed"] += k
+        stats["accepted"] += n
+        stats["verified"] += min(n + 1, k)
+        stats["accepted_lengths"][n] += 1
+        for i, token in enumerate(new_tokens):
+            if i == n < k:
+                trace.append(([block[n]], "rejected"))
+            generated.append(token)
+            kind = "accepted" if i < n else ("corrected" if n < k else "target")
+            trace.append(([token], kind))
+            if token in stop_ids:
+                break
+        if generated[-1] in stop_ids:
+            break
+        # Roll both caches back to the accepted sequence; the target has yet to see its last token.
+        last = t.view(1, 1)
+        target.rollback(target.length - (k - n))
+        drafter.rollback(len(generated))
+
+    stats["draft_calls"] = drafter.calls
+    stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
+    stats["alpha"] = overlap_sum.item() / stats["verified"] if stats["verified"] else 0.0
+    stats["tokens_per_target_call"] = len(generated) / max(stats["target_calls"], 1)
+    return generated, stats, merge_trace(trace)
+
+
+def merge_trace(trace):
+    """Join consecutive entries of the same kind: [([a], k), ([b], k)] -> [([a, b], k)]."""
+    merged = []
+    for tokens, kind in trace:
+        if merged and merged[-1][1] == kind:
+            merged[-1][0].extend(tokens)
+        else:
+            merged.append((list(tokens), kind))
+    return merged

@@ -1,0 +1,125 @@
+"""Standardized sampling and Algorithm 1's accept/resample rule, tested on hand-built distributions."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from minispec.sampling import Sampling, adjust, sample
+from minispec.speculative import accept_and_resample
+
+VOCAB = 10
+DRAWS = 100_000
+SETTINGS = {
+    "temperature": Sampling(temperature=1.0),
+    "top_k": Sampling(temperature=0.8, top_k=4),
+    "top_p": Sampling(temperature=1.2, top_p=0.7),
+}
+
+
+def hand_built_logits():
+    # p and q disagree a lot, so many drafts are rejected and the residual path is exercised.
+    p = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.2, 1.2, -2.0])
+    q = torch.tensor([-1.0, 1.0, 2.0, 0.0, 1.5, -0.5, 0.5, -2.0, 1.0, 0.3])
+    return p, q
+
+
+def speculative_first_tokens(p, q, lenience=1.0, draws=DRAWS, seed=0):
+    """Token counts of one Algorithm 1 step with γ = 1: draft x ~ q, accept or resample."""
+    generator = torch.Generator().manual_seed(seed)
+    p_rows = torch.stack([p, p])  # p_1 for the draft position, p_2 for the bonus token
+    tokens = []
+    for _ in range(draws):
+        x = sample(q, generator).view(1)
+        n, t = accept_and_resample(p_rows, q.view(1, -1), x, lenience, generator)
+        tokens.append(torch.where(n == 1, x[0], t))
+    return torch.bincount(torch.stack(tokens), minlength=VOCAB).double()
+
+
+def assert_distributed_as(counts, p):
+    """Chi-square goodness of fit at significance 0.001, and total variation below 0.01."""
+    support = p > 0
+    assert counts[~support].sum() == 0, "a token outside p's support was produced"
+    expected = p[support].double() / p[support].double().sum() * counts.sum()
+    result = chisquare(counts[support].numpy(), expected.numpy())
+    assert result.pvalue > 0.001, f"chi-square rejects p (p-value {result.pvalue:.2e})"
+    tv = 0.5 * (counts / counts.sum() - p.double()).abs().sum()
+    assert tv < 0.01, f"total variation {tv:.4f}"
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_speculative_sampling_is_exact(name):
+    p_logits, q_logits = hand_built_logits()
+    p, q = adjust(p_logits, SETTINGS[name]), adjust(q_logits, SETTINGS[name])
+    counts = speculative_first_tokens(p, q)
+    assert_distributed_as(counts, p)
+    # the test has power: the draft's own distribution is far from p and would fail it
+    assert 0.5 * (q - p).abs().sum() > 0.1
+
+
+def test_sampler_draws_from_p():
+    p = adjust(hand_built_logits()[0], SETTINGS["top_p"])
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.bincount(sample(p.expand(DRAWS, VOCAB).contiguous(), generator), minlength=VOCAB).double()
+    assert_distributed_as(counts, p)
+
+
+def test_lenience_bounds_every_token_by_p_over_l():
+    p_logits, q_logits = hand_built_logits()
+    p, q = adjust(p_logits, SETTINGS["temperature"]), adjust(q_logits, SETTINGS["temperature"])
+    lenience = 0.5
+    freq = speculative_first_tokens(p, q, lenience=lenience, draws=50_000) / 50_000
+    # 4 standard errors of a binomial frequency above the bound would be a real violation
+    slack = 4 * (p / lenience * (1 - p / lenience).clamp(min=0) / 50_000).sqrt() + 1e-3
+    assert (freq <= p / lenience + slack).all()
+    # and lenience changes the output: the draft's favourite token becomes more likely than under p
+    assert freq[2] > p[2] + 0.02
+
+
+def test_identical_p_and_q_accepts_everything():
+    p = adjust(hand_built_logits()[0], SETTINGS["top_k"])
+    generator = torch.Generator().manual_seed(0)
+    drafts = sample(p.expand(5, VOCAB).contiguous(), generator)
+    n, _ = accept_and_resample(p.expand(6, VOCAB), p.expand(5, VOCAB), drafts, 1.0, generator)
+    assert int(n) == 5
+
+
+def test_greedy_accepts_exactly_the_argmax_prefix():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    p = adjust(logits, Sampling())
+    argmax = logits.argmax(-1)
+    drafts = torch.stack([argmax[0], argmax[1], (argmax[2] + 1) % VOCAB])
+    q = adjust(torch.nn.functional.one_hot(drafts, VOCAB).float(), Sampling())
+    n, t = accept_and_resample(p, q, drafts, 1.0, torch.Generator().manual_seed(0))
+    assert int(n) == 2 and int(t) == int(argmax[2])
+
+
+def test_greedy_lenience_accepts_near_argmax():
+    logits = torch.tensor([[2.0, 1.9, -3.0] + [-9.0] * 7, [0.0] * VOCAB])
+    p = adjust(logits, Sampling())
+    draft = torch.tensor([1])  # not the argmax, but p(1) = 0.905 * max(p)
+    q = torch.nn.functional.one_hot(draft, VOCAB).float()
+    raw = logits.softmax(-1)
+    assert int(accept_and_resample(p, q, draft, 1.0, None)[0]) == 0
+    assert int(accept_and_resample(p, q, draft, 0.9, None, greedy_p=raw)[0]) == 1
+    assert int(accept_and_resample(p, q, draft, 0.95, None, greedy_p=raw)[0]) == 0
+
+
+def test_top_k_and_top_p_masks():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert (adjust(logits, Sampling(1.0, top_k=2))[2:] == 0).all()
+    probs = logits.softmax(-1)  # [0.644, 0.237, 0.087, 0.032]
+    kept = adjust(logits, Sampling(1.0, top_p=0.85)) > 0
+    assert kept.tolist() == [True, True, False, False]
+    assert torch.allclose(adjust(logits, Sampling(1.0, top_p=0.85))[:2], probs[:2] / probs[:2].sum())
+    assert adjust(logits, Sampling(1.0, top_p=0.1)).tolist() == [1.0, 0.0, 0.0, 0.0]  # always >= 1 token
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+])
+def test_invalid_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Sampling(**kwargs)
