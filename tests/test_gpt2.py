@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minispec.checkpoint import load_model
+from minispec.models.gpt2 import GPT2Config
 from minispec.generate import generate
 
 ATOL = 1e-4
@@ -83,3 +84,15 @@ def test_checkpoint_without_transformer_prefix(gpt2, tmp_path):
     model.setup_caches(1, 32)
     unprefixed.setup_caches(1, 32)
     assert torch.equal(unprefixed.prefill(tokens), model.prefill(tokens))
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"activation_function": "relu"}, "activation_function 'relu'"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"tie_word_embeddings": False}, "untied lm_head"),
+])
+def test_unsupported_config_is_refused(gpt2, change, problem):
+    """Variants that would compute something else must fail loudly, not load with wrong outputs."""
+    config = json.loads((gpt2[2] / "config.json").read_text())
+    with pytest.raises(ValueError, match=problem):
+        GPT2Config.from_hf({**config, **change})

@@ -32,9 +32,11 @@ class GPT2Config:
             )
         # These variants change the attention math; refuse them rather than compute something else.
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
-            raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported")
+            raise ValueError(
+                "GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported"
+            )
         if hf.get("tie_word_embeddings") is False:
-            raise ValueError("GPT-2 checkpoints with an untied lm_head (tie_word_embeddings=false) are not supported")
+            raise ValueError("GPT-2 with an untied lm_head (tie_word_embeddings=false) is not supported")
         return cls(
             n_embd=hf["n_embd"],
             n_layer=hf["n_layer"],
@@ -109,7 +111,9 @@ class GPT2(CachedLM):
         super().setup_caches(batch_size, max_seq_len)
         head_dim = self.config.n_embd // self.config.n_head
         for block in self.h:
-            block.attn.kv_cache = KVCache(batch_size, self.config.n_head, max_seq_len, head_dim, self.dtype, self.device)
+            block.attn.kv_cache = KVCache(
+                batch_size, self.config.n_head, max_seq_len, head_dim, self.dtype, self.device
+            )
 
     def forward(self, tokens, input_pos):
         mask = causal_mask(input_pos, self.cache_max_seq_len)
