@@ -7,7 +7,6 @@ config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ FAMILIES = {
 
 # What a checkpoint directory needs from the hub: configs, weights, tokenizer files.
 HUB_FILES = [
-    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "spiece.model",
 ]
 
@@ -42,8 +41,8 @@ def resolve_checkpoint(name_or_path):
         return path
     if path.exists():
         raise CheckpointError(f"{path} is a file; a checkpoint is a directory with config.json and *.safetensors")
-    looks_local = str(name_or_path).startswith((".", "/", "~")) or os.sep + os.sep in str(name_or_path)
-    if looks_local or str(name_or_path).count("/") > 1:
+    # Hub ids look like "name" or "owner/name"; anything else is a local path that is missing.
+    if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     return download_from_hub(str(name_or_path))
 
@@ -59,20 +58,27 @@ def download_from_hub(repo_id):
         raise CheckpointError(
             f"'{repo_id}' is neither a local directory nor in the Hugging Face cache, and the hub cannot be "
             f"reached (offline, or HF_HUB_OFFLINE=1). Download it on a machine with internet "
-            f"(huggingface-cli download {repo_id}) and copy the directory here, or pass a local path."
+            f"(hf download {repo_id}) and copy the directory here, or pass a local path."
         ) from error
     except (HfHubHTTPError, OSError) as error:
         raise CheckpointError(f"could not fetch '{repo_id}' from the Hugging Face hub: {error}") from error
+
+
+def read_json(file):
+    try:
+        return json.loads(Path(file).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {file}: {error}") from error
 
 
 def read_config(directory):
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    config = json.loads(config_file.read_text())
+    config = read_json(config_file)
     generation_file = Path(directory) / "generation_config.json"
     if generation_file.is_file():  # eos/bos ids there override the model config's, as in the reference
-        generation = json.loads(generation_file.read_text())
+        generation = read_json(generation_file)
         config.update({k: v for k, v in generation.items() if k.endswith("token_id") and v is not None})
     return config
 
@@ -82,7 +88,10 @@ def read_weights(directory):
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        shards = sorted(set(weight_map.values()))
         files = [directory / shard for shard in shards]
     else:
         files = sorted(directory.glob("*.safetensors"))
@@ -92,7 +101,10 @@ def read_weights(directory):
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"shard {file.name} listed in {index.name} is missing from {directory}")
-        weights.update(load_file(file))
+        try:
+            weights.update(load_file(file))
+        except Exception as error:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"cannot read weights from {file}: {error}") from error
     return weights
 
 
@@ -126,7 +138,12 @@ def load_model(name_or_path, device="cpu", dtype=None):
             f"{directory}: unknown model_type {model_type!r}; minispec supports {', '.join(sorted(FAMILIES))}"
         )
     config_class, model_class, convert = FAMILIES[model_type]
-    config = config_class.from_hf(hf_config)
+    try:
+        config = config_class.from_hf(hf_config)
+    except KeyError as error:
+        raise CheckpointError(f"{directory}/config.json lacks the key {error} for model_type {model_type}") from error
+    except ValueError as error:
+        raise CheckpointError(f"{directory}/config.json: {error}") from error
     with torch.device("meta"):
         model = model_class(config)
     weights = convert(read_weights(directory), config)
@@ -134,7 +151,7 @@ def load_model(name_or_path, device="cpu", dtype=None):
     dtype = dtype or default_dtype(device)
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True, strict=True)
     model = model.to(device=device).eval().requires_grad_(False)
-    model.name = Path(directory).name
+    model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     attach_special_tokens(model, hf_config)
     model.tokenizer = load_tokenizer(directory)
     return model

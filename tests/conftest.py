@@ -99,7 +99,7 @@ def save_reference(model, directory):
     return directory
 
 
-def noisy_copy(model, seed, scale=0.05):
+def noisy_copy(model, seed, scale=0.02):
     """The same weights plus small noise: a draft model that agrees with the target most of the time."""
     generator = torch.Generator().manual_seed(seed)
     copy = type(model)(model.config).eval()
