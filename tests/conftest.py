@@ -12,6 +12,10 @@ import pytest
 import torch
 import transformers
 
+# Tiny models are all overhead: one thread avoids OpenMP hand-offs that cost far more than the math
+# (and that stall badly when other processes share the two cores).
+torch.set_num_threads(1)
+
 VOCAB = 96
 
 TINY_CONFIGS = {
