@@ -1,16 +1,353 @@
-"""Placeholder: being written."""
-from .base import CachedLM
+"""T5 (Raffel et al. 2020) and T5 v1.1 / Flan-T5: an encoder-decoder with RMS LayerNorm, no 1/sqrt(d)
+attention scaling and learned relative position buckets instead of absolute positions.
+
+v1.0 uses a ReLU feed-forward and a head tied to the embedding (decoder output scaled by d_model^-0.5);
+v1.1 a gated GELU feed-forward and an untied, unscaled head.
+
+The encoder runs once per request in `encode`, which also projects every decoder layer's
+cross-attention keys/values from its output; `forward` is the decoder alone, so decode steps only
+touch the decoder's self-attention KV caches.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import CachedLM, KVCache, causal_mask
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
 
 
+@dataclass
 class T5Config:
+    vocab_size: int = 32128
+    d_model: int = 512
+    d_kv: int = 64  # per-head width; n_heads * d_kv need not equal d_model
+    d_ff: int = 2048
+    num_layers: int = 6
+    num_decoder_layers: int = 6
+    num_heads: int = 8
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    activation: str = "relu"
+    gated: bool = False  # v1.1: act(wi_0 x) * (wi_1 x)
+    scale_decoder_outputs: bool = True  # multiply by d_model^-0.5 before the head (T5 v1.0's tied head)
+    decoder_start_token_id: int = 0
+
     @classmethod
     def from_hf(cls, hf):
-        raise NotImplementedError
+        if hf.get("model_type", "t5") != "t5":
+            raise ValueError(f"T5Config.from_hf got a config of model_type {hf['model_type']!r}")
+        proj = hf.get("feed_forward_proj", "relu")
+        parts = proj.split("-")
+        gated = parts[0] == "gated"
+        # "gated-gelu" means the tanh approximation, as in the reference (its backwards-compatibility rule).
+        activation = "gelu_new" if proj == "gated-gelu" else parts[-1]
+        if activation not in ACTIVATIONS or len(parts) > 2 or (len(parts) == 2 and not gated):
+            raise ValueError(
+                f"T5 feed_forward_proj {proj!r} is not supported; use '<act>' or 'gated-<act>' with act one of "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        # Configs written by transformers >= 5 say scale_decoder_outputs; older ones imply it by a tied head.
+        scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+        start = hf.get("decoder_start_token_id")
+        if start is None:
+            start = hf.get("pad_token_id") or 0
+        defaults = cls()
+        get = lambda key: hf.get(key, getattr(defaults, key))  # noqa: E731 -- the reference's defaults
+        return cls(
+            vocab_size=get("vocab_size"),
+            d_model=get("d_model"),
+            d_kv=get("d_kv"),
+            d_ff=get("d_ff"),
+            num_layers=get("num_layers"),
+            num_decoder_layers=hf.get("num_decoder_layers") or get("num_layers"),
+            num_heads=get("num_heads"),
+            relative_attention_num_buckets=get("relative_attention_num_buckets"),
+            relative_attention_max_distance=get("relative_attention_max_distance"),
+            layer_norm_epsilon=get("layer_norm_epsilon"),
+            activation=activation,
+            gated=gated,
+            scale_decoder_outputs=bool(scale),
+            decoder_start_token_id=start,
+        )
+
+
+def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """Bucket of each (key position - query position): exact for small distances, log-spaced up to
+    max_distance, one bucket beyond. Bidirectional (encoder) spends half the buckets on keys ahead;
+    unidirectional (decoder) maps every key ahead to distance 0 (they are masked anyway)."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    # Clamping to max_exact only avoids log(0); those distances take the exact branch below.
+    log_ratio = torch.log(distance.clamp(min=max_exact).float() / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + log_ratio * (num_buckets - max_exact)).long().clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < max_exact, distance, large)
+
+
+class RMSNorm(nn.Module):
+    """T5's LayerNorm: scale only, no mean subtraction and no bias; statistics in float32 (or wider)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention without 1/sqrt(d) scaling (T5 folds it into the initialization)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads, self.d_kv = config.num_heads, config.d_kv
+        inner = config.num_heads * config.d_kv
+        self.q = nn.Linear(config.d_model, inner, bias=False)
+        self.k = nn.Linear(config.d_model, inner, bias=False)
+        self.v = nn.Linear(config.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, config.d_model, bias=False)
+
+    def heads(self, x):
+        """[batch, len, n_heads * d_kv] -> [batch, n_heads, len, d_kv]"""
+        return x.view(x.shape[0], x.shape[1], self.n_heads, self.d_kv).transpose(1, 2)
+
+    def attend(self, q, k, v, mask=None):
+        """q [b, h, t, d] over k, v [b, h, s, d]; mask: additive float bias [1, h, t, s] or None."""
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return self.o(y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
+
+class SelfAttention(Attention):
+    """The encoder's (no cache) or the decoder's (writes to `kv_cache` at input_pos) self-attention."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.kv_cache = None  # decoder only: set by T5.setup_caches
+
+    def forward(self, x, mask, input_pos=None):
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+        return self.attend(q, k, v, mask)
+
+
+class CrossAttention(Attention):
+    """Decoder attention over the encoder output, whose keys/values `remember` computes once per request."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.memory_k = self.memory_v = None  # [encoder batch, heads, prompt length, d_kv]
+
+    def remember(self, encoder_out):
+        self.memory_k, self.memory_v = self.heads(self.k(encoder_out)), self.heads(self.v(encoder_out))
+
+    def forward(self, x):
+        # A batch-1 prompt serves every row of the decoder batch (beam search): broadcast, don't copy.
+        k = self.memory_k.expand(x.shape[0], -1, -1, -1)
+        v = self.memory_v.expand(x.shape[0], -1, -1, -1)
+        return self.attend(self.heads(self.q(x)), k, v)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.act = ACTIVATIONS[config.activation]
+        self.gated = config.gated
+        if config.gated:
+            self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        else:
+            self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x):
+        if self.gated:
+            return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
+        return self.wo(self.act(self.wi(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.attn = SelfAttention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x, bias):
+        x = x + self.attn(self.attn_norm(x), bias)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.self_attn = SelfAttention(config)
+        self.cross_attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.cross_attn = CrossAttention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x, input_pos, mask):
+        x = x + self.self_attn(self.self_attn_norm(x), mask, input_pos)
+        x = x + self.cross_attn(self.cross_attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
 
 
 class T5(CachedLM):
-    pass
+    is_encoder_decoder = True
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)  # shared by encoder, decoder (and tied head)
+        # One relative position bias table per stack (the reference keeps it in the stack's first layer).
+        self.encoder_position_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
+        self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.encoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.decoder_position_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
+        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
+        self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        # Always its own parameter: convert_hf_weights fills it from the embedding when the checkpoint is tied.
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.encoder_batch_size = 0  # batch of the last encode(); 0 before any
+
+    @property
+    def context_length(self):
+        return None  # relative positions: no hard limit
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        for layer in self.decoder:
+            layer.self_attn.kv_cache = KVCache(
+                batch_size, self.config.num_heads, max_seq_len, self.config.d_kv, self.dtype, self.device
+            )
+
+    def position_bias(self, table, query_pos, key_pos, bidirectional):
+        """Additive attention bias [1, heads, len(query_pos), len(key_pos)], shared by all layers of a stack."""
+        buckets = relative_position_bucket(
+            key_pos[None, :] - query_pos[:, None], bidirectional,
+            self.config.relative_attention_num_buckets, self.config.relative_attention_max_distance,
+        )
+        return table(buckets).permute(2, 0, 1).unsqueeze(0)
+
+    def encode(self, prompt):
+        """Run the encoder once over `prompt` [batch, len]; keep each decoder layer's cross-attention
+        keys/values; return the decoder's start token [batch, 1]."""
+        if prompt.dim() != 2 or prompt.shape[1] == 0:
+            raise ValueError(f"T5.encode expects token ids of shape [batch, length >= 1], got {tuple(prompt.shape)}")
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) for {self.name}")
+        positions = torch.arange(prompt.shape[1], device=prompt.device)
+        bias = self.position_bias(self.encoder_position_bias, positions, positions, bidirectional=True)
+        x = self.embed(prompt)
+        for layer in self.encoder:
+            x = layer(x, bias)
+        x = self.encoder_norm(x)
+        for layer in self.decoder:
+            layer.cross_attn.remember(x)
+        self.encoder_batch_size = prompt.shape[0]
+        self.encoder_calls += 1
+        return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
+                          device=prompt.device)
+
+    def forward(self, tokens, input_pos):
+        """The decoder: tokens [batch, n] at input_pos [n] -> float32 logits [batch, n, vocab]."""
+        if self.encoder_batch_size == 0:
+            raise ValueError(f"{self.name}: call encode(prompt) before decoding")
+        if self.encoder_batch_size not in (1, tokens.shape[0]):
+            raise ValueError(
+                f"{self.name}: a decoder batch of {tokens.shape[0]} cannot attend to an encoded batch of "
+                f"{self.encoder_batch_size} (it must be 1 or equal)"
+            )
+        key_pos = torch.arange(self.cache_max_seq_len, device=tokens.device)
+        bias = self.position_bias(self.decoder_position_bias, input_pos, key_pos, bidirectional=False)
+        mask = bias.masked_fill(~causal_mask(input_pos, self.cache_max_seq_len), float("-inf"))
+        x = self.embed(tokens)
+        for layer in self.decoder:
+            x = layer(x, input_pos, mask)
+        x = self.decoder_norm(x)
+        if self.config.scale_decoder_outputs:
+            x = x * self.config.d_model**-0.5
+        return self.lm_head(x).float()
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        if self.encoder_batch_size > 1:  # one prompt per row: its encoder states follow the row
+            for layer in self.decoder:
+                attn = layer.cross_attn
+                attn.memory_k, attn.memory_v = attn.memory_k[beam_idx], attn.memory_v[beam_idx]
+
+
+# HF name (after "encoder.block.N." / "decoder.block.N.") -> ours (after "encoder.N." / "decoder.N.").
+ENCODER_LAYER_KEYS = {
+    "layer.0.SelfAttention": "attn",
+    "layer.0.layer_norm": "attn_norm",
+    "layer.1.DenseReluDense": "ffn",
+    "layer.1.layer_norm": "ffn_norm",
+}
+DECODER_LAYER_KEYS = {
+    "layer.0.SelfAttention": "self_attn",
+    "layer.0.layer_norm": "self_attn_norm",
+    "layer.1.EncDecAttention": "cross_attn",
+    "layer.1.layer_norm": "cross_attn_norm",
+    "layer.2.DenseReluDense": "ffn",
+    "layer.2.layer_norm": "ffn_norm",
+}
+RENAMED = {
+    "shared.weight": "embed.weight",
+    "encoder.final_layer_norm.weight": "encoder_norm.weight",
+    "decoder.final_layer_norm.weight": "decoder_norm.weight",
+    "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "encoder_position_bias.weight",
+    "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "decoder_position_bias.weight",
+}
+DROPPED = (
+    "encoder.embed_tokens.weight",  # copies of shared.weight in some checkpoints
+    "decoder.embed_tokens.weight",
+    "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",  # unused: no bias in cross-attention
+)
 
 
 def convert_hf_weights(weights, config):
-    raise NotImplementedError
+    """HF T5 keys -> ours. Unknown keys pass through unchanged so the loader names them."""
+    out = {}
+    for name, tensor in weights.items():
+        if name in DROPPED:
+            continue
+        if name in RENAMED:
+            out[RENAMED[name]] = tensor
+            continue
+        stack, _, rest = name.partition(".block.")
+        layer, _, rest = rest.partition(".")
+        table = ENCODER_LAYER_KEYS if stack == "encoder" else DECODER_LAYER_KEYS
+        for hf_prefix, ours in table.items():
+            if stack in ("encoder", "decoder") and rest.startswith(hf_prefix + "."):
+                name = f"{stack}.{layer}.{ours}{rest[len(hf_prefix):]}"
+                break
+        out[name] = tensor
+    if "lm_head.weight" not in out and "embed.weight" in out:  # tied checkpoints store the head once
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
