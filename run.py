@@ -1,0 +1,133 @@
+"""Command line for minispec: generate from a target model, speculatively when given a draft.
+
+    python run.py --target gpt2-large --draft gpt2 --prompt "Once upon a time" --show
+    python run.py --target ./ckpt --draft lookup --prompt-ids 1,2,3 --json
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+import minispec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
+# the target's own tokens blue.
+COLOURS = {"accepted": "\033[32m", "rejected": "\033[31;9m", "corrected": "\033[34m", "target": "\033[34m"}
+RESET = "\033[0m"
+
+SHOW_HELP = (
+    "print the output coloured like Figure 1 of the paper: accepted draft tokens green, rejected drafts "
+    "red and struck through, the target's tokens blue. When stdout is not a terminal the text is plain "
+    "and each rejected draft appears as [~text~] before the token that replaced it."
+)
+
+
+def token_ids(text):
+    """'1,2,3' -> [1, 2, 3], for argparse."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Speculative decoding (Leviathan et al. 2023) with minispec.")
+    parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
+    parser.add_argument("--draft", default="none",
+                        help="checkpoint directory or hub id of a smaller model, 'ngram', 'lookup', or 'none' "
+                             "(plain autoregressive decoding with the target; the default)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the target checkpoint)")
+    prompt.add_argument("--prompt-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gamma", type=int, default=5, help="draft tokens guessed per target call")
+    parser.add_argument("--lenience", type=float, default=1.0,
+                        help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats, settings")
+    output.add_argument("--show", action="store_true", help=SHOW_HELP)
+    return parser.parse_args(argv)
+
+
+def load_models(args):
+    """The target, and the draft as generate() takes it: None, 'ngram'/'lookup', or a loaded model."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    target = minispec.load(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
+    if args.draft == "none":
+        return target, None
+    if args.draft in ("ngram", "lookup"):
+        return target, args.draft
+    return target, minispec.load(args.draft, device=target.device, dtype=target.dtype)
+
+
+def render_trace(trace, decode, colour, separator=""):
+    """Generation.trace -> one string; `decode` turns a segment's ids into text."""
+    pieces = []
+    for ids, kind in trace:
+        text = decode(ids)
+        if colour:
+            pieces.append(COLOURS[kind] + text + RESET)
+        elif kind == "rejected":
+            pieces.append(f"[~{text}~]")
+        else:
+            pieces.append(text)
+    return separator.join(pieces)
+
+
+def summary(stats):
+    line = (f"{stats['new_tokens']} new tokens in {stats['seconds']:.2f} s "
+            f"({stats['tokens_per_second']:.1f} tokens/s)")
+    if "acceptance_rate" in stats:
+        line += (f", acceptance rate {stats['acceptance_rate']:.2f}, "
+                 f"{stats['tokens_per_target_call']:.2f} tokens per target call")
+    return line
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
+                    ignore_eos=args.ignore_eos)
+    try:
+        minispec.Sampling(args.temperature, args.top_k, args.top_p)  # bad flags fail before loading weights
+        target, draft = load_models(args)
+        out = minispec.generate(target, prompt, draft=draft, **settings)
+    except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    tokenizer = target.tokenizer
+    if args.json:
+        print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
+                              draft=args.draft, **settings)))
+        return 0
+    if args.show:
+        if tokenizer:
+            print(render_trace(out.trace, tokenizer.decode, sys.stdout.isatty()))
+        else:  # ids, one space apart
+            print(render_trace(out.trace, lambda ids: " ".join(map(str, ids)), sys.stdout.isatty(), " "))
+    else:
+        print(out.text if tokenizer else ",".join(map(str, out.tokens)))
+    print(summary(out.stats), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

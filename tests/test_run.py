@@ -1,0 +1,174 @@
+"""The command line (run.py): JSON output equals minispec.generate, --show rendering, clean errors.
+
+The tiny checkpoints have no tokenizer files, so prompts are given as --prompt-ids."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+from conftest import make_reference, save_reference
+
+import minispec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import run  # noqa: E402
+
+PROMPT = [5, 17, 33, 8, 5, 17]
+PROMPT_FLAG = ["--prompt-ids", ",".join(map(str, PROMPT))]
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return str(save_reference(make_reference("gpt2"), tmp_path_factory.mktemp("run_gpt2")))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory):
+    """A GPT-2 with 64 tokens instead of conftest's 96: not a valid draft for the others."""
+    config = transformers.GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=1, eos_token_id=2)
+    return str(save_reference(transformers.GPT2LMHeadModel(config).eval(), tmp_path_factory.mktemp("vocab64")))
+
+
+def run_json(capsys, *argv):
+    assert run.main([*argv, "--device", "cpu", "--json"]) == 0
+    stdout = capsys.readouterr().out
+    return json.loads(stdout)  # fails unless stdout is exactly one JSON object
+
+
+def test_json_equals_generate(gpt2_dir, capsys):
+    target = minispec.load(gpt2_dir, device="cpu")
+    settings = dict(max_new_tokens=20, temperature=0.9, top_k=30, top_p=0.95, seed=7, gamma=3, ignore_eos=True)
+    flags = ["--max-new-tokens", "20", "--temperature", "0.9", "--top-k", "30", "--top-p", "0.95", "--seed", "7",
+             "--gamma", "3", "--ignore-eos"]
+    drafts = {"none": None, gpt2_dir: minispec.load(gpt2_dir, device="cpu"), "ngram": "ngram"}
+    for draft, draft_arg in drafts.items():
+        out = run_json(capsys, "--target", gpt2_dir, "--draft", draft, *PROMPT_FLAG, *flags)
+        expected = minispec.generate(target, PROMPT, draft=draft_arg, **settings)
+        assert out["tokens"] == expected.tokens
+        assert len(out["tokens"]) == 20
+        assert out["text"] is None
+        assert (out["target"], out["draft"]) == (gpt2_dir, draft)
+        assert (out["temperature"], out["top_k"], out["top_p"], out["seed"], out["gamma"]) == (0.9, 30, 0.95, 7, 3)
+        assert out["stats"].keys() == expected.stats.keys()
+        assert out["stats"]["new_tokens"] == 20
+
+
+def test_same_checkpoint_draft_is_exact_and_always_accepted(gpt2_dir, capsys):
+    common = ["--target", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "24", "--ignore-eos"]
+    plain = run_json(capsys, *common)
+    spec = run_json(capsys, *common, "--draft", gpt2_dir, "--gamma", "4")
+    assert spec["tokens"] == plain["tokens"]
+    assert len(set(plain["tokens"])) > 1
+    stats = spec["stats"]
+    assert stats["acceptance_rate"] == 1.0
+    assert stats["accepted"] == stats["verified"] == stats["proposed"] > 0
+    # 24 tokens with gamma 4: steps of 5 tokens, the last one shortened to fit max_new_tokens.
+    assert stats["target_calls"] == 1 + 5
+    assert stats["tokens_per_target_call"] == pytest.approx(24 / 6)
+    for key in ("draft_calls", "alpha", "accepted_lengths", "encoder_calls", "draft_encoder_calls",
+                "seconds", "tokens_per_second"):
+        assert key in stats
+    assert "acceptance_rate" not in plain["stats"]
+
+
+def test_lookup_draft(gpt2_dir, capsys):
+    common = ["--target", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "30", "--ignore-eos"]
+    plain = run_json(capsys, *common)
+    lookup = run_json(capsys, *common, "--draft", "lookup")
+    assert lookup["tokens"] == plain["tokens"]
+    assert lookup["draft"] == "lookup"
+    assert lookup["stats"]["proposed"] > 0
+
+
+def test_plain_and_show_output_without_tty(gpt2_dir, capsys):
+    common = ["--target", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "16", "--ignore-eos", "--device", "cpu",
+              "--draft", "ngram"]
+    tokens = run_json(capsys, *common)["tokens"]
+
+    assert run.main(common) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == ",".join(map(str, tokens))  # no tokenizer: the ids
+    assert "16 new tokens" in err and "tokens/s" in err and "acceptance rate" in err
+
+    assert run.main([*common, "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "\033" not in out
+    assert "[~" in out  # the tiny model rejects some bigram guesses
+    shown = re.sub(r"\[~[\d ]+~\]", " ", out).split()  # drop rejected drafts: the generated ids remain
+    assert [int(x) for x in shown] == tokens
+
+
+def test_render_trace_colours():
+    trace = [([1, 2], "target"), ([3], "accepted"), ([4], "rejected"), ([5], "corrected")]
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    coloured = run.render_trace(trace, decode, colour=True)
+    assert coloured == ("\033[34m<1><2>\033[0m" "\033[32m<3>\033[0m" "\033[31;9m<4>\033[0m" "\033[34m<5>\033[0m")
+    assert run.render_trace(trace, decode, colour=False) == "<1><2><3>[~<4>~]<5>"
+    assert run.render_trace(trace, lambda ids: " ".join(map(str, ids)), False, " ") == "1 2 3 [~4~] 5"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-k", "-1"], "top_k"),
+    (["--draft", "lookup", "--gamma", "0"], "gamma"),
+    (["--draft", "lookup", "--lenience", "0"], "lenience"),
+    (["--draft", "lookup", "--lenience", "1.5"], "lenience"),
+    (["--draft", "./nope"], "nope does not exist"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "200"], "context of 128"),
+    (["--prompt-ids", ",".join(["3"] * 129)], "longer than"),
+    (["--prompt", "hello"], "tokenizer"),
+    (["--prompt-ids", "3,96"], "[0, 96)"),
+    (["--device", "nonsense"], "--device"),
+])
+def test_bad_input_exits_2_with_message(gpt2_dir, capsys, monkeypatch, tmp_path, flags, message):
+    monkeypatch.chdir(tmp_path)  # so ./nope surely does not exist
+    prompt = [] if flags[0].startswith("--prompt") else PROMPT_FLAG
+    assert run.main(["--target", gpt2_dir, "--device", "cpu", *prompt, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_missing_target(tmp_path, capsys):
+    assert run.main(["--target", str(tmp_path / "missing"), *PROMPT_FLAG]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing does not exist" in err
+
+
+def test_vocabulary_mismatch_fails_before_generating(gpt2_dir, small_vocab_dir, capsys, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("generation started despite mismatched vocabularies")
+
+    generate_module = sys.modules["minispec.generate"]
+    monkeypatch.setattr(generate_module, "speculative", must_not_run)
+    monkeypatch.setattr(generate_module, "autoregressive", must_not_run)
+    assert run.main(["--target", gpt2_dir, "--draft", small_vocab_dir, "--device", "cpu", *PROMPT_FLAG]) == 2
+    err = capsys.readouterr().err
+    assert "different vocabularies" in err and "96 vs 64" in err
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), "--device", "cpu", *argv],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_end_to_end_subprocess(gpt2_dir, small_vocab_dir):
+    result = run_cli("--target", gpt2_dir, "--draft", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    target = minispec.load(gpt2_dir, device="cpu")
+    assert out["tokens"] == minispec.generate(target, PROMPT, max_new_tokens=12).tokens
+    assert out["stats"]["acceptance_rate"] == 1.0
+
+    result = run_cli("--target", gpt2_dir, "--draft", small_vocab_dir, *PROMPT_FLAG)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr and "vocabularies" in result.stderr
