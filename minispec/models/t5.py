@@ -25,6 +25,12 @@ ACTIVATIONS = {
     "silu": F.silu,
 }
 
+# config.json keys taken as they are
+SIZE_KEYS = (
+    "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+    "relative_attention_num_buckets", "relative_attention_max_distance", "layer_norm_epsilon",
+)
+
 
 @dataclass
 class T5Config:
@@ -45,8 +51,6 @@ class T5Config:
 
     @classmethod
     def from_hf(cls, hf):
-        if hf.get("model_type", "t5") != "t5":
-            raise ValueError(f"T5Config.from_hf got a config of model_type {hf['model_type']!r}")
         proj = hf.get("feed_forward_proj", "relu")
         parts = proj.split("-")
         gated = parts[0] == "gated"
@@ -60,21 +64,12 @@ class T5Config:
         # Configs written by transformers >= 5 say scale_decoder_outputs; older ones imply it by a tied head.
         scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
         start = hf.get("decoder_start_token_id")
-        if start is None:
+        if start is None:  # T5 starts decoding from the pad token
             start = hf.get("pad_token_id") or 0
-        defaults = cls()
-        get = lambda key: hf.get(key, getattr(defaults, key))  # noqa: E731 -- the reference's defaults
+        sizes = {key: hf[key] for key in SIZE_KEYS if key in hf}  # absent keys: the reference's defaults
         return cls(
-            vocab_size=get("vocab_size"),
-            d_model=get("d_model"),
-            d_kv=get("d_kv"),
-            d_ff=get("d_ff"),
-            num_layers=get("num_layers"),
-            num_decoder_layers=hf.get("num_decoder_layers") or get("num_layers"),
-            num_heads=get("num_heads"),
-            relative_attention_num_buckets=get("relative_attention_num_buckets"),
-            relative_attention_max_distance=get("relative_attention_max_distance"),
-            layer_norm_epsilon=get("layer_norm_epsilon"),
+            **sizes,
+            num_decoder_layers=hf.get("num_decoder_layers") or sizes.get("num_layers", cls.num_layers),
             activation=activation,
             gated=gated,
             scale_decoder_outputs=bool(scale),
