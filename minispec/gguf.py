@@ -1,0 +1,597 @@
+"""Import a llama.cpp GGUF file: parse it, dequantize its tensors and write an ordinary checkpoint
+directory (config.json + model.safetensors + tokenizer files), once, so that later loads are plain
+safetensors loads through minispec.checkpoint.
+
+GGUF layout (little-endian): magic "GGUF", version (2 or 3), tensor count, metadata count; the
+metadata key/values; one info per tensor (name, dims innermost first, ggml type, data offset);
+padding to `general.alignment`; the tensor data. Quantized types pack blocks of 32 or 256 values
+with fp16 scales; the dequantizers below mirror ggml's reference (and the `gguf` package's) exactly.
+
+    python -m minispec.gguf model.Q8_0.gguf ./model-dir
+"""
+
+import argparse
+import json
+import math
+import mmap
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+# ---------------------------------------------------------------------------------------------
+# Reading the file
+
+GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
+    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0",
+    35: "TQ2_0", 39: "MXFP4",
+}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# Metadata value types: struct formats of the scalars; 8 is a string, 9 an array.
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    type: str  # ggml type name, e.g. "Q4_K"
+    shape: tuple  # torch order: outermost first (GGUF stores dims innermost first)
+    data: torch.Tensor | None  # raw bytes, a view of the mapped file; None for unsupported types
+
+
+class _Cursor:
+    """Bounds-checked reads from the mapped file, so a truncated file fails with a clear message."""
+
+    def __init__(self, buffer, path):
+        self.buffer, self.path, self.pos = buffer, path, 0
+
+    def read(self, char, count=1):
+        size = struct.calcsize(char) * count
+        if self.pos + size > len(self.buffer):
+            raise ValueError(f"{self.path}: truncated GGUF file (header runs past the end, {len(self.buffer)} bytes)")
+        values = struct.unpack_from(f"<{count}{char}", self.buffer, self.pos)
+        self.pos += size
+        return values
+
+    def scalar(self, char):
+        return self.read(char)[0]
+
+    def string(self):
+        raw = bytes(self.read("s", self.scalar("Q"))[0])
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.path}: corrupt GGUF file (a string before byte {self.pos} is not UTF-8)") from None
+
+    def value(self, value_type):
+        if value_type == STRING:
+            return self.string()
+        if value_type == ARRAY:
+            item_type, count = self.scalar("I"), self.scalar("Q")
+            if item_type in SCALAR_FORMATS:
+                return list(self.read(SCALAR_FORMATS[item_type], count))
+            return [self.value(item_type) for _ in range(count)]
+        if value_type in SCALAR_FORMATS:
+            return self.scalar(SCALAR_FORMATS[value_type])
+        raise ValueError(f"{self.path}: corrupt GGUF file (unknown metadata value type {value_type})")
+
+
+def read_gguf(path):
+    """Parse a GGUF file: (metadata dict, {name: GGUFTensor}). Tensor data stays memory-mapped
+    until `dequantize` touches it."""
+    path = Path(path)
+    with open(path, "rb") as file:
+        magic = file.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        # A private (copy-on-write) mapping is writable, which torch.frombuffer wants; nothing is written.
+        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    cursor = _Cursor(buffer, path)
+    cursor.pos = 4
+    version = cursor.scalar("I")
+    if version not in (2, 3):
+        hint = " (a big-endian file?)" if version >= 1 << 16 else ""
+        raise ValueError(f"{path}: unsupported GGUF version {version}{hint}; minispec reads versions 2 and 3")
+    n_tensors, n_metadata = cursor.scalar("Q"), cursor.scalar("Q")
+    metadata = {}
+    for _ in range(n_metadata):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.scalar("I"))
+
+    infos = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        n_dims = cursor.scalar("I")
+        if n_dims > 4:
+            raise ValueError(f"{path}: corrupt GGUF file (tensor {name!r} has {n_dims} dimensions)")
+        dims = cursor.read("Q", n_dims)
+        type_id, offset = cursor.scalar("I"), cursor.scalar("Q")
+        infos.append((name, dims, type_id, offset))
+
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+        raise ValueError(f"{path}: corrupt GGUF file (general.alignment {alignment!r} is not a multiple of 8)")
+    data_start = -(-cursor.pos // alignment) * alignment
+    data = torch.frombuffer(buffer, dtype=torch.uint8)
+    tensors = {}
+    for name, dims, type_id, offset in infos:
+        type_name = GGML_TYPE_NAMES.get(type_id, f"ggml type {type_id}")
+        raw = None
+        if block_size(type_name):  # unsupported types keep data=None; dequantize() names them
+            block, block_bytes = block_size(type_name)
+            if dims and dims[0] % block:
+                raise ValueError(
+                    f"{path}: corrupt GGUF file (tensor {name!r} rows of {dims[0]} are not whole {type_name} blocks)"
+                )
+            if offset % alignment:
+                raise ValueError(f"{path}: corrupt GGUF file (tensor {name!r} offset {offset} is not aligned)")
+            start, size = data_start + offset, math.prod(dims) // block * block_bytes
+            if start + size > len(buffer):
+                raise ValueError(
+                    f"{path}: truncated GGUF file (tensor {name!r} needs bytes up to {start + size}, "
+                    f"the file has {len(buffer)})"
+                )
+            raw = data[start:start + size]
+        tensors[name] = GGUFTensor(name, type_name, tuple(reversed(dims)), raw)
+    return metadata, tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization. Each function maps raw blocks [n, block_bytes] (uint8) to values [n, block] (fp32),
+# in ggml's operation order so results match its reference bit for bit.
+
+def _f16(blocks, start):  # the fp16 scale stored at byte `start` of every block, as [n, 1] fp32
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs):  # 4-bit values packed two per byte: all low nibbles first, then all high ones
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _bits(qh):  # little-endian bit field [n, k] bytes -> [n, 8k] of 0/1
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).flatten(1)
+
+
+def dequantize_q4_0(blocks):
+    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
+
+
+def dequantize_q4_1(blocks):
+    return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+
+
+def dequantize_q5_0(blocks):
+    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
+    return _f16(blocks, 0) * (q.float() - 16)
+
+
+def dequantize_q5_1(blocks):
+    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+
+
+def dequantize_q8_0(blocks):
+    return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _k_scales(scales):
+    """Q4_K/Q5_K pack 8 six-bit scales and 8 six-bit mins into 12 bytes: the low 6 bits of bytes 0-3
+    (scales 0-3) and 4-7 (mins 0-3); scales/mins 4-7 take 4 bits from bytes 8-11 and their top 2
+    bits from the spare top bits of bytes 0-7."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float().unsqueeze(-1), mn.float().unsqueeze(-1)  # [n, 8, 1] each
+
+
+def _k_low_nibbles(qs):  # 128 bytes -> 8 sub-blocks of 32: each 32-byte chunk holds two sub-blocks
+    n = qs.shape[0]
+    shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    return ((qs.reshape(n, 4, 1, 32) >> shifts) & 0x0F).reshape(n, 8, 32)
+
+
+def dequantize_q4_k(blocks):  # d(2) dmin(2) scales(12) qs(128): 8 sub-blocks of 32 values
+    sc, mn = _k_scales(blocks[:, 4:16])
+    q = _k_low_nibbles(blocks[:, 16:]).float()
+    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
+    return ((d * sc) * q - dmin * mn).flatten(1)
+
+
+def dequantize_q5_k(blocks):  # d(2) dmin(2) scales(12) qh(32) qs(128); sub-block i takes bit i of qh
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1
+    q = (_k_low_nibbles(blocks[:, 48:]) | (high << 4)).float()
+    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
+    return ((d * sc) * q - dmin * mn).flatten(1)
+
+
+def dequantize_q6_k(blocks):  # ql(128) qh(64) scales(16 x int8) d(2): 16 sub-blocks of 16 values
+    n = blocks.shape[0]
+    low = (blocks[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
+    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    q = (low.reshape(n, 16, 16) | (high.reshape(n, 16, 16) << 4)).float() - 32
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().unsqueeze(-1)
+    return ((_f16(blocks, 208).unsqueeze(-1) * scales) * q).flatten(1)
+
+
+# name: (values per block, bytes per block, dequantizer)
+QUANT_TYPES = {
+    "Q4_0": (32, 18, dequantize_q4_0),
+    "Q4_1": (32, 20, dequantize_q4_1),
+    "Q5_0": (32, 22, dequantize_q5_0),
+    "Q5_1": (32, 24, dequantize_q5_1),
+    "Q8_0": (32, 34, dequantize_q8_0),
+    "Q4_K": (256, 144, dequantize_q4_k),
+    "Q5_K": (256, 176, dequantize_q5_k),
+    "Q6_K": (256, 210, dequantize_q6_k),
+}
+CHUNK_BLOCKS = 1 << 16  # dequantize in chunks so temporaries stay small next to the output
+
+
+def block_size(type_name):
+    """(values, bytes) per block of a type minispec reads; None for the others."""
+    if type_name in FLOAT_TYPES:
+        return 1, FLOAT_TYPES[type_name].itemsize
+    return QUANT_TYPES[type_name][:2] if type_name in QUANT_TYPES else None
+
+
+def check_supported(tensor):
+    if tensor.data is None:
+        raise ValueError(
+            f"tensor {tensor.name!r} uses unsupported quantization type {tensor.type}; "
+            f"minispec reads {', '.join([*FLOAT_TYPES, *QUANT_TYPES])}"
+        )
+
+
+def dequantize(tensor):
+    """The tensor's values: F32/F16/BF16 as stored (a view of the file), quantized types as fp32."""
+    check_supported(tensor)
+    if tensor.type in FLOAT_TYPES:
+        return tensor.data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
+    block, block_bytes, dequantize_blocks = QUANT_TYPES[tensor.type]
+    blocks = tensor.data.view(-1, block_bytes)
+    out = torch.empty(blocks.shape[0], block)
+    for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        out[i:i + CHUNK_BLOCKS] = dequantize_blocks(blocks[i:i + CHUNK_BLOCKS])
+    return out.view(tensor.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp names and metadata -> Hugging Face config and weights
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, stored as a tensor; becomes config, not a weight
+
+
+def hf_name(name):
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if match and match[2] in LAYER_NAMES:
+        return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}"
+    raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2 decoder tensors")
+
+
+def hf_config(metadata, tensors):
+    """config.json contents (Hugging Face layout, as hub checkpoints write it) for a GGUF model."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; minispec imports {', '.join(ARCHITECTURES)}")
+
+    def get(key, default=None):
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    hidden, n_head = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // n_head)
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"partial rotary embeddings ({get('rope.dimension_count')} of {head_dim} head dims) "
+                         "are not supported")
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": get("attention.head_count_kv", n_head),
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling(metadata, arch, tensors, head_dim),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    if head_dim != hidden // n_head:
+        config["head_dim"] = head_dim
+    if arch == "llama" and "blk.0.attn_q.bias" in tensors:
+        config["attention_bias"] = True
+    config.update(special_token_ids(metadata))
+    return config
+
+
+def special_token_ids(metadata):
+    ids = {name: metadata[f"tokenizer.ggml.{key}"]
+           for name, key in [("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")]
+           if f"tokenizer.ggml.{key}" in metadata}
+    # Chat models end turns with eot/eom tokens too; generation should stop at any of them.
+    eos = [metadata[f"tokenizer.ggml.{key}"] for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if f"tokenizer.ggml.{key}" in metadata]
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return ids
+
+
+def rope_scaling(metadata, arch, tensors, head_dim):
+    if ROPE_FREQS in tensors:
+        theta = metadata.get(f"{arch}.rope.freq_base", 10000.0)
+        return llama3_rope_scaling(dequantize(tensors[ROPE_FREQS]).tolist(), head_dim, theta)
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+
+
+LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR = 1.0, 4.0  # Meta's Llama 3 rope scaling values, the same for every 3.x
+
+
+def llama3_factors(head_dim, theta, factor, original_context):
+    """Per-frequency divisors of Llama 3 rope scaling, computed as llama.cpp's converter does."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        smooth = (original_context / wavelength - LOW_FREQ_FACTOR) / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR)
+        smooth = min(max(smooth, 0.0), 1.0)  # 0: long wavelengths, divided by factor; 1: short ones, kept
+        out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_rope_scaling(freq_factors, head_dim, theta):
+    """Recover the HF llama3 rope_scaling that produced llama.cpp's rope_freqs tensor, assuming Meta's
+    low/high frequency factors: the scaling factor is the largest divisor, and the original context
+    length follows from any divisor between 1 and the factor (if there is none, any power of two that
+    separates the kept from the divided wavelengths gives the same divisors)."""
+    factor = max(freq_factors)
+    if factor <= 1.0 + 1e-6:
+        return None
+    wavelengths = [2 * math.pi * theta ** (2 * i / head_dim) for i in range(len(freq_factors))]
+    smooth = [(1 / f - 1 / factor) / (1 - 1 / factor) for f in freq_factors]
+    between = [(w, s) for w, s in zip(wavelengths, smooth) if 1e-4 < s < 1 - 1e-4]
+    if between:
+        wavelength, s = between[0]
+        original = round(wavelength * (LOW_FREQ_FACTOR + (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR) * s))
+    else:
+        kept = [w for w, f in zip(wavelengths, freq_factors) if f < 1 + 1e-6]
+        original = 2 ** math.ceil(math.log2(HIGH_FREQ_FACTOR * max(kept, default=0.25)))
+    expected = llama3_factors(head_dim, theta, factor, original)
+    if len(freq_factors) != head_dim // 2 or any(abs(a - b) > 1e-3 * b for a, b in zip(freq_factors, expected)):
+        raise ValueError("GGUF rope_freqs.weight is not Llama 3 rope scaling (low/high frequency factors 1 and 4)")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": LOW_FREQ_FACTOR,
+            "high_freq_factor": HIGH_FREQ_FACTOR, "original_max_position_embeddings": original}
+
+
+def unpermute(weight, n_head):
+    """llama.cpp's converter reorders each q/k head from Hugging Face's rotate-half layout
+    (first half, second half) to interleaved pairs for ggml's rope; put the rows back."""
+    rows = weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
+    return rows.transpose(1, 2).reshape(weight.shape)
+
+
+def hf_weights(tensors, config, dtype=None, progress=False):
+    """{HF name: tensor}, dequantized (q/k rows un-permuted for llama), cast to `dtype` if given."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
+    done, reported = 0, 0
+    weights = {}
+    for name, tensor in tensors.items():
+        if name == ROPE_FREQS:
+            continue
+        target = hf_name(name)
+        weight = dequantize(tensor)
+        kind = name.split(".")[-2]
+        if config["model_type"] == "llama" and kind in heads:
+            weight = unpermute(weight, heads[kind])
+        weights[target] = weight if dtype is None else weight.to(dtype)
+        if progress and tensor.type in QUANT_TYPES:
+            done += tensor.data.numel()
+            if done * 10 // quantized_bytes > reported:
+                reported = done * 10 // quantized_bytes
+                print(f"minispec.gguf: dequantized {done >> 20}/{quantized_bytes >> 20} MiB", file=sys.stderr)
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: the GGUF vocabulary, merges and special tokens as a Hugging Face tokenizer.json
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types of special and of other added tokens
+SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                  "pad_token": "padding_token_id"}  # tokenizer_config.json name -> tokenizer.ggml key
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+
+
+def split_then_bytes(regex):
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+    return {"type": "Sequence", "pretokenizers": [split, {**BYTE_LEVEL, "use_regex": False}]}
+
+
+# tokenizer.ggml.pre -> (normalizer, pre_tokenizer) of the model's original tokenizer.json
+PRE_TOKENIZERS = {
+    "gpt-2": (None, BYTE_LEVEL),
+    "smollm": (None, {"type": "Sequence",
+                      "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]}),
+    "qwen2": ({"type": "NFC"}, split_then_bytes(QWEN2_REGEX)),
+    "llama-bpe": (None, split_then_bytes(LLAMA3_REGEX)),
+}
+
+
+def tokenizer_files(metadata):
+    """{file name: JSON content} for tokenizer.json and tokenizer_config.json; {} without a vocabulary."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model is None:
+        return {}
+    if model == "llama":
+        raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet")
+    if model != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {model!r}; minispec imports byte-level BPE ('gpt2')")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; minispec knows {', '.join(PRE_TOKENIZERS)}")
+    normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
+    tokens = metadata["tokenizer.ggml.tokens"]
+    types = metadata.get("tokenizer.ggml.token_type", [])
+    added = [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": kind == CONTROL}
+        for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)
+    ]
+    ids = {name: metadata[f"tokenizer.ggml.{key}"] for name, key in SPECIAL_TOKENS.items()
+           if f"tokenizer.ggml.{key}" in metadata}
+    bos = ids.get("bos_token") if metadata.get("tokenizer.ggml.add_bos_token") else None
+    eos = ids.get("eos_token") if metadata.get("tokenizer.ggml.add_eos_token") else None
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": template_processor(tokens, bos, eos),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {token: i for i, token in enumerate(tokens)},
+            "merges": metadata.get("tokenizer.ggml.merges", []),
+        },
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bos is not None,
+        "add_eos_token": eos is not None,
+        "clean_up_tokenization_spaces": False,
+        **{name: tokens[i] for name, i in ids.items()},
+    }
+    if "tokenizer.chat_template" in metadata:
+        config["chat_template"] = metadata["tokenizer.chat_template"]
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+def template_processor(tokens, bos_id, eos_id):
+    """A post-processor putting bos/eos (either may be None) around every encoded text."""
+    if bos_id is None and eos_id is None:
+        return None
+    wrap = [i for i in (bos_id, eos_id) if i is not None]
+
+    def template(sequence, type_id):
+        def special(i):
+            return [] if i is None else [{"SpecialToken": {"id": tokens[i], "type_id": type_id}}]
+        return special(bos_id) + [{"Sequence": {"id": sequence, "type_id": type_id}}] + special(eos_id)
+
+    return {
+        "type": "TemplateProcessing",
+        "single": template("A", 0),
+        "pair": template("A", 0) + template("B", 1),
+        "special_tokens": {tokens[i]: {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]} for i in wrap},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+def convert_gguf(gguf_path, out_dir, dtype=None, progress=True):
+    """Write `out_dir` (config.json, model.safetensors, tokenizer files) from a GGUF file; returns it.
+
+    `dtype` (e.g. torch.bfloat16) casts every weight; by default F32/F16/BF16 tensors keep their
+    type and quantized ones are stored as the exact fp32 values they dequantize to. The directory
+    is written under a temporary name and renamed at the end, so a failure leaves nothing behind."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
+    metadata, tensors = read_gguf(gguf_path)
+    # Everything that can reject the file runs before the slow part and before anything is written.
+    config = hf_config(metadata, tensors)
+    tokenizer = tokenizer_files(metadata)
+    for name, tensor in tensors.items():
+        check_supported(tensor)
+        if name != ROPE_FREQS:
+            hf_name(name)  # raises for a tensor minispec has no place for
+    weights = hf_weights(tensors, config, dtype, progress)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+        for file_name, content in tokenizer.items():
+            (staging / file_name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Convert a llama.cpp GGUF file into a minispec checkpoint directory.")
+    parser.add_argument("gguf", help="path of the .gguf file")
+    parser.add_argument("out_dir", help="checkpoint directory to create")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast all weights (default: keep)")
+    args = parser.parse_args()
+    try:
+        out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype and getattr(torch, args.dtype))
+    except (ValueError, OSError) as error:
+        sys.exit(f"error: {error}")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

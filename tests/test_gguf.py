@@ -1,0 +1,435 @@
+"""GGUF import: dequantization against the `gguf` package's reference, tiny llama/qwen2 models
+written the way llama.cpp's converter writes them and imported back (logits against transformers),
+the rebuilt tokenizer against the original, and clear errors for bad files."""
+
+import json
+import math
+
+import gguf  # test-only: writes the files and holds the reference dequantizers
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, TokenType, quants
+from safetensors.torch import load_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from conftest import make_reference
+from minispec import gguf as minigguf
+from minispec.checkpoint import load_model
+from minispec.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf
+from minispec.tokenizer import load_tokenizer
+
+
+def write_gguf(path, arch, tensors, setup=lambda writer: None):
+    """tensors: {name: (array, ggml type or None)}; arrays are floats, or raw uint8 blocks of a quantized type."""
+    writer = GGUFWriter(str(path), arch)
+    setup(writer)
+    for name, (array, qtype) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization
+
+QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # gguf has no quantizer for these: random blocks with sane scales
+RMS_ERROR = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q5_0: 0.05, Q.Q5_1: 0.05, Q.Q4_0: 0.1, Q.Q4_1: 0.1}
+SHAPE = (2, 3, 512)  # three dims, to check that GGUF's innermost-first dims are reversed
+
+
+def random_k_blocks(qtype, n_blocks, rng):
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        blocks[:, -2:] = scales[:, :2]  # d is last
+    else:
+        blocks[:, :4] = scales  # d, dmin come first
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def quantized_file(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    original = rng.standard_normal(SHAPE).astype(np.float32)
+    tensors = {qtype.name: (quants.quantize(original, qtype), None if qtype in (Q.F32, Q.F16) else qtype)
+               for qtype in QUANTIZABLE}
+    n_blocks = math.prod(SHAPE) // 256
+    for qtype in K_QUANTS:
+        tensors[qtype.name] = (random_k_blocks(qtype, n_blocks, rng).reshape(*SHAPE[:-1], -1), qtype)
+    path = write_gguf(tmp_path_factory.mktemp("quants") / "quants.gguf", "llama", tensors)
+    return path, original, tensors
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+def test_dequantize_matches_reference(quantized_file, qtype):
+    path, original, tensors = quantized_file
+    _, read = read_gguf(path)
+    tensor = read[qtype.name]
+    assert tensor.type == qtype.name and tensor.shape == SHAPE
+    ours = dequantize(tensor).float()
+    reference = torch.from_numpy(quants.dequantize(tensors[qtype.name][0], qtype).astype(np.float32))
+    assert ours.shape == SHAPE
+    assert torch.equal(ours, reference.reshape(SHAPE))  # bit-exact against ggml's reference
+    if qtype in RMS_ERROR:  # and close to the floats it was quantized from
+        error = (ours - torch.from_numpy(original)).pow(2).mean().sqrt() / original.std()
+        assert error <= RMS_ERROR[qtype]
+
+
+def test_dequantize_in_chunks(quantized_file, monkeypatch):
+    path, _, tensors = quantized_file
+    _, read = read_gguf(path)
+    whole = dequantize(read["Q4_K"])
+    monkeypatch.setattr(minigguf, "CHUNK_BLOCKS", 5)  # 12 blocks: chunks of 5, 5, 2
+    assert torch.equal(dequantize(read["Q4_K"]), whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models written as llama.cpp's convert_hf_to_gguf.py writes them
+
+def permute(weight, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (rotate-half rows -> interleaved pairs)."""
+    heads = weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+    return heads.swapaxes(1, 2).reshape(weight.shape)
+
+
+def llama3_rope_freqs(head_dim, theta, scaling):
+    """llama.cpp's convert_hf_to_gguf.py: Llama 3 rope scaling becomes per-frequency divisors."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            out.append(1)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=()):
+    """Write a transformers llama/qwen2 model like llama.cpp does; `vocab` adds tokenizer metadata."""
+    config, arch = model.config, model.config.model_type
+    theta = config.rope_parameters["rope_theta"]
+    head_dim = config.hidden_size // config.num_attention_heads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
+                                     config.num_hidden_layers)
+    tensors = {}
+    for hf_name, weight in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if arch == "llama" and "q_proj" in hf_name:
+            weight = permute(weight, config.num_attention_heads)
+        if arch == "llama" and "k_proj" in hf_name:
+            weight = permute(weight, config.num_key_value_heads)
+        array = weight.numpy()
+        # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type.
+        kind = qtype if weight.dim() == 2 else Q.F32
+        data = quants.quantize(array, kind)
+        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = (data, None if kind == Q.F32 else kind)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = (llama3_rope_freqs(head_dim, theta, config.rope_parameters), None)
+    tensors.update(extra_tensors)
+
+    def setup(writer):
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(theta)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_file_type(int(qtype))
+        if vocab is not None:
+            vocab(writer)
+        else:
+            writer.add_bos_token_id(config.bos_token_id)
+            writer.add_eos_token_id(config.eos_token_id)
+
+    return write_gguf(path, arch, tensors, setup)
+
+
+def reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+PROMPT = [1, 5, 17, 42, 3, 88, 64, 9, 30, 71]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2"])
+def test_f32_model_matches_transformers(kind, tmp_path):
+    reference = make_reference(kind)
+    out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == reference.config.model_type
+    assert config["tie_word_embeddings"] == reference.config.tie_word_embeddings
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    if kind == "llama_gqa":
+        assert config["rope_scaling"] == {key: value for key, value in reference.config.rope_parameters.items()
+                                          if key != "rope_theta"}
+
+    imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    for name, weight in reference.state_dict().items():  # q/k un-permuted, qwen2 biases kept
+        assert torch.equal(imported.state_dict()[name], weight), name
+    torch.testing.assert_close(reference_logits(imported, PROMPT), reference_logits(reference, PROMPT),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2"])
+def test_minispec_loads_converted_model(kind, tmp_path):
+    reference = make_reference(kind)
+    out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
+    model = load_model(out, dtype=torch.float32)
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+    torch.testing.assert_close(logits, reference_logits(reference, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_q8_0_model_close_to_original(tmp_path, capsys):
+    reference = make_reference("llama")
+    path = model_to_gguf(reference, tmp_path / "model.gguf", qtype=Q.Q8_0)
+    out = convert_gguf(path, tmp_path / "converted", progress=True)
+    assert "dequantized" in capsys.readouterr().err  # progress lines go to stderr
+    imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert imported.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # exact dequantized values
+    # q_proj, read back and re-permuted, is exactly ggml's dequantization of the stored blocks.
+    _, tensors = read_gguf(path)
+    q_raw = tensors["blk.0.attn_q.weight"].data.numpy().reshape(32, -1)
+    torch.testing.assert_close(permute(imported.model.layers[0].self_attn.q_proj.weight.detach(), 4),
+                               torch.from_numpy(quants.dequantize(q_raw, Q.Q8_0)), atol=0, rtol=0)
+    ours, theirs = reference_logits(imported, PROMPT), reference_logits(reference, PROMPT)
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()  # 8-bit noise; near-ties may still flip
+
+
+def test_convert_casts_to_dtype(tmp_path):
+    reference = make_reference("llama")
+    out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf", qtype=Q.Q8_0), tmp_path / "converted",
+                       dtype=torch.bfloat16, progress=False)
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 and Llama 3.2
+def test_llama3_rope_scaling_recovered(factor):
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    freqs = llama3_rope_freqs(128, 500000.0, scaling)
+    assert llama3_rope_scaling(freqs.tolist(), 128, 500000.0) == scaling
+    with pytest.raises(ValueError, match="not Llama 3 rope scaling"):
+        llama3_rope_scaling((freqs * np.linspace(1, 2, 64)).tolist(), 128, 500000.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_REGEX = QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+def split_bytes(regex):
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# The pre-tokenization of the model families' own tokenizer.json files, by tokenizer.ggml.pre.
+ORIGINAL_PRE_TOKENIZERS = {
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+    "qwen2": lambda: split_bytes(QWEN2_REGEX),
+    "llama-bpe": lambda: split_bytes(LLAMA3_REGEX),
+}
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "Hello world! Hello, hello. HELLO wOrLd",
+    "The year 2024 has 366 days; pi is 3.14159 and 1234567 is big.",
+    "naïve café — 日本語のテキスト, Ünïcödé, emoji 🎉🎉, ＦＵＬＬ width, decomposed cafe\u0301",
+    "    indented\n\n\ttabs\tand   spaces   \n\n\n",
+    "def f(x):\n    return x ** 2  # square\n\nclass A(B):\n    pass\r\n",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "a <tool> call and another<tool>",
+    "It's we'll they've I'M you'D",
+]
+
+
+def train_tokenizer(pre):
+    """A byte-level BPE whose merges cross every pre-tokenizer's boundaries (trained on whole lines),
+    so that encoding the corpus with the wrong pre-tokenizer gives different tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 3, trainer=trainer)
+    tokenizer.add_tokens([AddedToken("<tool>", special=False, normalized=False)])
+    tokenizer.pre_tokenizer = ORIGINAL_PRE_TOKENIZERS[pre]()
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
+    return tokenizer
+
+
+def vocab_writer(tokenizer, pre, add_bos):
+    """Tokenizer metadata as llama.cpp's converter writes it for a byte-level BPE vocabulary."""
+    inverse = {i: token for token, i in tokenizer.get_vocab().items()}
+    added = tokenizer.get_added_tokens_decoder()
+    tokens = [added[i].content if i in added else inverse[i] for i in range(tokenizer.get_vocab_size())]
+    types = [(TokenType.CONTROL if added[i].special else TokenType.USER_DEFINED) if i in added else TokenType.NORMAL
+             for i in range(len(tokens))]
+    merges = [" ".join(merge) for merge in json.loads(tokenizer.to_str())["model"]["merges"]]
+
+    def write(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(tokenizer.token_to_id("<|im_start|>"))
+        writer.add_eos_token_id(tokenizer.token_to_id("<|im_end|>"))
+        writer.add_pad_token_id(tokenizer.token_to_id("<|endoftext|>"))
+        writer.add_add_bos_token(add_bos)
+        writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+
+    return write
+
+
+def expected_ids(original, text):
+    return original.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("pre", list(ORIGINAL_PRE_TOKENIZERS))
+def test_tokenizer_matches_original(pre, tmp_path):
+    original = train_tokenizer(pre)
+    vocab_size = original.get_vocab_size()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=64)).eval()
+    add_bos = pre == "llama-bpe"
+    path = model_to_gguf(model, tmp_path / "model.gguf", vocab=vocab_writer(original, pre, add_bos))
+    out = convert_gguf(path, tmp_path / "converted", progress=False)
+
+    imported = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    for text in CORPUS:
+        expected = expected_ids(original, text)
+        assert imported.encode(text, add_special_tokens=False) == expected, text
+        for skip in (False, True):  # "<tool>" is added but not special: it survives skip_special_tokens
+            decoded = original.decode(expected, skip_special_tokens=skip)
+            assert imported.decode(expected, skip_special_tokens=skip) == decoded
+    bos, eos = original.token_to_id("<|im_start|>"), original.token_to_id("<|im_end|>")
+    assert imported.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)[0] == bos
+
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["bos_token"] == "<|im_start|>" and tokenizer_config["eos_token"] == "<|im_end|>"
+    assert tokenizer_config["pad_token"] == "<|endoftext|>"
+    assert tokenizer_config["add_bos_token"] is add_bos
+    assert tokenizer_config["chat_template"].startswith("{% for m in messages %}")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eos)
+    assert config["vocab_size"] == vocab_size
+
+    with_bos = ([bos] if add_bos else []) + expected_ids(original, CORPUS[0])
+    ours = load_tokenizer(out)  # minispec's own tokenizer reads the files the same way
+    for text in CORPUS:
+        assert ours.encode(text, add_special_tokens=False) == expected_ids(original, text), text
+    assert ours.encode(CORPUS[0]) == with_bos
+    auto = transformers.AutoTokenizer.from_pretrained(out)  # the directory loads as a whole, too
+    assert auto.encode(CORPUS[0]) == with_bos
+    assert auto.eos_token == "<|im_end|>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    return model_to_gguf(make_reference("llama"), tmp_path_factory.mktemp("good") / "model.gguf")
+
+
+def assert_converts_to_error(path, out, match):
+    with pytest.raises(ValueError, match=match):
+        convert_gguf(path, out, progress=False)
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []  # no staging leftovers
+
+
+def test_bad_magic(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGML" + bytes(100))
+    assert_converts_to_error(path, tmp_path / "out", "not a GGUF file")
+    path.write_bytes(b"")
+    assert_converts_to_error(path, tmp_path / "out", "not a GGUF file")
+
+
+def test_truncated_header(good_file, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(good_file.read_bytes()[:200])
+    assert_converts_to_error(path, tmp_path / "out", "truncated GGUF file")
+
+
+def test_truncated_data(good_file, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(good_file.read_bytes()[:-16])
+    assert_converts_to_error(path, tmp_path / "out", r"truncated GGUF file \(tensor '.*' needs bytes up to")
+
+
+def test_unsupported_version(good_file, tmp_path):
+    data = bytearray(good_file.read_bytes())
+    data[4:8] = (1).to_bytes(4, "little")
+    path = tmp_path / "model.gguf"
+    path.write_bytes(bytes(data))
+    assert_converts_to_error(path, tmp_path / "out", "unsupported GGUF version 1")
+
+
+def test_unsupported_quantization_type(tmp_path):
+    blocks = np.random.default_rng(0).integers(0, 256, size=(4, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes / 256
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf",
+                         extra_tensors={"blk.0.attn_q.weight": (blocks, Q.IQ2_XXS)})
+    _, tensors = read_gguf(path)  # parsing works; reading the values does not
+    with pytest.raises(ValueError, match="unsupported quantization type IQ2_XXS"):
+        dequantize(tensors["blk.0.attn_q.weight"])
+    assert_converts_to_error(path, tmp_path / "out", "IQ2_XXS")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(tmp_path / "model.gguf", "gpt2", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
+    assert_converts_to_error(path, tmp_path / "out", "unsupported GGUF architecture 'gpt2'")
+
+
+def test_sentencepiece_vocab_not_supported(tmp_path):
+    def vocab(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(93)])
+
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf", vocab=vocab)
+    assert_converts_to_error(path, tmp_path / "out", "SentencePiece .* not supported yet")
+
+
+def test_failed_write_leaves_nothing(good_file, tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(minigguf, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        convert_gguf(good_file, tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_not_overwritten(good_file, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="already exists"):
+        convert_gguf(good_file, tmp_path / "out", progress=False)
