@@ -19,7 +19,6 @@ import re
 import shutil
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +39,15 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 
 # Metadata value types: struct formats of the scalars; 8 is a string, 9 an array.
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+FLOAT32, STRING, ARRAY = 6, 8, 9
+
+
+def shortest_float32(value):
+    """The shortest decimal that is the same float32, so an epsilon of 1e-6 reads back as 1e-6
+    rather than 9.999999974752427e-07."""
+    exact = struct.pack("<f", value)
+    return next(float(f"{value:.{digits}g}") for digits in range(1, 10)
+                if struct.pack("<f", float(f"{value:.{digits}g}")) == exact)
 
 
 @dataclass
@@ -83,6 +90,8 @@ class _Cursor:
             if item_type in SCALAR_FORMATS:
                 return list(self.read(SCALAR_FORMATS[item_type], count))
             return [self.value(item_type) for _ in range(count)]
+        if value_type == FLOAT32:
+            return shortest_float32(self.scalar("f"))
         if value_type in SCALAR_FORMATS:
             return self.scalar(SCALAR_FORMATS[value_type])
         raise ValueError(f"{self.path}: corrupt GGUF file (unknown metadata value type {value_type})")
@@ -241,6 +250,7 @@ QUANT_TYPES = {
     "Q6_K": (256, 210, dequantize_q6_k),
 }
 CHUNK_BLOCKS = 1 << 16  # dequantize in chunks so temporaries stay small next to the output
+PROGRESS_MIN_BYTES = 64 << 20  # files with less quantized data convert too fast to need progress lines
 
 
 def block_size(type_name):
@@ -426,6 +436,7 @@ def hf_weights(tensors, config, dtype=None, progress=False):
     """{HF name: tensor}, dequantized (q/k rows un-permuted for llama), cast to `dtype` if given."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
+    progress = progress and quantized_bytes >= PROGRESS_MIN_BYTES
     done, reported = 0, 0
     weights = {}
     for name, tensor in tensors.items():
@@ -441,7 +452,7 @@ def hf_weights(tensors, config, dtype=None, progress=False):
             done += tensor.data.numel()
             if done * 10 // quantized_bytes > reported:
                 reported = done * 10 // quantized_bytes
-                print(f"minispec.gguf: dequantized {done >> 20}/{quantized_bytes >> 20} MiB", file=sys.stderr)
+                print(f"minispec.gguf: dequantized {reported * 10}% of {quantized_bytes >> 20} MiB", file=sys.stderr)
     return weights
 
 
@@ -567,7 +578,8 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True):
     weights = hf_weights(tensors, config, dtype, progress)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    staging.mkdir()
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})

@@ -91,6 +91,16 @@ def test_dequantize_in_chunks(quantized_file, monkeypatch):
     assert torch.equal(dequantize(read["Q4_K"]), whole)
 
 
+def test_custom_alignment(tmp_path):
+    first, second = np.arange(3, dtype=np.float32), np.arange(5, dtype=np.float32) + 10  # 12 bytes: padding needed
+    path = write_gguf(tmp_path / "aligned.gguf", "llama", {"a": (first, None), "b": (second, None)},
+                      lambda writer: writer.add_custom_alignment(64))
+    metadata, tensors = read_gguf(path)
+    assert metadata["general.alignment"] == 64
+    assert dequantize(tensors["b"]).tolist() == second.tolist()
+    assert tensors["b"].data.storage_offset() % 64 == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Models written as llama.cpp's convert_hf_to_gguf.py writes them
 
@@ -179,6 +189,7 @@ def test_f32_model_matches_transformers(kind, tmp_path):
     assert config["model_type"] == reference.config.model_type
     assert config["tie_word_embeddings"] == reference.config.tie_word_embeddings
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["rms_norm_eps"] == reference.config.rms_norm_eps  # 1e-6, not float32's 9.99999997e-07
     if kind == "llama_gqa":
         assert config["rope_scaling"] == {key: value for key, value in reference.config.rope_parameters.items()
                                           if key != "rope_theta"}
@@ -201,11 +212,13 @@ def test_minispec_loads_converted_model(kind, tmp_path):
     torch.testing.assert_close(logits, reference_logits(reference, PROMPT), atol=1e-4, rtol=0)
 
 
-def test_q8_0_model_close_to_original(tmp_path, capsys):
+def test_q8_0_model_close_to_original(tmp_path, capsys, monkeypatch):
     reference = make_reference("llama")
     path = model_to_gguf(reference, tmp_path / "model.gguf", qtype=Q.Q8_0)
+    monkeypatch.setattr(minigguf, "PROGRESS_MIN_BYTES", 0)  # report even for this tiny file
     out = convert_gguf(path, tmp_path / "converted", progress=True)
-    assert "dequantized" in capsys.readouterr().err  # progress lines go to stderr
+    lines = capsys.readouterr().err.splitlines()  # progress lines go to stderr
+    assert len(lines) > 1 and lines[-1].startswith("minispec.gguf: dequantized 100% of")
     imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert imported.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # exact dequantized values
     # q_proj, read back and re-permuted, is exactly ggml's dequantization of the stored blocks.
