@@ -46,8 +46,8 @@ def shortest_float32(value):
     """The shortest decimal that is the same float32, so an epsilon of 1e-6 reads back as 1e-6
     rather than 9.999999974752427e-07."""
     exact = struct.pack("<f", value)
-    return next(float(f"{value:.{digits}g}") for digits in range(1, 10)
-                if struct.pack("<f", float(f"{value:.{digits}g}")) == exact)
+    return next((float(f"{value:.{digits}g}") for digits in range(1, 10)
+                 if struct.pack("<f", float(f"{value:.{digits}g}")) == exact), value)  # NaN payloads: as read
 
 
 @dataclass
