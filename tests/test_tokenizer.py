@@ -1,0 +1,359 @@
+"""minispec.tokenizer against the references: byte-level BPEs trained with the `tokenizers` library in
+the styles of GPT-2, Qwen2, Llama 3 and SmolLM, saved by transformers (real tokenizer.json and
+tokenizer_config.json); and tiny SentencePiece models (BPE as Llama's, unigram as T5's) compared with
+the sentencepiece library plus the Hugging Face BOS/EOS conventions (transformers cannot convert
+SentencePiece models here: that needs protobuf)."""
+
+import json
+import unicodedata
+
+import pytest
+import sentencepiece
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from minispec.tokenizer import ByteLevelBPE, SentencePieceTokenizer, load_tokenizer, split, translate_regex
+
+TEXTS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "It's what they'd've said: I'M SURE you'll see, we're 'quoted' -- OK?",
+    "Café naïve résumé, Ångström, Straße; 東京タワー 北京; 😀👍🏽 🇫🇷; Привет, мир!",
+    "combining: e\u0301 A\u030angstro\u0308m n\u0303; x²+y³=z⁴, Ⅻ o'clock, ½ ① ٣",
+    "3.14159 26535897932384626433 and 1,000,000 or 2024-01-31T12:00",
+    "  leading, trailing   \t\ttabs\n\nnew lines\r\nwindows\r\n   \n",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\nprint(fib(10))  # 55\n",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<|endoftext|>",
+    "special<|endoftext|>glued<|endoftext|><|endoftext|> spaced <|endoftext|> end<|end|<|end",
+    "ſ 'S 'Ll \u00a0nbsp\u2003em\u3000ideographic \x1c\x1d separators \u0085nel\u2028 <mask> x[SEP]  y",
+    "",
+    " ",
+    "a" * 300,
+]
+PROSE = """Speculative decoding runs a small draft model ahead of a large target model. The draft proposes
+a few tokens; the target checks all of them in one forward pass and keeps the longest prefix it agrees
+with, so the output is exactly what the target alone would have produced, only faster. It works best
+when the two models share a tokenizer, when the draft is much cheaper, and when the text is predictable:
+code, lists, translations. Beautiful is better than ugly; explicit is better than implicit; simple is
+better than complex; readability counts. There should be one obvious way to do it, although that way
+may not be obvious at first. Now is better than never, although never is often better than right now."""
+TRAIN = PROSE.splitlines() + TEXTS[:7] * 3
+
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def split_regex(pattern):
+    return pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+
+
+BYTE_LEVEL = {  # name: (normalizer, pre-tokenizer, special tokens, extra added tokens, BOS template)
+    "gpt2": (None, pre_tokenizers.ByteLevel(add_prefix_space=False), ["<|endoftext|>", "<|end"], [], False),
+    "gpt2_prefix_space": (None, pre_tokenizers.ByteLevel(add_prefix_space=True), ["<|endoftext|>"], [], False),
+    "qwen2": (
+        normalizers.NFC(),
+        pre_tokenizers.Sequence([split_regex(QWEN2_PATTERN), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        [  # matched after normalization; swallowing the space on their left / right
+            AddedToken("Ångström", normalized=True, special=False),
+            AddedToken("<mask>", lstrip=True, normalized=False, special=True),
+            AddedToken("[SEP]", rstrip=True, normalized=False, special=True),
+        ],
+        False,
+    ),
+    "llama3": (
+        None,
+        pre_tokenizers.Sequence([split_regex(LLAMA3_PATTERN), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"], [], True,
+    ),
+    "smollm": (
+        None,
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], [], False,
+    ),
+}
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def build_byte_level(directory, name):
+    normalizer, pre_tokenizer, specials, extra, bos_template = BYTE_LEVEL[name]
+    tok = Tokenizer(models.BPE(ignore_merges=name == "llama3"))
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizer, decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAIN, trainer)
+    tok.add_tokens(extra)
+    post = processors.ByteLevel(trim_offsets=False)
+    if bos_template:  # as Llama 3: <|begin_of_text|> before every sequence
+        bos = specials[0]
+        template = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        post = processors.Sequence([post, template])
+    tok.post_processor = post
+    names = {"bos_token": specials[0], "eos_token": specials[-1]} if bos_template else {"eos_token": specials[0]}
+    if name == "qwen2":
+        names["pad_token"] = "<|endoftext|>"
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **names)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def byte_level_dirs(tmp_path_factory):
+    return {name: build_byte_level(tmp_path_factory.mktemp(name), name) for name in BYTE_LEVEL}
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_byte_level_encode_matches_reference(byte_level_dirs, name):
+    directory = byte_level_dirs[name]
+    ours = load_tokenizer(directory)
+    assert isinstance(ours, ByteLevelBPE)
+    reference = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast.from_pretrained(directory)
+    for text in TEXTS:
+        for add_special_tokens in (True, False):
+            expected = reference.encode(text, add_special_tokens=add_special_tokens).ids
+            assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, (name, text)
+        assert ours.encode(text) == hf(text)["input_ids"], (name, text)
+    assert len(ours.encode(TEXTS[0])) < len(TEXTS[0]) / 2  # merges were applied, not just bytes
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_byte_level_decode(byte_level_dirs, name):
+    directory = byte_level_dirs[name]
+    ours = load_tokenizer(directory)
+    reference = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    normalize = (lambda t: unicodedata.normalize("NFC", t)) if name == "qwen2" else (lambda t: t)
+    prefix = " " if name == "gpt2_prefix_space" else ""
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        if name in ("gpt2", "smollm", "llama3"):  # only these keep every character and space as is
+            assert ours.decode(ids) == text
+        for skip in (False, True):
+            # The reference passes added tokens through the byte-level decoder, which garbles non-ASCII
+            # ones ("Ångström"); minispec keeps the text of an added token beyond the model's vocab as is.
+            if name != "qwen2" or "Ångström" not in normalize(text):
+                assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    text = "A\u030angstro\u0308m e\u0301 東京😀"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == prefix + normalize(text)
+    # Pieces of one character spread over several tokens decode together, not as replacement characters.
+    assert len(ours.encode("😀", add_special_tokens=False)) > 1
+    assert "\ufffd" not in ours.decode(ours.encode("東京😀" * 3))
+    special = ours.encode(TEXTS[7] if name in ("qwen2", "smollm") else "a<|endoftext|>b" if "gpt2" in name else "<|eot_id|>b")
+    assert ours.decode(special, skip_special_tokens=True) == reference.decode(special, skip_special_tokens=True)
+    assert "<|" not in ours.decode(special, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        ours.decode([ours.vocab_size + 5])
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_byte_level_attributes(byte_level_dirs, name):
+    directory = byte_level_dirs[name]
+    ours = load_tokenizer(directory)
+    hf = PreTrainedTokenizerFast.from_pretrained(directory)
+    assert ours.vocab_size == len(hf)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+    assert ours.eos_token_id is not None
+    assert ours.chat_template == CHAT_TEMPLATE
+    assert ours.fingerprint == load_tokenizer(directory).fingerprint
+    assert len(ours.fingerprint) == 16
+
+
+def test_fingerprints_differ(byte_level_dirs):
+    prints = {load_tokenizer(directory).fingerprint for directory in byte_level_dirs.values()}
+    assert len(prints) == len(byte_level_dirs)
+
+
+def test_llama3_bos_from_post_processor(byte_level_dirs):
+    ours = load_tokenizer(byte_level_dirs["llama3"])
+    assert ours.bos_token_id is not None
+    assert ours.encode("hi")[0] == ours.bos_token_id
+    assert ours.encode("hi") == [ours.bos_token_id] + ours.encode("hi", add_special_tokens=False)
+    assert ours.bos_token_id not in ours.encode("hi", add_special_tokens=False)
+    assert ours.decode(ours.encode("hi")) == "<|begin_of_text|>hi"
+    assert ours.decode(ours.encode("hi"), skip_special_tokens=True) == "hi"
+
+
+def test_added_tokens_longest_match_first(byte_level_dirs):
+    ours = load_tokenizer(byte_level_dirs["gpt2"])
+    end, endoftext = ours.encode("<|end"), ours.encode("<|endoftext|>")
+    assert len(end) == len(endoftext) == 1 and end != endoftext
+    assert ours.encode("<|endoftext|><|end") == endoftext + end
+
+
+def test_merges_as_strings(byte_level_dirs, tmp_path):
+    """Older tokenizer.json files store merges as "a b" strings instead of [a, b] pairs."""
+    spec = json.loads((byte_level_dirs["gpt2"] / "tokenizer.json").read_text())
+    spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    ours, reference = load_tokenizer(tmp_path), load_tokenizer(byte_level_dirs["gpt2"])
+    for text in TEXTS:
+        assert ours.encode(text) == reference.encode(text)
+
+
+@pytest.mark.parametrize("ignore_merges", [False, True])
+def test_ignore_merges(tmp_path, ignore_merges):
+    """Llama 3's ignore_merges: a pre-token that is itself in the vocab is one token, whatever the merges."""
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())} | {"ab": 256, "abc": 257}
+    tok = Tokenizer(models.BPE(vocab, [("a", "b")], ignore_merges=ignore_merges))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    expected = [257] if ignore_merges else [256, vocab["c"]]
+    assert load_tokenizer(tmp_path).encode("abc") == tok.encode("abc").ids == expected
+
+
+# --- Oniguruma regexes in Python -----------------------------------------------------------------
+
+# Every code point Python's Unicode database knows (the reference's may be newer: it knows more).
+ALL_CHARACTERS = "".join(chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) not in ("Cn", "Cs"))
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\p{L}+", r"\p{N}+", r"\s+", r"\S+", r"\d+", r"\p{Lu}+\p{Ll}*", r"\p{M}+", r"\P{L}+",
+    r"[^\s\p{L}\p{N}]+", r"[\p{Lt}\p{Lm}\p{Lo}]+", r"[^\r\n\p{L}\p{N}]?\p{L}+",
+])
+def test_unicode_classes_match_oniguruma(pattern):
+    """Every code point falls on the same side of the class in Python as in the reference's Oniguruma."""
+    expected = [piece for piece, _ in split_regex(pattern).pre_tokenize_str(ALL_CHARACTERS)]
+    assert split(translate_regex(pattern), ALL_CHARACTERS) == expected
+
+
+def test_unsupported_regex_is_refused():
+    with pytest.raises(ValueError, match=r"\\w"):  # Oniguruma's \w is not Python's; no silent difference
+        translate_regex(r"\w+")
+    with pytest.raises(ValueError, match="nested character classes"):
+        translate_regex(r"[a[b]]")
+
+
+@pytest.mark.parametrize("behavior", ["isolated", "removed", "merged_with_previous", "merged_with_next", "contiguous"])
+@pytest.mark.parametrize("invert", [False, True])
+def test_split_behaviors_match_reference(behavior, invert):
+    reference = pre_tokenizers.Split(Regex("-"), behavior=behavior, invert=invert)
+    ours_behavior = "".join(part.capitalize() for part in behavior.split("_"))
+    for text in ["the-final--countdown", "-a--b---", "---", "abc", "-"]:
+        expected = [piece for piece, _ in reference.pre_tokenize_str(text)]
+        assert split(translate_regex("-"), text, ours_behavior, invert) == expected, text
+
+
+# --- SentencePiece -------------------------------------------------------------------------------
+
+
+def train_sentencepiece(prefix, **options):
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRAIN), model_prefix=str(prefix), minloglevel=2, hard_vocab_limit=False, **options
+    )
+    return sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sentencepiece")
+    llama = train_sentencepiece(  # Llama 1/2: BPE, byte fallback, text kept as is
+        root / "llama", model_type="bpe", vocab_size=500, byte_fallback=True, character_coverage=1.0,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+    )
+    t5 = train_sentencepiece(  # T5: unigram, NFKC, pad 0 / eos 1 / unk 2, no BOS
+        root / "t5", model_type="unigram", vocab_size=200, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+    )
+    dirs = {}
+    user = {"content": "<|user|>", "lstrip": False, "normalized": False, "rstrip": True, "single_word": False, "special": True}
+    configs = {
+        "llama": ("tokenizer.model", {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+                                      "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
+                                      "added_tokens_decoder": {str(llama.get_piece_size()): user}}),
+        "llama_no_bos": ("tokenizer.model", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False}),
+        "t5": ("spiece.model", {"tokenizer_class": "T5Tokenizer", "eos_token": "</s>", "pad_token": "<pad>", "extra_ids": 100}),
+        "t5_bare": ("spiece.model", None),
+    }
+    for name, (file_name, config) in configs.items():
+        directory = root / name
+        directory.mkdir()
+        source = root / ("t5.model" if file_name == "spiece.model" else "llama.model")
+        (directory / file_name).write_bytes(source.read_bytes())
+        if config is not None:
+            (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        dirs[name] = directory
+    return dirs, {"llama": llama, "t5": t5}
+
+
+SPECIAL_FREE = [t for t in TEXTS if "<" not in t]
+
+
+def test_sentencepiece_llama(sentencepiece_dirs):
+    dirs, models_ = sentencepiece_dirs
+    sp = models_["llama"]
+    ours = load_tokenizer(dirs["llama"])
+    assert isinstance(ours, SentencePieceTokenizer)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, None)
+    size = sp.get_piece_size()
+    assert ours.vocab_size == size + 1  # <|user|> from tokenizer_config.json's added_tokens_decoder
+    assert ours.chat_template == CHAT_TEMPLATE
+    for text in SPECIAL_FREE:
+        assert ours.encode(text) == [1] + sp.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == sp.encode(text)
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == sp.decode(sp.encode(text)) == text
+    # Byte fallback: characters outside the vocabulary become <0x..> pieces and decode back together.
+    assert any(sp.id_to_piece(i).startswith("<0x") for i in ours.encode("𝔘𝔫𝔦"))
+    assert ours.decode(ours.encode("𝔘𝔫𝔦 東京"), skip_special_tokens=True) == "𝔘𝔫𝔦 東京"
+    # Control symbols in the text are cut out first, as the reference's special tokens; the text between
+    # them is encoded piece by piece (with SentencePiece's dummy prefix, the "legacy" Llama behaviour).
+    ids = ours.encode("hi</s>there <s> x")
+    assert ids == [1] + sp.encode("hi") + [2] + sp.encode("there ") + [1] + sp.encode(" x")
+    assert ours.decode(ids) == "<s>hi</s>there <s> x"  # each run drops its dummy prefix, as SentencePiece does
+    assert ours.decode(ids, skip_special_tokens=True) == "hithere  x"
+    # An added token from tokenizer_config.json, which swallows the whitespace on its right (rstrip).
+    assert ours.encode("say<|user|>\n hi") == [1] + sp.encode("say") + [size] + sp.encode("hi")
+    assert load_tokenizer(dirs["llama_no_bos"]).encode("hi") == sp.encode("hi")
+
+
+def test_sentencepiece_t5(sentencepiece_dirs):
+    dirs, models_ = sentencepiece_dirs
+    sp = models_["t5"]
+    size = sp.get_piece_size()
+    for name in ("t5", "t5_bare"):
+        ours = load_tokenizer(dirs[name])
+        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (None, 1, 0)
+        assert ours.vocab_size == size + 100  # the reference adds 100 sentinels <extra_id_N>
+        for text in SPECIAL_FREE:
+            assert ours.encode(text) == sp.encode(text) + [1], text  # encoder inputs end with </s>
+            assert ours.decode(ours.encode(text), skip_special_tokens=True) == sp.decode(sp.encode(text))
+        # <extra_id_0> is the last id, <extra_id_99> the first after the model's pieces.
+        ids = ours.encode("a <extra_id_0> b<extra_id_99>", add_special_tokens=False)
+        assert ids == sp.encode("a ") + [size + 99] + sp.encode(" b") + [size]
+        assert ours.decode(ids) == "a<extra_id_0>b<extra_id_99>"
+    assert load_tokenizer(dirs["t5"]).fingerprint == load_tokenizer(dirs["t5_bare"]).fingerprint
+    assert load_tokenizer(dirs["t5"]).fingerprint != load_tokenizer(dirs["llama"]).fingerprint
+
+
+def test_sentencepiece_style_tokenizer_json_falls_back_to_model(sentencepiece_dirs, tmp_path):
+    """Llama 2's tokenizer.json is a SentencePiece-style BPE (Metaspace, byte fallback), not byte-level:
+    the tokenizer.model beside it is used."""
+    dirs, models_ = sentencepiece_dirs
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="byte_fallback"):
+        load_tokenizer(tmp_path)  # and without it: a clear error
+    (tmp_path / "tokenizer.model").write_bytes((dirs["llama"] / "tokenizer.model").read_bytes())
+    ours = load_tokenizer(tmp_path)
+    assert isinstance(ours, SentencePieceTokenizer)
+    assert ours.encode("hello") == [1] + models_["llama"].encode("hello")
+
+
+def test_no_tokenizer_and_bad_input(tmp_path, byte_level_dirs):
+    assert load_tokenizer(tmp_path) is None
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_tokenizer(tmp_path)
+    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0)], 0, False))
+    unigram.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="Unigram"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ValueError, match="not a valid SentencePiece model"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="expects a str"):
+        load_tokenizer(byte_level_dirs["gpt2"]).encode([1, 2])
