@@ -27,6 +27,7 @@ FAMILIES = {
 HUB_FILES = [
     "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "spiece.model",
+    "chat_template.jinja",
 ]
 
 
