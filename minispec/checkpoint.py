@@ -129,8 +129,9 @@ def default_dtype(device):
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def load_model(name_or_path, device="cpu", dtype=None):
-    """Load a checkpoint into its minispec model, with tokenizer and special token ids attached."""
+def load_model(name_or_path, device="cpu", dtype=None, compile=False):
+    """Load a checkpoint into its minispec model, with tokenizer and special token ids attached.
+    compile=True compiles the decode forward (see CachedLM.compile)."""
     directory = resolve_checkpoint(name_or_path)
     hf_config = read_config(directory)
     model_type = hf_config.get("model_type")
@@ -155,7 +156,7 @@ def load_model(name_or_path, device="cpu", dtype=None):
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     attach_special_tokens(model, hf_config)
     model.tokenizer = load_tokenizer(directory)
-    return model
+    return model.compile() if compile else model
 
 
 def attach_special_tokens(model, hf_config):

@@ -65,6 +65,7 @@ def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator)
     return tokens, {"target_calls": calls}
 
 
+@torch.inference_mode()
 def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
              seed=0, lenience=1.0, ignore_eos=False):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram" or "lookup").
@@ -88,8 +89,7 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
     start = time.perf_counter()
     encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
     prompt_ids = prompt_tensor(target, prompt)
-    with torch.inference_mode():
-        prefix = target.encode(prompt_ids)
+    prefix = target.encode(prompt_ids)
     check_fits(target, prefix.shape[1], max_new_tokens)
     if drafter is None:
         tokens, stats = autoregressive(target, prefix, max_new_tokens, sampling, stop_ids, generator)

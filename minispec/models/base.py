@@ -60,6 +60,7 @@ class CachedLM(nn.Module):
         self.eos_token_ids = ()
         self.pad_token_id = None
         self.name = type(self).__name__
+        self.compiled_forward = None  # set by compile()
 
     # --- to implement in each family ------------------------------------------------------------
     @property
@@ -81,14 +82,29 @@ class CachedLM(nn.Module):
 
     # --- the shared interface ---------------------------------------------------------------------
     def ensure_caches(self, batch_size, max_seq_len):
-        """Reuse the caches when they fit; allocate (once per shape) otherwise."""
-        if self.context_length is not None and max_seq_len > self.context_length:
+        """Reuse the caches when they fit; otherwise allocate them, rounded up to a power of two (at
+        least 256 positions) so that later, slightly longer requests reuse them too: every new cache
+        shape costs an allocation and, when compiled, a recompilation."""
+        context = self.context_length
+        if context is not None and max_seq_len > context:
             raise ValueError(
                 f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
-                f"{self.context_length} tokens; use a shorter prompt or fewer new tokens"
+                f"{context} tokens; use a shorter prompt or fewer new tokens"
             )
         if batch_size != self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
-            self.setup_caches(batch_size, max_seq_len)
+            size = max(256, 1 << (max_seq_len - 1).bit_length())
+            self.setup_caches(batch_size, min(size, context) if context else size)
+
+    def compile(self, mode=None):
+        """torch.compile the decode forward: static shapes (the caches are preallocated), one graph per
+        token width (1 for plain decoding, γ+1 for verification), each compiled on first use.
+        Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
+        mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
+        # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
+        self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
+        return self
 
     def encode(self, prompt):
         """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
@@ -97,9 +113,10 @@ class CachedLM(nn.Module):
     def prefill(self, tokens):
         """Start a sequence: the cache then holds exactly `tokens` (which may be empty)."""
         self.length = 0
-        return self.decode(tokens) if tokens.shape[1] else None
+        return self.decode(tokens, self.forward) if tokens.shape[1] else None
 
-    def decode(self, tokens):
+    def decode(self, tokens, forward=None):
+        """Append tokens [batch, n] at position `length`; returns their logits [batch, n, vocab]."""
         n = tokens.shape[1]
         if self.length + n > self.cache_max_seq_len:
             raise ValueError(
@@ -107,7 +124,7 @@ class CachedLM(nn.Module):
                 f"{self.cache_max_seq_len} positions"
             )
         input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
-        logits = self.forward(tokens, input_pos)
+        logits = (forward or self.compiled_forward or self.forward)(tokens, input_pos)
         self.length += n
         return logits
 
