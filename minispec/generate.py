@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import beam
 from .drafters import make_drafter
 from .sampling import Sampling, adjust, sample
 from .speculative import speculative
@@ -20,6 +21,9 @@ class Generation:
     # (token ids, kind) in generation order, kind one of "target" (sampled by the target),
     # "accepted" / "rejected" (draft tokens) or "corrected" (the target's replacement of a rejection).
     trace: list = field(default_factory=list)
+    # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
+    sequences: list = field(default_factory=list)
+    scores: list = field(default_factory=list)
 
 
 def prompt_tensor(model, prompt):
@@ -36,7 +40,7 @@ def prompt_tensor(model, prompt):
     return ids
 
 
-def check_fits(model, prefix_length, max_new_tokens):
+def check_fits(model, prefix_length, max_new_tokens, batch_size=1):
     """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
     context = model.context_length
     if context is not None and prefix_length > context:
@@ -46,7 +50,7 @@ def check_fits(model, prefix_length, max_new_tokens):
             f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds {model.name}'s "
             f"context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
         )
-    model.ensure_caches(1, prefix_length + max_new_tokens)
+    model.ensure_caches(batch_size, prefix_length + max_new_tokens)
 
 
 @torch.inference_mode()
@@ -67,11 +71,13 @@ def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator)
 
 @torch.inference_mode()
 def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-             seed=0, lenience=1.0, ignore_eos=False):
+             seed=0, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram" or "lookup").
 
     Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
     has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
+    beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
+    own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
     """
     sampling = Sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
@@ -83,6 +89,9 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
         if not 0 < lenience <= 1:
             raise ValueError(f"lenience must be in (0, 1], got {lenience}")
         drafter = make_drafter(draft, target)
+    searching = beams != 1 or draft_beams is not None
+    if searching:
+        draft_beams = beam.check_settings(beams, draft_beams, drafter, sampling, lenience)
     stop_ids = set() if ignore_eos else set(target.eos_token_ids)
     generator = torch.Generator(device=target.device).manual_seed(seed)
 
@@ -90,8 +99,14 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
     encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
     prompt_ids = prompt_tensor(target, prompt)
     prefix = target.encode(prompt_ids)
-    check_fits(target, prefix.shape[1], max_new_tokens)
-    if drafter is None:
+    # Beam search scores w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
+    check_fits(target, prefix.shape[1], max_new_tokens, beams + draft_beams * gamma if searching else 1)
+    sequences, scores = [], []
+    if searching:
+        sequences, scores, stats = beam.search(target, prefix, drafter, prompt_ids, beams, draft_beams, gamma,
+                                               max_new_tokens, stop_ids)
+        tokens, trace = sequences[0], [(sequences[0], "target")]
+    elif drafter is None:
         tokens, stats = autoregressive(target, prefix, max_new_tokens, sampling, stop_ids, generator)
         trace = [(tokens, "target")]
     else:
@@ -107,4 +122,4 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
         tokens_per_second=len(tokens) / seconds if seconds > 0 else float("inf"),
     )
     text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
-    return Generation(tokens, text, stats, trace)
+    return Generation(tokens, text, stats, trace, sequences, scores)

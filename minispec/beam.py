@@ -1,0 +1,208 @@
+"""Beam search, and speculative beam search (Leviathan et al. 2023, Appendix A.4) with identical results.
+
+Beam search keeps w running hypotheses ranked by their sums of log-probabilities. It follows the
+reference implementation (transformers) with length_penalty=1.0, early_stopping=True, do_sample=False:
+each step ranks every one-token extension of the running beams; those among the best w that end in EOS
+(or reach max_new_tokens) join a pool of finished hypotheses scored by sum / length, and the best w
+that do not become the next running beams. The search stops once the pool holds w hypotheses, or at
+max_new_tokens. Beams live in the batch dimension of the static KV cache.
+
+Speculative beam search, one iteration (one target forward):
+
+    H_1..H_k = draft beam search of width u >= w for k <= γ steps, from the target's beams B_0
+    target logits at every node of the trie B_0 ∪ H_1 ∪ ... ∪ H_k, in ONE batched forward
+    for j = 1, 2, ...:  B_j = the target's beam step from its logits at B_{j-1}
+                        continue while B_j ⊆ H_j  (top_w(M_p) ⊆ top_u(M_q): B_j's logits are known)
+
+Every step is `beam_step` on the target's own logits, so the result is target-only beam search; the
+step where B_j ⊄ H_j is still a valid target step, so each target forward advances at least one step.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .drafters import ModelDrafter
+from .sampling import Sampling
+
+
+def check_settings(w, u, drafter, sampling, lenience):
+    """Clear errors for what beam search cannot do. Returns the draft's width u (0 without a draft)."""
+    if not (isinstance(w, int) and w >= 1):
+        raise ValueError(f"beams (the beam width w) must be an integer >= 1, got {w!r}")
+    if sampling != Sampling() or lenience != 1:
+        raise ValueError("beam search is deterministic: it cannot be combined with sampling "
+                         "(temperature, top_k, top_p) or lenience")
+    if drafter is None:
+        if u is not None:
+            raise ValueError("draft_beams (the draft's beam width) needs a draft model")
+        return 0
+    if not isinstance(drafter, ModelDrafter):
+        raise ValueError("speculative beam search needs a draft model: 'ngram' and 'lookup' guess one "
+                         "sequence, not a beam of them")
+    u = w if u is None else u
+    if not (isinstance(u, int) and u >= w):
+        raise ValueError(f"draft_beams (the draft's beam width u) must be an integer >= beams ({w}), got {u!r}")
+    return u
+
+
+@dataclass
+class Beams:
+    tokens: torch.Tensor  # [w, n] the running hypotheses' generated ids
+    scores: torch.Tensor  # [w] float32 sums of log-probabilities
+    finished: list = field(default_factory=list)  # (sum / length, ids), best first, at most w
+
+    @classmethod
+    def start(cls, w, device):
+        # w copies of the empty hypothesis, all but one impossible: step 1 must not pick a token w times.
+        scores = torch.full((w,), float("-inf"), device=device)
+        scores[0] = 0.0
+        return cls(torch.zeros(w, 0, dtype=torch.long, device=device), scores)
+
+
+def beam_step(beams, logits, stop_ids, max_new_tokens):
+    """One step of beam search from float32 logits [w, vocab] at the running beams -> (beams, done)."""
+    w, vocab = logits.shape
+    total = (logits.float().log_softmax(-1) + beams.scores[:, None]).view(-1)
+    # Each beam has len(stop_ids) EOS extensions, so the best (1 + len(stop_ids))·w extensions always
+    # include w that go on running.
+    top, index = total.topk((1 + len(stop_ids)) * w)
+    tokens = torch.cat([beams.tokens[index // vocab], (index % vocab)[:, None]], 1)
+    length = tokens.shape[1]
+    ends = [t in stop_ids or length == max_new_tokens for t in tokens[:, -1].tolist()]
+    finished = beams.finished
+    if any(ends[:w]):  # only the best w extensions may finish
+        new = zip((top[:w] / length).tolist(), tokens[:w].tolist(), ends)
+        finished = sorted(finished + [(score, ids) for score, ids, end in new if end], key=lambda h: -h[0])[:w]
+    running = [i for i, end in enumerate(ends) if not end][:w]
+    done = len(finished) == w or length == max_new_tokens
+    return Beams(tokens[running], top[running], finished), done
+
+
+class PrefixCache:
+    """A model's static KV cache whose batch rows hold known token sequences. Scoring new sequences
+    reuses, for each one, the row holding its longest prefix: reorder the rows (an index_select on the
+    batch dimension), roll back to the shortest such prefix, and feed only the rest. This is also how
+    the caches return to the accepted beams after a speculative iteration."""
+
+    def __init__(self, model, prefix, batch_size, max_new_tokens):
+        self.model, self.prefix = model, prefix  # prefix [1, p]: what the decoder starts from (model.encode)
+        model.ensure_caches(batch_size, prefix.shape[1] + max_new_tokens)
+        self.held = prefix.new_zeros(batch_size, 0)  # the ids at each row's cached positions
+
+    def logits(self, tokens, first):
+        """Generated ids [batch_size, n] -> logits [batch_size, n + 1 - first, vocab] predicting the
+        tokens that follow tokens[:, :i], for i = first..n."""
+        seqs = torch.cat([self.prefix.expand(len(tokens), -1), tokens], 1)
+        start = self.prefix.shape[1] + first - 1  # the position whose logits predict generated token `first`
+        m = min(self.held.shape[1], start)
+        p = min(self.prefix.shape[1], m)  # every row starts with the prefix: compare only what follows
+        common = p + (seqs[:, None, p:m] == self.held[None, :, p:m]).int().cumprod(-1).sum(-1)  # [new, held]
+        length, row = common.max(1)
+        keep = int(length.min())
+        if keep == 0:
+            logits = self.model.prefill(seqs)
+        else:
+            self.model.reorder_cache(row)
+            self.model.rollback(keep)
+            logits = self.model.decode(seqs[:, keep:])
+        self.held = seqs
+        return logits[:, start - keep:]
+
+
+@torch.inference_mode()
+def beam_search(model, prefix, w, max_new_tokens, stop_ids):
+    """Target-only beam search after `prefix` (model.encode's output). Returns (finished, stats)."""
+    cache = PrefixCache(model, prefix, w, max_new_tokens)
+    beams, done, steps = Beams.start(w, model.device), False, 0
+    while not done:
+        logits = cache.logits(beams.tokens, beams.tokens.shape[1])[:, 0]
+        beams, done = beam_step(beams, logits, stop_ids, max_new_tokens)
+        steps += 1
+    return beams.finished, {"target_calls": steps, "beam_steps": steps}
+
+
+def draft_beam_search(cache, beams, u, k, stop_ids):
+    """The draft's beam search of width u for k steps, starting from the target's beams and scores.
+    Returns the hypotheses it keeps after each step, [u, n + j] for j = 1..k. None ends in EOS: the
+    target's running beams never do."""
+    tokens, scores, kept = beams.tokens, beams.scores, []
+    pad = torch.arange(u, device=tokens.device)
+    for _ in range(k):
+        logits = cache.logits(tokens[pad % len(tokens)], tokens.shape[1])[: len(tokens), 0]
+        total = logits.float().log_softmax(-1) + scores[:, None]
+        total[:, list(stop_ids)] = float("-inf")
+        scores, index = total.view(-1).topk(u)
+        tokens = torch.cat([tokens[index // total.shape[1]], (index % total.shape[1])[:, None]], 1)
+        kept.append(tokens)
+    return kept
+
+
+def trie_rows(roots, kept, batch_size):
+    """Lay out the trie of hypotheses (the target's beams, then the draft's kept ones, one level per
+    step) as batch rows for one forward: a row per leaf holding its whole path (padded to full depth),
+    so the row's logits cover every node on the path; rows share their ancestors. Returns the rows
+    [batch_size, n + k] and, for each depth j, the row holding each node of that depth."""
+    levels = [roots] + kept
+    depth = len(kept)
+    rows, where = [levels[-1]], [torch.arange(len(levels[-1]), device=roots.device)]
+    n_rows = len(levels[-1])
+    for j in reversed(range(depth)):
+        is_parent = (levels[j + 1][:, None, :-1] == levels[j][None]).all(-1)  # [children, nodes]
+        row = where[0][is_parent.int().argmax(0)]  # a node lies on its first child's row
+        leaves = ~is_parent.any(0)  # the draft dropped these: each needs a row of its own
+        n_leaves = int(leaves.sum())
+        row[leaves] = torch.arange(n_rows, n_rows + n_leaves, device=row.device)
+        rows.append(F.pad(levels[j][leaves], (0, depth - j)))
+        n_rows += n_leaves
+        where.insert(0, row)
+    rows = torch.cat(rows)
+    return torch.cat([rows, rows[:1].expand(batch_size - len(rows), -1)]), where
+
+
+@torch.inference_mode()
+def speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma, max_new_tokens, stop_ids):
+    """Beam search of width w with the target, guessed by the draft with width u for up to gamma steps
+    per target forward. Returns (finished, stats), finished exactly as beam_search's."""
+    verify = PrefixCache(target, prefix, w + u * gamma, max_new_tokens)  # enough rows for every leaf
+    guess = PrefixCache(draft, draft_prefix, u, max_new_tokens)
+    beams, done = Beams.start(w, target.device), False
+    stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "accepted": 0}
+    while not done:
+        n = beams.tokens.shape[1]
+        k = min(gamma, max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
+        kept = draft_beam_search(guess, beams, u, k, stop_ids)
+        rows, where = trie_rows(beams.tokens, kept, w + u * gamma)
+        logits = verify.logits(rows, n)  # [rows, k + 1, vocab]: at depths 0..k
+        node = torch.arange(w, device=target.device)  # B_0's nodes at depth 0
+        for j in range(k + 1):
+            beams, done = beam_step(beams, logits[where[j][node], j], stop_ids, max_new_tokens)
+            stats["beam_steps"] += 1
+            if done or j == k:
+                break
+            same = (beams.tokens[:, None] == kept[j][None]).all(-1)  # [w, u]
+            if not same.any(1).all():  # top_w(M_p) ⊄ top_u(M_q): the next step's logits are unknown
+                break
+            node = same.int().argmax(1)
+            stats["accepted"] += 1
+        stats["target_calls"] += 1
+        stats["draft_calls"] += k
+        stats["proposed"] += k
+    stats["acceptance_rate"] = stats["accepted"] / stats["proposed"] if stats["proposed"] else 0.0
+    stats["steps_per_target_call"] = stats["beam_steps"] / stats["target_calls"]
+    return beams.finished, stats
+
+
+def search(target, prefix, drafter, prompt_ids, w, u, gamma, max_new_tokens, stop_ids):
+    """generate()'s beam search, speculative with a draft model (u from check_settings). Returns
+    (sequences, scores, stats): the w final hypotheses, best first, and their sum / length scores."""
+    if drafter is None:
+        finished, stats = beam_search(target, prefix, w, max_new_tokens, stop_ids)
+    else:
+        draft = drafter.model
+        draft_prefix = draft.encode(prompt_ids.to(draft.device))
+        finished, stats = speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma,
+                                                  max_new_tokens, stop_ids)
+    scores, sequences = zip(*finished)
+    return list(sequences), list(scores), stats
