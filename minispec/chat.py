@@ -1,0 +1,73 @@
+"""Chat prompts: messages wrapped in the checkpoint's chat template, without a template engine.
+
+Checkpoint chat templates are Jinja programs. minispec renders the ChatML family (SmolLM, SmolLM2,
+Qwen2, Qwen2.5), recognised by its parts in the template's source:
+
+    <|im_start|>system\\n{system}<|im_end|>\\n       the template's default system prompt, if it has one,
+                                                 when the conversation does not start with its own
+    <|im_start|>{role}\\n{content}<|im_end|>\\n      every message
+    <|im_start|>assistant\\n                       the generation prompt
+
+Any other template is refused with an error, rather than rendered differently from the reference.
+"""
+
+import re
+
+NEWLINE = r"(?:\n|\\n)"  # a template's string literals hold newlines as such or as the escape \n
+MESSAGE = re.compile(  # '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'
+    r"'<\|im_start\|>' \+ message(?:\['role'\]|\.role) \+ '" + NEWLINE + r"' \+ message(?:\['content'\]|\.content)"
+    r" \+ '<\|im_end\|>(?:' \+ '" + NEWLINE + "|" + NEWLINE + ")'"
+)
+GENERATION_PROMPT = re.compile(r"add_generation_prompt %\}\s*\{\{-?\s*'<\|im_start\|>assistant" + NEWLINE + r"'\s*-?\}\}")
+DEFAULT_SYSTEM = re.compile(r"'<\|im_start\|>system" + NEWLINE + r"((?:[^'\\]|\\.)*?)<\|im_end\|>" + NEWLINE + "'")
+# Parts of other templates that this renderer would silently leave out.
+UNSUPPORTED = ("bos_token", "eos_token", "<think>", "enable_thinking", "is string")
+ESCAPES = {"n": "\n", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+
+class ChatTemplateError(ValueError):
+    """A chat template minispec cannot render; the message says what to do instead."""
+
+
+def unescape(literal):
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m[1], m[0]), literal)
+
+
+def default_system_prompt(template):
+    """The system prompt a ChatML template adds to conversations without one ('' for none); raises
+    ChatTemplateError for a template that is not ChatML as minispec renders it."""
+    if template is None:
+        raise ChatTemplateError("the checkpoint has no chat template; use the prompt as plain text (run.py --no-chat)")
+    supported = (MESSAGE.search(template) and GENERATION_PROMPT.search(template)
+                 and not any(part in template for part in UNSUPPORTED))
+    defaults = {unescape(literal) for literal in DEFAULT_SYSTEM.findall(template)}
+    if not supported or len(defaults) > 1:
+        raise ChatTemplateError(
+            "the checkpoint's chat template is not one minispec can render (it renders the ChatML templates of "
+            "SmolLM, SmolLM2, Qwen2 and Qwen2.5); use the prompt as plain text (run.py --no-chat), or render "
+            "the template yourself and pass the resulting text"
+        )
+    return defaults.pop() if defaults else ""
+
+
+def render(template, messages, add_generation_prompt=True):
+    """The text of `messages` ([{"role": ..., "content": ...}]) in a ChatML `template`, as the
+    reference's apply_chat_template(messages, tokenize=False) gives it."""
+    system = default_system_prompt(template)
+    if not messages:
+        raise ValueError("a chat needs at least one message")
+    for message in messages:
+        if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+            raise ValueError(f"a chat message needs a string role and content, got {message!r}")
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n" if add_generation_prompt else text
+
+
+def chat_prompt(tokenizer, text, system=None):
+    """Token ids of `text` as the user's turn (after a `system` prompt, if given) ready for the
+    assistant's answer; special tokens come from the template, so none are added around it."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.encode(render(tokenizer.chat_template, messages), add_special_tokens=False)
