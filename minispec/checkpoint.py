@@ -36,12 +36,22 @@ class CheckpointError(ValueError):
 
 
 def resolve_checkpoint(name_or_path):
-    """A local checkpoint directory for `name_or_path`: an existing directory, or a hub id to fetch."""
+    """A local checkpoint directory for `name_or_path`: an existing directory, a .gguf file (converted
+    once into the weights folder), a built-in name (minispec.builtin), or a hub id to fetch."""
+    from . import builtin  # it imports this module
+
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file {path} does not exist")
+        return builtin.import_gguf(path)
     if path.exists():
-        raise CheckpointError(f"{path} is a file; a checkpoint is a directory with config.json and *.safetensors")
+        raise CheckpointError(f"{path} is a file; a checkpoint is a directory with config.json and *.safetensors, "
+                              "or a .gguf file")
+    if str(name_or_path) in builtin.BUILTINS:
+        return builtin.resolve_builtin(str(name_or_path))
     # Hub ids look like "name" or "owner/name"; anything else is a local path that is missing.
     if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
         raise CheckpointError(f"checkpoint directory {path} does not exist")
