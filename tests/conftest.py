@@ -86,7 +86,9 @@ def spread_init(model, seed, gain=3.0):
 
 
 # Seeds whose greedy continuations vary (checked by the model tests' distinct-token asserts).
-SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "t5_v1_0": 1, "t5_v1_1": 0}
+SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "t5_v1_0": 1, "t5_v1_1": 2}
+# T5 v1.1 at gain 3 has logits of ~30, where float32 rounding alone exceeds the 1e-4 tolerance.
+GAINS = {"t5_v1_1": 2.0}
 
 
 def make_reference(kind, seed=None):
@@ -94,7 +96,7 @@ def make_reference(kind, seed=None):
     seed = SEEDS[kind] if seed is None else seed
     torch.manual_seed(seed)
     model = MODEL_CLASSES[kind](TINY_CONFIGS[kind]()).eval()
-    return spread_init(model, seed)
+    return spread_init(model, seed, GAINS.get(kind, 3.0))
 
 
 def save_reference(model, directory):

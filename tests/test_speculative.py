@@ -2,6 +2,7 @@
 drafter, exact sampling, cache truncation, T5 encoder reuse, statistics, and bad input."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from conftest import make_reference, noisy_copy, save_reference, spread_init
 TARGETS = ["gpt2", "llama_gqa", "qwen2", "t5_v1_1"]
 DRAFTS = ["same", "noisy", "independent", "ngram", "lookup"]
 GAMMAS = [1, 2, 3, 5, 8]
-PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+# 24 tokens: T5's encoder needs a long enough prompt for its tiny decoder's output to vary.
+PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54, 29, 88, 16, 70, 45, 9, 31, 66, 24, 81, 50, 38]
 NEW_TOKENS = 40
 
 
@@ -178,6 +180,16 @@ def test_mismatched_vocabularies_fail_before_generating(models, tmp_path):
     small = minispec.load(save_reference(transformers.GPT2LMHeadModel(other), tmp_path))
     with pytest.raises(ValueError, match="different vocabularies"):
         minispec.generate(models["gpt2"]["target"], PROMPT, draft=small)
+
+
+def test_mismatched_tokenizers_fail_before_generating(models):
+    target, draft = models["gpt2"]["target"], models["gpt2"]["independent"]
+    target.tokenizer, draft.tokenizer = SimpleNamespace(fingerprint="a1"), SimpleNamespace(fingerprint="b2")
+    try:
+        with pytest.raises(ValueError, match="different tokenizers"):
+            minispec.generate(target, PROMPT, draft=draft)
+    finally:
+        target.tokenizer = draft.tokenizer = None
 
 
 @pytest.mark.parametrize("kwargs, message", [
