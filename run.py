@@ -2,6 +2,7 @@
 
     python run.py --target gpt2-large --draft gpt2 --prompt "Once upon a time" --show
     python run.py --target ./ckpt --draft lookup --prompt-ids 1,2,3 --json
+    python run.py --target ./ckpt --draft ./small --beams 4 --draft-beams 8 --gamma 3 --prompt-ids 1,2,3 --json
 """
 
 import argparse
@@ -52,6 +53,11 @@ def parse_args(argv=None):
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--beams", type=int, default=1,
+                        help="beam search of this width w (1: no beam search); with --draft, speculative beam "
+                             "search (paper A.4) with the same result")
+    parser.add_argument("--draft-beams", type=int,
+                        help="the draft's beam width u >= w in speculative beam search (default: --beams)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     output = parser.add_mutually_exclusive_group()
@@ -93,7 +99,9 @@ def render_trace(trace, decode, colour, separator=""):
 def summary(stats):
     line = (f"{stats['new_tokens']} new tokens in {stats['seconds']:.2f} s "
             f"({stats['tokens_per_second']:.1f} tokens/s)")
-    if "acceptance_rate" in stats:
+    if "beam_steps" in stats:
+        line += f", {stats['beam_steps']} beam steps in {stats['target_calls']} target calls"
+    elif "acceptance_rate" in stats:
         line += (f", acceptance rate {stats['acceptance_rate']:.2f}, "
                  f"{stats['tokens_per_target_call']:.2f} tokens per target call")
     return line
@@ -104,7 +112,7 @@ def main(argv=None):
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
-                    ignore_eos=args.ignore_eos)
+                    ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams)
     try:
         minispec.Sampling(args.temperature, args.top_k, args.top_p)  # bad flags fail before loading weights
         target, draft = load_models(args)
@@ -115,8 +123,9 @@ def main(argv=None):
 
     tokenizer = target.tokenizer
     if args.json:
+        hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}
         print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
-                              draft=args.draft, **settings)))
+                              draft=args.draft, **settings, **hypotheses)))
         return 0
     if args.show:
         if tokenizer:
