@@ -168,7 +168,7 @@ def speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma, ma
     verify = PrefixCache(target, prefix, w + u * gamma, max_new_tokens)  # enough rows for every leaf
     guess = PrefixCache(draft, draft_prefix, u, max_new_tokens)
     beams, done = Beams.start(w, target.device), False
-    stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "accepted": 0}
+    stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "verified": 0, "accepted": 0}
     while not done:
         n = beams.tokens.shape[1]
         k = min(gamma, max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
@@ -181,6 +181,7 @@ def speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma, ma
             stats["beam_steps"] += 1
             if done or j == k:
                 break
+            stats["verified"] += 1
             same = (beams.tokens[:, None] == kept[j][None]).all(-1)  # [w, u]
             if not same.any(1).all():  # top_w(M_p) ⊄ top_u(M_q): the next step's logits are unknown
                 break
@@ -189,7 +190,7 @@ def speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma, ma
         stats["target_calls"] += 1
         stats["draft_calls"] += k
         stats["proposed"] += k
-    stats["acceptance_rate"] = stats["accepted"] / stats["proposed"] if stats["proposed"] else 0.0
+    stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
     stats["steps_per_target_call"] = stats["beam_steps"] / stats["target_calls"]
     return beams.finished, stats
 
