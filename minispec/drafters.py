@@ -1,9 +1,10 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
 
-    drafter.start(prompt_ids, max_new_tokens)                    a new request
-    drafts, q = drafter.propose(generated, k, sampling, rng)     <= k guesses [k'] and their q [k', vocab]
-    drafter.rollback(n_generated)                                the accepted text is prompt + generated[:n]
-    drafter.calls, drafter.encoder_calls                         for statistics
+    drafter.start(prompt_ids, max_new_tokens)              a new request
+    drafts, q = drafter.propose(k, sampling, rng)          <= k guesses [k'] and their q [k', vocab]
+    drafter.accept(tokens, tokens_on_device)               the target kept these tokens (accepted guesses
+                                                           and its own next token); roll back the rest
+    drafter.calls, drafter.encoder_calls                   for statistics
 
 Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
 guess is really drawn from the q it reports (a one-hot q for deterministic guesses).
@@ -58,34 +59,37 @@ class ModelDrafter:
         return self.model.encoder_calls
 
     def start(self, prompt_ids, max_new_tokens):
-        self.prefix = self.model.encode(prompt_ids.to(self.model.device))
-        self.model.ensure_caches(1, self.prefix.shape[1] + max_new_tokens)
-        self.model.prefill(self.prefix[:, :-1])
-        self.calls = int(self.prefix.shape[1] > 1)
+        model = self.model
+        prefix = model.encode(prompt_ids.to(model.device))
+        model.ensure_caches(1, prefix.shape[1] + max_new_tokens)
+        model.prefill(prefix[:, :-1])
+        self.calls = int(prefix.shape[1] > 1)
+        self.unseen = prefix[:, -1:]  # accepted tokens the cache has not seen yet, on the device
+        self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
-    def propose(self, generated, k, sampling, generator):
+    def propose(self, k, sampling, generator):
         model = self.model
         if k == 0:
+            self.fed_guesses = 0
             return torch.zeros(0, dtype=torch.long, device=model.device), torch.zeros(0, model.vocab_size, device=model.device)
-        # Feed what the cache has not seen: the last accepted token, plus the final guess of the
-        # previous step when all of them were accepted (it was sampled but never fed).
-        seen_generated = max(model.length - self.prefix.shape[1], 0)
-        unseen = torch.cat([self.prefix[:, model.length:],
-                            torch.tensor([generated[seen_generated:]], dtype=torch.long, device=model.device)], dim=1)
-        logits = model.decode(unseen)[0, -1]
+        logits = model.decode(self.unseen)[0, -1]
         drafts, qs = [], []
         for i in range(k):
             q = adjust(logits, sampling)
             drafts.append(sample(q, generator))
             qs.append(q)
-            if i < k - 1:
+            if i < k - 1:  # the last guess is never fed: the target decides what follows it
                 logits = model.decode(drafts[-1].view(1, 1))[0, -1]
         self.calls += k
+        self.fed_guesses = k - 1
         return torch.stack(drafts), torch.stack(qs)
 
-    def rollback(self, n_generated):
-        # Keep only cache entries that are part of the accepted sequence (all but its last token).
-        self.model.rollback(min(self.model.length, self.prefix.shape[1] + n_generated - 1))
+    def accept(self, tokens, tokens_on_device):
+        # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
+        # seen that were accepted; the rest of `tokens` is fed at the next proposal.
+        keep = min(len(tokens) - 1, self.fed_guesses)
+        self.model.rollback(self.model.length - (self.fed_guesses - keep))
+        self.unseen = tokens_on_device[keep:].view(1, -1)
 
 
 class NgramDrafter:
@@ -99,7 +103,7 @@ class NgramDrafter:
         self.vocab_size, self.device = vocab_size, device
 
     def start(self, prompt_ids, max_new_tokens):
-        self.prompt = prompt_ids.view(-1).tolist()
+        self.context = prompt_ids.view(-1).tolist()
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
 
@@ -116,10 +120,9 @@ class NgramDrafter:
         row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype, device=self.device)
         return row
 
-    def propose(self, generated, k, sampling, generator):
-        context = self.prompt + generated
-        self.count(context)
-        drafts, qs, previous = [], [], context[-1]
+    def propose(self, k, sampling, generator):
+        self.count(self.context)
+        drafts, qs, previous = [], [], self.context[-1]
         for _ in range(k):
             q = adjust(self.counts_after(previous).log(), sampling)  # same standardization as p
             previous = int(sample(q, generator))
@@ -129,8 +132,8 @@ class NgramDrafter:
             return torch.zeros(0, dtype=torch.long, device=self.device), torch.zeros(0, self.vocab_size, device=self.device)
         return torch.tensor(drafts, device=self.device), torch.stack(qs)
 
-    def rollback(self, n_generated):
-        pass  # counts come from accepted tokens only
+    def accept(self, tokens, tokens_on_device):
+        self.context += tokens
 
 
 class LookupDrafter:
@@ -145,7 +148,7 @@ class LookupDrafter:
         self.vocab_size, self.device, self.max_ngram = vocab_size, device, max_ngram
 
     def start(self, prompt_ids, max_new_tokens):
-        self.prompt = prompt_ids.view(-1).tolist()
+        self.context = prompt_ids.view(-1).tolist()
 
     def continuation(self, context, k):
         for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
@@ -155,12 +158,12 @@ class LookupDrafter:
                     return context[start + n:start + n + k]
         return []
 
-    def propose(self, generated, k, sampling, generator):
-        drafts = self.continuation(self.prompt + generated, k) if k else []
+    def propose(self, k, sampling, generator):
+        drafts = self.continuation(self.context, k) if k else []
         return torch.tensor(drafts, dtype=torch.long, device=self.device), one_hot(drafts, self.vocab_size, self.device)
 
-    def rollback(self, n_generated):
-        pass
+    def accept(self, tokens, tokens_on_device):
+        self.context += tokens
 
 
 MODEL_FREE = {"ngram": NgramDrafter, "lookup": LookupDrafter}

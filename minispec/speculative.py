@@ -61,7 +61,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
 
     while len(generated) < max_new_tokens:
         k = min(gamma, max_new_tokens - len(generated) - 1)  # never draft past max_new_tokens
-        drafts, q = drafter.propose(generated, k, sampling, generator)
+        drafts, q = drafter.propose(k, sampling, generator)
         k = drafts.shape[0]  # model-free drafters may guess fewer
         logits = target.decode(torch.cat([last, drafts.view(1, -1)], dim=1))[0]
         p = adjust(logits, sampling)
@@ -91,7 +91,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
         # Roll both caches back to the accepted sequence; the target has yet to see its last token.
         last = t.view(1, 1)
         target.rollback(target.length - (k - n))
-        drafter.rollback(len(generated))
+        drafter.accept(new_tokens, torch.cat([drafts[:n], last.view(1)]))
 
     stats["draft_calls"] = drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0

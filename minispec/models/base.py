@@ -124,7 +124,10 @@ class CachedLM(nn.Module):
                 f"{self.cache_max_seq_len} positions"
             )
         input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
-        logits = (forward or self.compiled_forward or self.forward)(tokens, input_pos)
+        forward = forward or self.compiled_forward or self.forward
+        if forward is self.compiled_forward:  # graphs guard on strides; a slice of the prompt has odd ones
+            tokens = tokens.clone(memory_format=torch.contiguous_format)
+        logits = forward(tokens, input_pos)
         self.length += n
         return logits
 
