@@ -91,7 +91,7 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
         drafter = make_drafter(draft, target)
     searching = beams != 1 or draft_beams is not None
     if searching:
-        draft_beams = beam.check_settings(beams, draft_beams, drafter, sampling, lenience)
+        draft_beams = beam.check_settings(beams, draft_beams, target, drafter, sampling, lenience)
     stop_ids = set() if ignore_eos else set(target.eos_token_ids)
     generator = torch.Generator(device=target.device).manual_seed(seed)
 

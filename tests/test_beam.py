@@ -176,9 +176,10 @@ def test_command_line(models, tmp_path, capsys):
     ({"beams": 2, "temperature": 1.0}, "sampling"), ({"beams": 2, "top_k": 5}, "sampling"),
     ({"beams": 2, "top_p": 0.9}, "sampling"), ({"beams": 2, "draft": "noisy", "lenience": 0.5}, "lenience"),
     ({"beams": 2, "draft": "ngram"}, "draft model"), ({"beams": 2, "draft": "lookup"}, "draft model"),
+    ({"beams": 2, "draft": "target"}, "separate model object"),
 ])
 def test_bad_beam_settings_are_named(models, kwargs, message):
-    if kwargs.get("draft") == "noisy":
-        kwargs = {**kwargs, "draft": models["gpt2"]["noisy"]}
+    if kwargs.get("draft") in ("noisy", "target"):
+        kwargs = {**kwargs, "draft": models["gpt2"][kwargs["draft"]]}
     with pytest.raises(ValueError, match=message):
         minispec.generate(models["gpt2"]["target"], PROMPT, **kwargs)
