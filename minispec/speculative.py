@@ -55,57 +55,66 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
     target.prefill(prefix[:, :-1])
     last = prefix[:, -1:]  # the one accepted token the target has not seen yet
     generated, trace = [], []
-    stats = {"target_calls": 1 if prefix.shape[1] > 1 else 0, "proposed": 0, "accepted": 0, "verified": 0,
+    stats = {"target_calls": int(prefix.shape[1] > 1), "proposed": 0, "accepted": 0, "verified": 0,
              "accepted_lengths": [0] * (gamma + 1)}
-    overlap_sum = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
+    overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
 
     while len(generated) < max_new_tokens:
-        k = min(gamma, max_new_tokens - len(generated) - 1)  # never draft past max_new_tokens
-        drafts, q = drafter.propose(k, sampling, generator)
-        k = drafts.shape[0]  # model-free drafters may guess fewer
+        # Sample γ guesses x_1..x_γ from M_q (never drafting past max_new_tokens).
+        drafts, q = drafter.propose(min(gamma, max_new_tokens - len(generated) - 1), sampling, generator)
+        # One target forward over the last accepted token and the guesses: p_1 .. p_{γ+1}.
         logits = target.decode(torch.cat([last, drafts.view(1, -1)], dim=1))[0]
         p = adjust(logits, sampling)
         greedy_p = logits.float().softmax(-1) if sampling.greedy and lenience < 1 else None
+        # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})).
         n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
 
-        tested = torch.clamp(n + 1, max=k)  # positions whose acceptance test ran
-        overlap_sum += (torch.minimum(p[:k], q).sum(-1) * (torch.arange(k, device=p.device) < tested)).sum()
-        n, *block = torch.cat([n.view(1), drafts, t.view(1)]).tolist()  # the step's one host sync
-        new_tokens = block[:n] + [block[-1]]
-
-        stats["target_calls"] += 1
-        stats["proposed"] += k
-        stats["accepted"] += n
-        stats["verified"] += min(n + 1, k)
-        stats["accepted_lengths"][n] += 1
-        for i, token in enumerate(new_tokens):
-            if i == n < k:
-                trace.append(([block[n]], "rejected"))
-            generated.append(token)
-            kind = "accepted" if i < n else ("corrected" if n < k else "target")
-            trace.append(([token], kind))
-            if token in stop_ids:
-                break
-        if generated[-1] in stop_ids:
+        k = drafts.shape[0]  # model-free drafters may guess fewer than asked
+        verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
+        overlap += (torch.minimum(p[:k], q).sum(-1) * verified).sum()
+        n, *guesses, t_host = torch.cat([n.view(1), drafts, t.view(1)]).tolist()  # the step's one host sync
+        new_tokens, stopped = cut_at_stop(guesses[:n] + [t_host], stop_ids)
+        record_step(stats, trace, guesses, n, new_tokens)
+        generated += new_tokens
+        if stopped:
             break
-        # Roll both caches back to the accepted sequence; the target has yet to see its last token.
+        # Roll both caches back to the accepted sequence; the target has yet to see t.
         last = t.view(1, 1)
         target.rollback(target.length - (k - n))
-        drafter.accept(new_tokens, torch.cat([drafts[:n], last.view(1)]))
+        drafter.accept(new_tokens, torch.cat([drafts[:n], t.view(1)]))
 
     stats["draft_calls"] = drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
-    stats["alpha"] = overlap_sum.item() / stats["verified"] if stats["verified"] else 0.0
+    stats["alpha"] = overlap.item() / stats["verified"] if stats["verified"] else 0.0
     stats["tokens_per_target_call"] = len(generated) / max(stats["target_calls"], 1)
-    return generated, stats, merge_trace(trace)
+    return generated, stats, trace
 
 
-def merge_trace(trace):
-    """Join consecutive entries of the same kind: [([a], k), ([b], k)] -> [([a, b], k)]."""
-    merged = []
-    for tokens, kind in trace:
-        if merged and merged[-1][1] == kind:
-            merged[-1][0].extend(tokens)
+def cut_at_stop(tokens, stop_ids):
+    """Tokens up to and including the first stop token; and whether one was found."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def record_step(stats, trace, guesses, n, new_tokens):
+    """Count one step, and colour it like the paper's Figure 1: accepted guesses, the rejected guess,
+    then the target's own token ("corrected" after a rejection, "target" after full acceptance)."""
+    k = len(guesses)
+    stats["target_calls"] += 1
+    stats["proposed"] += k
+    stats["accepted"] += n
+    stats["verified"] += min(n + 1, k)
+    stats["accepted_lengths"][n] += 1
+    steps = [(new_tokens[:n], "accepted")]
+    if len(new_tokens) > n:  # the target's token was not cut off by a stop token among the guesses
+        steps += [([guesses[n]], "rejected")] if n < k else []
+        steps += [([new_tokens[n]], "corrected" if n < k else "target")]
+    for tokens, kind in steps:
+        if not tokens:
+            continue
+        if trace and trace[-1][1] == kind:  # one entry per run of the same kind
+            trace[-1][0].extend(tokens)
         else:
-            merged.append((list(tokens), kind))
-    return merged
+            trace.append((list(tokens), kind))
