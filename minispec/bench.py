@@ -1,0 +1,476 @@
+"""Benchmark: autoregressive vs speculative decoding side by side, against the paper's Theorem 3.8.
+
+    python -m minispec.bench --target gpt2-large --draft gpt2 --gamma 2 4 8
+    python -m minispec.bench --target ./ckpt --draft lookup --prompt-ids 1,2,3,1,2 --compare-reference
+
+For each γ it measures tokens/s of both decoders (median of --repeats timed passes over all prompts,
+after one warm-up pass), the measured α, acceptance rate and tokens per target call, the cost ratio
+c = draft step / target step and the verify cost of a (γ+1)-token target forward, and puts the
+measured speedup next to Theorem 3.8's prediction (1 - α^(γ+1)) / ((1 - α)(γc + 1)) and the γ that
+section 3.5 would pick. Prints a markdown table and writes everything to a JSON file.
+
+--compare-reference runs the reference implementation (transformers, imported only then) on the same
+checkpoints and prompts: its greedy/sampled `generate` and its assisted generation, timed the same way.
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+from .checkpoint import load_model, resolve_checkpoint
+from .drafters import MODEL_FREE, make_drafter
+from .generate import generate, prompt_tensor
+from .models.base import CachedLM, KVCache
+from .sampling import Sampling
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+CODE = '''def moving_average(values, window):
+    result = []
+    for i in range(len(values) - window + 1):
+        total = 0
+        for j in range(i, i + window):
+            total += values[j]
+        result.append(total / window)
+    return result'''
+
+# Two open-ended prompts and one that asks to rewrite code: the output then repeats much of the
+# prompt, which is where the model-free `lookup` drafter shines.
+DEFAULT_PROMPTS = [
+    "The history of the printing press begins in",
+    "Question: Why is the sky blue? Explain it to a ten-year-old.\nAnswer:",
+    f"Rewrite this Python function with type hints and a docstring, keeping its logic:\n\n{CODE}\n\nRewritten:\n",
+]
+
+# Peak DRAM bandwidth in bytes/s from vendor datasheets, matched against torch.cuda.get_device_name();
+# the first pattern that matches wins (so the specific variants come first).
+PEAK_BANDWIDTH = [
+    (r"\bh200\b", 4.8e12),
+    (r"\bh100\b.*pcie", 2.0e12),
+    (r"\bh100\b.*nvl", 3.9e12),
+    (r"\bh100\b", 3.35e12),  # SXM, HBM3
+    (r"\ba100\b.*80gb.*pcie", 1.935e12),
+    (r"\ba100\b.*80gb", 2.039e12),
+    (r"\ba100\b", 1.555e12),  # 40GB
+    (r"\bl40s\b", 0.864e12),
+    (r"\bl4\b", 0.3e12),
+    (r"\ba10g?\b", 0.6e12),
+    (r"\brtx 4090\b", 1.008e12),
+    (r"\bv100\b", 0.9e12),
+]
+
+STEP_SAMPLES = 25  # forwards timed per step-time median
+
+
+# --- the paper's model ------------------------------------------------------------------------------
+def predicted_speedup(alpha, gamma, c):
+    """Theorem 3.8: expected walltime improvement (1 - α^(γ+1)) / ((1 - α)(γc + 1))."""
+    if alpha >= 1:  # the limit: every guess accepted, γ + 1 tokens per target call
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def best_gamma(alpha, c, max_gamma=16):
+    """Section 3.5: the integer γ in 1..max_gamma maximizing Theorem 3.8; returns (γ, its speedup).
+    A speedup below 1 means no γ helps (Corollary 3.9: speculation wins iff α > c)."""
+    return max(((g, predicted_speedup(alpha, g, c)) for g in range(1, max_gamma + 1)), key=lambda gs: gs[1])
+
+
+# --- timing -----------------------------------------------------------------------------------------
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device, samples=STEP_SAMPLES, warmup=3):
+    """Median seconds of fn() over `samples` calls, after `warmup` untimed ones (compilation, caches)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(samples):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_generation(runners, prompts, repeats, device):
+    """Time several decoders side by side: one warm-up pass over the prompts each, then `repeats`
+    rounds in which every runner makes one timed pass in turn, so machine drift hits all alike.
+
+    runners: {name: run_one}, run_one(prompt ids) -> (generated ids, stats dict). Returns {name:
+    median tokens/s over the rounds, each round's tokens/s, and the outputs and stats of the last}."""
+    for run_one in runners.values():
+        for prompt in prompts:
+            run_one(prompt)
+    rates = {name: [] for name in runners}
+    for _ in range(repeats):
+        last = {}
+        for name, run_one in runners.items():
+            results, seconds = [], 0.0
+            for prompt in prompts:
+                synchronize(device)
+                start = time.perf_counter()
+                results.append(run_one(prompt))
+                synchronize(device)
+                seconds += time.perf_counter() - start
+            rates[name].append(sum(len(tokens) for tokens, _ in results) / seconds)
+            last[name] = results
+    return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
+                   "outputs": [tokens for tokens, _ in last[name]], "stats": [stats for _, stats in last[name]]}
+            for name in runners}
+
+
+def decode_time(model, prefix, n_tokens, device):
+    """Median seconds of one n-token `decode` with `prefix` in the cache, rolled back after each."""
+    model.ensure_caches(1, prefix.shape[1] + n_tokens)
+    model.prefill(prefix)
+    position = model.length
+    tokens = prefix[:, -1:].repeat(1, n_tokens)  # the values do not change the cost
+
+    def step():
+        model.decode(tokens)
+        model.rollback(position)
+
+    return median_time(step, device)
+
+
+@torch.inference_mode()
+def step_times(target, draft, prompt_ids, generated, gammas, sampling):
+    """Median seconds of the forwards Theorem 3.8 is about, with prompt + `generated` in the caches:
+    a 1-token target decode (one autoregressive step), a (γ+1)-token one (one verification) and one
+    draft step. A model drafter's step is a 1-token decode; a model-free drafter's is its time to
+    propose γ guesses, divided by γ. Returns {"position", "target_step_s", "verify_step_s": {γ: s},
+    "draft_step_s": {γ: s}}."""
+    device = target.device
+    start = target.encode(prompt_ids)
+    if target.context_length is not None:  # keep the (γ+1)-token forward inside the context
+        generated = generated[:max(target.context_length - start.shape[1] - max(gammas) - 1, 0)]
+    generated = torch.tensor([generated], dtype=torch.long, device=device).view(1, -1)
+    prefix = torch.cat([start, generated], dim=1)
+    times = {"position": prefix.shape[1], "target_step_s": decode_time(target, prefix, 1, device),
+             "verify_step_s": {g: decode_time(target, prefix, g + 1, device) for g in gammas}}
+    if isinstance(draft, CachedLM):
+        step = decode_time(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), 1, device)
+        times["draft_step_s"] = {g: step for g in gammas}
+    else:
+        drafter = make_drafter(draft, target)
+        drafter.start(torch.cat([prompt_ids, generated], dim=1), max(gammas))
+        generator = torch.Generator(device=device).manual_seed(0)
+        times["draft_step_s"] = {
+            g: median_time(lambda: drafter.propose(g, sampling, generator), device) / g for g in gammas
+        }
+    return times
+
+
+def speculative_summary(stats):
+    """Pool per-prompt speculative stats: α weighted by verified positions, as in speculative.py."""
+    verified = sum(s["verified"] for s in stats)
+    return {
+        "alpha": sum(s["alpha"] * s["verified"] for s in stats) / verified if verified else 0.0,
+        "acceptance_rate": sum(s["accepted"] for s in stats) / verified if verified else 0.0,
+        "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / sum(s["target_calls"] for s in stats),
+    }
+
+
+# --- memory bandwidth -------------------------------------------------------------------------------
+def decode_bytes(model, length):
+    """Bytes one decode step must read: every decoder weight once (an encoder-decoder's encoder runs
+    once per request, not per token) plus the self-attention keys and values of `length` positions."""
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if not (model.is_encoder_decoder and name.startswith("encoder")))
+    kv = sum(2 * m.k.shape[0] * m.k.shape[1] * length * m.k.shape[3] * m.k.element_size()
+             for m in model.modules() if isinstance(m, KVCache))
+    return weights + kv
+
+
+def peak_bandwidth(device_name):
+    """Datasheet peak bytes/s for a known GPU name, else None."""
+    name = device_name.lower()
+    return next((peak for pattern, peak in PEAK_BANDWIDTH if re.search(pattern, name)), None)
+
+
+def bandwidth(target, position, step_seconds):
+    """Achieved bandwidth of the target's decode step and its fraction of the device's peak (CUDA only)."""
+    if target.device.type != "cuda":
+        return None
+    device_name = torch.cuda.get_device_name(target.device)
+    size = decode_bytes(target, position)
+    achieved = size / step_seconds
+    peak = peak_bandwidth(device_name)
+    return {"device_name": device_name, "bytes_per_step": size, "achieved_bytes_per_s": achieved,
+            "peak_bytes_per_s": peak, "fraction_of_peak": achieved / peak if peak else None}
+
+
+# --- the reference implementation -------------------------------------------------------------------
+def load_reference(name_or_path, device, dtype):
+    """The same checkpoint directory in transformers (imported only here: it is a test-only dependency)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--compare-reference needs the reference implementation: pip install transformers") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    directory = resolve_checkpoint(name_or_path)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    # .to(dtype) too: versions before `dtype=` was accepted ignore it and load float32.
+    return auto.from_pretrained(directory, dtype=dtype).to(device=device, dtype=dtype).eval()
+
+
+def reference_runner(model, args, gamma=None, draft=None):
+    """run_one for time_generation: the reference's generate with the same length and sampling settings.
+    gamma None: autoregressive; else assisted generation with `draft` (a reference model) or, without
+    one, prompt lookup (our `lookup` drafter's counterpart), γ guesses per step."""
+    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    if args.ignore_eos:
+        # Generate through EOS like minispec does; min_new_tokens would forbid EOS, changing the tokens.
+        settings.update(eos_token_id=None, pad_token_id=0)
+    if args.temperature > 0:
+        settings.update(temperature=args.temperature, top_k=0)
+    if gamma is not None and draft is None:
+        settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=3)  # LookupDrafter's max_ngram
+
+    @torch.inference_mode()
+    def run_one(prompt):
+        assist = {}
+        if draft is not None:
+            # Exactly γ guesses per step like Algorithm 1 (the defaults adapt γ and stop at low
+            # confidence). The assistant's own generation_config holds this, so set it on every call.
+            config = draft.generation_config
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
+            config.assistant_confidence_threshold = 0.0
+            assist["assistant_model"] = draft
+        ids = torch.tensor([prompt], device=model.device)
+        torch.manual_seed(args.seed)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **settings, **assist)[0].tolist()
+        # Decoder-only outputs repeat the prompt; encoder-decoder ones start with the decoder start token.
+        return out[1 if model.config.is_encoder_decoder else len(prompt):], {}
+
+    return run_one
+
+
+def reference_runners(args, device, dtype):
+    """{("reference", γ or None): run_one}: the reference's autoregressive and assisted generation
+    (none for `ngram`, which it lacks)."""
+    model = load_reference(args.target, device, dtype)
+    runners = {("reference", None): reference_runner(model, args)}
+    if args.draft == "ngram":
+        return runners
+    draft = None if args.draft == "lookup" else load_reference(args.draft, device, dtype)
+    runners.update({("reference", g): reference_runner(model, args, g, draft) for g in args.gamma})
+    return runners
+
+
+# --- the command line -------------------------------------------------------------------------------
+def token_ids(text):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m minispec.bench",
+                                     description="Autoregressive vs speculative decoding, against Theorem 3.8.")
+    parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
+    parser.add_argument("--draft", required=True, help="checkpoint directory or hub id, 'ngram' or 'lookup'")
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompts", metavar="FILE",
+                         help="a JSON list of prompts (strings or lists of token ids), or one text prompt per line")
+    prompts.add_argument("--prompt-ids", type=token_ids, action="append",
+                         help="a prompt as comma-separated token ids; repeat the flag for several prompts")
+    parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="one table row per value")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="always generate --max-new-tokens tokens (default on: equal-length runs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the models (minispec.load(compile=True))")
+    parser.add_argument("--compare-reference", action="store_true",
+                        help="also time the reference implementation (transformers) and compare its outputs")
+    parser.add_argument("--json-out", default="bench.json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if min(args.gamma) < 1:
+        raise ValueError(f"--gamma values must be >= 1, got {args.gamma}")
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        raise ValueError("--repeats and --max-new-tokens must be >= 1")
+    Sampling(args.temperature)  # a bad temperature fails before loading weights
+    return args
+
+
+def read_prompts(args):
+    """Prompts as given (text or id lists): --prompt-ids, --prompts FILE, or the built-in ones."""
+    if args.prompt_ids:
+        return args.prompt_ids
+    if args.prompts is None:
+        return DEFAULT_PROMPTS
+    try:
+        with open(args.prompts) as f:
+            text = f.read()
+    except OSError as error:
+        raise ValueError(f"--prompts {args.prompts}: {error.strerror}") from None
+    try:
+        prompts = json.loads(text)
+    except json.JSONDecodeError:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts):
+        raise ValueError(f"--prompts {args.prompts}: expected a non-empty JSON list of strings or token-id lists, "
+                         "or one prompt per line")
+    return prompts
+
+
+def load_models(args):
+    """target, and the draft as generate() takes it: a loaded model or 'ngram'/'lookup'."""
+    options = {"compile": True} if args.compile else {}
+    target = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype), **options)
+    if args.draft in MODEL_FREE:
+        return target, args.draft
+    return target, load_model(args.draft, device=target.device, dtype=target.dtype, **options)
+
+
+def prompt_ids_of(target, prompt):
+    if isinstance(prompt, str) and target.tokenizer is None:
+        raise ValueError(f"{target.name} has no tokenizer files: give prompts as token ids "
+                         "(--prompt-ids, or a --prompts JSON file of id lists)")
+    return prompt_tensor(target, prompt)[0].tolist()
+
+
+def minispec_runner(target, draft, gamma, args):
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                    ignore_eos=args.ignore_eos)
+
+    def run_one(prompt):
+        out = generate(target, prompt, draft=draft, gamma=gamma, **settings)
+        return out.tokens, out.stats
+
+    return run_one
+
+
+def benchmark(args):
+    target, draft = load_models(args)
+    device = target.device
+    prompts = [prompt_ids_of(target, p) for p in read_prompts(args)]
+    runners = {("minispec", None): minispec_runner(target, None, 1, args)}
+    runners.update({("minispec", g): minispec_runner(target, draft, g, args) for g in args.gamma})
+    if args.compare_reference:
+        runners.update(reference_runners(args, device, target.dtype))
+    timed = time_generation(runners, prompts, args.repeats, device)
+
+    ar = timed["minispec", None]
+    first = ar["outputs"][0]
+    steps = step_times(target, draft, torch.tensor([prompts[0]], device=device), first[:len(first) // 2],
+                       args.gamma, Sampling(args.temperature))
+    greedy = args.temperature == 0
+    result = {
+        "settings": {"target": args.target, "draft": args.draft, "gammas": args.gamma,
+                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+                     "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
+                     "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
+                     "prompts": len(prompts)},
+        "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats", "outputs")},
+        "target_step_s": steps["target_step_s"],
+        "step_position": steps["position"],
+        "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
+        "rows": [],
+    }
+    for gamma in args.gamma:
+        spec = timed["minispec", gamma]
+        measured = speculative_summary(spec["stats"])
+        c = steps["draft_step_s"][gamma] / steps["target_step_s"]
+        predicted = predicted_speedup(measured["alpha"], gamma, c)
+        speedup = spec["tokens_per_second"] / ar["tokens_per_second"]
+        best, best_speedup = best_gamma(measured["alpha"], c)
+        result["rows"].append({
+            "gamma": gamma, "tokens_per_second": spec["tokens_per_second"],
+            "tokens_per_second_repeats": spec["tokens_per_second_repeats"], "speedup": speedup, **measured,
+            "draft_step_s": steps["draft_step_s"][gamma], "c": c,
+            "verify_step_s": steps["verify_step_s"][gamma],
+            "verify_cost_ratio": steps["verify_step_s"][gamma] / steps["target_step_s"],
+            "predicted_speedup": predicted, "measured_over_predicted": speedup / predicted,
+            "best_gamma": best, "best_gamma_predicted_speedup": best_speedup,
+            # Greedy speculative decoding must reproduce greedy autoregressive decoding exactly.
+            "identical_to_autoregressive": spec["outputs"] == ar["outputs"] if greedy else None,
+            "outputs": spec["outputs"],
+        })
+    if args.compare_reference:
+        ref = timed["reference", None]
+        result["reference"] = {
+            "autoregressive": {"tokens_per_second": ref["tokens_per_second"],
+                               "identical": ref["outputs"] == ar["outputs"] if greedy else None},
+            "assisted": [{"gamma": g, "tokens_per_second": timed["reference", g]["tokens_per_second"],
+                          "speedup": timed["reference", g]["tokens_per_second"] / ref["tokens_per_second"],
+                          "identical": timed["reference", g]["outputs"] == ar["outputs"] if greedy else None}
+                         for g in args.gamma if ("reference", g) in timed],
+        }
+    return result
+
+
+def markdown_table(result):
+    s = result["settings"]
+    lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}"
+             f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts x {s['max_new_tokens']} new tokens, "
+             f"temperature {s['temperature']}, median of {s['repeats']}; "
+             f"step times at position {result['step_position']}", ""]
+    bw = result["memory_bandwidth"]
+    if bw:
+        fraction = f" = {bw['fraction_of_peak']:.0%} of {bw['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
+            if bw["fraction_of_peak"] else ""
+        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
+                  f"{bw['achieved_bytes_per_s'] / 1e9:.0f} GB/s{fraction} ({bw['device_name']})", ""]
+    reference = result.get("reference")
+    assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
+    if reference:
+        ref_ar = reference["autoregressive"]
+        lines += [f"reference autoregressive: {ref_ar['tokens_per_second']:.1f} tokens/s, "
+                  f"identical to minispec: {yes_no(ref_ar['identical'])}", ""]
+    header = ["γ", "AR tok/s", "spec tok/s", "speedup", "α", "accept", "tok/call", "c", "verify cost",
+              "predicted", "meas/pred", "best γ", "pred. at best γ"]
+    if reference:
+        header += ["ref assisted tok/s", "ref speedup", "ref identical"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in result["rows"]:
+        cells = [r["gamma"], f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
+                 f"{r['speedup']:.2f}x", f"{r['alpha']:.2f}", f"{r['acceptance_rate']:.2f}",
+                 f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}", f"{r['verify_cost_ratio']:.2f}",
+                 f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
+                 f"{r['best_gamma_predicted_speedup']:.2f}x"]
+        if reference:
+            a = assisted.get(r["gamma"])
+            cells += [f"{a['tokens_per_second']:.1f}", f"{a['speedup']:.2f}x", yes_no(a["identical"])] if a \
+                else ["-", "-", "-"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def yes_no(value):
+    return "n/a" if value is None else ("yes" if value else "NO")
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        result = benchmark(args)
+    except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    with open(args.json_out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(markdown_table(result))
+    print(f"\nwrote {args.json_out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

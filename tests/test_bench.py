@@ -1,0 +1,217 @@
+"""The benchmark (python -m minispec.bench): Theorem 3.8 and section 3.5 against hand-computed values,
+the JSON/markdown report on tiny checkpoints, the reference comparison, and clean errors.
+
+The tiny checkpoints have no tokenizer files, so prompts are given as token ids."""
+
+import inspect
+import json
+import math
+import sys
+
+import pytest
+from conftest import make_reference, noisy_copy, save_reference
+
+import minispec
+from minispec import bench
+
+# Repeats itself, so the lookup drafter finds matches from the first step on.
+PROMPTS = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [9, 10, 11, 12, 9, 10, 11]]
+PROMPT_FLAGS = [flag for prompt in PROMPTS for flag in ("--prompt-ids", ",".join(map(str, prompt)))]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    gpt2 = make_reference("gpt2")
+    t5 = make_reference("t5_v1_1")
+    return {
+        "gpt2": str(save_reference(gpt2, tmp_path_factory.mktemp("bench_gpt2"))),
+        "gpt2_noisy": str(save_reference(noisy_copy(gpt2, seed=1, scale=0.05), tmp_path_factory.mktemp("bench_noisy"))),
+        "t5": str(save_reference(t5, tmp_path_factory.mktemp("bench_t5"))),
+        "t5_noisy": str(save_reference(noisy_copy(t5, seed=1, scale=0.05), tmp_path_factory.mktemp("bench_t5_noisy"))),
+    }
+
+
+def run_bench(tmp_path, capsys, *argv):
+    out = tmp_path / "bench.json"
+    code = bench.main([*argv, "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(out.read_text()), captured.out
+
+
+def finite_numbers(value):
+    if isinstance(value, dict):
+        return all(finite_numbers(v) for v in value.values())
+    if isinstance(value, list):
+        return all(finite_numbers(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+# --- Theorem 3.8 and section 3.5 ----------------------------------------------------------------------
+def test_predicted_speedup_is_theorem_3_8():
+    # α = 0.8, c = 0.05: γ = 1 -> (1 - 0.64) / (0.2 · 1.05) = 0.36 / 0.21; γ = 3 -> 0.5904 / 0.23
+    assert bench.predicted_speedup(0.8, 1, 0.05) == pytest.approx(0.36 / 0.21)
+    assert bench.predicted_speedup(0.8, 3, 0.05) == pytest.approx(0.5904 / 0.23)
+    assert bench.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)  # nothing accepted: pure draft cost
+    assert bench.predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the α -> 1 limit: (γ+1)/(γc+1)
+    assert bench.predicted_speedup(1 - 1e-12, 4, 0.25) == pytest.approx(5 / 2, rel=1e-6)  # continuous at 1
+    assert bench.predicted_speedup(0.6, 2, 0.0) == pytest.approx(1 + 0.6 + 0.36)  # c = 0: 1 + α + α²
+
+
+def test_best_gamma_maximizes_theorem_3_8():
+    # α = 0.8, c = 0.05: 1 - 0.8^(γ+1) over 0.2(1 + 0.05γ) is 3.0396, 3.0823, 3.0921, 3.0780 at γ = 6..9.
+    gamma, speedup = bench.best_gamma(0.8, 0.05)
+    assert gamma == 8
+    assert speedup == pytest.approx((1 - 0.8**9) / (0.2 * 1.4))
+    # α = 0.5, c = 0.3: γ = 1 gives 1.5 / 1.3 = 1.154 > γ = 2's 0.875 / 0.8 = 1.094.
+    assert bench.best_gamma(0.5, 0.3) == (1, pytest.approx(1.5 / 1.3))
+    # α < c: no γ helps (Corollary 3.9); the best is still γ = 1, at (1 + α) / (1 + c) < 1.
+    gamma, speedup = bench.best_gamma(0.1, 0.5)
+    assert (gamma, speedup) == (1, pytest.approx(1.1 / 1.5))
+    assert speedup < 1
+    # A free drafter that is always right: the more guesses the better, up to the search limit.
+    assert bench.best_gamma(1.0, 0.0) == (16, pytest.approx(17.0))
+
+
+def test_memory_bandwidth_helpers(dirs):
+    target = minispec.load(dirs["gpt2"], device="cpu")
+    target.setup_caches(1, 64)
+    weights = sum(p.numel() for p in target.parameters()) * 4
+    # 2 layers x (keys + values) x 4 heads x 8 dims x 10 positions x 4 bytes
+    assert bench.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
+    t5 = minispec.load(dirs["t5"], device="cpu")
+    t5.setup_caches(1, 64)
+    decoder = sum(p.numel() for name, p in t5.named_parameters() if not name.startswith("encoder")) * 4
+    assert bench.decode_bytes(t5, 0) == decoder < sum(p.numel() for p in t5.parameters()) * 4
+    assert bench.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert bench.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert bench.peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert bench.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert bench.peak_bandwidth("NVIDIA GH200 480GB") is None  # not an H200
+    assert bench.peak_bandwidth("Some Future GPU") is None
+    assert bench.bandwidth(target, 10, 1e-3) is None  # CPU: omitted
+
+
+# --- the report -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("draft", ["lookup", "same_weights"])
+def test_report_has_every_field(dirs, tmp_path, capsys, draft):
+    draft_arg = dirs["gpt2"] if draft == "same_weights" else "lookup"
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", draft_arg,
+                              "--gamma", "1", "3", *PROMPT_FLAGS)
+    assert finite_numbers(result)
+    assert result["settings"]["gammas"] == [1, 3] and result["settings"]["repeats"] == 3
+    ar = result["autoregressive"]
+    assert len(ar["tokens_per_second_repeats"]) == 3
+    assert ar["tokens_per_second"] == pytest.approx(sorted(ar["tokens_per_second_repeats"])[1])  # the median
+    expected = [minispec.generate(minispec.load(dirs["gpt2"]), p, max_new_tokens=NEW_TOKENS, ignore_eos=True).tokens
+                for p in PROMPTS]
+    assert ar["outputs"] == expected
+    assert result["target_step_s"] > 0
+    assert result["step_position"] == len(PROMPTS[0]) + NEW_TOKENS // 2
+    assert result["memory_bandwidth"] is None  # CPU
+    assert [row["gamma"] for row in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        gamma = row["gamma"]
+        assert row["identical_to_autoregressive"] is True
+        assert row["outputs"] == expected
+        assert row["speedup"] == pytest.approx(row["tokens_per_second"] / ar["tokens_per_second"])
+        assert 0 <= row["alpha"] <= 1 and 0 <= row["acceptance_rate"] <= 1
+        assert 1 <= row["tokens_per_target_call"] <= gamma + 1
+        assert row["c"] == pytest.approx(row["draft_step_s"] / result["target_step_s"]) and row["c"] > 0
+        assert row["verify_cost_ratio"] == pytest.approx(row["verify_step_s"] / result["target_step_s"])
+        assert row["predicted_speedup"] == pytest.approx(bench.predicted_speedup(row["alpha"], gamma, row["c"]))
+        assert row["measured_over_predicted"] == pytest.approx(row["speedup"] / row["predicted_speedup"])
+        assert (row["best_gamma"], row["best_gamma_predicted_speedup"]) == \
+            bench.best_gamma(row["alpha"], row["c"])
+        assert row["best_gamma_predicted_speedup"] >= row["predicted_speedup"]
+        if draft == "same_weights":
+            # Every guess accepted: each target call after the prefill yields γ + 1 tokens (fewer at the end).
+            assert row["alpha"] == pytest.approx(1.0) and row["acceptance_rate"] == 1.0
+            assert row["tokens_per_target_call"] == NEW_TOKENS / (1 + math.ceil(NEW_TOKENS / (gamma + 1)))
+        else:
+            assert row["acceptance_rate"] > 0  # the repeating prompts give the lookup drafter hits
+    lines = table.splitlines()
+    assert any(line.startswith("| γ | AR tok/s | spec tok/s | speedup | α |") for line in lines)
+    assert sum(line.startswith("| 1 |") or line.startswith("| 3 |") for line in lines) == 2
+    assert "reference" not in result
+
+
+def test_prompts_file_of_token_ids(dirs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    result, _ = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "ngram", "--prompts", str(prompts),
+                          "--repeats", "1", "--temperature", "0.8")
+    assert result["settings"]["prompts"] == 2
+    row = result["rows"][0]
+    assert row["gamma"] == 5 and row["identical_to_autoregressive"] is None  # sampled: not comparable
+    assert all(len(tokens) == NEW_TOKENS for tokens in row["outputs"])
+
+
+# --- the reference implementation -------------------------------------------------------------------------
+@pytest.mark.parametrize("target, draft", [("gpt2", "gpt2_noisy"), ("gpt2", "lookup"), ("t5", "t5_noisy"),
+                                           ("t5", "lookup")])
+def test_reference_outputs_are_identical_when_greedy(dirs, tmp_path, capsys, target, draft):
+    draft_arg = dirs[draft] if draft in dirs else draft
+    result, table = run_bench(tmp_path, capsys, "--target", dirs[target], "--draft", draft_arg, "--gamma", "2", "4",
+                              "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--compare-reference")
+    reference = result["reference"]
+    assert reference["autoregressive"]["identical"] is True
+    assert reference["autoregressive"]["tokens_per_second"] > 0
+    assert [a["gamma"] for a in reference["assisted"]] == [2, 4]
+    for assisted in reference["assisted"]:
+        assert assisted["identical"] is True
+        assert assisted["speedup"] == pytest.approx(
+            assisted["tokens_per_second"] / reference["autoregressive"]["tokens_per_second"])
+    assert "reference autoregressive:" in table and "| ref assisted tok/s |" in table
+    assert table.count("| yes |") == 2
+
+
+def test_reference_has_no_ngram_counterpart(dirs, tmp_path, capsys):
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "ngram", "--repeats", "1",
+                              "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--compare-reference")
+    assert result["reference"]["autoregressive"]["identical"] is True
+    assert result["reference"]["assisted"] == []
+    assert "| - | - | - |" in table
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--gamma", "0"], "--gamma values must be >= 1"),
+    (["--repeats", "0"], "--repeats and --max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    ([], "has no tokenizer files: give prompts as token ids"),  # the built-in text prompts
+    (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
+    (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),
+])
+def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
+    code = bench.main(["--target", dirs["gpt2"], "--draft", "lookup", "--device", "cpu",
+                       "--json-out", str(tmp_path / "out.json"), *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_bad_prompts_file(dirs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"not": "a list"}))
+    assert bench.main(["--target", dirs["gpt2"], "--draft", "lookup", "--prompts", str(prompts)]) == 2
+    assert "expected a non-empty JSON list" in capsys.readouterr().err
+
+
+def test_missing_reference_implementation_is_named(dirs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    code = bench.main(["--target", dirs["gpt2"], "--draft", "lookup", "--device", "cpu", "--repeats", "1",
+                       "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--compare-reference",
+                       "--json-out", str(tmp_path / "out.json")])
+    assert code == 2
+    assert "pip install transformers" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("compile" not in inspect.signature(minispec.load).parameters,
+                    reason="minispec.load has no compile option yet")
+def test_compile_flag(dirs, tmp_path, capsys):
+    result, _ = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--compile",
+                          "--gamma", "1", "--repeats", "1", "--prompt-ids", ",".join(map(str, PROMPTS[0])))
+    assert result["settings"]["compile"] is True
+    assert result["rows"][0]["identical_to_autoregressive"] is True
