@@ -19,6 +19,7 @@ import re
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -87,18 +88,21 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def median_time(fn, device, samples=STEP_SAMPLES, warmup=3):
-    """Median seconds of fn() over `samples` calls, after `warmup` untimed ones (compilation, caches)."""
+def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
+    """{name: median seconds of fn()} over `samples` rounds in which every fn runs once in turn, so
+    a slow phase of the machine hits all alike; `warmup` untimed rounds first (compilation, caches)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(samples):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_generation(runners, prompts, repeats, device):
@@ -128,18 +132,18 @@ def time_generation(runners, prompts, repeats, device):
             for name in runners}
 
 
-def decode_time(model, prefix, n_tokens, device):
-    """Median seconds of one n-token `decode` with `prefix` in the cache, rolled back after each."""
-    model.ensure_caches(1, prefix.shape[1] + n_tokens)
+def decode_steps(model, prefix, widths):
+    """{n: fn} for n in widths, where fn() decodes n tokens with `prefix` in the cache and rolls back,
+    so that all of them can be timed in turns at the same cache position."""
+    model.ensure_caches(1, prefix.shape[1] + max(widths))
     model.prefill(prefix)
     position = model.length
-    tokens = prefix[:, -1:].repeat(1, n_tokens)  # the values do not change the cost
 
-    def step():
+    def step(tokens):
         model.decode(tokens)
         model.rollback(position)
 
-    return median_time(step, device)
+    return {n: partial(step, prefix[:, -1:].repeat(1, n)) for n in widths}  # token values don't change the cost
 
 
 @torch.inference_mode()
@@ -155,19 +159,19 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
         generated = generated[:max(target.context_length - start.shape[1] - max(gammas) - 1, 0)]
     generated = torch.tensor([generated], dtype=torch.long, device=device).view(1, -1)
     prefix = torch.cat([start, generated], dim=1)
-    times = {"position": prefix.shape[1], "target_step_s": decode_time(target, prefix, 1, device),
-             "verify_step_s": {g: decode_time(target, prefix, g + 1, device) for g in gammas}}
+    steps = decode_steps(target, prefix, [1] + [g + 1 for g in gammas])
+    fns = {("target", n): fn for n, fn in steps.items()}
     if isinstance(draft, CachedLM):
-        step = decode_time(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), 1, device)
-        times["draft_step_s"] = {g: step for g in gammas}
+        fns["draft", 1] = decode_steps(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), [1])[1]
     else:
         drafter = make_drafter(draft, target)
         drafter.start(torch.cat([prompt_ids, generated], dim=1), max(gammas))
         generator = torch.Generator(device=device).manual_seed(0)
-        times["draft_step_s"] = {
-            g: median_time(lambda: drafter.propose(g, sampling, generator), device) / g for g in gammas
-        }
-    return times
+        fns.update({("draft", g): partial(drafter.propose, g, sampling, generator) for g in gammas})
+    times = median_times(fns, device)
+    draft_step = {g: times["draft", 1] if isinstance(draft, CachedLM) else times["draft", g] / g for g in gammas}
+    return {"position": prefix.shape[1], "target_step_s": times["target", 1],
+            "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step}
 
 
 def speculative_summary(stats):
