@@ -41,9 +41,6 @@ def check_settings(w, u, target, drafter, sampling, lenience):
     if not isinstance(drafter, ModelDrafter):
         raise ValueError("speculative beam search needs a draft model: 'ngram' and 'lookup' guess one "
                          "sequence, not a beam of them")
-    if drafter.model is target:
-        raise ValueError("the draft must be a separate model object (each needs its own KV cache); "
-                         "load the checkpoint twice to draft with the target's weights")
     u = w if u is None else u
     if not (isinstance(u, int) and u >= w):
         raise ValueError(f"draft_beams (the draft's beam width u) must be an integer >= beams ({w}), got {u!r}")

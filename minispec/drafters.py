@@ -28,6 +28,9 @@ def make_drafter(draft, target):
         draft = load_model(draft, device=target.device, dtype=target.dtype)
     if not isinstance(draft, CachedLM):
         raise ValueError(f"draft must be a minispec model, a checkpoint, 'ngram' or 'lookup'; got {draft!r}")
+    if draft is target:
+        raise ValueError("the draft must be a separate model object (each needs its own KV cache); "
+                         "load the checkpoint twice to draft with the target's weights")
     check_same_vocabulary(target, draft)
     return ModelDrafter(draft)
 

@@ -192,6 +192,11 @@ def test_mismatched_tokenizers_fail_before_generating(models):
         target.tokenizer = draft.tokenizer = None
 
 
+def test_target_object_as_its_own_draft_is_refused(models):
+    with pytest.raises(ValueError, match="separate model object"):
+        minispec.generate(models["gpt2"]["target"], PROMPT, draft=models["gpt2"]["target"])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"gamma": 0}, "gamma"), ({"lenience": 0.0}, "lenience"), ({"lenience": 1.5}, "lenience"),
     ({"draft": "./no/such/checkpoint"}, "does not exist"),
