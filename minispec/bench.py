@@ -337,6 +337,12 @@ def read_prompts(args):
 
 def load_models(args):
     """target, and the draft as generate() takes it: a loaded model or 'ngram'/'lookup'."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
     options = {"compile": True} if args.compile else {}
     target = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype), **options)
     if args.draft in MODEL_FREE:

@@ -183,9 +183,11 @@ def test_reference_has_no_ngram_counterpart(dirs, tmp_path, capsys):
     ([], "has no tokenizer files: give prompts as token ids"),  # the built-in text prompts
     (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
     (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),
+    (["--device", "tpu9"], "--device 'tpu9' is not a torch device"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
-    code = bench.main(["--target", dirs["gpt2"], "--draft", "lookup", "--device", "cpu",
+    device = [] if "--device" in flags else ["--device", "cpu"]
+    code = bench.main(["--target", dirs["gpt2"], "--draft", "lookup", *device,
                        "--json-out", str(tmp_path / "out.json"), *flags])
     assert code == 2
     assert message in capsys.readouterr().err
