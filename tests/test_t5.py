@@ -1,13 +1,16 @@
 """T5 v1.0 (ReLU, tied head) and v1.1 (gated GELU) against the reference implementation: encoder once
-per request, cached decoding, rollback, greedy generation, a batch-1 prompt under a batch of rows."""
+per request, cached decoding, rollback, greedy generation, a batch-1 prompt under a batch of rows,
+cross-attention memory in capacity buckets, compiled decoding without recompilation across prompt lengths."""
 
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch._dynamo.utils import counters
 from transformers import T5ForConditionalGeneration
 
+import minispec
 from minispec.checkpoint import load_model
 from minispec.generate import generate
 from minispec.models.t5 import T5Config
@@ -85,6 +88,23 @@ def test_greedy_generation_matches_reference(t5):
     assert result.tokens == expected[1:]
     assert len(set(result.tokens)) >= 8  # a collapsed model repeating one token would prove little
     assert model.encoder_calls == calls + 1
+
+
+def test_cross_attention_memory_grows_by_buckets_and_masks_padding(t5):
+    """Encoder keys/values are padded to a power-of-two capacity (at least 64) that only grows; the
+    padding never changes the logits, and a shorter prompt after a longer one reuses the buffers."""
+    reference, model, atol = t5
+    long_prompt = (PROMPT * 3)[:70]
+    model.setup_caches(1, 8)
+    buffers = []
+    for prompt, capacity in [(PROMPT, 64), (PROMPT[:5], 64), (long_prompt, 128), (PROMPT, 128)]:
+        model.encode(torch.tensor([prompt]))
+        buffers.append(model.decoder[0].cross_attn.memory_k)
+        assert buffers[-1].shape[2] == capacity and model.memory_mask.sum() == len(prompt)
+        logits = model.prefill(torch.tensor([DECODER[:4]]))
+        torch.testing.assert_close(logits, reference_logits(reference, DECODER[:4], prompt), atol=atol, rtol=0)
+    # Refilled in place while the capacity holds: compiled graphs see the same tensors.
+    assert buffers[1] is buffers[0] and buffers[3] is buffers[2] is not buffers[0]
 
 
 def test_batch_one_prompt_serves_a_batch_of_rows(t5):
@@ -179,3 +199,28 @@ def test_bad_input_raises_clear_errors(reference_dirs):
     model.setup_caches(3, 8)
     with pytest.raises(ValueError, match="encoded batch of 2"):
         model.prefill(torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_compiled_decoder_does_not_recompile_for_new_prompt_lengths(reference_dirs):
+    """The cross-attention memory is padded to a capacity bucket (64 positions here) and masked: prompts
+    of other lengths reuse the compiled graphs and give the same tokens as eager decoding."""
+    directory = reference_dirs["t5_v1_0"][1]
+    target, draft = minispec.load(directory, compile=True), minispec.load(directory, compile=True)
+    eager_target, eager_draft = minispec.load(directory), minispec.load(directory)
+    settings = {"gamma": 3, "max_new_tokens": 16, "ignore_eos": True, "temperature": 0.0}
+
+    before = counters["stats"]["unique_graphs"]
+    warm = minispec.generate(target, PROMPT, draft=draft, **settings)
+    assert warm.tokens == minispec.generate(eager_target, PROMPT, draft=eager_draft, **settings).tokens
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= before + 2  # the target's verify width and the draft's single steps at least
+
+    prompts = [PROMPT[:9], PROMPT + PROMPT[:16]]  # 9 and 40 tokens, warm-up 24: all in the 64 bucket
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outputs = [minispec.generate(target, prompt, draft=draft, **settings) for prompt in prompts]
+    assert counters["stats"]["unique_graphs"] == graphs
+    for prompt, out in zip(prompts, outputs):
+        assert out.stats["acceptance_rate"] == 1.0  # the draft has the target's weights
+        assert out.tokens == minispec.generate(eager_target, prompt, draft=eager_draft, **settings).tokens
+    assert outputs[0].tokens != outputs[1].tokens  # outputs that ignore the prompt would prove little
+    assert target.decoder[0].cross_attn.memory_k.shape[2] == 64

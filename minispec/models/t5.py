@@ -6,7 +6,9 @@ v1.1 a gated GELU feed-forward and an untied, unscaled head.
 
 The encoder runs once per request in `encode`, which also projects every decoder layer's
 cross-attention keys/values from its output; `forward` is the decoder alone, so decode steps only
-touch the decoder's self-attention KV caches.
+touch the decoder's self-attention KV caches. Those keys/values live in buffers padded to a power-of-two
+capacity (at least 64 positions), with a mask over the prompt's positions: a compiled decoder then sees
+the same shapes whatever the prompt's length, and does not recompile from request to request.
 """
 
 import math
@@ -124,8 +126,8 @@ class Attention(nn.Module):
         """[batch, len, n_heads * d_kv] -> [batch, n_heads, len, d_kv]"""
         return x.view(x.shape[0], x.shape[1], self.n_heads, self.d_kv).transpose(1, 2)
 
-    def attend(self, q, k, v, mask=None):
-        """q [b, h, t, d] over k, v [b, h, s, d]; mask: additive float bias [1, h, t, s] or None."""
+    def attend(self, q, k, v, mask):
+        """q [b, h, t, d] over k, v [b, h, s, d]; mask: additive float bias [1, h, t, s] or boolean [1, 1, 1, s]."""
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         return self.o(y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
@@ -144,21 +146,35 @@ class SelfAttention(Attention):
         return self.attend(q, k, v, mask)
 
 
+def refill(buffer, value):
+    """Copy `value` into `buffer` when the shapes match, so that every request hands a compiled graph
+    (and CUDA graphs) the same tensor; otherwise return a new buffer holding it. New buffers are normal
+    tensors, not inference tensors, so that they can be refilled both inside and outside inference_mode."""
+    if buffer is not None and buffer.shape == value.shape:
+        return buffer.copy_(value)
+    with torch.inference_mode(False):
+        return value.clone(memory_format=torch.contiguous_format)
+
+
 class CrossAttention(Attention):
     """Decoder attention over the encoder output, whose keys/values `remember` computes once per request."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.memory_k = self.memory_v = None  # [encoder batch, heads, prompt length, d_kv]
+        # [encoder batch, heads, capacity, d_kv]: the prompt's positions, then zeros (masked out)
+        self.register_buffer("memory_k", None, persistent=False)
+        self.register_buffer("memory_v", None, persistent=False)
 
     def remember(self, encoder_out):
-        self.memory_k, self.memory_v = self.heads(self.k(encoder_out)), self.heads(self.v(encoder_out))
+        """encoder_out [batch, capacity, d_model], zero-padded past the prompt."""
+        self.memory_k = refill(self.memory_k, self.heads(self.k(encoder_out)))
+        self.memory_v = refill(self.memory_v, self.heads(self.v(encoder_out)))
 
-    def forward(self, x):
+    def forward(self, x, memory_mask):
         # A batch-1 prompt serves every row of the decoder batch (beam search): broadcast, don't copy.
         k = self.memory_k.expand(x.shape[0], -1, -1, -1)
         v = self.memory_v.expand(x.shape[0], -1, -1, -1)
-        return self.attend(self.heads(self.q(x)), k, v)
+        return self.attend(self.heads(self.q(x)), k, v, memory_mask)
 
 
 class FeedForward(nn.Module):
@@ -202,9 +218,9 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         self.ffn = FeedForward(config)
 
-    def forward(self, x, input_pos, mask):
+    def forward(self, x, input_pos, mask, memory_mask):
         x = x + self.self_attn(self.self_attn_norm(x), mask, input_pos)
-        x = x + self.cross_attn(self.cross_attn_norm(x))
+        x = x + self.cross_attn(self.cross_attn_norm(x), memory_mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -224,7 +240,9 @@ class T5(CachedLM):
         self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         # Always its own parameter: convert_hf_weights fills it from the embedding when the checkpoint is tied.
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.encoder_batch_size = 0  # batch of the last encode(); 0 before any
+        # Boolean [1, 1, 1, capacity]: which cross-attention memory positions hold the prompt. A tensor,
+        # not the prompt length as an int, which a compiled graph would specialize on.
+        self.register_buffer("memory_mask", None, persistent=False)
 
     @property
     def context_length(self):
@@ -233,6 +251,12 @@ class T5(CachedLM):
     @property
     def vocab_size(self):
         return self.config.vocab_size
+
+    @property
+    def encoder_batch_size(self):
+        """Batch of the last encode(); 0 before any."""
+        memory = self.decoder[0].cross_attn.memory_k
+        return 0 if memory is None else memory.shape[0]
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
@@ -262,9 +286,14 @@ class T5(CachedLM):
         for layer in self.encoder:
             x = layer(x, bias)
         x = self.encoder_norm(x)
+        # Pad to a power of two, and never shrink, so that later prompts reuse the same buffers (and graphs).
+        n, held = prompt.shape[1], 0 if self.memory_mask is None else self.memory_mask.shape[-1]
+        capacity = max(64, 1 << (n - 1).bit_length(), held)
+        x = F.pad(x, (0, 0, 0, capacity - n))  # zero rows project to zero keys/values (no biases)
         for layer in self.decoder:
             layer.cross_attn.remember(x)
-        self.encoder_batch_size = prompt.shape[0]
+        in_prompt = torch.arange(capacity, device=prompt.device) < n
+        self.memory_mask = refill(self.memory_mask, in_prompt.view(1, 1, 1, capacity))
         self.encoder_calls += 1
         return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
                           device=prompt.device)
@@ -283,7 +312,7 @@ class T5(CachedLM):
         mask = bias.masked_fill(~causal_mask(input_pos, self.cache_max_seq_len), float("-inf"))
         x = self.embed(tokens)
         for layer in self.decoder:
-            x = layer(x, input_pos, mask)
+            x = layer(x, input_pos, mask, self.memory_mask)
         x = self.decoder_norm(x)
         if self.config.scale_decoder_outputs:
             x = x * self.config.d_model**-0.5
@@ -294,7 +323,8 @@ class T5(CachedLM):
         if self.encoder_batch_size > 1:  # one prompt per row: its encoder states follow the row
             for layer in self.decoder:
                 attn = layer.cross_attn
-                attn.memory_k, attn.memory_v = attn.memory_k[beam_idx], attn.memory_v[beam_idx]
+                attn.memory_k.copy_(attn.memory_k.index_select(0, beam_idx))
+                attn.memory_v.copy_(attn.memory_v.index_select(0, beam_idx))
 
 
 # HF name (after "encoder.block.N." / "decoder.block.N.") -> ours (after "encoder.N." / "decoder.N.").
