@@ -24,8 +24,11 @@ class KVCache(nn.Module):
     def __init__(self, batch_size, n_heads, max_seq_len, head_dim, dtype, device):
         super().__init__()
         shape = (batch_size, n_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # Ordinary tensors even when allocated inside generate()'s inference mode, so that the model
+        # can still be driven (and compiled) outside it afterwards.
+        with torch.inference_mode(False):
+            self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
         """Write k, v of shape [batch, heads, len(input_pos), head_dim] at `input_pos`; return the whole cache."""
