@@ -41,6 +41,20 @@ class KVCache(nn.Module):
         self.v.copy_(self.v.index_select(0, beam_idx))
 
 
+class RMSNorm(nn.Module):
+    """Scale-only layer norm (no mean subtraction, no bias) of Llama and T5. Statistics in float32
+    at least: bf16 sums of squares lose precision; the reference does the same."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 def causal_mask(input_pos, max_seq_len):
     """Boolean [len(input_pos), max_seq_len]: query i may read cache position j iff j <= input_pos[i]."""
     return torch.arange(max_seq_len, device=input_pos.device)[None, :] <= input_pos[:, None]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, KVCache, causal_mask
+from .base import CachedLM, KVCache, RMSNorm, causal_mask
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -106,18 +106,6 @@ def apply_rope(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos[:, None] + rotated * sin[:, None]).type_as(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        # Normalize in float32 (bf16 sums of squares lose precision), as the reference does.
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 class Attention(nn.Module):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, KVCache, causal_mask
+from .base import CachedLM, KVCache, RMSNorm, causal_mask
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -95,19 +95,6 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     log_ratio = torch.log(distance.clamp(min=max_exact).float() / max_exact) / math.log(max_distance / max_exact)
     large = (max_exact + log_ratio * (num_buckets - max_exact)).long().clamp(max=num_buckets - 1)
     return buckets + torch.where(distance < max_exact, distance, large)
-
-
-class RMSNorm(nn.Module):
-    """T5's LayerNorm: scale only, no mean subtraction and no bias; statistics in float32 (or wider)."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Attention(nn.Module):
