@@ -1,5 +1,6 @@
 """Command line for minispec: generate from a target model, speculatively when given a draft.
 
+    python run.py                       # the demo: DEFAULT_ARGS below (fetches SmolLM2-135M-Instruct once)
     python run.py --target gpt2-large --draft gpt2 --prompt "Once upon a time" --show
     python run.py --target ./ckpt --draft lookup --prompt-ids 1,2,3 --json
     python run.py --target ./ckpt --draft ./small --beams 4 --draft-beams 8 --gamma 3 --prompt-ids 1,2,3 --json
@@ -12,6 +13,7 @@ import sys
 import torch
 
 import minispec
+from minispec.chat import chat_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +29,19 @@ SHOW_HELP = (
 )
 
 
+# `python run.py` alone: SmolLM2-135M-Instruct summarizes a text, speculatively with the lookup drafter
+# (the answer copies phrases from the prompt, which lookup proposes; it beat ngram here, see README),
+# coloured, and timed against plain autoregressive decoding in the same run.
+DEFAULT_PROMPT = (
+    "Summarize this text in two sentences: The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars "
+    "in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed La dame de fer (French for Iron Lady), it was constructed as the "
+    "centerpiece of the 1889 World's Fair."
+)
+DEFAULT_ARGS = ["--target", "smollm2-135m-instruct", "--draft", "lookup", "--prompt", DEFAULT_PROMPT,
+                "--max-new-tokens", "128", "--show", "--compare"]
+
+
 def token_ids(text):
     """'1,2,3' -> [1, 2, 3], for argparse."""
     try:
@@ -36,14 +51,24 @@ def token_ids(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Speculative decoding (Leviathan et al. 2023) with minispec.")
-    parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
+    parser = argparse.ArgumentParser(
+        description="Speculative decoding (Leviathan et al. 2023) with minispec.",
+        epilog="Without arguments: the demo, " + " ".join(DEFAULT_ARGS[:4] + ["--prompt", "'Summarize ...'"]
+                                                          + DEFAULT_ARGS[6:]))
+    parser.add_argument("--target", required=True,
+                        help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
+                             "Face hub id")
     parser.add_argument("--draft", default="none",
-                        help="checkpoint directory or hub id of a smaller model, 'ngram', 'lookup', or 'none' "
-                             "(plain autoregressive decoding with the target; the default)")
+                        help="a smaller model (as --target), 'ngram', 'lookup', or 'none' (plain autoregressive "
+                             "decoding with the target; the default)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the target checkpoint)")
     prompt.add_argument("--prompt-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction,
+                        help="wrap --prompt as the user's turn in the checkpoint's chat template (default: on when "
+                             "the checkpoint has one, i.e. for instruct/chat models)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also decode without the draft (same settings) and report the speedup")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
@@ -96,6 +121,19 @@ def render_trace(trace, decode, colour, separator=""):
     return separator.join(pieces)
 
 
+def prompt_for(args, target):
+    """(prompt as generate() takes it, whether it is a chat prompt)."""
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise ValueError("--chat needs the prompt as text (--prompt)")
+        return args.prompt_ids, False
+    tokenizer = target.tokenizer
+    chat = args.chat if args.chat is not None else bool(tokenizer and tokenizer.chat_template)
+    if chat and tokenizer is None:
+        raise ValueError(f"--chat: {target.name} has no tokenizer files")
+    return (chat_prompt(tokenizer, args.prompt), True) if chat else (args.prompt, False)
+
+
 def summary(stats):
     line = (f"{stats['new_tokens']} new tokens in {stats['seconds']:.2f} s "
             f"({stats['tokens_per_second']:.1f} tokens/s)")
@@ -107,16 +145,27 @@ def summary(stats):
     return line
 
 
+def speedup(out, baseline):
+    """The --compare part of the summary."""
+    ratio = out.stats["tokens_per_second"] / baseline.stats["tokens_per_second"]
+    return (f"{ratio:.2f}x the speed of decoding without the draft ({baseline.stats['tokens_per_second']:.1f} "
+            f"tokens/s, {'same' if out.tokens == baseline.tokens else 'different'} output)")
+
+
 def main(argv=None):
-    args = parse_args(argv)
-    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv or DEFAULT_ARGS)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
                     ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams)
     try:
         minispec.Sampling(args.temperature, args.top_k, args.top_p)  # bad flags fail before loading weights
         target, draft = load_models(args)
+        prompt, chat = prompt_for(args, target)
+        if args.compare:  # first-call costs (allocation, kernel set-up) out of both timings
+            minispec.generate(target, prompt, draft=draft, max_new_tokens=2)
         out = minispec.generate(target, prompt, draft=draft, **settings)
+        baseline = minispec.generate(target, prompt, **{**settings, "draft_beams": None}) if args.compare else None
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -124,8 +173,10 @@ def main(argv=None):
     tokenizer = target.tokenizer
     if args.json:
         hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}
+        comparison = dict(baseline=baseline.stats, speedup=out.stats["tokens_per_second"]
+                          / baseline.stats["tokens_per_second"]) if baseline else {}
         print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
-                              draft=args.draft, **settings, **hypotheses)))
+                              draft=args.draft, chat=chat, **settings, **hypotheses, **comparison)))
         return 0
     if args.show:
         if tokenizer:
@@ -134,7 +185,7 @@ def main(argv=None):
             print(render_trace(out.trace, lambda ids: " ".join(map(str, ids)), sys.stdout.isatty(), " "))
     else:
         print(out.text if tokenizer else ",".join(map(str, out.tokens)))
-    print(summary(out.stats), file=sys.stderr)
+    print(summary(out.stats) + (f"; {speedup(out, baseline)}" if baseline else ""), file=sys.stderr)
     return 0
 
 
