@@ -18,7 +18,9 @@ MESSAGE = re.compile(  # '<|im_start|>' + message['role'] + '\n' + message['cont
     r"'<\|im_start\|>' \+ message(?:\['role'\]|\.role) \+ '" + NEWLINE + r"' \+ message(?:\['content'\]|\.content)"
     r" \+ '<\|im_end\|>(?:' \+ '" + NEWLINE + "|" + NEWLINE + ")'"
 )
-GENERATION_PROMPT = re.compile(r"add_generation_prompt %\}\s*\{\{-?\s*'<\|im_start\|>assistant" + NEWLINE + r"'\s*-?\}\}")
+GENERATION_PROMPT = re.compile(  # {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}
+    r"add_generation_prompt %\}\s*\{\{-?\s*'<\|im_start\|>assistant" + NEWLINE + r"'\s*-?\}\}"
+)
 DEFAULT_SYSTEM = re.compile(r"'<\|im_start\|>system" + NEWLINE + r"((?:[^'\\]|\\.)*?)<\|im_end\|>" + NEWLINE + "'")
 # Parts of other templates that this renderer would silently leave out.
 UNSUPPORTED = ("bos_token", "eos_token", "<think>", "enable_thinking", "is string")
