@@ -7,8 +7,9 @@
     out.tokens, out.text, out.stats
 """
 
+from .chat import chat_prompt
 from .checkpoint import CheckpointError, load_model as load
 from .generate import Generation, generate
 from .sampling import Sampling
 
-__all__ = ["load", "generate", "Generation", "Sampling", "CheckpointError"]
+__all__ = ["load", "generate", "chat_prompt", "Generation", "Sampling", "CheckpointError"]
