@@ -84,6 +84,9 @@ def parse_args(argv=None):
     parser.add_argument("--draft-beams", type=int,
                         help="the draft's beam width u >= w in speculative beam search (default: --beams)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decode steps (CUDA graphs on cuda); the first run compiles")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats, settings")
@@ -99,12 +102,12 @@ def load_models(args):
         raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-    target = minispec.load(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
+    target = minispec.load(args.target, device=args.device, dtype=DTYPES.get(args.dtype), compile=args.compile)
     if args.draft == "none":
         return target, None
     if args.draft in ("ngram", "lookup"):
         return target, args.draft
-    return target, minispec.load(args.draft, device=target.device, dtype=target.dtype)
+    return target, minispec.load(args.draft, device=target.device, dtype=target.dtype, compile=args.compile)
 
 
 def render_trace(trace, decode, colour, separator=""):
@@ -158,14 +161,22 @@ def main(argv=None):
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
                     ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams)
+    baseline_settings = {**settings, "draft_beams": None}
     try:
         minispec.Sampling(args.temperature, args.top_k, args.top_p)  # bad flags fail before loading weights
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
         target, draft = load_models(args)
         prompt, chat = prompt_for(args, target)
-        if args.compare:  # first-call costs (allocation, kernel set-up) out of both timings
-            minispec.generate(target, prompt, draft=draft, max_new_tokens=2)
+        if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
+            short = {"max_new_tokens": 2} if not args.compile else {}
+            minispec.generate(target, prompt, draft=draft, **{**settings, **short})
+            if args.compare:
+                minispec.generate(target, prompt, **{**baseline_settings, **short})
         out = minispec.generate(target, prompt, draft=draft, **settings)
-        baseline = minispec.generate(target, prompt, **{**settings, "draft_beams": None}) if args.compare else None
+        baseline = minispec.generate(target, prompt, **baseline_settings) if args.compare else None
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
         print(f"error: {error}", file=sys.stderr)
         return 2

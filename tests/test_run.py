@@ -86,6 +86,14 @@ def test_lookup_draft(gpt2_dir, capsys):
     assert lookup["stats"]["proposed"] > 0
 
 
+def test_compiled_run_gives_the_same_tokens(gpt2_dir, capsys):
+    flags = ["--target", gpt2_dir, "--draft", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "12", "--gamma", "3",
+             "--ignore-eos", "--threads", "1"]
+    compiled = run_json(capsys, *flags, "--compile")
+    assert compiled["tokens"] == run_json(capsys, *flags)["tokens"]
+    assert compiled["stats"]["acceptance_rate"] == 1.0
+
+
 def test_plain_and_show_output_without_tty(gpt2_dir, capsys):
     common = ["--target", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "16", "--ignore-eos", "--device", "cpu",
               "--draft", "ngram"]
@@ -122,6 +130,7 @@ def test_render_trace_colours():
     (["--draft", "lookup", "--lenience", "1.5"], "lenience"),
     (["--draft", "./nope"], "nope does not exist"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--threads", "0"], "threads"),
     (["--max-new-tokens", "200"], "context of 128"),
     (["--prompt-ids", ",".join(["3"] * 129)], "longer than"),
     (["--prompt", "hello"], "tokenizer"),
