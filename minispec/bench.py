@@ -214,6 +214,38 @@ def bandwidth(target, position, step_seconds):
 
 
 # --- the reference implementation -------------------------------------------------------------------
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:  # Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_memory(device):
+    """Peak bytes since the last reset: CUDA allocations, or the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
+    """Peak memory of a short and a long generation on the same preallocated caches: a lean decoding
+    loop allocates nothing that grows with the number of steps, so the two peaks are equal."""
+    def run(n):
+        generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)
+
+    run(long_tokens)  # allocates the caches (and compiles) once, for both measurements
+    peaks = {}
+    for n in (short_tokens, long_tokens):
+        reset_peak_memory(target.device)
+        run(n)
+        peaks[n] = peak_memory(target.device)
+    return {"short_tokens": short_tokens, "long_tokens": long_tokens, "peak_short_bytes": peaks[short_tokens],
+            "peak_long_bytes": peaks[long_tokens], "growth": peaks[long_tokens] / peaks[short_tokens] - 1}
+
+
 def load_reference(name_or_path, device, dtype):
     """The same checkpoint directory in transformers (imported only here: it is a test-only dependency)."""
     try:
@@ -303,8 +335,13 @@ def parse_args(argv):
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (minispec.load(compile=True))")
     parser.add_argument("--compare-reference", action="store_true",
                         help="also time the reference implementation (transformers) and compare its outputs")
+    parser.add_argument("--memory-tokens", type=int, default=0, metavar="N",
+                        help="also compare peak memory of a 16-token and an N-token speculative generation "
+                             "(the first γ, the first prompt): it must not grow with the number of steps")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.memory_tokens and args.memory_tokens <= 16:
+        raise ValueError(f"--memory-tokens must be more than 16, got {args.memory_tokens}")
     if min(args.gamma) < 1:
         raise ValueError(f"--gamma values must be >= 1, got {args.gamma}")
     if args.repeats < 1 or args.max_new_tokens < 1:
@@ -393,6 +430,8 @@ def benchmark(args):
         "target_step_s": steps["target_step_s"],
         "step_position": steps["position"],
         "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
+        "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
+        if args.memory_tokens else None,
         "rows": [],
     }
     for gamma in args.gamma:
@@ -439,6 +478,11 @@ def markdown_table(result):
             if bw["fraction_of_peak"] else ""
         lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
                   f"{bw['achieved_bytes_per_s'] / 1e9:.0f} GB/s{fraction} ({bw['device_name']})", ""]
+    memory = result["memory"]
+    if memory:
+        lines += [f"peak memory: {memory['peak_short_bytes'] / 2**20:.1f} MiB after {memory['short_tokens']} "
+                  f"tokens, {memory['peak_long_bytes'] / 2**20:.1f} MiB after {memory['long_tokens']} "
+                  f"(growth {memory['growth']:+.2%})", ""]
     reference = result.get("reference")
     assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
     if reference:

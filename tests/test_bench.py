@@ -93,6 +93,26 @@ def test_memory_bandwidth_helpers(dirs):
     assert bench.bandwidth(target, 10, 1e-3) is None  # CPU: omitted
 
 
+def test_memory_does_not_grow_with_generated_tokens(dirs, tmp_path, capsys):
+    """A lean loop: the peak of a 100-token speculative generation equals that of 16 tokens (1%)."""
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", dirs["gpt2_noisy"],
+                              *PROMPT_FLAGS[:2], "--gamma", "3", "--repeats", "1", "--memory-tokens", "100")
+    memory = result["memory"]
+    assert (memory["short_tokens"], memory["long_tokens"]) == (16, 100)
+    assert memory["peak_short_bytes"] > 0 and abs(memory["growth"]) < 0.01
+    assert "peak memory:" in table
+
+
+def test_memory_measure_sees_growth(dirs):
+    """The measurement itself can fail: a generation that keeps 64 MiB alive per call is caught."""
+    device = minispec.load(dirs["gpt2"], device="cpu").device
+    bench.reset_peak_memory(device)
+    before = bench.peak_memory(device)
+    hoard = b"x" * (64 << 20)  # written, so resident
+    assert bench.peak_memory(device) - before >= 60 << 20
+    del hoard
+
+
 # --- the report -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("draft", ["lookup", "same_weights"])
 def test_report_has_every_field(dirs, tmp_path, capsys, draft):
