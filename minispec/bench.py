@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 
+from .chat import chat_prompt
 from .checkpoint import load_model, resolve_checkpoint
 from .drafters import MODEL_FREE, make_drafter
 from .generate import generate, prompt_tensor
@@ -41,12 +42,17 @@ CODE = '''def moving_average(values, window):
     return result'''
 
 # Two open-ended prompts and one that asks to rewrite code: the output then repeats much of the
-# prompt, which is where the model-free `lookup` drafter shines.
-DEFAULT_PROMPTS = [
+# prompt, which is where the model-free `lookup` drafter shines. `--prompts code` or `--prompts open`
+# picks one kind.
+OPEN_PROMPTS = [
     "The history of the printing press begins in",
     "Question: Why is the sky blue? Explain it to a ten-year-old.\nAnswer:",
+]
+CODE_PROMPTS = [
     f"Rewrite this Python function with type hints and a docstring, keeping its logic:\n\n{CODE}\n\nRewritten:\n",
 ]
+DEFAULT_PROMPTS = OPEN_PROMPTS + CODE_PROMPTS
+BUILTIN_PROMPTS = {"open": OPEN_PROMPTS, "code": CODE_PROMPTS}
 
 # Peak DRAM bandwidth in bytes/s from vendor datasheets, matched against torch.cuda.get_device_name();
 # the first pattern that matches wins (so the specific variants come first).
@@ -320,7 +326,8 @@ def parse_args(argv):
     parser.add_argument("--draft", required=True, help="checkpoint directory or hub id, 'ngram' or 'lookup'")
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompts", metavar="FILE",
-                         help="a JSON list of prompts (strings or lists of token ids), or one text prompt per line")
+                         help="a JSON list of prompts (strings or lists of token ids), one text prompt per line, "
+                              "or a built-in set: 'open' or 'code' (default: both)")
     prompts.add_argument("--prompt-ids", type=token_ids, action="append",
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
     parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="one table row per value")
@@ -335,6 +342,8 @@ def parse_args(argv):
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (minispec.load(compile=True))")
     parser.add_argument("--compare-reference", action="store_true",
                         help="also time the reference implementation (transformers) and compare its outputs")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap text prompts in the checkpoint's chat template (instruct models)")
     parser.add_argument("--memory-tokens", type=int, default=0, metavar="N",
                         help="also compare peak memory of a 16-token and an N-token speculative generation "
                              "(the first γ, the first prompt): it must not grow with the number of steps")
@@ -356,6 +365,8 @@ def read_prompts(args):
         return args.prompt_ids
     if args.prompts is None:
         return DEFAULT_PROMPTS
+    if args.prompts in BUILTIN_PROMPTS:
+        return BUILTIN_PROMPTS[args.prompts]
     try:
         with open(args.prompts) as f:
             text = f.read()
@@ -387,10 +398,13 @@ def load_models(args):
     return target, load_model(args.draft, device=target.device, dtype=target.dtype, **options)
 
 
-def prompt_ids_of(target, prompt):
+def prompt_ids_of(target, prompt, chat=False):
+    """Token ids of a prompt; text prompts become the user's turn of a chat when `chat` is set."""
     if isinstance(prompt, str) and target.tokenizer is None:
         raise ValueError(f"{target.name} has no tokenizer files: give prompts as token ids "
                          "(--prompt-ids, or a --prompts JSON file of id lists)")
+    if isinstance(prompt, str) and chat:
+        prompt = chat_prompt(target.tokenizer, prompt)
     return prompt_tensor(target, prompt)[0].tolist()
 
 
@@ -408,7 +422,7 @@ def minispec_runner(target, draft, gamma, args):
 def benchmark(args):
     target, draft = load_models(args)
     device = target.device
-    prompts = [prompt_ids_of(target, p) for p in read_prompts(args)]
+    prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     runners = {("minispec", None): minispec_runner(target, None, 1, args)}
     runners.update({("minispec", g): minispec_runner(target, draft, g, args) for g in args.gamma})
     if args.compare_reference:

@@ -240,6 +240,22 @@ def test_chat_prompt_by_default_for_chat_checkpoints(tiny_chat_model, capsys):
     assert compared["speedup"] > 0
 
 
+def test_bench_builtin_code_prompt_as_chat(tiny_chat_model, tmp_path, capsys):
+    from minispec import bench
+
+    report = tmp_path / "bench.json"
+    flags = ["--target", NAME, "--draft", "lookup", "--prompts", "code", "--max-new-tokens", "8", "--repeats", "1"]
+    assert bench.main([*flags, "--chat", "--json-out", str(report)]) == 0
+    model = minispec.load(NAME)
+    ids = chat_prompt(model.tokenizer, bench.CODE_PROMPTS[0])
+    expected = minispec.generate(model, ids, max_new_tokens=8, ignore_eos=True).tokens
+    assert json.loads(report.read_text())["autoregressive"]["outputs"] == [expected]
+    assert bench.main([*flags, "--json-out", str(report)]) == 0  # without --chat: the raw text
+    raw = minispec.generate(model, bench.CODE_PROMPTS[0], max_new_tokens=8, ignore_eos=True).tokens
+    assert json.loads(report.read_text())["autoregressive"]["outputs"] == [raw]
+    capsys.readouterr()
+
+
 def test_chat_errors(tiny_chat_model, reference_dirs, capsys):
     assert run.main(["--target", NAME, "--prompt-ids", "1,2,3", "--chat"]) == 2
     assert "--chat needs the prompt as text" in capsys.readouterr().err
