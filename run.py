@@ -13,6 +13,7 @@ import sys
 import torch
 
 import minispec
+from minispec.checkpoint import load_target_and_draft
 from minispec.chat import chat_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,22 +95,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def load_models(args):
-    """The target, and the draft as generate() takes it: None, 'ngram'/'lookup', or a loaded model."""
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-    target = minispec.load(args.target, device=args.device, dtype=DTYPES.get(args.dtype), compile=args.compile)
-    if args.draft == "none":
-        return target, None
-    if args.draft in ("ngram", "lookup"):
-        return target, args.draft
-    return target, minispec.load(args.draft, device=target.device, dtype=target.dtype, compile=args.compile)
-
-
 def render_trace(trace, decode, colour, separator=""):
     """Generation.trace -> one string; `decode` turns a segment's ids into text."""
     pieces = []
@@ -168,7 +153,8 @@ def main(argv=None):
             if args.threads < 1:
                 raise ValueError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
-        target, draft = load_models(args)
+        target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                              args.compile)
         prompt, chat = prompt_for(args, target)
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}

@@ -24,8 +24,8 @@ from functools import partial
 import torch
 
 from .chat import chat_prompt
-from .checkpoint import load_model, resolve_checkpoint
-from .drafters import MODEL_FREE, make_drafter
+from .checkpoint import load_target_and_draft, resolve_checkpoint
+from .drafters import make_drafter
 from .generate import generate, prompt_tensor
 from .models.base import CachedLM, KVCache
 from .sampling import Sampling
@@ -383,21 +383,6 @@ def read_prompts(args):
     return prompts
 
 
-def load_models(args):
-    """target, and the draft as generate() takes it: a loaded model or 'ngram'/'lookup'."""
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-    options = {"compile": True} if args.compile else {}
-    target = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype), **options)
-    if args.draft in MODEL_FREE:
-        return target, args.draft
-    return target, load_model(args.draft, device=target.device, dtype=target.dtype, **options)
-
-
 def prompt_ids_of(target, prompt, chat=False):
     """Token ids of a prompt; text prompts become the user's turn of a chat when `chat` is set."""
     if isinstance(prompt, str) and target.tokenizer is None:
@@ -420,7 +405,8 @@ def minispec_runner(target, draft, gamma, args):
 
 
 def benchmark(args):
-    target, draft = load_models(args)
+    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                          args.compile)
     device = target.device
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     runners = {("minispec", None): minispec_runner(target, None, 1, args)}

@@ -135,13 +135,24 @@ def check_shapes(model, weights, source):
             )
 
 
+def check_device(device):
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {str(device)!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: CUDA is not available on this machine")
+    return device
+
+
 def default_dtype(device):
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def load_model(name_or_path, device="cpu", dtype=None, compile=False):
     """Load a checkpoint into its minispec model, with tokenizer and special token ids attached.
     compile=True compiles the decode forward (see CachedLM.compile)."""
+    device = check_device(device)
     directory = resolve_checkpoint(name_or_path)
     hf_config = read_config(directory)
     model_type = hf_config.get("model_type")
@@ -167,6 +178,15 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False):
     attach_special_tokens(model, hf_config)
     model.tokenizer = load_tokenizer(directory)
     return model.compile() if compile else model
+
+
+def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False):
+    """For the command lines: the target model, and the draft as generate() takes it — None for
+    "none", "ngram"/"lookup" as they are, or a model loaded like the target (same device, dtype)."""
+    target = load_model(target, device=device, dtype=dtype, compile=compile)
+    if draft in (None, "none", "ngram", "lookup"):
+        return target, None if draft == "none" else draft
+    return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile)
 
 
 def attach_special_tokens(model, hf_config):

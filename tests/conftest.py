@@ -116,6 +116,22 @@ def noisy_copy(model, seed, scale=0.02):
     return copy
 
 
+def target_and_drafts(kind, tmp_path_factory):
+    """A loaded target of `kind` and three drafts for it: its own weights ("same"), a noisy copy
+    (mostly accepted) and an independently drawn model (mostly rejected); plus the reference model."""
+    import minispec
+
+    reference = make_reference(kind)
+    directory = save_reference(reference, tmp_path_factory.mktemp(kind))
+    return {
+        "reference": reference,
+        "target": minispec.load(directory),
+        "same": minispec.load(directory),
+        "noisy": minispec.load(save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path_factory.mktemp("noisy"))),
+        "independent": minispec.load(save_reference(make_reference(kind, seed=7), tmp_path_factory.mktemp("indep"))),
+    }
+
+
 @pytest.fixture(scope="session")
 def reference_dirs(tmp_path_factory):
     """Every tiny kind saved once per test session: {kind: (transformers model, checkpoint dir)}."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minispec
-from conftest import make_reference, noisy_copy, save_reference
+from conftest import save_reference, target_and_drafts
 from minispec.beam import trie_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,20 +25,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{kind: {"reference": transformers model, "target": model, "same" / "noisy" / "independent": drafts}}."""
-    out = {}
-    for kind in TARGETS:
-        reference = make_reference(kind)
-        directory = save_reference(reference, tmp_path_factory.mktemp(kind))
-        out[kind] = {
-            "reference": reference,
-            "target": minispec.load(directory),
-            "same": minispec.load(directory),
-            "noisy": minispec.load(save_reference(noisy_copy(reference, seed=1, scale=0.01),
-                                                  tmp_path_factory.mktemp("noisy"))),
-            "independent": minispec.load(save_reference(make_reference(kind, seed=7), tmp_path_factory.mktemp("ind"))),
-        }
-    return out
+    return {kind: target_and_drafts(kind, tmp_path_factory) for kind in TARGETS}
 
 
 def beam_search(target, w, eos=None, max_new_tokens=NEW_TOKENS, **kwargs):

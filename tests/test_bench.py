@@ -203,7 +203,7 @@ def test_reference_has_no_ngram_counterpart(dirs, tmp_path, capsys):
     ([], "has no tokenizer files: give prompts as token ids"),  # the built-in text prompts
     (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
     (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),
-    (["--device", "tpu9"], "--device 'tpu9' is not a torch device"),
+    (["--device", "tpu9"], "device 'tpu9' is not a torch device"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]

@@ -135,7 +135,7 @@ def test_render_trace_colours():
     (["--prompt-ids", ",".join(["3"] * 129)], "longer than"),
     (["--prompt", "hello"], "tokenizer"),
     (["--prompt-ids", "3,96"], "[0, 96)"),
-    (["--device", "nonsense"], "--device"),
+    (["--device", "nonsense"], "device 'nonsense' is not a torch device"),
 ])
 def test_bad_input_exits_2_with_message(gpt2_dir, capsys, monkeypatch, tmp_path, flags, message):
     monkeypatch.chdir(tmp_path)  # so ./nope surely does not exist

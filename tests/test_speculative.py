@@ -10,7 +10,7 @@ import transformers
 from scipy.stats import chisquare
 
 import minispec
-from conftest import make_reference, noisy_copy, save_reference, spread_init
+from conftest import save_reference, spread_init, target_and_drafts
 
 TARGETS = ["gpt2", "llama_gqa", "qwen2", "t5_v1_1"]
 DRAFTS = ["same", "noisy", "independent", "ngram", "lookup"]
@@ -22,19 +22,7 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{kind: {"target": model, "same": model, "noisy": model, "independent": model}}."""
-    out = {}
-    for kind in TARGETS:
-        reference = make_reference(kind)
-        directory = save_reference(reference, tmp_path_factory.mktemp(kind))
-        out[kind] = {
-            "target": minispec.load(directory),
-            "same": minispec.load(directory),
-            "noisy": minispec.load(save_reference(noisy_copy(reference, seed=1, scale=0.01),
-                                                  tmp_path_factory.mktemp("noisy"))),
-            "independent": minispec.load(save_reference(make_reference(kind, seed=7), tmp_path_factory.mktemp("ind"))),
-        }
-    return out
+    return {kind: target_and_drafts(kind, tmp_path_factory) for kind in TARGETS}
 
 
 def draft_for(models, kind, name):

@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
