@@ -142,7 +142,9 @@ class NgramDrafter:
 class LookupDrafter:
     """Paper 3.6's copy heuristic (prompt lookup): find the most recent earlier occurrence of the
     longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
-    The guesses are deterministic, so q is one-hot; no match means no guesses this step."""
+    The guesses are deterministic, so q is one-hot; no match means no guesses this step.
+    An index of every n-gram's last two end positions makes a proposal O(max_ngram), however long
+    the context."""
 
     encoder_calls = 0
     calls = 0
@@ -151,22 +153,34 @@ class LookupDrafter:
         self.vocab_size, self.device, self.max_ngram = vocab_size, device, max_ngram
 
     def start(self, prompt_ids, max_new_tokens):
-        self.context = prompt_ids.view(-1).tolist()
+        self.context = []
+        self.latest, self.earlier = {}, {}  # n-gram -> end position of its latest / previous occurrence
+        self.extend(prompt_ids.view(-1).tolist())
 
-    def continuation(self, context, k):
-        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
-            suffix = context[-n:]
-            for start in range(len(context) - n - 1, -1, -1):
-                if context[start:start + n] == suffix:
-                    return context[start + n:start + n + k]
+    def extend(self, tokens):
+        for token in tokens:
+            self.context.append(token)
+            end = len(self.context) - 1
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                gram = tuple(self.context[end + 1 - n:])
+                if gram in self.latest:
+                    self.earlier[gram] = self.latest[gram]
+                self.latest[gram] = end
+
+    def continuation(self, k):
+        # The suffix's latest occurrence is the suffix itself; copy what followed the one before it.
+        for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
+            end = self.earlier.get(tuple(self.context[-n:]))
+            if end is not None:
+                return self.context[end + 1:end + 1 + k]
         return []
 
     def propose(self, k, sampling, generator):
-        drafts = self.continuation(self.context, k) if k else []
+        drafts = self.continuation(k) if k else []
         return torch.tensor(drafts, dtype=torch.long, device=self.device), one_hot(drafts, self.vocab_size, self.device)
 
     def accept(self, tokens, tokens_on_device):
-        self.context += tokens
+        self.extend(tokens)
 
 
 MODEL_FREE = {"ngram": NgramDrafter, "lookup": LookupDrafter}
