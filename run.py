@@ -13,10 +13,8 @@ import sys
 import torch
 
 import minispec
-from minispec.checkpoint import load_target_and_draft
+from minispec.checkpoint import DTYPES, load_target_and_draft
 from minispec.chat import chat_prompt
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
 # the target's own tokens blue.
@@ -134,9 +132,13 @@ def summary(stats):
 
 
 def speedup(out, baseline):
+    return out.stats["tokens_per_second"] / baseline.stats["tokens_per_second"]
+
+
+def speedup_summary(out, baseline):
     """The --compare part of the summary."""
-    ratio = out.stats["tokens_per_second"] / baseline.stats["tokens_per_second"]
-    return (f"{ratio:.2f}x the speed of decoding without the draft ({baseline.stats['tokens_per_second']:.1f} "
+    return (f"{speedup(out, baseline):.2f}x the speed of decoding without the draft "
+            f"({baseline.stats['tokens_per_second']:.1f} "
             f"tokens/s, {'same' if out.tokens == baseline.tokens else 'different'} output)")
 
 
@@ -170,8 +172,7 @@ def main(argv=None):
     tokenizer = target.tokenizer
     if args.json:
         hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}
-        comparison = dict(baseline=baseline.stats, speedup=out.stats["tokens_per_second"]
-                          / baseline.stats["tokens_per_second"]) if baseline else {}
+        comparison = dict(baseline=baseline.stats, speedup=speedup(out, baseline)) if baseline else {}
         print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
                               draft=args.draft, chat=chat, **settings, **hypotheses, **comparison)))
         return 0
@@ -182,7 +183,7 @@ def main(argv=None):
             print(render_trace(out.trace, lambda ids: " ".join(map(str, ids)), sys.stdout.isatty(), " "))
     else:
         print(out.text if tokenizer else ",".join(map(str, out.tokens)))
-    print(summary(out.stats) + (f"; {speedup(out, baseline)}" if baseline else ""), file=sys.stderr)
+    print(summary(out.stats) + (f"; {speedup_summary(out, baseline)}" if baseline else ""), file=sys.stderr)
     return 0
 
 

@@ -24,13 +24,11 @@ from functools import partial
 import torch
 
 from .chat import chat_prompt
-from .checkpoint import load_target_and_draft, resolve_checkpoint
+from .checkpoint import DTYPES, load_target_and_draft, resolve_checkpoint
 from .drafters import make_drafter
 from .generate import generate, prompt_tensor
 from .models.base import CachedLM, KVCache
 from .sampling import Sampling
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CODE = '''def moving_average(values, window):
     result = []

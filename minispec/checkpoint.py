@@ -145,6 +145,10 @@ def check_device(device):
     return device
 
 
+# The --dtype names the command lines accept.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def default_dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
