@@ -53,5 +53,8 @@ def sample(probs, generator=None):
     argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential race); zero-probability
     tokens can never win, and a one-hot p always returns its argmax.
     """
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    # E = -log(U) with U ~ Uniform(0, 1): the same draw as Tensor.exponential_(), several times faster
+    # on CPU. U < 1 keeps E > 0, and the clamp keeps log finite.
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
+    race = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
     return (probs / race).argmax(-1)
