@@ -97,7 +97,9 @@ class ModelDrafter:
 
 class NgramDrafter:
     """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
-    far, falling back to unigram counts for an unseen previous token. q = normalized counts."""
+    far, falling back to unigram counts for an unseen previous token. q = normalized counts. It lives
+    on the host (each guess picks the next row of counts), so it samples there with a generator of its
+    own, seeded once per request from the caller's, and hands the device its guesses in one copy."""
 
     encoder_calls = 0
     calls = 0
@@ -109,6 +111,7 @@ class NgramDrafter:
         self.context = prompt_ids.view(-1).tolist()
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
+        self.generator = None
 
     def count(self, context):
         for i in range(self.counted, len(context)):
@@ -119,21 +122,24 @@ class NgramDrafter:
 
     def counts_after(self, token):
         counts = self.bigrams.get(token) or self.unigrams
-        row = torch.zeros(self.vocab_size, device=self.device)
-        row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype, device=self.device)
+        row = torch.zeros(self.vocab_size)
+        row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype)
         return row
 
     def propose(self, k, sampling, generator):
+        if self.generator is None:
+            seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
+            self.generator = torch.Generator().manual_seed(int(seed))
         self.count(self.context)
         drafts, qs, previous = [], [], self.context[-1]
         for _ in range(k):
             q = adjust(self.counts_after(previous).log(), sampling)  # same standardization as p
-            previous = int(sample(q, generator))
+            previous = int(sample(q, self.generator))
             drafts.append(previous)
             qs.append(q)
         if not drafts:
             return torch.zeros(0, dtype=torch.long, device=self.device), torch.zeros(0, self.vocab_size, device=self.device)
-        return torch.tensor(drafts, device=self.device), torch.stack(qs)
+        return torch.tensor(drafts, device=self.device), torch.stack(qs).to(self.device)
 
     def accept(self, tokens, tokens_on_device):
         self.context += tokens

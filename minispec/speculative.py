@@ -26,9 +26,9 @@ def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
     """Algorithm 1's verification, on the device, without a host sync.
 
     p [k+1, V]: the target's adjusted distributions at the k draft positions and one beyond;
-    q [k, V]: the drafter's; drafts [k]. Returns (n, t): how many drafts are accepted, and the token
-    that follows them. `greedy_p` (raw target softmax) switches on greedy lenience: accept x when
-    p(x) >= l * max(p), the paper's rule for argmax sampling.
+    q [k, V]: the drafter's; drafts [k]. Returns (n, t), both of shape [1]: how many drafts are
+    accepted, and the token that follows them. `greedy_p` (raw target softmax) switches on greedy
+    lenience: accept x when p(x) >= l * max(p), the paper's rule for argmax sampling.
     """
     k = drafts.shape[0]
     rows = torch.arange(k, device=drafts.device)
@@ -38,11 +38,13 @@ def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
     accepted = r * lenience * q_x < p_x
     if greedy_p is not None:
         accepted = greedy_p[rows, drafts] >= lenience * greedy_p[:k].amax(-1)
-    n = accepted.long().cumprod(0).sum()  # leading run of acceptances
+    # The leading run of acceptances, as a 1-element tensor: indexing with a 0-dim tensor would read
+    # it on the host, a hidden device sync.
+    n = accepted.long().cumprod(0).sum().view(1)
     # p' = norm(max(0, p_{n+1} - q_{n+1})); with q_{γ+1} := 0 this is p_{γ+1} when all were accepted.
-    q_next = torch.cat([q, q.new_zeros(1, q.shape[1])])[n]
-    residual = (p[n] - q_next).clamp(min=0)
-    residual = torch.where(residual.sum() > 0, residual, p[n])  # p == q up to rounding: p itself
+    p_next, q_next = p[n], torch.cat([q, q.new_zeros(1, q.shape[1])])[n]
+    residual = (p_next - q_next).clamp(min=0)
+    residual = torch.where(residual.sum() > 0, residual, p_next)  # p == q up to rounding: p itself
     return n, sample(residual, generator)  # sample() needs no normalization
 
 
@@ -72,7 +74,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
         k = drafts.shape[0]  # model-free drafters may guess fewer than asked
         verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
         overlap += (torch.minimum(p[:k], q).sum(-1) * verified).sum()
-        n, *guesses, t_host = torch.cat([n.view(1), drafts, t.view(1)]).tolist()  # the step's one host sync
+        n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
         new_tokens, stopped = cut_at_stop(guesses[:n] + [t_host], stop_ids)
         record_step(stats, trace, guesses, n, new_tokens)
         generated += new_tokens
@@ -81,7 +83,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
         # Roll both caches back to the accepted sequence; the target has yet to see t.
         last = t.view(1, 1)
         target.rollback(target.length - (k - n))
-        drafter.accept(new_tokens, torch.cat([drafts[:n], t.view(1)]))
+        drafter.accept(new_tokens, torch.cat([drafts[:n], t]))
 
     stats["draft_calls"] = drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0

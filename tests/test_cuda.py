@@ -1,10 +1,12 @@
 """CUDA only (skipped elsewhere, so CI never runs these): compiled decoding with CUDA graphs must give
 the tokens eager decoding gives, for plain, speculative and beam-search decoding. CUDA graphs reuse
 their output buffers on every replay, so any logits read after a later replay would show up here.
+A speculative step must make one host sync, counted by torch's own sync debug mode.
 Written in a session without a GPU: they have not run yet (the first GPU session should run them).
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -47,6 +49,30 @@ def test_cuda_graphs_give_eager_tokens(checkpoints, settings):
         assert out.sequences == expected.sequences
     if with_draft and "beams" not in settings:
         assert out.stats["accepted"] == expected.stats["accepted"]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_one_sync_per_speculative_step(checkpoints, compile):
+    """torch's sync debug mode flags every operation that makes the host wait for the GPU: a
+    speculative step with a model draft has exactly one (its .tolist()); the rest are per request."""
+    target, draft = load_pair(checkpoints, compile)
+
+    def steps_and_syncs(new_tokens):
+        settings = dict(draft=draft, gamma=3, max_new_tokens=new_tokens, ignore_eos=True)
+        minispec.generate(target, PROMPT, **settings)  # compiles and records graphs outside the count
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = minispec.generate(target, PROMPT, **settings)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return out.stats["target_calls"] - 1, sum("synchroniz" in str(w.message) for w in caught)
+
+    (short_steps, short_syncs), (long_steps, long_syncs) = steps_and_syncs(8), steps_and_syncs(40)
+    assert long_steps > short_steps
+    assert long_syncs - short_syncs == long_steps - short_steps
 
 
 def test_bench_reports_bandwidth_on_cuda(checkpoints, tmp_path):

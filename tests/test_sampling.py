@@ -32,7 +32,7 @@ def speculative_first_tokens(p, q, lenience=1.0, draws=DRAWS, seed=0):
         x = sample(q, generator).view(1)
         n, t = accept_and_resample(p_rows, q.view(1, -1), x, lenience, generator)
         tokens.append(torch.where(n == 1, x[0], t))
-    return torch.bincount(torch.stack(tokens), minlength=VOCAB).double()
+    return torch.bincount(torch.cat(tokens), minlength=VOCAB).double()
 
 
 def assert_distributed_as(counts, p):

@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 from scipy.stats import chisquare
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minispec
 from conftest import save_reference, spread_init, target_and_drafts
@@ -122,6 +124,59 @@ def test_lenience_raises_acceptance(models):
                                ignore_eos=True, lenience=lenience, **settings).stats["acceptance_rate"]
              for settings in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 0}) for lenience in (1.0, 0.1)]
     assert rates[1] > rates[0] and rates[3] > rates[2]
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts what makes the host wait for the device: .tolist() calls, and (through a dispatch mode)
+    the ops that read a value on the host (.item(), int(), bool(), indexing with a 0-dim tensor) or
+    whose output shape depends on values (nonzero, masked_select, ...)."""
+
+    VALUE_READS = {"item", "_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive",
+                   "unique_dim", "equal", "is_nonzero", "repeat_interleave"}
+
+    def __init__(self):
+        super().__init__()
+        self.tolist = self.value_reads = 0
+        counter = self
+
+        class ValueReads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.value_reads += func.overloadpacket.__name__ in HostSyncs.VALUE_READS
+                return func(*args, **(kwargs or {}))
+
+        self.dispatch_mode = ValueReads()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.tolist += func is torch.Tensor.tolist
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.dispatch_mode.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.dispatch_mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("name, settings", [("noisy", {}), ("noisy", {"temperature": 0.8, "top_p": 0.9}),
+                                            ("lookup", {})])
+def test_one_host_sync_per_step(models, name, settings):
+    """The lean loop: each speculative step reads the device once (its .tolist()); besides that, a
+    request reads three values however many steps it takes: the prompt's id range, and α at the end.
+    (The ngram drafter samples on the host by design, which on a CPU-only machine this cannot tell
+    apart from reading the device; tests/test_cuda.py counts real syncs.)"""
+    target, draft = models["llama_gqa"]["target"], draft_for(models, "llama_gqa", name)
+    counts = []
+    for new_tokens in (8, NEW_TOKENS):
+        with HostSyncs() as syncs:
+            out = minispec.generate(target, PROMPT, draft=draft, gamma=3, max_new_tokens=new_tokens,
+                                    ignore_eos=True, **settings)
+        counts.append((out.stats["target_calls"] - 1, syncs.tolist, syncs.value_reads))  # the prefill is no step
+    (short_steps, short_tolist, short_reads), (long_steps, long_tolist, long_reads) = counts
+    assert long_steps >= 10 and long_steps > short_steps
+    assert long_tolist - short_tolist == long_steps - short_steps
+    assert short_reads <= 3 and long_reads <= 3
 
 
 @pytest.fixture(scope="module")
