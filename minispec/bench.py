@@ -111,8 +111,9 @@ def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
 
 class PrefillClock:
     """Stands in for a model's prefill and notes when it returns, its device work done. A generation's
-    time after that is its decode time: the part Theorem 3.8 is about. The prompt's forward (and a T5
-    encoder's, which runs before it) costs the same with or without speculation."""
+    time after that is its decode time, and the tokens after the prefill's are its decode tokens: the
+    part Theorem 3.8 is about. The prompt's forward (and a T5 encoder's, which runs before it) costs
+    about the same with or without speculation (which verifies its first guesses in it)."""
 
     def __init__(self, model):
         self.model, self.prefill, self.finished_at = model, model.prefill, None
@@ -129,8 +130,9 @@ def time_generation(runners, prompts, repeats, device):
     rounds in which every runner makes one timed pass in turn, so machine drift hits all alike.
 
     runners: {name: run_one}, run_one(prompt ids) -> (generated ids, stats dict); stats may hold
-    "prefill_seconds". Returns {name: median tokens/s over the rounds (and, where prefill times are
-    known, median tokens/s of the decode phase), each round's, and the outputs and stats of the last}."""
+    "prefill_seconds" and "first_call_tokens" (the tokens out of the prefill). Returns {name: median
+    tokens/s over the rounds (and, where prefill times are known, median tokens/s of the decode
+    phase), each round's, and the outputs and stats of the last}."""
     for run_one in runners.values():
         for prompt in prompts:
             run_one(prompt)
@@ -148,8 +150,9 @@ def time_generation(runners, prompts, repeats, device):
                 seconds += time.perf_counter() - start
             tokens = sum(len(tokens) for tokens, _ in results)
             rates[name].append(tokens / seconds)
-            if all("prefill_seconds" in stats for _, stats in results):
-                decode_rates[name].append(tokens / (seconds - sum(stats["prefill_seconds"] for _, stats in results)))
+            if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
+                decode_tokens = tokens - sum(stats["first_call_tokens"] for _, stats in results)
+                decode_rates[name].append(decode_tokens / (seconds - sum(stats["prefill_seconds"] for _, stats in results)))
             last[name] = results
     return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
                    "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,

@@ -66,7 +66,7 @@ def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator)
             break
         logits = model.decode(token.view(1, 1))[:, -1]
         calls += 1
-    return tokens, {"target_calls": calls}
+    return tokens, {"target_calls": calls, "first_call_tokens": 1}
 
 
 @torch.inference_mode()

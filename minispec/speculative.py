@@ -54,24 +54,24 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
     """Generate up to max_new_tokens after `prefix` (the target's decoder start). Returns
     (tokens, stats, trace) with trace as in generate.Generation."""
     drafter.start(prompt_ids, max_new_tokens)
-    target.prefill(prefix[:, :-1])
-    last = prefix[:, -1:]  # the one accepted token the target has not seen yet
+    unseen = prefix  # accepted tokens the target has not seen: the whole prefix at first, then each t
     generated, trace = [], []
-    stats = {"target_calls": int(prefix.shape[1] > 1), "proposed": 0, "accepted": 0, "verified": 0,
-             "accepted_lengths": [0] * (gamma + 1)}
+    stats = {"target_calls": 0, "proposed": 0, "accepted": 0, "verified": 0, "accepted_lengths": [0] * (gamma + 1)}
     overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
 
     while len(generated) < max_new_tokens:
         # Sample γ guesses x_1..x_γ from M_q (never drafting past max_new_tokens).
         drafts, q = drafter.propose(min(gamma, max_new_tokens - len(generated) - 1), sampling, generator)
-        # One target forward over the last accepted token and the guesses: p_1 .. p_{γ+1}.
-        logits = target.decode(torch.cat([last, drafts.view(1, -1)], dim=1))[0]
+        # One target forward over the unseen tokens and the guesses; its last k+1 rows are p_1 .. p_{k+1}.
+        # The first step is the prompt's own forward (the prefill): its guesses cost no extra call.
+        k = drafts.shape[0]  # model-free drafters may guess fewer than asked
+        tokens = torch.cat([unseen, drafts.view(1, -1)], dim=1)
+        logits = (target.decode(tokens) if generated else target.prefill(tokens))[0, -(k + 1):]
         p = adjust(logits, sampling)
         greedy_p = logits.float().softmax(-1) if sampling.greedy and lenience < 1 else None
         # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})).
         n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
 
-        k = drafts.shape[0]  # model-free drafters may guess fewer than asked
         verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
         overlap += (torch.minimum(p[:k], q).sum(-1) * verified).sum()
         n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
@@ -81,7 +81,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
         if stopped:
             break
         # Roll both caches back to the accepted sequence; the target has yet to see t.
-        last = t.view(1, 1)
+        unseen = t.view(1, 1)
         target.rollback(target.length - (k - n))
         drafter.accept(new_tokens, torch.cat([drafts[:n], t]))
 
@@ -104,6 +104,8 @@ def record_step(stats, trace, guesses, n, new_tokens):
     """Count one step, and colour it like the paper's Figure 1: accepted guesses, the rejected guess,
     then the target's own token ("corrected" after a rejection, "target" after full acceptance)."""
     k = len(guesses)
+    if not stats["target_calls"]:
+        stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
     stats["target_calls"] += 1
     stats["proposed"] += k
     stats["accepted"] += n
