@@ -148,6 +148,8 @@ class NgramDrafter:
 class LookupDrafter:
     """Paper 3.6's copy heuristic (prompt lookup): find the most recent earlier occurrence of the
     longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
+    A copy that runs into the end of the context goes on copying its own guesses, as an overlapping
+    LZ77 copy does, so text that repeats with a period shorter than k still yields k guesses.
     The guesses are deterministic, so q is one-hot; no match means no guesses this step.
     An index of every n-gram's last two end positions makes a proposal O(max_ngram), however long
     the context."""
@@ -178,7 +180,8 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
             end = self.earlier.get(tuple(self.context[-n:]))
             if end is not None:
-                return self.context[end + 1:end + 1 + k]
+                period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
+                return [self.context[end + 1 + i % period] for i in range(k)]
         return []
 
     def propose(self, k, sampling, generator):

@@ -9,11 +9,15 @@ from minispec.sampling import Sampling
 
 
 def scan_continuation(context, k, max_ngram=3):
-    """The definition: the most recent earlier occurrence of the longest suffix (<= max_ngram tokens)."""
+    """The definition: what followed the most recent earlier occurrence of the longest suffix (<=
+    max_ngram tokens), copied one token at a time so that the copy may read its own output."""
     for n in range(min(max_ngram, len(context) - 1), 0, -1):
         for start in range(len(context) - n - 1, -1, -1):
             if context[start:start + n] == context[-n:]:
-                return context[start + n:start + n + k]
+                copied = list(context)
+                for i in range(k):
+                    copied.append(copied[start + n + i])
+                return copied[len(context):]
     return []
 
 
@@ -28,6 +32,15 @@ def test_lookup_index_equals_a_scan_of_the_context():
             k = rng.randrange(1, 6)
             assert drafter.continuation(k) == scan_continuation(tokens[:i], k), (tokens[:i], k)
             drafter.accept(tokens[i:i + 1], None)
+
+
+def test_lookup_copy_continues_a_short_cycle():
+    """A pattern repeating with period 3 < k: the copy reaches the context's end and goes on."""
+    drafter = LookupDrafter(10, "cpu")
+    drafter.start(torch.tensor([9, 1, 2, 3, 1, 2, 3, 1]), 0)
+    assert drafter.continuation(7) == [2, 3, 1, 2, 3, 1, 2]
+    drafter.start(torch.tensor([4, 5, 4]), 0)  # the match is one token back: period 2
+    assert drafter.continuation(3) == [5, 4, 5]
 
 
 def test_lookup_proposes_a_one_hot_q():
