@@ -101,14 +101,12 @@ class PrefixCache:
         common = p + (seqs[:, None, p:m] == self.held[None, :, p:m]).int().cumprod(-1).sum(-1)  # [new, held]
         length, row = common.max(1)
         keep = int(length.min())
-        if keep == 0:
-            logits = self.model.prefill(seqs)
-        else:
-            self.model.reorder_cache(row)
-            self.model.rollback(keep)
-            logits = self.model.decode(seqs[:, keep:])
         self.held = seqs
-        return logits[:, start - keep:]
+        if keep == 0:
+            return self.model.prefill(seqs, logits_for=seqs.shape[1] - start)
+        self.model.reorder_cache(row)
+        self.model.rollback(keep)
+        return self.model.decode(seqs[:, keep:])[:, start - keep:]
 
 
 @torch.inference_mode()

@@ -118,8 +118,8 @@ class PrefillClock:
     def __init__(self, model):
         self.model, self.prefill, self.finished_at = model, model.prefill, None
 
-    def __call__(self, tokens):
-        logits = self.prefill(tokens)
+    def __call__(self, tokens, logits_for=None):
+        logits = self.prefill(tokens, logits_for)
         synchronize(self.model.device)
         self.finished_at = time.perf_counter()
         return logits
@@ -164,7 +164,7 @@ def decode_steps(model, prefix, widths):
     """{n: fn} for n in widths, where fn() decodes n tokens with `prefix` in the cache and rolls back,
     so that all of them can be timed in turns at the same cache position."""
     model.ensure_caches(1, prefix.shape[1] + max(widths))
-    model.prefill(prefix)
+    model.prefill(prefix, logits_for=0)
     position = model.length
 
     def step(tokens):

@@ -65,7 +65,7 @@ class ModelDrafter:
         model = self.model
         prefix = model.encode(prompt_ids.to(model.device))
         model.ensure_caches(1, prefix.shape[1] + max_new_tokens)
-        model.prefill(prefix[:, :-1])
+        model.prefill(prefix[:, :-1], logits_for=0)
         self.calls = int(prefix.shape[1] > 1)
         self.unseen = prefix[:, -1:]  # accepted tokens the cache has not seen yet, on the device
         self.fed_guesses = 0  # guesses of the last proposal that went through the model

@@ -56,7 +56,7 @@ def check_fits(model, prefix_length, max_new_tokens, batch_size=1):
 @torch.inference_mode()
 def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator):
     """Plain decoding: one target forward per token. Returns (tokens, stats)."""
-    logits = model.prefill(prefix)[:, -1]
+    logits = model.prefill(prefix, logits_for=1)[:, -1]
     tokens = []
     calls = 1
     while True:

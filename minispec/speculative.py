@@ -66,7 +66,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
         # The first step is the prompt's own forward (the prefill): its guesses cost no extra call.
         k = drafts.shape[0]  # model-free drafters may guess fewer than asked
         tokens = torch.cat([unseen, drafts.view(1, -1)], dim=1)
-        logits = (target.decode(tokens) if generated else target.prefill(tokens))[0, -(k + 1):]
+        logits = (target.decode(tokens) if generated else target.prefill(tokens, logits_for=k + 1))[0, -(k + 1):]
         p = adjust(logits, sampling)
         greedy_p = logits.float().softmax(-1) if sampling.greedy and lenience < 1 else None
         # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})).

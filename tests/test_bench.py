@@ -118,7 +118,7 @@ def test_prefill_clock_separates_the_prompt_forward(dirs):
     """A prefill made 0.3 s slower shows up in prefill_seconds, and only there."""
     target = minispec.load(dirs["gpt2"])
     prefill = target.prefill
-    target.prefill = lambda tokens: (time.sleep(0.3), prefill(tokens))[1]
+    target.prefill = lambda tokens, logits_for=None: (time.sleep(0.3), prefill(tokens, logits_for))[1]
     target.prefill = clock = bench.PrefillClock(target)
     args = bench.parse_args(["--target", "-", "--draft", "lookup", "--max-new-tokens", str(NEW_TOKENS)])
     for draft in (None, "lookup"):

@@ -5,14 +5,17 @@ Decoding code (generate.py, speculative.py, beam.py) drives any family through t
     prefix = model.encode(prompt)    # T5: runs the encoder once, returns the decoder's start token;
                                      # decoder-only models return the prompt unchanged
     logits = model.prefill(prefix)   # empties the cache and fills it from position 0
+    logits = model.prefill(prefix, logits_for=1)   # the same, with logits for the last position only
     logits = model.decode(tokens)    # appends 1..k tokens at position `model.length`
     model.rollback(length)           # forget everything from `length` on: moves a pointer, copies nothing
     model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
 
-A family implements `setup_caches(batch_size, max_seq_len)` and `forward(tokens, input_pos)`;
+A family implements `setup_caches(batch_size, max_seq_len)` and `forward(tokens, input_pos, logits_for)`;
 `forward` writes keys/values at `input_pos` and attends only to cache positions <= each query's
 position, so entries past the current length are never read and rolling back needs no clearing.
 """
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -93,8 +96,9 @@ class CachedLM(nn.Module):
         """Allocate every layer's KVCache; subclasses call super() to record the shape."""
         self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, max_seq_len, 0
 
-    def forward(self, tokens, input_pos):
-        """tokens [batch, n] at positions input_pos [n] -> float32 logits [batch, n, vocab]."""
+    def forward(self, tokens, input_pos, logits_for=None):
+        """tokens [batch, n] at positions input_pos [n] -> float32 logits [batch, n, vocab], or of the
+        last `logits_for` positions only."""
         raise NotImplementedError
 
     # --- the shared interface ---------------------------------------------------------------------
@@ -127,10 +131,12 @@ class CachedLM(nn.Module):
         """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
         return prompt
 
-    def prefill(self, tokens):
-        """Start a sequence: the cache then holds exactly `tokens` (which may be empty)."""
+    def prefill(self, tokens, logits_for=None):
+        """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
+        logits of the last `logits_for` positions (all when None): callers need only the last few, and
+        the output head over a whole prompt costs as much as a small model's layers."""
         self.length = 0
-        return self.decode(tokens, self.forward) if tokens.shape[1] else None
+        return self.decode(tokens, partial(self.forward, logits_for=logits_for)) if tokens.shape[1] else None
 
     def decode(self, tokens, forward=None):
         """Append tokens [batch, n] at position `length`; returns their logits [batch, n, vocab]."""

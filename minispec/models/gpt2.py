@@ -114,12 +114,13 @@ class GPT2(CachedLM):
                 batch_size, self.config.n_head, max_seq_len, head_dim, self.dtype, self.device
             )
 
-    def forward(self, tokens, input_pos):
+    def forward(self, tokens, input_pos, logits_for=None):
         mask = causal_mask(input_pos, self.cache_max_seq_len)
         x = self.wte(tokens) + self.wpe(input_pos)
         for block in self.h:
             x = block(x, input_pos, mask)
-        return F.linear(self.ln_f(x), self.wte.weight).float()  # the output head is wte itself
+        x = self.ln_f(x if logits_for is None else x[:, x.shape[1] - logits_for:])
+        return F.linear(x, self.wte.weight).float()  # the output head is wte itself
 
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

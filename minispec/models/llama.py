@@ -187,7 +187,7 @@ class Llama(CachedLM):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, input_pos):
+    def forward(self, tokens, input_pos, logits_for=None):
         causal = causal_mask(input_pos, self.cache_max_seq_len)
         # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
         key_pos = torch.arange(self.cache_max_seq_len, device=input_pos.device)
@@ -197,7 +197,7 @@ class Llama(CachedLM):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window])
-        x = self.norm(x)
+        x = self.norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(x, head).float()
 

@@ -285,8 +285,9 @@ class T5(CachedLM):
         return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
                           device=prompt.device)
 
-    def forward(self, tokens, input_pos):
-        """The decoder: tokens [batch, n] at input_pos [n] -> float32 logits [batch, n, vocab]."""
+    def forward(self, tokens, input_pos, logits_for=None):
+        """The decoder: tokens [batch, n] at input_pos [n] -> float32 logits [batch, n, vocab] (or of the
+        last `logits_for` positions)."""
         if self.encoder_batch_size == 0:
             raise ValueError(f"{self.name}: call encode(prompt) before decoding")
         if self.encoder_batch_size not in (1, tokens.shape[0]):
@@ -300,7 +301,7 @@ class T5(CachedLM):
         x = self.embed(tokens)
         for layer in self.decoder:
             x = layer(x, input_pos, mask, self.memory_mask)
-        x = self.decoder_norm(x)
+        x = self.decoder_norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
         if self.config.scale_decoder_outputs:
             x = x * self.config.d_model**-0.5
         return self.lm_head(x).float()
