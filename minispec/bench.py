@@ -152,7 +152,8 @@ def time_generation(runners, prompts, repeats, device):
             rates[name].append(tokens / seconds)
             if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
                 decode_tokens = tokens - sum(stats["first_call_tokens"] for _, stats in results)
-                decode_rates[name].append(decode_tokens / (seconds - sum(stats["prefill_seconds"] for _, stats in results)))
+                decode_seconds = seconds - sum(stats["prefill_seconds"] for _, stats in results)
+                decode_rates[name].append(decode_tokens / decode_seconds)
             last[name] = results
     return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
                    "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
@@ -521,14 +522,15 @@ def markdown_table(result):
         ref_ar = reference["autoregressive"]
         lines += [f"reference autoregressive: {ref_ar['tokens_per_second']:.1f} tokens/s, "
                   f"identical to minispec: {yes_no(ref_ar['identical'])}", ""]
-    header = ["γ", "AR tok/s", "spec tok/s", "speedup", "decode speedup", "α", "accept", "tok/call", "c", "verify cost",
-              "predicted", "meas/pred", "best γ", "pred. at best γ"]
+    header = ["γ", "AR tok/s", "spec tok/s", "speedup", "decode speedup", "α", "accept", "tok/call", "c",
+              "verify cost", "predicted", "meas/pred", "best γ", "pred. at best γ"]
     if reference:
         header += ["ref assisted tok/s", "ref speedup", "ref identical"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rows"]:
         cells = [r["gamma"], f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
-                 f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}", f"{r['acceptance_rate']:.2f}",
+                 f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}",
+                 f"{r['acceptance_rate']:.2f}",
                  f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}", f"{r['verify_cost_ratio']:.2f}",
                  f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
                  f"{r['best_gamma_predicted_speedup']:.2f}x"]
