@@ -65,9 +65,10 @@ class ModelDrafter:
         model = self.model
         prefix = model.encode(prompt_ids.to(model.device))
         model.ensure_caches(1, prefix.shape[1] + max_new_tokens)
-        model.prefill(prefix[:, :-1], logits_for=0)
-        self.calls = int(prefix.shape[1] > 1)
-        self.unseen = prefix[:, -1:]  # accepted tokens the cache has not seen yet, on the device
+        # The prompt's forward also gives q for the first guess, as the target's verifies the first guesses.
+        self.next_logits = model.prefill(prefix, logits_for=1)[0, -1]
+        self.calls = 1
+        self.unseen = None  # accepted tokens the cache has not seen yet, on the device
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
     def propose(self, k, sampling, generator):
@@ -75,15 +76,17 @@ class ModelDrafter:
         if k == 0:
             self.fed_guesses = 0
             return torch.zeros(0, dtype=torch.long, device=model.device), torch.zeros(0, model.vocab_size, device=model.device)
-        logits = model.decode(self.unseen)[0, -1]
-        drafts, qs = [], []
+        if self.next_logits is None:  # feed the tokens accepted since the last proposal
+            self.next_logits = model.decode(self.unseen)[0, -1]
+            self.calls += 1
+        logits, drafts, qs = self.next_logits, [], []
         for i in range(k):
             q = adjust(logits, sampling)
             drafts.append(sample(q, generator))
             qs.append(q)
             if i < k - 1:  # the last guess is never fed: the target decides what follows it
                 logits = model.decode(drafts[-1].view(1, 1))[0, -1]
-        self.calls += k
+        self.calls += k - 1
         self.fed_guesses = k - 1
         return torch.stack(drafts), torch.stack(qs)
 
@@ -93,6 +96,7 @@ class ModelDrafter:
         keep = min(len(tokens) - 1, self.fed_guesses)
         self.model.rollback(self.model.length - (self.fed_guesses - keep))
         self.unseen = tokens_on_device[keep:].view(1, -1)
+        self.next_logits = None  # known only after the unseen tokens go through the model
 
 
 class NgramDrafter:

@@ -41,6 +41,10 @@ def test_greedy_output_equals_target_greedy(models, kind):
                                 max_new_tokens=NEW_TOKENS, ignore_eos=True)
         assert out.tokens == baseline.tokens, f"{kind} with {name} draft, gamma={gamma}"
         rate = out.stats["acceptance_rate"]
+        if name not in ("ngram", "lookup"):
+            # one draft forward per guess: the prompt's forward yields q_1 of the first step, and each
+            # later step feeds the tokens accepted since in the forward that yields its q_1
+            assert out.stats["draft_calls"] == out.stats["proposed"], f"{kind} with {name} draft, gamma={gamma}"
         if name == "same":
             # every call yields γ + 1 tokens, the first (the prompt's forward) too
             assert rate == 1.0 and out.stats["target_calls"] == -(-NEW_TOKENS // (gamma + 1))
