@@ -1,11 +1,12 @@
-"""torch.compile'd decoding: identical tokens to eager, and no recompilation after warm-up."""
+"""torch.compile'd decoding: identical tokens to eager, no recompilation after warm-up, and (simulated on
+CPU) no logits read after CUDA graphs would have reused their memory."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import minispec
-from conftest import make_reference, save_reference
+from conftest import make_reference, noisy_copy, save_reference
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -37,3 +38,48 @@ def test_compiled_decoding_matches_eager_and_never_recompiles(checkpoint):
     assert out.tokens == minispec.generate(eager_target, longer, draft=eager_draft, **settings).tokens
     assert plain.tokens == minispec.generate(eager_target, longer, max_new_tokens=24, ignore_eos=True,
                                              temperature=1.0, seed=1).tokens
+
+
+class ReusedOutputs:
+    """CUDA graphs' memory reuse, on CPU: a replay writes its outputs where earlier replays' outputs
+    live (cudagraph trees share one memory pool across graphs), so logits read after a later forward
+    are garbage. Every call here first fills the outputs of all earlier calls with NaN."""
+
+    def __init__(self):
+        self.outputs = []
+
+    def install(self, model):
+        def forward(tokens, input_pos):
+            for old in self.outputs:
+                old.fill_(float("nan"))
+            self.outputs = [model.forward(tokens, input_pos)]
+            return self.outputs[0]
+
+        model.compiled_forward = forward  # where decode() looks for the compiled forward
+        return model
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "t5_v1_1"])
+@pytest.mark.parametrize("settings", [
+    {"max_new_tokens": 24, "temperature": 1.0, "seed": 1},
+    {"max_new_tokens": 24, "gamma": 4},
+    {"max_new_tokens": 24, "gamma": 3, "temperature": 1.0, "top_p": 0.9, "seed": 2},
+    {"max_new_tokens": 12, "gamma": 3, "beams": 2, "draft_beams": 4},
+])
+def test_no_logits_read_after_a_later_forward(tmp_path, kind, settings):
+    """What tests/test_cuda.py checks with real CUDA graphs, checked in CI: plain, speculative and
+    beam-search decoding consume each forward's logits before the next forward of either model."""
+    reference = make_reference(kind)
+    target_dir = save_reference(reference, tmp_path / "target")
+    draft_dir = save_reference(noisy_copy(reference, seed=1, scale=0.1), tmp_path / "draft")
+    with_draft = "gamma" in settings
+
+    def run(target, draft):
+        return minispec.generate(target, PROMPT * 3, draft=draft if with_draft else None, ignore_eos=True, **settings)
+
+    expected = run(minispec.load(target_dir), minispec.load(draft_dir))
+    pool = ReusedOutputs()
+    out = run(pool.install(minispec.load(target_dir)), pool.install(minispec.load(draft_dir)))
+    assert out.tokens == expected.tokens and out.sequences == expected.sequences
+    if with_draft:
+        assert 0 < out.stats["accepted"] < out.stats["proposed"]  # rollbacks happened
