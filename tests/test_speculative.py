@@ -41,6 +41,7 @@ def test_greedy_output_equals_target_greedy(models, kind):
                                 max_new_tokens=NEW_TOKENS, ignore_eos=True)
         assert out.tokens == baseline.tokens, f"{kind} with {name} draft, gamma={gamma}"
         rate = out.stats["acceptance_rate"]
+        assert out.stats["alpha"] == pytest.approx(rate)  # one-hot p and q: Σ min(p, q) is 1 iff accepted
         if name not in ("ngram", "lookup"):
             # one draft forward per guess: the prompt's forward yields q_1 of the first step, and each
             # later step feeds the tokens accepted since in the forward that yields its q_1
@@ -102,6 +103,27 @@ def test_alpha_matches_acceptance_rate(models):
     assert totals["verified"] >= 500
     rate, alpha = totals["accepted"] / totals["verified"], totals["alpha"] / totals["verified"]
     assert abs(rate - alpha) < 0.05, (rate, alpha)
+
+
+def test_greedy_verification_is_algorithm_1_with_one_hot_p_and_q():
+    """accept_greedy (temperature 0, lenience 1) returns what accept_and_resample returns for the
+    one-hot p and q of greedy decoding: random logits with many ties, every number of matching guesses."""
+    generator = torch.Generator().manual_seed(0)
+    greedy = minispec.sampling.Sampling(temperature=0.0)
+    seen = set()
+    vocab = 5
+    for k, matching, _ in itertools.product(range(1, 7), range(7), range(8)):
+        matching = min(matching, k)
+        logits = torch.randint(0, 3, (k + 1, vocab), generator=generator).float()  # ties in most rows
+        p = minispec.sampling.adjust(logits, greedy)
+        drafts = torch.randint(0, vocab, (k,), generator=generator)
+        drafts[:matching] = p[:matching].argmax(-1)
+        q = torch.nn.functional.one_hot(drafts, vocab).float()
+        expected = minispec.speculative.accept_and_resample(p, q, drafts, 1.0, generator)
+        got = minispec.speculative.accept_greedy(logits, drafts)
+        assert [x.tolist() for x in got] == [x.tolist() for x in expected], (logits, drafts)
+        seen.add((k, got[0].item()))
+    assert seen == {(k, n) for k in range(1, 7) for n in range(k + 1)}  # every outcome was checked
 
 
 def test_cache_after_many_rejections_equals_fresh_forward(models):
