@@ -46,8 +46,9 @@ def check_same_vocabulary(target, draft):
 
 
 def one_hot(tokens, vocab_size, device):
+    """q [len(tokens), vocab] of deterministic guesses (a list, or a tensor already on the device)."""
     q = torch.zeros(len(tokens), vocab_size, device=device)
-    return q.scatter_(1, torch.tensor(tokens, dtype=torch.long, device=device).view(-1, 1), 1.0)
+    return q.scatter_(1, torch.as_tensor(tokens, dtype=torch.long, device=device).view(-1, 1), 1.0)
 
 
 class ModelDrafter:
@@ -81,14 +82,17 @@ class ModelDrafter:
             self.calls += 1
         logits, drafts, qs = self.next_logits, [], []
         for i in range(k):
-            q = adjust(logits, sampling)
-            drafts.append(sample(q, generator))
-            qs.append(q)
+            if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
+                drafts.append(logits.argmax(-1))
+            else:
+                qs.append(adjust(logits, sampling))
+                drafts.append(sample(qs[-1], generator))
             if i < k - 1:  # the last guess is never fed: the target decides what follows it
                 logits = model.decode(drafts[-1].view(1, 1))[0, -1]
         self.calls += k - 1
         self.fed_guesses = k - 1
-        return torch.stack(drafts), torch.stack(qs)
+        drafts = torch.stack(drafts)
+        return drafts, torch.stack(qs) if qs else one_hot(drafts, model.vocab_size, model.device)
 
     def accept(self, tokens, tokens_on_device):
         # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has

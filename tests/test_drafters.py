@@ -1,11 +1,15 @@
-"""Model-free drafters on their own: the lookup index against a brute-force scan, and ngram's q."""
+"""Drafters on their own: the lookup index against a brute-force scan, ngram's q, and a draft model's q
+against fresh forwards."""
 
 import random
 
+import pytest
 import torch
+from conftest import make_reference, save_reference
 
-from minispec.drafters import LookupDrafter, NgramDrafter
-from minispec.sampling import Sampling
+import minispec
+from minispec.drafters import LookupDrafter, ModelDrafter, NgramDrafter
+from minispec.sampling import Sampling, adjust
 
 
 def scan_continuation(context, k, max_ngram=3):
@@ -60,3 +64,28 @@ def test_ngram_q_is_the_normalized_bigram_counts():
     torch.testing.assert_close(q[0], torch.tensor([0, 0, 2 / 3, 1 / 3, 0, 0]))
     greedy, q = drafter.propose(2, Sampling(), generator)
     assert greedy.tolist() == [2, 1]  # argmax after 1 is 2; after 2 came 1 and 4, first max wins
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5)])
+def test_model_drafter_q_is_the_drafts_own_distribution(tmp_path, sampling):
+    """Over proposals, partial acceptances and rollbacks: q_i is the draft's adjusted distribution
+    after the context and the earlier guesses (a fresh forward computes it), and guess i is drawn
+    from q_i (the argmax when greedy)."""
+    directory = save_reference(make_reference("llama_gqa"), tmp_path)
+    drafter, fresh = ModelDrafter(minispec.load(directory)), minispec.load(directory)
+    fresh.ensure_caches(1, 64)
+    context = [5, 17, 33, 8, 90, 41]
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        drafter.start(torch.tensor([context]), 32)
+        for k, keep in [(4, 2), (3, 3), (5, 0), (2, 1)]:
+            drafts, q = drafter.propose(k, sampling, generator)
+            for i in range(k):
+                logits = fresh.prefill(torch.tensor([context + drafts[:i].tolist()]))[0, -1]
+                torch.testing.assert_close(q[i], adjust(logits, sampling), atol=1e-5, rtol=0)
+                assert q[i, drafts[i]] > 0
+                if sampling.greedy:
+                    assert drafts[i] == logits.argmax()
+            kept = drafts[:keep].tolist() + [7]  # the target keeps `keep` guesses, then its own token
+            drafter.accept(kept, torch.tensor(kept))
+            context += kept
