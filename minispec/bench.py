@@ -22,6 +22,7 @@ import time
 from functools import partial
 
 import torch
+from torch import nn
 
 from .chat import chat_prompt
 from .checkpoint import DTYPES, load_target_and_draft, resolve_checkpoint
@@ -216,9 +217,15 @@ def speculative_summary(stats):
 # --- memory bandwidth -------------------------------------------------------------------------------
 def decode_bytes(model, length):
     """Bytes one decode step must read: every decoder weight once (an encoder-decoder's encoder runs
-    once per request, not per token) plus the self-attention keys and values of `length` positions."""
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                  if not (model.is_encoder_decoder and name.startswith("encoder")))
+    once per request, not per token), but of an embedding table only the looked-up row, unless the
+    table is also the output head (tied); plus the self-attention keys and values of `length` positions."""
+    weights = 0
+    for name, module in model.named_modules():
+        if model.is_encoder_decoder and name.startswith("encoder"):
+            continue
+        for p in module.parameters(recurse=False):
+            looked_up = isinstance(module, nn.Embedding) and p is not model.head_weight
+            weights += (p[0] if looked_up else p).numel() * p.element_size()
     kv = sum(2 * m.k.shape[0] * m.k.shape[1] * length * m.k.shape[3] * m.k.element_size()
              for m in model.modules() if isinstance(m, KVCache))
     return weights + kv

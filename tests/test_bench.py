@@ -75,16 +75,31 @@ def test_best_gamma_maximizes_theorem_3_8():
     assert bench.best_gamma(1.0, 0.0) == (16, pytest.approx(17.0))
 
 
-def test_memory_bandwidth_helpers(dirs):
-    target = minispec.load(dirs["gpt2"], device="cpu")
+def test_memory_bandwidth_helpers(dirs, tmp_path):
+    """A decode step reads each weight once, of an embedding table one row (all of it when it is
+    also the output head), and the keys and values of the positions so far."""
+    def row(embedding):
+        return embedding.weight[0].numel()
+
+    target = minispec.load(dirs["gpt2"], device="cpu")  # head tied to wte; wpe is looked up
     target.setup_caches(1, 64)
-    weights = sum(p.numel() for p in target.parameters()) * 4
+    weights = (sum(p.numel() for p in target.parameters()) - target.wpe.weight.numel() + row(target.wpe)) * 4
     # 2 layers x (keys + values) x 4 heads x 8 dims x 10 positions x 4 bytes
     assert bench.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
-    t5 = minispec.load(dirs["t5"], device="cpu")
+    for kind in ("llama", "llama_gqa"):  # untied head / tied head
+        llama = minispec.load(save_reference(make_reference(kind), tmp_path / kind))
+        llama.setup_caches(1, 64)
+        table = llama.tok_embeddings
+        tied = llama.head_weight is table.weight
+        assert tied == (kind == "llama_gqa")
+        everything = sum(p.numel() for p in llama.parameters())
+        assert bench.decode_bytes(llama, 0) == (everything if tied else everything - table.weight.numel() + row(table)) * 4
+    t5 = minispec.load(dirs["t5"], device="cpu")  # the encoder runs once per request, not per step
     t5.setup_caches(1, 64)
-    decoder = sum(p.numel() for name, p in t5.named_parameters() if not name.startswith("encoder")) * 4
-    assert bench.decode_bytes(t5, 0) == decoder < sum(p.numel() for p in t5.parameters()) * 4
+    decoder = sum(p.numel() for name, p in t5.named_parameters() if not name.startswith("encoder"))
+    looked_up = [t5.embed, t5.decoder_position_bias]
+    decoder -= sum(m.weight.numel() - row(m) for m in looked_up)
+    assert bench.decode_bytes(t5, 0) == decoder * 4
     assert bench.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert bench.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert bench.peak_bandwidth("NVIDIA H200") == 4.8e12

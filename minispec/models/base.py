@@ -92,6 +92,11 @@ class CachedLM(nn.Module):
     def vocab_size(self):
         raise NotImplementedError
 
+    @property
+    def head_weight(self):
+        """The output head's [vocab, dim] matrix: the token embedding itself when the two are tied."""
+        raise NotImplementedError
+
     def setup_caches(self, batch_size, max_seq_len):
         """Allocate every layer's KVCache; subclasses call super() to record the shape."""
         self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, max_seq_len, 0

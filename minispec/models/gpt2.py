@@ -106,6 +106,10 @@ class GPT2(CachedLM):
     def vocab_size(self):
         return self.config.vocab_size
 
+    @property
+    def head_weight(self):
+        return self.wte.weight  # GPT-2's head is tied to the token embedding
+
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
         head_dim = self.config.n_embd // self.config.n_head
@@ -120,7 +124,7 @@ class GPT2(CachedLM):
         for block in self.h:
             x = block(x, input_pos, mask)
         x = self.ln_f(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        return F.linear(x, self.wte.weight).float()  # the output head is wte itself
+        return F.linear(x, self.head_weight).float()
 
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

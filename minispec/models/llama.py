@@ -178,6 +178,10 @@ class Llama(CachedLM):
     def vocab_size(self):
         return self.config.vocab_size
 
+    @property
+    def head_weight(self):
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
         c = self.config
@@ -198,8 +202,7 @@ class Llama(CachedLM):
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window])
         x = self.norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(x, head).float()
+        return F.linear(x, self.head_weight).float()
 
 
 def fuse(weights, names, fused_name):

@@ -240,6 +240,10 @@ class T5(CachedLM):
         return self.config.vocab_size
 
     @property
+    def head_weight(self):
+        return self.lm_head.weight  # a copy of the embedding when the checkpoint ties them
+
+    @property
     def encoder_batch_size(self):
         """Batch of the last encode(); 0 before any."""
         memory = self.decoder[0].cross_attn.memory_k
