@@ -193,8 +193,8 @@ class LookupDrafter:
         return []
 
     def propose(self, k, sampling, generator):
-        drafts = self.continuation(k) if k else []
-        return torch.tensor(drafts, dtype=torch.long, device=self.device), one_hot(drafts, self.vocab_size, self.device)
+        drafts = torch.tensor(self.continuation(k) if k else [], dtype=torch.long, device=self.device)
+        return drafts, one_hot(drafts, self.vocab_size, self.device)
 
     def accept(self, tokens, tokens_on_device):
         self.extend(tokens)
