@@ -60,6 +60,16 @@ def test_predicted_speedup_is_theorem_3_8():
     assert bench.predicted_speedup(0.6, 2, 0.0) == pytest.approx(1 + 0.6 + 0.36)  # c = 0: 1 + α + α²
 
 
+def test_ratio_factors_multiply_to_measured_over_predicted():
+    # α = 0.8, γ = 3, c = 0.1: i.i.d. tokens per call (1 - 0.8^4) / 0.2 = 2.952, predicted 2.952 / 1.3.
+    # Measured: 2.5 tokens per call, a verify forward of 1.2 steps, decode speedup 1.5.
+    f = bench.ratio_factors(0.8, 3, 0.1, verify_cost=1.2, tokens_per_call=2.5, decode_speedup=1.5)
+    assert f["tokens_per_call"] == pytest.approx(2.5 / 2.952)
+    assert f["verify_cost"] == pytest.approx(1.3 / 1.5)  # (1 + γc) / (verify cost + γc)
+    assert f["loop"] == pytest.approx(1.5 / (2.5 / 1.5))  # measured / what 2.5 tokens per 1.5 steps imply
+    assert math.prod(f.values()) == pytest.approx(1.5 / bench.predicted_speedup(0.8, 3, 0.1))
+
+
 def test_best_gamma_maximizes_theorem_3_8():
     # α = 0.8, c = 0.05: 1 - 0.8^(γ+1) over 0.2(1 + 0.05γ) is 3.0396, 3.0823, 3.0921, 3.0780 at γ = 6..9.
     gamma, speedup = bench.best_gamma(0.8, 0.05)
@@ -193,6 +203,9 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
         assert row["decode_tokens_per_second"] > 0  # its arithmetic: test_time_generation_takes_the_prefill_out
         assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_second"] / ar["decode_tokens_per_second"])
         assert row["measured_over_predicted"] == pytest.approx(row["decode_speedup"] / row["predicted_speedup"])
+        assert math.prod(row["measured_over_predicted_factors"].values()) == pytest.approx(row["measured_over_predicted"])
+        assert 1 <= row["decode_tokens_per_target_call"] <= gamma + 1
+        assert f"- γ = {gamma}: " in table
         assert (row["best_gamma"], row["best_gamma_predicted_speedup"]) == \
             bench.best_gamma(row["alpha"], row["c"])
         assert row["best_gamma_predicted_speedup"] >= row["predicted_speedup"]
