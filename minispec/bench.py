@@ -4,10 +4,13 @@
     python -m minispec.bench --target ./ckpt --draft lookup --prompt-ids 1,2,3,1,2 --compare-reference
 
 For each γ it measures tokens/s of both decoders (median of --repeats timed passes over all prompts,
-after one warm-up pass), the measured α, acceptance rate and tokens per target call, the cost ratio
-c = draft step / target step and the verify cost of a (γ+1)-token target forward, and puts the
-measured speedup next to Theorem 3.8's prediction (1 - α^(γ+1)) / ((1 - α)(γc + 1)) and the γ that
-section 3.5 would pick. Prints a markdown table and writes everything to a JSON file.
+after one warm-up pass), end to end and for the decode phase after the prompt's forward; the measured
+α, acceptance rate and tokens per target call; the cost ratio c = draft step / target step and the
+verify cost of a (γ+1)-token target forward. It puts the decode-phase speedup next to Theorem 3.8's
+prediction (1 - α^(γ+1)) / ((1 - α)(γc + 1)), splits their ratio into the factors that make it up,
+and gives the γ that section 3.5 would pick. On CUDA it adds the target decode step's memory bandwidth
+against the GPU's peak; with --memory-tokens, the peak memory of a short and a long generation.
+Prints a markdown table and writes everything to a JSON file.
 
 --compare-reference runs the reference implementation (transformers, imported only then) on the same
 checkpoints and prompts: its greedy/sampled `generate` and its assisted generation, timed the same way.
@@ -265,7 +268,7 @@ def bandwidth(target, position, step_seconds):
             "peak_bytes_per_s": peak, "fraction_of_peak": achieved / peak if peak else None}
 
 
-# --- the reference implementation -------------------------------------------------------------------
+# --- peak memory ------------------------------------------------------------------------------------
 def reset_peak_memory(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -298,6 +301,7 @@ def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
             "peak_long_bytes": peaks[long_tokens], "growth": peaks[long_tokens] / peaks[short_tokens] - 1}
 
 
+# --- the reference implementation -------------------------------------------------------------------
 def load_reference(name_or_path, device, dtype):
     """The same checkpoint directory in transformers (imported only here: it is a test-only dependency)."""
     try:
