@@ -10,9 +10,10 @@ Decoding code (generate.py, speculative.py, beam.py) drives any family through t
     model.rollback(length)           # forget everything from `length` on: moves a pointer, copies nothing
     model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
 
-A family implements `setup_caches(batch_size, max_seq_len)` and `forward(tokens, input_pos, logits_for)`;
-`forward` writes keys/values at `input_pos` and attends only to cache positions <= each query's
-position, so entries past the current length are never read and rolling back needs no clearing.
+A family implements `setup_caches(batch_size, max_seq_len)`, `forward(tokens, input_pos, logits_for)`
+and the properties `context_length`, `vocab_size` and `head_weight`; `forward` writes keys/values at
+`input_pos` and attends only to cache positions <= each query's position, so entries past the current
+length are never read and rolling back needs no clearing.
 """
 
 from functools import partial
