@@ -140,27 +140,27 @@ class PrefillClock:
         return logits
 
 
-def time_generation(runners, prompts, repeats, device):
-    """Time several decoders side by side: one warm-up pass over the prompts each, then `repeats`
+def time_generation(runners, requests, repeats, device):
+    """Time several decoders side by side: one warm-up pass over the requests each, then `repeats`
     rounds in which every runner makes one timed pass in turn, so machine drift hits all alike.
 
-    runners: {name: run_one}, run_one(prompt ids) -> (generated ids, stats dict); stats may hold
+    runners: {name: run_one}, run_one(request) -> (generated ids, stats dict); stats may hold
     "prefill_seconds" and "first_call_tokens" (the tokens out of the prefill). Returns {name: median
     tokens/s over the rounds (and, where prefill times are known, median tokens/s of the decode
     phase), each round's, and the outputs and stats of the last}."""
     for run_one in runners.values():
-        for prompt in prompts:
-            run_one(prompt)
+        for request in requests:
+            run_one(request)
     rates = {name: [] for name in runners}
     decode_rates = {name: [] for name in runners}
     for _ in range(repeats):
         last = {}
         for name, run_one in runners.items():
             results, seconds = [], 0.0
-            for prompt in prompts:
+            for request in requests:
                 synchronize(device)
                 start = time.perf_counter()
-                results.append(run_one(prompt))
+                results.append(run_one(request))
                 synchronize(device)
                 seconds += time.perf_counter() - start
             tokens = sum(len(tokens) for tokens, _ in results)
@@ -331,7 +331,8 @@ def reference_runner(model, args, gamma=None, draft=None):
         settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=3)  # LookupDrafter's max_ngram
 
     @torch.inference_mode()
-    def run_one(prompt):
+    def run_one(request):
+        prompt, seed = request
         assist = {}
         if draft is not None:
             # Exactly γ guesses per step like Algorithm 1 (the defaults adapt γ and stop at low
@@ -341,7 +342,7 @@ def reference_runner(model, args, gamma=None, draft=None):
             config.assistant_confidence_threshold = 0.0
             assist["assistant_model"] = draft
         ids = torch.tensor([prompt], device=model.device)
-        torch.manual_seed(args.seed)
+        torch.manual_seed(seed)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **settings, **assist)[0].tolist()
         # Decoder-only outputs repeat the prompt; encoder-decoder ones start with the decoder start token.
         return out[1 if model.config.is_encoder_decoder else len(prompt):], {}
@@ -385,6 +386,9 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, metavar="N",
+                        help="generate each prompt with seeds --seed .. --seed+N-1: sampled runs then average "
+                             "over N samples per prompt instead of timing one sample again and again")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="always generate --max-new-tokens tokens (default on: equal-length runs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -403,8 +407,8 @@ def parse_args(argv):
         raise ValueError(f"--memory-tokens must be more than 16, got {args.memory_tokens}")
     if min(args.gamma) < 1:
         raise ValueError(f"--gamma values must be >= 1, got {args.gamma}")
-    if args.repeats < 1 or args.max_new_tokens < 1:
-        raise ValueError("--repeats and --max-new-tokens must be >= 1")
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
+        raise ValueError("--repeats, --max-new-tokens and --seeds must be >= 1")
     Sampling(args.temperature)  # a bad temperature fails before loading weights
     return args
 
@@ -444,12 +448,13 @@ def prompt_ids_of(target, prompt, chat=False):
 
 
 def minispec_runner(target, draft, gamma, args, prefill_clock):
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                    ignore_eos=args.ignore_eos)
+    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate."""
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
 
-    def run_one(prompt):
+    def run_one(request):
+        prompt, seed = request
         start = time.perf_counter()
-        out = generate(target, prompt, draft=draft, gamma=gamma, **settings)
+        out = generate(target, prompt, draft=draft, gamma=gamma, seed=seed, **settings)
         return out.tokens, dict(out.stats, prefill_seconds=prefill_clock.finished_at - start)
 
     return run_one
@@ -465,7 +470,8 @@ def benchmark(args):
     runners.update({("minispec", g): minispec_runner(target, draft, g, args, prefill_clock) for g in args.gamma})
     if args.compare_reference:
         runners.update(reference_runners(args, device, target.dtype))
-    timed = time_generation(runners, prompts, args.repeats, device)
+    requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
+    timed = time_generation(runners, requests, args.repeats, device)
 
     ar = timed["minispec", None]
     first = ar["outputs"][0]
@@ -477,7 +483,7 @@ def benchmark(args):
                      "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                      "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
                      "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
-                     "prompts": len(prompts)},
+                     "prompts": len(prompts), "seeds": args.seeds},
         "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
                                               "decode_tokens_per_second", "outputs")},
         "prefill_s": statistics.mean(s["prefill_seconds"] for s in ar["stats"]),
@@ -530,8 +536,10 @@ def benchmark(args):
 
 def markdown_table(result):
     s = result["settings"]
+    seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
     lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}"
-             f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts x {s['max_new_tokens']} new tokens, "
+             f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts{seeds} x {s['max_new_tokens']} "
+             "new tokens, "
              f"temperature {s['temperature']}, median of {s['repeats']}; "
              f"step times at position {result['step_position']}", "",
              f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "

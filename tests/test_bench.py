@@ -147,7 +147,7 @@ def test_prefill_clock_separates_the_prompt_forward(dirs):
     target.prefill = clock = bench.PrefillClock(target)
     args = bench.parse_args(["--target", "-", "--draft", "lookup", "--max-new-tokens", str(NEW_TOKENS)])
     for draft in (None, "lookup"):
-        tokens, stats = bench.minispec_runner(target, draft, 3, args, clock)(PROMPTS[0])
+        tokens, stats = bench.minispec_runner(target, draft, 3, args, clock)((PROMPTS[0], 0))
         assert len(tokens) == NEW_TOKENS
         assert 0.3 <= stats["prefill_seconds"] <= stats["seconds"] < stats["prefill_seconds"] + 0.3
 
@@ -259,10 +259,28 @@ def test_reference_has_no_ngram_counterpart(dirs, tmp_path, capsys):
     assert "| - | - | - |" in table
 
 
+def test_seeds_sample_each_prompt_several_times(dirs, tmp_path, capsys):
+    """--seed 5 --seeds 3 at temperature 1: every decoder generates each prompt with seeds 5, 6 and 7."""
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
+                              "--temperature", "1", "--seed", "5", "--seeds", "3", "--repeats", "1", *PROMPT_FLAGS)
+    assert result["settings"]["seeds"] == 3 and "2 prompts x 3 seeds" in table
+    target = minispec.load(dirs["gpt2"])
+
+    def outputs(**settings):
+        return [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
+                                  seed=seed, **settings).tokens for prompt in PROMPTS for seed in (5, 6, 7)]
+
+    expected = outputs()
+    assert result["autoregressive"]["outputs"] == expected
+    assert len({tuple(tokens) for tokens in expected}) == 6  # six different samples
+    assert result["rows"][0]["outputs"] == outputs(draft="lookup", gamma=2)
+
+
 # --- bad input -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (["--gamma", "0"], "--gamma values must be >= 1"),
-    (["--repeats", "0"], "--repeats and --max-new-tokens must be >= 1"),
+    (["--repeats", "0"], "--repeats, --max-new-tokens and --seeds must be >= 1"),
+    (["--seeds", "0"], "--repeats, --max-new-tokens and --seeds must be >= 1"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     ([], "has no tokenizer files: give prompts as token ids"),  # the built-in text prompts
     (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
