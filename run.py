@@ -13,7 +13,7 @@ import sys
 import torch
 
 import minispec
-from minispec.checkpoint import DTYPES, load_target_and_draft
+from minispec.checkpoint import DTYPES, load_target_and_draft, token_ids
 from minispec.chat import chat_prompt
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
@@ -39,14 +39,6 @@ DEFAULT_PROMPT = (
 )
 DEFAULT_ARGS = ["--target", "smollm2-135m-instruct", "--draft", "lookup", "--prompt", DEFAULT_PROMPT,
                 "--max-new-tokens", "128", "--show", "--compare"]
-
-
-def token_ids(text):
-    """'1,2,3' -> [1, 2, 3], for argparse."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def parse_args(argv=None):

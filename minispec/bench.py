@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .chat import chat_prompt
-from .checkpoint import DTYPES, load_target_and_draft, resolve_checkpoint
+from .checkpoint import DTYPES, load_target_and_draft, resolve_checkpoint, token_ids
 from .drafters import make_drafter
 from .generate import generate, prompt_tensor
 from .models.base import CachedLM, KVCache
@@ -363,13 +363,6 @@ def reference_runners(args, device, dtype):
 
 
 # --- the command line -------------------------------------------------------------------------------
-def token_ids(text):
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m minispec.bench",
                                      description="Autoregressive vs speculative decoding, against Theorem 3.8.")

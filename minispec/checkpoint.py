@@ -6,6 +6,7 @@ a config class with `from_hf(config_json: dict)`, the model class (a CachedLM) b
 config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to the model's own.
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -147,6 +148,14 @@ def check_device(device):
 
 # The --dtype names the command lines accept.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def token_ids(text):
+    """The command lines' --prompt-ids: '1,2,3' -> [1, 2, 3]."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def default_dtype(device):

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .checkpoint import DTYPES
+
 # ---------------------------------------------------------------------------------------------
 # Reading the file
 
@@ -596,10 +598,10 @@ def main():
     parser = argparse.ArgumentParser(description="Convert a llama.cpp GGUF file into a minispec checkpoint directory.")
     parser.add_argument("gguf", help="path of the .gguf file")
     parser.add_argument("out_dir", help="checkpoint directory to create")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast all weights (default: keep)")
+    parser.add_argument("--dtype", choices=DTYPES, help="cast all weights (default: keep)")
     args = parser.parse_args()
     try:
-        out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype and getattr(torch, args.dtype))
+        out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype))
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     print(out)
