@@ -60,7 +60,8 @@ def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator)
     tokens = []
     calls = 1
     while True:
-        token = sample(adjust(logits, sampling), generator)
+        # Greedy: the argmax, the only draw from adjust's one-hot distribution, without building it.
+        token = logits.argmax(-1) if sampling.greedy else sample(adjust(logits, sampling), generator)
         tokens.append(int(token))
         if len(tokens) == max_new_tokens or tokens[-1] in stop_ids:
             break
