@@ -1,13 +1,16 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
 
     drafter.start(prompt_ids, max_new_tokens)              a new request
-    drafts, q = drafter.propose(k, sampling, rng)          <= k guesses [k'] and their q [k', vocab]
+    drafts, q = drafter.propose(k, sampling, rng)          <= k guesses [k'] and their q [k', vocab],
+                                                           or None for deterministic guesses (q one-hot)
     drafter.accept(tokens, tokens_on_device)               the target kept these tokens (accepted guesses
                                                            and its own next token); roll back the rest
     drafter.calls, drafter.encoder_calls                   for statistics
 
 Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
-guess is really drawn from the q it reports (a one-hot q for deterministic guesses).
+guess is really drawn from the q it reports. Deterministic guesses (lookup, greedy drafting) report
+q = None rather than building a one-hot [k, vocab] tensor each step: greedy verification never reads
+it, and the sampled path builds it only when it needs it.
 """
 
 from collections import Counter, defaultdict
@@ -45,12 +48,6 @@ def check_same_vocabulary(target, draft):
         raise ValueError(f"target {target.name} and draft {draft.name} use different tokenizers")
 
 
-def one_hot(tokens, vocab_size, device):
-    """q [len(tokens), vocab] of deterministic guesses (a list, or a tensor already on the device)."""
-    q = torch.zeros(len(tokens), vocab_size, device=device)
-    return q.scatter_(1, torch.as_tensor(tokens, dtype=torch.long, device=device).view(-1, 1), 1.0)
-
-
 class ModelDrafter:
     """A smaller language model M_q with its own static KV cache (any family, same vocabulary)."""
 
@@ -76,7 +73,7 @@ class ModelDrafter:
         model = self.model
         if k == 0:
             self.fed_guesses = 0
-            return torch.zeros(0, dtype=torch.long, device=model.device), torch.zeros(0, model.vocab_size, device=model.device)
+            return torch.zeros(0, dtype=torch.long, device=model.device), None
         if self.next_logits is None:  # feed the tokens accepted since the last proposal
             self.next_logits = model.decode(self.unseen)[0, -1]
             self.calls += 1
@@ -91,8 +88,7 @@ class ModelDrafter:
                 logits = model.decode(drafts[-1].view(1, 1))[0, -1]
         self.calls += k - 1
         self.fed_guesses = k - 1
-        drafts = torch.stack(drafts)
-        return drafts, torch.stack(qs) if qs else one_hot(drafts, model.vocab_size, model.device)
+        return torch.stack(drafts), torch.stack(qs) if qs else None
 
     def accept(self, tokens, tokens_on_device):
         # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
@@ -158,7 +154,7 @@ class LookupDrafter:
     longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
     A copy that runs into the end of the context goes on copying its own guesses, as an overlapping
     LZ77 copy does, so text that repeats with a period shorter than k still yields k guesses.
-    The guesses are deterministic, so q is one-hot; no match means no guesses this step.
+    The guesses are deterministic (q one-hot, reported as None); no match means no guesses this step.
     An index of every n-gram's last two end positions makes a proposal O(max_ngram), however long
     the context."""
 
@@ -193,8 +189,7 @@ class LookupDrafter:
         return []
 
     def propose(self, k, sampling, generator):
-        drafts = torch.tensor(self.continuation(k) if k else [], dtype=torch.long, device=self.device)
-        return drafts, one_hot(drafts, self.vocab_size, self.device)
+        return torch.tensor(self.continuation(k) if k else [], dtype=torch.long, device=self.device), None
 
     def accept(self, tokens, tokens_on_device):
         self.extend(tokens)

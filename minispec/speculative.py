@@ -50,6 +50,12 @@ def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
     return n, sample(residual, generator)  # sample() needs no normalization
 
 
+def one_hot(drafts, vocab_size):
+    """q [k, vocab] of deterministic guesses, which drafters report as None."""
+    q = torch.zeros(drafts.shape[0], vocab_size, device=drafts.device)
+    return q.scatter_(1, drafts.view(-1, 1), 1.0)
+
+
 def accept_greedy(logits, drafts):
     """accept_and_resample at temperature 0 and lenience 1, in a handful of operations. p and q are
     one-hot there, so a guess is accepted iff it is the target's argmax, and after a rejection
@@ -69,7 +75,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
     generated, trace = [], []
     stats = {"target_calls": 0, "proposed": 0, "accepted": 0, "verified": 0, "accepted_lengths": [0] * (gamma + 1)}
     overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
-    one_hot = sampling.greedy and lenience == 1  # p and q one-hot: verifying is comparing argmaxes
+    verify_by_argmax = sampling.greedy and lenience == 1  # p and q one-hot: verifying is comparing argmaxes
 
     while len(generated) < max_new_tokens:
         # Sample γ guesses x_1..x_γ from M_q (never drafting past max_new_tokens).
@@ -80,10 +86,11 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
         tokens = torch.cat([unseen, drafts.view(1, -1)], dim=1)
         logits = (target.decode(tokens) if generated else target.prefill(tokens, logits_for=k + 1))[0, -(k + 1):]
         # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})).
-        if one_hot:
+        if verify_by_argmax:
             n, t = accept_greedy(logits, drafts)
         else:
             p = adjust(logits, sampling)
+            q = one_hot(drafts, p.shape[-1]) if q is None else q
             greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
             n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
             verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
@@ -102,7 +109,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
     stats["draft_calls"] = drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
     # With one-hot p and q, Σ min(p, q) is 1 at an accepted guess and 0 at a rejected one.
-    overlap = stats["accepted"] if one_hot else overlap.item()
+    overlap = stats["accepted"] if verify_by_argmax else overlap.item()
     stats["alpha"] = overlap / stats["verified"] if stats["verified"] else 0.0
     stats["tokens_per_target_call"] = len(generated) / max(stats["target_calls"], 1)
     return generated, stats, trace

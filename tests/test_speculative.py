@@ -2,6 +2,7 @@
 drafter, exact sampling, cache truncation, T5 encoder reuse, statistics, and bad input."""
 
 import itertools
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -220,11 +221,13 @@ def vocab16(tmp_path_factory):
     return pair
 
 
-def test_joint_distribution_of_two_tokens_is_the_targets(vocab16):
-    """End to end: 20k speculative samples of (t1, t2) against the exact target joint p(t1) p(t2 | t1)."""
+@pytest.mark.parametrize("drafter, prompt", [("model", [1, 2, 3]), ("lookup", [1, 2, 3, 1, 2])])
+def test_joint_distribution_of_two_tokens_is_the_targets(vocab16, drafter, prompt):
+    """End to end: 20k speculative samples of (t1, t2) against the exact target joint p(t1) p(t2 | t1),
+    with a draft model's q, and with lookup's deterministic guesses (3, 1 here; q one-hot)."""
     target, draft = vocab16
+    draft = draft if drafter == "model" else drafter
     settings = {"temperature": 1.0, "top_k": 4}
-    prompt = [1, 2, 3]
     sampling = minispec.Sampling(**settings)
     with torch.inference_mode():
         target.ensure_caches(1, 8)
@@ -234,11 +237,13 @@ def test_joint_distribution_of_two_tokens_is_the_targets(vocab16):
             logits = target.prefill(torch.tensor([prompt + [t1]]))[0, -1]
             joint[t1] = first[t1] * minispec.sampling.adjust(logits, sampling)
     counts = torch.zeros(16, 16)
-    draws = 20_000
+    draws, accepted = 20_000, Counter()
     for seed in range(draws):
         out = minispec.generate(target, prompt, draft=draft, gamma=2, max_new_tokens=2, seed=seed,
                                 ignore_eos=True, **settings)
         counts[out.tokens[0], out.tokens[1]] += 1
+        accepted[out.stats["accepted"]] += 1
+    assert accepted[0] > 1000 and accepted[1] > 1000  # both rejections and acceptances were tested
     support = joint > 0
     assert counts[~support].sum() == 0
     expected = joint[support].double() / joint[support].double().sum() * draws
