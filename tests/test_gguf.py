@@ -15,7 +15,7 @@ from gguf import GGUFWriter, TokenType, quants
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from conftest import make_reference
+from conftest import make_reference, spread_init
 from minispec import gguf as minigguf
 from minispec.checkpoint import load_model
 from minispec.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf
@@ -163,6 +163,10 @@ def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=()):
         writer.add_rope_freq_base(theta)
         writer.add_rope_dimension_count(head_dim)
         writer.add_file_type(int(qtype))
+        if config.rope_parameters.get("rope_type") == "yarn":  # llama.cpp writes Qwen2's YaRN this way
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+            writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
         if vocab is not None:
             vocab(writer)
         else:
@@ -210,6 +214,26 @@ def test_minispec_loads_converted_model(kind, tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
     torch.testing.assert_close(logits, reference_logits(reference, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_yarn_rope_scaling_converts_and_loads(tmp_path):
+    """A Qwen2 with YaRN context extension: its GGUF converts to a config minispec loads, with the
+    reference's logits past the original context."""
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                                      rope_theta=1000.0, bos_token_id=1, eos_token_id=2,
+                                      rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    reference = spread_init(transformers.Qwen2ForCausalLM(config).eval(), seed=0)
+    out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    model = load_model(out, dtype=torch.float32)
+    tokens = torch.randint(3, 96, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    model.setup_caches(1, 128)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+    torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
 
 
 def test_q8_0_model_close_to_original(tmp_path, capsys, monkeypatch):

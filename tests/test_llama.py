@@ -1,4 +1,4 @@
-"""Llama-family models (Llama MHA/GQA with llama3 rope scaling, Qwen2, Mistral sliding window) against
+"""Llama-family models (Llama MHA/GQA with llama3 and YaRN rope scaling, Qwen2, Mistral sliding window) against
 the reference implementation: prefill, cached decoding, rollback, greedy generation, checkpoint errors."""
 
 import json
@@ -129,5 +129,39 @@ def test_config_key_layouts():
     new = LlamaConfig.from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
     assert old == new and old.rope_theta == 5e5 and old.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert old.n_kv_heads == 4 and old.head_dim == 8 and old.windows == (None, None)
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
-        LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_type 'longrope'"):
+        LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+    ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 16,
+               "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}),
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": 1.3,
+               "truncate": False}),
+    ("qwen2", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),  # older key layout
+])
+def test_yarn_rope_scaling_matches_reference(tmp_path, family, rope):
+    """YaRN context extension (Qwen2.5's long-context configs): logits past the original context, in a
+    prefill and through the cache, equal the reference's. head_dim 32 and theta 1000 put the ramp
+    between kept and slowed pairs inside the 16 pairs, starting past pair 0 (where floor and ceil differ)."""
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    config = config_class(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                          rope_theta=1000.0, rope_scaling=rope)
+    torch.manual_seed(0)
+    hf_model = spread_init(model_class(config).eval(), seed=0)
+    model = load_model(save_reference(hf_model, tmp_path))
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    tokens = random_tokens(300, seed=8)  # past the original context
+    model.setup_caches(1, 512)
+    reference = reference_logits(hf_model, tokens)
+    torch.testing.assert_close(model.prefill(torch.tensor([tokens[:290]]))[0], reference[:290], atol=ATOL, rtol=0)
+    for i in range(290, 300):
+        torch.testing.assert_close(model.decode(torch.tensor([[tokens[i]]]))[0, -1], reference[i], atol=ATOL, rtol=0)
+    # Plain RoPE gives different logits: the test would notice yarn being ignored.
+    plain = model_class(config_class(**{**config.to_dict(), "rope_scaling": None, "rope_parameters": None})).eval()
+    plain.load_state_dict(hf_model.state_dict())
+    assert hf_model.config.rope_parameters["rope_type"] == "yarn" and plain.config.rope_parameters["rope_type"] == "default"
+    assert not torch.allclose(reference_logits(plain, tokens), reference, atol=1e-2)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .base import CachedLM, KVCache, RMSNorm, causal_mask
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -90,7 +90,39 @@ def rope_frequencies(config):
         wavelen = 2 * math.pi / inv_freq
         smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if scaling["rope_type"] == "yarn":
+        # YaRN (Peng et al. 2023): pairs that turn fewer than beta_slow times over the old context are
+        # slowed by `factor`, pairs that turn more than beta_fast times are kept, and a linear ramp in
+        # the pair index blends the two in between.
+        old_context = scaling.get("original_max_position_embeddings") or config.max_seq_len
+
+        def pair_turning(turns):  # the (fractional) pair index that turns `turns` times over the old context
+            return config.head_dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        fast, slow = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            fast, slow = math.floor(fast), math.ceil(slow)
+        fast, slow = max(fast, 0), min(slow, config.head_dim - 1)
+        kept = 1 - ((torch.arange(len(inv_freq), dtype=torch.float32) - fast) / ((slow - fast) or 0.001)).clamp(0, 1)
+        return inv_freq / scaling["factor"] * (1 - kept) + inv_freq * kept
     return inv_freq
+
+
+def rope_attention_factor(scaling):
+    """YaRN scales cos and sin (so every attention logit) to offset the flatter attention that slowed
+    frequencies give: 0.1·ln(factor) + 1, or the checkpoint's own attention_factor / mscale ratio."""
+    if scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+
+    def magnitude(factor, mscale=1.0):
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return magnitude(factor, mscale) / magnitude(factor, mscale_all_dim)
+    return magnitude(factor)
 
 
 def rope_tables(config, max_seq_len, device):
@@ -98,7 +130,8 @@ def rope_tables(config, max_seq_len, device):
     inv_freq = rope_frequencies(config).to(device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    scale = rope_attention_factor(config.rope_scaling)
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x, cos, sin):
