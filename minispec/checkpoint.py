@@ -189,7 +189,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False):
     model = model.to(device=device).eval().requires_grad_(False)
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     attach_special_tokens(model, hf_config)
-    model.tokenizer = load_tokenizer(directory)
+    model.tokenizer = load_tokenizer(directory, model_type)
     return model.compile() if compile else model
 
 

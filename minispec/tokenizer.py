@@ -22,8 +22,9 @@ class UnsupportedTokenizer(ValueError):
     """A tokenizer.json this module cannot reproduce exactly; the message names the component."""
 
 
-def load_tokenizer(directory):
-    """The tokenizer of a checkpoint directory, or None when it has no tokenizer files.
+def load_tokenizer(directory, model_type=""):
+    """The tokenizer of a checkpoint directory, or None when it has no tokenizer files. `model_type`
+    (config.json's) tells a T5 SentencePiece model from others when the file names do not.
 
     tokenizer.json is used when it describes a byte-level BPE; otherwise (e.g. a SentencePiece-style
     BPE or Unigram tokenizer.json) the SentencePiece model next to it, tokenizer.model or spiece.model.
@@ -39,7 +40,6 @@ def load_tokenizer(directory):
             if sentencepiece_file is None:
                 raise
     if sentencepiece_file is not None:
-        model_type = read_json(directory / "config.json").get("model_type", "")
         t5 = sentencepiece_file.name == "spiece.model" or "T5" in str(config.get("tokenizer_class")) or "t5" in model_type
         return SentencePieceTokenizer(sentencepiece_file, config, chat_template, t5)
     return None

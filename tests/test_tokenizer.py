@@ -327,6 +327,17 @@ def test_sentencepiece_t5(sentencepiece_dirs):
     assert load_tokenizer(dirs["t5"]).fingerprint != load_tokenizer(dirs["llama"]).fingerprint
 
 
+def test_sentencepiece_t5_named_tokenizer_model(sentencepiece_dirs, tmp_path):
+    """A T5 SentencePiece file saved as tokenizer.model, with no tokenizer_config.json: only config.json's
+    model_type (which the loader passes on) tells it from a Llama one."""
+    dirs, models_ = sentencepiece_dirs
+    (tmp_path / "tokenizer.model").write_bytes((dirs["t5_bare"] / "spiece.model").read_bytes())
+    sp = models_["t5"]
+    assert load_tokenizer(tmp_path, "t5").encode("hello") == sp.encode("hello") + [1]
+    assert load_tokenizer(tmp_path, "t5").fingerprint == load_tokenizer(dirs["t5_bare"]).fingerprint
+    assert load_tokenizer(tmp_path, "llama").encode("hello") != sp.encode("hello") + [1]
+
+
 def test_sentencepiece_style_tokenizer_json_falls_back_to_model(sentencepiece_dirs, tmp_path):
     """Llama 2's tokenizer.json is a SentencePiece-style BPE (Metaspace, byte fallback), not byte-level:
     the tokenizer.model beside it is used."""
