@@ -131,6 +131,11 @@ def test_config_key_layouts():
     assert old.n_kv_heads == 4 and old.head_dim == 8 and old.windows == (None, None)
     with pytest.raises(ValueError, match="rope_type 'longrope'"):
         LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(ValueError, match="llama3 rope scaling needs low_freq_factor, high_freq_factor"):
+        LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                      "original_max_position_embeddings": 64}})
+    with pytest.raises(ValueError, match="yarn rope scaling needs factor"):
+        LlamaConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": None}})
 
 
 @pytest.mark.parametrize("family, rope", [

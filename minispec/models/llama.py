@@ -14,7 +14,13 @@ from torch import nn
 
 from .base import CachedLM, KVCache, RMSNorm, causal_mask
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
+}
 
 
 @dataclass
@@ -47,6 +53,9 @@ class LlamaConfig:
         rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
         if rope["rope_type"] not in ROPE_TYPES:
             raise ValueError(f"llama: rope_type {rope['rope_type']!r} is not supported ({', '.join(ROPE_TYPES)})")
+        missing = [key for key in ROPE_TYPES[rope["rope_type"]] if rope.get(key) is None]
+        if missing:
+            raise ValueError(f"llama: {rope['rope_type']} rope scaling needs {', '.join(missing)} in rope_scaling")
         n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
         qwen2 = hf.get("model_type") == "qwen2"
         window = hf.get("sliding_window")
