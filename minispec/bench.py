@@ -326,7 +326,7 @@ def reference_runner(model, args, gamma=None, draft=None):
         # Generate through EOS like minispec does; min_new_tokens would forbid EOS, changing the tokens.
         settings.update(eos_token_id=None, pad_token_id=0)
     if args.temperature > 0:
-        settings.update(temperature=args.temperature, top_k=0)
+        settings.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if gamma is not None and draft is None:
         settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=3)  # LookupDrafter's max_ngram
 
@@ -376,6 +376,8 @@ def parse_args(argv):
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
     parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="one table row per value")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the most likely tokens of this mass")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
@@ -402,8 +404,12 @@ def parse_args(argv):
         raise ValueError(f"--gamma values must be >= 1, got {args.gamma}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
         raise ValueError("--repeats, --max-new-tokens and --seeds must be >= 1")
-    Sampling(args.temperature)  # a bad temperature fails before loading weights
+    sampling_of(args)  # bad sampling settings fail before loading weights
     return args
+
+
+def sampling_of(args):
+    return Sampling(args.temperature, args.top_k, args.top_p)
 
 
 def read_prompts(args):
@@ -442,7 +448,8 @@ def prompt_ids_of(target, prompt, chat=False):
 
 def minispec_runner(target, draft, gamma, args, prefill_clock):
     """run_one for time_generation: one (prompt ids, seed) request through minispec.generate."""
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, ignore_eos=args.ignore_eos)
 
     def run_one(request):
         prompt, seed = request
@@ -469,11 +476,12 @@ def benchmark(args):
     ar = timed["minispec", None]
     first = ar["outputs"][0]
     steps = step_times(target, draft, torch.tensor([prompts[0]], device=device), first[:len(first) // 2],
-                       args.gamma, Sampling(args.temperature))
+                       args.gamma, sampling_of(args))
     greedy = args.temperature == 0
     result = {
         "settings": {"target": args.target, "draft": args.draft, "gammas": args.gamma,
-                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                      "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
                      "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
                      "prompts": len(prompts), "seeds": args.seeds},
@@ -533,7 +541,7 @@ def markdown_table(result):
     lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}"
              f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts{seeds} x {s['max_new_tokens']} "
              "new tokens, "
-             f"temperature {s['temperature']}, median of {s['repeats']}; "
+             f"temperature {s['temperature']}{top_k_p(s)}, median of {s['repeats']}; "
              f"step times at position {result['step_position']}", "",
              f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
              "decode speedup and Theorem 3.8 (predicted) leave it out", ""]
@@ -578,6 +586,14 @@ def markdown_table(result):
         lines.append(f"- γ = {r['gamma']}: {f['tokens_per_call']:.2f} × {f['verify_cost']:.2f} × {f['loop']:.2f} "
                      f"= {r['measured_over_predicted']:.2f}")
     return "\n".join(lines)
+
+
+def top_k_p(settings):
+    """", top-k 50, top-p 0.9" for the settings in force (greedy ignores both)."""
+    if not settings["temperature"]:
+        return ""
+    return (f", top-k {settings['top_k']}" if settings["top_k"] else "") + \
+        (f", top-p {settings['top_p']}" if settings["top_p"] < 1 else "")
 
 
 def yes_no(value):

@@ -276,12 +276,30 @@ def test_seeds_sample_each_prompt_several_times(dirs, tmp_path, capsys):
     assert result["rows"][0]["outputs"] == outputs(draft="lookup", gamma=2)
 
 
+def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
+                              "--temperature", "1", "--top-k", "20", "--top-p", "0.8", "--repeats", "1", *PROMPT_FLAGS)
+    assert (result["settings"]["top_k"], result["settings"]["top_p"]) == (20, 0.8)
+    assert "temperature 1.0, top-k 20, top-p 0.8" in table
+    target = minispec.load(dirs["gpt2"])
+
+    def outputs(**settings):
+        return [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
+                                  top_k=20, top_p=0.8, **settings).tokens for prompt in PROMPTS]
+
+    assert result["autoregressive"]["outputs"] == outputs()
+    assert result["rows"][0]["outputs"] == outputs(draft="lookup", gamma=2)
+    assert outputs() != [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                           temperature=1.0).tokens for prompt in PROMPTS]
+
+
 # --- bad input -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (["--gamma", "0"], "--gamma values must be >= 1"),
     (["--repeats", "0"], "--repeats, --max-new-tokens and --seeds must be >= 1"),
     (["--seeds", "0"], "--repeats, --max-new-tokens and --seeds must be >= 1"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
     ([], "has no tokenizer files: give prompts as token ids"),  # the built-in text prompts
     (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
     (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),
