@@ -4,6 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import minispec.sampling
 from minispec.sampling import Sampling, adjust, sample
 from minispec.speculative import accept_and_resample
 
@@ -112,14 +113,31 @@ def test_top_k_and_top_p_masks():
     assert kept.tolist() == [True, True, False, False]
     assert torch.allclose(adjust(logits, Sampling(1.0, top_p=0.85))[:2], probs[:2] / probs[:2].sum())
     assert adjust(logits, Sampling(1.0, top_p=0.1)).tolist() == [1.0, 0.0, 0.0, 0.0]  # always >= 1 token
+    halves = torch.tensor([2.0, 1.0, 1.0]).log()  # probabilities exactly 0.5, 0.25, 0.25
+    assert adjust(halves, Sampling(1.0, top_p=0.5)).tolist() == [1.0, 0.0, 0.0]  # mass 0.5 before: dropped
+    # A token tied with the last one kept is kept too, whatever order a sort would put them in.
+    assert adjust(halves, Sampling(1.0, top_p=0.6)).tolist() == [0.5, 0.25, 0.25]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-])
-def test_invalid_settings_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        Sampling(**kwargs)
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_keeps_what_the_reference_keeps(monkeypatch, top_p):
+    """Over a 5000-token vocabulary, with rows whose cutoff lies among their TOP_P_CANDIDATES most
+    likely tokens (peaked rows: no sort needed) beside rows where it does not (flat ones: sorted
+    whole), alone and after top-k: the kept tokens are the reference implementation's, and the same
+    as when every row is sorted."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    spread = torch.tensor([4.0, 4.0, 4.0, 0.3, 0.3, 0.3])[:, None]
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0)) * spread
+    suffice = logits.softmax(-1).topk(minispec.sampling.TOP_P_CANDIDATES).values.sum(-1) >= top_p
+    assert suffice.any() and not suffice.all()  # both kinds of row in one call
+    for top_k in (0, 1000):
+        sampling = Sampling(1.0, top_k=top_k, top_p=top_p)
+        reference = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, logits) if top_k else logits)
+        probs = adjust(logits, sampling)
+        assert torch.equal(probs > 0, reference > float("-inf"))
+        torch.testing.assert_close(probs, reference.softmax(-1))
+        assert torch.equal(adjust(logits[0], sampling), probs[0])  # one row, no batch dimension
+        monkeypatch.setattr(minispec.sampling, "TOP_P_CANDIDATES", 0)  # sort every row
+        assert torch.equal(adjust(logits, sampling), probs)
+        monkeypatch.undo()

@@ -194,7 +194,8 @@ def test_one_host_sync_per_step(models, name, settings):
     """The lean loop: each speculative step reads the device once (its .tolist()); besides that, a
     request reads three values however many steps it takes: the prompt's id range, and α at the end.
     (The ngram drafter samples on the host by design, which on a CPU-only machine this cannot tell
-    apart from reading the device; tests/test_cuda.py counts real syncs.)"""
+    apart from reading the device; tests/test_cuda.py counts real syncs. So does top-p over a vocabulary
+    larger than sampling.TOP_P_CANDIDATES on a CPU, and only there: this vocabulary is smaller.)"""
     target, draft = models["llama_gqa"]["target"], draft_for(models, "llama_gqa", name)
     counts = []
     for new_tokens in (8, NEW_TOKENS):
