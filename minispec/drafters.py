@@ -161,8 +161,8 @@ class LookupDrafter:
     encoder_calls = 0
     calls = 0
 
-    def __init__(self, vocab_size, device, max_ngram=3):
-        self.vocab_size, self.device, self.max_ngram = vocab_size, device, max_ngram
+    def __init__(self, vocab_size, device, max_ngram=3):  # NgramDrafter's signature; no q, so no vocab_size
+        self.device, self.max_ngram = device, max_ngram
 
     def start(self, prompt_ids, max_new_tokens):
         self.context = []
