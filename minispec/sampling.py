@@ -12,7 +12,7 @@ import torch
 class Sampling:
     temperature: float = 0.0  # 0 means greedy: the adjusted distribution is one-hot at the argmax
     top_k: int = 0  # 0 keeps every token
-    top_p: float = 1.0  # 1 keeps every token
+    top_p: float = 1.0  # most likely first, keep tokens while the mass before them is < top_p; 1 keeps all
 
     def __post_init__(self):
         if not self.temperature >= 0:
