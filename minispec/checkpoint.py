@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .drafters import MODEL_FREE
 from .models import gpt2, llama, t5
 from .tokenizer import load_tokenizer
 
@@ -197,7 +198,7 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
     """For the command lines: the target model, and the draft as generate() takes it — None for
     "none", "ngram"/"lookup" as they are, or a model loaded like the target (same device, dtype)."""
     target = load_model(target, device=device, dtype=dtype, compile=compile)
-    if draft in (None, "none", "ngram", "lookup"):
+    if draft in (None, "none") or draft in MODEL_FREE:
         return target, None if draft == "none" else draft
     return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile)
 
