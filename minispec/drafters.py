@@ -142,7 +142,7 @@ class NgramDrafter:
             drafts.append(previous)
             qs.append(q)
         if not drafts:
-            return torch.zeros(0, dtype=torch.long, device=self.device), torch.zeros(0, self.vocab_size, device=self.device)
+            return torch.zeros(0, dtype=torch.long, device=self.device), None
         return torch.tensor(drafts, device=self.device), torch.stack(qs).to(self.device)
 
     def accept(self, tokens, tokens_on_device):
