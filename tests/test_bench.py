@@ -259,21 +259,22 @@ def test_reference_has_no_ngram_counterpart(dirs, tmp_path, capsys):
     assert "| - | - | - |" in table
 
 
+def sampled_outputs(directory, seeds=(0,), **settings):
+    """minispec.generate's tokens for each of PROMPTS and each seed, as the bench's requests order them."""
+    target = minispec.load(directory)
+    return [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
+                              seed=seed, **settings).tokens for prompt in PROMPTS for seed in seeds]
+
+
 def test_seeds_sample_each_prompt_several_times(dirs, tmp_path, capsys):
     """--seed 5 --seeds 3 at temperature 1: every decoder generates each prompt with seeds 5, 6 and 7."""
     result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
                               "--temperature", "1", "--seed", "5", "--seeds", "3", "--repeats", "1", *PROMPT_FLAGS)
     assert result["settings"]["seeds"] == 3 and "2 prompts x 3 seeds" in table
-    target = minispec.load(dirs["gpt2"])
-
-    def outputs(**settings):
-        return [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
-                                  seed=seed, **settings).tokens for prompt in PROMPTS for seed in (5, 6, 7)]
-
-    expected = outputs()
+    expected = sampled_outputs(dirs["gpt2"], seeds=(5, 6, 7))
     assert result["autoregressive"]["outputs"] == expected
     assert len({tuple(tokens) for tokens in expected}) == 6  # six different samples
-    assert result["rows"][0]["outputs"] == outputs(draft="lookup", gamma=2)
+    assert result["rows"][0]["outputs"] == sampled_outputs(dirs["gpt2"], seeds=(5, 6, 7), draft="lookup", gamma=2)
 
 
 def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
@@ -281,16 +282,10 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
                               "--temperature", "1", "--top-k", "20", "--top-p", "0.8", "--repeats", "1", *PROMPT_FLAGS)
     assert (result["settings"]["top_k"], result["settings"]["top_p"]) == (20, 0.8)
     assert "temperature 1.0, top-k 20, top-p 0.8" in table
-    target = minispec.load(dirs["gpt2"])
-
-    def outputs(**settings):
-        return [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
-                                  top_k=20, top_p=0.8, **settings).tokens for prompt in PROMPTS]
-
-    assert result["autoregressive"]["outputs"] == outputs()
-    assert result["rows"][0]["outputs"] == outputs(draft="lookup", gamma=2)
-    assert outputs() != [minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                           temperature=1.0).tokens for prompt in PROMPTS]
+    expected = sampled_outputs(dirs["gpt2"], top_k=20, top_p=0.8)
+    assert result["autoregressive"]["outputs"] == expected
+    assert result["rows"][0]["outputs"] == sampled_outputs(dirs["gpt2"], top_k=20, top_p=0.8, draft="lookup", gamma=2)
+    assert expected != sampled_outputs(dirs["gpt2"])  # the settings change the samples
 
 
 # --- bad input -----------------------------------------------------------------------------------------------
