@@ -13,8 +13,9 @@ import sys
 import torch
 
 import minispec
-from minispec.checkpoint import DTYPES, load_target_and_draft, token_ids
 from minispec.chat import chat_prompt
+from minispec.cli import load_target_and_draft, token_ids
+from minispec.weights import DTYPES
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
 # the target's own tokens blue.
@@ -29,8 +30,8 @@ SHOW_HELP = (
 
 
 # `python run.py` alone: SmolLM2-135M-Instruct summarizes a text, speculatively with the lookup drafter
-# (the answer copies phrases from the prompt, which lookup proposes; it beat ngram here, see README),
-# coloured, and timed against plain autoregressive decoding in the same run.
+# (the answer copies phrases from the prompt, which lookup proposes; it beat ngram here, see
+# docs/performance.md), coloured, and timed against plain autoregressive decoding in the same run.
 DEFAULT_PROMPT = (
     "Summarize this text in two sentences: The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars "
     "in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower "

@@ -28,11 +28,13 @@ import torch
 from torch import nn
 
 from .chat import chat_prompt
-from .checkpoint import DTYPES, load_target_and_draft, resolve_checkpoint, token_ids
+from .checkpoint import resolve_checkpoint
+from .cli import load_target_and_draft, token_ids
 from .drafters import make_drafter
 from .generate import generate, prompt_tensor
 from .models.base import CachedLM, KVCache
 from .sampling import Sampling
+from .weights import DTYPES
 
 CODE = '''def moving_average(values, window):
     result = []

@@ -21,8 +21,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, download_from_hub
 from .gguf import convert_gguf
+from .hub import download_from_hub
+from .weights import CheckpointError
 
 
 @dataclass(frozen=True)

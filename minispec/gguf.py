@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from .checkpoint import DTYPES
+from .weights import DTYPES, save_safetensors
 
 # ---------------------------------------------------------------------------------------------
 # Reading the file
@@ -584,7 +583,7 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True):
     staging.mkdir()
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+        save_safetensors(weights, staging / "model.safetensors", metadata={"format": "pt"})
         for file_name, content in tokenizer.items():
             (staging / file_name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         staging.rename(out_dir)

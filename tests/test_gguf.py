@@ -460,7 +460,7 @@ def test_failed_write_leaves_nothing(good_file, tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(minigguf, "save_file", disk_full)
+    monkeypatch.setattr(minigguf, "save_safetensors", disk_full)
     with pytest.raises(OSError, match="No space left"):
         convert_gguf(good_file, tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == []

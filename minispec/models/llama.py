@@ -252,10 +252,8 @@ def fuse(weights, names, fused_name):
     if all(name in weights for name in names):
         parts = [weights.pop(name) for name in names]
         if len({p.shape[1:] for p in parts}) > 1:
-            from ..checkpoint import CheckpointError  # imported here: checkpoint.py imports this module
-
             shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
-            raise CheckpointError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
+            raise ValueError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
         weights[fused_name] = torch.cat(parts)
 
 

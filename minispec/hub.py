@@ -1,0 +1,29 @@
+"""The Hugging Face hub: fetch the files of a checkpoint that minispec reads, into the hub cache."""
+
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+from .weights import CheckpointError
+
+# What a checkpoint directory needs from the hub: configs, weights, tokenizer files.
+HUB_FILES = [
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "spiece.model",
+    "chat_template.jinja",
+]
+
+
+def download_from_hub(repo_id):
+    """Fetch only the files minispec needs; honours the hub cache, HF_HOME and HF_HUB_OFFLINE."""
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as error:
+        raise CheckpointError(
+            f"'{repo_id}' is neither a local directory nor in the Hugging Face cache, and the hub cannot be "
+            f"reached (offline, or HF_HUB_OFFLINE=1). Download it on a machine with internet "
+            f"(hf download {repo_id}) and copy the directory here, or pass a local path."
+        ) from error
+    except (HfHubHTTPError, OSError) as error:
+        raise CheckpointError(f"could not fetch '{repo_id}' from the Hugging Face hub: {error}") from error

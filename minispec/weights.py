@@ -1,0 +1,102 @@
+"""Checkpoint files, the bottom of the loading layer: reading a directory's config.json and
+safetensors weights, and writing safetensors files.
+
+minispec writes safetensors itself (a few lines: the format is a length, a JSON header and the raw
+bytes) because the safetensors package's torch writer goes through numpy, which minispec does not
+otherwise need; reading goes through the package, which does not.
+"""
+
+import ctypes
+import json
+import struct
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found, read or matched to a model; the message says why."""
+
+
+# The --dtype names the command lines accept.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_json(file):
+    try:
+        return json.loads(Path(file).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {file}: {error}") from error
+
+
+def read_config(directory):
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    config = read_json(config_file)
+    generation_file = Path(directory) / "generation_config.json"
+    if generation_file.is_file():  # eos/bos ids there override the model config's, as in the reference
+        generation = read_json(generation_file)
+        config.update({k: v for k, v in generation.items() if k.endswith("token_id") and v is not None})
+    return config
+
+
+def read_weights(directory):
+    """All tensors of a checkpoint: model.safetensors, or the shards listed in its index."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        shards = sorted(set(weight_map.values()))
+        files = [directory / shard for shard in shards]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has no *.safetensors weights")
+    weights = {}
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"shard {file.name} listed in {index.name} is missing from {directory}")
+        try:
+            weights.update(load_file(file))
+        except Exception as error:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"cannot read weights from {file}: {error}") from error
+    return weights
+
+
+# torch dtype -> the safetensors header's name for it
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def save_safetensors(tensors, file, metadata=None):
+    """Write {name: tensor} as a safetensors file: an 8-byte little-endian header length, the JSON
+    header (each tensor's dtype, shape and byte range; padded with spaces to 8 bytes so the data is
+    aligned), then every tensor's bytes, back to back in header order."""
+    if sys.byteorder != "little":  # the format is little-endian; torch's memory here would not be
+        raise OSError("writing safetensors files needs a little-endian machine")
+    header = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot write tensor {name}: dtype {tensor.dtype} has no safetensors name")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(file, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for tensor in tensors.values():
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.numel():  # a view of the tensor's memory as bytes: no copy
+                out.write((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))

@@ -1,0 +1,91 @@
+"""The package's import graph flows one way: models at the bottom, loading above them, decoding above
+loading, the command lines on top. Read from the source with ast, so a cycle hidden in a function
+body (an import placed there to dodge it) is caught too."""
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "minispec"
+
+LAYERS = {
+    "models": 0,
+    "weights": 1, "hub": 1, "gguf": 1, "builtin": 1, "tokenizer": 1, "chat": 1, "checkpoint": 1,
+    "sampling": 2, "drafters": 2, "speculative": 2, "beam": 2, "generate": 2,
+    "__init__": 3, "cli": 3, "bench": 3,
+}
+
+
+def module_name(file):
+    return ".".join(file.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def layer(module):
+    return LAYERS[module.split(".")[0]]
+
+
+def resolve(dotted):
+    """A dotted name inside the package -> the module (file) it names: "models" -> "models.__init__"."""
+    if dotted in ("", "__init__"):
+        return "__init__"
+    return dotted + ".__init__" if (PACKAGE / dotted.replace(".", "/")).is_dir() else dotted
+
+
+def package_imports(file):
+    """[(imported minispec module, whether the import sits inside a function)] of one file."""
+    tree = ast.parse(file.read_text())
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inside = {id(node) for function in functions for node in ast.walk(function)}
+    package = module_name(file).split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # from .x import y, from . import x
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            elif (node.module or "").split(".")[0] == "minispec":
+                base = node.module.removeprefix("minispec").lstrip(".")
+            else:
+                continue
+            # each imported name may itself be a module (from .models import gpt2)
+            names = [f"{base}.{a.name}".lstrip(".") for a in node.names]
+            targets = [resolve(base)] if node.module else []  # `from . import x` imports only x
+            targets += [resolve(n) for n in names if (PACKAGE / (n.replace(".", "/") + ".py")).exists()]
+        elif isinstance(node, ast.Import):
+            targets = [resolve(a.name.removeprefix("minispec").lstrip(".")) for a in node.names
+                       if a.name.split(".")[0] == "minispec"]
+        else:
+            continue
+        found += [(target, id(node) in inside) for target in targets]
+    return found
+
+
+EDGES = {module_name(file): package_imports(file) for file in PACKAGE.rglob("*.py")}
+
+
+def test_every_module_has_a_layer():
+    assert all(name.split(".")[0] in LAYERS for name in EDGES)
+
+
+def test_no_package_import_inside_a_function():
+    late = [(name, target) for name, imports in EDGES.items() for target, inside in imports if inside]
+    assert late == []
+
+
+def test_imports_never_go_up_a_layer():
+    upward = [(name, target) for name, imports in EDGES.items() for target, _ in imports
+              if layer(target) > layer(name)]
+    assert upward == []
+
+
+def test_models_import_only_their_base():
+    for name, imports in EDGES.items():
+        if name.startswith("models.") and name not in ("models.base", "models.__init__"):
+            assert {target for target, _ in imports} <= {"models.base"}, name
+
+
+def test_the_graph_has_no_cycle():
+    edges = {name: {target for target, _ in imports if target in EDGES} for name, imports in EDGES.items()}
+    try:
+        list(TopologicalSorter(edges).static_order())
+    except CycleError as error:
+        raise AssertionError(f"import cycle: {error.args[1]}") from None

@@ -1,0 +1,55 @@
+"""Checkpoint files: minispec's own safetensors writer, read back by the safetensors package, and
+written without numpy (which is no dependency of minispec)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minispec.weights import SAFETENSORS_DTYPES, save_safetensors
+
+
+def sample_tensors():
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"t.{dtype}".replace("torch.", ""): (torch.randn(3, 5, generator=generator) * 50).to(dtype)
+               for dtype in SAFETENSORS_DTYPES}
+    tensors["scalar"] = torch.tensor(3.5)
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["odd_length"] = torch.arange(7, dtype=torch.uint8)  # leaves the next tensor unaligned
+    tensors["strided"] = torch.arange(12.0).view(3, 4).t()  # written as its contiguous copy
+    tensors["offset_view"] = torch.arange(10, dtype=torch.int16)[3:8]
+    return tensors
+
+
+def test_written_files_read_back_exactly(tmp_path):
+    tensors = sample_tensors()
+    save_safetensors(tensors, tmp_path / "w.safetensors", metadata={"format": "pt"})
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_an_unsupported_dtype_is_named(tmp_path):
+    with pytest.raises(ValueError, match="complex"):
+        save_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "z.safetensors")
+
+
+def test_writing_needs_no_numpy(tmp_path):
+    """In a process where numpy cannot be imported (as on a machine that lacks it)."""
+    file = tmp_path / "w.safetensors"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["numpy"] = None  # any import of numpy now fails
+        import torch
+        from minispec.weights import save_safetensors
+        save_safetensors({{"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}},
+                         {str(file)!r})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = load_file(file)
+    assert torch.equal(loaded["w"], torch.arange(6.0).view(2, 3)) and loaded["b"].dtype == torch.bfloat16
