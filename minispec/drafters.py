@@ -22,18 +22,20 @@ from .sampling import adjust, sample
 
 
 def make_drafter(draft, target):
-    """A drafter for `draft`: a loaded model, a checkpoint path or hub id, "ngram" or "lookup"."""
+    """A drafter for `draft`: a loaded model (minispec.load), "ngram" or "lookup"."""
     if isinstance(draft, str) and draft in MODEL_FREE:
         return MODEL_FREE[draft](target.vocab_size, target.device)
     if isinstance(draft, str):
-        from .checkpoint import load_model
-
-        draft = load_model(draft, device=target.device, dtype=target.dtype)
+        raise ValueError(f"draft={draft!r}: load a draft model once with minispec.load({draft!r}) and pass the "
+                         "model (a path here would reload its weights on every call); or use 'ngram' or 'lookup'")
     if not isinstance(draft, CachedLM):
-        raise ValueError(f"draft must be a minispec model, a checkpoint, 'ngram' or 'lookup'; got {draft!r}")
+        raise ValueError(f"draft must be a minispec model (minispec.load), 'ngram' or 'lookup'; got {draft!r}")
     if draft is target:
         raise ValueError("the draft must be a separate model object (each needs its own KV cache); "
                          "load the checkpoint twice to draft with the target's weights")
+    if draft.device != target.device:
+        raise ValueError(f"the draft {draft.name} is on {draft.device} but the target {target.name} is on "
+                         f"{target.device}; load both on the same device")
     check_same_vocabulary(target, draft)
     return ModelDrafter(draft)
 
@@ -66,16 +68,17 @@ class ModelDrafter:
         # The prompt's forward also gives q for the first guess, as the target's verifies the first guesses.
         self.next_logits = model.prefill(prefix, logits_for=1)[0, -1]
         self.calls = 1
-        self.unseen = None  # accepted tokens the cache has not seen yet, on the device
+        self.unseen = None  # accepted tokens the cache has not seen yet, [1, m] on the device
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
     def propose(self, k, sampling, generator):
         model = self.model
-        if k == 0:
-            self.fed_guesses = 0
+        self.fed_guesses = 0
+        if k == 0:  # no draft work: the tokens accepted meanwhile wait in `unseen` until guessing resumes
             return torch.zeros(0, dtype=torch.long, device=model.device), None
-        if self.next_logits is None:  # feed the tokens accepted since the last proposal
+        if self.unseen is not None:  # catch up on the tokens accepted since the last proposal
             self.next_logits = model.decode(self.unseen)[0, -1]
+            self.unseen = None
             self.calls += 1
         logits, drafts, qs = self.next_logits, [], []
         for i in range(k):
@@ -92,10 +95,12 @@ class ModelDrafter:
 
     def accept(self, tokens, tokens_on_device):
         # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
-        # seen that were accepted; the rest of `tokens` is fed at the next proposal.
+        # seen that were accepted; the rest of `tokens` is fed at the next proposal, after any tokens
+        # still waiting from steps that proposed nothing.
         keep = min(len(tokens) - 1, self.fed_guesses)
         self.model.rollback(self.model.length - (self.fed_guesses - keep))
-        self.unseen = tokens_on_device[keep:].view(1, -1)
+        new = tokens_on_device[keep:].view(1, -1)
+        self.unseen = new if self.unseen is None else torch.cat([self.unseen, new], dim=1)
         self.next_logits = None  # known only after the unseen tokens go through the model
 
 

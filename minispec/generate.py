@@ -2,13 +2,16 @@
 that speculative decoding must equal (token for token when greedy, in distribution when sampling).
 """
 
+import secrets
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from . import beam
-from .drafters import make_drafter
+from .drafters import ModelDrafter, make_drafter
 from .sampling import Sampling, adjust, sample
 from .speculative import speculative
 
@@ -40,17 +43,42 @@ def prompt_tensor(model, prompt):
     return ids
 
 
-def check_fits(model, prefix_length, max_new_tokens, batch_size=1):
+def check_fits(model, prefix_length, max_new_tokens, batch_size=1, role="target"):
     """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
     context = model.context_length
     if context is not None and prefix_length > context:
-        raise ValueError(f"the prompt has {prefix_length} tokens, longer than {model.name}'s context of {context}")
+        raise ValueError(f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
+                         f"context of {context}")
     if context is not None and prefix_length + max_new_tokens > context:
         raise ValueError(
-            f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds {model.name}'s "
-            f"context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
+            f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
+            f"{model.name}'s context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
         )
     model.ensure_caches(batch_size, prefix_length + max_new_tokens)
+
+
+# A model's KV cache holds one request at a time, so a model runs one generate() call at a time;
+# `busy` marks the models of the calls under way, and this lock makes checking and marking atomic.
+_claiming = threading.Lock()
+
+
+@contextmanager
+def exclusive(*models):
+    """Claim the models for one request, or fail at once if another call (another thread) has one."""
+    with _claiming:
+        for model in models:
+            if model.busy:
+                raise RuntimeError(
+                    f"{model.name} is already generating in another call: a model runs one request at a time "
+                    "(its KV cache holds that request); load one copy of the model per thread"
+                )
+        for model in models:
+            model.busy = True
+    try:
+        yield
+    finally:
+        for model in models:
+            model.busy = False
 
 
 @torch.inference_mode()
@@ -72,13 +100,14 @@ def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator)
 
 @torch.inference_mode()
 def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-             seed=0, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None):
+             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram" or "lookup").
 
     Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
     has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
     beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
     own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
+    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
     """
     sampling = Sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
@@ -94,28 +123,33 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
     if searching:
         draft_beams = beam.check_settings(beams, draft_beams, target, drafter, sampling, lenience)
     stop_ids = set() if ignore_eos else set(target.eos_token_ids)
+    seed = secrets.randbits(63) if seed is None else seed
     generator = torch.Generator(device=target.device).manual_seed(seed)
-
-    start = time.perf_counter()
-    encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
-    prompt_ids = prompt_tensor(target, prompt)
-    prefix = target.encode(prompt_ids)
-    # Beam search scores w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
-    check_fits(target, prefix.shape[1], max_new_tokens, beams + draft_beams * gamma if searching else 1)
-    sequences, scores = [], []
-    if searching:
-        sequences, scores, stats = beam.search(target, prefix, drafter, prompt_ids, beams, draft_beams, gamma,
-                                               max_new_tokens, stop_ids)
-        tokens, trace = sequences[0], [(sequences[0], "target")]
-    elif drafter is None:
-        tokens, stats = autoregressive(target, prefix, max_new_tokens, sampling, stop_ids, generator)
-        trace = [(tokens, "target")]
-    else:
-        tokens, stats, trace = speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling,
-                                           stop_ids, generator, gamma, lenience)
-    seconds = time.perf_counter() - start
+    draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    with exclusive(target, *[draft_model] if draft_model else []):
+        start = time.perf_counter()
+        encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
+        prompt_ids = prompt_tensor(target, prompt)
+        if draft_model and not draft_model.is_encoder_decoder:  # the draft's prefix is the prompt itself
+            check_fits(draft_model, prompt_ids.shape[1], max_new_tokens, role="draft")
+        prefix = target.encode(prompt_ids)
+        # Beam search scores w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
+        check_fits(target, prefix.shape[1], max_new_tokens, beams + draft_beams * gamma if searching else 1)
+        sequences, scores = [], []
+        if searching:
+            sequences, scores, stats = beam.search(target, prefix, drafter, prompt_ids, beams, draft_beams, gamma,
+                                                   max_new_tokens, stop_ids)
+            tokens, trace = sequences[0], [(sequences[0], "target")]
+        elif drafter is None:
+            tokens, stats = autoregressive(target, prefix, max_new_tokens, sampling, stop_ids, generator)
+            trace = [(tokens, "target")]
+        else:
+            tokens, stats, trace = speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling,
+                                               stop_ids, generator, gamma, lenience)
+        seconds = time.perf_counter() - start
 
     stats.update(
+        seed=seed,
         new_tokens=len(tokens),
         encoder_calls=target.encoder_calls - encodes_before[0],
         draft_encoder_calls=(drafter.encoder_calls if drafter else 0) - encodes_before[1],

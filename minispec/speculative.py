@@ -94,12 +94,15 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
             greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
             n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
             verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
-            overlap += (torch.minimum(p[:k], q).sum(-1) * verified).sum()
+            step_overlap = torch.minimum(p[:k], q).sum(-1) * verified
+            overlap += step_overlap.sum()
         n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
         new_tokens, stopped = cut_at_stop(guesses[:n] + [t_host], stop_ids)
         record_step(stats, trace, guesses, n, new_tokens)
         generated += new_tokens
         if stopped:
+            if not verify_by_argmax:  # count only the positions up to the stop token
+                overlap -= step_overlap[len(new_tokens):].sum()
             break
         # Roll both caches back to the accepted sequence; the target has yet to see t.
         unseen = t.view(1, 1)
@@ -131,9 +134,11 @@ def record_step(stats, trace, guesses, n, new_tokens):
         stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
     stats["target_calls"] += 1
     stats["proposed"] += k
-    stats["accepted"] += n
-    stats["verified"] += min(n + 1, k)
-    stats["accepted_lengths"][n] += 1
+    # Only what was emitted counts: a stop token among the accepted guesses cuts off those after it.
+    emitted = min(n, len(new_tokens))
+    stats["accepted"] += emitted
+    stats["verified"] += min(n + 1, k, len(new_tokens))
+    stats["accepted_lengths"][emitted] += 1
     steps = [(new_tokens[:n], "accepted")]
     if len(new_tokens) > n:  # the target's token was not cut off by a stop token among the guesses
         steps += [([guesses[n]], "rejected")] if n < k else []

@@ -69,9 +69,9 @@ def test_ngram_q_is_the_normalized_bigram_counts():
 
 @pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5)])
 def test_model_drafter_q_is_the_drafts_own_distribution(tmp_path, sampling):
-    """Over proposals, partial acceptances and rollbacks: q_i is the draft's adjusted distribution
-    after the context and the earlier guesses (a fresh forward computes it), and guess i is drawn
-    from q_i (the argmax when greedy)."""
+    """Over proposals, partial acceptances, rollbacks and steps without guesses: q_i is the draft's
+    adjusted distribution after the context and the earlier guesses (a fresh forward computes it),
+    and guess i is drawn from q_i (the argmax when greedy)."""
     directory = save_reference(make_reference("llama_gqa"), tmp_path)
     drafter, fresh = ModelDrafter(minispec.load(directory)), minispec.load(directory)
     fresh.ensure_caches(1, 64)
@@ -79,14 +79,16 @@ def test_model_drafter_q_is_the_drafts_own_distribution(tmp_path, sampling):
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         drafter.start(torch.tensor([context]), 32)
-        for k, keep in [(4, 2), (3, 3), (5, 0), (2, 1)]:
+        # k = 0 (a plain decoding step) at the start, between proposals and several times in a row: the
+        # tokens accepted meanwhile must all reach the draft's cache before its next guess
+        for k, keep in [(0, 0), (4, 2), (3, 3), (0, 0), (5, 0), (0, 0), (0, 0), (2, 1), (0, 0)]:
             drafts, q = drafter.propose(k, sampling, generator)
             if sampling.greedy:
                 assert q is None  # deterministic guesses: q is one-hot at them, not built
                 q = one_hot(drafts, fresh.vocab_size)
             for i in range(k):
                 logits = fresh.prefill(torch.tensor([context + drafts[:i].tolist()]))[0, -1]
-                torch.testing.assert_close(q[i], adjust(logits, sampling), atol=1e-5, rtol=0)
+                torch.testing.assert_close(q[i], adjust(logits, sampling), atol=1e-4, rtol=0)
                 assert q[i, drafts[i]] > 0
                 if sampling.greedy:
                     assert drafts[i] == logits.argmax()

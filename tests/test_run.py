@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from conftest import make_reference, save_reference
 
@@ -137,6 +138,8 @@ def test_render_trace_colours():
     (["--prompt", "hello"], "tokenizer"),
     (["--prompt-ids", "3,96"], "[0, 96)"),
     (["--device", "nonsense"], "device 'nonsense' is not a torch device"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "cuda"),
+    (["--device", "mps"], "MPS (Apple's GPU) is not available"),
 ])
 def test_bad_input_exits_2_with_message(gpt2_dir, capsys, monkeypatch, tmp_path, flags, message):
     monkeypatch.chdir(tmp_path)  # so ./nope surely does not exist
@@ -144,7 +147,15 @@ def test_bad_input_exits_2_with_message(gpt2_dir, capsys, monkeypatch, tmp_path,
     assert run.main(["--target", gpt2_dir, "--device", "cpu", *prompt, *flags]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1  # one line, no traceback
+
+
+def test_a_cuda_device_index_this_machine_lacks_is_named(gpt2_dir, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert run.main(["--target", gpt2_dir, *PROMPT_FLAG, "--device", "cuda:7"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: device cuda:7 does not exist: this machine has 2 CUDA device(s), cuda:0 to cuda:1\n"
 
 
 def test_missing_target(tmp_path, capsys):

@@ -82,6 +82,7 @@ class CachedLM(nn.Module):
         self.pad_token_id = None
         self.name = type(self).__name__
         self.compiled_forward = None  # set by compile()
+        self.busy = False  # a generate() call is using the model and its caches (see generate.exclusive)
 
     # --- to implement in each family ------------------------------------------------------------
     @property
