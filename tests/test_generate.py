@@ -79,9 +79,9 @@ def test_statistics_count_only_the_guesses_emitted_before_a_stop_token(target, s
     """The draft has the target's weights, so every guess is accepted; a stop token placed among the
     guesses of a block ends the output there, and the guesses after it are not counted."""
     plain = minispec.generate(target, PROMPT, max_new_tokens=30, ignore_eos=True)
-    stop = plain.tokens[gamma + 3]  # inside the second block of guesses
+    stop = plain.tokens[gamma + 2]  # the second guess of the second block
     first_stop = plain.tokens.index(stop)
-    assert first_stop % (gamma + 1) != gamma  # among the guesses of a block, not the target's own token
+    assert first_stop % (gamma + 1) < gamma - 1  # a guess with accepted guesses after it in its block
     original_eos = target.eos_token_ids
     target.eos_token_ids = (stop,)
     try:
