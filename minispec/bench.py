@@ -271,36 +271,46 @@ def bandwidth(target, position, step_seconds):
 
 
 # --- peak memory ------------------------------------------------------------------------------------
-def reset_peak_memory(device):
+def tensor_memory(device, fn):
+    """(peak, kept): bytes of the tensors fn() allocates on `device`, the most alive at once while it
+    runs and those still alive when it returns, both counted from what was alive when it began (so a
+    tensor from before that it frees counts as minus its size). CUDA: the caching allocator's counters.
+    CPU: every allocation and free, from torch.profiler's memory events in time order; the process's
+    resident set would hide a decoding loop that keeps a few kilobytes per step under the weights, the
+    allocator's slack and Python's own memory."""
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    else:  # Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def peak_memory(device):
-    """Peak bytes since the last reset: CUDA allocations, or the process's resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # The raw events, as torch's own parser reads them: the FunctionEvents it builds fold each
+    # allocation into the operator that made it, which loses the order within an operator.
+    events = [event for event in prof.profiler.kineto_results.events()
+              if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak, live
 
 
 def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
-    """Peak memory of a short and a long generation on the same preallocated caches: a lean decoding
-    loop allocates nothing that grows with the number of steps, so the two peaks are equal."""
+    """Tensor memory of a short and a long generation on the same preallocated caches: a lean decoding
+    loop allocates nothing that grows with the number of steps, so the two peaks are equal, and after
+    either it keeps nothing but what the next request replaces."""
     def run(n):
-        generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)
+        return lambda: generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)
 
-    run(long_tokens)  # allocates the caches (and compiles) once, for both measurements
-    peaks = {}
-    for n in (short_tokens, long_tokens):
-        reset_peak_memory(target.device)
-        run(n)
-        peaks[n] = peak_memory(target.device)
-    return {"short_tokens": short_tokens, "long_tokens": long_tokens, "peak_short_bytes": peaks[short_tokens],
-            "peak_long_bytes": peaks[long_tokens], "growth": peaks[long_tokens] / peaks[short_tokens] - 1}
+    run(long_tokens)()  # allocates the caches (and compiles) once, for both measurements
+    (peak_short, kept_short), (peak_long, kept_long) = (tensor_memory(target.device, run(n))
+                                                        for n in (short_tokens, long_tokens))
+    return {"short_tokens": short_tokens, "long_tokens": long_tokens, "peak_short_bytes": peak_short,
+            "peak_long_bytes": peak_long, "kept_short_bytes": kept_short, "kept_long_bytes": kept_long,
+            "growth": peak_long / peak_short - 1 if peak_short else None}
 
 
 # --- the reference implementation -------------------------------------------------------------------
@@ -555,9 +565,11 @@ def markdown_table(result):
                   f"{bw['achieved_bytes_per_s'] / 1e9:.0f} GB/s{fraction} ({bw['device_name']})", ""]
     memory = result["memory"]
     if memory:
-        lines += [f"peak memory: {memory['peak_short_bytes'] / 2**20:.1f} MiB after {memory['short_tokens']} "
-                  f"tokens, {memory['peak_long_bytes'] / 2**20:.1f} MiB after {memory['long_tokens']} "
-                  f"(growth {memory['growth']:+.2%})", ""]
+        growth = f" (growth {memory['growth']:+.2%})" if memory["growth"] is not None else ""
+        lines += [f"peak memory: {memory['peak_short_bytes'] / 2**10:.1f} KiB of tensors alive at once while "
+                  f"generating {memory['short_tokens']} tokens, {memory['peak_long_bytes'] / 2**10:.1f} KiB for "
+                  f"{memory['long_tokens']}{growth}; kept after them: {memory['kept_short_bytes']} and "
+                  f"{memory['kept_long_bytes']} bytes", ""]
     reference = result.get("reference")
     assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
     if reference:
