@@ -1,7 +1,8 @@
 """CUDA only (skipped elsewhere, so CI never runs these): compiled decoding with CUDA graphs must give
 the tokens eager decoding gives, for plain, speculative and beam-search decoding. CUDA graphs reuse
 their output buffers on every replay, so any logits read after a later replay would show up here.
-A speculative step must make one host sync, counted by torch's own sync debug mode.
+A speculative step must make one host sync, counted by torch's own sync debug mode. The bench's
+memory and bandwidth figures must be plausible.
 Written in a session without a GPU: they have not run yet (the first GPU session should run them).
 """
 
@@ -10,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 import minispec
 from conftest import make_reference, noisy_copy, save_reference
@@ -75,14 +77,55 @@ def test_one_sync_per_speculative_step(checkpoints, compile):
     assert long_syncs - short_syncs == long_steps - short_steps
 
 
-def test_bench_reports_bandwidth_on_cuda(checkpoints, tmp_path):
+def test_bench_memory_does_not_grow_on_cuda(checkpoints, tmp_path):
+    """As on CPU (tests/test_bench.py), from the caching allocator's counters: the loop's own peak of
+    allocated bytes is the same for 16 and 64 tokens, and what a request leaves behind differs by less
+    than one allocator block (512 bytes) between them."""
     from minispec import bench
 
     report = tmp_path / "bench.json"
     assert bench.main(["--target", str(checkpoints[0]), "--draft", str(checkpoints[1]), "--device", "cuda",
                        "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32", "--repeats", "1",
                        "--memory-tokens", "64", "--json-out", str(report)]) == 0
+    memory = json.loads(report.read_text())["memory"]
+    assert memory["peak_short_bytes"] > 0 and abs(memory["growth"]) < 0.01
+    assert abs(memory["kept_long_bytes"] - memory["kept_short_bytes"]) < 512
+
+
+@pytest.fixture(scope="module")
+def checkpoint_200m(tmp_path_factory):
+    """A 200M-parameter llama (random weights: bandwidth does not depend on them). In float32 its
+    decode step must read 0.67 GB, 0.2 ms at an H100's datasheet 3.35 TB/s: the same order as the
+    launch overhead of its ~100 eager kernels, so the step should reach a sizeable fraction of the peak
+    and 1 is a bound a wrong byte count or clock can cross. (The tiny checkpoints are all overhead: a
+    fraction near 0.0001, which even a 1000-fold error would leave below 1.)"""
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+                                      max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return save_reference(transformers.LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("cuda_200m"))
+
+
+def test_bench_bandwidth_is_a_fraction_of_the_peak(checkpoint_200m, tmp_path):
+    """The decode step's achieved bandwidth (the bytes it must read over its median time) lies in (0, 1]
+    of the datasheet peak bench.PEAK_BANDWIDTH gives for this GPU: above 1 the byte count or the clock
+    is wrong, since nothing reads DRAM faster than its peak."""
+    from minispec import bench
+
+    report = tmp_path / "bench.json"
+    assert bench.main(["--target", str(checkpoint_200m), "--draft", "lookup", "--device", "cuda",
+                       "--dtype", "float32", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32",
+                       "--repeats", "1", "--json-out", str(report)]) == 0
     result = json.loads(report.read_text())
     bandwidth = result["memory_bandwidth"]
-    assert bandwidth["achieved_bytes_per_s"] > 0
-    assert abs(result["memory"]["growth"]) < 0.01
+    name = torch.cuda.get_device_name()
+    peak = bench.peak_bandwidth(name)
+    assert peak is not None, f"{name} is not in bench.PEAK_BANDWIDTH: add its datasheet bandwidth"
+    assert bandwidth["device_name"] == name and bandwidth["peak_bytes_per_s"] == peak
+    target = minispec.load(checkpoint_200m, device="cuda", dtype=torch.float32)
+    target.setup_caches(1, 64)  # decode_bytes reads the caches' head count and dimensions, not their length
+    assert bandwidth["bytes_per_step"] == bench.decode_bytes(target, result["step_position"])
+    assert bandwidth["achieved_bytes_per_s"] == pytest.approx(bandwidth["bytes_per_step"] / result["target_step_s"])
+    print(f"{name}: {bandwidth['achieved_bytes_per_s'] / 1e9:.0f} GB/s, {bandwidth['fraction_of_peak']:.2f} of peak")
+    assert 0 < bandwidth["fraction_of_peak"] <= 1
+    assert bandwidth["fraction_of_peak"] == pytest.approx(bandwidth["achieved_bytes_per_s"] / peak)
