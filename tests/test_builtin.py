@@ -5,6 +5,7 @@ the demo and chat prompts of run.py, and the real SmolLM2-135M-Instruct GGUF aga
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -213,11 +214,33 @@ def tiny_chat_model(weights, tmp_path):
 
 
 def test_demo_runs_without_arguments(tiny_chat_model, capsys):
+    """`python run.py`: the demo prompt as a chat turn, answered greedily with the lookup drafter, shown as
+    Figure 1's trace (plain here: stdout is not a terminal) and timed against decoding without the draft."""
     assert run.main([]) == 0
     out, err = capsys.readouterr()
-    assert "[~" in out or out.strip()  # the coloured (here: plain) trace of the answer
-    assert "tokens/s" in err and "acceptance rate" in err
-    assert "x the speed of decoding without the draft" in err and "same output" in err
+    model = minispec.load(NAME)
+    args = run.parse_args(run.DEFAULT_ARGS)
+    expected = minispec.generate(model, chat_prompt(model.tokenizer, args.prompt), draft=args.draft,
+                                 gamma=args.gamma, max_new_tokens=args.max_new_tokens, seed=0)
+    assert expected.text.strip() and args.temperature == 0  # a non-empty answer, the same on every run
+    # The trace of that answer, rejected guesses in [~ ~]: its other pieces are the answer's tokens.
+    assert out == run.render_trace(expected.trace, model.tokenizer.decode, colour=False) + "\n"
+    assert [t for ids, kind in expected.trace if kind != "rejected" for t in ids] == expected.tokens
+    assert any(kind == "rejected" for _, kind in expected.trace) and "[~" in out
+    # Without --show the same answer is printed as its text.
+    assert run.main([flag for flag in run.DEFAULT_ARGS if flag != "--show"]) == 0
+    assert capsys.readouterr().out == expected.text + "\n"
+    # One summary line on stderr: speed, this answer's acceptance rate, and the comparison.
+    assert err.count("\n") == 1
+    speed = re.search(r"\((\d+\.\d) tokens/s\)", err)
+    assert speed and float(speed.group(1)) > 0
+    assert f"acceptance rate {expected.stats['acceptance_rate']:.2f}," in err
+    compared = re.search(r"; (\d+\.\d\d)x the speed of decoding without the draft \((\d+\.\d) tokens/s, same output\)$",
+                         err.strip())
+    assert compared, err
+    speedup, baseline = float(compared.group(1)), float(compared.group(2))
+    # the printed figures agree, up to their rounding (speedup to 0.01, speeds to 0.1 token/s)
+    assert speedup == pytest.approx(float(speed.group(1)) / baseline, rel=0.01, abs=0.005)
 
 
 def test_chat_prompt_by_default_for_chat_checkpoints(tiny_chat_model, capsys):
