@@ -1,11 +1,16 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
 
     drafter.start(prompt_ids, max_new_tokens)              a new request
-    drafts, q = drafter.propose(k, sampling, rng)          <= k guesses [k'] and their q [k', vocab],
-                                                           or None for deterministic guesses (q one-hot)
+    drafts, q = drafter.propose(k, sampling, rng, keep_guessing)
+                                                           <= k guesses [k'] and their q [k', vocab],
+                                                           or None for deterministic guesses (q one-hot);
+                                                           keep_guessing(i, confidence), when given, is
+                                                           asked after each guess whether to go on
     drafter.accept(tokens, tokens_on_device)               the target kept these tokens (accepted guesses
                                                            and its own next token); roll back the rest
     drafter.calls, drafter.encoder_calls                   for statistics
+    drafter.name, drafter.model                            what drafts: "model" and the model, or the
+                                                           model-free drafter's name and None
 
 Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
 guess is really drawn from the q it reports. Deterministic guesses (lookup, greedy drafting) report
@@ -53,6 +58,8 @@ def check_same_vocabulary(target, draft):
 class ModelDrafter:
     """A smaller language model M_q with its own static KV cache (any family, same vocabulary)."""
 
+    name = "model"
+
     def __init__(self, model):
         self.model = model
         self.calls = 0
@@ -71,26 +78,32 @@ class ModelDrafter:
         self.unseen = None  # accepted tokens the cache has not seen yet, [1, m] on the device
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
-    def propose(self, k, sampling, generator):
+    def propose(self, k, sampling, generator, keep_guessing=None):
         model = self.model
         self.fed_guesses = 0
         if k == 0:  # no draft work: the tokens accepted meanwhile wait in `unseen` until guessing resumes
             return torch.zeros(0, dtype=torch.long, device=model.device), None
         if self.unseen is not None:  # catch up on the tokens accepted since the last proposal
-            self.next_logits = model.decode(self.unseen)[0, -1]
+            # 1 or 2 of them after a step with guesses; more after steps without, a width that a compiled
+            # draft would compile a graph for each time: those go through the eager forward.
+            forward = model.forward if self.unseen.shape[1] > 2 else None
+            self.next_logits = model.decode(self.unseen, forward)[0, -1]
             self.unseen = None
             self.calls += 1
         logits, drafts, qs = self.next_logits, [], []
-        for i in range(k):
+        while len(drafts) < k:
             if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
                 drafts.append(logits.argmax(-1))
             else:
                 qs.append(adjust(logits, sampling))
                 drafts.append(sample(qs[-1], generator))
-            if i < k - 1:  # the last guess is never fed: the target decides what follows it
+            # How sure the draft is of its guess: q(x), or the probability of its argmax when greedy.
+            if keep_guessing and not keep_guessing(len(drafts), confidence(logits, qs, drafts[-1], sampling)):
+                break
+            if len(drafts) < k:  # the last guess is never fed: the target decides what follows it
                 logits = model.decode(drafts[-1].view(1, 1))[0, -1]
-        self.calls += k - 1
-        self.fed_guesses = k - 1
+        self.calls += len(drafts) - 1
+        self.fed_guesses = len(drafts) - 1
         return torch.stack(drafts), torch.stack(qs) if qs else None
 
     def accept(self, tokens, tokens_on_device):
@@ -104,12 +117,20 @@ class ModelDrafter:
         self.next_logits = None  # known only after the unseen tokens go through the model
 
 
+def confidence(logits, qs, guess, sampling):
+    """The draft's probability of its own guess (a host read: for CPUs, where it costs nothing)."""
+    if sampling.greedy:
+        return float(logits.float().softmax(-1).max())
+    return float(qs[-1][guess])
+
+
 class NgramDrafter:
     """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
     far, falling back to unigram counts for an unseen previous token. q = normalized counts. It lives
     on the host (each guess picks the next row of counts), so it samples there with a generator of its
     own, seeded once per request from the caller's, and hands the device its guesses in one copy."""
 
+    name, model = "ngram", None
     encoder_calls = 0
     calls = 0
 
@@ -135,7 +156,7 @@ class NgramDrafter:
         row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype)
         return row
 
-    def propose(self, k, sampling, generator):
+    def propose(self, k, sampling, generator, keep_guessing=None):
         if self.generator is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -163,6 +184,7 @@ class LookupDrafter:
     An index of every n-gram's last two end positions makes a proposal O(max_ngram), however long
     the context."""
 
+    name, model = "lookup", None
     encoder_calls = 0
     calls = 0
 
@@ -193,7 +215,7 @@ class LookupDrafter:
                 return [self.context[end + 1 + i % period] for i in range(k)]
         return []
 
-    def propose(self, k, sampling, generator):
+    def propose(self, k, sampling, generator, keep_guessing=None):
         return torch.tensor(self.continuation(k) if k else [], dtype=torch.long, device=self.device), None
 
     def accept(self, tokens, tokens_on_device):

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import beam
-from .drafters import ModelDrafter, make_drafter
+from .drafters import make_drafter
+from .policy import make_policy
 from .sampling import Sampling, adjust, sample
 from .speculative import speculative
 
@@ -114,18 +115,19 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     drafter = None
     if draft is not None and draft != "none":
-        if not (isinstance(gamma, int) and gamma >= 1):
-            raise ValueError(f"gamma (draft tokens per step) must be an integer >= 1, got {gamma}")
+        policy = make_policy(gamma)
         if not 0 < lenience <= 1:
             raise ValueError(f"lenience must be in (0, 1], got {lenience}")
         drafter = make_drafter(draft, target)
     searching = beams != 1 or draft_beams is not None
     if searching:
         draft_beams = beam.check_settings(beams, draft_beams, target, drafter, sampling, lenience)
+        if drafter and gamma == "auto":
+            raise ValueError("speculative beam search takes a fixed gamma (an integer >= 1) for now")
     stop_ids = set() if ignore_eos else set(target.eos_token_ids)
     seed = secrets.randbits(63) if seed is None else seed
     generator = torch.Generator(device=target.device).manual_seed(seed)
-    draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    draft_model = drafter.model if drafter else None
     with exclusive(target, *[draft_model] if draft_model else []):
         start = time.perf_counter()
         encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
@@ -145,7 +147,7 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
             trace = [(tokens, "target")]
         else:
             tokens, stats, trace = speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling,
-                                               stop_ids, generator, gamma, lenience)
+                                               stop_ids, generator, policy, lenience)
         seconds = time.perf_counter() - start
 
     stats.update(

@@ -19,6 +19,8 @@ Both models keep static KV caches; after each step they are rolled back to the a
 moving their length pointers (the target's cache always holds every accepted token but the last).
 """
 
+import time
+
 import torch
 
 from .sampling import adjust, sample
@@ -67,19 +69,24 @@ def accept_greedy(logits, drafts):
 
 @torch.inference_mode()
 def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, stop_ids, generator,
-                gamma, lenience):
-    """Generate up to max_new_tokens after `prefix` (the target's decoder start). Returns
-    (tokens, stats, trace) with trace as in generate.Generation."""
+                policy, lenience):
+    """Generate up to max_new_tokens after `prefix` (the target's decoder start), with γ chosen each
+    step by `policy` (minispec.policy). Returns (tokens, stats, trace) with trace as in generate.Generation."""
     drafter.start(prompt_ids, max_new_tokens)
+    policy.start(target, drafter, prompt_ids)
     unseen = prefix  # accepted tokens the target has not seen: the whole prefix at first, then each t
     generated, trace = [], []
-    stats = {"target_calls": 0, "proposed": 0, "accepted": 0, "verified": 0, "accepted_lengths": [0] * (gamma + 1)}
+    stats = {"target_calls": 0, "proposed": 0, "accepted": 0, "verified": 0,
+             "accepted_lengths": [0] * (policy.k_max + 1)}
     overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
     verify_by_argmax = sampling.greedy and lenience == 1  # p and q one-hot: verifying is comparing argmaxes
 
     while len(generated) < max_new_tokens:
-        # Sample γ guesses x_1..x_γ from M_q (never drafting past max_new_tokens).
-        drafts, q = drafter.propose(min(gamma, max_new_tokens - len(generated) - 1), sampling, generator)
+        started = time.perf_counter()
+        # Sample γ guesses x_1..x_γ from M_q, γ as the policy chooses (never drafting past max_new_tokens).
+        gamma = min(policy.guesses(), max_new_tokens - len(generated) - 1)
+        drafts, q = drafter.propose(gamma, sampling, generator, policy.keep_guessing)
+        drafted = time.perf_counter()
         # One target forward over the unseen tokens and the guesses; its last k+1 rows are p_1 .. p_{k+1}.
         # The first step is the prompt's own forward (the prefill): its guesses cost no extra call.
         k = drafts.shape[0]  # model-free drafters may guess fewer than asked
@@ -97,6 +104,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
             step_overlap = torch.minimum(p[:k], q).sum(-1) * verified
             overlap += step_overlap.sum()
         n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
+        policy.observe(k, n, drafted - started, time.perf_counter() - started if generated else None)
         new_tokens, stopped = cut_at_stop(guesses[:n] + [t_host], stop_ids)
         record_step(stats, trace, guesses, n, new_tokens)
         generated += new_tokens
@@ -115,6 +123,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
     overlap = stats["accepted"] if verify_by_argmax else overlap.item()
     stats["alpha"] = overlap / stats["verified"] if stats["verified"] else 0.0
     stats["tokens_per_target_call"] = len(generated) / max(stats["target_calls"], 1)
+    stats.update(policy.finish())
     return generated, stats, trace
 
 

@@ -1,0 +1,233 @@
+"""How many guesses each speculative step makes: a fixed γ, or γ = "auto", chosen before every step from
+a cost model of this target and drafter measured on this machine (paper section 3.5, per step).
+
+With i.i.d. acceptances at rate α, a step with k guesses yields E(k) = (1 − α^(k+1)) / (1 − α) tokens
+(Theorem 3.8; k = 0 is a plain decoding step, one token) and takes T(k) = k·t_draft + t_verify(k + 1),
+t_verify(w) being a target forward over w tokens, which on a CPU grows with w. "auto" takes the k in
+0..γ_max with the most expected tokens per second, E(k) / T(k):
+
+- t_verify(w) for every width and t_draft are timed when a (target, drafter) pair first decodes
+  (`calibrate`), then refined from every step's own wall time: no extra host sync, the step has one.
+- α is estimated from the positions the target verified, recent ones weighing more, and each request
+  starts from what the pair's earlier requests saw.
+- A drafter that can say how sure it is of each guess (a draft model on a CPU, where reading that is
+  free) stops early when one more guess costs more time than it is expected to gain (`keep_guessing`).
+- After k = 0 has been chosen for a while a 1-guess probe checks whether speculation pays again;
+  without it α would never be measured again.
+
+Exactness is untouched: the policy only chooses how many guesses Algorithm 1 verifies.
+"""
+
+import time
+import weakref
+
+import torch
+
+GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
+DEFAULT_ALPHA = 0.6  # a pair's α before it has verified anything: hopeful enough to try speculating
+PRIOR_WEIGHT = 4.0  # the prior counts as this many verified positions
+DECAY = 0.95  # per verified position: the estimate follows the last ~20 positions
+TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
+PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each failed probe
+CONFIDENCE_BINS = 5  # the draft's probability of its guess, in bins of 0.2
+
+
+class FixedGamma:
+    """γ guesses every step: the paper's Algorithm 1 as written."""
+
+    keep_guessing = None
+
+    def __init__(self, gamma):
+        self.k_max = gamma
+
+    def start(self, target, drafter, prompt_ids):
+        pass
+
+    def guesses(self):
+        return self.k_max
+
+    def observe(self, k, n, draft_seconds, step_seconds):
+        pass
+
+    def finish(self):
+        return {"gamma": self.k_max}
+
+
+class PairProfile:
+    """What one (target, drafter) pair has learnt across requests: its timings and its α."""
+
+    def __init__(self):
+        self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused)
+        self.t_draft = None  # seconds per guess
+        self.alpha = DEFAULT_ALPHA
+
+
+# target model -> {drafter key: PairProfile}; weak, so profiles go away with their models
+PROFILES = weakref.WeakKeyDictionary()
+
+
+def profile_for(target, drafter):
+    key = drafter.name if drafter.model is None else id(drafter.model)
+    profiles = PROFILES.setdefault(target, {})
+    profile = profiles.get(key)
+    if profile is None or (drafter.model is not None and profile.model() is not drafter.model):
+        profile = profiles[key] = PairProfile()
+        profile.model = weakref.ref(drafter.model) if drafter.model is not None else None
+    return profile
+
+
+def timed(forward, device, repeats=2):
+    """The fastest of `repeats` runs of forward() (the first may allocate or compile), in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_widths(model, token, widths):
+    """Seconds of model.decode over each width in `widths`, written past the cache's length and
+    rolled back: what the cache holds is untouched."""
+    length = model.length
+    tokens = token.view(1, 1)
+
+    def forward(w):
+        model.decode(tokens.expand(1, w))
+        model.rollback(length)
+
+    return {w: timed(lambda: forward(w), model.device) for w in widths}
+
+
+def calibrate(profile, target, drafter, token, k_max):
+    """Time the target at every width 1..k_max + 1, and a guess of a draft model."""
+    target.rollback(0)  # the request's prefill resets the cache anyway
+    widths = time_widths(target, token, range(1, k_max + 2))
+    profile.t_verify = [0.0] + [widths[w] for w in range(1, k_max + 2)]
+    if drafter.model is not None:
+        profile.t_draft = time_widths(drafter.model, token.to(drafter.model.device), [1])[1]
+    else:  # host-side drafters: measured on the first steps
+        profile.t_draft = 0.0
+
+
+class AdaptiveGamma:
+    """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second."""
+
+    def __init__(self, k_max):
+        self.k_max = k_max
+
+    def start(self, target, drafter, prompt_ids):
+        self.profile = profile = profile_for(target, drafter)
+        if profile.t_verify is None or len(profile.t_verify) < self.k_max + 2:
+            calibrate(profile, target, drafter, prompt_ids[0, -1], self.k_max)
+        self.t_verify = list(profile.t_verify[: self.k_max + 2])
+        self.t_draft = profile.t_draft
+        self.measure_draft = drafter.model is None or drafter.model.device.type == "cpu"
+        self.accepted, self.verified = profile.alpha * PRIOR_WEIGHT, PRIOR_WEIGHT
+        bins = [[profile.alpha * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
+        self.confidence = bins  # per bin: decayed [accepted, verified] of guesses that sure
+        # Reading the draft's confidence in a guess is a host sync per guess on a GPU.
+        self.keep_guessing = self._keep_guessing if drafter.model is not None and self.measure_draft else None
+        self.plain_steps, self.probe_after = 0, PROBE_AFTER
+        self.histogram = [0] * (self.k_max + 1)
+        self.expected_tokens = 0.0
+        self.request = [0, 0]  # this request's accepted and verified positions
+
+    @property
+    def alpha(self):
+        return self.accepted / self.verified
+
+    def expected(self, k, alpha=None):
+        """E(k): expected new tokens of a step with k guesses, i.i.d. acceptances at rate alpha."""
+        alpha = self.alpha if alpha is None else alpha
+        return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+    def seconds(self, k):
+        return k * self.t_draft + self.t_verify[k + 1]
+
+    def guesses(self):
+        best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
+        if best == 0:
+            self.plain_steps += 1
+            if self.plain_steps >= self.probe_after:  # has speculation started paying again?
+                self.plain_steps, best = 0, 1
+                self.probe_after = min(2 * self.probe_after, PROBE_MAX)
+        else:
+            self.plain_steps = 0
+        self.sure = []  # the draft's confidence in each guess of this step
+        # A drafter that reports confidences guesses on while the rule says so, up to k_max.
+        return self.k_max if best and self.keep_guessing else best
+
+    def _keep_guessing(self, i, confidence):
+        """After guess i (1-based) with the draft's probability `confidence` of it: guess once more?
+        Yes while the next guess's expected gain per second of its cost beats the step's so far."""
+        self.sure.append(confidence)
+        if i >= self.k_max:
+            return False
+        survive, tokens = 1.0, 1.0  # P(guesses 1..j all accepted), expected tokens with i guesses
+        for c in self.sure:
+            accepted, verified = self.confidence[self.bin(c)]
+            survive *= accepted / verified
+            tokens += survive
+        gain = survive * self.alpha  # the next guess, whose confidence is not known yet
+        cost = self.t_draft + self.t_verify[i + 2] - self.t_verify[i + 1]
+        return gain * self.seconds(i) > tokens * cost
+
+    @staticmethod
+    def bin(confidence):
+        return min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+
+    def observe(self, k, n, draft_seconds, step_seconds):
+        """A step proposed k guesses and the target accepted n; it took step_seconds (None for the
+        prompt's forward, which also verified the first guesses), draft_seconds of them drafting."""
+        self.histogram[k] += 1
+        self.expected_tokens += self.expected(k)
+        verified = min(n + 1, k)
+        if verified:
+            decay = DECAY ** verified
+            self.accepted = self.accepted * decay + n
+            self.verified = self.verified * decay + verified
+            self.request[0] += n
+            self.request[1] += verified
+            if n:  # speculation pays now and then: probe at the first interval again
+                self.probe_after = PROBE_AFTER
+        for j, c in enumerate(self.sure[:verified]):
+            counts = self.confidence[self.bin(c)]
+            counts[0] = counts[0] * DECAY + (j < n)
+            counts[1] = counts[1] * DECAY + 1
+        if step_seconds is None:
+            return
+        if k and self.measure_draft:
+            self.t_draft += TIME_SMOOTHING * (draft_seconds / k - self.t_draft)
+        verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
+        self.t_verify[k + 1] += TIME_SMOOTHING * (verify - self.t_verify[k + 1])
+
+    def finish(self):
+        """Keep what this request learnt for the pair's next one; the statistics to report."""
+        profile = self.profile
+        accepted, verified = self.request
+        if verified:
+            profile.alpha = (accepted + profile.alpha * PRIOR_WEIGHT) / (verified + PRIOR_WEIGHT)
+        profile.t_verify[: len(self.t_verify)] = self.t_verify
+        profile.t_draft = self.t_draft
+        steps = sum(self.histogram)
+        return {
+            "gamma": "auto",
+            "guesses_histogram": self.histogram,
+            "alpha_estimate": self.alpha,
+            "cost_model": {"t_draft": self.t_draft, "t_verify": dict(enumerate(self.t_verify[1:], 1))},
+            "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
+        }
+
+
+def make_policy(gamma):
+    """gamma: an integer >= 1 (fixed) or "auto" (up to 8 guesses, chosen per step)."""
+    if gamma == "auto":
+        return AdaptiveGamma(GAMMA_MAX)
+    if isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1:
+        return FixedGamma(gamma)
+    raise ValueError(f"gamma (draft tokens per step) must be an integer >= 1 or 'auto', got {gamma!r}")
