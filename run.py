@@ -14,7 +14,7 @@ import torch
 
 import minispec
 from minispec.chat import chat_prompt
-from minispec.cli import load_target_and_draft, token_ids
+from minispec.cli import gamma_setting, load_target_and_draft, token_ids
 from minispec.weights import DTYPES
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
@@ -66,7 +66,9 @@ def parse_args(argv=None):
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gamma", type=int, default=5, help="draft tokens guessed per target call")
+    parser.add_argument("--gamma", type=gamma_setting, default="auto",
+                        help="draft tokens guessed per target call, or 'auto' (the default): chosen before each "
+                             "step, 0 to 8, from the pair's costs measured on this machine and its acceptance rate")
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")

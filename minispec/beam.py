@@ -18,6 +18,7 @@ Every step is `beam_step` on the target's own logits, so the result is target-on
 step where B_j ⊄ H_j is still a valid target step, so each target forward advances at least one step.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ class PrefixCache:
     def __init__(self, model, prefix, batch_size, max_new_tokens):
         self.model, self.prefix = model, prefix  # prefix [1, p]: what the decoder starts from (model.encode)
         model.ensure_caches(batch_size, prefix.shape[1] + max_new_tokens)
+        model.rollback(0)
         self.held = prefix.new_zeros(batch_size, 0)  # the ids at each row's cached positions
 
     def logits(self, tokens, first):
@@ -160,20 +162,26 @@ def trie_rows(roots, kept, batch_size):
 
 
 @torch.inference_mode()
-def speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma, max_new_tokens, stop_ids):
-    """Beam search of width w with the target, guessed by the draft with width u for up to gamma steps
-    per target forward. Returns (finished, stats), finished exactly as beam_search's."""
-    verify = PrefixCache(target, prefix, w + u * gamma, max_new_tokens)  # enough rows for every leaf
-    guess = PrefixCache(draft, draft_prefix, u, max_new_tokens)
+def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
+    """Beam search of width w with the target, guessed by the draft with width u for as many steps per
+    target forward as `policy` (minispec.policy) says, 0 being a plain beam step. Returns (finished,
+    stats), finished exactly as beam_search's."""
+    draft = drafter.model
+    verify = PrefixCache(target, prefix, w + u * policy.k_max, max_new_tokens)  # enough rows for every leaf
+    guess = PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
+    policy.start(target, drafter, prompt_ids, beams=(w, u))
     beams, done = Beams.start(w, target.device), False
     stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "verified": 0, "accepted": 0}
     while not done:
+        started = time.perf_counter()
         n = beams.tokens.shape[1]
-        k = min(gamma, max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
+        k = min(policy.guesses(), max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
         kept = draft_beam_search(guess, beams, u, k, stop_ids)
-        rows, where = trie_rows(beams.tokens, kept, w + u * gamma)
+        drafted = time.perf_counter()
+        rows, where = trie_rows(beams.tokens, kept, w + u * k)  # only as many rows as this step needs
         logits = verify.logits(rows, n)  # [rows, k + 1, vocab]: at depths 0..k
         node = torch.arange(w, device=target.device)  # B_0's nodes at depth 0
+        accepted = 0
         for j in range(k + 1):
             beams, done = beam_step(beams, logits[where[j][node], j], stop_ids, max_new_tokens)
             stats["beam_steps"] += 1
@@ -184,24 +192,25 @@ def speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma, ma
             if not same.any(1).all():  # top_w(M_p) ⊄ top_u(M_q): the next step's logits are unknown
                 break
             node = same.int().argmax(1)
-            stats["accepted"] += 1
+            accepted += 1
+        policy.observe(k, accepted, drafted - started, time.perf_counter() - started if n else None)
+        stats["accepted"] += accepted
         stats["target_calls"] += 1
         stats["draft_calls"] += k
         stats["proposed"] += k
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
     stats["steps_per_target_call"] = stats["beam_steps"] / stats["target_calls"]
+    stats.update(policy.finish())
     return beams.finished, stats
 
 
-def search(target, prefix, drafter, prompt_ids, w, u, gamma, max_new_tokens, stop_ids):
-    """generate()'s beam search, speculative with a draft model (u from check_settings). Returns
-    (sequences, scores, stats): the w final hypotheses, best first, and their sum / length scores."""
+def search(target, prefix, drafter, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
+    """generate()'s beam search, speculative with a draft model (u from check_settings) and `policy`.
+    Returns (sequences, scores, stats): the w final hypotheses, best first, and their sum / length scores."""
     if drafter is None:
         finished, stats = beam_search(target, prefix, w, max_new_tokens, stop_ids)
     else:
-        draft = drafter.model
-        draft_prefix = draft.encode(prompt_ids.to(draft.device))
-        finished, stats = speculative_beam_search(target, draft, prefix, draft_prefix, w, u, gamma,
+        finished, stats = speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy,
                                                   max_new_tokens, stop_ids)
     scores, sequences = zip(*finished)
     return list(sequences), list(scores), stats

@@ -29,10 +29,11 @@ from torch import nn
 
 from .chat import chat_prompt
 from .checkpoint import resolve_checkpoint
-from .cli import load_target_and_draft, token_ids
+from .cli import gamma_setting, load_target_and_draft, token_ids
 from .drafters import make_drafter
 from .generate import generate, prompt_tensor
 from .models.base import CachedLM, KVCache
+from .models.quant import Int8Embedding
 from .sampling import Sampling
 from .weights import DTYPES
 
@@ -155,16 +156,18 @@ def time_generation(runners, requests, repeats, device):
             run_one(request)
     rates = {name: [] for name in runners}
     decode_rates = {name: [] for name in runners}
+    request_seconds = {name: [[] for _ in requests] for name in runners}
     for _ in range(repeats):
         last = {}
         for name, run_one in runners.items():
             results, seconds = [], 0.0
-            for request in requests:
+            for i, request in enumerate(requests):
                 synchronize(device)
                 start = time.perf_counter()
                 results.append(run_one(request))
                 synchronize(device)
-                seconds += time.perf_counter() - start
+                request_seconds[name][i].append(time.perf_counter() - start)
+                seconds += request_seconds[name][i][-1]
             tokens = sum(len(tokens) for tokens, _ in results)
             rates[name].append(tokens / seconds)
             if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
@@ -174,6 +177,7 @@ def time_generation(runners, requests, repeats, device):
             last[name] = results
     return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
                    "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
+                   "request_seconds": [statistics.median(t) for t in request_seconds[name]],
                    "outputs": [tokens for tokens, _ in last[name]], "stats": [stats for _, stats in last[name]]}
             for name in runners}
 
@@ -220,6 +224,20 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
             "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step}
 
 
+def policy_summary(stats):
+    """gamma="auto" over all requests: steps per number of guesses, the mean, expected vs measured tokens
+    per target call, and the last request's cost model (its timings carry over between requests)."""
+    histogram = [sum(column) for column in zip(*(s["guesses_histogram"] for s in stats))]
+    steps = sum(histogram)
+    return {
+        "guesses_histogram": histogram,
+        "mean_guesses": sum(k * n for k, n in enumerate(histogram)) / steps,
+        "expected_tokens_per_call": sum(s["expected_tokens_per_call"] * s["target_calls"] for s in stats) / steps,
+        "cost_model": stats[-1]["cost_model"],
+        "alpha_estimate": stats[-1]["alpha_estimate"],
+    }
+
+
 def speculative_summary(stats):
     """Pool per-prompt speculative stats: α weighted by verified positions, as in speculative.py; tokens
     per target call overall and in the decode phase (the calls after the prompt's forward)."""
@@ -237,16 +255,19 @@ def speculative_summary(stats):
 
 # --- memory bandwidth -------------------------------------------------------------------------------
 def decode_bytes(model, length):
-    """Bytes one decode step must read: every decoder weight once (an encoder-decoder's encoder runs
-    once per request, not per token), but of an embedding table only the looked-up row, unless the
-    table is also the output head (tied); plus the self-attention keys and values of `length` positions."""
+    """Bytes one decode step must read: every decoder weight once, as stored (a quantized layer's int8
+    or packed int4 weight and its scales; an encoder-decoder's encoder runs once per request, not per
+    token), but of an embedding table only the looked-up row, unless the table is also the output head
+    (tied); plus the self-attention keys and values of `length` positions."""
     weights = 0
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, tensor in model.state_dict().items():  # parameters and persistent buffers: the weights
+        owner = modules[name.rpartition(".")[0]]
         if model.is_encoder_decoder and name.startswith("encoder"):
             continue
-        for p in module.parameters(recurse=False):
-            looked_up = isinstance(module, nn.Embedding) and p is not model.head_weight
-            weights += (p[0] if looked_up else p).numel() * p.element_size()
+        looked_up = isinstance(owner, (nn.Embedding, Int8Embedding)) and owner is not model.head
+        numel = tensor.numel() // owner.num_embeddings if looked_up else tensor.numel()  # a row's share
+        weights += numel * tensor.element_size()
     kv = sum(2 * m.k.shape[0] * m.k.shape[1] * length * m.k.shape[3] * m.k.element_size()
              for m in model.modules() if isinstance(m, KVCache))
     return weights + kv
@@ -339,19 +360,24 @@ def reference_runner(model, args, gamma=None, draft=None):
         settings.update(eos_token_id=None, pad_token_id=0)
     if args.temperature > 0:
         settings.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if gamma is not None and draft is None:
-        settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=3)  # LookupDrafter's max_ngram
+    if gamma is not None and draft is None:  # LookupDrafter's max_ngram; for "auto", the reference's usual 10
+        settings.update(prompt_lookup_num_tokens=10 if gamma == "auto" else gamma, max_matching_ngram_size=3)
 
     @torch.inference_mode()
     def run_one(request):
         prompt, seed = request
         assist = {}
         if draft is not None:
-            # Exactly γ guesses per step like Algorithm 1 (the defaults adapt γ and stop at low
-            # confidence). The assistant's own generation_config holds this, so set it on every call.
+            # Exactly γ guesses per step like Algorithm 1; for "auto", its adaptive defaults (the
+            # heuristic schedule and a confidence threshold). The assistant's own generation_config
+            # holds these, so set them on every call.
             config = draft.generation_config
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
-            config.assistant_confidence_threshold = 0.0
+            if gamma == "auto":
+                config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "heuristic"
+                config.assistant_confidence_threshold = 0.4
+            else:
+                config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
+                config.assistant_confidence_threshold = 0.0
             assist["assistant_model"] = draft
         ids = torch.tensor([prompt], device=model.device)
         torch.manual_seed(seed)
@@ -386,7 +412,8 @@ def parse_args(argv):
                               "or a built-in set: 'open' or 'code' (default: both)")
     prompts.add_argument("--prompt-ids", type=token_ids, action="append",
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
-    parser.add_argument("--gamma", type=int, nargs="+", default=[5], help="one table row per value")
+    parser.add_argument("--gamma", type=gamma_setting, nargs="+", default=["auto"],
+                        help="one table row per value: a number of guesses per step, or 'auto' (chosen per step)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the most likely tokens of this mass")
@@ -412,8 +439,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.memory_tokens and args.memory_tokens <= 16:
         raise ValueError(f"--memory-tokens must be more than 16, got {args.memory_tokens}")
-    if min(args.gamma) < 1:
-        raise ValueError(f"--gamma values must be >= 1, got {args.gamma}")
+    if any(g != "auto" and g < 1 for g in args.gamma):
+        raise ValueError(f"--gamma values must be >= 1 or 'auto', got {args.gamma}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
         raise ValueError("--repeats, --max-new-tokens and --seeds must be >= 1")
     sampling_of(args)  # bad sampling settings fail before loading weights
@@ -487,8 +514,9 @@ def benchmark(args):
 
     ar = timed["minispec", None]
     first = ar["outputs"][0]
+    fixed = sorted({g for g in args.gamma if g != "auto"} | {1})  # "auto" rows use γ = 1's draft step
     steps = step_times(target, draft, torch.tensor([prompts[0]], device=device), first[:len(first) // 2],
-                       args.gamma, sampling_of(args))
+                       fixed, sampling_of(args))
     greedy = args.temperature == 0
     result = {
         "settings": {"target": args.target, "draft": args.draft, "gammas": args.gamma,
@@ -498,7 +526,7 @@ def benchmark(args):
                      "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
                      "prompts": len(prompts), "seeds": args.seeds},
         "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
-                                              "decode_tokens_per_second", "outputs")},
+                                              "decode_tokens_per_second", "request_seconds", "outputs")},
         "prefill_s": statistics.mean(s["prefill_seconds"] for s in ar["stats"]),
         "target_step_s": steps["target_step_s"],
         "step_position": steps["position"],
@@ -510,30 +538,36 @@ def benchmark(args):
     for gamma in args.gamma:
         spec = timed["minispec", gamma]
         measured = speculative_summary(spec["stats"])
-        c = steps["draft_step_s"][gamma] / steps["target_step_s"]
-        predicted = predicted_speedup(measured["alpha"], gamma, c)
+        c = steps["draft_step_s"][1 if gamma == "auto" else gamma] / steps["target_step_s"]
         speedup = spec["tokens_per_second"] / ar["tokens_per_second"]
         decode_speedup = spec["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
         best, best_speedup = best_gamma(measured["alpha"], c)
-        verify_cost = steps["verify_step_s"][gamma] / steps["target_step_s"]
-        factors = ratio_factors(measured["alpha"], gamma, c, verify_cost, measured["decode_tokens_per_target_call"],
-                                decode_speedup)
-        result["rows"].append({
+        row = {
             "gamma": gamma, "tokens_per_second": spec["tokens_per_second"],
             "tokens_per_second_repeats": spec["tokens_per_second_repeats"], "speedup": speedup,
             "decode_tokens_per_second": spec["decode_tokens_per_second"], "decode_speedup": decode_speedup,
-            **measured,
-            "draft_step_s": steps["draft_step_s"][gamma], "c": c,
-            "verify_step_s": steps["verify_step_s"][gamma],
-            "verify_cost_ratio": verify_cost,
-            # Theorem 3.8 models the decode phase; the prompt's forward is the same in both decoders.
-            "predicted_speedup": predicted, "measured_over_predicted": decode_speedup / predicted,
-            "measured_over_predicted_factors": factors,
-            "best_gamma": best, "best_gamma_predicted_speedup": best_speedup,
+            **measured, "c": c, "best_gamma": best, "best_gamma_predicted_speedup": best_speedup,
             # Greedy speculative decoding must reproduce greedy autoregressive decoding exactly.
             "identical_to_autoregressive": spec["outputs"] == ar["outputs"] if greedy else None,
+            "per_prompt_speedup": [a / s for a, s in zip(ar["request_seconds"], spec["request_seconds"])],
             "outputs": spec["outputs"],
-        })
+        }
+        if gamma == "auto":
+            # No single γ to predict for: section 3.5's best fixed γ is the prediction to beat.
+            row.update(policy_summary(spec["stats"]), predicted_speedup=best_speedup,
+                       measured_over_predicted=decode_speedup / best_speedup)
+        else:
+            predicted = predicted_speedup(measured["alpha"], gamma, c)
+            verify_cost = steps["verify_step_s"][gamma] / steps["target_step_s"]
+            row.update(
+                draft_step_s=steps["draft_step_s"][gamma], verify_step_s=steps["verify_step_s"][gamma],
+                verify_cost_ratio=verify_cost,
+                # Theorem 3.8 models the decode phase; the prompt's forward is the same in both decoders.
+                predicted_speedup=predicted, measured_over_predicted=decode_speedup / predicted,
+                measured_over_predicted_factors=ratio_factors(measured["alpha"], gamma, c, verify_cost,
+                                                              measured["decode_tokens_per_target_call"],
+                                                              decode_speedup))
+        result["rows"].append(row)
     if args.compare_reference:
         ref = timed["reference", None]
         result["reference"] = {
@@ -582,10 +616,12 @@ def markdown_table(result):
         header += ["ref assisted tok/s", "ref speedup", "ref identical"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rows"]:
-        cells = [r["gamma"], f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
+        gamma = f"auto (mean {r['mean_guesses']:.1f})" if r["gamma"] == "auto" else r["gamma"]
+        verify_cost = f"{r['verify_cost_ratio']:.2f}" if "verify_cost_ratio" in r else "-"
+        cells = [gamma, f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
                  f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}",
                  f"{r['acceptance_rate']:.2f}",
-                 f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}", f"{r['verify_cost_ratio']:.2f}",
+                 f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}", verify_cost,
                  f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
                  f"{r['best_gamma_predicted_speedup']:.2f}x"]
         if reference:
@@ -593,12 +629,26 @@ def markdown_table(result):
             cells += [f"{a['tokens_per_second']:.1f}", f"{a['speedup']:.2f}x", yes_no(a["identical"])] if a \
                 else ["-", "-", "-"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", "meas/pred = (tok/call after the prompt's forward ÷ i.i.d. expectation) × ((1 + γc) ÷ "
-              "(verify cost + γc)) × the rest (loop, syncs):"]
-    for r in result["rows"]:
+    fixed = [r for r in result["rows"] if r["gamma"] != "auto"]
+    if fixed:
+        lines += ["", "meas/pred = (tok/call after the prompt's forward ÷ i.i.d. expectation) × ((1 + γc) ÷ "
+                  "(verify cost + γc)) × the rest (loop, syncs):"]
+    for r in fixed:
         f = r["measured_over_predicted_factors"]
         lines.append(f"- γ = {r['gamma']}: {f['tokens_per_call']:.2f} × {f['verify_cost']:.2f} × {f['loop']:.2f} "
                      f"= {r['measured_over_predicted']:.2f}")
+    for r in result["rows"]:
+        if r["gamma"] == "auto":
+            lines += ["", f"auto: guesses per step {r['guesses_histogram']} (0, 1, ...), expected "
+                      f"{r['expected_tokens_per_call']:.2f} tokens per call, measured {r['tokens_per_target_call']:.2f}; "
+                      f"its prediction is section 3.5's best fixed γ"]
+    lines += ["", "speedup per prompt (end to end, median of the repeats):", "",
+              "| prompt | AR tok/s | " + " | ".join(f"γ = {r['gamma']}" for r in result["rows"]) + " |",
+              "|" + "---|" * (2 + len(result["rows"]))]
+    for i, tokens in enumerate(result["autoregressive"]["outputs"]):
+        rate = len(tokens) / result["autoregressive"]["request_seconds"][i]
+        lines.append(f"| prompt {i + 1} | {rate:.1f} | " + " | ".join(f"{r['per_prompt_speedup'][i]:.2f}x"
+                                                              for r in result["rows"]) + " |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,16 @@ def token_ids(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def gamma_setting(text):
+    """--gamma: "auto" or a number of guesses per step."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+
+
 def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False):
     """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup" as
     they are, or a model loaded like the target (same device, dtype)."""

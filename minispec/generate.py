@@ -12,7 +12,7 @@ import torch
 
 from . import beam
 from .drafters import make_drafter
-from .policy import make_policy
+from .policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
 from .sampling import Sampling, adjust, sample
 from .speculative import speculative
 
@@ -100,7 +100,7 @@ def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator)
 
 
 @torch.inference_mode()
-def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
              seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram" or "lookup").
 
@@ -113,17 +113,15 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
     sampling = Sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    drafter = None
+    searching = beams != 1 or draft_beams is not None
+    drafter = policy = None
     if draft is not None and draft != "none":
-        policy = make_policy(gamma)
+        policy = make_policy(gamma, BEAM_GAMMA_MAX if searching else GAMMA_MAX)
         if not 0 < lenience <= 1:
             raise ValueError(f"lenience must be in (0, 1], got {lenience}")
         drafter = make_drafter(draft, target)
-    searching = beams != 1 or draft_beams is not None
     if searching:
         draft_beams = beam.check_settings(beams, draft_beams, target, drafter, sampling, lenience)
-        if drafter and gamma == "auto":
-            raise ValueError("speculative beam search takes a fixed gamma (an integer >= 1) for now")
     stop_ids = set() if ignore_eos else set(target.eos_token_ids)
     seed = secrets.randbits(63) if seed is None else seed
     generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -135,11 +133,12 @@ def generate(target, prompt, draft=None, gamma=5, max_new_tokens=64, temperature
         if draft_model and not draft_model.is_encoder_decoder:  # the draft's prefix is the prompt itself
             check_fits(draft_model, prompt_ids.shape[1], max_new_tokens, role="draft")
         prefix = target.encode(prompt_ids)
-        # Beam search scores w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
-        check_fits(target, prefix.shape[1], max_new_tokens, beams + draft_beams * gamma if searching else 1)
+        # Beam search scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
+        rows = beams + draft_beams * policy.k_max if searching and drafter else beams
+        check_fits(target, prefix.shape[1], max_new_tokens, rows)
         sequences, scores = [], []
         if searching:
-            sequences, scores, stats = beam.search(target, prefix, drafter, prompt_ids, beams, draft_beams, gamma,
+            sequences, scores, stats = beam.search(target, prefix, drafter, prompt_ids, beams, draft_beams, policy,
                                                    max_new_tokens, stop_ids)
             tokens, trace = sequences[0], [(sequences[0], "target")]
         elif drafter is None:

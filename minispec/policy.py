@@ -24,9 +24,11 @@ import weakref
 import torch
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
+BEAM_GAMMA_MAX = 4  # and among 0..4 draft beam steps in speculative beam search, each verifying w + u·k rows
 DEFAULT_ALPHA = 0.6  # a pair's α before it has verified anything: hopeful enough to try speculating
-PRIOR_WEIGHT = 4.0  # the prior counts as this many verified positions
-DECAY = 0.95  # per verified position: the estimate follows the last ~20 positions
+PRIOR_WEIGHT = 2.0  # a request starts from the pair's α as if from this many verified positions
+HISTORY_WEIGHT = 16.0  # the pair's α moves from request to request like this many positions' average
+DECAY = 0.9  # per verified position: the estimate follows the last ~10 positions
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each failed probe
 CONFIDENCE_BINS = 5  # the draft's probability of its guess, in bins of 0.2
@@ -40,7 +42,7 @@ class FixedGamma:
     def __init__(self, gamma):
         self.k_max = gamma
 
-    def start(self, target, drafter, prompt_ids):
+    def start(self, target, drafter, prompt_ids, beams=None):
         pass
 
     def guesses(self):
@@ -60,14 +62,15 @@ class PairProfile:
         self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused)
         self.t_draft = None  # seconds per guess
         self.alpha = DEFAULT_ALPHA
+        self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
 
 
 # target model -> {drafter key: PairProfile}; weak, so profiles go away with their models
 PROFILES = weakref.WeakKeyDictionary()
 
 
-def profile_for(target, drafter):
-    key = drafter.name if drafter.model is None else id(drafter.model)
+def profile_for(target, drafter, beams):
+    key = (drafter.name if drafter.model is None else id(drafter.model), beams)
     profiles = PROFILES.setdefault(target, {})
     profile = profiles.get(key)
     if profile is None or (drafter.model is not None and profile.model() is not drafter.model):
@@ -90,26 +93,27 @@ def timed(forward, device, repeats=2):
     return best
 
 
-def time_widths(model, token, widths):
-    """Seconds of model.decode over each width in `widths`, written past the cache's length and
-    rolled back: what the cache holds is untouched."""
+def time_forward(model, token, rows, width):
+    """Seconds of model.decode over `rows` batch rows of `width` tokens, written past the cache's
+    length and rolled back: what the cache holds is untouched."""
     length = model.length
-    tokens = token.view(1, 1)
+    tokens = token.view(1, 1).expand(rows, width)
 
-    def forward(w):
-        model.decode(tokens.expand(1, w))
+    def forward():
+        model.decode(tokens)
         model.rollback(length)
 
-    return {w: timed(lambda: forward(w), model.device) for w in widths}
+    return timed(forward, model.device)
 
 
-def calibrate(profile, target, drafter, token, k_max):
-    """Time the target at every width 1..k_max + 1, and a guess of a draft model."""
+def calibrate(profile, target, drafter, token, k_max, beams=None):
+    """Time a verification of k = 0..k_max guesses (a target forward over k + 1 tokens; with beams =
+    (w, u), of w + u·k hypotheses at once) and a guess of a draft model (a draft beam step of u)."""
+    w, u = beams or (1, 0)
     target.rollback(0)  # the request's prefill resets the cache anyway
-    widths = time_widths(target, token, range(1, k_max + 2))
-    profile.t_verify = [0.0] + [widths[w] for w in range(1, k_max + 2)]
-    if drafter.model is not None:
-        profile.t_draft = time_widths(drafter.model, token.to(drafter.model.device), [1])[1]
+    profile.t_verify = [0.0] + [time_forward(target, token, max(w + u * k, 1), k + 1) for k in range(k_max + 1)]
+    if drafter.model is not None:  # its cache may hold the prompt already: time_forward keeps that
+        profile.t_draft = time_forward(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
     else:  # host-side drafters: measured on the first steps
         profile.t_draft = 0.0
 
@@ -120,19 +124,28 @@ class AdaptiveGamma:
     def __init__(self, k_max):
         self.k_max = k_max
 
-    def start(self, target, drafter, prompt_ids):
-        self.profile = profile = profile_for(target, drafter)
+    def start(self, target, drafter, prompt_ids, beams=None):
+        """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
+        hypotheses and whose draft steps each extend u."""
+        profile = profile_for(target, drafter, beams)
         if profile.t_verify is None or len(profile.t_verify) < self.k_max + 2:
-            calibrate(profile, target, drafter, prompt_ids[0, -1], self.k_max)
+            calibrate(profile, target, drafter, prompt_ids[0, -1], self.k_max, beams)
+        # On a GPU, reading a draft model's time or its confidence in a guess would be a host sync.
+        on_host = drafter.model is None or drafter.model.device.type == "cpu"
+        confidences = drafter.model is not None and on_host and beams is None
+        self.begin(profile, confidences=confidences, measure_draft=on_host)
+
+    def begin(self, profile, confidences, measure_draft):
+        """Start a request from what the pair has learnt (its timings and α)."""
+        self.profile = profile
         self.t_verify = list(profile.t_verify[: self.k_max + 2])
         self.t_draft = profile.t_draft
-        self.measure_draft = drafter.model is None or drafter.model.device.type == "cpu"
+        self.measure_draft = measure_draft
         self.accepted, self.verified = profile.alpha * PRIOR_WEIGHT, PRIOR_WEIGHT
-        bins = [[profile.alpha * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
-        self.confidence = bins  # per bin: decayed [accepted, verified] of guesses that sure
-        # Reading the draft's confidence in a guess is a host sync per guess on a GPU.
-        self.keep_guessing = self._keep_guessing if drafter.model is not None and self.measure_draft else None
-        self.plain_steps, self.probe_after = 0, PROBE_AFTER
+        # per bin of the draft's confidence in its guess: decayed [accepted, verified] guesses that sure
+        self.confidence = [[profile.alpha * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
+        self.keep_guessing = self._keep_guessing if confidences else None
+        self.sure = []  # the draft's confidence in each guess of the current step
         self.histogram = [0] * (self.k_max + 1)
         self.expected_tokens = 0.0
         self.request = [0, 0]  # this request's accepted and verified positions
@@ -152,13 +165,15 @@ class AdaptiveGamma:
     def guesses(self):
         best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
         if best == 0:
-            self.plain_steps += 1
-            if self.plain_steps >= self.probe_after:  # has speculation started paying again?
-                self.plain_steps, best = 0, 1
-                self.probe_after = min(2 * self.probe_after, PROBE_MAX)
+            # Plain steps count across requests: many short ones must not lock a pair out of speculating.
+            profile = self.profile
+            profile.plain_steps += 1
+            if profile.plain_steps >= profile.probe_after:  # has speculation started paying again?
+                profile.plain_steps, best = 0, 1
+                profile.probe_after = min(2 * profile.probe_after, PROBE_MAX)
         else:
-            self.plain_steps = 0
-        self.sure = []  # the draft's confidence in each guess of this step
+            self.profile.plain_steps = 0
+        self.sure = []
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
 
@@ -194,7 +209,7 @@ class AdaptiveGamma:
             self.request[0] += n
             self.request[1] += verified
             if n:  # speculation pays now and then: probe at the first interval again
-                self.probe_after = PROBE_AFTER
+                self.profile.probe_after = PROBE_AFTER
         for j, c in enumerate(self.sure[:verified]):
             counts = self.confidence[self.bin(c)]
             counts[0] = counts[0] * DECAY + (j < n)
@@ -211,7 +226,7 @@ class AdaptiveGamma:
         profile = self.profile
         accepted, verified = self.request
         if verified:
-            profile.alpha = (accepted + profile.alpha * PRIOR_WEIGHT) / (verified + PRIOR_WEIGHT)
+            profile.alpha = (accepted + profile.alpha * HISTORY_WEIGHT) / (verified + HISTORY_WEIGHT)
         profile.t_verify[: len(self.t_verify)] = self.t_verify
         profile.t_draft = self.t_draft
         steps = sum(self.histogram)
@@ -224,10 +239,10 @@ class AdaptiveGamma:
         }
 
 
-def make_policy(gamma):
-    """gamma: an integer >= 1 (fixed) or "auto" (up to 8 guesses, chosen per step)."""
+def make_policy(gamma, k_max=GAMMA_MAX):
+    """gamma: an integer >= 1 (fixed) or "auto" (up to k_max guesses, chosen per step)."""
     if gamma == "auto":
-        return AdaptiveGamma(GAMMA_MAX)
+        return AdaptiveGamma(k_max)
     if isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1:
         return FixedGamma(gamma)
     raise ValueError(f"gamma (draft tokens per step) must be an integer >= 1 or 'auto', got {gamma!r}")

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import minispec
 from conftest import save_reference, target_and_drafts
+
+import minispec
 from minispec.beam import trie_rows
+from minispec.policy import BEAM_GAMMA_MAX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import run  # noqa: E402
@@ -87,7 +89,7 @@ def test_speculative_beam_search_equals_beam_search(models, kind, w):
     target = models[kind]["target"]
     for eos in (None, eos_ids(target, w)):
         baseline = beam_search(target, w, eos)
-        for name, u, gamma in itertools.product(DRAFTS, [w, 2 * w], [1, 3, 5]):
+        for name, u, gamma in itertools.product(DRAFTS, [w, 2 * w], [1, 3, 5, "auto"]):
             out = beam_search(target, w, eos, draft=models[kind][name], draft_beams=u, gamma=gamma)
             where = f"{kind} w={w} u={u} gamma={gamma} {name} draft, eos={eos}"
             assert out.sequences == baseline.sequences and out.tokens == baseline.tokens, where
@@ -96,7 +98,7 @@ def test_speculative_beam_search_equals_beam_search(models, kind, w):
             assert stats["beam_steps"] == baseline.stats["beam_steps"], where
             # Every target call advances at least one step, and at most 1 + the accepted guessed steps.
             assert stats["beam_steps"] == stats["target_calls"] + stats["accepted"], where
-            if name == "same" and u == w:  # the draft's beam search is the target's: every step accepted
+            if name == "same" and u == w and stats["verified"]:  # the draft's beam search is the target's
                 assert stats["acceptance_rate"] == 1.0, where
 
 
@@ -112,6 +114,22 @@ def test_noisy_draft_saves_target_calls(models):
                       f"speculative ({spec.stats['beam_steps']} beam steps)")
         assert spec.stats["target_calls"] < 0.75 * plain.stats["target_calls"], report[-1]
     print("\n" + "\n".join(report))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "t5_v1_1"])
+def test_auto_gamma_drafts_long_when_the_draft_agrees_and_not_at_all_when_it_does_not(models, kind, known_costs):
+    """gamma="auto" per iteration: with costs that make speculation pay (known_costs), the target's own
+    weights as draft (every step accepted) get the longest drafts, an independent model plain beam steps;
+    the result is plain beam search's either way."""
+    target = models[kind]["target"]
+    plain = beam_search(target, 4, max_new_tokens=24)
+    same = beam_search(target, 4, max_new_tokens=24, draft=models[kind]["same"], gamma="auto")
+    other = beam_search(target, 4, max_new_tokens=24, draft=models[kind]["independent"], gamma="auto")
+    assert same.sequences == plain.sequences == other.sequences
+    histogram = same.stats["guesses_histogram"]
+    assert histogram[BEAM_GAMMA_MAX] >= 0.8 * sum(histogram) and same.stats["target_calls"] <= 24 // 4
+    histogram = other.stats["guesses_histogram"]
+    assert other.stats["acceptance_rate"] < 0.1 and histogram[0] > sum(histogram[1:])
 
 
 def test_width_one_is_greedy(models):

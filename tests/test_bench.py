@@ -5,9 +5,10 @@ The tiny checkpoints have no tokenizer files, so prompts are given as token ids.
 
 import inspect
 import json
-import time
 import math
+import re
 import sys
+import time
 
 import pytest
 import torch
@@ -180,6 +181,29 @@ def test_time_generation_takes_the_prefill_out(monkeypatch):
 
 
 # --- the report -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft", ["same_weights", "lookup"])
+def test_auto_gamma_row_beside_the_fixed_ones(dirs, tmp_path, capsys, draft):
+    """--gamma auto 2: the auto row reports the policy (histogram of guesses per step, expected tokens
+    per call) and is predicted by section 3.5's best fixed γ; every row has a speedup per prompt."""
+    draft_arg = dirs["gpt2"] if draft == "same_weights" else "lookup"
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", draft_arg,
+                              "--gamma", "auto", "2", *PROMPT_FLAGS)
+    assert finite_numbers(result)
+    auto, fixed = result["rows"]
+    assert auto["gamma"] == "auto" and fixed["gamma"] == 2
+    assert auto["identical_to_autoregressive"] is True
+    steps = sum(auto["guesses_histogram"])
+    assert steps > 0 and auto["mean_guesses"] == pytest.approx(
+        sum(k * n for k, n in enumerate(auto["guesses_histogram"])) / steps)
+    assert auto["predicted_speedup"] == pytest.approx(auto["best_gamma_predicted_speedup"])
+    assert set(auto["cost_model"]) == {"t_draft", "t_verify"} and auto["expected_tokens_per_call"] >= 1
+    for row in result["rows"]:
+        assert len(row["per_prompt_speedup"]) == len(PROMPTS) and all(x > 0 for x in row["per_prompt_speedup"])
+    assert "| auto (mean" in table and "auto: guesses per step" in table
+    assert sum(re.match(r"\| prompt \d", line) is not None for line in table.splitlines()) == len(PROMPTS)
+
+
 @pytest.mark.parametrize("draft", ["lookup", "same_weights"])
 def test_report_has_every_field(dirs, tmp_path, capsys, draft):
     draft_arg = dirs["gpt2"] if draft == "same_weights" else "lookup"
@@ -236,7 +260,7 @@ def test_prompts_file_of_token_ids(dirs, tmp_path, capsys):
                           "--repeats", "1", "--temperature", "0.8")
     assert result["settings"]["prompts"] == 2
     row = result["rows"][0]
-    assert row["gamma"] == 5 and row["identical_to_autoregressive"] is None  # sampled: not comparable
+    assert row["gamma"] == "auto" and row["identical_to_autoregressive"] is None  # sampled: not comparable
     assert all(len(tokens) == NEW_TOKENS for tokens in row["outputs"])
 
 

@@ -11,7 +11,7 @@ Decoding code (generate.py, speculative.py, beam.py) drives any family through t
     model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
 
 A family implements `setup_caches(batch_size, max_seq_len)`, `forward(tokens, input_pos, logits_for)`
-and the properties `context_length`, `vocab_size` and `head_weight`; `forward` writes keys/values at
+and the properties `context_length`, `vocab_size` and `head`; `forward` writes keys/values at
 `input_pos` and attends only to cache positions <= each query's position, so entries past the current
 length are never read and rolling back needs no clearing.
 """
@@ -19,6 +19,7 @@ length are never read and rolling back needs no clearing.
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -35,14 +36,19 @@ class KVCache(nn.Module):
             self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
-        """Write k, v of shape [batch, heads, len(input_pos), head_dim] at `input_pos`; return the whole cache."""
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+        """Write k, v of shape [rows, heads, len(input_pos), head_dim] at `input_pos` into the first
+        `rows` batch rows (a forward may use fewer rows than the cache holds: speculative beam search
+        verifies as many hypotheses as a step drafted); return those rows of the cache."""
+        rows = k.shape[0]
+        self.k[:rows].index_copy_(2, input_pos, k)
+        self.v[:rows].index_copy_(2, input_pos, v)
+        return self.k[:rows], self.v[:rows]
 
     def reorder(self, beam_idx):
-        self.k.copy_(self.k.index_select(0, beam_idx))
-        self.v.copy_(self.v.index_select(0, beam_idx))
+        """Batch row i becomes row beam_idx[i], for the first len(beam_idx) rows."""
+        rows = len(beam_idx)
+        self.k[:rows] = self.k.index_select(0, beam_idx)
+        self.v[:rows] = self.v.index_select(0, beam_idx)
 
 
 class RMSNorm(nn.Module):
@@ -57,6 +63,14 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Embedding(nn.Embedding):
+    """A token embedding, which can also be the output head tied to it (GPT-2, tied Llamas):
+    `unembed(x)` is x @ weight.T. A quantized model swaps in a module with the same two calls."""
+
+    def unembed(self, x):
+        return F.linear(x, self.weight)
 
 
 def causal_mask(input_pos, max_seq_len):
@@ -83,6 +97,7 @@ class CachedLM(nn.Module):
         self.name = type(self).__name__
         self.compiled_forward = None  # set by compile()
         self.busy = False  # a generate() call is using the model and its caches (see generate.exclusive)
+        self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
 
     # --- to implement in each family ------------------------------------------------------------
     @property
@@ -95,8 +110,9 @@ class CachedLM(nn.Module):
         raise NotImplementedError
 
     @property
-    def head_weight(self):
-        """The output head's [vocab, dim] matrix: the token embedding itself when the two are tied."""
+    def head(self):
+        """The module computing the logits: a linear layer, or the token `Embedding` itself when the two
+        are tied (forward then calls its `unembed`)."""
         raise NotImplementedError
 
     def setup_caches(self, batch_size, max_seq_len):

@@ -1,0 +1,169 @@
+"""The per-step choice of how many guesses to make (gamma="auto"): the cost model's arithmetic, its
+decisions for known α and timings, early stopping on the draft's confidence, probes after plain
+steps, and end to end on tiny pairs whose α is controlled."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_reference, noisy_copy, save_reference
+
+import minispec
+from minispec import policy
+from minispec.policy import AdaptiveGamma, FixedGamma, make_policy
+
+PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
+
+
+def adaptive(alpha, t_verify, t_draft, k_max=8, confident_drafter=False):
+    """An AdaptiveGamma starting a request with the given α and timings, as if measured."""
+    profile = policy.PairProfile()
+    profile.t_verify, profile.t_draft, profile.alpha = [0.0, *t_verify], t_draft, alpha
+    chooser = AdaptiveGamma(k_max)
+    chooser.begin(profile, confidences=confident_drafter, measure_draft=True)
+    return chooser
+
+
+FLAT = [1.0] * 9  # a GPU-like verify cost: 1..9 tokens cost the same
+STEEP = [1.0 + 0.25 * w for w in range(9)]  # a CPU-like one: each extra token adds a quarter step
+
+
+def test_expected_tokens_is_theorem_3_8_per_step():
+    chooser = adaptive(0.8, FLAT, 0.1)
+    assert chooser.expected(0) == pytest.approx(1.0)
+    assert chooser.expected(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert chooser.expected(3, alpha=1.0) == 4.0
+
+
+@pytest.mark.parametrize("alpha, t_verify, t_draft, best", [
+    (0.1, FLAT, 0.05, 1),  # cheap guesses pay even when few survive...
+    (0.1, STEEP, 0.3, 0),  # ...but not when they and their verification cost a third of a step each
+    (0.3, FLAT, 1.0, 0),  # a draft as slow as the target never pays
+    (0.95, FLAT, 0.02, 8),  # a good, cheap draft on flat costs: as many as allowed
+    (0.7, STEEP, 0.05, 2),
+])
+def test_guesses_maximize_expected_tokens_per_second(alpha, t_verify, t_draft, best):
+    chooser = adaptive(alpha, t_verify, t_draft)
+    rate = {k: chooser.expected(k) / (k * t_draft + t_verify[k]) for k in range(9)}
+    assert max(rate, key=rate.get) == best  # the cases are what they say (t_verify[k] is width k + 1)
+    assert chooser.guesses() == best
+
+
+def test_alpha_follows_the_verified_positions():
+    chooser = adaptive(0.6, FLAT, 0.1)
+    for _ in range(40):
+        chooser.observe(k=4, n=0, draft_seconds=0.4, step_seconds=1.4)  # every first guess rejected
+    assert chooser.alpha < 0.05 and chooser.guesses() == 0
+    for _ in range(40):
+        chooser.observe(k=4, n=4, draft_seconds=0.4, step_seconds=1.4)  # all accepted
+    assert chooser.alpha > 0.95 and chooser.guesses() == 8
+
+
+def test_timings_are_refined_from_each_step():
+    chooser = adaptive(0.6, FLAT, 0.1)
+    for _ in range(100):  # width 3 really costs 2 s, and a guess 0.3 s
+        chooser.observe(k=2, n=1, draft_seconds=0.6, step_seconds=2.6)
+    assert chooser.t_draft == pytest.approx(0.3, rel=1e-3) and chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
+    assert chooser.t_verify[2] == 1.0  # widths not seen keep their calibrated time
+    chooser.observe(k=2, n=1, draft_seconds=0.6, step_seconds=None)  # the prompt's forward: not a step time
+    assert chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
+
+
+def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
+    chooser = adaptive(0.05, STEEP, 0.5)
+    choices = []
+    for _ in range(8 + 16 + 1):
+        k = chooser.guesses()
+        choices.append(k)
+        chooser.observe(k=k, n=0, draft_seconds=0.5 * k, step_seconds=STEEP[k] + 0.5 * k)
+    assert [i for i, k in enumerate(choices) if k] == [7, 7 + 16]  # after 8 plain steps, then after 16
+
+
+def test_plain_steps_count_toward_a_probe_across_requests():
+    """Many short requests (a server's) must not lock the pair out of speculating for good: the pair's
+    α is low, so each request starts with plain steps, but a probe comes after 8 of them in all."""
+    chooser = adaptive(0.05, STEEP, 0.5)
+    choices = []
+    for _ in range(4):  # 4 requests of 3 steps
+        chooser.begin(chooser.profile, confidences=False, measure_draft=True)
+        for _ in range(3):
+            k = chooser.guesses()
+            choices.append(k)
+            chooser.observe(k=k, n=0, draft_seconds=0.5 * k, step_seconds=STEEP[k] + 0.5 * k)
+    assert [i for i, k in enumerate(choices) if k] == [7]
+
+
+def test_keep_guessing_stops_when_the_draft_is_unsure():
+    chooser = adaptive(0.7, FLAT, 0.05, confident_drafter=True)
+    # what the confidence bins have learnt: sure guesses survive, unsure ones do not
+    chooser.confidence = [[0.1, 10.0], [1.0, 10.0], [5.0, 10.0], [8.0, 10.0], [9.9, 10.0]]
+    assert chooser.guesses() == 8  # a drafter that reports confidences may go up to k_max
+    assert chooser.keep_guessing(1, 0.95) and chooser.keep_guessing(2, 0.97)
+    assert not chooser.keep_guessing(3, 0.05)  # survival now ~0.01: another guess is not worth its cost
+    chooser.guesses()
+    assert not chooser.keep_guessing(1, 0.1)
+
+
+def test_confidence_bins_learn_from_verified_guesses_only():
+    chooser = adaptive(0.5, FLAT, 0.05, confident_drafter=True)
+    chooser.guesses()
+    for i, c in enumerate([0.9, 0.9, 0.1, 0.9], 1):
+        chooser.keep_guessing(i, c)
+    before = [list(b) for b in chooser.confidence]
+    chooser.observe(k=4, n=2, draft_seconds=0.2, step_seconds=1.2)  # guesses 1, 2 accepted, 3 rejected, 4 unseen
+    top, low = chooser.confidence[4], chooser.confidence[0]
+    decay = policy.DECAY
+    assert top == pytest.approx([(before[4][0] * decay + 1) * decay + 1, (before[4][1] * decay + 1) * decay + 1])
+    assert low == pytest.approx([before[0][0] * decay, before[0][1] * decay + 1])
+
+
+def test_make_policy():
+    assert isinstance(make_policy(3), FixedGamma) and make_policy(3).guesses() == 3
+    assert isinstance(make_policy("auto"), AdaptiveGamma) and make_policy("auto").k_max == policy.GAMMA_MAX
+    for bad in (0, -1, 2.5, True, "fast", None):
+        with pytest.raises(ValueError, match="gamma"):
+            make_policy(bad)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    reference = make_reference("llama_gqa")
+    directory = save_reference(reference, tmp_path_factory.mktemp("policy"))
+    return {
+        "target": minispec.load(directory),
+        "same": minispec.load(directory),  # alpha = 1
+        "independent": minispec.load(save_reference(make_reference("llama_gqa", seed=7),
+                                                    tmp_path_factory.mktemp("policy_indep"))),
+    }
+
+
+def test_end_to_end_long_drafts_when_alpha_is_high_and_none_when_low(pair, known_costs):
+    target = pair["target"]
+    plain = minispec.generate(target, PROMPT, max_new_tokens=60, ignore_eos=True)
+    good = minispec.generate(target, PROMPT, draft=pair["same"], gamma="auto", max_new_tokens=60, ignore_eos=True)
+    bad = minispec.generate(target, PROMPT, draft=pair["independent"], gamma="auto", max_new_tokens=60,
+                            ignore_eos=True)
+    assert good.tokens == plain.tokens == bad.tokens
+    histogram = good.stats["guesses_histogram"]
+    assert sum(k * steps for k, steps in enumerate(histogram)) >= 5 * sum(histogram)  # α = 1: long drafts
+    histogram = bad.stats["guesses_histogram"]
+    assert bad.stats["alpha_estimate"] < 0.3 and histogram[0] >= 0.7 * sum(histogram)  # plain steps mostly
+    assert good.stats["expected_tokens_per_call"] > 5 and bad.stats["expected_tokens_per_call"] < 1.5
+
+
+def test_the_prior_carries_alpha_to_the_next_request(pair, known_costs):
+    target, draft = pair["target"], pair["independent"]
+    first = minispec.generate(target, PROMPT, draft=draft, gamma="auto", max_new_tokens=40, ignore_eos=True)
+    second = minispec.generate(target, PROMPT, draft=draft, gamma="auto", max_new_tokens=40, ignore_eos=True)
+    # the first request starts hopeful (DEFAULT_ALPHA) and learns; the second starts from what it learnt
+    assert first.stats["guesses_histogram"][0] < second.stats["guesses_histogram"][0]
+    assert policy.PROFILES[target][id(draft), None].alpha < policy.DEFAULT_ALPHA
+
+
+def test_stats_report_the_cost_model(pair):
+    out = minispec.generate(pair["target"], PROMPT, draft="lookup", gamma="auto", max_new_tokens=20)
+    stats = out.stats
+    assert stats["gamma"] == "auto" and sum(stats["guesses_histogram"]) == stats["target_calls"]
+    assert set(stats["cost_model"]["t_verify"]) == set(range(1, policy.GAMMA_MAX + 2))
+    assert all(t > 0 for t in stats["cost_model"]["t_verify"].values())
+    assert 0 <= stats["alpha_estimate"] <= 1 and stats["expected_tokens_per_call"] >= 1
