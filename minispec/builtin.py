@@ -64,17 +64,18 @@ def is_checkpoint(directory):
     return (directory / "config.json").is_file()
 
 
-def import_gguf(gguf_path, name=None):
-    """The checkpoint converted from a GGUF file: weights/<name or file stem>/, converted on first use."""
+def import_gguf(gguf_path, name=None, keep_quantized=False):
+    """The checkpoint converted from a GGUF file: weights/<name or file stem>/, converted on first use;
+    with its quantized tensors kept quantized, weights/<name or file stem>-quantized/."""
     gguf_path = Path(gguf_path).expanduser()
-    out = weights_dir() / (name or gguf_path.stem)
+    out = weights_dir() / ((name or gguf_path.stem) + ("-quantized" if keep_quantized else ""))
     if is_checkpoint(out):
         return out
     if out.exists():
         raise CheckpointError(f"{out} exists but holds no config.json; remove it to convert {gguf_path.name} again")
     log(f"converting {gguf_path} into {out} (once)")
     try:
-        convert_gguf(gguf_path, out)
+        convert_gguf(gguf_path, out, keep_quantized=keep_quantized)
     except ValueError as error:
         message = str(error)
         raise CheckpointError(message if str(gguf_path) in message else f"{gguf_path}: {message}") from error

@@ -4,6 +4,10 @@ weights, and build the matching minispec model.
 A family module (minispec/models/<family>.py) provides three things, registered in FAMILIES:
 a config class with `from_hf(config_json: dict)`, the model class (a CachedLM) built from that
 config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to the model's own.
+
+Quantization (minispec.models.quant) happens here, at load: `quantize="int8"/"int4"` quantizes the
+float weights, and a checkpoint holding quantized weights (a GGUF file imported with keep_quantized)
+gives its own, as they are.
 """
 
 from pathlib import Path
@@ -12,7 +16,7 @@ import torch
 
 from . import builtin
 from .hub import download_from_hub
-from .models import gpt2, llama, t5
+from .models import gpt2, llama, quant, t5
 from .tokenizer import load_tokenizer
 from .weights import CheckpointError, read_config, read_weights
 
@@ -25,16 +29,17 @@ FAMILIES = {
 }
 
 
-def resolve_checkpoint(name_or_path):
+def resolve_checkpoint(name_or_path, keep_quantized=False):
     """A local checkpoint directory for `name_or_path`: an existing directory, a .gguf file (converted
-    once into the weights folder), a built-in name (minispec.builtin), or a hub id to fetch."""
+    once into the weights folder, its quantized tensors kept quantized if asked), a built-in name
+    (minispec.builtin), or a hub id to fetch."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     if path.suffix == ".gguf":
         if not path.is_file():
             raise CheckpointError(f"GGUF file {path} does not exist")
-        return builtin.import_gguf(path)
+        return builtin.import_gguf(path, keep_quantized=keep_quantized)
     if path.exists():
         raise CheckpointError(f"{path} is a file; a checkpoint is a directory with config.json and *.safetensors, "
                               "or a .gguf file")
@@ -46,8 +51,15 @@ def resolve_checkpoint(name_or_path):
     return download_from_hub(str(name_or_path))
 
 
-def check_shapes(model, weights, source):
+def check_shapes(model, weights, source, stored=None):
+    """The checkpoint's tensors (and its quantized weights, `stored`) against the model's."""
     expected = model.state_dict()
+    for name, parts in (stored or {}).items():
+        if f"{name}.weight" not in expected:
+            raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
+        problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
+        if problem:
+            raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"{source}: weights lack tensor(s) {', '.join(missing[:5])}")
@@ -86,12 +98,20 @@ def default_dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_model(name_or_path, device="cpu", dtype=None, compile=False):
+def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None,
+               group_size=quant.DEFAULT_GROUP_SIZE):
     """Load a checkpoint into its minispec model, with tokenizer and special token ids attached.
-    compile=True compiles the decode forward (see CachedLM.compile)."""
+    compile=True compiles the decode forward (see CachedLM.compile). quantize="int8" or "int4"
+    quantizes the weights (models.quant.quantize_model; int4 in groups of `group_size` columns); a GGUF
+    file is then imported with its quantized tensors kept as they are."""
+    quant.check_settings(quantize, group_size)
     device = check_device(device)
-    directory = resolve_checkpoint(name_or_path)
+    directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
     hf_config = read_config(directory)
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if "quantization_config" in hf_config and method != quant.QUANT_METHOD:
+        raise CheckpointError(f"{directory}: weights quantized with {method!r}, which minispec does not read; use "
+                              "float weights (quantize= quantizes them at load) or a GGUF file")
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
         raise CheckpointError(
@@ -111,9 +131,18 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False):
         weights = convert(weights, config)
     except ValueError as error:  # the family's key mapping found tensors it cannot place
         raise CheckpointError(f"{directory}: {error}") from error
-    check_shapes(model, weights, directory)
+    stored = quant.take_stored(weights) if method else {}
+    check_shapes(model, weights, directory, stored)
     dtype = dtype or default_dtype(device)
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True, strict=True)
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True, strict=not stored)
+    del weights  # the model holds them now: quantizing frees each float weight as its layer is done
+    if quantize or stored:
+        try:
+            notes = quant.quantize_model(model, quantize, group_size, dtype, stored, device)
+        except ValueError as error:  # quantized tensors for a module that takes none (a norm, ...)
+            raise CheckpointError(f"{directory}: {error}") from error
+        for note in notes:
+            builtin.log(f"{name_or_path}: {note}")
     model = model.to(device=device).eval().requires_grad_(False)
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     attach_special_tokens(model, hf_config)

@@ -18,23 +18,37 @@ q = None rather than building a one-hot [k, vocab] tensor each step: greedy veri
 it, and the sampled path builds it only when it needs it.
 """
 
+import weakref
 from collections import Counter, defaultdict
 
 import torch
 
 from .models.base import CachedLM
+from .models.quant import MODES as SELF_DRAFT_MODES
+from .models.quant import quantized_copy
 from .sampling import adjust, sample
+
+# draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
+SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
 
 def make_drafter(draft, target):
-    """A drafter for `draft`: a loaded model (minispec.load), "ngram" or "lookup"."""
+    """A drafter for `draft`: a loaded model (minispec.load), "ngram", "lookup", or "int8" / "int4" (the
+    target itself, quantized: its own quantized weights and KV cache, built once per target)."""
     if isinstance(draft, str) and draft in MODEL_FREE:
         return MODEL_FREE[draft](target.vocab_size, target.device)
+    if isinstance(draft, str) and draft in SELF_DRAFT_MODES:
+        copies = SELF_DRAFTS.setdefault(target, {})
+        if draft not in copies:
+            copies[draft] = quantized_copy(target, draft)
+        return ModelDrafter(copies[draft])
     if isinstance(draft, str):
         raise ValueError(f"draft={draft!r}: load a draft model once with minispec.load({draft!r}) and pass the "
-                         "model (a path here would reload its weights on every call); or use 'ngram' or 'lookup'")
+                         "model (a path here would reload its weights on every call); or use 'ngram', 'lookup', "
+                         "'int8' or 'int4'")
     if not isinstance(draft, CachedLM):
-        raise ValueError(f"draft must be a minispec model (minispec.load), 'ngram' or 'lookup'; got {draft!r}")
+        raise ValueError(f"draft must be a minispec model (minispec.load), 'ngram', 'lookup', 'int8' or 'int4'; "
+                         f"got {draft!r}")
     if draft is target:
         raise ValueError("the draft must be a separate model object (each needs its own KV cache); "
                          "load the checkpoint twice to draft with the target's weights")

@@ -1,13 +1,15 @@
 """Import a llama.cpp GGUF file: parse it, dequantize its tensors and write an ordinary checkpoint
 directory (config.json + model.safetensors + tokenizer files), once, so that later loads are plain
-safetensors loads through minispec.checkpoint.
+safetensors loads through minispec.checkpoint. Or, with keep_quantized, keep the quantized tensors as
+they are, in minispec.models.quant's stored form (int8 or int4 values with their scales and offsets),
+which dequantizes bit for bit to the same floats.
 
 GGUF layout (little-endian): magic "GGUF", version (2 or 3), tensor count, metadata count; the
 metadata key/values; one info per tensor (name, dims innermost first, ggml type, data offset);
 padding to `general.alignment`; the tensor data. Quantized types pack blocks of 32 or 256 values
 with fp16 scales; the dequantizers below mirror ggml's reference (and the `gguf` package's) exactly.
 
-    python -m minispec.gguf model.Q8_0.gguf ./model-dir
+    python -m minispec.gguf model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
 
 import argparse
@@ -20,10 +22,12 @@ import shutil
 import struct
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from .models.quant import QUANT_METHOD, common_form, pack_int4
 from .weights import DTYPES, save_safetensors
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +243,62 @@ def dequantize_q6_k(blocks):  # ql(128) qh(64) scales(16 x int8) d(2): 16 sub-bl
     return ((_f16(blocks, 208).unsqueeze(-1) * scales) * q).flatten(1)
 
 
+# ---------------------------------------------------------------------------------------------
+# Kept quantized: each type's blocks [n, block_bytes] -> minispec.models.quant's stored form, one row of
+# qweight (int8 values, or int4 ones packed two per byte) per block and its groups' scales and offsets
+# [n, groups per block], such that q * scale + offset in float32 is the dequantizer's value bit for bit:
+# the products are exact in float32 (an fp16 or fp16 x 6-bit scale times a value of at most 6 bits),
+# so each value is rounded once, where the dequantizer rounds it.
+
+def stored_q4_0(blocks):  # d * (q - 8) = q * d + (-8 d), both terms exact
+    d = _f16(blocks, 0)
+    return {"qweight": pack_int4(_nibbles(blocks[:, 2:])), "scales": d, "offsets": -8 * d}
+
+
+def stored_q4_1(blocks):
+    return {"qweight": pack_int4(_nibbles(blocks[:, 4:])), "scales": _f16(blocks, 0), "offsets": _f16(blocks, 2)}
+
+
+def stored_q5_0(blocks):
+    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
+    return {"qweight": q.to(torch.int8) - 16, "scales": _f16(blocks, 0)}
+
+
+def stored_q5_1(blocks):
+    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+    return {"qweight": q.to(torch.int8), "scales": _f16(blocks, 0), "offsets": _f16(blocks, 2)}
+
+
+def stored_q8_0(blocks):
+    return {"qweight": blocks[:, 2:].contiguous().view(torch.int8), "scales": _f16(blocks, 0)}
+
+
+def stored_q4_k(blocks):
+    sc, mn = _k_scales(blocks[:, 4:16])
+    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
+    return {"qweight": pack_int4(_k_low_nibbles(blocks[:, 16:]).flatten(1)),
+            "scales": (d * sc).flatten(1), "offsets": -(dmin * mn).flatten(1)}
+
+
+def stored_q5_k(blocks):
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1
+    q = _k_low_nibbles(blocks[:, 48:]) | (high << 4)
+    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
+    return {"qweight": q.flatten(1).to(torch.int8), "scales": (d * sc).flatten(1), "offsets": -(dmin * mn).flatten(1)}
+
+
+def stored_q6_k(blocks):
+    n = blocks.shape[0]
+    low = (blocks[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
+    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    q = (low.reshape(n, 16, 16) | (high.reshape(n, 16, 16) << 4)).to(torch.int8) - 32
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return {"qweight": q.flatten(1), "scales": _f16(blocks, 208) * scales}
+
+
 # name: (values per block, bytes per block, dequantizer)
 QUANT_TYPES = {
     "Q4_0": (32, 18, dequantize_q4_0),
@@ -250,6 +310,8 @@ QUANT_TYPES = {
     "Q5_K": (256, 176, dequantize_q5_k),
     "Q6_K": (256, 210, dequantize_q6_k),
 }
+STORED_FORMS = {"Q4_0": stored_q4_0, "Q4_1": stored_q4_1, "Q5_0": stored_q5_0, "Q5_1": stored_q5_1,
+                "Q8_0": stored_q8_0, "Q4_K": stored_q4_k, "Q5_K": stored_q5_k, "Q6_K": stored_q6_k}
 CHUNK_BLOCKS = 1 << 16  # dequantize in chunks so temporaries stay small next to the output
 PROGRESS_MIN_BYTES = 64 << 20  # files with less quantized data convert too fast to need progress lines
 
@@ -280,6 +342,25 @@ def dequantize(tensor):
     for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
         out[i:i + CHUNK_BLOCKS] = dequantize_blocks(blocks[i:i + CHUNK_BLOCKS])
     return out.view(tensor.shape)
+
+
+def narrow(values):
+    """float32 values as float16 when that is exact (GGUF's own scales are), to keep files small."""
+    half = values.half()
+    return half if torch.equal(half.float(), values) else values
+
+
+def stored_form(tensor):
+    """A quantized 2-D tensor's values kept quantized: {qweight, scales[, offsets]} (models.quant's
+    stored form, one row per tensor row), which `models.quant.dequantize` turns into exactly what
+    `dequantize` gives. Uses integer operations on the values: nothing passes through float32 but scales."""
+    check_supported(tensor)
+    _, block_bytes, _ = QUANT_TYPES[tensor.type]
+    blocks = tensor.data.view(-1, block_bytes)
+    chunks = [STORED_FORMS[tensor.type](blocks[i:i + CHUNK_BLOCKS]) for i in range(0, blocks.shape[0], CHUNK_BLOCKS)]
+    rows = tensor.shape[0]
+    parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(rows, -1) for key in chunks[0]}
+    return {key: value if key == "qweight" else narrow(value) for key, value in parts.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,9 +514,34 @@ def unpermute(weight, n_head):
     return rows.transpose(1, 2).reshape(weight.shape)
 
 
-def hf_weights(tensors, config, dtype=None, progress=False):
-    """{HF name: tensor}, dequantized (q/k rows un-permuted for llama), cast to `dtype` if given."""
+# Projections minispec's llama fuses into one layer (models/llama.py: wqkv, w13).
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def kept_quantized(tensors):
+    """{GGUF name: stored form} of the weights a quantized import keeps quantized: every quantized 2-D
+    tensor, with the projections fused into one layer brought to one form (quant.common_form; files
+    such as Q4_K_M quantize v with Q6_K and q, k with Q4_K), or all dequantized when one of them is a
+    float tensor in the file."""
+    stored = {name: stored_form(t) for name, t in tensors.items() if t.type in QUANT_TYPES and len(t.shape) == 2}
+    layers = {match[1] for name in tensors if (match := re.fullmatch(r"blk\.(\d+)\..+", name))}
+    for layer in layers:
+        for kinds in FUSED:
+            names = [f"blk.{layer}.{kind}.weight" for kind in kinds if f"blk.{layer}.{kind}.weight" in tensors]
+            if all(name in stored for name in names):
+                stored.update(zip(names, common_form([stored[name] for name in names])))
+            else:
+                for name in names:
+                    stored.pop(name, None)
+    return stored
+
+
+def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False):
+    """{HF name: tensor}, dequantized (q/k rows un-permuted for llama), cast to `dtype` if given. With
+    `keep_quantized`, a quantized weight stays quantized (see kept_quantized): `<name>.qweight`,
+    `.scales` and `.offsets` instead of `<name>.weight`, rows un-permuted alike, never cast."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    stored = kept_quantized(tensors) if keep_quantized else {}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
     progress = progress and quantized_bytes >= PROGRESS_MIN_BYTES
     done, reported = 0, 0
@@ -444,16 +550,19 @@ def hf_weights(tensors, config, dtype=None, progress=False):
         if name == ROPE_FREQS:
             continue
         target = hf_name(name)
-        weight = dequantize(tensor)
         kind = name.split(".")[-2]
-        if config["model_type"] == "llama" and kind in heads:
-            weight = unpermute(weight, heads[kind])
-        weights[target] = weight if dtype is None else weight.to(dtype)
+        rows = partial(unpermute, n_head=heads[kind]) if config["model_type"] == "llama" and kind in heads else None
+        if name in stored:
+            prefix = target.removesuffix(".weight")
+            weights.update({f"{prefix}.{key}": rows(value) if rows else value for key, value in stored[name].items()})
+        else:
+            weight = rows(dequantize(tensor)) if rows else dequantize(tensor)
+            weights[target] = weight if dtype is None else weight.to(dtype)
         if progress and tensor.type in QUANT_TYPES:
             done += tensor.data.numel()
             if done * 10 // quantized_bytes > reported:
                 reported = done * 10 // quantized_bytes
-                print(f"minispec.gguf: dequantized {reported * 10}% of {quantized_bytes >> 20} MiB", file=sys.stderr)
+                print(f"minispec.gguf: converted {reported * 10}% of {quantized_bytes >> 20} MiB", file=sys.stderr)
     return weights
 
 
@@ -559,12 +668,14 @@ def template_processor(tokens, bos_id, eos_id):
 # ---------------------------------------------------------------------------------------------
 # Conversion
 
-def convert_gguf(gguf_path, out_dir, dtype=None, progress=True):
+def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False):
     """Write `out_dir` (config.json, model.safetensors, tokenizer files) from a GGUF file; returns it.
 
     `dtype` (e.g. torch.bfloat16) casts every weight; by default F32/F16/BF16 tensors keep their
-    type and quantized ones are stored as the exact fp32 values they dequantize to. The directory
-    is written under a temporary name and renamed at the end, so a failure leaves nothing behind."""
+    type and quantized ones are stored as the exact fp32 values they dequantize to, or, with
+    `keep_quantized`, as they are (hf_weights; `dtype` then casts the float ones only, and config.json
+    says so in its quantization_config). The directory is written under a temporary name and renamed
+    at the end, so a failure leaves nothing behind."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
@@ -576,7 +687,9 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True):
         check_supported(tensor)
         if name != ROPE_FREQS:
             hf_name(name)  # raises for a tensor minispec has no place for
-    weights = hf_weights(tensors, config, dtype, progress)
+    weights = hf_weights(tensors, config, dtype, progress, keep_quantized)
+    if keep_quantized:
+        config["quantization_config"] = {"quant_method": QUANT_METHOD}
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
@@ -597,10 +710,12 @@ def main():
     parser = argparse.ArgumentParser(description="Convert a llama.cpp GGUF file into a minispec checkpoint directory.")
     parser.add_argument("gguf", help="path of the .gguf file")
     parser.add_argument("out_dir", help="checkpoint directory to create")
-    parser.add_argument("--dtype", choices=DTYPES, help="cast all weights (default: keep)")
+    parser.add_argument("--dtype", choices=DTYPES, help="cast all (float) weights (default: keep)")
+    parser.add_argument("--keep-quantized", action="store_true",
+                        help="keep quantized tensors quantized (int8/int4 with scales) instead of dequantizing them")
     args = parser.parse_args()
     try:
-        out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype))
+        out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype), keep_quantized=args.keep_quantized)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     print(out)

@@ -102,7 +102,7 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
         llama = minispec.load(save_reference(make_reference(kind), tmp_path / kind))
         llama.setup_caches(1, 64)
         table = llama.tok_embeddings
-        tied = llama.head_weight is table.weight
+        tied = llama.head is table
         assert tied == (kind == "llama_gqa")
         everything = sum(p.numel() for p in llama.parameters())
         assert bench.decode_bytes(llama, 0) == (everything if tied else everything - table.weight.numel() + row(table)) * 4

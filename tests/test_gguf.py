@@ -242,7 +242,7 @@ def test_q8_0_model_close_to_original(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(minigguf, "PROGRESS_MIN_BYTES", 0)  # report even for this tiny file
     out = convert_gguf(path, tmp_path / "converted", progress=True)
     lines = capsys.readouterr().err.splitlines()  # progress lines go to stderr
-    assert len(lines) > 1 and lines[-1].startswith("minispec.gguf: dequantized 100% of")
+    assert len(lines) > 1 and lines[-1].startswith("minispec.gguf: converted 100% of")
     imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert imported.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # exact dequantized values
     # q_proj, read back and re-permuted, is exactly ggml's dequantization of the stored blocks.

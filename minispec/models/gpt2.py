@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, KVCache, causal_mask
+from .base import CachedLM, Embedding, KVCache, causal_mask
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
 GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -93,7 +93,7 @@ class GPT2(CachedLM):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wte = Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
@@ -107,8 +107,8 @@ class GPT2(CachedLM):
         return self.config.vocab_size
 
     @property
-    def head_weight(self):
-        return self.wte.weight  # GPT-2's head is tied to the token embedding
+    def head(self):
+        return self.wte  # GPT-2's head is tied to the token embedding
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
@@ -124,7 +124,7 @@ class GPT2(CachedLM):
         for block in self.h:
             x = block(x, input_pos, mask)
         x = self.ln_f(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        return F.linear(x, self.head_weight).float()
+        return self.wte.unembed(x).float()
 
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

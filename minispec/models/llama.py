@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, KVCache, RMSNorm, causal_mask
+from .base import CachedLM, Embedding, KVCache, RMSNorm, causal_mask
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -206,7 +206,7 @@ class Llama(CachedLM):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
@@ -221,8 +221,8 @@ class Llama(CachedLM):
         return self.config.vocab_size
 
     @property
-    def head_weight(self):
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+    def head(self):
+        return self.tok_embeddings if self.output is None else self.output
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
@@ -244,7 +244,7 @@ class Llama(CachedLM):
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window])
         x = self.norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        return F.linear(x, self.head_weight).float()
+        return (self.tok_embeddings.unembed(x) if self.output is None else self.output(x)).float()
 
 
 def fuse(weights, names, fused_name):
@@ -275,7 +275,8 @@ def convert_hf_weights(weights, config):
     if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
         out.pop("output.weight", None)
     for i in range(config.n_layers):
-        for kind in ("weight", "bias"):
+        # qweight, scales, offsets: a quantized weight of a GGUF import (models/quant.py's stored form)
+        for kind in ("weight", "bias", "qweight", "scales", "offsets"):
             attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
             fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
             fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, KVCache, RMSNorm, causal_mask
+from .base import CachedLM, Embedding, KVCache, RMSNorm, causal_mask
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -217,7 +217,7 @@ class T5(CachedLM):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)  # shared by encoder, decoder (and tied head)
+        self.embed = Embedding(config.vocab_size, config.d_model)  # shared by encoder, decoder (and tied head)
         # One relative position bias table per stack (the reference keeps it in the stack's first layer).
         self.encoder_position_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
         self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
@@ -240,8 +240,8 @@ class T5(CachedLM):
         return self.config.vocab_size
 
     @property
-    def head_weight(self):
-        return self.lm_head.weight  # a copy of the embedding when the checkpoint ties them
+    def head(self):
+        return self.lm_head  # a copy of the embedding when the checkpoint ties them
 
     @property
     def encoder_batch_size(self):

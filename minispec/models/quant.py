@@ -1,0 +1,345 @@
+"""Weight-only int8 and int4 quantization: quantized linear layers and token embeddings, and the
+functions that quantize, pack and dequantize weights. Pure torch; the loader and the self-draft use
+it, the model files do not (they see ordinary modules with the same calls).
+
+A quantized weight [out N, in K] has two forms:
+
+- stored, what checkpoints hold (a GGUF file kept quantized) and what `dequantize` reads:
+  int8: `qweight` int8 [N, K], `scales` [N, K / group] and optional `offsets` [N, K / group];
+        w = qweight * scales (+ offsets). One group per row (one scale per output channel) is
+        minispec's own int8; GGUF files have groups of 32 (Q8_0) or 16 (Q6_K).
+  int4: `qweight` uint8 [N, K / 2], values q in 0..15, column 2i in the low nibble of byte i and
+        column 2i + 1 in the high one; `scales`, `offsets` [N, K / group]; w = q * scales + offsets.
+- packed, what the kernels read, built from the stored form on the device it runs on.
+
+Kernels, measured on this project's CPU (docs/performance.md, "Quantized kernels"): with bfloat16
+activations, aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu; with float32 ones both
+take slow paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a
+float32 matmul. So quantized layers compute in bfloat16 whatever the model's dtype: the input is cast
+to bfloat16 and the output back. On CUDA: int8 as gpt-fast does it (the weight converted inside the
+matmul, which torch.compile fuses), int4 with aten._weight_int4pack_mm.
+"""
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Embedding
+
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32  # GGUF's Q4 group; 64 runs as fast here (docs/performance.md) but is less accurate
+# Token embeddings and the output head, in both modes: int8 in groups of 32 columns. The head decides
+# every argmax: per-channel int8 there changed SmolLM2's greedy tokens where groups of 32 did not.
+HEAD_GROUP_SIZE = 32
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def check_settings(mode, group_size):
+    if mode not in (None, *MODES):
+        raise ValueError(f"quantize={mode!r}: choose one of {', '.join(MODES)} (or None for the checkpoint's weights)")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size!r}: int4 groups of {', '.join(map(str, GROUP_SIZES))} columns")
+
+
+# --- the stored form ---------------------------------------------------------------------------------
+def pack_int4(q):
+    """uint8 [N, K] of values 0..15 -> uint8 [N, K / 2]: column 2i in the low nibble, 2i + 1 in the high one."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed):
+    """The inverse of pack_int4."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1)
+
+
+def quantize_int8(weight, group_size=None):
+    """Symmetric int8: the largest |w| of each row (or of each group of `group_size` columns) becomes ±127."""
+    w = weight.detach().float()
+    groups = w.view(w.shape[0], -1, group_size or w.shape[1])
+    scales = groups.abs().amax(dim=-1) / 127
+    scales = torch.where(scales > 0, scales, 1.0)  # an all-zero group: any scale, its values are 0
+    q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return {"qweight": q.view_as(w), "scales": scales}
+
+
+def quantize_int4(weight, group_size):
+    """Asymmetric group-wise int4: each group of `group_size` columns spans its [min, max] in 16 steps."""
+    w = weight.detach().float()
+    groups = w.view(w.shape[0], -1, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = torch.where(high > low, (high - low) / 15, 1.0)  # a constant group: q = 0, w = offset
+    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return {"qweight": pack_int4(q.view_as(w)), "scales": scales, "offsets": low}
+
+
+def is_int4(parts):
+    return parts["qweight"].dtype == torch.uint8
+
+
+def weight_shape(parts):
+    rows, columns = parts["qweight"].shape
+    return rows, columns * 2 if is_int4(parts) else columns
+
+
+def dequantize(parts):
+    """The float32 weight [N, K] of a stored quantized weight: the plain path the kernels are tested
+    against. Multiply, then add, in float32, as ggml's reference does (GGUF imports match it bit for bit)."""
+    q = unpack_int4(parts["qweight"]) if is_int4(parts) else parts["qweight"]
+    rows, groups = parts["scales"].shape
+    w = q.float().view(rows, groups, -1) * parts["scales"].float()[..., None]
+    if parts.get("offsets") is not None:
+        w = w + parts["offsets"].float()[..., None]
+    return w.view(rows, -1)
+
+
+def widen_int4(parts):
+    """An int4 weight in the int8 form, exactly (the same q, scales and offsets): for an int4 layer
+    the int4 kernel cannot take, and for token embeddings, whose rows are looked up."""
+    return {"qweight": unpack_int4(parts["qweight"]).to(torch.int8), "scales": parts["scales"],
+            "offsets": parts["offsets"]}
+
+
+def group_size_of(parts):
+    return weight_shape(parts)[1] // parts["scales"].shape[1]
+
+
+def common_form(parts_list):
+    """Stored weights to be concatenated into one layer (a fused q/k/v projection), in one form: as they
+    are when they share it, else all int8 with offsets in the smallest group, exactly (an int4 value is
+    an int8 one, a scale repeats over the smaller groups it covers, and a missing offset is 0)."""
+    forms = {(is_int4(p), group_size_of(p), p.get("offsets") is not None) for p in parts_list}
+    if len(forms) == 1:
+        return parts_list
+    group = min(size for _, size, _ in forms)
+    out = []
+    for parts in parts_list:
+        repeat = group_size_of(parts) // group
+        parts = widen_int4(parts) if is_int4(parts) else parts
+        scales = parts["scales"].repeat_interleave(repeat, dim=1)
+        offsets = parts.get("offsets")
+        offsets = torch.zeros_like(scales) if offsets is None else offsets.repeat_interleave(repeat, dim=1)
+        out.append({"qweight": parts["qweight"], "scales": scales, "offsets": offsets})
+    return out
+
+
+STORED_KEYS = ("qweight", "scales", "offsets")
+QUANT_METHOD = "minispec"  # config.json's quantization_config.quant_method for checkpoints holding stored forms
+
+
+def take_stored(weights):
+    """Pop a checkpoint's quantized weights out of {name: tensor}: {module name: stored tensors}."""
+    stored = defaultdict(dict)
+    for name in [name for name in weights if name.rpartition(".")[2] in STORED_KEYS]:
+        module, _, key = name.rpartition(".")
+        stored[module][key] = weights.pop(name)
+    return dict(stored)
+
+
+def check_stored(parts, shape):
+    """A one-line reason why stored tensors {qweight, scales[, offsets]} are not a quantized weight of
+    `shape` [N, K], or None."""
+    qweight, scales, offsets = parts.get("qweight"), parts.get("scales"), parts.get("offsets")
+    if qweight is None or scales is None:
+        return f"has {' and '.join(sorted(parts))} but needs qweight and scales"
+    if qweight.dtype not in (torch.int8, torch.uint8) or qweight.dim() != 2 or scales.dim() != 2:
+        return f"qweight {qweight.dtype} {tuple(qweight.shape)} is neither int8 [N, K] nor uint8 [N, K / 2]"
+    if is_int4(parts) and offsets is None:
+        return "an int4 qweight (uint8) needs offsets"
+    if weight_shape(parts) != tuple(shape):
+        return f"qweight {tuple(qweight.shape)} ({qweight.dtype}) does not make a weight of shape {tuple(shape)}"
+    if scales.shape[0] != shape[0] or scales.shape[1] == 0 or shape[1] % scales.shape[1]:
+        return f"scales {tuple(scales.shape)} do not divide a weight of shape {tuple(shape)} into groups"
+    if offsets is not None and offsets.shape != scales.shape:
+        return f"offsets {tuple(offsets.shape)} and scales {tuple(scales.shape)} differ in shape"
+    return None
+
+
+def int4_problem(out_features, in_features, group_size, device):
+    """Why the int4 kernel cannot take a weight of this shape, or None."""
+    if in_features % group_size:
+        return f"in_features {in_features} is not a multiple of the group size {group_size}"
+    rows = 16 if device.type == "cpu" else 8
+    if out_features % rows:
+        return f"out_features {out_features} is not a multiple of {rows}"
+    return None
+
+
+# --- the modules --------------------------------------------------------------------------------------
+class Int8Linear(nn.Module):
+    """y = x @ (qweight * scales (+ offsets)).T + bias, from a stored int8 weight.
+
+    One scale per output channel (minispec's int8): aten._weight_int8pack_mm on CPU; on CUDA the int8
+    weight is converted inside the matmul, which torch.compile fuses (gpt-fast's int8). Groups of
+    scales (GGUF imports): on CPU one kernel call per group of columns, with the offsets' share added
+    as the per-group sums of x times the offsets; on CUDA the dequantized weight inside the matmul."""
+
+    def __init__(self, parts, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = parts["qweight"].shape
+        qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
+        self.on_cpu = qweight.device.type == "cpu"
+        if scales.shape[1] == 1 and offsets is None:
+            weight, scales = qweight, scales.view(-1)
+        else:  # [groups, N, group]: each group's columns contiguous, as _weight_int8pack_mm wants them
+            weight, scales = qweight.view(self.out_features, scales.shape[1], -1).transpose(0, 1), scales.t()
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
+        self.bias = bias
+
+    def grouped_weight(self):
+        """The dequantized [N, K] weight of the grouped form, in the compute dtype (the CUDA path)."""
+        w = self.weight.to(COMPUTE_DTYPE) * self.scales[..., None]
+        if self.offsets is not None:
+            w = w + self.offsets.t()[..., None].to(COMPUTE_DTYPE)
+        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
+
+    def forward(self, x):
+        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if self.weight.dim() == 2:  # one scale per output channel
+            if self.on_cpu:
+                y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+            else:
+                y = F.linear(rows, self.weight.to(COMPUTE_DTYPE)) * self.scales
+        elif self.on_cpu:
+            groups = rows.view(rows.shape[0], self.weight.shape[0], -1).transpose(0, 1).contiguous()  # [G, M, g]
+            y = torch.ops.aten._weight_int8pack_mm(groups[0], self.weight[0], self.scales[0]).float()
+            for i in range(1, self.weight.shape[0]):
+                y += torch.ops.aten._weight_int8pack_mm(groups[i], self.weight[i], self.scales[i])
+            if self.offsets is not None:
+                y += F.linear(groups.float().sum(-1).t(), self.offsets)
+        else:
+            y = F.linear(rows, self.grouped_weight())
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x @ (q * scales + offsets).T + bias, from a stored int4 weight, with PyTorch's int4 kernels
+    (tinygemm's layout): aten._weight_int4pack_mm_for_cpu on CPU, aten._weight_int4pack_mm on CUDA.
+    They compute (q - 8) * scale + zero, so zero = offset + 8 * scale."""
+
+    def __init__(self, parts, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight_shape(parts)
+        scales, offsets = parts["scales"].float(), parts["offsets"].float()
+        self.group_size = self.in_features // scales.shape[1]
+        q = unpack_int4(parts["qweight"])
+        self.on_cpu = q.device.type == "cpu"
+        if self.on_cpu:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:  # the CUDA packer takes even columns in the high nibble; 8 inner k-tiles where K allows
+            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4) | q[:, 1::2], tiles)
+        self.register_buffer("weight", packed)
+        zeros = offsets + 8 * scales
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
+        self.bias = bias
+
+    def forward(self, x):
+        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if self.on_cpu else torch.ops.aten._weight_int4pack_mm
+        y = mm(rows, self.weight, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(Int8Linear):
+    """A token embedding stored as int8 rows: a lookup dequantizes the rows it reads, and `unembed`, the
+    output head tied to the embedding (GPT-2, tied Llamas), is the int8 matmul."""
+
+    def __init__(self, parts, dtype):
+        super().__init__(parts)
+        self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
+        self.output_dtype = dtype  # the model's: what a float embedding would return
+
+    def forward(self, tokens):
+        if self.weight.dim() == 2:
+            rows = self.weight[tokens].float() * self.scales[tokens].float()[..., None]
+        else:  # weight [groups, vocab, group]: gather the tokens' rows of every group
+            q = self.weight[:, tokens].movedim(0, -2)
+            rows = q.float() * self.scales[:, tokens].movedim(0, -1).float()[..., None]
+            if self.offsets is not None:
+                rows = rows + self.offsets[tokens][..., None]
+            rows = rows.flatten(-2)
+        return rows.to(self.output_dtype)
+
+    unembed = Int8Linear.forward
+
+
+# --- quantizing a model -------------------------------------------------------------------------------
+def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.float32, stored=None, device=None):
+    """Replace the model's linear layers and token embeddings by quantized ones, in place and one at a
+    time, so that each float weight can be freed as soon as its quantized form exists.
+
+    `stored`: {module name: stored tensors} a checkpoint holds quantized already; they are used as they
+    are. `mode` ("int8", "int4" or None) quantizes the float ones: linear layers per output channel
+    (int8) or in groups of `group_size` (int4); token embeddings and the output head in int8 groups of
+    HEAD_GROUP_SIZE in both modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer
+    the int4 kernel cannot take is int8 instead. Returns notes on those layers."""
+    stored = dict(stored or {})
+    head = model.head
+    fallbacks = defaultdict(list)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, Embedding)):
+            continue
+        parts = stored.pop(name, None)
+        if parts is None and mode is None:
+            continue
+        target = torch.device(device) if device is not None else module.weight.device
+        if isinstance(module, Embedding):
+            if parts is None:
+                parts = quantize_int8(module.weight, head_group(module.embedding_dim))
+            elif is_int4(parts):
+                parts = widen_int4(parts)
+            model.set_submodule(name, Int8Embedding(on(parts, target), dtype))
+            continue
+        int4 = (mode == "int4" and module is not head) if parts is None else is_int4(parts)
+        if int4:
+            group = group_size if parts is None else group_size_of(parts)
+            problem = int4_problem(module.out_features, module.in_features, group, target)
+            if problem:
+                fallbacks[problem].append(name)
+                int4 = False
+        if parts is None:
+            parts = (quantize_int4(module.weight, group_size) if int4 else
+                     quantize_int8(module.weight, head_group(module.in_features) if module is head else None))
+        elif is_int4(parts) and not int4:
+            parts = widen_int4(parts)
+        model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
+    if stored:
+        raise ValueError(f"quantized tensors for {', '.join(sorted(stored)[:5])}, which are not linear layers "
+                         "or token embeddings of this model")
+    notes = [f"kept int8 ({problem}): {', '.join(names)}" for problem, names in fallbacks.items()]
+    model.quantization = {"mode": mode, "group_size": group_size, "notes": notes}
+    return notes
+
+
+def head_group(in_features):
+    return HEAD_GROUP_SIZE if in_features % HEAD_GROUP_SIZE == 0 else None
+
+
+def on(parts, device):
+    return {key: value.to(device) for key, value in parts.items() if value is not None}
+
+
+def quantized_copy(model, mode, group_size=DEFAULT_GROUP_SIZE):
+    """A second model of the same weights, quantized: built from the model's config, sharing its float
+    tensors that stay float (norms, biases, position tables), with its own quantized weights and, once
+    it decodes, its own KV caches. Compiled when the model is."""
+    if model.quantization is not None:
+        raise ValueError(f"{model.name} is quantized already; a quantized copy is made from a float model's "
+                         "weights: load the target without quantize")
+    with torch.device("meta"):
+        copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict(), assign=True)  # the model's own tensors: no second float copy
+    copy.requires_grad_(False).eval()
+    quantize_model(copy, mode, group_size, dtype=model.dtype, device=model.device)
+    copy.name = f"{model.name} ({mode})"
+    copy.tokenizer, copy.bos_token_id, copy.eos_token_ids, copy.pad_token_id = (
+        model.tokenizer, model.bos_token_id, model.eos_token_ids, model.pad_token_id)
+    return copy.compile() if model.compiled_forward is not None else copy
