@@ -6,8 +6,11 @@ import socket
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from minispec.checkpoint import CheckpointError, load_model
+from minispec.models import quant
+from minispec.weights import save_safetensors
 
 TOKENS = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
 
@@ -129,3 +132,56 @@ def test_dtype_option(reference_dirs):
     half, full = logits(model), logits(load_model(directory))
     assert half.dtype == torch.float32  # the interface returns float32 logits whatever the weights
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints holding quantized weights (models/quant.py's stored form, as GGUF imports write them)
+
+@pytest.fixture
+def quantized_dir(reference_dirs, tmp_path):
+    """The tiny Llama with its o_proj of layer 0 stored as int4 and its up_proj as int8."""
+    directory = shutil.copytree(reference_dirs["llama"][1], tmp_path / "llama")
+    weights = {name: tensor.clone() for name, tensor in load_file(directory / "model.safetensors").items()}
+    for name, parts in [("model.layers.0.self_attn.o_proj", quant.quantize_int4(weights["model.layers.0.self_attn.o_proj.weight"], 32)),
+                        ("model.layers.0.mlp.down_proj", quant.quantize_int8(weights["model.layers.0.mlp.down_proj.weight"]))]:
+        del weights[f"{name}.weight"]
+        weights.update({f"{name}.{key}": value for key, value in parts.items()})
+    save_safetensors(weights, directory / "model.safetensors")
+    edit_json(directory / "config.json", quantization_config={"quant_method": "minispec"})
+    return directory
+
+
+def test_quantized_checkpoint_loads_quantized(quantized_dir, reference_dirs):
+    model = load_model(quantized_dir)
+    assert isinstance(model.layers[0].attention.wo, quant.Int4Linear)
+    assert isinstance(model.layers[0].feed_forward.w2, quant.Int8Linear)
+    assert isinstance(model.layers[1].attention.wo, torch.nn.Linear)  # the float ones stay float
+    with torch.inference_mode():
+        ours, full = logits(model), logits(load_model(reference_dirs["llama"][1]))
+    assert (ours.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
+
+
+def test_bad_quantized_checkpoints_name_the_problem(quantized_dir):  # (clones: the file is rewritten in place)
+    weights = {name: tensor.clone() for name, tensor in load_file(quantized_dir / "model.safetensors").items()}
+    scales = weights["model.layers.0.self_attn.o_proj.scales"]
+    save_safetensors({**weights, "model.layers.0.self_attn.o_proj.scales": scales[:, :0]}, quantized_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"quantized weight layers\.0\.attention\.wo: scales \(32, 0\) do not divide"):
+        load_model(quantized_dir)
+    save_safetensors({**weights, "model.norm.qweight": weights["model.layers.0.mlp.down_proj.qweight"][:, :2],
+                      "model.norm.scales": scales}, quantized_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"quantized weight norm: qweight \(32, 2\) \(torch.int8\) does not make "
+                                              r"a weight of shape \(32,\)"):
+        load_model(quantized_dir)
+    edit_json(quantized_dir / "config.json", quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(CheckpointError, match="weights quantized with 'gptq', which minispec does not read"):
+        load_model(quantized_dir)
+
+
+def test_quantized_tensors_only_for_linear_layers_and_token_embeddings(gpt2_dir):
+    weights = {name: tensor.clone() for name, tensor in load_file(gpt2_dir / "model.safetensors").items()}
+    positions = weights.pop("transformer.wpe.weight")  # a position table: looked up, never quantized
+    weights.update({f"transformer.wpe.{key}": value for key, value in quant.quantize_int8(positions).items()})
+    save_safetensors(weights, gpt2_dir / "model.safetensors")
+    edit_json(gpt2_dir / "config.json", quantization_config={"quant_method": "minispec"})
+    with pytest.raises(CheckpointError, match="quantized tensors for wpe, which are not linear layers or token embeddings"):
+        load_model(gpt2_dir)

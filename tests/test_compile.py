@@ -6,6 +6,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import minispec
+from minispec import drafters
 from conftest import make_reference, noisy_copy, save_reference
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -38,6 +39,29 @@ def test_compiled_decoding_matches_eager_and_never_recompiles(checkpoint):
     assert out.tokens == minispec.generate(eager_target, longer, draft=eager_draft, **settings).tokens
     assert plain.tokens == minispec.generate(eager_target, longer, max_new_tokens=24, ignore_eos=True,
                                              temperature=1.0, seed=1).tokens
+
+
+def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoint):
+    """Quantized layers compile into the same full graphs (fullgraph=True: no graph break) and, after
+    warm-up, never recompile: an int4 target decoding plain and sampled, and a float target drafting
+    with its int8 copy (compiled because the target is)."""
+    eager_int4, int4 = minispec.load(checkpoint, quantize="int4"), minispec.load(checkpoint, quantize="int4", compile=True)
+    eager_target, target = minispec.load(checkpoint), minispec.load(checkpoint, compile=True)
+    sampled = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+    drafted = {"max_new_tokens": 16, "ignore_eos": True, "draft": "int8", "gamma": 3}
+
+    def run(int4_model, target_model, prompt):
+        return (minispec.generate(int4_model, prompt, **sampled).tokens,
+                minispec.generate(target_model, prompt, **drafted).tokens)
+
+    assert run(int4, target, PROMPT) == run(eager_int4, eager_target, PROMPT)  # warm-up: compiles
+    assert drafters.SELF_DRAFTS[target]["int8"].compiled_forward is not None
+    graphs = counters["stats"]["unique_graphs"]
+    longer = PROMPT + [3, 4, 30]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(int4, target, longer)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled == run(eager_int4, eager_target, longer)
 
 
 class ReusedOutputs:

@@ -18,7 +18,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from conftest import make_reference, spread_init
 from minispec import gguf as minigguf
 from minispec.checkpoint import load_model
-from minispec.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf
+from minispec.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
+from minispec.models import quant
 from minispec.tokenizer import load_tokenizer
 
 
@@ -81,6 +82,19 @@ def test_dequantize_matches_reference(quantized_file, qtype):
     if qtype in RMS_ERROR:  # and close to the floats it was quantized from
         error = (ours - torch.from_numpy(original)).pow(2).mean().sqrt() / original.std()
         assert error <= RMS_ERROR[qtype]
+
+
+@pytest.mark.parametrize("qtype", [q for q in QUANTIZABLE + K_QUANTS if q not in (Q.F32, Q.F16, Q.BF16)],
+                         ids=lambda q: q.name)
+def test_kept_quantized_dequantizes_bit_exactly(quantized_file, qtype, monkeypatch):
+    """Each quantized type kept quantized (int8 for Q8_0, Q5_x, Q6_K; int4 for Q4_x) gives back exactly
+    what the dequantizer gives, also when converted in several chunks."""
+    _, read = read_gguf(quantized_file[0])
+    tensor = read[qtype.name]
+    monkeypatch.setattr(minigguf, "CHUNK_BLOCKS", 5)  # 12 or 48 blocks: chunks of 5
+    parts = stored_form(tensor)
+    assert parts["qweight"].dtype == (torch.uint8 if qtype.name.startswith("Q4") else torch.int8)
+    assert torch.equal(quant.dequantize(parts), dequantize(tensor).reshape(SHAPE[0], -1))
 
 
 def test_dequantize_in_chunks(quantized_file, monkeypatch):
@@ -252,6 +266,49 @@ def test_q8_0_model_close_to_original(tmp_path, capsys, monkeypatch):
                                torch.from_numpy(quants.dequantize(q_raw, Q.Q8_0)), atol=0, rtol=0)
     ours, theirs = reference_logits(imported, PROMPT), reference_logits(reference, PROMPT)
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()  # 8-bit noise; near-ties may still flip
+
+
+def test_keep_quantized_model(tmp_path, monkeypatch):
+    """A Q4_1 file whose layer 0 has a Q8_0 v projection (q, k, v fused in one layer: stored in one form,
+    int8 with offsets) and whose layer 1 has an F32 up projection (gate and up then stay float):
+    converted keeping its quantized tensors, every one dequantizes to the float conversion's tensor
+    bit for bit, and the checkpoint loads as a quantized model whose logits are the float one's but for
+    the bfloat16 arithmetic of the kernels (2% of the largest; a gain-1 model, which that does not flip)."""
+    reference = spread_init(make_reference("llama"), seed=0, gain=1.0)
+    state = reference.state_dict()
+    extra = {"blk.0.attn_v.weight": (quants.quantize(state["model.layers.0.self_attn.v_proj.weight"].numpy(), Q.Q8_0),
+                                     Q.Q8_0),
+             "blk.1.ffn_up.weight": (state["model.layers.1.mlp.up_proj.weight"].numpy(), None)}
+    path = model_to_gguf(reference, tmp_path / "model.gguf", qtype=Q.Q4_1, extra_tensors=extra)
+    floats = convert_gguf(path, tmp_path / "float", progress=False)
+    kept = convert_gguf(path, tmp_path / "kept", progress=False, keep_quantized=True)
+    assert json.loads((kept / "config.json").read_text())["quantization_config"] == {"quant_method": "minispec"}
+    float_weights, stored = load_file(floats / "model.safetensors"), quant.take_stored(load_file(kept / "model.safetensors"))
+    for name, parts in stored.items():
+        assert torch.equal(quant.dequantize(parts), float_weights[f"{name}.weight"]), name
+    layer0, layer1 = "model.layers.0.self_attn", "model.layers.1.mlp"
+    assert {stored[f"{layer0}.{p}_proj"]["qweight"].dtype for p in "qkv"} == {torch.int8}  # one form
+    assert f"{layer1}.up_proj" not in stored and f"{layer1}.gate_proj" not in stored  # float with the F32 one
+    assert stored["model.layers.1.self_attn.q_proj"]["qweight"].dtype == torch.uint8  # Q4_1: int4
+    assert len(stored) == 2 * 7 + 2 - 2  # 7 projections per layer, embedding and head, but layer 1's gate, up
+
+    model, float_model = load_model(kept), load_model(floats)
+    assert isinstance(model.layers[0].attention.wqkv, quant.Int8Linear)
+    assert isinstance(model.layers[1].attention.wqkv, quant.Int4Linear)
+    assert isinstance(model.layers[1].feed_forward.w13, torch.nn.Linear)
+    ours, theirs = logits_of(model, PROMPT), logits_of(float_model, PROMPT)
+    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))  # a .gguf path with quantize=: kept
+    quantized = load_model(path, quantize="int4")
+    assert (tmp_path / "weights" / "model-quantized" / "config.json").is_file()
+    assert isinstance(quantized.layers[1].feed_forward.w13, quant.Int4Linear)  # the float one, quantized
+
+
+def logits_of(model, tokens):
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
 
 
 def test_convert_casts_to_dtype(tmp_path):
