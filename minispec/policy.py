@@ -30,6 +30,7 @@ PRIOR_WEIGHT = 2.0  # a request starts from the pair's α as if from this many v
 HISTORY_WEIGHT = 16.0  # the pair's α moves from request to request like this many positions' average
 DECAY = 0.9  # per verified position: the estimate follows the last ~10 positions
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
+CALIBRATION_ROUNDS = 3
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each failed probe
 CONFIDENCE_BINS = 5  # the draft's probability of its guess, in bins of 0.2
 
@@ -79,23 +80,32 @@ def profile_for(target, drafter, beams):
     return profile
 
 
-def timed(forward, device, repeats=2):
-    """The fastest of `repeats` runs of forward() (the first may allocate or compile), in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
+def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
+    """{name: the fastest of `rounds` runs of forward(), in seconds}: one untimed run each first (it
+    may allocate or compile), then rounds in which each runs once in turn. Other work on the machine
+    only ever slows a run down, so the fastest is the forward's own cost, and taking turns keeps one
+    busy moment from skewing a single width."""
+    def run(forward):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         forward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    for forward in forwards.values():
+        forward()
+    best = dict.fromkeys(forwards, float("inf"))
+    for _ in range(rounds):
+        for name, forward in forwards.items():
+            best[name] = min(best[name], run(forward))
     return best
 
 
-def time_forward(model, token, rows, width):
-    """Seconds of model.decode over `rows` batch rows of `width` tokens, written past the cache's
-    length and rolled back: what the cache holds is untouched."""
+def decode_at_end(model, token, rows, width):
+    """A function that decodes `rows` batch rows of `width` tokens past the cache's length and rolls
+    back: what the cache holds is untouched."""
     length = model.length
     tokens = token.view(1, 1).expand(rows, width)
 
@@ -103,7 +113,7 @@ def time_forward(model, token, rows, width):
         model.decode(tokens)
         model.rollback(length)
 
-    return timed(forward, model.device)
+    return forward
 
 
 def calibrate(profile, target, drafter, token, k_max, beams=None):
@@ -111,11 +121,13 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     (w, u), of w + u·k hypotheses at once) and a guess of a draft model (a draft beam step of u)."""
     w, u = beams or (1, 0)
     target.rollback(0)  # the request's prefill resets the cache anyway
-    profile.t_verify = [0.0] + [time_forward(target, token, max(w + u * k, 1), k + 1) for k in range(k_max + 1)]
-    if drafter.model is not None:  # its cache may hold the prompt already: time_forward keeps that
-        profile.t_draft = time_forward(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
-    else:  # host-side drafters: measured on the first steps
-        profile.t_draft = 0.0
+    forwards = {k: decode_at_end(target, token, max(w + u * k, 1), k + 1) for k in range(k_max + 1)}
+    if drafter.model is not None:  # its cache may hold the prompt already: decode_at_end keeps that
+        forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
+    seconds = fastest(forwards, target.device)
+    profile.t_verify = [0.0] + [seconds[k] for k in range(k_max + 1)]
+    # host-side drafters' cost is measured on the first steps
+    profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
 
 
 class AdaptiveGamma:
