@@ -15,6 +15,7 @@ import torch
 import minispec
 from minispec.chat import chat_prompt
 from minispec.cli import gamma_setting, load_target_and_draft, token_ids
+from minispec.models import quant
 from minispec.weights import DTYPES
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
@@ -51,8 +52,14 @@ def parse_args(argv=None):
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
     parser.add_argument("--draft", default="none",
-                        help="a smaller model (as --target), 'ngram', 'lookup', or 'none' (plain autoregressive "
-                             "decoding with the target; the default)")
+                        help="a smaller model (as --target), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
+                             "quantized), or 'none' (plain autoregressive decoding with the target; the default)")
+    parser.add_argument("--quantize", choices=quant.MODES,
+                        help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
+                             "tensors as they are)")
+    parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
+    parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
+                        help="columns per int4 scale")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the target checkpoint)")
     prompt.add_argument("--prompt-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -151,7 +158,7 @@ def main(argv=None):
                 raise ValueError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
         target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
-                                              args.compile)
+                                              args.compile, args.quantize, args.draft_quantize, args.group_size)
         prompt, chat = prompt_for(args, target)
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}

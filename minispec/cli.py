@@ -5,6 +5,7 @@ import argparse
 
 from .checkpoint import load_model
 from .drafters import MODEL_FREE, SELF_DRAFT_MODES
+from .models.quant import DEFAULT_GROUP_SIZE
 
 
 def token_ids(text):
@@ -25,13 +26,15 @@ def gamma_setting(text):
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
 
 
-def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None):
+def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
+                          group_size=DEFAULT_GROUP_SIZE):
     """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup" and
     "int8"/"int4" (the target's own quantized copy) as they are, or a model loaded like the target (same
     device, dtype), quantized as `draft_quantize` says."""
-    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize)
+    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size)
     if draft in (None, "none") or draft in MODEL_FREE or draft in SELF_DRAFT_MODES:
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
         return target, None if draft == "none" else draft
-    return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize)
+    return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
+                              group_size=group_size)

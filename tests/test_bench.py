@@ -118,7 +118,10 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
     assert bench.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
     assert bench.peak_bandwidth("NVIDIA GH200 480GB") is None  # not an H200
     assert bench.peak_bandwidth("Some Future GPU") is None
-    assert bench.bandwidth(target, 10, 1e-3) is None  # CPU: omitted
+    on_cpu = bench.bandwidth(target, 10, 1e-3)  # bytes and bytes/s; no datasheet peak
+    assert on_cpu["bytes_per_step"] == bench.decode_bytes(target, 10)
+    assert on_cpu["achieved_bytes_per_s"] == pytest.approx(on_cpu["bytes_per_step"] / 1e-3)
+    assert on_cpu["peak_bytes_per_s"] is None and on_cpu["fraction_of_peak"] is None
 
 
 def test_memory_does_not_grow_with_generated_tokens(dirs, tmp_path, capsys):
@@ -220,7 +223,7 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
     assert result["target_step_s"] > 0
     assert 0 < result["prefill_s"] and ar["decode_tokens_per_second"] > 0
     assert result["step_position"] == len(PROMPTS[0]) + NEW_TOKENS // 2
-    assert result["memory_bandwidth"] is None  # CPU
+    assert result["memory_bandwidth"]["fraction_of_peak"] is None  # CPU: no datasheet peak
     assert [row["gamma"] for row in result["rows"]] == [1, 3]
     for row in result["rows"]:
         gamma = row["gamma"]

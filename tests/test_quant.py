@@ -4,7 +4,10 @@ output identical to the target's, sampled output the target's distribution), the
 counts, SmolLM2's real weights (when present) and bad input."""
 
 import gc
+import json
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,9 @@ from minispec.chat import chat_prompt
 from minispec.cli import load_target_and_draft
 from minispec.models import quant
 from minispec.models.base import Embedding
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import run  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Kernels against dequantize-then-matmul
@@ -94,6 +100,7 @@ def test_kernel_matches_dequantize_then_matmul(form):
     out = layer(x)
     assert out.shape == expected.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=2**-7 * expected.abs().max().item(), rtol=0)
+    assert layer(x[:, :0]).shape == (2, 0, N)  # no rows: a prefill asked for no logits (logits_for=0)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -317,3 +324,20 @@ def test_real_smollm2_int8_greedy_and_int4_teacher_forced(smollm2):
         assert agreement >= 0.9, f"int4 agrees with float32 at {agreement:.0%} of the positions"
     finally:
         torch.set_num_threads(1)
+
+
+def test_command_line(reference_dirs, capsys):
+    directory = str(reference_dirs["llama"][1])
+    common = ["--target", directory, "--prompt-ids", "5,17,33,8", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    assert run.main([*common, "--quantize", "int4", "--group-size", "32"]) == 0
+    expected = minispec.generate(minispec.load(directory, quantize="int4"), [5, 17, 33, 8], max_new_tokens=12,
+                                 ignore_eos=True).tokens
+    assert json.loads(capsys.readouterr().out)["tokens"] == expected
+    assert run.main([*common, "--draft", "int8", "--gamma", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == minispec.generate(minispec.load(directory), [5, 17, 33, 8], max_new_tokens=12,
+                                              ignore_eos=True).tokens and out["stats"]["accepted"] > 0
+    assert run.main([*common, "--quantize", "int8", "--draft", "int4"]) == 2
+    assert "is quantized already" in capsys.readouterr().err
+    assert run.main([*common, "--draft", "lookup", "--draft-quantize", "int8"]) == 2
+    assert "--draft-quantize quantizes a draft model" in capsys.readouterr().err

@@ -205,7 +205,7 @@ class Int8Linear(nn.Module):
             else:
                 y = F.linear(rows, self.weight.to(COMPUTE_DTYPE)) * self.scales
         elif self.on_cpu:
-            groups = rows.view(rows.shape[0], self.weight.shape[0], -1).transpose(0, 1).contiguous()  # [G, M, g]
+            groups = rows.view(rows.shape[0], *self.weight.shape[::2]).transpose(0, 1).contiguous()  # [G, M, g]
             y = torch.ops.aten._weight_int8pack_mm(groups[0], self.weight[0], self.scales[0]).float()
             for i in range(1, self.weight.shape[0]):
                 y += torch.ops.aten._weight_int8pack_mm(groups[i], self.weight[i], self.scales[i])
