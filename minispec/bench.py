@@ -30,8 +30,9 @@ from torch import nn
 from .chat import chat_prompt
 from .checkpoint import resolve_checkpoint
 from .cli import gamma_setting, load_target_and_draft, token_ids
-from .drafters import make_drafter
+from .drafters import SELF_DRAFT_MODES, make_drafter
 from .generate import generate, prompt_tensor
+from .models import quant
 from .models.base import CachedLM, KVCache
 from .models.quant import Int8Embedding
 from .sampling import Sampling
@@ -203,6 +204,8 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     draft step. A model drafter's step is a 1-token decode; a model-free drafter's is its time to
     propose γ guesses, divided by γ. Returns {"position", "target_step_s", "verify_step_s": {γ: s},
     "draft_step_s": {γ: s}}."""
+    if draft in SELF_DRAFT_MODES:  # the target's quantized copy: a model drafter
+        draft = make_drafter(draft, target).model
     device = target.device
     start = target.encode(prompt_ids)
     if target.context_length is not None:  # keep the (γ+1)-token forward inside the context
@@ -280,13 +283,13 @@ def peak_bandwidth(device_name):
 
 
 def bandwidth(target, position, step_seconds):
-    """Achieved bandwidth of the target's decode step and its fraction of the device's peak (CUDA only)."""
-    if target.device.type != "cuda":
-        return None
-    device_name = torch.cuda.get_device_name(target.device)
+    """The bytes the target's decode step reads, its achieved bandwidth and, on a GPU with a known
+    datasheet, the fraction of the peak that is."""
+    cuda = target.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(target.device) if cuda else str(target.device)
     size = decode_bytes(target, position)
     achieved = size / step_seconds
-    peak = peak_bandwidth(device_name)
+    peak = peak_bandwidth(device_name) if cuda else None
     return {"device_name": device_name, "bytes_per_step": size, "achieved_bytes_per_s": achieved,
             "peak_bytes_per_s": peak, "fraction_of_peak": achieved / peak if peak else None}
 
@@ -405,7 +408,12 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m minispec.bench",
                                      description="Autoregressive vs speculative decoding, against Theorem 3.8.")
     parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
-    parser.add_argument("--draft", required=True, help="checkpoint directory or hub id, 'ngram' or 'lookup'")
+    parser.add_argument("--draft", required=True,
+                        help="checkpoint directory or hub id, 'ngram', 'lookup', or 'int8' / 'int4' (the target quantized)")
+    parser.add_argument("--quantize", choices=quant.MODES, help="weight-only quantization of the target (run.py's)")
+    parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
+    parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
+                        help="columns per int4 scale")
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompts", metavar="FILE",
                          help="a JSON list of prompts (strings or lists of token ids), one text prompt per line, "
@@ -501,7 +509,7 @@ def minispec_runner(target, draft, gamma, args, prefill_clock):
 
 def benchmark(args):
     target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
-                                          args.compile)
+                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
     device = target.device
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     target.prefill = prefill_clock = PrefillClock(target)
@@ -524,6 +532,7 @@ def benchmark(args):
                      "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                      "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
                      "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
+                     "quantize": args.quantize, "draft_quantize": args.draft_quantize, "group_size": args.group_size,
                      "prompts": len(prompts), "seeds": args.seeds},
         "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
                                               "decode_tokens_per_second", "request_seconds", "outputs")},
@@ -584,7 +593,9 @@ def benchmark(args):
 def markdown_table(result):
     s = result["settings"]
     seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
-    lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}"
+    weights = "".join(f", {role} {s[key]} weights" for role, key in (("target", "quantize"), ("draft", "draft_quantize"))
+                      if s.get(key))
+    lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}{weights}"
              f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts{seeds} x {s['max_new_tokens']} "
              "new tokens, "
              f"temperature {s['temperature']}{top_k_p(s)}, median of {s['repeats']}; "
@@ -595,8 +606,8 @@ def markdown_table(result):
     if bw:
         fraction = f" = {bw['fraction_of_peak']:.0%} of {bw['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
             if bw["fraction_of_peak"] else ""
-        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
-                  f"{bw['achieved_bytes_per_s'] / 1e9:.0f} GB/s{fraction} ({bw['device_name']})", ""]
+        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {bw['bytes_per_step'] / 1e6:.3g} MB read, "
+                  f"{bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s{fraction} ({bw['device_name']})", ""]
     memory = result["memory"]
     if memory:
         growth = f" (growth {memory['growth']:+.2%})" if memory["growth"] is not None else ""
