@@ -185,9 +185,10 @@ class Int8Linear(nn.Module):
             weight, scales = qweight, scales.view(-1)
         else:  # [groups, N, group]: each group's columns contiguous, as _weight_int8pack_mm wants them
             weight, scales = qweight.view(self.out_features, scales.shape[1], -1).transpose(0, 1), scales.t()
-        self.register_buffer("weight", weight.contiguous())
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).contiguous())
-        self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
+        # Copies, never views: a checkpoint's tensors are views of its file, which they would keep resident.
+        self.register_buffer("weight", weight.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=torch.contiguous_format))
+        self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=torch.contiguous_format))
         self.bias = bias
 
     def grouped_weight(self):
@@ -277,11 +278,11 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     time, so that each float weight can be freed as soon as its quantized form exists.
 
     `stored`: {module name: stored tensors} a checkpoint holds quantized already; they are used as they
-    are. `mode` ("int8", "int4" or None) quantizes the float ones: linear layers per output channel
+    are, and popped (so that the caller's dict does not keep them alive). `mode` ("int8", "int4" or None) quantizes the float ones: linear layers per output channel
     (int8) or in groups of `group_size` (int4); token embeddings and the output head in int8 groups of
     HEAD_GROUP_SIZE in both modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer
     the int4 kernel cannot take is int8 instead. Returns notes on those layers."""
-    stored = dict(stored or {})
+    stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)
     for name, module in list(model.named_modules()):
@@ -293,7 +294,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
         target = torch.device(device) if device is not None else module.weight.device
         if isinstance(module, Embedding):
             if parts is None:
-                parts = quantize_int8(module.weight, head_group(module.embedding_dim))
+                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim))
             elif is_int4(parts):
                 parts = widen_int4(parts)
             model.set_submodule(name, Int8Embedding(on(parts, target), dtype))
@@ -306,8 +307,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                 fallbacks[problem].append(name)
                 int4 = False
         if parts is None:
-            parts = (quantize_int4(module.weight, group_size) if int4 else
-                     quantize_int8(module.weight, head_group(module.in_features) if module is head else None))
+            parts = (in_row_chunks(quantize_int4, module.weight, group_size) if int4 else
+                     in_row_chunks(quantize_int8, module.weight, head_group(module.in_features) if module is head else None))
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
@@ -317,6 +318,17 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     notes = [f"kept int8 ({problem}): {', '.join(names)}" for problem, names in fallbacks.items()]
     model.quantization = {"mode": mode, "group_size": group_size, "notes": notes}
     return notes
+
+
+CHUNK_ELEMENTS = 1 << 22
+
+
+def in_row_chunks(quantize, weight, group_size):
+    """quantize(weight, group_size), a few rows at a time: its float temporaries are then a few 16 MiB
+    chunks, not a few copies of the largest weight (a 49152 x 576 head makes 113 MB ones)."""
+    rows = max(1, CHUNK_ELEMENTS // weight.shape[1])
+    chunks = [quantize(weight[i:i + rows], group_size) for i in range(0, weight.shape[0], rows)]
+    return {key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]}
 
 
 def head_group(in_features):
