@@ -16,6 +16,7 @@ import minispec
 from minispec.chat import chat_prompt
 from minispec.cli import gamma_setting, load_target_and_draft, token_ids
 from minispec.models import quant
+from minispec.tokenizer import IncrementalDecoder
 from minispec.weights import DTYPES
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
@@ -79,6 +80,11 @@ def parse_args(argv=None):
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--stop", action="append", metavar="TEXT",
+                        help="end the output just before this text (repeat the flag for several)")
+    parser.add_argument("--stop-token-ids", type=token_ids, metavar="IDS",
+                        help="comma-separated token ids that end the output as EOS does")
+    parser.add_argument("--system", metavar="TEXT", help="a system prompt before --prompt in the chat template")
     parser.add_argument("--beams", type=int, default=1,
                         help="beam search of this width w (1: no beam search); with --draft, speculative beam "
                              "search (paper A.4) with the same result")
@@ -95,18 +101,64 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def render_trace(trace, decode, colour, separator=""):
-    """Generation.trace -> one string; `decode` turns a segment's ids into text."""
+class TokenIds:
+    """Stands in for an IncrementalDecoder when the checkpoint has no tokenizer: the ids themselves."""
+
+    def __init__(self, separator):
+        self.separator, self.started = separator, False
+
+    def decode(self, ids):
+        return self.separator.join(map(str, ids))
+
+    def push(self, ids):
+        text = (self.separator if self.started and ids else "") + self.decode(ids)
+        self.started = self.started or bool(ids)
+        return text
+
+    def flush(self):
+        return ""
+
+
+def render_segments(segments, text, colour):
+    """Trace segments (Generation.trace, or a stream chunk's) as text, coloured like Figure 1, or, without
+    colour, each rejected guess as [~text~]. `text` (an IncrementalDecoder, or TokenIds) decodes the output
+    as it grows, so a character split between segments comes out whole; rejected guesses are decoded on
+    their own, since they are not part of the output."""
     pieces = []
-    for ids, kind in trace:
-        text = decode(ids)
-        if colour:
-            pieces.append(COLOURS[kind] + text + RESET)
-        elif kind == "rejected":
-            pieces.append(f"[~{text}~]")
+    for ids, kind in segments:
+        if kind == "rejected":
+            rejected = text.decode(ids)
+            pieces.append(COLOURS[kind] + rejected + RESET if colour else f"[~{rejected}~]")
+            continue
+        piece = text.push(ids)
+        pieces.append(COLOURS[kind] + piece + RESET if colour and piece else piece)
+    return "".join(pieces)
+
+
+def render_trace(trace, text, colour):
+    """A whole Generation.trace, as --show prints it."""
+    return render_segments(trace, text, colour) + text.flush()
+
+
+def print_stream(chunks, tokenizer, show):
+    """Print each chunk of minispec.stream as it comes: the text, or with --show each step coloured like
+    Figure 1 (special tokens included: they mark the end of an answer). Returns the Generation."""
+    colour = show and sys.stdout.isatty()
+    if tokenizer is None:
+        text = TokenIds(" " if show else ",")
+    else:
+        text = IncrementalDecoder(tokenizer, skip_special_tokens=False) if show else None
+    for chunk in chunks:
+        if show:
+            piece = render_segments(chunk.segments, text, colour)
+        elif tokenizer:
+            piece = chunk.text  # exactly the output's text, never past a stop string
         else:
-            pieces.append(text)
-    return separator.join(pieces)
+            piece = text.push(chunk.tokens)
+        if chunk.generation is not None:
+            print(piece + (text.flush() if show else ""), flush=True)
+            return chunk.generation
+        print(piece, end="", flush=True)
 
 
 def prompt_for(args, target):
@@ -119,7 +171,9 @@ def prompt_for(args, target):
     chat = args.chat if args.chat is not None else bool(tokenizer and tokenizer.chat_template)
     if chat and tokenizer is None:
         raise ValueError(f"--chat: {target.name} has no tokenizer files")
-    return (chat_prompt(tokenizer, args.prompt), True) if chat else (args.prompt, False)
+    if args.system is not None and not chat:
+        raise ValueError("--system needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
+    return (chat_prompt(tokenizer, args.prompt, args.system), True) if chat else (args.prompt, False)
 
 
 def summary(stats):
@@ -149,7 +203,8 @@ def main(argv=None):
     args = parse_args(argv or DEFAULT_ARGS)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
-                    ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams)
+                    ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams, stop=args.stop,
+                    stop_token_ids=args.stop_token_ids)
     baseline_settings = {**settings, "draft_beams": None}
     try:
         minispec.Sampling(args.temperature, args.top_k, args.top_p)  # bad flags fail before loading weights
@@ -165,26 +220,21 @@ def main(argv=None):
             minispec.generate(target, prompt, draft=draft, **{**settings, **short})
             if args.compare:
                 minispec.generate(target, prompt, **{**baseline_settings, **short})
-        out = minispec.generate(target, prompt, draft=draft, **settings)
+        if args.json:
+            out = minispec.generate(target, prompt, draft=draft, **settings)
+        else:  # tokens printed as they come
+            out = print_stream(minispec.stream(target, prompt, draft=draft, **settings), target.tokenizer, args.show)
         baseline = minispec.generate(target, prompt, **baseline_settings) if args.compare else None
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    tokenizer = target.tokenizer
     if args.json:
         hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}
         comparison = dict(baseline=baseline.stats, speedup=speedup(out, baseline)) if baseline else {}
         print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
                               draft=args.draft, chat=chat, **settings, **hypotheses, **comparison)))
         return 0
-    if args.show:
-        if tokenizer:
-            print(render_trace(out.trace, tokenizer.decode, sys.stdout.isatty()))
-        else:  # ids, one space apart
-            print(render_trace(out.trace, lambda ids: " ".join(map(str, ids)), sys.stdout.isatty(), " "))
-    else:
-        print(out.text if tokenizer else ",".join(map(str, out.tokens)))
     print(summary(out.stats) + (f"; {speedup_summary(out, baseline)}" if baseline else ""), file=sys.stderr)
     return 0
 

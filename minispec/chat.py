@@ -67,9 +67,16 @@ def render(template, messages, add_generation_prompt=True):
     return text + "<|im_start|>assistant\n" if add_generation_prompt else text
 
 
-def chat_prompt(tokenizer, text, system=None):
-    """Token ids of `text` as the user's turn (after a `system` prompt, if given) ready for the
-    assistant's answer; special tokens come from the template, so none are added around it."""
+def chat_prompt(tokenizer, conversation, system=None):
+    """Token ids of a conversation ready for the assistant's answer. `conversation` is the user's text,
+    or the messages so far ([{"role": "system" | "user" | "assistant", "content": ...}], as apps keep
+    them); `system`, if given, goes first. Special tokens come from the template, so none are added."""
     messages = [{"role": "system", "content": system}] if system is not None else []
-    messages.append({"role": "user", "content": text})
+    if isinstance(conversation, str):
+        messages.append({"role": "user", "content": conversation})
+    elif isinstance(conversation, list) and all(isinstance(m, dict) for m in conversation):
+        messages += conversation
+    else:
+        raise ValueError(f"a chat is the user's text or a list of messages (dicts with role and content), "
+                         f"got {type(conversation).__name__}")
     return tokenizer.encode(render(tokenizer.chat_template, messages), add_special_tokens=False)

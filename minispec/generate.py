@@ -1,5 +1,6 @@
-"""The public entry point: `generate(target, prompt, draft=...)`, and the autoregressive baseline
-that speculative decoding must equal (token for token when greedy, in distribution when sampling).
+"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step
+at a time; and the autoregressive baseline that speculative decoding must equal (token for token when
+greedy, in distribution when sampling).
 """
 
 import secrets
@@ -15,6 +16,8 @@ from .drafters import make_drafter
 from .policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
 from .sampling import Sampling, adjust, sample
 from .speculative import speculative
+from .stopping import Stop
+from .tokenizer import IncrementalDecoder
 
 
 @dataclass
@@ -83,74 +86,112 @@ def exclusive(*models):
 
 
 @torch.inference_mode()
-def autoregressive(model, prefix, max_new_tokens, sampling, stop_ids, generator):
-    """Plain decoding: one target forward per token. Returns (tokens, stats)."""
+def autoregressive(model, prefix, max_new_tokens, sampling, stop, generator, stats):
+    """Plain decoding: one target forward per token. Yields each step's ([token], segments)."""
     logits = model.prefill(prefix, logits_for=1)[:, -1]
-    tokens = []
-    calls = 1
-    while True:
+    stats.update(target_calls=1, first_call_tokens=1)
+    for produced in range(1, max_new_tokens + 1):
         # Greedy: the argmax, the only draw from adjust's one-hot distribution, without building it.
         token = logits.argmax(-1) if sampling.greedy else sample(adjust(logits, sampling), generator)
-        tokens.append(int(token))
-        if len(tokens) == max_new_tokens or tokens[-1] in stop_ids:
-            break
+        tokens, stopped = stop.cut([int(token)])
+        yield tokens, [(tokens, "target")]
+        if stopped or produced == max_new_tokens:
+            return
         logits = model.decode(token.view(1, 1))[:, -1]
-        calls += 1
-    return tokens, {"target_calls": calls, "first_call_tokens": 1}
+        stats["target_calls"] += 1
+
+
+@dataclass
+class Request:
+    """A generate() or stream() call's settings, checked before any work."""
+    target: object
+    prompt_ids: torch.Tensor
+    drafter: object
+    policy: object
+    sampling: Sampling
+    stop: Stop
+    max_new_tokens: int
+    seed: int
+    lenience: float
+    beams: int
+    draft_beams: int
+
+    @classmethod
+    def check(cls, target, prompt, draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience,
+              ignore_eos, beams, draft_beams, stop, stop_token_ids):
+        sampling = Sampling(temperature, top_k, top_p)
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+        searching = beams != 1 or draft_beams is not None
+        drafter = policy = None
+        if draft is not None and draft != "none":
+            policy = make_policy(gamma, BEAM_GAMMA_MAX if searching else GAMMA_MAX)
+            if not 0 < lenience <= 1:
+                raise ValueError(f"lenience must be in (0, 1], got {lenience}")
+            drafter = make_drafter(draft, target)
+        if searching:
+            draft_beams = beam.check_settings(beams, draft_beams, target, drafter, sampling, lenience)
+            if stop:
+                raise ValueError("beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
+                                 "use stop_token_ids")
+        stop = Stop(stop_ids(target, ignore_eos, stop_token_ids), [stop] if isinstance(stop, str) else stop or (),
+                    target.tokenizer)
+        seed = secrets.randbits(63) if seed is None else seed
+        return cls(target, prompt_tensor(target, prompt), drafter, policy, sampling, stop, max_new_tokens, seed,
+                   lenience, beams, draft_beams)
+
+    @property
+    def searching(self):
+        return self.beams != 1 or bool(self.draft_beams)
+
+
+def stop_ids(target, ignore_eos, extra):
+    ids = [] if ignore_eos else list(target.eos_token_ids)
+    for token in extra or ():
+        if not (isinstance(token, int) and 0 <= token < target.vocab_size):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {target.vocab_size}), got {token!r}")
+        ids.append(token)
+    return ids
 
 
 @torch.inference_mode()
-def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None):
-    """Generate from `target`, speculatively when `draft` is given (a model, "ngram" or "lookup").
-
-    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
-    has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
-    beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
-    own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
-    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
-    """
-    sampling = Sampling(temperature, top_k, top_p)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    searching = beams != 1 or draft_beams is not None
-    drafter = policy = None
-    if draft is not None and draft != "none":
-        policy = make_policy(gamma, BEAM_GAMMA_MAX if searching else GAMMA_MAX)
-        if not 0 < lenience <= 1:
-            raise ValueError(f"lenience must be in (0, 1], got {lenience}")
-        drafter = make_drafter(draft, target)
-    if searching:
-        draft_beams = beam.check_settings(beams, draft_beams, target, drafter, sampling, lenience)
-    stop_ids = set() if ignore_eos else set(target.eos_token_ids)
-    seed = secrets.randbits(63) if seed is None else seed
-    generator = torch.Generator(device=target.device).manual_seed(seed)
+def steps(request):
+    """Run a checked request: yields each step's (new tokens, segments), segments being the step's part
+    of Generation.trace; returns the Generation."""
+    target, drafter, stop = request.target, request.drafter, request.stop
+    generator = torch.Generator(device=target.device).manual_seed(request.seed)
     draft_model = drafter.model if drafter else None
+    tokens, trace, stats, sequences, scores = [], [], {}, [], []
     with exclusive(target, *[draft_model] if draft_model else []):
         start = time.perf_counter()
         encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
-        prompt_ids = prompt_tensor(target, prompt)
+        max_new_tokens = request.max_new_tokens
         if draft_model and not draft_model.is_encoder_decoder:  # the draft's prefix is the prompt itself
-            check_fits(draft_model, prompt_ids.shape[1], max_new_tokens, role="draft")
-        prefix = target.encode(prompt_ids)
+            check_fits(draft_model, request.prompt_ids.shape[1], max_new_tokens, role="draft")
+        prefix = target.encode(request.prompt_ids)
         # Beam search scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
-        rows = beams + draft_beams * policy.k_max if searching and drafter else beams
+        rows = request.beams + request.draft_beams * request.policy.k_max if request.searching and drafter \
+            else request.beams
         check_fits(target, prefix.shape[1], max_new_tokens, rows)
-        sequences, scores = [], []
-        if searching:
-            sequences, scores, stats = beam.search(target, prefix, drafter, prompt_ids, beams, draft_beams, policy,
-                                                   max_new_tokens, stop_ids)
-            tokens, trace = sequences[0], [(sequences[0], "target")]
+        if request.searching:  # the result is known only at the end
+            sequences, scores, search_stats = beam.search(target, prefix, drafter, request.prompt_ids, request.beams,
+                                                          request.draft_beams, request.policy, max_new_tokens,
+                                                          stop.token_ids)
+            stats.update(search_stats)
+            loop = iter([(sequences[0], [(sequences[0], "target")])])
         elif drafter is None:
-            tokens, stats = autoregressive(target, prefix, max_new_tokens, sampling, stop_ids, generator)
-            trace = [(tokens, "target")]
+            loop = autoregressive(target, prefix, max_new_tokens, request.sampling, stop, generator, stats)
         else:
-            tokens, stats, trace = speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling,
-                                               stop_ids, generator, policy, lenience)
+            loop = speculative(target, drafter, request.prompt_ids, prefix, max_new_tokens, request.sampling,
+                               stop, generator, request.policy, request.lenience, stats)
+        for new_tokens, segments in loop:
+            tokens += new_tokens
+            add_segments(trace, segments)
+            yield new_tokens, segments
         seconds = time.perf_counter() - start
 
     stats.update(
-        seed=seed,
+        seed=request.seed,
         new_tokens=len(tokens),
         encoder_calls=target.encoder_calls - encodes_before[0],
         draft_encoder_calls=(drafter.encoder_calls if drafter else 0) - encodes_before[1],
@@ -158,4 +199,87 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
         tokens_per_second=len(tokens) / seconds if seconds > 0 else float("inf"),
     )
     text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
+    if text is not None and stop.text_end is not None:  # a stop string ended it: the text ends before it
+        text = stop.text.text[:stop.text_end]
     return Generation(tokens, text, stats, trace, sequences, scores)
+
+
+def add_segments(trace, segments):
+    """Append a step's (ids, kind) segments to a trace, one entry per run of the same kind."""
+    for ids, kind in segments:
+        if not ids:
+            continue
+        if trace and trace[-1][1] == kind:
+            trace[-1][0].extend(ids)
+        else:
+            trace.append((list(ids), kind))
+
+
+def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None):
+    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
+    "int8"/"int4": the target itself, quantized).
+
+    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
+    has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
+    gamma: guesses per step, or "auto": chosen before each step (minispec.policy).
+    beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
+    own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
+    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
+    stop: a string or strings that end the output (which ends just before the first one);
+    stop_token_ids: tokens that end it as EOS does (kept as its last token).
+    """
+    request = Request.check(target, prompt, draft, gamma, max_new_tokens, temperature, top_k, top_p, seed,
+                            lenience, ignore_eos, beams, draft_beams, stop, stop_token_ids)
+    run = steps(request)
+    while True:
+        try:
+            next(run)
+        except StopIteration as end:
+            return end.value
+
+
+@dataclass
+class Chunk:
+    """One step of a stream: the tokens it added, the text they added, and the step's segments as in
+    Generation.trace (its rejected guess included, for colouring). The last chunk also carries the
+    whole Generation, stats included."""
+    tokens: list
+    text: str
+    segments: list
+    generation: Generation | None = None
+
+
+def stream(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+           seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None):
+    """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
+    step is verified. Chunks' texts join to the Generation's text, never a broken character, and
+    never text past a stop string (text that may begin one is held back until the next step tells).
+    Settings are checked here, before the first chunk is asked for."""
+    request = Request.check(target, prompt, draft, gamma, max_new_tokens, temperature, top_k, top_p, seed,
+                            lenience, ignore_eos, beams, draft_beams, stop, stop_token_ids)
+    return chunks(request)
+
+
+def chunks(request):
+    tokenizer = request.target.tokenizer
+    text = IncrementalDecoder(tokenizer) if tokenizer else None
+    sent = 0  # characters of text already sent
+    run = steps(request)
+    while True:
+        try:
+            tokens, segments = next(run)
+        except StopIteration as end:
+            generation = end.value
+            final = generation.text or ""
+            yield Chunk([], final[sent:], [], generation)
+            return
+        if text is None:
+            yield Chunk(tokens, "", segments)
+            continue
+        text.push(tokens)
+        ready = len(text.text) - request.stop.held_back(text.text)
+        if request.stop.text_end is not None:
+            ready = min(ready, request.stop.text_end)
+        yield Chunk(tokens, text.text[sent:ready], segments)
+        sent = max(sent, ready)

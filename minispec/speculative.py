@@ -68,30 +68,30 @@ def accept_greedy(logits, drafts):
 
 
 @torch.inference_mode()
-def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, stop_ids, generator,
-                policy, lenience):
+def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, stop, generator, policy, lenience,
+                stats):
     """Generate up to max_new_tokens after `prefix` (the target's decoder start), with γ chosen each
-    step by `policy` (minispec.policy). Returns (tokens, stats, trace) with trace as in generate.Generation."""
+    step by `policy` (minispec.policy) and `stop` (minispec.stopping) ending it early. Yields each step's
+    new tokens and its segments of Generation.trace; counts into `stats`."""
     drafter.start(prompt_ids, max_new_tokens)
     policy.start(target, drafter, prompt_ids)
     unseen = prefix  # accepted tokens the target has not seen: the whole prefix at first, then each t
-    generated, trace = [], []
-    stats = {"target_calls": 0, "proposed": 0, "accepted": 0, "verified": 0,
-             "accepted_lengths": [0] * (policy.k_max + 1)}
+    produced = 0
+    stats.update(target_calls=0, proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (policy.k_max + 1))
     overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
     verify_by_argmax = sampling.greedy and lenience == 1  # p and q one-hot: verifying is comparing argmaxes
 
-    while len(generated) < max_new_tokens:
+    while produced < max_new_tokens:
         started = time.perf_counter()
         # Sample γ guesses x_1..x_γ from M_q, γ as the policy chooses (never drafting past max_new_tokens).
-        gamma = min(policy.guesses(), max_new_tokens - len(generated) - 1)
+        gamma = min(policy.guesses(), max_new_tokens - produced - 1)
         drafts, q = drafter.propose(gamma, sampling, generator, policy.keep_guessing)
         drafted = time.perf_counter()
         # One target forward over the unseen tokens and the guesses; its last k+1 rows are p_1 .. p_{k+1}.
         # The first step is the prompt's own forward (the prefill): its guesses cost no extra call.
         k = drafts.shape[0]  # model-free drafters may guess fewer than asked
         tokens = torch.cat([unseen, drafts.view(1, -1)], dim=1)
-        logits = (target.decode(tokens) if generated else target.prefill(tokens, logits_for=k + 1))[0, -(k + 1):]
+        logits = (target.decode(tokens) if produced else target.prefill(tokens, logits_for=k + 1))[0, -(k + 1):]
         # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})).
         if verify_by_argmax:
             n, t = accept_greedy(logits, drafts)
@@ -104,58 +104,46 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
             step_overlap = torch.minimum(p[:k], q).sum(-1) * verified
             overlap += step_overlap.sum()
         n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
-        policy.observe(k, n, drafted - started, time.perf_counter() - started if generated else None)
-        new_tokens, stopped = cut_at_stop(guesses[:n] + [t_host], stop_ids)
-        record_step(stats, trace, guesses, n, new_tokens)
-        generated += new_tokens
+        policy.observe(k, n, drafted - started, time.perf_counter() - started if produced else None)
+        new_tokens, stopped = stop.cut(guesses[:n] + [t_host])
+        segments = record_step(stats, guesses, n, new_tokens)
+        produced += len(new_tokens)
+        if stopped and not verify_by_argmax:  # count only the positions up to the stop
+            overlap -= step_overlap[len(new_tokens):].sum()
+        if not stopped:
+            # Roll both caches back to the accepted sequence; the target has yet to see t.
+            unseen = t.view(1, 1)
+            target.rollback(target.length - (k - n))
+            drafter.accept(new_tokens, torch.cat([drafts[:n], t]))
+        yield new_tokens, segments
         if stopped:
-            if not verify_by_argmax:  # count only the positions up to the stop token
-                overlap -= step_overlap[len(new_tokens):].sum()
             break
-        # Roll both caches back to the accepted sequence; the target has yet to see t.
-        unseen = t.view(1, 1)
-        target.rollback(target.length - (k - n))
-        drafter.accept(new_tokens, torch.cat([drafts[:n], t]))
 
     stats["draft_calls"] = drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
     # With one-hot p and q, Σ min(p, q) is 1 at an accepted guess and 0 at a rejected one.
     overlap = stats["accepted"] if verify_by_argmax else overlap.item()
     stats["alpha"] = overlap / stats["verified"] if stats["verified"] else 0.0
-    stats["tokens_per_target_call"] = len(generated) / max(stats["target_calls"], 1)
+    stats["tokens_per_target_call"] = produced / max(stats["target_calls"], 1)
     stats.update(policy.finish())
-    return generated, stats, trace
 
 
-def cut_at_stop(tokens, stop_ids):
-    """Tokens up to and including the first stop token; and whether one was found."""
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
-def record_step(stats, trace, guesses, n, new_tokens):
-    """Count one step, and colour it like the paper's Figure 1: accepted guesses, the rejected guess,
-    then the target's own token ("corrected" after a rejection, "target" after full acceptance)."""
+def record_step(stats, guesses, n, new_tokens):
+    """Count one step; its segments of the trace, coloured like the paper's Figure 1: accepted guesses,
+    the rejected guess, then the target's own token ("corrected" after a rejection, "target" after
+    full acceptance)."""
     k = len(guesses)
     if not stats["target_calls"]:
         stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
     stats["target_calls"] += 1
     stats["proposed"] += k
-    # Only what was emitted counts: a stop token among the accepted guesses cuts off those after it.
+    # Only what was emitted counts: a stop among the accepted guesses cuts off those after it.
     emitted = min(n, len(new_tokens))
     stats["accepted"] += emitted
     stats["verified"] += min(n + 1, k, len(new_tokens))
     stats["accepted_lengths"][emitted] += 1
-    steps = [(new_tokens[:n], "accepted")]
-    if len(new_tokens) > n:  # the target's token was not cut off by a stop token among the guesses
-        steps += [([guesses[n]], "rejected")] if n < k else []
-        steps += [([new_tokens[n]], "corrected" if n < k else "target")]
-    for tokens, kind in steps:
-        if not tokens:
-            continue
-        if trace and trace[-1][1] == kind:  # one entry per run of the same kind
-            trace[-1][0].extend(tokens)
-        else:
-            trace.append((list(tokens), kind))
+    segments = [(new_tokens[:n], "accepted")]
+    if len(new_tokens) > n:  # the target's token was not cut off by a stop among the guesses
+        segments += [([guesses[n]], "rejected")] if n < k else []
+        segments += [([new_tokens[n]], "corrected" if n < k else "target")]
+    return [(ids, kind) for ids, kind in segments if ids]

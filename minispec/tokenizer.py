@@ -474,3 +474,41 @@ class SentencePieceTokenizer(Tokenizer):
             else:
                 run.append(i)
         return "".join(out)
+
+
+class IncrementalDecoder:
+    """The text of a growing sequence of token ids, a piece at a time, exactly as decoding the whole
+    sequence gives it: never a broken character. A character can span tokens (byte-level BPE splits
+    UTF-8 into bytes), and a token's text can depend on its neighbours (SentencePiece drops the space
+    of a sequence's first piece), so each push decodes a short window: the tokens since the last
+    emitted piece, with those of the piece before as context, and emits what the new tokens added,
+    holding it back while it ends in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer, skip_special_tokens=True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.ids = []
+        self.context = 0  # ids[context:emitted] were decoded before: they give the window its context
+        self.emitted = 0  # ids before this have their text emitted
+        self.text = ""
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, ids):
+        """Add token ids; the text they complete (possibly empty)."""
+        self.ids.extend(ids)
+        before = self.decode(self.ids[self.context:self.emitted])
+        after = self.decode(self.ids[self.context:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.context, self.emitted = self.emitted, len(self.ids)
+        self.text += after[len(before):]
+        return after[len(before):]
+
+    def flush(self):
+        """What is held back at the end of the sequence (an incomplete character decodes as U+FFFD)."""
+        before = self.decode(self.ids[self.context:self.emitted])
+        rest = self.decode(self.ids[self.context:])[len(before):]
+        self.context = self.emitted = len(self.ids)
+        self.text += rest
+        return rest

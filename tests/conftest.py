@@ -155,3 +155,27 @@ def known_costs(monkeypatch):
     monkeypatch.setattr(policy, "calibrate", calibrate)
     monkeypatch.setattr(policy, "TIME_SMOOTHING", 0.0)
     monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
+
+
+@pytest.fixture(scope="session")
+def llama_with_tokenizer(tmp_path_factory):
+    """A tiny random llama whose checkpoint has a byte-level BPE tokenizer, trained here on a few lines
+    so that the model's random output is full of characters split across tokens (their UTF-8 bytes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = tmp_path_factory.mktemp("llama_tokenizer")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = ["the cat sat on the mat.", "a dog ran in the park\n\nthen it slept.", "Grüße aus Köln, 東京, 😀!"]
+    tokenizer.train_from_iterator(lines * 4, trainer)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    hf_tokenizer.save_pretrained(directory)
+    config = transformers.LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = spread_init(transformers.LlamaForCausalLM(config).eval(), seed=0, gain=2.0)
+    return save_reference(model, directory)

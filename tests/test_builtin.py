@@ -223,10 +223,10 @@ def test_demo_runs_without_arguments(tiny_chat_model, capsys):
     expected = minispec.generate(model, chat_prompt(model.tokenizer, args.prompt), draft=args.draft,
                                  gamma=args.gamma, max_new_tokens=args.max_new_tokens, seed=0)
     assert expected.text.strip() and args.temperature == 0  # a non-empty answer, the same on every run
-    # The trace of that answer, rejected guesses in [~ ~]: its other pieces are the answer's tokens.
-    assert out == run.render_trace(expected.trace, model.tokenizer.decode, colour=False) + "\n"
-    assert [t for ids, kind in expected.trace if kind != "rejected" for t in ids] == expected.tokens
-    assert any(kind == "rejected" for _, kind in expected.trace) and "[~" in out
+    # The trace of that answer, rejected guesses in [~ ~] (which ones depends on how many guesses each
+    # step made, chosen from measured times): without them, the answer's tokens, special ones included.
+    rejected = re.compile(r"\[~.*?~\]", re.DOTALL)
+    assert rejected.sub("", out) == model.tokenizer.decode(expected.tokens) + "\n" and rejected.search(out)
     # Without --show the same answer is printed as its text.
     assert run.main([flag for flag in run.DEFAULT_ARGS if flag != "--show"]) == 0
     assert capsys.readouterr().out == expected.text + "\n"
@@ -234,7 +234,8 @@ def test_demo_runs_without_arguments(tiny_chat_model, capsys):
     assert err.count("\n") == 1
     speed = re.search(r"\((\d+\.\d) tokens/s\)", err)
     assert speed and float(speed.group(1)) > 0
-    assert f"acceptance rate {expected.stats['acceptance_rate']:.2f}," in err
+    rate = re.search(r", acceptance rate (\d\.\d\d), (\d+\.\d\d) tokens per target call", err)
+    assert rate and 0 < float(rate.group(1)) <= 1 and float(rate.group(2)) >= 1
     compared = re.search(r"; (\d+\.\d\d)x the speed of decoding without the draft \((\d+\.\d) tokens/s, same output\)$",
                          err.strip())
     assert compared, err

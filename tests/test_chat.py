@@ -109,6 +109,24 @@ def test_chat_prompt_ids_match_reference(reference_tokenizer, tmp_path, name):
         assert len(start) == len(end) == 1 and ids.count(start[0]) == 3 and ids.count(end[0]) == 2
 
 
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_chat_prompt_of_a_conversation_matches_reference(reference_tokenizer, tmp_path, conversation):
+    """Apps pass the messages so far, not a single string; with a system prompt put first."""
+    reference_tokenizer.chat_template = SMOLLM2
+    reference_tokenizer.save_pretrained(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    messages = CONVERSATIONS[conversation]
+    expected = reference_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    assert chat_prompt(ours, messages) == list(expected)
+    with_system = [{"role": "system", "content": "Be brief."}, *messages]
+    expected = reference_tokenizer.apply_chat_template(with_system, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    assert chat_prompt(ours, messages, system="Be brief.") == list(expected)
+    with pytest.raises(ValueError, match="list of messages"):
+        chat_prompt(ours, ("user", "a tuple is neither"))
+
+
 @pytest.mark.parametrize("template", [LLAMA3, QWEN1_5, WITH_BOS, PREFILLED_ANSWER, THINKING, "", None])
 def test_unrecognised_template_is_refused(template):
     with pytest.raises(ChatTemplateError, match="--no-chat"):

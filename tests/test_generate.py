@@ -133,3 +133,90 @@ def test_a_failed_request_frees_its_models(target, same, monkeypatch):
             minispec.generate(target, PROMPT, draft=same)
     assert not target.busy and not same.busy
     assert len(minispec.generate(target, PROMPT, draft=same, max_new_tokens=4).tokens) == 4
+
+
+@pytest.fixture(scope="module")
+def chatty(llama_with_tokenizer):
+    """A target with a tokenizer, and the same weights as draft (every guess accepted)."""
+    return minispec.load(llama_with_tokenizer), minispec.load(llama_with_tokenizer)
+
+
+TEXT_PROMPT = "the cat sat"
+
+
+def spanning_string(tokenizer, generation):
+    """Three characters of the output around a token boundary past its middle: a string that spans
+    tokens, the case that needs care."""
+    tokens, text = generation.tokens, generation.text
+    boundaries = [len(tokenizer.decode(tokens[:i])) for i in range(len(tokens) // 2, len(tokens))]
+    return next(text[b - 1:b + 2] for b in boundaries if "\ufffd" not in text[b - 1:b + 2])
+
+
+def shortest_prefix_containing(tokenizer, tokens, string):
+    return next(m for m in range(1, len(tokens) + 1) if string in tokenizer.decode(tokens[:m], skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("draft", [None, "same", "lookup"])
+def test_a_stop_string_ends_the_output_just_before_it(chatty, draft):
+    """Even when it spans tokens and falls inside a run of accepted guesses: the text ends where the stop
+    string begins, and no token after the one completing it is emitted."""
+    target, same = chatty
+    draft = same if draft == "same" else draft
+    plain = minispec.generate(target, TEXT_PROMPT, max_new_tokens=60, ignore_eos=True)
+    tokenizer = target.tokenizer
+    stop = spanning_string(tokenizer, plain)
+    first = plain.text.index(stop)
+    m = shortest_prefix_containing(tokenizer, plain.tokens, stop)
+    assert stop not in tokenizer.decode(plain.tokens[m - 1:m])
+    out = minispec.generate(target, TEXT_PROMPT, draft=draft, gamma=8, max_new_tokens=60, ignore_eos=True,
+                            stop=["no such string", stop])
+    assert out.text == plain.text[:first]
+    assert out.tokens == plain.tokens[:m]
+    if draft is same:
+        assert out.stats["accepted"] >= m - out.stats["target_calls"]  # the string came in runs of guesses
+
+
+def test_stop_token_ids_end_the_output_like_eos(chatty):
+    target, same = chatty
+    plain = minispec.generate(target, TEXT_PROMPT, max_new_tokens=40, ignore_eos=True)
+    token = plain.tokens[17]
+    out = minispec.generate(target, TEXT_PROMPT, draft=same, max_new_tokens=40, ignore_eos=True,
+                            stop_token_ids=[token])
+    assert out.tokens == plain.tokens[: plain.tokens.index(token) + 1]
+
+
+# (Sampled with a fixed gamma: with "auto" a step's number of guesses depends on measured times, and so
+# does which random draws make which token: a seed then gives the same distribution, not the same tokens.)
+@pytest.mark.parametrize("settings", [{}, {"draft": "same", "gamma": 3},
+                                      {"draft": "same", "gamma": 3, "temperature": 1.0, "seed": 4},
+                                      {"draft": "lookup", "stop": "t"}, {"draft": "same", "stop": "spanning"}])
+def test_stream_yields_each_step_and_its_text_joins_to_the_output(chatty, settings):
+    """Chunks' tokens and texts join to the Generation of the last chunk (which generate() gives too),
+    no chunk's text has a broken character, and none runs past a stop string."""
+    target, same = chatty
+    settings = {**settings, "draft": same if settings.get("draft") == "same" else settings.get("draft")}
+    if settings.get("stop") == "spanning":
+        settings["stop"] = spanning_string(target.tokenizer, minispec.generate(target, TEXT_PROMPT, max_new_tokens=50,
+                                                                               ignore_eos=True))
+    expected = minispec.generate(target, TEXT_PROMPT, max_new_tokens=50, ignore_eos=True, **settings)
+    chunks = list(minispec.stream(target, TEXT_PROMPT, max_new_tokens=50, ignore_eos=True, **settings))
+    generation = chunks[-1].generation
+    assert generation is not None and all(chunk.generation is None for chunk in chunks[:-1])
+    assert generation.tokens == expected.tokens and generation.text == expected.text
+    assert sum((chunk.tokens for chunk in chunks), []) == expected.tokens
+    # (A character broken at a chunk's end would decode as U+FFFD there, unlike in the whole text.)
+    assert "".join(chunk.text for chunk in chunks) == expected.text
+    assert len(chunks) - 1 == generation.stats["target_calls"]  # one chunk per step, then the summary
+    if "stop" in settings:
+        assert len(expected.text) < len(target.tokenizer.decode(expected.tokens))  # the stop string was cut
+    assert any("\ufffd" in target.tokenizer.decode([t]) for t in expected.tokens)  # split characters were streamed
+
+
+def test_stream_checks_its_settings_before_the_first_chunk(chatty):
+    target, _ = chatty
+    with pytest.raises(ValueError, match="top_p"):
+        minispec.stream(target, TEXT_PROMPT, top_p=0)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        minispec.stream(target, TEXT_PROMPT, stop=[""])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        minispec.generate(target, TEXT_PROMPT, stop_token_ids=[10**6])

@@ -116,11 +116,10 @@ def test_plain_and_show_output_without_tty(gpt2_dir, capsys):
 
 def test_render_trace_colours():
     trace = [([1, 2], "target"), ([3], "accepted"), ([4], "rejected"), ([5], "corrected")]
-    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
-    coloured = run.render_trace(trace, decode, colour=True)
-    assert coloured == ("\033[34m<1><2>\033[0m" "\033[32m<3>\033[0m" "\033[31;9m<4>\033[0m" "\033[34m<5>\033[0m")
-    assert run.render_trace(trace, decode, colour=False) == "<1><2><3>[~<4>~]<5>"
-    assert run.render_trace(trace, lambda ids: " ".join(map(str, ids)), False, " ") == "1 2 3 [~4~] 5"
+    coloured = run.render_trace(trace, run.TokenIds(" "), colour=True)
+    assert coloured == ("\033[34m1 2\033[0m" "\033[32m 3\033[0m" "\033[31;9m4\033[0m" "\033[34m 5\033[0m")
+    assert run.render_trace(trace, run.TokenIds(" "), colour=False) == "1 2 3[~4~] 5"
+    assert run.render_trace(trace, run.TokenIds(","), colour=False) == "1,2,3[~4~],5"
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -193,3 +192,21 @@ def test_end_to_end_subprocess(gpt2_dir, small_vocab_dir):
     assert result.returncode == 2
     assert result.stdout == ""
     assert "Traceback" not in result.stderr and "vocabularies" in result.stderr
+
+
+def test_stop_strings_and_tokens_from_the_command_line(llama_with_tokenizer, capsys):
+    """Text prompts, printed as they are generated: the printed text is the output's, ending before
+    the stop string; stop token ids end it like EOS."""
+    common = ["--target", str(llama_with_tokenizer), "--prompt", "the cat sat", "--max-new-tokens", "40",
+              "--ignore-eos", "--device", "cpu", "--draft", "lookup"]
+    target = minispec.load(llama_with_tokenizer)
+    plain = minispec.generate(target, "the cat sat", max_new_tokens=40, ignore_eos=True)
+    stop = plain.text[len(plain.text) // 2:][:2]
+    assert run.main([*common, "--stop", "no such text", "--stop", stop]) == 0
+    out = capsys.readouterr().out
+    assert out == plain.text[:plain.text.index(stop)] + "\n"
+    token = plain.tokens[20]
+    assert run.main([*common, "--stop-token-ids", str(token), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == plain.tokens[: plain.tokens.index(token) + 1]
+    assert run.main([*common, "--system", "Be brief."]) == 2
+    assert "--system needs a chat prompt" in capsys.readouterr().err

@@ -12,7 +12,8 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from minispec.tokenizer import ByteLevelBPE, SentencePieceTokenizer, load_tokenizer, split, translate_regex
+from minispec.tokenizer import (ByteLevelBPE, IncrementalDecoder, SentencePieceTokenizer, load_tokenizer, split,
+                                translate_regex)
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -368,3 +369,28 @@ def test_no_tokenizer_and_bad_input(tmp_path, byte_level_dirs):
         load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="expects a str"):
         load_tokenizer(byte_level_dirs["gpt2"]).encode([1, 2])
+
+
+@pytest.mark.parametrize("kind, name", [("byte_level", n) for n in BYTE_LEVEL] + [("sentencepiece", "llama"),
+                                                                               ("sentencepiece", "t5")])
+def test_incremental_decoding_joins_to_the_whole_text(request, kind, name):
+    """Token ids pushed one at a time, and in steps of 2-5 as accepted guesses arrive: the pieces join to
+    the decoded whole, and no piece ends in a broken character, even where a character's UTF-8 bytes
+    span several tokens (the emoji and CJK text here, rare in the training text) or a piece's text
+    depends on the one before (SentencePiece's leading space)."""
+    dirs = request.getfixturevalue(f"{kind}_dirs")
+    tokenizer = load_tokenizer((dirs if kind == "byte_level" else dirs[0])[name], "t5" if name == "t5" else "")
+    text = " ".join(TEXTS[:4]) + " 🦜🧬 ẞ"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    if name != "t5":  # (its unigram model has no byte fallback: unknown characters are <unk>)
+        assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some character spans tokens
+    for sizes in ([1], [2, 3, 5, 1, 4]):
+        decoder, pieces, start, step = IncrementalDecoder(tokenizer), [], 0, 0
+        while start < len(ids):
+            size = sizes[step % len(sizes)]
+            pieces.append(decoder.push(ids[start:start + size]))
+            start, step = start + size, step + 1
+        pieces.append(decoder.flush())
+        assert "".join(pieces) == whole
+        assert not any("\ufffd" in piece for piece in pieces)
