@@ -409,7 +409,8 @@ def parse_args(argv):
                                      description="Autoregressive vs speculative decoding, against Theorem 3.8.")
     parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
     parser.add_argument("--draft", required=True,
-                        help="checkpoint directory or hub id, 'ngram', 'lookup', or 'int8' / 'int4' (the target quantized)")
+                        help="checkpoint directory or hub id, 'ngram', 'lookup', or 'int8' / 'int4' (the target "
+                             "quantized)")
     parser.add_argument("--quantize", choices=quant.MODES, help="weight-only quantization of the target (run.py's)")
     parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
     parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
@@ -593,8 +594,8 @@ def benchmark(args):
 def markdown_table(result):
     s = result["settings"]
     seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
-    weights = "".join(f", {role} {s[key]} weights" for role, key in (("target", "quantize"), ("draft", "draft_quantize"))
-                      if s.get(key))
+    weights = "".join(f", {role} {s[key]} weights"
+                      for role, key in (("target", "quantize"), ("draft", "draft_quantize")) if s.get(key))
     lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}{weights}"
              f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts{seeds} x {s['max_new_tokens']} "
              "new tokens, "
@@ -606,7 +607,8 @@ def markdown_table(result):
     if bw:
         fraction = f" = {bw['fraction_of_peak']:.0%} of {bw['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
             if bw["fraction_of_peak"] else ""
-        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {bw['bytes_per_step'] / 1e6:.3g} MB read, "
+        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
+                  f"{bw['bytes_per_step'] / 1e6:.3g} MB read, "
                   f"{bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s{fraction} ({bw['device_name']})", ""]
     memory = result["memory"]
     if memory:

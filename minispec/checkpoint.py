@@ -140,7 +140,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if quantize or stored:
         try:
             notes = quant.quantize_model(model, quantize, group_size, dtype, stored, device)
-        except ValueError as error:  # quantized tensors for a module that takes none (a norm, ...)
+        except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
         for note in notes:
             builtin.log(f"{name_or_path}: {note}")

@@ -18,6 +18,7 @@ q = None rather than building a one-hot [k, vocab] tensor each step: greedy veri
 it, and the sampled path builds it only when it needs it.
 """
 
+import sys
 import weakref
 from collections import Counter, defaultdict
 
@@ -41,6 +42,8 @@ def make_drafter(draft, target):
         copies = SELF_DRAFTS.setdefault(target, {})
         if draft not in copies:
             copies[draft] = quantized_copy(target, draft)
+            for note in copies[draft].quantization["notes"]:  # layers the int4 kernel cannot take
+                print(f"minispec: draft {copies[draft].name}: {note}", file=sys.stderr)
         return ModelDrafter(copies[draft])
     if isinstance(draft, str):
         raise ValueError(f"draft={draft!r}: load a draft model once with minispec.load({draft!r}) and pass the "

@@ -139,12 +139,12 @@ def test_dtype_option(reference_dirs):
 
 @pytest.fixture
 def quantized_dir(reference_dirs, tmp_path):
-    """The tiny Llama with its o_proj of layer 0 stored as int4 and its up_proj as int8."""
+    """The tiny Llama with the o_proj of its layer 0 stored as int4 and its down_proj as int8."""
     directory = shutil.copytree(reference_dirs["llama"][1], tmp_path / "llama")
     weights = {name: tensor.clone() for name, tensor in load_file(directory / "model.safetensors").items()}
-    for name, parts in [("model.layers.0.self_attn.o_proj", quant.quantize_int4(weights["model.layers.0.self_attn.o_proj.weight"], 32)),
-                        ("model.layers.0.mlp.down_proj", quant.quantize_int8(weights["model.layers.0.mlp.down_proj.weight"]))]:
-        del weights[f"{name}.weight"]
+    for name, quantize in [("model.layers.0.self_attn.o_proj", lambda w: quant.quantize_int4(w, 32)),
+                           ("model.layers.0.mlp.down_proj", quant.quantize_int8)]:
+        parts = quantize(weights.pop(f"{name}.weight"))
         weights.update({f"{name}.{key}": value for key, value in parts.items()})
     save_safetensors(weights, directory / "model.safetensors")
     edit_json(directory / "config.json", quantization_config={"quant_method": "minispec"})
@@ -161,14 +161,15 @@ def test_quantized_checkpoint_loads_quantized(quantized_dir, reference_dirs):
     assert (ours.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
 
 
-def test_bad_quantized_checkpoints_name_the_problem(quantized_dir):  # (clones: the file is rewritten in place)
-    weights = {name: tensor.clone() for name, tensor in load_file(quantized_dir / "model.safetensors").items()}
+def test_bad_quantized_checkpoints_name_the_problem(quantized_dir):
+    file = quantized_dir / "model.safetensors"
+    weights = {name: tensor.clone() for name, tensor in load_file(file).items()}  # copies: the file is rewritten
     scales = weights["model.layers.0.self_attn.o_proj.scales"]
-    save_safetensors({**weights, "model.layers.0.self_attn.o_proj.scales": scales[:, :0]}, quantized_dir / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"quantized weight layers\.0\.attention\.wo: scales \(32, 0\) do not divide"):
+    save_safetensors({**weights, "model.layers.0.self_attn.o_proj.scales": scales[:, :0]}, file)
+    with pytest.raises(CheckpointError, match=r"quantized weight layers\.0\.attention\.wo: scales \(32, 0\) do not"):
         load_model(quantized_dir)
     save_safetensors({**weights, "model.norm.qweight": weights["model.layers.0.mlp.down_proj.qweight"][:, :2],
-                      "model.norm.scales": scales}, quantized_dir / "model.safetensors")
+                      "model.norm.scales": scales}, file)
     with pytest.raises(CheckpointError, match=r"quantized weight norm: qweight \(32, 2\) \(torch.int8\) does not make "
                                               r"a weight of shape \(32,\)"):
         load_model(quantized_dir)
@@ -183,5 +184,5 @@ def test_quantized_tensors_only_for_linear_layers_and_token_embeddings(gpt2_dir)
     weights.update({f"transformer.wpe.{key}": value for key, value in quant.quantize_int8(positions).items()})
     save_safetensors(weights, gpt2_dir / "model.safetensors")
     edit_json(gpt2_dir / "config.json", quantization_config={"quant_method": "minispec"})
-    with pytest.raises(CheckpointError, match="quantized tensors for wpe, which are not linear layers or token embeddings"):
+    with pytest.raises(CheckpointError, match="quantized tensors for wpe, which are not linear layers or token"):
         load_model(gpt2_dir)

@@ -45,7 +45,8 @@ def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoi
     """Quantized layers compile into the same full graphs (fullgraph=True: no graph break) and, after
     warm-up, never recompile: an int4 target decoding plain and sampled, and a float target drafting
     with its int8 copy (compiled because the target is)."""
-    eager_int4, int4 = minispec.load(checkpoint, quantize="int4"), minispec.load(checkpoint, quantize="int4", compile=True)
+    eager_int4 = minispec.load(checkpoint, quantize="int4")
+    int4 = minispec.load(checkpoint, quantize="int4", compile=True)
     eager_target, target = minispec.load(checkpoint), minispec.load(checkpoint, compile=True)
     sampled = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 1}
     drafted = {"max_new_tokens": 16, "ignore_eos": True, "draft": "int8", "gamma": 3}

@@ -283,7 +283,8 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
     floats = convert_gguf(path, tmp_path / "float", progress=False)
     kept = convert_gguf(path, tmp_path / "kept", progress=False, keep_quantized=True)
     assert json.loads((kept / "config.json").read_text())["quantization_config"] == {"quant_method": "minispec"}
-    float_weights, stored = load_file(floats / "model.safetensors"), quant.take_stored(load_file(kept / "model.safetensors"))
+    float_weights = load_file(floats / "model.safetensors")
+    stored = quant.take_stored(load_file(kept / "model.safetensors"))
     for name, parts in stored.items():
         assert torch.equal(quant.dequantize(parts), float_weights[f"{name}.weight"]), name
     layer0, layer1 = "model.layers.0.self_attn", "model.layers.1.mlp"

@@ -6,6 +6,7 @@ counts, SmolLM2's real weights (when present) and bad input."""
 import gc
 import json
 import sys
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -121,8 +122,9 @@ def test_common_form_is_exact():
     """Projections fused into one layer but quantized differently (a Q4_K_M file's q, k and v) become int8
     with offsets in the smallest group, with the same values."""
     generator = torch.Generator().manual_seed(2)
-    mixed = [quant.quantize_int4(torch.randn(16, K, generator=generator), 64), quant.quantize_int8(torch.randn(32, K, generator=generator), 32),
-             quant.quantize_int4(torch.randn(16, K, generator=generator), 32)]
+    weights = [torch.randn(rows, K, generator=generator) for rows in (16, 32, 16)]
+    mixed = [quant.quantize_int4(weights[0], 64), quant.quantize_int8(weights[1], 32),
+             quant.quantize_int4(weights[2], 32)]
     common = quant.common_form(mixed)
     assert {(p["qweight"].dtype, quant.group_size_of(p), "offsets" in p) for p in common} == {(torch.int8, 32, True)}
     for before, after in zip(mixed, common):
@@ -197,7 +199,7 @@ def test_int4_layers_the_kernel_cannot_take_are_int8(reference_dirs, capsys):
     assert all(isinstance(t5.get_submodule(name), quant.Int8Linear) for name in names)
     assert isinstance(t5.decoder[0].ffn.wi_0, quant.Int4Linear)
     llama = minispec.load(reference_dirs["llama"][1], quantize="int4", group_size=64)  # hidden size 32
-    assert llama.quantization["notes"][0].startswith("kept int8 (in_features 32 is not a multiple of the group size 64)")
+    assert llama.quantization["notes"][0].startswith("kept int8 (in_features 32 is not a multiple of the group size 64")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert quant.int4_problem(40, 64, 32, cpu) == "out_features 40 is not a multiple of 16"
     assert quant.int4_problem(40, 64, 32, cuda) is None and quant.int4_problem(36, 64, 32, cuda) is not None
@@ -253,13 +255,32 @@ def test_self_draft_greedy_is_the_targets(reference_dirs, kind, mode):
     assert caches and not {id(m) for m in caches} & {id(m) for m in target.modules()}
 
 
+def test_self_draft_notes_the_layers_it_keeps_int8(reference_dirs, capsys):
+    t5 = minispec.load(reference_dirs["t5_v1_1"][1])  # d_ff 48: wo cannot be int4
+    minispec.generate(t5, [5, 6, 7], draft="int4", max_new_tokens=2)
+    minispec.generate(t5, [5, 6, 7], draft="int4", max_new_tokens=2)
+    err = capsys.readouterr().err
+    assert err.count("minispec: draft ") == 1 and "(int4): kept int8 (in_features 48" in err  # once per target
+
+
 def test_self_draft_freed_with_its_target(reference_dirs):
     target = minispec.load(reference_dirs["llama"][1])
     minispec.generate(target, [1, 2, 3], draft="int8", max_new_tokens=4)
-    copies = len(drafters.SELF_DRAFTS)
+    copy = weakref.ref(drafters.SELF_DRAFTS[target]["int8"])
     del target
     gc.collect()
-    assert len(drafters.SELF_DRAFTS) == copies - 1
+    assert copy() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", FORMS)
+def test_cuda_kernel_matches_dequantize_then_matmul(form):
+    """The CUDA paths (gpt-fast's int8 inside the matmul, _weight_int4pack_mm), as on CPU above."""
+    generator = torch.Generator().manual_seed(0)
+    parts = {key: value.cuda() for key, value in stored(form, torch.randn(N, K, generator=generator)).items()}
+    x = torch.randn(9, K, generator=generator).cuda()
+    expected = F.linear(x, quant.dequantize(parts))
+    torch.testing.assert_close(module_for(parts)(x), expected, atol=2**-7 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +358,9 @@ def test_command_line(reference_dirs, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == minispec.generate(minispec.load(directory), [5, 17, 33, 8], max_new_tokens=12,
                                               ignore_eos=True).tokens and out["stats"]["accepted"] > 0
+    assert run.main([*common, "--draft", directory, "--draft-quantize", "int4", "--gamma", "3"]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert drafted["tokens"] == out["tokens"] and drafted["stats"]["accepted"] > 0
     assert run.main([*common, "--quantize", "int8", "--draft", "int4"]) == 2
     assert "is quantized already" in capsys.readouterr().err
     assert run.main([*common, "--draft", "lookup", "--draft-quantize", "int8"]) == 2

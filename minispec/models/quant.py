@@ -12,7 +12,7 @@ A quantized weight [out N, in K] has two forms:
         column 2i + 1 in the high one; `scales`, `offsets` [N, K / group]; w = q * scales + offsets.
 - packed, what the kernels read, built from the stored form on the device it runs on.
 
-Kernels, measured on this project's CPU (docs/performance.md, "Quantized kernels"): with bfloat16
+Kernels, measured on a 2-core AVX2 CPU (docs/performance.md, "Quantized weights"): with bfloat16
 activations, aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu; with float32 ones both
 take slow paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a
 float32 matmul. So quantized layers compute in bfloat16 whatever the model's dtype: the input is cast
@@ -186,9 +186,10 @@ class Int8Linear(nn.Module):
         else:  # [groups, N, group]: each group's columns contiguous, as _weight_int8pack_mm wants them
             weight, scales = qweight.view(self.out_features, scales.shape[1], -1).transpose(0, 1), scales.t()
         # Copies, never views: a checkpoint's tensors are views of its file, which they would keep resident.
-        self.register_buffer("weight", weight.clone(memory_format=torch.contiguous_format))
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=torch.contiguous_format))
-        self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=torch.contiguous_format))
+        copy = torch.contiguous_format
+        self.register_buffer("weight", weight.clone(memory_format=copy))
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
+        self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
         self.bias = bias
 
     def grouped_weight(self):
@@ -278,10 +279,11 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     time, so that each float weight can be freed as soon as its quantized form exists.
 
     `stored`: {module name: stored tensors} a checkpoint holds quantized already; they are used as they
-    are, and popped (so that the caller's dict does not keep them alive). `mode` ("int8", "int4" or None) quantizes the float ones: linear layers per output channel
-    (int8) or in groups of `group_size` (int4); token embeddings and the output head in int8 groups of
-    HEAD_GROUP_SIZE in both modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer
-    the int4 kernel cannot take is int8 instead. Returns notes on those layers."""
+    are, and popped (so that the caller's dict does not keep them alive). `mode` ("int8", "int4" or
+    None) quantizes the float ones: linear layers per output channel (int8) or in groups of
+    `group_size` (int4); token embeddings and the output head in int8 groups of HEAD_GROUP_SIZE in both
+    modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer the int4 kernel cannot
+    take is int8 instead. Returns notes on those layers."""
     stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)
@@ -307,8 +309,9 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                 fallbacks[problem].append(name)
                 int4 = False
         if parts is None:
+            int8_group = head_group(module.in_features) if module is head else None
             parts = (in_row_chunks(quantize_int4, module.weight, group_size) if int4 else
-                     in_row_chunks(quantize_int8, module.weight, head_group(module.in_features) if module is head else None))
+                     in_row_chunks(quantize_int8, module.weight, int8_group))
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
