@@ -193,7 +193,7 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
                 break
             node = same.int().argmax(1)
             accepted += 1
-        policy.observe(k, accepted, drafted - started, time.perf_counter() - started if n else None)
+        policy.observe(k, accepted, [], drafted - started, time.perf_counter() - started if n else None)
         stats["accepted"] += accepted
         stats["target_calls"] += 1
         stats["draft_calls"] += k

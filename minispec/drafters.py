@@ -11,6 +11,9 @@
     drafter.calls, drafter.encoder_calls                   for statistics
     drafter.name, drafter.model                            what drafts: "model" and the model, or the
                                                            model-free drafter's name and None
+    drafter.preview                                        None, or preview(k): the next k guesses as
+                                                           propose would make them, without making them
+                                                           (for drafters where that costs nothing)
 
 Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
 guess is really drawn from the q it reports. Deterministic guesses (lookup, greedy drafting) report
@@ -75,7 +78,7 @@ def check_same_vocabulary(target, draft):
 class ModelDrafter:
     """A smaller language model M_q with its own static KV cache (any family, same vocabulary)."""
 
-    name = "model"
+    name, preview = "model", None
 
     def __init__(self, model):
         self.model = model
@@ -147,7 +150,7 @@ class NgramDrafter:
     on the host (each guess picks the next row of counts), so it samples there with a generator of its
     own, seeded once per request from the caller's, and hands the device its guesses in one copy."""
 
-    name, model = "ngram", None
+    name, model, preview = "ngram", None, None  # each guess costs a row over the vocabulary: no free preview
     encoder_calls = 0
     calls = 0
 
@@ -231,6 +234,9 @@ class LookupDrafter:
                 period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
                 return [self.context[end + 1 + i % period] for i in range(k)]
         return []
+
+    def preview(self, k):
+        return self.continuation(k)
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         return torch.tensor(self.continuation(k) if k else [], dtype=torch.long, device=self.device), None

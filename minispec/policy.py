@@ -1,19 +1,25 @@
 """How many guesses each speculative step makes: a fixed γ, or γ = "auto", chosen before every step from
 a cost model of this target and drafter measured on this machine (paper section 3.5, per step).
 
-With i.i.d. acceptances at rate α, a step with k guesses yields E(k) = (1 − α^(k+1)) / (1 − α) tokens
-(Theorem 3.8; k = 0 is a plain decoding step, one token) and takes T(k) = k·t_draft + t_verify(k + 1),
-t_verify(w) being a target forward over w tokens, which on a CPU grows with w. "auto" takes the k in
-0..γ_max with the most expected tokens per second, E(k) / T(k):
+A step with k guesses yields E(k) = 1 + a·(1 − b^k) / (1 − b) tokens, where a is the chance that its
+first guess survives and b that a guess survives given the one before did (k = 0 is a plain decoding
+step, one token). With a = b = α this is Theorem 3.8's i.i.d. model; two rates are kept because
+guesses come in runs: lookup's copy either holds for a while or fails at once. The step takes
+T(k) = k·t_draft + t_verify(k + 1), t_verify(w) being a target forward over w tokens, which on a CPU
+grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per second, E(k) / T(k):
 
 - t_verify(w) for every width and t_draft are timed when a (target, drafter) pair first decodes
   (`calibrate`), then refined from every step's own wall time: no extra host sync, the step has one.
-- α is estimated from the positions the target verified, recent ones weighing more, and each request
-  starts from what the pair's earlier requests saw.
+- a and b are estimated from the positions the target verified, recent ones weighing more, and each
+  request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
+  preview (lookup) is checked every step, guessing or not: its preview against the tokens the target
+  emitted is exactly what verification would have found (a guess x survives with probability p(x),
+  the chance that the target's token is x), so its rates stay current without spending a forward.
 - A drafter that can say how sure it is of each guess (a draft model on a CPU, where reading that is
   free) stops early when one more guess costs more time than it is expected to gain (`keep_guessing`).
-- After k = 0 has been chosen for a while a 1-guess probe checks whether speculation pays again;
-  without it α would never be measured again.
+- Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
+  1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
+  every probe that finds it still does not.
 
 Exactness is untouched: the policy only chooses how many guesses Algorithm 1 verifies.
 """
@@ -25,13 +31,13 @@ import torch
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
 BEAM_GAMMA_MAX = 4  # and among 0..4 draft beam steps in speculative beam search, each verifying w + u·k rows
-DEFAULT_ALPHA = 0.6  # a pair's α before it has verified anything: hopeful enough to try speculating
-PRIOR_WEIGHT = 2.0  # a request starts from the pair's α as if from this many verified positions
-HISTORY_WEIGHT = 16.0  # the pair's α moves from request to request like this many positions' average
-DECAY = 0.9  # per verified position: the estimate follows the last ~10 positions
+DEFAULT_ALPHA = 0.6  # a pair's acceptance rates before it has verified anything: hopeful enough to try
+PRIOR_WEIGHT = 2.0  # a request starts from the pair's rates as if from this many verified positions
+HISTORY_WEIGHT = 16.0  # the pair's rates move from request to request like this many positions' average
+DECAY = 0.9  # per verified position: the estimates follow the last ~10 positions
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
 CALIBRATION_ROUNDS = 3
-PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each failed probe
+PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
 CONFIDENCE_BINS = 5  # the draft's probability of its guess, in bins of 0.2
 
 
@@ -49,20 +55,36 @@ class FixedGamma:
     def guesses(self):
         return self.k_max
 
-    def observe(self, k, n, draft_seconds, step_seconds):
+    def observe(self, k, n, emitted, draft_seconds, step_seconds):
         pass
 
     def finish(self):
         return {"gamma": self.k_max}
 
 
+class Rate:
+    """A guess's chance to survive verification, from decayed counts started at a prior."""
+
+    def __init__(self, prior, weight):
+        self.accepted, self.verified = prior * weight, weight
+
+    def add(self, accepted, verified):
+        decay = DECAY ** verified
+        self.accepted = self.accepted * decay + accepted
+        self.verified = self.verified * decay + verified
+
+    @property
+    def value(self):
+        return self.accepted / self.verified
+
+
 class PairProfile:
-    """What one (target, drafter) pair has learnt across requests: its timings and its α."""
+    """What one (target, drafter) pair has learnt across requests: its timings and acceptance rates."""
 
     def __init__(self):
         self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused)
         self.t_draft = None  # seconds per guess
-        self.alpha = DEFAULT_ALPHA
+        self.first, self.later = DEFAULT_ALPHA, DEFAULT_ALPHA  # a and b (module docstring)
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
 
 
@@ -145,46 +167,47 @@ class AdaptiveGamma:
         # On a GPU, reading a draft model's time or its confidence in a guess would be a host sync.
         on_host = drafter.model is None or drafter.model.device.type == "cpu"
         confidences = drafter.model is not None and on_host and beams is None
-        self.begin(profile, confidences=confidences, measure_draft=on_host)
+        preview = drafter.preview if beams is None else None
+        self.begin(profile, confidences=confidences, measure_draft=on_host, preview=preview)
 
-    def begin(self, profile, confidences, measure_draft):
-        """Start a request from what the pair has learnt (its timings and α)."""
+    def begin(self, profile, confidences, measure_draft, preview=None):
+        """Start a request from what the pair has learnt (its timings and rates). preview(k), if
+        given, returns the drafter's next k guesses without making them (a list, [] for none)."""
         self.profile = profile
         self.t_verify = list(profile.t_verify[: self.k_max + 2])
         self.t_draft = profile.t_draft
         self.measure_draft = measure_draft
-        self.accepted, self.verified = profile.alpha * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.preview, self.previewed = preview, None
+        self.first, self.later = Rate(profile.first, PRIOR_WEIGHT), Rate(profile.later, PRIOR_WEIGHT)
         # per bin of the draft's confidence in its guess: decayed [accepted, verified] guesses that sure
-        self.confidence = [[profile.alpha * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
+        self.confidence = [[profile.later * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
         self.keep_guessing = self._keep_guessing if confidences else None
         self.sure = []  # the draft's confidence in each guess of the current step
         self.histogram = [0] * (self.k_max + 1)
         self.expected_tokens = 0.0
-        self.request = [0, 0]  # this request's accepted and verified positions
+        self.request = [0, 0, 0, 0]  # this request's accepted and verified first guesses, later guesses
 
-    @property
-    def alpha(self):
-        return self.accepted / self.verified
-
-    def expected(self, k, alpha=None):
-        """E(k): expected new tokens of a step with k guesses, i.i.d. acceptances at rate alpha."""
-        alpha = self.alpha if alpha is None else alpha
-        return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    def expected(self, k):
+        """E(k): expected new tokens of a step with k guesses."""
+        a, b = self.first.value, self.later.value
+        return 1.0 + a * (k if b >= 1 else (1 - b ** k) / (1 - b))
 
     def seconds(self, k):
         return k * self.t_draft + self.t_verify[k + 1]
 
     def guesses(self):
         best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
-        if best == 0:
+        if self.preview is not None:  # checked every step: no probes needed
+            self.previewed = self.preview(self.k_max)
+        elif best == 0:
             # Plain steps count across requests: many short ones must not lock a pair out of speculating.
             profile = self.profile
             profile.plain_steps += 1
             if profile.plain_steps >= profile.probe_after:  # has speculation started paying again?
                 profile.plain_steps, best = 0, 1
                 profile.probe_after = min(2 * profile.probe_after, PROBE_MAX)
-        else:
-            self.profile.plain_steps = 0
+        else:  # speculation pays again: should it stop, probe soon
+            self.profile.plain_steps, self.profile.probe_after = 0, PROBE_AFTER
         self.sure = []
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
@@ -200,7 +223,7 @@ class AdaptiveGamma:
             accepted, verified = self.confidence[self.bin(c)]
             survive *= accepted / verified
             tokens += survive
-        gain = survive * self.alpha  # the next guess, whose confidence is not known yet
+        gain = survive * self.later.value  # the next guess, whose confidence is not known yet
         cost = self.t_draft + self.t_verify[i + 2] - self.t_verify[i + 1]
         return gain * self.seconds(i) > tokens * cost
 
@@ -208,21 +231,23 @@ class AdaptiveGamma:
     def bin(confidence):
         return min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
 
-    def observe(self, k, n, draft_seconds, step_seconds):
-        """A step proposed k guesses and the target accepted n; it took step_seconds (None for the
-        prompt's forward, which also verified the first guesses), draft_seconds of them drafting."""
+    def observe(self, k, n, emitted, draft_seconds, step_seconds):
+        """A step made k guesses, the target accepted n and emitted `emitted` (host ids; a stop may cut
+        them short); it took step_seconds (None for the prompt's forward, which also verified the
+        first guesses), draft_seconds of them drafting."""
         self.histogram[k] += 1
         self.expected_tokens += self.expected(k)
-        verified = min(n + 1, k)
-        if verified:
-            decay = DECAY ** verified
-            self.accepted = self.accepted * decay + n
-            self.verified = self.verified * decay + verified
-            self.request[0] += n
-            self.request[1] += verified
-            if n:  # speculation pays now and then: probe at the first interval again
-                self.profile.probe_after = PROBE_AFTER
-        for j, c in enumerate(self.sure[:verified]):
+        if self.previewed is not None:  # the preview against what the target emitted
+            compared = min(len(self.previewed), len(emitted))
+            n = next((i for i in range(compared) if self.previewed[i] != emitted[i]), compared)
+            verified = min(n + 1, compared)
+        else:
+            verified = min(n + 1, k)
+        if verified:  # the first guess, then those after an accepted one
+            self.first.add(n > 0, 1)
+            self.later.add(n - (n > 0), verified - 1)
+            self.request = [x + y for x, y in zip(self.request, (n > 0, 1, n - (n > 0), verified - 1))]
+        for j, c in enumerate(self.sure[:min(n + 1, k)]):
             counts = self.confidence[self.bin(c)]
             counts[0] = counts[0] * DECAY + (j < n)
             counts[1] = counts[1] * DECAY + 1
@@ -236,16 +261,18 @@ class AdaptiveGamma:
     def finish(self):
         """Keep what this request learnt for the pair's next one; the statistics to report."""
         profile = self.profile
-        accepted, verified = self.request
-        if verified:
-            profile.alpha = (accepted + profile.alpha * HISTORY_WEIGHT) / (verified + HISTORY_WEIGHT)
+        first_accepted, first_verified, later_accepted, later_verified = self.request
+        if first_verified:
+            profile.first = (first_accepted + profile.first * HISTORY_WEIGHT) / (first_verified + HISTORY_WEIGHT)
+        if later_verified:
+            profile.later = (later_accepted + profile.later * HISTORY_WEIGHT) / (later_verified + HISTORY_WEIGHT)
         profile.t_verify[: len(self.t_verify)] = self.t_verify
         profile.t_draft = self.t_draft
         steps = sum(self.histogram)
         return {
             "gamma": "auto",
             "guesses_histogram": self.histogram,
-            "alpha_estimate": self.alpha,
+            "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later.value},
             "cost_model": {"t_draft": self.t_draft, "t_verify": dict(enumerate(self.t_verify[1:], 1))},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
         }

@@ -104,8 +104,8 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
             step_overlap = torch.minimum(p[:k], q).sum(-1) * verified
             overlap += step_overlap.sum()
         n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
-        policy.observe(k, n, drafted - started, time.perf_counter() - started if produced else None)
         new_tokens, stopped = stop.cut(guesses[:n] + [t_host])
+        policy.observe(k, n, new_tokens, drafted - started, time.perf_counter() - started if produced else None)
         segments = record_step(stats, guesses, n, new_tokens)
         produced += len(new_tokens)
         if stopped and not verify_by_argmax:  # count only the positions up to the stop

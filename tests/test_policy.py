@@ -18,7 +18,7 @@ PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 def adaptive(alpha, t_verify, t_draft, k_max=8, confident_drafter=False):
     """An AdaptiveGamma starting a request with the given α and timings, as if measured."""
     profile = policy.PairProfile()
-    profile.t_verify, profile.t_draft, profile.alpha = [0.0, *t_verify], t_draft, alpha
+    profile.t_verify, profile.t_draft, profile.first, profile.later = [0.0, *t_verify], t_draft, alpha, alpha
     chooser = AdaptiveGamma(k_max)
     chooser.begin(profile, confidences=confident_drafter, measure_draft=True)
     return chooser
@@ -28,11 +28,15 @@ FLAT = [1.0] * 9  # a GPU-like verify cost: 1..9 tokens cost the same
 STEEP = [1.0 + 0.25 * w for w in range(9)]  # a CPU-like one: each extra token adds a quarter step
 
 
-def test_expected_tokens_is_theorem_3_8_per_step():
+def test_expected_tokens_is_theorem_3_8_per_step_with_a_first_and_a_later_rate():
     chooser = adaptive(0.8, FLAT, 0.1)
     assert chooser.expected(0) == pytest.approx(1.0)
-    assert chooser.expected(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
-    assert chooser.expected(3, alpha=1.0) == 4.0
+    assert chooser.expected(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)  # a = b: the i.i.d. model
+    chooser.first, chooser.later = policy.Rate(0.5, 1.0), policy.Rate(1.0, 1.0)
+    assert chooser.expected(3) == pytest.approx(1 + 0.5 * 3)  # a run that, once started, always holds
+    chooser.first = policy.Rate(0.2, 1.0)
+    chooser.later = policy.Rate(0.9, 1.0)
+    assert chooser.expected(2) == pytest.approx(1 + 0.2 + 0.2 * 0.9)
 
 
 @pytest.mark.parametrize("alpha, t_verify, t_draft, best", [
@@ -49,23 +53,47 @@ def test_guesses_maximize_expected_tokens_per_second(alpha, t_verify, t_draft, b
     assert chooser.guesses() == best
 
 
-def test_alpha_follows_the_verified_positions():
+def test_rates_follow_the_verified_positions():
     chooser = adaptive(0.6, FLAT, 0.1)
     for _ in range(40):
-        chooser.observe(k=4, n=0, draft_seconds=0.4, step_seconds=1.4)  # every first guess rejected
-    assert chooser.alpha < 0.05 and chooser.guesses() == 0
+        chooser.observe(k=4, n=0, emitted=[1], draft_seconds=0.4, step_seconds=1.4)  # every first guess rejected
+    assert chooser.first.value < 0.05 and chooser.later.value == pytest.approx(0.6) and chooser.guesses() == 0
     for _ in range(40):
-        chooser.observe(k=4, n=4, draft_seconds=0.4, step_seconds=1.4)  # all accepted
-    assert chooser.alpha > 0.95 and chooser.guesses() == 8
+        chooser.observe(k=4, n=4, emitted=[1] * 5, draft_seconds=0.4, step_seconds=1.4)  # all accepted
+    assert chooser.first.value > 0.95 and chooser.later.value > 0.95 and chooser.guesses() == 8
+    for _ in range(40):
+        chooser.observe(k=4, n=1, emitted=[1] * 2, draft_seconds=0.4, step_seconds=1.4)  # only the first
+    assert chooser.first.value > 0.95 and chooser.later.value < 0.05
+
+
+def test_a_drafter_with_a_preview_is_checked_on_every_step_guessing_or_not():
+    """lookup's preview against the emitted tokens is what verification would have found, so steps
+    without guesses still tell the rates (and need no probes)."""
+    upcoming = [[7, 8, 9, 10]]
+    chooser = adaptive(0.05, STEEP, 0.0)
+    chooser.begin(chooser.profile, confidences=False, measure_draft=True, preview=lambda k: upcoming[0][:k])
+    assert chooser.guesses() == 0  # unpromising so far: a plain step, with a look at what it would guess
+    chooser.observe(k=0, n=0, emitted=[7], draft_seconds=0.0, step_seconds=1.0)  # the first guess was right
+    before = chooser.first.value
+    assert before > 0.05 and chooser.later.verified == pytest.approx(policy.PRIOR_WEIGHT)  # nothing after it seen
+    for _ in range(30):  # a copy that holds: the target emits what the preview says
+        k = chooser.guesses()
+        chooser.observe(k=k, n=k, emitted=upcoming[0][:k + 1], draft_seconds=0.0, step_seconds=STEEP[k])
+    assert chooser.first.value > 0.9 and chooser.later.value > 0.9 and chooser.guesses() >= 3
+    upcoming[0] = []  # no match: nothing to check
+    state = (chooser.first.accepted, chooser.first.verified)
+    chooser.guesses()
+    chooser.observe(k=0, n=0, emitted=[5], draft_seconds=0.0, step_seconds=1.0)
+    assert (chooser.first.accepted, chooser.first.verified) == state
 
 
 def test_timings_are_refined_from_each_step():
     chooser = adaptive(0.6, FLAT, 0.1)
     for _ in range(100):  # width 3 really costs 2 s, and a guess 0.3 s
-        chooser.observe(k=2, n=1, draft_seconds=0.6, step_seconds=2.6)
+        chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=2.6)
     assert chooser.t_draft == pytest.approx(0.3, rel=1e-3) and chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
     assert chooser.t_verify[2] == 1.0  # widths not seen keep their calibrated time
-    chooser.observe(k=2, n=1, draft_seconds=0.6, step_seconds=None)  # the prompt's forward: not a step time
+    chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=None)  # the prompt's forward
     assert chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
 
 
@@ -75,7 +103,7 @@ def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     for _ in range(8 + 16 + 1):
         k = chooser.guesses()
         choices.append(k)
-        chooser.observe(k=k, n=0, draft_seconds=0.5 * k, step_seconds=STEEP[k] + 0.5 * k)
+        chooser.observe(k=k, n=0, emitted=[1], draft_seconds=0.5 * k, step_seconds=STEEP[k] + 0.5 * k)
     assert [i for i, k in enumerate(choices) if k] == [7, 7 + 16]  # after 8 plain steps, then after 16
 
 
@@ -89,7 +117,7 @@ def test_plain_steps_count_toward_a_probe_across_requests():
         for _ in range(3):
             k = chooser.guesses()
             choices.append(k)
-            chooser.observe(k=k, n=0, draft_seconds=0.5 * k, step_seconds=STEEP[k] + 0.5 * k)
+            chooser.observe(k=k, n=0, emitted=[1], draft_seconds=0.5 * k, step_seconds=STEEP[k] + 0.5 * k)
     assert [i for i, k in enumerate(choices) if k] == [7]
 
 
@@ -110,7 +138,7 @@ def test_confidence_bins_learn_from_verified_guesses_only():
     for i, c in enumerate([0.9, 0.9, 0.1, 0.9], 1):
         chooser.keep_guessing(i, c)
     before = [list(b) for b in chooser.confidence]
-    chooser.observe(k=4, n=2, draft_seconds=0.2, step_seconds=1.2)  # guesses 1, 2 accepted, 3 rejected, 4 unseen
+    chooser.observe(k=4, n=2, emitted=[1, 2, 3], draft_seconds=0.2, step_seconds=1.2)  # 1, 2 accepted, 3 not
     top, low = chooser.confidence[4], chooser.confidence[0]
     decay = policy.DECAY
     assert top == pytest.approx([(before[4][0] * decay + 1) * decay + 1, (before[4][1] * decay + 1) * decay + 1])
@@ -147,7 +175,7 @@ def test_end_to_end_long_drafts_when_alpha_is_high_and_none_when_low(pair, known
     histogram = good.stats["guesses_histogram"]
     assert sum(k * steps for k, steps in enumerate(histogram)) >= 5 * sum(histogram)  # α = 1: long drafts
     histogram = bad.stats["guesses_histogram"]
-    assert bad.stats["alpha_estimate"] < 0.3 and histogram[0] >= 0.7 * sum(histogram)  # plain steps mostly
+    assert bad.stats["alpha_estimate"]["first_guess"] < 0.3 and histogram[0] >= 0.7 * sum(histogram)  # plain steps
     assert good.stats["expected_tokens_per_call"] > 5 and bad.stats["expected_tokens_per_call"] < 1.5
 
 
@@ -157,7 +185,7 @@ def test_the_prior_carries_alpha_to_the_next_request(pair, known_costs):
     second = minispec.generate(target, PROMPT, draft=draft, gamma="auto", max_new_tokens=40, ignore_eos=True)
     # the first request starts hopeful (DEFAULT_ALPHA) and learns; the second starts from what it learnt
     assert first.stats["guesses_histogram"][0] < second.stats["guesses_histogram"][0]
-    assert policy.PROFILES[target][id(draft), None].alpha < policy.DEFAULT_ALPHA
+    assert policy.PROFILES[target][id(draft), None].first < policy.DEFAULT_ALPHA
 
 
 def test_stats_report_the_cost_model(pair):
@@ -166,4 +194,4 @@ def test_stats_report_the_cost_model(pair):
     assert stats["gamma"] == "auto" and sum(stats["guesses_histogram"]) == stats["target_calls"]
     assert set(stats["cost_model"]["t_verify"]) == set(range(1, policy.GAMMA_MAX + 2))
     assert all(t > 0 for t in stats["cost_model"]["t_verify"].values())
-    assert 0 <= stats["alpha_estimate"] <= 1 and stats["expected_tokens_per_call"] >= 1
+    assert all(0 <= rate <= 1 for rate in stats["alpha_estimate"].values()) and stats["expected_tokens_per_call"] >= 1

