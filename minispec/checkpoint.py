@@ -18,6 +18,7 @@ import torch
 from . import builtin
 from .hub import download_from_hub
 from .models import gpt2, llama, quant, t5
+from .models.base import pack_linears
 from .tokenizer import load_tokenizer
 from .weights import CheckpointError, read_config, read_weights
 
@@ -149,7 +150,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         for parameter in model.parameters():
             parameter.data = parameter.data.clone()
         release_freed_memory()
-    model = model.to(device=device).eval().requires_grad_(False)
+    model = pack_linears(model.to(device=device).eval().requires_grad_(False))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     attach_special_tokens(model, hf_config)
     model.tokenizer = load_tokenizer(directory, model_type)

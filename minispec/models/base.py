@@ -16,7 +16,9 @@ and the properties `context_length`, `vocab_size` and `head`; `forward` writes k
 length are never read and rolling back needs no clearing.
 """
 
+import weakref
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +67,109 @@ class RMSNorm(nn.Module):
         return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+# --- row-invariant linear layers ---------------------------------------------------------------------
+# Why oneDNN on CPU: BLAS's float32 GEMM takes a 1-row product (a decode step) through a GEMV and partial
+# blocks of rows through other kernels, each summing in its own order, so a token's logits would differ
+# by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's argmax.
+# oneDNN's matmul over a weight packed once for it computes every row alike whatever the row count,
+# and runs 1.3-1.8x faster than BLAS's at 1-16 rows on a 2-core AVX2 CPU (docs/performance.md).
+# The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
+# so compiled graphs hold no per-model constant and a target and its draft share graphs as before.
+_PACKED = {}  # data_ptr -> (the weight's version when packed, packed weight: an opaque oneDNN tensor)
+
+
+def version(tensor):
+    """How often the tensor was written in place (-1 for inference tensors, which keep no count)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
+def pack(weight):
+    """Pack a weight for oneDNN; the packed copy goes when the weight does."""
+    key = weight.data_ptr()
+    # 16: the row count oneDNN plans the packing for; every row count then runs the same kernels
+    _PACKED[key] = version(weight), torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    weakref.finalize(weight, _PACKED.pop, key, None)
+    return _PACKED[key][1]
+
+
+@torch.library.custom_op("minispec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if weight.device.type != "cpu":  # the model was moved after loading
+        return F.linear(x, weight, bias)
+    version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
+    if version_packed != version(weight):  # new or written in place since it was packed (a test, a LoRA merge)
+        packed = pack(weight)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x, weight, bias, packed):
+    return packed_linear(x, weight, bias) if packed else F.linear(x, weight, bias)
+
+
+def can_pack(dtype, device):
+    """Whether oneDNN matmuls run here for this dtype (float32 wherever torch has oneDNN; bfloat16 and
+    float16 only on CPUs with the instructions for them)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 16)
+        return True
+    except RuntimeError:
+        return False
+
+
+def pack_linears(model):
+    """Give every float Linear (and a tied head) a oneDNN-packed copy of its weight, when the model's
+    dtype runs on oneDNN here. The float weight stays: checkpoints, the self-draft and `.to()` read it."""
+    if not can_pack(model.dtype, model.device):
+        return model
+    for module in [*model.modules(), model.head]:  # the head: a Linear, or the token Embedding when tied
+        if isinstance(module, (Linear, Embedding)) and module.weight.dtype == model.dtype and not module.packed:
+            pack(module.weight)
+            module.packed = True
+    return model
+
+
+class Linear(nn.Linear):
+    packed = False  # set by pack_linears
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 class Embedding(nn.Embedding):
     """A token embedding, which can also be the output head tied to it (GPT-2, tied Llamas):
     `unembed(x)` is x @ weight.T. A quantized model swaps in a module with the same two calls."""
 
+    packed = False  # set by pack_linears when the embedding is also the head
+
     def unembed(self, x):
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None, self.packed)
+
+
+# Query rows of one attention call are padded to a multiple of this. Why: float32 SDPA on CPU runs its
+# score and value matmuls through BLAS, whose kernels take rows in blocks of 4 and compute a partial block
+# (1-3 rows: a 1-token decode step) in another order, so a token's numbers would depend on how many
+# tokens share its forward. Full blocks give every row the same arithmetic (docs/design.md, "Row
+# invariance"; tests/test_rows.py guards it). Costs a few zero rows of q.
+ATTENTION_ROW_BLOCK = 4
+
+
+def attend(q, k, v, mask, scale=None):
+    """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
+    computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""
+    rows = q.shape[-2]
+    pad = -rows % ATTENTION_ROW_BLOCK
+    if pad:
+        q = F.pad(q, (0, 0, 0, pad))
+        if mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
+            mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])], dim=-2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :rows, :]
 
 
 def causal_mask(input_pos, max_seq_len):

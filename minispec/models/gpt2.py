@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, causal_mask
+from .base import CachedLM, Embedding, KVCache, Linear, attend, causal_mask
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
 GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -52,8 +52,8 @@ class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
+        self.c_proj = Linear(config.n_embd, config.n_embd)
         self.kv_cache = None  # set by GPT2.setup_caches
 
     def forward(self, x, input_pos, mask):
@@ -61,15 +61,15 @@ class Attention(nn.Module):
         q, k, v = self.c_attn(x).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         k, v = self.kv_cache.update(input_pos, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, mask)
         return self.c_proj(y.transpose(1, 2).reshape(batch, seq_len, dim))
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.n_inner)
-        self.c_proj = nn.Linear(config.n_inner, config.n_embd)
+        self.c_fc = Linear(config.n_embd, config.n_inner)
+        self.c_proj = Linear(config.n_inner, config.n_embd)
         self.approximate = GELU_APPROXIMATION[config.activation_function]
 
     def forward(self, x):

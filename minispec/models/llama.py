@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, RMSNorm, causal_mask
+from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, attend, causal_mask
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -155,8 +155,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.window = window
-        self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
+        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
+        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
         self.kv_cache = None
 
     def forward(self, x, input_pos, cos, sin, mask):
@@ -171,8 +171,8 @@ class Attention(nn.Module):
         # (consecutive heads) become extra query rows of that head, each block of T rows with the same mask.
         group = self.n_heads // self.n_kv_heads
         q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
-        y = y.view(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
+        y = attend(q, k, v, mask.repeat(group, 1))
+        y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
         return self.wo(y)
 
 
@@ -181,8 +181,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
+        self.w13 = Linear(config.dim, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -210,7 +210,7 @@ class Llama(CachedLM):
         self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
-        self.output = None if config.tie_word_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
 
     @property
     def context_length(self):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, RMSNorm, causal_mask
+from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, attend, causal_mask
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -104,10 +104,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.d_kv = config.num_heads, config.d_kv
         inner = config.num_heads * config.d_kv
-        self.q = nn.Linear(config.d_model, inner, bias=False)
-        self.k = nn.Linear(config.d_model, inner, bias=False)
-        self.v = nn.Linear(config.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.q = Linear(config.d_model, inner, bias=False)
+        self.k = Linear(config.d_model, inner, bias=False)
+        self.v = Linear(config.d_model, inner, bias=False)
+        self.o = Linear(inner, config.d_model, bias=False)
 
     def heads(self, x):
         """[batch, len, n_heads * d_kv] -> [batch, n_heads, len, d_kv]"""
@@ -115,7 +115,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask):
         """q [b, h, t, d] over k, v [b, h, s, d]; mask: additive float bias [1, h, t, s] or boolean [1, 1, 1, s]."""
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        y = attend(q, k, v, mask, scale=1.0)
         return self.o(y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
 
@@ -170,11 +170,11 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[config.activation]
         self.gated = config.gated
         if config.gated:
-            self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
-            self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_0 = Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_1 = Linear(config.d_model, config.d_ff, bias=False)
         else:
-            self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+            self.wi = Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x):
         if self.gated:
@@ -226,7 +226,7 @@ class T5(CachedLM):
         self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
         self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         # Always its own parameter: convert_hf_weights fills it from the embedding when the checkpoint is tied.
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         # Boolean [1, 1, 1, capacity]: which cross-attention memory positions hold the prompt. A tensor,
         # not the prompt length as an int, which a compiled graph would specialize on.
         self.register_buffer("memory_mask", None, persistent=False)
