@@ -9,6 +9,8 @@
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -62,8 +64,14 @@ def parse_args(argv=None):
     parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
                         help="columns per int4 scale")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the target checkpoint)")
+    prompt.add_argument("--prompt", action="append",
+                        help="prompt text (needs tokenizer files in the target checkpoint); repeat the flag to "
+                             "decode several prompts together")
     prompt.add_argument("--prompt-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompts-file", metavar="FILE",
+                        help="one prompt a line, or JSON lines (a string, or a list of token ids), decoded together")
+    parser.add_argument("--batch-size", type=int,
+                        help="with several prompts: how many are decoded at once (default: all)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction,
                         help="wrap --prompt as the user's turn in the checkpoint's chat template (default: on when "
                              "the checkpoint has one, i.e. for instruct/chat models)")
@@ -161,19 +169,46 @@ def print_stream(chunks, tokenizer, show):
         print(piece, end="", flush=True)
 
 
-def prompt_for(args, target):
-    """(prompt as generate() takes it, whether it is a chat prompt)."""
+def read_prompts(path):
+    """--prompts-file: JSON lines when every line parses as a string or a list of ids, else text lines."""
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as error:
+        raise ValueError(f"--prompts-file {path}: {error.strerror}") from None
+    if not lines:
+        raise ValueError(f"--prompts-file {path} holds no prompt")
+    try:
+        prompts = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        return lines
+    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+        raise ValueError(f"--prompts-file {path}: a JSON line must be a string or a list of token ids")
+    return prompts
+
+
+def prompts_for(args, target):
+    """([prompts as generate() takes them], whether they are chat prompts)."""
     if args.prompt_ids is not None:
         if args.chat:
             raise ValueError("--chat needs the prompt as text (--prompt)")
-        return args.prompt_ids, False
+        return [args.prompt_ids], False
+    texts = args.prompt if args.prompt is not None else read_prompts(args.prompts_file)
+    if any(not isinstance(text, str) for text in texts):
+        if args.chat:
+            raise ValueError("--chat needs the prompts as text")
+        return texts, False
+    chat = chat_setting(args, target)
+    return [chat_prompt(target.tokenizer, text, args.system) if chat else text for text in texts], chat
+
+
+def chat_setting(args, target):
     tokenizer = target.tokenizer
     chat = args.chat if args.chat is not None else bool(tokenizer and tokenizer.chat_template)
     if chat and tokenizer is None:
         raise ValueError(f"--chat: {target.name} has no tokenizer files")
     if args.system is not None and not chat:
         raise ValueError("--system needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
-    return (chat_prompt(tokenizer, args.prompt, args.system), True) if chat else (args.prompt, False)
+    return chat
 
 
 def summary(stats):
@@ -198,6 +233,22 @@ def speedup_summary(out, baseline):
             f"tokens/s, {'same' if out.tokens == baseline.tokens else 'different'} output)")
 
 
+def print_batch(args, target, prompts, draft, settings, chat):
+    """Several prompts: decoded together (minispec.generate with a list), each output printed in turn."""
+    start = time.perf_counter()
+    outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats) for out in outs]))
+        return 0
+    for i, out in enumerate(outs):
+        print(f"[{i}] " + (out.text if out.text is not None else " ".join(map(str, out.tokens))))
+    total = sum(len(out.tokens) for out in outs)
+    print(f"{len(outs)} prompts, {total} new tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s in all)",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv or DEFAULT_ARGS)
@@ -214,7 +265,10 @@ def main(argv=None):
             torch.set_num_threads(args.threads)
         target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
                                               args.compile, args.quantize, args.draft_quantize, args.group_size)
-        prompt, chat = prompt_for(args, target)
+        prompts, chat = prompts_for(args, target)
+        if len(prompts) > 1:
+            return print_batch(args, target, prompts, draft, settings, chat)
+        prompt = prompts[0]
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}
             minispec.generate(target, prompt, draft=draft, **{**settings, **short})

@@ -444,12 +444,17 @@ def parse_args(argv):
     parser.add_argument("--memory-tokens", type=int, default=0, metavar="N",
                         help="also compare peak memory of a 16-token and an N-token speculative generation "
                              "(the first γ, the first prompt): it must not grow with the number of steps")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
+                        help="instead of the table above: total new tokens/s of B requests decoded together "
+                             "(the prompts repeated to B), plain and speculative (the first --gamma), per B")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.memory_tokens and args.memory_tokens <= 16:
         raise ValueError(f"--memory-tokens must be more than 16, got {args.memory_tokens}")
     if any(g != "auto" and g < 1 for g in args.gamma):
         raise ValueError(f"--gamma values must be >= 1 or 'auto', got {args.gamma}")
+    if args.batch_sizes and min(args.batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
         raise ValueError("--repeats, --max-new-tokens and --seeds must be >= 1")
     sampling_of(args)  # bad sampling settings fail before loading weights
@@ -591,6 +596,43 @@ def benchmark(args):
     return result
 
 
+def batch_benchmark(args):
+    """Total new tokens per second of B requests at once, plain and speculative, for each B: the median
+    of --repeats runs, taken in turn (B, plain / speculative) so that drift hits all alike."""
+    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed)
+    runs = {(b, name): [] for b in args.batch_sizes for name in ("plain", "speculative")}
+    outputs = {}
+    for repeat in range(args.repeats + 1):  # the first pass warms up (allocation, calibration)
+        for b in args.batch_sizes:
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            for name, extra in (("plain", {}), ("speculative", {"draft": draft, "gamma": args.gamma[0]})):
+                start = time.perf_counter()
+                outs = generate(target, batch, batch_size=b, **settings, **extra)
+                seconds = time.perf_counter() - start
+                outputs[b, name] = [out.tokens for out in outs]
+                if repeat:
+                    runs[b, name].append(sum(len(t) for t in outputs[b, name]) / seconds)
+    base = statistics.median(runs[min(args.batch_sizes), "plain"])
+    rows = [{"batch": b, "plain_tokens_per_second": statistics.median(runs[b, "plain"]),
+             "speculative_tokens_per_second": statistics.median(runs[b, "speculative"]),
+             "identical": outputs[b, "plain"] == outputs[b, "speculative"] if args.temperature == 0 else None}
+            for b in args.batch_sizes]
+    lines = [f"target `{args.target}`, draft `{args.draft}` (gamma {args.gamma[0]}) on {target.device} "
+             f"({str(target.dtype).removeprefix('torch.')}), {args.max_new_tokens} new tokens a request, "
+             f"median of {args.repeats}", "",
+             "| batch | plain tok/s | x batch " + str(min(args.batch_sizes)) + " | speculative tok/s | "
+             "x plain | same outputs |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        plain, spec = row["plain_tokens_per_second"], row["speculative_tokens_per_second"]
+        lines.append(f"| {row['batch']} | {plain:.1f} | {plain / base:.2f}x | {spec:.1f} | {spec / plain:.2f}x | "
+                     f"{yes_no(row['identical'])} |")
+    return {"settings": vars(args), "batches": rows}, "\n".join(lines)
+
+
 def markdown_table(result):
     s = result["settings"]
     seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
@@ -680,13 +722,17 @@ def yes_no(value):
 def main(argv=None):
     try:
         args = parse_args(argv)
-        result = benchmark(args)
+        if args.batch_sizes:
+            result, table = batch_benchmark(args)
+        else:
+            result = benchmark(args)
+            table = markdown_table(result)
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
         print(f"error: {error}", file=sys.stderr)
         return 2
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=1)
-    print(markdown_table(result))
+    print(table)
     print(f"\nwrote {args.json_out}", file=sys.stderr)
     return 0
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import beam
+from .batch import decode_batch, kv_cache_bytes_per_row
 from .drafters import make_drafter
 from .policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
 from .sampling import Sampling, adjust, sample
@@ -47,8 +48,9 @@ def prompt_tensor(model, prompt):
     return ids
 
 
-def check_fits(model, prefix_length, max_new_tokens, batch_size=1, role="target"):
-    """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
+def check_fits(model, prefix_length, max_new_tokens, batch_size=1, role="target", allocate=True):
+    """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens; then the
+    caches are made to fit (unless allocate=False)."""
     context = model.context_length
     if context is not None and prefix_length > context:
         raise ValueError(f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
@@ -58,7 +60,8 @@ def check_fits(model, prefix_length, max_new_tokens, batch_size=1, role="target"
             f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
             f"{model.name}'s context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
         )
-    model.ensure_caches(batch_size, prefix_length + max_new_tokens)
+    if allocate:
+        model.ensure_caches(batch_size, prefix_length + max_new_tokens)
 
 
 # A model's KV cache holds one request at a time, so a model runs one generate() call at a time;
@@ -198,10 +201,14 @@ def steps(request):
         seconds=seconds,
         tokens_per_second=len(tokens) / seconds if seconds > 0 else float("inf"),
     )
+    return Generation(tokens, final_text(target, stop, tokens), stats, trace, sequences, scores)
+
+
+def final_text(target, stop, tokens):
     text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
     if text is not None and stop.text_end is not None:  # a stop string ended it: the text ends before it
         text = stop.text.text[:stop.text_end]
-    return Generation(tokens, text, stats, trace, sequences, scores)
+    return text
 
 
 def add_segments(trace, segments):
@@ -216,7 +223,8 @@ def add_segments(trace, segments):
 
 
 def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None):
+             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
+             batch_size=None, on_tokens=None):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
     "int8"/"int4": the target itself, quantized).
 
@@ -228,15 +236,95 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
+    A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
+    alone. Decoder-only targets decode them together, plainly or with "lookup"/"ngram", `batch_size`
+    (default: all) at a time, a finished request's place going to the next (minispec.batch); draft
+    models, beam search and T5 run them one after another. on_tokens(i, tokens) is called with each
+    step's new tokens of prompt i.
     """
+    settings = (draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
+                draft_beams, stop, stop_token_ids)
+    if is_batch(prompt):
+        return generate_batch(target, prompt, settings, batch_size, on_tokens)
     request = Request.check(target, prompt, draft, gamma, max_new_tokens, temperature, top_k, top_p, seed,
                             lenience, ignore_eos, beams, draft_beams, stop, stop_token_ids)
-    run = steps(request)
+    return run_to_end(steps(request), lambda tokens: on_tokens and on_tokens(0, tokens))
+
+
+def run_to_end(run, on_tokens):
     while True:
         try:
-            next(run)
+            tokens, _ = next(run)
+            on_tokens(tokens)
         except StopIteration as end:
             return end.value
+
+
+def is_batch(prompt):
+    """A list of texts or of token lists is a batch; a list of ints is one prompt."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def generate_batch(target, prompts, settings, batch_size, on_tokens):
+    requests = []
+    for i, prompt in enumerate(prompts):
+        try:
+            requests.append(Request.check(target, prompt, *settings))
+        except ValueError as error:
+            raise ValueError(f"prompt {i}: {error}") from None
+    on_tokens = on_tokens or (lambda i, tokens: None)
+    drafter = requests[0].drafter
+    if drafter and drafter.model is not None or requests[0].searching or target.is_encoder_decoder:  # one by one
+        return [run_to_end(steps(request), lambda tokens, i=i: on_tokens(i, tokens))
+                for i, request in enumerate(requests)]
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    rows = min(batch_size or len(requests), len(requests))
+    for i, request in enumerate(requests):
+        try:
+            check_fits(target, request.prompt_ids.shape[1], request.max_new_tokens, allocate=False)
+        except ValueError as error:
+            raise ValueError(f"prompt {i}: {error}") from None
+    longest = max(request.prompt_ids.shape[1] + request.max_new_tokens for request in requests)
+    check_memory(target, rows, longest)
+    target.ensure_caches(rows, longest)
+    with exclusive(target):
+        run = decode_batch(target, requests, rows)
+        while True:
+            try:
+                on_tokens(*next(run))
+            except StopIteration as end:
+                results = end.value
+                break
+    generations = []
+    for request, (tokens, stats) in zip(requests, results):
+        stats.update(new_tokens=len(tokens), batch_size=rows,
+                     tokens_per_second=len(tokens) / stats["seconds"] if stats["seconds"] > 0 else float("inf"))
+        generations.append(Generation(tokens, final_text(target, request.stop, tokens), stats,
+                                      [(list(tokens), "target")] if tokens else []))
+    return generations
+
+
+def check_memory(model, rows, max_seq_len):
+    """A clear error, before any work, when `rows` cache rows of `max_seq_len` positions do not fit."""
+    per_row = kv_cache_bytes_per_row(model, max_seq_len)
+    free = available_memory(model.device)
+    if free is not None and rows * per_row > free:
+        raise ValueError(f"a batch of {rows} requests needs {rows * per_row / 2**30:.1f} GiB of KV cache "
+                         f"({per_row / 2**20:.0f} MiB each at {max_seq_len} positions), more than the "
+                         f"{free / 2**30:.1f} GiB free; at most {free // per_row} fit: pass batch_size=")
+
+
+def available_memory(device):
+    """Free bytes for new tensors on the device (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 @dataclass

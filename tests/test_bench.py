@@ -207,6 +207,16 @@ def test_auto_gamma_row_beside_the_fixed_ones(dirs, tmp_path, capsys, draft):
     assert sum(re.match(r"\| prompt \d", line) is not None for line in table.splitlines()) == len(PROMPTS)
 
 
+def test_batch_sizes_table(dirs, tmp_path, capsys):
+    """--batch-sizes: total tokens/s per batch size, plain and speculative, with the same outputs."""
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "3",
+                              "--batch-sizes", "1", "3", "--repeats", "1", *PROMPT_FLAGS)
+    assert [row["batch"] for row in result["batches"]] == [1, 3]
+    assert all(row["identical"] is True and row["plain_tokens_per_second"] > 0 and
+               row["speculative_tokens_per_second"] > 0 for row in result["batches"])
+    assert re.search(r"^\| 3 \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x \| yes \|$", table, re.M)
+
+
 @pytest.mark.parametrize("draft", ["lookup", "same_weights"])
 def test_report_has_every_field(dirs, tmp_path, capsys, draft):
     draft_arg = dirs["gpt2"] if draft == "same_weights" else "lookup"
@@ -334,6 +344,7 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
     (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),
     (["--device", "tpu9"], "device 'tpu9' is not a torch device"),
+    (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]

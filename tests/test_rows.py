@@ -55,6 +55,20 @@ def test_every_row_computes_as_it_would_alone(reference_dirs, kind, dtype, threa
         assert mismatched_rows(model, threads) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_rows_compute_as_they_would_alone(reference_dirs, dtype):
+    """torch.compile'd forwards (one graph per width): widths 4 and 9 against compiled 1-token steps."""
+    model = minispec.load(reference_dirs["llama_gqa"][1], dtype=dtype, compile=True)
+    start, tokens = torch.tensor([PROMPT]), torch.tensor([CONTINUATION])
+    model.ensure_caches(1, 64)
+    with torch.inference_mode():
+        expected = one_token_at_a_time(model, start, tokens)
+        for width in (4, 9):
+            model.prefill(start)
+            logits = model.decode(tokens[:, :width])[0]
+            assert [i for i in range(width) if not torch.equal(logits[i], expected[i])] == [], width
+
+
 def test_the_row_test_fails_without_row_invariance(reference_dirs, monkeypatch):
     """The bug planted: BLAS matmuls (no packed weights) and unpadded attention rows, in float32."""
     model = minispec.load(reference_dirs["llama_gqa"][1])

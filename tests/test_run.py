@@ -210,3 +210,29 @@ def test_stop_strings_and_tokens_from_the_command_line(llama_with_tokenizer, cap
     assert json.loads(capsys.readouterr().out)["tokens"] == plain.tokens[: plain.tokens.index(token) + 1]
     assert run.main([*common, "--system", "Be brief."]) == 2
     assert "--system needs a chat prompt" in capsys.readouterr().err
+
+
+def test_several_prompts_are_decoded_together(gpt2_dir, llama_with_tokenizer, tmp_path, capsys):
+    """--prompts-file (JSON lines of ids, or text lines) and a repeated --prompt: one output per prompt,
+    each what that prompt gives alone."""
+    prompts = [PROMPT, [9, 4, 9], [3, 3, 7, 11, 13]]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    target = minispec.load(gpt2_dir)
+    alone = [minispec.generate(target, p, max_new_tokens=8, draft="lookup").tokens for p in prompts]
+    assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(path), "--max-new-tokens", "8",
+                     "--draft", "lookup", "--batch-size", "2", "--json"]) == 0
+    assert [out["tokens"] for out in json.loads(capsys.readouterr().out)] == alone
+
+    llama = minispec.load(llama_with_tokenizer)
+    texts = ["the cat sat", "a dog ran"]
+    expected = [minispec.generate(llama, t, max_new_tokens=6, ignore_eos=True).text for t in texts]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    for flags in (["--prompt", texts[0], "--prompt", texts[1]], ["--prompts-file", str(tmp_path / "texts.txt")]):
+        assert run.main(["--target", str(llama_with_tokenizer), "--device", "cpu", *flags, "--max-new-tokens", "6",
+                         "--ignore-eos"]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == "".join(f"[{i}] {text}\n" for i, text in enumerate(expected))
+        assert "2 prompts, 12 new tokens in" in captured.err
+    assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(tmp_path / "none.txt")]) == 2
+    assert "error: --prompts-file" in capsys.readouterr().err

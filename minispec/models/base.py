@@ -37,14 +37,22 @@ class KVCache(nn.Module):
             self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    first_row = 0  # the cache row of the forward's batch row 0 (set by CachedLM.prefill_row)
+
     def update(self, input_pos, k, v):
-        """Write k, v of shape [rows, heads, len(input_pos), head_dim] at `input_pos` into the first
-        `rows` batch rows (a forward may use fewer rows than the cache holds: speculative beam search
-        verifies as many hypotheses as a step drafted); return those rows of the cache."""
-        rows = k.shape[0]
-        self.k[:rows].index_copy_(2, input_pos, k)
-        self.v[:rows].index_copy_(2, input_pos, v)
-        return self.k[:rows], self.v[:rows]
+        """Write k, v of shape [rows, heads, n, head_dim] into `rows` consecutive batch rows from
+        `first_row` (a forward may use fewer rows than the cache holds: speculative beam search verifies
+        as many hypotheses as a step drafted, a batch admits one request at a time), at positions
+        input_pos [n], or [rows, n] for a position per row (batched requests); return those rows."""
+        rows = slice(self.first_row, self.first_row + k.shape[0])
+        if input_pos.dim() == 1:
+            self.k[rows].index_copy_(2, input_pos, k)
+            self.v[rows].index_copy_(2, input_pos, v)
+        else:
+            index = input_pos[:, None, :, None].expand_as(k)
+            self.k[rows].scatter_(2, index, k)
+            self.v[rows].scatter_(2, index, v)
+        return self.k[rows], self.v[rows]
 
     def reorder(self, beam_idx):
         """Batch row i becomes row beam_idx[i], for the first len(beam_idx) rows."""
@@ -164,6 +172,8 @@ def attend(q, k, v, mask, scale=None):
     """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
     computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""
     rows = q.shape[-2]
+    if mask.dim() == 3:  # [batch, rows, s]: a mask per batch row, the same for every head
+        mask = mask.unsqueeze(1)
     pad = -rows % ATTENTION_ROW_BLOCK
     if pad:
         q = F.pad(q, (0, 0, 0, pad))
@@ -173,8 +183,9 @@ def attend(q, k, v, mask, scale=None):
 
 
 def causal_mask(input_pos, max_seq_len):
-    """Boolean [len(input_pos), max_seq_len]: query i may read cache position j iff j <= input_pos[i]."""
-    return torch.arange(max_seq_len, device=input_pos.device)[None, :] <= input_pos[:, None]
+    """Boolean [..., n, max_seq_len] for input_pos [..., n]: query i may read cache position j iff
+    j <= input_pos[..., i]."""
+    return torch.arange(max_seq_len, device=input_pos.device) <= input_pos[..., None]
 
 
 class CachedLM(nn.Module):
@@ -275,6 +286,37 @@ class CachedLM(nn.Module):
         logits = forward(tokens, input_pos)
         self.length += n
         return logits
+
+    def prefill_row(self, row, tokens, logits_for=None):
+        """Start a sequence in cache row `row` alone, the other rows untouched (a request joining a running
+        batch). tokens [1, n]; returns their logits, of the last `logits_for` positions (all when None)."""
+        if not 0 <= row < self.cache_batch_size or tokens.shape[1] > self.cache_max_seq_len:
+            raise ValueError(f"{self.name}: no room for {tokens.shape[1]} tokens in cache row {row}")
+        caches = [module for module in self.modules() if isinstance(module, KVCache)]
+        for cache in caches:
+            cache.first_row = row
+        try:
+            return self.forward(tokens, torch.arange(tokens.shape[1], device=tokens.device), logits_for)
+        finally:
+            for cache in caches:
+                cache.first_row = 0
+
+    def decode_rows(self, tokens, lengths):
+        """Append tokens [rows, n] to the first `rows` cache rows, each at its own length (lengths: ints,
+        kept by the caller); returns their logits [rows, n, vocab]."""
+        n = tokens.shape[1]
+        if max(lengths) + n > self.cache_max_seq_len:
+            raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} overflows the KV cache "
+                             f"of {self.cache_max_seq_len} positions")
+        input_pos = torch.tensor(lengths, device=tokens.device)[:, None] + torch.arange(n, device=tokens.device)
+        return (self.compiled_forward or self.forward)(tokens, input_pos)
+
+    def move_row(self, source, destination):
+        """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left)."""
+        for module in self.modules():
+            if isinstance(module, KVCache):
+                module.k[destination] = module.k[source]
+                module.v[destination] = module.v[source]
 
     def rollback(self, length):
         if not 0 <= length <= self.length:

@@ -144,10 +144,11 @@ def rope_tables(config, max_seq_len, device):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x [B, T, heads, head_dim] by its positions' angles; the pairs are (i, i + head_dim/2)."""
+    """Rotate x [B, T, heads, head_dim] by its positions' angles, cos and sin [T or B x T, head_dim];
+    the pairs are (i, i + head_dim/2)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos[:, None] + rotated * sin[:, None]).type_as(x)
+    return (x.float() * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).type_as(x)
 
 
 class Attention(nn.Module):
@@ -171,7 +172,7 @@ class Attention(nn.Module):
         # (consecutive heads) become extra query rows of that head, each block of T rows with the same mask.
         group = self.n_heads // self.n_kv_heads
         q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)
-        y = attend(q, k, v, mask.repeat(group, 1))
+        y = attend(q, k, v, mask.repeat(*[1] * (mask.dim() - 2), group, 1))
         y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
         return self.wo(y)
 
@@ -237,7 +238,7 @@ class Llama(CachedLM):
         causal = causal_mask(input_pos, self.cache_max_seq_len)
         # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
         key_pos = torch.arange(self.cache_max_seq_len, device=input_pos.device)
-        masks = {w: causal if w is None else causal & (key_pos[None, :] > input_pos[:, None] - w)
+        masks = {w: causal if w is None else causal & (key_pos > input_pos[..., None] - w)
                  for w in set(self.config.windows)}
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.tok_embeddings(tokens)

@@ -1,0 +1,120 @@
+"""Batched requests (minispec.batch, through minispec.generate with a list of prompts): every request's
+output is what it gives decoded alone, finished rows hand their cache rows on, bad input fails before
+any work, and the forward's rows keep their own positions bit for bit."""
+
+import importlib
+
+import pytest
+import torch
+
+import minispec
+from conftest import make_reference, save_reference
+
+KINDS = ["gpt2", "llama", "llama_gqa", "qwen2"]
+PROMPTS = [[5, 17, 33, 8, 90, 41, 2, 63], [9, 4], [3, 3, 3, 7, 11, 13, 40, 50, 60, 70, 80, 1], [44, 45, 46], [8],
+           [12, 30, 31, 32, 33, 34, 35]]
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    return {kind: minispec.load(save_reference(make_reference(kind), tmp_path_factory.mktemp(kind))) for kind in KINDS}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_request_gets_what_it_gets_alone(targets, kind, temperature):
+    """Greedy: the same tokens. Sampled: the same tokens for the same seed (each row draws from its own
+    generator, from bit-identical logits), so the distribution is the target's too."""
+    target = targets[kind]
+    settings = {"max_new_tokens": 20, "ignore_eos": True, "temperature": temperature, "seed": 3}
+    alone = [minispec.generate(target, prompt, **settings).tokens for prompt in PROMPTS]
+    assert len({tuple(tokens) for tokens in alone}) == len(PROMPTS)
+    for batch_size in (None, 4, 2, 1):  # 6 rows at once, and continuous batching with fewer rows
+        together = minispec.generate(target, PROMPTS, batch_size=batch_size, **settings)
+        assert [out.tokens for out in together] == alone, f"batch_size={batch_size}"
+
+
+def test_rows_that_finish_early_leave_and_others_take_their_place(targets):
+    """Stops at different steps (EOS of each prompt's own continuation, a stop token): each output ends
+    where it ends alone, and a row's forwards stop when it does."""
+    target = targets["llama"]
+    greedy = {"max_new_tokens": 24, "ignore_eos": True}
+    ends = [minispec.generate(target, prompt, **greedy).tokens[3 + 2 * i] for i, prompt in enumerate(PROMPTS)]
+    settings = {"max_new_tokens": 24, "stop_token_ids": ends[:3]}
+    alone = [minispec.generate(target, prompt, **settings) for prompt in PROMPTS]
+    assert len({len(out.tokens) for out in alone}) > 2  # they do end at different steps
+    together = minispec.generate(target, PROMPTS, batch_size=3, **settings)
+    assert [out.tokens for out in together] == [out.tokens for out in alone]
+    for out in together:  # its prefill, then one forward per token after the first
+        assert out.stats["target_calls"] == len(out.tokens)
+
+
+def test_tokens_come_to_the_callback_per_request_as_they_are_made(targets):
+    got = {i: [] for i in range(len(PROMPTS))}
+    out = minispec.generate(targets["gpt2"], PROMPTS, max_new_tokens=10, ignore_eos=True, batch_size=4,
+                            on_tokens=lambda i, tokens: got[i].extend(tokens))
+    assert [got[i] for i in range(len(PROMPTS))] == [o.tokens for o in out]
+
+
+# Prompts that repeat themselves, so that lookup and ngram have something to guess.
+COPYING = [[5, 6, 7, 8, 9, 5, 6, 7], [9, 4, 9, 4, 9], [3, 3, 3, 7, 11, 13, 3, 3, 3, 7], [44, 45, 46, 44, 45],
+           [8, 1, 8, 1, 8, 1], [12, 30, 31, 12, 30, 31, 12]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("draft", ["lookup", "ngram"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_speculation_gives_each_request_what_it_gets_alone(targets, kind, draft, temperature):
+    """Each row guesses, verifies and rolls back on its own; with a fixed γ even its random draws are
+    the lone request's, so sampled outputs are equal for the same seed."""
+    target = targets[kind]
+    settings = {"max_new_tokens": 24, "ignore_eos": True, "temperature": temperature, "seed": 5, "draft": draft}
+    for gamma in (1, 4, "auto"):
+        alone = [minispec.generate(target, prompt, gamma=gamma, **settings) for prompt in COPYING]
+        assert sum(out.stats["proposed"] for out in alone) > 0
+        for batch_size in (None, 4):
+            together = minispec.generate(target, COPYING, gamma=gamma, batch_size=batch_size, **settings)
+            if gamma == "auto" and temperature:  # lengths chosen in a batch may differ: the same distribution
+                continue
+            assert [out.tokens for out in together] == [out.tokens for out in alone], f"{gamma}, {batch_size}"
+            if gamma != "auto":
+                assert [out.stats["target_calls"] for out in together] == [out.stats["target_calls"] for out in alone]
+
+
+def test_with_a_draft_model_requests_run_one_after_another_with_the_same_outputs(targets, tmp_path):
+    target = targets["qwen2"]
+    draft = minispec.load(save_reference(make_reference("qwen2", seed=7), tmp_path))
+    alone = [minispec.generate(target, prompt, max_new_tokens=12, ignore_eos=True).tokens for prompt in PROMPTS[:3]]
+    out = minispec.generate(target, PROMPTS[:3], draft=draft, max_new_tokens=12, ignore_eos=True)
+    assert [o.tokens for o in out] == alone
+
+
+def test_bad_input_in_a_batch_fails_before_any_work_naming_the_prompt(targets, monkeypatch):
+    target = targets["gpt2"]  # a context of 128 positions
+    calls = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match="^prompt 1: the prompt is empty"):
+        minispec.generate(target, [[5, 6], []])
+    with pytest.raises(ValueError, match="^prompt 2: the prompt has 200 tokens, longer than"):
+        minispec.generate(target, [[5, 6], [7], [1] * 200])
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        minispec.generate(target, [[5, 6], [7]], batch_size=0)
+    monkeypatch.setattr(importlib.import_module("minispec.generate"), "available_memory", lambda device: 100_000)  # one row of its cache: 65,536 bytes
+    with pytest.raises(ValueError, match=r"a batch of 2 requests needs .* at most 1 fit: pass batch_size="):
+        minispec.generate(target, [[5, 6], [7]], max_new_tokens=100)
+    assert calls == []
+
+
+def test_rows_at_their_own_positions_compute_as_they_would_alone(targets):
+    """decode_rows: each cache row at its own length, one token each, bit for bit a 1-row decode."""
+    target = targets["llama_gqa"]
+    target.ensure_caches(len(PROMPTS), 64)
+    with torch.inference_mode():
+        alone = []
+        for prompt in PROMPTS:
+            target.prefill(torch.tensor([prompt]))
+            alone.append(target.decode(torch.tensor([[7]]))[0, -1])
+        for row, prompt in enumerate(PROMPTS):
+            target.prefill_row(row, torch.tensor([prompt]))
+        together = target.decode_rows(torch.full((len(PROMPTS), 1), 7), [len(p) for p in PROMPTS])[:, -1]
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
