@@ -1,6 +1,7 @@
 """Many requests at once: a batch whose rows each keep their own length in the static KV caches, with
 continuous batching (a finished request's cache row goes to the next waiting request), decoded plainly
-or speculatively with a model-free drafter (lookup, ngram), one drafter per row.
+or speculatively: with a model-free drafter (lookup, ngram) per row, or a draft model that keeps a
+cache row per request too and guesses for all rows in the same forwards.
 
     every step:  each row verifies its guesses against its logits     Algorithm 1, the row's own
                  (no guesses: picks its next token)                   sampling and generator
@@ -19,6 +20,8 @@ from collections import deque
 
 import torch
 
+from .drafters import confidence
+from .policy import GAMMA_MAX
 from .sampling import adjust, sample
 from .speculative import accept_and_resample, accept_greedy, one_hot, record_step
 
@@ -41,6 +44,9 @@ class Row:
                               accepted_lengths=[0] * (self.policy.k_max + 1))
         self.started = self.step_started = time.perf_counter()
         self.draft_seconds = 0.0
+        # with a draft model (BatchDraft): its logits for the next guess, its cache row's length, the
+        # accepted tokens it has not seen, and how many of the last guesses went through it
+        self.draft_logits, self.draft_length, self.draft_unseen, self.draft_fed, self.draft_calls = None, 0, [], 0, 0
 
     def guess(self):
         """The row's guesses for its next verification (none without a drafter)."""
@@ -79,6 +85,8 @@ def decode_batch(target, requests, rows):
     time. Yields (request index, new tokens) as they come; returns each request's (tokens, stats)."""
     waiting = deque(enumerate(requests))
     batch = []  # batch[i] lives in cache row i
+    drafter = requests[0].drafter
+    draft = BatchDraft(drafter.model) if drafter and drafter.model is not None else None
     results = [None] * len(requests)
 
     def admit(slot):
@@ -87,9 +95,14 @@ def decode_batch(target, requests, rows):
         row = Row(index, request)
         prompt = request.prompt_ids
         if row.drafter:
-            row.drafter.start(prompt, request.max_new_tokens)
+            if draft is None:
+                row.drafter.start(prompt, request.max_new_tokens)
             row.policy.start(target, row.drafter, prompt)
-        guesses = row.guess()
+        if draft is not None:
+            draft.admit(slot, row)
+            guesses = draft.guess([row], [row], first_row=slot)[0]
+        else:
+            guesses = row.guess()
         tokens = torch.cat([prompt, torch.tensor([guesses], dtype=torch.long, device=prompt.device)], dim=1)
         row.logits = target.prefill_row(slot, tokens, logits_for=len(guesses) + 1)[0]
         row.length = tokens.shape[1]
@@ -114,11 +127,13 @@ def decode_batch(target, requests, rows):
         while None in batch:  # the last row moves into a gap
             hole, last = batch.index(None), len(batch) - 1
             if batch[last] is not None and hole < last:
-                target.move_row(last, hole)
+                for model in (target, draft and draft.model):
+                    if model is not None:
+                        model.move_row(last, hole)
                 batch[hole] = batch[last]
             batch.pop()
         if batch:
-            forward_rows(target, batch)
+            forward_rows(target, batch, draft)
     return results
 
 
@@ -135,8 +150,13 @@ def step_done(row, n, t):
         record_step(row.stats, guesses, n, new_tokens)
         row.step_started = now
         row.length -= k - n  # the rejected guesses leave its cache; t is fed next
-        if not stopped:
+        if not stopped and not row.draft_length:  # a model-free drafter
             row.drafter.accept(new_tokens, torch.tensor(guesses[:n] + [t], device=row.logits.device))
+        elif not stopped:  # the draft's cache keeps the guesses it saw that were accepted
+            keep = min(n, row.draft_fed)
+            row.draft_length -= row.draft_fed - keep
+            row.draft_unseen += (guesses[:n] + [t])[keep:]
+            row.draft_logits = None
     row.fresh = False
     row.tokens += new_tokens
     return stopped or len(row.tokens) >= row.request.max_new_tokens
@@ -144,23 +164,26 @@ def step_done(row, n, t):
 
 def finish_stats(row):
     stats = row.stats
-    stats["draft_calls"] = row.drafter.calls
+    stats["draft_calls"] = row.draft_calls if row.draft_length else row.drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
     stats["tokens_per_target_call"] = len(row.tokens) / max(stats["target_calls"], 1)
     stats.update(row.policy.finish())
 
 
-def forward_rows(target, batch):
+def forward_rows(target, batch, draft):
     """One target forward over every row that has a token to feed: its last token and its guesses, at
     its own positions, padded to the widest row (padding lands past the row's length, where the next
     forward overwrites it). Rows admitted this step already have their prefill's logits."""
     room = min(target.cache_max_seq_len - row.length for row in batch)  # every row's feed, padding included
+    guessing = [row for row in batch if not row.fresh]
+    if draft is not None:
+        guessed = dict(zip(map(id, guessing), draft.guess(batch, guessing)))
     feeds = []
     for row in batch:
         if row.fresh:  # admitted this step: a placeholder, whose logits are not read
             feeds.append([0])
             continue
-        guesses = row.guess()[:room - 1]
+        guesses = (guessed[id(row)] if draft is not None else row.guess())[:room - 1]
         if row.drafter:
             row.drafts = row.drafts[:len(guesses)]
             row.q = None if row.q is None else row.q[:len(guesses)]
@@ -175,3 +198,78 @@ def forward_rows(target, batch):
         row.length += len(feed)
         if not row.drafter:  # speculative rows count their calls per verified step (record_step)
             row.stats["target_calls"] += 1
+
+
+CATCH_UP = GAMMA_MAX + 1  # tokens a catch-up forward feeds a row at most
+
+
+class BatchDraft:
+    """A draft model guessing for a batch: a cache row per request, each at its own length, and the
+    rows' guesses made in the same forwards (a row not guessing is fed placeholders past its length).
+    Per row it does what drafters.ModelDrafter does for a lone request, in the same order, so a row's
+    guesses and random draws are the lone request's."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def admit(self, slot, row):
+        prompt = row.request.prompt_ids.to(self.model.device)
+        row.draft_logits = self.model.prefill_row(slot, prompt, logits_for=1)[0, -1]
+        row.draft_length, row.draft_unseen, row.draft_calls = prompt.shape[1], [], 1
+
+    def feed(self, rows, feeds, first_row):
+        """One draft forward over the cache rows from `first_row`: feeds[i] (host ids, maybe none) at
+        rows[i]'s length. Sets the fed rows' logits for their next guess and advances their lengths."""
+        width = max(map(len, feeds))
+        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=self.model.device)
+        logits = self.model.decode_rows(tokens, [row.draft_length for row in rows], first_row)
+        for i, (row, f) in enumerate(zip(rows, feeds)):
+            if f:
+                row.draft_logits = logits[i, len(f) - 1]
+                row.draft_length += len(f)
+                row.draft_calls += 1
+
+    def guess(self, rows, guessing, first_row=0):
+        """The guesses (host ids) of each row of `guessing`, its policy choosing how many; `rows` are
+        the cache rows from `first_row` on, in order. Sets row.drafts and row.q."""
+        start = time.perf_counter()
+        wanted = {id(row): min(row.policy.guesses(), row.request.max_new_tokens - len(row.tokens) - 1)
+                  for row in guessing}
+        # Catch up on the tokens accepted since each guessing row last went through the draft, a few at
+        # a time: the rows fed fewer get placeholders, which must stay within their cache rows.
+        while any(row.draft_unseen and wanted.get(id(row)) for row in rows):
+            feeds = [row.draft_unseen[:CATCH_UP] if wanted.get(id(row)) else [] for row in rows]
+            self.feed(rows, feeds, first_row)
+            for row, f in zip(rows, feeds):
+                row.draft_unseen = row.draft_unseen[len(f):]
+        guesses, qs = {id(row): [] for row in guessing}, {id(row): [] for row in guessing}
+        for row in guessing:
+            row.draft_fed = 0
+        going = [row for row in guessing if wanted[id(row)]]
+        while going:
+            still = []
+            for row in going:
+                sampling, logits, q = row.request.sampling, row.draft_logits, qs[id(row)]
+                if sampling.greedy:
+                    guess = logits.argmax(-1)
+                else:
+                    q.append(adjust(logits, sampling))
+                    guess = sample(q[-1], row.generator)
+                guesses[id(row)].append(guess)
+                keep = row.policy.keep_guessing
+                if keep and not keep(len(guesses[id(row)]), confidence(logits, q, guess, sampling)):
+                    continue
+                if len(guesses[id(row)]) < wanted[id(row)]:  # the last guess is never fed
+                    still.append(row)
+            going = still
+            if going:
+                self.feed(rows, [[int(guesses[id(row)][-1])] if row in going else [] for row in rows], first_row)
+                for row in going:
+                    row.draft_fed += 1
+        seconds = time.perf_counter() - start
+        for row in guessing:
+            g = guesses[id(row)]
+            row.drafts = torch.stack(g) if g else torch.zeros(0, dtype=torch.long, device=self.model.device)
+            row.q = torch.stack(qs[id(row)]) if qs[id(row)] else None
+            row.draft_seconds = seconds / len(guessing)
+        return [row.drafts.tolist() for row in guessing]

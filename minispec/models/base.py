@@ -17,6 +17,7 @@ length are never read and rolling back needs no clearing.
 """
 
 import weakref
+from contextlib import contextmanager
 from functools import partial
 from typing import Optional
 
@@ -292,24 +293,33 @@ class CachedLM(nn.Module):
         batch). tokens [1, n]; returns their logits, of the last `logits_for` positions (all when None)."""
         if not 0 <= row < self.cache_batch_size or tokens.shape[1] > self.cache_max_seq_len:
             raise ValueError(f"{self.name}: no room for {tokens.shape[1]} tokens in cache row {row}")
-        caches = [module for module in self.modules() if isinstance(module, KVCache)]
-        for cache in caches:
-            cache.first_row = row
-        try:
+        with self.rows_from(row):
             return self.forward(tokens, torch.arange(tokens.shape[1], device=tokens.device), logits_for)
-        finally:
-            for cache in caches:
-                cache.first_row = 0
 
-    def decode_rows(self, tokens, lengths):
-        """Append tokens [rows, n] to the first `rows` cache rows, each at its own length (lengths: ints,
-        kept by the caller); returns their logits [rows, n, vocab]."""
+    def decode_rows(self, tokens, lengths, first_row=0):
+        """Append tokens [rows, n] to `rows` cache rows from `first_row`, each at its own length (lengths:
+        ints, kept by the caller); returns their logits [rows, n, vocab]."""
         n = tokens.shape[1]
         if max(lengths) + n > self.cache_max_seq_len:
             raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} overflows the KV cache "
                              f"of {self.cache_max_seq_len} positions")
         input_pos = torch.tensor(lengths, device=tokens.device)[:, None] + torch.arange(n, device=tokens.device)
-        return (self.compiled_forward or self.forward)(tokens, input_pos)
+        if first_row == 0:
+            return (self.compiled_forward or self.forward)(tokens, input_pos)
+        with self.rows_from(first_row):  # eager: a compiled graph would guard on the row
+            return self.forward(tokens, input_pos)
+
+    @contextmanager
+    def rows_from(self, first_row):
+        """The forwards inside write and read the caches from batch row `first_row` on."""
+        caches = [module for module in self.modules() if isinstance(module, KVCache)]
+        for cache in caches:
+            cache.first_row = first_row
+        try:
+            yield
+        finally:
+            for cache in caches:
+                cache.first_row = 0
 
     def move_row(self, source, destination):
         """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left)."""
