@@ -22,6 +22,7 @@ import re
 import statistics
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -32,7 +33,7 @@ from .checkpoint import resolve_checkpoint
 from .cli import gamma_setting, load_target_and_draft, token_ids
 from .drafters import SELF_DRAFT_MODES, make_drafter
 from .generate import generate, prompt_tensor
-from .models import quant
+from .models import base, quant
 from .models.base import CachedLM, KVCache
 from .models.quant import Int8Embedding
 from .sampling import Sampling
@@ -225,6 +226,37 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     draft_step = {g: times["draft", 1] if isinstance(draft, CachedLM) else times["draft", g] / g for g in gammas}
     return {"position": prefix.shape[1], "target_step_s": times["target", 1],
             "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step}
+
+
+@contextmanager
+def without_row_invariance(model):
+    """The model computing as it did before row invariance (models/base.py): BLAS linears and attention
+    rows unpadded. Only to measure what row invariance costs."""
+    packed = [module for module in model.modules() if getattr(module, "packed", False)]
+    block = base.ATTENTION_ROW_BLOCK
+    for module in packed:
+        module.packed = False
+    base.ATTENTION_ROW_BLOCK = 1
+    try:
+        yield
+    finally:
+        for module in packed:
+            module.packed = True
+        base.ATTENTION_ROW_BLOCK = block
+
+
+@torch.inference_mode()
+def row_invariance_price(target, prefix, widths=(1, 4, 9), rounds=3):
+    """Median seconds of target forwards over 1, 4 and 9 tokens with row invariance and without, in
+    interleaved rounds (the fastest round of each kept): {"with": {n: s}, "without": {n: s}}."""
+    steps = decode_steps(target, prefix, list(widths))
+    times = {"with": {}, "without": {}}
+    for _ in range(rounds):
+        for name in times:
+            with nullcontext() if name == "with" else without_row_invariance(target):
+                for n, seconds in median_times(steps, target.device).items():
+                    times[name][n] = min(times[name].get(n, float("inf")), seconds)
+    return times
 
 
 def policy_summary(stats):
@@ -444,6 +476,9 @@ def parse_args(argv):
     parser.add_argument("--memory-tokens", type=int, default=0, metavar="N",
                         help="also compare peak memory of a 16-token and an N-token speculative generation "
                              "(the first γ, the first prompt): it must not grow with the number of steps")
+    parser.add_argument("--row-invariance-price", action="store_true",
+                        help="also time 1-, 4- and 9-token target forwards without row invariance (BLAS "
+                             "linears, unpadded attention rows) beside the usual ones")
     parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
                         help="instead of the table above: total new tokens/s of B requests decoded together "
                              "(the prompts repeated to B), plain and speculative (the first --gamma), per B")
@@ -548,6 +583,8 @@ def benchmark(args):
         "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
         "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
         if args.memory_tokens else None,
+        "row_invariance_price": row_invariance_price(target, target.encode(torch.tensor([prompts[0]], device=device)))
+        if args.row_invariance_price else None,
         "rows": [],
     }
     for gamma in args.gamma:
@@ -659,6 +696,11 @@ def markdown_table(result):
                   f"generating {memory['short_tokens']} tokens, {memory['peak_long_bytes'] / 2**10:.1f} KiB for "
                   f"{memory['long_tokens']}{growth}; kept after them: {memory['kept_short_bytes']} and "
                   f"{memory['kept_long_bytes']} bytes", ""]
+    price = result.get("row_invariance_price")
+    if price:
+        lines += ["row invariance: target forward with / without (ms): " + ", ".join(
+            f"{n} tokens {price['with'][n] * 1e3:.1f} / {price['without'][n] * 1e3:.1f} "
+            f"({price['with'][n] / price['without'][n]:.2f}x)" for n in price["with"]), ""]
     reference = result.get("reference")
     assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
     if reference:

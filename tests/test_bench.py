@@ -207,6 +207,16 @@ def test_auto_gamma_row_beside_the_fixed_ones(dirs, tmp_path, capsys, draft):
     assert sum(re.match(r"\| prompt \d", line) is not None for line in table.splitlines()) == len(PROMPTS)
 
 
+def test_row_invariance_price(dirs, tmp_path, capsys):
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
+                              "--row-invariance-price", *PROMPT_FLAGS)
+    price = result["row_invariance_price"]
+    assert set(price) == {"with", "without"} and all(set(t) == {"1", "4", "9"} for t in price.values())
+    assert all(s > 0 for t in price.values() for s in t.values())
+    assert re.search(r"row invariance: target forward with / without \(ms\): 1 tokens [\d.]+ / [\d.]+ ", table)
+    assert bench.base.ATTENTION_ROW_BLOCK == 4  # restored
+
+
 def test_batch_sizes_table(dirs, tmp_path, capsys):
     """--batch-sizes: total tokens/s per batch size, plain and speculative, with the same outputs."""
     result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "3",

@@ -220,7 +220,7 @@ def test_demo_runs_without_arguments(tiny_chat_model, capsys):
     out, err = capsys.readouterr()
     model = minispec.load(NAME)
     args = run.parse_args(run.DEFAULT_ARGS)
-    expected = minispec.generate(model, chat_prompt(model.tokenizer, args.prompt), draft=args.draft,
+    expected = minispec.generate(model, chat_prompt(model.tokenizer, args.prompt[0]), draft=args.draft,
                                  gamma=args.gamma, max_new_tokens=args.max_new_tokens, seed=0)
     assert expected.text.strip() and args.temperature == 0  # a non-empty answer, the same on every run
     # The trace of that answer, rejected guesses in [~ ~] (which ones depends on how many guesses each
