@@ -129,3 +129,13 @@ def test_bench_bandwidth_is_a_fraction_of_the_peak(checkpoint_200m, tmp_path):
     print(f"{name}: {bandwidth['achieved_bytes_per_s'] / 1e9:.0f} GB/s, {bandwidth['fraction_of_peak']:.2f} of peak")
     assert 0 < bandwidth["fraction_of_peak"] <= 1
     assert bandwidth["fraction_of_peak"] == pytest.approx(bandwidth["achieved_bytes_per_s"] / peak)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_row_computes_as_it_would_alone_on_cuda(reference_dirs, dtype):
+    """Row invariance on CUDA (models/base.py: rows padded to CUDA_ROW_BLOCK): 1-9 tokens, 1/3/4 rows."""
+    from test_rows import mismatched_rows
+
+    model = minispec.load(reference_dirs["llama_gqa"][1], device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        assert mismatched_rows(model) == []

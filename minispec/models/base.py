@@ -116,8 +116,21 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+# On CUDA, cuBLAS picks a GEMM kernel (tiles, split-K) by shape, so a 1-row and a 9-row product may sum
+# the same row in different orders. Rows padded to a multiple of this give every decode and verify
+# forward of up to 16 rows one shape, hence one kernel. (Written without a GPU at hand; tests/test_cuda.py
+# checks it where one is.)
+CUDA_ROW_BLOCK = 16
+
+
 def linear(x, weight, bias, packed):
-    return packed_linear(x, weight, bias) if packed else F.linear(x, weight, bias)
+    if packed:
+        return packed_linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if x.is_cuda and rows % CUDA_ROW_BLOCK:
+        padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % CUDA_ROW_BLOCK))
+        return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def can_pack(dtype, device):
@@ -175,7 +188,7 @@ def attend(q, k, v, mask, scale=None):
     rows = q.shape[-2]
     if mask.dim() == 3:  # [batch, rows, s]: a mask per batch row, the same for every head
         mask = mask.unsqueeze(1)
-    pad = -rows % ATTENTION_ROW_BLOCK
+    pad = -rows % (CUDA_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
     if pad:
         q = F.pad(q, (0, 0, 0, pad))
         if mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
