@@ -24,6 +24,7 @@ it, and the sampled path builds it only when it needs it.
 import sys
 import weakref
 from collections import Counter, defaultdict
+from functools import partial
 
 import torch
 
@@ -92,10 +93,12 @@ class ModelDrafter:
         model = self.model
         prefix = model.encode(prompt_ids.to(model.device))
         model.ensure_caches(1, prefix.shape[1] + max_new_tokens)
-        # The prompt's forward also gives q for the first guess, as the target's verifies the first guesses.
-        self.next_logits = model.prefill(prefix, logits_for=1)[0, -1]
-        self.calls = 1
-        self.unseen = None  # accepted tokens the cache has not seen yet, [1, m] on the device
+        model.prefill(prefix[:, :0])
+        # The prompt waits like any unseen tokens: its forward, which also gives q for the first guess,
+        # runs at the first proposal, and never when the policy guesses nothing all along.
+        self.next_logits = None
+        self.calls = 0
+        self.unseen = prefix  # accepted tokens the cache has not seen yet, [1, m] on the device
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
     def propose(self, k, sampling, generator, keep_guessing=None):
@@ -104,9 +107,9 @@ class ModelDrafter:
         if k == 0:  # no draft work: the tokens accepted meanwhile wait in `unseen` until guessing resumes
             return torch.zeros(0, dtype=torch.long, device=model.device), None
         if self.unseen is not None:  # catch up on the tokens accepted since the last proposal
-            # 1 or 2 of them after a step with guesses; more after steps without, a width that a compiled
-            # draft would compile a graph for each time: those go through the eager forward.
-            forward = model.forward if self.unseen.shape[1] > 2 else None
+            # 1 or 2 of them after a step with guesses; more after steps without (or the prompt), a width
+            # that a compiled draft would compile a graph for each time: those go through the eager forward.
+            forward = partial(model.forward, logits_for=1) if self.unseen.shape[1] > 2 else None
             self.next_logits = model.decode(self.unseen, forward)[0, -1]
             self.unseen = None
             self.calls += 1
