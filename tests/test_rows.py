@@ -55,6 +55,14 @@ def test_every_row_computes_as_it_would_alone(reference_dirs, kind, dtype, threa
         assert mismatched_rows(model) == []
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2"])
+def test_quantized_rows_compute_as_they_would_alone(reference_dirs, kind, mode):
+    model = minispec.load(reference_dirs[kind][1], quantize=mode)
+    with torch.inference_mode():
+        assert mismatched_rows(model) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_rows_compute_as_they_would_alone(reference_dirs, dtype):
     """torch.compile'd forwards (one graph per width): widths 4 and 9 against compiled 1-token steps."""
