@@ -9,6 +9,7 @@ cache row per request too and guesses for all rows in the same forwards.
                  each row guesses (its own policy); one target forward over all rows, each row's
                  tokens at its own positions, rows with fewer guesses padded to the widest
 
+T5 runs its encoder once per request, into the request's row of the cross-attention memory.
 A row's numbers do not depend on the other rows or on the padding (row-invariant forwards,
 models/base.py), so each request's output is what it gives decoded alone: the same tokens when greedy,
 and when sampling the same tokens for the same seed (with a fixed γ: "auto" may choose other
@@ -103,7 +104,8 @@ def decode_batch(target, requests, rows):
             guesses = draft.guess([row], [row], first_row=slot)[0]
         else:
             guesses = row.guess()
-        tokens = torch.cat([prompt, torch.tensor([guesses], dtype=torch.long, device=prompt.device)], dim=1)
+        start = target.encode_row(slot, prompt)  # T5: the encoder's run for this request, into its row
+        tokens = torch.cat([start, torch.tensor([guesses], dtype=torch.long, device=prompt.device)], dim=1)
         row.logits = target.prefill_row(slot, tokens, logits_for=len(guesses) + 1)[0]
         row.length = tokens.shape[1]
         return row
@@ -213,9 +215,9 @@ class BatchDraft:
         self.model = model
 
     def admit(self, slot, row):
-        prompt = row.request.prompt_ids.to(self.model.device)
-        row.draft_logits = self.model.prefill_row(slot, prompt, logits_for=1)[0, -1]
-        row.draft_length, row.draft_unseen, row.draft_calls = prompt.shape[1], [], 1
+        start = self.model.encode_row(slot, row.request.prompt_ids.to(self.model.device))
+        row.draft_logits = self.model.prefill_row(slot, start, logits_for=1)[0, -1]
+        row.draft_length, row.draft_unseen, row.draft_calls = start.shape[1], [], 1
 
     def feed(self, rows, feeds, first_row):
         """One draft forward over the cache rows from `first_row`: feeds[i] (host ids, maybe none) at

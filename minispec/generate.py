@@ -237,10 +237,9 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
-    alone. Decoder-only targets decode them together (minispec.batch), plainly or speculatively,
-    `batch_size` (default: all) at a time, a finished request's place going to the next; beam search,
-    T5 and T5 drafts run them one after another. on_tokens(i, tokens) is called with each step's new
-    tokens of prompt i.
+    alone. They are decoded together (minispec.batch), plainly or speculatively, `batch_size` (default:
+    all) at a time, a finished request's place going to the next; beam search runs them one after
+    another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
     """
     settings = (draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
                 draft_beams, stop, stop_token_ids)
@@ -275,8 +274,7 @@ def generate_batch(target, prompts, settings, batch_size, on_tokens):
     on_tokens = on_tokens or (lambda i, tokens: None)
     drafter = requests[0].drafter
     draft_model = drafter.model if drafter else None
-    if requests[0].searching or target.is_encoder_decoder or draft_model is not None and \
-            draft_model.is_encoder_decoder:  # one by one
+    if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
         return [run_to_end(steps(request), lambda tokens, i=i: on_tokens(i, tokens))
                 for i, request in enumerate(requests)]
     if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
@@ -292,6 +290,9 @@ def generate_batch(target, prompts, settings, batch_size, on_tokens):
     for model in models:
         check_memory(model, rows, longest)
     target.ensure_caches(rows, longest)
+    longest_prompt = max(request.prompt_ids.shape[1] for request in requests)
+    for model in models:
+        model.prepare_batch(rows, longest_prompt)
     if draft_model is not None:  # guesses, and placeholders for rows not guessing, run past a row's length
         for i, request in enumerate(requests):
             try:

@@ -10,7 +10,7 @@ import torch
 import minispec
 from conftest import make_reference, noisy_copy, save_reference
 
-KINDS = ["gpt2", "llama", "llama_gqa", "qwen2"]
+KINDS = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
 PROMPTS = [[5, 17, 33, 8, 90, 41, 2, 63], [9, 4], [3, 3, 3, 7, 11, 13, 40, 50, 60, 70, 80, 1], [44, 45, 46], [8],
            [12, 30, 31, 32, 33, 34, 35]]
 
@@ -91,10 +91,18 @@ def test_batched_speculation_gives_each_request_what_it_gets_alone(targets, draf
                     assert [out.stats[key] for out in together] == [out.stats[key] for out in alone], key
 
 
-def test_t5_requests_run_one_after_another_with_the_same_outputs(tmp_path):
-    target = minispec.load(save_reference(make_reference("t5_v1_1"), tmp_path))
-    alone = [minispec.generate(target, prompt, max_new_tokens=8, ignore_eos=True).tokens for prompt in PROMPTS[:3]]
-    out = minispec.generate(target, PROMPTS[:3], max_new_tokens=8, ignore_eos=True)
+def test_t5_runs_its_encoder_once_per_request(targets):
+    target = targets["t5_v1_1"]
+    before = target.encoder_calls
+    minispec.generate(target, PROMPTS, max_new_tokens=4, batch_size=2)
+    assert target.encoder_calls - before == len(PROMPTS)
+
+
+def test_beam_search_requests_run_one_after_another_with_the_same_outputs(targets):
+    target = targets["llama"]
+    alone = [minispec.generate(target, prompt, beams=3, max_new_tokens=6, ignore_eos=True).tokens
+             for prompt in PROMPTS[:3]]
+    out = minispec.generate(target, PROMPTS[:3], beams=3, max_new_tokens=6, ignore_eos=True)
     assert [o.tokens for o in out] == alone
 
 

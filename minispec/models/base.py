@@ -278,6 +278,13 @@ class CachedLM(nn.Module):
         """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
         return prompt
 
+    def prepare_batch(self, rows, longest_prompt):
+        """Batched requests (minispec.batch): room for `rows` prompts; T5 allocates its encoder memory."""
+
+    def encode_row(self, row, prompt):
+        """encode() for one request of a batch, into row `row` (here: the prompt itself)."""
+        return prompt
+
     def prefill(self, tokens, logits_for=None):
         """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
         logits of the last `logits_for` positions (all when None): callers need only the last few, and
@@ -325,14 +332,14 @@ class CachedLM(nn.Module):
     @contextmanager
     def rows_from(self, first_row):
         """The forwards inside write and read the caches from batch row `first_row` on."""
-        caches = [module for module in self.modules() if isinstance(module, KVCache)]
-        for cache in caches:
-            cache.first_row = first_row
+        modules = [module for module in self.modules() if hasattr(module, "first_row")]  # caches, T5's memory
+        for module in modules:
+            module.first_row = first_row
         try:
             yield
         finally:
-            for cache in caches:
-                cache.first_row = 0
+            for module in modules:
+                module.first_row = 0
 
     def move_row(self, source, destination):
         """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left)."""

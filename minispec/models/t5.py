@@ -152,15 +152,25 @@ class CrossAttention(Attention):
         self.register_buffer("memory_k", None, persistent=False)
         self.register_buffer("memory_v", None, persistent=False)
 
-    def remember(self, encoder_out):
-        """encoder_out [batch, capacity, d_model], zero-padded past the prompt."""
+    first_row = 0  # batched requests: the memory row of the forward's batch row 0 (CachedLM.rows_from)
+
+    def remember(self, encoder_out, row=None):
+        """encoder_out [batch, capacity, d_model], zero-padded past the prompt; with `row`, one request's
+        [1, capacity, d_model] into that row of a batch's memory (allocated by T5.prepare_batch)."""
+        if row is not None:
+            self.memory_k[row] = self.heads(self.k(encoder_out))[0]
+            self.memory_v[row] = self.heads(self.v(encoder_out))[0]
+            return
         self.memory_k = refill(self.memory_k, self.heads(self.k(encoder_out)))
         self.memory_v = refill(self.memory_v, self.heads(self.v(encoder_out)))
 
     def forward(self, x, memory_mask):
-        # A batch-1 prompt serves every row of the decoder batch (beam search): broadcast, don't copy.
-        k = self.memory_k.expand(x.shape[0], -1, -1, -1)
-        v = self.memory_v.expand(x.shape[0], -1, -1, -1)
+        rows = x.shape[0]
+        if self.memory_k.shape[0] == 1:  # one prompt serves every row (beam search): broadcast, don't copy
+            k, v = (memory.expand(rows, -1, -1, -1) for memory in (self.memory_k, self.memory_v))
+        else:  # a prompt per row (a beam per row, or batched requests from `first_row` on)
+            k, v, memory_mask = (t[self.first_row:self.first_row + rows]
+                                 for t in (self.memory_k, self.memory_v, memory_mask))
         return self.attend(self.heads(self.q(x)), k, v, memory_mask)
 
 
@@ -257,16 +267,17 @@ class T5(CachedLM):
             )
 
     def position_bias(self, table, query_pos, key_pos, bidirectional):
-        """Additive attention bias [1, heads, len(query_pos), len(key_pos)], shared by all layers of a stack."""
+        """Additive attention bias [1 or rows, heads, n, len(key_pos)] for query_pos [n] or [rows, n],
+        shared by all layers of a stack."""
         buckets = relative_position_bucket(
-            key_pos[None, :] - query_pos[:, None], bidirectional,
+            key_pos - query_pos[..., None], bidirectional,
             self.config.relative_attention_num_buckets, self.config.relative_attention_max_distance,
         )
-        return table(buckets).permute(2, 0, 1).unsqueeze(0)
+        bias = table(buckets).movedim(-1, -3)
+        return bias if query_pos.dim() == 2 else bias.unsqueeze(0)
 
-    def encode(self, prompt):
-        """Run the encoder once over `prompt` [batch, len]; keep each decoder layer's cross-attention
-        keys/values; return the decoder's start token [batch, 1]."""
+    def run_encoder(self, prompt):
+        """The encoder over `prompt` [batch, len] -> its output [batch, len, d_model]."""
         if prompt.dim() != 2 or prompt.shape[1] == 0:
             raise ValueError(f"T5.encode expects token ids of shape [batch, length >= 1], got {tuple(prompt.shape)}")
         if prompt.min() < 0 or prompt.max() >= self.vocab_size:
@@ -276,7 +287,17 @@ class T5(CachedLM):
         x = self.embed(prompt)
         for layer in self.encoder:
             x = layer(x, bias)
-        x = self.encoder_norm(x)
+        self.encoder_calls += 1
+        return self.encoder_norm(x)
+
+    def start_tokens(self, prompt):
+        return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
+                          device=prompt.device)
+
+    def encode(self, prompt):
+        """Run the encoder once over `prompt` [batch, len]; keep each decoder layer's cross-attention
+        keys/values; return the decoder's start token [batch, 1]."""
+        x = self.run_encoder(prompt)
         # Pad to a power of two, and never shrink, so that later prompts reuse the same buffers (and graphs).
         n, held = prompt.shape[1], 0 if self.memory_mask is None else self.memory_mask.shape[-1]
         capacity = max(64, 1 << (n - 1).bit_length(), held)
@@ -285,23 +306,53 @@ class T5(CachedLM):
             layer.cross_attn.remember(x)
         in_prompt = torch.arange(capacity, device=prompt.device) < n
         self.memory_mask = refill(self.memory_mask, in_prompt.view(1, 1, 1, capacity))
-        self.encoder_calls += 1
-        return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
-                          device=prompt.device)
+        return self.start_tokens(prompt)
+
+    def prepare_batch(self, rows, longest_prompt):
+        """Batched requests: cross-attention memory for `rows` prompts of up to `longest_prompt` tokens,
+        each filled by encode_row."""
+        capacity = max(64, 1 << (longest_prompt - 1).bit_length())
+        for layer in self.decoder:
+            attn = layer.cross_attn
+            shape = (rows, self.config.num_heads, capacity, self.config.d_kv)
+            with torch.inference_mode(False):
+                attn.memory_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                attn.memory_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        with torch.inference_mode(False):
+            self.memory_mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=self.device)
+
+    def encode_row(self, row, prompt):
+        """One request's prompt [1, len] encoded into memory row `row` (the others untouched); returns
+        its decoder start token [1, 1]."""
+        x = self.run_encoder(prompt)
+        capacity = self.memory_mask.shape[-1]
+        x = F.pad(x, (0, 0, 0, capacity - prompt.shape[1]))
+        for layer in self.decoder:
+            layer.cross_attn.remember(x, row)
+        self.memory_mask[row] = (torch.arange(capacity, device=prompt.device) < prompt.shape[1]).view(1, 1, -1)
+        return self.start_tokens(prompt)
+
+    def move_row(self, source, destination):
+        super().move_row(source, destination)
+        for layer in self.decoder:
+            attn = layer.cross_attn
+            attn.memory_k[destination], attn.memory_v[destination] = attn.memory_k[source], attn.memory_v[source]
+        self.memory_mask[destination] = self.memory_mask[source]
 
     def forward(self, tokens, input_pos, logits_for=None):
         """The decoder: tokens [batch, n] at input_pos [n] -> float32 logits [batch, n, vocab] (or of the
         last `logits_for` positions)."""
         if self.encoder_batch_size == 0:
             raise ValueError(f"{self.name}: call encode(prompt) before decoding")
-        if self.encoder_batch_size not in (1, tokens.shape[0]):
+        if self.encoder_batch_size != 1 and self.encoder_batch_size < tokens.shape[0]:
             raise ValueError(
                 f"{self.name}: a decoder batch of {tokens.shape[0]} cannot attend to an encoded batch of "
-                f"{self.encoder_batch_size} (it must be 1 or equal)"
+                f"{self.encoder_batch_size} (it must be 1, or hold a row for each)"
             )
         key_pos = torch.arange(self.cache_max_seq_len, device=tokens.device)
         bias = self.position_bias(self.decoder_position_bias, input_pos, key_pos, bidirectional=False)
-        mask = bias.masked_fill(~causal_mask(input_pos, self.cache_max_seq_len), float("-inf"))
+        causal = causal_mask(input_pos, self.cache_max_seq_len)  # [n, S], or [rows, n, S] per row
+        mask = bias.masked_fill(~(causal if causal.dim() == 2 else causal.unsqueeze(1)), float("-inf"))
         x = self.embed(tokens)
         for layer in self.decoder:
             x = layer(x, input_pos, mask, self.memory_mask)
