@@ -47,6 +47,7 @@ class Row:
         self.draft_seconds = 0.0
         # with a draft model (BatchDraft): its logits for the next guess, its cache row's length, the
         # accepted tokens it has not seen, and how many of the last guesses went through it
+        self.draft_model = False
         self.draft_logits, self.draft_length, self.draft_unseen, self.draft_fed, self.draft_calls = None, 0, [], 0, 0
 
     def guess(self):
@@ -76,14 +77,17 @@ class Row:
 def kv_cache_bytes_per_row(model, max_seq_len):
     """Bytes one cache row of `max_seq_len` positions takes (every layer's keys and values)."""
     model.ensure_caches(1, max_seq_len)
-    return sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
-               if name.endswith(("kv_cache.k", "kv_cache.v")))
+    held = sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
+               if name.endswith(("kv_cache.k", "kv_cache.v")))  # maybe more rows and positions than asked
+    per_position = held // (model.cache_batch_size * model.cache_max_seq_len)
+    return per_position * model.cache_length_for(max_seq_len)
 
 
 @torch.inference_mode()
 def decode_batch(target, requests, rows):
-    """Decode checked requests (generate.Request; model-free drafters or none), at most `rows` at a
-    time. Yields (request index, new tokens) as they come; returns each request's (tokens, stats)."""
+    """Decode checked requests (generate.Request, all with the same kind of drafter, or none), at most
+    `rows` at a time. Yields (request index, new tokens) as they come; returns each request's (tokens,
+    stats)."""
     waiting = deque(enumerate(requests))
     batch = []  # batch[i] lives in cache row i
     drafter = requests[0].drafter
@@ -152,7 +156,7 @@ def step_done(row, n, t):
         record_step(row.stats, guesses, n, new_tokens)
         row.step_started = now
         row.length -= k - n  # the rejected guesses leave its cache; t is fed next
-        if not stopped and not row.draft_length:  # a model-free drafter
+        if not stopped and not row.draft_model:  # a model-free drafter
             row.drafter.accept(new_tokens, torch.tensor(guesses[:n] + [t], device=row.logits.device))
         elif not stopped:  # the draft's cache keeps the guesses it saw that were accepted
             keep = min(n, row.draft_fed)
@@ -166,7 +170,7 @@ def step_done(row, n, t):
 
 def finish_stats(row):
     stats = row.stats
-    stats["draft_calls"] = row.draft_calls if row.draft_length else row.drafter.calls
+    stats["draft_calls"] = row.draft_calls if row.draft_model else row.drafter.calls
     stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
     stats["tokens_per_target_call"] = len(row.tokens) / max(stats["target_calls"], 1)
     stats.update(row.policy.finish())
@@ -217,7 +221,7 @@ class BatchDraft:
     def admit(self, slot, row):
         start = self.model.encode_row(slot, row.request.prompt_ids.to(self.model.device))
         row.draft_logits = self.model.prefill_row(slot, start, logits_for=1)[0, -1]
-        row.draft_length, row.draft_unseen, row.draft_calls = start.shape[1], [], 1
+        row.draft_model, row.draft_length, row.draft_unseen, row.draft_calls = True, start.shape[1], [], 1
 
     def feed(self, rows, feeds, first_row):
         """One draft forward over the cache rows from `first_row`: feeds[i] (host ids, maybe none) at

@@ -259,9 +259,16 @@ class CachedLM(nn.Module):
                 f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
                 f"{context} tokens; use a shorter prompt or fewer new tokens"
             )
-        if batch_size != self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
-            size = max(256, 1 << (max_seq_len - 1).bit_length())
-            self.setup_caches(batch_size, min(size, context) if context else size)
+        # Fewer rows than the caches hold are fine: forwards use the first rows (speculative beam search
+        # and batches do so already), and a request of plain beam search after a speculative one would
+        # otherwise reallocate, and zero, every layer's cache.
+        if batch_size > self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
+            self.setup_caches(batch_size, self.cache_length_for(max_seq_len))
+
+    def cache_length_for(self, max_seq_len):
+        """The positions a cache allocated for `max_seq_len` gets (see ensure_caches)."""
+        size = max(256, 1 << (max_seq_len - 1).bit_length())
+        return min(size, self.context_length) if self.context_length else size
 
     def compile(self, mode=None):
         """torch.compile the decode forward: static shapes (the caches are preallocated), one graph per
