@@ -247,16 +247,25 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
         return generate_batch(target, prompt, settings, batch_size, on_tokens)
     request = Request.check(target, prompt, draft, gamma, max_new_tokens, temperature, top_k, top_p, seed,
                             lenience, ignore_eos, beams, draft_beams, stop, stop_token_ids)
-    return run_to_end(steps(request), lambda tokens: on_tokens and on_tokens(0, tokens))
+    return run_to_end(steps(request), lambda tokens, segments: on_tokens and on_tokens(0, tokens))
 
 
-def run_to_end(run, on_tokens):
+def run_to_end(run, on_step):
+    """Drive a generator to its end, handing each item it yields to on_step; returns its value."""
     while True:
         try:
-            tokens, _ = next(run)
-            on_tokens(tokens)
+            on_step(*next(run))
         except StopIteration as end:
             return end.value
+
+
+@contextmanager
+def naming_prompt(i):
+    """A batch's bad input says which prompt it is about."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"prompt {i}: {error}") from None
 
 
 def is_batch(prompt):
@@ -267,48 +276,33 @@ def is_batch(prompt):
 def generate_batch(target, prompts, settings, batch_size, on_tokens):
     requests = []
     for i, prompt in enumerate(prompts):
-        try:
+        with naming_prompt(i):
             requests.append(Request.check(target, prompt, *settings))
-        except ValueError as error:
-            raise ValueError(f"prompt {i}: {error}") from None
     on_tokens = on_tokens or (lambda i, tokens: None)
     drafter = requests[0].drafter
     draft_model = drafter.model if drafter else None
     if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
-        return [run_to_end(steps(request), lambda tokens, i=i: on_tokens(i, tokens))
+        return [run_to_end(steps(request), lambda tokens, segments, i=i: on_tokens(i, tokens))
                 for i, request in enumerate(requests)]
     if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     rows = min(batch_size or len(requests), len(requests))
-    for i, request in enumerate(requests):
-        try:
-            check_fits(target, request.prompt_ids.shape[1], request.max_new_tokens, allocate=False)
-        except ValueError as error:
-            raise ValueError(f"prompt {i}: {error}") from None
-    longest = max(request.prompt_ids.shape[1] + request.max_new_tokens for request in requests)
     models = [target] if draft_model is None else [target, draft_model]
+    for i, request in enumerate(requests):
+        with naming_prompt(i):
+            for model, role in zip(models, ("target", "draft")):
+                check_fits(model, request.prompt_ids.shape[1], request.max_new_tokens, role=role, allocate=False)
+    longest = max(request.prompt_ids.shape[1] + request.max_new_tokens for request in requests)
     for model in models:
         check_memory(model, rows, longest)
     target.ensure_caches(rows, longest)
+    if draft_model is not None:  # guesses, and placeholders for rows not guessing, run past a row's length
+        draft_model.ensure_caches(rows, min(longest + 2 * (GAMMA_MAX + 1), draft_model.context_length or 1 << 62))
     longest_prompt = max(request.prompt_ids.shape[1] for request in requests)
     for model in models:
         model.prepare_batch(rows, longest_prompt)
-    if draft_model is not None:  # guesses, and placeholders for rows not guessing, run past a row's length
-        for i, request in enumerate(requests):
-            try:
-                check_fits(draft_model, request.prompt_ids.shape[1], request.max_new_tokens, role="draft",
-                           allocate=False)
-            except ValueError as error:
-                raise ValueError(f"prompt {i}: {error}") from None
-        draft_model.ensure_caches(rows, min(longest + 2 * (GAMMA_MAX + 1), draft_model.context_length or 1 << 62))
     with exclusive(*models):
-        run = decode_batch(target, requests, rows)
-        while True:
-            try:
-                on_tokens(*next(run))
-            except StopIteration as end:
-                results = end.value
-                break
+        results = run_to_end(decode_batch(target, requests, rows), on_tokens)
     generations = []
     for request, (tokens, stats) in zip(requests, results):
         stats.update(new_tokens=len(tokens), batch_size=rows,
