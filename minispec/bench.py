@@ -482,12 +482,20 @@ def parse_args(argv):
     parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
                         help="instead of the table above: total new tokens/s of B requests decoded together "
                              "(the prompts repeated to B), plain and speculative (the first --gamma), per B")
+    parser.add_argument("--beams", type=int, metavar="W",
+                        help="instead of the table above: beam search of width W, plain against speculative "
+                             "(each --gamma) per prompt, wall clock")
+    parser.add_argument("--draft-beams", type=int, metavar="U", help="the draft's beam width (default: W)")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.memory_tokens and args.memory_tokens <= 16:
         raise ValueError(f"--memory-tokens must be more than 16, got {args.memory_tokens}")
     if any(g != "auto" and g < 1 for g in args.gamma):
         raise ValueError(f"--gamma values must be >= 1 or 'auto', got {args.gamma}")
+    if args.beams is not None and args.beams < 1:
+        raise ValueError(f"--beams must be >= 1, got {args.beams}")
+    if args.batch_sizes and args.beams:
+        raise ValueError("--batch-sizes and --beams are separate benchmarks: give one")
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
@@ -670,6 +678,53 @@ def batch_benchmark(args):
     return {"settings": vars(args), "batches": rows}, "\n".join(lines)
 
 
+def beam_benchmark(args):
+    """Beam search, plain against speculative at each --gamma, per prompt: seconds per request, median
+    and fastest of --repeats rounds taken in turn. On a shared machine other work only ever slows a run
+    down, so the fastest is the better estimate of what each costs; the median shows the spread."""
+    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
+    settings = dict(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, beams=args.beams)
+    runs = {"plain": {}, **{g: dict(draft=draft, draft_beams=args.draft_beams, gamma=g) for g in args.gamma}}
+    seconds = {(name, i): [] for name in runs for i in range(len(prompts))}
+    last = {}
+    for repeat in range(args.repeats + 1):  # the first pass warms up (allocation, calibration)
+        for i, prompt in enumerate(prompts):
+            for name, extra in runs.items():
+                synchronize(target.device)
+                start = time.perf_counter()
+                out = generate(target, prompt, **settings, **extra)
+                synchronize(target.device)
+                if repeat:
+                    seconds[name, i].append(time.perf_counter() - start)
+                last[name, i] = out
+    rows = []
+    for i in range(len(prompts)):
+        plain = seconds["plain", i]
+        for name in runs:
+            if name == "plain":
+                continue
+            stats = last[name, i].stats
+            rows.append({"prompt": i + 1, "gamma": name, "plain_seconds": statistics.median(plain),
+                         "seconds": statistics.median(seconds[name, i]),
+                         "speedup_median": statistics.median(plain) / statistics.median(seconds[name, i]),
+                         "speedup_fastest": min(plain) / min(seconds[name, i]),
+                         "target_calls": stats["target_calls"], "plain_target_calls": last["plain", i].stats["target_calls"],
+                         "guesses_histogram": stats.get("guesses_histogram"),
+                         "identical": last[name, i].tokens == last["plain", i].tokens})
+    lines = [f"target `{args.target}`, draft `{args.draft}` (draft beams {args.draft_beams or args.beams}) on "
+             f"{target.device} ({str(target.dtype).removeprefix('torch.')}), beam search of width {args.beams}, "
+             f"{args.max_new_tokens} new tokens, {args.repeats} rounds", "",
+             "| prompt | γ | plain s | speculative s | x plain (median) | x plain (fastest) | target calls "
+             "(plain) | guesses per step | same result |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompt']} | {r['gamma']} | {r['plain_seconds']:.2f} | {r['seconds']:.2f} | "
+                     f"{r['speedup_median']:.2f}x | {r['speedup_fastest']:.2f}x | {r['target_calls']} "
+                     f"({r['plain_target_calls']}) | {r['guesses_histogram'] or '-'} | {yes_no(r['identical'])} |")
+    return {"settings": vars(args), "beams": rows}, "\n".join(lines)
+
+
 def markdown_table(result):
     s = result["settings"]
     seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
@@ -766,6 +821,8 @@ def main(argv=None):
         args = parse_args(argv)
         if args.batch_sizes:
             result, table = batch_benchmark(args)
+        elif args.beams:
+            result, table = beam_benchmark(args)
         else:
             result = benchmark(args)
             table = markdown_table(result)

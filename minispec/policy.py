@@ -19,7 +19,8 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   free) stops early when one more guess costs more time than it is expected to gain (`keep_guessing`).
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
-  every probe that finds it still does not.
+  every probe that finds it still does not. No probe where the timings say that even guesses that all
+  survive would not pay (speculative beam search on a CPU, whose verify forwards are w + u·k rows).
 
 Exactness is untouched: the policy only chooses how many guesses Algorithm 1 verifies.
 """
@@ -203,7 +204,9 @@ class AdaptiveGamma:
             # Plain steps count across requests: many short ones must not lock a pair out of speculating.
             profile = self.profile
             profile.plain_steps += 1
-            if profile.plain_steps >= profile.probe_after:  # has speculation started paying again?
+            # Has speculation started paying again? Only worth a probe where it can: if even guesses that
+            # all survive make tokens slower than plain steps (wide beam forwards on a CPU), none can.
+            if profile.plain_steps >= profile.probe_after and self.could_pay():
                 profile.plain_steps, best = 0, 1
                 profile.probe_after = min(2 * profile.probe_after, PROBE_MAX)
         else:  # speculation pays again: should it stop, probe soon
@@ -211,6 +214,10 @@ class AdaptiveGamma:
         self.sure = []
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
+
+    def could_pay(self):
+        """Would some k beat plain steps if every guess survived (k + 1 tokens a step)?"""
+        return any((k + 1) * self.seconds(0) > self.seconds(k) for k in range(1, self.k_max + 1))
 
     def _keep_guessing(self, i, confidence):
         """After guess i (1-based) with the draft's probability `confidence` of it: guess once more?

@@ -227,6 +227,21 @@ def test_batch_sizes_table(dirs, tmp_path, capsys):
     assert re.search(r"^\| 3 \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x \| yes \|$", table, re.M)
 
 
+def test_beams_table(dirs, tmp_path, capsys):
+    """--beams: plain beam search against speculative per prompt and γ, the same result."""
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", dirs["gpt2"], "--gamma", "auto",
+                              "2", "--beams", "2", "--draft-beams", "3", "--repeats", "1", *PROMPT_FLAGS)
+    assert [(row["prompt"], row["gamma"]) for row in result["beams"]] == [
+        (i + 1, g) for i in range(len(PROMPTS)) for g in ("auto", 2)]
+    for row in result["beams"]:
+        assert row["identical"] is True and row["seconds"] > 0 and row["speedup_fastest"] > 0
+        # the draft is the target itself: every guess survives, so γ = 2 makes 3 beam steps a call
+        assert row["gamma"] == "auto" or row["target_calls"] < row["plain_target_calls"]
+    assert row["guesses_histogram"] is None and result["beams"][0]["guesses_histogram"] is not None
+    assert re.search(r"^\| 1 \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \| \d+ \(\d+\) \| - \| yes \|$",
+                     table, re.M)
+
+
 @pytest.mark.parametrize("draft", ["lookup", "same_weights"])
 def test_report_has_every_field(dirs, tmp_path, capsys, draft):
     draft_arg = dirs["gpt2"] if draft == "same_weights" else "lookup"
@@ -355,6 +370,8 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),
     (["--device", "tpu9"], "device 'tpu9' is not a torch device"),
     (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
+    (["--beams", "0"], "--beams must be >= 1"),
+    (["--beams", "2", "--batch-sizes", "2"], "--batch-sizes and --beams are separate benchmarks"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]

@@ -107,6 +107,19 @@ def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     assert [i for i, k in enumerate(choices) if k] == [7, 7 + 16]  # after 8 plain steps, then after 16
 
 
+def test_no_probe_where_even_perfect_guesses_would_not_pay():
+    """Each extra token verified costs 1.5 steps (beam search's wide forwards on a CPU): k guesses that
+    all survive make k + 1 tokens in more than k + 1 steps' time, so a probe can only lose."""
+    costly = [1.0 + 1.5 * w for w in range(9)]
+    chooser = adaptive(0.05, costly, 0.1)
+    for _ in range(200):
+        assert chooser.guesses() == 0
+        chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=1.0)
+    assert chooser.could_pay() is False
+    chooser.t_verify = [0.0, *STEEP]  # cheaper verification: the next plain step is followed by a probe
+    assert chooser.could_pay() is True and chooser.guesses() == 1
+
+
 def test_plain_steps_count_toward_a_probe_across_requests():
     """Many short requests (a server's) must not lock the pair out of speculating for good: the pair's
     α is low, so each request starts with plain steps, but a probe comes after 8 of them in all."""
