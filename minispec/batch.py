@@ -101,7 +101,7 @@ def decode_batch(target, requests, rows):
         prompt = request.prompt_ids
         if row.drafter:
             if draft is None:
-                row.drafter.start(prompt, request.max_new_tokens)
+                row.drafter.start(prompt, request.max_new_tokens, request.sampling)
             row.policy.start(target, row.drafter, prompt)
         if draft is not None:
             draft.admit(slot, row)

@@ -219,7 +219,7 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
         fns["draft", 1] = decode_steps(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), [1])[1]
     else:
         drafter = make_drafter(draft, target)
-        drafter.start(torch.cat([prompt_ids, generated], dim=1), max(gammas))
+        drafter.start(torch.cat([prompt_ids, generated], dim=1), max(gammas), sampling)
         generator = torch.Generator(device=device).manual_seed(0)
         fns.update({("draft", g): partial(drafter.propose, g, sampling, generator) for g in gammas})
     times = median_times(fns, device)

@@ -1,6 +1,6 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
 
-    drafter.start(prompt_ids, max_new_tokens)              a new request
+    drafter.start(prompt_ids, max_new_tokens, sampling)    a new request
     drafts, q = drafter.propose(k, sampling, rng, keep_guessing)
                                                            <= k guesses [k'] and their q [k', vocab],
                                                            or None for deterministic guesses (q one-hot);
@@ -13,7 +13,8 @@
                                                            model-free drafter's name and None
     drafter.preview                                        None, or preview(k): the next k guesses as
                                                            propose would make them, without making them
-                                                           (for drafters where that costs nothing)
+                                                           (for deterministic guesses that cost nothing;
+                                                           set by start)
 
 Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
 guess is really drawn from the q it reports. Deterministic guesses (lookup, greedy drafting) report
@@ -31,7 +32,7 @@ import torch
 from .models.base import CachedLM
 from .models.quant import MODES as SELF_DRAFT_MODES
 from .models.quant import quantized_copy
-from .sampling import adjust, sample
+from .sampling import Sampling, adjust, sample
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
@@ -89,7 +90,7 @@ class ModelDrafter:
     def encoder_calls(self):
         return self.model.encoder_calls
 
-    def start(self, prompt_ids, max_new_tokens):
+    def start(self, prompt_ids, max_new_tokens, sampling=Sampling()):
         model = self.model
         prefix = model.encode(prompt_ids.to(model.device))
         model.ensure_caches(1, prefix.shape[1] + max_new_tokens)
@@ -153,18 +154,21 @@ class NgramDrafter:
     on the host (each guess picks the next row of counts), so it samples there with a generator of its
     own, seeded once per request from the caller's, and hands the device its guesses in one copy."""
 
-    name, model, preview = "ngram", None, None  # each guess costs a row over the vocabulary: no free preview
+    name, model = "ngram", None
     encoder_calls = 0
     calls = 0
 
     def __init__(self, vocab_size, device):
         self.vocab_size, self.device = vocab_size, device
 
-    def start(self, prompt_ids, max_new_tokens):
+    def start(self, prompt_ids, max_new_tokens, sampling=Sampling()):
         self.context = prompt_ids.view(-1).tolist()
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
         self.generator = None
+        # Greedy guesses are a walk over the counts on the host, free to preview; sampled ones are
+        # random, and how often a sample survives is not what its preview would show.
+        self.preview = self.greedy_continuation if sampling.greedy else None
 
     def count(self, context):
         for i in range(self.counted, len(context)):
@@ -179,7 +183,20 @@ class NgramDrafter:
         row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype)
         return row
 
+    def greedy_continuation(self, k):
+        """Greedy's k guesses: each the most counted successor of the one before, the smallest id among
+        ties (as argmax over q's row would pick). q is one-hot at each, so it is reported as None."""
+        self.count(self.context)
+        guesses, previous = [], self.context[-1]
+        for _ in range(k):
+            counts = self.bigrams.get(previous) or self.unigrams
+            previous = min(counts, key=lambda token: (-counts[token], token))
+            guesses.append(previous)
+        return guesses
+
     def propose(self, k, sampling, generator, keep_guessing=None):
+        if sampling.greedy:
+            return torch.tensor(self.greedy_continuation(k), dtype=torch.long, device=self.device), None
         if self.generator is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -214,7 +231,7 @@ class LookupDrafter:
     def __init__(self, vocab_size, device, max_ngram=3):  # NgramDrafter's signature; no q, so no vocab_size
         self.device, self.max_ngram = device, max_ngram
 
-    def start(self, prompt_ids, max_new_tokens):
+    def start(self, prompt_ids, max_new_tokens, sampling=Sampling()):
         self.context = []
         self.latest, self.earlier = {}, {}  # n-gram -> end position of its latest / previous occurrence
         self.extend(prompt_ids.view(-1).tolist())

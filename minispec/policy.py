@@ -12,7 +12,7 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   (`calibrate`), then refined from every step's own wall time: no extra host sync, the step has one.
 - a and b are estimated from the positions the target verified, recent ones weighing more, and each
   request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
-  preview (lookup) is checked every step, guessing or not: its preview against the tokens the target
+  preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the tokens the target
   emitted is exactly what verification would have found (a guess x survives with probability p(x),
   the chance that the target's token is x), so its rates stay current without spending a forward.
 - A drafter that can say how sure it is of each guess (a draft model on a CPU, where reading that is

@@ -73,7 +73,7 @@ def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, s
     """Generate up to max_new_tokens after `prefix` (the target's decoder start), with γ chosen each
     step by `policy` (minispec.policy) and `stop` (minispec.stopping) ending it early. Yields each step's
     new tokens and its segments of Generation.trace; counts into `stats`."""
-    drafter.start(prompt_ids, max_new_tokens)
+    drafter.start(prompt_ids, max_new_tokens, sampling)
     policy.start(target, drafter, prompt_ids)
     unseen = prefix  # accepted tokens the target has not seen: the whole prefix at first, then each t
     produced = 0

@@ -67,6 +67,25 @@ def test_ngram_q_is_the_normalized_bigram_counts():
     assert greedy.tolist() == [2, 1]  # argmax after 1 is 2; after 2 came 1 and 4, first max wins
 
 
+def test_ngram_greedy_guesses_and_preview_are_the_argmax_walk_over_its_counts():
+    """Greedy ngram guesses on the host equal the argmax walk over q's rows (the sampled path at
+    temperature 0 with q built), and its preview is what it proposes; sampled ngram has no preview."""
+    context = [7, 1, 2, 1, 3, 1, 2, 4, 1, 5, 5, 2, 4, 4]
+    drafter = NgramDrafter(8, "cpu")
+    drafter.start(torch.tensor(context), 0, Sampling())
+    preview = drafter.preview(6)
+    drafts, q = drafter.propose(6, Sampling(), torch.Generator())
+    assert q is None and drafts.tolist() == preview
+    walk, previous = [], context[-1]
+    drafter.count(drafter.context)
+    for _ in range(6):
+        previous = int(drafter.counts_after(previous).argmax())
+        walk.append(previous)
+    assert preview == walk == [1, 2, 4, 1, 2, 4]  # after 4 came 1 and 4 (a tie: the smaller wins)
+    drafter.start(torch.tensor(context), 0, Sampling(temperature=1.0))
+    assert drafter.preview is None
+
+
 @pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5)])
 def test_model_drafter_q_is_the_drafts_own_distribution(tmp_path, sampling):
     """Over proposals, partial acceptances, rollbacks and steps without guesses: q_i is the draft's
