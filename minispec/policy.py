@@ -37,6 +37,10 @@ PRIOR_WEIGHT = 2.0  # a request starts from the pair's rates as if from this man
 HISTORY_WEIGHT = 16.0  # the pair's rates move from request to request like this many positions' average
 DECAY = 0.9  # per verified position: the estimates follow the last ~10 positions
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
+# A step's timing counts as at most this many times the running average: a one-off stall (a compiled
+# draft compiling its graph for a new width on first use, another process taking the cores) must not
+# price guessing out for good, while a lasting change still comes through within a few steps.
+OUTLIER = 3.0
 CALIBRATION_ROUNDS = 3
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
 CONFIDENCE_BINS = 5  # the draft's probability of its guess, in bins of 0.2
@@ -261,9 +265,9 @@ class AdaptiveGamma:
         if step_seconds is None:
             return
         if k and self.measure_draft:
-            self.t_draft += TIME_SMOOTHING * (draft_seconds / k - self.t_draft)
+            self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
-        self.t_verify[k + 1] += TIME_SMOOTHING * (verify - self.t_verify[k + 1])
+        self.t_verify[k + 1] = refined(self.t_verify[k + 1], verify)
 
     def finish(self):
         """Keep what this request learnt for the pair's next one; the statistics to report."""
@@ -283,6 +287,11 @@ class AdaptiveGamma:
             "cost_model": {"t_draft": self.t_draft, "t_verify": dict(enumerate(self.t_verify[1:], 1))},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
         }
+
+
+def refined(average, seconds):
+    """The running average of a timing after one more observation (see OUTLIER)."""
+    return average + TIME_SMOOTHING * (min(seconds, OUTLIER * average) - average)
 
 
 def make_policy(gamma, k_max=GAMMA_MAX):

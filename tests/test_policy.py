@@ -97,6 +97,18 @@ def test_timings_are_refined_from_each_step():
     assert chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
 
 
+def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
+    """A compiled draft compiles a graph the first time it decodes a new width: one proposal took 9 s
+    instead of 0.1. That must not price guessing out for the rest of the pair's life."""
+    chooser = adaptive(0.9, FLAT, 0.1)
+    chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=9.0, step_seconds=19.0)  # and the verify 10 s
+    assert chooser.t_draft == pytest.approx(0.12) and chooser.t_verify[2] == pytest.approx(1.2)
+    assert chooser.guesses() > 0
+    for _ in range(40):  # guessing really became 5x dearer: the estimate follows
+        chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.5, step_seconds=1.5)
+    assert chooser.t_draft == pytest.approx(0.5, rel=0.05)
+
+
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []
