@@ -204,7 +204,7 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     a 1-token target decode (one autoregressive step), a (γ+1)-token one (one verification) and one
     draft step. A model drafter's step is a 1-token decode; a model-free drafter's is its time to
     propose γ guesses, divided by γ. Returns {"position", "target_step_s", "verify_step_s": {γ: s},
-    "draft_step_s": {γ: s}}."""
+    "draft_step_s": {γ: s}, "draft_bandwidth": a draft model's bytes per step and bytes/s, or None}."""
     if draft in SELF_DRAFT_MODES:  # the target's quantized copy: a model drafter
         draft = make_drafter(draft, target).model
     device = target.device
@@ -225,7 +225,9 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     times = median_times(fns, device)
     draft_step = {g: times["draft", 1] if isinstance(draft, CachedLM) else times["draft", g] / g for g in gammas}
     return {"position": prefix.shape[1], "target_step_s": times["target", 1],
-            "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step}
+            "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step,
+            "draft_bandwidth": bandwidth(draft, prefix.shape[1], times["draft", 1])
+            if isinstance(draft, CachedLM) else None}
 
 
 @contextmanager
@@ -589,6 +591,7 @@ def benchmark(args):
         "target_step_s": steps["target_step_s"],
         "step_position": steps["position"],
         "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
+        "draft_memory_bandwidth": steps["draft_bandwidth"],
         "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
         if args.memory_tokens else None,
         "row_invariance_price": row_invariance_price(target, target.encode(torch.tensor([prompts[0]], device=device)))
@@ -744,6 +747,10 @@ def markdown_table(result):
         lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
                   f"{bw['bytes_per_step'] / 1e6:.3g} MB read, "
                   f"{bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s{fraction} ({bw['device_name']})", ""]
+    draft_bw = result["draft_memory_bandwidth"]
+    if draft_bw:
+        lines += [f"draft decode step: {draft_bw['bytes_per_step'] / draft_bw['achieved_bytes_per_s'] * 1e3:.2f} ms, "
+                  f"{draft_bw['bytes_per_step'] / 1e6:.3g} MB read, {draft_bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s", ""]
     memory = result["memory"]
     if memory:
         growth = f" (growth {memory['growth']:+.2%})" if memory["growth"] is not None else ""

@@ -15,7 +15,7 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference
 
 import minispec
-from minispec import bench
+from minispec import bench, drafters
 
 # Repeats itself, so the lookup drafter finds matches from the first step on.
 PROMPTS = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [9, 10, 11, 12, 9, 10, 11]]
@@ -240,6 +240,22 @@ def test_beams_table(dirs, tmp_path, capsys):
     assert row["guesses_histogram"] is None and result["beams"][0]["guesses_histogram"] is not None
     assert re.search(r"^\| 1 \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \| \d+ \(\d+\) \| - \| yes \|$",
                      table, re.M)
+
+
+def test_draft_bytes_per_step_for_a_model_draft(dirs, tmp_path, capsys):
+    """The target's own int8 copy as the draft: its bytes per step are its own (int8 weights, fewer than
+    the float32 target's), and a model-free drafter has none."""
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "int8", "--gamma", "2",
+                              "--repeats", "1", *PROMPT_FLAGS)
+    draft, target = result["draft_memory_bandwidth"], result["memory_bandwidth"]
+    copy = drafters.make_drafter("int8", minispec.load(dirs["gpt2"])).model
+    copy.setup_caches(1, 64)
+    assert draft["bytes_per_step"] == bench.decode_bytes(copy, result["step_position"]) < target["bytes_per_step"]
+    assert draft["achieved_bytes_per_s"] > 0
+    assert re.search(r"^draft decode step: [\d.]+ ms, [\d.]+ MB read, [\d.]+ GB/s$", table, re.M)
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
+                              "--repeats", "1", *PROMPT_FLAGS)
+    assert result["draft_memory_bandwidth"] is None and "draft decode step" not in table
 
 
 @pytest.mark.parametrize("draft", ["lookup", "same_weights"])
