@@ -9,7 +9,10 @@ T(k) = k·t_draft + t_verify(k + 1), t_verify(w) being a target forward over w t
 grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per second, E(k) / T(k):
 
 - t_verify(w) for every width and t_draft are timed when a (target, drafter) pair first decodes
-  (`calibrate`), then refined from every step's own wall time: no extra host sync, the step has one.
+  (`calibrate`, the widths side by side), then refined from every step's own wall time: no extra host
+  sync, the step has one. A step rescales all widths at once, keeping their calibrated ratios: were
+  each width refined alone, one timed in a slow moment would keep its stale time, never be chosen,
+  and so never be corrected (a 2-token verify stuck at 1.4x a step that measured 1.08x).
 - a and b are estimated from the positions the target verified, recent ones weighing more, and each
   request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
   preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the tokens the target
@@ -87,7 +90,8 @@ class PairProfile:
     """What one (target, drafter) pair has learnt across requests: its timings and acceptance rates."""
 
     def __init__(self):
-        self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused)
+        self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused), as calibrated
+        self.scale = 1.0  # the steps' own times over the calibrated ones
         self.t_draft = None  # seconds per guess
         self.first, self.later = DEFAULT_ALPHA, DEFAULT_ALPHA  # a and b (module docstring)
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
@@ -153,6 +157,7 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
         forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
     seconds = fastest(forwards, target.device)
     profile.t_verify = [0.0] + [seconds[k] for k in range(k_max + 1)]
+    profile.scale = 1.0
     # host-side drafters' cost is measured on the first steps
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
 
@@ -179,7 +184,7 @@ class AdaptiveGamma:
         """Start a request from what the pair has learnt (its timings and rates). preview(k), if
         given, returns the drafter's next k guesses without making them (a list, [] for none)."""
         self.profile = profile
-        self.t_verify = list(profile.t_verify[: self.k_max + 2])
+        self.t_verify, self.scale = profile.t_verify[: self.k_max + 2], profile.scale
         self.t_draft = profile.t_draft
         self.measure_draft = measure_draft
         self.preview, self.previewed = preview, None
@@ -198,7 +203,11 @@ class AdaptiveGamma:
         return 1.0 + a * (k if b >= 1 else (1 - b ** k) / (1 - b))
 
     def seconds(self, k):
-        return k * self.t_draft + self.t_verify[k + 1]
+        return k * self.t_draft + self.verify_seconds(k + 1)
+
+    def verify_seconds(self, width):
+        """A target forward over `width` tokens: the calibrated time, rescaled by what steps take now."""
+        return self.scale * self.t_verify[width]
 
     def guesses(self):
         best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
@@ -235,7 +244,7 @@ class AdaptiveGamma:
             survive *= accepted / verified
             tokens += survive
         gain = survive * self.later.value  # the next guess, whose confidence is not known yet
-        cost = self.t_draft + self.t_verify[i + 2] - self.t_verify[i + 1]
+        cost = self.t_draft + self.verify_seconds(i + 2) - self.verify_seconds(i + 1)
         return gain * self.seconds(i) > tokens * cost
 
     @staticmethod
@@ -267,7 +276,7 @@ class AdaptiveGamma:
         if k and self.measure_draft:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
-        self.t_verify[k + 1] = refined(self.t_verify[k + 1], verify)
+        self.scale = refined(self.scale, verify / self.t_verify[k + 1])
 
     def finish(self):
         """Keep what this request learnt for the pair's next one; the statistics to report."""
@@ -277,14 +286,14 @@ class AdaptiveGamma:
             profile.first = (first_accepted + profile.first * HISTORY_WEIGHT) / (first_verified + HISTORY_WEIGHT)
         if later_verified:
             profile.later = (later_accepted + profile.later * HISTORY_WEIGHT) / (later_verified + HISTORY_WEIGHT)
-        profile.t_verify[: len(self.t_verify)] = self.t_verify
+        profile.scale = self.scale
         profile.t_draft = self.t_draft
         steps = sum(self.histogram)
         return {
             "gamma": "auto",
             "guesses_histogram": self.histogram,
             "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later.value},
-            "cost_model": {"t_draft": self.t_draft, "t_verify": dict(enumerate(self.t_verify[1:], 1))},
+            "cost_model": {"t_draft": self.t_draft, "t_verify": {w: self.verify_seconds(w) for w in range(1, len(self.t_verify))}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
         }
 

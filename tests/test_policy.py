@@ -88,13 +88,16 @@ def test_a_drafter_with_a_preview_is_checked_on_every_step_guessing_or_not():
 
 
 def test_timings_are_refined_from_each_step():
-    chooser = adaptive(0.6, FLAT, 0.1)
-    for _ in range(100):  # width 3 really costs 2 s, and a guess 0.3 s
-        chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=2.6)
-    assert chooser.t_draft == pytest.approx(0.3, rel=1e-3) and chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
-    assert chooser.t_verify[2] == 1.0  # widths not seen keep their calibrated time
+    """Steps rescale every width's calibrated time at once: their ratios are the calibration's."""
+    chooser = adaptive(0.6, STEEP, 0.1)
+    for _ in range(100):  # width 3 (calibrated 1.5 s) really takes 3 s, and a guess 0.3 s
+        chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=3.6)
+    assert chooser.t_draft == pytest.approx(0.3, rel=1e-3) and chooser.verify_seconds(3) == pytest.approx(3.0, rel=1e-3)
+    assert chooser.verify_seconds(1) == pytest.approx(2.0, rel=1e-3)  # a width not seen: the same factor
     chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=None)  # the prompt's forward
-    assert chooser.t_verify[3] == pytest.approx(2.0, rel=1e-3)
+    assert chooser.verify_seconds(3) == pytest.approx(3.0, rel=1e-3)
+    chooser.finish()
+    assert chooser.profile.scale == pytest.approx(2.0, rel=1e-3)  # the pair's next request starts there
 
 
 def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
@@ -102,7 +105,7 @@ def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
     instead of 0.1. That must not price guessing out for the rest of the pair's life."""
     chooser = adaptive(0.9, FLAT, 0.1)
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=9.0, step_seconds=19.0)  # and the verify 10 s
-    assert chooser.t_draft == pytest.approx(0.12) and chooser.t_verify[2] == pytest.approx(1.2)
+    assert chooser.t_draft == pytest.approx(0.12) and chooser.verify_seconds(2) == pytest.approx(1.2)
     assert chooser.guesses() > 0
     for _ in range(40):  # guessing really became 5x dearer: the estimate follows
         chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.5, step_seconds=1.5)
@@ -128,7 +131,7 @@ def test_no_probe_where_even_perfect_guesses_would_not_pay():
         assert chooser.guesses() == 0
         chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=1.0)
     assert chooser.could_pay() is False
-    chooser.t_verify = [0.0, *STEEP]  # cheaper verification: the next plain step is followed by a probe
+    chooser.t_verify, chooser.scale = [0.0, *STEEP], 1.0  # cheaper verification: the next plain step is followed by a probe
     assert chooser.could_pay() is True and chooser.guesses() == 1
 
 
