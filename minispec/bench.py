@@ -713,7 +713,8 @@ def beam_benchmark(args):
                          "seconds": statistics.median(seconds[name, i]),
                          "speedup_median": statistics.median(plain) / statistics.median(seconds[name, i]),
                          "speedup_fastest": min(plain) / min(seconds[name, i]),
-                         "target_calls": stats["target_calls"], "plain_target_calls": last["plain", i].stats["target_calls"],
+                         "target_calls": stats["target_calls"],
+                         "plain_target_calls": last["plain", i].stats["target_calls"],
                          "guesses_histogram": stats.get("guesses_histogram"),
                          "identical": last[name, i].tokens == last["plain", i].tokens})
     lines = [f"target `{args.target}`, draft `{args.draft}` (draft beams {args.draft_beams or args.beams}) on "
@@ -749,7 +750,8 @@ def markdown_table(result):
                   f"{bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s{fraction} ({bw['device_name']})", ""]
     draft_bw = result["draft_memory_bandwidth"]
     if draft_bw:
-        lines += [f"draft decode step: {draft_bw['bytes_per_step'] / draft_bw['achieved_bytes_per_s'] * 1e3:.2f} ms, "
+        step_ms = draft_bw["bytes_per_step"] / draft_bw["achieved_bytes_per_s"] * 1e3
+        lines += [f"draft decode step: {step_ms:.2f} ms, "
                   f"{draft_bw['bytes_per_step'] / 1e6:.3g} MB read, {draft_bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s", ""]
     memory = result["memory"]
     if memory:

@@ -15,9 +15,10 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   and so never be corrected (a 2-token verify stuck at 1.4x a step that measured 1.08x).
 - a and b are estimated from the positions the target verified, recent ones weighing more, and each
   request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
-  preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the tokens the target
-  emitted is exactly what verification would have found (a guess x survives with probability p(x),
-  the chance that the target's token is x), so its rates stay current without spending a forward.
+  preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the
+  tokens the target emitted is exactly what verification would have found (a guess x survives with
+  probability p(x), the chance that the target's token is x), so its rates stay current without
+  spending a forward.
 - A drafter that can say how sure it is of each guess (a draft model on a CPU, where reading that is
   free) stops early when one more guess costs more time than it is expected to gain (`keep_guessing`).
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
@@ -293,7 +294,8 @@ class AdaptiveGamma:
             "gamma": "auto",
             "guesses_histogram": self.histogram,
             "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later.value},
-            "cost_model": {"t_draft": self.t_draft, "t_verify": {w: self.verify_seconds(w) for w in range(1, len(self.t_verify))}},
+            "cost_model": {"t_draft": self.t_draft,
+                           "t_verify": {w: self.verify_seconds(w) for w in range(1, len(self.t_verify))}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
         }
 
