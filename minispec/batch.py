@@ -76,11 +76,8 @@ class Row:
 
 def kv_cache_bytes_per_row(model, max_seq_len):
     """Bytes one cache row of `max_seq_len` positions takes (every layer's keys and values)."""
-    model.ensure_caches(1, max_seq_len)
-    held = sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
-               if name.endswith(("kv_cache.k", "kv_cache.v")))  # maybe more rows and positions than asked
-    per_position = held // (model.cache_batch_size * model.cache_max_seq_len)
-    return per_position * model.cache_length_for(max_seq_len)
+    model.ensure_caches(1, max_seq_len)  # the caches' shapes give the bytes per position
+    return model.kv_bytes_per_position() * model.cache_length_for(max_seq_len)
 
 
 @torch.inference_mode()

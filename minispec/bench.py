@@ -34,7 +34,7 @@ from .cli import gamma_setting, load_target_and_draft, token_ids
 from .drafters import SELF_DRAFT_MODES, make_drafter
 from .generate import generate, prompt_tensor
 from .models import base, quant
-from .models.base import CachedLM, KVCache
+from .models.base import CachedLM
 from .models.quant import Int8Embedding
 from .sampling import Sampling
 from .weights import DTYPES
@@ -295,7 +295,8 @@ def decode_bytes(model, length):
     """Bytes one decode step must read: every decoder weight once, as stored (a quantized layer's int8
     or packed int4 weight and its scales; an encoder-decoder's encoder runs once per request, not per
     token), but of an embedding table only the looked-up row, unless the table is also the output head
-    (tied); plus the self-attention keys and values of `length` positions."""
+    (tied); plus the self-attention keys and values of `length` positions (of the one cache row a
+    request decodes in, however many rows the caches hold)."""
     weights = 0
     modules = dict(model.named_modules())
     for name, tensor in model.state_dict().items():  # parameters and persistent buffers: the weights
@@ -305,9 +306,7 @@ def decode_bytes(model, length):
         looked_up = isinstance(owner, (nn.Embedding, Int8Embedding)) and owner is not model.head
         numel = tensor.numel() // owner.num_embeddings if looked_up else tensor.numel()  # a row's share
         weights += numel * tensor.element_size()
-    kv = sum(2 * m.k.shape[0] * m.k.shape[1] * length * m.k.shape[3] * m.k.element_size()
-             for m in model.modules() if isinstance(m, KVCache))
-    return weights + kv
+    return weights + model.kv_bytes_per_position() * length  # one request: one cache row
 
 
 def peak_bandwidth(device_name):

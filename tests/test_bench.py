@@ -98,6 +98,8 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
     weights = (sum(p.numel() for p in target.parameters()) - target.wpe.weight.numel() + row(target.wpe)) * 4
     # 2 layers x (keys + values) x 4 heads x 8 dims x 10 positions x 4 bytes
     assert bench.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
+    target.setup_caches(3, 64)  # caches kept from a batch: a request still decodes in one row
+    assert bench.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
     for kind in ("llama", "llama_gqa"):  # untied head / tied head
         llama = minispec.load(save_reference(make_reference(kind), tmp_path / kind))
         llama.setup_caches(1, 64)

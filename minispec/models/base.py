@@ -270,6 +270,11 @@ class CachedLM(nn.Module):
         size = max(256, 1 << (max_seq_len - 1).bit_length())
         return min(size, self.context_length) if self.context_length else size
 
+    def kv_bytes_per_position(self):
+        """Bytes of keys and values one cache row holds per position, over every layer's KVCache."""
+        return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.modules()
+                   if isinstance(m, KVCache))
+
     def compile(self, mode=None):
         """torch.compile the decode forward: static shapes (the caches are preallocated), one graph per
         token width (1 for plain decoding, γ+1 for verification), each compiled on first use.
