@@ -94,7 +94,11 @@ class PairProfile:
         self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused), as calibrated
         self.scale = 1.0  # the steps' own times over the calibrated ones
         self.t_draft = None  # seconds per guess
-        self.first, self.later = DEFAULT_ALPHA, DEFAULT_ALPHA  # a and b (module docstring)
+        # a and b (module docstring); b is None until a guess after an accepted one has been verified:
+        # till then a stands in for it (the paper's i.i.d. α). A prior of its own would lock a pair out:
+        # a confident draft whose early stop finds the second guess not worth its cost at that prior
+        # never makes one, so b is never measured (the compiled int8 self-draft stuck at one guess a step).
+        self.first, self.later = DEFAULT_ALPHA, None
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
 
 
@@ -189,9 +193,10 @@ class AdaptiveGamma:
         self.t_draft = profile.t_draft
         self.measure_draft = measure_draft
         self.preview, self.previewed = preview, None
-        self.first, self.later = Rate(profile.first, PRIOR_WEIGHT), Rate(profile.later, PRIOR_WEIGHT)
+        self.first = Rate(profile.first, PRIOR_WEIGHT)
+        self.later = None if profile.later is None else Rate(profile.later, PRIOR_WEIGHT)
         # per bin of the draft's confidence in its guess: decayed [accepted, verified] guesses that sure
-        self.confidence = [[profile.later * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
+        self.confidence = [[self.later_rate() * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
         self.keep_guessing = self._keep_guessing if confidences else None
         self.sure = []  # the draft's confidence in each guess of the current step
         self.histogram = [0] * (self.k_max + 1)
@@ -200,8 +205,12 @@ class AdaptiveGamma:
 
     def expected(self, k):
         """E(k): expected new tokens of a step with k guesses."""
-        a, b = self.first.value, self.later.value
+        a, b = self.first.value, self.later_rate()
         return 1.0 + a * (k if b >= 1 else (1 - b ** k) / (1 - b))
+
+    def later_rate(self):
+        """b, or a while no guess after an accepted one has been verified for this pair."""
+        return self.first.value if self.later is None else self.later.value
 
     def seconds(self, k):
         return k * self.t_draft + self.verify_seconds(k + 1)
@@ -244,7 +253,7 @@ class AdaptiveGamma:
             accepted, verified = self.confidence[self.bin(c)]
             survive *= accepted / verified
             tokens += survive
-        gain = survive * self.later.value  # the next guess, whose confidence is not known yet
+        gain = survive * self.later_rate()  # the next guess, whose confidence is not known yet
         cost = self.t_draft + self.verify_seconds(i + 2) - self.verify_seconds(i + 1)
         return gain * self.seconds(i) > tokens * cost
 
@@ -266,7 +275,10 @@ class AdaptiveGamma:
             verified = min(n + 1, k)
         if verified:  # the first guess, then those after an accepted one
             self.first.add(n > 0, 1)
-            self.later.add(n - (n > 0), verified - 1)
+            if verified > 1:
+                if self.later is None:
+                    self.later = Rate(self.first.value, PRIOR_WEIGHT)
+                self.later.add(n - (n > 0), verified - 1)
             self.request = [x + y for x, y in zip(self.request, (n > 0, 1, n - (n > 0), verified - 1))]
         for j, c in enumerate(self.sure[:min(n + 1, k)]):
             counts = self.confidence[self.bin(c)]
@@ -286,14 +298,15 @@ class AdaptiveGamma:
         if first_verified:
             profile.first = (first_accepted + profile.first * HISTORY_WEIGHT) / (first_verified + HISTORY_WEIGHT)
         if later_verified:
-            profile.later = (later_accepted + profile.later * HISTORY_WEIGHT) / (later_verified + HISTORY_WEIGHT)
+            prior = profile.first if profile.later is None else profile.later
+            profile.later = (later_accepted + prior * HISTORY_WEIGHT) / (later_verified + HISTORY_WEIGHT)
         profile.scale = self.scale
         profile.t_draft = self.t_draft
         steps = sum(self.histogram)
         return {
             "gamma": "auto",
             "guesses_histogram": self.histogram,
-            "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later.value},
+            "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later_rate()},
             "cost_model": {"t_draft": self.t_draft,
                            "t_verify": {w: self.verify_seconds(w) for w in range(1, len(self.t_verify))}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,

@@ -150,6 +150,35 @@ def test_plain_steps_count_toward_a_probe_across_requests():
     assert [i for i, k in enumerate(choices) if k] == [7]
 
 
+def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
+    """A sure draft whose first guesses all survive: with b at a prior of 0.6 its second guess would not
+    be worth a guess's cost, none would be made and b never measured. Until one is, b is a."""
+    profile = policy.PairProfile()  # a new pair: nothing measured but its timings
+    profile.t_verify, profile.t_draft = [0.0, *FLAT], 0.5
+    chooser = AdaptiveGamma(8)
+    chooser.begin(profile, confidences=True, measure_draft=True)
+    for _ in range(20):  # one sure guess a step, each accepted
+        chooser.guesses()
+        chooser.keep_guessing(1, 0.99)
+        chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.5, step_seconds=1.5)
+    assert chooser.later is None and chooser.later_rate() == chooser.first.value > 0.95
+    chooser.guesses()
+    assert chooser.keep_guessing(1, 0.99)  # a second guess pays at b = a
+    chooser.profile.later = 0.6  # what a prior of its own did: stuck at one guess
+    chooser.begin(chooser.profile, confidences=True, measure_draft=True)
+    chooser.guesses()
+    assert not chooser.keep_guessing(1, 0.99)
+    chooser.profile.later = None
+    chooser.begin(chooser.profile, confidences=True, measure_draft=True)
+    chooser.guesses()
+    chooser.keep_guessing(1, 0.99)
+    chooser.keep_guessing(2, 0.99)
+    chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=1.0, step_seconds=2.0)  # guess 2 rejected
+    assert chooser.later is not None and chooser.later_rate() < chooser.first.value
+    chooser.finish()
+    assert chooser.profile.later is not None and chooser.profile.later < chooser.profile.first
+
+
 def test_keep_guessing_stops_when_the_draft_is_unsure():
     chooser = adaptive(0.7, FLAT, 0.05, confident_drafter=True)
     # what the confidence bins have learnt: sure guesses survive, unsure ones do not
