@@ -12,7 +12,8 @@
     drafter.name, drafter.model                            what drafts: "model" and the model, or the
                                                            model-free drafter's name and None
     drafter.preview                                        None, or preview(k): the next k guesses as
-                                                           propose would make them, without making them
+                                                           propose would make them, without making them,
+                                                           and how sure the drafter is of each (0..1)
                                                            (for deterministic guesses that cost nothing;
                                                            set by start)
 
@@ -185,18 +186,20 @@ class NgramDrafter:
 
     def greedy_continuation(self, k):
         """Greedy's k guesses: each the most counted successor of the one before, the smallest id among
-        ties (as argmax over q's row would pick). q is one-hot at each, so it is reported as None."""
+        ties (as argmax over q's row would pick), and its share of the counts (how sure the drafter is).
+        q is one-hot at each guess, so it is reported as None."""
         self.count(self.context)
-        guesses, previous = [], self.context[-1]
+        guesses, shares, previous = [], [], self.context[-1]
         for _ in range(k):
             counts = self.bigrams.get(previous) or self.unigrams
             previous = min(counts, key=lambda token: (-counts[token], token))
             guesses.append(previous)
-        return guesses
+            shares.append(counts[previous] / counts.total())
+        return guesses, shares
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
-            return torch.tensor(self.greedy_continuation(k), dtype=torch.long, device=self.device), None
+            return torch.tensor(self.greedy_continuation(k)[0], dtype=torch.long, device=self.device), None
         if self.generator is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -247,19 +250,22 @@ class LookupDrafter:
                 self.latest[gram] = end
 
     def continuation(self, k):
+        """The k guesses, and the length of the match they copy from (0: none, no guesses)."""
         # The suffix's latest occurrence is the suffix itself; copy what followed the one before it.
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
             end = self.earlier.get(tuple(self.context[-n:]))
             if end is not None:
                 period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
-                return [self.context[end + 1 + i % period] for i in range(k)]
-        return []
+                return [self.context[end + 1 + i % period] for i in range(k)], n
+        return [], 0
 
     def preview(self, k):
-        return self.continuation(k)
+        """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""
+        guesses, matched = self.continuation(k)
+        return guesses, [matched / self.max_ngram] * len(guesses)
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return torch.tensor(self.continuation(k) if k else [], dtype=torch.long, device=self.device), None
+        return torch.tensor(self.continuation(k)[0] if k else [], dtype=torch.long, device=self.device), None
 
     def accept(self, tokens, tokens_on_device):
         self.extend(tokens)

@@ -19,8 +19,13 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   tokens the target emitted is exactly what verification would have found (a guess x survives with
   probability p(x), the chance that the target's token is x), so its rates stay current without
   spending a forward.
-- A drafter that can say how sure it is of each guess (a draft model on a CPU, where reading that is
-  free) stops early when one more guess costs more time than it is expected to gain (`keep_guessing`).
+- How sure a drafter is of a guess says much about its chances: the draft model's probability of it
+  (on a CPU, where reading that is free), ngram's share of the counts, how long a match lookup's copy
+  follows. Each pair keeps an acceptance rate per bin of that confidence, learnt from verified
+  guesses across requests and shrunk towards a (b after the first guess) while a bin has seen few. A
+  previewing drafter's confidences are known before the step, so it takes the k that pays most for
+  these very guesses; a draft model stops early when one more guess costs more time than it is
+  expected to gain (`keep_guessing`).
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
   every probe that finds it still does not. No probe where the timings say that even guesses that all
@@ -47,7 +52,8 @@ TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
 OUTLIER = 3.0
 CALIBRATION_ROUNDS = 3
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
-CONFIDENCE_BINS = 5  # the draft's probability of its guess, in bins of 0.2
+CONFIDENCE_BINS = 5  # how sure the drafter is of a guess, in bins of 0.2
+BIN_PRIOR = 2.0  # a bin's rate is shrunk towards a (or b) as if by this many verified guesses
 
 
 class FixedGamma:
@@ -100,6 +106,8 @@ class PairProfile:
         # never makes one, so b is never measured (the compiled int8 self-draft stuck at one guess a step).
         self.first, self.later = DEFAULT_ALPHA, None
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
+        # per bin of the drafter's confidence in a guess: decayed [accepted, verified] guesses that sure
+        self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
 
 
 # target model -> {drafter key: PairProfile}; weak, so profiles go away with their models
@@ -187,7 +195,8 @@ class AdaptiveGamma:
 
     def begin(self, profile, confidences, measure_draft, preview=None):
         """Start a request from what the pair has learnt (its timings and rates). preview(k), if
-        given, returns the drafter's next k guesses without making them (a list, [] for none)."""
+        given, returns the drafter's next k guesses without making them, and its confidence in each
+        (two lists, empty for none)."""
         self.profile = profile
         self.t_verify, self.scale = profile.t_verify[: self.k_max + 2], profile.scale
         self.t_draft = profile.t_draft
@@ -195,10 +204,9 @@ class AdaptiveGamma:
         self.preview, self.previewed = preview, None
         self.first = Rate(profile.first, PRIOR_WEIGHT)
         self.later = None if profile.later is None else Rate(profile.later, PRIOR_WEIGHT)
-        # per bin of the draft's confidence in its guess: decayed [accepted, verified] guesses that sure
-        self.confidence = [[self.later_rate() * 2.0, 2.0] for _ in range(CONFIDENCE_BINS)]
+        self.confidence = profile.confidence
         self.keep_guessing = self._keep_guessing if confidences else None
-        self.sure = []  # the draft's confidence in each guess of the current step
+        self.sure = []  # the drafter's confidence in each guess of the current step
         self.histogram = [0] * (self.k_max + 1)
         self.expected_tokens = 0.0
         self.request = [0, 0, 0, 0]  # this request's accepted and verified first guesses, later guesses
@@ -219,11 +227,19 @@ class AdaptiveGamma:
         """A target forward over `width` tokens: the calibrated time, rescaled by what steps take now."""
         return self.scale * self.t_verify[width]
 
+    def survival(self, confidence, place):
+        """The chance that a guess this sure survives, given that the guesses before it did: its bin's
+        rate, shrunk towards the rate of any guess in its place (a for the first, b after it)."""
+        accepted, verified = self.confidence[self.bin(confidence)]
+        prior = self.first.value if place == 1 else self.later_rate()
+        return (accepted + BIN_PRIOR * prior) / (verified + BIN_PRIOR)
+
     def guesses(self):
-        best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
         if self.preview is not None:  # checked every step: no probes needed
-            self.previewed = self.preview(self.k_max)
-        elif best == 0:
+            self.previewed, self.sure = self.preview(self.k_max)
+            return self.best_for(self.sure)
+        best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
+        if best == 0:
             # Plain steps count across requests: many short ones must not lock a pair out of speculating.
             profile = self.profile
             profile.plain_steps += 1
@@ -238,6 +254,19 @@ class AdaptiveGamma:
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
 
+    def expected_with(self, sure):
+        """[E(0), E(1), ..] for guesses this sure, one after another."""
+        tokens, survive = [1.0], 1.0
+        for place, confidence in enumerate(sure, 1):
+            survive *= self.survival(confidence, place)
+            tokens.append(tokens[-1] + survive)
+        return tokens
+
+    def best_for(self, sure):
+        """The k with the most expected tokens per second, for guesses whose confidences are known."""
+        tokens = self.expected_with(sure)
+        return max(range(len(tokens)), key=lambda k: tokens[k] / self.seconds(k))
+
     def could_pay(self):
         """Would some k beat plain steps if every guess survived (k + 1 tokens a step)?"""
         return any((k + 1) * self.seconds(0) > self.seconds(k) for k in range(1, self.k_max + 1))
@@ -248,11 +277,8 @@ class AdaptiveGamma:
         self.sure.append(confidence)
         if i >= self.k_max:
             return False
-        survive, tokens = 1.0, 1.0  # P(guesses 1..j all accepted), expected tokens with i guesses
-        for c in self.sure:
-            accepted, verified = self.confidence[self.bin(c)]
-            survive *= accepted / verified
-            tokens += survive
+        expected = self.expected_with(self.sure)
+        tokens, survive = expected[-1], expected[-1] - expected[-2]  # with i guesses; P(all i accepted)
         gain = survive * self.later_rate()  # the next guess, whose confidence is not known yet
         cost = self.t_draft + self.verify_seconds(i + 2) - self.verify_seconds(i + 1)
         return gain * self.seconds(i) > tokens * cost
@@ -266,8 +292,9 @@ class AdaptiveGamma:
         them short); it took step_seconds (None for the prompt's forward, which also verified the
         first guesses), draft_seconds of them drafting."""
         self.histogram[k] += 1
-        self.expected_tokens += self.expected(k)
-        if self.previewed is not None:  # the preview against what the target emitted
+        previewed = self.previewed is not None
+        self.expected_tokens += self.expected_with(self.sure[:k])[-1] if previewed else self.expected(k)
+        if previewed:  # the preview against what the target emitted
             compared = min(len(self.previewed), len(emitted))
             n = next((i for i in range(compared) if self.previewed[i] != emitted[i]), compared)
             verified = min(n + 1, compared)
@@ -280,7 +307,7 @@ class AdaptiveGamma:
                     self.later = Rate(self.first.value, PRIOR_WEIGHT)
                 self.later.add(n - (n > 0), verified - 1)
             self.request = [x + y for x, y in zip(self.request, (n > 0, 1, n - (n > 0), verified - 1))]
-        for j, c in enumerate(self.sure[:min(n + 1, k)]):
+        for j, c in enumerate(self.sure[:verified]):
             counts = self.confidence[self.bin(c)]
             counts[0] = counts[0] * DECAY + (j < n)
             counts[1] = counts[1] * DECAY + 1

@@ -204,7 +204,8 @@ def test_auto_gamma_row_beside_the_fixed_ones(dirs, tmp_path, capsys, draft):
     assert auto["predicted_speedup"] == pytest.approx(auto["best_gamma_predicted_speedup"])
     assert set(auto["cost_model"]) == {"t_draft", "t_verify"} and auto["expected_tokens_per_call"] >= 1
     for row in result["rows"]:
-        assert len(row["per_prompt_speedup"]) == len(PROMPTS) and all(x > 0 for x in row["per_prompt_speedup"])
+        for speedups in row["per_prompt_speedup"], row["per_prompt_speedup_fastest"]:
+            assert len(speedups) == len(PROMPTS) and all(x > 0 for x in speedups)
     assert "| auto (mean" in table and "auto: guesses per step" in table
     assert sum(re.match(r"\| prompt \d", line) is not None for line in table.splitlines()) == len(PROMPTS)
 

@@ -15,15 +15,16 @@ from minispec.speculative import one_hot
 
 def scan_continuation(context, k, max_ngram=3):
     """The definition: what followed the most recent earlier occurrence of the longest suffix (<=
-    max_ngram tokens), copied one token at a time so that the copy may read its own output."""
+    max_ngram tokens), copied one token at a time so that the copy may read its own output; and
+    that suffix's length."""
     for n in range(min(max_ngram, len(context) - 1), 0, -1):
         for start in range(len(context) - n - 1, -1, -1):
             if context[start:start + n] == context[-n:]:
                 copied = list(context)
                 for i in range(k):
                     copied.append(copied[start + n + i])
-                return copied[len(context):]
-    return []
+                return copied[len(context):], n
+    return [], 0
 
 
 def test_lookup_index_equals_a_scan_of_the_context():
@@ -43,9 +44,9 @@ def test_lookup_copy_continues_a_short_cycle():
     """A pattern repeating with period 3 < k: the copy reaches the context's end and goes on."""
     drafter = LookupDrafter(10, "cpu")
     drafter.start(torch.tensor([9, 1, 2, 3, 1, 2, 3, 1]), 0)
-    assert drafter.continuation(7) == [2, 3, 1, 2, 3, 1, 2]
+    assert drafter.continuation(7) == ([2, 3, 1, 2, 3, 1, 2], 3)
     drafter.start(torch.tensor([4, 5, 4]), 0)  # the match is one token back: period 2
-    assert drafter.continuation(3) == [5, 4, 5]
+    assert drafter.continuation(3) == ([5, 4, 5], 1)
 
 
 def test_lookup_reports_its_deterministic_guesses_with_q_none():
@@ -54,6 +55,16 @@ def test_lookup_reports_its_deterministic_guesses_with_q_none():
     drafts, q = drafter.propose(3, Sampling(), None)
     assert drafts.tolist() == [3, 4, 1]
     assert q is None  # one-hot at the guesses; speculative.one_hot builds it when needed
+
+
+def test_lookup_preview_is_its_guesses_as_sure_as_the_match_is_long():
+    drafter = LookupDrafter(10, "cpu")
+    drafter.start(torch.tensor([1, 2, 3, 4, 1, 2]), 0)
+    assert drafter.preview(3) == ([3, 4, 1], [2 / 3] * 3)  # (1, 2) matched: 2 of the 3 tokens it looks for
+    drafter.accept([3, 4, 1], None)
+    assert drafter.preview(2) == ([2, 3], [1.0] * 2)
+    drafter.accept([9], None)
+    assert drafter.preview(2) == ([], [])
 
 
 def test_ngram_q_is_the_normalized_bigram_counts():
@@ -73,7 +84,7 @@ def test_ngram_greedy_guesses_and_preview_are_the_argmax_walk_over_its_counts():
     context = [7, 1, 2, 1, 3, 1, 2, 4, 1, 5, 5, 2, 4, 4]
     drafter = NgramDrafter(8, "cpu")
     drafter.start(torch.tensor(context), 0, Sampling())
-    preview = drafter.preview(6)
+    preview, shares = drafter.preview(6)
     drafts, q = drafter.propose(6, Sampling(), torch.Generator())
     assert q is None and drafts.tolist() == preview
     walk, previous = [], context[-1]
@@ -82,6 +93,7 @@ def test_ngram_greedy_guesses_and_preview_are_the_argmax_walk_over_its_counts():
         previous = int(drafter.counts_after(previous).argmax())
         walk.append(previous)
     assert preview == walk == [1, 2, 4, 1, 2, 4]  # after 4 came 1 and 4 (a tie: the smaller wins)
+    assert shares == pytest.approx([1 / 2, 2 / 4, 2 / 3] * 2)  # after 1: 2, 3, 2, 5; after 2: 1, 4, 4
     drafter.start(torch.tensor(context), 0, Sampling(temperature=1.0))
     assert drafter.preview is None
 

@@ -71,7 +71,8 @@ def test_a_drafter_with_a_preview_is_checked_on_every_step_guessing_or_not():
     without guesses still tell the rates (and need no probes)."""
     upcoming = [[7, 8, 9, 10]]
     chooser = adaptive(0.05, STEEP, 0.0)
-    chooser.begin(chooser.profile, confidences=False, measure_draft=True, preview=lambda k: upcoming[0][:k])
+    preview = lambda k: (upcoming[0][:k], [0.5] * len(upcoming[0][:k]))  # noqa: E731
+    chooser.begin(chooser.profile, confidences=False, measure_draft=True, preview=preview)
     assert chooser.guesses() == 0  # unpromising so far: a plain step, with a look at what it would guess
     chooser.observe(k=0, n=0, emitted=[7], draft_seconds=0.0, step_seconds=1.0)  # the first guess was right
     before = chooser.first.value
@@ -85,6 +86,27 @@ def test_a_drafter_with_a_preview_is_checked_on_every_step_guessing_or_not():
     chooser.guesses()
     chooser.observe(k=0, n=0, emitted=[5], draft_seconds=0.0, step_seconds=1.0)
     assert (chooser.first.accepted, chooser.first.verified) == state
+
+
+def test_a_previewing_drafter_guesses_as_far_as_its_confidence_in_these_guesses_pays():
+    """Sure guesses (a long lookup match) that hold and unsure ones (a 1-token match) that fail, mixed
+    step by step: the pair's overall rate is middling, but each bin learns its own, and a step's k
+    follows the confidence of the guesses it previews."""
+    upcoming = list(range(7, 15))
+    sure = [1.0]
+    chooser = adaptive(0.5, STEEP, 0.0)
+    preview = lambda k: (upcoming[:k], sure * k)  # noqa: E731
+    chooser.begin(chooser.profile, confidences=False, measure_draft=True, preview=preview)
+    for step in range(40):
+        sure[0] = 1.0 if step % 2 else 0.2
+        k = chooser.guesses()
+        emitted = upcoming[:k + 1] if step % 2 else [99]
+        chooser.observe(k=k, n=len(emitted) - 1, emitted=emitted, draft_seconds=0.0, step_seconds=STEEP[k])
+    assert 0.3 < chooser.first.value < 0.7
+    sure[0] = 1.0
+    assert chooser.guesses() >= 5
+    sure[0] = 0.2
+    assert chooser.guesses() == 0
 
 
 def test_timings_are_refined_from_each_step():
@@ -180,7 +202,7 @@ def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
 
 
 def test_keep_guessing_stops_when_the_draft_is_unsure():
-    chooser = adaptive(0.7, FLAT, 0.05, confident_drafter=True)
+    chooser = adaptive(0.7, FLAT, 0.2, confident_drafter=True)
     # what the confidence bins have learnt: sure guesses survive, unsure ones do not
     chooser.confidence = [[0.1, 10.0], [1.0, 10.0], [5.0, 10.0], [8.0, 10.0], [9.9, 10.0]]
     assert chooser.guesses() == 8  # a drafter that reports confidences may go up to k_max
