@@ -88,6 +88,10 @@ class Rate:
         self.accepted = self.accepted * decay + accepted
         self.verified = self.verified * decay + verified
 
+    def drift(self, towards):
+        """A step without evidence: the rate moves a tenth (1 − DECAY) of the way to `towards`."""
+        self.accepted += (1 - DECAY) * (towards * self.verified - self.accepted)
+
     @property
     def value(self):
         return self.accepted / self.verified
@@ -307,6 +311,10 @@ class AdaptiveGamma:
                     self.later = Rate(self.first.value, PRIOR_WEIGHT)
                 self.later.add(n - (n > 0), verified - 1)
             self.request = [x + y for x, y in zip(self.request, (n > 0, 1, n - (n > 0), verified - 1))]
+        if verified <= 1 and self.later is not None:
+            # Nothing checked after an accepted guess: b drifts to a (the i.i.d. model), or a low b
+            # learnt on other text would keep a sure draft at one guess a step, never measuring b again.
+            self.later.drift(self.first.value)
         for j, c in enumerate(self.sure[:verified]):
             counts = self.confidence[self.bin(c)]
             counts[0] = counts[0] * DECAY + (j < n)

@@ -57,7 +57,8 @@ def test_rates_follow_the_verified_positions():
     chooser = adaptive(0.6, FLAT, 0.1)
     for _ in range(40):
         chooser.observe(k=4, n=0, emitted=[1], draft_seconds=0.4, step_seconds=1.4)  # every first guess rejected
-    assert chooser.first.value < 0.05 and chooser.later.value == pytest.approx(0.6) and chooser.guesses() == 0
+    # nothing after an accepted guess checked: b drifts to a
+    assert chooser.first.value < 0.05 and chooser.later.value < 0.1 and chooser.guesses() == 0
     for _ in range(40):
         chooser.observe(k=4, n=4, emitted=[1] * 5, draft_seconds=0.4, step_seconds=1.4)  # all accepted
     assert chooser.first.value > 0.95 and chooser.later.value > 0.95 and chooser.guesses() == 8
@@ -199,6 +200,22 @@ def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
     assert chooser.later is not None and chooser.later_rate() < chooser.first.value
     chooser.finish()
     assert chooser.profile.later is not None and chooser.profile.later < chooser.profile.first
+
+
+def test_a_low_rate_after_an_accepted_guess_drifts_back_to_the_first_without_evidence():
+    """b learnt low on other text and a sure draft now: at b = 0.5 a second guess does not pay, so none
+    is made and b would never be measured again. Steps that check no later guess move b towards a."""
+    profile = policy.PairProfile()
+    profile.t_verify, profile.t_draft, profile.first, profile.later = [0.0, *STEEP], 0.5, 0.99, 0.5
+    chooser = AdaptiveGamma(8)
+    chooser.begin(profile, confidences=True, measure_draft=True)
+    seconds = 0.5 + STEEP[1]  # a guess and a 2-token verify
+    for step in range(30):
+        chooser.guesses()
+        if chooser.keep_guessing(1, 0.99):
+            break
+        chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.5, step_seconds=seconds)
+    assert 10 <= step <= 20 and chooser.later_rate() > 0.85
 
 
 def test_keep_guessing_stops_when_the_draft_is_unsure():
