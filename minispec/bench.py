@@ -273,6 +273,7 @@ def policy_summary(stats):
         "expected_tokens_per_call": sum(s["expected_tokens_per_call"] * s["target_calls"] for s in stats) / steps,
         "cost_model": stats[-1]["cost_model"],
         "alpha_estimate": stats[-1]["alpha_estimate"],
+        "acceptance_by_confidence": stats[-1]["acceptance_by_confidence"],
     }
 
 
@@ -806,7 +807,9 @@ def markdown_table(result):
         if r["gamma"] == "auto":
             lines += ["", f"auto: guesses per step {r['guesses_histogram']} (0, 1, ...), expected "
                       f"{r['expected_tokens_per_call']:.2f} tokens per call, measured {r['tokens_per_target_call']:.2f}; "
-                      f"its prediction is section 3.5's best fixed γ"]
+                      f"its prediction is section 3.5's best fixed γ; acceptance by the drafter's confidence "
+                      f"(0-0.2, ..., 0.8-1): " + ", ".join("-" if rate is None else f"{rate:.2f}"
+                                                           for rate in r["acceptance_by_confidence"])]
     lines += ["", "speedup per prompt (end to end; median of the repeats / fastest against fastest):", "",
               "| prompt | AR tok/s | " + " | ".join(f"γ = {r['gamma']}" for r in result["rows"]) + " |",
               "|" + "---|" * (2 + len(result["rows"]))]

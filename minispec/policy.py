@@ -212,6 +212,7 @@ class AdaptiveGamma:
         self.keep_guessing = self._keep_guessing if confidences else None
         self.sure = []  # the drafter's confidence in each guess of the current step
         self.histogram = [0] * (self.k_max + 1)
+        self.guessed_last_step = False
         self.expected_tokens = 0.0
         self.request = [0, 0, 0, 0]  # this request's accepted and verified first guesses, later guesses
 
@@ -319,9 +320,13 @@ class AdaptiveGamma:
             counts = self.confidence[self.bin(c)]
             counts[0] = counts[0] * DECAY + (j < n)
             counts[1] = counts[1] * DECAY + 1
+        # A draft model feeds the tokens it has not seen at its next guess: one or two after a step with
+        # guesses, but after plain steps (or the prompt) many, a cost that is no guess's: it made probes
+        # look so dear that guessing could never pay again, and so was never measured again.
+        regular, self.guessed_last_step = self.guessed_last_step, k > 0
         if step_seconds is None:
             return
-        if k and self.measure_draft:
+        if k and self.measure_draft and regular:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
         self.scale = refined(self.scale, verify / self.t_verify[k + 1])
@@ -342,6 +347,9 @@ class AdaptiveGamma:
             "gamma": "auto",
             "guesses_histogram": self.histogram,
             "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later_rate()},
+            # the pair's rate per bin of the drafter's confidence (0-0.2, ..., 0.8-1), None before any guess
+            "acceptance_by_confidence": [accepted / verified if verified else None
+                                         for accepted, verified in self.confidence],
             "cost_model": {"t_draft": self.t_draft,
                            "t_verify": {w: self.verify_seconds(w) for w in range(1, len(self.t_verify))}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,

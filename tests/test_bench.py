@@ -206,7 +206,8 @@ def test_auto_gamma_row_beside_the_fixed_ones(dirs, tmp_path, capsys, draft):
     for row in result["rows"]:
         for speedups in row["per_prompt_speedup"], row["per_prompt_speedup_fastest"]:
             assert len(speedups) == len(PROMPTS) and all(x > 0 for x in speedups)
-    assert "| auto (mean" in table and "auto: guesses per step" in table
+    assert len(auto["acceptance_by_confidence"]) == 5
+    assert "| auto (mean" in table and "auto: guesses per step" in table and "acceptance by the drafter's" in table
     assert sum(re.match(r"\| prompt \d", line) is not None for line in table.splitlines()) == len(PROMPTS)
 
 

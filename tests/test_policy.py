@@ -110,6 +110,19 @@ def test_a_previewing_drafter_guesses_as_far_as_its_confidence_in_these_guesses_
     assert chooser.guesses() == 0
 
 
+def test_a_guess_after_plain_steps_does_not_price_the_draft():
+    """A probe after plain steps makes the draft model feed every token it skipped (a forward over many):
+    timing that as its guess priced guessing out for good (a 54 ms int8 draft at 86 ms, never re-timed).
+    Only guesses right after guesses refine t_draft."""
+    chooser = adaptive(0.5, STEEP, 0.5)
+    for _ in range(8):
+        chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=STEEP[0])
+    chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=5.0, step_seconds=5.0 + STEEP[1])  # the catch-up
+    assert chooser.t_draft == 0.5 and chooser.scale == pytest.approx(1.0)
+    chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=0.6 + STEEP[1])
+    assert chooser.t_draft == pytest.approx(0.5 + policy.TIME_SMOOTHING * 0.1)
+
+
 def test_timings_are_refined_from_each_step():
     """Steps rescale every width's calibrated time at once: their ratios are the calibration's."""
     chooser = adaptive(0.6, STEEP, 0.1)
@@ -128,6 +141,7 @@ def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
     """A compiled draft compiles a graph the first time it decodes a new width: one proposal took 9 s
     instead of 0.1. That must not price guessing out for the rest of the pair's life."""
     chooser = adaptive(0.9, FLAT, 0.1)
+    chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.1, step_seconds=1.1)  # as calibrated
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=9.0, step_seconds=19.0)  # and the verify 10 s
     assert chooser.t_draft == pytest.approx(0.12) and chooser.verify_seconds(2) == pytest.approx(1.2)
     assert chooser.guesses() > 0
@@ -292,3 +306,6 @@ def test_stats_report_the_cost_model(pair):
     assert set(stats["cost_model"]["t_verify"]) == set(range(1, policy.GAMMA_MAX + 2))
     assert all(t > 0 for t in stats["cost_model"]["t_verify"].values())
     assert all(0 <= rate <= 1 for rate in stats["alpha_estimate"].values()) and stats["expected_tokens_per_call"] >= 1
+    by_confidence = stats["acceptance_by_confidence"]
+    assert len(by_confidence) == policy.CONFIDENCE_BINS and any(rate is not None for rate in by_confidence)
+    assert all(rate is None or 0 <= rate <= 1 for rate in by_confidence)
