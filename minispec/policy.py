@@ -9,10 +9,12 @@ T(k) = k·t_draft + t_verify(k + 1), t_verify(w) being a target forward over w t
 grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per second, E(k) / T(k):
 
 - t_verify(w) for every width and t_draft are timed when a (target, drafter) pair first decodes
-  (`calibrate`, the widths side by side), then refined from every step's own wall time: no extra host
-  sync, the step has one. A step rescales all widths at once, keeping their calibrated ratios: were
-  each width refined alone, one timed in a slow moment would keep its stale time, never be chosen,
-  and so never be corrected (a 2-token verify stuck at 1.4x a step that measured 1.08x).
+  (`calibrate`, the widths side by side, a straight line fitted through them), then refined from
+  every step's own wall time: no extra host sync, the step has one. A step rescales all widths at
+  once, keeping their calibrated ratios: were each width refined alone, one timed in a slow moment
+  would keep its stale time, never be chosen, and so never be corrected (a 2-token verify stuck at
+  1.4x a step that measured 1.08x). Only a step right after one with guesses refines t_draft (after
+  plain steps a draft model first feeds every token it skipped).
 - a and b are estimated from the positions the target verified, recent ones weighing more, and each
   request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
   preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the
@@ -168,15 +170,31 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     """Time a verification of k = 0..k_max guesses (a target forward over k + 1 tokens; with beams =
     (w, u), of w + u·k hypotheses at once) and a guess of a draft model (a draft beam step of u)."""
     w, u = beams or (1, 0)
+    rows = [max(w + u * k, 1) for k in range(k_max + 1)]
     target.rollback(0)  # the request's prefill resets the cache anyway
-    forwards = {k: decode_at_end(target, token, max(w + u * k, 1), k + 1) for k in range(k_max + 1)}
+    forwards = {k: decode_at_end(target, token, rows[k], k + 1) for k in range(k_max + 1)}
     if drafter.model is not None:  # its cache may hold the prompt already: decode_at_end keeps that
         forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
     seconds = fastest(forwards, target.device)
-    profile.t_verify = [0.0] + [seconds[k] for k in range(k_max + 1)]
+    # Steps rescale the widths together, so noise in one width's timing would stay in the shape for
+    # good (a 3-token verify timed below a 2-token one made auto stop at 2 guesses where 8 paid). A line
+    # through them, in the token positions each forward computes, averages it away: on a CPU the cost
+    # grows about linearly with them, on a GPU it is flat at these widths.
+    profile.t_verify = [0.0] + straight_line([r * (k + 1) for k, r in enumerate(rows)],
+                                             [seconds[k] for k in range(k_max + 1)])
     profile.scale = 1.0
     # host-side drafters' cost is measured on the first steps
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
+
+
+def straight_line(xs, ys):
+    """The least-squares line a + b·x (b >= 0) through the points, at each x, and no lower than the
+    lowest y."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    return [max(mean_y + max(slope, 0.0) * (x - mean_x), min(ys)) for x in xs]
 
 
 class AdaptiveGamma:

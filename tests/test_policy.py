@@ -123,6 +123,25 @@ def test_a_guess_after_plain_steps_does_not_price_the_draft():
     assert chooser.t_draft == pytest.approx(0.5 + policy.TIME_SMOOTHING * 0.1)
 
 
+@pytest.mark.parametrize("beams", [None, (2, 2)])
+def test_calibrated_widths_lie_on_a_line_through_their_timings(monkeypatch, beams):
+    """Steps rescale all widths together, so noise in one width's calibration would stay for good: a
+    3-token verify timed below a 2-token one. Calibration fits a line in the token positions each
+    forward computes (k + 1 tokens, of w + u·k rows with beams)."""
+    w, u = beams or (1, 0)
+    positions = [(w + u * k) * (k + 1) for k in range(5)]
+    noise = [0.0, 0.2, -0.2, 0.0, 0.0]
+    timed = {k: 1.0 + 0.1 * x + noise[k] for k, x in enumerate(positions)}
+    monkeypatch.setattr(policy, "fastest", lambda forwards, device: dict(timed, draft=0.3))
+    target = SimpleNamespace(rollback=lambda length: None, length=0, device=torch.device("cpu"))
+    profile = policy.PairProfile()
+    policy.calibrate(profile, target, SimpleNamespace(model=None), torch.tensor(5), 4, beams)
+    fitted = profile.t_verify[1:]
+    assert all(a < b for a, b in zip(fitted, fitted[1:]))  # the 2-3 inversion is gone
+    assert fitted == pytest.approx([1.0 + 0.1 * x for x in positions], abs=0.1)
+    assert policy.straight_line([1, 2, 3], [2.0, 1.0, 1.5]) == pytest.approx([1.5] * 3)  # never falling
+
+
 def test_timings_are_refined_from_each_step():
     """Steps rescale every width's calibrated time at once: their ratios are the calibration's."""
     chooser = adaptive(0.6, STEEP, 0.1)
