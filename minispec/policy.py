@@ -10,11 +10,10 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
 
 - t_verify(w) for every width and t_draft are timed when a (target, drafter) pair first decodes
   (`calibrate`, the widths side by side, a straight line fitted through them), then refined from
-  every step's own wall time: no extra host sync, the step has one. A step rescales all widths at
-  once, keeping their calibrated ratios: were each width refined alone, one timed in a slow moment
-  would keep its stale time, never be chosen, and so never be corrected (a 2-token verify stuck at
-  1.4x a step that measured 1.08x). Only a step right after one with guesses refines t_draft (after
-  plain steps a draft model first feeds every token it skipped).
+  every step's own wall time: no extra host sync, the step has one. Steps refit the line's level
+  and slope together (`VerifyCost`): steps at one width rescale every width at once, steps spread
+  over widths also bend it. Only a step right after one with guesses refines t_draft (after plain
+  steps a draft model first feeds every token it skipped).
 - a and b are estimated from the positions the target verified, recent ones weighing more, and each
   request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
   preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the
@@ -47,7 +46,9 @@ DEFAULT_ALPHA = 0.6  # a pair's acceptance rates before it has verified anything
 PRIOR_WEIGHT = 2.0  # a request starts from the pair's rates as if from this many verified positions
 HISTORY_WEIGHT = 16.0  # the pair's rates move from request to request like this many positions' average
 DECAY = 0.9  # per verified position: the estimates follow the last ~10 positions
-TIME_SMOOTHING = 0.1  # weight of each step's timing in the running averages
+TIME_SMOOTHING = 0.1  # weight of each step's timing in the running average of t_draft
+TIME_DECAY = 0.9  # per step: the verify costs follow the last ~10 steps (see VerifyCost)
+SHAPE_PRIOR = 0.1  # how firmly the widths keep the ratios of the pair's line while steps cannot tell
 # A step's timing counts as at most this many times the running average: a one-off stall (a compiled
 # draft compiling its graph for a new width on first use, another process taking the cores) must not
 # price guessing out for good, while a lasting change still comes through within a few steps.
@@ -103,8 +104,7 @@ class PairProfile:
     """What one (target, drafter) pair has learnt across requests: its timings and acceptance rates."""
 
     def __init__(self):
-        self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused), as calibrated
-        self.scale = 1.0  # the steps' own times over the calibrated ones
+        self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused): a line
         self.t_draft = None  # seconds per guess
         # a and b (module docstring); b is None until a guess after an accepted one has been verified:
         # till then a stands in for it (the paper's i.i.d. α). A prior of its own would lock a pair out:
@@ -182,7 +182,6 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     # grows about linearly with them, on a GPU it is flat at these widths.
     profile.t_verify = [0.0] + straight_line([r * (k + 1) for k, r in enumerate(rows)],
                                              [seconds[k] for k in range(k_max + 1)])
-    profile.scale = 1.0
     # host-side drafters' cost is measured on the first steps
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
 
@@ -195,6 +194,51 @@ def straight_line(xs, ys):
     spread = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
     return [max(mean_y + max(slope, 0.0) * (x - mean_x), min(ys)) for x in xs]
+
+
+class VerifyCost:
+    """t_verify(w), seconds of a target forward over w tokens: the pair's line through the widths (as
+    calibrated, or as its last request left it), refitted to every step's own time.
+
+    In units of the line's 1-token time, a w-token verify costs level + slope·u(w), where u(w) is what
+    the line adds over one token: level follows how fast the machine runs now, slope what each token
+    more costs. Both are fitted by least squares to the steps, recent ones weighing more, with the line
+    itself counting as a memory's worth of steps at its two ends, and a penalty on slope − level: steps
+    all at one width (or at two close ones) cannot tell the two apart, so they rescale every width at
+    once, keeping the line's ratios (were each width refined alone, one timed in a slow moment would
+    keep its stale time, never be chosen, and so never be corrected). Steps spread over widths bend
+    the line: a calibration on a busy machine got a 9-token verify's cost ratio to a 1-token one
+    wrong by a fifth either way (1.70x measured where steps took 1.44x)."""
+
+    def __init__(self, line):
+        self.one = line[1]
+        self.added = [0.0] + [t / self.one - 1.0 for t in line[1:]]  # u(w)
+        self.sums = [0.0] * 5  # decayed sums over the steps of 1, u, u², y, u·y
+        for u in (0.0, self.added[-1]):
+            self.add_point(u, 1.0 + u, weight=0.5 / (1.0 - TIME_DECAY))
+        self.level, self.slope = 1.0, 1.0
+
+    def __call__(self, width):
+        return self.one * (self.level + self.slope * self.added[width])
+
+    def line(self):
+        return [0.0] + [self(w) for w in range(1, len(self.added))]
+
+    def add(self, width, seconds):
+        """A step verified `width` tokens in `seconds` (see OUTLIER)."""
+        y = min(seconds, OUTLIER * self(width)) / self.one
+        self.sums = [s * TIME_DECAY for s in self.sums]
+        self.add_point(self.added[width], y, weight=1.0)
+        ones, us, uus, ys, uys = self.sums
+        # minimize sum (y - level - slope·u)² + SHAPE_PRIOR·(slope - level)²: a 2x2 linear system
+        a, b, d = ones + SHAPE_PRIOR, us - SHAPE_PRIOR, uus + SHAPE_PRIOR
+        det = a * d - b * b
+        self.slope = max((a * uys - b * ys) / det, 0.0)  # a wider forward never costs less
+        self.level = (ys - b * self.slope) / a
+
+    def add_point(self, u, y, weight):
+        for i, value in enumerate((1.0, u, u * u, y, u * y)):
+            self.sums[i] += weight * value
 
 
 class AdaptiveGamma:
@@ -220,7 +264,7 @@ class AdaptiveGamma:
         given, returns the drafter's next k guesses without making them, and its confidence in each
         (two lists, empty for none)."""
         self.profile = profile
-        self.t_verify, self.scale = profile.t_verify[: self.k_max + 2], profile.scale
+        self.verify = VerifyCost(profile.t_verify)
         self.t_draft = profile.t_draft
         self.measure_draft = measure_draft
         self.preview, self.previewed = preview, None
@@ -244,11 +288,7 @@ class AdaptiveGamma:
         return self.first.value if self.later is None else self.later.value
 
     def seconds(self, k):
-        return k * self.t_draft + self.verify_seconds(k + 1)
-
-    def verify_seconds(self, width):
-        """A target forward over `width` tokens: the calibrated time, rescaled by what steps take now."""
-        return self.scale * self.t_verify[width]
+        return k * self.t_draft + self.verify(k + 1)
 
     def survival(self, confidence, place):
         """The chance that a guess this sure survives, given that the guesses before it did: its bin's
@@ -303,7 +343,7 @@ class AdaptiveGamma:
         expected = self.expected_with(self.sure)
         tokens, survive = expected[-1], expected[-1] - expected[-2]  # with i guesses; P(all i accepted)
         gain = survive * self.later_rate()  # the next guess, whose confidence is not known yet
-        cost = self.t_draft + self.verify_seconds(i + 2) - self.verify_seconds(i + 1)
+        cost = self.t_draft + self.verify(i + 2) - self.verify(i + 1)
         return gain * self.seconds(i) > tokens * cost
 
     @staticmethod
@@ -347,7 +387,7 @@ class AdaptiveGamma:
         if k and self.measure_draft and regular:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
-        self.scale = refined(self.scale, verify / self.t_verify[k + 1])
+        self.verify.add(k + 1, verify)
 
     def finish(self):
         """Keep what this request learnt for the pair's next one; the statistics to report."""
@@ -358,7 +398,7 @@ class AdaptiveGamma:
         if later_verified:
             prior = profile.first if profile.later is None else profile.later
             profile.later = (later_accepted + prior * HISTORY_WEIGHT) / (later_verified + HISTORY_WEIGHT)
-        profile.scale = self.scale
+        profile.t_verify = self.verify.line()
         profile.t_draft = self.t_draft
         steps = sum(self.histogram)
         return {
@@ -369,13 +409,13 @@ class AdaptiveGamma:
             "acceptance_by_confidence": [accepted / verified if verified else None
                                          for accepted, verified in self.confidence],
             "cost_model": {"t_draft": self.t_draft,
-                           "t_verify": {w: self.verify_seconds(w) for w in range(1, len(self.t_verify))}},
+                           "t_verify": {w: self.verify(w) for w in range(1, self.k_max + 2)}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
         }
 
 
 def refined(average, seconds):
-    """The running average of a timing after one more observation (see OUTLIER)."""
+    """The running average of t_draft after one more observation (see OUTLIER)."""
     return average + TIME_SMOOTHING * (min(seconds, OUTLIER * average) - average)
 
 

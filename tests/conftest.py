@@ -154,6 +154,7 @@ def known_costs(monkeypatch):
 
     monkeypatch.setattr(policy, "calibrate", calibrate)
     monkeypatch.setattr(policy, "TIME_SMOOTHING", 0.0)
+    monkeypatch.setattr(policy.VerifyCost, "add", lambda self, width, seconds: None)
     monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
 
 

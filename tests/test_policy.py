@@ -118,7 +118,7 @@ def test_a_guess_after_plain_steps_does_not_price_the_draft():
     for _ in range(8):
         chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=STEEP[0])
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=5.0, step_seconds=5.0 + STEEP[1])  # the catch-up
-    assert chooser.t_draft == 0.5 and chooser.scale == pytest.approx(1.0)
+    assert chooser.t_draft == 0.5 and chooser.verify(2) == pytest.approx(STEEP[1])
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=0.6 + STEEP[1])
     assert chooser.t_draft == pytest.approx(0.5 + policy.TIME_SMOOTHING * 0.1)
 
@@ -143,17 +143,32 @@ def test_calibrated_widths_lie_on_a_line_through_their_timings(monkeypatch, beam
 
 
 def test_timings_are_refined_from_each_step():
-    """Steps rescale every width's calibrated time at once: their ratios are the calibration's."""
+    """Steps all at one width rescale every width's time at once: their ratios stay the line's."""
     chooser = adaptive(0.6, STEEP, 0.1)
     for _ in range(100):  # width 3 (calibrated 1.5 s) really takes 3 s, and a guess 0.3 s
         chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=3.6)
     assert chooser.t_draft == pytest.approx(0.3, rel=1e-3)
-    assert chooser.verify_seconds(3) == pytest.approx(3.0, rel=1e-3)
-    assert chooser.verify_seconds(1) == pytest.approx(2.0, rel=1e-3)  # a width not seen: the same factor
+    assert chooser.verify(3) == pytest.approx(3.0, rel=1e-3)
+    assert chooser.verify(1) == pytest.approx(2.0, rel=0.01)  # widths not seen: the same factor
+    assert chooser.verify(9) == pytest.approx(6.0, rel=0.01)
     chooser.observe(k=2, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=None)  # the prompt's forward
-    assert chooser.verify_seconds(3) == pytest.approx(3.0, rel=1e-3)
+    assert chooser.verify(3) == pytest.approx(3.0, rel=1e-3)
     chooser.finish()
-    assert chooser.profile.scale == pytest.approx(2.0, rel=1e-3)  # the pair's next request starts there
+    assert chooser.profile.t_verify[1:] == pytest.approx([2.0 * t for t in STEEP], rel=0.01)  # the next request's
+
+
+def test_steps_at_several_widths_refit_the_slope_of_the_verify_costs():
+    """A calibration taken on a busy machine had a 9-token verify at 1.7x a 1-token one where steps
+    took 1.44x. Steps that spread over widths bend the line to what they take, whatever the level."""
+    chooser = adaptive(0.95, STEEP, 0.3)  # calibrated: 1 s, and each token more adds 0.25 s
+    true = [1.3 * (1.0 + 0.15 * w) for w in range(9)]  # the machine is slower, and extra tokens cheaper
+    for step in range(60):
+        k = [0, 1, 3, 2][step % 4]
+        chooser.observe(k=k, n=k, emitted=[1] * (k + 1), draft_seconds=0.3 * k, step_seconds=0.3 * k + true[k])
+    assert [chooser.verify(w) for w in range(1, 10)] == pytest.approx(true, rel=0.05)  # 5-9 never seen (at the old slope: 3.9 s for 9)
+    assert chooser.guesses() == 8
+    # at the calibrated slope, whatever the level, fewer
+    assert adaptive(0.95, [t * 1.3 for t in STEEP], 0.3).guesses() < 8
 
 
 def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
@@ -162,7 +177,7 @@ def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
     chooser = adaptive(0.9, FLAT, 0.1)
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.1, step_seconds=1.1)  # as calibrated
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=9.0, step_seconds=19.0)  # and the verify 10 s
-    assert chooser.t_draft == pytest.approx(0.12) and chooser.verify_seconds(2) == pytest.approx(1.2)
+    assert chooser.t_draft == pytest.approx(0.12) and chooser.verify(2) == pytest.approx(1.2)
     assert chooser.guesses() > 0
     for _ in range(40):  # guessing really became 5x dearer: the estimate follows
         chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.5, step_seconds=1.5)
@@ -188,7 +203,7 @@ def test_no_probe_where_even_perfect_guesses_would_not_pay():
         assert chooser.guesses() == 0
         chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=1.0)
     assert chooser.could_pay() is False
-    chooser.t_verify, chooser.scale = [0.0, *STEEP], 1.0  # cheaper verification: the next plain step is followed by a probe
+    chooser.verify = policy.VerifyCost([0.0, *STEEP])  # cheaper verification: the next plain step is followed by a probe
     assert chooser.could_pay() is True and chooser.guesses() == 1
 
 
