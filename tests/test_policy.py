@@ -165,7 +165,8 @@ def test_steps_at_several_widths_refit_the_slope_of_the_verify_costs():
     for step in range(60):
         k = [0, 1, 3, 2][step % 4]
         chooser.observe(k=k, n=k, emitted=[1] * (k + 1), draft_seconds=0.3 * k, step_seconds=0.3 * k + true[k])
-    assert [chooser.verify(w) for w in range(1, 10)] == pytest.approx(true, rel=0.05)  # 5-9 never seen (at the old slope: 3.9 s for 9)
+    # widths 5-9 never seen (at the calibrated slope a 9-token verify would be 3.9 s)
+    assert [chooser.verify(w) for w in range(1, 10)] == pytest.approx(true, rel=0.05)
     assert chooser.guesses() == 8
     # at the calibrated slope, whatever the level, fewer
     assert adaptive(0.95, [t * 1.3 for t in STEEP], 0.3).guesses() < 8
@@ -203,7 +204,8 @@ def test_no_probe_where_even_perfect_guesses_would_not_pay():
         assert chooser.guesses() == 0
         chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=1.0)
     assert chooser.could_pay() is False
-    chooser.verify = policy.VerifyCost([0.0, *STEEP])  # cheaper verification: the next plain step is followed by a probe
+    # cheaper verification: the next plain step is followed by a probe
+    chooser.verify = policy.VerifyCost([0.0, *STEEP])
     assert chooser.could_pay() is True and chooser.guesses() == 1
 
 
