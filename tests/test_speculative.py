@@ -50,8 +50,10 @@ def test_greedy_output_equals_target_greedy(models, kind):
             # one catch-up forward at most per step without guesses
             plain_steps = out.stats["guesses_histogram"][0] if gamma == "auto" else 0
             assert out.stats["proposed"] <= out.stats["draft_calls"] <= out.stats["proposed"] + plain_steps
-        if name == "same":  # every guess verified was accepted ("auto" may guess none: a draft this large
-            assert out.stats["accepted"] == out.stats["verified"]  # is a borderline bet, timed on a noisy machine)
+        if name == "same":
+            # every guess verified was accepted ("auto" may guess none: a draft this large is a borderline
+            # bet, timed on a noisy machine)
+            assert out.stats["accepted"] == out.stats["verified"]
         if name == "same" and gamma != "auto":
             # every call yields γ + 1 tokens, the first (the prompt's forward) too
             assert out.stats["target_calls"] == -(-NEW_TOKENS // (gamma + 1))
