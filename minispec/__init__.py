@@ -9,7 +9,7 @@
 
 from .chat import chat_prompt
 from .checkpoint import CheckpointError, load_model as load
-from .generate import Chunk, Generation, generate, stream
+from .api import Chunk, Generation, generate, stream
 from .sampling import Sampling
 
 __all__ = ["load", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "CheckpointError"]

@@ -32,7 +32,7 @@ from .chat import chat_prompt
 from .checkpoint import resolve_checkpoint
 from .cli import gamma_setting, load_target_and_draft, token_ids
 from .drafters import SELF_DRAFT_MODES, make_drafter
-from .generate import generate, prompt_tensor
+from .api import generate, prompt_tensor
 from .models import base, quant
 from .models.base import CachedLM
 from .models.quant import Int8Embedding
@@ -220,7 +220,7 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
         fns["draft", 1] = decode_steps(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), [1])[1]
     else:
         drafter = make_drafter(draft, target)
-        drafter.start(torch.cat([prompt_ids, generated], dim=1), max(gammas), sampling)
+        drafter.start(torch.cat([prompt_ids, generated], dim=1), sampling)
         generator = torch.Generator(device=device).manual_seed(0)
         fns.update({("draft", g): partial(drafter.propose, g, sampling, generator) for g in gammas})
     times = median_times(fns, device)

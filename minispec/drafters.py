@@ -1,6 +1,6 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
 
-    drafter.start(prompt_ids, max_new_tokens, sampling)    a new request
+    drafter.start(prompt_ids, sampling, row)               a new request (row: its cache row in a batch)
     drafts, q = drafter.propose(k, sampling, rng, keep_guessing)
                                                            <= k guesses [k'] and their q [k', vocab],
                                                            or None for deterministic guesses (q one-hot);
@@ -8,7 +8,7 @@
                                                            asked after each guess whether to go on
     drafter.accept(tokens, tokens_on_device)               the target kept these tokens (accepted guesses
                                                            and its own next token); roll back the rest
-    drafter.calls, drafter.encoder_calls                   for statistics
+    drafter.calls, drafter.encoder_calls                   this request's, for statistics
     drafter.name, drafter.model                            what drafts: "model" and the model, or the
                                                            model-free drafter's name and None
     drafter.preview                                        None, or preview(k): the next k guesses as
@@ -26,7 +26,6 @@ it, and the sampled path builds it only when it needs it.
 import sys
 import weakref
 from collections import Counter, defaultdict
-from functools import partial
 
 import torch
 
@@ -79,67 +78,117 @@ def check_same_vocabulary(target, draft):
 
 
 class ModelDrafter:
-    """A smaller language model M_q with its own static KV cache (any family, same vocabulary)."""
+    """A smaller language model M_q (any family, same vocabulary) guessing for one request, in its own
+    row of the draft model's static KV cache (`row`, which the engine moves when rows leave a batch).
+    The rows of a batch guess together: `propose_together` feeds all of them in each draft forward."""
 
     name, preview = "model", None
 
     def __init__(self, model):
         self.model = model
-        self.calls = 0
+        self.calls = self.encoder_calls = 0
 
-    @property
-    def encoder_calls(self):
-        return self.model.encoder_calls
-
-    def start(self, prompt_ids, max_new_tokens, sampling=Sampling()):
-        model = self.model
-        prefix = model.encode(prompt_ids.to(model.device))
-        model.ensure_caches(1, prefix.shape[1] + max_new_tokens)
-        model.prefill(prefix[:, :0])
+    def start(self, prompt_ids, sampling=Sampling(), row=0):
+        """A new request in cache row `row` (the caches are allocated by the caller)."""
+        before = self.model.encoder_calls
+        prefix = self.model.encode_row(row, prompt_ids.to(self.model.device))
+        self.encoder_calls = self.model.encoder_calls - before
+        self.row, self.length, self.calls = row, 0, 0  # positions its cache row holds
         # The prompt waits like any unseen tokens: its forward, which also gives q for the first guess,
         # runs at the first proposal, and never when the policy guesses nothing all along.
+        self.unseen = prefix.view(-1)  # accepted tokens the cache has not seen yet, on the device
         self.next_logits = None
-        self.calls = 0
-        self.unseen = prefix  # accepted tokens the cache has not seen yet, [1, m] on the device
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        model = self.model
-        self.fed_guesses = 0
-        if k == 0:  # no draft work: the tokens accepted meanwhile wait in `unseen` until guessing resumes
-            return torch.zeros(0, dtype=torch.long, device=model.device), None
-        if self.unseen is not None:  # catch up on the tokens accepted since the last proposal
-            # 1 or 2 of them after a step with guesses; more after steps without (or the prompt), a width
-            # that a compiled draft would compile a graph for each time: those go through the eager forward.
-            forward = partial(model.forward, logits_for=1) if self.unseen.shape[1] > 2 else None
-            self.next_logits = model.decode(self.unseen, forward)[0, -1]
-            self.unseen = None
-            self.calls += 1
-        logits, drafts, qs = self.next_logits, [], []
-        while len(drafts) < k:
-            if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
-                drafts.append(logits.argmax(-1))
-            else:
-                qs.append(adjust(logits, sampling))
-                drafts.append(sample(qs[-1], generator))
-            # How sure the draft is of its guess: q(x), or the probability of its argmax when greedy.
-            if keep_guessing and not keep_guessing(len(drafts), confidence(logits, qs, drafts[-1], sampling)):
-                break
-            if len(drafts) < k:  # the last guess is never fed: the target decides what follows it
-                logits = model.decode(drafts[-1].view(1, 1))[0, -1]
-        self.calls += len(drafts) - 1
-        self.fed_guesses = len(drafts) - 1
-        return torch.stack(drafts), torch.stack(qs) if qs else None
+        return propose_together([(self, k, sampling, generator, keep_guessing)])[0]
 
     def accept(self, tokens, tokens_on_device):
         # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
         # seen that were accepted; the rest of `tokens` is fed at the next proposal, after any tokens
         # still waiting from steps that proposed nothing.
         keep = min(len(tokens) - 1, self.fed_guesses)
-        self.model.rollback(self.model.length - (self.fed_guesses - keep))
-        new = tokens_on_device[keep:].view(1, -1)
-        self.unseen = new if self.unseen is None else torch.cat([self.unseen, new], dim=1)
+        self.length -= self.fed_guesses - keep
+        new = tokens_on_device[keep:].view(-1)
+        self.unseen = new if self.unseen is None else torch.cat([self.unseen, new])
         self.next_logits = None  # known only after the unseen tokens go through the model
+
+
+# Catching up on more unseen tokens than this (after plain steps, or the prompt) runs as a row's own
+# eager forward: one or two follow a step with guesses, and a compiled draft would compile a graph
+# for every other width (and the rows of a batch would all be padded to the longest).
+CATCH_UP_TOGETHER = 2
+
+
+def feed(model, drafters, feeds):
+    """One draft forward over the cache rows 0..len(drafters)-1: feeds[i] (device ids, or None) at row
+    i's length; sets the fed rows' logits for their next guess."""
+    width = max(len(f) for f in feeds if f is not None)
+    tokens = torch.stack([f[torch.arange(width, device=f.device).clamp(max=len(f) - 1)] if f is not None
+                          else torch.zeros(width, dtype=torch.long, device=model.device) for f in feeds])
+    widths = [0 if f is None else len(f) for f in feeds]
+    logits = model.decode_rows(tokens, [d.length for d in drafters], widths)
+    for drafter, f, row_logits in zip(drafters, feeds, logits):
+        if f is not None:
+            drafter.next_logits = row_logits[len(f) - 1]
+            drafter.length += len(f)
+            drafter.calls += 1
+
+
+def propose_together(asks):
+    """asks: per cache row, in row order, (ModelDrafter, k, sampling, generator, keep_guessing). Each
+    row's drafts [k'] and q [k', vocab] (None when greedy), as ModelDrafter.propose makes them alone:
+    the draft forwards of all rows are shared, and each row draws from its own generator in the same
+    order, so a row guesses what it would guess alone."""
+    drafters = [ask[0] for ask in asks]
+    model = drafters[0].model
+    for drafter in drafters:
+        drafter.fed_guesses = 0
+    going = [ask for ask in asks if ask[1] > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
+    # Catch up on the tokens accepted since each guessing row's last proposal.
+    waiting = [ask[0] for ask in going if ask[0].unseen is not None]
+    for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
+        drafter.next_logits = model.decode_rows(drafter.unseen.view(1, -1), [drafter.length], first_row=drafter.row,
+                                                logits_for=1, eager=True)[0, -1]
+        drafter.length += len(drafter.unseen)
+        drafter.calls += 1
+        drafter.unseen = None
+    if any(d.unseen is not None for d in waiting):
+        feed(model, drafters, [d.unseen if d in waiting else None for d in drafters])
+        for drafter in waiting:
+            drafter.unseen = None
+    drafts, qs = {id(ask[0]): [] for ask in going}, {id(ask[0]): [] for ask in going}
+    while going:
+        still = []
+        for drafter, k, sampling, generator, keep_guessing in going:
+            logits, guesses, q = drafter.next_logits, drafts[id(drafter)], qs[id(drafter)]
+            if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
+                guesses.append(logits.argmax(-1))
+            else:
+                q.append(adjust(logits, sampling))
+                guesses.append(sample(q[-1], generator))
+            # How sure the draft is of its guess: q(x), or the probability of its argmax when greedy.
+            if keep_guessing and not keep_guessing(len(guesses), confidence(logits, q, guesses[-1], sampling)):
+                continue
+            if len(guesses) < k:  # the last guess is never fed: the target decides what follows it
+                still.append((drafter, k, sampling, generator, keep_guessing))
+        going = still
+        if going:
+            fed = {id(ask[0]) for ask in going}
+            feed(model, drafters, [drafts[id(d)][-1].view(1) if id(d) in fed else None for d in drafters])
+            for drafter, *_ in going:
+                drafter.fed_guesses += 1
+    empty = torch.zeros(0, dtype=torch.long, device=model.device)
+    return [(torch.stack(drafts[id(d)]), torch.stack(qs[id(d)]) if qs[id(d)] else None) if drafts.get(id(d))
+            else (empty, None) for d in drafters]
+
+
+def propose_all(asks):
+    """Every row's guesses, (drafts, q) each: asks are (drafter, k, sampling, generator, keep_guessing)
+    per cache row, in row order, all of one kind of drafter. Draft-model rows guess together."""
+    if isinstance(asks[0][0], ModelDrafter):
+        return propose_together(asks)
+    return [drafter.propose(k, sampling, generator, keep) for drafter, k, sampling, generator, keep in asks]
 
 
 def confidence(logits, qs, guess, sampling):
@@ -162,7 +211,7 @@ class NgramDrafter:
     def __init__(self, vocab_size, device):
         self.vocab_size, self.device = vocab_size, device
 
-    def start(self, prompt_ids, max_new_tokens, sampling=Sampling()):
+    def start(self, prompt_ids, sampling=Sampling(), row=0):
         self.context = prompt_ids.view(-1).tolist()
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
@@ -234,7 +283,7 @@ class LookupDrafter:
     def __init__(self, vocab_size, device, max_ngram=3):  # NgramDrafter's signature; no q, so no vocab_size
         self.device, self.max_ngram = device, max_ngram
 
-    def start(self, prompt_ids, max_new_tokens, sampling=Sampling()):
+    def start(self, prompt_ids, sampling=Sampling(), row=0):
         self.context = []
         self.latest, self.earlier = {}, {}  # n-gram -> end position of its latest / previous occurrence
         self.extend(prompt_ids.view(-1).tolist())

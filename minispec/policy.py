@@ -182,7 +182,9 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     # grows about linearly with them, on a GPU it is flat at these widths.
     profile.t_verify = [0.0] + straight_line([r * (k + 1) for k, r in enumerate(rows)],
                                              [seconds[k] for k in range(k_max + 1)])
-    # host-side drafters' cost is measured on the first steps
+    # A host-side drafter's cost is measured on its first steps with guesses (refined takes the first
+    # as it is): next to a forward, lookup's is microseconds, but ngram's sampled walk over a large
+    # vocabulary is not.
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
 
 
@@ -415,7 +417,10 @@ class AdaptiveGamma:
 
 
 def refined(average, seconds):
-    """The running average of t_draft after one more observation (see OUTLIER)."""
+    """The running average of t_draft after one more observation (see OUTLIER); the first (average 0,
+    nothing measured yet) is taken as it is."""
+    if average <= 0:
+        return seconds
     return average + TIME_SMOOTHING * (min(seconds, OUTLIER * average) - average)
 
 

@@ -15,14 +15,17 @@ accepted iff it is the target's argmax, so the output equals target-only greedy 
 the vocabulary (a test checks it against `accept_and_resample` on one-hot p and q).
 Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l = 1 is exact.
 
-Both models keep static KV caches; after each step they are rolled back to the accepted sequence by
-moving their length pointers (the target's cache always holds every accepted token but the last).
+Requests are decoded together, each in a row of the static KV caches (minispec.engine; a lone request
+is a batch of one), and `step` is the loop body above for every row at once. After each step both
+models' cache rows are rolled back to the accepted sequence by moving their length pointers (the
+target's row always holds every accepted token but the last).
 """
 
 import time
 
 import torch
 
+from .drafters import propose_all
 from .sampling import adjust, sample
 
 
@@ -68,82 +71,87 @@ def accept_greedy(logits, drafts):
 
 
 @torch.inference_mode()
-def speculative(target, drafter, prompt_ids, prefix, max_new_tokens, sampling, stop, generator, policy, lenience,
-                stats):
-    """Generate up to max_new_tokens after `prefix` (the target's decoder start), with γ chosen each
-    step by `policy` (minispec.policy) and `stop` (minispec.stopping) ending it early. Yields each step's
-    new tokens and its segments of Generation.trace; counts into `stats`."""
-    drafter.start(prompt_ids, max_new_tokens, sampling)
-    policy.start(target, drafter, prompt_ids)
-    unseen = prefix  # accepted tokens the target has not seen: the whole prefix at first, then each t
-    produced = 0
-    stats.update(target_calls=0, proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (policy.k_max + 1))
-    overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
-    verify_by_argmax = sampling.greedy and lenience == 1  # p and q one-hot: verifying is comparing argmaxes
-
-    while produced < max_new_tokens:
-        started = time.perf_counter()
-        # Sample γ guesses x_1..x_γ from M_q, γ as the policy chooses (never drafting past max_new_tokens).
-        gamma = min(policy.guesses(), max_new_tokens - produced - 1)
-        drafts, q = drafter.propose(gamma, sampling, generator, policy.keep_guessing)
-        drafted = time.perf_counter()
-        # One target forward over the unseen tokens and the guesses; its last k+1 rows are p_1 .. p_{k+1}.
-        # The first step is the prompt's own forward (the prefill): its guesses cost no extra call.
-        k = drafts.shape[0]  # model-free drafters may guess fewer than asked
-        tokens = torch.cat([unseen, drafts.view(1, -1)], dim=1)
-        logits = (target.decode(tokens) if produced else target.prefill(tokens, logits_for=k + 1))[0, -(k + 1):]
-        # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})).
-        if verify_by_argmax:
-            n, t = accept_greedy(logits, drafts)
-        else:
-            p = adjust(logits, sampling)
-            q = one_hot(drafts, p.shape[-1]) if q is None else q
-            greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
-            n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
-            verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
-            step_overlap = torch.minimum(p[:k], q).sum(-1) * verified
-            overlap += step_overlap.sum()
-        n, *guesses, t_host = torch.cat([n, drafts, t]).tolist()  # the step's one host sync
-        new_tokens, stopped = stop.cut(guesses[:n] + [t_host])
-        policy.observe(k, n, new_tokens, drafted - started, time.perf_counter() - started if produced else None)
-        segments = record_step(stats, guesses, n, new_tokens)
-        produced += len(new_tokens)
-        if stopped and not verify_by_argmax:  # count only the positions up to the stop
-            overlap -= step_overlap[len(new_tokens):].sum()
-        if not stopped:
-            # Roll both caches back to the accepted sequence; the target has yet to see t.
-            unseen = t.view(1, 1)
-            target.rollback(target.length - (k - n))
-            drafter.accept(new_tokens, torch.cat([drafts[:n], t]))
-        yield new_tokens, segments
-        if stopped:
-            break
-
-    stats["draft_calls"] = drafter.calls
-    stats["acceptance_rate"] = stats["accepted"] / stats["verified"] if stats["verified"] else 0.0
-    # With one-hot p and q, Σ min(p, q) is 1 at an accepted guess and 0 at a rejected one.
-    overlap = stats["accepted"] if verify_by_argmax else overlap.item()
-    stats["alpha"] = overlap / stats["verified"] if stats["verified"] else 0.0
-    stats["tokens_per_target_call"] = produced / max(stats["target_calls"], 1)
-    stats.update(policy.finish())
+def step(target, rows):
+    """One step of Algorithm 1 for every row of a batch (a lone request is a batch of one row, in cache
+    row 0; rows are in cache-row order). Each row verifies its own guesses with its own sampling and
+    generator; the guesses of all rows are drafted together and verified in one target forward.
+    Returns the rows that ended."""
+    started = time.perf_counter()
+    # Sample γ guesses x_1..x_γ from M_q, γ as each row's policy chooses (never past max_new_tokens).
+    if rows[0].drafter is None:  # plain decoding: every step is the target's own token
+        proposals = [(NO_GUESSES.to(target.device), None)] * len(rows)
+    else:
+        proposals = propose_all([(row.drafter, row.wanted_guesses(), row.sampling, row.generator,
+                                  row.policy.keep_guessing) for row in rows])
+    drafted = time.perf_counter()
+    # One target forward over every row's unseen tokens and guesses; a row's last k+1 are p_1 .. p_{k+1}.
+    logits = score(target, rows, [drafts for drafts, _ in proposals])
+    # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row.
+    verdicts = [verify(p, drafts, q, row.sampling, row.lenience, row.generator)
+                for row, p, (drafts, q) in zip(rows, logits, proposals)]
+    host = torch.cat([torch.cat([n, drafts, t]) for (n, t, _), (drafts, _) in zip(verdicts, proposals)]).tolist()
+    # Roll both caches back to the accepted sequence; each target row has yet to see its t.
+    ended, start = [], 0
+    for row, (drafts, _), (_, t, overlap) in zip(rows, proposals, verdicts):
+        k = drafts.shape[0]
+        n, guesses, t_host = host[start], host[start + 1:start + 1 + k], host[start + 1 + k]
+        start += k + 2
+        # A step's time is this row's only when the forwards were its own.
+        timing = (drafted - started, time.perf_counter() - started) if len(rows) == 1 else None
+        if row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]), overlap, timing):
+            ended.append(row)
+    return ended
 
 
-def record_step(stats, guesses, n, new_tokens):
-    """Count one step; its segments of the trace, coloured like the paper's Figure 1: accepted guesses,
-    the rejected guess, then the target's own token ("corrected" after a rejection, "target" after
-    full acceptance)."""
-    k = len(guesses)
-    if not stats["target_calls"]:
-        stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
-    stats["target_calls"] += 1
-    stats["proposed"] += k
-    # Only what was emitted counts: a stop among the accepted guesses cuts off those after it.
-    emitted = min(n, len(new_tokens))
-    stats["accepted"] += emitted
-    stats["verified"] += min(n + 1, k, len(new_tokens))
-    stats["accepted_lengths"][emitted] += 1
-    segments = [(new_tokens[:n], "accepted")]
-    if len(new_tokens) > n:  # the target's token was not cut off by a stop among the guesses
-        segments += [([guesses[n]], "rejected")] if n < k else []
-        segments += [([new_tokens[n]], "corrected" if n < k else "target")]
-    return [(ids, kind) for ids, kind in segments if ids]
+def verify(logits, drafts, q, sampling, lenience, generator):
+    """One row's verification: logits [k+1, vocab] of the target at its k guesses `drafts` and one
+    beyond, q [k, vocab] (None: one-hot at the guesses). Returns n and t as 1-element device tensors,
+    and Σ_x min(p, q) at each verified guess position (zeros past them; None where p and q are one-hot:
+    1 at an accepted guess, 0 at a rejected one)."""
+    k = drafts.shape[0]
+    if k == 0:  # no guesses: the target's own token, drawn as plain decoding draws it
+        last = logits[-1]
+        t = last.argmax(-1) if sampling.greedy else sample(adjust(last, sampling), generator)
+        return torch.zeros(1, dtype=torch.long, device=logits.device), t.view(1), None
+    if sampling.greedy and lenience == 1:  # p and q one-hot: verifying is comparing argmaxes
+        return *accept_greedy(logits, drafts), None
+    p = adjust(logits, sampling)
+    q = one_hot(drafts, p.shape[-1]) if q is None else q
+    greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
+    n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
+    verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
+    return n, t, torch.minimum(p[:k], q).sum(-1) * verified
+
+
+NO_GUESSES = torch.zeros(0, dtype=torch.long)
+
+
+def score(target, rows, drafts):
+    """The target's logits [k+1, vocab] at each row's guesses and one beyond: a row that has just
+    joined has its prompt forward of its own (its prefill), the others one forward together, each at
+    its own positions, rows with fewer tokens padded (models/base.py, decode_rows)."""
+    logits = [None] * len(rows)
+    feeds = [torch.cat([row.unseen, d]) for row, d in zip(rows, drafts)]
+    widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
+    for i, row in enumerate(rows):
+        if not widths[i]:  # eager: prompt lengths vary from request to request
+            logits[i] = target.decode_rows(feeds[i].view(1, -1), [0], first_row=i, logits_for=len(drafts[i]) + 1,
+                                           eager=True)[0]
+            row.length = len(feeds[i])
+    if any(widths):
+        width = max(widths)
+        if len(rows) == 1:
+            tokens = feeds[0].view(1, -1)
+        else:  # repeat each row's last token (decode_rows' padding); a placeholder for rows not fed
+            flat = torch.cat([f for f, w in zip(feeds, widths) if w] + [feeds[0].new_zeros(1)])
+            index, offset = [], 0
+            for w in widths:
+                index.append([offset + min(j, w - 1) if w else len(flat) - 1 for j in range(width)])
+                offset += w
+            tokens = flat[torch.tensor(index, device=flat.device)]
+        out = target.decode_rows(tokens, [row.length for row in rows], widths)
+        for i, (row, w) in enumerate(zip(rows, widths)):
+            if w:
+                logits[i] = out[i, :w]
+                row.length += w
+    return logits

@@ -33,7 +33,7 @@ def test_lookup_index_equals_a_scan_of_the_context():
         vocab = rng.choice([2, 3, 5, 20])  # small vocabularies: many repeats, overlapping matches
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
         drafter = LookupDrafter(vocab, "cpu")
-        drafter.start(torch.tensor(tokens[:1]), 0)
+        drafter.start(torch.tensor(tokens[:1]))
         for i in range(1, len(tokens)):
             k = rng.randrange(1, 6)
             assert drafter.continuation(k) == scan_continuation(tokens[:i], k), (tokens[:i], k)
@@ -43,15 +43,15 @@ def test_lookup_index_equals_a_scan_of_the_context():
 def test_lookup_copy_continues_a_short_cycle():
     """A pattern repeating with period 3 < k: the copy reaches the context's end and goes on."""
     drafter = LookupDrafter(10, "cpu")
-    drafter.start(torch.tensor([9, 1, 2, 3, 1, 2, 3, 1]), 0)
+    drafter.start(torch.tensor([9, 1, 2, 3, 1, 2, 3, 1]))
     assert drafter.continuation(7) == ([2, 3, 1, 2, 3, 1, 2], 3)
-    drafter.start(torch.tensor([4, 5, 4]), 0)  # the match is one token back: period 2
+    drafter.start(torch.tensor([4, 5, 4]))  # the match is one token back: period 2
     assert drafter.continuation(3) == ([5, 4, 5], 1)
 
 
 def test_lookup_reports_its_deterministic_guesses_with_q_none():
     drafter = LookupDrafter(10, "cpu")
-    drafter.start(torch.tensor([1, 2, 3, 4, 1, 2]), 0)
+    drafter.start(torch.tensor([1, 2, 3, 4, 1, 2]))
     drafts, q = drafter.propose(3, Sampling(), None)
     assert drafts.tolist() == [3, 4, 1]
     assert q is None  # one-hot at the guesses; speculative.one_hot builds it when needed
@@ -59,7 +59,7 @@ def test_lookup_reports_its_deterministic_guesses_with_q_none():
 
 def test_lookup_preview_is_its_guesses_as_sure_as_the_match_is_long():
     drafter = LookupDrafter(10, "cpu")
-    drafter.start(torch.tensor([1, 2, 3, 4, 1, 2]), 0)
+    drafter.start(torch.tensor([1, 2, 3, 4, 1, 2]))
     assert drafter.preview(3) == ([3, 4, 1], [2 / 3] * 3)  # (1, 2) matched: 2 of the 3 tokens it looks for
     drafter.accept([3, 4, 1], None)
     assert drafter.preview(2) == ([2, 3], [1.0] * 2)
@@ -69,7 +69,7 @@ def test_lookup_preview_is_its_guesses_as_sure_as_the_match_is_long():
 
 def test_ngram_q_is_the_normalized_bigram_counts():
     drafter = NgramDrafter(6, "cpu")
-    drafter.start(torch.tensor([1, 2, 1, 3, 1, 2, 4, 1]), 0)
+    drafter.start(torch.tensor([1, 2, 1, 3, 1, 2, 4, 1]))
     generator = torch.Generator().manual_seed(0)
     drafts, q = drafter.propose(1, Sampling(temperature=1.0), generator)
     # after token 1 came 2, 3, 2: q = (2/3 at 2, 1/3 at 3)
@@ -83,7 +83,7 @@ def test_ngram_greedy_guesses_and_preview_are_the_argmax_walk_over_its_counts():
     temperature 0 with q built), and its preview is what it proposes; sampled ngram has no preview."""
     context = [7, 1, 2, 1, 3, 1, 2, 4, 1, 5, 5, 2, 4, 4]
     drafter = NgramDrafter(8, "cpu")
-    drafter.start(torch.tensor(context), 0, Sampling())
+    drafter.start(torch.tensor(context), Sampling())
     preview, shares = drafter.preview(6)
     drafts, q = drafter.propose(6, Sampling(), torch.Generator())
     assert q is None and drafts.tolist() == preview
@@ -94,7 +94,7 @@ def test_ngram_greedy_guesses_and_preview_are_the_argmax_walk_over_its_counts():
         walk.append(previous)
     assert preview == walk == [1, 2, 4, 1, 2, 4]  # after 4 came 1 and 4 (a tie: the smaller wins)
     assert shares == pytest.approx([1 / 2, 2 / 4, 2 / 3] * 2)  # after 1: 2, 3, 2, 5; after 2: 1, 4, 4
-    drafter.start(torch.tensor(context), 0, Sampling(temperature=1.0))
+    drafter.start(torch.tensor(context), Sampling(temperature=1.0))
     assert drafter.preview is None
 
 
@@ -109,7 +109,8 @@ def test_model_drafter_q_is_the_drafts_own_distribution(tmp_path, sampling):
     context = [5, 17, 33, 8, 90, 41]
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        drafter.start(torch.tensor([context]), 32)
+        drafter.model.ensure_caches(1, 64)
+        drafter.start(torch.tensor([context]))
         # k = 0 (a plain decoding step) at the start, between proposals and several times in a row: the
         # tokens accepted meanwhile must all reach the draft's cache before its next guess
         for k, keep in [(0, 0), (4, 2), (3, 3), (0, 0), (5, 0), (0, 0), (0, 0), (2, 1), (0, 0)]:

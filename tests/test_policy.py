@@ -123,6 +123,15 @@ def test_a_guess_after_plain_steps_does_not_price_the_draft():
     assert chooser.t_draft == pytest.approx(0.5 + policy.TIME_SMOOTHING * 0.1)
 
 
+def test_a_host_drafters_cost_is_measured_from_its_steps():
+    """lookup and ngram start at t_draft 0 (not timed at calibration) and must still be measured: the
+    3x cap on a step's timing would otherwise hold 0 for good."""
+    chooser = adaptive(0.5, STEEP, 0.0)
+    for _ in range(3):
+        chooser.observe(k=4, n=2, emitted=[1, 2, 3], draft_seconds=0.2, step_seconds=0.2 + STEEP[4])
+    assert chooser.t_draft == pytest.approx(0.05)
+
+
 @pytest.mark.parametrize("beams", [None, (2, 2)])
 def test_calibrated_widths_lie_on_a_line_through_their_timings(monkeypatch, beams):
     """Steps rescale all widths together, so noise in one width's calibration would stay for good: a

@@ -10,6 +10,14 @@ Decoding code (generate.py, speculative.py, beam.py) drives any family through t
     model.rollback(length)           # forget everything from `length` on: moves a pointer, copies nothing
     model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
 
+Requests decoded together (minispec.engine; a lone request is a batch of one) each keep a cache row
+with its own length, which the caller holds:
+
+    model.prepare_batch(rows, longest_prompt)   # T5: cross-attention memory for `rows` prompts
+    start = model.encode_row(row, prompt)       # T5: the encoder's run, into that row of the memory
+    logits = model.decode_rows(tokens, lengths, widths)   # each row's tokens at its own positions
+    model.move_row(source, destination)         # a finished request's row taken by the last one
+
 A family implements `setup_caches(batch_size, max_seq_len)`, `forward(tokens, input_pos, logits_for)`
 and the properties `context_length`, `vocab_size` and `head`; `forward` writes keys/values at
 `input_pos` and attends only to cache positions <= each query's position, so entries past the current
@@ -38,7 +46,7 @@ class KVCache(nn.Module):
             self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    first_row = 0  # the cache row of the forward's batch row 0 (set by CachedLM.prefill_row)
+    first_row = 0  # the cache row of the forward's batch row 0 (set by CachedLM.rows_from)
 
     def update(self, input_pos, k, v):
         """Write k, v of shape [rows, heads, n, head_dim] into `rows` consecutive batch rows from
@@ -220,7 +228,7 @@ class CachedLM(nn.Module):
         self.pad_token_id = None
         self.name = type(self).__name__
         self.compiled_forward = None  # set by compile()
-        self.busy = False  # a generate() call is using the model and its caches (see generate.exclusive)
+        self.busy = None  # the thread whose generate() call is using the model and its caches (api.exclusive)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
 
     # --- to implement in each family ------------------------------------------------------------
@@ -272,6 +280,8 @@ class CachedLM(nn.Module):
 
     def kv_bytes_per_position(self):
         """Bytes of keys and values one cache row holds per position, over every layer's KVCache."""
+        if not self.cache_batch_size:  # the shapes tell: a cache of one position shows them
+            self.setup_caches(1, 1)
         return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.modules()
                    if isinstance(m, KVCache))
 
@@ -320,26 +330,34 @@ class CachedLM(nn.Module):
         self.length += n
         return logits
 
-    def prefill_row(self, row, tokens, logits_for=None):
-        """Start a sequence in cache row `row` alone, the other rows untouched (a request joining a running
-        batch). tokens [1, n]; returns their logits, of the last `logits_for` positions (all when None)."""
-        if not 0 <= row < self.cache_batch_size or tokens.shape[1] > self.cache_max_seq_len:
-            raise ValueError(f"{self.name}: no room for {tokens.shape[1]} tokens in cache row {row}")
-        with self.rows_from(row):
-            return self.forward(tokens, torch.arange(tokens.shape[1], device=tokens.device), logits_for)
-
-    def decode_rows(self, tokens, lengths, first_row=0):
-        """Append tokens [rows, n] to `rows` cache rows from `first_row`, each at its own length (lengths:
-        ints, kept by the caller); returns their logits [rows, n, vocab]."""
-        n = tokens.shape[1]
-        if max(lengths) + n > self.cache_max_seq_len:
-            raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} overflows the KV cache "
-                             f"of {self.cache_max_seq_len} positions")
-        input_pos = torch.tensor(lengths, device=tokens.device)[:, None] + torch.arange(n, device=tokens.device)
+    def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False):
+        """Append tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length
+        lengths[i] (host ints, kept by the caller); returns logits [rows, n, vocab] (or of the last
+        `logits_for` positions). Only the first widths[i] tokens of row i are its own (default: all):
+        the rest repeat its last token at its last position, which recomputes that token exactly (each
+        row computes as it would alone), so nothing is written past a row's own tokens and a row near
+        the end of its cache limits no other row. A row with nothing to feed (width 0) gets one
+        placeholder at its length, past what it holds, which its next write there replaces; its logits
+        mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once)."""
+        rows, n = tokens.shape
+        widths = [n] * rows if widths is None else widths
+        end = max(length + max(width, 1) for length, width in zip(lengths, widths))
+        if end > self.cache_max_seq_len or first_row + rows > self.cache_batch_size:
+            raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} of cache rows "
+                             f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
+                             f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
+        if rows == 1 and widths[0] == n:  # a lone request: the positions decode() gives, the same graphs
+            input_pos = torch.arange(lengths[0], lengths[0] + n, device=tokens.device)
+        else:
+            input_pos = torch.tensor([[length + min(j, max(width - 1, 0)) for j in range(n)]
+                                      for length, width in zip(lengths, widths)], device=tokens.device)
+        compiled = self.compiled_forward if first_row == 0 and not eager and logits_for is None else None
+        if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
+            return compiled(tokens.clone(memory_format=torch.contiguous_format), input_pos)
         if first_row == 0:
-            return (self.compiled_forward or self.forward)(tokens, input_pos)
+            return self.forward(tokens, input_pos, logits_for)
         with self.rows_from(first_row):  # eager: a compiled graph would guard on the row
-            return self.forward(tokens, input_pos)
+            return self.forward(tokens, input_pos, logits_for)
 
     @contextmanager
     def rows_from(self, first_row):

@@ -1,4 +1,4 @@
-"""Batched requests (minispec.batch, through minispec.generate with a list of prompts): every request's
+"""Batched requests (minispec.engine, through minispec.generate with a list of prompts): every request's
 output is what it gives decoded alone, finished rows hand their cache rows on, bad input fails before
 any work, and the forward's rows keep their own positions bit for bit."""
 
@@ -116,10 +116,13 @@ def test_bad_input_in_a_batch_fails_before_any_work_naming_the_prompt(targets, m
         minispec.generate(target, [[5, 6], [7], [1] * 200])
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         minispec.generate(target, [[5, 6], [7]], batch_size=0)
-    monkeypatch.setattr(importlib.import_module("minispec.generate"), "available_memory", lambda device: 100_000)  # one row of its cache: 65,536 bytes
+    # one row of its cache: 65,536 bytes; its caches hold one position now, so they must grow
+    monkeypatch.setattr(importlib.import_module("minispec.api"), "available_memory", lambda device: 100_000)
+    target.setup_caches(1, 1)
     with pytest.raises(ValueError, match=r"a batch of 2 requests needs .* at most 1 fit: pass batch_size="):
         minispec.generate(target, [[5, 6], [7]], max_new_tokens=100)
     assert calls == []
+    assert (target.cache_batch_size, target.cache_max_seq_len) == (1, 1)  # checked before allocating
 
 
 def test_rows_at_their_own_positions_compute_as_they_would_alone(targets):
@@ -132,6 +135,24 @@ def test_rows_at_their_own_positions_compute_as_they_would_alone(targets):
             target.prefill(torch.tensor([prompt]))
             alone.append(target.decode(torch.tensor([[7]]))[0, -1])
         for row, prompt in enumerate(PROMPTS):
-            target.prefill_row(row, torch.tensor([prompt]))
+            target.decode_rows(torch.tensor([prompt]), [0], first_row=row, eager=True)
         together = target.decode_rows(torch.full((len(PROMPTS), 1), 7), [len(p) for p in PROMPTS])[:, -1]
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_at_the_end_of_the_context_limit_no_other_row(targets, drafts, temperature):
+    """The longest request reaches the target's context (gpt2: 128 positions) exactly. Rows that skip
+    guessing, rows whose guesses are cut at their own end and rows just admitted share forwards with
+    rows guessing on; nothing overflows a cache and every row's guesses and random draws stay its own,
+    so even sampled outputs equal each request's alone at a fixed γ."""
+    target = targets["gpt2"]
+    prompts = [[8, 1] * 50, [5, 6, 7, 8, 9, 5, 6, 7] * 4, [9, 4] * 30, [3, 3, 3, 7] * 2, [8, 1] * 49]
+    for draft in (drafts["gpt2"], "lookup"):
+        for gamma in (3, 8):
+            settings = {"ignore_eos": True, "temperature": temperature, "seed": 9, "draft": draft, "gamma": gamma,
+                        "max_new_tokens": 128 - len(prompts[0])}
+            alone = [minispec.generate(target, prompt, **settings).tokens for prompt in prompts]
+            for batch_size in (None, 2):
+                together = minispec.generate(target, prompts, batch_size=batch_size, **settings)
+                assert [out.tokens for out in together] == alone, (draft, gamma, batch_size)

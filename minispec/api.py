@@ -1,0 +1,391 @@
+"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step
+at a time. They check the settings (`Settings`, once per call) and each prompt (`Request`), claim the
+models, size their caches, and hand the requests to the engine (minispec.engine), or to beam search.
+"""
+
+import secrets
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from . import beam, engine
+from .drafters import make_drafter
+from .policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
+from .sampling import Sampling
+from .stopping import Stop
+from .tokenizer import IncrementalDecoder
+
+
+@dataclass
+class Generation:
+    tokens: list  # generated token ids, prompt excluded
+    text: str | None  # decoded tokens (None when the model has no tokenizer)
+    stats: dict
+    # (token ids, kind) in generation order, kind one of "target" (sampled by the target),
+    # "accepted" / "rejected" (draft tokens) or "corrected" (the target's replacement of a rejection).
+    trace: list = field(default_factory=list)
+    # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
+    sequences: list = field(default_factory=list)
+    scores: list = field(default_factory=list)
+
+
+def prompt_tensor(model, prompt):
+    """A prompt given as text, a list of ids or a tensor -> LongTensor [1, n] on the model's device."""
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ValueError(f"{model.name} has no tokenizer files; pass the prompt as token ids")
+        prompt = model.tokenizer.encode(prompt)
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).reshape(1, -1)
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty")
+    if ids.min() < 0 or ids.max() >= model.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {model.vocab_size}) for {model.name}")
+    return ids
+
+
+# A model's KV cache holds its requests' rows, so a model runs one generate() call at a time; `busy`
+# names the thread of the call under way, and this lock makes checking and marking atomic.
+_claiming = threading.Lock()
+
+
+@contextmanager
+def exclusive(*models):
+    """Claim the models for one call, or fail at once if another call has one. A call claims its
+    models before it touches their caches, and a stream releases them when it ends, is closed, or is
+    garbage collected."""
+    with _claiming:
+        for model in models:
+            if model.busy == threading.get_ident():
+                raise RuntimeError(
+                    f"{model.name} is still held by an unfinished call in this thread (a stream not read to its end: "
+                    "finish it or call its close(); or an on_tokens callback): a model runs one request at a time"
+                )
+            if model.busy:
+                raise RuntimeError(
+                    f"{model.name} is already generating in another call: a model runs one request at a time "
+                    "(its KV cache holds that request); load one copy of the model per thread"
+                )
+        for model in models:
+            model.busy = threading.get_ident()
+    try:
+        yield
+    finally:
+        for model in models:
+            model.busy = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A generate() or stream() call's settings (its keywords), checked once, before any work."""
+    draft: object = None
+    gamma: object = "auto"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    lenience: float = 1.0
+    ignore_eos: bool = False
+    beams: int = 1
+    draft_beams: int | None = None
+    stop: object = None
+    stop_token_ids: object = None
+
+    def __post_init__(self):
+        if not (isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+                and self.max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        self.sampling  # checks temperature, top_k, top_p
+        if self.drafting:
+            make_policy(self.gamma)  # checks gamma
+            if not (isinstance(self.lenience, (int, float)) and 0 < self.lenience <= 1):
+                raise ValueError(f"lenience must be in (0, 1], got {self.lenience!r}")
+        if self.searching and self.stop:
+            raise ValueError("beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
+                             "use stop_token_ids")
+
+    @property
+    def sampling(self):
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def drafting(self):
+        return self.draft is not None and not (isinstance(self.draft, str) and self.draft == "none")
+
+    @property
+    def searching(self):
+        return self.beams != 1 or self.draft_beams is not None
+
+
+@dataclass
+class Request:
+    """One prompt's request: its settings, and what it decodes with (its own drafter and policy)."""
+    target: object
+    prompt_ids: torch.Tensor
+    drafter: object
+    policy: object
+    sampling: Sampling
+    stop: Stop
+    max_new_tokens: int
+    seed: int
+    lenience: float
+    beams: int
+    draft_beams: int
+    searching: bool
+
+    @classmethod
+    def from_settings(cls, target, prompt, settings):
+        drafter = policy = None
+        if settings.drafting:
+            policy = make_policy(settings.gamma, BEAM_GAMMA_MAX if settings.searching else GAMMA_MAX)
+            drafter = make_drafter(settings.draft, target)
+        draft_beams = settings.draft_beams
+        if settings.searching:
+            draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, settings.sampling,
+                                              settings.lenience)
+        stop = settings.stop
+        stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids),
+                    [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
+        seed = secrets.randbits(63) if settings.seed is None else settings.seed
+        return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
+                   settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching)
+
+    def decoder_length(self, model):
+        """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
+        return 1 if model.is_encoder_decoder else self.prompt_ids.shape[1]
+
+
+def stop_ids(target, ignore_eos, extra):
+    ids = [] if ignore_eos else list(target.eos_token_ids)
+    for token in extra or ():
+        if not (isinstance(token, int) and 0 <= token < target.vocab_size):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {target.vocab_size}), got {token!r}")
+        ids.append(token)
+    return ids
+
+
+def check_fits(model, prefix_length, max_new_tokens, role="target"):
+    """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
+    context = model.context_length
+    if context is not None and prefix_length > context:
+        raise ValueError(f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
+                         f"context of {context}")
+    if context is not None and prefix_length + max_new_tokens > context:
+        raise ValueError(
+            f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
+            f"{model.name}'s context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
+        )
+
+
+def check_memory(model, rows, max_seq_len, requests=1):
+    """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions do not
+    fit in free memory (beyond what the model's caches take already)."""
+    if rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len:
+        return  # the caches have room already
+    per_row = model.kv_bytes_per_position() * model.cache_length_for(max_seq_len)
+    held = model.kv_bytes_per_position() * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
+    free = available_memory(model.device)
+    if free is None or rows * per_row <= free + held:
+        return
+    need = f"{rows * per_row / 2**30:.1f} GiB of KV cache ({per_row / 2**20:.0f} MiB per row of {max_seq_len} positions)"
+    if requests > 1:
+        raise ValueError(f"a batch of {rows} requests needs {need}, more than the {free / 2**30:.1f} GiB free; "
+                         f"at most {free // per_row} fit: pass batch_size=")
+    raise ValueError(f"{model.name}: {rows} cache row(s) need {need}, more than the {free / 2**30:.1f} GiB free; "
+                     "ask for fewer new tokens or beams")
+
+
+def available_memory(device):
+    """Free bytes for new tensors on the device (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def models_of(request):
+    draft = request.drafter.model if request.drafter else None
+    return [request.target] + ([draft] if draft is not None else [])
+
+
+def check_lengths(requests):
+    """Every request against the target's and a draft model's context, naming the prompt in a batch."""
+    for i, request in enumerate(requests):
+        with naming_prompt(i if len(requests) > 1 else None):
+            for model, role in zip(models_of(request), ("target", "draft")):
+                check_fits(model, request.decoder_length(model), request.max_new_tokens, role)
+
+
+def size_caches(requests, rows):
+    """Room in each model for `rows` requests at once, checked against free memory before allocating."""
+    for model in models_of(requests[0]):
+        longest = max(request.decoder_length(model) + request.max_new_tokens for request in requests)
+        check_memory(model, rows, longest, len(requests))
+        model.ensure_caches(rows, longest)
+        model.prepare_batch(rows, max(request.prompt_ids.shape[1] for request in requests))
+
+
+@torch.inference_mode()
+def run(requests, rows):
+    """Run checked requests, `rows` at a time: yields each step's (request index, new tokens, segments
+    of the trace); returns their Generations."""
+    target = requests[0].target
+    check_lengths(requests)
+    with exclusive(*models_of(requests[0])):
+        if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
+            generations = []
+            for i, request in enumerate(requests):
+                generations.append(search(request))
+                yield i, generations[-1].tokens, generations[-1].trace
+            return generations
+        size_caches(requests, rows)
+        results = yield from engine.decode(target, requests, rows)
+    return [Generation(tokens, final_text(target, request.stop, tokens), stats, trace)
+            for request, (tokens, trace, stats) in zip(requests, results)]
+
+
+def search(request):
+    """A request of (speculative) beam search; its result is known only at the end."""
+    target, drafter = request.target, request.drafter
+    start = time.perf_counter()
+    encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
+    prefix = target.encode(request.prompt_ids)
+    # Scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
+    rows = request.beams + request.draft_beams * request.policy.k_max if drafter else request.beams
+    longest = prefix.shape[1] + request.max_new_tokens
+    check_memory(target, rows, longest)
+    if drafter:
+        check_memory(drafter.model, request.draft_beams, request.decoder_length(drafter.model) + request.max_new_tokens)
+    sequences, scores, stats = beam.search(target, prefix, drafter, request.prompt_ids, request.beams,
+                                           request.draft_beams, request.policy, request.max_new_tokens,
+                                           request.stop.token_ids)
+    seconds = time.perf_counter() - start
+    stats.update(seed=request.seed, new_tokens=len(sequences[0]), encoder_calls=target.encoder_calls - encodes_before[0],
+                 draft_encoder_calls=(drafter.encoder_calls if drafter else 0) - encodes_before[1], seconds=seconds,
+                 tokens_per_second=len(sequences[0]) / seconds if seconds > 0 else float("inf"))
+    return Generation(sequences[0], final_text(target, request.stop, sequences[0]), stats,
+                      [(list(sequences[0]), "target")] if sequences[0] else [], sequences, scores)
+
+
+def final_text(target, stop, tokens):
+    text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
+    if text is not None and stop.text_end is not None:  # a stop string ended it: the text ends before it
+        text = stop.text.text[:stop.text_end]
+    return text
+
+
+def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
+             batch_size=None, on_tokens=None):
+    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
+    "int8"/"int4": the target itself, quantized).
+
+    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
+    has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
+    gamma: guesses per step, or "auto": chosen before each step (minispec.policy).
+    beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
+    own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
+    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
+    stop: a string or strings that end the output (which ends just before the first one);
+    stop_token_ids: tokens that end it as EOS does (kept as its last token).
+    A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
+    alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
+    all) at a time, a finished request's place going to the next; beam search runs them one after
+    another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
+    """
+    settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
+                        draft_beams, stop, stop_token_ids)
+    batched = is_batch(prompt)
+    requests = []
+    for i, one in enumerate(prompt if batched else [prompt]):
+        with naming_prompt(i if batched else None):
+            requests.append(Request.from_settings(target, one, settings))
+    if batch_size is not None and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
+                                       and batch_size >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    rows = min(batch_size or len(requests), len(requests))
+    generations = run_to_end(run(requests, rows), lambda i, tokens, segments: on_tokens and on_tokens(i, tokens))
+    return generations if batched else generations[0]
+
+
+def run_to_end(steps, on_step):
+    """Drive a generator to its end, handing each item it yields to on_step; returns its value."""
+    while True:
+        try:
+            on_step(*next(steps))
+        except StopIteration as end:
+            return end.value
+
+
+@contextmanager
+def naming_prompt(i):
+    """A batch's bad input says which prompt it is about (i None: a lone prompt)."""
+    try:
+        yield
+    except ValueError as error:
+        if i is None:
+            raise
+        raise ValueError(f"prompt {i}: {error}") from None
+
+
+def is_batch(prompt):
+    """A list of texts or of token lists is a batch; a list of ints is one prompt."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+@dataclass
+class Chunk:
+    """One step of a stream: the tokens it added, the text they added, and the step's segments as in
+    Generation.trace (its rejected guess included, for colouring). The last chunk also carries the
+    whole Generation, stats included."""
+    tokens: list
+    text: str
+    segments: list
+    generation: Generation | None = None
+
+
+def stream(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+           seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None):
+    """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
+    step is verified. Chunks' texts join to the Generation's text, never a broken character, and
+    never text past a stop string (text that may begin one is held back until the next step tells).
+    Settings are checked here, before the first chunk is asked for."""
+    settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
+                        draft_beams, stop, stop_token_ids)
+    request = Request.from_settings(target, prompt, settings)
+    check_lengths([request])
+    return chunks(request)
+
+
+def chunks(request):
+    tokenizer = request.target.tokenizer
+    text = IncrementalDecoder(tokenizer) if tokenizer else None
+    sent = 0  # characters of text already sent
+    steps = run([request], 1)
+    while True:
+        try:
+            _, tokens, segments = next(steps)
+        except StopIteration as end:
+            generation = end.value[0]
+            final = generation.text or ""
+            yield Chunk([], final[sent:], [], generation)
+            return
+        if text is None:
+            yield Chunk(tokens, "", segments)
+            continue
+        text.push(tokens)
+        ready = len(text.text) - request.stop.held_back(text.text)
+        if request.stop.text_end is not None:
+            ready = min(ready, request.stop.text_end)
+        yield Chunk(tokens, text.text[sent:ready], segments)
+        sent = max(sent, ready)

@@ -1,0 +1,159 @@
+"""The decoding engine: requests decoded together, each in a row of the static KV caches with its own
+length; a lone request is a batch of one row. Plain and speculative decoding, every drafter, sampling
+and greedy, stop strings and streaming all run through this one loop:
+
+    every step:  waiting requests take the free cache rows (continuous batching)
+                 speculative.step: each row guesses (its own policy and generator), one target
+                 forward over all rows, each row verifies its guesses (Algorithm 1) and rolls back
+                 rows that end (EOS, stop, max tokens) leave; the last row moves into the gap
+
+Rows do not see each other: every forward computes a row's tokens exactly as it would alone
+(row-invariant forwards, models/base.py), padding never writes past a row's own tokens, and each row
+draws from its own generator in the order a lone request does. So each request's output is what it
+gives decoded alone: the same tokens when greedy, and when sampling the same tokens for the same seed
+(with a fixed γ: "auto" may choose other lengths in a batch, whose forwards cost otherwise; the
+distribution is the target's either way). T5 runs its encoder once per request, into its row.
+"""
+
+import time
+from collections import deque
+
+import torch
+
+from .speculative import step
+
+
+class Row:
+    """A request in the batch: its settings, its random stream, its output so far, its statistics, and
+    its target cache row's length (the drafter keeps its own)."""
+
+    def __init__(self, index, request, slot, target):
+        self.index, self.request, self.slot = index, request, slot
+        self.sampling, self.lenience = request.sampling, request.lenience
+        self.drafter, self.policy = request.drafter, request.policy
+        self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
+        self.started = time.perf_counter()
+        self.tokens, self.trace = [], []
+        self.new_tokens, self.segments = [], []  # the last step's, for the caller
+        self.stats = {"seed": request.seed, "target_calls": 0}
+        before = target.encoder_calls
+        self.unseen = target.encode_row(slot, request.prompt_ids).view(-1)  # tokens its cache row has not seen
+        self.stats["encoder_calls"] = target.encoder_calls - before
+        self.length = 0  # positions its target cache row holds
+        if self.drafter:
+            self.drafter.start(request.prompt_ids, self.sampling, slot)
+            self.policy.start(target, self.drafter, request.prompt_ids)
+            self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1))
+            self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
+
+    def wanted_guesses(self):
+        """γ for this step, as the policy chooses, never drafting past max_new_tokens."""
+        return min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
+
+    def advance(self, n, guesses, t, accepted, overlap, timing):
+        """Take a verified step: n of `guesses` accepted, then the target's token t (host ids;
+        `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
+        guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
+        the step's forwards were shared with other rows. Returns whether the request has ended."""
+        k = len(guesses)
+        new_tokens, stopped = self.request.stop.cut(guesses[:n] + [t])
+        if self.drafter:
+            draft_seconds, step_seconds = timing or (None, None)
+            fresh = not self.stats["target_calls"]  # the prompt's forward also verified the first guesses
+            self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds)
+            if overlap is not None:  # only the positions up to a stop count
+                self.overlap += overlap[:len(new_tokens)].sum()
+        self.count(guesses, n, new_tokens)
+        if stopped:
+            return True
+        self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
+        self.unseen = accepted[-1:]
+        if self.drafter:
+            self.drafter.accept(new_tokens, accepted)
+        return len(self.tokens) >= self.request.max_new_tokens
+
+    def count(self, guesses, n, new_tokens):
+        """Count a step into the statistics, and its segments of the trace, coloured like the paper's
+        Figure 1: accepted guesses, the rejected guess, then the target's own token ("corrected" after
+        a rejection, "target" after full acceptance or without guesses)."""
+        k, stats = len(guesses), self.stats
+        if not stats["target_calls"]:
+            stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
+        stats["target_calls"] += 1
+        if self.drafter:
+            # Only what was emitted counts: a stop among the accepted guesses cuts off those after it.
+            emitted = min(n, len(new_tokens))
+            stats["proposed"] += k
+            stats["accepted"] += emitted
+            stats["verified"] += min(n + 1, k, len(new_tokens))
+            stats["accepted_lengths"][emitted] += 1
+        segments = [(new_tokens[:n], "accepted")]
+        if len(new_tokens) > n:  # the target's token was not cut off by a stop among the guesses
+            segments += [([guesses[n]], "rejected")] if n < k else []
+            segments += [([new_tokens[n]], "corrected" if n < k else "target")]
+        self.new_tokens, self.segments = new_tokens, [(ids, kind) for ids, kind in segments if ids]
+        self.tokens += new_tokens
+        add_segments(self.trace, self.segments)
+
+    def finish(self):
+        """The request's statistics, complete (design.md, "What stats holds")."""
+        stats, seconds = self.stats, time.perf_counter() - self.started
+        stats.update(new_tokens=len(self.tokens), seconds=seconds,
+                     tokens_per_second=len(self.tokens) / seconds if seconds > 0 else float("inf"),
+                     draft_encoder_calls=self.drafter.encoder_calls if self.drafter else 0)
+        if self.drafter:
+            verified = stats["verified"]
+            stats["draft_calls"] = self.drafter.calls
+            stats["acceptance_rate"] = stats["accepted"] / verified if verified else 0.0
+            # With one-hot p and q, Σ min(p, q) is 1 at an accepted guess and 0 at a rejected one.
+            overlap = stats["accepted"] if self.sampling.greedy and self.lenience == 1 else self.overlap.item()
+            stats["alpha"] = overlap / verified if verified else 0.0
+            stats["tokens_per_target_call"] = len(self.tokens) / max(stats["target_calls"], 1)
+            stats.update(self.policy.finish())
+        return stats
+
+
+def add_segments(trace, segments):
+    """Append a step's (ids, kind) segments to a trace, one entry per run of the same kind."""
+    for ids, kind in segments:
+        if not ids:
+            continue
+        if trace and trace[-1][1] == kind:
+            trace[-1][0].extend(ids)
+        else:
+            trace.append((list(ids), kind))
+
+
+@torch.inference_mode()
+def decode(target, requests, rows):
+    """Decode checked requests (api.Request, all with the same kind of drafter, or none) at most `rows`
+    at a time, the models' caches already sized for them. Yields each step's (request index, new
+    tokens, segments of the trace) as they come; returns each request's (tokens, trace, stats)."""
+    waiting = deque(enumerate(requests))
+    batch = []  # batch[i] lives in cache row i, of the target and of a draft model
+    draft_model = requests[0].drafter.model if requests[0].drafter else None
+    results = [None] * len(requests)
+    while waiting or batch:
+        while waiting and len(batch) < rows:
+            batch.append(Row(*waiting.popleft(), len(batch), target))
+        ended = step(target, batch)
+        for row in batch:
+            yield row.index, row.new_tokens, row.segments
+        for row in ended:
+            row.stats["batch_size"] = rows
+            results[row.index] = row.tokens, row.trace, row.finish()
+        leave(batch, ended, [model for model in (target, draft_model) if model is not None])
+    return results
+
+
+def leave(batch, ended, models):
+    """Ended rows leave the batch; the last row moves into each gap, so the rows stay 0..len-1."""
+    for row in ended:
+        hole, last = row.slot, batch[-1]
+        if last is not row:
+            for model in models:
+                model.move_row(last.slot, hole)
+            batch[hole], last.slot = last, hole
+            if last.drafter is not None and last.drafter.model is not None:
+                last.drafter.row = hole
+        batch.pop()
