@@ -258,7 +258,8 @@ def search(request):
     """A request of (speculative) beam search; its result is known only at the end."""
     target, drafter = request.target, request.drafter
     start = time.perf_counter()
-    encodes_before = target.encoder_calls, drafter.encoder_calls if drafter else 0
+    draft = drafter.model if drafter else None
+    encodes_before = target.encoder_calls, draft.encoder_calls if draft else 0
     prefix = target.encode(request.prompt_ids)
     # Scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
     rows = request.beams + request.draft_beams * request.policy.k_max if drafter else request.beams
@@ -271,7 +272,7 @@ def search(request):
                                            request.stop.token_ids)
     seconds = time.perf_counter() - start
     stats.update(seed=request.seed, new_tokens=len(sequences[0]), encoder_calls=target.encoder_calls - encodes_before[0],
-                 draft_encoder_calls=(drafter.encoder_calls if drafter else 0) - encodes_before[1], seconds=seconds,
+                 draft_encoder_calls=(draft.encoder_calls if draft else 0) - encodes_before[1], seconds=seconds,
                  tokens_per_second=len(sequences[0]) / seconds if seconds > 0 else float("inf"))
     return Generation(sequences[0], final_text(target, request.stop, sequences[0]), stats,
                       [(list(sequences[0]), "target")] if sequences[0] else [], sequences, scores)

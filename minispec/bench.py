@@ -130,18 +130,20 @@ def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
 
 
 class PrefillClock:
-    """Stands in for a model's prefill and notes when it returns, its device work done. A generation's
-    time after that is its decode time, and the tokens after the prefill's are its decode tokens: the
-    part Theorem 3.8 is about. The prompt's forward (and a T5 encoder's, which runs before it) costs
-    about the same with or without speculation (which verifies its first guesses in it)."""
+    """Stands in for a model's decode_rows and notes when a request's prefill (a forward from position
+    0) returns, its device work done. A generation's time after that is its decode time, and the tokens
+    after the prefill's are its decode tokens: the part Theorem 3.8 is about. The prompt's forward (and
+    a T5 encoder's, which runs before it) costs about the same with or without speculation (which
+    verifies its first guesses in it)."""
 
     def __init__(self, model):
-        self.model, self.prefill, self.finished_at = model, model.prefill, None
+        self.model, self.decode_rows, self.finished_at = model, model.decode_rows, None
 
-    def __call__(self, tokens, logits_for=None):
-        logits = self.prefill(tokens, logits_for)
-        synchronize(self.model.device)
-        self.finished_at = time.perf_counter()
+    def __call__(self, tokens, lengths, *args, **kwargs):
+        logits = self.decode_rows(tokens, lengths, *args, **kwargs)
+        if not any(lengths):
+            synchronize(self.model.device)
+            self.finished_at = time.perf_counter()
         return logits
 
 
@@ -564,7 +566,7 @@ def benchmark(args):
                                           args.compile, args.quantize, args.draft_quantize, args.group_size)
     device = target.device
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
-    target.prefill = prefill_clock = PrefillClock(target)
+    target.decode_rows = prefill_clock = PrefillClock(target)
     runners = {("minispec", None): minispec_runner(target, None, 1, args, prefill_clock)}
     runners.update({("minispec", g): minispec_runner(target, draft, g, args, prefill_clock) for g in args.gamma})
     if args.compare_reference:

@@ -15,16 +15,20 @@ class Sampling:
     top_p: float = 1.0  # most likely first, keep tokens while the mass before them is < top_p; 1 keeps all
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (is_number(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self):
         return self.temperature == 0
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def adjust(logits, sampling):

@@ -1,6 +1,7 @@
 """minispec.generate's contract around the decoding loops: what it refuses before any work, the seed,
 statistics at a stop token, and one request per model at a time."""
 
+import gc
 import threading
 
 import pytest
@@ -220,3 +221,65 @@ def test_stream_checks_its_settings_before_the_first_chunk(chatty):
         minispec.stream(target, TEXT_PROMPT, stop=[""])
     with pytest.raises(ValueError, match="stop_token_ids"):
         minispec.generate(target, TEXT_PROMPT, stop_token_ids=[10**6])
+
+
+def test_an_unfinished_stream_holds_its_models_until_closed_or_collected(target):
+    """A stream claims its models while it runs; one left unfinished says so to the next call in its
+    thread, and gives them back when closed, left by a `break`, or garbage collected."""
+    chunks = minispec.stream(target, PROMPT, max_new_tokens=8)
+    next(chunks)
+    with pytest.raises(RuntimeError, match="unfinished call in this thread .* close()"):
+        minispec.generate(target, PROMPT, max_new_tokens=4)
+    chunks.close()
+    expected = minispec.generate(target, PROMPT, max_new_tokens=4).tokens
+    for _ in minispec.stream(target, PROMPT, max_new_tokens=8):
+        break
+    chunks = minispec.stream(target, PROMPT, max_new_tokens=8)
+    next(chunks)
+    del chunks
+    gc.collect()
+    assert minispec.generate(target, PROMPT, max_new_tokens=4).tokens == expected
+
+
+def test_a_refused_call_leaves_the_caches_of_the_call_under_way_alone(target, monkeypatch):
+    """A batch call refused because another thread holds the model must not have resized its caches
+    first: the request under way would go on in freshly zeroed ones."""
+    expected = minispec.generate(target, PROMPT, max_new_tokens=6, ignore_eos=True).tokens
+    inside, release = threading.Event(), threading.Event()
+    forward = target.forward
+
+    def blocking_forward(*args, **kwargs):
+        inside.set()
+        release.wait(timeout=30)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", blocking_forward)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(
+        minispec.generate(target, PROMPT, max_new_tokens=6, ignore_eos=True)))
+    worker.start()
+    try:
+        assert inside.wait(timeout=30)
+        shape = target.cache_batch_size, target.cache_max_seq_len
+        with pytest.raises(RuntimeError, match="already generating"):
+            minispec.generate(target, [PROMPT] * 8, max_new_tokens=100)
+        assert (target.cache_batch_size, target.cache_max_seq_len) == shape
+    finally:
+        release.set()
+        worker.join(timeout=60)
+    assert results[0].tokens == expected
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seed": 2**70}, r"seed must be an integer in \[0, 2\*\*63\)"),
+    ({"seed": "abc"}, "seed must be an integer"),
+    ({"temperature": "1"}, "temperature must be a number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a number >= 0"),
+    ({"top_p": None}, r"top_p must be a number in \(0, 1\]"),
+    ({"top_k": 2.0}, "top_k must be an integer"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer >= 1"),
+    ({"draft": "lookup", "lenience": "0.5"}, r"lenience must be in \(0, 1\]"),
+])
+def test_bad_settings_are_named_before_any_work(target, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        minispec.generate(target, PROMPT, **kwargs)

@@ -156,9 +156,10 @@ def test_memory_measure_sees_every_tensor():
 def test_prefill_clock_separates_the_prompt_forward(dirs):
     """A prefill made 0.3 s slower shows up in prefill_seconds, and only there."""
     target = minispec.load(dirs["gpt2"])
-    prefill = target.prefill
-    target.prefill = lambda tokens, logits_for=None: (time.sleep(0.3), prefill(tokens, logits_for))[1]
-    target.prefill = clock = bench.PrefillClock(target)
+    decode_rows = target.decode_rows
+    target.decode_rows = lambda tokens, lengths, *args, **kwargs: (
+        time.sleep(0.3 if not any(lengths) else 0), decode_rows(tokens, lengths, *args, **kwargs))[1]
+    target.decode_rows = clock = bench.PrefillClock(target)
     args = bench.parse_args(["--target", "-", "--draft", "lookup", "--max-new-tokens", str(NEW_TOKENS)])
     for draft in (None, "lookup"):
         tokens, stats = bench.minispec_runner(target, draft, 3, args, clock)((PROMPTS[0], 0))
@@ -383,8 +384,8 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--gamma", "0"], "--gamma values must be >= 1"),
     (["--repeats", "0"], "--repeats, --max-new-tokens and --seeds must be >= 1"),
     (["--seeds", "0"], "--repeats, --max-new-tokens and --seeds must be >= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--temperature", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be a number >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "top_p must be a number in (0, 1]"),
     ([], "has no tokenizer files: give prompts as token ids"),  # the built-in text prompts
     (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
     (["--prompt-ids", "1,2,500"], "prompt token ids must be in [0, 96)"),

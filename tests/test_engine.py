@@ -2,12 +2,11 @@
 output is what it gives decoded alone, finished rows hand their cache rows on, bad input fails before
 any work, and the forward's rows keep their own positions bit for bit."""
 
-import importlib
-
 import pytest
 import torch
 
 import minispec
+from minispec import api
 from conftest import make_reference, noisy_copy, save_reference
 
 KINDS = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
@@ -117,7 +116,7 @@ def test_bad_input_in_a_batch_fails_before_any_work_naming_the_prompt(targets, m
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         minispec.generate(target, [[5, 6], [7]], batch_size=0)
     # one row of its cache: 65,536 bytes; its caches hold one position now, so they must grow
-    monkeypatch.setattr(importlib.import_module("minispec.api"), "available_memory", lambda device: 100_000)
+    monkeypatch.setattr(api, "available_memory", lambda device: 100_000)
     target.setup_caches(1, 1)
     with pytest.raises(ValueError, match=r"a batch of 2 requests needs .* at most 1 fit: pass batch_size="):
         minispec.generate(target, [[5, 6], [7]], max_new_tokens=100)
@@ -156,3 +155,49 @@ def test_rows_at_the_end_of_the_context_limit_no_other_row(targets, drafts, temp
             for batch_size in (None, 2):
                 together = minispec.generate(target, prompts, batch_size=batch_size, **settings)
                 assert [out.tokens for out in together] == alone, (draft, gamma, batch_size)
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5_v1_1"])
+def test_alternating_batches_and_lone_requests_reuse_the_caches(targets, drafts, kind):
+    """A lone request is a batch of one: after a batch, neither it nor a smaller batch reallocates (and
+    zeroes) the target's or the draft's caches, T5's cross-attention memory included."""
+    target, draft = targets[kind], drafts[kind]
+    settings = {"max_new_tokens": 8, "draft": draft, "gamma": 2, "ignore_eos": True}
+    minispec.generate(target, PROMPTS[:3], **settings)
+    before = [list(model.buffers()) for model in (target, draft)]
+    minispec.generate(target, PROMPTS[0], **settings)
+    minispec.generate(target, PROMPTS[1:3], **settings)
+    after = [list(model.buffers()) for model in (target, draft)]
+    assert all(a is b for was, now in zip(before, after) for a, b in zip(was, now, strict=True))
+
+
+def test_batched_statistics_and_traces_are_each_requests_own(targets, drafts):
+    target, draft = targets["t5_v1_1"], drafts["t5_v1_1"]
+    settings = {"max_new_tokens": 12, "draft": draft, "gamma": 3, "ignore_eos": True, "temperature": 1.0, "seed": 2}
+    alone = [minispec.generate(target, prompt, **settings) for prompt in COPYING[:3]]
+    together = minispec.generate(target, COPYING[:3], batch_size=2, **settings)
+    for one, row in zip(alone, together):
+        assert row.trace == one.trace and any(kind == "rejected" for _, kind in row.trace)
+        for key in ("target_calls", "draft_calls", "first_call_tokens", "accepted_lengths", "acceptance_rate",
+                    "encoder_calls", "draft_encoder_calls"):
+            assert row.stats[key] == one.stats[key], key
+        assert row.stats["alpha"] == pytest.approx(one.stats["alpha"], abs=1e-6) and 0 < row.stats["alpha"] < 1
+        assert row.stats["encoder_calls"] == row.stats["draft_encoder_calls"] == 1
+
+
+def test_steps_shared_by_a_batch_do_not_time_the_pair(targets, monkeypatch):
+    """gamma="auto" learns a forward's cost from a lone request's steps; a batch's steps (other rows'
+    prefills and guesses in them) would teach the next lone request wrong costs."""
+    from minispec import policy
+
+    def calibrate(profile, target, drafter, token, k_max, beams=None):
+        profile.t_verify, profile.t_draft = [0.0] + [1.0 + 0.1 * w for w in range(k_max + 1)], 0.0
+
+    monkeypatch.setattr(policy, "calibrate", calibrate)
+    monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
+    target = targets["llama"]
+    minispec.generate(target, COPYING, draft="lookup", max_new_tokens=12, ignore_eos=True)
+    profile = policy.PROFILES[target]["lookup", None]
+    assert profile.t_verify[1:] == pytest.approx([1.0 + 0.1 * w for w in range(policy.GAMMA_MAX + 1)])
+    minispec.generate(target, COPYING[0], draft="lookup", max_new_tokens=12, ignore_eos=True)
+    assert profile.t_verify[1] < 0.5  # a lone request's steps do (they take milliseconds, not a second)

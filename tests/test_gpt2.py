@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from minispec.checkpoint import load_model
 from minispec.models.gpt2 import GPT2Config
-from minispec.generate import generate
+from minispec import generate
 
 ATOL = 1e-4
 # Fixed tokens (not random) so a failure is reproducible; 24 long = 8 prompt + 16 decode steps.

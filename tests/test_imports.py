@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minispec"
 LAYERS = {
     "models": 0,
     "weights": 1, "hub": 1, "gguf": 1, "builtin": 1, "tokenizer": 1, "chat": 1, "checkpoint": 1,
-    "sampling": 2, "stopping": 2, "batch": 2, "drafters": 2, "policy": 2, "speculative": 2, "beam": 2, "generate": 2,
+    "sampling": 2, "stopping": 2, "drafters": 2, "policy": 2, "speculative": 2, "beam": 2, "engine": 2, "api": 2,
     "__init__": 3, "cli": 3, "bench": 3,
 }
 

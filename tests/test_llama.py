@@ -11,7 +11,7 @@ import transformers
 from conftest import save_reference, spread_init
 
 from minispec.checkpoint import CheckpointError, load_model
-from minispec.generate import generate
+from minispec import generate
 
 KINDS = ["llama", "llama_gqa", "qwen2"]
 # Our float32 logits are compared with the reference's computed in float64 (the exact values, up to

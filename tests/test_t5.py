@@ -12,7 +12,7 @@ from transformers import T5ForConditionalGeneration
 
 import minispec
 from minispec.checkpoint import load_model
-from minispec.generate import generate
+from minispec import generate
 from minispec.models.t5 import T5Config
 
 KINDS = ["t5_v1_0", "t5_v1_1"]
