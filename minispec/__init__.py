@@ -7,9 +7,15 @@
     out.tokens, out.text, out.stats
 """
 
-from .chat import chat_prompt
-from .checkpoint import CheckpointError, load_model as load
-from .api import Chunk, Generation, generate, stream
-from .sampling import Sampling
+import warnings
+
+# torch warns once, at its first tensor made from Python data, when numpy is missing; minispec never
+# uses numpy (no dependency of it), so the warning would only puzzle a user on a fresh machine.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+from .chat import chat_prompt  # noqa: E402
+from .checkpoint import CheckpointError, load_model as load  # noqa: E402
+from .api import Chunk, Generation, generate, stream  # noqa: E402
+from .sampling import Sampling  # noqa: E402
 
 __all__ = ["load", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "CheckpointError"]

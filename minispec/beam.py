@@ -91,19 +91,19 @@ class PrefixCache:
         self.model, self.prefix = model, prefix  # prefix [1, p]: what the decoder starts from (model.encode)
         model.ensure_caches(batch_size, prefix.shape[1] + max_new_tokens)
         model.rollback(0)
-        self.held = prefix.new_zeros(batch_size, 0)  # the ids at each row's cached positions
+        self.cached_ids = prefix.new_zeros(batch_size, 0)  # the ids at each row's cached positions
 
     def logits(self, tokens, first):
         """Generated ids [batch_size, n] -> logits [batch_size, n + 1 - first, vocab] predicting the
         tokens that follow tokens[:, :i], for i = first..n."""
         seqs = torch.cat([self.prefix.expand(len(tokens), -1), tokens], 1)
         start = self.prefix.shape[1] + first - 1  # the position whose logits predict generated token `first`
-        m = min(self.held.shape[1], start)
+        m = min(self.cached_ids.shape[1], start)
         p = min(self.prefix.shape[1], m)  # every row starts with the prefix: compare only what follows
-        common = p + (seqs[:, None, p:m] == self.held[None, :, p:m]).int().cumprod(-1).sum(-1)  # [new, held]
+        common = p + (seqs[:, None, p:m] == self.cached_ids[None, :, p:m]).int().cumprod(-1).sum(-1)  # [new, cached]
         length, row = common.max(1)
         keep = int(length.min())
-        self.held = seqs
+        self.cached_ids = seqs
         if keep == 0:
             return self.model.prefill(seqs, logits_for=seqs.shape[1] - start)
         self.model.reorder_cache(row)

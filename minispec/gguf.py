@@ -344,7 +344,7 @@ def dequantize(tensor):
     return out.view(tensor.shape)
 
 
-def narrow(values):
+def to_smallest_dtype(values):
     """float32 values as float16 when that is exact (GGUF's own scales are), to keep files small."""
     half = values.half()
     return half if torch.equal(half.float(), values) else values
@@ -360,7 +360,7 @@ def stored_form(tensor):
     chunks = [STORED_FORMS[tensor.type](blocks[i:i + CHUNK_BLOCKS]) for i in range(0, blocks.shape[0], CHUNK_BLOCKS)]
     rows = tensor.shape[0]
     parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(rows, -1) for key in chunks[0]}
-    return {key: value if key == "qweight" else narrow(value) for key, value in parts.items()}
+    return {key: value if key == "qweight" else to_smallest_dtype(value) for key, value in parts.items()}
 
 
 # ---------------------------------------------------------------------------------------------

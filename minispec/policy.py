@@ -91,9 +91,9 @@ class Rate:
         self.accepted = self.accepted * decay + accepted
         self.verified = self.verified * decay + verified
 
-    def drift(self, towards):
-        """A step without evidence: the rate moves a tenth (1 − DECAY) of the way to `towards`."""
-        self.accepted += (1 - DECAY) * (towards * self.verified - self.accepted)
+    def move_towards(self, rate):
+        """A step without evidence: the rate moves a tenth (1 − DECAY) of the way to `rate`."""
+        self.accepted += (1 - DECAY) * (rate * self.verified - self.accepted)
 
     @property
     def value(self):
@@ -109,7 +109,7 @@ class PairProfile:
         # a and b (module docstring); b is None until a guess after an accepted one has been verified:
         # till then a stands in for it (the paper's i.i.d. α). A prior of its own would lock a pair out:
         # a confident draft whose early stop finds the second guess not worth its cost at that prior
-        # never makes one, so b is never measured (the compiled int8 self-draft stuck at one guess a step).
+        # never makes one, so b is never measured.
         self.first, self.later = DEFAULT_ALPHA, None
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
         # per bin of the drafter's confidence in a guess: decayed [accepted, verified] guesses that sure
@@ -209,8 +209,8 @@ class VerifyCost:
     all at one width (or at two close ones) cannot tell the two apart, so they rescale every width at
     once, keeping the line's ratios (were each width refined alone, one timed in a slow moment would
     keep its stale time, never be chosen, and so never be corrected). Steps spread over widths bend
-    the line: calibrations on this busy machine got a 9-token verify's cost ratio to a 1-token one
-    wrong by a fifth either way (1.70x where steps took 1.44x; 1.24-1.40x where forwards took 1.45-1.82x)."""
+    the line: a calibration on a busy machine can get the line's slope wrong either way
+    (docs/performance.md, "Refitting the verify costs' slope")."""
 
     def __init__(self, line):
         self.one = line[1]
@@ -257,13 +257,14 @@ class AdaptiveGamma:
             calibrate(profile, target, drafter, prompt_ids[0, -1], self.k_max, beams)
         # On a GPU, reading a draft model's time or its confidence in a guess would be a host sync.
         on_host = drafter.model is None or drafter.model.device.type == "cpu"
-        confidences = drafter.model is not None and on_host and beams is None
+        early_stop = drafter.model is not None and on_host and beams is None
         preview = drafter.preview if beams is None else None
-        self.begin(profile, confidences=confidences, measure_draft=on_host, preview=preview)
+        self.begin(profile, early_stop=early_stop, measure_draft=on_host, preview=preview)
 
-    def begin(self, profile, confidences, measure_draft, preview=None):
-        """Start a request from what the pair has learnt (its timings and rates). preview(k), if
-        given, returns the drafter's next k guesses without making them, and its confidence in each
+    def begin(self, profile, early_stop, measure_draft, preview=None):
+        """Start a request from what the pair has learnt (its timings and rates). early_stop: the
+        drafter reports its confidence in each guess and stops when one more does not pay (a draft
+        model on a CPU). preview(k), if given, returns the drafter's next k guesses without making them, and its confidence in each
         (two lists, empty for none)."""
         self.profile = profile
         self.verify = VerifyCost(profile.t_verify)
@@ -273,8 +274,8 @@ class AdaptiveGamma:
         self.first = Rate(profile.first, PRIOR_WEIGHT)
         self.later = None if profile.later is None else Rate(profile.later, PRIOR_WEIGHT)
         self.confidence = profile.confidence
-        self.keep_guessing = self._keep_guessing if confidences else None
-        self.sure = []  # the drafter's confidence in each guess of the current step
+        self.keep_guessing = self._keep_guessing if early_stop else None
+        self.confidences = []  # the drafter's confidence in each guess of the current step
         self.histogram = [0] * (self.k_max + 1)
         self.guessed_last_step = False
         self.expected_tokens = 0.0
@@ -301,8 +302,8 @@ class AdaptiveGamma:
 
     def guesses(self):
         if self.preview is not None:  # checked every step: no probes needed
-            self.previewed, self.sure = self.preview(self.k_max)
-            return self.best_for(self.sure)
+            self.previewed, self.confidences = self.preview(self.k_max)
+            return self.best_for(self.confidences)
         best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
         if best == 0:
             # Plain steps count across requests: many short ones must not lock a pair out of speculating.
@@ -315,7 +316,7 @@ class AdaptiveGamma:
                 profile.probe_after = min(2 * profile.probe_after, PROBE_MAX)
         else:  # speculation pays again: should it stop, probe soon
             self.profile.plain_steps, self.profile.probe_after = 0, PROBE_AFTER
-        self.sure = []
+        self.confidences = []
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
 
@@ -339,10 +340,10 @@ class AdaptiveGamma:
     def _keep_guessing(self, i, confidence):
         """After guess i (1-based) with the draft's probability `confidence` of it: guess once more?
         Yes while the next guess's expected gain per second of its cost beats the step's so far."""
-        self.sure.append(confidence)
+        self.confidences.append(confidence)
         if i >= self.k_max:
             return False
-        expected = self.expected_with(self.sure)
+        expected = self.expected_with(self.confidences)
         tokens, survive = expected[-1], expected[-1] - expected[-2]  # with i guesses; P(all i accepted)
         gain = survive * self.later_rate()  # the next guess, whose confidence is not known yet
         cost = self.t_draft + self.verify(i + 2) - self.verify(i + 1)
@@ -358,7 +359,7 @@ class AdaptiveGamma:
         first guesses), draft_seconds of them drafting."""
         self.histogram[k] += 1
         previewed = self.previewed is not None
-        self.expected_tokens += self.expected_with(self.sure[:k])[-1] if previewed else self.expected(k)
+        self.expected_tokens += self.expected_with(self.confidences[:k])[-1] if previewed else self.expected(k)
         if previewed:  # the preview against what the target emitted
             compared = min(len(self.previewed), len(emitted))
             n = next((i for i in range(compared) if self.previewed[i] != emitted[i]), compared)
@@ -375,14 +376,14 @@ class AdaptiveGamma:
         if verified <= 1 and self.later is not None:
             # Nothing checked after an accepted guess: b drifts to a (the i.i.d. model), or a low b
             # learnt on other text would keep a sure draft at one guess a step, never measuring b again.
-            self.later.drift(self.first.value)
-        for j, c in enumerate(self.sure[:verified]):
+            self.later.move_towards(self.first.value)
+        for j, c in enumerate(self.confidences[:verified]):
             counts = self.confidence[self.bin(c)]
             counts[0] = counts[0] * DECAY + (j < n)
             counts[1] = counts[1] * DECAY + 1
         # A draft model feeds the tokens it has not seen at its next guess: one or two after a step with
-        # guesses, but after plain steps (or the prompt) many, a cost that is no guess's: it made probes
-        # look so dear that guessing could never pay again, and so was never measured again.
+        # guesses, but after plain steps (or the prompt) many, a cost that is no guess's: timed as one,
+        # it would make probes look so dear that guessing could never pay again.
         regular, self.guessed_last_step = self.guessed_last_step, k > 0
         if step_seconds is None:
             return

@@ -25,3 +25,43 @@ def test_prefill_logits_for_the_last_positions_only(reference_dirs, kind):
         torch.testing.assert_close(last, full[:, full.shape[1] - logits_for:], atol=1e-5, rtol=0)
         assert model.length == tokens.shape[1]  # the cache holds every token, whatever was returned
         torch.testing.assert_close(model.decode(torch.tensor([[7]])), after_full, atol=1e-5, rtol=0)
+
+
+def packed_modules(model):
+    return [module for module in [*model.modules(), model.head] if getattr(module, "packed", False)]
+
+
+def test_packed_weights_follow_their_weights_through_conversions(reference_dirs):
+    """The oneDNN-packed copy of a weight is found by its address: it must go with the weight's data,
+    not with its Parameter, or `.half()`, `.to()` and `param.data = ...` leave stale copies alive, and a
+    new tensor placed at a freed address gets another weight's matrix."""
+    from minispec.models import base
+
+    model, unpacked = (minispec.load(reference_dirs["llama"][1]) for _ in range(2))
+    assert packed_modules(model), "this CPU packs float32 weights"
+    for module in packed_modules(unpacked):
+        module.packed = False
+    for m in (model, unpacked):
+        m.setup_caches(1, 16)
+        m.prefill(PROMPT)
+    old = [base._PACKED[module.weight.data_ptr()] for module in packed_modules(model)]
+    for m in (model, unpacked):
+        m.half().float()  # the Parameters stay; their data is new (rounded), packed again on first use
+    torch.testing.assert_close(model.prefill(PROMPT), unpacked.prefill(PROMPT), atol=1e-4, rtol=0)
+    assert not any(entry is kept for entry in old for kept in base._PACKED.values())  # none stays alive
+    layer = next(module for module in model.modules() if isinstance(module, base.Linear) and module.packed)
+    x = torch.randn(3, layer.in_features)
+    for _ in range(3):  # new data, often at the address the last one freed
+        layer.weight.data = torch.randn_like(layer.weight)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T, atol=1e-4, rtol=1e-4)
+
+
+def test_only_a_tied_embedding_is_packed(reference_dirs):
+    """An input embedding is only indexed; packing it would copy the largest matrix for nothing."""
+    from minispec.models import base
+
+    untied = minispec.load(reference_dirs["llama"][1])
+    tied = minispec.load(reference_dirs["gpt2"][1])
+    assert not isinstance(untied.head, base.Embedding) and isinstance(tied.head, base.Embedding)
+    assert not any(isinstance(module, base.Embedding) for module in packed_modules(untied))
+    assert tied.head.packed

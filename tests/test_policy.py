@@ -20,7 +20,7 @@ def adaptive(alpha, t_verify, t_draft, k_max=8, confident_drafter=False):
     profile = policy.PairProfile()
     profile.t_verify, profile.t_draft, profile.first, profile.later = [0.0, *t_verify], t_draft, alpha, alpha
     chooser = AdaptiveGamma(k_max)
-    chooser.begin(profile, confidences=confident_drafter, measure_draft=True)
+    chooser.begin(profile, early_stop=confident_drafter, measure_draft=True)
     return chooser
 
 
@@ -73,7 +73,7 @@ def test_a_drafter_with_a_preview_is_checked_on_every_step_guessing_or_not():
     upcoming = [[7, 8, 9, 10]]
     chooser = adaptive(0.05, STEEP, 0.0)
     preview = lambda k: (upcoming[0][:k], [0.5] * len(upcoming[0][:k]))  # noqa: E731
-    chooser.begin(chooser.profile, confidences=False, measure_draft=True, preview=preview)
+    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=preview)
     assert chooser.guesses() == 0  # unpromising so far: a plain step, with a look at what it would guess
     chooser.observe(k=0, n=0, emitted=[7], draft_seconds=0.0, step_seconds=1.0)  # the first guess was right
     before = chooser.first.value
@@ -97,7 +97,7 @@ def test_a_previewing_drafter_guesses_as_far_as_its_confidence_in_these_guesses_
     sure = [1.0]
     chooser = adaptive(0.5, STEEP, 0.0)
     preview = lambda k: (upcoming[:k], sure * k)  # noqa: E731
-    chooser.begin(chooser.profile, confidences=False, measure_draft=True, preview=preview)
+    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=preview)
     for step in range(40):
         sure[0] = 1.0 if step % 2 else 0.2
         k = chooser.guesses()
@@ -224,7 +224,7 @@ def test_plain_steps_count_toward_a_probe_across_requests():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []
     for _ in range(4):  # 4 requests of 3 steps
-        chooser.begin(chooser.profile, confidences=False, measure_draft=True)
+        chooser.begin(chooser.profile, early_stop=False, measure_draft=True)
         for _ in range(3):
             k = chooser.guesses()
             choices.append(k)
@@ -238,7 +238,7 @@ def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
     profile = policy.PairProfile()  # a new pair: nothing measured but its timings
     profile.t_verify, profile.t_draft = [0.0, *FLAT], 0.5
     chooser = AdaptiveGamma(8)
-    chooser.begin(profile, confidences=True, measure_draft=True)
+    chooser.begin(profile, early_stop=True, measure_draft=True)
     for _ in range(20):  # one sure guess a step, each accepted
         chooser.guesses()
         chooser.keep_guessing(1, 0.99)
@@ -247,11 +247,11 @@ def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
     chooser.guesses()
     assert chooser.keep_guessing(1, 0.99)  # a second guess pays at b = a
     chooser.profile.later = 0.6  # what a prior of its own did: stuck at one guess
-    chooser.begin(chooser.profile, confidences=True, measure_draft=True)
+    chooser.begin(chooser.profile, early_stop=True, measure_draft=True)
     chooser.guesses()
     assert not chooser.keep_guessing(1, 0.99)
     chooser.profile.later = None
-    chooser.begin(chooser.profile, confidences=True, measure_draft=True)
+    chooser.begin(chooser.profile, early_stop=True, measure_draft=True)
     chooser.guesses()
     chooser.keep_guessing(1, 0.99)
     chooser.keep_guessing(2, 0.99)
@@ -267,7 +267,7 @@ def test_a_low_rate_after_an_accepted_guess_drifts_back_to_the_first_without_evi
     profile = policy.PairProfile()
     profile.t_verify, profile.t_draft, profile.first, profile.later = [0.0, *STEEP], 0.5, 0.99, 0.5
     chooser = AdaptiveGamma(8)
-    chooser.begin(profile, confidences=True, measure_draft=True)
+    chooser.begin(profile, early_stop=True, measure_draft=True)
     seconds = 0.5 + STEEP[1]  # a guess and a 2-token verify
     for step in range(30):
         chooser.guesses()

@@ -24,6 +24,7 @@ and the properties `context_length`, `vocab_size` and `head`; `forward` writes k
 length are never read and rolling back needs no clearing.
 """
 
+import functools
 import weakref
 from contextlib import contextmanager
 from functools import partial
@@ -89,9 +90,12 @@ class RMSNorm(nn.Module):
 # blocks of rows through other kernels, each summing in its own order, so a token's logits would differ
 # by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's argmax.
 # oneDNN's matmul over a weight packed once for it computes every row alike whatever the row count,
-# and runs 1.3-1.8x faster than BLAS's at 1-16 rows on a 2-core AVX2 CPU (docs/performance.md).
+# and is faster than BLAS's at the 1-16 rows decoding uses (docs/performance.md, row invariance).
 # The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
 # so compiled graphs hold no per-model constant and a target and its draft share graphs as before.
+# An entry lives as long as the weight's storage (not its Parameter, which outlives its data after
+# `.to()`, `.half()` or `param.data = ...`), so no stale copy stays alive, and none is found by a new
+# tensor that the allocator places at a freed address.
 _PACKED = {}  # data_ptr -> (the weight's version when packed, packed weight: an opaque oneDNN tensor)
 
 
@@ -101,17 +105,22 @@ def version(tensor):
 
 
 def pack(weight):
-    """Pack a weight for oneDNN; the packed copy goes when the weight does."""
+    """Pack a weight for oneDNN; the packed copy goes when the weight's storage does."""
     key = weight.data_ptr()
     # 16: the row count oneDNN plans the packing for; every row count then runs the same kernels
-    _PACKED[key] = version(weight), torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-    weakref.finalize(weight, _PACKED.pop, key, None)
-    return _PACKED[key][1]
+    entry = _PACKED[key] = version(weight), torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    weakref.finalize(weight.untyped_storage(), forget, key, entry)
+    return entry[1]
+
+
+def forget(key, entry):
+    if _PACKED.get(key) is entry:  # not a newer weight's, packed at the same address since
+        del _PACKED[key]
 
 
 @torch.library.custom_op("minispec::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if weight.device.type != "cpu":  # the model was moved after loading
+    if not can_pack(weight.dtype, weight.device):  # the model was moved or converted after loading
         return F.linear(x, weight, bias)
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
     if version_packed != version(weight):  # new or written in place since it was packed (a test, a LoRA merge)
@@ -144,7 +153,12 @@ def linear(x, weight, bias, packed):
 def can_pack(dtype, device):
     """Whether oneDNN matmuls run here for this dtype (float32 wherever torch has oneDNN; bfloat16 and
     float16 only on CPUs with the instructions for them)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    return device.type == "cpu" and can_pack_on_cpu(dtype)
+
+
+@functools.cache
+def can_pack_on_cpu(dtype):
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 16)
@@ -159,7 +173,8 @@ def pack_linears(model):
     if not can_pack(model.dtype, model.device):
         return model
     for module in [*model.modules(), model.head]:  # the head: a Linear, or the token Embedding when tied
-        if isinstance(module, (Linear, Embedding)) and module.weight.dtype == model.dtype and not module.packed:
+        is_linear = isinstance(module, Linear) or (module is model.head and isinstance(module, Embedding))
+        if is_linear and module.weight.dtype == model.dtype and not module.packed:
             pack(module.weight)
             module.packed = True
     return model

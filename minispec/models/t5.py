@@ -133,7 +133,7 @@ class SelfAttention(Attention):
         return self.attend(q, k, v, mask)
 
 
-def refill(buffer, value):
+def reuse_or_copy(buffer, value):
     """Copy `value` into `buffer` when the shapes match, so that every request hands a compiled graph
     (and CUDA graphs) the same tensor; otherwise return a new buffer holding it. New buffers are normal
     tensors, not inference tensors, so that they can be refilled both inside and outside inference_mode."""
@@ -161,8 +161,8 @@ class CrossAttention(Attention):
             self.memory_k[row] = self.heads(self.k(encoder_out))[0]
             self.memory_v[row] = self.heads(self.v(encoder_out))[0]
             return
-        self.memory_k = refill(self.memory_k, self.heads(self.k(encoder_out)))
-        self.memory_v = refill(self.memory_v, self.heads(self.v(encoder_out)))
+        self.memory_k = reuse_or_copy(self.memory_k, self.heads(self.k(encoder_out)))
+        self.memory_v = reuse_or_copy(self.memory_v, self.heads(self.v(encoder_out)))
 
     def forward(self, x, memory_mask):
         rows = x.shape[0]
@@ -305,7 +305,7 @@ class T5(CachedLM):
         for layer in self.decoder:
             layer.cross_attn.remember(x)
         in_prompt = torch.arange(capacity, device=prompt.device) < n
-        self.memory_mask = refill(self.memory_mask, in_prompt.view(1, 1, 1, capacity))
+        self.memory_mask = reuse_or_copy(self.memory_mask, in_prompt.view(1, 1, 1, capacity))
         return self.start_tokens(prompt)
 
     def prepare_batch(self, rows, longest_prompt):
