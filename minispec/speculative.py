@@ -79,7 +79,7 @@ def step(target, rows):
     started = time.perf_counter()
     # Sample γ guesses x_1..x_γ from M_q, γ as each row's policy chooses (never past max_new_tokens).
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
-        proposals = [(NO_GUESSES.to(target.device), None)] * len(rows)
+        proposals = [(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
     else:
         proposals = propose_all([(row.drafter, row.wanted_guesses(), row.sampling, row.generator,
                                   row.policy.keep_guessing) for row in rows])
@@ -121,9 +121,6 @@ def verify(logits, drafts, q, sampling, lenience, generator):
     n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
     verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
     return n, t, torch.minimum(p[:k], q).sum(-1) * verified
-
-
-NO_GUESSES = torch.zeros(0, dtype=torch.long)
 
 
 def score(target, rows, drafts):

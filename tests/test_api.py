@@ -3,6 +3,7 @@ statistics at a stop token, and one request per model at a time."""
 
 import gc
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -98,8 +99,10 @@ def test_statistics_count_only_the_guesses_emitted_before_a_stop_token(target, s
     assert stats["acceptance_rate"] == 1.0
 
 
-def test_a_model_in_use_by_another_thread_is_refused(target, monkeypatch):
-    """Two requests at once on one model would interleave writes to its one KV cache."""
+@contextmanager
+def running_in_another_thread(target, call):
+    """Runs call() in a thread whose target forwards wait until the block ends; yields the list its
+    result lands in."""
     inside, release = threading.Event(), threading.Event()
     forward = target.forward
 
@@ -108,18 +111,24 @@ def test_a_model_in_use_by_another_thread_is_refused(target, monkeypatch):
         release.wait(timeout=30)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(target, "forward", blocking_forward)
+    target.forward = blocking_forward
     results = []
-    worker = threading.Thread(target=lambda: results.append(minispec.generate(target, PROMPT, max_new_tokens=4)))
+    worker = threading.Thread(target=lambda: results.append(call()))
     worker.start()
     try:
         assert inside.wait(timeout=30)
-        with pytest.raises(RuntimeError, match="already generating"):
-            minispec.generate(target, PROMPT, max_new_tokens=4)
+        yield results
     finally:
         release.set()
         worker.join(timeout=60)
-    monkeypatch.setattr(target, "forward", forward)
+        del target.forward  # the class's own again
+
+
+def test_a_model_in_use_by_another_thread_is_refused(target):
+    """Two requests at once on one model would interleave writes to its one KV cache."""
+    with running_in_another_thread(target, lambda: minispec.generate(target, PROMPT, max_new_tokens=4)) as results:
+        with pytest.raises(RuntimeError, match="already generating"):
+            minispec.generate(target, PROMPT, max_new_tokens=4)
     assert len(results) == 1 and len(results[0].tokens) == 4
     assert minispec.generate(target, PROMPT, max_new_tokens=4).tokens == results[0].tokens  # free again
 
@@ -241,32 +250,16 @@ def test_an_unfinished_stream_holds_its_models_until_closed_or_collected(target)
     assert minispec.generate(target, PROMPT, max_new_tokens=4).tokens == expected
 
 
-def test_a_refused_call_leaves_the_caches_of_the_call_under_way_alone(target, monkeypatch):
+def test_a_refused_call_leaves_the_caches_of_the_call_under_way_alone(target):
     """A batch call refused because another thread holds the model must not have resized its caches
     first: the request under way would go on in freshly zeroed ones."""
     expected = minispec.generate(target, PROMPT, max_new_tokens=6, ignore_eos=True).tokens
-    inside, release = threading.Event(), threading.Event()
-    forward = target.forward
-
-    def blocking_forward(*args, **kwargs):
-        inside.set()
-        release.wait(timeout=30)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(target, "forward", blocking_forward)
-    results = []
-    worker = threading.Thread(target=lambda: results.append(
-        minispec.generate(target, PROMPT, max_new_tokens=6, ignore_eos=True)))
-    worker.start()
-    try:
-        assert inside.wait(timeout=30)
+    call = lambda: minispec.generate(target, PROMPT, max_new_tokens=6, ignore_eos=True)  # noqa: E731
+    with running_in_another_thread(target, call) as results:
         shape = target.cache_batch_size, target.cache_max_seq_len
         with pytest.raises(RuntimeError, match="already generating"):
             minispec.generate(target, [PROMPT] * 8, max_new_tokens=100)
         assert (target.cache_batch_size, target.cache_max_seq_len) == shape
-    finally:
-        release.set()
-        worker.join(timeout=60)
     assert results[0].tokens == expected
 
 
