@@ -89,7 +89,8 @@ def step(target, rows):
     # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row.
     verdicts = [verify(p, drafts, q, row.sampling, row.lenience, row.generator)
                 for row, p, (drafts, q) in zip(rows, logits, proposals)]
-    host = torch.cat([torch.cat([n, drafts, t]) for (n, t, _), (drafts, _) in zip(verdicts, proposals)]).tolist()
+    parts = [torch.cat([n, drafts, t]) for (n, t, _), (drafts, _) in zip(verdicts, proposals)]
+    host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the step's one host sync
     # Roll both caches back to the accepted sequence; each target row has yet to see its t.
     ended, start = [], 0
     for row, (drafts, _), (_, t, overlap) in zip(rows, proposals, verdicts):
@@ -98,7 +99,7 @@ def step(target, rows):
         start += k + 2
         # A step's time is this row's only when the forwards were its own.
         timing = (drafted - started, time.perf_counter() - started) if len(rows) == 1 else None
-        if row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]), overlap, timing):
+        if row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]) if k else t, overlap, timing):
             ended.append(row)
     return ended
 
@@ -128,7 +129,7 @@ def score(target, rows, drafts):
     joined has its prompt forward of its own (its prefill), the others one forward together, each at
     its own positions, rows with fewer tokens padded (models/base.py, decode_rows)."""
     logits = [None] * len(rows)
-    feeds = [torch.cat([row.unseen, d]) for row, d in zip(rows, drafts)]
+    feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]
     widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request

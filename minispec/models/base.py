@@ -120,10 +120,12 @@ def forget(key, entry):
 
 @torch.library.custom_op("minispec::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if not can_pack(weight.dtype, weight.device):  # the model was moved or converted after loading
+    if weight.device.type != "cpu":  # the model was moved after loading
         return F.linear(x, weight, bias)
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
     if version_packed != version(weight):  # new or written in place since it was packed (a test, a LoRA merge)
+        if not can_pack_on_cpu(weight.dtype):  # converted after loading to a dtype oneDNN cannot take here
+            return F.linear(x, weight, bias)
         packed = pack(weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
