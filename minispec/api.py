@@ -101,7 +101,7 @@ class Settings:
         if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                           and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        self.sampling  # checks temperature, top_k, top_p
+        Sampling(self.temperature, self.top_k, self.top_p)  # checks them
         if self.drafting:
             make_policy(self.gamma)  # checks gamma
             if not (isinstance(self.lenience, (int, float)) and 0 < self.lenience <= 1):
@@ -237,10 +237,9 @@ def size_caches(requests, rows):
 
 @torch.inference_mode()
 def run(requests, rows):
-    """Run checked requests, `rows` at a time: yields each step's (request index, new tokens, segments
-    of the trace); returns their Generations."""
+    """Run checked requests (check_lengths too), `rows` at a time: yields each step's (request index,
+    new tokens, segments of the trace); returns their Generations."""
     target = requests[0].target
-    check_lengths(requests)
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             generations = []
@@ -314,6 +313,7 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     if batch_size is not None and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
                                        and batch_size >= 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_lengths(requests)
     rows = min(batch_size or len(requests), len(requests))
     generations = run_to_end(run(requests, rows), lambda i, tokens, segments: on_tokens and on_tokens(i, tokens))
     return generations if batched else generations[0]
