@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import minispec  # before torch: it keeps torch's import from warning that numpy is missing
 
-import minispec
+import torch  # noqa: E402, I001
 from minispec.chat import chat_prompt
 from minispec.cli import gamma_setting, load_target_and_draft, token_ids
 from minispec.models import quant

@@ -9,8 +9,9 @@
 
 import warnings
 
-# torch warns once, at its first tensor made from Python data, when numpy is missing; minispec never
-# uses numpy (no dependency of it), so the warning would only puzzle a user on a fresh machine.
+# Importing torch without numpy warns "Failed to initialize NumPy"; minispec never uses numpy (no
+# dependency of it), so on a fresh machine the warning would only puzzle. It must be filtered before
+# torch's first import: run.py imports minispec first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from .chat import chat_prompt  # noqa: E402
