@@ -14,7 +14,7 @@ import torch
 from . import beam, engine
 from .drafters import make_drafter
 from .policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
-from .sampling import Sampling
+from .sampling import Sampling, is_integer
 from .stopping import Stop
 from .tokenizer import IncrementalDecoder
 
@@ -95,11 +95,9 @@ class Settings:
     stop_token_ids: object = None
 
     def __post_init__(self):
-        if not (isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-                and self.max_new_tokens >= 1):
+        if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                          and 0 <= self.seed < 2**63):
+        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         Sampling(self.temperature, self.top_k, self.top_p)  # checks them
         if self.drafting:
@@ -188,12 +186,14 @@ def check_memory(model, rows, max_seq_len, requests=1):
     fit in free memory (beyond what the model's caches take already)."""
     if rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len:
         return  # the caches have room already
-    per_row = model.kv_bytes_per_position() * model.cache_length_for(max_seq_len)
-    held = model.kv_bytes_per_position() * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
+    per_position = model.kv_bytes_per_position()
+    per_row = per_position * model.cache_length_for(max_seq_len)
+    held = per_position * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
     free = available_memory(model.device)
     if free is None or rows * per_row <= free + held:
         return
-    need = f"{rows * per_row / 2**30:.1f} GiB of KV cache ({per_row / 2**20:.0f} MiB per row of {max_seq_len} positions)"
+    need = (f"{rows * per_row / 2**30:.1f} GiB of KV cache ({per_row / 2**20:.0f} MiB per row of {max_seq_len} "
+            "positions)")
     if requests > 1:
         raise ValueError(f"a batch of {rows} requests needs {need}, more than the {free / 2**30:.1f} GiB free; "
                          f"at most {free // per_row} fit: pass batch_size=")
@@ -270,8 +270,9 @@ def search(request):
                                            request.draft_beams, request.policy, request.max_new_tokens,
                                            request.stop.token_ids)
     seconds = time.perf_counter() - start
-    stats.update(seed=request.seed, new_tokens=len(sequences[0]), encoder_calls=target.encoder_calls - encodes_before[0],
-                 draft_encoder_calls=(draft.encoder_calls if draft else 0) - encodes_before[1], seconds=seconds,
+    stats.update(seed=request.seed, new_tokens=len(sequences[0]), seconds=seconds,
+                 encoder_calls=target.encoder_calls - encodes_before[0],
+                 draft_encoder_calls=(draft.encoder_calls if draft else 0) - encodes_before[1],
                  tokens_per_second=len(sequences[0]) / seconds if seconds > 0 else float("inf"))
     return Generation(sequences[0], final_text(target, request.stop, sequences[0]), stats,
                       [(list(sequences[0]), "target")] if sequences[0] else [], sequences, scores)
@@ -310,8 +311,7 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     for i, one in enumerate(prompt if batched else [prompt]):
         with naming_prompt(i if batched else None):
             requests.append(Request.from_settings(target, one, settings))
-    if batch_size is not None and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
-                                       and batch_size >= 1):
+    if batch_size is not None and not (is_integer(batch_size) and batch_size >= 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     check_lengths(requests)
     rows = min(batch_size or len(requests), len(requests))

@@ -123,10 +123,7 @@ CATCH_UP_TOGETHER = 2
 def feed(model, drafters, feeds):
     """One draft forward over the cache rows 0..len(drafters)-1: feeds[i] (device ids, or None) at row
     i's length; sets the fed rows' logits for their next guess."""
-    width = max(len(f) for f in feeds if f is not None)
-    tokens = torch.stack([f[torch.arange(width, device=f.device).clamp(max=len(f) - 1)] if f is not None
-                          else torch.zeros(width, dtype=torch.long, device=model.device) for f in feeds])
-    widths = [0 if f is None else len(f) for f in feeds]
+    tokens, widths = model.padded(feeds)
     logits = model.decode_rows(tokens, [d.length for d in drafters], widths)
     for drafter, f, row_logits in zip(drafters, feeds, logits):
         if f is not None:

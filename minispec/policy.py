@@ -40,6 +40,8 @@ import weakref
 
 import torch
 
+from .sampling import is_integer
+
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
 BEAM_GAMMA_MAX = 4  # and among 0..4 draft beam steps in speculative beam search, each verifying w + u·k rows
 DEFAULT_ALPHA = 0.6  # a pair's acceptance rates before it has verified anything: hopeful enough to try
@@ -264,8 +266,8 @@ class AdaptiveGamma:
     def begin(self, profile, early_stop, measure_draft, preview=None):
         """Start a request from what the pair has learnt (its timings and rates). early_stop: the
         drafter reports its confidence in each guess and stops when one more does not pay (a draft
-        model on a CPU). preview(k), if given, returns the drafter's next k guesses without making them, and its confidence in each
-        (two lists, empty for none)."""
+        model on a CPU). preview(k), if given, returns the drafter's next k guesses without making
+        them, and its confidence in each (two lists, empty for none)."""
         self.profile = profile
         self.verify = VerifyCost(profile.t_verify)
         self.t_draft = profile.t_draft
@@ -429,6 +431,6 @@ def make_policy(gamma, k_max=GAMMA_MAX):
     """gamma: an integer >= 1 (fixed) or "auto" (up to k_max guesses, chosen per step)."""
     if gamma == "auto":
         return AdaptiveGamma(k_max)
-    if isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1:
+    if is_integer(gamma) and gamma >= 1:
         return FixedGamma(gamma)
     raise ValueError(f"gamma (draft tokens per step) must be an integer >= 1 or 'auto', got {gamma!r}")

@@ -17,7 +17,7 @@ class Sampling:
     def __post_init__(self):
         if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+        if not (is_integer(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
@@ -29,6 +29,10 @@ class Sampling:
 
 def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def adjust(logits, sampling):

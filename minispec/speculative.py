@@ -137,16 +137,7 @@ def score(target, rows, drafts):
                                            eager=True)[0]
             row.length = len(feeds[i])
     if any(widths):
-        width = max(widths)
-        if len(rows) == 1:
-            tokens = feeds[0].view(1, -1)
-        else:  # repeat each row's last token (decode_rows' padding); a placeholder for rows not fed
-            flat = torch.cat([f for f, w in zip(feeds, widths) if w] + [feeds[0].new_zeros(1)])
-            index, offset = [], 0
-            for w in widths:
-                index.append([offset + min(j, w - 1) if w else len(flat) - 1 for j in range(width)])
-                offset += w
-            tokens = flat[torch.tensor(index, device=flat.device)]
+        tokens, _ = target.padded([feed if w else None for feed, w in zip(feeds, widths)])
         out = target.decode_rows(tokens, [row.length for row in rows], widths)
         for i, (row, w) in enumerate(zip(rows, widths)):
             if w:

@@ -376,6 +376,21 @@ class CachedLM(nn.Module):
         with self.rows_from(first_row):  # eager: a compiled graph would guard on the row
             return self.forward(tokens, input_pos, logits_for)
 
+    @staticmethod
+    def padded(feeds):
+        """decode_rows' tokens and widths from each row's token ids (1-D, on the device; None: nothing
+        to feed): shorter rows repeat their last token, rows with nothing get a placeholder."""
+        widths = [0 if feed is None else len(feed) for feed in feeds]
+        if len(feeds) == 1 and widths[0]:
+            return feeds[0].view(1, -1), widths
+        fed = [feed for feed in feeds if feed is not None]
+        flat = torch.cat(fed + [fed[0].new_zeros(1)])  # the placeholder last
+        index, offset, width = [], 0, max(widths)
+        for w in widths:
+            index.append([offset + min(j, w - 1) if w else len(flat) - 1 for j in range(width)])
+            offset += w
+        return flat[torch.tensor(index, device=flat.device)], widths
+
     @contextmanager
     def rows_from(self, first_row):
         """The forwards inside write and read the caches from batch row `first_row` on."""

@@ -312,7 +312,8 @@ class T5(CachedLM):
         """Batched requests: cross-attention memory for `rows` prompts of up to `longest_prompt` tokens,
         each filled by encode_row."""
         capacity = max(64, 1 << (longest_prompt - 1).bit_length())
-        if self.memory_mask is not None and self.memory_mask.shape[0] >= rows and self.memory_mask.shape[-1] >= capacity:
+        held = self.memory_mask
+        if held is not None and held.shape[0] >= rows and held.shape[-1] >= capacity:
             return  # the memory already has room: each row is refilled by encode_row, and only those are read
         for layer in self.decoder:
             attn = layer.cross_attn
