@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .models import quant
 from .models.quant import QUANT_METHOD, common_form, pack_int4
 from .weights import DTYPES, save_safetensors
 
@@ -163,8 +164,12 @@ def read_gguf(path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Dequantization. Each function maps raw blocks [n, block_bytes] (uint8) to values [n, block] (fp32),
-# in ggml's operation order so results match its reference bit for bit.
+# Quantized blocks. Each type is unpacked once, by one function: raw blocks [n, block_bytes] (uint8)
+# -> (q [n, block] integer values, scales [n, groups], offsets [n, groups] or None), meaning
+# value = q * scale + offset, in float32, multiply then add: ggml's reference computes its values in
+# exactly these operations (d * (q - 8) is q * d + (-8 d), both terms exact), so they match it bit for
+# bit. Dequantizing evaluates that (models.quant.dequantize); keeping the tensor quantized stores it
+# (models.quant's stored form, with 4-bit values packed two per byte).
 
 def _f16(blocks, start):  # the fp16 scale stored at byte `start` of every block, as [n, 1] fp32
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
@@ -179,26 +184,27 @@ def _bits(qh):  # little-endian bit field [n, k] bytes -> [n, 8k] of 0/1
     return ((qh.unsqueeze(-1) >> shifts) & 1).flatten(1)
 
 
-def dequantize_q4_0(blocks):
-    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
+def unpack_q4_0(blocks):  # d(2) qs(16): d * (q - 8)
+    d = _f16(blocks, 0)
+    return _nibbles(blocks[:, 2:]), d, -8 * d
 
 
-def dequantize_q4_1(blocks):
-    return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+def unpack_q4_1(blocks):  # d(2) m(2) qs(16): d * q + m
+    return _nibbles(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2)
 
 
-def dequantize_q5_0(blocks):
+def unpack_q5_0(blocks):  # d(2) qh(4) qs(16): d * (q - 16), q's fifth bit from qh
     q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
-    return _f16(blocks, 0) * (q.float() - 16)
+    return q.to(torch.int8) - 16, _f16(blocks, 0), None
 
 
-def dequantize_q5_1(blocks):
+def unpack_q5_1(blocks):  # d(2) m(2) qh(4) qs(16): d * q + m
     q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
-    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+    return q, _f16(blocks, 0), _f16(blocks, 2)
 
 
-def dequantize_q8_0(blocks):
-    return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+def unpack_q8_0(blocks):  # d(2) qs(32 x int8): d * q
+    return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks, 0), None
 
 
 def _k_scales(scales):
@@ -208,111 +214,51 @@ def _k_scales(scales):
     d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float().unsqueeze(-1), mn.float().unsqueeze(-1)  # [n, 8, 1] each
+    return sc.float(), mn.float()  # [n, 8] each
 
 
-def _k_low_nibbles(qs):  # 128 bytes -> 8 sub-blocks of 32: each 32-byte chunk holds two sub-blocks
+def _k_low_nibbles(qs):  # 128 bytes -> 256 values: each 32-byte chunk holds two sub-blocks of 32
     n = qs.shape[0]
     shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
-    return ((qs.reshape(n, 4, 1, 32) >> shifts) & 0x0F).reshape(n, 8, 32)
+    return ((qs.reshape(n, 4, 1, 32) >> shifts) & 0x0F).reshape(n, 256)
 
 
-def dequantize_q4_k(blocks):  # d(2) dmin(2) scales(12) qs(128): 8 sub-blocks of 32 values
+def _k_scales_offsets(blocks):  # (d * scale) * q - dmin * min for each of the 8 sub-blocks of 32
     sc, mn = _k_scales(blocks[:, 4:16])
-    q = _k_low_nibbles(blocks[:, 16:]).float()
-    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
-    return ((d * sc) * q - dmin * mn).flatten(1)
+    return _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mn)
 
 
-def dequantize_q5_k(blocks):  # d(2) dmin(2) scales(12) qh(32) qs(128); sub-block i takes bit i of qh
+def unpack_q4_k(blocks):  # d(2) dmin(2) scales(12) qs(128)
+    return _k_low_nibbles(blocks[:, 16:]), *_k_scales_offsets(blocks)
+
+
+def unpack_q5_k(blocks):  # d(2) dmin(2) scales(12) qh(32) qs(128); sub-block i takes bit i of qh
     n = blocks.shape[0]
-    sc, mn = _k_scales(blocks[:, 4:16])
     shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1
-    q = (_k_low_nibbles(blocks[:, 48:]) | (high << 4)).float()
-    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
-    return ((d * sc) * q - dmin * mn).flatten(1)
+    high = ((blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1).reshape(n, 256)
+    return _k_low_nibbles(blocks[:, 48:]) | (high << 4), *_k_scales_offsets(blocks)
 
 
-def dequantize_q6_k(blocks):  # ql(128) qh(64) scales(16 x int8) d(2): 16 sub-blocks of 16 values
+def unpack_q6_k(blocks):  # ql(128) qh(64) scales(16 x int8) d(2): (d * scale) * (q - 32), 16 sub-blocks of 16
     n = blocks.shape[0]
     low = (blocks[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
-    q = (low.reshape(n, 16, 16) | (high.reshape(n, 16, 16) << 4)).float() - 32
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().unsqueeze(-1)
-    return ((_f16(blocks, 208).unsqueeze(-1) * scales) * q).flatten(1)
+    q = (low.reshape(n, 256) | (high.reshape(n, 256) << 4)).to(torch.int8) - 32
+    return q, _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float(), None
 
 
-# ---------------------------------------------------------------------------------------------
-# Kept quantized: each type's blocks [n, block_bytes] -> minispec.models.quant's stored form, one row of
-# qweight (int8 values, or int4 ones packed two per byte) per block and its groups' scales and offsets
-# [n, groups per block], such that q * scale + offset in float32 is the dequantizer's value bit for bit:
-# the products are exact in float32 (an fp16 or fp16 x 6-bit scale times a value of at most 6 bits),
-# so each value is rounded once, where the dequantizer rounds it.
-
-def stored_q4_0(blocks):  # d * (q - 8) = q * d + (-8 d), both terms exact
-    d = _f16(blocks, 0)
-    return {"qweight": pack_int4(_nibbles(blocks[:, 2:])), "scales": d, "offsets": -8 * d}
-
-
-def stored_q4_1(blocks):
-    return {"qweight": pack_int4(_nibbles(blocks[:, 4:])), "scales": _f16(blocks, 0), "offsets": _f16(blocks, 2)}
-
-
-def stored_q5_0(blocks):
-    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
-    return {"qweight": q.to(torch.int8) - 16, "scales": _f16(blocks, 0)}
-
-
-def stored_q5_1(blocks):
-    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
-    return {"qweight": q.to(torch.int8), "scales": _f16(blocks, 0), "offsets": _f16(blocks, 2)}
-
-
-def stored_q8_0(blocks):
-    return {"qweight": blocks[:, 2:].contiguous().view(torch.int8), "scales": _f16(blocks, 0)}
-
-
-def stored_q4_k(blocks):
-    sc, mn = _k_scales(blocks[:, 4:16])
-    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
-    return {"qweight": pack_int4(_k_low_nibbles(blocks[:, 16:]).flatten(1)),
-            "scales": (d * sc).flatten(1), "offsets": -(dmin * mn).flatten(1)}
-
-
-def stored_q5_k(blocks):
-    n = blocks.shape[0]
-    sc, mn = _k_scales(blocks[:, 4:16])
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1
-    q = _k_low_nibbles(blocks[:, 48:]) | (high << 4)
-    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
-    return {"qweight": q.flatten(1).to(torch.int8), "scales": (d * sc).flatten(1), "offsets": -(dmin * mn).flatten(1)}
-
-
-def stored_q6_k(blocks):
-    n = blocks.shape[0]
-    low = (blocks[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
-    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
-    q = (low.reshape(n, 16, 16) | (high.reshape(n, 16, 16) << 4)).to(torch.int8) - 32
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    return {"qweight": q.flatten(1), "scales": _f16(blocks, 208) * scales}
-
-
-# name: (values per block, bytes per block, dequantizer)
+# name: (values per block, bytes per block, bits per value, unpacker)
 QUANT_TYPES = {
-    "Q4_0": (32, 18, dequantize_q4_0),
-    "Q4_1": (32, 20, dequantize_q4_1),
-    "Q5_0": (32, 22, dequantize_q5_0),
-    "Q5_1": (32, 24, dequantize_q5_1),
-    "Q8_0": (32, 34, dequantize_q8_0),
-    "Q4_K": (256, 144, dequantize_q4_k),
-    "Q5_K": (256, 176, dequantize_q5_k),
-    "Q6_K": (256, 210, dequantize_q6_k),
+    "Q4_0": (32, 18, 4, unpack_q4_0),
+    "Q4_1": (32, 20, 4, unpack_q4_1),
+    "Q5_0": (32, 22, 5, unpack_q5_0),
+    "Q5_1": (32, 24, 5, unpack_q5_1),
+    "Q8_0": (32, 34, 8, unpack_q8_0),
+    "Q4_K": (256, 144, 4, unpack_q4_k),
+    "Q5_K": (256, 176, 5, unpack_q5_k),
+    "Q6_K": (256, 210, 6, unpack_q6_k),
 }
-STORED_FORMS = {"Q4_0": stored_q4_0, "Q4_1": stored_q4_1, "Q5_0": stored_q5_0, "Q5_1": stored_q5_1,
-                "Q8_0": stored_q8_0, "Q4_K": stored_q4_k, "Q5_K": stored_q5_k, "Q6_K": stored_q6_k}
-CHUNK_BLOCKS = 1 << 16  # dequantize in chunks so temporaries stay small next to the output
+CHUNK_BLOCKS = 1 << 16  # unpack in chunks so temporaries stay small next to the output
 PROGRESS_MIN_BYTES = 64 << 20  # files with less quantized data convert too fast to need progress lines
 
 
@@ -331,17 +277,21 @@ def check_supported(tensor):
         )
 
 
+def stored_blocks(tensor):
+    """Each chunk of a quantized tensor's blocks in models.quant's stored form, a row per block."""
+    _, block_bytes, bits, unpack = QUANT_TYPES[tensor.type]
+    blocks = tensor.data.view(-1, block_bytes)
+    for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        q, scales, offsets = unpack(blocks[i:i + CHUNK_BLOCKS])
+        yield {"qweight": pack_int4(q) if bits == 4 else q.to(torch.int8), "scales": scales, "offsets": offsets}
+
+
 def dequantize(tensor):
     """The tensor's values: F32/F16/BF16 as stored (a view of the file), quantized types as fp32."""
     check_supported(tensor)
     if tensor.type in FLOAT_TYPES:
         return tensor.data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
-    block, block_bytes, dequantize_blocks = QUANT_TYPES[tensor.type]
-    blocks = tensor.data.view(-1, block_bytes)
-    out = torch.empty(blocks.shape[0], block)
-    for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        out[i:i + CHUNK_BLOCKS] = dequantize_blocks(blocks[i:i + CHUNK_BLOCKS])
-    return out.view(tensor.shape)
+    return torch.cat([quant.dequantize(parts) for parts in stored_blocks(tensor)]).view(tensor.shape)
 
 
 def to_smallest_dtype(values):
@@ -355,11 +305,10 @@ def stored_form(tensor):
     stored form, one row per tensor row), which `models.quant.dequantize` turns into exactly what
     `dequantize` gives. Uses integer operations on the values: nothing passes through float32 but scales."""
     check_supported(tensor)
-    _, block_bytes, _ = QUANT_TYPES[tensor.type]
-    blocks = tensor.data.view(-1, block_bytes)
-    chunks = [STORED_FORMS[tensor.type](blocks[i:i + CHUNK_BLOCKS]) for i in range(0, blocks.shape[0], CHUNK_BLOCKS)]
+    chunks = list(stored_blocks(tensor))
     rows = tensor.shape[0]
-    parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(rows, -1) for key in chunks[0]}
+    parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(rows, -1) for key in chunks[0]
+             if chunks[0][key] is not None}
     return {key: value if key == "qweight" else to_smallest_dtype(value) for key, value in parts.items()}
 
 
