@@ -237,20 +237,23 @@ def size_caches(requests, rows):
 
 @torch.inference_mode()
 def run(requests, rows):
-    """Run checked requests (check_lengths too), `rows` at a time: yields each step's (request index,
-    new tokens, segments of the trace); returns their Generations."""
+    """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
+    request as (request index, new tokens, segments of the trace, generation): generation is None until
+    the request's last step, then its Generation."""
     target = requests[0].target
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
-            generations = []
             for i, request in enumerate(requests):
-                generations.append(search(request))
-                yield i, generations[-1].tokens, generations[-1].trace
-            return generations
+                generation = search(request)
+                yield i, generation.tokens, generation.trace, generation
+            return
         size_caches(requests, rows)
-        results = yield from engine.decode(target, requests, rows)
-    return [Generation(tokens, final_text(target, request.stop, tokens), stats, trace)
-            for request, (tokens, trace, stats) in zip(requests, results)]
+        for i, new_tokens, segments, result in engine.decode(target, requests, rows):
+            generation = None
+            if result is not None:
+                tokens, trace, stats = result
+                generation = Generation(tokens, final_text(target, requests[i].stop, tokens), stats, trace)
+            yield i, new_tokens, segments, generation
 
 
 def search(request):
@@ -314,18 +317,12 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     if batch_size is not None and not (is_integer(batch_size) and batch_size >= 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     check_lengths(requests)
-    rows = min(batch_size or len(requests), len(requests))
-    generations = run_to_end(run(requests, rows), lambda i, tokens, segments: on_tokens and on_tokens(i, tokens))
+    generations = [None] * len(requests)
+    for i, tokens, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
+        if on_tokens:
+            on_tokens(i, tokens)
+        generations[i] = generation or generations[i]
     return generations if batched else generations[0]
-
-
-def run_to_end(steps, on_step):
-    """Drive a generator to its end, handing each item it yields to on_step; returns its value."""
-    while True:
-        try:
-            on_step(*next(steps))
-        except StopIteration as end:
-            return end.value
 
 
 @contextmanager
@@ -373,20 +370,16 @@ def chunks(request):
     text = IncrementalDecoder(tokenizer) if tokenizer else None
     sent = 0  # characters of text already sent
     steps = run([request], 1)
-    while True:
-        try:
-            _, tokens, segments = next(steps)
-        except StopIteration as end:
-            generation = end.value[0]
-            final = generation.text or ""
-            yield Chunk([], final[sent:], [], generation)
-            return
+    for _, tokens, segments, generation in steps:
         if text is None:
             yield Chunk(tokens, "", segments)
-            continue
-        text.push(tokens)
-        ready = len(text.text) - request.stop.held_back(text.text)
-        if request.stop.text_end is not None:
-            ready = min(ready, request.stop.text_end)
-        yield Chunk(tokens, text.text[sent:ready], segments)
-        sent = max(sent, ready)
+        else:
+            text.push(tokens)
+            ready = len(text.text) - request.stop.held_back(text.text)
+            if request.stop.text_end is not None:
+                ready = min(ready, request.stop.text_end)
+            yield Chunk(tokens, text.text[sent:ready], segments)
+            sent = max(sent, ready)
+        if generation is not None:
+            steps.close()  # the models are free again before the last chunk is handed out
+            yield Chunk([], (generation.text or "")[sent:], [], generation)

@@ -127,23 +127,23 @@ def add_segments(trace, segments):
 @torch.inference_mode()
 def decode(target, requests, rows):
     """Decode checked requests (api.Request, all with the same kind of drafter, or none) at most `rows`
-    at a time, the models' caches already sized for them. Yields each step's (request index, new
-    tokens, segments of the trace) as they come; returns each request's (tokens, trace, stats)."""
+    at a time, the models' caches already sized for them. Yields every step's news of each row as
+    (request index, new tokens, segments of the trace, result): result is None until the request's
+    last step, then its (tokens, trace, stats)."""
     waiting = deque(enumerate(requests))
     batch = []  # batch[i] lives in cache row i, of the target and of a draft model
     draft_model = requests[0].drafter.model if requests[0].drafter else None
-    results = [None] * len(requests)
     while waiting or batch:
         while waiting and len(batch) < rows:
             batch.append(Row(*waiting.popleft(), len(batch), target))
         ended = step(target, batch)
         for row in batch:
-            yield row.index, row.new_tokens, row.segments
-        for row in ended:
-            row.stats["batch_size"] = rows
-            results[row.index] = row.tokens, row.trace, row.finish()
+            result = None
+            if row in ended:
+                row.stats["batch_size"] = rows
+                result = row.tokens, row.trace, row.finish()
+            yield row.index, row.new_tokens, row.segments, result
         leave(batch, ended, [model for model in (target, draft_model) if model is not None])
-    return results
 
 
 def leave(batch, ended, models):
