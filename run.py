@@ -10,16 +10,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import minispec  # before torch: it keeps torch's import from warning that numpy is missing
 
 import torch  # noqa: E402, I001
-from minispec.chat import chat_prompt
-from minispec.cli import gamma_setting, load_target_and_draft, token_ids
+from minispec.cli import gamma_setting, load_target_and_draft, read_prompts_file, token_ids
+from minispec.loading.chat import chat_prompt
+from minispec.loading.tokenizer import IncrementalDecoder
+from minispec.loading.weights import DTYPES
 from minispec.models import quant
-from minispec.tokenizer import IncrementalDecoder
-from minispec.weights import DTYPES
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
 # the target's own tokens blue.
@@ -169,30 +168,13 @@ def print_stream(chunks, tokenizer, show):
         print(piece, end="", flush=True)
 
 
-def read_prompts(path):
-    """--prompts-file: JSON lines when every line parses as a string or a list of ids, else text lines."""
-    try:
-        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except OSError as error:
-        raise ValueError(f"--prompts-file {path}: {error.strerror}") from None
-    if not lines:
-        raise ValueError(f"--prompts-file {path} holds no prompt")
-    try:
-        prompts = [json.loads(line) for line in lines]
-    except json.JSONDecodeError:
-        return lines
-    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
-        raise ValueError(f"--prompts-file {path}: a JSON line must be a string or a list of token ids")
-    return prompts
-
-
 def prompts_for(args, target):
     """([prompts as generate() takes them], whether they are chat prompts)."""
     if args.prompt_ids is not None:
         if args.chat:
             raise ValueError("--chat needs the prompt as text (--prompt)")
         return [args.prompt_ids], False
-    texts = args.prompt if args.prompt is not None else read_prompts(args.prompts_file)
+    texts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, "--prompts-file")
     if any(not isinstance(text, str) for text in texts):
         if args.chat:
             raise ValueError("--chat needs the prompts as text")

@@ -14,9 +14,9 @@ import warnings
 # torch's first import: run.py imports minispec first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from .chat import chat_prompt  # noqa: E402
-from .checkpoint import CheckpointError, load_model as load  # noqa: E402
 from .api import Chunk, Generation, generate, stream  # noqa: E402
-from .sampling import Sampling  # noqa: E402
+from .decoding.sampling import Sampling  # noqa: E402
+from .loading.chat import chat_prompt  # noqa: E402
+from .loading.checkpoint import CheckpointError, load_model as load  # noqa: E402
 
 __all__ = ["load", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "CheckpointError"]

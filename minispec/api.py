@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import beam, engine
-from .drafters import make_drafter
-from .policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
-from .sampling import Sampling, is_integer
-from .stopping import Stop
-from .tokenizer import IncrementalDecoder
+from .decoding import beam, engine
+from .decoding.drafters import make_drafter
+from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
+from .decoding.sampling import Sampling, is_integer
+from .decoding.stopping import Stop
+from .loading.tokenizer import IncrementalDecoder
 
 
 @dataclass

@@ -2,9 +2,11 @@
 with the draft that --draft names."""
 
 import argparse
+import json
+from pathlib import Path
 
-from .checkpoint import load_model
-from .drafters import MODEL_FREE, SELF_DRAFT_MODES
+from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
+from .loading.checkpoint import load_model
 from .models.quant import DEFAULT_GROUP_SIZE
 
 
@@ -38,3 +40,23 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
         return target, None if draft == "none" else draft
     return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                               group_size=group_size)
+
+
+def read_prompts_file(path, flag):
+    """A prompts file, as both command lines read it (`flag` names their option in errors): JSON lines
+    when every line parses as a string or a list of token ids, else one text prompt a line."""
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not UTF-8 text") from None
+    if not lines:
+        raise ValueError(f"{flag} {path} holds no prompt")
+    try:
+        prompts = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        return lines
+    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+        raise ValueError(f"{flag} {path}: a JSON line must be a string or a list of token ids")
+    return prompts

@@ -147,7 +147,7 @@ def known_costs(monkeypatch):
     """gamma="auto" believing, and keeping, fixed costs: a guess at a tenth of a verification, whose
     cost does not grow with its width. The tiny models' real costs make speculation pointless (a draft
     as large as its target), so without this "auto" would mostly decide not to guess."""
-    from minispec import policy
+    from minispec.decoding import policy
 
     def calibrate(profile, target, drafter, token, k_max, beams=None):
         profile.t_verify, profile.t_draft = [0.0] + [1.0] * (k_max + 1), 0.1

@@ -1,11 +1,13 @@
 """The shared model interface (models/base.py), for every family: prefill can skip the output head for
-positions whose logits nobody reads, without changing the cache or the logits it does return."""
+positions whose logits nobody reads, without changing the cache or the logits it does return; the
+oneDNN-packed copies of the linear layers' weights (models/kernels.py) follow their weights."""
 
 import pytest
 import torch
 
 import minispec
 from conftest import TINY_CONFIGS
+from minispec.models import base, kernels
 
 PROMPT = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
 DECODER = torch.tensor([[0, 5, 17, 33, 8, 90]])  # T5: decoder tokens after the encoded prompt
@@ -35,8 +37,6 @@ def test_packed_weights_follow_their_weights_through_conversions(reference_dirs)
     """The oneDNN-packed copy of a weight is found by its address: it must go with the weight's data,
     not with its Parameter, or `.half()`, `.to()` and `param.data = ...` leave stale copies alive, and a
     new tensor placed at a freed address gets another weight's matrix."""
-    from minispec.models import base
-
     model, unpacked = (minispec.load(reference_dirs["llama"][1]) for _ in range(2))
     assert packed_modules(model), "this CPU packs float32 weights"
     for module in packed_modules(unpacked):
@@ -44,11 +44,11 @@ def test_packed_weights_follow_their_weights_through_conversions(reference_dirs)
     for m in (model, unpacked):
         m.setup_caches(1, 16)
         m.prefill(PROMPT)
-    old = [base._PACKED[module.weight.data_ptr()] for module in packed_modules(model)]
+    old = [kernels._PACKED[module.weight.data_ptr()] for module in packed_modules(model)]
     for m in (model, unpacked):
         m.half().float()  # the Parameters stay; their data is new (rounded), packed again on first use
     torch.testing.assert_close(model.prefill(PROMPT), unpacked.prefill(PROMPT), atol=1e-4, rtol=0)
-    assert not any(entry is kept for entry in old for kept in base._PACKED.values())  # none stays alive
+    assert not any(entry is kept for entry in old for kept in kernels._PACKED.values())  # none stays alive
     layer = next(module for module in model.modules() if isinstance(module, base.Linear) and module.packed)
     x = torch.randn(3, layer.in_features)
     for _ in range(3):  # new data, often at the address the last one freed
@@ -58,8 +58,6 @@ def test_packed_weights_follow_their_weights_through_conversions(reference_dirs)
 
 def test_only_a_tied_embedding_is_packed(reference_dirs):
     """An input embedding is only indexed; packing it would copy the largest matrix for nothing."""
-    from minispec.models import base
-
     untied = minispec.load(reference_dirs["llama"][1])
     tied = minispec.load(reference_dirs["gpt2"][1])
     assert not isinstance(untied.head, base.Embedding) and isinstance(tied.head, base.Embedding)

@@ -13,8 +13,8 @@ import torch
 from conftest import save_reference, target_and_drafts
 
 import minispec
-from minispec.beam import trie_rows
-from minispec.policy import BEAM_GAMMA_MAX
+from minispec.decoding.beam import trie_rows
+from minispec.decoding.policy import BEAM_GAMMA_MAX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import run  # noqa: E402

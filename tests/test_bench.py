@@ -15,7 +15,10 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference
 
 import minispec
-from minispec import bench, drafters
+from minispec.bench import benchmarks, memory, theory, timing
+from minispec.bench import cli as bench_cli
+from minispec.decoding import drafters
+from minispec.models import kernels
 
 # Repeats itself, so the lookup drafter finds matches from the first step on.
 PROMPTS = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [9, 10, 11, 12, 9, 10, 11]]
@@ -37,7 +40,7 @@ def dirs(tmp_path_factory):
 
 def run_bench(tmp_path, capsys, *argv):
     out = tmp_path / "bench.json"
-    code = bench.main([*argv, "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out)])
+    code = bench_cli.main([*argv, "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(out.read_text()), captured.out
@@ -54,37 +57,37 @@ def finite_numbers(value):
 # --- Theorem 3.8 and section 3.5 ----------------------------------------------------------------------
 def test_predicted_speedup_is_theorem_3_8():
     # α = 0.8, c = 0.05: γ = 1 -> (1 - 0.64) / (0.2 · 1.05) = 0.36 / 0.21; γ = 3 -> 0.5904 / 0.23
-    assert bench.predicted_speedup(0.8, 1, 0.05) == pytest.approx(0.36 / 0.21)
-    assert bench.predicted_speedup(0.8, 3, 0.05) == pytest.approx(0.5904 / 0.23)
-    assert bench.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)  # nothing accepted: pure draft cost
-    assert bench.predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the α -> 1 limit: (γ+1)/(γc+1)
-    assert bench.predicted_speedup(1 - 1e-12, 4, 0.25) == pytest.approx(5 / 2, rel=1e-6)  # continuous at 1
-    assert bench.predicted_speedup(0.6, 2, 0.0) == pytest.approx(1 + 0.6 + 0.36)  # c = 0: 1 + α + α²
+    assert theory.predicted_speedup(0.8, 1, 0.05) == pytest.approx(0.36 / 0.21)
+    assert theory.predicted_speedup(0.8, 3, 0.05) == pytest.approx(0.5904 / 0.23)
+    assert theory.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)  # nothing accepted: pure draft cost
+    assert theory.predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the α -> 1 limit: (γ+1)/(γc+1)
+    assert theory.predicted_speedup(1 - 1e-12, 4, 0.25) == pytest.approx(5 / 2, rel=1e-6)  # continuous at 1
+    assert theory.predicted_speedup(0.6, 2, 0.0) == pytest.approx(1 + 0.6 + 0.36)  # c = 0: 1 + α + α²
 
 
 def test_ratio_factors_multiply_to_measured_over_predicted():
     # α = 0.8, γ = 3, c = 0.1: i.i.d. tokens per call (1 - 0.8^4) / 0.2 = 2.952, predicted 2.952 / 1.3.
     # Measured: 2.5 tokens per call, a verify forward of 1.2 steps, decode speedup 1.5.
-    f = bench.ratio_factors(0.8, 3, 0.1, verify_cost=1.2, tokens_per_call=2.5, decode_speedup=1.5)
+    f = theory.ratio_factors(0.8, 3, 0.1, verify_cost=1.2, tokens_per_call=2.5, decode_speedup=1.5)
     assert f["tokens_per_call"] == pytest.approx(2.5 / 2.952)
     assert f["verify_cost"] == pytest.approx(1.3 / 1.5)  # (1 + γc) / (verify cost + γc)
     assert f["loop"] == pytest.approx(1.5 / (2.5 / 1.5))  # measured / what 2.5 tokens per 1.5 steps imply
-    assert math.prod(f.values()) == pytest.approx(1.5 / bench.predicted_speedup(0.8, 3, 0.1))
+    assert math.prod(f.values()) == pytest.approx(1.5 / theory.predicted_speedup(0.8, 3, 0.1))
 
 
 def test_best_gamma_maximizes_theorem_3_8():
     # α = 0.8, c = 0.05: 1 - 0.8^(γ+1) over 0.2(1 + 0.05γ) is 3.0396, 3.0823, 3.0921, 3.0780 at γ = 6..9.
-    gamma, speedup = bench.best_gamma(0.8, 0.05)
+    gamma, speedup = theory.best_gamma(0.8, 0.05)
     assert gamma == 8
     assert speedup == pytest.approx((1 - 0.8**9) / (0.2 * 1.4))
     # α = 0.5, c = 0.3: γ = 1 gives 1.5 / 1.3 = 1.154 > γ = 2's 0.875 / 0.8 = 1.094.
-    assert bench.best_gamma(0.5, 0.3) == (1, pytest.approx(1.5 / 1.3))
+    assert theory.best_gamma(0.5, 0.3) == (1, pytest.approx(1.5 / 1.3))
     # α < c: no γ helps (Corollary 3.9); the best is still γ = 1, at (1 + α) / (1 + c) < 1.
-    gamma, speedup = bench.best_gamma(0.1, 0.5)
+    gamma, speedup = theory.best_gamma(0.1, 0.5)
     assert (gamma, speedup) == (1, pytest.approx(1.1 / 1.5))
     assert speedup < 1
     # A free drafter that is always right: the more guesses the better, up to the search limit.
-    assert bench.best_gamma(1.0, 0.0) == (16, pytest.approx(17.0))
+    assert theory.best_gamma(1.0, 0.0) == (16, pytest.approx(17.0))
 
 
 def test_memory_bandwidth_helpers(dirs, tmp_path):
@@ -97,9 +100,9 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
     target.setup_caches(1, 64)
     weights = (sum(p.numel() for p in target.parameters()) - target.wpe.weight.numel() + row(target.wpe)) * 4
     # 2 layers x (keys + values) x 4 heads x 8 dims x 10 positions x 4 bytes
-    assert bench.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
+    assert memory.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
     target.setup_caches(3, 64)  # caches kept from a batch: a request still decodes in one row
-    assert bench.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
+    assert memory.decode_bytes(target, 10) == weights + 2 * 2 * 4 * 8 * 10 * 4
     for kind in ("llama", "llama_gqa"):  # untied head / tied head
         llama = minispec.load(save_reference(make_reference(kind), tmp_path / kind))
         llama.setup_caches(1, 64)
@@ -107,21 +110,21 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
         tied = llama.head is table
         assert tied == (kind == "llama_gqa")
         everything = sum(p.numel() for p in llama.parameters())
-        assert bench.decode_bytes(llama, 0) == (everything if tied else everything - table.weight.numel() + row(table)) * 4
+        assert memory.decode_bytes(llama, 0) == (everything if tied else everything - table.weight.numel() + row(table)) * 4
     t5 = minispec.load(dirs["t5"], device="cpu")  # the encoder runs once per request, not per step
     t5.setup_caches(1, 64)
     decoder = sum(p.numel() for name, p in t5.named_parameters() if not name.startswith("encoder"))
     looked_up = [t5.embed, t5.decoder_position_bias]
     decoder -= sum(m.weight.numel() - row(m) for m in looked_up)
-    assert bench.decode_bytes(t5, 0) == decoder * 4
-    assert bench.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
-    assert bench.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
-    assert bench.peak_bandwidth("NVIDIA H200") == 4.8e12
-    assert bench.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
-    assert bench.peak_bandwidth("NVIDIA GH200 480GB") is None  # not an H200
-    assert bench.peak_bandwidth("Some Future GPU") is None
-    on_cpu = bench.bandwidth(target, 10, 1e-3)  # bytes and bytes/s; no datasheet peak
-    assert on_cpu["bytes_per_step"] == bench.decode_bytes(target, 10)
+    assert memory.decode_bytes(t5, 0) == decoder * 4
+    assert memory.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert memory.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert memory.peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert memory.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert memory.peak_bandwidth("NVIDIA GH200 480GB") is None  # not an H200
+    assert memory.peak_bandwidth("Some Future GPU") is None
+    on_cpu = memory.bandwidth(target, 10, 1e-3)  # bytes and bytes/s; no datasheet peak
+    assert on_cpu["bytes_per_step"] == memory.decode_bytes(target, 10)
     assert on_cpu["achieved_bytes_per_s"] == pytest.approx(on_cpu["bytes_per_step"] / 1e-3)
     assert on_cpu["peak_bytes_per_s"] is None and on_cpu["fraction_of_peak"] is None
 
@@ -147,10 +150,10 @@ def test_memory_does_not_grow_with_generated_tokens(dirs, tmp_path, capsys):
 def test_memory_measure_sees_every_tensor():
     """The measurement itself can fail: it sees a kept 4000-byte tensor, a 4 MiB temporary, and a free."""
     cpu, kept = torch.device("cpu"), []
-    assert bench.tensor_memory(cpu, lambda: kept.append(torch.ones(1000))) == (4000, 4000)
-    peak, left = bench.tensor_memory(cpu, lambda: torch.ones(1 << 20).sum())
+    assert memory.tensor_memory(cpu, lambda: kept.append(torch.ones(1000))) == (4000, 4000)
+    peak, left = memory.tensor_memory(cpu, lambda: torch.ones(1 << 20).sum())
     assert peak >= 4 << 20 and left == 0
-    assert bench.tensor_memory(cpu, kept.clear) == (0, -4000)  # freed what was there before
+    assert memory.tensor_memory(cpu, kept.clear) == (0, -4000)  # freed what was there before
 
 
 def test_prefill_clock_separates_the_prompt_forward(dirs):
@@ -159,10 +162,10 @@ def test_prefill_clock_separates_the_prompt_forward(dirs):
     decode_rows = target.decode_rows
     target.decode_rows = lambda tokens, lengths, *args, **kwargs: (
         time.sleep(0.3 if not any(lengths) else 0), decode_rows(tokens, lengths, *args, **kwargs))[1]
-    target.decode_rows = clock = bench.PrefillClock(target)
-    args = bench.parse_args(["--target", "-", "--draft", "lookup", "--max-new-tokens", str(NEW_TOKENS)])
+    target.decode_rows = clock = timing.PrefillClock(target)
+    args = bench_cli.parse_args(["--target", "-", "--draft", "lookup", "--max-new-tokens", str(NEW_TOKENS)])
     for draft in (None, "lookup"):
-        tokens, stats = bench.minispec_runner(target, draft, 3, args, clock)((PROMPTS[0], 0))
+        tokens, stats = benchmarks.minispec_runner(target, draft, 3, args, clock)((PROMPTS[0], 0))
         assert len(tokens) == NEW_TOKENS
         assert 0.3 <= stats["prefill_seconds"] <= stats["seconds"] < stats["prefill_seconds"] + 0.3
 
@@ -171,7 +174,7 @@ def test_time_generation_takes_the_prefill_out(monkeypatch):
     """On a fake clock: 2 prompts, each 10 tokens in 3 s of which the prefill took 2 s and gave 4
     tokens -> 20 tokens / 6 s end to end, (20 - 8) tokens / (6 - 4) s in the decode phase."""
     now = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
 
     def runner(stats):
         def run_one(prompt):
@@ -179,7 +182,7 @@ def test_time_generation_takes_the_prefill_out(monkeypatch):
             return [7] * 10, stats
         return run_one
 
-    timed = bench.time_generation({"spec": runner({"prefill_seconds": 2.0, "first_call_tokens": 4}),
+    timed = timing.time_generation({"spec": runner({"prefill_seconds": 2.0, "first_call_tokens": 4}),
                                    "untimed": runner({})}, PROMPTS, 3, "cpu")
     assert timed["spec"]["tokens_per_second_repeats"] == [20 / 6] * 3
     assert timed["spec"]["decode_tokens_per_second"] == pytest.approx(12 / 2)
@@ -219,7 +222,7 @@ def test_row_invariance_price(dirs, tmp_path, capsys):
     assert set(price) == {"with", "without"} and all(set(t) == {"1", "4", "9"} for t in price.values())
     assert all(s > 0 for t in price.values() for s in t.values())
     assert re.search(r"row invariance: target forward with / without \(ms\): 1 tokens [\d.]+ / [\d.]+ ", table)
-    assert bench.base.ATTENTION_ROW_BLOCK == 4  # restored
+    assert kernels.ATTENTION_ROW_BLOCK == 4  # restored
 
 
 def test_batch_sizes_table(dirs, tmp_path, capsys):
@@ -255,7 +258,7 @@ def test_draft_bytes_per_step_for_a_model_draft(dirs, tmp_path, capsys):
     draft, target = result["draft_memory_bandwidth"], result["memory_bandwidth"]
     copy = drafters.make_drafter("int8", minispec.load(dirs["gpt2"])).model
     copy.setup_caches(1, 64)
-    assert draft["bytes_per_step"] == bench.decode_bytes(copy, result["step_position"]) < target["bytes_per_step"]
+    assert draft["bytes_per_step"] == memory.decode_bytes(copy, result["step_position"]) < target["bytes_per_step"]
     assert draft["achieved_bytes_per_s"] > 0
     assert re.search(r"^draft decode step: [\d.]+ ms, [\d.]+ MB read, [\d.]+ GB/s$", table, re.M)
     result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
@@ -290,7 +293,7 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
         assert 1 <= row["tokens_per_target_call"] <= gamma + 1
         assert row["c"] == pytest.approx(row["draft_step_s"] / result["target_step_s"]) and row["c"] > 0
         assert row["verify_cost_ratio"] == pytest.approx(row["verify_step_s"] / result["target_step_s"])
-        assert row["predicted_speedup"] == pytest.approx(bench.predicted_speedup(row["alpha"], gamma, row["c"]))
+        assert row["predicted_speedup"] == pytest.approx(theory.predicted_speedup(row["alpha"], gamma, row["c"]))
         assert row["decode_tokens_per_second"] > 0  # its arithmetic: test_time_generation_takes_the_prefill_out
         assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_second"] / ar["decode_tokens_per_second"])
         assert row["measured_over_predicted"] == pytest.approx(row["decode_speedup"] / row["predicted_speedup"])
@@ -298,7 +301,7 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
         assert 1 <= row["decode_tokens_per_target_call"] <= gamma + 1
         assert f"- γ = {gamma}: " in table
         assert (row["best_gamma"], row["best_gamma_predicted_speedup"]) == \
-            bench.best_gamma(row["alpha"], row["c"])
+            theory.best_gamma(row["alpha"], row["c"])
         assert row["best_gamma_predicted_speedup"] >= row["predicted_speedup"]
         if draft == "same_weights":
             # Every guess accepted: each target call, the prefill too, yields γ + 1 tokens (fewer at the end).
@@ -313,8 +316,9 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
 
 
 def test_prompts_file_of_token_ids(dirs, tmp_path, capsys):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(PROMPTS))
+    """The prompts file run.py's --prompts-file reads: JSON lines of token ids."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(prompt) for prompt in PROMPTS))
     result, _ = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "ngram", "--prompts", str(prompts),
                           "--repeats", "1", "--temperature", "0.8")
     assert result["settings"]["prompts"] == 2
@@ -396,25 +400,25 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]
-    code = bench.main(["--target", dirs["gpt2"], "--draft", "lookup", *device,
-                       "--json-out", str(tmp_path / "out.json"), *flags])
+    code = bench_cli.main(["--target", dirs["gpt2"], "--draft", "lookup", *device,
+                           "--json-out", str(tmp_path / "out.json"), *flags])
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
 
 
 def test_bad_prompts_file(dirs, tmp_path, capsys):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"not": "a list"}))
-    assert bench.main(["--target", dirs["gpt2"], "--draft", "lookup", "--prompts", str(prompts)]) == 2
-    assert "expected a non-empty JSON list" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"not": "a prompt"}))
+    assert bench_cli.main(["--target", dirs["gpt2"], "--draft", "lookup", "--prompts", str(prompts)]) == 2
+    assert "a JSON line must be a string or a list of token ids" in capsys.readouterr().err
 
 
 def test_missing_reference_implementation_is_named(dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
-    code = bench.main(["--target", dirs["gpt2"], "--draft", "lookup", "--device", "cpu", "--repeats", "1",
-                       "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--compare-reference",
-                       "--json-out", str(tmp_path / "out.json")])
+    code = bench_cli.main(["--target", dirs["gpt2"], "--draft", "lookup", "--device", "cpu", "--repeats", "1",
+                           "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--compare-reference",
+                           "--json-out", str(tmp_path / "out.json")])
     assert code == 2
     assert "pip install transformers" in capsys.readouterr().err
 

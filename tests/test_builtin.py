@@ -22,9 +22,9 @@ from test_gguf import model_to_gguf
 from test_tokenizer import build_byte_level
 
 import minispec
-from minispec import builtin
-from minispec.chat import chat_prompt
-from minispec.checkpoint import CheckpointError, load_model
+from minispec.loading import builtin
+from minispec.loading.chat import chat_prompt
+from minispec.loading.checkpoint import CheckpointError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -265,17 +265,17 @@ def test_chat_prompt_by_default_for_chat_checkpoints(tiny_chat_model, capsys):
 
 
 def test_bench_builtin_code_prompt_as_chat(tiny_chat_model, tmp_path, capsys):
-    from minispec import bench
+    from minispec.bench import cli as bench_cli, prompts
 
     report = tmp_path / "bench.json"
     flags = ["--target", NAME, "--draft", "lookup", "--prompts", "code", "--max-new-tokens", "8", "--repeats", "1"]
-    assert bench.main([*flags, "--chat", "--json-out", str(report)]) == 0
+    assert bench_cli.main([*flags, "--chat", "--json-out", str(report)]) == 0
     model = minispec.load(NAME)
-    ids = chat_prompt(model.tokenizer, bench.CODE_PROMPTS[0])
+    ids = chat_prompt(model.tokenizer, prompts.CODE_PROMPTS[0])
     expected = minispec.generate(model, ids, max_new_tokens=8, ignore_eos=True).tokens
     assert json.loads(report.read_text())["autoregressive"]["outputs"] == [expected]
-    assert bench.main([*flags, "--json-out", str(report)]) == 0  # without --chat: the raw text
-    raw = minispec.generate(model, bench.CODE_PROMPTS[0], max_new_tokens=8, ignore_eos=True).tokens
+    assert bench_cli.main([*flags, "--json-out", str(report)]) == 0  # without --chat: the raw text
+    raw = minispec.generate(model, prompts.CODE_PROMPTS[0], max_new_tokens=8, ignore_eos=True).tokens
     assert json.loads(report.read_text())["autoregressive"]["outputs"] == [raw]
     capsys.readouterr()
 

@@ -8,8 +8,8 @@ import pytest
 from test_tokenizer import build_byte_level
 from transformers import AutoTokenizer
 
-from minispec.chat import ChatTemplateError, chat_prompt, default_system_prompt, render
-from minispec.tokenizer import load_tokenizer
+from minispec.loading.chat import ChatTemplateError, chat_prompt, default_system_prompt, render
+from minispec.loading.tokenizer import load_tokenizer
 
 # Copies of the templates in the checkpoints' tokenizer_config.json (and SmolLM2's GGUF).
 SMOLLM2 = (

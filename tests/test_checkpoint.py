@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minispec.checkpoint import CheckpointError, load_model
+from minispec.loading.checkpoint import CheckpointError, load_model
+from minispec.loading.weights import save_safetensors
 from minispec.models import quant
-from minispec.weights import save_safetensors
 
 TOKENS = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
 

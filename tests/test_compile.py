@@ -6,7 +6,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import minispec
-from minispec import drafters
+from minispec.decoding import drafters
 from conftest import make_reference, noisy_copy, save_reference
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]

@@ -81,12 +81,12 @@ def test_bench_memory_does_not_grow_on_cuda(checkpoints, tmp_path):
     """As on CPU (tests/test_bench.py), from the caching allocator's counters: the loop's own peak of
     allocated bytes is the same for 16 and 64 tokens, and what a request leaves behind differs by less
     than one allocator block (512 bytes) between them."""
-    from minispec import bench
+    from minispec.bench import cli as bench_cli
 
     report = tmp_path / "bench.json"
-    assert bench.main(["--target", str(checkpoints[0]), "--draft", str(checkpoints[1]), "--device", "cuda",
-                       "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32", "--repeats", "1",
-                       "--memory-tokens", "64", "--json-out", str(report)]) == 0
+    assert bench_cli.main(["--target", str(checkpoints[0]), "--draft", str(checkpoints[1]), "--device", "cuda",
+                           "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32", "--repeats", "1",
+                           "--memory-tokens", "64", "--json-out", str(report)]) == 0
     memory = json.loads(report.read_text())["memory"]
     assert memory["peak_short_bytes"] > 0 and abs(memory["growth"]) < 0.01
     assert abs(memory["kept_long_bytes"] - memory["kept_short_bytes"]) < 512
@@ -108,23 +108,23 @@ def checkpoint_200m(tmp_path_factory):
 
 def test_bench_bandwidth_is_a_fraction_of_the_peak(checkpoint_200m, tmp_path):
     """The decode step's achieved bandwidth (the bytes it must read over its median time) lies in (0, 1]
-    of the datasheet peak bench.PEAK_BANDWIDTH gives for this GPU: above 1 the byte count or the clock
+    of the datasheet peak memory.PEAK_BANDWIDTH gives for this GPU: above 1 the byte count or the clock
     is wrong, since nothing reads DRAM faster than its peak."""
-    from minispec import bench
+    from minispec.bench import cli as bench_cli, memory
 
     report = tmp_path / "bench.json"
-    assert bench.main(["--target", str(checkpoint_200m), "--draft", "lookup", "--device", "cuda",
-                       "--dtype", "float32", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32",
-                       "--repeats", "1", "--json-out", str(report)]) == 0
+    assert bench_cli.main(["--target", str(checkpoint_200m), "--draft", "lookup", "--device", "cuda",
+                           "--dtype", "float32", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32",
+                           "--repeats", "1", "--json-out", str(report)]) == 0
     result = json.loads(report.read_text())
     bandwidth = result["memory_bandwidth"]
     name = torch.cuda.get_device_name()
-    peak = bench.peak_bandwidth(name)
-    assert peak is not None, f"{name} is not in bench.PEAK_BANDWIDTH: add its datasheet bandwidth"
+    peak = memory.peak_bandwidth(name)
+    assert peak is not None, f"{name} is not in memory.PEAK_BANDWIDTH: add its datasheet bandwidth"
     assert bandwidth["device_name"] == name and bandwidth["peak_bytes_per_s"] == peak
     target = minispec.load(checkpoint_200m, device="cuda", dtype=torch.float32)
     target.setup_caches(1, 64)  # decode_bytes reads the caches' head count and dimensions, not their length
-    assert bandwidth["bytes_per_step"] == bench.decode_bytes(target, result["step_position"])
+    assert bandwidth["bytes_per_step"] == memory.decode_bytes(target, result["step_position"])
     assert bandwidth["achieved_bytes_per_s"] == pytest.approx(bandwidth["bytes_per_step"] / result["target_step_s"])
     print(f"{name}: {bandwidth['achieved_bytes_per_s'] / 1e9:.0f} GB/s, {bandwidth['fraction_of_peak']:.2f} of peak")
     assert 0 < bandwidth["fraction_of_peak"] <= 1
@@ -133,7 +133,7 @@ def test_bench_bandwidth_is_a_fraction_of_the_peak(checkpoint_200m, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_row_computes_as_it_would_alone_on_cuda(reference_dirs, dtype):
-    """Row invariance on CUDA (models/base.py: rows padded to CUDA_ROW_BLOCK): 1-9 tokens, 1/3/4 rows."""
+    """Row invariance on CUDA (models/kernels.py: rows padded to CUDA_ROW_BLOCK): 1-9 tokens, 1/3/4 rows."""
     from test_rows import mismatched_rows
 
     model = minispec.load(reference_dirs["llama_gqa"][1], device="cuda", dtype=dtype)

@@ -8,9 +8,9 @@ import torch
 from conftest import make_reference, save_reference
 
 import minispec
-from minispec.drafters import LookupDrafter, ModelDrafter, NgramDrafter
-from minispec.sampling import Sampling, adjust
-from minispec.speculative import one_hot
+from minispec.decoding.drafters import LookupDrafter, ModelDrafter, NgramDrafter
+from minispec.decoding.sampling import Sampling, adjust
+from minispec.decoding.speculative import one_hot
 
 
 def scan_continuation(context, k, max_ngram=3):

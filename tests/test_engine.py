@@ -1,4 +1,4 @@
-"""Batched requests (minispec.engine, through minispec.generate with a list of prompts): every request's
+"""Batched requests (minispec.decoding.engine, through minispec.generate with a list of prompts): every request's
 output is what it gives decoded alone, finished rows hand their cache rows on, bad input fails before
 any work, and the forward's rows keep their own positions bit for bit."""
 
@@ -188,7 +188,7 @@ def test_batched_statistics_and_traces_are_each_requests_own(targets, drafts):
 def test_steps_shared_by_a_batch_do_not_time_the_pair(targets, monkeypatch):
     """gamma="auto" learns a forward's cost from a lone request's steps; a batch's steps (other rows'
     prefills and guesses in them) would teach the next lone request wrong costs."""
-    from minispec import policy
+    from minispec.decoding import policy
 
     def calibrate(profile, target, drafter, token, k_max, beams=None):
         profile.t_verify, profile.t_draft = [0.0] + [1.0 + 0.1 * w for w in range(k_max + 1)], 0.0

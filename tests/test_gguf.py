@@ -4,6 +4,8 @@ the rebuilt tokenizer against the original, and clear errors for bad files."""
 
 import json
 import math
+import subprocess
+import sys
 
 import gguf  # test-only: writes the files and holds the reference dequantizers
 import numpy as np
@@ -16,11 +18,11 @@ from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from conftest import make_reference, spread_init
-from minispec import gguf as minigguf
-from minispec.checkpoint import load_model
-from minispec.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
+from minispec.loading import gguf as minigguf
+from minispec.loading.checkpoint import load_model
+from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
+from minispec.loading.tokenizer import load_tokenizer
 from minispec.models import quant
-from minispec.tokenizer import load_tokenizer
 
 
 def write_gguf(path, arch, tensors, setup=lambda writer: None):
@@ -256,7 +258,7 @@ def test_q8_0_model_close_to_original(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(minigguf, "PROGRESS_MIN_BYTES", 0)  # report even for this tiny file
     out = convert_gguf(path, tmp_path / "converted", progress=True)
     lines = capsys.readouterr().err.splitlines()  # progress lines go to stderr
-    assert len(lines) > 1 and lines[-1].startswith("minispec.gguf: converted 100% of")
+    assert len(lines) > 1 and lines[-1].startswith("minispec: converted 100% of")
     imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert imported.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # exact dequantized values
     # q_proj, read back and re-permuted, is exactly ggml's dequantization of the stored blocks.
@@ -528,3 +530,16 @@ def test_existing_output_is_not_overwritten(good_file, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ValueError, match="already exists"):
         convert_gguf(good_file, tmp_path / "out", progress=False)
+
+
+def test_convert_command(good_file, tmp_path):
+    """`python -m minispec.convert FILE DIR` prints the directory and nothing else (no warning from
+    running a module the package imports); bad input is one error line."""
+    command = [sys.executable, "-m", "minispec.convert"]
+    done = subprocess.run([*command, str(good_file), str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, str(tmp_path / "out"), "")
+    assert load_model(tmp_path / "out").vocab_size == make_reference("llama").config.vocab_size
+    (tmp_path / "bad.gguf").write_bytes(b"GGML")
+    bad = subprocess.run([*command, str(tmp_path / "bad.gguf"), str(tmp_path / "bad")], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1

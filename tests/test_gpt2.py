@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minispec.checkpoint import load_model
-from minispec.models.gpt2 import GPT2Config
 from minispec import generate
+from minispec.loading.checkpoint import load_model
+from minispec.models.gpt2 import GPT2Config
 
 ATOL = 1e-4
 # Fixed tokens (not random) so a failure is reproducible; 24 long = 8 prompt + 16 decode steps.

@@ -10,8 +10,8 @@ import torch
 import transformers
 from conftest import save_reference, spread_init
 
-from minispec.checkpoint import CheckpointError, load_model
 from minispec import generate
+from minispec.loading.checkpoint import CheckpointError, load_model
 
 KINDS = ["llama", "llama_gqa", "qwen2"]
 # Our float32 logits are compared with the reference's computed in float64 (the exact values, up to

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_reference, noisy_copy, save_reference
+from conftest import make_reference, save_reference
 
 import minispec
-from minispec import policy
-from minispec.policy import AdaptiveGamma, FixedGamma, make_policy
+from minispec.decoding import policy
+from minispec.decoding.policy import AdaptiveGamma, FixedGamma, make_policy
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 

@@ -19,9 +19,11 @@ from test_speculative import assert_sampled_from, exact_joint
 from torch import nn
 
 import minispec
-from minispec import bench, builtin, drafters
-from minispec.chat import chat_prompt
+from minispec.bench import memory
 from minispec.cli import load_target_and_draft
+from minispec.decoding import drafters
+from minispec.loading import builtin
+from minispec.loading.chat import chat_prompt
 from minispec.models import quant
 from minispec.models.base import Embedding
 
@@ -230,8 +232,8 @@ def test_decode_bytes_counts_quantized_bytes(tmp_path):
     norms = (2 * 2 + 1) * 64 * 4
     head = 96 * 64 + 96 * 2 * 2  # two groups of 32 per row
     rest = head + head // 96 + norms
-    assert bench.decode_bytes(minispec.load(directory, quantize="int4"), 0) == weights // 2 + weights // 32 * 4 + rest
-    assert bench.decode_bytes(minispec.load(directory, quantize="int8"), 0) == weights + rows * 2 + rest
+    assert memory.decode_bytes(minispec.load(directory, quantize="int4"), 0) == weights // 2 + weights // 32 * 4 + rest
+    assert memory.decode_bytes(minispec.load(directory, quantize="int8"), 0) == weights + rows * 2 + rest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Row invariance (models/base.py): every row of a forward over k tokens, or over several batch rows,
+"""Row invariance (models/kernels.py): every row of a forward over k tokens, or over several batch rows,
 computes bit for bit what a 1-token forward of that token computes, in every dtype, so speculative
 greedy decoding and speculative beam search equal their plain versions by construction, ties included."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minispec
-from minispec.models import base
+from minispec.models import kernels
 from conftest import noisy_copy, save_reference
 
 FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
@@ -80,7 +80,7 @@ def test_compiled_rows_compute_as_they_would_alone(reference_dirs, dtype):
 def test_the_row_test_fails_without_row_invariance(reference_dirs, monkeypatch):
     """The bug planted: BLAS matmuls (no packed weights) and unpadded attention rows, in float32."""
     model = minispec.load(reference_dirs["llama_gqa"][1])
-    monkeypatch.setattr(base, "ATTENTION_ROW_BLOCK", 1)
+    monkeypatch.setattr(kernels, "ATTENTION_ROW_BLOCK", 1)
     for module in model.modules():
         if getattr(module, "packed", False):
             monkeypatch.setattr(module, "packed", False)
@@ -163,7 +163,7 @@ def test_near_ties_go_the_same_way_in_plain_and_speculative_greedy(reference_dir
 def test_near_ties_split_without_row_invariance(reference_dirs, monkeypatch):
     """The same scan with the bug planted: some ε must split the two (else the scan shows nothing)."""
     target, draft = (minispec.load(reference_dirs["llama"][1]) for _ in range(2))
-    monkeypatch.setattr(base, "ATTENTION_ROW_BLOCK", 1)
+    monkeypatch.setattr(kernels, "ATTENTION_ROW_BLOCK", 1)
     for module in target.modules():
         if getattr(module, "packed", False):
             monkeypatch.setattr(module, "packed", False)

@@ -167,7 +167,7 @@ def test_vocabulary_mismatch_fails_before_generating(gpt2_dir, small_vocab_dir, 
     def must_not_run(*args, **kwargs):
         raise AssertionError("generation started despite mismatched vocabularies")
 
-    monkeypatch.setattr(sys.modules["minispec.engine"], "decode", must_not_run)
+    monkeypatch.setattr(sys.modules["minispec.decoding.engine"], "decode", must_not_run)
     assert run.main(["--target", gpt2_dir, "--draft", small_vocab_dir, "--device", "cpu", *PROMPT_FLAG]) == 2
     err = capsys.readouterr().err
     assert "different vocabularies" in err and "96 vs 64" in err

@@ -4,9 +4,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import minispec.sampling
-from minispec.sampling import Sampling, adjust, sample
-from minispec.speculative import accept_and_resample
+import minispec.decoding.sampling
+from minispec.decoding.sampling import Sampling, adjust, sample
+from minispec.decoding.speculative import accept_and_resample
 
 VOCAB = 10
 DRAWS = 100_000
@@ -129,7 +129,7 @@ def test_top_p_keeps_what_the_reference_keeps(monkeypatch, top_p):
 
     spread = torch.tensor([4.0, 4.0, 4.0, 0.3, 0.3, 0.3])[:, None]
     logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0)) * spread
-    suffice = logits.softmax(-1).topk(minispec.sampling.TOP_P_CANDIDATES).values.sum(-1) >= top_p
+    suffice = logits.softmax(-1).topk(minispec.decoding.sampling.TOP_P_CANDIDATES).values.sum(-1) >= top_p
     assert suffice.any() and not suffice.all()  # both kinds of row in one call
     for top_k in (0, 1000):
         sampling = Sampling(1.0, top_k=top_k, top_p=top_p)
@@ -138,6 +138,6 @@ def test_top_p_keeps_what_the_reference_keeps(monkeypatch, top_p):
         assert torch.equal(probs > 0, reference > float("-inf"))
         torch.testing.assert_close(probs, reference.softmax(-1))
         assert torch.equal(adjust(logits[0], sampling), probs[0])  # one row, no batch dimension
-        monkeypatch.setattr(minispec.sampling, "TOP_P_CANDIDATES", 0)  # sort every row
+        monkeypatch.setattr(minispec.decoding.sampling, "TOP_P_CANDIDATES", 0)  # sort every row
         assert torch.equal(adjust(logits, sampling), probs)
         monkeypatch.undo()

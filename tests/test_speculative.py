@@ -117,18 +117,18 @@ def test_greedy_verification_is_algorithm_1_with_one_hot_p_and_q():
     """accept_greedy (temperature 0, lenience 1) returns what accept_and_resample returns for the
     one-hot p and q of greedy decoding: random logits with many ties, every number of matching guesses."""
     generator = torch.Generator().manual_seed(0)
-    greedy = minispec.sampling.Sampling(temperature=0.0)
+    greedy = minispec.decoding.sampling.Sampling(temperature=0.0)
     seen = set()
     vocab = 5
     for k, matching, _ in itertools.product(range(1, 7), range(7), range(8)):
         matching = min(matching, k)
         logits = torch.randint(0, 3, (k + 1, vocab), generator=generator).float()  # ties in most rows
-        p = minispec.sampling.adjust(logits, greedy)
+        p = minispec.decoding.sampling.adjust(logits, greedy)
         drafts = torch.randint(0, vocab, (k,), generator=generator)
         drafts[:matching] = p[:matching].argmax(-1)
         q = torch.nn.functional.one_hot(drafts, vocab).float()
-        expected = minispec.speculative.accept_and_resample(p, q, drafts, 1.0, generator)
-        got = minispec.speculative.accept_greedy(logits, drafts)
+        expected = minispec.decoding.speculative.accept_and_resample(p, q, drafts, 1.0, generator)
+        got = minispec.decoding.speculative.accept_greedy(logits, drafts)
         assert [x.tolist() for x in got] == [x.tolist() for x in expected], (logits, drafts)
         seen.add((k, got[0].item()))
     assert seen == {(k, n) for k in range(1, 7) for n in range(k + 1)}  # every outcome was checked
@@ -262,7 +262,7 @@ def exact_joint(target, prompt, sampling, length):
             longer = {}
             for tokens, probability in joint.items():
                 decoder = torch.cat([start, torch.tensor([tokens], dtype=torch.long).view(1, -1)], dim=1)
-                p = minispec.sampling.adjust(target.prefill(decoder)[0, -1], sampling).double()
+                p = minispec.decoding.sampling.adjust(target.prefill(decoder)[0, -1], sampling).double()
                 for t in p.nonzero().view(-1).tolist():
                     longer[tokens + (t,)] = probability * p[t].item()
             joint = longer

@@ -11,8 +11,8 @@ from torch._dynamo.utils import counters
 from transformers import T5ForConditionalGeneration
 
 import minispec
-from minispec.checkpoint import load_model
 from minispec import generate
+from minispec.loading.checkpoint import load_model
 from minispec.models.t5 import T5Config
 
 KINDS = ["t5_v1_0", "t5_v1_1"]

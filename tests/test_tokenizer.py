@@ -1,4 +1,4 @@
-"""minispec.tokenizer against the references: byte-level BPEs trained with the `tokenizers` library in
+"""minispec.loading.tokenizer against the references: byte-level BPEs trained with the `tokenizers` library in
 the styles of GPT-2, Qwen2, Llama 3 and SmolLM, saved by transformers (real tokenizer.json and
 tokenizer_config.json); and tiny SentencePiece models (BPE as Llama's, unigram as T5's) compared with
 the sentencepiece library plus the Hugging Face BOS/EOS conventions (transformers cannot convert
@@ -12,7 +12,7 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from minispec.tokenizer import (ByteLevelBPE, IncrementalDecoder, SentencePieceTokenizer, load_tokenizer, split,
+from minispec.loading.tokenizer import (ByteLevelBPE, IncrementalDecoder, SentencePieceTokenizer, load_tokenizer, split,
                                 translate_regex)
 
 TEXTS = [

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minispec.weights import SAFETENSORS_DTYPES, save_safetensors
+from minispec.loading.weights import SAFETENSORS_DTYPES, save_safetensors
 
 
 def sample_tensors():
@@ -45,7 +45,7 @@ def test_writing_needs_no_numpy(tmp_path):
         import sys
         sys.modules["numpy"] = None  # any import of numpy now fails
         import torch
-        from minispec.weights import save_safetensors
+        from minispec.loading.weights import save_safetensors
         save_safetensors({{"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}},
                          {str(file)!r})
     """)

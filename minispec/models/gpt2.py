@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear, attend, causal_mask
+from .base import CachedLM, Embedding, KVCache, Linear
+from .kernels import attend, causal_mask
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
 GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, attend, causal_mask
+from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
+from .kernels import attend, causal_mask
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, attend, causal_mask
+from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
+from .kernels import attend, causal_mask
 
 ACTIVATIONS = {
     "relu": F.relu,

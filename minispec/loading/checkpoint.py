@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from ..models import gpt2, llama, quant, t5
+from ..models.base import pack_linears
 from . import builtin
 from .hub import download_from_hub
-from .models import gpt2, llama, quant, t5
-from .models.base import pack_linears
 from .tokenizer import load_tokenizer
 from .weights import CheckpointError, read_config, read_weights
 

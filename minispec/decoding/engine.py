@@ -8,7 +8,7 @@ and greedy, stop strings and streaming all run through this one loop:
                  rows that end (EOS, stop, max tokens) leave; the last row moves into the gap
 
 Rows do not see each other: every forward computes a row's tokens exactly as it would alone
-(row-invariant forwards, models/base.py), padding never writes past a row's own tokens, and each row
+(row-invariant forwards, models/kernels.py), padding never writes past a row's own tokens, and each row
 draws from its own generator in the order a lone request does. So each request's output is what it
 gives decoded alone: the same tokens when greedy, and when sampling the same tokens for the same seed
 (with a fixed γ: "auto" may choose other lengths in a batch, whose forwards cost otherwise; the

@@ -3,7 +3,7 @@ stop_token_ids), which is kept as the last token, or where the text first contai
 which is not: the output ends just before it, and no token after the one completing it is emitted,
 even when that token sits inside a run of accepted guesses."""
 
-from .tokenizer import IncrementalDecoder
+from ..loading.tokenizer import IncrementalDecoder
 
 
 class Stop:

@@ -29,9 +29,9 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .models.base import CachedLM
-from .models.quant import MODES as SELF_DRAFT_MODES
-from .models.quant import quantized_copy
+from ..models.base import CachedLM
+from ..models.quant import MODES as SELF_DRAFT_MODES
+from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.

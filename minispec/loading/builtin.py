@@ -50,7 +50,7 @@ BUILTINS = {
 def weights_dir():
     if os.environ.get("MINISPEC_WEIGHTS"):
         return Path(os.environ["MINISPEC_WEIGHTS"]).expanduser()
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # minispec/loading/builtin.py -> the checkout
     if (root / "weights").is_dir() and (root / "pyproject.toml").is_file():  # a checkout
         return root / "weights"
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "minispec"

@@ -9,10 +9,9 @@ metadata key/values; one info per tensor (name, dims innermost first, ggml type,
 padding to `general.alignment`; the tensor data. Quantized types pack blocks of 32 or 256 values
 with fp16 scales; the dequantizers below mirror ggml's reference (and the `gguf` package's) exactly.
 
-    python -m minispec.gguf model.Q8_0.gguf ./model-dir [--keep-quantized]
+    python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
 
-import argparse
 import json
 import math
 import mmap
@@ -27,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .models import quant
-from .models.quant import QUANT_METHOD, common_form, pack_int4
-from .weights import DTYPES, save_safetensors
+from ..models import quant
+from ..models.quant import QUANT_METHOD, common_form, pack_int4
+from .weights import save_safetensors
 
 # ---------------------------------------------------------------------------------------------
 # Reading the file
@@ -511,7 +510,7 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
             done += tensor.data.numel()
             if done * 10 // quantized_bytes > reported:
                 reported = done * 10 // quantized_bytes
-                print(f"minispec.gguf: converted {reported * 10}% of {quantized_bytes >> 20} MiB", file=sys.stderr)
+                print(f"minispec: converted {reported * 10}% of {quantized_bytes >> 20} MiB", file=sys.stderr)
     return weights
 
 
@@ -653,22 +652,3 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
-
-
-def main():
-    parser = argparse.ArgumentParser(description="Convert a llama.cpp GGUF file into a minispec checkpoint directory.")
-    parser.add_argument("gguf", help="path of the .gguf file")
-    parser.add_argument("out_dir", help="checkpoint directory to create")
-    parser.add_argument("--dtype", choices=DTYPES, help="cast all (float) weights (default: keep)")
-    parser.add_argument("--keep-quantized", action="store_true",
-                        help="keep quantized tensors quantized (int8/int4 with scales) instead of dequantizing them")
-    args = parser.parse_args()
-    try:
-        out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype), keep_quantized=args.keep_quantized)
-    except (ValueError, OSError) as error:
-        sys.exit(f"error: {error}")
-    print(out)
-
-
-if __name__ == "__main__":
-    main()

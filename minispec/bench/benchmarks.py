@@ -1,0 +1,240 @@
+"""The three benchmarks: decoders side by side against Theorem 3.8 (benchmark), requests decoded
+together (batch_benchmark), beam search (beam_benchmark)."""
+
+import statistics
+import time
+
+import torch
+
+from ..api import generate
+from ..cli import load_target_and_draft
+from ..loading.weights import DTYPES
+from ..decoding.sampling import Sampling
+from .prompts import prompt_ids_of, read_prompts
+from .memory import bandwidth, memory_growth
+from .reference import reference_runners
+from .report import yes_no
+from .theory import best_gamma, predicted_speedup, ratio_factors
+from .timing import PrefillClock, row_invariance_price, step_times, synchronize, time_generation
+
+def sampling_of(args):
+    return Sampling(args.temperature, args.top_k, args.top_p)
+
+
+def policy_summary(stats):
+    """gamma="auto" over all requests: steps per number of guesses, the mean, expected vs measured tokens
+    per target call, and the last request's cost model (its timings carry over between requests)."""
+    histogram = [sum(column) for column in zip(*(s["guesses_histogram"] for s in stats))]
+    steps = sum(histogram)
+    return {
+        "guesses_histogram": histogram,
+        "mean_guesses": sum(k * n for k, n in enumerate(histogram)) / steps,
+        "expected_tokens_per_call": sum(s["expected_tokens_per_call"] * s["target_calls"] for s in stats) / steps,
+        "cost_model": stats[-1]["cost_model"],
+        "alpha_estimate": stats[-1]["alpha_estimate"],
+        "acceptance_by_confidence": stats[-1]["acceptance_by_confidence"],
+    }
+
+
+def speculative_summary(stats):
+    """Pool per-prompt speculative stats: α weighted by verified positions, as in speculative.py; tokens
+    per target call overall and in the decode phase (the calls after the prompt's forward)."""
+    verified = sum(s["verified"] for s in stats)
+    tokens, calls = sum(s["new_tokens"] for s in stats), sum(s["target_calls"] for s in stats)
+    decode_calls = calls - len(stats)
+    decode_tokens = tokens - sum(s["first_call_tokens"] for s in stats)
+    return {
+        "alpha": sum(s["alpha"] * s["verified"] for s in stats) / verified if verified else 0.0,
+        "acceptance_rate": sum(s["accepted"] for s in stats) / verified if verified else 0.0,
+        "tokens_per_target_call": tokens / calls,
+        "decode_tokens_per_target_call": decode_tokens / decode_calls if decode_calls else tokens / calls,
+    }
+
+
+def minispec_runner(target, draft, gamma, args, prefill_clock):
+    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate."""
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, ignore_eos=args.ignore_eos)
+
+    def run_one(request):
+        prompt, seed = request
+        start = time.perf_counter()
+        out = generate(target, prompt, draft=draft, gamma=gamma, seed=seed, **settings)
+        return out.tokens, dict(out.stats, prefill_seconds=prefill_clock.finished_at - start)
+
+    return run_one
+
+
+def benchmark(args):
+    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    device = target.device
+    prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
+    target.decode_rows = prefill_clock = PrefillClock(target)
+    runners = {("minispec", None): minispec_runner(target, None, 1, args, prefill_clock)}
+    runners.update({("minispec", g): minispec_runner(target, draft, g, args, prefill_clock) for g in args.gamma})
+    if args.compare_reference:
+        runners.update(reference_runners(args, device, target.dtype))
+    requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
+    timed = time_generation(runners, requests, args.repeats, device)
+
+    ar = timed["minispec", None]
+    first = ar["outputs"][0]
+    fixed = sorted({g for g in args.gamma if g != "auto"} | {1})  # "auto" rows use γ = 1's draft step
+    steps = step_times(target, draft, torch.tensor([prompts[0]], device=device), first[:len(first) // 2],
+                       fixed, sampling_of(args))
+    greedy = args.temperature == 0
+    result = {
+        "settings": {"target": args.target, "draft": args.draft, "gammas": args.gamma,
+                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                     "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
+                     "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
+                     "quantize": args.quantize, "draft_quantize": args.draft_quantize, "group_size": args.group_size,
+                     "prompts": len(prompts), "seeds": args.seeds},
+        "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
+                                              "decode_tokens_per_second", "request_seconds",
+                                              "request_seconds_fastest", "outputs")},
+        "prefill_s": statistics.mean(s["prefill_seconds"] for s in ar["stats"]),
+        "target_step_s": steps["target_step_s"],
+        "step_position": steps["position"],
+        "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
+        "draft_memory_bandwidth": steps["draft_bandwidth"],
+        "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
+        if args.memory_tokens else None,
+        "row_invariance_price": row_invariance_price(target, target.encode(torch.tensor([prompts[0]], device=device)))
+        if args.row_invariance_price else None,
+        "rows": [],
+    }
+    for gamma in args.gamma:
+        spec = timed["minispec", gamma]
+        measured = speculative_summary(spec["stats"])
+        c = steps["draft_step_s"][1 if gamma == "auto" else gamma] / steps["target_step_s"]
+        speedup = spec["tokens_per_second"] / ar["tokens_per_second"]
+        decode_speedup = spec["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
+        best, best_speedup = best_gamma(measured["alpha"], c)
+        row = {
+            "gamma": gamma, "tokens_per_second": spec["tokens_per_second"],
+            "tokens_per_second_repeats": spec["tokens_per_second_repeats"], "speedup": speedup,
+            "decode_tokens_per_second": spec["decode_tokens_per_second"], "decode_speedup": decode_speedup,
+            **measured, "c": c, "best_gamma": best, "best_gamma_predicted_speedup": best_speedup,
+            # Greedy speculative decoding must reproduce greedy autoregressive decoding exactly.
+            "identical_to_autoregressive": spec["outputs"] == ar["outputs"] if greedy else None,
+            "per_prompt_speedup": [a / s for a, s in zip(ar["request_seconds"], spec["request_seconds"])],
+            # Other work on a shared machine only ever slows a run down: the fastest rounds are steadier.
+            "per_prompt_speedup_fastest": [a / s for a, s in zip(ar["request_seconds_fastest"],
+                                                                 spec["request_seconds_fastest"])],
+            "outputs": spec["outputs"],
+        }
+        if gamma == "auto":
+            # No single γ to predict for: section 3.5's best fixed γ is the prediction to beat.
+            row.update(policy_summary(spec["stats"]), predicted_speedup=best_speedup,
+                       measured_over_predicted=decode_speedup / best_speedup)
+        else:
+            predicted = predicted_speedup(measured["alpha"], gamma, c)
+            verify_cost = steps["verify_step_s"][gamma] / steps["target_step_s"]
+            row.update(
+                draft_step_s=steps["draft_step_s"][gamma], verify_step_s=steps["verify_step_s"][gamma],
+                verify_cost_ratio=verify_cost,
+                # Theorem 3.8 models the decode phase; the prompt's forward is the same in both decoders.
+                predicted_speedup=predicted, measured_over_predicted=decode_speedup / predicted,
+                measured_over_predicted_factors=ratio_factors(measured["alpha"], gamma, c, verify_cost,
+                                                              measured["decode_tokens_per_target_call"],
+                                                              decode_speedup))
+        result["rows"].append(row)
+    if args.compare_reference:
+        ref = timed["reference", None]
+        result["reference"] = {
+            "autoregressive": {"tokens_per_second": ref["tokens_per_second"],
+                               "identical": ref["outputs"] == ar["outputs"] if greedy else None},
+            "assisted": [{"gamma": g, "tokens_per_second": timed["reference", g]["tokens_per_second"],
+                          "speedup": timed["reference", g]["tokens_per_second"] / ref["tokens_per_second"],
+                          "identical": timed["reference", g]["outputs"] == ar["outputs"] if greedy else None}
+                         for g in args.gamma if ("reference", g) in timed],
+        }
+    return result
+
+
+def batch_benchmark(args):
+    """Total new tokens per second of B requests at once, plain and speculative, for each B: the median
+    of --repeats runs, taken in turn (B, plain / speculative) so that drift hits all alike."""
+    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed)
+    runs = {(b, name): [] for b in args.batch_sizes for name in ("plain", "speculative")}
+    outputs = {}
+    for repeat in range(args.repeats + 1):  # the first pass warms up (allocation, calibration)
+        for b in args.batch_sizes:
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            for name, extra in (("plain", {}), ("speculative", {"draft": draft, "gamma": args.gamma[0]})):
+                start = time.perf_counter()
+                outs = generate(target, batch, batch_size=b, **settings, **extra)
+                seconds = time.perf_counter() - start
+                outputs[b, name] = [out.tokens for out in outs]
+                if repeat:
+                    runs[b, name].append(sum(len(t) for t in outputs[b, name]) / seconds)
+    base = statistics.median(runs[min(args.batch_sizes), "plain"])
+    rows = [{"batch": b, "plain_tokens_per_second": statistics.median(runs[b, "plain"]),
+             "speculative_tokens_per_second": statistics.median(runs[b, "speculative"]),
+             "identical": outputs[b, "plain"] == outputs[b, "speculative"] if args.temperature == 0 else None}
+            for b in args.batch_sizes]
+    lines = [f"target `{args.target}`, draft `{args.draft}` (gamma {args.gamma[0]}) on {target.device} "
+             f"({str(target.dtype).removeprefix('torch.')}), {args.max_new_tokens} new tokens a request, "
+             f"median of {args.repeats}", "",
+             "| batch | plain tok/s | x batch " + str(min(args.batch_sizes)) + " | speculative tok/s | "
+             "x plain | same outputs |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        plain, spec = row["plain_tokens_per_second"], row["speculative_tokens_per_second"]
+        lines.append(f"| {row['batch']} | {plain:.1f} | {plain / base:.2f}x | {spec:.1f} | {spec / plain:.2f}x | "
+                     f"{yes_no(row['identical'])} |")
+    return {"settings": vars(args), "batches": rows}, "\n".join(lines)
+
+
+def beam_benchmark(args):
+    """Beam search, plain against speculative at each --gamma, per prompt: seconds per request, median
+    and fastest of --repeats rounds taken in turn. On a shared machine other work only ever slows a run
+    down, so the fastest is the better estimate of what each costs; the median shows the spread."""
+    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
+                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
+    settings = dict(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, beams=args.beams)
+    runs = {"plain": {}, **{g: dict(draft=draft, draft_beams=args.draft_beams, gamma=g) for g in args.gamma}}
+    seconds = {(name, i): [] for name in runs for i in range(len(prompts))}
+    last = {}
+    for repeat in range(args.repeats + 1):  # the first pass warms up (allocation, calibration)
+        for i, prompt in enumerate(prompts):
+            for name, extra in runs.items():
+                synchronize(target.device)
+                start = time.perf_counter()
+                out = generate(target, prompt, **settings, **extra)
+                synchronize(target.device)
+                if repeat:
+                    seconds[name, i].append(time.perf_counter() - start)
+                last[name, i] = out
+    rows = []
+    for i in range(len(prompts)):
+        plain = seconds["plain", i]
+        for name in runs:
+            if name == "plain":
+                continue
+            stats = last[name, i].stats
+            rows.append({"prompt": i + 1, "gamma": name, "plain_seconds": statistics.median(plain),
+                         "seconds": statistics.median(seconds[name, i]),
+                         "speedup_median": statistics.median(plain) / statistics.median(seconds[name, i]),
+                         "speedup_fastest": min(plain) / min(seconds[name, i]),
+                         "target_calls": stats["target_calls"],
+                         "plain_target_calls": last["plain", i].stats["target_calls"],
+                         "guesses_histogram": stats.get("guesses_histogram"),
+                         "identical": last[name, i].tokens == last["plain", i].tokens})
+    lines = [f"target `{args.target}`, draft `{args.draft}` (draft beams {args.draft_beams or args.beams}) on "
+             f"{target.device} ({str(target.dtype).removeprefix('torch.')}), beam search of width {args.beams}, "
+             f"{args.max_new_tokens} new tokens, {args.repeats} rounds", "",
+             "| prompt | γ | plain s | speculative s | x plain (median) | x plain (fastest) | target calls "
+             "(plain) | guesses per step | same result |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompt']} | {r['gamma']} | {r['plain_seconds']:.2f} | {r['seconds']:.2f} | "
+                     f"{r['speedup_median']:.2f}x | {r['speedup_fastest']:.2f}x | {r['target_calls']} "
+                     f"({r['plain_target_calls']}) | {r['guesses_histogram'] or '-'} | {yes_no(r['identical'])} |")
+    return {"settings": vars(args), "beams": rows}, "\n".join(lines)

@@ -1,0 +1,105 @@
+"""Memory: the bytes a decode step reads and the bandwidth that achieves (against a GPU's datasheet
+peak), and the peak tensor memory of a generation, which must not grow with its length."""
+
+import re
+
+import torch
+from torch import nn
+
+from ..api import generate
+from ..models.quant import Int8Embedding
+
+# Peak DRAM bandwidth in bytes/s from vendor datasheets, matched against torch.cuda.get_device_name();
+# the first pattern that matches wins (so the specific variants come first).
+PEAK_BANDWIDTH = [
+    (r"\bh200\b", 4.8e12),
+    (r"\bh100\b.*pcie", 2.0e12),
+    (r"\bh100\b.*nvl", 3.9e12),
+    (r"\bh100\b", 3.35e12),  # SXM, HBM3
+    (r"\ba100\b.*80gb.*pcie", 1.935e12),
+    (r"\ba100\b.*80gb", 2.039e12),
+    (r"\ba100\b", 1.555e12),  # 40GB
+    (r"\bl40s\b", 0.864e12),
+    (r"\bl4\b", 0.3e12),
+    (r"\ba10g?\b", 0.6e12),
+    (r"\brtx 4090\b", 1.008e12),
+    (r"\bv100\b", 0.9e12),
+]
+
+
+def decode_bytes(model, length):
+    """Bytes one decode step must read: every decoder weight once, as stored (a quantized layer's int8
+    or packed int4 weight and its scales; an encoder-decoder's encoder runs once per request, not per
+    token), but of an embedding table only the looked-up row, unless the table is also the output head
+    (tied); plus the self-attention keys and values of `length` positions (of the one cache row a
+    request decodes in, however many rows the caches hold)."""
+    weights = 0
+    modules = dict(model.named_modules())
+    for name, tensor in model.state_dict().items():  # parameters and persistent buffers: the weights
+        owner = modules[name.rpartition(".")[0]]
+        if model.is_encoder_decoder and name.startswith("encoder"):
+            continue
+        looked_up = isinstance(owner, (nn.Embedding, Int8Embedding)) and owner is not model.head
+        numel = tensor.numel() // owner.num_embeddings if looked_up else tensor.numel()  # a row's share
+        weights += numel * tensor.element_size()
+    return weights + model.kv_bytes_per_position() * length  # one request: one cache row
+
+
+def peak_bandwidth(device_name):
+    """Datasheet peak bytes/s for a known GPU name, else None."""
+    name = device_name.lower()
+    return next((peak for pattern, peak in PEAK_BANDWIDTH if re.search(pattern, name)), None)
+
+
+def bandwidth(target, position, step_seconds):
+    """The bytes the target's decode step reads, its achieved bandwidth and, on a GPU with a known
+    datasheet, the fraction of the peak that is."""
+    cuda = target.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(target.device) if cuda else str(target.device)
+    size = decode_bytes(target, position)
+    achieved = size / step_seconds
+    peak = peak_bandwidth(device_name) if cuda else None
+    return {"device_name": device_name, "bytes_per_step": size, "achieved_bytes_per_s": achieved,
+            "peak_bytes_per_s": peak, "fraction_of_peak": achieved / peak if peak else None}
+
+
+def tensor_memory(device, fn):
+    """(peak, kept): bytes of the tensors fn() allocates on `device`, the most alive at once while it
+    runs and those still alive when it returns, both counted from what was alive when it began (so a
+    tensor from before that it frees counts as minus its size). CUDA: the caching allocator's counters.
+    CPU: every allocation and free, from torch.profiler's memory events in time order; the process's
+    resident set would hide a decoding loop that keeps a few kilobytes per step under the weights, the
+    allocator's slack and Python's own memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # The raw events, as torch's own parser reads them: the FunctionEvents it builds fold each
+    # allocation into the operator that made it, which loses the order within an operator.
+    events = [event for event in prof.profiler.kineto_results.events()
+              if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak, live
+
+
+def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
+    """Tensor memory of a short and a long generation on the same preallocated caches: a lean decoding
+    loop allocates nothing that grows with the number of steps, so the two peaks are equal, and after
+    either it keeps nothing but what the next request replaces."""
+    def run(n):
+        return lambda: generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)
+
+    run(long_tokens)()  # allocates the caches (and compiles) once, for both measurements
+    (peak_short, kept_short), (peak_long, kept_long) = (tensor_memory(target.device, run(n))
+                                                        for n in (short_tokens, long_tokens))
+    return {"short_tokens": short_tokens, "long_tokens": long_tokens, "peak_short_bytes": peak_short,
+            "peak_long_bytes": peak_long, "kept_short_bytes": kept_short, "kept_long_bytes": kept_long,
+            "growth": peak_long / peak_short - 1 if peak_short else None}

@@ -1,0 +1,55 @@
+"""The bench's prompts: the built-in ones, a prompts file (the format run.py reads), or token ids."""
+
+from ..api import prompt_tensor
+from ..cli import read_prompts_file
+from ..loading.chat import chat_prompt
+
+CODE = '''def moving_average(values, window):
+    result = []
+    for i in range(len(values) - window + 1):
+        total = 0
+        for j in range(i, i + window):
+            total += values[j]
+        result.append(total / window)
+    return result'''
+
+
+# Two open-ended prompts and one that asks to rewrite code: the output then repeats much of the
+# prompt, which is where the model-free `lookup` drafter shines. `--prompts code` or `--prompts open`
+# picks one kind.
+OPEN_PROMPTS = [
+    "The history of the printing press begins in",
+    "Question: Why is the sky blue? Explain it to a ten-year-old.\nAnswer:",
+]
+
+
+CODE_PROMPTS = [
+    f"Rewrite this Python function with type hints and a docstring, keeping its logic:\n\n{CODE}\n\nRewritten:\n",
+]
+
+
+DEFAULT_PROMPTS = OPEN_PROMPTS + CODE_PROMPTS
+
+
+BUILTIN_PROMPTS = {"open": OPEN_PROMPTS, "code": CODE_PROMPTS}
+
+
+def read_prompts(args):
+    """Prompts as given (text or id lists): --prompt-ids, --prompts FILE, or the built-in ones."""
+    if args.prompt_ids:
+        return args.prompt_ids
+    if args.prompts is None:
+        return DEFAULT_PROMPTS
+    if args.prompts in BUILTIN_PROMPTS:
+        return BUILTIN_PROMPTS[args.prompts]
+    return read_prompts_file(args.prompts, "--prompts")
+
+
+def prompt_ids_of(target, prompt, chat=False):
+    """Token ids of a prompt; text prompts become the user's turn of a chat when `chat` is set."""
+    if isinstance(prompt, str) and target.tokenizer is None:
+        raise ValueError(f"{target.name} has no tokenizer files: give prompts as token ids "
+                         "(--prompt-ids, or a --prompts JSON file of id lists)")
+    if isinstance(prompt, str) and chat:
+        prompt = chat_prompt(target.tokenizer, prompt)
+    return prompt_tensor(target, prompt)[0].tolist()

@@ -1,0 +1,99 @@
+"""The benchmarks' results as markdown tables."""
+
+
+def markdown_table(result):
+    s = result["settings"]
+    seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
+    weights = "".join(f", {role} {s[key]} weights"
+                      for role, key in (("target", "quantize"), ("draft", "draft_quantize")) if s.get(key))
+    lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}{weights}"
+             f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts{seeds} x {s['max_new_tokens']} "
+             "new tokens, "
+             f"temperature {s['temperature']}{top_k_p(s)}, median of {s['repeats']}; "
+             f"step times at position {result['step_position']}", "",
+             f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
+             "decode speedup and Theorem 3.8 (predicted) leave it out", ""]
+    bw = result["memory_bandwidth"]
+    if bw:
+        fraction = f" = {bw['fraction_of_peak']:.0%} of {bw['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
+            if bw["fraction_of_peak"] else ""
+        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
+                  f"{bw['bytes_per_step'] / 1e6:.3g} MB read, "
+                  f"{bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s{fraction} ({bw['device_name']})", ""]
+    draft_bw = result["draft_memory_bandwidth"]
+    if draft_bw:
+        step_ms = draft_bw["bytes_per_step"] / draft_bw["achieved_bytes_per_s"] * 1e3
+        lines += [f"draft decode step: {step_ms:.2f} ms, "
+                  f"{draft_bw['bytes_per_step'] / 1e6:.3g} MB read, {draft_bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s", ""]
+    memory = result["memory"]
+    if memory:
+        growth = f" (growth {memory['growth']:+.2%})" if memory["growth"] is not None else ""
+        lines += [f"peak memory: {memory['peak_short_bytes'] / 2**10:.1f} KiB of tensors alive at once while "
+                  f"generating {memory['short_tokens']} tokens, {memory['peak_long_bytes'] / 2**10:.1f} KiB for "
+                  f"{memory['long_tokens']}{growth}; kept after them: {memory['kept_short_bytes']} and "
+                  f"{memory['kept_long_bytes']} bytes", ""]
+    price = result.get("row_invariance_price")
+    if price:
+        lines += ["row invariance: target forward with / without (ms): " + ", ".join(
+            f"{n} tokens {price['with'][n] * 1e3:.1f} / {price['without'][n] * 1e3:.1f} "
+            f"({price['with'][n] / price['without'][n]:.2f}x)" for n in price["with"]), ""]
+    reference = result.get("reference")
+    assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
+    if reference:
+        ref_ar = reference["autoregressive"]
+        lines += [f"reference autoregressive: {ref_ar['tokens_per_second']:.1f} tokens/s, "
+                  f"identical to minispec: {yes_no(ref_ar['identical'])}", ""]
+    header = ["γ", "AR tok/s", "spec tok/s", "speedup", "decode speedup", "α", "accept", "tok/call", "c",
+              "verify cost", "predicted", "meas/pred", "best γ", "pred. at best γ"]
+    if reference:
+        header += ["ref assisted tok/s", "ref speedup", "ref identical"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in result["rows"]:
+        gamma = f"auto (mean {r['mean_guesses']:.1f})" if r["gamma"] == "auto" else r["gamma"]
+        verify_cost = f"{r['verify_cost_ratio']:.2f}" if "verify_cost_ratio" in r else "-"
+        cells = [gamma, f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
+                 f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}",
+                 f"{r['acceptance_rate']:.2f}",
+                 f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}", verify_cost,
+                 f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
+                 f"{r['best_gamma_predicted_speedup']:.2f}x"]
+        if reference:
+            a = assisted.get(r["gamma"])
+            cells += [f"{a['tokens_per_second']:.1f}", f"{a['speedup']:.2f}x", yes_no(a["identical"])] if a \
+                else ["-", "-", "-"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    fixed = [r for r in result["rows"] if r["gamma"] != "auto"]
+    if fixed:
+        lines += ["", "meas/pred = (tok/call after the prompt's forward ÷ i.i.d. expectation) × ((1 + γc) ÷ "
+                  "(verify cost + γc)) × the rest (loop, syncs):"]
+    for r in fixed:
+        f = r["measured_over_predicted_factors"]
+        lines.append(f"- γ = {r['gamma']}: {f['tokens_per_call']:.2f} × {f['verify_cost']:.2f} × {f['loop']:.2f} "
+                     f"= {r['measured_over_predicted']:.2f}")
+    for r in result["rows"]:
+        if r["gamma"] == "auto":
+            lines += ["", f"auto: guesses per step {r['guesses_histogram']} (0, 1, ...), expected "
+                      f"{r['expected_tokens_per_call']:.2f} tokens per call, measured {r['tokens_per_target_call']:.2f}; "
+                      f"its prediction is section 3.5's best fixed γ; acceptance by the drafter's confidence "
+                      f"(0-0.2, ..., 0.8-1): " + ", ".join("-" if rate is None else f"{rate:.2f}"
+                                                           for rate in r["acceptance_by_confidence"])]
+    lines += ["", "speedup per prompt (end to end; median of the repeats / fastest against fastest):", "",
+              "| prompt | AR tok/s | " + " | ".join(f"γ = {r['gamma']}" for r in result["rows"]) + " |",
+              "|" + "---|" * (2 + len(result["rows"]))]
+    for i, tokens in enumerate(result["autoregressive"]["outputs"]):
+        rate = len(tokens) / result["autoregressive"]["request_seconds"][i]
+        cells = (f"{r['per_prompt_speedup'][i]:.2f}x / {r['per_prompt_speedup_fastest'][i]:.2f}x" for r in result["rows"])
+        lines.append(f"| prompt {i + 1} | {rate:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def top_k_p(settings):
+    """", top-k 50, top-p 0.9" for the settings in force (greedy ignores both)."""
+    if not settings["temperature"]:
+        return ""
+    return (f", top-k {settings['top_k']}" if settings["top_k"] else "") + \
+        (f", top-p {settings['top_p']}" if settings["top_p"] < 1 else "")
+
+
+def yes_no(value):
+    return "n/a" if value is None else ("yes" if value else "NO")

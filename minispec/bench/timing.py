@@ -1,0 +1,156 @@
+"""Timing: decoders side by side in interleaved rounds, the prompt's forward apart from the decode
+phase, and the single forwards Theorem 3.8 is about (a target step, a verification, a draft step)."""
+
+import statistics
+import time
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+
+from ..decoding.drafters import SELF_DRAFT_MODES, make_drafter
+from ..models.base import CachedLM
+from ..models.kernels import without_row_invariance
+from .memory import bandwidth
+
+STEP_SAMPLES = 25  # forwards timed per step-time median
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
+    """{name: median seconds of fn()} over `samples` rounds in which every fn runs once in turn, so
+    a slow phase of the machine hits all alike; `warmup` untimed rounds first (compilation, caches)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+class PrefillClock:
+    """Stands in for a model's decode_rows and notes when a request's prefill (a forward from position
+    0) returns, its device work done. A generation's time after that is its decode time, and the tokens
+    after the prefill's are its decode tokens: the part Theorem 3.8 is about. The prompt's forward (and
+    a T5 encoder's, which runs before it) costs about the same with or without speculation (which
+    verifies its first guesses in it)."""
+
+    def __init__(self, model):
+        self.model, self.decode_rows, self.finished_at = model, model.decode_rows, None
+
+    def __call__(self, tokens, lengths, *args, **kwargs):
+        logits = self.decode_rows(tokens, lengths, *args, **kwargs)
+        if not any(lengths):
+            synchronize(self.model.device)
+            self.finished_at = time.perf_counter()
+        return logits
+
+
+def time_generation(runners, requests, repeats, device):
+    """Time several decoders side by side: one warm-up pass over the requests each, then `repeats`
+    rounds in which every runner makes one timed pass in turn, so machine drift hits all alike.
+
+    runners: {name: run_one}, run_one(request) -> (generated ids, stats dict); stats may hold
+    "prefill_seconds" and "first_call_tokens" (the tokens out of the prefill). Returns {name: median
+    tokens/s over the rounds (and, where prefill times are known, median tokens/s of the decode
+    phase), each round's, and the outputs and stats of the last}."""
+    for run_one in runners.values():
+        for request in requests:
+            run_one(request)
+    rates = {name: [] for name in runners}
+    decode_rates = {name: [] for name in runners}
+    request_seconds = {name: [[] for _ in requests] for name in runners}
+    for _ in range(repeats):
+        last = {}
+        for name, run_one in runners.items():
+            results, seconds = [], 0.0
+            for i, request in enumerate(requests):
+                synchronize(device)
+                start = time.perf_counter()
+                results.append(run_one(request))
+                synchronize(device)
+                request_seconds[name][i].append(time.perf_counter() - start)
+                seconds += request_seconds[name][i][-1]
+            tokens = sum(len(tokens) for tokens, _ in results)
+            rates[name].append(tokens / seconds)
+            if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
+                decode_tokens = tokens - sum(stats["first_call_tokens"] for _, stats in results)
+                decode_seconds = seconds - sum(stats["prefill_seconds"] for _, stats in results)
+                decode_rates[name].append(decode_tokens / decode_seconds)
+            last[name] = results
+    return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
+                   "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
+                   "request_seconds": [statistics.median(t) for t in request_seconds[name]],
+                   "request_seconds_fastest": [min(t) for t in request_seconds[name]],
+                   "outputs": [tokens for tokens, _ in last[name]], "stats": [stats for _, stats in last[name]]}
+            for name in runners}
+
+
+def decode_steps(model, prefix, widths):
+    """{n: fn} for n in widths, where fn() decodes n tokens with `prefix` in the cache and rolls back,
+    so that all of them can be timed in turns at the same cache position."""
+    model.ensure_caches(1, prefix.shape[1] + max(widths))
+    model.prefill(prefix, logits_for=0)
+    position = model.length
+
+    def step(tokens):
+        model.decode(tokens)
+        model.rollback(position)
+
+    return {n: partial(step, prefix[:, -1:].repeat(1, n)) for n in widths}  # token values don't change the cost
+
+
+@torch.inference_mode()
+def step_times(target, draft, prompt_ids, generated, gammas, sampling):
+    """Median seconds of the forwards Theorem 3.8 is about, with prompt + `generated` in the caches:
+    a 1-token target decode (one autoregressive step), a (γ+1)-token one (one verification) and one
+    draft step. A model drafter's step is a 1-token decode; a model-free drafter's is its time to
+    propose γ guesses, divided by γ. Returns {"position", "target_step_s", "verify_step_s": {γ: s},
+    "draft_step_s": {γ: s}, "draft_bandwidth": a draft model's bytes per step and bytes/s, or None}."""
+    if draft in SELF_DRAFT_MODES:  # the target's quantized copy: a model drafter
+        draft = make_drafter(draft, target).model
+    device = target.device
+    start = target.encode(prompt_ids)
+    if target.context_length is not None:  # keep the (γ+1)-token forward inside the context
+        generated = generated[:max(target.context_length - start.shape[1] - max(gammas) - 1, 0)]
+    generated = torch.tensor([generated], dtype=torch.long, device=device).view(1, -1)
+    prefix = torch.cat([start, generated], dim=1)
+    steps = decode_steps(target, prefix, [1] + [g + 1 for g in gammas])
+    fns = {("target", n): fn for n, fn in steps.items()}
+    if isinstance(draft, CachedLM):
+        fns["draft", 1] = decode_steps(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), [1])[1]
+    else:
+        drafter = make_drafter(draft, target)
+        drafter.start(torch.cat([prompt_ids, generated], dim=1), sampling)
+        generator = torch.Generator(device=device).manual_seed(0)
+        fns.update({("draft", g): partial(drafter.propose, g, sampling, generator) for g in gammas})
+    times = median_times(fns, device)
+    draft_step = {g: times["draft", 1] if isinstance(draft, CachedLM) else times["draft", g] / g for g in gammas}
+    return {"position": prefix.shape[1], "target_step_s": times["target", 1],
+            "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step,
+            "draft_bandwidth": bandwidth(draft, prefix.shape[1], times["draft", 1])
+            if isinstance(draft, CachedLM) else None}
+
+
+@torch.inference_mode()
+def row_invariance_price(target, prefix, widths=(1, 4, 9), rounds=3):
+    """Median seconds of target forwards over 1, 4 and 9 tokens with row invariance and without, in
+    interleaved rounds (the fastest round of each kept): {"with": {n: s}, "without": {n: s}}."""
+    steps = decode_steps(target, prefix, list(widths))
+    times = {"with": {}, "without": {}}
+    for _ in range(rounds):
+        for name in times:
+            with nullcontext() if name == "with" else without_row_invariance(target):
+                for n, seconds in median_times(steps, target.device).items():
+                    times[name][n] = min(times[name].get(n, float("inf")), seconds)
+    return times
