@@ -7,6 +7,7 @@ so logits are far from uniform and greedy outputs vary.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,11 @@ import transformers
 # Tiny models are all overhead: one thread avoids OpenMP hand-offs that cost far more than the math
 # (and that stall badly when other processes share the two cores).
 torch.set_num_threads(1)
+
+# gamma="auto" keeps what it learns about a pair in a file (minispec/decoding/profiles.py); tests start
+# from nothing (or from what they write themselves), and never write into the user's weights folder.
+# Set here, so that the command lines the tests start inherit it.
+os.environ["MINISPEC_PROFILES"] = "off"
 
 VOCAB = 96
 
@@ -149,10 +155,10 @@ def known_costs(monkeypatch):
     as large as its target), so without this "auto" would mostly decide not to guess."""
     from minispec.decoding import policy
 
-    def calibrate(profile, target, drafter, token, k_max, beams=None):
-        profile.t_verify, profile.t_draft = [0.0] + [1.0] * (k_max + 1), 0.1
+    def stored_profile(profile):  # as if a former process had measured these
+        profile.t_verify, profile.t_draft = [0.0] + [1.0] * (policy.GAMMA_MAX + 1), 0.1
 
-    monkeypatch.setattr(policy, "calibrate", calibrate)
+    monkeypatch.setattr(policy, "stored_profile", stored_profile)
     monkeypatch.setattr(policy, "TIME_SMOOTHING", 0.0)
     monkeypatch.setattr(policy.VerifyCost, "add", lambda self, width, seconds: None)
     monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())

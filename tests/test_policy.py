@@ -2,6 +2,7 @@
 decisions for known α and timings, early stopping on the draft's confidence, probes after plain
 steps, and end to end on tiny pairs whose α is controlled."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from conftest import make_reference, save_reference
 
 import minispec
-from minispec.decoding import policy
+from minispec.decoding import drafters, policy, profiles
 from minispec.decoding.policy import AdaptiveGamma, FixedGamma, make_policy
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
@@ -354,3 +355,96 @@ def test_stats_report_the_cost_model(pair):
     by_confidence = stats["acceptance_by_confidence"]
     assert len(by_confidence) == policy.CONFIDENCE_BINS and any(rate is not None for rate in by_confidence)
     assert all(rate is None or 0 <= rate <= 1 for rate in by_confidence)
+
+
+# --- no up-front timing; the costs kept between processes (profiles.py) ---------------------------
+REPEATING = [5, 17, 33, 8, 90, 41] * 4  # lookup finds matches in it
+
+
+def count_forwards(model, monkeypatch):
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs))
+    return calls
+
+
+@pytest.fixture
+def fresh_profiles(monkeypatch, tmp_path):
+    """An empty folder for the pairs' files, and a process that has decoded nothing yet."""
+    monkeypatch.setenv("MINISPEC_PROFILES", str(tmp_path / "profiles"))
+    monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(profiles, "unwritable", False)
+    return tmp_path / "profiles"
+
+
+@pytest.mark.parametrize("draft", ["lookup", "same"])
+def test_a_new_pair_times_no_forward_before_it_decodes(pair, draft, fresh_profiles, monkeypatch):
+    """No calibration: every target forward is one of the request's steps. The first steps are plain
+    (the prompt's forward, then the step that gives the costs their scale), then it speculates."""
+    target = pair["target"]
+    draft = pair.get(draft, draft)
+    plain = minispec.generate(target, REPEATING, max_new_tokens=30, ignore_eos=True)
+    forwards = count_forwards(target, monkeypatch)
+    out = minispec.generate(target, REPEATING, draft=draft, max_new_tokens=30, ignore_eos=True)
+    assert out.tokens == plain.tokens
+    assert len(forwards) == out.stats["target_calls"]
+    histogram = out.stats["guesses_histogram"]
+    assert histogram[0] >= 2, histogram
+    if draft == "lookup":  # free guesses that the repeating text confirms (a draft model as large as its
+        assert sum(histogram[1:]) >= 1, histogram  # target is not worth its cost: it may never guess)
+
+
+def test_costs_are_kept_for_the_next_process(pair, fresh_profiles, monkeypatch):
+    target, draft = pair["target"], "lookup"
+    first = minispec.generate(target, REPEATING, draft=draft, max_new_tokens=20, ignore_eos=True)
+    [path] = fresh_profiles.glob("*.json")
+    stored = json.loads(path.read_text())
+    assert stored["key"]["target"]["checkpoint"] == target.fingerprint and stored["key"]["k_max"] == policy.GAMMA_MAX
+    assert stored["profile"]["t_verify"][1:] == pytest.approx(list(first.stats["cost_model"]["t_verify"].values()))
+    assert list(fresh_profiles.iterdir()) == [path]  # written whole: no temporary file left
+    monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())  # a new process
+    chooser = AdaptiveGamma(policy.GAMMA_MAX)
+    chooser.start(target, drafters.make_drafter(draft, target), torch.tensor([REPEATING]))
+    # costs known from its first step, and the rates the last process learnt
+    assert chooser.verify is not None and chooser.profile.t_verify == stored["profile"]["t_verify"]
+    assert chooser.first.value == pytest.approx(stored["profile"]["first"]) != policy.DEFAULT_ALPHA
+    monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
+    torch.set_num_threads(2)  # another setting the costs depend on: another file
+    try:
+        minispec.generate(target, REPEATING, draft=draft, max_new_tokens=4, ignore_eos=True)
+    finally:
+        torch.set_num_threads(1)
+    assert len(list(fresh_profiles.glob("*.json"))) == 2
+
+
+def test_a_changed_checkpoint_is_another_pair(tmp_path):
+    directory = save_reference(make_reference("gpt2"), tmp_path / "ckpt")
+    before = minispec.load(directory).fingerprint
+    assert minispec.load(directory).fingerprint == before
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # the same bytes, written again: a new file time
+    assert minispec.load(directory).fingerprint != before
+    assert minispec.load(directory, quantize="int8").fingerprint not in (before, minispec.load(directory).fingerprint)
+
+
+def test_an_unreadable_file_is_ignored_and_replaced(pair, fresh_profiles, capsys):
+    target = pair["target"]
+    minispec.generate(target, REPEATING, draft="lookup", max_new_tokens=4, ignore_eos=True)
+    [path] = fresh_profiles.glob("*.json")
+    good = path.read_text()
+    for bad in ("{not json", json.dumps({"key": "another", "profile": {}}), good.replace('"t_verify": [', '"t_verify": [1, ')):
+        path.write_text(bad)
+        policy.PROFILES.clear()
+        out = minispec.generate(target, REPEATING, draft="lookup", max_new_tokens=4, ignore_eos=True)
+        assert out.stats["guesses_histogram"][0] >= 2  # started from nothing
+        assert f"minispec: ignoring the stored costs {path}" in capsys.readouterr().err
+        json.loads(path.read_text())  # written again, whole
+
+
+def test_a_folder_that_cannot_be_written_is_noted_once(pair, fresh_profiles, capsys):
+    fresh_profiles.parent.mkdir(exist_ok=True)
+    fresh_profiles.write_text("a file where the folder should be")
+    for _ in range(2):
+        policy.PROFILES.clear()
+        minispec.generate(pair["target"], REPEATING, draft="lookup", max_new_tokens=4, ignore_eos=True)
+    assert capsys.readouterr().err.count("cannot keep gamma='auto' costs") == 1

@@ -27,7 +27,7 @@ class Row:
     """A request in the batch: its settings, its random stream, its output so far, its statistics, and
     its target cache row's length (the drafter keeps its own)."""
 
-    def __init__(self, index, request, slot, target):
+    def __init__(self, index, request, slot, target, alone):
         self.index, self.request, self.slot = index, request, slot
         self.sampling, self.lenience = request.sampling, request.lenience
         self.drafter, self.policy = request.drafter, request.policy
@@ -42,7 +42,7 @@ class Row:
         self.length = 0  # positions its target cache row holds
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
-            self.policy.start(target, self.drafter, request.prompt_ids)
+            self.policy.start(target, self.drafter, request.prompt_ids, timed=alone)  # a batch's steps are shared
             self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1))
             self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
 
@@ -135,7 +135,7 @@ def decode(target, requests, rows):
     draft_model = requests[0].drafter.model if requests[0].drafter else None
     while waiting or batch:
         while waiting and len(batch) < rows:
-            batch.append(Row(*waiting.popleft(), len(batch), target))
+            batch.append(Row(*waiting.popleft(), len(batch), target, alone=rows == 1))
         ended = step(target, batch)
         for row in batch:
             result = None

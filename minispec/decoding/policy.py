@@ -8,12 +8,16 @@ guesses come in runs: lookup's copy either holds for a while or fails at once. T
 T(k) = k·t_draft + t_verify(k + 1), t_verify(w) being a target forward over w tokens, which on a CPU
 grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per second, E(k) / T(k):
 
-- t_verify(w) for every width and t_draft are timed when a (target, drafter) pair first decodes
-  (`calibrate`, the widths side by side, a straight line fitted through them), then refined from
-  every step's own wall time: no extra host sync, the step has one. Steps refit the line's level
-  and slope together (`VerifyCost`): steps at one width rescale every width at once, steps spread
-  over widths also bend it. Only a step right after one with guesses refines t_draft (after plain
-  steps a draft model first feeds every token it skipped).
+- t_verify(w) and t_draft come from the steps decoding takes anyway, each timed by its own wall time
+  (no extra host sync: the step has one). A pair this process has not decoded starts from the costs
+  its last process learnt on this machine (`profiles.py`, a file per pair); a pair never decoded
+  here takes plain steps until one is timed, then a careful line through the widths (PRIOR_SLOPE)
+  and a draft step priced by the models' sizes, and speculates from there. Steps refit the line's
+  level and slope together (`VerifyCost`): steps at one width rescale every width at once, steps
+  spread over widths also bend it. Only a step right after one with guesses refines t_draft (after
+  plain steps a draft model first feeds every token it skipped). Requests in a batch time no step
+  of their own, so a pair new to a batch is timed up front (`calibrate`), as is a draft model's step
+  on a GPU, where reading its time would be a host sync.
 - a and b are estimated from the positions the target verified, recent ones weighing more, and each
   request starts from what the pair's earlier requests saw. A drafter whose guesses cost nothing to
   preview (lookup; ngram when greedy) is checked every step, guessing or not: its preview against the
@@ -40,6 +44,7 @@ import weakref
 
 import torch
 
+from . import profiles
 from .sampling import is_integer
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
@@ -56,6 +61,12 @@ SHAPE_PRIOR = 0.1  # how firmly the widths keep the ratios of the pair's line wh
 # price guessing out for good, while a lasting change still comes through within a few steps.
 OUTLIER = 3.0
 CALIBRATION_ROUNDS = 3
+# Before any step is timed, a verify over x token positions is priced at t·(1 + PRIOR_SLOPE·(x − x₀)),
+# t being a plain step over x₀ positions: dearer than measured on CPUs here (9 tokens at about 1.25x
+# one in float32), so that a new pair starts careful; steps then refit the line (VerifyCost). A GPU's
+# forward costs about the same at these widths.
+PRIOR_SLOPE = {"cuda": 0.01}
+CPU_PRIOR_SLOPE = 0.1
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
 CONFIDENCE_BINS = 5  # how sure the drafter is of a guess, in bins of 0.2
 BIN_PRIOR = 2.0  # a bin's rate is shrunk towards a (or b) as if by this many verified guesses
@@ -69,7 +80,7 @@ class FixedGamma:
     def __init__(self, gamma):
         self.k_max = gamma
 
-    def start(self, target, drafter, prompt_ids, beams=None):
+    def start(self, target, drafter, prompt_ids, beams=None, timed=True):
         pass
 
     def guesses(self):
@@ -116,20 +127,33 @@ class PairProfile:
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
         # per bin of the drafter's confidence in a guess: decayed [accepted, verified] guesses that sure
         self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
+        self.key = None  # of the pair's file (profiles.pair_key); None: kept in this process only
 
 
 # target model -> {drafter key: PairProfile}; weak, so profiles go away with their models
 PROFILES = weakref.WeakKeyDictionary()
 
 
-def profile_for(target, drafter, beams):
+def profile_for(target, drafter, beams, k_max):
+    """The pair's profile: as this process left it, else as the last process here did, else new."""
     key = (drafter.name if drafter.model is None else id(drafter.model), beams)
-    profiles = PROFILES.setdefault(target, {})
-    profile = profiles.get(key)
+    pairs = PROFILES.setdefault(target, {})
+    profile = pairs.get(key)
     if profile is None or (drafter.model is not None and profile.model() is not drafter.model):
-        profile = profiles[key] = PairProfile()
+        profile = pairs[key] = PairProfile()
         profile.model = weakref.ref(drafter.model) if drafter.model is not None else None
+        profile.key = profiles.pair_key(target, drafter, beams, k_max)
+        stored_profile(profile)
     return profile
+
+
+def stored_profile(profile):
+    """Fill a new profile from the pair's file, if there is one (tests replace this)."""
+    profiles.load(profile.key, profile)
+
+
+def weight_bytes(model):
+    return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
 
 
 def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
@@ -251,14 +275,24 @@ class AdaptiveGamma:
     def __init__(self, k_max):
         self.k_max = k_max
 
-    def start(self, target, drafter, prompt_ids, beams=None):
+    def start(self, target, drafter, prompt_ids, beams=None, timed=True):
         """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
-        hypotheses and whose draft steps each extend u."""
-        profile = profile_for(target, drafter, beams)
-        if profile.t_verify is None or len(profile.t_verify) < self.k_max + 2:
-            calibrate(profile, target, drafter, prompt_ids[0, -1], self.k_max, beams)
+        hypotheses and whose draft steps each extend u. timed: whether its steps will be timed (not
+        in a batch, whose steps are shared)."""
+        profile = profile_for(target, drafter, beams, self.k_max)
+        token = prompt_ids[0, -1]
+        if profile.t_verify is None and not timed:
+            calibrate(profile, target, drafter, token, self.k_max, beams)
         # On a GPU, reading a draft model's time or its confidence in a guess would be a host sync.
         on_host = drafter.model is None or drafter.model.device.type == "cpu"
+        if profile.t_draft is None and drafter.model is not None and not on_host:
+            w, u = beams or (1, 0)
+            forward = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
+            profile.t_draft = fastest({"draft": forward}, drafter.model.device)["draft"]
+        w, u = beams or (1, 0)
+        self.positions = [max(w + u * k, 1) * (k + 1) for k in range(self.k_max + 1)]  # of each verify
+        self.prior_slope = PRIOR_SLOPE.get(target.device.type, CPU_PRIOR_SLOPE)
+        self.draft_ratio = weight_bytes(drafter.model) / weight_bytes(target) if drafter.model is not None else 0.0
         early_stop = drafter.model is not None and on_host and beams is None
         preview = drafter.preview if beams is None else None
         self.begin(profile, early_stop=early_stop, measure_draft=on_host, preview=preview)
@@ -269,8 +303,8 @@ class AdaptiveGamma:
         model on a CPU). preview(k), if given, returns the drafter's next k guesses without making
         them, and its confidence in each (two lists, empty for none)."""
         self.profile = profile
-        self.verify = VerifyCost(profile.t_verify)
-        self.t_draft = profile.t_draft
+        self.verify = None if profile.t_verify is None else VerifyCost(profile.t_verify)  # None: nothing timed
+        self.t_draft = profile.t_draft  # None: nothing timed
         self.measure_draft = measure_draft
         self.preview, self.previewed = preview, None
         self.first = Rate(profile.first, PRIOR_WEIGHT)
@@ -303,6 +337,9 @@ class AdaptiveGamma:
         return (accepted + BIN_PRIOR * prior) / (verified + BIN_PRIOR)
 
     def guesses(self):
+        if self.verify is None:  # a new pair: plain steps until one is timed
+            self.previewed, self.confidences = self.preview(self.k_max) if self.preview else (None, [])
+            return 0
         if self.preview is not None:  # checked every step: no probes needed
             self.previewed, self.confidences = self.preview(self.k_max)
             return self.best_for(self.confidences)
@@ -389,10 +426,22 @@ class AdaptiveGamma:
         regular, self.guessed_last_step = self.guessed_last_step, k > 0
         if step_seconds is None:
             return
+        if self.verify is None:  # the pair's first timed step, a plain one
+            self.first_timing(step_seconds)
+            return
         if k and self.measure_draft and regular:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
         self.verify.add(k + 1, verify)
+
+    def first_timing(self, seconds):
+        """A new pair's first timed step, a plain one, took `seconds`: the verify line through it at
+        the careful prior slope, and a draft step at the models' size ratio (a host drafter's is
+        measured on its first steps with guesses: refined takes the first as it is)."""
+        x0 = self.positions[0]
+        self.verify = VerifyCost([0.0] + [seconds * (1 + self.prior_slope * (x - x0)) for x in self.positions])
+        if self.t_draft is None:
+            self.t_draft = self.draft_ratio * seconds
 
     def finish(self):
         """Keep what this request learnt for the pair's next one; the statistics to report."""
@@ -403,8 +452,10 @@ class AdaptiveGamma:
         if later_verified:
             prior = profile.first if profile.later is None else profile.later
             profile.later = (later_accepted + prior * HISTORY_WEIGHT) / (later_verified + HISTORY_WEIGHT)
-        profile.t_verify = self.verify.line()
-        profile.t_draft = self.t_draft
+        if self.verify is not None:
+            profile.t_verify = self.verify.line()
+            profile.t_draft = self.t_draft
+        profiles.save(profile.key, profile)
         steps = sum(self.histogram)
         return {
             "gamma": "auto",
@@ -414,7 +465,7 @@ class AdaptiveGamma:
             "acceptance_by_confidence": [accepted / verified if verified else None
                                          for accepted, verified in self.confidence],
             "cost_model": {"t_draft": self.t_draft,
-                           "t_verify": {w: self.verify(w) for w in range(1, self.k_max + 2)}},
+                           "t_verify": {w: self.verify(w) if self.verify else None for w in range(1, self.k_max + 2)}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,
         }
 

@@ -11,6 +11,7 @@ gives its own, as they are.
 """
 
 import ctypes
+import hashlib
 from pathlib import Path
 
 import torch
@@ -152,9 +153,22 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         release_freed_memory()
     model = pack_linears(model.to(device=device).eval().requires_grad_(False))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
+    model.fingerprint = fingerprint(directory, quantize, group_size)
     attach_special_tokens(model, hf_config)
     model.tokenizer = load_tokenizer(directory, model_type)
     return model.compile() if compile else model
+
+
+def fingerprint(directory, quantize, group_size):
+    """The checkpoint as it is on disk (its folder, and each file's name, size and modification time)
+    and as it was quantized at load: what gamma="auto"'s stored costs are kept for (decoding.profiles)."""
+    directory = Path(directory).resolve()
+    digest = hashlib.sha256(f"{directory}|{quantize}|{group_size if quantize else ''}".encode())
+    for file in sorted(directory.iterdir()):
+        if file.is_file():
+            stat = file.stat()
+            digest.update(f"|{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:20]
 
 
 def release_freed_memory():

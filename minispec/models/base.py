@@ -130,6 +130,7 @@ class CachedLM(nn.Module):
         self.eos_token_ids = ()
         self.pad_token_id = None
         self.name = type(self).__name__
+        self.fingerprint = None  # set by the loader: the checkpoint's files (minispec.decoding.profiles)
         self.compiled_forward = None  # set by compile()
         self.busy = None  # the thread whose generate() call is using the model and its caches (api.exclusive)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes

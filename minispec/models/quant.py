@@ -355,6 +355,7 @@ def quantized_copy(model, mode, group_size=DEFAULT_GROUP_SIZE):
     copy.requires_grad_(False).eval()
     quantize_model(copy, mode, group_size, dtype=model.dtype, device=model.device)
     copy.name = f"{model.name} ({mode})"
+    copy.fingerprint = model.fingerprint and f"{model.fingerprint} {mode} {group_size}"
     copy.tokenizer, copy.bos_token_id, copy.eos_token_ids, copy.pad_token_id = (
         model.tokenizer, model.bos_token_id, model.eos_token_ids, model.pad_token_id)
     return copy.compile() if model.compiled_forward is not None else copy

@@ -1,0 +1,105 @@
+"""What gamma="auto" learns about a (target, drafter) pair on this machine, kept on disk between
+processes: each run.py call is a fresh process, and without this every one would start from nothing.
+
+One small JSON file a pair, in the folder MINISPEC_PROFILES names (default: `profiles/` in the weights
+folder; "off" keeps nothing), named by a hash of everything the costs depend on: both models'
+checkpoints (their files' paths, sizes and times) and quantization, dtype, device, compilation, the
+thread count, torch's version, the drafter and the beam shape. A changed checkpoint or setting is then
+another file. Files are written whole (a temporary file renamed over the old one), so a killed process
+leaves the last complete one; a file that cannot be read is ignored, with a note on stderr.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..loading.builtin import weights_dir
+
+VERSION = 1  # of the files' contents; files of another version are ignored
+FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence")
+
+
+def folder():
+    """Where profiles live, or None when they are not to be kept."""
+    setting = os.environ.get("MINISPEC_PROFILES")
+    if setting == "off":
+        return None
+    return Path(setting).expanduser() if setting else weights_dir() / "profiles"
+
+
+def identity(model):
+    """What a model's costs depend on besides its checkpoint (model.fingerprint, set by the loader)."""
+    device = model.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {"checkpoint": model.fingerprint, "dtype": str(model.dtype).removeprefix("torch."), "device": name,
+            "compiled": model.compiled_forward is not None}
+
+
+def pair_key(target, drafter, beams, k_max):
+    """The key of a pair's file (a dict), or None for models loaded otherwise than from a checkpoint."""
+    draft = drafter.model
+    if target.fingerprint is None or (draft is not None and draft.fingerprint is None):
+        return None
+    return {"version": VERSION, "target": identity(target),
+            "draft": identity(draft) if draft is not None else drafter.name, "beams": beams, "k_max": k_max,
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def path_of(key):
+    where = folder()
+    if where is None or key is None:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return where / f"{digest}.json"
+
+
+def load(key, profile):
+    """Fill `profile` (a policy.PairProfile) from the pair's file; returns whether there was one."""
+    path = path_of(key)
+    if path is None or not path.is_file():
+        return False
+    try:
+        stored = json.loads(path.read_text())
+        if stored["key"] != json.loads(json.dumps(key)):  # JSON's lists for tuples
+            raise ValueError("written for another pair")
+        values = {name: stored["profile"][name] for name in FIELDS}
+        if len(values["t_verify"]) != key["k_max"] + 2 or len(values["confidence"]) != len(profile.confidence):
+            raise ValueError("of another shape")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"minispec: ignoring the stored costs {path}: {error}", file=sys.stderr)
+        return False
+    for name, value in values.items():
+        setattr(profile, name, value)
+    return True
+
+
+def save(key, profile):
+    """Write the pair's file whole, replacing the last; a folder that cannot be written is noted once."""
+    global unwritable
+    path = path_of(key)
+    if path is None:
+        return
+    text = json.dumps({"key": key, "profile": {name: getattr(profile, name) for name in FIELDS}})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w") as f:
+                f.write(text)
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except OSError as error:
+        if not unwritable:
+            print(f"minispec: cannot keep gamma='auto' costs in {path.parent}: {error.strerror or error}",
+                  file=sys.stderr)
+        unwritable = True
+
+
+unwritable = False  # noted once a process
