@@ -13,8 +13,9 @@ import torch
 from conftest import save_reference, target_and_drafts
 
 import minispec
-from minispec.decoding.beam import trie_rows
-from minispec.decoding.policy import BEAM_GAMMA_MAX
+from minispec.decoding.beam import speculative_beam_search, trie_rows
+from minispec.decoding.drafters import ModelDrafter
+from minispec.decoding.policy import BEAM_GAMMA_MAX, FixedGamma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import run  # noqa: E402
@@ -130,6 +131,41 @@ def test_auto_gamma_drafts_long_when_the_draft_agrees_and_not_at_all_when_it_doe
     assert histogram[BEAM_GAMMA_MAX] >= 0.8 * sum(histogram) and same.stats["target_calls"] <= 24 // 4
     histogram = other.stats["guesses_histogram"]
     assert other.stats["acceptance_rate"] < 0.1 and histogram[0] > sum(histogram[1:])
+
+
+class PlainFirst(FixedGamma):
+    """`plain` plain beam steps, then γ guessed ones."""
+
+    def __init__(self, plain, gamma):
+        super().__init__(gamma)
+        self.plain = plain
+
+    def guesses(self):
+        self.plain -= 1
+        return 0 if self.plain >= 0 else self.k_max
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5_v1_1"])
+def test_the_draft_and_the_rows_for_guesses_wait_for_the_first_guesses(models, kind):
+    """Speculative beam search runs the draft, and allocates a row for every leaf, only once the policy
+    first guesses ("auto" on a CPU may never): caches too small for the guesses grow mid-request and are
+    refilled, with plain beam search's result; a request that never guesses never runs the draft."""
+    target, draft = models[kind]["target"], models[kind]["noisy"]
+    plain = beam_search(target, 4)
+    prompt = torch.tensor([PROMPT])
+    for plain_steps, gamma in ((NEW_TOKENS, 2), (3, 2)):
+        target.setup_caches(4, 64)
+        draft.setup_caches(1, 64)
+        encoded = draft.encoder_calls
+        finished, stats = speculative_beam_search(target, ModelDrafter(draft), target.encode(prompt), prompt, 4, 8,
+                                                  PlainFirst(plain_steps, gamma), NEW_TOKENS, ())
+        assert [sequence for _, sequence in finished] == plain.sequences
+        if plain_steps == NEW_TOKENS:  # never guessed
+            assert stats["draft_calls"] == 0 and draft.encoder_calls == encoded and draft.cache_batch_size == 1
+            assert target.cache_batch_size == 4 and stats["target_calls"] == plain.stats["target_calls"]
+        else:
+            assert stats["draft_calls"] > 0 and target.cache_batch_size >= 4 + 8 * gamma
+            assert stats["target_calls"] < plain.stats["target_calls"]
 
 
 def test_width_one_is_greedy(models):

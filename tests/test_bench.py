@@ -6,6 +6,7 @@ The tiny checkpoints have no tokenizer files, so prompts are given as token ids.
 import inspect
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference
 
 import minispec
-from minispec.bench import benchmarks, memory, theory, timing
+from minispec.bench import benchmarks, memory, oneshot, theory, timing
 from minispec.bench import cli as bench_cli
 from minispec.decoding import drafters
 from minispec.models import kernels
@@ -396,7 +397,8 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--device", "tpu9"], "device 'tpu9' is not a torch device"),
     (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["--beams", "0"], "--beams must be >= 1"),
-    (["--beams", "2", "--batch-sizes", "2"], "--batch-sizes and --beams are separate benchmarks"),
+    (["--beams", "2", "--batch-sizes", "2"], "--batch-sizes is a benchmark of its own"),
+    (["--one-shot", "--batch-sizes", "2"], "--batch-sizes is a benchmark of its own"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]
@@ -430,3 +432,26 @@ def test_compile_flag(dirs, tmp_path, capsys):
                           "--gamma", "1", "--repeats", "1", "--prompt-ids", ",".join(map(str, PROMPTS[0])))
     assert result["settings"]["compile"] is True
     assert result["rows"][0]["identical_to_autoregressive"] is True
+
+
+def test_one_shot_runs_each_request_in_a_fresh_process(dirs, tmp_path, capsys, monkeypatch):
+    """--one-shot: every request its own process, plain and each --gamma, same outputs; auto's first
+    run starts from an empty profiles folder and its later runs from what the first one kept."""
+    runs = []
+    in_fresh_process = oneshot.in_fresh_process
+    monkeypatch.setattr(oneshot, "in_fresh_process", lambda spec, env: runs.append(
+        (spec, env["MINISPEC_PROFILES"], sorted(os.listdir(env["MINISPEC_PROFILES"])))) or in_fresh_process(spec, env))
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--one-shot",
+                              "--gamma", "auto", "2", "--repeats", "2", *PROMPT_FLAGS[:2])
+    assert len(runs) == 2 * 3  # rounds x (plain, auto, 2), for one prompt
+    assert [spec["gamma"] for spec, _, _ in runs[:3]] == [None, "auto", 2]
+    assert [spec["draft"] for spec, _, _ in runs[:3]] == [None, "lookup", "lookup"]
+    assert runs[1][2] == [] and len(runs[4][2]) == 1  # auto: nothing kept before its first run, a file after
+    assert len({folder for _, folder, _ in runs}) == 1 and not os.path.exists(runs[0][1])  # the bench's own, removed
+    rows = result["one_shot"]
+    assert len(rows) == 1
+    for row in rows:
+        assert row["plain_seconds"] > 0 and row["load_seconds"] > 0
+        assert set(row["configs"]) == {"auto", "2"} and all(c["identical"] for c in row["configs"].values())
+        assert row["configs"]["auto"]["first_seconds"] > 0 and row["configs"]["auto"]["later_seconds"] > 0
+    assert "| prompt | load s | plain s | γ = auto | γ = 2 | same output |" in table and "first " in table

@@ -10,6 +10,7 @@ from ..cli import gamma_setting, token_ids
 from ..loading.weights import DTYPES
 from ..models import quant
 from .benchmarks import batch_benchmark, beam_benchmark, benchmark, sampling_of
+from .oneshot import one_shot_benchmark
 from .report import markdown_table
 
 
@@ -64,6 +65,9 @@ def parse_args(argv):
                         help="instead of the table above: beam search of width W, plain against speculative "
                              "(each --gamma) per prompt, wall clock")
     parser.add_argument("--draft-beams", type=int, metavar="U", help="the draft's beam width (default: W)")
+    parser.add_argument("--one-shot", action="store_true",
+                        help="instead of the table above: every request in a fresh process, as run.py runs it, "
+                             "plain against each --gamma (with --beams: beam search), per prompt")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.memory_tokens and args.memory_tokens <= 16:
@@ -72,8 +76,8 @@ def parse_args(argv):
         raise ValueError(f"--gamma values must be >= 1 or 'auto', got {args.gamma}")
     if args.beams is not None and args.beams < 1:
         raise ValueError(f"--beams must be >= 1, got {args.beams}")
-    if args.batch_sizes and args.beams:
-        raise ValueError("--batch-sizes and --beams are separate benchmarks: give one")
+    if args.batch_sizes and (args.beams or args.one_shot):
+        raise ValueError("--batch-sizes is a benchmark of its own: without --beams and --one-shot")
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
@@ -85,7 +89,9 @@ def parse_args(argv):
 def main(argv=None):
     try:
         args = parse_args(argv)
-        if args.batch_sizes:
+        if args.one_shot:
+            result, table = one_shot_benchmark(args)
+        elif args.batch_sizes:
             result, table = batch_benchmark(args)
         elif args.beams:
             result, table = beam_benchmark(args)

@@ -89,9 +89,19 @@ class PrefixCache:
 
     def __init__(self, model, prefix, batch_size, max_new_tokens):
         self.model, self.prefix = model, prefix  # prefix [1, p]: what the decoder starts from (model.encode)
-        model.ensure_caches(batch_size, prefix.shape[1] + max_new_tokens)
+        self.length = prefix.shape[1] + max_new_tokens
+        model.ensure_caches(batch_size, self.length)
         model.rollback(0)
         self.cached_ids = prefix.new_zeros(batch_size, 0)  # the ids at each row's cached positions
+
+    def grow(self, batch_size):
+        """Room for `batch_size` rows. Caches that must be allocated anew start empty: the next
+        logits() refill them."""
+        before = self.model.cache_batch_size, self.model.cache_max_seq_len
+        self.model.ensure_caches(batch_size, self.length)
+        if (self.model.cache_batch_size, self.model.cache_max_seq_len) != before:
+            self.model.rollback(0)
+            self.cached_ids = self.cached_ids[:, :0]
 
     def logits(self, tokens, first):
         """Generated ids [batch_size, n] -> logits [batch_size, n + 1 - first, vocab] predicting the
@@ -167,8 +177,9 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
     target forward as `policy` (minispec.policy) says, 0 being a plain beam step. Returns (finished,
     stats), finished exactly as beam_search's."""
     draft = drafter.model
-    verify = PrefixCache(target, prefix, w + u * policy.k_max, max_new_tokens)  # enough rows for every leaf
-    guess = PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
+    # Rows for every leaf, and the draft's cache, only once the policy first guesses: with "auto" on a
+    # CPU, whose wide forwards cost, a request may never guess, and should cost what plain beam search does.
+    verify, guess = PrefixCache(target, prefix, w, max_new_tokens), None
     policy.start(target, drafter, prompt_ids, beams=(w, u))
     beams, done = Beams.start(w, target.device), False
     stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "verified": 0, "accepted": 0}
@@ -176,6 +187,9 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
         started = time.perf_counter()
         n = beams.tokens.shape[1]
         k = min(policy.guesses(), max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
+        if k and guess is None:
+            verify.grow(w + u * policy.k_max)
+            guess = PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
         kept = draft_beam_search(guess, beams, u, k, stop_ids)
         drafted = time.perf_counter()
         rows, where = trie_rows(beams.tokens, kept, w + u * k)  # only as many rows as this step needs
