@@ -3,7 +3,8 @@ process learnt or allocated helps the next but what it left on disk (gamma="auto
 pair: decoding/profiles.py). Plain decoding, each --gamma (auto, fixed γ) and each prompt take turns,
 round after round. The auto runs share a profiles folder made empty for the bench, so its first round
 is a first run on this machine and the later ones are later runs. A request's time is its generate
-call's; the process start and loading the models are left out, the loading reported apart.
+call's; the process start and loading the models (a self-draft's quantized copy included) are left
+out, the loading reported apart.
 
     python -m minispec.bench --one-shot --target T --draft D --gamma auto 3 [--beams 4 --draft-beams 8]
 """
@@ -18,6 +19,7 @@ import time
 
 from ..api import generate
 from ..cli import load_target_and_draft
+from ..decoding.drafters import SELF_DRAFT_MODES, make_drafter
 from ..loading.weights import DTYPES
 from .prompts import prompt_ids_of, read_prompts
 from .report import yes_no
@@ -32,6 +34,8 @@ def run_request(spec):
     target, draft = load_target_and_draft(spec["target"], spec["draft"] or "none", spec["device"],
                                           DTYPES.get(spec["dtype"]), spec["compile"], spec["quantize"],
                                           spec["draft_quantize"] if spec["draft"] else None, spec["group_size"])
+    if draft in SELF_DRAFT_MODES:  # the target's quantized copy is made once per target: part of loading
+        make_drafter(draft, target)
     loaded = time.perf_counter() - start
     search = dict(beams=spec["beams"], draft_beams=spec["draft_beams"] if spec["draft"] else None) \
         if spec["beams"] else {}
