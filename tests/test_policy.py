@@ -432,13 +432,26 @@ def test_an_unreadable_file_is_ignored_and_replaced(pair, fresh_profiles, capsys
     minispec.generate(target, REPEATING, draft="lookup", max_new_tokens=4, ignore_eos=True)
     [path] = fresh_profiles.glob("*.json")
     good = path.read_text()
-    for bad in ("{not json", json.dumps({"key": "another", "profile": {}}), good.replace('"t_verify": [', '"t_verify": [1, ')):
+    broken = [good.replace('"t_verify": [', '"t_verify": [1, '), good.replace('"first": ', '"first": -'),
+              good.replace('"t_verify": [0.0,', '"t_verify": [NaN,')]
+    assert all(bad != good for bad in broken)
+    for bad in ("{not json", json.dumps({"key": "another", "profile": {}}), *broken):
         path.write_text(bad)
         policy.PROFILES.clear()
         out = minispec.generate(target, REPEATING, draft="lookup", max_new_tokens=4, ignore_eos=True)
         assert out.stats["guesses_histogram"][0] >= 2  # started from nothing
         assert f"minispec: ignoring the stored costs {path}" in capsys.readouterr().err
         json.loads(path.read_text())  # written again, whole
+
+
+def test_a_pair_not_timed_yet_keeps_its_rates(pair, fresh_profiles, capsys):
+    """A request too short to time a step (the prompt's forward, then one step) keeps what it saw."""
+    minispec.generate(pair["target"], REPEATING, draft="lookup", max_new_tokens=1, ignore_eos=True)
+    [path] = fresh_profiles.glob("*.json")
+    assert json.loads(path.read_text())["profile"]["t_verify"] is None
+    policy.PROFILES.clear()
+    minispec.generate(pair["target"], REPEATING, draft="lookup", max_new_tokens=8, ignore_eos=True)
+    assert "ignoring" not in capsys.readouterr().err and json.loads(path.read_text())["profile"]["t_verify"]
 
 
 def test_a_folder_that_cannot_be_written_is_noted_once(pair, fresh_profiles, capsys):

@@ -11,6 +11,7 @@ leaves the last complete one; a file that cannot be read is ignored, with a note
 
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -68,14 +69,32 @@ def load(key, profile):
         if stored["key"] != json.loads(json.dumps(key)):  # JSON's lists for tuples
             raise ValueError("written for another pair")
         values = {name: stored["profile"][name] for name in FIELDS}
-        if len(values["t_verify"]) != key["k_max"] + 2 or len(values["confidence"]) != len(profile.confidence):
-            raise ValueError("of another shape")
+        check(values, key["k_max"] + 2, len(profile.confidence))
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"minispec: ignoring the stored costs {path}: {error}", file=sys.stderr)
         return False
     for name, value in values.items():
         setattr(profile, name, value)
     return True
+
+
+def check(values, widths, bins):
+    """A file's values as the policy needs them: finite seconds, rates in [0, 1], counts >= 0."""
+    def number(x, low=0.0, high=math.inf):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high
+
+    timed = values["t_verify"] is not None  # a pair whose requests were too short to time a step: None
+    fine = (not timed or isinstance(values["t_verify"], list) and len(values["t_verify"]) == widths
+            and all(number(t, high=1e6) for t in values["t_verify"]))
+    fine = (fine and (values["t_draft"] is None or number(values["t_draft"], high=1e6))
+            and number(values["first"], high=1.0) and (values["later"] is None or number(values["later"], high=1.0))
+            and isinstance(values["plain_steps"], int) and values["plain_steps"] >= 0
+            and isinstance(values["probe_after"], int) and values["probe_after"] >= 1
+            and isinstance(values["confidence"], list) and len(values["confidence"]) == bins
+            and all(isinstance(c, list) and len(c) == 2 and number(c[1], high=1e9) and number(c[0], high=c[1])
+                    for c in values["confidence"]))
+    if not fine:
+        raise ValueError("values out of range or of another shape")
 
 
 def save(key, profile):
