@@ -13,6 +13,7 @@ import torch
 from conftest import save_reference, target_and_drafts
 
 import minispec
+from minispec.decoding import beam, policy
 from minispec.decoding.beam import speculative_beam_search, trie_rows
 from minispec.decoding.drafters import ModelDrafter
 from minispec.decoding.policy import BEAM_GAMMA_MAX, FixedGamma
@@ -166,6 +167,25 @@ def test_the_draft_and_the_rows_for_guesses_wait_for_the_first_guesses(models, k
         else:
             assert stats["draft_calls"] > 0 and target.cache_batch_size >= 4 + 8 * gamma
             assert stats["target_calls"] < plain.stats["target_calls"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5_v1_1"])
+def test_a_draft_whose_time_cannot_be_read_is_timed_first(models, kind, monkeypatch):
+    """On a GPU (pretended here) reading a draft's time would be a host sync, so "auto" times a draft
+    step before the request, for a lone request and for beam search alike, from an empty cache row
+    (whatever the draft's length pointer says); the results stay the target's."""
+    for module in (policy, beam):
+        monkeypatch.setattr(module, "reads_on_host", lambda drafter: False)
+    monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
+    target, draft = models[kind]["target"], models[kind]["noisy"]
+    greedy = minispec.generate(target, PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    draft.ensure_caches(1, 64)
+    draft.length = draft.cache_max_seq_len  # left at the end by an earlier call
+    out = minispec.generate(target, PROMPT, draft=draft, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert out.tokens == greedy.tokens and policy.PROFILES[target][id(draft), None].t_draft > 0
+    plain = beam_search(target, 4)
+    spec = beam_search(target, 4, draft=draft, draft_beams=8, gamma="auto")
+    assert spec.sequences == plain.sequences and policy.PROFILES[target][id(draft), (4, 8)].t_draft > 0
 
 
 def test_width_one_is_greedy(models):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .drafters import ModelDrafter
+from .policy import reads_on_host
 from .sampling import Sampling
 
 
@@ -179,7 +180,11 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
     draft = drafter.model
     # Rows for every leaf, and the draft's cache, only once the policy first guesses: with "auto" on a
     # CPU, whose wide forwards cost, a request may never guess, and should cost what plain beam search does.
-    verify, guess = PrefixCache(target, prefix, w, max_new_tokens), None
+    def draft_cache():
+        return PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
+
+    verify = PrefixCache(target, prefix, w, max_new_tokens)
+    guess = None if reads_on_host(drafter) else draft_cache()  # on a GPU the policy times a draft step first
     policy.start(target, drafter, prompt_ids, beams=(w, u))
     beams, done = Beams.start(w, target.device), False
     stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "verified": 0, "accepted": 0}
@@ -187,9 +192,9 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
         started = time.perf_counter()
         n = beams.tokens.shape[1]
         k = min(policy.guesses(), max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
-        if k and guess is None:
-            verify.grow(w + u * policy.k_max)
-            guess = PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
+        if k:
+            verify.grow(w + u * policy.k_max)  # allocates once; then finds room
+            guess = guess or draft_cache()
         kept = draft_beam_search(guess, beams, u, k, stop_ids)
         drafted = time.perf_counter()
         rows, where = trie_rows(beams.tokens, kept, w + u * k)  # only as many rows as this step needs

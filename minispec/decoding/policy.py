@@ -152,6 +152,12 @@ def stored_profile(profile):
     profiles.load(profile.key, profile)
 
 
+def reads_on_host(drafter):
+    """Whether a draft's time and its confidence in a guess can be read for free: not on a GPU, where
+    reading them would be a host sync."""
+    return drafter.model is None or drafter.model.device.type == "cpu"
+
+
 def weight_bytes(model):
     return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
 
@@ -280,16 +286,15 @@ class AdaptiveGamma:
         hypotheses and whose draft steps each extend u. timed: whether its steps will be timed (not
         in a batch, whose steps are shared)."""
         profile = profile_for(target, drafter, beams, self.k_max)
-        token = prompt_ids[0, -1]
+        token, (w, u) = prompt_ids[0, -1], beams or (1, 0)
         if profile.t_verify is None and not timed:
             calibrate(profile, target, drafter, token, self.k_max, beams)
-        # On a GPU, reading a draft model's time or its confidence in a guess would be a host sync.
-        on_host = drafter.model is None or drafter.model.device.type == "cpu"
-        if profile.t_draft is None and drafter.model is not None and not on_host:
-            w, u = beams or (1, 0)
+        on_host = reads_on_host(drafter)
+        if profile.t_draft is None and not on_host:
+            # The draft's cache row (each beam's) holds nothing yet: its step is timed from position 0.
+            drafter.model.rollback(0)
             forward = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
             profile.t_draft = fastest({"draft": forward}, drafter.model.device)["draft"]
-        w, u = beams or (1, 0)
         self.positions = [max(w + u * k, 1) * (k + 1) for k in range(self.k_max + 1)]  # of each verify
         self.prior_slope = PRIOR_SLOPE.get(target.device.type, CPU_PRIOR_SLOPE)
         self.draft_ratio = weight_bytes(drafter.model) / weight_bytes(target) if drafter.model is not None else 0.0
