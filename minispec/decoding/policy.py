@@ -65,8 +65,7 @@ CALIBRATION_ROUNDS = 3
 # t being a plain step over x₀ positions: dearer than measured on CPUs here (9 tokens at about 1.25x
 # one in float32), so that a new pair starts careful; steps then refit the line (VerifyCost). A GPU's
 # forward costs about the same at these widths.
-PRIOR_SLOPE = {"cuda": 0.01}
-CPU_PRIOR_SLOPE = 0.1
+PRIOR_SLOPE = {"cpu": 0.1, "cuda": 0.01}  # other devices: as on a CPU
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
 CONFIDENCE_BINS = 5  # how sure the drafter is of a guess, in bins of 0.2
 BIN_PRIOR = 2.0  # a bin's rate is shrunk towards a (or b) as if by this many verified guesses
@@ -296,7 +295,7 @@ class AdaptiveGamma:
             forward = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
             profile.t_draft = fastest({"draft": forward}, drafter.model.device)["draft"]
         self.positions = [max(w + u * k, 1) * (k + 1) for k in range(self.k_max + 1)]  # of each verify
-        self.prior_slope = PRIOR_SLOPE.get(target.device.type, CPU_PRIOR_SLOPE)
+        self.prior_slope = PRIOR_SLOPE.get(target.device.type, PRIOR_SLOPE["cpu"])
         self.draft_ratio = weight_bytes(drafter.model) / weight_bytes(target) if drafter.model is not None else 0.0
         early_stop = drafter.model is not None and on_host and beams is None
         preview = drafter.preview if beams is None else None
