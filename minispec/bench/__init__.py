@@ -15,8 +15,8 @@ Prints a markdown table and writes everything to a JSON file.
 --compare-reference runs the reference implementation (transformers, imported only then) on the same
 checkpoints and prompts: its greedy/sampled `generate` and its assisted generation, timed the same way.
 
-The package, by concern: cli.py (the command line, prompts), benchmarks.py (the three benchmarks),
-theory.py (Theorem 3.8 and section 3.5), timing.py (timing decoders and single forwards), memory.py
+The package, by concern: cli.py (the command line), prompts.py (the built-in prompts, prompts files),
+benchmarks.py (the three benchmarks in one process), theory.py (Theorem 3.8 and section 3.5), timing.py (timing decoders and single forwards), memory.py
 (bytes read per step, bandwidth, peak memory), reference.py (the reference implementation's runners),
-report.py (the markdown tables).
+oneshot.py (each request in a fresh process, as run.py runs it), report.py (the markdown tables).
 """
