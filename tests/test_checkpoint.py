@@ -81,6 +81,21 @@ def test_sharded_checkpoint(reference_dirs, tmp_path):
         load_model(sharded)
 
 
+@pytest.mark.parametrize("shard", ["../gpt2/model.safetensors", "/etc/shadow", "sub/model.safetensors", ".."])
+def test_an_index_naming_files_outside_the_checkpoint_is_refused(reference_dirs, tmp_path, shard):
+    """model.safetensors.index.json's weight_map names shards of the checkpoint's own folder: a path
+    elsewhere would load another checkpoint's weights, or probe for files that are not the model's."""
+    reference, _ = reference_dirs["gpt2"]
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="20KB")
+    index = sharded / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map[next(iter(weight_map))] = shard
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"names a shard outside its folder: {shard!r}"):
+        load_model(sharded)
+
+
 def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub_constants
 

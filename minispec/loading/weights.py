@@ -51,7 +51,12 @@ def read_weights(directory):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
-        shards = sorted(set(weight_map.values()))
+        shards = sorted(set(map(str, weight_map.values())))
+        # A shard is a file of this folder: a path elsewhere ("../other/x", "/etc/shadow") would read, or
+        # probe for, files that are not the checkpoint's.
+        outside = [shard for shard in shards if Path(shard).name != shard or shard in (".", "..")]
+        if outside:
+            raise CheckpointError(f"{index} names a shard outside its folder: {outside[0]!r}")
         files = [directory / shard for shard in shards]
     else:
         files = sorted(directory.glob("*.safetensors"))
