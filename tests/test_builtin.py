@@ -72,7 +72,7 @@ def test_weights_dir(monkeypatch, tmp_path):
 
 def test_gguf_file_converted_once(weights, tiny_gguf, monkeypatch, capsys):
     model = load_model(tiny_gguf)
-    out = weights / "Tiny-Llama.Q8_0"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
     assert sorted(p.name for p in weights.iterdir()) == [out.name]  # no staging leftovers
     assert "converting" in capsys.readouterr().err
     expected = logits(load_model(out))

@@ -304,8 +304,25 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))  # a .gguf path with quantize=: kept
     quantized = load_model(path, quantize="int4")
-    assert (tmp_path / "weights" / "model-quantized" / "config.json").is_file()
+    [kept_folder] = (tmp_path / "weights").glob("model-*-quantized")
+    assert (kept_folder / "config.json").is_file()
     assert isinstance(quantized.layers[1].feed_forward.w13, quant.Int4Linear)  # the float one, quantized
+
+
+def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkeypatch):
+    """Files of one name in two folders, and a file replaced in place, each get their own conversion:
+    the converted folder is keyed by the file's path, size and modification time, not its name."""
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    small, large = make_reference("llama"), make_reference("qwen2")
+    first = model_to_gguf(small, (tmp_path / "a").mkdir() or tmp_path / "a" / "model.gguf")
+    second = model_to_gguf(large, (tmp_path / "b").mkdir() or tmp_path / "b" / "model.gguf")
+    expected = {path: reference_logits(reference, PROMPT) for path, reference in ((first, small), (second, large))}
+    for path in (first, second, first):
+        torch.testing.assert_close(logits_of(load_model(path), PROMPT), expected[path], atol=1e-4, rtol=0)
+    model_to_gguf(large, first.with_suffix(".new"))
+    first.with_suffix(".new").replace(first)  # replaced in place: the same name and folder
+    torch.testing.assert_close(logits_of(load_model(first), PROMPT), expected[second], atol=1e-4, rtol=0)
+    assert len(list((tmp_path / "weights").iterdir())) == 3
 
 
 def logits_of(model, tokens):

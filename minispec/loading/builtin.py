@@ -65,10 +65,14 @@ def is_checkpoint(directory):
 
 
 def import_gguf(gguf_path, name=None, keep_quantized=False):
-    """The checkpoint converted from a GGUF file: weights/<name or file stem>/, converted on first use;
-    with its quantized tensors kept quantized, weights/<name or file stem>-quantized/."""
+    """The checkpoint converted from a GGUF file, converted on first use: weights/<name>/ for a
+    built-in model; for a user's file weights/<file stem>-<identity>/, the identity a hash of the
+    file's absolute path, size and modification time, so that two files of one name, or a file
+    replaced in place, never load each other's conversion. With its quantized tensors kept quantized,
+    the folder's name ends in -quantized."""
     gguf_path = Path(gguf_path).expanduser()
-    out = weights_dir() / ((name or gguf_path.stem) + ("-quantized" if keep_quantized else ""))
+    folder = name or f"{gguf_path.stem}-{file_identity(gguf_path)}"
+    out = weights_dir() / (folder + ("-quantized" if keep_quantized else ""))
     if is_checkpoint(out):
         return out
     if out.exists():
@@ -85,6 +89,11 @@ def import_gguf(gguf_path, name=None, keep_quantized=False):
         raise CheckpointError(f"cannot convert {gguf_path} into {out}: {error}") from error
     log(f"saved {out} ({size_mb(out)} MB)")
     return out
+
+
+def file_identity(path):
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
 
 
 def size_mb(directory):
