@@ -276,13 +276,12 @@ def check_supported(tensor):
         )
 
 
-def stored_blocks(tensor):
-    """Each chunk of a quantized tensor's blocks in models.quant's stored form, a row per block."""
-    _, block_bytes, bits, unpack = QUANT_TYPES[tensor.type]
+def unpacked_blocks(tensor):
+    """Each chunk of a quantized tensor's blocks unpacked: (q, scales, offsets), a row per block."""
+    _, block_bytes, _, unpack = QUANT_TYPES[tensor.type]
     blocks = tensor.data.view(-1, block_bytes)
     for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        q, scales, offsets = unpack(blocks[i:i + CHUNK_BLOCKS])
-        yield {"qweight": pack_int4(q) if bits == 4 else q.to(torch.int8), "scales": scales, "offsets": offsets}
+        yield unpack(blocks[i:i + CHUNK_BLOCKS])
 
 
 def dequantize(tensor):
@@ -290,7 +289,11 @@ def dequantize(tensor):
     check_supported(tensor)
     if tensor.type in FLOAT_TYPES:
         return tensor.data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
-    return torch.cat([quant.dequantize(parts) for parts in stored_blocks(tensor)]).view(tensor.shape)
+    block, block_bytes = QUANT_TYPES[tensor.type][:2]
+    out = torch.empty(tensor.data.numel() // block_bytes, block)  # filled chunk by chunk
+    for i, (q, scales, offsets) in zip(range(0, len(out), CHUNK_BLOCKS), unpacked_blocks(tensor)):
+        out[i:i + len(q)] = quant.dequantize({"qweight": q.to(torch.int8), "scales": scales, "offsets": offsets})
+    return out.view(tensor.shape)
 
 
 def to_smallest_dtype(values):
@@ -304,7 +307,9 @@ def stored_form(tensor):
     stored form, one row per tensor row), which `models.quant.dequantize` turns into exactly what
     `dequantize` gives. Uses integer operations on the values: nothing passes through float32 but scales."""
     check_supported(tensor)
-    chunks = list(stored_blocks(tensor))
+    int4 = QUANT_TYPES[tensor.type][2] == 4
+    chunks = [{"qweight": pack_int4(q) if int4 else q.to(torch.int8), "scales": scales, "offsets": offsets}
+              for q, scales, offsets in unpacked_blocks(tensor)]
     rows = tensor.shape[0]
     parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(rows, -1) for key in chunks[0]
              if chunks[0][key] is not None}
