@@ -178,11 +178,12 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
     target forward as `policy` (minispec.policy) says, 0 being a plain beam step. Returns (finished,
     stats), finished exactly as beam_search's."""
     draft = drafter.model
-    # Rows for every leaf, and the draft's cache, only once the policy first guesses: with "auto" on a
-    # CPU, whose wide forwards cost, a request may never guess, and should cost what plain beam search does.
+
     def draft_cache():
         return PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
 
+    # Rows for every leaf, and the draft's cache, only once the policy first guesses: with "auto" on a
+    # CPU, whose wide forwards cost, a request may never guess, and should cost what plain beam search does.
     verify = PrefixCache(target, prefix, w, max_new_tokens)
     guess = None if reads_on_host(drafter) else draft_cache()  # on a GPU the policy times a draft step first
     policy.start(target, drafter, prompt_ids, beams=(w, u))

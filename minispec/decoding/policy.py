@@ -296,7 +296,9 @@ class AdaptiveGamma:
             profile.t_draft = fastest({"draft": forward}, drafter.model.device)["draft"]
         self.positions = [max(w + u * k, 1) * (k + 1) for k in range(self.k_max + 1)]  # of each verify
         self.prior_slope = PRIOR_SLOPE.get(target.device.type, PRIOR_SLOPE["cpu"])
-        self.draft_ratio = weight_bytes(drafter.model) / weight_bytes(target) if drafter.model is not None else 0.0
+        # what a new pair's first timing prices a draft model's guess at (first_timing); others never read it
+        new_draft = profile.t_draft is None and drafter.model is not None
+        self.draft_ratio = weight_bytes(drafter.model) / weight_bytes(target) if new_draft else 0.0
         early_stop = drafter.model is not None and on_host and beams is None
         preview = drafter.preview if beams is None else None
         self.begin(profile, early_stop=early_stop, measure_draft=on_host, preview=preview)
