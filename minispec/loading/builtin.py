@@ -92,6 +92,8 @@ def import_gguf(gguf_path, name=None, keep_quantized=False):
 
 
 def file_identity(path):
+    """A short hash of a file's absolute path, size and modification time: another file, or this one
+    rewritten, gets another."""
     stat = path.stat()
     return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
 

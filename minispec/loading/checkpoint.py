@@ -160,15 +160,11 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
 
 
 def fingerprint(directory, quantize, group_size):
-    """The checkpoint as it is on disk (its folder, and each file's name, size and modification time)
+    """The checkpoint as it is on disk (each file's path, size and modification time: builtin.file_identity)
     and as it was quantized at load: what gamma="auto"'s stored costs are kept for (decoding.profiles)."""
-    directory = Path(directory).resolve()
-    digest = hashlib.sha256(f"{directory}|{quantize}|{group_size if quantize else ''}".encode())
-    for file in sorted(directory.iterdir()):
-        if file.is_file():
-            stat = file.stat()
-            digest.update(f"|{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:20]
+    files = sorted(file for file in Path(directory).iterdir() if file.is_file())
+    identities = "|".join(builtin.file_identity(file) for file in files)
+    return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}".encode()).hexdigest()[:20]
 
 
 def release_freed_memory():
