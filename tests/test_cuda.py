@@ -3,9 +3,12 @@ the tokens eager decoding gives, for plain, speculative and beam-search decoding
 their output buffers on every replay, so any logits read after a later replay would show up here.
 A speculative step must make one host sync, counted by torch's own sync debug mode. The bench's
 memory and bandwidth figures must be plausible.
-Written in a session without a GPU: they have not run yet (the first GPU session should run them).
+The CPU suite's central claims are checked again here on the GPU, whose kernels differ: greedy
+speculative decoding (every family, bfloat16 and float16) and speculative beam search equal their plain
+versions, and batched requests each get what they get alone.
 """
 
+import itertools
 import json
 import warnings
 
@@ -19,6 +22,8 @@ from conftest import make_reference, noisy_copy, save_reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
+FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
+ROWS_PROMPT = PROMPT + [29, 88, 16, 70, 45, 9, 31, 66, 24, 81, 50, 38]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ def test_bench_memory_does_not_grow_on_cuda(checkpoints, tmp_path):
     report = tmp_path / "bench.json"
     assert bench_cli.main(["--target", str(checkpoints[0]), "--draft", str(checkpoints[1]), "--device", "cuda",
                            "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "32", "--repeats", "1",
-                           "--memory-tokens", "64", "--json-out", str(report)]) == 0
+                           "--gamma", "3", "--memory-tokens", "64", "--json-out", str(report)]) == 0
     memory = json.loads(report.read_text())["memory"]
     assert memory["peak_short_bytes"] > 0 and abs(memory["growth"]) < 0.01
     assert abs(memory["kept_long_bytes"] - memory["kept_short_bytes"]) < 512
@@ -131,11 +136,88 @@ def test_bench_bandwidth_is_a_fraction_of_the_peak(checkpoint_200m, tmp_path):
     assert bandwidth["fraction_of_peak"] == pytest.approx(bandwidth["achieved_bytes_per_s"] / peak)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_row_computes_as_it_would_alone_on_cuda(reference_dirs, dtype):
-    """Row invariance on CUDA (models/kernels.py: rows padded to CUDA_ROW_BLOCK): 1-9 tokens, 1/3/4 rows."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_every_row_computes_as_it_would_alone_on_cuda(reference_dirs, kind, dtype):
+    """Row invariance on CUDA (models/kernels.py: products in blocks of CUDA_ROW_BLOCK rows): 1-9 tokens,
+    1/3/4 rows."""
     from test_rows import mismatched_rows
 
-    model = minispec.load(reference_dirs["llama_gqa"][1], device="cuda", dtype=dtype)
+    model = minispec.load(reference_dirs[kind][1], device="cuda", dtype=dtype)
     with torch.inference_mode():
         assert mismatched_rows(model) == []
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_rows_compute_as_they_would_alone_on_cuda(reference_dirs, mode):
+    from test_rows import mismatched_rows
+
+    model = minispec.load(reference_dirs["llama_gqa"][1], device="cuda", quantize=mode)
+    with torch.inference_mode():
+        assert mismatched_rows(model) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_linear_gives_each_row_what_it_gives_alone_at_a_real_size(dtype):
+    """A 1B model's down projection (K = 8192, where cuBLAS splits K differently by row count), 1 to
+    200 rows: each row bit for bit its 1-row product. Padding rows to a multiple of 16, as minispec once
+    did, fails this on an H100 (float32 from 17 rows, bfloat16 from 128)."""
+    from minispec.models import kernels
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(2048, 8192, device="cuda", generator=generator).to(dtype) / 90
+    x = torch.randn(200, 8192, device="cuda", generator=generator).to(dtype)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight, None, packed=False) for i in range(200)])
+    for rows in list(range(1, 80)) + [128, 129, 200]:
+        assert torch.equal(kernels.linear(x[:rows], weight, None, packed=False), alone[:rows]), rows
+
+
+@pytest.fixture(scope="module")
+def low_precision(tmp_path_factory):
+    """Per family and dtype: a target and a noisy copy as its draft, both on the GPU in that dtype."""
+    out = {}
+    for kind in FAMILIES:
+        reference = make_reference(kind)
+        target_dir = save_reference(reference, tmp_path_factory.mktemp(kind))
+        draft_dir = save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path_factory.mktemp("noisy"))
+        for dtype in (torch.bfloat16, torch.float16):
+            out[kind, dtype] = tuple(minispec.load(d, device="cuda", dtype=dtype) for d in (target_dir, draft_dir))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_speculative_equals_plain_greedy_on_cuda(low_precision, kind, dtype):
+    """gamma="auto" included: on a GPU it times the draft's step before the first guess."""
+    target, noisy = low_precision[kind, dtype]
+    plain = minispec.generate(target, ROWS_PROMPT, max_new_tokens=40, ignore_eos=True).tokens
+    assert len(set(plain)) >= 8
+    for draft, gamma in itertools.product([noisy, "lookup", "int8"], [1, 3, 8, "auto"]):
+        out = minispec.generate(target, ROWS_PROMPT, draft=draft, gamma=gamma, max_new_tokens=40, ignore_eos=True)
+        assert out.tokens == plain, f"{kind} {dtype} draft={getattr(draft, 'name', draft)} gamma={gamma}"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama_gqa", "t5_v1_1"])
+def test_speculative_beam_search_equals_plain_beam_search_on_cuda(low_precision, kind):
+    target, noisy = low_precision[kind, torch.bfloat16]
+    settings = {"beams": 4, "max_new_tokens": 16, "ignore_eos": True}
+    plain = minispec.generate(target, ROWS_PROMPT, **settings)
+    for gamma in (3, "auto"):
+        out = minispec.generate(target, ROWS_PROMPT, draft=noisy, draft_beams=8, gamma=gamma, **settings)
+        assert out.tokens == plain.tokens, f"{kind} gamma={gamma}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["gpt2", "llama_gqa", "t5_v1_1"])
+def test_batched_requests_each_get_what_they_get_alone_on_cuda(low_precision, kind, temperature):
+    """As tests/test_engine.py on CPU, in bfloat16: plain and with a draft model, 6 rows and 2 at a time."""
+    from test_engine import PROMPTS
+
+    target, noisy = low_precision[kind, torch.bfloat16]
+    for draft in (None, noisy):
+        settings = {"max_new_tokens": 20, "ignore_eos": True, "temperature": temperature, "seed": 3,
+                    "draft": draft, "gamma": 3}
+        alone = [minispec.generate(target, prompt, **settings).tokens for prompt in PROMPTS]
+        for batch_size in (None, 2):
+            together = minispec.generate(target, PROMPTS, batch_size=batch_size, **settings)
+            assert [out.tokens for out in together] == alone, f"draft={draft is not None} batch_size={batch_size}"

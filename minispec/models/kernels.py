@@ -63,21 +63,30 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-# On CUDA, cuBLAS picks a GEMM kernel (tiles, split-K) by shape, so a 1-row and a 9-row product may sum
-# the same row in different orders. Rows padded to a multiple of this give every decode and verify
-# forward of up to 16 rows one shape, hence one kernel. (Written without a GPU at hand; tests/test_cuda.py
-# checks it where one is.)
-CUDA_ROW_BLOCK = 16
+# On CUDA, cuBLAS picks a GEMM kernel (tile shape, split-K) by the number of rows, so a row's sums depend
+# on how many rows share its product. Seen on an H100 (docs/performance.md, "GPU"): float32 products of
+# 16 and 17+ rows differ, and bfloat16 ones of 64 and 65+ rows when K is 8192, so no padding to a multiple
+# keeps one kernel. Every CUDA product is therefore made of products of exactly CUDA_ROW_BLOCK rows (the
+# last block padded): one kernel for any width. 64 rows cost a bfloat16 decode step what 1 row costs,
+# since it is bound by reading the weight; a long prompt's prefill pays one weight read per 64 tokens.
+CUDA_ROW_BLOCK = 64
 
 
 def linear(x, weight, bias, packed):
     if packed:
         return packed_linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    if x.is_cuda and rows % CUDA_ROW_BLOCK:
-        padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % CUDA_ROW_BLOCK))
-        return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
+    if x.is_cuda:
+        return in_row_blocks(lambda rows: F.linear(rows, weight, bias), x)
     return F.linear(x, weight, bias)
+
+
+def in_row_blocks(product, x):
+    """product(rows) of x [..., K], with every call taking exactly CUDA_ROW_BLOCK rows."""
+    rows = x.numel() // x.shape[-1]
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % CUDA_ROW_BLOCK))
+    out = torch.cat([product(block) for block in flat.split(CUDA_ROW_BLOCK)]) if rows > CUDA_ROW_BLOCK \
+        else product(flat)
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def can_pack(dtype, device):
@@ -101,8 +110,10 @@ def can_pack_on_cpu(dtype):
 # score and value matmuls through BLAS, whose kernels take rows in blocks of 4 and compute a partial block
 # (1-3 rows: a 1-token decode step) in another order, so a token's numbers would depend on how many
 # tokens share its forward. Full blocks give every row the same arithmetic (docs/design.md, "Row
-# invariance"; tests/test_rows.py guards it). Costs a few zero rows of q.
+# invariance"; tests/test_rows.py guards it). Costs a few zero rows of q. On CUDA, SDPA padded to 16
+# rows kept every row's numbers for 1 to 64 rows on an H100 (tests/test_cuda.py guards it).
 ATTENTION_ROW_BLOCK = 4
+CUDA_ATTENTION_ROW_BLOCK = 16
 
 
 def attend(q, k, v, mask, scale=None):
@@ -111,7 +122,7 @@ def attend(q, k, v, mask, scale=None):
     rows = q.shape[-2]
     if mask.dim() == 3:  # [batch, rows, s]: a mask per batch row, the same for every head
         mask = mask.unsqueeze(1)
-    pad = -rows % (CUDA_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
+    pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
     if pad:
         q = F.pad(q, (0, 0, 0, pad))
         if mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
