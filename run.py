@@ -8,6 +8,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -92,6 +93,10 @@ def parse_args(argv=None):
     parser.add_argument("--stop-token-ids", type=token_ids, metavar="IDS",
                         help="comma-separated token ids that end the output as EOS does")
     parser.add_argument("--system", metavar="TEXT", help="a system prompt before --prompt in the chat template")
+    parser.add_argument("--special-tokens-in-prompt", action="store_true",
+                        help="with --chat: read special tokens' text typed in --prompt and --system (<|im_end|>) as "
+                             "those tokens, as the reference implementation does (default: plain text, so a "
+                             "prompt cannot end its turn and write others')")
     parser.add_argument("--beams", type=int, default=1,
                         help="beam search of this width w (1: no beam search); with --draft, speculative beam "
                              "search (paper A.4) with the same result")
@@ -126,20 +131,27 @@ class TokenIds:
         return ""
 
 
+def segment_pieces(segments, text):
+    """Trace segments (Generation.trace, or a stream chunk's) as (text, kind) pieces. `text` (an
+    IncrementalDecoder, or TokenIds) decodes the output as it grows, so a character split between
+    segments comes out whole; rejected guesses are decoded on their own, since they are not part of
+    the output."""
+    return [(text.decode(ids) if kind == "rejected" else text.push(ids), kind) for ids, kind in segments]
+
+
+def render_pieces(pieces, colour):
+    """Pieces coloured like Figure 1, or, without colour, each rejected guess as [~text~]."""
+    out = []
+    for piece, kind in pieces:
+        if colour:
+            out.append(COLOURS[kind] + piece + RESET if piece else piece)
+        else:
+            out.append(f"[~{piece}~]" if kind == "rejected" else piece)
+    return "".join(out)
+
+
 def render_segments(segments, text, colour):
-    """Trace segments (Generation.trace, or a stream chunk's) as text, coloured like Figure 1, or, without
-    colour, each rejected guess as [~text~]. `text` (an IncrementalDecoder, or TokenIds) decodes the output
-    as it grows, so a character split between segments comes out whole; rejected guesses are decoded on
-    their own, since they are not part of the output."""
-    pieces = []
-    for ids, kind in segments:
-        if kind == "rejected":
-            rejected = text.decode(ids)
-            pieces.append(COLOURS[kind] + rejected + RESET if colour else f"[~{rejected}~]")
-            continue
-        piece = text.push(ids)
-        pieces.append(COLOURS[kind] + piece + RESET if colour and piece else piece)
-    return "".join(pieces)
+    return render_pieces(segment_pieces(segments, text), colour)
 
 
 def render_trace(trace, text, colour):
@@ -147,14 +159,38 @@ def render_trace(trace, text, colour):
     return render_segments(trace, text, colour) + text.flush()
 
 
-def print_stream(chunks, tokenizer, show):
+def until_stop(pieces, stops):
+    """The pieces up to where the output's first stop string begins."""
+    output = "".join(piece for piece, kind in pieces if kind != "rejected")
+    found = [i for i in (output.find(stop) for stop in stops) if i >= 0]
+    if not found:
+        return pieces
+    end, kept, length = min(found), [], 0
+    for piece, kind in pieces:
+        if length >= end:
+            break
+        if kind != "rejected":
+            piece = piece[:end - length]
+            length += len(piece)
+        kept.append((piece, kind))
+    return kept
+
+
+def print_stream(chunks, tokenizer, show, stops=None):
     """Print each chunk of minispec.stream as it comes: the text, or with --show each step coloured like
-    Figure 1 (special tokens included: they mark the end of an answer). Returns the Generation."""
+    Figure 1 (special tokens included: they mark the end of an answer). With --show and stop strings the
+    output is printed whole at its end, up to the stop string: a step's text may begin one that only a
+    later step completes. Returns the Generation."""
     colour = show and sys.stdout.isatty()
     if tokenizer is None:
         text = TokenIds(" " if show else ",")
     else:
         text = IncrementalDecoder(tokenizer, skip_special_tokens=False) if show else None
+    if show and stops:
+        generation = next(chunk.generation for chunk in chunks if chunk.generation is not None)
+        pieces = segment_pieces(generation.trace, text) + [(text.flush(), "target")]
+        print(render_pieces(until_stop(pieces, stops), colour), flush=True)
+        return generation
     for chunk in chunks:
         if show:
             piece = render_segments(chunk.segments, text, colour)
@@ -180,7 +216,8 @@ def prompts_for(args, target):
             raise ValueError("--chat needs the prompts as text")
         return texts, False
     chat = chat_setting(args, target)
-    return [chat_prompt(target.tokenizer, text, args.system) if chat else text for text in texts], chat
+    return [chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt) if chat else text
+            for text in texts], chat
 
 
 def chat_setting(args, target):
@@ -231,6 +268,30 @@ def print_batch(args, target, prompts, draft, settings, chat):
     return 0
 
 
+def check_flags(args):
+    minispec.Sampling(args.temperature, args.top_k, args.top_p)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cpus:
+        raise ValueError(f"--threads must be between 1 and this machine's {cpus} CPUs, got {args.threads}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    several = len(args.prompt or []) > 1 or args.prompts_file is not None
+    if several and (args.show or args.compare):
+        raise ValueError("--show and --compare take one prompt (--prompt once)")
+    for flag, texts in (("--prompt", args.prompt), ("--stop", args.stop), ("--system", [args.system])):
+        for text in texts or ():
+            check_text(flag, text)
+
+
+def check_text(flag, text):
+    """Text from the command line that is not UTF-8 reaches Python as lone surrogates (PEP 383)."""
+    try:
+        text and text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{flag} is not UTF-8 text: byte {ord(text[error.start]) - 0xDC00:#04x} at character "
+                         f"{error.start}") from None
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv or DEFAULT_ARGS)
@@ -240,10 +301,8 @@ def main(argv=None):
                     stop_token_ids=args.stop_token_ids)
     baseline_settings = {**settings, "draft_beams": None}
     try:
-        minispec.Sampling(args.temperature, args.top_k, args.top_p)  # bad flags fail before loading weights
+        check_flags(args)  # bad flags fail before loading weights
         if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
         target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
                                               args.compile, args.quantize, args.draft_quantize, args.group_size)
@@ -259,7 +318,8 @@ def main(argv=None):
         if args.json:
             out = minispec.generate(target, prompt, draft=draft, **settings)
         else:  # tokens printed as they come
-            out = print_stream(minispec.stream(target, prompt, draft=draft, **settings), target.tokenizer, args.show)
+            out = print_stream(minispec.stream(target, prompt, draft=draft, **settings), target.tokenizer, args.show,
+                                   args.stop)
         baseline = minispec.generate(target, prompt, **baseline_settings) if args.compare else None
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
         print(f"error: {error}", file=sys.stderr)

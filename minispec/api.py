@@ -33,11 +33,22 @@ class Generation:
 
 
 def prompt_tensor(model, prompt):
-    """A prompt given as text, a list of ids or a tensor -> LongTensor [1, n] on the model's device."""
+    """A prompt given as text, a list of ids or a 1-D tensor of them -> LongTensor [1, n] on the model's
+    device."""
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise ValueError(f"{model.name} has no tokenizer files; pass the prompt as token ids")
         prompt = model.tokenizer.encode(prompt)
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ValueError(f"a prompt tensor must be 1-D token ids of an integer dtype, got shape "
+                             f"{tuple(prompt.shape)} and {prompt.dtype} (a batch is a list of prompts)")
+    elif isinstance(prompt, (list, tuple)):
+        wrong = next((token for token in prompt if not is_integer(token)), None)
+        if wrong is not None:
+            raise ValueError(f"prompt token ids must be integers, got {wrong!r}")
+    else:
+        raise ValueError(f"a prompt is a text, a list of token ids or a 1-D tensor of them, got {type(prompt).__name__}")
     ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).reshape(1, -1)
     if ids.numel() == 0:
         raise ValueError("the prompt is empty")
@@ -100,6 +111,15 @@ class Settings:
         if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         Sampling(self.temperature, self.top_k, self.top_p)  # checks them
+        if not (is_integer(self.beams) and self.beams >= 1):
+            raise ValueError(f"beams (the beam width w) must be an integer >= 1, got {self.beams!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if self.drafting:
             make_policy(self.gamma)  # checks gamma
             if not (isinstance(self.lenience, (int, float)) and 0 < self.lenience <= 1):
@@ -181,19 +201,21 @@ def check_fits(model, prefix_length, max_new_tokens, role="target"):
         )
 
 
-def check_memory(model, rows, max_seq_len, requests=1):
-    """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions do not
-    fit in free memory (beyond what the model's caches take already)."""
-    if rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len:
-        return  # the caches have room already
+def check_memory(model, rows, max_seq_len, requests=1, working=0):
+    """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
+    `working` bytes of temporaries beside them) do not fit in free memory (beyond what the model's
+    caches take already)."""
+    fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
-    per_row = per_position * model.cache_length_for(max_seq_len)
-    held = per_position * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
-    free = available_memory(model.device)
-    if free is None or rows * per_row <= free + held:
+    per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
+    held = 0 if fits else per_position * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
+    if not rows * per_row + working:
         return
-    need = (f"{rows * per_row / 2**30:.1f} GiB of KV cache ({per_row / 2**20:.0f} MiB per row of {max_seq_len} "
-            "positions)")
+    free = available_memory(model.device)
+    if free is None or rows * per_row + working <= free + held:
+        return
+    need = (f"{(rows * per_row + working) / 2**30:.1f} GiB of KV cache and working memory "
+            f"({per_row / 2**20:.0f} MiB of cache per row of {max_seq_len} positions)")
     if requests > 1:
         raise ValueError(f"a batch of {rows} requests needs {need}, more than the {free / 2**30:.1f} GiB free; "
                          f"at most {free // per_row} fit: pass batch_size=")
@@ -266,7 +288,7 @@ def search(request):
     # Scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
     rows = request.beams + request.draft_beams * request.policy.k_max if drafter else request.beams
     longest = prefix.shape[1] + request.max_new_tokens
-    check_memory(target, rows, longest)
+    check_memory(target, rows, longest, working=beam.working_bytes(rows, longest, target.vocab_size))
     if drafter:
         check_memory(drafter.model, request.draft_beams, request.decoder_length(drafter.model) + request.max_new_tokens)
     sequences, scores, stats = beam.search(target, prefix, drafter, request.prompt_ids, request.beams,
@@ -337,8 +359,8 @@ def naming_prompt(i):
 
 
 def is_batch(prompt):
-    """A list of texts or of token lists is a batch; a list of ints is one prompt."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], int)
+    """A list of texts, token lists or tensors is a batch; any other list is one prompt's ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
 
 
 @dataclass

@@ -42,6 +42,10 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
                               group_size=group_size)
 
 
+def is_token_id(value):
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is not token 1
+
+
 def read_prompts_file(path, flag):
     """A prompts file, as both command lines read it (`flag` names their option in errors): JSON lines
     when every line parses as a string or a list of token ids, else one text prompt a line."""
@@ -49,14 +53,15 @@ def read_prompts_file(path, flag):
         lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     except OSError as error:
         raise ValueError(f"{flag} {path}: {error.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{flag} {path}: not UTF-8 text") from None
+    except UnicodeDecodeError as error:
+        line = error.object[:error.start].count(b"\n") + 1
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {error.object[error.start]:#04x} on line {line})") from None
     if not lines:
         raise ValueError(f"{flag} {path} holds no prompt")
     try:
         prompts = [json.loads(line) for line in lines]
     except json.JSONDecodeError:
         return lines
-    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+    if not all(isinstance(p, str) or isinstance(p, list) and all(is_token_id(t) for t in p) for p in prompts):
         raise ValueError(f"{flag} {path}: a JSON line must be a string or a list of token ids")
     return prompts

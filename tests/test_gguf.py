@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, TokenType, quants
+from gguf import GGUFValueType, GGUFWriter, TokenType, quants
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -144,8 +144,9 @@ def llama3_rope_freqs(head_dim, theta, scaling):
     return np.array(out, dtype=np.float32)
 
 
-def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=()):
-    """Write a transformers llama/qwen2 model like llama.cpp does; `vocab` adds tokenizer metadata."""
+def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=(), metadata=()):
+    """Write a transformers llama/qwen2 model like llama.cpp does; `vocab` adds tokenizer metadata,
+    `metadata` ({key: (value, GGUFValueType)}) replaces or adds values last."""
     config, arch = model.config, model.config.model_type
     theta = config.rope_parameters["rope_theta"]
     head_dim = config.hidden_size // config.num_attention_heads
@@ -188,6 +189,11 @@ def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=()):
         else:
             writer.add_bos_token_id(config.bos_token_id)
             writer.add_eos_token_id(config.eos_token_id)
+        for key, (value, value_type) in dict(metadata).items():
+            if value_type == GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, value_type)
 
     return write_gguf(path, arch, tensors, setup)
 
@@ -204,7 +210,7 @@ PROMPT = [1, 5, 17, 42, 3, 88, 64, 9, 30, 71]
 def test_f32_model_matches_transformers(kind, tmp_path):
     reference = make_reference(kind)
     out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "conversion-complete", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == reference.config.model_type
     assert config["tie_word_embeddings"] == reference.config.tie_word_embeddings
@@ -475,8 +481,9 @@ def good_file(tmp_path_factory):
 
 
 def assert_converts_to_error(path, out, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         convert_gguf(path, out, progress=False)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
     assert not out.exists()
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []  # no staging leftovers
 
@@ -533,6 +540,117 @@ def test_sentencepiece_vocab_not_supported(tmp_path):
     assert_converts_to_error(path, tmp_path / "out", "SentencePiece .* not supported yet")
 
 
+U32, I32, F32, STR, ARR = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32,
+                           GGUFValueType.STRING, GGUFValueType.ARRAY)
+VOCAB = 96  # the tiny llama's
+
+
+def byte_vocab(writer):
+    """A byte-level BPE vocabulary of the tiny llama's size."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_token_types([TokenType.NORMAL] * VOCAB)
+    writer.add_eos_token_id(2)
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"llama.attention.head_count": (0, U32)}, "llama.attention.head_count is 0, expected a positive integer"),
+    ({"llama.embedding_length": ("32", STR)}, "llama.embedding_length is '32', expected a positive integer"),
+    ({"llama.block_count": (True, GGUFValueType.BOOL)}, "llama.block_count is True, expected a positive integer"),
+    ({"llama.attention.layer_norm_rms_epsilon": (math.nan, F32)}, "epsilon is nan, expected a positive finite"),
+    ({"llama.rope.freq_base": ([1.0], ARR)}, r"rope.freq_base is \[1.0\], expected a positive finite number"),
+    ({"general.architecture": (["llama"], ARR)}, r"general.architecture is \['llama'\], expected a string"),
+    # Bounded by the blocks the file holds, not trusted: 2^31 - 1 blocks converted, then hung at load.
+    ({"llama.block_count": (2**31 - 1, U32)}, "block_count is 2147483647, but the file holds tensors of 2 blocks"),
+    ({"llama.block_count": (1, U32)}, "block_count is 1, but the file holds tensors of 2 blocks, numbered up to 1"),
+    ({"llama.feed_forward_length": (48, U32)}, r"'blk.0.ffn_gate.weight' has shape \(64, 32\), but the metadata implies \(48, 32\)"),
+    ({"llama.attention.head_count_kv": (3, U32)}, "head_count 4 is not a multiple of llama.attention.head_count_kv 3"),
+    ({"llama.attention.head_count": (32, U32)}, "attention heads of 1 dimensions; rotary embeddings need a positive even"),
+    ({"tokenizer.ggml.eos_token_id": (-1, I32)}, "eos_token_id is -1, expected a token id from 0 to 95"),
+    ({"tokenizer.ggml.bos_token_id": (VOCAB, U32)}, "bos_token_id is 96, expected a token id from 0 to 95"),
+    ({"tokenizer.ggml.eot_token_id": ("2", STR)}, "eot_token_id is '2', expected a token id"),
+])
+def test_bad_metadata(metadata, message, tmp_path):
+    """A metadata value of the wrong type or out of range is named, with the file, in one line: not a
+    ZeroDivisionError, a TypeError, a hang, or a token id of -1 taken as the last token."""
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf", metadata=metadata)
+    assert_converts_to_error(path, tmp_path / "out", message)
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"tokenizer.ggml.token_type": ([1] * (VOCAB + 1), ARR)}, "token_type holds 97 types for 96 tokens"),
+    ({"tokenizer.ggml.token_type": ([1] * (VOCAB - 1), ARR)}, "token_type holds 95 types for 96 tokens"),
+    ({"tokenizer.ggml.tokens": ([f"t{i}" for i in range(VOCAB + 1)], ARR)},
+     "tokens holds 97 tokens, but token_embd.weight has 96 rows"),
+    ({"tokenizer.ggml.tokens": ([1, 2], ARR)}, r"tokenizer.ggml.tokens is \[1, 2\], expected a list of strings"),
+    ({"tokenizer.ggml.merges": ([1, 2], ARR)}, "merges is .*, expected a list of strings"),
+    ({"tokenizer.ggml.add_bos_token": (1, U32)}, "add_bos_token is 1, expected true or false"),
+    ({"tokenizer.chat_template": (7, U32)}, "chat_template is 7, expected a string"),
+    ({"tokenizer.ggml.eos_token_id": (VOCAB - 1, U32), "tokenizer.ggml.tokens": (["a", "b"], ARR),
+      "tokenizer.ggml.token_type": ([1, 1], ARR)}, "eos_token_id is 95, expected a token id from 0 to 1"),
+])
+def test_bad_tokenizer_metadata(metadata, message, tmp_path):
+    def vocab(writer):
+        byte_vocab(writer)
+        for key, (value, value_type) in metadata.items():
+            if value_type == ARR:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, value_type)
+
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf", vocab=vocab)
+    assert_converts_to_error(path, tmp_path / "out", message)
+
+
+def test_missing_vocabulary(tmp_path):
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf",
+                         vocab=lambda writer: (writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("gpt-2")))
+    assert_converts_to_error(path, tmp_path / "out", "GGUF metadata lacks tokenizer.ggml.tokens")
+
+
+def patched(good_file, tmp_path, old, new):
+    data = good_file.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(data.replace(old, new))
+    return path
+
+
+def test_duplicates(good_file, tmp_path):
+    """A tensor or metadata key twice: refused, not the last one silently taken."""
+    path = patched(good_file, tmp_path, b"blk.1.attn_norm.weight", b"blk.0.attn_norm.weight")
+    assert_converts_to_error(path, tmp_path / "out", "tensor 'blk.0.attn_norm.weight' appears twice")
+    path = patched(good_file, tmp_path, b"llama.context_length", b"general.architecture")
+    assert_converts_to_error(path, tmp_path / "out", "metadata key 'general.architecture' appears twice")
+
+
+def test_missing_and_unexpected_tensors(tmp_path):
+    reference = make_reference("llama")
+    path = patched(model_to_gguf(reference, tmp_path / "good.gguf"), tmp_path, b"blk.1.ffn_up.weight", b"blk.1.ffn_xx.weight")
+    assert_converts_to_error(path, tmp_path / "out", "lacks tensor.s. blk.1.ffn_up.weight")
+    bias = {"blk.1.attn_q.bias": (np.zeros(32, np.float32), None)}  # a llama with biases in layer 1 only
+    path = model_to_gguf(reference, tmp_path / "bias.gguf", extra_tensors=bias)
+    assert_converts_to_error(path, tmp_path / "out", "unexpected tensor 'blk.1.attn_q.bias'")
+
+
+def test_data_offset_beyond_the_file(good_file, tmp_path):
+    name = b"output_norm.weight"
+    data = bytearray(good_file.read_bytes())
+    at = data.index(name) + len(name) + 4 + 8 + 4  # dims count, one dim, type: then the offset
+    data[at:at + 8] = (1 << 40).to_bytes(8, "little")
+    path = tmp_path / "model.gguf"
+    path.write_bytes(bytes(data))
+    assert_converts_to_error(path, tmp_path / "out", r"truncated GGUF file \(tensor 'output_norm.weight' needs bytes")
+
+
+def test_nested_arrays_refused(tmp_path):
+    """An array of arrays, each a few bytes, would recurse as deep as the file asks; llama.cpp refuses them too."""
+    path = write_gguf(tmp_path / "model.gguf", "llama", {"a": (np.zeros(4, np.float32), None)},
+                      lambda writer: writer.add_key_value("x", [[1]], ARR, sub_type=ARR))
+    assert_converts_to_error(path, tmp_path / "out", "corrupt GGUF file .an array of arrays")
+
+
 def test_failed_write_leaves_nothing(good_file, tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError("No space left on device")
@@ -559,4 +677,9 @@ def test_convert_command(good_file, tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGML")
     bad = subprocess.run([*command, str(tmp_path / "bad.gguf"), str(tmp_path / "bad")], capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+    hostile = model_to_gguf(make_reference("llama"), tmp_path / "hostile.gguf",
+                            metadata={"llama.attention.head_count": (0, U32)})
+    bad = subprocess.run([*command, str(hostile), str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr == f"error: {hostile}: GGUF metadata llama.attention.head_count is 0, " \
+                                                "expected a positive integer\n"

@@ -132,6 +132,12 @@ def test_render_trace_colours():
     (["--draft", "./nope"], "nope does not exist"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--threads", "0"], "threads"),
+    (["--threads", "100000"], "--threads must be between 1 and this machine's"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--prompt", "a", "--prompt", "b", "--show"], "--show and --compare take one prompt"),
+    (["--prompt", "a", "--prompt", "b", "--compare"], "--show and --compare take one prompt"),
+    (["--prompt", "a\udcffb"], "--prompt is not UTF-8 text: byte 0xff at character 1"),
+    (["--stop", "\udcfe"], "--stop is not UTF-8 text: byte 0xfe at character 0"),
     (["--max-new-tokens", "200"], "context of 128"),
     (["--prompt-ids", ",".join(["3"] * 129)], "longer than"),
     (["--prompt", "hello"], "tokenizer"),
@@ -237,3 +243,37 @@ def test_several_prompts_are_decoded_together(gpt2_dir, llama_with_tokenizer, tm
         assert "2 prompts, 12 new tokens in" in captured.err
     assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(tmp_path / "none.txt")]) == 2
     assert "error: --prompts-file" in capsys.readouterr().err
+
+
+def test_a_prompts_file_that_is_not_what_it_should_be_is_named(gpt2_dir, tmp_path, capsys):
+    """JSON true/false are not token ids 1 and 0; bytes that are not UTF-8 are located."""
+    (tmp_path / "bools.jsonl").write_text("[true, false]\n[1, 2]\n")
+    (tmp_path / "latin1.txt").write_bytes("first\nGr\u00fc\u00dfe\n".encode("latin-1"))
+    for name, message in (("bools.jsonl", "a JSON line must be a string or a list of token ids"),
+                          ("latin1.txt", "not UTF-8 text (byte 0xfc on line 2)")):
+        assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --prompts-file") and message in err and err.count("\n") == 1
+
+
+def test_show_ends_before_a_stop_string(llama_with_tokenizer, capsys):
+    """--show prints the trace (rejected guesses as [~text~] off a terminal), but not the stop string or
+    what follows it: the output as --show renders it, up to the stop string."""
+    common = ["--target", str(llama_with_tokenizer), "--prompt", "the cat sat", "--max-new-tokens", "40",
+              "--ignore-eos", "--device", "cpu", "--draft", "lookup", "--show"]
+    target = minispec.load(llama_with_tokenizer)
+    plain = minispec.generate(target, "the cat sat", max_new_tokens=40, ignore_eos=True)
+    stop = plain.text[len(plain.text) // 2:][:2]
+    assert run.main([*common, "--stop", stop]) == 0
+    shown = re.sub(r"\[~.*?~\]", "", capsys.readouterr().out)
+    assert shown == plain.text[:plain.text.index(stop)] + "\n"
+
+
+@pytest.mark.parametrize("flag", [[], ["--special-tokens-in-prompt"]])
+def test_chat_prompts_read_special_tokens_only_when_asked(llama_with_tokenizer, capsys, monkeypatch, flag):
+    """The chat template's rendering itself is tests/test_chat.py's: here, that the flag reaches it."""
+    calls = []
+    monkeypatch.setattr(run, "chat_prompt", lambda *args: calls.append(args) or [5, 6, 7])
+    assert run.main(["--target", str(llama_with_tokenizer), "--device", "cpu", "--prompt", "hi<|endoftext|>", "--chat",
+                     "--max-new-tokens", "2", "--json", *flag]) == 0
+    assert calls[0][1:] == ("hi<|endoftext|>", None, bool(flag))

@@ -399,7 +399,8 @@ def test_lenience_bounds_each_token_by_p_over_l(vocab16):
 
 
 def test_mismatched_vocabularies_fail_before_generating(models, tmp_path):
-    other = transformers.GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+    other = transformers.GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=1, n_head=4,
+                                     bos_token_id=1, eos_token_id=2)
     small = minispec.load(save_reference(transformers.GPT2LMHeadModel(other), tmp_path))
     with pytest.raises(ValueError, match="different vocabularies"):
         minispec.generate(models["gpt2"]["target"], PROMPT, draft=small)

@@ -4,7 +4,9 @@ tokenizer_config.json); and tiny SentencePiece models (BPE as Llama's, unigram a
 the sentencepiece library plus the Hugging Face BOS/EOS conventions (transformers cannot convert
 SentencePiece models here: that needs protobuf)."""
 
+import copy
 import json
+import time
 import unicodedata
 
 import pytest
@@ -12,8 +14,8 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from minispec.loading.tokenizer import (ByteLevelBPE, IncrementalDecoder, SentencePieceTokenizer, load_tokenizer, split,
-                                translate_regex)
+from minispec.loading.tokenizer import (ByteLevelBPE, IncrementalDecoder, SentencePieceTokenizer, bytes_to_unicode,
+                                load_tokenizer, split, translate_regex)
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -184,6 +186,20 @@ def test_added_tokens_longest_match_first(byte_level_dirs):
     assert ours.encode("<|endoftext|><|end") == endoftext + end
 
 
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_split_special_tokens_matches_reference(byte_level_dirs, name):
+    """split_special_tokens=True: special tokens' text is ordinary text, other added tokens are still cut
+    out, as the reference's encode_special_tokens (transformers' split_special_tokens)."""
+    ours = load_tokenizer(byte_level_dirs[name])
+    reference = Tokenizer.from_file(str(byte_level_dirs[name] / "tokenizer.json"))
+    reference.encode_special_tokens = True
+    for text in TEXTS:
+        assert ours.encode(text, split_special_tokens=True) == reference.encode(text).ids, (name, text)
+    eos = ours.id_to_token[ours.eos_token_id]
+    assert ours.encode(eos, add_special_tokens=False) == [ours.eos_token_id]
+    assert ours.eos_token_id not in ours.encode(eos, add_special_tokens=False, split_special_tokens=True)
+
+
 def test_merges_as_strings(byte_level_dirs, tmp_path):
     """Older tokenizer.json files store merges as "a b" strings instead of [a, b] pairs."""
     spec = json.loads((byte_level_dirs["gpt2"] / "tokenizer.json").read_text())
@@ -304,6 +320,9 @@ def test_sentencepiece_llama(sentencepiece_dirs):
     assert ids == [1] + sp.encode("hi") + [2] + sp.encode("there ") + [1] + sp.encode(" x")
     assert ours.decode(ids) == "<s>hi</s>there <s> x"  # each run drops its dummy prefix, as SentencePiece does
     assert ours.decode(ids, skip_special_tokens=True) == "hithere  x"
+    # split_special_tokens: control symbols' text is text, which SentencePiece encodes as any other.
+    assert ours.encode("hi</s>there", split_special_tokens=True) == [1] + sp.encode("hi</s>there")
+    assert 2 not in ours.encode("hi</s>there", split_special_tokens=True)
     # An added token from tokenizer_config.json, which swallows the whitespace on its right (rstrip).
     assert ours.encode("say<|user|>\n hi") == [1] + sp.encode("say") + [size] + sp.encode("hi")
     assert load_tokenizer(dirs["llama_no_bos"]).encode("hi") == sp.encode("hi")
@@ -369,6 +388,202 @@ def test_no_tokenizer_and_bad_input(tmp_path, byte_level_dirs):
         load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="expects a str"):
         load_tokenizer(byte_level_dirs["gpt2"]).encode([1, 2])
+
+
+# --- Malformed files --------------------------------------------------------------------------------
+
+
+def added(i, content, special=True):
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": special}
+
+
+def tiny_spec():
+    """A valid byte-level BPE tokenizer.json with every part that minispec reads."""
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()} | {"ab": 256, "abc": 257, "<s>": 258}
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [added(258, "<s>"), added(259, "<|im_end|>")],
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "NFC"}]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": r" ?\p{L}+|\p{N}|\s+"}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [258], "tokens": ["<s>"]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": [["a", "b"], ["ab", "c"]]},
+    }
+
+
+def test_tiny_spec_is_valid(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tiny_spec()))
+    reference = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in ["abc abd <|im_end|>x 12", *TEXTS]:
+        assert load_tokenizer(tmp_path).encode(text) == reference.encode(text).ids
+
+
+def mutated(change):
+    def edit(spec):
+        change(spec)
+        return spec
+    return edit
+
+
+def pre_tokenizer(n):
+    return lambda spec: spec["pre_tokenizer"]["pretokenizers"][n]
+
+
+# (what is wrong, the edit of tiny_spec(), what the message says besides the file's path)
+MALFORMED_SPECS = [
+    ("an array", lambda spec: [spec], "its top level is an array, not an object"),
+    ("no model", mutated(lambda s: s.pop("model")), "model is missing"),
+    ("no vocab", mutated(lambda s: s["model"].pop("vocab")), "model.vocab is missing"),
+    ("vocab a list", mutated(lambda s: s["model"].update(vocab=list(s["model"]["vocab"]))),
+     "model.vocab is an array, not an object"),
+    ("id a string", mutated(lambda s: s["model"]["vocab"].update(abc="257")),
+     "model.vocab['abc'] is a string ('257'), not an integer"),
+    ("id a boolean", mutated(lambda s: s["model"]["vocab"].update(abc=True)), "model.vocab['abc'] is a boolean"),
+    ("id negative", mutated(lambda s: s["model"]["vocab"].update(abc=-1)), "model.vocab['abc'] is -1, not a token id"),
+    ("id too large", mutated(lambda s: s["model"]["vocab"].update(abc=2**40)), "model.vocab['abc'] is 1099511627776"),
+    ("id twice", mutated(lambda s: s["model"]["vocab"].update(abc=256)), "model.vocab gives id 256 to both"),
+    ("no merges", mutated(lambda s: s["model"].pop("merges")), "model.merges is missing"),
+    ("merges integers", mutated(lambda s: s["model"].update(merges=[1, 2])), "model.merges[0] is 1, not a pair"),
+    ("merge of three", mutated(lambda s: s["model"].update(merges=["a b c"])), "model.merges[0] is 'a b c', not a pair"),
+    ("merge of one", mutated(lambda s: s["model"]["merges"].append(["a"])), "model.merges[2] is ['a'], not a pair"),
+    ("merge outside vocab", mutated(lambda s: s["model"]["merges"].append(["x", "y"])),
+     "model.merges[2] ['x', 'y'] makes 'xy', which is not in model.vocab"),
+    ("ignore_merges a string", mutated(lambda s: s["model"].update(ignore_merges="yes")),
+     "model.ignore_merges is a string ('yes'), not a boolean"),
+    ("unk_token a number", mutated(lambda s: s["model"].update(unk_token=3)), "model.unk_token is an integer (3)"),
+    ("WordPiece", mutated(lambda s: s["model"].update(type="WordPiece")), "model type 'WordPiece' is not BPE"),
+    ("normalizer a string", mutated(lambda s: s.update(normalizer="NFC")), "normalizer is a string ('NFC')"),
+    ("normalizer unknown", mutated(lambda s: s["normalizer"]["normalizers"].append({"type": "Lowercase"})),
+     "normalizer 'Lowercase' is not supported"),
+    ("normalizers missing", mutated(lambda s: s["normalizer"].pop("normalizers")), "normalizer.normalizers is missing"),
+    ("pre-tokenizer without type", mutated(lambda s: pre_tokenizer(0)(s).pop("type")),
+     "pre_tokenizer.pretokenizers[0].type is missing"),
+    ("pre-tokenizer unknown", mutated(lambda s: pre_tokenizer(0)(s).update(type="Whitespace")),
+     "pre-tokenizer 'Whitespace' is not supported"),
+    ("pre-tokenizers an object", mutated(lambda s: s["pre_tokenizer"].update(pretokenizers={})),
+     "pre_tokenizer.pretokenizers is an object, not an array"),
+    ("regex a number", mutated(lambda s: pre_tokenizer(0)(s).update(pattern={"Regex": 5})),
+     "pre_tokenizer.pretokenizers[0].pattern.Regex is an integer (5), not a string"),
+    ("no pattern", mutated(lambda s: pre_tokenizer(0)(s).update(pattern={})),
+     "pre_tokenizer.pretokenizers[0].pattern.String is missing"),
+    ("behavior unknown", mutated(lambda s: pre_tokenizer(0)(s).update(behavior="Sideways")),
+     "Split behavior 'Sideways' is not supported"),
+    ("invert a string", mutated(lambda s: pre_tokenizer(0)(s).update(invert="no")),
+     "pre_tokenizer.pretokenizers[0].invert is a string"),
+    ("use_regex null", mutated(lambda s: pre_tokenizer(1)(s).update(use_regex=None)),
+     "pre_tokenizer.pretokenizers[1].use_regex is null, not a boolean"),
+    ("regex not Python", mutated(lambda s: pre_tokenizer(0)(s).update(pattern={"Regex": "(a"})), "does not translate"),
+    ("added tokens an object", mutated(lambda s: s.update(added_tokens={})), "added_tokens is an object, not an array"),
+    ("added token a string", mutated(lambda s: s["added_tokens"].append("<x>")), "added_tokens[2] is a string ('<x>')"),
+    ("added id a string", mutated(lambda s: s["added_tokens"][1].update(id="259")),
+     "added_tokens[1].id is a string ('259'), not an integer"),
+    ("added id negative", mutated(lambda s: s["added_tokens"][1].update(id=-3)), "added_tokens[1].id is -3, not a token id"),
+    ("added content a number", mutated(lambda s: s["added_tokens"][1].update(content=7)),
+     "added_tokens[1].content is an integer (7), not a string"),
+    ("added content empty", mutated(lambda s: s["added_tokens"][1].update(content="")), "added_tokens[1].content is empty"),
+    ("added flag a string", mutated(lambda s: s["added_tokens"][1].update(special="yes")),
+     "added_tokens[1].special is a string ('yes'), not a boolean"),
+    ("added id of a vocab token", mutated(lambda s: s["added_tokens"][1].update(id=257)),
+     "added_tokens[1] gives id 257 to '<|im_end|>', which is 'abc''s"),
+    ("added id twice", mutated(lambda s: s["added_tokens"].append(added(259, "<|im_start|>"))),
+     "added_tokens[2] gives id 259 to '<|im_start|>', which is '<|im_end|>''s"),
+    ("template id unknown", mutated(lambda s: s["post_processor"]["special_tokens"]["<s>"].update(ids=[9999])),
+     "post_processor.special_tokens.<s>.ids[0] is 9999, which is no token's id"),
+    ("template token missing", mutated(lambda s: s["post_processor"]["special_tokens"].clear()),
+     "post_processor.special_tokens.<s> is missing"),
+    ("template item a list", mutated(lambda s: s["post_processor"]["single"].append([])),
+     "post_processor.single[2] is an array, not an object"),
+    ("post-processor unknown", mutated(lambda s: s["post_processor"].update(type="BertProcessing")),
+     "post-processor 'BertProcessing' is not supported"),
+]
+
+
+@pytest.mark.parametrize("edit, message", [case[1:] for case in MALFORMED_SPECS], ids=[case[0] for case in MALFORMED_SPECS])
+def test_malformed_tokenizer_json_is_a_one_line_error(tmp_path, edit, message):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(edit(copy.deepcopy(tiny_spec()))))
+    with pytest.raises(ValueError) as error:
+        load_tokenizer(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / 'tokenizer.json'}: ")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("depth", [300, 480, 490, 495, 500, 2000])
+def test_deeply_nested_steps_load_or_are_one_line_errors(tmp_path, depth):
+    """Sequences in Sequences: as deep as the JSON parser goes, and no deeper (a RecursionError either way)."""
+    spec = json.dumps(tiny_spec())
+    step = '{"type": "Sequence", "normalizers": [' * depth + '{"type": "NFC"}' + "]}" * depth
+    spec = spec.replace('{"type": "Sequence", "normalizers": [{"type": "NFC"}]}', step, 1)
+    (tmp_path / "tokenizer.json").write_text(spec)
+    try:
+        assert load_tokenizer(tmp_path).encode("abc") == [258, 257]
+    except ValueError as error:
+        assert str(error).startswith(f"{tmp_path / 'tokenizer.json'}") and "\n" not in str(error)
+
+
+# (what is wrong, the file and its text, what the message says besides the file's path)
+MALFORMED_FILES = [
+    ("config an array", "tokenizer_config.json", "[]", "its top level is an array, not an object"),
+    ("eos a list", "tokenizer_config.json", '{"eos_token": ["</s>"]}', "eos_token is an array"),
+    ("eos without content", "special_tokens_map.json", '{"eos_token": {"lstrip": false}}', "eos_token.content is missing"),
+    ("template a number", "tokenizer_config.json", '{"chat_template": 3}', "chat_template is an integer (3)"),
+    ("template list of strings", "tokenizer_config.json", '{"chat_template": ["x"]}', "chat_template[0] is a string"),
+    ("decoder key not an id", "tokenizer_config.json", '{"added_tokens_decoder": {"x": {"content": "<x>"}}}',
+     "added_tokens_decoder has key 'x', not a token id"),
+    ("decoder without content", "tokenizer_config.json", '{"added_tokens_decoder": {"5": {"special": true}}}',
+     "added_tokens_decoder.5.content is missing"),
+    ("add_bos a string", "tokenizer_config.json", '{"add_bos_token": "true"}', "add_bos_token is a string"),
+    ("a billion extra ids", "tokenizer_config.json", '{"extra_ids": 1000000000}', "extra_ids is 1000000000, not 0 to 1000"),
+    ("not UTF-8", "tokenizer_config.json", b'{"eos_token": "\xff"}', "is not valid JSON"),
+    ("nested too deeply", "tokenizer.json", "[" * 100000, "is not valid JSON"),
+    ("an integer too long", "tokenizer.json", '{"x": ' + "9" * 5000 + "}", "is not valid JSON"),
+    ("template not UTF-8", "chat_template.jinja", b"\xff{{ messages }}", "is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", [case[1:] for case in MALFORMED_FILES],
+                         ids=[case[0] for case in MALFORMED_FILES])
+def test_malformed_tokenizer_files_are_one_line_errors(tmp_path, name, text, message):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tiny_spec()))
+    (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as error:
+        load_tokenizer(tmp_path)
+    assert str(error.value).startswith(str(tmp_path / name))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("pattern", [r"(a+)+$", r"(?:a|aa)*$", r"((ab)*c)+", r"(a?){2,}", r"(?:[ab]+\s)*x"])
+def test_exponential_regex_is_refused(tmp_path, pattern):
+    """Python's re would backtrack on these for ages ((a+)+$: 15 s on 27 characters)."""
+    spec = tiny_spec()
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": pattern}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="repeats a group holding a quantifier or an alternation"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("pattern", [
+    QWEN2_PATTERN, LLAMA3_PATTERN, r"(ab)+", r"(?i:'s|'t)?x", r"[(a+)+]+", r"\(a+\)+", r"(?!\s+)a", r"(a|b)c+",
+    (  # GPT-4o's (o200k)
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+])
+def test_regexes_that_repeat_no_ambiguous_group_are_accepted(pattern):
+    text = "(a+)+ aaaaaaaaaaaaaaaaaaaaaaaaaaab it's 12345 \n\n  x"
+    start = time.perf_counter()
+    assert "".join(split(translate_regex(pattern), text)) == text
+    assert time.perf_counter() - start < 1
 
 
 @pytest.mark.parametrize("kind, name", [("byte_level", n) for n in BYTE_LEVEL] + [("sentencepiece", "llama"),

@@ -1,6 +1,9 @@
 """Checkpoint files: minispec's own safetensors writer, read back by the safetensors package, and
 written without numpy (which is no dependency of minispec)."""
 
+import json
+import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -9,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minispec.loading.weights import SAFETENSORS_DTYPES, save_safetensors
+from minispec.loading.weights import (SAFETENSORS_DTYPES, CheckpointError, read_dtypes, read_weights,
+                                      save_safetensors)
 
 
 def sample_tensors():
@@ -53,3 +57,40 @@ def test_writing_needs_no_numpy(tmp_path):
     assert result.returncode == 0, result.stderr
     loaded = load_file(file)
     assert torch.equal(loaded["w"], torch.arange(6.0).view(2, 3)) and loaded["b"].dtype == torch.bfloat16
+
+
+def test_dtypes_come_from_the_headers(tmp_path):
+    save_safetensors({"a": torch.ones(2, 3), "b": torch.ones(4, dtype=torch.int32)}, tmp_path / "1.safetensors")
+    save_safetensors({"c": torch.ones(1, dtype=torch.bfloat16)}, tmp_path / "2.safetensors")
+    assert read_dtypes([tmp_path / "1.safetensors", tmp_path / "2.safetensors"]) == {"a": "F32", "b": "I32", "c": "BF16"}
+
+
+def with_header(header, data):
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+GOOD_HEADER = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
+MALFORMED = {
+    "empty": b"",
+    "shorter than its length field": b"\x10\x00\x00",
+    "data truncated": with_header(GOOD_HEADER, bytes(10)),
+    "header length past the end": struct.pack("<Q", 10**6) + b"{}",
+    "header length 2^64 - 1": struct.pack("<Q", 2**64 - 1) + b"{}",
+    "header not JSON": struct.pack("<Q", 8) + b"notjson!",
+    "header a list": with_header([1, 2], b""),
+    "offsets past the data": with_header({"w": {**GOOD_HEADER["w"], "data_offsets": [0, 10**9]}}, bytes(16)),
+    "negative shape": with_header({"w": {**GOOD_HEADER["w"], "shape": [-2, 2]}}, bytes(16)),
+    "shape overflowing": with_header({"w": {**GOOD_HEADER["w"], "shape": [2**63, 2]}}, bytes(16)),
+    "unknown dtype": with_header({"w": {**GOOD_HEADER["w"], "dtype": "F7"}}, bytes(16)),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_file_is_one_error_naming_it(tmp_path, case):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(MALFORMED[case])
+    for read in (read_dtypes, read_weights):
+        with pytest.raises(CheckpointError, match=re.escape(f"cannot read weights from {file}: ")) as error:
+            read([file])
+        assert "\n" not in str(error.value)

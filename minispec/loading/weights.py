@@ -10,10 +10,14 @@ import ctypes
 import json
 import struct
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
+
+from ..models import hf_config
 
 
 class CheckpointError(ValueError):
@@ -27,28 +31,53 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def read_json(file):
     try:
         return json.loads(Path(file).read_text())
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested thousands deep
         raise CheckpointError(f"cannot read {file}: {error}") from error
 
 
+def read_json_object(file):
+    """A JSON file holding an object, as a dict: a list or a number where a file's keys should be would
+    otherwise fail with a traceback wherever they are first looked up."""
+    value = read_json(file)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+# The token ids minispec reads from config.json and generation_config.json.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
 def read_config(directory):
+    """config.json, with generation_config.json's token ids in place of its own. The ids are checked to
+    be ids here, where the file they come from is known; load_model checks them against the vocabulary."""
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    config = read_json(config_file)
+    config = read_json_object(config_file)
+    check_token_ids(config, config_file)
     generation_file = Path(directory) / "generation_config.json"
     if generation_file.is_file():  # eos/bos ids there override the model config's, as in the reference
-        generation = read_json(generation_file)
+        generation = read_json_object(generation_file)
+        check_token_ids(generation, generation_file)
         config.update({k: v for k, v in generation.items() if k.endswith("token_id") and v is not None})
     return config
 
 
-def read_weights(directory):
-    """All tensors of a checkpoint: model.safetensors, or the shards listed in its index."""
+def check_token_ids(config, file):
+    for key in TOKEN_ID_KEYS:
+        try:  # eos may be a list: generation stops at any of them
+            hf_config.get(config, key, hf_config.TOKEN_IDS if key == "eos_token_id" else hf_config.INDEX, None)
+        except ValueError as error:
+            raise CheckpointError(f"{file}: {error}") from None
+
+
+def weight_files(directory):
+    """The safetensors files of a checkpoint: model.safetensors, or the shards listed in its index."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
         shards = sorted(set(map(str, weight_map.values())))
@@ -62,14 +91,42 @@ def read_weights(directory):
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} has no *.safetensors weights")
-    weights = {}
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"shard {file.name} listed in {index.name} is missing from {directory}")
-        try:
+    return files
+
+
+@contextmanager
+def reading(file):
+    """safetensors' errors for a malformed file (truncated, a header that is not JSON or whose offsets
+    run past the end...) as one CheckpointError naming the file."""
+    try:
+        yield
+    except Exception as error:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"cannot read weights from {file}: {error}") from error
+
+
+def read_dtypes(files):
+    """{tensor name: safetensors dtype name} from the files' headers alone: what a checkpoint holds,
+    known before any tensor is read."""
+    dtypes = {}
+    for file in files:
+        with reading(file), safe_open(file, "pt") as opened:
+            header = {name: opened.get_slice(name).get_dtype() for name in opened.keys()}
+        repeated = sorted(header.keys() & dtypes.keys())
+        if repeated:  # which copy would load depends on the order the files are read in
+            raise CheckpointError(f"tensor {repeated[0]} of {file} is also in another shard")
+        dtypes.update(header)
+    return dtypes
+
+
+def read_weights(files):
+    """Every tensor of the safetensors `files` (weight_files)."""
+    weights = {}
+    for file in files:
+        with reading(file):
             weights.update(load_file(file))
-        except Exception as error:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"cannot read weights from {file}: {error}") from error
     return weights
 
 

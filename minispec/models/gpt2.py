@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear
+from .hf_config import COUNT, FLAG, POSITIVE, TEXT, get
 from .kernels import attend, causal_mask
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
@@ -23,29 +24,36 @@ class GPT2Config:
     activation_function: str = "gelu_new"
     n_inner: int = 3072  # MLP width; HF stores null for the default 4 * n_embd
 
+    # config.json's layer count -> the checkpoint's name for the stack of layers (checkpoint.check_layer_counts)
+    LAYER_STACKS = {"n_layer": "h"}
+
     @classmethod
     def from_hf(cls, hf):
-        if hf.get("activation_function", "gelu_new") not in GELU_APPROXIMATION:
+        activation = get(hf, "activation_function", TEXT, "gelu_new")
+        if activation not in GELU_APPROXIMATION:
             raise ValueError(
-                f"GPT-2 activation_function {hf['activation_function']!r} is not supported; "
+                f"GPT-2 activation_function {activation!r} is not supported; "
                 f"minispec supports {', '.join(GELU_APPROXIMATION)}"
             )
         # These variants change the attention math; refuse them rather than compute something else.
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
+        if get(hf, "scale_attn_by_inverse_layer_idx", FLAG, False) or not get(hf, "scale_attn_weights", FLAG, True):
             raise ValueError(
                 "GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported"
             )
-        if hf.get("tie_word_embeddings") is False:
+        if not get(hf, "tie_word_embeddings", FLAG, True):
             raise ValueError("GPT-2 with an untied lm_head (tie_word_embeddings=false) is not supported")
+        n_embd, n_head = get(hf, "n_embd", COUNT), get(hf, "n_head", COUNT)
+        if n_embd % n_head:  # heads split the width evenly
+            raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
         return cls(
-            n_embd=hf["n_embd"],
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            n_positions=hf["n_positions"],
-            vocab_size=hf["vocab_size"],
-            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-            activation_function=hf.get("activation_function", "gelu_new"),
-            n_inner=hf.get("n_inner") or 4 * hf["n_embd"],
+            n_embd=n_embd,
+            n_layer=get(hf, "n_layer", COUNT),
+            n_head=n_head,
+            n_positions=get(hf, "n_positions", COUNT),
+            vocab_size=get(hf, "vocab_size", COUNT),
+            layer_norm_epsilon=get(hf, "layer_norm_epsilon", POSITIVE, 1e-5),
+            activation_function=activation,
+            n_inner=get(hf, "n_inner", COUNT, 4 * n_embd),
         )
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
+from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
 from .kernels import attend, causal_mask
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
@@ -22,6 +23,15 @@ ROPE_TYPES = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor",),
 }
+# Every RoPE parameter the code below reads, and what it must be.
+ROPE_VALUES = {
+    "factor": POSITIVE, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
+    "original_max_position_embeddings": COUNT, "beta_fast": POSITIVE, "beta_slow": POSITIVE,
+    "attention_factor": POSITIVE, "mscale": NUMBER, "mscale_all_dim": NUMBER, "truncate": FLAG,
+}
+THETA = (lambda v: is_number(v) and v > 1, "a number above 1")  # yarn divides by log(rope_theta)
+LAYER_TYPES = (lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
+               "a list of 'full_attention' and 'sliding_attention'")
 
 
 @dataclass
@@ -43,48 +53,67 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     windows: tuple = ()  # per layer: sliding-window size, or None for full causal attention
 
+    # config.json's layer count -> the checkpoint's name for the stack of layers (checkpoint.check_layer_counts)
+    LAYER_STACKS = {"num_hidden_layers": "layers"}
+
     @classmethod
     def from_hf(cls, hf):
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"llama: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-        # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
-        # transformers >= 5: everything in rope_parameters.
-        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
-        if rope["rope_type"] not in ROPE_TYPES:
-            raise ValueError(f"llama: rope_type {rope['rope_type']!r} is not supported ({', '.join(ROPE_TYPES)})")
-        missing = [key for key in ROPE_TYPES[rope["rope_type"]] if rope.get(key) is None]
-        if missing:
-            raise ValueError(f"llama: {rope['rope_type']} rope scaling needs {', '.join(missing)} in rope_scaling")
-        n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+        rope_theta, rope = rope_settings(hf)
+        n_layers, n_heads = get(hf, "num_hidden_layers", COUNT), get(hf, "num_attention_heads", COUNT)
+        n_kv_heads, dim = get(hf, "num_key_value_heads", COUNT, n_heads), get(hf, "hidden_size", COUNT)
+        if n_heads % n_kv_heads:  # each K/V head serves a whole group of query heads
+            raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
         qwen2 = hf.get("model_type") == "qwen2"
-        window = hf.get("sliding_window")
-        if "layer_types" in hf:  # transformers >= 5 lists which layers slide
-            windows = tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
+        window = get(hf, "sliding_window", COUNT, None)
+        layer_types = get(hf, "layer_types", LAYER_TYPES, None)
+        if layer_types is not None:  # transformers >= 5 lists which layers slide
+            if len(layer_types) != n_layers:
+                raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {n_layers}")
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
         elif qwen2:  # Qwen2 slides only when asked to, and only from layer max_window_layers on
-            slide = hf.get("use_sliding_window", False)
-            windows = tuple(window if slide and i >= hf.get("max_window_layers", 0) else None for i in range(n_layers))
+            slide, first = get(hf, "use_sliding_window", FLAG, False), get(hf, "max_window_layers", INDEX, 0)
+            windows = tuple(window if slide and i >= first else None for i in range(n_layers))
         else:  # Mistral: every layer slides when sliding_window is set
             windows = (window,) * n_layers
+        attention_bias = get(hf, "attention_bias", FLAG, False)
         return cls(
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
+            vocab_size=get(hf, "vocab_size", COUNT),
+            dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            intermediate_size=hf["intermediate_size"],
-            max_seq_len=hf["max_position_embeddings"],
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            n_kv_heads=n_kv_heads,
+            head_dim=get(hf, "head_dim", COUNT, dim // n_heads),
+            intermediate_size=get(hf, "intermediate_size", COUNT),
+            max_seq_len=get(hf, "max_position_embeddings", COUNT),
+            norm_eps=get(hf, "rms_norm_eps", POSITIVE, 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
-            qkv_bias=qwen2 or hf.get("attention_bias", False),
-            out_bias=not qwen2 and hf.get("attention_bias", False),  # Qwen2's output projection has no bias
-            mlp_bias=hf.get("mlp_bias", False),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qkv_bias=qwen2 or attention_bias,
+            out_bias=not qwen2 and attention_bias,  # Qwen2's output projection has no bias
+            mlp_bias=get(hf, "mlp_bias", FLAG, False),
+            tie_word_embeddings=get(hf, "tie_word_embeddings", FLAG, False),
             windows=windows,
         )
+
+
+def rope_settings(hf):
+    """config.json's rope_theta, and its RoPE scaling: {rope_type, the parameters that type needs}."""
+    # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
+    # transformers >= 5: everything in rope_parameters.
+    rope = {**get(hf, "rope_scaling", TABLE, {}), **get(hf, "rope_parameters", TABLE, {})}
+    rope_theta = get(rope, "rope_theta", THETA, None) or get(hf, "rope_theta", THETA, 10000.0)
+    rope_type = get(rope, "type", TEXT, None, "rope type") or get(rope, "rope_type", TEXT, "default")
+    rope = {key: value for key, value in rope.items() if key not in ("rope_theta", "type")} | {"rope_type": rope_type}
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"llama: rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    missing = [key for key in ROPE_TYPES[rope_type] if rope.get(key) is None]
+    if missing:
+        raise ValueError(f"llama: {rope_type} rope scaling needs {', '.join(missing)} in rope_scaling")
+    for key, kind in ROPE_VALUES.items():
+        get(rope, key, kind, None, f"rope {key}")
+    return rope_theta, rope
 
 
 def rope_frequencies(config):

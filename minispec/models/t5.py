@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
+from .hf_config import COUNT, FLAG, INDEX, POSITIVE, TEXT, get
 from .kernels import attend, causal_mask
 
 ACTIVATIONS = {
@@ -28,11 +29,11 @@ ACTIVATIONS = {
     "silu": F.silu,
 }
 
-# config.json keys taken as they are
-SIZE_KEYS = (
-    "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
-    "relative_attention_num_buckets", "relative_attention_max_distance", "layer_norm_epsilon",
-)
+# config.json keys taken as they are, and what each must be
+SIZE_KEYS = {
+    "vocab_size": COUNT, "d_model": COUNT, "d_kv": COUNT, "d_ff": COUNT, "num_layers": COUNT, "num_heads": COUNT,
+    "relative_attention_num_buckets": COUNT, "relative_attention_max_distance": COUNT, "layer_norm_epsilon": POSITIVE,
+}
 
 
 @dataclass
@@ -52,9 +53,12 @@ class T5Config:
     scale_decoder_outputs: bool = True  # multiply by d_model^-0.5 before the head (T5 v1.0's tied head)
     decoder_start_token_id: int = 0
 
+    # config.json's layer counts -> the checkpoint's names for the stacks of layers (checkpoint.check_layer_counts)
+    LAYER_STACKS = {"num_layers": "encoder.block", "num_decoder_layers": "decoder.block"}
+
     @classmethod
     def from_hf(cls, hf):
-        proj = hf.get("feed_forward_proj", "relu")
+        proj = get(hf, "feed_forward_proj", TEXT, "relu")
         parts = proj.split("-")
         gated = parts[0] == "gated"
         # "gated-gelu" means the tanh approximation, as in the reference (its backwards-compatibility rule).
@@ -65,17 +69,21 @@ class T5Config:
                 f"{', '.join(ACTIVATIONS)}"
             )
         # Configs written by transformers >= 5 say scale_decoder_outputs; older ones imply it by a tied head.
-        scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
-        start = hf.get("decoder_start_token_id")
+        scale = get(hf, "scale_decoder_outputs", FLAG, get(hf, "tie_word_embeddings", FLAG, True))
+        # absent or null keys: the reference's defaults
+        sizes = {key: get(hf, key, kind) for key, kind in SIZE_KEYS.items() if hf.get(key) is not None}
+        vocab_size = sizes.get("vocab_size", cls.vocab_size)
+        start = get(hf, "decoder_start_token_id", INDEX, None)
         if start is None:  # T5 starts decoding from the pad token
-            start = hf.get("pad_token_id") or 0
-        sizes = {key: hf[key] for key in SIZE_KEYS if key in hf}  # absent keys: the reference's defaults
+            start = get(hf, "pad_token_id", INDEX, 0)
+        if start >= vocab_size:
+            raise ValueError(f"decoder_start_token_id {start} is outside the vocabulary of {vocab_size} tokens")
         return cls(
             **sizes,
-            num_decoder_layers=hf.get("num_decoder_layers") or sizes.get("num_layers", cls.num_layers),
+            num_decoder_layers=get(hf, "num_decoder_layers", COUNT, sizes.get("num_layers", cls.num_layers)),
             activation=activation,
             gated=gated,
-            scale_decoder_outputs=bool(scale),
+            scale_decoder_outputs=scale,
             decoder_start_token_id=start,
         )
 
