@@ -8,7 +8,6 @@ speculative decoding (every family, bfloat16 and float16) and speculative beam s
 versions, and batched requests each get what they get alone.
 """
 
-import itertools
 import json
 import warnings
 
@@ -23,7 +22,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
-ROWS_PROMPT = PROMPT + [29, 88, 16, 70, 45, 9, 31, 66, 24, 81, 50, 38]
 
 
 @pytest.fixture(scope="module")
@@ -174,37 +172,25 @@ def test_a_linear_gives_each_row_what_it_gives_alone_at_a_real_size(dtype):
 
 @pytest.fixture(scope="module")
 def low_precision(tmp_path_factory):
-    """Per family and dtype: a target and a noisy copy as its draft, both on the GPU in that dtype."""
-    out = {}
-    for kind in FAMILIES:
-        reference = make_reference(kind)
-        target_dir = save_reference(reference, tmp_path_factory.mktemp(kind))
-        draft_dir = save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path_factory.mktemp("noisy"))
-        for dtype in (torch.bfloat16, torch.float16):
-            out[kind, dtype] = tuple(minispec.load(d, device="cuda", dtype=dtype) for d in (target_dir, draft_dir))
-    return out
+    from test_rows import targets_and_noisy_drafts
+
+    return targets_and_noisy_drafts(tmp_path_factory, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_greedy_speculative_equals_plain_greedy_on_cuda(low_precision, kind, dtype):
     """gamma="auto" included: on a GPU it times the draft's step before the first guess."""
-    target, noisy = low_precision[kind, dtype]
-    plain = minispec.generate(target, ROWS_PROMPT, max_new_tokens=40, ignore_eos=True).tokens
-    assert len(set(plain)) >= 8
-    for draft, gamma in itertools.product([noisy, "lookup", "int8"], [1, 3, 8, "auto"]):
-        out = minispec.generate(target, ROWS_PROMPT, draft=draft, gamma=gamma, max_new_tokens=40, ignore_eos=True)
-        assert out.tokens == plain, f"{kind} {dtype} draft={getattr(draft, 'name', draft)} gamma={gamma}"
+    from test_rows import speculative_mismatches
+
+    assert speculative_mismatches(*low_precision[kind, dtype], [1, 3, 8, "auto"], ["lookup", "int8"]) == []
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama_gqa", "t5_v1_1"])
 def test_speculative_beam_search_equals_plain_beam_search_on_cuda(low_precision, kind):
-    target, noisy = low_precision[kind, torch.bfloat16]
-    settings = {"beams": 4, "max_new_tokens": 16, "ignore_eos": True}
-    plain = minispec.generate(target, ROWS_PROMPT, **settings)
-    for gamma in (3, "auto"):
-        out = minispec.generate(target, ROWS_PROMPT, draft=noisy, draft_beams=8, gamma=gamma, **settings)
-        assert out.tokens == plain.tokens, f"{kind} gamma={gamma}"
+    from test_rows import beam_mismatches
+
+    assert beam_mismatches(*low_precision[kind, torch.bfloat16]) == []
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

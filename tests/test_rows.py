@@ -88,9 +88,8 @@ def test_the_row_test_fails_without_row_invariance(reference_dirs, monkeypatch):
         assert mismatched_rows(model) != []
 
 
-@pytest.fixture(scope="module")
-def low_precision(tmp_path_factory):
-    """Per family and dtype: a target and a noisy copy as its draft, both loaded in that dtype."""
+def targets_and_noisy_drafts(tmp_path_factory, device="cpu"):
+    """Per family and half dtype: a target and a noisy copy as its draft, both loaded in that dtype."""
     from conftest import make_reference
 
     out = {}
@@ -99,29 +98,41 @@ def low_precision(tmp_path_factory):
         target_dir = save_reference(reference, tmp_path_factory.mktemp(kind))
         draft_dir = save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path_factory.mktemp("noisy"))
         for dtype in (torch.bfloat16, torch.float16):
-            out[kind, dtype] = minispec.load(target_dir, dtype=dtype), minispec.load(draft_dir, dtype=dtype)
+            out[kind, dtype] = tuple(minispec.load(d, device=device, dtype=dtype) for d in (target_dir, draft_dir))
     return out
+
+
+@pytest.fixture(scope="module")
+def low_precision(tmp_path_factory):
+    return targets_and_noisy_drafts(tmp_path_factory)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_greedy_speculative_equals_plain_greedy_in_half_precision(low_precision, kind, dtype):
-    target, noisy = low_precision[kind, dtype]
-    plain = minispec.generate(target, PROMPT, max_new_tokens=40, ignore_eos=True).tokens
-    assert len(set(plain)) >= 8
-    for draft, gamma in itertools.product([noisy, "lookup", "ngram", "int8"], [1, 3, 8, "auto"]):
-        out = minispec.generate(target, PROMPT, draft=draft, gamma=gamma, max_new_tokens=40, ignore_eos=True)
-        assert out.tokens == plain, f"{kind} {dtype} draft={getattr(draft, 'name', draft)} gamma={gamma}"
+    assert speculative_mismatches(*low_precision[kind, dtype], [1, 3, 8, "auto"], ["lookup", "ngram", "int8"]) == []
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama_gqa", "t5_v1_1"])
 def test_speculative_beam_search_equals_plain_beam_search_in_bfloat16(low_precision, kind):
-    target, noisy = low_precision[kind, torch.bfloat16]
+    assert beam_mismatches(*low_precision[kind, torch.bfloat16]) == []
+
+
+def speculative_mismatches(target, noisy, gammas, drafters):
+    """The (draft, γ) whose greedy speculative output differs from plain greedy (tests/test_cuda.py too)."""
+    plain = minispec.generate(target, PROMPT, max_new_tokens=40, ignore_eos=True).tokens
+    assert len(set(plain)) >= 8
+    return [(getattr(draft, "name", draft), gamma) for draft, gamma in itertools.product([noisy, *drafters], gammas)
+            if minispec.generate(target, PROMPT, draft=draft, gamma=gamma, max_new_tokens=40,
+                                 ignore_eos=True).tokens != plain]
+
+
+def beam_mismatches(target, noisy):
+    """The γ at which speculative beam search differs from plain beam search."""
     settings = {"beams": 4, "max_new_tokens": 16, "ignore_eos": True}
-    plain = minispec.generate(target, PROMPT, **settings)
-    for gamma in (3, "auto"):
-        out = minispec.generate(target, PROMPT, draft=noisy, draft_beams=8, gamma=gamma, **settings)
-        assert out.tokens == plain.tokens, f"{kind} gamma={gamma}"
+    plain = minispec.generate(target, PROMPT, **settings).tokens
+    return [gamma for gamma in (3, "auto")
+            if minispec.generate(target, PROMPT, draft=noisy, draft_beams=8, gamma=gamma, **settings).tokens != plain]
 
 
 def near_tie_mismatches(target, draft, step, epsilons):
