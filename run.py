@@ -278,15 +278,16 @@ def check_flags(args):
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
     if several and (args.show or args.compare):
         raise ValueError("--show and --compare take one prompt (--prompt once)")
-    for flag, texts in (("--prompt", args.prompt), ("--stop", args.stop), ("--system", [args.system])):
-        for text in texts or ():
+    system = [args.system] if args.system is not None else []
+    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
+        for text in texts:
             check_text(flag, text)
 
 
 def check_text(flag, text):
     """Text from the command line that is not UTF-8 reaches Python as lone surrogates (PEP 383)."""
     try:
-        text and text.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise ValueError(f"{flag} is not UTF-8 text: byte {ord(text[error.start]) - 0xDC00:#04x} at character "
                          f"{error.start}") from None

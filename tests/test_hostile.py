@@ -55,11 +55,6 @@ def replaced_file(kind, name, content):
     return make
 
 
-def safetensors_bytes(header, data=b""):
-    raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + data
-
-
 def integer_tensor(kind, name):
     """A copy of the tiny `kind` checkpoint with tensor `name` stored as int32."""
     def make(checkpoints, folder):
