@@ -8,18 +8,13 @@
 
 import argparse
 import json
-import os
 import sys
 import time
 
-import minispec  # before torch: it keeps torch's import from warning that numpy is missing
-
-import torch  # noqa: E402, I001
-from minispec.cli import gamma_setting, load_target_and_draft, read_prompts_file, token_ids
+import minispec  # before torch (which the others import): it keeps torch's import from warning that numpy is missing
+from minispec.cli import add_model_flags, gamma_setting, load_models, read_prompts_file, token_ids
 from minispec.loading.chat import chat_prompt
 from minispec.loading.tokenizer import IncrementalDecoder
-from minispec.loading.weights import DTYPES
-from minispec.models import quant
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
 # the target's own tokens blue.
@@ -51,18 +46,7 @@ def parse_args(argv=None):
         description="Speculative decoding (Leviathan et al. 2023) with minispec.",
         epilog="Without arguments: the demo, " + " ".join(DEFAULT_ARGS[:4] + ["--prompt", "'Summarize ...'"]
                                                           + DEFAULT_ARGS[6:]))
-    parser.add_argument("--target", required=True,
-                        help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
-                             "Face hub id")
-    parser.add_argument("--draft", default="none",
-                        help="a smaller model (as --target), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
-                             "quantized), or 'none' (plain autoregressive decoding with the target; the default)")
-    parser.add_argument("--quantize", choices=quant.MODES,
-                        help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
-                             "tensors as they are)")
-    parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
-    parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
-                        help="columns per int4 scale")
+    add_model_flags(parser, draft_default="none")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="prompt text (needs tokenizer files in the target checkpoint); repeat the flag to "
@@ -85,6 +69,9 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each "
                              "step, 0 to 8, from the pair's costs measured on this machine and its acceptance rate")
+    parser.add_argument("--tree", type=int, metavar="N",
+                        help="verify a token tree of up to N guesses per target call instead of a chain "
+                             "(with --draft lookup so far)")
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -102,11 +89,6 @@ def parse_args(argv=None):
                              "search (paper A.4) with the same result")
     parser.add_argument("--draft-beams", type=int,
                         help="the draft's beam width u >= w in speculative beam search (default: --beams)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the decode steps (CUDA graphs on cuda); the first run compiles")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats, settings")
     output.add_argument("--show", action="store_true", help=SHOW_HELP)
@@ -270,9 +252,6 @@ def print_batch(args, target, prompts, draft, settings, chat):
 
 def check_flags(args):
     minispec.Sampling(args.temperature, args.top_k, args.top_p)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if args.threads is not None and not 1 <= args.threads <= cpus:
-        raise ValueError(f"--threads must be between 1 and this machine's {cpus} CPUs, got {args.threads}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
@@ -299,14 +278,11 @@ def main(argv=None):
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
                     ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams, stop=args.stop,
-                    stop_token_ids=args.stop_token_ids)
-    baseline_settings = {**settings, "draft_beams": None}
+                    stop_token_ids=args.stop_token_ids, tree=args.tree)
+    baseline_settings = {**settings, "draft_beams": None, "tree": None}
     try:
         check_flags(args)  # bad flags fail before loading weights
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
-                                              args.compile, args.quantize, args.draft_quantize, args.group_size)
+        target, draft = load_models(args)
         prompts, chat = prompts_for(args, target)
         if len(prompts) > 1:
             return print_batch(args, target, prompts, draft, settings, chat)

@@ -16,6 +16,7 @@ from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
 from .decoding.sampling import Sampling, is_integer
 from .decoding.stopping import Stop
+from .decoding.tree import TREE_MAX
 from .loading.tokenizer import IncrementalDecoder
 
 
@@ -104,6 +105,7 @@ class Settings:
     draft_beams: int | None = None
     stop: object = None
     stop_token_ids: object = None
+    tree: object = None
 
     def __post_init__(self):
         if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
@@ -124,9 +126,20 @@ class Settings:
             make_policy(self.gamma)  # checks gamma
             if not (isinstance(self.lenience, (int, float)) and 0 < self.lenience <= 1):
                 raise ValueError(f"lenience must be in (0, 1], got {self.lenience!r}")
+        if self.tree is not None:
+            self.check_tree()
         if self.searching and self.stop:
             raise ValueError("beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
                              "use stop_token_ids")
+
+    def check_tree(self):
+        if not (is_integer(self.tree) and 1 <= self.tree <= TREE_MAX):
+            raise ValueError(f"tree (the most guesses a step's token tree holds) must be None or an integer in "
+                             f"[1, {TREE_MAX}], got {self.tree!r}")
+        if not (isinstance(self.draft, str) and self.draft == "lookup"):
+            raise ValueError(f"token trees are drafted by draft='lookup' so far, not {self.draft!r}")
+        if self.lenience != 1 or self.searching:
+            raise ValueError("token trees are verified exactly (lenience=1), without beams")
 
     @property
     def sampling(self):
@@ -156,6 +169,7 @@ class Request:
     beams: int
     draft_beams: int
     searching: bool
+    tree: int | None
 
     @classmethod
     def from_settings(cls, target, prompt, settings):
@@ -172,7 +186,8 @@ class Request:
                     [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
         return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
-                   settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching)
+                   settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
+                   settings.tree)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
@@ -201,10 +216,11 @@ def check_fits(model, prefix_length, max_new_tokens, role="target"):
         )
 
 
-def check_memory(model, rows, max_seq_len, requests=1, working=0):
+def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None):
     """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
     `working` bytes of temporaries beside them) do not fit in free memory (beyond what the model's
-    caches take already)."""
+    caches take already). `remedy`: what the error tells to do, where the rows are not requests' (the
+    server's flags)."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
@@ -216,6 +232,9 @@ def check_memory(model, rows, max_seq_len, requests=1, working=0):
         return
     need = (f"{(rows * per_row + working) / 2**30:.1f} GiB of KV cache and working memory "
             f"({per_row / 2**20:.0f} MiB of cache per row of {max_seq_len} positions)")
+    if remedy is not None:
+        raise ValueError(f"{model.name}: {rows} cache rows need {need}, more than the {free / 2**30:.1f} GiB free; "
+                         f"at most {free // per_row} fit: {remedy}")
     if requests > 1:
         raise ValueError(f"a batch of {rows} requests needs {need}, more than the {free / 2**30:.1f} GiB free; "
                          f"at most {free // per_row} fit: pass batch_size=")
@@ -251,7 +270,11 @@ def check_lengths(requests):
 def size_caches(requests, rows):
     """Room in each model for `rows` requests at once, checked against free memory before allocating."""
     for model in models_of(requests[0]):
-        longest = max(request.decoder_length(model) + request.max_new_tokens for request in requests)
+        # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
+        # the context (near its end the engine offers smaller trees)
+        longest = max(request.decoder_length(model) + request.max_new_tokens + (request.tree or 0)
+                      for request in requests)
+        longest = min(longest, model.context_length or longest)
         check_memory(model, rows, longest, len(requests))
         model.ensure_caches(rows, longest)
         model.prepare_batch(rows, max(request.prompt_ids.shape[1] for request in requests))
@@ -312,7 +335,7 @@ def final_text(target, stop, tokens):
 
 def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
              seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-             batch_size=None, on_tokens=None):
+             batch_size=None, on_tokens=None, tree=None):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
     "int8"/"int4": the target itself, quantized).
 
@@ -324,13 +347,15 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
+    tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
+    chain (minispec.decoding.tree); drafted by "lookup" so far.
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
     alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after
     another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
     """
     settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
-                        draft_beams, stop, stop_token_ids)
+                        draft_beams, stop, stop_token_ids, tree)
     batched = is_batch(prompt)
     requests = []
     for i, one in enumerate(prompt if batched else [prompt]):
@@ -375,33 +400,53 @@ class Chunk:
 
 
 def stream(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None):
+           seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
+           tree=None):
     """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
     never text past a stop string (text that may begin one is held back until the next step tells).
     Settings are checked here, before the first chunk is asked for."""
     settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
-                        draft_beams, stop, stop_token_ids)
+                        draft_beams, stop, stop_token_ids, tree)
     request = Request.from_settings(target, prompt, settings)
     check_lengths([request])
     return chunks(request)
 
 
 def chunks(request):
-    tokenizer = request.target.tokenizer
-    text = IncrementalDecoder(tokenizer) if tokenizer else None
-    sent = 0  # characters of text already sent
+    text = TextStream(request)
     steps = run([request], 1)
     for _, tokens, segments, generation in steps:
-        if text is None:
-            yield Chunk(tokens, "", segments)
-        else:
-            text.push(tokens)
-            ready = len(text.text) - request.stop.held_back(text.text)
-            if request.stop.text_end is not None:
-                ready = min(ready, request.stop.text_end)
-            yield Chunk(tokens, text.text[sent:ready], segments)
-            sent = max(sent, ready)
+        yield Chunk(tokens, text.push(tokens), segments)
         if generation is not None:
             steps.close()  # the models are free again before the last chunk is handed out
-            yield Chunk([], (generation.text or "")[sent:], [], generation)
+            yield Chunk([], text.rest(generation.text), [], generation)
+
+
+class TextStream:
+    """A request's output text a step at a time (stream's, and the server's): pieces that join to the
+    Generation's text, never a broken character, and never text past a stop string: text that may
+    begin one is held back until the next step tells. Push each step's tokens right after the engine
+    yields them, before its next step: the request's Stop has read exactly those."""
+
+    def __init__(self, request):
+        tokenizer = request.target.tokenizer
+        self.stop = request.stop
+        self.text = IncrementalDecoder(tokenizer) if tokenizer else None
+        self.sent = 0  # characters of text already handed out
+
+    def push(self, tokens):
+        """The text a step's new tokens add that is safe to hand out ("" without a tokenizer)."""
+        if self.text is None:
+            return ""
+        self.text.push(tokens)
+        ready = len(self.text.text) - self.stop.held_back(self.text.text)
+        if self.stop.text_end is not None:
+            ready = min(ready, self.stop.text_end)
+        piece = self.text.text[self.sent:ready]
+        self.sent = max(self.sent, ready)
+        return piece
+
+    def rest(self, final_text):
+        """At the end: what of the final text (Generation.text) was held back."""
+        return (final_text or "")[self.sent:]

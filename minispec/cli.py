@@ -1,13 +1,17 @@
-"""What the command lines (run.py and minispec.bench) share: argument types, and loading a target
-with the draft that --draft names."""
+"""What the command lines (run.py, minispec.bench and minispec.serve) share: argument types, the flags
+that choose and load the models, and loading a target with the draft that --draft names."""
 
 import argparse
 import json
+import os
 from pathlib import Path
+
+import torch
 
 from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
 from .loading.checkpoint import load_model
-from .models.quant import DEFAULT_GROUP_SIZE
+from .loading.weights import DTYPES
+from .models import quant
 
 
 def token_ids(text):
@@ -28,8 +32,41 @@ def gamma_setting(text):
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
 
 
+def add_model_flags(parser, draft_default):
+    """The flags that say which models to load, and how (run.py's and the server's); load_models reads them."""
+    parser.add_argument("--target", required=True,
+                        help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
+                             "Face hub id")
+    parser.add_argument("--draft", default=draft_default,
+                        help="a smaller model (as --target), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
+                             f"quantized), or 'none' (plain autoregressive decoding with the target); default "
+                             f"{draft_default}")
+    parser.add_argument("--quantize", choices=quant.MODES,
+                        help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
+                             "tensors as they are)")
+    parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
+    parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
+                        help="columns per int4 scale")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decode steps (CUDA graphs on cuda); the first run compiles")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def load_models(args):
+    """(target, draft as generate() takes it), as add_model_flags' flags say; --threads is checked first."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cpus:
+        raise ValueError(f"--threads must be between 1 and this machine's {cpus} CPUs, got {args.threads}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype), args.compile,
+                                 args.quantize, args.draft_quantize, args.group_size)
+
+
 def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
-                          group_size=DEFAULT_GROUP_SIZE):
+                          group_size=quant.DEFAULT_GROUP_SIZE):
     """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup" and
     "int8"/"int4" (the target's own quantized copy) as they are, or a model loaded like the target (same
     device, dtype), quantized as `draft_quantize` says."""

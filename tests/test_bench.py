@@ -131,16 +131,19 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
 
 
 def test_memory_does_not_grow_with_generated_tokens(dirs, tmp_path, capsys):
-    """A lean loop: a 100-token speculative generation has the same peak of live tensor bytes as a
-    16-token one, and keeps no more after it. Measured tensor by tensor: a loop that kept one
-    [γ+1, vocab] logits tensor per step (1.5 KiB here, 36 more steps) fails both checks; one that kept a
-    single token id per step fails the second."""
+    """A lean loop: a 100-token speculative generation peaks at no more live tensor bytes than a
+    16-token one beyond what attention over 84 more positions needs, and keeps no more after it.
+    Measured tensor by tensor: a loop that kept one [γ+1, vocab] logits tensor per step (1.5 KiB here,
+    36 more steps: 54 KiB) fails both checks; one that kept a single token id per step fails the second."""
     result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", dirs["gpt2_noisy"],
                               *PROMPT_FLAGS[:2], "--gamma", "3", "--repeats", "1", "--memory-tokens", "100")
     memory = result["memory"]
     assert (memory["short_tokens"], memory["long_tokens"]) == (16, 100)
     assert memory["peak_short_bytes"] > 0  # the prompt's forward, at least
-    assert memory["peak_long_bytes"] == memory["peak_short_bytes"] and memory["growth"] == 0
+    # Attention reads the cache up to each step's last token (kernels.attend_cache): a few float32
+    # [4 padded rows, 4 heads, positions] temporaries grow by 84 positions (rounded up to whole blocks).
+    attention = 4 * (4 * 4 * (100 - 16 + kernels.KEY_BLOCK) * 4)
+    assert 0 <= memory["peak_long_bytes"] - memory["peak_short_bytes"] <= attention
     # What a request leaves behind (the drafter's last logits, its unseen tokens) is replaced by the next
     # request's, so the two differ by a few token ids at most (64 bytes: 8 of them); one int64 kept per
     # step would add 8 bytes for each of the long generation's 36 extra steps (288 bytes).

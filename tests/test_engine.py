@@ -7,6 +7,7 @@ import torch
 
 import minispec
 from minispec import api
+from minispec.models import kernels
 from conftest import make_reference, noisy_copy, save_reference
 
 KINDS = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
@@ -115,13 +116,13 @@ def test_bad_input_in_a_batch_fails_before_any_work_naming_the_prompt(targets, m
         minispec.generate(target, [[5, 6], [7], [1] * 200])
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         minispec.generate(target, [[5, 6], [7]], batch_size=0)
-    # one row of its cache: 65,536 bytes; its caches hold one position now, so they must grow
+    # one row of its cache: 65,536 bytes; its caches hold one block of positions now, so they must grow
     monkeypatch.setattr(api, "available_memory", lambda device: 100_000)
     target.setup_caches(1, 1)
     with pytest.raises(ValueError, match=r"a batch of 2 requests needs .* at most 1 fit: pass batch_size="):
         minispec.generate(target, [[5, 6], [7]], max_new_tokens=100)
     assert calls == []
-    assert (target.cache_batch_size, target.cache_max_seq_len) == (1, 1)  # checked before allocating
+    assert (target.cache_batch_size, target.cache_max_seq_len) == (1, kernels.KEY_BLOCK)  # checked before allocating
 
 
 def test_rows_at_their_own_positions_compute_as_they_would_alone(targets):

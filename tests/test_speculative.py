@@ -321,6 +321,10 @@ JOINT_CASES = {
     "ngram top-k": ("vocab16", "ngram", {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 4000),
     # lookup guesses 12, 6: the target gives each ~0.43 (with 3, 1 after [1, 2, 3, 1, 2], 1 is never kept)
     "lookup top-k": ("vocab16", "lookup", {"temperature": 1.0, "top_k": 3}, [6, 8, 12, 6, 8], 4000),
+    # a token tree: after 6, 8 came 15 and then 12, so lookup offers 12, then 15, both in the target's
+    # top 3 there (decoding/tree.py, sample_walk: the second child is tried after the first's rejection)
+    "lookup tree top-k": ("vocab16", "lookup", {"temperature": 1.0, "top_k": 3, "tree": 8},
+                          [6, 8, 15, 6, 8, 12, 6, 8], 4000),
     # gamma="auto" (with known_costs): the draft's confidence in its first guess decides whether it makes
     # a second, so how many guesses a step verifies depends on the guesses themselves
     "model top-k, gamma auto": ("vocab16", "noisy", {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 6000),
@@ -340,7 +344,7 @@ def test_joint_distribution_of_three_tokens_is_the_targets(request, case):
         request.getfixturevalue("known_costs")
     models = request.getfixturevalue(fixture)
     target, draft = models["target"], models.get(draft, draft)
-    joint = exact_joint(target, prompt, minispec.Sampling(**settings), length=3)
+    joint = exact_joint(target, prompt, minispec.Sampling(**{k: v for k, v in settings.items() if k != "tree"}), length=3)
     counts, outcomes, accepted, verified = Counter(), Counter(), 0, 0
     guesses = Counter()  # steps by their number of guesses (gamma="auto")
     for seed in range(draws):

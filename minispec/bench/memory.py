@@ -92,8 +92,9 @@ def tensor_memory(device, fn):
 
 def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
     """Tensor memory of a short and a long generation on the same preallocated caches: a lean decoding
-    loop allocates nothing that grows with the number of steps, so the two peaks are equal, and after
-    either it keeps nothing but what the next request replaces."""
+    loop allocates nothing that grows with the number of steps, so the two peaks differ only by what
+    attention over a longer context needs (eager forwards read the cache up to their last token), and
+    after either it keeps nothing but what the next request replaces."""
     def run(n):
         return lambda: generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)
 

@@ -33,6 +33,7 @@ from ..models.base import CachedLM
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
+from .tree import add_path
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
@@ -181,11 +182,14 @@ def propose_together(asks):
 
 
 def propose_all(asks):
-    """Every row's guesses, (drafts, q) each: asks are (drafter, k, sampling, generator, keep_guessing)
-    per cache row, in row order, all of one kind of drafter. Draft-model rows guess together."""
+    """Every row's guesses, (drafts, q, parents) each (parents None: a chain; else a tree's, tree.py):
+    asks are (drafter, k, sampling, generator, keep_guessing, tree) per cache row, in row order, all of
+    one kind of drafter; tree: None, or the most nodes a tree of depth k may have. Draft-model rows
+    guess together."""
     if isinstance(asks[0][0], ModelDrafter):
-        return propose_together(asks)
-    return [drafter.propose(k, sampling, generator, keep) for drafter, k, sampling, generator, keep in asks]
+        return [(drafts, q, None) for drafts, q in propose_together([ask[:5] for ask in asks])]
+    return [drafter.propose_tree(k, tree) if tree and k else (*drafter.propose(k, sampling, generator, keep), None)
+            for drafter, k, sampling, generator, keep, tree in asks]
 
 
 def confidence(logits, qs, guess, sampling):
@@ -270,8 +274,8 @@ class LookupDrafter:
     A copy that runs into the end of the context goes on copying its own guesses, as an overlapping
     LZ77 copy does, so text that repeats with a period shorter than k still yields k guesses.
     The guesses are deterministic (q one-hot, reported as None); no match means no guesses this step.
-    An index of every n-gram's last two end positions makes a proposal O(max_ngram), however long
-    the context."""
+    An index of every n-gram's end positions makes a proposal O(max_ngram), however long the
+    context. With a token tree (tree.py) it offers what followed several earlier occurrences at once."""
 
     name, model = "lookup", None
     encoder_calls = 0
@@ -282,7 +286,7 @@ class LookupDrafter:
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
         self.context = []
-        self.latest, self.earlier = {}, {}  # n-gram -> end position of its latest / previous occurrence
+        self.ends = defaultdict(list)  # n-gram -> end positions of its occurrences, oldest first
         self.extend(prompt_ids.view(-1).tolist())
 
     def extend(self, tokens):
@@ -290,20 +294,36 @@ class LookupDrafter:
             self.context.append(token)
             end = len(self.context) - 1
             for n in range(1, min(self.max_ngram, end + 1) + 1):
-                gram = tuple(self.context[end + 1 - n:])
-                if gram in self.latest:
-                    self.earlier[gram] = self.latest[gram]
-                self.latest[gram] = end
+                self.ends[tuple(self.context[end + 1 - n:])].append(end)
+
+    def copy_from(self, end, k):
+        """The k tokens after position `end`, continued past the context's end by its own guesses."""
+        period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
+        return [self.context[end + 1 + i % period] for i in range(k)]
 
     def continuation(self, k):
         """The k guesses, and the length of the match they copy from (0: none, no guesses)."""
         # The suffix's latest occurrence is the suffix itself; copy what followed the one before it.
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
-            end = self.earlier.get(tuple(self.context[-n:]))
-            if end is not None:
-                period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
-                return [self.context[end + 1 + i % period] for i in range(k)], n
+            ends = self.ends.get(tuple(self.context[-n:]), ())
+            if len(ends) > 1:
+                return self.copy_from(ends[-2], k), n
         return [], 0
+
+    def propose_tree(self, k, budget):
+        """A tree of at most `budget` guesses, k deep: what followed each earlier occurrence of the
+        context's suffix, the longest suffixes and the latest occurrences first (so its first path is
+        the chain's guesses), sharing common prefixes (tree.py)."""
+        tokens, parents = [], []
+        for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
+            for end in reversed(self.ends.get(tuple(self.context[-n:]), [])[:-1]):
+                add_path(tokens, parents, self.copy_from(end, k), budget)
+                if len(tokens) >= budget:
+                    break
+            if len(tokens) >= budget:
+                break
+        chain = parents == list(range(-1, len(parents) - 1))  # one continuation: verified as a chain, cheaper
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, None if chain else parents
 
     def preview(self, k):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""

@@ -72,6 +72,25 @@ class Row:
             self.drafter.accept(new_tokens, accepted)
         return len(self.tokens) >= self.request.max_new_tokens
 
+    def tree_budget(self):
+        """The most nodes this step's token tree may have: the request's `tree`, or fewer where the
+        cache row has less room left (None: the request verifies chains)."""
+        if not self.request.tree:
+            return None
+        return min(self.request.tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
+
+    def advance_tree(self, nodes, parents, path, t, rejected, timing):
+        """Take a verified tree step (tree.py): the accepted `path` of node indices, then the target's
+        token t; `rejected`: the first child of the path's last node, if any. The path's keys and values
+        become a chain after the root in the target's cache row; then it is a chain's step."""
+        root = self.length - len(nodes) - 1  # the root's slot: the last token fed before the nodes
+        self.request.target.keep(self.slot, [root + 1 + j for j in path], root + 1)
+        guesses = [nodes[j] for j in path] + ([] if rejected is None else [rejected])
+        self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
+        self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
+        accepted = torch.tensor(guesses[:len(path)] + [t], device=self.unseen.device)
+        return self.advance(len(path), guesses, t, accepted, None, timing)
+
     def count(self, guesses, n, new_tokens):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's
         Figure 1: accepted guesses, the rejected guess, then the target's own token ("corrected" after
@@ -125,17 +144,24 @@ def add_segments(trace, segments):
 
 
 @torch.inference_mode()
-def decode(target, requests, rows):
+def decode(target, requests, rows, cancelled=None):
     """Decode checked requests (api.Request, all with the same kind of drafter, or none) at most `rows`
-    at a time, the models' caches already sized for them. Yields every step's news of each row as
+    at a time, the models' caches already sized for them. `requests` is a list, or a source of requests
+    that arrive while others decode (the server's scheduler): an object whose take(free, wait) returns
+    up to `free` (index, request) pairs, blocking while none is waiting if `wait` (the batch is empty),
+    and returning none then only when no more will come. Between steps, rows for which
+    cancelled(index) is true leave at once, without news. Yields every step's news of each row as
     (request index, new tokens, segments of the trace, result): result is None until the request's
     last step, then its (tokens, trace, stats)."""
-    waiting = deque(enumerate(requests))
+    source = requests if hasattr(requests, "take") else Waiting(requests)
     batch = []  # batch[i] lives in cache row i, of the target and of a draft model
-    draft_model = requests[0].drafter.model if requests[0].drafter else None
-    while waiting or batch:
-        while waiting and len(batch) < rows:
-            batch.append(Row(*waiting.popleft(), len(batch), target, alone=rows == 1))
+    while True:
+        if cancelled is not None:
+            leave(batch, [row for row in batch if cancelled(row.index)], cache_models(target, batch))
+        for index, request in source.take(rows - len(batch), wait=not batch):
+            batch.append(Row(index, request, len(batch), target, alone=rows == 1))
+        if not batch:
+            return
         ended = step(target, batch)
         for row in batch:
             result = None
@@ -143,7 +169,23 @@ def decode(target, requests, rows):
                 row.stats["batch_size"] = rows
                 result = row.tokens, row.trace, row.finish()
             yield row.index, row.new_tokens, row.segments, result
-        leave(batch, ended, [model for model in (target, draft_model) if model is not None])
+        leave(batch, ended, cache_models(target, batch))
+
+
+class Waiting:
+    """A list of requests as decode's source: all of them waiting from the start."""
+
+    def __init__(self, requests):
+        self.queue = deque(enumerate(requests))
+
+    def take(self, free, wait):  # nothing to wait for: what is not here now never comes
+        return [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
+
+
+def cache_models(target, batch):
+    """The models whose caches hold the batch's rows: the target, and a draft model if the rows have one."""
+    draft = batch[0].drafter.model if batch and batch[0].drafter else None
+    return [target] + ([draft] if draft is not None else [])
 
 
 def leave(batch, ended, models):

@@ -27,6 +27,7 @@ import torch
 
 from .drafters import propose_all
 from .sampling import adjust, sample
+from .tree import feed_parents, sample_walk, walk
 
 
 def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
@@ -79,27 +80,39 @@ def step(target, rows):
     started = time.perf_counter()
     # Sample γ guesses x_1..x_γ from M_q, γ as each row's policy chooses (never past max_new_tokens).
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
-        proposals = [(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
+        proposals = [(torch.zeros(0, dtype=torch.long, device=target.device), None, None)] * len(rows)
     else:
         proposals = propose_all([(row.drafter, row.wanted_guesses(), row.sampling, row.generator,
-                                  row.policy.keep_guessing) for row in rows])
+                                  row.policy.keep_guessing, row.tree_budget()) for row in rows])
     drafted = time.perf_counter()
-    # One target forward over every row's unseen tokens and guesses; a row's last k+1 are p_1 .. p_{k+1}.
-    logits = score(target, rows, [drafts for drafts, _ in proposals])
-    # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row.
-    verdicts = [verify(p, drafts, q, row.sampling, row.lenience, row.generator)
-                for row, p, (drafts, q) in zip(rows, logits, proposals)]
-    parts = [torch.cat([n, drafts, t]) for (n, t, _), (drafts, _) in zip(verdicts, proposals)]
+    # One target forward over every row's unseen tokens and guesses; a row's last k+1 are p_1 .. p_{k+1}
+    # (a tree's: p at its root, then at each of its k nodes).
+    logits = score(target, rows, proposals)
+    # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row. A tree is walked on
+    # the host (tree.py): greedy, by the target's argmax at each node; sampled, node by node.
+    verdicts = [verify(p, drafts, q, row.sampling, row.lenience, row.generator) if parents is None
+                else (p.argmax(-1) if row.sampling.greedy else drafts[:0], None, None)
+                for row, p, (drafts, q, parents) in zip(rows, logits, proposals)]
+    parts = [torch.cat([n, drafts, t]) if t is not None else torch.cat([n, drafts])
+             for (n, t, _), (drafts, _, _) in zip(verdicts, proposals)]
     host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the step's one host sync
     # Roll both caches back to the accepted sequence; each target row has yet to see its t.
     ended, start = [], 0
-    for row, (drafts, _), (_, t, overlap) in zip(rows, proposals, verdicts):
+    for row, p, (drafts, _, parents), (n, t, overlap) in zip(rows, logits, proposals, verdicts):
         k = drafts.shape[0]
-        n, guesses, t_host = host[start], host[start + 1:start + 1 + k], host[start + 1 + k]
-        start += k + 2
         # A step's time is this row's only when the forwards were its own.
         timing = (drafted - started, time.perf_counter() - started) if len(rows) == 1 else None
-        if row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]) if k else t, overlap, timing):
+        if parents is None:
+            n, guesses, t_host = host[start], host[start + 1:start + 1 + k], host[start + 1 + k]
+            start += k + 2
+            done = row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]) if k else t, overlap, timing)
+        else:
+            choices, nodes = host[start:start + len(n)], host[start + len(n):start + len(n) + k]
+            start += len(n) + k
+            verdict = walk(nodes, parents, choices) if row.sampling.greedy else \
+                sample_walk(nodes, parents, adjust(p, row.sampling), row.generator)
+            done = row.advance_tree(nodes, parents, *verdict, timing)
+        if done:
             ended.append(row)
     return ended
 
@@ -124,21 +137,27 @@ def verify(logits, drafts, q, sampling, lenience, generator):
     return n, t, torch.minimum(p[:k], q).sum(-1) * verified
 
 
-def score(target, rows, drafts):
+def score(target, rows, proposals):
     """The target's logits [k+1, vocab] at each row's guesses and one beyond: a row that has just
     joined has its prompt forward of its own (its prefill), the others one forward together, each at
-    its own positions, rows with fewer tokens padded (models/base.py, decode_rows)."""
+    its own positions, rows with fewer tokens padded (models/base.py, decode_rows). A tree's nodes
+    each attend to their own path (feed_parents)."""
     logits = [None] * len(rows)
+    drafts = [d for d, _, _ in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]
+    trees = any(tree is not None for _, _, tree in proposals)  # then every row's feed is a tree
+    parents = [feed_parents(len(row.unseen), tree, len(d)) if trees else None
+               for row, (d, _, tree) in zip(rows, proposals)]
     widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request
             logits[i] = target.decode_rows(feeds[i].view(1, -1), [0], first_row=i, logits_for=len(drafts[i]) + 1,
-                                           eager=True)[0]
+                                           eager=True, parents=None if parents[i] is None else [parents[i]])[0]
             row.length = len(feeds[i])
     if any(widths):
         tokens, _ = target.padded([feed if w else None for feed, w in zip(feeds, widths)])
-        out = target.decode_rows(tokens, [row.length for row in rows], widths)
+        out = target.decode_rows(tokens, [row.length for row in rows], widths,
+                                 parents=[p if w else [] for p, w in zip(parents, widths)] if trees else None)
         for i, (row, w) in enumerate(zip(rows, widths)):
             if w:
                 logits[i] = out[i, :w]

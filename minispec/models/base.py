@@ -24,13 +24,16 @@ and the properties `context_length`, `vocab_size` and `head`; `forward` writes k
 length are never read and rolling back needs no clearing.
 """
 
-from contextlib import contextmanager
-from functools import partial
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
-from .kernels import can_pack, linear, pack
+from .kernels import KEY_BLOCK, TreeLayout, can_pack, linear, pack, tree_layout
+
+
+# Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
+PREFILL_CHUNK = 128
 
 
 class KVCache(nn.Module):
@@ -152,12 +155,16 @@ class CachedLM(nn.Module):
         raise NotImplementedError
 
     def setup_caches(self, batch_size, max_seq_len):
-        """Allocate every layer's KVCache; subclasses call super() to record the shape."""
-        self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, max_seq_len, 0
+        """Allocate every layer's KVCache; subclasses call super() to record the shape, then allocate
+        `cache_max_seq_len` positions: whole blocks of keys, as attention reads them (kernels.KEY_BLOCK)."""
+        positions = -(-max_seq_len // KEY_BLOCK) * KEY_BLOCK
+        self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, positions, 0
 
-    def forward(self, tokens, input_pos, logits_for=None):
+    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
         """tokens [batch, n] at positions input_pos [n] -> float32 logits [batch, n, vocab], or of the
-        last `logits_for` positions only."""
+        last `logits_for` positions only. `layout`: the tokens form trees (kernels.TreeLayout); `keys`:
+        attend over the first `keys` cache positions only (a multiple of KEY_BLOCK; None: all of them,
+        static shapes for compiled graphs)."""
         raise NotImplementedError
 
     # --- the shared interface ---------------------------------------------------------------------
@@ -184,8 +191,9 @@ class CachedLM(nn.Module):
 
     def kv_bytes_per_position(self):
         """Bytes of keys and values one cache row holds per position, over every layer's KVCache."""
-        if not self.cache_batch_size:  # the shapes tell: a cache of one position shows them
+        if not self.cache_batch_size:  # the shapes tell: a cache of one block shows them
             self.setup_caches(1, 1)
+            self.cache_batch_size = self.cache_max_seq_len = 0  # too small to keep: the first request sizes it
         return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.modules()
                    if isinstance(m, KVCache))
 
@@ -216,10 +224,11 @@ class CachedLM(nn.Module):
         logits of the last `logits_for` positions (all when None): callers need only the last few, and
         the output head over a whole prompt costs as much as a small model's layers."""
         self.length = 0
-        return self.decode(tokens, partial(self.forward, logits_for=logits_for)) if tokens.shape[1] else None
+        return self.decode(tokens, logits_for, eager=True) if tokens.shape[1] else None
 
-    def decode(self, tokens, forward=None):
-        """Append tokens [batch, n] at position `length`; returns their logits [batch, n, vocab]."""
+    def decode(self, tokens, logits_for=None, eager=False):
+        """Append tokens [batch, n] at position `length`; returns their logits [batch, n, vocab] (or of
+        the last `logits_for`). The compiled forward when there is one, unless `eager` (a prompt)."""
         n = tokens.shape[1]
         if self.length + n > self.cache_max_seq_len:
             raise ValueError(
@@ -227,14 +236,36 @@ class CachedLM(nn.Module):
                 f"{self.cache_max_seq_len} positions"
             )
         input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
-        forward = forward or self.compiled_forward or self.forward
-        if forward is self.compiled_forward:  # graphs guard on strides; a slice of the prompt has odd ones
-            tokens = tokens.clone(memory_format=torch.contiguous_format)
-        logits = forward(tokens, input_pos)
+        if self.compiled_forward is not None and not eager and logits_for is None:
+            # graphs guard on strides; a slice of the prompt has odd ones
+            logits = self.compiled_forward(tokens.clone(memory_format=torch.contiguous_format), input_pos)
+        else:
+            logits = self.eager_forward(tokens, input_pos, logits_for, None, lambda j: self.length + j)
         self.length += n
         return logits
 
-    def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False):
+    def eager_forward(self, tokens, input_pos, logits_for, layout, ends):
+        """forward() in chunks of PREFILL_CHUNK tokens from the end (so a tree's nodes are all in the
+        last), each attending over the cache positions up to its last token only: a prompt's first
+        tokens do not pay for the keys of its last ones. Chunks change no number (row invariance).
+        ends(j): one past the last cache slot the first j tokens of any row write (host ints)."""
+        n = tokens.shape[1]
+        cuts = [n - i for i in range(0, n, PREFILL_CHUNK)][::-1]  # each chunk's end
+        out = []
+        for start, end in zip([0] + cuts[:-1], cuts):
+            wanted = None if logits_for is None else min(end - start, max(logits_for - (n - end), 0))
+            last = layout if end == n and layout is not None else None  # earlier chunks: a chain
+            if last is not None:
+                last = TreeLayout(*(t[:, start:] for t in last[:3]), last.first_block)
+            out.append(self.forward(tokens[:, start:end], input_pos[..., start:end], wanted, last,
+                                    self.keys_for(ends(end))))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def keys_for(self, end):
+        """The cache positions an eager forward attends over when no token lies at `end` or beyond."""
+        return min(-(-end // KEY_BLOCK) * KEY_BLOCK, self.cache_max_seq_len)
+
+    def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False, parents=None):
         """Append tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length
         lengths[i] (host ints, kept by the caller); returns logits [rows, n, vocab] (or of the last
         `logits_for` positions). Only the first widths[i] tokens of row i are its own (default: all):
@@ -242,26 +273,33 @@ class CachedLM(nn.Module):
         row computes as it would alone), so nothing is written past a row's own tokens and a row near
         the end of its cache limits no other row. A row with nothing to feed (width 0) gets one
         placeholder at its length, past what it holds, which its next write there replaces; its logits
-        mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once)."""
+        mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once).
+        `parents`: the row's tokens form a tree (decoding/tree.py), token j of row i attached to token
+        parents[i][j] (-1: to the row's cached tokens); each token is then at its depth's position, its
+        keys and values in its slot, lengths[i] + j, and it attends to its ancestors only."""
         rows, n = tokens.shape
         widths = [n] * rows if widths is None else widths
-        end = max(length + max(width, 1) for length, width in zip(lengths, widths))
-        if end > self.cache_max_seq_len or first_row + rows > self.cache_batch_size:
+
+        def ends(j):  # one past the last slot the first j tokens of any row write
+            return max(length + max(min(j, width), 1) for length, width in zip(lengths, widths))
+
+        if ends(n) > self.cache_max_seq_len or first_row + rows > self.cache_batch_size:
             raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} of cache rows "
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
-        if rows == 1 and widths[0] == n:  # a lone request: the positions decode() gives, the same graphs
+        if rows == 1 and widths[0] == n and parents is None:  # a lone request: decode()'s positions and graphs
             input_pos = torch.arange(lengths[0], lengths[0] + n, device=tokens.device)
         else:
             input_pos = torch.tensor([[length + min(j, max(width - 1, 0)) for j in range(n)]
                                       for length, width in zip(lengths, widths)], device=tokens.device)
         compiled = self.compiled_forward if first_row == 0 and not eager and logits_for is None else None
+        positions = self.cache_max_seq_len if compiled is not None else self.keys_for(ends(n))
+        layout = None if parents is None else tree_layout(lengths, parents, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
-            return compiled(tokens.clone(memory_format=torch.contiguous_format), input_pos)
-        if first_row == 0:
-            return self.forward(tokens, input_pos, logits_for)
-        with self.rows_from(first_row):  # eager: a compiled graph would guard on the row
-            return self.forward(tokens, input_pos, logits_for)
+            tokens = tokens.clone(memory_format=torch.contiguous_format)
+            return compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
+        with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
+            return self.eager_forward(tokens, input_pos, logits_for, layout, ends)
 
     @staticmethod
     def padded(feeds):
@@ -296,6 +334,19 @@ class CachedLM(nn.Module):
             if isinstance(module, KVCache):
                 module.k[destination] = module.k[source]
                 module.v[destination] = module.v[source]
+
+    def keep(self, row, slots, length):
+        """Keys and values of cache row `row` at `slots` (increasing, each >= its destination) moved to
+        positions length, length + 1, ...: a tree's accepted path laid out as a chain."""
+        moved = next((i for i, slot in enumerate(slots) if slot != length + i), len(slots))
+        slots, length = slots[moved:], length + moved  # a path's first nodes may be in place already
+        if not slots:
+            return
+        index = torch.tensor(slots, device=self.device)
+        for module in self.modules():
+            if isinstance(module, KVCache):
+                for cache in (module.k, module.v):
+                    cache[row, :, length:length + len(slots)] = cache[row, :, index]
 
     def rollback(self, length):
         if not 0 <= length <= self.length:

@@ -7,7 +7,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear
 from .hf_config import COUNT, FLAG, POSITIVE, TEXT, get
-from .kernels import attend, causal_mask
+from .kernels import additive, attend_cache, causal_mask
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
 GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -65,12 +65,12 @@ class Attention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd)
         self.kv_cache = None  # set by GPT2.setup_caches
 
-    def forward(self, x, input_pos, mask):
+    def forward(self, x, input_pos, mask, layout):
         batch, seq_len, dim = x.shape
         q, k, v = self.c_attn(x).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         k, v = self.kv_cache.update(input_pos, k, v)
-        y = attend(q, k, v, mask)
+        y = attend_cache(q, k, v, mask, layout=layout)
         return self.c_proj(y.transpose(1, 2).reshape(batch, seq_len, dim))
 
 
@@ -93,8 +93,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x, input_pos, mask):
-        x = x + self.attn(self.ln_1(x), input_pos, mask)
+    def forward(self, x, input_pos, mask, layout):
+        x = x + self.attn(self.ln_1(x), input_pos, mask, layout)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -124,14 +124,15 @@ class GPT2(CachedLM):
         head_dim = self.config.n_embd // self.config.n_head
         for block in self.h:
             block.attn.kv_cache = KVCache(
-                batch_size, self.config.n_head, max_seq_len, head_dim, self.dtype, self.device
+                batch_size, self.config.n_head, self.cache_max_seq_len, head_dim, self.dtype, self.device
             )
 
-    def forward(self, tokens, input_pos, logits_for=None):
-        mask = causal_mask(input_pos, self.cache_max_seq_len)
-        x = self.wte(tokens) + self.wpe(input_pos)
+    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
+        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
+        mask = additive(causal_mask(positions, keys or self.cache_max_seq_len))
+        x = self.wte(tokens) + self.wpe(positions)
         for block in self.h:
-            x = block(x, input_pos, mask)
+            x = block(x, input_pos, mask, layout)
         x = self.ln_f(x if logits_for is None else x[:, x.shape[1] - logits_for:])
         return self.wte.unembed(x).float()
 

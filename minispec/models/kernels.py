@@ -8,7 +8,7 @@ through oneDNN on a weight packed once; attention pads its query rows to full bl
 import functools
 import weakref
 from contextlib import contextmanager
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +135,138 @@ def causal_mask(input_pos, max_seq_len):
     j <= input_pos[..., i]."""
     return torch.arange(max_seq_len, device=input_pos.device) <= input_pos[..., None]
 
+
+def additive(mask):
+    """A boolean mask as the additive float32 one attend_cache takes: 0 where readable, -inf elsewhere
+    (made once per forward: every layer adds it as it is)."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+# Attention over a KV cache is computed in one canonical order, so that a token's numbers do not depend on
+# where in the cache its keys sit. Why: a token tree (decoding/tree.py) writes a node's ancestors to cache
+# slots scattered among its siblings', while decoded alone the same path lies at consecutive positions.
+# Softmax sums and the value product are reductions over keys, and every PyTorch kernel for them (SDPA,
+# BLAS, vectorized sums) adds keys in an order that depends on their slots: moved keys change the last bit.
+# So keys are taken in blocks of KEY_BLOCK positions: a block's exp-sum and value product come from one
+# fixed-shape kernel over its keys in position order, and blocks are added one after another (cumsum). A
+# tree's rows then need their own copy of only the one or two blocks that hold the tree (`TreeLayout`).
+KEY_BLOCK = 32
+
+
+class TreeLayout(NamedTuple):
+    """Where a forward's tokens sit when they form trees (one per batch row), built by `tree_layout`: a
+    token's position is its depth after the row's length, while its keys and values go to the next free
+    cache slot. Shared by every layer of the forward."""
+    positions: torch.Tensor  # [rows, n]: each token's position (RoPE, learned positions, masks)
+    keys: torch.Tensor  # [rows, n, S]: the cache slot holding each position's key, for each token
+    window: torch.Tensor  # [rows, n, W]: keys at the positions of the window's blocks
+    first_block: torch.Tensor  # [rows]: the window's first block: the blocks that hold the trees
+
+
+def tree_layout(lengths, parents, n, cache_positions, device):
+    """The TreeLayout of trees fed at cache slots lengths[r], lengths[r] + 1, ... of each row r, token j
+    of row r attached to token parents[r][j] of the same feed (-1: to the row's cached tokens; a chain
+    is [-1, 0, 1, ...]). A row of fewer than n tokens is padded as decode_rows pads it: its last token
+    repeated in its slot (none: a placeholder at its length)."""
+    rows = len(parents)
+    blocks = cache_positions // KEY_BLOCK
+    positions = torch.empty(rows, n, dtype=torch.long)
+    keys = torch.arange(cache_positions).repeat(rows, n, 1)
+    first_block = torch.empty(rows, dtype=torch.long)
+    for r, (length, row_parents) in enumerate(zip(lengths, parents)):
+        depth = []
+        for j, parent in enumerate(row_parents):
+            depth.append(0 if parent < 0 else depth[parent] + 1)
+            ancestor = j
+            # Its path: the ancestor at depth d is read as position length + d. Up to the first token
+            # with a sibling before it, the path is a chain in its own slots (keys already in place).
+            while ancestor >= 0 and ancestor != depth[ancestor]:
+                keys[r, j, length + depth[ancestor]] = length + ancestor
+                ancestor = row_parents[ancestor]
+        depth = depth or [0]  # nothing to feed: a placeholder at its length
+        depth += [depth[-1]] * (n - len(depth))
+        positions[r] = length + torch.tensor(depth)
+        keys[r, len(row_parents):] = keys[r, max(len(row_parents) - 1, 0)]
+        # The window: the blocks from the first position some token reads from another slot (a chain
+        # before the tree, such as a prompt, reads its own) to the last position.
+        moved = (keys[r] != torch.arange(cache_positions)).any(0).nonzero()
+        first_block[r] = int(moved[0]) // KEY_BLOCK if len(moved) else int(positions[r].max()) // KEY_BLOCK
+    # One block when every row's tree fits in one (usually: trees are a few tokens deep), else two.
+    last_block = positions.amax(1) // KEY_BLOCK
+    window_blocks = int((last_block - first_block).max()) + 1
+    if window_blocks > 2:
+        raise ValueError(f"a token tree spans {window_blocks} blocks of {KEY_BLOCK} positions (at most 2)")
+    first_block = first_block.clamp(max=blocks - window_blocks)
+    span = first_block[:, None] * KEY_BLOCK + torch.arange(window_blocks * KEY_BLOCK)
+    window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
+    return TreeLayout(*(t.to(device) for t in (positions, keys, window, first_block)))
+
+
+def attend_cache(q, k, v, mask, scale=None, layout=None):
+    """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] (S a multiple of KEY_BLOCK), in
+    the canonical order above; mask additive float32 [..., rows or 1, S] (`additive`), by position. A row's numbers
+    are those of the same query alone, whatever the other rows and however many. With a `layout` (a
+    tree), rows are read in groups of the layout's tokens (grouped-query heads: group-major)."""
+    b, h, rows, d = q.shape
+    S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
+    k, v = k[:, :, :S], v[:, :, :S]
+    if mask.dim() == 3:  # [batch, rows, S]: a mask per batch row, the same for every head
+        mask = mask.unsqueeze(1)
+    pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
+    if pad:
+        q = F.pad(q, (0, 0, 0, pad))
+    if pad and mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
+        mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, S)], dim=-2)
+    scores = q.float() @ k.float().transpose(-1, -2)  # each score alone: invariant to the key's slot
+    group = 1
+    if layout is not None:  # each token's keys in position order: its path, not its siblings'. Only the
+        # window's positions read other slots than their own.
+        group = rows // layout.keys.shape[1]
+        slots = layout.window.repeat(1, group, 1)
+        slots = torch.cat([slots, slots[:, -1:].expand(-1, pad, -1)], dim=1)[:, None].expand(b, h, -1, -1)
+        span = slots.shape[-1]
+        window = layout.first_block[:, None] * KEY_BLOCK + torch.arange(span, device=q.device)
+        scores.scatter_(-1, window[:, None, None, :].expand_as(slots), scores.gather(-1, slots))
+    if scale != 1.0:
+        scores.mul_(scale if scale is not None else d ** -0.5)
+    scores.add_(mask)
+    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(b * h, rows + pad, S // KEY_BLOCK, KEY_BLOCK)
+    values = v.float()
+    products = weights.transpose(1, 2) @ values.view(b * h, S // KEY_BLOCK, KEY_BLOCK, d)  # [bh, blocks, rows, d]
+    if layout is not None:
+        products = tree_products(products.view(b, h, -1, rows + pad, d), weights.view(b, h, rows + pad, S),
+                                 values, layout, group).view(b * h, -1, rows + pad, d)
+    # Each block's products and exp-sum, then the blocks added one after another: cumsum adds in order,
+    # so blocks of zeros past a row's keys (however many the forward reads) change nothing.
+    blocks = torch.cat([products, weights.sum(-1).transpose(1, 2).unsqueeze(-1)], dim=-1)
+    total = blocks.cumsum(1)[:, -1] if blocks.shape[1] > 1 else blocks[:, 0]
+    out = total[..., :d] / total[..., d:]
+    return out.view(b, h, rows + pad, d)[..., :rows, :].to(q.dtype)
+
+
+def tree_products(products, weights, values, layout, group):
+    """products [b, h, blocks, rows, d] with the window's blocks recomputed per token from its own path's
+    values (the blocks outside the window hold the same keys for every token)."""
+    b, h, _, padded, d = products.shape
+    n, span = layout.window.shape[1:]
+    rows = n * group
+    # Each token's values at the window's positions: [b, h, n, span, d] (one index: rows of d copied)
+    batch = torch.arange(b, device=values.device)[:, None, None]
+    own = values[batch, :, layout.window].permute(0, 3, 1, 2, 4)
+    first = layout.first_block * KEY_BLOCK
+    window = first[:, None] + torch.arange(span, device=first.device)  # [b, span]
+    w = weights[:, :, :rows].gather(-1, window[:, None, None, :].expand(b, h, rows, span))
+    # [b, h, group, n, blocks, KEY_BLOCK] -> one product per (token, block) of its group's rows, the row
+    # count padded as every attention product is (the same kernel as the blocks outside the window)
+    w = w.view(b, h, group, n, span // KEY_BLOCK, KEY_BLOCK).permute(0, 1, 3, 4, 2, 5)
+    pad = -group % ATTENTION_ROW_BLOCK if not w.is_cuda else -group % CUDA_ATTENTION_ROW_BLOCK
+    w = F.pad(w, (0, 0, 0, pad)).reshape(-1, group + pad, KEY_BLOCK)
+    own = own.view(b, h, n, span // KEY_BLOCK, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d)
+    mine = (w @ own).view(b, h, n, span // KEY_BLOCK, group + pad, d)[..., :group, :]
+    mine = mine.permute(0, 1, 3, 4, 2, 5).reshape(b, h, span // KEY_BLOCK, rows, d)  # rows group-major
+    mine = torch.cat([mine, mine[..., -1:, :].expand(b, h, span // KEY_BLOCK, padded - rows, d)], dim=-2)
+    blocks = layout.first_block[:, None] + torch.arange(span // KEY_BLOCK, device=first.device)
+    return products.scatter(2, blocks[:, None, :, None, None].expand_as(mine), mine)
 
 
 @contextmanager

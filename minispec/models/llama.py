@@ -14,7 +14,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import attend, causal_mask
+from .kernels import additive, attend_cache, causal_mask
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -190,7 +190,7 @@ class Attention(nn.Module):
         self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
         self.kv_cache = None
 
-    def forward(self, x, input_pos, cos, sin, mask):
+    def forward(self, x, input_pos, cos, sin, mask, layout):
         B, T, _ = x.shape
         kv_size = self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_size, kv_size], dim=-1)
@@ -199,10 +199,10 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv_cache.update(input_pos, k, v)
         # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
-        # (consecutive heads) become extra query rows of that head, each block of T rows with the same mask.
-        group = self.n_heads // self.n_kv_heads
-        q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)
-        y = attend(q, k, v, mask.repeat(*[1] * (mask.dim() - 2), group, 1))
+        # (consecutive heads) become extra query rows of that head, each block of T rows with the same
+        # mask (repeated so by Llama.forward).
+        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
+        y = attend_cache(q, k, v, mask, layout=layout)
         y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
         return self.wo(y)
 
@@ -228,8 +228,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, input_pos, cos, sin, mask):
-        x = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
+    def forward(self, x, input_pos, cos, sin, mask, layout):
+        x = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask, layout)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -259,21 +259,25 @@ class Llama(CachedLM):
         super().setup_caches(batch_size, max_seq_len)
         c = self.config
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.dtype, self.device)
-        cos, sin = rope_tables(c, max_seq_len, self.device)
+            layer.attention.kv_cache = KVCache(batch_size, c.n_kv_heads, self.cache_max_seq_len, c.head_dim, self.dtype,
+                                               self.device)
+        cos, sin = rope_tables(c, self.cache_max_seq_len, self.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, input_pos, logits_for=None):
-        causal = causal_mask(input_pos, self.cache_max_seq_len)
+    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
+        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
+        causal = causal_mask(positions, keys or self.cache_max_seq_len)
         # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
-        key_pos = torch.arange(self.cache_max_seq_len, device=input_pos.device)
-        masks = {w: causal if w is None else causal & (key_pos > input_pos[..., None] - w)
+        key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
+        masks = {w: causal if w is None else causal & (key_pos > positions[..., None] - w)
                  for w in set(self.config.windows)}
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        group = self.config.n_heads // self.config.n_kv_heads  # query heads per K/V head: rows of Attention's q
+        masks = {w: additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)) for w, mask in masks.items()}
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, input_pos, cos, sin, masks[layer.attention.window])
+            x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
         x = self.norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
         return (self.tok_embeddings.unembed(x) if self.output is None else self.output(x)).float()
 

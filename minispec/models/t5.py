@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
 from .hf_config import COUNT, FLAG, INDEX, POSITIVE, TEXT, get
-from .kernels import attend, causal_mask
+from .kernels import attend, attend_cache, causal_mask
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -122,10 +122,9 @@ class Attention(nn.Module):
         """[batch, len, n_heads * d_kv] -> [batch, n_heads, len, d_kv]"""
         return x.view(x.shape[0], x.shape[1], self.n_heads, self.d_kv).transpose(1, 2)
 
-    def attend(self, q, k, v, mask):
-        """q [b, h, t, d] over k, v [b, h, s, d]; mask: additive float bias [1, h, t, s] or boolean [1, 1, 1, s]."""
-        y = attend(q, k, v, mask, scale=1.0)
-        return self.o(y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+    def output(self, y):
+        """The heads' outputs y [b, h, t, d] -> [b, t, d_model]."""
+        return self.o(y.transpose(1, 2).reshape(y.shape[0], y.shape[2], -1))
 
 
 class SelfAttention(Attention):
@@ -135,11 +134,12 @@ class SelfAttention(Attention):
         super().__init__(config)
         self.kv_cache = None  # decoder only: set by T5.setup_caches
 
-    def forward(self, x, mask, input_pos=None):
+    def forward(self, x, mask, input_pos=None, layout=None):
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(input_pos, k, v)
-        return self.attend(q, k, v, mask)
+        if self.kv_cache is None:  # the encoder: q, k and v of the prompt; mask: additive [1, h, t, t]
+            return self.output(attend(q, k, v, mask, scale=1.0))
+        k, v = self.kv_cache.update(input_pos, k, v)  # the decoder: over its cache, in the cache's order
+        return self.output(attend_cache(q, k, v, mask, scale=1.0, layout=layout))
 
 
 def reuse_or_copy(buffer, value):
@@ -180,7 +180,7 @@ class CrossAttention(Attention):
         else:  # a prompt per row (a beam per row, or batched requests from `first_row` on)
             k, v, memory_mask = (t[self.first_row:self.first_row + rows]
                                  for t in (self.memory_k, self.memory_v, memory_mask))
-        return self.attend(self.heads(self.q(x)), k, v, memory_mask)
+        return self.output(attend(self.heads(self.q(x)), k, v, memory_mask, scale=1.0))
 
 
 class FeedForward(nn.Module):
@@ -224,8 +224,8 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         self.ffn = FeedForward(config)
 
-    def forward(self, x, input_pos, mask, memory_mask):
-        x = x + self.self_attn(self.self_attn_norm(x), mask, input_pos)
+    def forward(self, x, input_pos, mask, memory_mask, layout):
+        x = x + self.self_attn(self.self_attn_norm(x), mask, input_pos, layout)
         x = x + self.cross_attn(self.cross_attn_norm(x), memory_mask)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -272,7 +272,7 @@ class T5(CachedLM):
         super().setup_caches(batch_size, max_seq_len)
         for layer in self.decoder:
             layer.self_attn.kv_cache = KVCache(
-                batch_size, self.config.num_heads, max_seq_len, self.config.d_kv, self.dtype, self.device
+                batch_size, self.config.num_heads, self.cache_max_seq_len, self.config.d_kv, self.dtype, self.device
             )
 
     def position_bias(self, table, query_pos, key_pos, bidirectional):
@@ -351,9 +351,9 @@ class T5(CachedLM):
             attn.memory_k[destination], attn.memory_v[destination] = attn.memory_k[source], attn.memory_v[source]
         self.memory_mask[destination] = self.memory_mask[source]
 
-    def forward(self, tokens, input_pos, logits_for=None):
+    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
         """The decoder: tokens [batch, n] at input_pos [n] -> float32 logits [batch, n, vocab] (or of the
-        last `logits_for` positions)."""
+        last `logits_for` positions); a tree's tokens at the positions of `layout`."""
         if self.encoder_batch_size == 0:
             raise ValueError(f"{self.name}: call encode(prompt) before decoding")
         if self.encoder_batch_size != 1 and self.encoder_batch_size < tokens.shape[0]:
@@ -361,13 +361,14 @@ class T5(CachedLM):
                 f"{self.name}: a decoder batch of {tokens.shape[0]} cannot attend to an encoded batch of "
                 f"{self.encoder_batch_size} (it must be 1, or hold a row for each)"
             )
-        key_pos = torch.arange(self.cache_max_seq_len, device=tokens.device)
-        bias = self.position_bias(self.decoder_position_bias, input_pos, key_pos, bidirectional=False)
-        causal = causal_mask(input_pos, self.cache_max_seq_len)  # [n, S], or [rows, n, S] per row
+        key_pos = torch.arange(keys or self.cache_max_seq_len, device=tokens.device)
+        positions = input_pos if layout is None else layout.positions
+        bias = self.position_bias(self.decoder_position_bias, positions, key_pos, bidirectional=False)
+        causal = causal_mask(positions, len(key_pos))  # [n, S], or [rows, n, S] per row
         mask = bias.masked_fill(~(causal if causal.dim() == 2 else causal.unsqueeze(1)), float("-inf"))
         x = self.embed(tokens)
         for layer in self.decoder:
-            x = layer(x, input_pos, mask, self.memory_mask)
+            x = layer(x, input_pos, mask, self.memory_mask, layout)
         x = self.decoder_norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
         if self.config.scale_decoder_outputs:
             x = x * self.config.d_model**-0.5

@@ -1,0 +1,94 @@
+"""python -m minispec.serve --target T [--draft D] [--host 127.0.0.1] [--port 8000] ...: the OpenAI API
+over one target (and its draft), with uvicorn."""
+
+import argparse
+import logging
+import math
+import os
+import sys
+
+from ..cli import add_model_flags, gamma_setting, load_models
+from .scheduler import Scheduler
+
+try:
+    import uvicorn
+
+    from .app import build_app
+except ImportError as missing:  # the optional extra is not installed
+    print(f"error: the server needs {missing.name.split('.')[0]}: pip install -e '.[serve]' (in a checkout of "
+          "minispec)", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m minispec.serve",
+                                     description="An OpenAI-compatible HTTP server, speculative by default.")
+    add_model_flags(parser, draft_default="lookup")
+    parser.add_argument("--gamma", type=gamma_setting, default="auto",
+                        help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
+    parser.add_argument("--batch-size", type=int, default=4, help="requests decoded together (cache rows); default 4")
+    parser.add_argument("--max-model-len", type=int,
+                        help="positions per request, prompt and completion together (default: the target's context, "
+                             "or the draft's when shorter); the caches hold --batch-size rows of this many")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a free row; more are refused with 429 (default 64)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this "
+                                                            "machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: --target as given)")
+    parser.add_argument("--api-key", default=os.environ.get("MINISPEC_API_KEY"),
+                        help="a key every request must carry as 'Authorization: Bearer KEY' (default: "
+                             "$MINISPEC_API_KEY, which keeps it out of the process list; unset: none needed)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C, seconds the running requests may take to finish before they "
+                             "are cancelled (default 30)")
+    return parser.parse_args(argv)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM or Ctrl-C also drains the scheduler: the requests under way get
+    `shutdown_timeout` seconds to finish, then end with an error (503) their clients can read, before
+    uvicorn, a moment later, gives up on their connections."""
+
+    def __init__(self, app, scheduler, shutdown_timeout, **options):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + 5, **options))
+        self.scheduler, self.shutdown_timeout = scheduler, shutdown_timeout
+
+    def handle_exit(self, sig, frame):
+        self.scheduler.drain(self.shutdown_timeout)
+        super().handle_exit(sig, frame)
+
+
+def check_flags(args):
+    for flag, value in (("--batch-size", args.batch_size), ("--max-queue", args.max_queue),
+                        ("--max-model-len", 1 if args.max_model_len is None else args.max_model_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        check_flags(args)  # bad flags fail before loading weights
+        target, draft = load_models(args)
+        scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue)
+        app = build_app(scheduler, args.served_model_name or args.target, args.draft, args.api_key,
+                        args.shutdown_timeout)
+    except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("minispec.serve").warning("listening on %s without --api-key: whoever reaches it can "
+                                                    "use it", args.host)
+    server = Server(app, scheduler, args.shutdown_timeout, host=args.host, port=args.port)
+    server.run()
+    return 0 if server.started else 1  # uvicorn has logged why it could not start
+
+
+if __name__ == "__main__":
+    sys.exit(main())

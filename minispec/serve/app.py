@@ -1,0 +1,200 @@
+"""The HTTP side: an ASGI app (Starlette) serving the OpenAI API's completions, chat completions and
+models endpoints, and /health, over one Scheduler. A handler checks its request (protocol.parse),
+queues a Job, and answers with the job's outcome, or streams it as server-sent events, a chunk per
+verified step; a client that goes away cancels its job."""
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .protocol import Reply, RequestError, parse
+from .scheduler import Job, QueueFull, ShuttingDown
+
+log = logging.getLogger("minispec.serve")
+
+# Prompts are bounded by the context, but a body is read before it is parsed: a bound keeps a client
+# from filling the memory (JSON escapes make text up to 6x longer).
+MAX_BODY_BYTES = 16 * 2**20
+
+
+def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=None):
+    """The app, which starts the scheduler when it starts and stops it (waiting at most
+    `shutdown_timeout` seconds for its thread) when it shuts down. api_key: the Bearer token every
+    request must carry (None: none needed)."""
+    if scheduler.target.tokenizer is None:
+        raise ValueError(f"{scheduler.target.name} has no tokenizer files: the server reads and writes text")
+    server = Handlers(scheduler, model_name, draft_name)
+
+    def guarded(handler):
+        async def endpoint(request):
+            try:
+                if api_key is not None:
+                    check_key(request, api_key)
+                return await handler(request)
+            except RequestError as error:
+                return error_response(error)
+            except Exception as error:  # a bug met by this request: it fails, the server goes on
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error_response(failure(error))
+        return endpoint
+
+    async def completions(request):
+        return await server.complete(request, chat=False)
+
+    async def chat_completions(request):
+        return await server.complete(request, chat=True)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        await run_in_threadpool(scheduler.stop, shutdown_timeout)
+
+    routes = [Route("/v1/completions", guarded(completions), methods=["POST"]),
+              Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+              Route("/v1/models", guarded(server.models), methods=["GET"]),
+              Route("/health", guarded(server.health), methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+
+
+class Handlers:
+    """The endpoints, over one scheduler."""
+
+    def __init__(self, scheduler, model_name, draft_name):
+        self.scheduler, self.model_name, self.draft_name = scheduler, model_name, draft_name
+        self.started = int(time.time())
+
+    async def complete(self, request, chat):
+        body = await read_json(request)
+        # Tokenizing a long prompt takes a while: off the event loop, which streams the others' replies.
+        parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
+        events, loop = asyncio.Queue(), asyncio.get_running_loop()
+
+        def deliver(event):  # on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed: nobody waits any more
+                pass
+
+        job = Job(parsed.request, deliver)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull:
+            raise RequestError(429, f"{self.scheduler.max_waiting} requests are waiting already; retry later",
+                               kind="rate_limit_error", code="rate_limit_exceeded") from None
+        except ShuttingDown:
+            raise server_error("the server is shutting down", 503) from None
+        reply = Reply(chat, self.model_name, self.draft_name, parsed.request.prompt_ids.shape[1])
+        if parsed.stream:
+            return StreamingResponse(self.stream(job, events, reply, parsed.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self.whole(request, job, events, reply)
+
+    async def whole(self, request, job, events, reply):
+        """The reply in one body, once the job ends; a client that goes first cancels it."""
+        watcher = asyncio.create_task(report_disconnect(request, events))
+        try:
+            while (event := await events.get())[0] == "text":
+                pass
+        finally:  # also when this handler is cancelled (a shutdown's grace period is over)
+            watcher.cancel()
+            self.scheduler.cancel(job)  # nothing happens to a job that has ended
+        if event[0] == "end":
+            return JSONResponse(reply.whole(event[2]))
+        if event[0] == "error":
+            return error_response(server_error(event[2], event[1]))
+        return Response(status_code=499)  # the client went: nobody reads this
+
+    async def stream(self, job, events, reply, include_usage):
+        """Server-sent events: a chunk per step that adds text, the ending, usage if asked, [DONE]. When
+        the client goes, Starlette cancels this generator, and so the job."""
+        usage = {"usage": None} if include_usage else {}  # as OpenAI: every chunk has it, the last one filled
+        try:
+            if reply.chat:
+                yield event_data({**reply.opening(), **usage})
+            while (event := await events.get())[0] == "text":
+                yield event_data({**reply.piece(event[1]), **usage})
+            if event[0] == "end":
+                _, piece, outcome = event
+                if piece:
+                    yield event_data({**reply.piece(piece), **usage})
+                yield event_data({**reply.ending(outcome), **usage})
+                if include_usage:
+                    yield event_data(reply.usage_chunk(outcome))
+            else:
+                yield event_data(server_error(event[2], event[1]).body())
+        except Exception as error:  # a bug met by this request, after its headers were sent
+            log.exception("streaming a reply failed")
+            yield event_data(failure(error).body())
+        finally:
+            self.scheduler.cancel(job)
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request):
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": self.started, "owned_by": "minispec"}]})
+
+    async def health(self, request):
+        return JSONResponse({"status": "stopping" if self.scheduler.stopping else "ok", **self.scheduler.load})
+
+
+async def read_json(request):
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise RequestError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body, parse_constant=refuse_constant)
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python recurses
+        raise RequestError(400, f"the body is not valid JSON: {error}") from None
+
+
+def refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def report_disconnect(request, events):
+    """Put ("gone",) among the events when the client disconnects. (Once the body is read, an ASGI
+    server's receive() answers only that, when the client goes or the response is complete.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait(("gone",))
+
+
+def check_key(request, api_key):
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if not (scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), api_key.encode())):
+        raise RequestError(401, "a valid API key is needed (Authorization: Bearer <key>)", code="invalid_api_key")
+
+
+def server_error(message, status=500):
+    return RequestError(status, message, kind="server_error")
+
+
+def failure(error):
+    """A bug's error, as the client sees it: the kind of exception, not its text (the log has that)."""
+    return server_error(f"the server failed on this request ({type(error).__name__}, logged)")
+
+
+def error_response(error):
+    headers = {429: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}.get(error.status)
+    return JSONResponse(error.body(), error.status, headers=headers)
+
+
+async def http_error(request, error):
+    """Starlette's own refusals (an unknown path, a wrong method) in the OpenAI error shape."""
+    return error_response(RequestError(error.status_code, error.detail))
+
+
+def event_data(payload):
+    return f"data: {json.dumps(payload)}\n\n"

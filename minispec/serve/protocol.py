@@ -1,0 +1,226 @@
+"""The OpenAI API's shapes: a completion or chat request's JSON checked field by field into an
+api.Request (api's own checks included, their errors naming the request's field), and the bodies and
+stream chunks of the reply."""
+
+import reprlib
+import secrets
+import time
+from dataclasses import dataclass
+
+from .. import api
+from ..decoding.sampling import is_integer, is_number
+from ..loading.chat import ChatTemplateError, chat_prompt
+
+
+class RequestError(Exception):
+    """A refused request: its HTTP status and the OpenAI error body's message, param, type and code."""
+
+    def __init__(self, status, message, param=None, kind="invalid_request_error", code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message, param=None, code=None):
+    return RequestError(400, message, param, code=code)
+
+
+STRING = (lambda v: isinstance(v, str), "a string")
+INTEGER = (is_integer, "an integer")
+NUMBER = (is_number, "a number")
+BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
+OBJECT = (lambda v: isinstance(v, dict), "an object")
+LIST = (lambda v: isinstance(v, list), "a list")
+STRINGS = (lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v),
+           "a string or a list of strings")
+PROMPT = (lambda v: isinstance(v, (str, list)), "a string or a list of token ids")
+
+SHARED = {"model": STRING, "stream": BOOLEAN, "stream_options": OBJECT, "max_tokens": INTEGER, "temperature": NUMBER,
+          "top_p": NUMBER, "seed": INTEGER, "stop": STRINGS, "n": INTEGER, "user": STRING,
+          "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "logit_bias": OBJECT,
+          "top_k": INTEGER, "ignore_eos": BOOLEAN}  # the last two are minispec's (and vLLM's), not OpenAI's
+FIELDS = {
+    False: {**SHARED, "prompt": PROMPT, "echo": BOOLEAN, "best_of": INTEGER, "logprobs": INTEGER, "suffix": STRING},
+    True: {**SHARED, "messages": LIST, "max_completion_tokens": INTEGER, "logprobs": BOOLEAN, "top_logprobs": INTEGER},
+}  # by whether the request is a chat
+# Fields read only at their neutral value (or null), and why.
+NEUTRAL = {
+    "n": (1, "one choice per request"),
+    "best_of": (1, "one choice per request"),
+    "echo": (False, "the prompt is not sent back"),
+    "suffix": ("", "no insertion"),
+    "presence_penalty": (0, "no penalties: they would change the target's distribution"),
+    "frequency_penalty": (0, "no penalties: they would change the target's distribution"),
+    "logit_bias": ({}, "no logit bias: it would change the target's distribution"),
+    # A speculative step keeps the target's probabilities only of the tokens it verifies, not of the tokens it emits.
+    "logprobs": (False, "minispec returns no log-probabilities"),
+    "top_logprobs": (0, "minispec returns no log-probabilities"),
+}
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Parsed:
+    request: object  # api.Request
+    stream: bool
+    include_usage: bool
+
+
+def parse(body, chat, scheduler, model_name):
+    """A request's JSON body -> Parsed, or a RequestError naming the field at fault."""
+    if not isinstance(body, dict):
+        raise invalid(f"the body must be a JSON object, got {type(body).__name__}")
+    check_fields(body, FIELDS[chat])
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise RequestError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
+                           code="model_not_found")
+    options = body.get("stream_options") or {}
+    check_fields(options, {"include_usage": BOOLEAN}, "stream_options.")
+    target = scheduler.target
+    prompt_field = "messages" if chat else "prompt"
+    ids = chat_ids(target, body.get("messages")) if chat else prompt_ids(target, body.get("prompt"))
+    max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
+    given = {name: value for name, value in body.items() if value is not None}
+    try:
+        settings = api.Settings(draft=scheduler.draft, gamma=scheduler.gamma, max_new_tokens=max_tokens,
+                                temperature=given.get("temperature", 1.0), top_k=given.get("top_k", 0),
+                                top_p=given.get("top_p", 1.0), seed=given.get("seed"),
+                                ignore_eos=given.get("ignore_eos", False), stop=given.get("stop"))
+        request = api.Request.from_settings(target, ids, settings)
+    except ValueError as error:  # api's messages start with its keyword's name: name the request's field
+        message = str(error).replace("max_new_tokens", max_field)
+        word = message.removeprefix("the ").split(" ", 1)[0]
+        raise invalid(message, prompt_field if word == "prompt" else word if word in FIELDS[chat] else None) from None
+    return Parsed(request, bool(body.get("stream")), bool(options.get("include_usage")))
+
+
+def check_fields(body, fields, prefix=""):
+    """Every field known, of its type (null is every field's default), and at its neutral value if it has one."""
+    for name, value in body.items():
+        if name not in fields:
+            raise invalid(f"unrecognized request argument: {prefix}{name}", prefix + name)
+        check, description = fields[name]
+        if value is None:
+            continue
+        if not check(value):
+            raise invalid(f"{prefix}{name} must be {description}, got {reprlib.repr(value)}", prefix + name)
+        if name in NEUTRAL:
+            neutral, why = NEUTRAL[name]
+            if not (value == neutral and isinstance(value, bool) == isinstance(neutral, bool)):  # 0 is no False
+                raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
+
+
+def prompt_ids(target, prompt):
+    """A completion's prompt: text, encoded with special tokens' text as plain text (a prompt from the
+    network cannot write a special token by spelling it; send token ids for that), or token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return target.tokenizer.encode(prompt, split_special_tokens=True)
+    if not (isinstance(prompt, list) and all(is_integer(token) for token in prompt)):
+        raise invalid("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    return prompt
+
+
+def chat_ids(target, messages):
+    """A chat's prompt in the target's chat template; the messages' text is plain text (their special
+    tokens' text cannot end a turn and write another)."""
+    if not messages:
+        raise invalid("messages must be a list of at least one message", "messages")
+    plain = [checked_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    try:
+        return chat_prompt(target.tokenizer, plain, special_tokens_in_content=False)
+    except ChatTemplateError:
+        raise invalid(f"{target.name} has no chat template minispec can render (it renders the ChatML templates of "
+                      "SmolLM, SmolLM2, Qwen2 and Qwen2.5); send a rendered prompt to /v1/completions",
+                      "messages") from None
+
+
+def checked_message(message, where):
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object with a role and content", where)
+    role, content = message.get("role"), message.get("content")
+    if not (isinstance(role, str) and role in ROLES):
+        raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {reprlib.repr(role)}", f"{where}.role")
+    extra = next((key for key, value in message.items()
+                  if key not in ("role", "content", "name") and value is not None), None)
+    if extra is not None:
+        raise invalid(f"{where}.{extra} is not supported", f"{where}.{extra}")
+    if isinstance(content, list):  # content parts: their text, joined by line breaks as vLLM joins them
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise invalid(f"{where}.content parts must be text parts ({{'type': 'text', 'text': ...}})",
+                          f"{where}.content")
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise invalid(f"{where}.content must be a string or a list of text parts, got {reprlib.repr(content)}",
+                      f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def new_tokens(target, ids, asked, max_length, prompt_field, max_field):
+    """max_tokens, checked against the room the prompt leaves in the server's context; by default all of it."""
+    start = 1 if target.is_encoder_decoder else len(ids)  # tokens the decoder starts from
+    room = max_length - start
+    if len(ids) > max_length or room < 1:
+        raise invalid(f"the prompt has {len(ids)} tokens: this server's context of {max_length} tokens has no room "
+                      "for them and a new token", prompt_field, "context_length_exceeded")
+    if is_integer(asked) and asked > room:
+        raise invalid(f"{max_field} is {asked}, but the prompt's {len(ids)} tokens leave room for {room} new tokens in "
+                      f"this server's context of {max_length}", max_field, "context_length_exceeded")
+    return room if asked is None else asked
+
+
+SPECULATIVE_STATS = ("gamma", "acceptance_rate", "alpha", "tokens_per_target_call", "target_calls",
+                     "accepted_lengths", "guesses_histogram", "seed")
+
+
+class Reply:
+    """The bodies and stream chunks of one request's reply, in the OpenAI shape; `speculative` is
+    minispec's field: how the draft did (design.md, "What stats holds")."""
+
+    def __init__(self, chat, model_name, draft_name, prompt_tokens):
+        self.chat, self.model_name, self.draft_name, self.prompt_tokens = chat, model_name, draft_name, prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def head(self, kind):
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
+
+    def whole(self, outcome):
+        output = {"message": {"role": "assistant", "content": outcome.text}} if self.chat else {"text": outcome.text}
+        return {**self.head("chat.completion" if self.chat else "text_completion"),
+                "choices": [{"index": 0, **output, "logprobs": None, "finish_reason": outcome.finish_reason}],
+                "usage": self.usage(outcome), "speculative": self.speculative(outcome)}
+
+    def chunk(self, output, finish_reason=None):
+        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"),
+                "choices": [{"index": 0, **output, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def opening(self):
+        """A chat stream's first chunk: who speaks."""
+        return self.chunk({"delta": {"role": "assistant", "content": ""}})
+
+    def piece(self, text):
+        return self.chunk({"delta": {"content": text}} if self.chat else {"text": text})
+
+    def ending(self, outcome):
+        """A stream's last chunk of text: why it ended, and how the draft did."""
+        chunk = self.chunk({"delta": {}} if self.chat else {"text": ""}, outcome.finish_reason)
+        return {**chunk, "speculative": self.speculative(outcome)}
+
+    def usage_chunk(self, outcome):
+        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage(outcome)}
+
+    def usage(self, outcome):
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+                "total_tokens": self.prompt_tokens + outcome.completion_tokens}
+
+    def speculative(self, outcome):
+        stats = outcome.stats
+        return {"draft": self.draft_name, **{key: stats[key] for key in SPECULATIVE_STATS if key in stats}}

@@ -1,0 +1,222 @@
+"""The server's one decoding loop: a thread that holds the models for the server's life and runs the
+engine (minispec.decoding.engine.decode) over requests as they arrive. A request waits in a bounded
+queue, takes a free cache row at the next step, and leaves its row when it ends, fails, or its client
+goes; the others in the batch never notice (each row computes as it would alone), so every request
+gets what minispec.generate gives it alone.
+
+Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: ("text",
+piece) per step, then ("end", piece, Outcome), or ("error", status, message)."""
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from itertools import count
+
+from .. import api
+from ..decoding import engine
+from ..decoding.drafters import make_drafter
+
+log = logging.getLogger("minispec.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue holds --max-queue requests already."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: it takes no new requests."""
+
+
+@dataclass
+class Outcome:
+    text: str
+    completion_tokens: int
+    finish_reason: str  # "stop" (EOS, a stop token or string) or "length" (max_tokens)
+    stats: dict
+
+
+class Job:
+    """One request on its way through the engine. `deliver(event)` hands an event to the handler that
+    waits for it; it is called on the scheduler's thread, so it must be thread-safe."""
+
+    def __init__(self, request, deliver):
+        self.request, self.deliver = request, deliver
+        self.text = api.TextStream(request)
+        self.cancelled = False  # its client went, or it failed: its row leaves at the next step
+
+    def advance(self, tokens, result):
+        """A step's news, read before the engine's next step (the text pieces depend on that)."""
+        piece = self.text.push(tokens)
+        if result is None:
+            if piece:
+                self.deliver(("text", piece))
+            return
+        tokens, _, stats = result
+        stop = self.request.stop
+        text = api.final_text(self.request.target, stop, tokens)
+        stopped = stop.text_end is not None or tokens[-1] in stop.token_ids
+        self.deliver(("end", piece + self.text.rest(text),
+                      Outcome(text, len(tokens), "stop" if stopped else "length", stats)))
+
+    def fail(self, status, message):
+        self.cancelled = True
+        self.deliver(("error", status, message))
+
+
+class Scheduler:
+    """Owns the target and draft: sizes their caches once, for `rows` requests of up to `max_length`
+    positions, and decodes every request in one engine.decode loop on its own thread. submit() queues
+    a job (at most `max_waiting` wait for a row); cancel() ends one at the next step."""
+
+    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64):
+        drafting = api.Settings(draft=draft, gamma=gamma).drafting  # checks gamma
+        self.target, self.draft, self.gamma, self.rows, self.max_waiting = target, draft, gamma, rows, max_waiting
+        draft_model = make_drafter(draft, target).model if drafting else None  # builds an int8/int4 copy once
+        self.models = [target] + ([draft_model] if draft_model is not None else [])
+        self.max_length = checked_length(self.models, max_model_len)
+        for model in self.models:
+            api.check_memory(model, rows, self.max_length, remedy="lower --batch-size or --max-model-len")
+            model.ensure_caches(rows, self.max_length)
+            model.prepare_batch(rows, self.max_length)
+        self.waiting = deque()
+        self.running = {}  # engine index -> Job, for the jobs in the batch
+        self.live = set()  # every job not ended, failed or cancelled: what a stop must not leave waiting
+        self.indices = count()
+        self.changed = threading.Condition()  # guards `waiting`, `live` and `stopping`
+        self.stopping = False
+        self.thread = threading.Thread(target=self.serve, name="minispec-scheduler", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, job):
+        """Queue a job for the next free row (any thread)."""
+        with self.changed:
+            if self.stopping:
+                raise ShuttingDown
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull
+            self.waiting.append(job)
+            self.live.add(job)
+            self.changed.notify()
+
+    def cancel(self, job):
+        """End a job (any thread): a waiting one leaves the queue now, a running one its row at the next
+        step. Nothing happens to a job that has ended."""
+        with self.changed:
+            job.cancelled = True
+            self.live.discard(job)
+            if job in self.waiting:
+                self.waiting.remove(job)
+
+    def drain(self, timeout):
+        """Shutting down: take no new jobs; those under way have `timeout` seconds to end, then fail (503)."""
+        with self.changed:
+            self.stopping = True
+            self.changed.notify()
+        deadline = threading.Timer(timeout, self.close)
+        deadline.daemon = True
+        deadline.start()
+
+    def stop(self, timeout=None):
+        """Take no more jobs, and fail (503) those not ended yet: when a server shuts down, its handlers
+        have had their grace period (uvicorn's). Then wait for the thread, at most `timeout` seconds."""
+        self.close()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def close(self):
+        """No new jobs, and every job not ended fails (503); take() returns none from now on."""
+        with self.changed:
+            self.stopping = True
+            for job in self.live:
+                job.fail(503, "the server is shutting down")
+            self.live.clear()
+            self.waiting.clear()
+            self.changed.notify()
+
+    @property
+    def load(self):
+        return {"running": len(self.running), "waiting": len(self.waiting)}
+
+    # --- the scheduler's thread ---------------------------------------------------------------------
+    def serve(self):
+        try:
+            with api.exclusive(*self.models):  # for the server's life: nothing else touches their caches
+                while not self.decode_until_stopped():
+                    pass
+        except Exception:
+            log.exception("the scheduler failed")
+        finally:  # however the thread ends, no request is left waiting for it
+            self.close()
+
+    def decode_until_stopped(self):
+        """Run the engine until the server stops (True), or until it fails (False): then the requests in
+        its batch fail, their state unknown, and the others go on in a new batch."""
+        try:
+            for index, tokens, _, result in engine.decode(self.target, self, self.rows, self.cancelled):
+                self.advance(index, tokens, result)
+            return True
+        except Exception:
+            log.exception("decoding failed; failing the %d request(s) in the batch", len(self.running))
+            for job in self.running.values():
+                self.forget(job)
+                job.fail(500, "the server failed while decoding this request (logged)")
+            self.running.clear()
+            return False
+
+    def take(self, free, wait):
+        """engine.decode's source: up to `free` waiting jobs as (index, request); while the batch is
+        empty (`wait`), blocks until one comes or the server stops."""
+        with self.changed:
+            while wait and not self.waiting and not self.stopping:
+                self.changed.wait()
+            jobs = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        taken = []
+        for job in jobs:
+            index = next(self.indices)
+            self.running[index] = job
+            taken.append((index, job.request))
+        return taken
+
+    def forget(self, job):
+        """A job that has ended (or failed) leaves `live`."""
+        with self.changed:
+            self.live.discard(job)
+
+    def cancelled(self, index):
+        """engine.decode's check before each step: a cancelled job's row leaves now."""
+        job = self.running[index]
+        gone = job.cancelled  # read once: a handler may set it meanwhile
+        if gone:
+            del self.running[index]
+        return gone
+
+    def advance(self, index, tokens, result):
+        job = self.running[index]
+        if result is not None:
+            del self.running[index]
+            self.forget(job)
+        if job.cancelled:
+            return  # nobody waits for its news; its row leaves before the next step
+        try:
+            job.advance(tokens, result)
+        except Exception:  # this request's own processing: it fails alone
+            log.exception("request %d failed", index)
+            self.forget(job)
+            job.fail(500, "the server failed while processing this request (logged)")
+
+
+def checked_length(models, max_model_len):
+    """The positions a request may fill (prompt and new tokens): --max-model-len, or the shortest of
+    the models' contexts."""
+    contexts = [model.context_length for model in models if model.context_length is not None]
+    if max_model_len is None:
+        if not contexts:
+            raise ValueError(f"--max-model-len is needed: {models[0].name} has no context limit")
+        return min(contexts)
+    if contexts and max_model_len > min(contexts):
+        model = min((m for m in models if m.context_length is not None), key=lambda m: m.context_length)
+        raise ValueError(f"--max-model-len {max_model_len} exceeds {model.name}'s context of {model.context_length}")
+    return max_model_len
