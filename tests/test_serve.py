@@ -83,10 +83,10 @@ def expected(alone, prompt, draft="lookup", gamma=3, **settings):
     return minispec.generate(target, ids, draft=draft_model if draft == "model" else draft, gamma=gamma, **settings)
 
 
-def make_app(checkpoints, draft="lookup", gamma=3, rows=2, max_waiting=8, api_key=None, max_model_len=None):
+def make_app(checkpoints, draft="lookup", gamma=3, rows=2, max_waiting=8, api_key=None, max_model_len=None, tree=None):
     target = minispec.load(checkpoints[0])
     draft_arg = minispec.load(checkpoints[1]) if draft == "model" else draft
-    scheduler = Scheduler(target, draft_arg, gamma, rows, max_model_len, max_waiting)
+    scheduler = Scheduler(target, draft_arg, gamma, rows, max_model_len, max_waiting, tree)
     return build_app(scheduler, "tiny", draft, api_key, shutdown_timeout=30), scheduler
 
 
@@ -275,6 +275,21 @@ def test_seeded_sampling_at_a_fixed_gamma_equals_generate_alone(checkpoints, alo
         for key in ("acceptance_rate", "tokens_per_target_call", "target_calls", "accepted_lengths"):
             assert stats[key] == out.stats[key], key
     assert sum(reply["speculative"]["accepted_lengths"][0] for reply in replies) < 5 * 20  # guesses were accepted
+
+
+def test_a_server_verifying_token_trees_gives_what_generate_gives_alone(checkpoints, alone):
+    """--tree 8: greedy and seeded sampled requests, concurrent, each as decoded alone with tree=8 (prompts
+    that repeat "one two" with other words after it: lookup's trees branch)."""
+    prompts = ["one two three one two four one two five one two", "red blue green red blue black red blue"] * 2
+    settings = [{"temperature": 0.0 if i % 2 else 1.0, "seed": i, "ignore_eos": True} for i in range(len(prompts))]
+    with serving(checkpoints, rows=3, tree=8) as client:
+        calls = [post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 16, **extra})
+                 for prompt, extra in zip(prompts, settings)]
+        replies = [reply.json() for reply in in_threads(calls)]
+    for prompt, extra, reply in zip(prompts, settings, replies):
+        out = expected(alone, prompt, tree=8, max_new_tokens=16, **extra)
+        assert reply["choices"][0]["text"] == out.text
+        assert out.stats.get("tree_nodes", 0) > 0 or extra["temperature"] == 0.0
 
 
 def test_a_request_arriving_mid_run_joins_the_batch_at_the_next_step(checkpoints, monkeypatch):
@@ -585,6 +600,8 @@ def up(url):
     (["--max-model-len", "0"], "--max-model-len must be >= 1"),
     (["--shutdown-timeout", "inf"], "--shutdown-timeout must be"),
     (["--gamma", "0"], "gamma"),
+    (["--tree", "0"], "tree"),
+    (["--tree", "4", "--draft", "none"], "lookup"),
     (["--threads", "100000"], "--threads must be between"),
     (["--draft", "./nope"], "nope does not exist"),
     (["--port", "70000"], "--port must be between"),

@@ -26,6 +26,8 @@ def parse_args(argv=None):
     add_model_flags(parser, draft_default="lookup")
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
+    parser.add_argument("--tree", type=int, metavar="N",
+                        help="verify a token tree of up to N guesses per target call (with --draft lookup)")
     parser.add_argument("--batch-size", type=int, default=4, help="requests decoded together (cache rows); default 4")
     parser.add_argument("--max-model-len", type=int,
                         help="positions per request, prompt and completion together (default: the target's context, "
@@ -75,7 +77,8 @@ def main(argv=None):
     try:
         check_flags(args)  # bad flags fail before loading weights
         target, draft = load_models(args)
-        scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue)
+        scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue,
+                              args.tree)
         app = build_app(scheduler, args.served_model_name or args.target, args.draft, args.api_key,
                         args.shutdown_timeout)
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug

@@ -86,7 +86,8 @@ def parse(body, chat, scheduler, model_name):
     max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
     given = {name: value for name, value in body.items() if value is not None}
     try:
-        settings = api.Settings(draft=scheduler.draft, gamma=scheduler.gamma, max_new_tokens=max_tokens,
+        settings = api.Settings(draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree,
+                                max_new_tokens=max_tokens,
                                 temperature=given.get("temperature", 1.0), top_k=given.get("top_k", 0),
                                 top_p=given.get("top_p", 1.0), seed=given.get("seed"),
                                 ignore_eos=given.get("ignore_eos", False), stop=given.get("stop"))

@@ -69,9 +69,10 @@ class Scheduler:
     positions, and decodes every request in one engine.decode loop on its own thread. submit() queues
     a job (at most `max_waiting` wait for a row); cancel() ends one at the next step."""
 
-    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64):
-        drafting = api.Settings(draft=draft, gamma=gamma).drafting  # checks gamma
+    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree=None):
+        drafting = api.Settings(draft=draft, gamma=gamma, tree=tree).drafting  # checks gamma and tree
         self.target, self.draft, self.gamma, self.rows, self.max_waiting = target, draft, gamma, rows, max_waiting
+        self.tree = tree
         draft_model = make_drafter(draft, target).model if drafting else None  # builds an int8/int4 copy once
         self.models = [target] + ([draft_model] if draft_model is not None else [])
         self.max_length = checked_length(self.models, max_model_len)
