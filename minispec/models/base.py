@@ -16,12 +16,15 @@ with its own length, which the caller holds:
     model.prepare_batch(rows, longest_prompt)   # T5: cross-attention memory for `rows` prompts
     start = model.encode_row(row, prompt)       # T5: the encoder's run, into that row of the memory
     logits = model.decode_rows(tokens, lengths, widths)   # each row's tokens at its own positions
+    logits = model.decode_rows(tokens, lengths, widths, parents=parents)   # ... each row's a token tree
+    model.keep(row, slots, length)              # a tree's accepted path moved into place as a chain
     model.move_row(source, destination)         # a finished request's row taken by the last one
 
-A family implements `setup_caches(batch_size, max_seq_len)`, `forward(tokens, input_pos, logits_for)`
-and the properties `context_length`, `vocab_size` and `head`; `forward` writes keys/values at
-`input_pos` and attends only to cache positions <= each query's position, so entries past the current
-length are never read and rolling back needs no clearing.
+A family implements `setup_caches(batch_size, max_seq_len)`, `forward(tokens, input_pos, logits_for,
+layout, keys)` and the properties `context_length`, `vocab_size` and `head`; `forward` writes
+keys/values at `input_pos` and attends only to cache positions <= each query's position (through
+kernels.attend_cache, which reads them in one canonical order), so entries past the current length are
+never read and rolling back needs no clearing.
 """
 
 from contextlib import contextmanager, nullcontext
