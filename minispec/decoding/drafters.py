@@ -26,6 +26,7 @@ it, and the sampled path builds it only when it needs it.
 import sys
 import weakref
 from collections import Counter, defaultdict
+from itertools import islice
 
 import torch
 
@@ -315,11 +316,10 @@ class LookupDrafter:
         context's suffix, the longest suffixes and the latest occurrences first (so its first path is
         the chain's guesses), sharing common prefixes (tree.py)."""
         tokens, parents = [], []
-        for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
-            for end in reversed(self.ends.get(tuple(self.context[-n:]), [])[:-1]):
-                add_path(tokens, parents, self.copy_from(end, k), budget)
-                if len(tokens) >= budget:
-                    break
+        earlier = (end for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
+                   for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
+        for end in earlier:  # the latest end of the suffix is the suffix itself: skipped
+            add_path(tokens, parents, self.copy_from(end, k), budget)
             if len(tokens) >= budget:
                 break
         chain = parents == list(range(-1, len(parents) - 1))  # one continuation: verified as a chain, cheaper

@@ -89,7 +89,8 @@ def step(target, rows):
     # (a tree's: p at its root, then at each of its k nodes).
     logits = score(target, rows, proposals)
     # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row. A tree is walked on
-    # the host (tree.py): greedy, by the target's argmax at each node; sampled, node by node.
+    # the host (tree.py): greedy, by the target's argmax at each node; sampled, node by node. A tree's
+    # verdict holds in n's place its choices to bring to the host: the argmaxes, or none when sampled.
     verdicts = [verify(p, drafts, q, row.sampling, row.lenience, row.generator) if parents is None
                 else (p.argmax(-1) if row.sampling.greedy else drafts[:0], None, None)
                 for row, p, (drafts, q, parents) in zip(rows, logits, proposals)]

@@ -32,19 +32,31 @@ def feed_parents(unseen, parents, guesses):
     return list(range(-1, unseen - 1)) + [unseen - 1 if p < 0 else unseen + p for p in parents]
 
 
-def walk(nodes, parents, choices):
-    """Greedy verification of a tree: the accepted path (node indices, root first), the target's token
-    after it, and the first child of the path's last node that was rejected (None: it had none).
-    choices[0] is the target's choice at the root, choices[1 + j] at node j."""
+def children_of(parents, at):
+    """The nodes hanging from node `at` (-1: the root), in order."""
+    return [j for j, parent in enumerate(parents) if parent == at]
+
+
+def descend(nodes, parents, choose):
+    """Walk down from the root: choose(row, children) returns the child to follow, or (None, the
+    target's token there); row indexes the target's scores, 0 at the root, 1 + j at node j. Returns the
+    accepted path (node indices, root first), the target's token after it, and the first child of the
+    path's last node, which was rejected (None: it had none)."""
     path, at = [], -1
     while True:
-        children = [j for j, p in enumerate(parents) if p == at]
-        choice = choices[0 if at < 0 else 1 + at]
-        follow = next((j for j in children if nodes[j] == choice), None)
+        children = children_of(parents, at)
+        follow, t = choose(1 + at, children)
         if follow is None:
-            return path, choice, nodes[children[0]] if children else None
+            return path, t, nodes[children[0]] if children else None
         path.append(follow)
         at = follow
+
+
+def walk(nodes, parents, choices):
+    """Greedy verification of a tree: follow the child equal to the target's choice (choices[0] at the
+    root, choices[1 + j] at node j); descend's result."""
+    return descend(nodes, parents, lambda row, children: (
+        next((j for j in children if nodes[j] == choices[row]), None), choices[row]))
 
 
 def sample_walk(nodes, parents, p, generator):
@@ -55,21 +67,15 @@ def sample_walk(nodes, parents, p, generator):
     probability p exactly: candidate c_i with (1 - p(c_1) - ... - p(c_{i-1})) * p(c_i) / (1 - p(c_1) -
     ... - p(c_{i-1})), any other with (1 - sum of the candidates' p) * p / (1 - that sum). Returns what
     walk returns; draws come from `generator` in a fixed order (a row's as alone in a batch)."""
-    path, at = [], -1
-    while True:
-        children = [j for j, parent in enumerate(parents) if parent == at]
-        remaining = p[0 if at < 0 else 1 + at].clone()  # p', unnormalized: its sum is the mass left
-        follow = None
+    def choose(row, children):
+        remaining = p[row].clone()  # p', unnormalized: its sum is the mass left
         for j in children:
             r = torch.rand((), generator=generator, device=remaining.device)
             if r * remaining.sum() < remaining[nodes[j]]:  # r < p'(child), without dividing
-                follow = j
-                break
+                return j, None
             remaining[nodes[j]] = 0
-        if follow is None:
-            return path, int(sample(remaining, generator)), nodes[children[0]] if children else None
-        path.append(follow)
-        at = follow
+        return None, int(sample(remaining, generator))
+    return descend(nodes, parents, choose)
 
 
 def add_path(tokens, parents, continuation, budget):
@@ -77,7 +83,7 @@ def add_path(tokens, parents, continuation, budget):
     the nodes it has in common with the tree, until the tree has `budget` nodes."""
     at = -1
     for token in continuation:
-        child = next((j for j, p in enumerate(parents) if p == at and tokens[j] == token), None)
+        child = next((j for j in children_of(parents, at) if tokens[j] == token), None)
         if child is None:
             if len(tokens) >= budget:
                 return

@@ -32,7 +32,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from .kernels import KEY_BLOCK, TreeLayout, can_pack, linear, pack, tree_layout
+from .kernels import can_pack, linear, pack, tree_layout, whole_blocks
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -160,8 +160,7 @@ class CachedLM(nn.Module):
     def setup_caches(self, batch_size, max_seq_len):
         """Allocate every layer's KVCache; subclasses call super() to record the shape, then allocate
         `cache_max_seq_len` positions: whole blocks of keys, as attention reads them (kernels.KEY_BLOCK)."""
-        positions = -(-max_seq_len // KEY_BLOCK) * KEY_BLOCK
-        self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, positions, 0
+        self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, whole_blocks(max_seq_len), 0
 
     def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
         """tokens [batch, n] at positions input_pos [n] -> float32 logits [batch, n, vocab], or of the
@@ -257,16 +256,17 @@ class CachedLM(nn.Module):
         out = []
         for start, end in zip([0] + cuts[:-1], cuts):
             wanted = None if logits_for is None else min(end - start, max(logits_for - (n - end), 0))
-            last = layout if end == n and layout is not None else None  # earlier chunks: a chain
-            if last is not None:
-                last = TreeLayout(*(t[:, start:] for t in last[:3]), last.first_block)
+            last = None  # earlier chunks: a chain
+            if layout is not None and end == n:
+                last = layout._replace(positions=layout.positions[:, start:], keys=layout.keys[:, start:],
+                                       window=layout.window[:, start:])
             out.append(self.forward(tokens[:, start:end], input_pos[..., start:end], wanted, last,
                                     self.keys_for(ends(end))))
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def keys_for(self, end):
         """The cache positions an eager forward attends over when no token lies at `end` or beyond."""
-        return min(-(-end // KEY_BLOCK) * KEY_BLOCK, self.cache_max_seq_len)
+        return min(whole_blocks(end), self.cache_max_seq_len)
 
     def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False, parents=None):
         """Append tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length

@@ -153,6 +153,11 @@ def additive(mask):
 KEY_BLOCK = 32
 
 
+def whole_blocks(positions):
+    """`positions` rounded up to whole blocks of KEY_BLOCK."""
+    return -(-positions // KEY_BLOCK) * KEY_BLOCK
+
+
 class TreeLayout(NamedTuple):
     """Where a forward's tokens sit when they form trees (one per batch row), built by `tree_layout`: a
     token's position is its depth after the row's length, while its keys and values go to the next free
@@ -160,7 +165,7 @@ class TreeLayout(NamedTuple):
     positions: torch.Tensor  # [rows, n]: each token's position (RoPE, learned positions, masks)
     keys: torch.Tensor  # [rows, n, S]: the cache slot holding each position's key, for each token
     window: torch.Tensor  # [rows, n, W]: keys at the positions of the window's blocks
-    first_block: torch.Tensor  # [rows]: the window's first block: the blocks that hold the trees
+    window_positions: torch.Tensor  # [rows, W]: those positions: whole blocks, the blocks that hold the trees
 
 
 def tree_layout(lengths, parents, n, cache_positions, device):
@@ -199,7 +204,7 @@ def tree_layout(lengths, parents, n, cache_positions, device):
     first_block = first_block.clamp(max=blocks - window_blocks)
     span = first_block[:, None] * KEY_BLOCK + torch.arange(window_blocks * KEY_BLOCK)
     window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
-    return TreeLayout(*(t.to(device) for t in (positions, keys, window, first_block)))
+    return TreeLayout(*(t.to(device) for t in (positions, keys, window, span)))
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None):
@@ -225,9 +230,7 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
         group = rows // layout.keys.shape[1]
         slots = layout.window.repeat(1, group, 1)
         slots = torch.cat([slots, slots[:, -1:].expand(-1, pad, -1)], dim=1)[:, None].expand(b, h, -1, -1)
-        span = slots.shape[-1]
-        window = layout.first_block[:, None] * KEY_BLOCK + torch.arange(span, device=q.device)
-        scores.scatter_(-1, window[:, None, None, :].expand_as(slots), scores.gather(-1, slots))
+        scores.scatter_(-1, layout.window_positions[:, None, None, :].expand_as(slots), scores.gather(-1, slots))
     if scale != 1.0:
         scores.mul_(scale if scale is not None else d ** -0.5)
     scores.add_(mask)
@@ -254,9 +257,7 @@ def tree_products(products, weights, values, layout, group):
     # Each token's values at the window's positions: [b, h, n, span, d] (one index: rows of d copied)
     batch = torch.arange(b, device=values.device)[:, None, None]
     own = values[batch, :, layout.window].permute(0, 3, 1, 2, 4)
-    first = layout.first_block * KEY_BLOCK
-    window = first[:, None] + torch.arange(span, device=first.device)  # [b, span]
-    w = weights[:, :, :rows].gather(-1, window[:, None, None, :].expand(b, h, rows, span))
+    w = weights[:, :, :rows].gather(-1, layout.window_positions[:, None, None, :].expand(b, h, rows, span))
     # [b, h, group, n, blocks, KEY_BLOCK] -> one product per (token, block) of its group's rows, the row
     # count padded as every attention product is (the same kernel as the blocks outside the window)
     w = w.view(b, h, group, n, span // KEY_BLOCK, KEY_BLOCK).permute(0, 1, 3, 4, 2, 5)
@@ -266,7 +267,7 @@ def tree_products(products, weights, values, layout, group):
     mine = (w @ own).view(b, h, n, span // KEY_BLOCK, group + pad, d)[..., :group, :]
     mine = mine.permute(0, 1, 3, 4, 2, 5).reshape(b, h, span // KEY_BLOCK, rows, d)  # rows group-major
     mine = torch.cat([mine, mine[..., -1:, :].expand(b, h, span // KEY_BLOCK, padded - rows, d)], dim=-2)
-    blocks = layout.first_block[:, None] + torch.arange(span // KEY_BLOCK, device=first.device)
+    blocks = layout.window_positions[:, ::KEY_BLOCK] // KEY_BLOCK
     return products.scatter(2, blocks[:, None, :, None, None].expand_as(mine), mine)
 
 
