@@ -3,6 +3,7 @@
     import minispec
     target = minispec.load("path/or/hub-id", device="cpu")
     draft = minispec.load("smaller/checkpoint")           # or "ngram" / "lookup"
+    draft = minispec.load_draft_head("head/dir", target)  # or a draft head trained for the target
     out = minispec.generate(target, "Once upon a time", draft=draft, gamma=5, max_new_tokens=64)
     out.tokens, out.text, out.stats
 """
@@ -16,7 +17,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 
 from .api import Chunk, Generation, generate, stream  # noqa: E402
 from .decoding.sampling import Sampling  # noqa: E402
+from .heads import load_draft_head  # noqa: E402
 from .loading.chat import chat_prompt  # noqa: E402
 from .loading.checkpoint import CheckpointError, load_model as load  # noqa: E402
 
-__all__ = ["load", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "CheckpointError"]
+__all__ = ["load", "load_draft_head", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "CheckpointError"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
+from .heads import is_head_dir, load_draft_head
 from .loading.checkpoint import load_model
 from .loading.weights import DTYPES
 from .models import quant
@@ -38,7 +39,8 @@ def add_model_flags(parser, draft_default):
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
     parser.add_argument("--draft", default=draft_default,
-                        help="a smaller model (as --target), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
+                        help="a smaller model (as --target), a draft head's folder (python -m minispec.heads "
+                             "train), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
                              f"quantized), or 'none' (plain autoregressive decoding with the target); default "
                              f"{draft_default}")
     parser.add_argument("--quantize", choices=quant.MODES,
@@ -75,6 +77,10 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
         return target, None if draft == "none" else draft
+    if is_head_dir(draft):  # a draft head trained for this target (minispec/heads)
+        if draft_quantize is not None:
+            raise ValueError(f"--draft-quantize quantizes a draft model; {draft} is a draft head")
+        return target, load_draft_head(draft, target)
     return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                               group_size=group_size)
 

@@ -6,8 +6,12 @@
                                                            or None for deterministic guesses (q one-hot);
                                                            keep_guessing(i, confidence), when given, is
                                                            asked after each guess whether to go on
-    drafter.accept(tokens, tokens_on_device)               the target kept these tokens (accepted guesses
-                                                           and its own next token); roll back the rest
+    drafter.accept(tokens, tokens_on_device, seen)         the target kept these tokens (accepted guesses
+                                                           and its own next token); roll back the rest.
+                                                           seen: None, or for drafters that read the
+                                                           target's states (reads_states: draft heads)
+                                                           the tokens its forwards saw and kept since the
+                                                           last accept, and its hidden state at each
     drafter.calls, drafter.encoder_calls                   this request's, for statistics
     drafter.name, drafter.model                            what drafts: "model" and the model, or the
                                                            model-free drafter's name and None
@@ -52,6 +56,11 @@ def make_drafter(draft, target):
             for note in copies[draft].quantization["notes"]:  # layers the int4 kernel cannot take
                 print(f"minispec: draft {copies[draft].name}: {note}", file=sys.stderr)
         return ModelDrafter(copies[draft])
+    if hasattr(draft, "drafter") and hasattr(draft, "target"):  # a draft head (minispec/heads)
+        if draft.target is not target:
+            raise ValueError(f"the draft head {draft.name} was loaded for {draft.target.name}, not for the target "
+                             f"{target.name}; load it with minispec.load_draft_head(path, target)")
+        return draft.drafter()
     if isinstance(draft, str):
         raise ValueError(f"draft={draft!r}: load a draft model once with minispec.load({draft!r}) and pass the "
                          "model (a path here would reload its weights on every call); or use 'ngram', 'lookup', "
@@ -82,9 +91,11 @@ def check_same_vocabulary(target, draft):
 class ModelDrafter:
     """A smaller language model M_q (any family, same vocabulary) guessing for one request, in its own
     row of the draft model's static KV cache (`row`, which the engine moves when rows leave a batch).
-    The rows of a batch guess together: `propose_together` feeds all of them in each draft forward."""
+    The rows of a batch guess together: `propose_together` feeds all of them in each draft forward.
+    A draft head (heads/eagle.py) drafts through the same loop, reading states beside its tokens."""
 
     name, preview = "model", None
+    reads_states = False  # a draft head: its forwards read `inputs` beside the tokens (unseen_states, state)
 
     def __init__(self, model):
         self.model = model
@@ -100,12 +111,13 @@ class ModelDrafter:
         # runs at the first proposal, and never when the policy guesses nothing all along.
         self.unseen = prefix.view(-1)  # accepted tokens the cache has not seen yet, on the device
         self.next_logits = None
+        self.unseen_states = self.state = None  # a draft head's: inputs beside `unseen`, and for the next guess
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         return propose_together([(self, k, sampling, generator, keep_guessing)])[0]
 
-    def accept(self, tokens, tokens_on_device):
+    def accept(self, tokens, tokens_on_device, seen=None):
         # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
         # seen that were accepted; the rest of `tokens` is fed at the next proposal, after any tokens
         # still waiting from steps that proposed nothing.
@@ -122,16 +134,35 @@ class ModelDrafter:
 CATCH_UP_TOGETHER = 2
 
 
-def feed(model, drafters, feeds):
+def feed(model, drafters, feeds, inputs=None):
     """One draft forward over the cache rows 0..len(drafters)-1: feeds[i] (device ids, or None) at row
-    i's length; sets the fed rows' logits for their next guess."""
+    i's length, a draft head's inputs[i] beside them; sets the fed rows' logits for their next guess
+    (and a head's state for its next input)."""
     tokens, widths = model.padded(feeds)
-    logits = model.decode_rows(tokens, [d.length for d in drafters], widths)
-    for drafter, f, row_logits in zip(drafters, feeds, logits):
+    lengths = [d.length for d in drafters]
+    if inputs is None:
+        logits, states = model.decode_rows(tokens, lengths, widths), None
+    else:  # a row's padding repeats its last token: the last column is every row's last token
+        logits, states = model.decode_rows(tokens, lengths, widths, logits_for=1, hidden=True,
+                                           inputs=model.padded(inputs)[0])
+    for i, (drafter, f) in enumerate(zip(drafters, feeds)):
         if f is not None:
-            drafter.next_logits = row_logits[len(f) - 1]
+            drafter.next_logits = logits[i, -1 if states is not None else len(f) - 1]
+            drafter.state = None if states is None else states[i, -1]
             drafter.length += len(f)
             drafter.calls += 1
+
+
+def catch_up(drafter):
+    """A row's unseen tokens through the draft, alone, in one eager forward."""
+    model, inputs = drafter.model, drafter.unseen_states
+    out = model.decode_rows(drafter.unseen.view(1, -1), [drafter.length], first_row=drafter.row, logits_for=1,
+                            eager=True, hidden=inputs is not None, inputs=None if inputs is None else inputs[None])
+    logits, states = out if inputs is not None else (out, None)
+    drafter.next_logits = logits[0, -1]
+    drafter.state = None if states is None else states[0, -1]
+    drafter.length += len(drafter.unseen)
+    drafter.calls += 1
 
 
 def propose_together(asks):
@@ -145,17 +176,17 @@ def propose_together(asks):
         drafter.fed_guesses = 0
     going = [ask for ask in asks if ask[1] > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
     # Catch up on the tokens accepted since each guessing row's last proposal.
+    heads = drafters[0].reads_states
     waiting = [ask[0] for ask in going if ask[0].unseen is not None]
     for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
-        drafter.next_logits = model.decode_rows(drafter.unseen.view(1, -1), [drafter.length], first_row=drafter.row,
-                                                logits_for=1, eager=True)[0, -1]
-        drafter.length += len(drafter.unseen)
-        drafter.calls += 1
-        drafter.unseen = None
+        catch_up(drafter)
+        drafter.unseen = drafter.unseen_states = None
     if any(d.unseen is not None for d in waiting):
-        feed(model, drafters, [d.unseen if d in waiting else None for d in drafters])
+        feed(model, drafters, [d.unseen if d in waiting else None for d in drafters],
+             [d.unseen_states if d in waiting else None for d in drafters] if heads else None)
         for drafter in waiting:
-            drafter.unseen = None
+            drafter.unseen = drafter.unseen_states = None
+    going = [ask for ask in going if ask[0].next_logits is not None]  # a head before the target's first states
     drafts, qs = {id(ask[0]): [] for ask in going}, {id(ask[0]): [] for ask in going}
     while going:
         still = []
@@ -174,7 +205,8 @@ def propose_together(asks):
         going = still
         if going:
             fed = {id(ask[0]) for ask in going}
-            feed(model, drafters, [drafts[id(d)][-1].view(1) if id(d) in fed else None for d in drafters])
+            feed(model, drafters, [drafts[id(d)][-1].view(1) if id(d) in fed else None for d in drafters],
+                 [d.state.view(1, -1) if id(d) in fed else None for d in drafters] if heads else None)
             for drafter, *_ in going:
                 drafter.fed_guesses += 1
     empty = torch.zeros(0, dtype=torch.long, device=model.device)
@@ -207,7 +239,7 @@ class NgramDrafter:
     own, seeded once per request from the caller's, and hands the device its guesses in one copy."""
 
     name, model = "ngram", None
-    encoder_calls = 0
+    encoder_calls, reads_states = 0, False
     calls = 0
 
     def __init__(self, vocab_size, device):
@@ -265,7 +297,7 @@ class NgramDrafter:
             return torch.zeros(0, dtype=torch.long, device=self.device), None
         return torch.tensor(drafts, device=self.device), torch.stack(qs).to(self.device)
 
-    def accept(self, tokens, tokens_on_device):
+    def accept(self, tokens, tokens_on_device, seen=None):
         self.context += tokens
 
 
@@ -279,7 +311,7 @@ class LookupDrafter:
     context. With a token tree (tree.py) it offers what followed several earlier occurrences at once."""
 
     name, model = "lookup", None
-    encoder_calls = 0
+    encoder_calls, reads_states = 0, False
     calls = 0
 
     def __init__(self, vocab_size, device, max_ngram=3):  # NgramDrafter's signature; no q, so no vocab_size
@@ -333,7 +365,7 @@ class LookupDrafter:
     def propose(self, k, sampling, generator, keep_guessing=None):
         return torch.tensor(self.continuation(k)[0] if k else [], dtype=torch.long, device=self.device), None
 
-    def accept(self, tokens, tokens_on_device):
+    def accept(self, tokens, tokens_on_device, seen=None):
         self.extend(tokens)
 
 

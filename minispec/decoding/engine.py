@@ -50,11 +50,12 @@ class Row:
         """γ for this step, as the policy chooses, never drafting past max_new_tokens."""
         return min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
 
-    def advance(self, n, guesses, t, accepted, overlap, timing):
+    def advance(self, n, guesses, t, accepted, overlap, timing, seen=None):
         """Take a verified step: n of `guesses` accepted, then the target's token t (host ids;
         `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
         guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
-        the step's forwards were shared with other rows. Returns whether the request has ended."""
+        the step's forwards were shared with other rows; seen: for a draft head, the tokens the target
+        saw and kept and its hidden state at each. Returns whether the request has ended."""
         k = len(guesses)
         new_tokens, stopped = self.request.stop.cut(guesses[:n] + [t])
         if self.drafter:
@@ -69,7 +70,7 @@ class Row:
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
         self.unseen = accepted[-1:]
         if self.drafter:
-            self.drafter.accept(new_tokens, accepted)
+            self.drafter.accept(new_tokens, accepted, seen)
         return len(self.tokens) >= self.request.max_new_tokens
 
     def tree_budget(self):
@@ -79,7 +80,7 @@ class Row:
             return None
         return min(self.request.tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
-    def advance_tree(self, nodes, parents, path, t, rejected, timing):
+    def advance_tree(self, nodes, parents, path, t, rejected, timing, seen=None):
         """Take a verified tree step (tree.py): the accepted `path` of node indices, then the target's
         token t; `rejected`: the first child of the path's last node, if any. The path's keys and values
         become a chain after the root in the target's cache row; then it is a chain's step."""
@@ -89,7 +90,7 @@ class Row:
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
         accepted = torch.tensor(guesses[:len(path)] + [t], device=self.unseen.device)
-        return self.advance(len(path), guesses, t, accepted, None, timing)
+        return self.advance(len(path), guesses, t, accepted, None, timing, seen)
 
     def count(self, guesses, n, new_tokens):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's

@@ -87,7 +87,7 @@ def step(target, rows):
     drafted = time.perf_counter()
     # One target forward over every row's unseen tokens and guesses; a row's last k+1 are p_1 .. p_{k+1}
     # (a tree's: p at its root, then at each of its k nodes).
-    logits = score(target, rows, proposals)
+    logits, states = score(target, rows, proposals)
     # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row. A tree is walked on
     # the host (tree.py): greedy, by the target's argmax at each node; sampled, node by node. A tree's
     # verdict holds in n's place its choices to bring to the host: the argmaxes, or none when sampled.
@@ -99,20 +99,21 @@ def step(target, rows):
     host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the step's one host sync
     # Roll both caches back to the accepted sequence; each target row has yet to see its t.
     ended, start = [], 0
-    for row, p, (drafts, _, parents), (n, t, overlap) in zip(rows, logits, proposals, verdicts):
+    for row, p, (drafts, _, parents), (n, t, overlap), state in zip(rows, logits, proposals, verdicts, states):
         k = drafts.shape[0]
         # A step's time is this row's only when the forwards were its own.
         timing = (drafted - started, time.perf_counter() - started) if len(rows) == 1 else None
         if parents is None:
             n, guesses, t_host = host[start], host[start + 1:start + 1 + k], host[start + 1 + k]
             start += k + 2
-            done = row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]) if k else t, overlap, timing)
+            done = row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]) if k else t, overlap, timing,
+                               seen(row, drafts, state, list(range(n))))
         else:
             choices, nodes = host[start:start + len(n)], host[start + len(n):start + len(n) + k]
             start += len(n) + k
             verdict = walk(nodes, parents, choices) if row.sampling.greedy else \
                 sample_walk(nodes, parents, adjust(p, row.sampling), row.generator)
-            done = row.advance_tree(nodes, parents, *verdict, timing)
+            done = row.advance_tree(nodes, parents, *verdict, timing, seen(row, drafts, state, verdict[0]))
         if done:
             ended.append(row)
     return ended
@@ -138,12 +139,24 @@ def verify(logits, drafts, q, sampling, lenience, generator):
     return n, t, torch.minimum(p[:k], q).sum(-1) * verified
 
 
+def seen(row, drafts, states, kept):
+    """For a draft head (None for other drafters): the tokens the target saw this step and keeps (the
+    row's unseen tokens and its guesses at indices `kept`), and the target's hidden state at each."""
+    if states is None:
+        return None
+    u, kept = len(row.unseen), torch.tensor(kept, dtype=torch.long, device=drafts.device)
+    return torch.cat([row.unseen, drafts[kept]]), torch.cat([states[:u], states[u + kept]])
+
+
 def score(target, rows, proposals):
     """The target's logits [k+1, vocab] at each row's guesses and one beyond: a row that has just
     joined has its prompt forward of its own (its prefill), the others one forward together, each at
     its own positions, rows with fewer tokens padded (models/base.py, decode_rows). A tree's nodes
-    each attend to their own path (feed_parents)."""
+    each attend to their own path (feed_parents). Also each row's hidden states [width, dim] at every
+    token fed when its drafter reads them (a draft head), else None."""
     logits = [None] * len(rows)
+    hidden = rows[0].drafter is not None and rows[0].drafter.reads_states
+    states = [None] * len(rows)
     drafts = [d for d, _, _ in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]
     trees = any(tree is not None for _, _, tree in proposals)  # then every row's feed is a tree
@@ -152,15 +165,19 @@ def score(target, rows, proposals):
     widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request
-            logits[i] = target.decode_rows(feeds[i].view(1, -1), [0], first_row=i, logits_for=len(drafts[i]) + 1,
-                                           eager=True, parents=None if parents[i] is None else [parents[i]])[0]
+            out = target.decode_rows(feeds[i].view(1, -1), [0], first_row=i, logits_for=len(drafts[i]) + 1,
+                                     eager=True, parents=None if parents[i] is None else [parents[i]], hidden=hidden)
+            logits[i], states[i] = (out[0][0], out[1][0]) if hidden else (out[0], None)
             row.length = len(feeds[i])
     if any(widths):
         tokens, _ = target.padded([feed if w else None for feed, w in zip(feeds, widths)])
         out = target.decode_rows(tokens, [row.length for row in rows], widths,
-                                 parents=[p if w else [] for p, w in zip(parents, widths)] if trees else None)
+                                 parents=[p if w else [] for p, w in zip(parents, widths)] if trees else None,
+                                 hidden=hidden)
+        out, fed_states = out if hidden else (out, None)
         for i, (row, w) in enumerate(zip(rows, widths)):
             if w:
                 logits[i] = out[i, :w]
+                states[i] = None if fed_states is None else fed_states[i, :w]
                 row.length += w
-    return logits
+    return logits, states

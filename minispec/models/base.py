@@ -20,8 +20,13 @@ with its own length, which the caller holds:
     model.keep(row, slots, length)              # a tree's accepted path moved into place as a chain
     model.move_row(source, destination)         # a finished request's row taken by the last one
 
-A family implements `setup_caches(batch_size, max_seq_len)`, `forward(tokens, input_pos, logits_for,
-layout, keys)` and the properties `context_length`, `vocab_size` and `head`; `forward` writes
+Draft heads (minispec/heads) read the target's last hidden state: `decode_rows(..., hidden=True)`
+returns (logits, hidden), computed by the same forward; `embed_tokens(tokens)` and `logits(hidden)` are
+the model's own token embedding and output head.
+
+A family implements `setup_caches(batch_size, max_seq_len)`, `features(tokens, input_pos, layout, keys,
+last)`, `embed_tokens(tokens)`, `logits(hidden)` and the properties `context_length`, `vocab_size` and `head`;
+`features` writes
 keys/values at `input_pos` and attends only to cache positions <= each query's position (through
 kernels.attend_cache, which reads them in one canonical order), so entries past the current length are
 never read and rolling back needs no clearing.
@@ -162,12 +167,30 @@ class CachedLM(nn.Module):
         `cache_max_seq_len` positions: whole blocks of keys, as attention reads them (kernels.KEY_BLOCK)."""
         self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, whole_blocks(max_seq_len), 0
 
-    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
-        """tokens [batch, n] at positions input_pos [n] -> float32 logits [batch, n, vocab], or of the
-        last `logits_for` positions only. `layout`: the tokens form trees (kernels.TreeLayout); `keys`:
-        attend over the first `keys` cache positions only (a multiple of KEY_BLOCK; None: all of them,
-        static shapes for compiled graphs)."""
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None):
+        """tokens [batch, n] at positions input_pos [n] -> the last hidden state [batch, n, dim] (of the
+        last `last` positions only): what the output head multiplies. `layout`: the tokens form trees
+        (kernels.TreeLayout); `keys`: attend over the first `keys` cache positions only (a multiple of
+        KEY_BLOCK; None: all of them, static shapes for compiled graphs)."""
         raise NotImplementedError
+
+    def embed_tokens(self, tokens):
+        """The token embedding: ids [...] -> [..., dim] (without position embeddings)."""
+        raise NotImplementedError
+
+    def logits(self, hidden):
+        """The output head: hidden states [..., dim] -> float32 logits [..., vocab]."""
+        raise NotImplementedError
+
+    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None, hidden=False, inputs=None):
+        """float32 logits [batch, n, vocab] of the tokens (features' arguments), or of the last
+        `logits_for` positions only; `hidden`: also their last hidden states [batch, n, dim], of every
+        position (draft heads read them), as a pair (logits, hidden). `inputs`: what a draft head reads
+        beside each token (heads/eagle.py: the target's hidden states); models take none."""
+        last = None if hidden else logits_for
+        x = self.features(tokens, input_pos, layout, keys, last, **({} if inputs is None else {"inputs": inputs}))
+        logits = self.logits(x if logits_for is None or not hidden else x[:, x.shape[1] - logits_for:])
+        return (logits, x) if hidden else logits
 
     # --- the shared interface ---------------------------------------------------------------------
     def ensure_caches(self, batch_size, max_seq_len):
@@ -246,11 +269,12 @@ class CachedLM(nn.Module):
         self.length += n
         return logits
 
-    def eager_forward(self, tokens, input_pos, logits_for, layout, ends):
+    def eager_forward(self, tokens, input_pos, logits_for, layout, ends, hidden=False, inputs=None):
         """forward() in chunks of PREFILL_CHUNK tokens from the end (so a tree's nodes are all in the
         last), each attending over the cache positions up to its last token only: a prompt's first
         tokens do not pay for the keys of its last ones. Chunks change no number (row invariance).
-        ends(j): one past the last cache slot the first j tokens of any row write (host ints)."""
+        ends(j): one past the last cache slot the first j tokens of any row write (host ints). `hidden`:
+        forward's pair (logits, hidden states of every position). `inputs`: forward's, [batch, n, ...]."""
         n = tokens.shape[1]
         cuts = [n - i for i in range(0, n, PREFILL_CHUNK)][::-1]  # each chunk's end
         out = []
@@ -261,14 +285,17 @@ class CachedLM(nn.Module):
                 last = layout._replace(positions=layout.positions[:, start:], keys=layout.keys[:, start:],
                                        window=layout.window[:, start:])
             out.append(self.forward(tokens[:, start:end], input_pos[..., start:end], wanted, last,
-                                    self.keys_for(ends(end))))
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+                                    self.keys_for(ends(end)), hidden, None if inputs is None else inputs[:, start:end]))
+        if len(out) == 1:
+            return out[0]
+        return tuple(torch.cat(part, dim=1) for part in zip(*out)) if hidden else torch.cat(out, dim=1)
 
     def keys_for(self, end):
         """The cache positions an eager forward attends over when no token lies at `end` or beyond."""
         return min(whole_blocks(end), self.cache_max_seq_len)
 
-    def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False, parents=None):
+    def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False, parents=None,
+                    hidden=False, inputs=None):
         """Append tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length
         lengths[i] (host ints, kept by the caller); returns logits [rows, n, vocab] (or of the last
         `logits_for` positions). Only the first widths[i] tokens of row i are its own (default: all):
@@ -279,7 +306,9 @@ class CachedLM(nn.Module):
         mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once).
         `parents`: the row's tokens form a tree (decoding/tree.py), token j of row i attached to token
         parents[i][j] (-1: to the row's cached tokens); each token is then at its depth's position, its
-        keys and values in its slot, lengths[i] + j, and it attends to its ancestors only."""
+        keys and values in its slot, lengths[i] + j, and it attends to its ancestors only. `hidden`: return
+        (logits, hidden states [rows, n, dim] of every token), for draft heads; `inputs`: forward's,
+        [rows, n, ...], padded as the tokens are."""
         rows, n = tokens.shape
         widths = [n] * rows if widths is None else widths
 
@@ -300,19 +329,22 @@ class CachedLM(nn.Module):
         layout = None if parents is None else tree_layout(lengths, parents, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
             tokens = tokens.clone(memory_format=torch.contiguous_format)
+            if hidden or inputs is not None:
+                return compiled(tokens, input_pos, None, layout, None, hidden, inputs)
             return compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
-            return self.eager_forward(tokens, input_pos, logits_for, layout, ends)
+            return self.eager_forward(tokens, input_pos, logits_for, layout, ends, hidden, inputs)
 
     @staticmethod
     def padded(feeds):
         """decode_rows' tokens and widths from each row's token ids (1-D, on the device; None: nothing
-        to feed): shorter rows repeat their last token, rows with nothing get a placeholder."""
+        to feed): shorter rows repeat their last token, rows with nothing get a placeholder. The same
+        for a draft head's inputs beside them ([n, ...] per row)."""
         widths = [0 if feed is None else len(feed) for feed in feeds]
         if len(feeds) == 1 and widths[0]:
-            return feeds[0].view(1, -1), widths
+            return feeds[0].unsqueeze(0), widths
         fed = [feed for feed in feeds if feed is not None]
-        flat = torch.cat(fed + [fed[0].new_zeros(1)])  # the placeholder last
+        flat = torch.cat(fed + [fed[0].new_zeros(1, *fed[0].shape[1:])])  # the placeholder last
         index, offset, width = [], 0, max(widths)
         for w in widths:
             index.append([offset + min(j, w - 1) if w else len(flat) - 1 for j in range(width)])

@@ -67,11 +67,11 @@ class Attention(nn.Module):
 
     def forward(self, x, input_pos, mask, layout):
         batch, seq_len, dim = x.shape
-        q, k, v = self.c_attn(x).split(dim, dim=-1)
+        q, k, v = self.c_attn(x).split(self.n_head * self.head_dim, dim=-1)  # fewer heads when sharded (tp.py)
         q, k, v = (t.view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         k, v = self.kv_cache.update(input_pos, k, v)
         y = attend_cache(q, k, v, mask, layout=layout)
-        return self.c_proj(y.transpose(1, 2).reshape(batch, seq_len, dim))
+        return self.c_proj(y.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class MLP(nn.Module):
@@ -121,20 +121,24 @@ class GPT2(CachedLM):
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
-        head_dim = self.config.n_embd // self.config.n_head
-        for block in self.h:
+        for block in self.h:  # the block's own head count: fewer than the config's when sharded (models/tp.py)
             block.attn.kv_cache = KVCache(
-                batch_size, self.config.n_head, self.cache_max_seq_len, head_dim, self.dtype, self.device
+                batch_size, block.attn.n_head, self.cache_max_seq_len, block.attn.head_dim, self.dtype, self.device
             )
 
-    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None):
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
         mask = additive(causal_mask(positions, keys or self.cache_max_seq_len))
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.h:
             x = block(x, input_pos, mask, layout)
-        x = self.ln_f(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        return self.wte.unembed(x).float()
+        return self.ln_f(x if last is None else x[:, x.shape[1] - last:])
+
+    def embed_tokens(self, tokens):
+        return self.wte(tokens)
+
+    def logits(self, hidden):
+        return self.wte.unembed(hidden).float()
 
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

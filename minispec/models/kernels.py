@@ -230,11 +230,12 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
         group = rows // layout.keys.shape[1]
         slots = layout.window.repeat(1, group, 1)
         slots = torch.cat([slots, slots[:, -1:].expand(-1, pad, -1)], dim=1)[:, None].expand(b, h, -1, -1)
-        scores.scatter_(-1, layout.window_positions[:, None, None, :].expand_as(slots), scores.gather(-1, slots))
+        scores = scores.scatter(-1, layout.window_positions[:, None, None, :].expand_as(slots), scores.gather(-1, slots))
+    # Out of place: the same numbers, and gradients can flow (training a draft head, heads/train.py).
     if scale != 1.0:
-        scores.mul_(scale if scale is not None else d ** -0.5)
-    scores.add_(mask)
-    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(b * h, rows + pad, S // KEY_BLOCK, KEY_BLOCK)
+        scores = scores * (scale if scale is not None else d ** -0.5)
+    scores = scores + mask
+    weights = (scores - scores.amax(-1, keepdim=True)).exp().view(b * h, rows + pad, S // KEY_BLOCK, KEY_BLOCK)
     values = v.float()
     products = weights.transpose(1, 2) @ values.view(b * h, S // KEY_BLOCK, KEY_BLOCK, d)  # [bh, blocks, rows, d]
     if layout is not None:

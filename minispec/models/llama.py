@@ -259,13 +259,19 @@ class Llama(CachedLM):
         super().setup_caches(batch_size, max_seq_len)
         c = self.config
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch_size, c.n_kv_heads, self.cache_max_seq_len, c.head_dim, self.dtype,
-                                               self.device)
+            # the layer's own head count: fewer than the config's when sharded (models/tp.py)
+            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
+                                               c.head_dim, self.dtype, self.device)
         cos, sin = rope_tables(c, self.cache_max_seq_len, self.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None):
+        x = self.blocks(self.tok_embeddings(tokens), input_pos, layout, keys)
+        return self.norm(x if last is None else x[:, x.shape[1] - last:])
+
+    def blocks(self, x, input_pos, layout, keys):
+        """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too)."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
         causal = causal_mask(positions, keys or self.cache_max_seq_len)
         # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
@@ -275,11 +281,15 @@ class Llama(CachedLM):
         group = self.config.n_heads // self.config.n_kv_heads  # query heads per K/V head: rows of Attention's q
         masks = {w: additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
-        x = self.norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        return (self.tok_embeddings.unembed(x) if self.output is None else self.output(x)).float()
+        return x
+
+    def embed_tokens(self, tokens):
+        return self.tok_embeddings(tokens)
+
+    def logits(self, hidden):
+        return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
 def fuse(weights, names, fused_name):

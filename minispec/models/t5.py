@@ -272,7 +272,7 @@ class T5(CachedLM):
         super().setup_caches(batch_size, max_seq_len)
         for layer in self.decoder:
             layer.self_attn.kv_cache = KVCache(
-                batch_size, self.config.num_heads, self.cache_max_seq_len, self.config.d_kv, self.dtype, self.device
+                batch_size, layer.self_attn.n_heads, self.cache_max_seq_len, self.config.d_kv, self.dtype, self.device
             )
 
     def position_bias(self, table, query_pos, key_pos, bidirectional):
@@ -326,7 +326,7 @@ class T5(CachedLM):
             return  # the memory already has room: each row is refilled by encode_row, and only those are read
         for layer in self.decoder:
             attn = layer.cross_attn
-            shape = (rows, self.config.num_heads, capacity, self.config.d_kv)
+            shape = (rows, attn.n_heads, capacity, self.config.d_kv)  # the layer's heads (fewer when sharded)
             with torch.inference_mode(False):
                 attn.memory_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 attn.memory_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -351,9 +351,8 @@ class T5(CachedLM):
             attn.memory_k[destination], attn.memory_v[destination] = attn.memory_k[source], attn.memory_v[source]
         self.memory_mask[destination] = self.memory_mask[source]
 
-    def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None):
-        """The decoder: tokens [batch, n] at input_pos [n] -> float32 logits [batch, n, vocab] (or of the
-        last `logits_for` positions); a tree's tokens at the positions of `layout`."""
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None):
+        """The decoder's final states (scaled as the tied head expects them)."""
         if self.encoder_batch_size == 0:
             raise ValueError(f"{self.name}: call encode(prompt) before decoding")
         if self.encoder_batch_size != 1 and self.encoder_batch_size < tokens.shape[0]:
@@ -369,10 +368,14 @@ class T5(CachedLM):
         x = self.embed(tokens)
         for layer in self.decoder:
             x = layer(x, input_pos, mask, self.memory_mask, layout)
-        x = self.decoder_norm(x if logits_for is None else x[:, x.shape[1] - logits_for:])
-        if self.config.scale_decoder_outputs:
-            x = x * self.config.d_model**-0.5
-        return self.lm_head(x).float()
+        x = self.decoder_norm(x if last is None else x[:, x.shape[1] - last:])
+        return x * self.config.d_model**-0.5 if self.config.scale_decoder_outputs else x
+
+    def embed_tokens(self, tokens):
+        return self.embed(tokens)
+
+    def logits(self, hidden):
+        return self.lm_head(hidden).float()
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)

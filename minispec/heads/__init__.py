@@ -1,0 +1,103 @@
+"""Draft heads: small trained modules on the target's own last hidden state that guess for it
+(eagle.py: one decoder layer predicting the next state; medusa.py: K heads each guessing one position
+further). `load_draft_head(path, target)` reads a head directory, as its authors publish them or as
+`python -m minispec.heads train` writes them; the head drafts as `generate(..., draft=head)`.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..loading import builtin
+from ..loading.checkpoint import check_shapes
+from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
+from . import eagle, medusa
+
+KINDS = {"eagle": eagle, "medusa": medusa}
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def is_head_dir(path):
+    """Whether `path` is a draft head's folder (config.json of a head kind, or EAGLE's fc in its
+    weights) rather than a model checkpoint."""
+    directory = Path(path).expanduser()
+    config = directory / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False  # the checkpoint loader says what is wrong with it
+    if not isinstance(hf, dict):
+        return False
+    if "minispec_head" in hf or "medusa_num_heads" in hf:
+        return True
+    # EAGLE's authors publish a Llama config of one layer, beside weights with fc and no tokenizer
+    return hf.get("num_hidden_layers") == 1 and not any(directory.glob("tokenizer*"))
+
+
+def kind_of(hf, directory):
+    """"medusa" or "eagle", from config.json (minispec's own field, else what the published configs hold)."""
+    kind = hf.get("minispec_head")
+    if kind is None:
+        kind = "medusa" if "medusa_num_heads" in hf else "eagle"
+    if kind not in KINDS:
+        raise CheckpointError(f"{directory}/config.json: unknown head kind {kind!r} (minispec knows "
+                              f"{', '.join(KINDS)})")
+    if kind == "eagle" and ("draft_vocab_size" in hf or "Eagle3" in str(hf.get("architectures"))):
+        raise CheckpointError(f"{directory}: an EAGLE-3 head; minispec loads EAGLE-1/2 and Medusa heads")
+    return kind
+
+
+def build(kind, hf, target, source):
+    """The head module for config.json `hf`, on the meta device (shapes only)."""
+    with torch.device("meta"):
+        if kind == "eagle":
+            config, bias = eagle.config_from_hf(hf, target, source)
+            return eagle.EagleHead(config, bias, target), config
+        n_heads, n_layers = medusa.config_from_hf(hf, target, source)
+        width = target.embed_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
+        return medusa.MedusaHeads(width, target.vocab_size, n_heads, n_layers, target), n_heads
+
+
+def load_draft_head(path, target):
+    """The draft head in directory `path` (config.json and safetensors weights), for `target` (a loaded
+    minispec model: the head reads its states, embedding and output head), in the target's dtype and
+    device."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"{path}: not a directory (a draft head is a folder with config.json and weights)")
+    hf = read_config(directory)
+    kind = kind_of(hf, directory)
+    if not any(directory.glob("*.safetensors")):
+        pickles = [file.name for pattern in PICKLES for file in directory.glob(pattern)]
+        if pickles:
+            raise CheckpointError(
+                f"{directory}: {pickles[0]} is a pickle file, which can run code when loaded; minispec reads "
+                "safetensors only. Convert it once where you trust it: python -c \"import torch, safetensors.torch "
+                f"as s; s.save_file(torch.load('{pickles[0]}'), 'model.safetensors')\"")
+    try:
+        head, config = build(kind, hf, target, directory)
+    except (ValueError, KeyError) as error:
+        raise CheckpointError(f"{directory}/config.json: {error}") from error
+    weights = KINDS[kind].convert_weights(read_weights(weight_files(directory)), config)
+    check_shapes(head, weights, directory)
+    head.load_state_dict({k: v.to(target.dtype) for k, v in weights.items()}, assign=True)
+    head = head.to(target.device).eval().requires_grad_(False)
+    identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
+    head.fingerprint = hashlib.sha256(f"{identities}|{target.fingerprint}".encode()).hexdigest()[:20]
+    head.name = directory.name
+    return head
+
+
+def save_draft_head(head, hf, directory):
+    """Write a head as load_draft_head reads it: config.json (`hf`, the published layout's fields) and
+    model.safetensors in the published tensor names."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().float().contiguous() for name, tensor in KINDS[head.kind].published(head).items()}
+    save_safetensors(tensors, directory / "model.safetensors.partial")
+    (directory / "model.safetensors.partial").replace(directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({**hf, "minispec_head": head.kind}, indent=2) + "\n")

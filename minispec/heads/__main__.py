@@ -1,0 +1,50 @@
+"""python -m minispec.heads train --target T --out DIR [--kind eagle|medusa] [--prompts FILE] ...
+
+Trains a draft head for a target by self-distillation (heads/train.py) and writes it into DIR, where
+`--draft DIR` and `minispec.load_draft_head(DIR, target)` find it. Run again to resume."""
+
+import argparse
+import sys
+
+import torch
+
+from ..cli import read_prompts_file
+from ..loading.checkpoint import load_model
+from ..loading.weights import DTYPES, CheckpointError
+from .train import train
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m minispec.heads", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("train", help="train a draft head for a target (resumes an interrupted run)")
+    command.add_argument("--target", required=True, help="the target, as run.py's --target")
+    command.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    command.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    command.add_argument("--out", required=True, help="the head's folder (made if missing)")
+    command.add_argument("--kind", choices=("eagle", "medusa"), default="eagle")
+    command.add_argument("--prompts", help="a file of prompts, one per line (default: minispec's own set)")
+    command.add_argument("--epochs", type=int, default=4)
+    command.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
+    command.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
+    command.add_argument("--lr", type=float, default=None)
+    command.add_argument("--no-chat", action="store_true", help="answer the prompts as raw text, not chat turns")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
+        target = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
+        train(target, args.out, args.kind, prompts, args.epochs, args.max_new_tokens, args.lr, args.heads,
+              chat=not args.no_chat)
+    except (ValueError, OSError, CheckpointError) as error:
+        print(f"minispec: {error}", file=sys.stderr)
+        return 2
+    print(f"minispec: the head is in {args.out}; use it with --draft {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

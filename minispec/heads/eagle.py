@@ -1,0 +1,131 @@
+"""EAGLE (Li, Wei, Zhang & Zhang, ICML 2024): the target drafts for itself at the feature level.
+
+The target's last hidden state f_i (what its output head reads at position i) predicts token i+1. One
+decoder layer of the target's own shape learns to predict the next state from it and the token that
+followed:
+
+    f̂_{i+1} = Layer(fc([embed(x_{i+1}), f_i]))     embed: the target's own token embedding
+    q_{i+2}  = softmax(target.logits(f̂_{i+1}))      the target's own output head
+
+Drafting after a step that ended in the target's token t: the pairs (f_i, x_{i+1}) whose states the
+target computed since the last step go through the layer (its own static KV cache, pair i at position
+i); the last pair's f̂ gives q for the first guess; then (f̂, guess) gives the next f̂, and so on, each
+guess drawn from its q (decoding/drafters.py's loop, shared with draft models). After verification the
+layer's cache keeps only pairs built from the target's real states: the pairs of its guesses are rolled
+back, and the accepted guesses come back at the next step with the states the target gave them.
+
+Checkpoints: EAGLE-1/EAGLE-2 heads as their authors publish them (config.json: a Llama config with one
+layer and `bias` for fc; safetensors with fc.weight, fc.bias and layers.0.* in Hugging Face names; layer
+0 has no input norm), and heads trained here (heads/train.py writes the same layout).
+"""
+
+import torch
+from torch import nn
+
+from ..decoding.drafters import ModelDrafter
+from ..models.base import CachedLM, Linear
+from ..models.hf_config import FLAG, get
+from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
+
+
+class EagleHead(Llama):
+    """A one-layer Llama whose input is fc([embed(token), the target's state]) and whose output head is
+    the target's (Llama's caches, masks and RoPE, none of its embedding or head)."""
+
+    kind = "eagle"
+
+    def __init__(self, config, bias, target):
+        CachedLM.__init__(self)
+        self.config = config
+        self.fc = Linear(2 * config.dim, config.dim, bias=bias)
+        self.layers = nn.ModuleList(TransformerBlock(config, None) for _ in range(config.n_layers))
+        self.layers[0].attention_norm = nn.Identity()  # fc's output goes in as it is (EAGLE's layer 0)
+        self.__dict__["target"] = target  # not a submodule: its weights are the target's, loaded once
+
+    @property
+    def vocab_size(self):
+        return self.target.vocab_size
+
+    @property
+    def head(self):
+        return self.target.head
+
+    def embed_tokens(self, tokens):
+        return self.target.embed_tokens(tokens)
+
+    def logits(self, hidden):
+        return self.target.logits(hidden)
+
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None, inputs=None):
+        """The predicted next states of the pairs (inputs[:, j], tokens[:, j]). Without inputs (the
+        policy timing a guess) zeros stand in: the same work."""
+        embedded = self.embed_tokens(tokens).to(self.dtype)
+        inputs = torch.zeros_like(embedded) if inputs is None else inputs.to(self.dtype)
+        x = self.blocks(self.fc(torch.cat([embedded, inputs], dim=-1)), input_pos, layout, keys)
+        return x if last is None else x[:, x.shape[1] - last:]
+
+    def drafter(self):
+        return EagleDrafter(self)
+
+
+class EagleDrafter(ModelDrafter):
+    """Guesses for one request through an EagleHead, in its own row of the head's cache."""
+
+    name = "eagle"
+    reads_states = True
+
+    def start(self, prompt_ids, sampling=None, row=0):
+        super().start(prompt_ids, row=row)
+        self.unseen = None  # nothing to draft from before the target's first forward gives its states
+
+    def accept(self, tokens, tokens_on_device, seen=None):
+        # seen: the tokens the target kept since the last step and its state at each; each state pairs
+        # with the token after it (the next one seen, then the target's own new token).
+        fed, states = seen
+        self.length -= self.fed_guesses  # the guesses' pairs held predicted states: the real ones follow
+        self.unseen = torch.cat([fed[1:], tokens_on_device[-1:]])
+        self.unseen_states = states
+        self.next_logits = None
+
+
+def config_from_hf(hf, target, source):
+    """The head's LlamaConfig and fc's bias, checked against the target it drafts for."""
+    config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
+    width = target.embed_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
+    if config.dim != width:
+        raise ValueError(f"{source}: an EAGLE head of hidden_size {config.dim} cannot draft for "
+                         f"{target.name}, whose hidden states have {width}")
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(f"{source}: the head's vocab_size {config.vocab_size} is not the target's "
+                         f"({target.vocab_size})")
+    return config, get(hf, "bias", FLAG, True)
+
+
+def convert_weights(weights, config):
+    """Published names -> ours: layers.0.* as in a Llama checkpoint (fused q/k/v and gate/up); fc as it
+    is; a copy of the target's embedding, which some heads carry, dropped (the target's is used)."""
+    weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()
+               if not name.endswith("embed_tokens.weight")}
+    return convert_hf_weights(weights, config)
+
+
+def published(head):
+    """Our tensors under the published names (convert_weights' inverse): what train.py saves."""
+    c, out = head.config, {}
+    for name, tensor in head.state_dict().items():
+        layer, _, rest = name.partition(".attention.")
+        if rest.startswith("wqkv."):
+            kind = rest.split(".")[-1]
+            parts = tensor.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim])
+            out.update({f"{layer}.self_attn.{p}_proj.{kind}": part for p, part in zip("qkv", parts)})
+            continue
+        layer, _, rest = name.partition(".feed_forward.")
+        if rest.startswith("w13."):
+            gate, up = tensor.chunk(2)
+            out.update({f"{layer}.mlp.gate_proj.{rest[4:]}": gate, f"{layer}.mlp.up_proj.{rest[4:]}": up})
+            continue
+        for ours, theirs in ((".attention.wo.", ".self_attn.o_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
+                             (".ffn_norm.", ".post_attention_layernorm."), (".attention_norm.", ".input_layernorm.")):
+            name = name.replace(ours, theirs)
+        out[name] = tensor
+    return out

@@ -1,0 +1,100 @@
+"""Medusa (Cai et al. 2024), after blockwise parallel decoding (Stern, Shazeer & Uszkoreit 2018): K heads
+on the target's last hidden state, head j guessing the token j + 1 places past the one the target's
+own head predicts.
+
+    f_i: the target's state at the last token it has seen; target.logits(f_i) gave t = x_{i+1}
+    q_j = softmax(W_j · ResBlock_j(f_i)),  ResBlock(x) = x + SiLU(linear(x))     guess j ~ q_j: x_{i+2+j}
+
+Every guess of a step comes from the one state, so drafting costs one small forward per guess and no
+cache. The guesses are drawn independently, each from its own q_j: Algorithm 1 needs nothing more.
+
+Checkpoints: Medusa-1 heads as their authors publish them (config.json with medusa_num_heads and
+medusa_num_layers; tensors `{head}.{layer}.linear.weight/bias` and `{head}.{medusa_num_layers}.weight`,
+or the same under `medusa_head.` in a Medusa-2 model's files), and heads trained here.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..decoding.sampling import Sampling, adjust, sample
+from ..models.base import Linear
+from ..models.hf_config import COUNT, get
+
+
+class ResBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.linear = Linear(dim, dim)
+
+    def forward(self, x):
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, dim, vocab_size, n_heads, n_layers, target):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Sequential(*[ResBlock(dim) for _ in range(n_layers)],
+                                                 Linear(dim, vocab_size, bias=False)) for _ in range(n_heads))
+        self.__dict__["target"] = target  # not a submodule: its weights are the target's
+        self.fingerprint = None  # set by the loader
+
+    def forward(self, state, k):
+        """float32 logits [k, vocab] of heads 0..k-1 at one state [dim]."""
+        x = state.to(self.heads[0][-1].weight.dtype)
+        return torch.stack([head(x) for head in self.heads[:k]]).float()
+
+    def drafter(self):
+        return MedusaDrafter(self)
+
+
+class MedusaDrafter:
+    """Guesses for one request from the target's state at the last token it has seen."""
+
+    name, model, preview = "medusa", None, None
+    reads_states = True
+    encoder_calls = 0
+
+    def __init__(self, heads):
+        self.heads = heads
+        self.calls = 0
+
+    def start(self, prompt_ids, sampling=Sampling(), row=0):
+        self.state, self.calls = None, 0  # None until the target's first forward
+
+    def propose(self, k, sampling, generator, keep_guessing=None):
+        k = min(k, len(self.heads.heads))
+        if self.state is None or k == 0:
+            return torch.zeros(0, dtype=torch.long, device=self.heads.target.device), None
+        logits = self.heads(self.state, k)
+        self.calls += 1
+        if sampling.greedy:
+            return logits.argmax(-1), None
+        q = adjust(logits, sampling)
+        return sample(q, generator), q
+
+    def accept(self, tokens, tokens_on_device, seen=None):
+        self.state = seen[1][-1]
+
+
+def config_from_hf(hf, target, source):
+    """(heads, layers per head) from config.json."""
+    return get(hf, "medusa_num_heads", COUNT), get(hf, "medusa_num_layers", COUNT, 1)
+
+
+def convert_weights(weights, n_heads):
+    """Published names -> ours: `{head}.*` (Medusa-1's own file) or `medusa_head.{head}.*` (in a
+    Medusa-2 model's files, beside the target's tensors, which are left out) -> `heads.{head}.*`."""
+    out = {}
+    for name, tensor in weights.items():
+        name = name.removeprefix("medusa_head.")
+        if name.split(".", 1)[0].isdigit():
+            out[f"heads.{name}"] = tensor
+    return out
+
+
+def published(heads):
+    """Our tensors under Medusa-1's names (convert_weights' inverse): what train.py saves."""
+    return {name.removeprefix("heads."): tensor for name, tensor in heads.state_dict().items()}

@@ -1,0 +1,321 @@
+"""Training a draft head by self-distillation: the target answers a set of prompts, its hidden states
+over each prompt and answer are recorded in one forward, and the head learns to predict what the target
+does next from them, with the losses of its paper:
+
+    EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
+            over pairs (f_i + noise, x_{i+1}); the noise (EAGLE's uniform noise on the input states)
+            teaches the head to draft on from its own, imperfect, predicted states
+    Medusa: head j at position i: CE(softmax(target.logits(f_{i+1+j})), head_j(f_i))
+            (Medusa-1 with self-distillation: the target's own distribution as the label)
+
+Only positions inside the answers are learnt. Everything lives in the output folder and a run resumes
+where an interrupted one stopped: the head (config.json, model.safetensors) after every epoch, and in
+its training/ folder the prompts and answers as token ids (data.safetensors), the optimizer's state
+and the epochs done.
+"""
+
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from ..api import generate
+from ..loading.chat import chat_prompt
+from ..loading.weights import save_safetensors
+from ..models.llama import LlamaConfig
+from . import eagle, medusa, save_draft_head
+
+# What the target answers when no prompts file is given: templates over subjects, none of them the
+# subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
+TEMPLATES = (
+    "Explain {} in simple terms.", "Write a short story about {}.", "What are the pros and cons of {}?",
+    "Give me five interesting facts about {}.", "Write a short poem about {}.", "How does {} work?",
+    "Summarize the history of {} in a paragraph.", "Describe {} to a curious child.",
+    "Write a friendly email inviting a colleague to learn about {}.", "List some practical tips about {}.",
+    "What are common misconceptions about {}?", "Write a Python function related to {}, with a docstring.",
+)
+SUBJECTS = (
+    "volcanoes", "the printing press", "black holes", "honey bees", "electric cars", "the Roman Empire",
+    "machine learning", "coffee brewing", "the human heart", "solar panels", "chess openings", "rainforests",
+    "the stock market", "origami", "jazz music", "earthquakes", "the internet", "bread baking", "penguins",
+    "time management", "the moon landing", "public libraries", "bicycles", "compound interest",
+    "the water cycle", "ancient Egypt", "sorting algorithms", "gardening in small spaces", "tides",
+    "the violin", "recycling", "sleep", "mountain climbing", "renewable energy", "dinosaurs",
+    "the French Revolution", "hash tables", "meditation", "city planning", "octopuses",
+)
+PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
+
+
+def default_prompts():
+    return [template.format(subject) for i, subject in enumerate(SUBJECTS)
+            for template in TEMPLATES[i % 3::3]]  # each subject under 4 of the templates
+
+
+def progress(done, total, started, what):
+    """One line on stderr, rewritten in place."""
+    elapsed = time.perf_counter() - started
+    left = elapsed / done * (total - done) if done else 0
+    sys.stderr.write(f"\r{what}: {done}/{total} ({elapsed:.0f} s, about {left:.0f} s left)   ")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def answer(target, prompts, max_new_tokens, batch_size, chat):
+    """(token ids of prompt + answer, where the answer starts) per prompt: the target's greedy answers."""
+    sequences, started = [], time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        texts = prompts[start:start + batch_size]
+        ids = [chat_prompt(target.tokenizer, text) if chat else text for text in texts]
+        out = generate(target, ids, max_new_tokens=max_new_tokens, batch_size=len(ids))
+        for text, prompt_ids, generation in zip(texts, ids, out):
+            prompt_tensor = torch.tensor(prompt_ids) if not isinstance(prompt_ids, str) else \
+                torch.tensor(target.tokenizer.encode(prompt_ids))
+            sequences.append((torch.cat([prompt_tensor, torch.tensor(generation.tokens, dtype=torch.long)]),
+                              len(prompt_tensor)))
+        progress(min(start + batch_size, len(prompts)), len(prompts), started, "the target answers")
+    return sequences
+
+
+def save_data(sequences, file):
+    tokens = torch.cat([s for s, _ in sequences])
+    lengths = torch.tensor([len(s) for s, _ in sequences])
+    starts = torch.tensor([a for _, a in sequences])
+    save_safetensors({"tokens": tokens, "lengths": lengths, "answer_starts": starts}, file)
+
+
+def load_data(file):
+    data = load_file(file)
+    pieces = data["tokens"].split(data["lengths"].tolist())
+    return list(zip(pieces, data["answer_starts"].tolist()))
+
+
+@torch.no_grad()
+def record(target, sequences):
+    """The target's last hidden state at every position of every sequence [length, dim]."""
+    states, started = [], time.perf_counter()
+    for i, (tokens, _) in enumerate(sequences):
+        target.ensure_caches(1, len(tokens))
+        states.append(target.decode_rows(tokens.view(1, -1).to(target.device), [0], logits_for=1, eager=True,
+                                         hidden=True)[1][0].float())
+        progress(i + 1, len(sequences), started, "recording the target's states")
+    return states
+
+
+class Uncached(torch.nn.Module):
+    """A KV cache that keeps nothing: a training forward attends over its own tokens only."""
+    first_row = 0
+
+    def update(self, input_pos, k, v):
+        return k.contiguous(), v.contiguous()  # as a cache's rows are
+
+
+@contextmanager
+def training(head, length):
+    """The head's forwards over whole sequences of up to `length` tokens, with gradients."""
+    head.setup_caches(1, length)  # RoPE tables of `length` positions
+    caches = [layer.attention.kv_cache for layer in head.layers]
+    for layer in head.layers:
+        layer.attention.kv_cache = Uncached()
+    head.train().requires_grad_(True)
+    try:
+        yield
+    finally:
+        for layer, cache in zip(head.layers, caches):
+            layer.attention.kv_cache = cache
+        head.eval().requires_grad_(False)
+
+
+def batches(sequences, states, tokens_per_batch, generator):
+    """Shuffled batches of whole sequences, each padded to a whole number of key blocks (attention
+    reads keys in blocks of 32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
+    order = torch.randperm(len(sequences), generator=generator).tolist()
+    batch = []
+    for index in order + [None]:
+        if index is not None:
+            batch.append(index)
+        longest = max((len(sequences[i][0]) for i in batch), default=0)
+        if batch and (index is None or longest * len(batch) >= tokens_per_batch):
+            width = -(-longest // 32) * 32
+            tokens = torch.zeros(len(batch), width, dtype=torch.long)
+            feats = torch.zeros(len(batch), width, states[batch[0]].shape[-1])
+            mask = torch.zeros(len(batch), width, dtype=torch.bool)
+            for row, i in enumerate(batch):
+                seq, start = sequences[i]
+                tokens[row, :len(seq)], feats[row, :len(seq)] = seq, states[i]
+                mask[row, start:len(seq)] = True
+            yield tokens, feats, mask
+            batch = []
+
+
+def output_head(target, x):
+    """target.logits(x) with gradients: the float weight itself (the packed kernel has no backward)."""
+    weight = getattr(target.head, "weight", None)
+    if weight is None or not weight.is_floating_point():
+        raise ValueError(f"training a head needs {target.name} with float weights (load it without --quantize)")
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
+def soft_cross_entropy(logits, target_logits):
+    return -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+
+def eagle_loss(head, tokens, states, mask, generator):
+    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only."""
+    inputs, pair_tokens, wanted = states[:, :-1], tokens[:, 1:], states[:, 1:]
+    noise = (torch.rand(inputs.shape, generator=generator) - 0.5) * PAIR_NOISE * 512 / inputs.shape[1]
+    inputs = inputs + noise
+    width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
+    inputs = F.pad(inputs, (0, 0, 0, 1))
+    pair_tokens = F.pad(pair_tokens, (0, 1))
+    predicted = head.features(pair_tokens, torch.arange(width), keys=width, inputs=inputs)[:, :-1].float()
+    keep = mask[:, 1:]
+    predicted, wanted = predicted[keep], wanted[keep]
+    regression = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
+    with torch.no_grad():
+        target_logits = output_head(head.target, wanted)
+    logits = output_head(head.target, predicted)
+    classification = soft_cross_entropy(logits, target_logits)
+    accuracy = (logits.detach().argmax(-1) == target_logits.argmax(-1)).float().mean()
+    return regression.mean() + 0.1 * classification.mean(), accuracy
+
+
+def medusa_loss(heads, tokens, states, mask, generator):
+    """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j."""
+    total, correct = 0.0, []
+    for j, module in enumerate(heads.heads):
+        shift = j + 1
+        keep = mask[:, :-shift] & mask[:, shift:]
+        if not keep.any():
+            continue
+        with torch.no_grad():
+            target_logits = output_head(heads.target, states[:, shift:][keep])
+        logits = module(states[:, :-shift][keep].to(heads.target.dtype)).float()
+        total = total + soft_cross_entropy(logits, target_logits).mean() * 0.8 ** j  # Medusa's decay
+        correct.append((logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
+    return total, correct[0] if correct else torch.zeros(())
+
+
+def new_head(kind, target, heads):
+    """A fresh head for `target` and its config.json: an EAGLE layer starts as the target's last layer
+    (a Llama target's) and fc as the identity on the state; Medusa heads start as Medusa's do (each
+    ResBlock the identity, each head the target's own output head)."""
+    width = target.embed_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
+    if kind == "medusa":
+        module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
+        with torch.no_grad():
+            for head in module.heads:
+                head[0].linear.weight.zero_()
+                head[0].linear.bias.zero_()
+                head[-1].weight.copy_(target.head.weight if hasattr(target.head, "weight") else head[-1].weight)
+        return module, {"medusa_num_heads": heads, "medusa_num_layers": 1, "hidden_size": width,
+                        "vocab_size": target.vocab_size}
+    like = target.config if isinstance(getattr(target, "config", None), LlamaConfig) else None
+    hf = {"hidden_size": width, "intermediate_size": like.intermediate_size if like else 4 * width,
+          "num_attention_heads": like.n_heads if like else max(width // 64, 1),
+          "num_key_value_heads": like.n_kv_heads if like else max(width // 64, 1),
+          "head_dim": like.head_dim if like else 64 if width >= 64 else width,
+          "rms_norm_eps": like.norm_eps if like else 1e-6, "rope_theta": like.rope_theta if like else 10000.0,
+          "max_position_embeddings": 1 << 16, "vocab_size": target.vocab_size, "num_hidden_layers": 1,
+          "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True}
+    config, bias = eagle.config_from_hf(hf, target, "the new head")
+    module = eagle.EagleHead(config, bias, target).to(target.dtype)
+    with torch.no_grad():
+        module.fc.weight.zero_()
+        module.fc.weight[:, width:].copy_(torch.eye(width))
+        module.fc.bias.zero_()
+        if like is not None:  # the target's last layer, whose input is much like the states' neighbourhood
+            last = target.layers[-1].state_dict()
+            module.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("attention_norm")},
+                                             strict=False)
+    return module, hf
+
+
+def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128, lr=None, heads=4,
+          batch_size=8, tokens_per_batch=2048, chat=True, seed=0):
+    """Train a draft head for `target` into folder `out` (resuming what is there); returns the head."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    state = out / "training"
+    state.mkdir(exist_ok=True)
+    data_file = state / "data.safetensors"
+    if data_file.is_file():
+        sequences = load_data(data_file)
+    else:
+        sequences = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
+                           chat and target.tokenizer is not None and target.tokenizer.chat_template is not None)
+        save_data(sequences, state / "data.safetensors.partial")
+        (state / "data.safetensors.partial").replace(data_file)
+    states = record(target, sequences)
+    head, hf = new_head(kind, target, heads)
+    lr = lr or (1e-3 if kind == "eagle" else 1e-3)
+    optimizer = torch.optim.AdamW([p for p in head.parameters()], lr=lr, betas=(0.9, 0.95))
+    done = resume(out, head, optimizer)
+    loss_of = eagle_loss if kind == "eagle" else medusa_loss
+    longest = max(len(s) for s, _ in sequences) + 32
+    steps_per_epoch = sum(1 for _ in batches(sequences, states, tokens_per_batch, torch.Generator()))
+    total, first = max(epochs * steps_per_epoch, 1), done * steps_per_epoch  # a cosine decay over all epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min((first + step) / total, 1))))
+    for epoch in range(done, epochs):
+        started, accuracies = time.perf_counter(), []
+        with training(head, longest) if kind == "eagle" else nullcontext_train(head):
+            for step, (tokens, feats, mask) in enumerate(batches(sequences, states, tokens_per_batch, generator)):
+                loss, accuracy = loss_of(head, tokens.to(target.device), feats.to(target.device),
+                                         mask.to(target.device), generator)
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+                optimizer.step()
+                schedule.step()
+                loss = loss.detach()
+                accuracies.append(float(accuracy))
+                progress(step + 1, steps_per_epoch, started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
+                         f"next-token accuracy {sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
+        save_draft_head(head, hf, out)
+        save_safetensors(optimizer_tensors(optimizer), state / "optimizer.safetensors.partial")
+        (state / "optimizer.safetensors.partial").replace(state / "optimizer.safetensors")
+        (state / "progress.json").write_text(json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n")
+    return head
+
+
+@contextmanager
+def nullcontext_train(module):
+    module.train().requires_grad_(True)
+    try:
+        yield
+    finally:
+        module.eval().requires_grad_(False)
+
+
+def optimizer_tensors(optimizer):
+    """AdamW's moments and step counts, by parameter index, as tensors (safetensors, not pickle)."""
+    out = {}
+    for i, state in enumerate(optimizer.state.values()):
+        for name, value in state.items():
+            out[f"{i}.{name}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
+    return out
+
+
+def resume(out, head, optimizer):
+    """Epochs an earlier run finished in `out`, after loading its head and optimizer state (0: none)."""
+    progress_file = out / "training" / "progress.json"
+    if not progress_file.is_file():
+        return 0
+    done = json.loads(progress_file.read_text())["epochs_done"]
+    weights = (eagle if head.kind == "eagle" else medusa).convert_weights(load_file(out / "model.safetensors"),
+                                                                          getattr(head, "config", None))
+    head.load_state_dict({k: v.to(head.target.dtype) for k, v in weights.items()})
+    saved = load_file(out / "training" / "optimizer.safetensors")
+    for i, parameter in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}
+        if state:
+            optimizer.state[parameter] = state
+    return done
