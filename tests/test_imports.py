@@ -13,7 +13,7 @@ LAYERS = {  # by the top-level module or subpackage
     "loading": 1,
     "decoding": 2,
     "api": 3,
-    "__init__": 4, "cli": 4, "convert": 4,
+    "__init__": 4, "cli": 4, "convert": 4, "heads": 4,  # heads train through the api and read the cli's prompt files
     "bench": 5, "serve": 5,
 }
 
