@@ -117,6 +117,13 @@ class ModelDrafter:
     def propose(self, k, sampling, generator, keep_guessing=None):
         return propose_together([(self, k, sampling, generator, keep_guessing)])[0]
 
+    def fed(self, n, logits, state):
+        """n tokens went through the draft: `logits` for the next guess, and a head's `state` (else None)
+        beside it for the next input."""
+        self.next_logits, self.state = logits, state
+        self.length += n
+        self.calls += 1
+
     def accept(self, tokens, tokens_on_device, seen=None):
         # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
         # seen that were accepted; the rest of `tokens` is fed at the next proposal, after any tokens
@@ -147,10 +154,8 @@ def feed(model, drafters, feeds, inputs=None):
                                            inputs=model.padded(inputs)[0])
     for i, (drafter, f) in enumerate(zip(drafters, feeds)):
         if f is not None:
-            drafter.next_logits = logits[i, -1 if states is not None else len(f) - 1]
-            drafter.state = None if states is None else states[i, -1]
-            drafter.length += len(f)
-            drafter.calls += 1
+            drafter.fed(len(f), logits[i, -1 if states is not None else len(f) - 1],
+                        None if states is None else states[i, -1])
 
 
 def catch_up(drafter):
@@ -159,10 +164,7 @@ def catch_up(drafter):
     out = model.decode_rows(drafter.unseen.view(1, -1), [drafter.length], first_row=drafter.row, logits_for=1,
                             eager=True, hidden=inputs is not None, inputs=None if inputs is None else inputs[None])
     logits, states = out if inputs is not None else (out, None)
-    drafter.next_logits = logits[0, -1]
-    drafter.state = None if states is None else states[0, -1]
-    drafter.length += len(drafter.unseen)
-    drafter.calls += 1
+    drafter.fed(len(drafter.unseen), logits[0, -1], None if states is None else states[0, -1])
 
 
 def propose_together(asks):

@@ -57,9 +57,8 @@ def build(kind, hf, target, source):
         if kind == "eagle":
             config, bias = eagle.config_from_hf(hf, target, source)
             return eagle.EagleHead(config, bias, target), config
-        n_heads, n_layers = medusa.config_from_hf(hf, target, source)
-        width = target.embed_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
-        return medusa.MedusaHeads(width, target.vocab_size, n_heads, n_layers, target), n_heads
+        n_heads, n_layers = medusa.config_from_hf(hf)
+        return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target), n_heads
 
 
 def load_draft_head(path, target):
@@ -82,14 +81,28 @@ def load_draft_head(path, target):
         head, config = build(kind, hf, target, directory)
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
-    weights = KINDS[kind].convert_weights(read_weights(weight_files(directory)), config)
-    check_shapes(head, weights, directory)
-    head.load_state_dict({k: v.to(target.dtype) for k, v in weights.items()}, assign=True)
+    load_weights(head, directory, config, assign=True)
     head = head.to(target.device).eval().requires_grad_(False)
     identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
     head.fingerprint = hashlib.sha256(f"{identities}|{target.fingerprint}".encode()).hexdigest()[:20]
     head.name = directory.name
     return head
+
+
+def load_weights(head, directory, config, assign=False):
+    """The head folder's weights (published names) into `head`, in its target's dtype; `assign`: take
+    the tensors themselves (a head built on the meta device), else copy into the head's own."""
+    weights = KINDS[head.kind].convert_weights(read_weights(weight_files(directory)), config)
+    check_shapes(head, weights, directory)
+    head.load_state_dict({k: v.to(head.target.dtype) for k, v in weights.items()}, assign=assign)
+
+
+def replace_whole(file, write):
+    """write(path) into a .partial file beside `file`, then put it in `file`'s place: an interrupted
+    write never leaves half a file under the real name."""
+    partial = Path(f"{file}.partial")
+    write(partial)
+    partial.replace(file)
 
 
 def save_draft_head(head, hf, directory):
@@ -98,6 +111,6 @@ def save_draft_head(head, hf, directory):
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().float().contiguous() for name, tensor in KINDS[head.kind].published(head).items()}
-    save_safetensors(tensors, directory / "model.safetensors.partial")
-    (directory / "model.safetensors.partial").replace(directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps({**hf, "minispec_head": head.kind}, indent=2) + "\n")
+    replace_whole(directory / "model.safetensors", lambda file: save_safetensors(tensors, file))
+    config = json.dumps({**hf, "minispec_head": head.kind}, indent=2) + "\n"
+    replace_whole(directory / "config.json", lambda file: file.write_text(config))

@@ -91,10 +91,9 @@ class EagleDrafter(ModelDrafter):
 def config_from_hf(hf, target, source):
     """The head's LlamaConfig and fc's bias, checked against the target it drafts for."""
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
-    width = target.embed_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
-    if config.dim != width:
+    if config.dim != target.hidden_size:
         raise ValueError(f"{source}: an EAGLE head of hidden_size {config.dim} cannot draft for "
-                         f"{target.name}, whose hidden states have {width}")
+                         f"{target.name}, whose hidden states have {target.hidden_size}")
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"{source}: the head's vocab_size {config.vocab_size} is not the target's "
                          f"({target.vocab_size})")

@@ -79,7 +79,7 @@ class MedusaDrafter:
         self.state = seen[1][-1]
 
 
-def config_from_hf(hf, target, source):
+def config_from_hf(hf):
     """(heads, layers per head) from config.json."""
     return get(hf, "medusa_num_heads", COUNT), get(hf, "medusa_num_layers", COUNT, 1)
 

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ..api import generate
+from ..api import generate, prompt_tensor
 from ..loading.chat import chat_prompt
 from ..loading.weights import save_safetensors
 from ..models.llama import LlamaConfig
-from . import eagle, medusa, save_draft_head
+from . import eagle, load_weights, medusa, replace_whole, save_draft_head
 
 # What the target answers when no prompts file is given: templates over subjects, none of them the
 # subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
@@ -71,14 +71,11 @@ def answer(target, prompts, max_new_tokens, batch_size, chat):
     """(token ids of prompt + answer, where the answer starts) per prompt: the target's greedy answers."""
     sequences, started = [], time.perf_counter()
     for start in range(0, len(prompts), batch_size):
-        texts = prompts[start:start + batch_size]
-        ids = [chat_prompt(target.tokenizer, text) if chat else text for text in texts]
+        ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts[start:start + batch_size]]
         out = generate(target, ids, max_new_tokens=max_new_tokens, batch_size=len(ids))
-        for text, prompt_ids, generation in zip(texts, ids, out):
-            prompt_tensor = torch.tensor(prompt_ids) if not isinstance(prompt_ids, str) else \
-                torch.tensor(target.tokenizer.encode(prompt_ids))
-            sequences.append((torch.cat([prompt_tensor, torch.tensor(generation.tokens, dtype=torch.long)]),
-                              len(prompt_tensor)))
+        for prompt, generation in zip(ids, out):
+            prompt = prompt_tensor(target, prompt).view(-1).cpu()  # the ids generate() decoded from
+            sequences.append((torch.cat([prompt, torch.tensor(generation.tokens, dtype=torch.long)]), len(prompt)))
         progress(min(start + batch_size, len(prompts)), len(prompts), started, "the target answers")
     return sequences
 
@@ -118,40 +115,45 @@ class Uncached(torch.nn.Module):
 
 @contextmanager
 def training(head, length):
-    """The head's forwards over whole sequences of up to `length` tokens, with gradients."""
-    head.setup_caches(1, length)  # RoPE tables of `length` positions
-    caches = [layer.attention.kv_cache for layer in head.layers]
-    for layer in head.layers:
+    """The head's forwards with gradients; an EAGLE head's over whole sequences of up to `length` tokens."""
+    layers = getattr(head, "layers", [])  # Medusa heads have no attention
+    if layers:
+        head.setup_caches(1, length)  # RoPE tables of `length` positions
+    caches = [layer.attention.kv_cache for layer in layers]
+    for layer in layers:
         layer.attention.kv_cache = Uncached()
     head.train().requires_grad_(True)
     try:
         yield
     finally:
-        for layer, cache in zip(head.layers, caches):
+        for layer, cache in zip(layers, caches):
             layer.attention.kv_cache = cache
         head.eval().requires_grad_(False)
 
 
-def batches(sequences, states, tokens_per_batch, generator):
-    """Shuffled batches of whole sequences, each padded to a whole number of key blocks (attention
-    reads keys in blocks of 32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
-    order = torch.randperm(len(sequences), generator=generator).tolist()
-    batch = []
-    for index in order + [None]:
-        if index is not None:
-            batch.append(index)
-        longest = max((len(sequences[i][0]) for i in batch), default=0)
-        if batch and (index is None or longest * len(batch) >= tokens_per_batch):
-            width = -(-longest // 32) * 32
-            tokens = torch.zeros(len(batch), width, dtype=torch.long)
-            feats = torch.zeros(len(batch), width, states[batch[0]].shape[-1])
-            mask = torch.zeros(len(batch), width, dtype=torch.bool)
-            for row, i in enumerate(batch):
-                seq, start = sequences[i]
-                tokens[row, :len(seq)], feats[row, :len(seq)] = seq, states[i]
-                mask[row, start:len(seq)] = True
-            yield tokens, feats, mask
+def batch_groups(sequences, tokens_per_batch, generator):
+    """The sequences shuffled and grouped into batches of about `tokens_per_batch` padded tokens."""
+    groups, batch = [], []
+    for index in torch.randperm(len(sequences), generator=generator).tolist():
+        batch.append(index)
+        if max(len(sequences[i][0]) for i in batch) * len(batch) >= tokens_per_batch:
+            groups.append(batch)
             batch = []
+    return groups + ([batch] if batch else [])
+
+
+def padded_batch(sequences, states, group):
+    """A group's sequences padded to a whole number of key blocks (attention reads keys in blocks of
+    32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
+    width = -(-max(len(sequences[i][0]) for i in group) // 32) * 32
+    tokens = torch.zeros(len(group), width, dtype=torch.long)
+    feats = torch.zeros(len(group), width, states[group[0]].shape[-1])
+    mask = torch.zeros(len(group), width, dtype=torch.bool)
+    for row, i in enumerate(group):
+        seq, start = sequences[i]
+        tokens[row, :len(seq)], feats[row, :len(seq)] = seq, states[i]
+        mask[row, start:len(seq)] = True
+    return tokens, feats, mask
 
 
 def output_head(target, x):
@@ -206,7 +208,7 @@ def new_head(kind, target, heads):
     """A fresh head for `target` and its config.json: an EAGLE layer starts as the target's last layer
     (a Llama target's) and fc as the identity on the state; Medusa heads start as Medusa's do (each
     ResBlock the identity, each head the target's own output head)."""
-    width = target.embed_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
+    width = target.hidden_size
     if kind == "medusa":
         module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
         with torch.no_grad():
@@ -251,23 +253,24 @@ def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128,
     else:
         sequences = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
                            chat and target.tokenizer is not None and target.tokenizer.chat_template is not None)
-        save_data(sequences, state / "data.safetensors.partial")
-        (state / "data.safetensors.partial").replace(data_file)
+        replace_whole(data_file, lambda file: save_data(sequences, file))
     states = record(target, sequences)
     head, hf = new_head(kind, target, heads)
-    lr = lr or (1e-3 if kind == "eagle" else 1e-3)
-    optimizer = torch.optim.AdamW([p for p in head.parameters()], lr=lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr or 1e-3, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
     loss_of = eagle_loss if kind == "eagle" else medusa_loss
     longest = max(len(s) for s, _ in sequences) + 32
-    steps_per_epoch = sum(1 for _ in batches(sequences, states, tokens_per_batch, torch.Generator()))
-    total, first = max(epochs * steps_per_epoch, 1), done * steps_per_epoch  # a cosine decay over all epochs
+    # every epoch groups the sequences afresh; about this many batches each (the cosine decay's length)
+    steps_per_epoch = len(batch_groups(sequences, tokens_per_batch, torch.Generator()))
+    total, first = max(epochs * steps_per_epoch, 1), done * steps_per_epoch
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min((first + step) / total, 1))))
     for epoch in range(done, epochs):
         started, accuracies = time.perf_counter(), []
-        with training(head, longest) if kind == "eagle" else nullcontext_train(head):
-            for step, (tokens, feats, mask) in enumerate(batches(sequences, states, tokens_per_batch, generator)):
+        groups = batch_groups(sequences, tokens_per_batch, generator)
+        with training(head, longest):
+            for step, group in enumerate(groups):
+                tokens, feats, mask = padded_batch(sequences, states, group)
                 loss, accuracy = loss_of(head, tokens.to(target.device), feats.to(target.device),
                                          mask.to(target.device), generator)
                 optimizer.zero_grad()
@@ -277,22 +280,13 @@ def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128,
                 schedule.step()
                 loss = loss.detach()
                 accuracies.append(float(accuracy))
-                progress(step + 1, steps_per_epoch, started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
+                progress(step + 1, len(groups), started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
                          f"next-token accuracy {sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
         save_draft_head(head, hf, out)
-        save_safetensors(optimizer_tensors(optimizer), state / "optimizer.safetensors.partial")
-        (state / "optimizer.safetensors.partial").replace(state / "optimizer.safetensors")
-        (state / "progress.json").write_text(json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n")
+        replace_whole(state / "optimizer.safetensors", lambda file: save_safetensors(optimizer_tensors(optimizer), file))
+        progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
+        replace_whole(state / "progress.json", lambda file: file.write_text(progress_text))
     return head
-
-
-@contextmanager
-def nullcontext_train(module):
-    module.train().requires_grad_(True)
-    try:
-        yield
-    finally:
-        module.eval().requires_grad_(False)
 
 
 def optimizer_tensors(optimizer):
@@ -310,9 +304,7 @@ def resume(out, head, optimizer):
     if not progress_file.is_file():
         return 0
     done = json.loads(progress_file.read_text())["epochs_done"]
-    weights = (eagle if head.kind == "eagle" else medusa).convert_weights(load_file(out / "model.safetensors"),
-                                                                          getattr(head, "config", None))
-    head.load_state_dict({k: v.to(head.target.dtype) for k, v in weights.items()})
+    load_weights(head, out, getattr(head, "config", None))  # copied in: the optimizer holds these parameters
     saved = load_file(out / "training" / "optimizer.safetensors")
     for i, parameter in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}

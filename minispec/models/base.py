@@ -394,6 +394,11 @@ class CachedLM(nn.Module):
                 module.reorder(beam_idx)
 
     @property
+    def hidden_size(self):
+        """Width of the hidden states: what embed_tokens returns and the output head reads."""
+        return self.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
+
+    @property
     def device(self):
         return next(self.parameters()).device
 

@@ -66,7 +66,7 @@ class Attention(nn.Module):
         self.kv_cache = None  # set by GPT2.setup_caches
 
     def forward(self, x, input_pos, mask, layout):
-        batch, seq_len, dim = x.shape
+        batch, seq_len, _ = x.shape
         q, k, v = self.c_attn(x).split(self.n_head * self.head_dim, dim=-1)  # fewer heads when sharded (tp.py)
         q, k, v = (t.view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         k, v = self.kv_cache.update(input_pos, k, v)
