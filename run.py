@@ -8,11 +8,13 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import minispec  # before torch (which the others import): it keeps torch's import from warning that numpy is missing
-from minispec.cli import add_model_flags, gamma_setting, load_models, read_prompts_file, token_ids
+from minispec.cli import add_model_flags, gamma_setting, load_models, read_prompts_file, token_ids, tp_rank
+from minispec.loading import parallel
 from minispec.loading.chat import chat_prompt
 from minispec.loading.tokenizer import IncrementalDecoder
 
@@ -46,7 +48,7 @@ def parse_args(argv=None):
         description="Speculative decoding (Leviathan et al. 2023) with minispec.",
         epilog="Without arguments: the demo, " + " ".join(DEFAULT_ARGS[:4] + ["--prompt", "'Summarize ...'"]
                                                           + DEFAULT_ARGS[6:]))
-    add_model_flags(parser, draft_default="none")
+    add_model_flags(parser, draft_default="none", tensor_parallel=True)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="prompt text (needs tokenizer files in the target checkpoint); repeat the flag to "
@@ -272,6 +274,16 @@ def check_text(flag, text):
                          f"{error.start}") from None
 
 
+def rank_failed(error, rank):
+    """--tp: this rank failed. One line for what went wrong, from the rank it went wrong on; a rank whose
+    collective failed because another rank had gone says nothing (that rank has said it), and exits too
+    (under torchrun, which also stops the ranks still waiting)."""
+    if not parallel.lost_peer(error):
+        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"error: rank {rank}: {type(error).__name__}: {line}", file=sys.__stderr__, flush=True)
+    return 1
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv or DEFAULT_ARGS)
@@ -280,12 +292,17 @@ def main(argv=None):
                     ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams, stop=args.stop,
                     stop_token_ids=args.stop_token_ids, tree=args.tree)
     baseline_settings = {**settings, "draft_beams": None, "tree": None}
+    rank = tp_rank(args)
+    if rank:  # --tp: every rank decodes the same tokens; rank 0 alone prints them
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         check_flags(args)  # bad flags fail before loading weights
         target, draft = load_models(args)
         prompts, chat = prompts_for(args, target)
         if len(prompts) > 1:
-            return print_batch(args, target, prompts, draft, settings, chat)
+            code = print_batch(args, target, prompts, draft, settings, chat)
+            parallel.leave()
+            return code
         prompt = prompts[0]
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}
@@ -299,8 +316,14 @@ def main(argv=None):
                                    args.stop)
         baseline = minispec.generate(target, prompt, **baseline_settings) if args.compare else None
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
+        # With --tp every rank checks the same input and stops alike: rank 0 prints it.
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        if not args.tp:
+            raise
+        return rank_failed(error, rank)
+    parallel.leave()
 
     if args.json:
         hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}

@@ -185,6 +185,8 @@ class Request:
         stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids),
                     [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
+        if settings.seed is None and target.tp is not None:  # ranks draw alike only from one seed: rank 0's
+            seed = target.tp.from_first(seed)[0]
         return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
                    settings.tree)
@@ -216,11 +218,12 @@ def check_fits(model, prefix_length, max_new_tokens, role="target"):
         )
 
 
-def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None):
+def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None):
     """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
     `working` bytes of temporaries beside them) do not fit in free memory (beyond what the model's
     caches take already). `remedy`: what the error tells to do, where the rows are not requests' (the
-    server's flags)."""
+    server's flags). tp: the target's tensor-parallel group, if sharded: the least memory free on any
+    rank then decides, so that every rank stops, or none."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
@@ -228,6 +231,9 @@ def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None):
     if not rows * per_row + working:
         return
     free = available_memory(model.device)
+    if tp is not None:
+        free = tp.smallest(-1 if free is None else free)
+        free = None if free < 0 else free
     if free is None or rows * per_row + working <= free + held:
         return
     need = (f"{(rows * per_row + working) / 2**30:.1f} GiB of KV cache and working memory "
@@ -275,7 +281,7 @@ def size_caches(requests, rows):
         longest = max(request.decoder_length(model) + request.max_new_tokens + (request.tree or 0)
                       for request in requests)
         longest = min(longest, model.context_length or longest)
-        check_memory(model, rows, longest, len(requests))
+        check_memory(model, rows, longest, len(requests), tp=requests[0].target.tp)
         model.ensure_caches(rows, longest)
         model.prepare_batch(rows, max(request.prompt_ids.shape[1] for request in requests))
 
@@ -311,9 +317,10 @@ def search(request):
     # Scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
     rows = request.beams + request.draft_beams * request.policy.k_max if drafter else request.beams
     longest = prefix.shape[1] + request.max_new_tokens
-    check_memory(target, rows, longest, working=beam.working_bytes(rows, longest, target.vocab_size))
+    check_memory(target, rows, longest, working=beam.working_bytes(rows, longest, target.vocab_size), tp=target.tp)
     if drafter:
-        check_memory(drafter.model, request.draft_beams, request.decoder_length(drafter.model) + request.max_new_tokens)
+        check_memory(drafter.model, request.draft_beams, request.decoder_length(drafter.model) + request.max_new_tokens,
+                     tp=target.tp)
     sequences, scores, stats = beam.search(target, prefix, drafter, request.prompt_ids, request.beams,
                                            request.draft_beams, request.policy, request.max_new_tokens,
                                            request.stop.token_ids)

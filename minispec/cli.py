@@ -33,8 +33,9 @@ def gamma_setting(text):
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
 
 
-def add_model_flags(parser, draft_default):
-    """The flags that say which models to load, and how (run.py's and the server's); load_models reads them."""
+def add_model_flags(parser, draft_default, tensor_parallel=False):
+    """The flags that say which models to load, and how (run.py's and the server's); load_models reads them.
+    tensor_parallel: also --tp (run.py's)."""
     parser.add_argument("--target", required=True,
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
@@ -54,6 +55,11 @@ def add_model_flags(parser, draft_default):
                         help="torch.compile the decode steps (CUDA graphs on cuda); the first run compiles")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    if tensor_parallel:
+        parser.add_argument("--tp", type=int, metavar="N",
+                            help="shard the target over N processes (tensor parallelism), launched with torchrun "
+                                 "--nproc-per-node N: NCCL on cuda (a GPU each), gloo on cpu; the draft is "
+                                 "replicated on every rank")
 
 
 def load_models(args):
@@ -64,15 +70,17 @@ def load_models(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     return load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype), args.compile,
-                                 args.quantize, args.draft_quantize, args.group_size)
+                                 args.quantize, args.draft_quantize, args.group_size, getattr(args, "tp", None))
 
 
 def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
-                          group_size=quant.DEFAULT_GROUP_SIZE):
+                          group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
     """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup" and
-    "int8"/"int4" (the target's own quantized copy) as they are, or a model loaded like the target (same
-    device, dtype), quantized as `draft_quantize` says."""
-    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size)
+    "int8"/"int4" (the target's own quantized copy, sharded as the target is) as they are, or a model
+    loaded like the target (same device, dtype; whole on every rank when the target is sharded over
+    `tp` processes), quantized as `draft_quantize` says."""
+    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
+                        tp=tp)
     if draft in (None, "none") or draft in MODEL_FREE or draft in SELF_DRAFT_MODES:
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
@@ -83,6 +91,12 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
         return target, load_draft_head(draft, target)
     return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                               group_size=group_size)
+
+
+def tp_rank(args):
+    """This process's rank with --tp (torchrun's RANK), else 0."""
+    rank = os.environ.get("RANK", "0") if getattr(args, "tp", None) else "0"
+    return int(rank) if rank.isdigit() else 0  # a bad RANK: loading says so
 
 
 def is_token_id(value):

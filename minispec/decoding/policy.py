@@ -142,7 +142,14 @@ def profile_for(target, drafter, beams, k_max):
         profile = pairs[key] = PairProfile()
         profile.model = weakref.ref(drafter.model) if drafter.model is not None else None
         profile.key = profiles.pair_key(target, drafter, beams, k_max)
+        tp = tp_of(target)
+        if tp is not None and tp.rank != 0:
+            profile.key = None  # rank 0 reads and writes the pair's file; the others take what it read
         stored_profile(profile)
+        if tp is not None:
+            values = tp.from_first(*(getattr(profile, name) for name in profiles.FIELDS))
+            for name, value in zip(profiles.FIELDS, values):
+                setattr(profile, name, value)
     return profile
 
 
@@ -206,7 +213,7 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     forwards = {k: decode_at_end(target, token, rows[k], k + 1) for k in range(k_max + 1)}
     if drafter.model is not None:  # its cache may hold the prompt already: decode_at_end keeps that
         forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
-    seconds = fastest(forwards, target.device)
+    seconds = agreed(tp_of(target), fastest(forwards, target.device))
     # Steps rescale the widths together, so noise in one width's timing would stay in the shape for
     # good (a 3-token verify timed below a 2-token one made auto stop at 2 guesses where 8 paid). A line
     # through them, in the token positions each forward computes, averages it away: on a CPU the cost
@@ -217,6 +224,22 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     # as it is): next to a forward, lookup's is microseconds, but ngram's sampled walk over a large
     # vocabulary is not.
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
+
+
+def tp_of(target):
+    """The target's tensor-parallel group, None when it is whole (or a stand-in without one, in tests)."""
+    return getattr(target, "tp", None)
+
+
+def agreed(tp, seconds):
+    """Timings taken on this rank (a list or a {name: seconds} dict), as rank 0 took them when the target
+    is sharded over processes (models/tp.py; tp: its group, None when it is not): each rank times its
+    own steps, and choices made from different timings would send the ranks different ways."""
+    if tp is None:
+        return seconds
+    if isinstance(seconds, dict):
+        return dict(zip(seconds, tp.first_numbers(list(seconds.values()))))
+    return tp.first_numbers(seconds)
 
 
 def straight_line(xs, ys):
@@ -277,6 +300,8 @@ class VerifyCost:
 class AdaptiveGamma:
     """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second."""
 
+    tp = None  # the target's tensor-parallel group (set by start): timings are then rank 0's (`agreed`)
+
     def __init__(self, k_max):
         self.k_max = k_max
 
@@ -285,6 +310,7 @@ class AdaptiveGamma:
         hypotheses and whose draft steps each extend u. timed: whether its steps will be timed (not
         in a batch, whose steps are shared)."""
         profile = profile_for(target, drafter, beams, self.k_max)
+        self.tp = tp_of(target)
         token, (w, u) = prompt_ids[0, -1], beams or (1, 0)
         if profile.t_verify is None and not timed:
             calibrate(profile, target, drafter, token, self.k_max, beams)
@@ -293,12 +319,14 @@ class AdaptiveGamma:
             # The draft's cache row (each beam's) holds nothing yet: its step is timed from position 0.
             drafter.model.rollback(0)
             forward = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
-            profile.t_draft = fastest({"draft": forward}, drafter.model.device)["draft"]
+            profile.t_draft = agreed(tp_of(target), fastest({"draft": forward}, drafter.model.device))["draft"]
         self.positions = [max(w + u * k, 1) * (k + 1) for k in range(self.k_max + 1)]  # of each verify
         self.prior_slope = PRIOR_SLOPE.get(target.device.type, PRIOR_SLOPE["cpu"])
         # what a new pair's first timing prices a draft model's guess at (first_timing); others never read it
         new_draft = profile.t_draft is None and drafter.model is not None
         self.draft_ratio = weight_bytes(drafter.model) / weight_bytes(target) if new_draft else 0.0
+        if new_draft:  # a sharded target's slices differ in size from rank to rank (biases on rank 0)
+            self.draft_ratio, = agreed(self.tp, [self.draft_ratio])
         early_stop = drafter.model is not None and on_host and beams is None
         preview = drafter.preview if beams is None else None
         self.begin(profile, early_stop=early_stop, measure_draft=on_host, preview=preview)
@@ -432,6 +460,7 @@ class AdaptiveGamma:
         regular, self.guessed_last_step = self.guessed_last_step, k > 0
         if step_seconds is None:
             return
+        draft_seconds, step_seconds = agreed(self.tp, [draft_seconds, step_seconds])
         if self.verify is None:  # the pair's first timed step, a plain one
             self.first_timing(step_seconds)
             return

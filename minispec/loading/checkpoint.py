@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..models import gpt2, llama, quant, t5
+from ..models import gpt2, llama, quant, t5, tp as tensor_parallel
 from ..models.base import pack_linears
 from ..models.hf_config import COUNT, get
-from . import builtin
+from . import builtin, parallel
 from .hub import download_from_hub
 from .tokenizer import load_tokenizer
 from .weights import CheckpointError, read_config, read_dtypes, read_weights, weight_files
@@ -145,12 +145,16 @@ def default_dtype(device):
 
 
 def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None,
-               group_size=quant.DEFAULT_GROUP_SIZE):
+               group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
     """Load a checkpoint into its minispec model, with tokenizer and special token ids attached.
     compile=True compiles the decode forward (see CachedLM.compile). quantize="int8" or "int4"
     quantizes the weights (models.quant.quantize_model; int4 in groups of `group_size` columns); a GGUF
-    file is then imported with its quantized tensors kept as they are."""
+    file is then imported with its quantized tensors kept as they are. tp=N: this process is one of N
+    ranks (launched by torchrun) over which the model is sharded (models/tp.py, loading/parallel.py);
+    every rank calls load_model alike, and on cuda each takes the GPU of its local rank."""
     quant.check_settings(quantize, group_size)
+    if tp is not None:  # before check_device: NCCL without GPUs gets its own message
+        world, device = parallel.launch(tp, device)
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
     hf_config = read_config(directory)
@@ -169,6 +173,8 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         raise CheckpointError(f"{directory}/config.json lacks the key {error} for model_type {model_type}") from error
     except ValueError as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
+    if tp is not None:
+        tensor_parallel.check_divisible(config, world)  # the same on every rank: each exits with it
     ours = holds_stored_weights(hf_config, dtypes, convert, config, directory)
     try:
         with torch.device("meta"):  # shapes without memory
@@ -187,6 +193,8 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     dtype = dtype or default_dtype(device)
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True, strict=not stored)
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
+    if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
+        parallel.join(device).shard(model, stored)
     if quantize or stored:
         try:
             notes = quant.quantize_model(model, quantize, group_size, dtype, stored, device)
@@ -201,17 +209,18 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         release_freed_memory()
     model = pack_linears(model.to(device=device).eval().requires_grad_(False))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
-    model.fingerprint = fingerprint(directory, quantize, group_size)
+    model.fingerprint = fingerprint(directory, quantize, group_size, tp)
     model.tokenizer = load_tokenizer(directory, model_type)
     return model.compile() if compile else model
 
 
-def fingerprint(directory, quantize, group_size):
+def fingerprint(directory, quantize, group_size, tp=None):
     """The checkpoint as it is on disk (each file's path, size and modification time: builtin.file_identity)
     and as it was quantized at load: what gamma="auto"'s stored costs are kept for (decoding.profiles)."""
     files = sorted(file for file in Path(directory).iterdir() if file.is_file())
     identities = "|".join(builtin.file_identity(file) for file in files)
-    return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}".encode()).hexdigest()[:20]
+    sharded = f"|tp{tp}" if tp is not None else ""  # a rank's costs are not a whole model's
+    return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}{sharded}".encode()).hexdigest()[:20]
 
 
 def release_freed_memory():

@@ -145,6 +145,7 @@ class CachedLM(nn.Module):
         self.compiled_forward = None  # set by compile()
         self.busy = None  # the thread whose generate() call is using the model and its caches (api.exclusive)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
+        self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
 
     # --- to implement in each family ------------------------------------------------------------
     @property

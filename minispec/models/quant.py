@@ -354,6 +354,8 @@ def quantized_copy(model, mode, group_size=DEFAULT_GROUP_SIZE):
                          "weights: load the target without quantize")
     with torch.device("meta"):
         copy = type(model)(model.config)
+    if model.tp is not None:  # a sharded target's copy holds its slices, sharded alike
+        model.tp.shard(copy)
     copy.load_state_dict(model.state_dict(), assign=True)  # the model's own tensors: no second float copy
     copy.requires_grad_(False).eval()
     quantize_model(copy, mode, group_size, dtype=model.dtype, device=model.device)

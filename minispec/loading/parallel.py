@@ -1,0 +1,111 @@
+"""The process group a tensor-parallel target runs in (`minispec.load(..., tp=N)`, `run.py --tp N`):
+checked before anything is loaded, then joined. One process per rank, started by torchrun (which sets
+RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address), or by a program that has already called
+torch.distributed.init_process_group. Backend: NCCL on CUDA (rank r on cuda:LOCAL_RANK), gloo on the
+CPU. The sharding itself is models/tp.py's.
+"""
+
+import atexit
+import gc
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..models.tp import TensorParallel
+
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def env_int(name):
+    value = os.environ.get(name)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        raise ValueError(f"tp: the environment variable {name}={value!r} is not an integer") from None
+
+
+def launch(tp, device):
+    """(world size, this rank's torch.device) for a target of tp ranks on `device` ("cuda": the GPU of
+    the local rank), or a one-line ValueError for a setup that cannot run: nothing is joined yet."""
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+        raise ValueError(f"tp must be an integer >= 1 (the number of processes the target is sharded over), got {tp!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {str(device)!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    backend = BACKENDS.get(device.type)
+    if backend is None:
+        raise ValueError(f"tp={tp} on {device.type}: tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
+    if dist.is_initialized():
+        rank, world, local_rank = dist.get_rank(), dist.get_world_size(), env_int("LOCAL_RANK")
+        if dist.get_backend() != backend:
+            raise ValueError(f"tp={tp} on {device.type} needs the {backend} backend, but this process group "
+                             f"runs {dist.get_backend()}")
+    else:
+        rank, world, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK")
+        if rank is None or world is None:
+            raise ValueError(f"tp={tp} needs one process per rank: launch with torchrun --nproc-per-node {tp} "
+                             "(RANK and WORLD_SIZE are not set)")
+    if world != tp:
+        raise ValueError(f"tp={tp} but {world} processes were launched (WORLD_SIZE); they must be equal")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"tp={tp} on cuda runs over NCCL, which needs GPUs, and CUDA is not available on "
+                             "this machine; use --device cpu (gloo)")
+        count = torch.cuda.device_count()
+        if device.index is None:  # each process its own GPU
+            # checked against the processes on this machine, not this rank's index alone, so that every
+            # rank stops with the same message
+            local = env_int("LOCAL_WORLD_SIZE") or world
+            if local > count:
+                raise ValueError(f"tp={tp}: {local} processes on this machine need a GPU each, but it has {count}")
+            device = torch.device("cuda", local_rank if local_rank is not None else rank)
+        elif device.index >= count:
+            raise ValueError(f"tp={tp}: rank {rank} was given {device}, but this machine has {count} GPU(s)")
+    return world, device
+
+
+def join(device, timeout=None):
+    """The TensorParallel of this process: the default group (joined here when the launcher has not),
+    and for host values under NCCL a gloo group beside it (made once)."""
+    global host_group, joined
+    if not joined:
+        # Garbage in reference cycles still holding the collectives' objects, destroyed in the
+        # interpreter's teardown, aborted the process (std::terminate in gloo) in 2 to 4 runs out of 8
+        # under load, after its work was done; collected while the interpreter is whole, none did.
+        atexit.register(gc.collect)
+    joined = True
+    backend = BACKENDS[device.type]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10), **kwargs)
+    if backend == "gloo":
+        return TensorParallel(dist.group.WORLD)
+    if host_group is None:
+        host_group = dist.new_group(backend="gloo")
+    return TensorParallel(dist.group.WORLD, host_group)
+
+
+host_group = None
+joined = False  # whether this process has joined a process group
+
+
+def leave():
+    """Leave the process group, if this process joined one, at the end of a command line's run when
+    every rank has done its collectives: a barrier first, so that no rank closes its connections while
+    a peer still receives the end of the last collective. Not after a failure, when the others may be
+    anywhere (the process then just ends)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def lost_peer(error):
+    """Whether `error` is a collective's failure because another rank has gone (which that rank reports)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        sign in text for sign in ("closed by peer", "reset by peer", "Broken pipe", "remote worker"))

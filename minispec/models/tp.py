@@ -1,0 +1,237 @@
+"""Tensor parallelism (Megatron-LM's, as gpt-fast's tp.py does it): a model built and loaded whole is
+sharded in place over the ranks of a torch.distributed process group, each rank keeping a slice.
+
+- Attention by heads: rank r keeps heads [r·h/N, (r+1)·h/N) of q, k and v (the rows of the fused
+  projections; whole grouped-query groups: key/value heads are split, each with its query heads), its
+  KV cache holds only those heads, and the output projection keeps the matching input columns.
+- MLPs by width: the up (and gate) projections keep rows, the down projection the matching columns.
+- Each projection that keeps input columns (the attention's output projection, the MLP's down
+  projection: Megatron's "row-parallel" layers) then computes a partial sum of the full output; the module it ends (Attention, FeedForward) sums the partials
+  over the ranks with one collective, through torch.distributed's functional collectives so that a
+  compiled forward holds it in its graph. The hook sits on the module the projection ends, not on the
+  projection itself, because quantizing (models/quant.py) replaces the projections after sharding.
+  Their biases stay on rank 0 only: added once, the sum is right.
+- Everything else is replicated: embeddings, norms, the output head, RoPE tables (T5's relative
+  position tables are split by heads with the attention). Every rank then holds the same residual
+  stream after each sum and computes the same logits, bit for bit, so with the same seeds it draws the
+  same random numbers and takes the same decisions (docs/design.md, "Tensor parallelism").
+
+The sum is exact in the sense the engine needs (row invariance, docs/design.md): an element's sum
+depends on its partials only, never on how many rows the forward has. With 2 ranks an all-reduce gives
+that (a + b = b + a, whatever the algorithm); with more, all-reduce algorithms add the partials in an
+order that depends on how the tensor is split into chunks, i.e. on its size, so the partials are
+gathered and added in rank order instead.
+
+Shard before quantizing: `shard` slices float weights and the stored (quantized) weights a checkpoint
+holds, which quant.quantize_model then turns into quantized layers of the rank's shapes.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+
+# Up to this many ranks an all-reduce's sums are exact as the engine needs them (module docstring);
+# beyond, the partials are gathered and added in rank order.
+ALL_REDUCE_MAX_RANKS = 2
+
+
+class TensorParallel:
+    """A model's place in its tensor-parallel group: this rank, the number of ranks, the group its
+    forwards sum over, and a group for values on the host (gloo: no device sync), the same group when
+    the model runs on the CPU."""
+
+    def __init__(self, group, host_group=None):
+        self.group, self.host_group = group, host_group or group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.first = dist.get_global_rank(group, 0)  # rank 0 of the group, as torch.distributed numbers it
+
+    def sum(self, partial):
+        """The sum over the ranks of each rank's `partial`, the same on every rank, and each element's
+        the same whatever the tensor's size (module docstring)."""
+        if self.world <= ALL_REDUCE_MAX_RANKS:
+            return funcol.all_reduce(partial, "sum", self.group)
+        parts = funcol.all_gather_single(partial.unsqueeze(0), 0, self.group)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+    def from_first(self, *values):
+        """Rank 0's values (any picklable objects) as a list, on every rank: what the host decides from
+        values that differ from rank to rank (a profile file, a fresh seed) is then decided alike."""
+        values = list(values)
+        dist.broadcast_object_list(values, src=self.first, group=self.host_group)
+        return values
+
+    def first_numbers(self, numbers):
+        """Rank 0's floats (timings), on every rank: one small broadcast on the host."""
+        tensor = torch.tensor(numbers, dtype=torch.float64)
+        dist.broadcast(tensor, src=self.first, group=self.host_group)
+        return tensor.tolist()
+
+    def shard(self, model, stored=None):
+        """`shard(model, self, stored)`: the model's slices for this rank, its sums registered."""
+        return shard(model, self, stored)
+
+    def smallest(self, value):
+        """The smallest of the ranks' integers (free memory: what fits on every rank)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, dist.ReduceOp.MIN, group=self.host_group)
+        return int(tensor)
+
+
+# --- what a family shards ------------------------------------------------------------------------------
+# A family's plan yields (kind, what, detail):
+#   ("heads", an attention module, its head-count attributes): divided by the number of ranks;
+#   ("rows" or "columns", a projection's name, the sizes of its fused parts (q/k/v, gate/up) or None):
+#       its weight sliced along output features ("rows", the bias sliced too) or input features
+#       ("columns", the bias on rank 0 only), each fused part sliced alone;
+#   ("table", a per-head embedding's name, None): T5's relative position table, the rank's heads' columns;
+#   ("sum", a module, None): its output summed over the ranks.
+
+
+def llama_plan(model):
+    c = model.config
+    kv = c.n_kv_heads * c.head_dim
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}"
+        yield "heads", layer.attention, ("n_heads", "n_kv_heads")
+        yield "rows", f"{p}.attention.wqkv", [c.n_heads * c.head_dim, kv, kv]
+        yield "columns", f"{p}.attention.wo", None
+        yield "rows", f"{p}.feed_forward.w13", [c.intermediate_size, c.intermediate_size]
+        yield "columns", f"{p}.feed_forward.w2", None
+        yield "sum", layer.attention, None
+        yield "sum", layer.feed_forward, None
+
+
+def gpt2_plan(model):
+    c = model.config
+    for i, block in enumerate(model.h):
+        p = f"h.{i}"
+        yield "heads", block.attn, ("n_head",)
+        yield "rows", f"{p}.attn.c_attn", [c.n_embd] * 3
+        yield "columns", f"{p}.attn.c_proj", None
+        yield "rows", f"{p}.mlp.c_fc", None
+        yield "columns", f"{p}.mlp.c_proj", None
+        yield "sum", block.attn, None
+        yield "sum", block.mlp, None
+
+
+def t5_plan(model):
+    c = model.config
+    yield "table", "encoder_position_bias", None  # [buckets, heads]
+    yield "table", "decoder_position_bias", None
+    stacks = [("encoder", layer, ("attn",)) for layer in model.encoder]
+    stacks += [("decoder", layer, ("self_attn", "cross_attn")) for layer in model.decoder]
+    counts = {"encoder": 0, "decoder": 0}
+    for stack, layer, attentions in stacks:
+        p = f"{stack}.{counts[stack]}"
+        counts[stack] += 1
+        for name in attentions:
+            attention = getattr(layer, name)
+            yield "heads", attention, ("n_heads",)
+            for projection in "qkv":
+                yield "rows", f"{p}.{name}.{projection}", None
+            yield "columns", f"{p}.{name}.o", None
+            yield "sum", attention, None
+        for projection in ("wi_0", "wi_1") if c.gated else ("wi",):
+            yield "rows", f"{p}.ffn.{projection}", None
+        yield "columns", f"{p}.ffn.wo", None
+        yield "sum", layer.ffn, None
+
+
+# By class name: the model files import nothing but their base (tests/test_imports.py), this one none of them.
+PLANS = {"Llama": llama_plan, "GPT2": gpt2_plan, "T5": t5_plan}
+
+
+def split_sizes(config):
+    """What the ranks split, by name: {what: (count, what it is)}: attention heads (key/value heads for
+    grouped-query attention: each rank keeps whole groups) and MLP width."""
+    family = type(config).__name__
+    if family == "LlamaConfig":
+        heads = "key/value heads" if config.n_kv_heads != config.n_heads else "attention heads"
+        return {"heads": (config.n_kv_heads, heads), "mlp": (config.intermediate_size, "MLP width")}
+    if family == "GPT2Config":
+        return {"heads": (config.n_head, "attention heads"), "mlp": (config.n_inner, "MLP width")}
+    if family == "T5Config":
+        return {"heads": (config.num_heads, "attention heads"), "mlp": (config.d_ff, "feed-forward width")}
+    raise ValueError(f"tensor parallelism does not know the model config {family}")
+
+
+def check_divisible(config, world):
+    """A ValueError, before anything is loaded, when `world` ranks cannot split the model evenly."""
+    for count, what in split_sizes(config).values():
+        if count % world:
+            raise ValueError(f"tp={world} does not divide the target's {count} {what}; use a tp that does")
+
+
+# --- slicing ---------------------------------------------------------------------------------------------
+def take(tensor, dim, parts, rank, world):
+    """Rank `rank`'s slice of each part (sizes `parts` along `dim`, None: one part) of `tensor`, as a
+    new contiguous tensor (never a view: the whole tensor, or the checkpoint file it maps, can go)."""
+    parts = parts or [tensor.shape[dim]]
+    slices = []
+    for part in tensor.split(parts, dim):
+        size = part.shape[dim] // world
+        slices.append(part.narrow(dim, rank * size, size))
+    return torch.cat(slices, dim).clone(memory_format=torch.contiguous_format)
+
+
+def take_stored(parts, dim, sizes, rank, world, name):
+    """The rank's slice of a stored quantized weight (models/quant.py: qweight int8 [N, K] or packed
+    int4 uint8 [N, K / 2], scales and offsets [N, K / group]) along the weight's rows or columns."""
+    if dim == 0:
+        return {key: take(value, 0, sizes, rank, world) for key, value in parts.items()}
+    rows, packed = parts["qweight"].shape
+    columns = packed * 2 if parts["qweight"].dtype == torch.uint8 else packed
+    groups = parts["scales"].shape[1]
+    if groups == 1:  # a scale (and offset) per row: every slice of the row keeps it
+        return {key: take(value, 1, None, rank, world) if key == "qweight" else value for key, value in parts.items()}
+    if groups % world:
+        raise ValueError(f"quantized weight {name}: its {groups} groups of {columns // groups} columns do not "
+                         f"split evenly over tp={world}")
+    return {key: take(value, 1, None, rank, world) for key, value in parts.items()}
+
+
+def shard(model, tp, stored=None):
+    """Shard `model` (a minispec Llama, GPT2 or T5, loaded whole; its weights may still be on the meta
+    device) in place for rank tp.rank of tp.world; `stored`: {module name: stored quantized tensors}
+    the checkpoint holds (quant.take_stored), replaced by the rank's slices. Register the sums and set
+    model.tp. Returns the model."""
+    plan = PLANS.get(type(model).__name__)
+    if plan is None:
+        raise ValueError(f"tensor parallelism does not know the model {type(model).__name__}")
+    check_divisible(model.config, tp.world)
+    stored = {} if stored is None else stored
+    rank, world = tp.rank, tp.world
+    for kind, what, detail in plan(model):
+        if kind == "heads":
+            for attribute in detail:
+                setattr(what, attribute, getattr(what, attribute) // world)
+        elif kind == "table":
+            table = model.get_submodule(what)
+            table.weight = nn.Parameter(take(table.weight, 1, None, rank, world), requires_grad=False)
+            table.embedding_dim = table.weight.shape[1]
+        elif kind == "sum":
+            what.register_forward_hook(lambda module, args, output: tp.sum(output))
+        else:
+            shard_linear(model.get_submodule(what), kind, detail, rank, world)
+            if what in stored:
+                stored[what] = take_stored(stored[what], 0 if kind == "rows" else 1, detail, rank, world, what)
+    model.tp = tp
+    return model
+
+
+def shard_linear(linear, kind, sizes, rank, world):
+    """A Linear's weight (and bias) replaced by the rank's slice: output features ("rows") or input
+    features ("columns", the bias then on rank 0 only)."""
+    dim = 0 if kind == "rows" else 1
+    linear.weight = nn.Parameter(take(linear.weight, dim, sizes, rank, world), requires_grad=False)
+    linear.out_features, linear.in_features = linear.weight.shape
+    if linear.bias is not None:
+        if dim == 0:
+            linear.bias = nn.Parameter(take(linear.bias, 0, sizes, rank, world), requires_grad=False)
+        elif rank != 0:
+            linear.bias = None
