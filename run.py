@@ -73,7 +73,7 @@ def parse_args(argv=None):
                              "step, 0 to 8, from the pair's costs measured on this machine and its acceptance rate")
     parser.add_argument("--tree", type=int, metavar="N",
                         help="verify a token tree of up to N guesses per target call instead of a chain "
-                             "(with --draft lookup so far)")
+                             "(--draft lookup, a model, int8/int4 or a head folder; not ngram)")
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")

@@ -136,8 +136,9 @@ class Settings:
         if not (is_integer(self.tree) and 1 <= self.tree <= TREE_MAX):
             raise ValueError(f"tree (the most guesses a step's token tree holds) must be None or an integer in "
                              f"[1, {TREE_MAX}], got {self.tree!r}")
-        if not (isinstance(self.draft, str) and self.draft == "lookup"):
-            raise ValueError(f"token trees are drafted by draft='lookup' so far, not {self.draft!r}")
+        if not self.drafting or (isinstance(self.draft, str) and self.draft == "ngram"):
+            raise ValueError(f"token trees are drafted by 'lookup', a draft model, 'int8' / 'int4' or a draft head, "
+                             f"not {self.draft!r}")
         if self.lenience != 1 or self.searching:
             raise ValueError("token trees are verified exactly (lenience=1), without beams")
 
@@ -355,7 +356,8 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
-    chain (minispec.decoding.tree); drafted by "lookup" so far.
+    chain (minispec.decoding.tree); drafted by "lookup", draft models, "int8" / "int4" and draft heads
+    (the continuations they find most probable, grown as EAGLE-2 grows its tree), not by "ngram".
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
     alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after

@@ -81,16 +81,21 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
     `tp` processes), quantized as `draft_quantize` says."""
     target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
                         tp=tp)
+    return target, load_draft(draft, target, compile, draft_quantize, group_size)
+
+
+def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
+    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it)."""
     if draft in (None, "none") or draft in MODEL_FREE or draft in SELF_DRAFT_MODES:
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
-        return target, None if draft == "none" else draft
+        return None if draft == "none" else draft
     if is_head_dir(draft):  # a draft head trained for this target (minispec/heads)
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; {draft} is a draft head")
-        return target, load_draft_head(draft, target)
-    return target, load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
-                              group_size=group_size)
+        return load_draft_head(draft, target)
+    return load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
+                      group_size=group_size)
 
 
 def tp_rank(args):

@@ -97,6 +97,7 @@ def test_statistics_count_only_the_guesses_emitted_before_a_stop_token(target, s
     assert sum(n * count for n, count in enumerate(stats["accepted_lengths"])) == emitted_guesses
     assert stats["verified"] == emitted_guesses  # all were accepted: no rejected position was tested
     assert stats["acceptance_rate"] == 1.0
+    assert stats["accepted_at"] == stats["verified_at"] and sum(stats["accepted_at"]) == emitted_guesses
 
 
 @contextmanager

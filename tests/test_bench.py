@@ -254,6 +254,28 @@ def test_beams_table(dirs, tmp_path, capsys):
                      table, re.M)
 
 
+def test_drafters_side_by_side(dirs, tmp_path, capsys):
+    """Several --draft values: one row each against the same plain decoding, greedy output identical,
+    acceptance by guess position (the target's own weights as the draft: every guess survives), and a
+    guess's cost against a target step (a Medusa head's too)."""
+    from minispec.heads import save_draft_head, train
+
+    target = minispec.load(dirs["gpt2"])
+    medusa, hf = train.new_head("medusa", target, 2)
+    save_draft_head(medusa, hf, tmp_path / "medusa")
+    drafts = ["lookup", "ngram", "int8", dirs["gpt2"], str(tmp_path / "medusa")]
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", *drafts, "--gamma", "3",
+                              "--repeats", "1", *PROMPT_FLAGS)
+    assert [row["draft"] for row in result["rows"]] == drafts
+    for row in result["rows"]:
+        assert row["identical_to_plain"] is True and row["speedup"] > 0 and row["guess_cost"] > 0
+        assert len(row["acceptance_by_position"]) == 3
+    same = result["rows"][3]
+    assert same["acceptance_by_position"] == [1.0, 1.0, 1.0] and same["tokens_per_target_call"] > 3
+    assert re.search(r"^\| `int8` \| [\d.]+ \| [\d.]+x \| yes \| [\d.]+ \| [\d.]+ \| [\d.]+( \| ([\d.]+|-)){4} \| "
+                     r"[\d.]+ \|$", table, re.M)
+
+
 def test_draft_bytes_per_step_for_a_model_draft(dirs, tmp_path, capsys):
     """The target's own int8 copy as the draft: its bytes per step are its own (int8 weights, fewer than
     the float32 target's), and a model-free drafter has none."""
@@ -402,6 +424,8 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--beams", "0"], "--beams must be >= 1"),
     (["--beams", "2", "--batch-sizes", "2"], "--batch-sizes is a benchmark of its own"),
     (["--one-shot", "--batch-sizes", "2"], "--batch-sizes is a benchmark of its own"),
+    (["--draft", "lookup", "ngram", "--one-shot"], "several --draft values are a benchmark of their own"),
+    (["--tree", "0"], "--tree must be >= 1"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]

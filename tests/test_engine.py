@@ -180,7 +180,7 @@ def test_batched_statistics_and_traces_are_each_requests_own(targets, drafts):
     for one, row in zip(alone, together):
         assert row.trace == one.trace and any(kind == "rejected" for _, kind in row.trace)
         for key in ("target_calls", "draft_calls", "first_call_tokens", "accepted_lengths", "acceptance_rate",
-                    "encoder_calls", "draft_encoder_calls"):
+                    "encoder_calls", "draft_encoder_calls", "accepted_at", "verified_at"):
             assert row.stats[key] == one.stats[key], key
         assert row.stats["alpha"] == pytest.approx(one.stats["alpha"], abs=1e-6) and 0 < row.stats["alpha"] < 1
         assert row.stats["encoder_calls"] == row.stats["draft_encoder_calls"] == 1

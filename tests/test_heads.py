@@ -16,6 +16,7 @@ from test_speculative import assert_sampled_from, exact_joint
 
 import minispec
 from minispec.loading.weights import save_safetensors
+from safetensors.torch import load_file
 
 PROMPT = [1, 5, 9, 12, 5, 9, 30, 31]
 
@@ -46,6 +47,17 @@ def write_eagle(directory, hf, seed=0, scale=1.0):
                   max_position_embeddings=2048, rope_theta=10000.0)
     (directory / "config.json").write_text(json.dumps(config))
     return directory, weights, config
+
+
+def reduce_vocab(source, directory, ids):
+    """A copy of the EAGLE head in `source` whose q covers only the token ids `ids` (minispec's reduced
+    draft vocabulary: config.json's minispec_draft_vocab, the int64 tensor draft_vocab)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = load_file(source / "model.safetensors")
+    save_safetensors({**weights, "draft_vocab": torch.tensor(ids, dtype=torch.long)}, directory / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "minispec_draft_vocab": len(ids)}))
+    return directory
 
 
 def write_medusa(directory, dim, vocab, heads=3, seed=0):
@@ -128,17 +140,19 @@ def gqa_heads(reference_dirs, tmp_path_factory):
     directory = reference_dirs["llama_gqa"][1]
     hf = json.loads((directory / "config.json").read_text())
     eagle_dir, _, _ = write_eagle(tmp_path_factory.mktemp("eagle"), hf)
+    reduced_dir = reduce_vocab(eagle_dir, tmp_path_factory.mktemp("reduced"), list(range(0, hf["vocab_size"], 3)))
     medusa_dir, _ = write_medusa(tmp_path_factory.mktemp("medusa"), hf["hidden_size"], hf["vocab_size"])
     out = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         target = minispec.load(directory, dtype=dtype)
         out[dtype] = target, {"eagle": minispec.load_draft_head(eagle_dir, target),
+                              "eagle_reduced": minispec.load_draft_head(reduced_dir, target),
                               "medusa": minispec.load_draft_head(medusa_dir, target)}
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
 def test_greedy_with_a_head_is_plain_greedy(gqa_heads, kind, dtype):
     target, heads = gqa_heads[dtype]
     plain = minispec.generate(target, PROMPT, max_new_tokens=40, ignore_eos=True)
@@ -163,6 +177,21 @@ def test_batched_rows_draft_as_alone(gqa_heads, kind):
             assert out.tokens == alone.tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reduced_draft_vocabulary_is_the_target_heads_rows(gqa_heads, dtype):
+    """A reduced head's logits are the whole head's on its draft vocabulary and -inf elsewhere (so its
+    guesses, greedy or drawn, are among those tokens, and q is zero on the others)."""
+    target, heads = gqa_heads[dtype]
+    whole, reduced = heads["eagle"], heads["eagle_reduced"]
+    hidden = torch.randn(3, whole.config.dim, dtype=dtype)
+    ids = reduced.draft_vocab
+    full, part = whole.logits(hidden), reduced.logits(hidden)
+    torch.testing.assert_close(part[:, ids], full[:, ids], rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(part[:, outside]).all() and torch.isfinite(part[:, ids]).all()
+
+
 @pytest.fixture(scope="module")
 def vocab16_heads(tmp_path_factory):
     """A tiny one-layer llama over 16 tokens; an EAGLE head that is nearly the target itself (fc passes
@@ -182,15 +211,19 @@ def vocab16_heads(tmp_path_factory):
     weights["fc.bias"] = torch.zeros(16)
     save_safetensors(weights, eagle_dir / "model.safetensors")
     medusa_dir, _ = write_medusa(tmp_path_factory.mktemp("v16_medusa"), 16, 16, heads=2, seed=3)
+    # q zero on 4 of the target's likelier tokens: they come only from the residual max(0, p - q)
+    reduced_dir = reduce_vocab(eagle_dir, tmp_path_factory.mktemp("v16_reduced"), [0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15])
     return target, {"eagle": minispec.load_draft_head(eagle_dir, target),
+                    "eagle_reduced": minispec.load_draft_head(reduced_dir, target),
                     "medusa": minispec.load_draft_head(medusa_dir, target)}
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
 def test_sampled_tokens_have_the_targets_joint_distribution(vocab16_heads, kind):
     """Four tokens of many requests, each with its own seed, against the target's exact joint: the first
     comes from the prompt's forward (no states yet), the next three from steps verifying the head's two
-    guesses, drawn from its q (chi-square at p > 0.001, test_speculative.assert_sampled_from)."""
+    guesses, drawn from its q (chi-square at p > 0.001, test_speculative.assert_sampled_from); a reduced
+    head's q is zero on the tokens outside its draft vocabulary."""
     target, heads = vocab16_heads
     sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 2000
     joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=4)
@@ -205,33 +238,172 @@ def test_sampled_tokens_have_the_targets_joint_distribution(vocab16_heads, kind)
     assert_sampled_from(counts, joint, draws)
 
 
+# --- token trees from heads (decoding/tree.py): EAGLE-2's dynamic tree, Medusa's best products --------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
+def test_greedy_with_a_heads_tree_is_plain_greedy(gqa_heads, kind, dtype):
+    """Trees of several budgets, alone and batched: plain greedy's tokens, each row what it is alone."""
+    target, heads = gqa_heads[dtype]
+    prompts = [PROMPT, PROMPT[:5], [3, 4, 5]]
+    settings = {"draft": heads[kind], "gamma": 3, "max_new_tokens": 24, "ignore_eos": True}
+    plain = [minispec.generate(target, prompt, max_new_tokens=24, ignore_eos=True).tokens for prompt in prompts]
+    for tree in (4, 16):
+        alone = [minispec.generate(target, prompt, tree=tree, **settings) for prompt in prompts]
+        assert [out.tokens for out in alone] == plain, tree
+        assert sum(out.stats.get("tree_nodes", 0) for out in alone) > 0
+        together = minispec.generate(target, prompts, tree=tree, batch_size=2, **settings)
+        assert [out.tokens for out in together] == plain, tree
+
+
+@pytest.mark.parametrize("sampling", [minispec.Sampling(), minispec.Sampling(temperature=0.8, top_k=6)],
+                         ids=["greedy", "sampled"])
+def test_an_eagle_heads_tree_holds_the_children_its_paths_give(gqa_heads, sampling):
+    """Every expanded node's children are the head's best after the node's path, as the chain's 1-pair
+    forwards give them: each node's input is its parent's predicted state (the root's: the state after
+    the target's tokens), at its depth's position, after its own ancestors."""
+    from test_tree import drafted_tree, reference_tree
+
+    target, heads = gqa_heads[torch.float32]
+    head = heads["eagle"]
+    drafter = head.drafter()
+    target.ensure_caches(1, 64)
+    head.ensure_caches(1, 64)
+    with torch.inference_mode():
+        drafter.start(torch.tensor([PROMPT]))
+        logits, states = target.decode_rows(torch.tensor([PROMPT]), [0], eager=True, hidden=True)
+        t = logits[0, -1].argmax().view(1)
+        drafter.accept(t.tolist(), t, (torch.tensor(PROMPT), states[0]))  # as the engine's first step does
+        tokens, parents = drafted_tree(drafter, 4, 16, sampling)
+        assert parents is not None and len(tokens) == 16
+
+        def logits_after(path):
+            logits, state = drafter.next_logits, drafter.state
+            for depth, token in enumerate(path):
+                out, predicted = head.decode_rows(torch.tensor([[token]]), [drafter.length + depth], hidden=True,
+                                                  inputs=state.view(1, 1, -1))
+                logits, state = out[0, -1], predicted[0, -1]
+            return logits
+        assert (tokens, parents) == reference_tree(logits_after, 4, 16, sampling)
+
+
+def test_a_medusa_tree_is_the_heads_best_products(gqa_heads):
+    """Medusa's tree: the heads' chain (each head's most probable token) and the other paths with the
+    largest products of their heads' probabilities, each head's candidates its top MEDUSA_TREE_WIDTH
+    (enumerated here: every path of up to 3 of them), 8 paths in all."""
+    import itertools
+
+    from minispec.heads.medusa import MEDUSA_TREE_WIDTH
+
+    heads = gqa_heads[torch.float32][1]["medusa"]
+    drafter = heads.drafter()
+    drafter.start(torch.tensor([PROMPT]))
+    drafter.state = torch.randn(heads.target.hidden_size, generator=torch.Generator().manual_seed(2))
+    tokens, q, parents = drafter.propose_tree(3, 8, minispec.Sampling())
+    assert q is None and parents is not None
+    best = F.log_softmax(heads(drafter.state, 3), -1).topk(MEDUSA_TREE_WIDTH)
+    paths = {}
+    for depth in (1, 2, 3):
+        for choice in itertools.product(range(MEDUSA_TREE_WIDTH), repeat=depth):
+            paths[tuple(best.indices[j, c].item() for j, c in enumerate(choice))] = sum(
+                best.values[j, c].item() for j, c in enumerate(choice))
+    spine = [tuple(best.indices[:depth, 0].tolist()) for depth in (1, 2, 3)]
+    expected = set(spine + sorted(set(paths) - set(spine), key=paths.get, reverse=True)[:5])
+
+    def path_of(j):
+        return path_of(parents[j]) + (tokens[j].item(),) if j >= 0 else ()
+    assert {path_of(j) for j in range(len(tokens))} == expected
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_sampled_tokens_from_a_heads_tree_have_the_targets_joint_distribution(vocab16_heads, kind):
+    """As for the chain (four tokens, chi-square at p > 0.001 and a total-variation bound), with trees of
+    5 nodes, 2 deep: the head's best candidates, verified as fixed candidates (tree.sample_walk)."""
+    target, heads = vocab16_heads
+    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 2000
+    joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=4)
+    counts, accepted, verified, trees = Counter(), 0, 0, 0
+    for seed in range(draws):
+        out = minispec.generate(target, prompt, draft=heads[kind], gamma=2, tree=5, max_new_tokens=4, seed=seed,
+                                ignore_eos=True, **sampling)
+        counts[tuple(out.tokens)] += 1
+        accepted, verified = accepted + out.stats["accepted"], verified + out.stats["verified"]
+        trees += out.stats.get("tree_nodes", 0) > 0
+    print(f"{kind}: acceptance rate {accepted / verified:.3f}, {trees} requests verified a tree")
+    assert 0.1 < accepted / verified < 0.9 and trees >= draws // 2
+    assert_sampled_from(counts, joint, draws)
+
+
+def test_an_eagle_tree_accepts_more_per_target_call_than_its_chain(vocab16_heads):
+    """The same depth (gamma 3), greedy, a good head: more tokens per target call (deterministic)."""
+    target, heads = vocab16_heads
+    prompts = [[1, 2, 3], [4, 5], [7, 8, 9, 10]]
+    settings = {"draft": heads["eagle"], "gamma": 3, "max_new_tokens": 24, "ignore_eos": True}
+    per_call = [sum(len(out.tokens) for out in outs) / sum(out.stats["target_calls"] for out in outs)
+                for outs in (minispec.generate(target, prompts, **settings),
+                             minispec.generate(target, prompts, tree=16, **settings))]
+    print(f"tokens per target call: chain {per_call[0]:.2f}, tree {per_call[1]:.2f}")
+    assert per_call[1] > 1.2 * per_call[0]
+
+
+def test_an_eagle_head_keeps_the_pairs_of_a_step_that_drafted_nothing(gqa_heads):
+    """gamma="auto" may choose a plain step (k = 0): the pairs the target gave meanwhile wait, and the
+    next proposal feeds them all (they were dropped, leaving the head's positions behind the text's)."""
+    target, heads = gqa_heads[torch.float32]
+    drafter = heads["eagle"].drafter()
+    target.ensure_caches(1, 64)
+    heads["eagle"].ensure_caches(1, 64)
+    with torch.inference_mode():
+        drafter.start(torch.tensor([PROMPT]))
+        seen = torch.tensor(PROMPT)
+        for length in (0, len(PROMPT)):  # the prompt's step, then a plain step drafting nothing
+            logits, states = target.decode_rows(seen.view(1, -1), [length], eager=True, hidden=True)
+            drafter.propose(0, minispec.Sampling(), None)
+            t = logits[0, -1].argmax().view(1)
+            drafter.accept(t.tolist(), t, (seen, states[0]))
+            seen = t
+        drafter.propose(1, minispec.Sampling(), None)
+        assert drafter.length == len(PROMPT) + 1  # a pair per token the target has seen, the last t's
+
+
 def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
     """`train` on a tiny target's own answers, in seconds: the head's greedy guesses are accepted more
     often on prompts it never saw than the untrained head's (which starts as heads/train.py's new_head);
     an interrupted run resumes (the epochs done are kept), and the folder loads as a head."""
     from minispec.heads import train
 
-    config = transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    # two layers over 64 tokens: a target whose next state is not mostly its last (over 16 tokens and one
+    # layer the answers repeat their tokens, and the untrained head, f̂ = f, is already right 84% of the time)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
     torch.manual_seed(0)
     target = minispec.load(save_reference(spread_init(transformers.LlamaForCausalLM(config).eval(), 0, gain=1.0),
                                           tmp_path / "target"))
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 16, (5,), generator=g).tolist() for _ in range(64)]
-    unseen = [torch.randint(3, 16, (5,), generator=g).tolist() for _ in range(16)]
+    prompts = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(64)]
+    unseen = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(16)]
 
     def acceptance(head):
         out = minispec.generate(target, unseen, draft=head, gamma=3, max_new_tokens=48)
         return sum(o.stats["accepted"] for o in out) / sum(o.stats["proposed"] for o in out)
 
-    untrained = train.train(target, tmp_path / "head", "eagle", prompts, epochs=0, max_new_tokens=48, chat=False)
-    train.train(target, tmp_path / "head", "eagle", prompts, epochs=10, max_new_tokens=48, chat=False)
+    settings = dict(max_new_tokens=48, chat=False, lr=3e-3)
+    untrained = train.train(target, tmp_path / "head", "eagle", prompts, epochs=0, **settings)
+    train.train(target, tmp_path / "head", "eagle", prompts, epochs=10, **settings)
     assert json.loads((tmp_path / "head" / "training" / "progress.json").read_text())["epochs_done"] == 10
-    train.train(target, tmp_path / "head", "eagle", prompts, epochs=20, max_new_tokens=48, chat=False)  # resumes
+    train.train(target, tmp_path / "head", "eagle", prompts, epochs=20, **settings)  # resumes
     trained = minispec.load_draft_head(tmp_path / "head", target)
     before, after = acceptance(untrained), acceptance(trained)
     print(f"acceptance {before:.3f} untrained, {after:.3f} trained")
     assert after > before + 0.05
+
+    # a reduced draft vocabulary: the 8 tokens the target said most in its answers, kept with the head
+    train.train(target, tmp_path / "reduced", "eagle", prompts[:8], epochs=1, max_new_tokens=16, chat=False,
+                draft_vocab=8)
+    data = train.load_data(tmp_path / "reduced" / "training" / "data.safetensors")
+    said = Counter(token for tokens, start in data for token in tokens[start:].tolist())
+    reduced = minispec.load_draft_head(tmp_path / "reduced", target)
+    assert reduced.draft_vocab.tolist() == sorted(sorted(said, key=lambda t: (-said[t], t))[:8])
 
 
 def test_bad_head_folders_are_named(reference_dirs, tmp_path):
@@ -250,6 +422,13 @@ def test_bad_head_folders_are_named(reference_dirs, tmp_path):
     (eagle3 / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 32}))
     with pytest.raises(minispec.CheckpointError, match="EAGLE-3"):
         minispec.load_draft_head(eagle3, target)
+    repeated = reduce_vocab(eagle_dir, tmp_path / "repeated", [1, 2, 2])
+    with pytest.raises(minispec.CheckpointError, match="draft_vocab must hold distinct token ids"):
+        minispec.load_draft_head(repeated, target)
+    too_many = reduce_vocab(eagle_dir, tmp_path / "too_many", [1, 2])
+    (too_many / "config.json").write_text(json.dumps({**config, "minispec_draft_vocab": 10**6}))
+    with pytest.raises(minispec.CheckpointError, match="minispec_draft_vocab must be a token count"):
+        minispec.load_draft_head(too_many, target)
     other = minispec.load(reference_dirs["llama"][1])  # hidden size 32, not 64
     with pytest.raises(minispec.CheckpointError, match="hidden_size 64 cannot draft"):
         minispec.load_draft_head(eagle_dir, other)
@@ -263,19 +442,20 @@ def test_bad_head_folders_are_named(reference_dirs, tmp_path):
 
 
 def test_run_py_drafts_with_a_head_folder(reference_dirs, tmp_path):
-    """--draft DIR: a head's folder is loaded as a head for the target, and greedy output is plain's."""
+    """--draft DIR: a head's folder is loaded as a head for the target, and greedy output is plain's,
+    with --tree N too."""
     import run
 
     directory = reference_dirs["llama_gqa"][1]
     eagle_dir, _, _ = write_eagle(tmp_path / "eagle", json.loads((directory / "config.json").read_text()))
     ids = ",".join(map(str, PROMPT))
     outputs = []
-    for draft in (str(eagle_dir), "none"):
+    for draft in (str(eagle_dir), "none", str(eagle_dir)):
         args = ["--target", str(directory), "--draft", draft, "--prompt-ids", ids, "--max-new-tokens", "12",
-                "--ignore-eos", "--gamma", "2", "--json"]
+                "--ignore-eos", "--gamma", "2", "--json"] + (["--tree", "8"] if len(outputs) == 2 else [])
         buffer = io.StringIO()
         with contextlib.redirect_stdout(buffer):
             assert run.main(args) == 0
         outputs.append(json.loads(buffer.getvalue()))
-    assert outputs[0]["tokens"] == outputs[1]["tokens"]
-    assert outputs[0]["stats"]["proposed"] > 0
+    assert outputs[0]["tokens"] == outputs[1]["tokens"] == outputs[2]["tokens"]
+    assert outputs[0]["stats"]["proposed"] > 0 and outputs[2]["stats"]["tree_nodes"] > 0  # --tree 8

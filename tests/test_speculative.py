@@ -44,6 +44,10 @@ def test_greedy_output_equals_target_greedy(models, kind):
         assert out.tokens == baseline.tokens, f"{kind} with {name} draft, gamma={gamma}"
         rate = out.stats["acceptance_rate"]
         assert out.stats["alpha"] == pytest.approx(rate)  # one-hot p and q: Σ min(p, q) is 1 iff accepted
+        accepted_at, verified_at = out.stats["accepted_at"], out.stats["verified_at"]
+        assert (sum(accepted_at), sum(verified_at)) == (out.stats["accepted"], out.stats["verified"])
+        # a guess is verified only after its step's earlier guesses were accepted
+        assert all(later <= earlier for later, earlier in zip(verified_at[1:], accepted_at))
         if name not in ("ngram", "lookup"):
             # one draft forward per guess: the prompt's forward yields q_1 of the first step, and each
             # later step feeds the tokens accepted since in the forward that yields its q_1; "auto" adds

@@ -3,6 +3,9 @@ every node of a tree verified in one forward computes bit for bit what a 1-token
 computes, in every family and dtype, alone and in a batch; the accepted path kept as a chain continues
 as plain decoding would."""
 
+import math
+from collections import Counter
+
 import pytest
 import torch
 
@@ -62,6 +65,24 @@ def test_a_tree_across_a_block_boundary_computes_what_its_paths_compute(referenc
         expected = along_paths(model, start, TOKENS, PARENTS)
         model.prefill(start)
         logits = model.decode_rows(torch.tensor([TOKENS]), [start.shape[1]], parents=[PARENTS])[0]
+        assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_tree_fed_over_several_forwards_computes_what_its_paths_compute(reference_dirs, kind, dtype):
+    """A draft grows its tree depth by depth: each forward's tokens continue the tree the forwards before
+    wrote (parents lists the whole tree; the row's tokens are its last nodes)."""
+    model = minispec.load(reference_dirs[kind][1], dtype=dtype)
+    with torch.inference_mode():
+        start = model.encode(torch.tensor([PROMPT]))
+        model.ensure_caches(1, 128)
+        expected = along_paths(model, start, TOKENS, PARENTS)
+        model.prefill(start)
+        logits = []
+        for first, end in ((0, 3), (3, 5), (5, 11)):  # nodes of depths 0-1, 2, then 2-5
+            logits += model.decode_rows(torch.tensor([TOKENS[first:end]]), [start.shape[1] + first],
+                                        parents=[PARENTS[:end]])[0]
         assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
 
 
@@ -213,3 +234,184 @@ def test_trees_near_the_end_of_the_context_shrink_to_fit(reference_dirs):
     plain = minispec.generate(target, prompt, max_new_tokens=28, ignore_eos=True)
     out = minispec.generate(target, prompt, draft="lookup", gamma=3, tree=64, max_new_tokens=28, ignore_eos=True)
     assert out.tokens == plain.tokens and out.stats["tree_nodes"] > 0
+
+
+# --- trees from draft models (EAGLE-2's dynamic tree: tree.Growth, drafters.draft_trees) --------------
+
+from conftest import noisy_copy, save_reference  # noqa: E402
+from test_speculative import assert_sampled_from, exact_joint, step_outcomes  # noqa: E402
+from test_speculative import vocab16  # noqa: E402, F401 (a fixture)
+
+from minispec.decoding.drafters import TREE_WIDTH, make_drafter, propose_all  # noqa: E402
+from minispec.decoding.sampling import Sampling  # noqa: E402
+from minispec.decoding.tree import Growth, best_children, tree_or_chain  # noqa: E402
+
+GREEDY, SAMPLED = Sampling(), Sampling(temperature=0.8, top_k=6)
+
+
+def test_growth_keeps_the_spine_and_the_best_other_nodes_with_their_ancestors():
+    """Scores add down a path; the tree holds the spine (each node's most probable child from the root)
+    and the best other nodes, parents first; a node that cannot be among them is not expanded; ties rank
+    the older node (so the parent) first."""
+    growth = Growth(budget=4, width=2)
+    growth.add(-1, [10, 11, 12], [-0.1, -0.5, -3.0])  # nodes 0 (the spine), 1, 2
+    assert growth.expand() == [0, 1]  # the spine, then the best other
+    growth.add(0, [20, 21], [0.0, -2.0])  # nodes 3 (-0.1: ties its parent; the spine), 4 (-2.1)
+    growth.add(1, [22, 23, 24], [-0.2, -0.4, -math.inf])  # nodes 5 (-0.7), 6 (-0.9); 24 has no chance
+    assert growth.expand() == [3, 5]  # 4 and 6 are outranked by 1 and 5, which fill the room beside the spine
+    growth.add(3, [30], [-0.05])  # node 7 (-0.15: the spine)
+    growth.add(5, [31], [-1.0])  # node 8 (-1.7)
+    assert growth.expand() == [7]
+    assert growth.best() == ([10, 20, 30, 11], [-1, 0, 1, -1])
+    growth = Growth(budget=2, width=2)  # the spine stays, though its second node is less probable than
+    growth.add(-1, [1, 2], [-0.5, -0.9])  # node 1 (EAGLE-2's rule would keep nodes 0 and 1)
+    assert growth.expand() == [0, 1]
+    growth.add(0, [3], [-0.6])
+    growth.add(1, [4], [-0.1])
+    assert growth.best() == ([1, 3], [-1, 0])
+
+
+def path_tokens(tokens, parents, j):
+    return [tokens[node] for node in path(parents, j)]
+
+
+def reference_tree(logits_after, k, budget, sampling):
+    """EAGLE-2's tree written out: each expanded node's children from the draft's logits after its path,
+    logits_after(path tokens), computed without any tree forward."""
+    growth = Growth(budget, min(TREE_WIDTH, budget))
+
+    def add(node):
+        scores, tokens = best_children(logits_after(path_tokens(growth.tokens, growth.parents, node) if node >= 0
+                                                    else []), sampling, growth.width)
+        growth.add(node, tokens.tolist(), scores.tolist())
+    add(-1)
+    for _ in range(1, min(k, budget)):
+        for node in growth.expand():
+            add(node)
+    tokens, parents = growth.best()
+    return tokens, tree_or_chain(parents)
+
+
+def drafted_tree(drafter, k, budget, sampling):
+    tokens, q, parents = propose_all([(drafter, k, sampling, None, None, budget)])[0]
+    assert q is None  # top-k candidates are not draws
+    return tokens.tolist(), parents
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_draft_models_tree_holds_the_children_its_paths_give(reference_dirs, kind, sampling):
+    """Every expanded node's children are the draft's best after the node's path, as 1-token forwards
+    over that path give them: the tree forwards feed each node at its depth, after its own ancestors."""
+    draft = minispec.load(reference_dirs[kind][1])
+    draft.ensure_caches(1, 128)
+    draft.prepare_batch(1, len(PROMPT))
+    drafter = make_drafter(draft, minispec.load(reference_dirs[kind][1]))
+    with torch.inference_mode():
+        drafter.start(torch.tensor([PROMPT]))
+        start = draft.encode_row(0, torch.tensor([PROMPT]))
+        tokens, parents = drafted_tree(drafter, 4, 16, sampling)
+        assert parents is not None and len(tokens) == 16
+        assert draft.length == 0 and drafter.length == start.shape[1]  # the tree left nothing behind
+
+        def logits_after(path_tokens):
+            return draft.prefill(torch.cat([start, torch.tensor([path_tokens], dtype=torch.long)], 1))[0, -1]
+        assert (tokens, parents) == reference_tree(logits_after, 4, 16, sampling)
+
+
+@pytest.fixture(scope="module")
+def noisy_gqa(reference_dirs, tmp_path_factory):
+    """A good draft for the GQA llama: a noisy copy of it (accepted about 0.8 of the time, greedy)."""
+    return save_reference(noisy_copy(reference_dirs["llama_gqa"][0], seed=1, scale=0.01),
+                          tmp_path_factory.mktemp("noisy_gqa"))
+
+
+PROMPTS = [PROMPT, PROMPT[:9], [3, 4, 5], BRANCHING[0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("draft", ["model", "int8"])
+def test_greedy_with_a_draft_models_tree_is_plain_greedy(reference_dirs, noisy_gqa, draft, dtype):
+    """Draft-model trees of several budgets, alone and batched: plain greedy's tokens, a batch's rows
+    exactly what they are alone."""
+    target = minispec.load(reference_dirs["llama_gqa"][1], dtype=dtype)
+    draft = minispec.load(noisy_gqa, dtype=dtype) if draft == "model" else draft
+    settings = {"max_new_tokens": 24, "ignore_eos": True, "draft": draft, "gamma": 3}
+    plain = [minispec.generate(target, prompt, max_new_tokens=24, ignore_eos=True).tokens for prompt in PROMPTS]
+    for tree in (2, 16):
+        alone = [minispec.generate(target, prompt, tree=tree, **settings) for prompt in PROMPTS]
+        assert [out.tokens for out in alone] == plain, tree
+        assert sum(out.stats.get("tree_nodes", 0) for out in alone) > 0 or tree == 2  # 2 nodes: often a chain
+        together = minispec.generate(target, PROMPTS, tree=tree, batch_size=3, **settings)
+        assert [out.tokens for out in together] == plain, tree
+        assert [out.stats["target_calls"] for out in together] == [out.stats["target_calls"] for out in alone]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2", "t5_v1_1"])
+def test_greedy_with_other_families_draft_trees_is_plain_greedy(reference_dirs, kind, tmp_path):
+    reference, directory = reference_dirs[kind]
+    target = minispec.load(directory)
+    draft = minispec.load(save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path))
+    plain = minispec.generate(target, PROMPT, max_new_tokens=24, ignore_eos=True)
+    out = minispec.generate(target, PROMPT, draft=draft, gamma=3, tree=16, max_new_tokens=24, ignore_eos=True)
+    assert out.tokens == plain.tokens and out.stats["tree_nodes"] > 0
+
+
+def test_a_tree_accepts_more_per_target_call_than_the_chain(reference_dirs, noisy_gqa):
+    """The same depth (gamma 4), greedy, a good draft: the tree's other branches catch some of the
+    chain's misses (deterministic: greedy, fixed models)."""
+    target, draft = minispec.load(reference_dirs["llama_gqa"][1]), minispec.load(noisy_gqa)
+    settings = {"max_new_tokens": 48, "ignore_eos": True, "draft": draft, "gamma": 4}
+    chain = minispec.generate(target, PROMPTS, **settings)
+    tree = minispec.generate(target, PROMPTS, tree=16, **settings)
+    per_call = [sum(len(out.tokens) for out in outs) / sum(out.stats["target_calls"] for out in outs)
+                for outs in (chain, tree)]
+    print(f"tokens per target call: chain {per_call[0]:.2f}, tree {per_call[1]:.2f}")
+    assert per_call[1] > 1.1 * per_call[0]
+
+
+def test_sampled_draft_trees_have_the_targets_joint_distribution(vocab16):  # noqa: F811 (the fixture)
+    """Three tokens of many requests against the target's exact joint (chi-square at p > 0.001 and a
+    total-variation bound, test_speculative.assert_sampled_from): a noisy draft's trees of 5 nodes, 2
+    deep, top-3 sampling, so that a step's tree holds some of the target's 3 tokens at a node and not
+    others: its first guesses rejected, rejections after acceptances and whole paths accepted all
+    happen often (fewer nodes: the root's 3 children, seldom a second depth). Batched rows draw what
+    they draw alone."""
+    target, draft = vocab16["target"], vocab16["noisy"]
+    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 4000
+    settings = {"draft": draft, "gamma": 2, "tree": 5, "max_new_tokens": 3, "ignore_eos": True, **sampling}
+    joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=3)
+    counts, outcomes, trees = Counter(), Counter(), 0
+    for seed in range(draws):
+        out = minispec.generate(target, prompt, seed=seed, **settings)
+        counts[tuple(out.tokens)] += 1
+        outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)
+        trees += out.stats.get("tree_nodes", 0) > 0
+    print(f"{dict(outcomes)}, {trees} requests verified a tree")
+    for outcome in ("first rejected", "rejected after accepted", "all accepted"):
+        assert outcomes[outcome] >= draws // 20, f"{outcome}: {outcomes[outcome]} of {draws} requests"
+    assert trees >= draws // 2
+    assert_sampled_from(counts, joint, draws)
+    prompts, longer = [prompt, [4, 5], [6, 7, 8, 9]], {**settings, "max_new_tokens": 12, "seed": 5}
+    alone = [minispec.generate(target, p, **longer).tokens for p in prompts]
+    assert [out.tokens for out in minispec.generate(target, prompts, **longer)] == alone
+
+
+@pytest.mark.parametrize("draft", ["model", "int8"])
+def test_run_py_verifies_draft_model_trees(reference_dirs, noisy_gqa, draft):
+    """run.py --tree N with --draft DIR or int8: plain greedy's tokens, trees verified."""
+    import contextlib
+    import io
+    import json
+
+    import run
+
+    ids = ",".join(map(str, PROMPT))
+    outputs = []
+    for args in (["--draft", str(noisy_gqa) if draft == "model" else draft, "--tree", "8"], ["--draft", "none"]):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert run.main(["--target", str(reference_dirs["llama_gqa"][1]), "--prompt-ids", ids, "--max-new-tokens",
+                             "16", "--ignore-eos", "--gamma", "3", "--json", *args]) == 0
+        outputs.append(json.loads(buffer.getvalue()))
+    assert outputs[0]["tokens"] == outputs[1]["tokens"] and outputs[0]["stats"]["tree_nodes"] > 0

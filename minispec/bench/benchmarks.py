@@ -54,7 +54,7 @@ def speculative_summary(stats):
 def minispec_runner(target, draft, gamma, args, prefill_clock):
     """run_one for time_generation: one (prompt ids, seed) request through minispec.generate."""
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, ignore_eos=args.ignore_eos)
+                    top_p=args.top_p, ignore_eos=args.ignore_eos, tree=args.tree if draft else None)
 
     def run_one(request):
         prompt, seed = request

@@ -10,6 +10,7 @@ from ..cli import gamma_setting, token_ids
 from ..loading.weights import DTYPES
 from ..models import quant
 from .benchmarks import batch_benchmark, beam_benchmark, benchmark, sampling_of
+from .drafters import drafters_benchmark
 from .oneshot import one_shot_benchmark
 from .report import markdown_table
 
@@ -18,9 +19,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m minispec.bench",
                                      description="Autoregressive vs speculative decoding, against Theorem 3.8.")
     parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
-    parser.add_argument("--draft", required=True,
-                        help="checkpoint directory or hub id, 'ngram', 'lookup', or 'int8' / 'int4' (the target "
-                             "quantized)")
+    parser.add_argument("--draft", required=True, nargs="+",
+                        help="checkpoint directory or hub id, a draft head's folder, 'ngram', 'lookup', or 'int8' / "
+                             "'int4' (the target quantized); several: those drafters side by side (bench/drafters.py)")
     parser.add_argument("--quantize", choices=quant.MODES, help="weight-only quantization of the target (run.py's)")
     parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
     parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
@@ -34,6 +35,7 @@ def parse_args(argv):
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
     parser.add_argument("--gamma", type=gamma_setting, nargs="+", default=["auto"],
                         help="one table row per value: a number of guesses per step, or 'auto' (chosen per step)")
+    parser.add_argument("--tree", type=int, metavar="N", help="verify token trees of up to N guesses (run.py's)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the most likely tokens of this mass")
@@ -80,6 +82,13 @@ def parse_args(argv):
         raise ValueError("--batch-sizes is a benchmark of its own: without --beams and --one-shot")
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    if len(args.draft) > 1 and (args.batch_sizes or args.beams or args.one_shot):
+        raise ValueError("several --draft values are a benchmark of their own: without --batch-sizes, --beams and "
+                         "--one-shot")
+    if len(args.draft) == 1:
+        args.draft = args.draft[0]
+    if args.tree is not None and args.tree < 1:
+        raise ValueError(f"--tree must be >= 1, got {args.tree}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
         raise ValueError("--repeats, --max-new-tokens and --seeds must be >= 1")
     sampling_of(args)  # bad sampling settings fail before loading weights
@@ -95,6 +104,8 @@ def main(argv=None):
             result, table = batch_benchmark(args)
         elif args.beams:
             result, table = beam_benchmark(args)
+        elif isinstance(args.draft, list):
+            result, table = drafters_benchmark(args)
         else:
             result = benchmark(args)
             table = markdown_table(result)

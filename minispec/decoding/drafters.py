@@ -38,7 +38,7 @@ from ..models.base import CachedLM
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
-from .tree import add_path
+from .tree import Growth, add_path, best_children, tree_or_chain
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
@@ -115,7 +115,7 @@ class ModelDrafter:
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return propose_together([(self, k, sampling, generator, keep_guessing)])[0]
+        return propose_together([(self, k, sampling, generator, keep_guessing, None)])[0][:2]
 
     def fed(self, n, logits, state):
         """n tokens went through the draft: `logits` for the next guess, and a head's `state` (else None)
@@ -168,18 +168,29 @@ def catch_up(drafter):
 
 
 def propose_together(asks):
-    """asks: per cache row, in row order, (ModelDrafter, k, sampling, generator, keep_guessing). Each
-    row's drafts [k'] and q [k', vocab] (None when greedy), as ModelDrafter.propose makes them alone:
-    the draft forwards of all rows are shared, and each row draws from its own generator in the same
-    order, so a row guesses what it would guess alone."""
+    """asks: per cache row, in row order, (ModelDrafter, k, sampling, generator, keep_guessing, tree).
+    Each row's (drafts, q, parents), as ModelDrafter.propose makes them alone: a chain's drafts [k'] and
+    q [k', vocab] (None when greedy), parents None; or with `tree` (a node budget) a tree at most k deep
+    (draft_trees; parents None when it is a chain). The draft forwards of all rows are shared, and each
+    row draws from its own generator in the same order, so a row guesses what it would guess alone."""
     drafters = [ask[0] for ask in asks]
     model = drafters[0].model
     for drafter in drafters:
         drafter.fed_guesses = 0
     going = [ask for ask in asks if ask[1] > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
-    # Catch up on the tokens accepted since each guessing row's last proposal.
+    catch_up_all(model, drafters, [ask[0] for ask in going])
+    going = [ask for ask in going if ask[0].next_logits is not None]  # a head before the target's first states
+    proposals = draft_chains(model, drafters, [ask[:5] for ask in going if not ask[5]])
+    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask[5]]))
+    empty = torch.zeros(0, dtype=torch.long, device=model.device)
+    return [proposals.get(id(d), (empty, None, None)) for d in drafters]
+
+
+def catch_up_all(model, drafters, waiting):
+    """The tokens accepted since each of the `waiting` rows' last proposal through the draft: a few
+    in one forward of all rows, more in a row's own (CATCH_UP_TOGETHER)."""
     heads = drafters[0].reads_states
-    waiting = [ask[0] for ask in going if ask[0].unseen is not None]
+    waiting = [d for d in waiting if d.unseen is not None]
     for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
         catch_up(drafter)
         drafter.unseen = drafter.unseen_states = None
@@ -188,7 +199,13 @@ def propose_together(asks):
              [d.unseen_states if d in waiting else None for d in drafters] if heads else None)
         for drafter in waiting:
             drafter.unseen = drafter.unseen_states = None
-    going = [ask for ask in going if ask[0].next_logits is not None]  # a head before the target's first states
+
+
+def draft_chains(model, drafters, asks):
+    """Algorithm 1's guesses for rows asking for chains, asks (drafter, k, sampling, generator,
+    keep_guessing): {id(drafter): (drafts, q, None)}, each guess drawn from q, fed for the next."""
+    heads = drafters[0].reads_states
+    going = asks
     drafts, qs = {id(ask[0]): [] for ask in going}, {id(ask[0]): [] for ask in going}
     while going:
         still = []
@@ -211,9 +228,105 @@ def propose_together(asks):
                  [d.state.view(1, -1) if id(d) in fed else None for d in drafters] if heads else None)
             for drafter, *_ in going:
                 drafter.fed_guesses += 1
-    empty = torch.zeros(0, dtype=torch.long, device=model.device)
-    return [(torch.stack(drafts[id(d)]), torch.stack(qs[id(d)]) if qs[id(d)] else None) if drafts.get(id(d))
-            else (empty, None) for d in drafters]
+    return {key: (torch.stack(guesses), torch.stack(qs[key]) if qs[key] else None, None)
+            for key, guesses in drafts.items()}
+
+
+# Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). EAGLE-2 takes
+# 8-10 on GPUs, where a forward of 10 tokens costs what one of 1 does. On a CPU every fed token costs:
+# drafting 5 deep for 16 nodes took SmolLM2-135M's int8 self-draft 156 ms as a chain, 206 ms at width 2,
+# 236 at 4, 326 at 8 (2 busy cores, 2026-11-24), while tokens per target call behind tiny noisy drafts
+# (budget 24) stopped rising at widths 3-4 (3.56 chain, 4.68 at 2, 5.19-5.33 at 3-8).
+TREE_WIDTH = 4
+
+
+class DraftTree:
+    """One row's tree while the draft grows it (tree.Growth), and the nodes its forwards have fed, in the
+    order of their cache slots after the row's length, with their parents among them and (a draft
+    head) the state each predicted, which its children read."""
+
+    def __init__(self, drafter, k, sampling, budget):
+        self.drafter, self.sampling = drafter, sampling
+        self.depth = min(k, budget)  # a node deeper than the budget would need more ancestors than it allows
+        self.growth = Growth(budget, min(TREE_WIDTH, budget))
+        self.fed, self.fed_parents, self.states = [], [], {}
+        # the expanded nodes' slots, past the row's length: its cache row's room (the budget is the target's)
+        self.room = drafter.model.cache_max_seq_len - drafter.length
+
+    def slot_of(self, node):
+        """Where a node sits among the fed ones (-1: the root)."""
+        return -1 if node < 0 else self.fed.index(node)
+
+    def input_of(self, node):
+        """A draft head's input beside a node: its parent's predicted state (the root's: the drafter's)."""
+        parent = self.growth.parents[node]
+        return self.drafter.state if parent < 0 else self.states[parent]
+
+
+def draft_trees(model, drafters, asks):
+    """EAGLE-2's dynamic draft tree for each row of asks (drafter, k, sampling, generator, keep_guessing,
+    budget): the root's best children (tree.best_children), then depth by depth one draft forward over
+    every row's expanded nodes (tree.Growth), each attending to its own path (decode_rows' parents,
+    continuing the tree the forwards before wrote past the row's length) at its depth's position; a draft
+    head's node reads its parent's predicted state beside its token. A row's tree is the draft's chain
+    and its best other nodes, `budget` in all, at most k deep (keep_guessing is a chain's):
+    {id(drafter): (tokens, None, parents)}, q None because the candidates are each node's most probable
+    children, not draws (verified as fixed candidates, tree.sample_walk). The nodes' slots lie past the
+    row's length, so its cache row is as before the tree, and accept feeds the kept tokens as after a
+    chain whose guesses went unfed."""
+    heads = drafters[0].reads_states
+    trees = {id(ask[0]): DraftTree(ask[0], ask[1], ask[2], ask[5]) for ask in asks}
+    add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
+    for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):
+        expanding = {key: tree.growth.expand()[:max(tree.room - len(tree.fed), 0)] for key, tree in trees.items()
+                     if depth < tree.depth}
+        expanding = {key: nodes for key, nodes in expanding.items() if nodes}
+        if not expanding:
+            break
+        feeds, parents, inputs = [None] * len(drafters), [[]] * len(drafters), [None] * len(drafters)
+        lengths = [d.length for d in drafters]
+        for i, drafter in enumerate(drafters):
+            tree, nodes = trees.get(id(drafter)), expanding.get(id(drafter))
+            if nodes:
+                lengths[i] += len(tree.fed)
+                feeds[i] = torch.tensor([tree.growth.tokens[j] for j in nodes], device=model.device)
+                tree.fed_parents += [tree.slot_of(tree.growth.parents[j]) for j in nodes]
+                tree.fed += nodes
+                parents[i] = tree.fed_parents
+                if heads:
+                    inputs[i] = torch.stack([tree.input_of(j) for j in nodes])
+        tokens, widths = model.padded(feeds)
+        out = model.decode_rows(tokens, lengths, widths, parents=parents, hidden=heads,
+                                inputs=model.padded(inputs)[0] if heads else None)
+        logits, states = out if heads else (out, None)
+        scored = []
+        for i, drafter in enumerate(drafters):
+            tree, nodes = trees.get(id(drafter)), expanding.get(id(drafter))
+            if nodes:
+                drafter.calls += 1
+                scored += [(tree, node, logits[i, j]) for j, node in enumerate(nodes)]
+                if heads:
+                    tree.states.update((node, states[i, j]) for j, node in enumerate(nodes))
+        add_children(trees, scored)
+    out = {}
+    for key, tree in trees.items():
+        tokens, parents = tree.growth.best()
+        out[key] = torch.tensor(tokens, dtype=torch.long, device=model.device), None, tree_or_chain(parents)
+    return out
+
+
+def add_children(trees, scored):
+    """scored: (tree, node, the draft's logits after it) for expanded nodes (-1: a root); each node's best
+    children go into its tree, all brought to the host at once."""
+    best = [best_children(logits, tree.sampling, tree.growth.width) for tree, _, logits in scored]
+    if not best:
+        return
+    host = torch.cat([torch.cat([values.double(), indices.double()]) for values, indices in best]).tolist()
+    start = 0
+    for (tree, node, _), (values, _) in zip(scored, best):
+        w = len(values)
+        tree.growth.add(node, [int(t) for t in host[start + w:start + 2 * w]], host[start:start + w])
+        start += 2 * w
 
 
 def propose_all(asks):
@@ -222,8 +335,9 @@ def propose_all(asks):
     one kind of drafter; tree: None, or the most nodes a tree of depth k may have. Draft-model rows
     guess together."""
     if isinstance(asks[0][0], ModelDrafter):
-        return [(drafts, q, None) for drafts, q in propose_together([ask[:5] for ask in asks])]
-    return [drafter.propose_tree(k, tree) if tree and k else (*drafter.propose(k, sampling, generator, keep), None)
+        return propose_together(asks)
+    return [drafter.propose_tree(k, tree, sampling) if tree and k
+            else (*drafter.propose(k, sampling, generator, keep), None)
             for drafter, k, sampling, generator, keep, tree in asks]
 
 
@@ -345,10 +459,10 @@ class LookupDrafter:
                 return self.copy_from(ends[-2], k), n
         return [], 0
 
-    def propose_tree(self, k, budget):
+    def propose_tree(self, k, budget, sampling=None):
         """A tree of at most `budget` guesses, k deep: what followed each earlier occurrence of the
         context's suffix, the longest suffixes and the latest occurrences first (so its first path is
-        the chain's guesses), sharing common prefixes (tree.py)."""
+        the chain's guesses), sharing common prefixes (tree.py). The same for any sampling."""
         tokens, parents = [], []
         earlier = (end for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
@@ -356,8 +470,7 @@ class LookupDrafter:
             add_path(tokens, parents, self.copy_from(end, k), budget)
             if len(tokens) >= budget:
                 break
-        chain = parents == list(range(-1, len(parents) - 1))  # one continuation: verified as a chain, cheaper
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, None if chain else parents
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
 
     def preview(self, k):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""

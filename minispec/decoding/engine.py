@@ -43,7 +43,8 @@ class Row:
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
             self.policy.start(target, self.drafter, request.prompt_ids, timed=alone)  # a batch's steps are shared
-            self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1))
+            self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1),
+                              verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
             self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
 
     def wanted_guesses(self):
@@ -105,8 +106,12 @@ class Row:
             emitted = min(n, len(new_tokens))
             stats["proposed"] += k
             stats["accepted"] += emitted
-            stats["verified"] += min(n + 1, k, len(new_tokens))
+            verified = min(n + 1, k, len(new_tokens))
+            stats["verified"] += verified
             stats["accepted_lengths"][emitted] += 1
+            for i in range(verified):  # the guess at each position: how far into a step guesses survive
+                stats["verified_at"][i] += 1
+                stats["accepted_at"][i] += i < emitted
         segments = [(new_tokens[:n], "accepted")]
         if len(new_tokens) > n:  # the target's token was not cut off by a stop among the guesses
             segments += [([guesses[n]], "rejected")] if n < k else []

@@ -15,11 +15,18 @@ gives exactly the target's distribution. A chain is the tree whose every node ha
 
 A tree is given as its nodes' tokens in topological order and `parents`: node j hangs from node
 parents[j] (-1: from the root).
+
+Drafters with a distribution (draft models, EAGLE and Medusa heads) grow their trees as EAGLE-2 does
+(`Growth`): depth by depth, expanding the most probable new nodes, then keeping the drafter's own chain
+and the most probable other nodes. Their candidates are each node's most probable children,
+deterministic, so they are verified as fixed candidates too.
 """
+
+import math
 
 import torch
 
-from .sampling import sample
+from .sampling import adjust, sample
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
 
@@ -91,3 +98,80 @@ def add_path(tokens, parents, continuation, budget):
             parents.append(at)
             child = len(tokens) - 1
         at = child
+
+
+def tree_or_chain(parents):
+    """`parents`, or None when the tree is a chain (verified as one: cheaper)."""
+    return None if parents == list(range(-1, len(parents) - 1)) else parents
+
+
+def best_children(logits, sampling, width):
+    """The `width` most probable next tokens after each row of logits [..., vocab], and their
+    log-probabilities ([..., width] each): under the distribution the target's is adjusted to (the
+    draft's own when greedy, whose adjusted one is one-hot). Tokens it excludes get -inf."""
+    if sampling.greedy:
+        scores = logits.float().log_softmax(-1)
+    else:
+        scores = adjust(logits, sampling).log()
+    return scores.topk(min(width, scores.shape[-1]), dim=-1)
+
+
+class Growth:
+    """A tree grown depth by depth (EAGLE-2's dynamic draft tree). A node's score is its path's
+    log-probability under the drafter, the sum of its ancestors' and its own. The spine, the drafter's
+    own chain (the root's most probable child, that node's, and so on: a greedy chain's guesses), is
+    always in the tree, so a greedy tree accepts no less than the chain of the same depth (ties in the
+    draft's rounding aside); EAGLE-2's
+    rule alone, the best nodes overall, would trade the chain's deep guesses for more probable shallow
+    ones and accept less behind a draft that is seldom wrong. The rest of the `budget` goes to the best
+    other nodes (`best`). At each depth the newest spine node and the best other new nodes, `width` in
+    all, are expanded (their children added by the caller), but only others that can still be among the
+    tree's: a node's descendants score no higher than it, so one already outranked by as many others as
+    the budget leaves room for can give the tree nothing.
+
+    Nodes rank by score, ties by index: a child never ranks before its parent (its log-probability is at
+    most 0, so its score at most its parent's, and its index is larger), so the best nodes include their
+    ancestors, and in rank order each follows its parent (a topological order)."""
+
+    def __init__(self, budget, width):
+        self.budget, self.width = budget, width
+        self.tokens, self.parents, self.scores = [], [], []
+        self.spine = []  # the chain of most probable children from the root
+        self.newest = []  # the nodes added since the last expansion
+
+    def add(self, parent, tokens, log_probabilities):
+        """Children of node `parent` (-1: the root); those of probability zero are left out (never accepted)."""
+        base, first = 0.0 if parent < 0 else self.scores[parent], len(self.tokens)
+        for token, score in zip(tokens, log_probabilities):
+            if score > -math.inf:
+                self.tokens.append(token)
+                self.parents.append(parent)
+                self.scores.append(base + score)
+                self.newest.append(len(self.tokens) - 1)
+        if parent == (self.spine[-1] if self.spine else -1) and len(self.tokens) > first:
+            self.spine.append(min(range(first, len(self.tokens)), key=self.rank))
+
+    def rank(self, node):
+        return -self.scores[node], node
+
+    def others(self):
+        """The best nodes off the spine, as many as the budget leaves room for, in rank order."""
+        spine = set(self.spine)
+        room = max(self.budget - len(self.spine), 0)
+        return sorted((j for j in range(len(self.tokens)) if j not in spine), key=self.rank)[:room]
+
+    def expand(self):
+        """The nodes to expand next: the newest spine node, and the newest depth's best others that can
+        still be in the tree, `width` in all."""
+        hopeful = set(self.others())
+        spine = [node for node in self.newest if node in self.spine]
+        others = sorted((node for node in self.newest if node in hopeful), key=self.rank)
+        self.newest = []
+        return (spine + others)[:self.width]
+
+    def best(self):
+        """The tree: tokens and parents (tree.py's form) of the spine and the best other nodes, `budget`
+        in all, in rank order."""
+        chosen = sorted(self.spine[:self.budget] + self.others(), key=self.rank)
+        place = {node: i for i, node in enumerate(chosen)}
+        return [self.tokens[j] for j in chosen], [-1 if self.parents[j] < 0 else place[self.parents[j]] for j in chosen]

@@ -56,7 +56,7 @@ def build(kind, hf, target, source):
     with torch.device("meta"):
         if kind == "eagle":
             config, bias = eagle.config_from_hf(hf, target, source)
-            return eagle.EagleHead(config, bias, target), config
+            return eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)), config
         n_heads, n_layers = medusa.config_from_hf(hf)
         return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target), n_heads
 
@@ -82,6 +82,8 @@ def load_draft_head(path, target):
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
     load_weights(head, directory, config, assign=True)
+    if kind == "eagle":
+        eagle.check_draft_vocab(head, directory)
     head = head.to(target.device).eval().requires_grad_(False)
     identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
     head.fingerprint = hashlib.sha256(f"{identities}|{target.fingerprint}".encode()).hexdigest()[:20]
@@ -94,7 +96,8 @@ def load_weights(head, directory, config, assign=False):
     the tensors themselves (a head built on the meta device), else copy into the head's own."""
     weights = KINDS[head.kind].convert_weights(read_weights(weight_files(directory)), config)
     check_shapes(head, weights, directory)
-    head.load_state_dict({k: v.to(head.target.dtype) for k, v in weights.items()}, assign=assign)
+    head.load_state_dict({k: v.to(head.target.dtype) if v.is_floating_point() else v for k, v in weights.items()},
+                         assign=assign)
 
 
 def replace_whole(file, write):
@@ -110,7 +113,8 @@ def save_draft_head(head, hf, directory):
     model.safetensors in the published tensor names."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().float().contiguous() for name, tensor in KINDS[head.kind].published(head).items()}
+    tensors = {name: (tensor.detach().float() if tensor.is_floating_point() else tensor).contiguous()
+               for name, tensor in KINDS[head.kind].published(head).items()}
     replace_whole(directory / "model.safetensors", lambda file: save_safetensors(tensors, file))
     config = json.dumps({**hf, "minispec_head": head.kind}, indent=2) + "\n"
     replace_whole(directory / "config.json", lambda file: file.write_text(config))

@@ -11,7 +11,7 @@ import torch
 from ..cli import read_prompts_file
 from ..loading.checkpoint import load_model
 from ..loading.weights import DTYPES, CheckpointError
-from .train import train
+from .train import DRAFT_VOCAB, train
 
 
 def parse_args(argv):
@@ -27,6 +27,8 @@ def parse_args(argv):
     command.add_argument("--epochs", type=int, default=4)
     command.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     command.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
+    command.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
+                         help="EAGLE: the head guesses among the target's N most said tokens (0: all)")
     command.add_argument("--lr", type=float, default=None)
     command.add_argument("--no-chat", action="store_true", help="answer the prompts as raw text, not chat turns")
     return parser.parse_args(argv)
@@ -38,7 +40,7 @@ def main(argv=None):
         prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
         target = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
         train(target, args.out, args.kind, prompts, args.epochs, args.max_new_tokens, args.lr, args.heads,
-              chat=not args.no_chat)
+              chat=not args.no_chat, draft_vocab=args.draft_vocab)
     except (ValueError, OSError, CheckpointError) as error:
         print(f"minispec: {error}", file=sys.stderr)
         return 2

@@ -14,16 +14,24 @@ guess drawn from its q (decoding/drafters.py's loop, shared with draft models). 
 layer's cache keeps only pairs built from the target's real states: the pairs of its guesses are rolled
 back, and the accepted guesses come back at the next step with the states the target gave them.
 
+A reduced draft vocabulary (EAGLE-3's idea, in heads trained here): q over the N tokens the target
+says most often, zero elsewhere. The output head is most of a guess's cost (SmolLM2-135M: 49152 x 576
+of its weights against 3.5M in the layer); 8192 rows cut it sixfold, and a token outside them is one the
+head would seldom have guessed. Exactness is untouched: the guesses are drawn from that q.
+
 Checkpoints: EAGLE-1/EAGLE-2 heads as their authors publish them (config.json: a Llama config with one
 layer and `bias` for fc; safetensors with fc.weight, fc.bias and layers.0.* in Hugging Face names; layer
-0 has no input norm), and heads trained here (heads/train.py writes the same layout).
+0 has no input norm), and heads trained here (heads/train.py writes the same layout, with
+`minispec_draft_vocab` in config.json and the tensor `draft_vocab` of target token ids when reduced).
 """
 
 import torch
 from torch import nn
 
 from ..decoding.drafters import ModelDrafter
+from ..loading.weights import CheckpointError
 from ..models.base import CachedLM, Linear
+from ..models.kernels import can_pack, pack
 from ..models.hf_config import FLAG, get
 from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
 
@@ -34,13 +42,18 @@ class EagleHead(Llama):
 
     kind = "eagle"
 
-    def __init__(self, config, bias, target):
+    def __init__(self, config, bias, target, draft_vocab_size=None):
         CachedLM.__init__(self)
         self.config = config
         self.fc = Linear(2 * config.dim, config.dim, bias=bias)
         self.layers = nn.ModuleList(TransformerBlock(config, None) for _ in range(config.n_layers))
         self.layers[0].attention_norm = nn.Identity()  # fc's output goes in as it is (EAGLE's layer 0)
         self.__dict__["target"] = target  # not a submodule: its weights are the target's, loaded once
+        # the target token ids q may be non-zero on (None: all); their rows of the target's output head
+        # are taken at the first use (reduced_head), after the ids are loaded
+        self.register_buffer("draft_vocab", None if draft_vocab_size is None else
+                             torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.__dict__["reduced"] = None
 
     @property
     def vocab_size(self):
@@ -54,7 +67,24 @@ class EagleHead(Llama):
         return self.target.embed_tokens(tokens)
 
     def logits(self, hidden):
-        return self.target.logits(hidden)
+        if self.draft_vocab is None:
+            return self.target.logits(hidden)
+        reduced = self.reduced_head()(hidden).float()
+        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.draft_vocab, reduced)
+
+    def reduced_head(self):
+        """A Linear holding the draft vocabulary's rows of the target's output head, as the target
+        computes them (its logits of the identity: tied, untied or quantized heads alike)."""
+        if self.reduced is None:
+            rows = self.target.logits(torch.eye(self.config.dim, dtype=self.dtype, device=self.device)).T
+            reduced = Linear(self.config.dim, len(self.draft_vocab), bias=False, device=self.device, dtype=self.dtype)
+            reduced.weight = nn.Parameter(rows[self.draft_vocab].to(self.dtype).contiguous(), requires_grad=False)
+            if can_pack(self.dtype, self.device):
+                pack(reduced.weight)
+                reduced.packed = True
+            self.__dict__["reduced"] = reduced
+        return self.reduced
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None, inputs=None):
         """The predicted next states of the pairs (inputs[:, j], tokens[:, j]). Without inputs (the
@@ -81,10 +111,12 @@ class EagleDrafter(ModelDrafter):
     def accept(self, tokens, tokens_on_device, seen=None):
         # seen: the tokens the target kept since the last step and its state at each; each state pairs
         # with the token after it (the next one seen, then the target's own new token).
+        # Pairs still waiting from steps that drafted nothing (k = 0) go first.
         fed, states = seen
         self.length -= self.fed_guesses  # the guesses' pairs held predicted states: the real ones follow
-        self.unseen = torch.cat([fed[1:], tokens_on_device[-1:]])
-        self.unseen_states = states
+        new = torch.cat([fed[1:], tokens_on_device[-1:]])
+        self.unseen = new if self.unseen is None else torch.cat([self.unseen, new])
+        self.unseen_states = states if self.unseen_states is None else torch.cat([self.unseen_states, states])
         self.next_logits = None
 
 
@@ -98,6 +130,22 @@ def config_from_hf(hf, target, source):
         raise ValueError(f"{source}: the head's vocab_size {config.vocab_size} is not the target's "
                          f"({target.vocab_size})")
     return config, get(hf, "bias", FLAG, True)
+
+
+def draft_vocab_size(hf, target):
+    """config.json's reduced draft vocabulary size (None: the target's whole vocabulary)."""
+    size = hf.get("minispec_draft_vocab")
+    if size is not None and not (isinstance(size, int) and not isinstance(size, bool)
+                                 and 0 < size <= target.vocab_size):
+        raise ValueError(f"minispec_draft_vocab must be a token count in 1..{target.vocab_size}, got {size!r}")
+    return size
+
+
+def check_draft_vocab(head, source):
+    """A CheckpointError when the loaded draft vocabulary is not distinct target token ids."""
+    ids = head.draft_vocab
+    if ids is not None and (ids.min() < 0 or ids.max() >= head.vocab_size or len(ids.unique()) != len(ids)):
+        raise CheckpointError(f"{source}: draft_vocab must hold distinct token ids below {head.vocab_size}")
 
 
 def convert_weights(weights, config):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decoding.sampling import Sampling, adjust, sample
+from ..decoding.tree import Growth, best_children, tree_or_chain
 from ..models.base import Linear
 from ..models.hf_config import COUNT, get
 
@@ -50,6 +51,12 @@ class MedusaHeads(nn.Module):
         return MedusaDrafter(self)
 
 
+# Candidates per head in a tree, and nodes expanded per depth: Medusa's own code builds its sparse trees
+# from each head's top 10 (TOPK = 10 in medusa/model/utils.py). Wider than a draft model's trees: expanding
+# costs no forward here (a node's children are its depth's head's candidates), only host work.
+MEDUSA_TREE_WIDTH = 10
+
+
 class MedusaDrafter:
     """Guesses for one request from the target's state at the last token it has seen."""
 
@@ -74,6 +81,25 @@ class MedusaDrafter:
             return logits.argmax(-1), None
         q = adjust(logits, sampling)
         return sample(q, generator), q
+
+    def propose_tree(self, k, budget, sampling):
+        """A tree of at most `budget` guesses, k deep, from the heads' best candidates: the node at depth
+        j + 1 is one of head j's `width` most probable tokens, its score the product of its path's head
+        probabilities (tree.Growth keeps the best; Medusa's trees are fixed in advance, these are chosen
+        per step). The candidates are not draws, so q is None (verified as fixed candidates)."""
+        k = min(k, len(self.heads.heads), budget)
+        if self.state is None or k == 0:
+            return torch.zeros(0, dtype=torch.long, device=self.heads.target.device), None, None
+        self.calls += 1
+        growth = Growth(budget, min(MEDUSA_TREE_WIDTH, budget))
+        scores, tokens = best_children(self.heads(self.state, k), sampling, growth.width)
+        scores, tokens = scores.tolist(), tokens.tolist()
+        growth.add(-1, tokens[0], scores[0])
+        for depth in range(1, k):
+            for node in growth.expand():  # every node of a depth has the same candidates: the head's
+                growth.add(node, tokens[depth], scores[depth])
+        tokens, parents = growth.best()
+        return torch.tensor(tokens, dtype=torch.long, device=self.heads.target.device), None, tree_or_chain(parents)
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.state = seen[1][-1]

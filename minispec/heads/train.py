@@ -49,7 +49,13 @@ SUBJECTS = (
     "the violin", "recycling", "sleep", "mountain climbing", "renewable energy", "dinosaurs",
     "the French Revolution", "hash tables", "meditation", "city planning", "octopuses",
 )
+# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's answers to the default prompts
+# use about N distinct tokens; 8192 rows cost a sixth of its head's 49152 (docs/performance.md).
+DRAFT_VOCAB = 8192
 PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
+# Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
+# from memorising (SmolLM2 on 160 answers: 0.51 on the answers trained on, 0.13 on others).
+HELD_OUT = 20
 
 
 def default_prompts():
@@ -95,14 +101,16 @@ def load_data(file):
 
 @torch.no_grad()
 def record(target, sequences):
-    """The target's last hidden state at every position of every sequence [length, dim]."""
-    states, started = [], time.perf_counter()
+    """The target's last hidden state at every position of every sequence [length, dim], and the
+    logsumexp of its logits there [length] (with it, p on a few tokens needs only their rows of the
+    head: the whole head is most of a training step's work otherwise)."""
+    records, started = [], time.perf_counter()
     for i, (tokens, _) in enumerate(sequences):
         target.ensure_caches(1, len(tokens))
-        states.append(target.decode_rows(tokens.view(1, -1).to(target.device), [0], logits_for=1, eager=True,
-                                         hidden=True)[1][0].float())
+        logits, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], eager=True, hidden=True)
+        records.append((states[0].float(), logits[0].float().logsumexp(-1)))
         progress(i + 1, len(sequences), started, "recording the target's states")
-    return states
+    return records
 
 
 class Uncached(torch.nn.Module):
@@ -131,10 +139,12 @@ def training(head, length):
         head.eval().requires_grad_(False)
 
 
-def batch_groups(sequences, tokens_per_batch, generator):
-    """The sequences shuffled and grouped into batches of about `tokens_per_batch` padded tokens."""
+def batch_groups(sequences, indices, tokens_per_batch, generator=None):
+    """The sequences at `indices` grouped into batches of about `tokens_per_batch` padded tokens,
+    shuffled by `generator` (None: in order)."""
     groups, batch = [], []
-    for index in torch.randperm(len(sequences), generator=generator).tolist():
+    order = indices if generator is None else [indices[i] for i in torch.randperm(len(indices), generator=generator)]
+    for index in order:
         batch.append(index)
         if max(len(sequences[i][0]) for i in batch) * len(batch) >= tokens_per_batch:
             groups.append(batch)
@@ -142,54 +152,74 @@ def batch_groups(sequences, tokens_per_batch, generator):
     return groups + ([batch] if batch else [])
 
 
-def padded_batch(sequences, states, group):
+def padded_batch(sequences, records, group):
     """A group's sequences padded to a whole number of key blocks (attention reads keys in blocks of
-    32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
+    32): (tokens [b, T], states [b, T, dim], logsumexps [b, T], answer mask [b, T])."""
     width = -(-max(len(sequences[i][0]) for i in group) // 32) * 32
     tokens = torch.zeros(len(group), width, dtype=torch.long)
-    feats = torch.zeros(len(group), width, states[group[0]].shape[-1])
+    feats = torch.zeros(len(group), width, records[group[0]][0].shape[-1])
+    lse = torch.zeros(len(group), width)
     mask = torch.zeros(len(group), width, dtype=torch.bool)
     for row, i in enumerate(group):
         seq, start = sequences[i]
-        tokens[row, :len(seq)], feats[row, :len(seq)] = seq, states[i]
+        tokens[row, :len(seq)], (feats[row, :len(seq)], lse[row, :len(seq)]) = seq, records[i]
         mask[row, start:len(seq)] = True
-    return tokens, feats, mask
+    return tokens, feats, lse, mask
 
 
-def output_head(target, x):
-    """target.logits(x) with gradients: the float weight itself (the packed kernel has no backward)."""
+def output_head(target, x, rows=None):
+    """target.logits(x) with gradients: the float weight itself (the packed kernel has no backward);
+    rows: only those tokens' logits."""
     weight = getattr(target.head, "weight", None)
     if weight is None or not weight.is_floating_point():
         raise ValueError(f"training a head needs {target.name} with float weights (load it without --quantize)")
-    return F.linear(x.to(weight.dtype), weight).float()
+    return F.linear(x.to(weight.dtype), weight if rows is None else weight[rows]).float()
+
+
+def most_said(sequences, vocab_size, size):
+    """The `size` token ids the target said most often in its answers, sorted: a head's reduced draft
+    vocabulary. Ties, and the tokens never said, go to the lower ids: a BPE vocabulary numbers its
+    tokens roughly from the most frequent (merges are learnt in order of frequency)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for tokens, start in sequences:
+        counts += torch.bincount(tokens[start:], minlength=vocab_size)
+    return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
 
 
 def soft_cross_entropy(logits, target_logits):
     return -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
 
 
-def eagle_loss(head, tokens, states, mask, generator):
-    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only."""
+def eagle_loss(head, tokens, states, lse, mask, generator, noise=PAIR_NOISE):
+    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only;
+    lse: the target's logsumexp at each state. Accuracy: how often the head's top token at f̂_{i+1} is
+    the target's, which (greedy answers) is the answer's next token x_{i+2}."""
     inputs, pair_tokens, wanted = states[:, :-1], tokens[:, 1:], states[:, 1:]
-    noise = (torch.rand(inputs.shape, generator=generator) - 0.5) * PAIR_NOISE * 512 / inputs.shape[1]
-    inputs = inputs + noise
+    if noise:
+        inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * noise * 512 / inputs.shape[1]
     width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
     inputs = F.pad(inputs, (0, 0, 0, 1))
     pair_tokens = F.pad(pair_tokens, (0, 1))
     predicted = head.features(pair_tokens, torch.arange(width), keys=width, inputs=inputs)[:, :-1].float()
     keep = mask[:, 1:]
-    predicted, wanted = predicted[keep], wanted[keep]
+    chosen = F.pad(tokens[:, 2:], (0, 1))[keep]
+    scored = F.pad(mask[:, 2:], (0, 1))[keep]  # the last state of a sequence has no next token
+    predicted, wanted, lse = predicted[keep], wanted[keep], lse[:, 1:][keep]
     regression = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
+    vocab = head.draft_vocab  # q lives there; p's mass outside it cannot be learnt
     with torch.no_grad():
-        target_logits = output_head(head.target, wanted)
-    logits = output_head(head.target, predicted)
-    classification = soft_cross_entropy(logits, target_logits)
-    accuracy = (logits.detach().argmax(-1) == target_logits.argmax(-1)).float().mean()
+        p = (output_head(head.target, wanted, vocab) - lse[:, None]).exp()
+    logits = output_head(head.target, predicted, vocab)
+    classification = -(p * logits.log_softmax(-1)).sum(-1)
+    said = logits.detach().argmax(-1)
+    said = said if vocab is None else vocab[said]
+    accuracy = (said == chosen)[scored].float().mean()
     return regression.mean() + 0.1 * classification.mean(), accuracy
 
 
-def medusa_loss(heads, tokens, states, mask, generator):
-    """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j."""
+def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
+    """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j
+    (on the states as they are: no noise)."""
     total, correct = 0.0, []
     for j, module in enumerate(heads.heads):
         shift = j + 1
@@ -204,10 +234,11 @@ def medusa_loss(heads, tokens, states, mask, generator):
     return total, correct[0] if correct else torch.zeros(())
 
 
-def new_head(kind, target, heads):
+def new_head(kind, target, heads, draft_vocab=None):
     """A fresh head for `target` and its config.json: an EAGLE layer starts as the target's last layer
-    (a Llama target's) and fc as the identity on the state; Medusa heads start as Medusa's do (each
-    ResBlock the identity, each head the target's own output head)."""
+    (a Llama target's) and fc as the identity on the state, its q on the token ids `draft_vocab` (None:
+    all); Medusa heads start as Medusa's do (each ResBlock the identity, each head the target's own
+    output head)."""
     width = target.hidden_size
     if kind == "medusa":
         module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
@@ -226,9 +257,13 @@ def new_head(kind, target, heads):
           "rms_norm_eps": like.norm_eps if like else 1e-6, "rope_theta": like.rope_theta if like else 10000.0,
           "max_position_embeddings": 1 << 16, "vocab_size": target.vocab_size, "num_hidden_layers": 1,
           "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True}
+    if draft_vocab is not None:
+        hf["minispec_draft_vocab"] = len(draft_vocab)
     config, bias = eagle.config_from_hf(hf, target, "the new head")
-    module = eagle.EagleHead(config, bias, target).to(target.dtype)
+    module = eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)).to(target.dtype)
     with torch.no_grad():
+        if draft_vocab is not None:
+            module.draft_vocab.copy_(draft_vocab)
         module.fc.weight.zero_()
         module.fc.weight[:, width:].copy_(torch.eye(width))
         module.fc.bias.zero_()
@@ -236,12 +271,20 @@ def new_head(kind, target, heads):
             last = target.layers[-1].state_dict()
             module.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("attention_norm")},
                                              strict=False)
+        # ... with its output projections zeroed, so that the head starts as f̂_{i+1} = f_i: the final
+        # norm scales the states far below the residual stream the layer was made for (SmolLM2: RMS 1.9),
+        # and the whole layer's output would swamp them (a loss 20x that of predicting f_i)
+        module.layers[0].attention.wo.weight.zero_()
+        module.layers[0].feed_forward.w2.weight.zero_()
     return module, hf
 
 
 def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128, lr=None, heads=4,
-          batch_size=8, tokens_per_batch=2048, chat=True, seed=0):
-    """Train a draft head for `target` into folder `out` (resuming what is there); returns the head."""
+          batch_size=16, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
+    """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
+    draft_vocab: an EAGLE head's q covers the target's that many most said tokens (0: all of them)."""
+    if draft_vocab < 0:
+        raise ValueError(f"draft_vocab must be a token count >= 0 (0: the whole vocabulary), got {draft_vocab}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
@@ -254,25 +297,30 @@ def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128,
         sequences = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
                            chat and target.tokenizer is not None and target.tokenizer.chat_template is not None)
         replace_whole(data_file, lambda file: save_data(sequences, file))
-    states = record(target, sequences)
-    head, hf = new_head(kind, target, heads)
+    records = record(target, sequences)
+    reduced = kind == "eagle" and 0 < draft_vocab < target.vocab_size
+    head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr or 1e-3, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
     loss_of = eagle_loss if kind == "eagle" else medusa_loss
     longest = max(len(s) for s, _ in sequences) + 32
+    held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
+    learn = sorted(set(range(len(sequences))) - set(held))
     # every epoch groups the sequences afresh; about this many batches each (the cosine decay's length)
-    steps_per_epoch = len(batch_groups(sequences, tokens_per_batch, torch.Generator()))
+    steps_per_epoch = len(batch_groups(sequences, learn, tokens_per_batch))
     total, first = max(epochs * steps_per_epoch, 1), done * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min((first + step) / total, 1))))
+    # a linear warmup over the first 5% of the steps, then a cosine decay: at full rate from the start
+    # the first steps' large gradients threw SmolLM2's head far off (loss 1.7 to 30 in 5 steps at 3e-3)
+    warmup = max(total // 20, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((first + step + 1) / warmup, 1) * 0.5 * (
+        1 + math.cos(math.pi * min((first + step) / total, 1))))
     for epoch in range(done, epochs):
         started, accuracies = time.perf_counter(), []
-        groups = batch_groups(sequences, tokens_per_batch, generator)
+        groups = batch_groups(sequences, learn, tokens_per_batch, generator)
         with training(head, longest):
             for step, group in enumerate(groups):
-                tokens, feats, mask = padded_batch(sequences, states, group)
-                loss, accuracy = loss_of(head, tokens.to(target.device), feats.to(target.device),
-                                         mask.to(target.device), generator)
+                batch = [tensor.to(target.device) for tensor in padded_batch(sequences, records, group)]
+                loss, accuracy = loss_of(head, *batch, generator)
                 optimizer.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -282,6 +330,12 @@ def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128,
                 accuracies.append(float(accuracy))
                 progress(step + 1, len(groups), started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
                          f"next-token accuracy {sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
+            if held:
+                with torch.no_grad():
+                    scores = [float(loss_of(head, *[t.to(target.device) for t in padded_batch(sequences, records, g)],
+                                            None, noise=0)[1]) for g in batch_groups(sequences, held, tokens_per_batch)]
+                sys.stderr.write(f"epoch {epoch + 1}/{epochs}: next-token accuracy on the {len(held)} held-out "
+                                 f"answers {sum(scores) / len(scores):.2f}\n")
         save_draft_head(head, hf, out)
         replace_whole(state / "optimizer.safetensors", lambda file: save_safetensors(optimizer_tensors(optimizer), file))
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"

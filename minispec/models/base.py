@@ -307,9 +307,11 @@ class CachedLM(nn.Module):
         mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once).
         `parents`: the row's tokens form a tree (decoding/tree.py), token j of row i attached to token
         parents[i][j] (-1: to the row's cached tokens); each token is then at its depth's position, its
-        keys and values in its slot, lengths[i] + j, and it attends to its ancestors only. `hidden`: return
-        (logits, hidden states [rows, n, dim] of every token), for draft heads; `inputs`: forward's,
-        [rows, n, ...], padded as the tokens are."""
+        keys and values in its slot, lengths[i] + j, and it attends to its ancestors only. A tree may
+        continue one that earlier forwards wrote just before lengths[i]: then parents[i] lists that
+        tree's nodes first, and the row's tokens are its last widths[i] (kernels.tree_layout).
+        `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads;
+        `inputs`: forward's, [rows, n, ...], padded as the tokens are."""
         rows, n = tokens.shape
         widths = [n] * rows if widths is None else widths
 
@@ -327,7 +329,7 @@ class CachedLM(nn.Module):
                                       for length, width in zip(lengths, widths)], device=tokens.device)
         compiled = self.compiled_forward if first_row == 0 and not eager and logits_for is None else None
         positions = self.cache_max_seq_len if compiled is not None else self.keys_for(ends(n))
-        layout = None if parents is None else tree_layout(lengths, parents, n, positions, tokens.device)
+        layout = None if parents is None else tree_layout(lengths, parents, widths, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
             tokens = tokens.clone(memory_format=torch.contiguous_format)
             if hidden or inputs is not None:

@@ -168,30 +168,34 @@ class TreeLayout(NamedTuple):
     window_positions: torch.Tensor  # [rows, W]: those positions: whole blocks, the blocks that hold the trees
 
 
-def tree_layout(lengths, parents, n, cache_positions, device):
-    """The TreeLayout of trees fed at cache slots lengths[r], lengths[r] + 1, ... of each row r, token j
-    of row r attached to token parents[r][j] of the same feed (-1: to the row's cached tokens; a chain
-    is [-1, 0, 1, ...]). A row of fewer than n tokens is padded as decode_rows pads it: its last token
-    repeated in its slot (none: a placeholder at its length)."""
+def tree_layout(lengths, parents, widths, n, cache_positions, device):
+    """The TreeLayout of trees fed at cache slots lengths[r], lengths[r] + 1, ... of each row r: the
+    row's widths[r] tokens are the last nodes of its tree parents[r], node j attached to node
+    parents[r][j] (-1: to the row's cached tokens; a chain is [-1, 0, 1, ...]). Nodes before them were
+    written by earlier forwards to the slots just before lengths[r], in order (a draft grows its tree
+    depth by depth); the tree starts after the row's cached tokens there. A row of fewer than n tokens
+    is padded as decode_rows pads it: its last token repeated in its slot (none: a placeholder at its
+    length)."""
     rows = len(parents)
     blocks = cache_positions // KEY_BLOCK
     positions = torch.empty(rows, n, dtype=torch.long)
     keys = torch.arange(cache_positions).repeat(rows, n, 1)
     first_block = torch.empty(rows, dtype=torch.long)
-    for r, (length, row_parents) in enumerate(zip(lengths, parents)):
+    for r, (length, row_parents, width) in enumerate(zip(lengths, parents, widths)):
+        written = len(row_parents) - width  # nodes already in the cache
+        start = length - written  # the slot of node 0, which sits at position start
         depth = []
         for j, parent in enumerate(row_parents):
             depth.append(0 if parent < 0 else depth[parent] + 1)
             ancestor = j
-            # Its path: the ancestor at depth d is read as position length + d. Up to the first token
+            # Its path: the ancestor at depth d is read as position start + d. Up to the first token
             # with a sibling before it, the path is a chain in its own slots (keys already in place).
-            while ancestor >= 0 and ancestor != depth[ancestor]:
-                keys[r, j, length + depth[ancestor]] = length + ancestor
+            while j >= written and ancestor >= 0 and ancestor != depth[ancestor]:
+                keys[r, j - written, start + depth[ancestor]] = start + ancestor
                 ancestor = row_parents[ancestor]
-        depth = depth or [0]  # nothing to feed: a placeholder at its length
-        depth += [depth[-1]] * (n - len(depth))
-        positions[r] = length + torch.tensor(depth)
-        keys[r, len(row_parents):] = keys[r, max(len(row_parents) - 1, 0)]
+        fed = [start + d for d in depth[written:]] or [length]  # nothing to feed: a placeholder at its length
+        positions[r] = torch.tensor(fed + [fed[-1]] * (n - len(fed)))
+        keys[r, width:] = keys[r, max(width - 1, 0)]
         # The window: the blocks from the first position some token reads from another slot (a chain
         # before the tree, such as a prompt, reads its own) to the last position.
         moved = (keys[r] != torch.arange(cache_positions)).any(0).nonzero()
