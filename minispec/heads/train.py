@@ -56,11 +56,14 @@ PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.
 # Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
 # from memorising (SmolLM2 on 160 answers: 0.51 on the answers trained on, 0.13 on others).
 HELD_OUT = 20
+EPOCHS = 16  # SmolLM2-135M's held-out accuracy still rose at 16 (0.42 at 10, 0.46 at 16), slowly
 
 
 def default_prompts():
-    return [template.format(subject) for i, subject in enumerate(SUBJECTS)
-            for template in TEMPLATES[i % 3::3]]  # each subject under 4 of the templates
+    """Every subject under every template: 480 prompts, about 57k answer tokens from SmolLM2-135M. On 160
+    of them its head was right 0.51 of the time on its training answers and 0.13 on other prompts; on
+    all 480, 0.46 on held-out answers (docs/performance.md, "Draft heads")."""
+    return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
 
 
 def progress(done, total, started, what):
@@ -279,7 +282,7 @@ def new_head(kind, target, heads, draft_vocab=None):
     return module, hf
 
 
-def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128, lr=None, heads=4,
+def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=16, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
     draft_vocab: an EAGLE head's q covers the target's that many most said tokens (0: all of them)."""
@@ -300,7 +303,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=4, max_new_tokens=128,
     records = record(target, sequences)
     reduced = kind == "eagle" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=lr or 1e-3, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
     loss_of = eagle_loss if kind == "eagle" else medusa_loss
     longest = max(len(s) for s, _ in sequences) + 32
