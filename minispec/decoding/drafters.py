@@ -201,11 +201,10 @@ def catch_up_all(model, drafters, waiting):
             drafter.unseen = drafter.unseen_states = None
 
 
-def draft_chains(model, drafters, asks):
-    """Algorithm 1's guesses for rows asking for chains, asks (drafter, k, sampling, generator,
-    keep_guessing): {id(drafter): (drafts, q, None)}, each guess drawn from q, fed for the next."""
+def draft_chains(model, drafters, going):
+    """Algorithm 1's guesses for rows asking for chains, going: (drafter, k, sampling, generator,
+    keep_guessing) each; {id(drafter): (drafts, q, None)}, each guess drawn from q, fed for the next."""
     heads = drafters[0].reads_states
-    going = asks
     drafts, qs = {id(ask[0]): [] for ask in going}, {id(ask[0]): [] for ask in going}
     while going:
         still = []
