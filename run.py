@@ -22,11 +22,14 @@ from minispec.loading.tokenizer import IncrementalDecoder
 # the target's own tokens blue.
 COLOURS = {"accepted": "\033[32m", "rejected": "\033[31;9m", "corrected": "\033[34m", "target": "\033[34m"}
 RESET = "\033[0m"
+# A token tree's rejected candidates shown at a step, as alternatives a|b|c: more would bury the output.
+SHOWN_CANDIDATES = 3
 
 SHOW_HELP = (
     "print the output coloured like Figure 1 of the paper: accepted draft tokens green, rejected drafts "
-    "red and struck through, the target's tokens blue. When stdout is not a terminal the text is plain "
-    "and each rejected draft appears as [~text~] before the token that replaced it."
+    "red and struck through, the target's tokens blue; with --tree, the candidates rejected where the "
+    "accepted path ends, as a|b|c. When stdout is not a terminal the text is plain and each rejected draft "
+    "appears as [~text~] (a tree's as [~a|b|c~]) before the token that replaced it."
 )
 
 
@@ -73,7 +76,7 @@ def parse_args(argv=None):
                              "step, 0 to 8, from the pair's costs measured on this machine and its acceptance rate")
     parser.add_argument("--tree", type=int, metavar="N",
                         help="verify a token tree of up to N guesses per target call instead of a chain "
-                             "(--draft lookup, a model, int8/int4 or a head folder; not ngram)")
+                             "(any --draft: ngram, lookup, a model, int8/int4 or a head folder)")
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -120,11 +123,18 @@ def segment_pieces(segments, text):
     IncrementalDecoder, or TokenIds) decodes the output as it grows, so a character split between
     segments comes out whole; rejected guesses are decoded on their own, since they are not part of
     the output."""
-    return [(text.decode(ids) if kind == "rejected" else text.push(ids), kind) for ids, kind in segments]
+    return [(rejected_text(ids, text) if kind == "rejected" else text.push(ids), kind) for ids, kind in segments]
+
+
+def rejected_text(ids, text):
+    """A step's rejected candidates (Generation.trace: alternatives, a chain's one guess or a tree's
+    several), each decoded alone, as a|b|c, and a|b|c|… past SHOWN_CANDIDATES."""
+    shown = [text.decode([token]) for token in ids[:SHOWN_CANDIDATES]]
+    return "|".join(shown + ["…"] * (len(ids) > SHOWN_CANDIDATES))
 
 
 def render_pieces(pieces, colour):
-    """Pieces coloured like Figure 1, or, without colour, each rejected guess as [~text~]."""
+    """Pieces coloured like Figure 1, or, without colour, each step's rejected guesses as [~text~]."""
     out = []
     for piece, kind in pieces:
         if colour:

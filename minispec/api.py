@@ -27,6 +27,8 @@ class Generation:
     stats: dict
     # (token ids, kind) in generation order, kind one of "target" (sampled by the target),
     # "accepted" / "rejected" (draft tokens) or "corrected" (the target's replacement of a rejection).
+    # A "rejected" entry holds alternatives, not a sequence: a chain's rejected guess, or a token tree's
+    # every candidate rejected where its walk stopped (the children of its accepted path's last node).
     trace: list = field(default_factory=list)
     # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
     sequences: list = field(default_factory=list)
@@ -136,9 +138,9 @@ class Settings:
         if not (is_integer(self.tree) and 1 <= self.tree <= TREE_MAX):
             raise ValueError(f"tree (the most guesses a step's token tree holds) must be None or an integer in "
                              f"[1, {TREE_MAX}], got {self.tree!r}")
-        if not self.drafting or (isinstance(self.draft, str) and self.draft == "ngram"):
-            raise ValueError(f"token trees are drafted by 'lookup', a draft model, 'int8' / 'int4' or a draft head, "
-                             f"not {self.draft!r}")
+        if not self.drafting:
+            raise ValueError(f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / 'int4' or a "
+                             f"draft head), not {self.draft!r}")
         if self.lenience != 1 or self.searching:
             raise ValueError("token trees are verified exactly (lenience=1), without beams")
 
@@ -356,8 +358,9 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
-    chain (minispec.decoding.tree); drafted by "lookup", draft models, "int8" / "int4" and draft heads
-    (the continuations they find most probable, grown as EAGLE-2 grows its tree), not by "ngram".
+    chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "ngram" (the
+    most counted successors), draft models, "int8" / "int4" and draft heads (the continuations they
+    find most probable, grown as EAGLE-2 grows its tree).
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
     alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after

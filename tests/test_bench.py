@@ -276,6 +276,30 @@ def test_drafters_side_by_side(dirs, tmp_path, capsys):
                      r"[\d.]+ \|$", table, re.M)
 
 
+def test_drafters_with_a_tree_beside_their_chains(dirs, tmp_path, capsys):
+    """--tree N: each drafter runs as a chain and with trees, in the same rounds, two rows: the tree's
+    nodes per target call, and its tokens per call and speed over its chain's (the speedup column over
+    plain decoding for both). Greedy output is plain's either way; the target's own weights as the draft
+    accept their whole chain, which a tree's spine is: the same tokens per call."""
+    drafts = ["lookup", "ngram", dirs["gpt2"]]
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", *drafts, "--gamma", "3",
+                              "--tree", "8", "--repeats", "1", *PROMPT_FLAGS)
+    rows = result["rows"]
+    assert [(row["draft"], row["tree"]) for row in rows] == [(d, tree) for d in drafts for tree in (None, 8)]
+    for chain, tree in zip(rows[::2], rows[1::2]):
+        assert chain["identical_to_plain"] is True and tree["identical_to_plain"] is True
+        assert chain["tree_nodes_per_call"] is None and "speed_vs_chain" not in chain
+        assert 0 < tree["tree_nodes_per_call"] <= 8
+        assert tree["tokens_per_target_call_vs_chain"] == pytest.approx(
+            tree["tokens_per_target_call"] / chain["tokens_per_target_call"])
+        assert tree["speed_vs_chain"] == pytest.approx(tree["speedup"] / chain["speedup"])
+    assert rows[-1]["tokens_per_target_call_vs_chain"] == 1.0 and rows[-1]["tokens_per_target_call"] > 3
+    assert "| tree nodes/call | tok/call vs chain | speed vs chain |" in table
+    cells = r"( \| ([\d.]+x?|-|yes)){11}"  # tok/s to guess cost
+    assert re.search(rf"^\| `ngram`{cells} \| - \| - \| - \|$", table, re.M)
+    assert re.search(rf"^\| `ngram` tree{cells} \| [\d.]+ \| [\d.]+x \| [\d.]+x \|$", table, re.M)
+
+
 def test_draft_bytes_per_step_for_a_model_draft(dirs, tmp_path, capsys):
     """The target's own int8 copy as the draft: its bytes per step are its own (int8 weights, fewer than
     the float32 target's), and a model-free drafter has none."""

@@ -122,6 +122,30 @@ def test_render_trace_colours():
     assert run.render_trace(trace, run.TokenIds(","), colour=False) == "1,2,3[~4~],5"
 
 
+def test_render_trace_shows_a_trees_rejected_candidates():
+    """A token tree's step: the accepted path, then every candidate rejected where it ends, as
+    alternatives a|b (at most SHOWN_CANDIDATES, then …), then the target's token."""
+    trace = [([3], "accepted"), ([4, 6], "rejected"), ([5], "corrected"), ([7, 8, 9, 10], "rejected"),
+             ([11], "corrected")]
+    assert run.render_trace(trace, run.TokenIds(" "), colour=False) == "3[~4|6~] 5[~7|8|9|…~] 11"
+    coloured = run.render_trace(trace[:3], run.TokenIds(" "), colour=True)
+    assert coloured == "\033[32m3\033[0m" "\033[31;9m4|6\033[0m" "\033[34m 5\033[0m"
+
+
+def test_show_under_a_tree_prints_the_rejected_candidates(gpt2_dir, capsys):
+    """run.py --show --tree on the tiny GPT-2 with ngram trees: the whole output, fixed (greedy, fixed
+    weights). Where a step's accepted path ends, every successor the tree offered there is shown
+    rejected: after a token never followed yet, the most counted of all (5|17|8|…); after the accepted
+    27, the two tokens seen after 27 (17|27). Without them, the output is plain greedy decoding's."""
+    flags = ["--target", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu"]
+    assert run.main([*flags, "--draft", "ngram", "--gamma", "3", "--tree", "8", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert out == ("[~33~]42[~5|17|8|…~] 73[~5|17|8|…~] 84[~5|17|8|…~] 27 27 17[~33|42~] 64[~17|5|27|…~] "
+                   "64[~64~] 84 27[~17|27~] 84 43\n")
+    plain = run_json(capsys, *flags)["tokens"]
+    assert [int(x) for x in re.sub(r"\[~.*?~\]", " ", out).split()] == plain
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),

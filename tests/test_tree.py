@@ -147,7 +147,7 @@ def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, mon
 
 # --- decoding with trees (decoding/tree.py, the engine) ---------------------------------------------
 
-from minispec.decoding.drafters import LookupDrafter  # noqa: E402
+from minispec.decoding.drafters import LookupDrafter, NgramDrafter  # noqa: E402
 from minispec.decoding.tree import add_path, walk  # noqa: E402
 
 # Prompts whose suffix occurred before with different continuations: lookup's tree has branches.
@@ -161,9 +161,9 @@ def test_walk_follows_the_targets_choices_down_the_tree():
         add_path(tokens, parents, continuation, budget=16)
     assert (tokens, parents) == ([1, 2, 3, 4, 5, 6], [-1, 0, 1, 0, -1, 4])
     # choices[0] at the root, choices[1 + j] at node j
-    assert walk(tokens, parents, [1, 4, 0, 0, 9, 0, 0]) == ([0, 3], 9, None)  # 1, then 4, then its own 9
-    assert walk(tokens, parents, [1, 2, 7, 0, 0, 0, 0]) == ([0, 1], 7, 3)  # 1, 2; 3 rejected for 7
-    assert walk(tokens, parents, [8, 0, 0, 0, 0, 0, 0]) == ([], 8, 1)
+    assert walk(tokens, parents, [1, 4, 0, 0, 9, 0, 0]) == ([0, 3], 9, [])  # 1, then 4, then its own 9
+    assert walk(tokens, parents, [1, 2, 7, 0, 0, 0, 0]) == ([0, 1], 7, [3])  # 1, 2; 3 rejected for 7
+    assert walk(tokens, parents, [8, 0, 0, 0, 0, 0, 0]) == ([], 8, [1, 5])  # both of the root's children rejected
     add_path(tokens, parents, [7, 8, 9], budget=7)  # the budget cuts a new path short
     assert tokens[-1] == 7 and len(tokens) == 7
 
@@ -180,20 +180,38 @@ def test_lookup_offers_every_earlier_continuation_its_chain_first():
     assert paths == {(7, 11, 5), (9, 10, 5), (7, 8, 5)}
 
 
+def test_ngram_tree_is_greedys_chain_then_the_most_probable_continuations():
+    """After 7 came 8 twice and 9 once; after 8, 7 twice and 8 once; after 9, 7. Three deep and five
+    nodes: greedy's chain 8 7 8 first (its last node at 2/3 * 2/3 * 2/3 = 8/27, below 9's 1/3), then the
+    most probable others, 9 (1/3) and below it 9 7 (1/3 * 1), which outranks 8 8 (2/3 * 1/3) nearer
+    the root: most probable first, not depth by depth."""
+    drafter = NgramDrafter(100, "cpu")
+    drafter.start(torch.tensor([7, 8, 7, 9, 7, 8, 8, 7]))
+    tokens, q, parents = drafter.propose_tree(3, 5)
+    assert drafter.greedy_continuation(3)[0] == [8, 7, 8] and q is None
+    assert (tokens.tolist(), parents) == ([8, 7, 8, 9, 7], [-1, 0, 1, -1, 3])
+    tokens, _, parents = drafter.propose_tree(1, 4)  # one deep: the root's successors, most counted first
+    assert (tokens.tolist(), parents) == ([8, 9], [-1, -1])
+    tokens, _, parents = drafter.propose_tree(3, 2)  # room for the chain's first two guesses only: a chain
+    assert tokens.tolist() == [8, 7] and parents is None
+
+
+@pytest.mark.parametrize("draft", ["lookup", "ngram"])
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_greedy_tree_decoding_equals_plain_greedy(reference_dirs, kind):
+def test_greedy_tree_decoding_equals_plain_greedy(reference_dirs, kind, draft):
     """Alone and batched, several budgets: plain greedy's tokens; more tokens per call than the chain."""
     target = minispec.load(reference_dirs[kind][1])
     settings = {"max_new_tokens": 24, "ignore_eos": True}
     plain = [minispec.generate(target, prompt, **settings).tokens for prompt in BRANCHING]
-    chain = minispec.generate(target, BRANCHING, draft="lookup", gamma=3, **settings)
+    chain = minispec.generate(target, BRANCHING, draft=draft, gamma=3, **settings)
     for tree in (2, 8, 64):
-        alone = [minispec.generate(target, prompt, draft="lookup", gamma=3, tree=tree, **settings)
+        alone = [minispec.generate(target, prompt, draft=draft, gamma=3, tree=tree, **settings)
                  for prompt in BRANCHING]
         assert [out.tokens for out in alone] == plain, tree
-        together = minispec.generate(target, BRANCHING, draft="lookup", gamma=3, tree=tree, batch_size=3, **settings)
+        together = minispec.generate(target, BRANCHING, draft=draft, gamma=3, tree=tree, batch_size=3, **settings)
         assert [out.tokens for out in together] == plain, tree
         assert [out.stats["target_calls"] for out in together] == [out.stats["target_calls"] for out in alone]
+    assert sum(out.stats.get("tree_nodes", 0) for out in alone) > 0  # trees of 64 were verified
     calls = sum(out.stats["target_calls"] for out in alone)
     assert calls <= sum(out.stats["target_calls"] for out in chain)
 
@@ -207,7 +225,7 @@ def test_the_tree_is_verified_in_one_forward_and_counted(reference_dirs):
 
 @pytest.mark.parametrize("settings, message", [
     ({"tree": 0}, "tree"), ({"tree": 65}, "tree"), ({"tree": "4"}, "tree"),
-    ({"tree": 4, "draft": "ngram"}, "lookup"), ({"tree": 4, "temperature": 1.0, "lenience": 0.5}, "exactly"),
+    ({"tree": 4, "draft": "none"}, "need a drafter"), ({"tree": 4, "temperature": 1.0, "lenience": 0.5}, "exactly"),
     ({"tree": 4, "beams": 2}, "beams"),
 ])
 def test_bad_tree_settings_are_refused(reference_dirs, settings, message):
@@ -397,7 +415,34 @@ def test_sampled_draft_trees_have_the_targets_joint_distribution(vocab16):  # no
     assert [out.tokens for out in minispec.generate(target, prompts, **longer)] == alone
 
 
-@pytest.mark.parametrize("draft", ["model", "int8"])
+def test_sampled_ngram_trees_have_the_targets_joint_distribution(vocab16):  # noqa: F811 (the fixture)
+    """ngram's trees (fixed candidates, tree.sample_walk) against the target's exact joint of three
+    tokens, as the draft models' test above (chi-square at significance 0.001, seeds 0-3999, and a
+    total-variation bound): after 8 came 15 and then 12, so the tree offers 12 then 15 at the root (the
+    counts tie: the smaller id first), both in the target's top 3 there, and a node below each;
+    first guesses rejected, rejections after acceptances and whole paths accepted all happen often.
+    Batched rows draw what they draw alone."""
+    target = vocab16["target"]
+    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [6, 8, 15, 6, 8, 12, 6, 8], 4000
+    settings = {"draft": "ngram", "gamma": 2, "tree": 4, "max_new_tokens": 3, "ignore_eos": True, **sampling}
+    joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=3)
+    counts, outcomes, trees = Counter(), Counter(), 0
+    for seed in range(draws):
+        out = minispec.generate(target, prompt, seed=seed, **settings)
+        counts[tuple(out.tokens)] += 1
+        outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)
+        trees += out.stats.get("tree_nodes", 0) > 0
+    print(f"{dict(outcomes)}, {trees} requests verified a tree")
+    for outcome in ("first rejected", "rejected after accepted", "all accepted"):
+        assert outcomes[outcome] >= draws // 20, f"{outcome}: {outcomes[outcome]} of {draws} requests"
+    assert trees >= draws // 2
+    assert_sampled_from(counts, joint, draws)
+    prompts, longer = [prompt, [4, 5, 4, 6, 4], [6, 7, 8, 9]], {**settings, "max_new_tokens": 12, "seed": 5}
+    alone = [minispec.generate(target, p, **longer).tokens for p in prompts]
+    assert [out.tokens for out in minispec.generate(target, prompts, **longer)] == alone
+
+
+@pytest.mark.parametrize("draft", ["model", "int8", "ngram"])
 def test_run_py_verifies_draft_model_trees(reference_dirs, noisy_gqa, draft):
     """run.py --tree N with --draft DIR or int8: plain greedy's tokens, trees verified."""
     import contextlib

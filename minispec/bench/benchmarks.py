@@ -51,10 +51,11 @@ def speculative_summary(stats):
     }
 
 
-def minispec_runner(target, draft, gamma, args, prefill_clock):
-    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate."""
+def minispec_runner(target, draft, gamma, args, prefill_clock, tree=None):
+    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate, verifying
+    token trees of up to `tree` guesses when there is a draft and a tree."""
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, ignore_eos=args.ignore_eos, tree=args.tree if draft else None)
+                    top_p=args.top_p, ignore_eos=args.ignore_eos, tree=tree if draft else None)
 
     def run_one(request):
         prompt, seed = request
@@ -72,7 +73,8 @@ def benchmark(args):
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     target.decode_rows = prefill_clock = PrefillClock(target)
     runners = {("minispec", None): minispec_runner(target, None, 1, args, prefill_clock)}
-    runners.update({("minispec", g): minispec_runner(target, draft, g, args, prefill_clock) for g in args.gamma})
+    runners.update({("minispec", g): minispec_runner(target, draft, g, args, prefill_clock, args.tree)
+                    for g in args.gamma})
     if args.compare_reference:
         runners.update(reference_runners(args, device, target.dtype))
     requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]

@@ -1,10 +1,12 @@
 """Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter
-(the first --gamma, --tree if given), in interleaved rounds, so that drift hits all alike. Per drafter:
-the speedup over plain decoding, whether greedy output is plain's, tokens per target call, acceptance
-by guess position (how far into a step guesses survive: what a draft head is judged by) and a guess's
-cost as a fraction of a target step.
+(the first --gamma), in interleaved rounds, so that drift hits all alike. Per drafter: the speedup over
+plain decoding, whether greedy output is plain's, tokens per target call, acceptance by guess position
+(how far into a step guesses survive: what a draft head is judged by) and a guess's cost as a fraction
+of a target step. With --tree N each drafter also runs with token trees of up to N guesses, in the
+same rounds, a row of its own beside its chain's: tree nodes per call, and its tokens per target call
+and speed over its chain's (its speedup column is over plain decoding, as the chain's).
 
-    python -m minispec.bench --target smollm2-135m-instruct --draft lookup ngram int8 ./head --chat
+    python -m minispec.bench --target smollm2-135m-instruct --draft lookup ngram int8 ./head --chat [--tree 16]
 """
 
 import torch
@@ -26,7 +28,10 @@ def drafters_benchmark(args):
     target.decode_rows = clock = PrefillClock(target)
     gamma = args.gamma[0]
     runners = {"plain": minispec_runner(target, None, 1, args, clock)}
-    runners.update({name: minispec_runner(target, draft, gamma, args, clock) for name, draft in drafts.items()})
+    for name, draft in drafts.items():
+        runners[name] = minispec_runner(target, draft, gamma, args, clock)
+        if args.tree and draft is not None:  # "none" decodes plainly: it has no tree
+            runners[name, "tree"] = minispec_runner(target, draft, gamma, args, clock, args.tree)
     requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
     timed = time_generation(runners, requests, args.repeats, target.device)
     plain = timed["plain"]
@@ -34,27 +39,45 @@ def drafters_benchmark(args):
     generated = plain["outputs"][0][:len(plain["outputs"][0]) // 2]
     rows = []
     for name, draft in drafts.items():
-        spec, stats = timed[name], timed[name]["stats"]
-        verified_at = [sum(column) for column in zip(*(s["verified_at"] for s in stats))]
-        accepted_at = [sum(column) for column in zip(*(s["accepted_at"] for s in stats))]
-        calls = sum(s["target_calls"] for s in stats)
-        rows.append({
-            "draft": name, "tokens_per_second": spec["tokens_per_second"],
-            "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
-            "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
-            "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / calls,
-            "mean_guesses": sum(s["proposed"] for s in stats) / calls,
-            "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),
-            "acceptance_by_position": [a / v if v else None for a, v in zip(accepted_at, verified_at)],
-            "guess_cost": guess_cost(target, draft, prefix, generated, args),
-            "outputs": spec["outputs"],
-        })
+        cost = guess_cost(target, draft, prefix, generated, args)
+        chain = drafter_row(name, None, timed[name], plain, cost, args)
+        rows.append(chain)
+        if (name, "tree") in timed:
+            rows.append(against_chain(drafter_row(name, args.tree, timed[name, "tree"], plain, cost, args), chain))
     settings = {key: getattr(args, key) for key in ("target", "draft", "gamma", "tree", "max_new_tokens", "temperature",
                                                     "top_k", "top_p", "repeats", "chat", "quantize")}
     result = {"settings": {**settings, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
                            "prompts": len(prompts)},
               "plain_tokens_per_second": plain["tokens_per_second"], "rows": rows}
     return result, drafters_table(result)
+
+
+def drafter_row(name, tree, spec, plain, cost, args):
+    """One drafter's row, as a chain (tree None) or with trees of up to `tree` guesses: `spec` is its
+    time_generation entry, `plain` plain decoding's, `cost` its guess_cost."""
+    stats = spec["stats"]
+    verified_at = [sum(column) for column in zip(*(s["verified_at"] for s in stats))]
+    accepted_at = [sum(column) for column in zip(*(s["accepted_at"] for s in stats))]
+    calls = sum(s["target_calls"] for s in stats)
+    return {
+        "draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
+        "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
+        "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
+        "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / calls,
+        "mean_guesses": sum(s["proposed"] for s in stats) / calls,
+        # a step whose tree came out a chain is verified as one, and counts no nodes
+        "tree_nodes_per_call": sum(s.get("tree_nodes", 0) for s in stats) / calls if tree else None,
+        "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),
+        "acceptance_by_position": [a / v if v else None for a, v in zip(accepted_at, verified_at)],
+        "guess_cost": cost,
+        "outputs": spec["outputs"],
+    }
+
+
+def against_chain(row, chain):
+    """A tree's row with its tokens per target call and its speed over its chain's row."""
+    return {**row, "tokens_per_target_call_vs_chain": row["tokens_per_target_call"] / chain["tokens_per_target_call"],
+            "speed_vs_chain": row["tokens_per_second"] / chain["tokens_per_second"]}
 
 
 def guess_cost(target, draft, prefix, generated, args):
@@ -77,16 +100,30 @@ def drafters_table(result):
              f"plain decoding {result['plain_tokens_per_second']:.1f} tokens/s", ""]
     header = ["draft", "tok/s", "speedup", "same as plain", "tok/call", "guesses/call", "accept",
               *(f"accept @{i + 1}" for i in range(POSITIONS)), "guess cost"]
+    header += ["tree nodes/call", "tok/call vs chain", "speed vs chain"] if s["tree"] else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rows"]:
         by_position = r["acceptance_by_position"] + [None] * POSITIONS
         same = "-" if r["identical_to_plain"] is None else "yes" if r["identical_to_plain"] else "NO"
-        cells = [f"`{r['draft']}`", f"{r['tokens_per_second']:.1f}", f"{r['speedup']:.2f}x", same,
-                 f"{r['tokens_per_target_call']:.2f}", f"{r['mean_guesses']:.2f}", f"{r['acceptance_rate']:.2f}",
+        cells = [f"`{r['draft']}`" + (" tree" if r["tree"] else ""), f"{r['tokens_per_second']:.1f}",
+                 f"{r['speedup']:.2f}x", same, f"{r['tokens_per_target_call']:.2f}", f"{r['mean_guesses']:.2f}",
+                 f"{r['acceptance_rate']:.2f}",
                  *("-" if rate is None else f"{rate:.2f}" for rate in by_position[:POSITIONS]),
                  f"{r['guess_cost']:.3f}"]
+        if s["tree"]:
+            cells += tree_cells(r)
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "guess cost: one guess's seconds over a 1-token target step's (a draft model's or head's "
               "forward; lookup's and ngram's proposal)"]
+    if s["tree"]:
+        lines += ["", "a tree row: its steps' guesses/call and acceptance count the accepted path and the first "
+                  "rejected child; vs chain: over the chain row above it, same drafter and gamma"]
     return "\n".join(lines)
 
+
+def tree_cells(row):
+    """A row's tree columns: nodes per target call, tokens per target call and speed over its chain's."""
+    if not row["tree"]:
+        return ["-", "-", "-"]
+    return [f"{row['tree_nodes_per_call']:.2f}", f"{row['tokens_per_target_call_vs_chain']:.2f}x",
+            f"{row['speed_vs_chain']:.2f}x"]

@@ -30,6 +30,7 @@ it, and the sampled path builds it only when it needs it.
 import sys
 import weakref
 from collections import Counter, defaultdict
+from functools import cache
 from itertools import islice
 
 import torch
@@ -38,7 +39,7 @@ from ..models.base import CachedLM
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
-from .tree import Growth, add_path, best_children, tree_or_chain
+from .tree import Growth, add_path, best_children, best_first, tree_or_chain
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
@@ -351,7 +352,8 @@ class NgramDrafter:
     """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
     far, falling back to unigram counts for an unseen previous token. q = normalized counts. It lives
     on the host (each guess picks the next row of counts), so it samples there with a generator of its
-    own, seeded once per request from the caller's, and hands the device its guesses in one copy."""
+    own, seeded once per request from the caller's, and hands the device its guesses in one copy.
+    With a token tree (tree.py) it offers each node's most counted successors at once."""
 
     name, model = "ngram", None
     encoder_calls, reads_states = 0, False
@@ -394,6 +396,23 @@ class NgramDrafter:
             guesses.append(previous)
             shares.append(counts[previous] / counts.total())
         return guesses, shares
+
+    def ranked_successors(self, token):
+        """The tokens counted after `token` and their shares of its counts, most counted first (ties:
+        the smallest id, as greedy_continuation picks)."""
+        counts = self.bigrams.get(token) or self.unigrams
+        total = counts.total()
+        return [(t, counts[t] / total) for t in sorted(counts, key=lambda t: (-counts[t], t))]
+
+    def propose_tree(self, k, budget, sampling=None):
+        """A tree of at most `budget` guesses, k deep (tree.best_first): greedy's chain, then the most
+        probable other continuations under the counts, each node's children its token's most counted
+        successors. The same for any sampling: the candidates are fixed, not drawn from q (verified as
+        such: tree.sample_walk), so no generator is used."""
+        self.count(self.context)
+        successors = cache(self.ranked_successors)  # ranked once per proposal: nodes often repeat a token
+        tokens, parents = best_first(self.context[-1], successors, k, budget)
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:

@@ -51,12 +51,13 @@ class Row:
         """γ for this step, as the policy chooses, never drafting past max_new_tokens."""
         return min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
 
-    def advance(self, n, guesses, t, accepted, overlap, timing, seen=None):
+    def advance(self, n, guesses, t, accepted, overlap, timing, seen=None, rejected=None):
         """Take a verified step: n of `guesses` accepted, then the target's token t (host ids;
         `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
         guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
         the step's forwards were shared with other rows; seen: for a draft head, the tokens the target
-        saw and kept and its hidden state at each. Returns whether the request has ended."""
+        saw and kept and its hidden state at each; rejected: the candidates the trace shows as rejected
+        (None: the chain's guess after the accepted ones). Returns whether the request has ended."""
         k = len(guesses)
         new_tokens, stopped = self.request.stop.cut(guesses[:n] + [t])
         if self.drafter:
@@ -65,7 +66,7 @@ class Row:
             self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds)
             if overlap is not None:  # only the positions up to a stop count
                 self.overlap += overlap[:len(new_tokens)].sum()
-        self.count(guesses, n, new_tokens)
+        self.count(guesses, n, new_tokens, guesses[n:n + 1] if rejected is None else rejected)
         if stopped:
             return True
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
@@ -83,20 +84,23 @@ class Row:
 
     def advance_tree(self, nodes, parents, path, t, rejected, timing, seen=None):
         """Take a verified tree step (tree.py): the accepted `path` of node indices, then the target's
-        token t; `rejected`: the first child of the path's last node, if any. The path's keys and values
-        become a chain after the root in the target's cache row; then it is a chain's step."""
+        token t; `rejected`: the tokens of the path's last node's children, all rejected. The path's keys
+        and values become a chain after the root in the target's cache row; then it is the step of a
+        chain whose guesses are the path and the first rejected child (what the statistics count),
+        whose trace shows every rejected child."""
         root = self.length - len(nodes) - 1  # the root's slot: the last token fed before the nodes
         self.request.target.keep(self.slot, [root + 1 + j for j in path], root + 1)
-        guesses = [nodes[j] for j in path] + ([] if rejected is None else [rejected])
+        guesses = [nodes[j] for j in path] + rejected[:1]
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
         accepted = torch.tensor(guesses[:len(path)] + [t], device=self.unseen.device)
-        return self.advance(len(path), guesses, t, accepted, None, timing, seen)
+        return self.advance(len(path), guesses, t, accepted, None, timing, seen, rejected)
 
-    def count(self, guesses, n, new_tokens):
+    def count(self, guesses, n, new_tokens, rejected):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's
-        Figure 1: accepted guesses, the rejected guess, then the target's own token ("corrected" after
-        a rejection, "target" after full acceptance or without guesses)."""
+        Figure 1: accepted guesses, the rejected candidates (a chain's one guess; a tree's children of
+        the node its walk stopped at, alternatives to each other), then the target's own token
+        ("corrected" after a rejection, "target" after full acceptance or without guesses)."""
         k, stats = len(guesses), self.stats
         if not stats["target_calls"]:
             stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
@@ -114,7 +118,7 @@ class Row:
                 stats["accepted_at"][i] += i < emitted
         segments = [(new_tokens[:n], "accepted")]
         if len(new_tokens) > n:  # the target's token was not cut off by a stop among the guesses
-            segments += [([guesses[n]], "rejected")] if n < k else []
+            segments += [(rejected, "rejected")] if n < k else []
             segments += [([new_tokens[n]], "corrected" if n < k else "target")]
         self.new_tokens, self.segments = new_tokens, [(ids, kind) for ids, kind in segments if ids]
         self.tokens += new_tokens

@@ -19,10 +19,13 @@ parents[j] (-1: from the root).
 Drafters with a distribution (draft models, EAGLE and Medusa heads) grow their trees as EAGLE-2 does
 (`Growth`): depth by depth, expanding the most probable new nodes, then keeping the drafter's own chain
 and the most probable other nodes. Their candidates are each node's most probable children,
-deterministic, so they are verified as fixed candidates too.
+deterministic, so they are verified as fixed candidates too. `ngram`, whose successors cost nothing to
+rank, grows the same kind of tree most probable node first (`best_first`).
 """
 
+import heapq
 import math
+from itertools import count
 
 import torch
 
@@ -47,14 +50,14 @@ def children_of(parents, at):
 def descend(nodes, parents, choose):
     """Walk down from the root: choose(row, children) returns the child to follow, or (None, the
     target's token there); row indexes the target's scores, 0 at the root, 1 + j at node j. Returns the
-    accepted path (node indices, root first), the target's token after it, and the first child of the
-    path's last node, which was rejected (None: it had none)."""
+    accepted path (node indices, root first), the target's token after it, and the tokens of the path's
+    last node's children, all rejected, in order (none: it was a leaf)."""
     path, at = [], -1
     while True:
         children = children_of(parents, at)
         follow, t = choose(1 + at, children)
         if follow is None:
-            return path, t, nodes[children[0]] if children else None
+            return path, t, [nodes[j] for j in children]
         path.append(follow)
         at = follow
 
@@ -68,12 +71,13 @@ def walk(nodes, parents, choices):
 
 def sample_walk(nodes, parents, p, generator):
     """Sampled verification of a tree whose children are fixed candidates, distinct at each node (not
-    drawn from a q: lookup's). At each node, p' starts as the target's p there (p [k + 1, vocab]: at
-    the root, then at each node); each child in turn is accepted with probability p'(child), else its
-    token is zeroed in p' (renormalized); when none is, t ~ p'. Each token thus comes out with
-    probability p exactly: candidate c_i with (1 - p(c_1) - ... - p(c_{i-1})) * p(c_i) / (1 - p(c_1) -
-    ... - p(c_{i-1})), any other with (1 - sum of the candidates' p) * p / (1 - that sum). Returns what
-    walk returns; draws come from `generator` in a fixed order (a row's as alone in a batch)."""
+    drawn from a q: lookup's, ngram's, a draft's most probable). At each node, p' starts as the target's
+    p there (p [k + 1, vocab]: at the root, then at each node); each child in turn is accepted with
+    probability p'(child), else its token is zeroed in p' (renormalized); when none is, t ~ p'. Each
+    token thus comes out with probability p exactly: candidate c_i with (1 - p(c_1) - ... - p(c_{i-1}))
+    * p(c_i) / (1 - p(c_1) - ... - p(c_{i-1})), any other with (1 - sum of the candidates' p) * p / (1 -
+    that sum). Returns what walk returns; draws come from `generator` in a fixed order (a row's as alone
+    in a batch)."""
     def choose(row, children):
         remaining = p[row].clone()  # p', unnormalized: its sum is the mass left
         for j in children:
@@ -98,6 +102,38 @@ def add_path(tokens, parents, continuation, budget):
             parents.append(at)
             child = len(tokens) - 1
         at = child
+
+
+def best_first(root, successors, depth, budget):
+    """A tree below token `root`, of at most `budget` nodes and `depth` deep, for a drafter that ranks
+    any token's successors for free: successors(token) lists (token, probability), most probable first.
+    First the spine, the root's first successor, that node's, and so on (the drafter's greedy chain: a
+    greedy tree accepts no less than the chain); then the other nodes, most probable first, a node's
+    probability being the product along its path. A node's children join in their rank order, the
+    tree in topological order. Returns tokens and parents (this module's form)."""
+    # per node; the root, -1, is at depth 0, with probability 1, on the spine
+    tokens, parents, depths, probabilities, on_spine = [], [], [], [], []
+    waiting, arrival = [], count()  # candidates: (off the spine, -probability, arrival, parent, rank)
+
+    def offer(parent, rank):
+        """The parent's rank-th successor becomes a candidate, if it has one and room below it."""
+        ranked = successors(root if parent < 0 else tokens[parent])
+        if rank < len(ranked) and (0 if parent < 0 else depths[parent]) < depth:
+            spine = rank == 0 and (parent < 0 or on_spine[parent])
+            probability = (1.0 if parent < 0 else probabilities[parent]) * ranked[rank][1]
+            heapq.heappush(waiting, (not spine, -probability, next(arrival), parent, rank))
+
+    offer(-1, 0)
+    while waiting and len(tokens) < budget:
+        off_spine, minus_probability, _, parent, rank = heapq.heappop(waiting)
+        tokens.append(successors(root if parent < 0 else tokens[parent])[rank][0])
+        parents.append(parent)
+        depths.append(1 + (0 if parent < 0 else depths[parent]))
+        probabilities.append(-minus_probability)
+        on_spine.append(not off_spine)
+        offer(parent, rank + 1)  # its next sibling, ranked after it
+        offer(len(tokens) - 1, 0)  # its first child
+    return tokens, parents
 
 
 def tree_or_chain(parents):

@@ -27,7 +27,8 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
     parser.add_argument("--tree", type=int, metavar="N",
-                        help="verify a token tree of up to N guesses per target call (--draft lookup, a model, int8/int4 or a head)")
+                        help="verify a token tree of up to N guesses per target call (any --draft: ngram, lookup, "
+                             "a model, int8/int4 or a head)")
     parser.add_argument("--batch-size", type=int, default=4, help="requests decoded together (cache rows); default 4")
     parser.add_argument("--max-model-len", type=int,
                         help="positions per request, prompt and completion together (default: the target's context, "
