@@ -20,6 +20,7 @@ from torch import nn
 from ..decoding.sampling import Sampling, adjust, sample
 from ..decoding.tree import Growth, best_children, tree_or_chain
 from ..models.base import Linear
+from ..models.kernels import elementwise
 from ..models.hf_config import COUNT, get
 
 
@@ -29,7 +30,7 @@ class ResBlock(nn.Module):
         self.linear = Linear(dim, dim)
 
     def forward(self, x):
-        return x + F.silu(self.linear(x))
+        return x + elementwise(F.silu, self.linear(x))
 
 
 class MedusaHeads(nn.Module):

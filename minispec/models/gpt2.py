@@ -1,13 +1,14 @@
 """GPT-2 (Radford et al. 2019): learned absolute positions, pre-LayerNorm blocks, GELU MLP, head tied to wte."""
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch.nn.functional as F
 from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear
 from .hf_config import COUNT, FLAG, POSITIVE, TEXT, get
-from .kernels import additive, attend_cache, causal_mask
+from .kernels import additive, attend_cache, causal_mask, elementwise
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
 GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -82,7 +83,7 @@ class MLP(nn.Module):
         self.approximate = GELU_APPROXIMATION[config.activation_function]
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+        return self.c_proj(elementwise(partial(F.gelu, approximate=self.approximate), self.c_fc(x)))
 
 
 class Block(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask
+from .kernels import additive, attend_cache, causal_mask, elementwise
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -217,7 +217,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(elementwise(F.silu, gate) * up)
 
 
 class TransformerBlock(nn.Module):

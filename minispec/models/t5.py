@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
 from .hf_config import COUNT, FLAG, INDEX, POSITIVE, TEXT, get
-from .kernels import attend, attend_cache, causal_mask
+from .kernels import attend, attend_cache, causal_mask, elementwise
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -197,8 +197,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         if self.gated:
-            return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
-        return self.wo(self.act(self.wi(x)))
+            return self.wo(elementwise(self.act, self.wi_0(x)) * self.wi_1(x))
+        return self.wo(elementwise(self.act, self.wi(x)))
 
 
 class EncoderLayer(nn.Module):
