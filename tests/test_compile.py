@@ -44,25 +44,34 @@ def test_compiled_decoding_matches_eager_and_never_recompiles(checkpoint):
 def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoint):
     """Quantized layers compile into the same full graphs (fullgraph=True: no graph break) and, after
     warm-up, never recompile: an int4 target decoding plain and sampled, and a float target drafting
-    with its int8 copy (compiled because the target is)."""
+    with its int8 copy (compiled because the target is); the int4 target with `lookup` gives its plain
+    greedy tokens. Compiled matches eager, but for minispec's own CPU kernel (models/native.py)
+    on the int4 target: it rounds its inputs to int8 in blocks scaled by each block's largest value, so
+    the last-bit differences of inductor's norms can move a whole block's rounding."""
     eager_int4 = minispec.load(checkpoint, quantize="int4")
     int4 = minispec.load(checkpoint, quantize="int4", compile=True)
     eager_target, target = minispec.load(checkpoint), minispec.load(checkpoint, compile=True)
     sampled = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+    greedy = {"max_new_tokens": 16, "ignore_eos": True}
     drafted = {"max_new_tokens": 16, "ignore_eos": True, "draft": "int8", "gamma": 3}
 
     def run(int4_model, target_model, prompt):
         return (minispec.generate(int4_model, prompt, **sampled).tokens,
+                minispec.generate(int4_model, prompt, **greedy).tokens,
                 minispec.generate(target_model, prompt, **drafted).tokens)
 
-    assert run(int4, target, PROMPT) == run(eager_int4, eager_target, PROMPT)  # warm-up: compiles
+    def same(compiled, eager):
+        return compiled == eager if not int4.head.native else compiled[2] == eager[2]
+
+    assert same(run(int4, target, PROMPT), run(eager_int4, eager_target, PROMPT))  # warm-up: compiles
     assert drafters.SELF_DRAFTS[target]["int8"].compiled_forward is not None
     graphs = counters["stats"]["unique_graphs"]
     longer = PROMPT + [3, 4, 30]
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = run(int4, target, longer)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert compiled == run(eager_int4, eager_target, longer)
+    assert same(compiled, run(eager_int4, eager_target, longer))
+    assert minispec.generate(int4, longer, draft="lookup", gamma=3, **greedy).tokens == compiled[1]
 
 
 class ReusedOutputs:

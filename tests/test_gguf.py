@@ -281,7 +281,8 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
     int8 with offsets) and whose layer 1 has an F32 up projection (gate and up then stay float):
     converted keeping its quantized tensors, every one dequantizes to the float conversion's tensor
     bit for bit, and the checkpoint loads as a quantized model whose logits are the float one's but for
-    the bfloat16 arithmetic of the kernels (2% of the largest; a gain-1 model, which that does not flip)."""
+    the kernels' arithmetic (a gain-1 model, which that does not flip): PyTorch's bfloat16 2% of the
+    largest, minispec's inputs rounded to int8 blocks 6% (tests/test_quant.py)."""
     reference = spread_init(make_reference("llama"), seed=0, gain=1.0)
     state = reference.state_dict()
     extra = {"blk.0.attn_v.weight": (quants.quantize(state["model.layers.0.self_attn.v_proj.weight"].numpy(), Q.Q8_0),
@@ -306,7 +307,7 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
     assert isinstance(model.layers[1].attention.wqkv, quant.Int4Linear)
     assert isinstance(model.layers[1].feed_forward.w13, torch.nn.Linear)
     ours, theirs = logits_of(model, PROMPT), logits_of(float_model, PROMPT)
-    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+    assert (ours - theirs).abs().max() <= (0.06 if model.head.native else 0.02) * theirs.abs().max()
 
     monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))  # a .gguf path with quantize=: kept
     quantized = load_model(path, quantize="int4")

@@ -24,7 +24,7 @@ from minispec.cli import load_target_and_draft
 from minispec.decoding import drafters
 from minispec.loading import builtin
 from minispec.loading.chat import chat_prompt
-from minispec.models import quant
+from minispec.models import native, quant
 from minispec.models.base import Embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -90,10 +90,19 @@ def test_kernel_is_exact_where_the_arithmetic_is(form, rows):
     assert torch.equal(module_for(parts)(x), expected)
 
 
+def input_rounding_bound(x, weight):
+    """How far minispec's CPU kernel may be from x @ weight.T: it rounds each input to int8 in blocks of
+    32 (half a step each: the block's largest |x| / 254) and is exact after that but for float32 sums."""
+    blocks = x.reshape(-1, K // 32, 32)
+    half_step = (blocks.abs().amax(-1, keepdim=True) / 254).expand_as(blocks).reshape(x.shape)
+    return half_step @ weight.abs().T
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_kernel_matches_dequantize_then_matmul(form):
-    """Random weights and inputs: the kernels compute in bfloat16 (inputs, scales, outputs rounded to 8
-    bits of mantissa, sums in float32), so the tolerance is 2^-7 of the output's largest magnitude."""
+    """Random weights and inputs. PyTorch's kernels compute in bfloat16 (inputs, scales, outputs rounded
+    to 8 bits of mantissa, sums in float32): within 2^-7 of the output's largest magnitude. minispec's
+    own (models/native.py, where it builds): within what rounding the inputs to int8 blocks may move."""
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(N, K, generator=generator), torch.randn(N, generator=generator)
     parts = stored(form, weight)
@@ -102,7 +111,11 @@ def test_kernel_matches_dequantize_then_matmul(form):
     expected = F.linear(x, quant.dequantize(parts), bias)
     out = layer(x)
     assert out.shape == expected.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out, expected, atol=2**-7 * expected.abs().max().item(), rtol=0)
+    scale = expected.abs().max().item()
+    if layer.native:
+        assert ((out - expected).abs() <= input_rounding_bound(x, quant.dequantize(parts)) + 1e-5 * scale).all()
+    else:
+        torch.testing.assert_close(out, expected, atol=2**-7 * scale, rtol=0)
     assert layer(x[:, :0]).shape == (2, 0, N)  # no rows: a prefill asked for no logits (logits_for=0)
 
 
@@ -179,16 +192,18 @@ def with_quantized_values(model, mode):
 @pytest.mark.parametrize("mode", quant.MODES)
 @pytest.mark.parametrize("kind", TINY_CONFIGS)
 def test_quantized_model_logits(gentle_dirs, kind, mode):
-    """Against the float model holding the same quantized values (what the kernels and bfloat16
-    activations add: at most 2% of the largest logit), and against the float model itself (what the
-    quantization adds: 5% for int8, 30% for int4, measured 2.6% and 19% at most)."""
+    """Against the float model holding the same quantized values (what the kernels add: bfloat16
+    activations at most 2% of the largest logit; minispec's CPU kernel, inputs rounded to int8 in
+    blocks of 32 as llama.cpp rounds them, at most 6%, measured 4.8% on these 2-layer models), and
+    against the float model itself (what the quantization adds: 5% for int8, 30% for int4, measured
+    2.6% and 19% at most)."""
     model = minispec.load(gentle_dirs[kind], quantize=mode)
     assert not any(isinstance(m, (nn.Linear, Embedding)) for m in model.modules())  # every layer quantized
     assert isinstance(model.head, (quant.Int8Linear, quant.Int8Embedding))
     quantized, float_model = logits(model), logits(minispec.load(gentle_dirs[kind]))
     same_values = logits(with_quantized_values(minispec.load(gentle_dirs[kind]), mode))
     scale = float_model.abs().max().item()
-    assert (quantized - same_values).abs().max() <= 0.02 * scale
+    assert (quantized - same_values).abs().max() <= (0.06 if model.head.native else 0.02) * scale
     assert (quantized - float_model).abs().max() <= {"int8": 0.05, "int4": 0.3}[mode] * scale
 
 
@@ -203,7 +218,8 @@ def test_int4_layers_the_kernel_cannot_take_are_int8(reference_dirs, capsys):
     llama = minispec.load(reference_dirs["llama"][1], quantize="int4", group_size=64)  # hidden size 32
     assert llama.quantization["notes"][0].startswith("kept int8 (in_features 32 is not a multiple of the group size 64")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert quant.int4_problem(40, 64, 32, cpu) == "out_features 40 is not a multiple of 16"
+    aten = quant.int4_problem(40, 64, 32, cpu)
+    assert aten is None if native.available() else aten == "out_features 40 is not a multiple of 16"
     assert quant.int4_problem(40, 64, 32, cuda) is None and quant.int4_problem(36, 64, 32, cuda) is not None
 
 
@@ -220,9 +236,10 @@ def test_bad_settings(reference_dirs):
 
 
 def test_decode_bytes_counts_quantized_bytes(tmp_path):
-    """What a decode step reads: int4 layers half a byte per weight and a bfloat16 scale and zero per
-    group of 32; int8 layers a byte per weight and a bfloat16 scale per row; the int8 head a byte per
-    weight and a bfloat16 scale per group of 32; the untied embedding one row of that; float32 norms."""
+    """What a decode step reads: int4 layers half a byte per weight and a scale and zero per group of
+    32; int8 layers a byte per weight and a scale per row; the int8 head a byte per weight and a scale
+    per group of 32; the untied embedding one row of that; float32 norms. Scales and zeros are
+    bfloat16 for PyTorch's kernels, float32 for minispec's own."""
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
     directory = save_reference(transformers.LlamaForCausalLM(config), tmp_path / "llama")
@@ -230,10 +247,12 @@ def test_decode_bytes_counts_quantized_bytes(tmp_path):
               if name.startswith("layers") and p.dim() == 2]
     weights, rows = sum(n * k for n, k in shapes), sum(n for n, _ in shapes)
     norms = (2 * 2 + 1) * 64 * 4
-    head = 96 * 64 + 96 * 2 * 2  # two groups of 32 per row
+    int4 = minispec.load(directory, quantize="int4")
+    scale = 4 if int4.head.native else 2  # bytes
+    head = 96 * 64 + 96 * 2 * scale  # two groups of 32 per row
     rest = head + head // 96 + norms
-    assert memory.decode_bytes(minispec.load(directory, quantize="int4"), 0) == weights // 2 + weights // 32 * 4 + rest
-    assert memory.decode_bytes(minispec.load(directory, quantize="int8"), 0) == weights + rows * 2 + rest
+    assert memory.decode_bytes(int4, 0) == weights // 2 + weights // 32 * 2 * scale + rest
+    assert memory.decode_bytes(minispec.load(directory, quantize="int8"), 0) == weights + rows * scale + rest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,28 +341,38 @@ def smollm2():
     return directory
 
 
+def teacher_forced_agreement(models, mode, prompt, answer):
+    """The fraction of the positions of float32's answer where `mode` picks float32's token."""
+    text = torch.tensor([prompt + answer])
+    picks = {}
+    for each in (None, mode):
+        with torch.inference_mode():
+            models[each].ensure_caches(1, text.shape[1])
+            picks[each] = models[each].prefill(text, logits_for=len(answer) + 1)[0, :-1].argmax(-1)
+    assert picks[None].tolist() == answer
+    return (picks[mode] == picks[None]).float().mean().item()
+
+
 def test_real_smollm2_int8_greedy_and_int4_teacher_forced(smollm2):
-    """int8's 64 greedy tokens are float32's; int4 picks float32's token at >= 90% of the positions of
-    float32's own answer (teacher-forced). On the story prompt int8 too departs, at token 17, where
-    float32's top two logits are 0.08 apart."""
+    """int8 with PyTorch's kernels (bfloat16 inputs): its 64 greedy tokens are float32's; with
+    minispec's (inputs rounded to int8 blocks, as llama.cpp does) it picks float32's token at >= 90%
+    of the positions of float32's answer, teacher-forced (measured 96.9%). int4 does that on the story
+    prompt (90.6% and 93.8%). On the story prompt int8 too departs, at token 17, where float32's top
+    two logits are 0.08 apart."""
     torch.set_num_threads(2)  # a real model: worth the threads (conftest sets 1 for tiny ones)
     try:
         models = {mode: minispec.load(smollm2, quantize=mode) for mode in (None, "int8", "int4")}
         tokenizer = models[None].tokenizer
         france = chat_prompt(tokenizer, "What is the capital of France?")
         expected = minispec.generate(models[None], france, max_new_tokens=64, ignore_eos=True).tokens
-        assert minispec.generate(models["int8"], france, max_new_tokens=64, ignore_eos=True).tokens == expected
+        if models["int8"].head.native:
+            assert teacher_forced_agreement(models, "int8", france, expected) >= 0.9
+        else:
+            assert minispec.generate(models["int8"], france, max_new_tokens=64, ignore_eos=True).tokens == expected
 
         story = chat_prompt(tokenizer, "Write a short story about a robot who learns to paint.")
         answer = minispec.generate(models[None], story, max_new_tokens=64, ignore_eos=True).tokens
-        text = torch.tensor([story + answer])
-        picks = {}
-        for mode in (None, "int4"):
-            with torch.inference_mode():
-                models[mode].ensure_caches(1, text.shape[1])
-                picks[mode] = models[mode].prefill(text, logits_for=len(answer) + 1)[0, :-1].argmax(-1)
-        assert picks[None].tolist() == answer
-        agreement = (picks["int4"] == picks[None]).float().mean().item()
+        agreement = teacher_forced_agreement(models, "int4", story, answer)
         assert agreement >= 0.9, f"int4 agrees with float32 at {agreement:.0%} of the positions"
     finally:
         torch.set_num_threads(1)

@@ -12,12 +12,15 @@ A quantized weight [out N, in K] has two forms:
         column 2i + 1 in the high one; `scales`, `offsets` [N, K / group]; w = q * scales + offsets.
 - packed, what the kernels read, built from the stored form on the device it runs on.
 
-Kernels, measured on a 2-core AVX2 CPU (docs/performance.md, "Quantized weights"): with bfloat16
-activations, aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu; with float32 ones both
-take slow paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a
-float32 matmul. So quantized layers compute in bfloat16 whatever the model's dtype: the input is cast
-to bfloat16 and the output back. On CUDA: int8 as gpt-fast does it (the weight converted inside the
-matmul, which torch.compile fuses), int4 with aten._weight_int4pack_mm.
+Kernels. On x86 CPUs, minispec's own (models/native.py, qlinear.cpp: the input quantized to int8 in
+blocks of 32 and integer dot products, as llama.cpp does; memory-bound for a decode step), built at
+first use; where it cannot be built, or for a shape it does not take, PyTorch's, measured on a 2-core
+AVX2 CPU (docs/performance.md, "Quantized weights"): with bfloat16 activations,
+aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow
+paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a float32
+matmul), so those layers compute in bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast
+does it (the weight converted inside the matmul, which torch.compile fuses), int4 with
+aten._weight_int4pack_mm.
 """
 
 from collections import defaultdict
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .base import Embedding
 from .kernels import linear
 
@@ -162,6 +166,8 @@ def int4_problem(out_features, in_features, group_size, device):
     """Why the int4 kernel cannot take a weight of this shape, or None."""
     if in_features % group_size:
         return f"in_features {in_features} is not a multiple of the group size {group_size}"
+    if device.type == "cpu" and native.takes(in_features, group_size):
+        return None  # minispec's own kernel takes any number of rows
     rows = 16 if device.type == "cpu" else 8
     if out_features % rows:
         return f"out_features {out_features} is not a multiple of {rows}"
@@ -182,6 +188,12 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = parts["qweight"].shape
         qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
         self.on_cpu = qweight.device.type == "cpu"
+        self.bias = bias
+        self.group = self.in_features // scales.shape[1]
+        self.native = self.on_cpu and native.takes(self.in_features, self.group)
+        if self.native:
+            self.pack_native(qweight, scales, offsets)
+            return
         if scales.shape[1] == 1 and offsets is None:
             weight, scales = qweight, scales.view(-1)
         else:  # [groups, N, group]: each group's columns contiguous, as _weight_int8pack_mm wants them
@@ -191,7 +203,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight.clone(memory_format=copy))
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
         self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
-        self.bias = bias
+
+    pack_native = native.register_packed
+
+    def native_forward(self, x):
+        rows = x.reshape(-1, self.in_features).float()
+        y = native.qlinear(rows.contiguous(), self.weight, self.scales, self.offsets, self.group)
+        y = y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def grouped_weight(self):
         """The dequantized [N, K] weight of the grouped form, in the compute dtype (the CUDA path)."""
@@ -201,6 +220,8 @@ class Int8Linear(nn.Module):
         return w.transpose(0, 1).reshape(self.out_features, self.in_features)
 
     def forward(self, x):
+        if self.native:
+            return self.native_forward(x)
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.weight.dim() == 2:  # one scale per output channel
             if self.on_cpu:
@@ -229,9 +250,14 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight_shape(parts)
         scales, offsets = parts["scales"].float(), parts["offsets"].float()
-        self.group_size = self.in_features // scales.shape[1]
+        self.group_size = self.group = self.in_features // scales.shape[1]
         q = unpack_int4(parts["qweight"])
         self.on_cpu = q.device.type == "cpu"
+        self.bias = bias
+        self.native = self.on_cpu and native.takes(self.in_features, self.group)
+        if self.native:
+            self.pack_native(q, scales, offsets)
+            return
         if self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         else:  # the CUDA packer takes even columns in the high nibble; 8 inner k-tiles where K allows
@@ -241,9 +267,13 @@ class Int4Linear(nn.Module):
         zeros = offsets + 8 * scales
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
-        self.bias = bias
+
+    pack_native = native.register_packed
+    native_forward = Int8Linear.native_forward
 
     def forward(self, x):
+        if self.native:
+            return self.native_forward(x)
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         # Not in row blocks on CUDA (kernels.in_row_blocks): this kernel gave each row its 1-row product
         # for 1 to 128 rows on an H100 unpadded, and 64 rows cost it 5 times what 1 row does.
@@ -263,6 +293,12 @@ class Int8Embedding(Int8Linear):
         self.output_dtype = dtype  # the model's: what a float embedding would return
 
     def forward(self, tokens):
+        if self.native:
+            q, scales, offsets = native.rows_of(tokens, self.weight, self.scales, self.offsets)
+            rows = q.float().unflatten(-1, (scales.shape[-1], -1)) * scales[..., None]
+            if offsets is not None:
+                rows = rows + offsets[..., None]
+            return rows.flatten(-2).to(self.output_dtype)
         if self.weight.dim() == 2:
             rows = self.weight[tokens].float() * self.scales[tokens].float()[..., None]
         else:  # weight [groups, vocab, group]: gather the tokens' rows of every group

@@ -1,0 +1,159 @@
+"""minispec's own CPU kernel for quantized linear layers (qlinear.cpp beside this file), compiled at
+first use with the machine's C++ compiler (the toolchain torch.compile needs on CPU too), for this
+machine's instruction set, and cached. Where it cannot be built (no compiler, no x86, a failed build,
+or MINISPEC_NATIVE=0), `available()` is False and models.quant keeps PyTorch's kernels.
+
+Why a kernel of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 kernel for CPUs converts
+every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
+released package ships faster ones for x86.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("minispec")
+
+SOURCE = Path(__file__).with_name("qlinear.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+BUILD_SECONDS = 600  # a hung compiler must not hang a load
+
+
+def cache_dir():
+    root = os.environ.get("MINISPEC_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                              os.path.expanduser("~/.cache"), "minispec")
+    return Path(root) / "kernels"
+
+
+def cpu_flags():
+    """What -march=native builds for: the kernel is cached per instruction set, not per file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def compiler():
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def build_command(cxx, out):
+    from torch.utils import cpp_extension
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", str(out),
+            *[f"-L{path}" for path in libs], *[f"-Wl,-rpath,{path}" for path in libs], "-lc10", "-ltorch_cpu"]
+
+
+def library_path(cxx):
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (
+        SOURCE.read_text(), torch.__version__, cxx, " ".join(FLAGS), cpu_flags()))).hexdigest()[:16]
+    return cache_dir() / f"qlinear-{key}.so"
+
+
+def build(cxx, path):
+    """Compile into a temporary file beside `path`, then rename it there: a build cut short never
+    leaves a library that a later load would take."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
+    os.close(fd)
+    try:
+        log.warning("minispec: building its CPU kernel for quantized layers (once per machine, ~%d s)", 40)
+        done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True, timeout=BUILD_SECONDS)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.cache
+def available():
+    """Load (building it first if needed) the kernel; False, with one logged line, where it cannot be."""
+    if os.environ.get("MINISPEC_NATIVE", "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False  # the kernel's fast path is AVX2; elsewhere PyTorch's kernels serve
+    cxx = compiler()
+    if cxx is None:
+        log.warning("minispec: no C++ compiler found: quantized layers use PyTorch's slower kernels")
+        return False
+    path = library_path(cxx)
+    try:
+        if not path.exists():
+            build(cxx, path)
+        load(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        log.warning("minispec: could not build its CPU kernel (%s): quantized layers use PyTorch's kernels", error)
+        return False
+    return True
+
+
+TILE = 4  # output columns the kernel computes together
+BLOCK = 32  # inputs per block
+
+
+@functools.cache
+def load(path):
+    torch.ops.load_library(path)
+    torch.library.register_fake("minispec_native::qlinear")(qlinear_shape)  # for torch.compile's tracing
+
+
+def pack(q, scales, offsets):
+    """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
+    [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 4 columns (zero weights);
+    per tile and block of 32 inputs, vectors k = 0..3 whose byte 4 * (4h + c) + j is column c's input
+    8k + 4h + j, int4 ones two to a byte (k = 0 and 2 in the low nibbles, 1 and 3 in the high ones);
+    scales and offsets [tiles, G, 4] float32. Returns (qweight, scales, offsets)."""
+    pad = -q.shape[0] % TILE
+    q = F.pad(q, (0, 0, 0, pad))
+    tiles, K = q.shape[0] // TILE, q.shape[1]
+    # [tile, c, block, k, h, j] -> [tile, block, k, h, c, j]
+    q = q.view(tiles, TILE, K // BLOCK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, K // BLOCK, 4, BLOCK)
+    if q.dtype == torch.uint8:
+        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)
+    return (q.contiguous(), *(None if t is None else
+                              F.pad(t.float(), (0, 0, 0, pad)).view(tiles, TILE, -1).transpose(1, 2).contiguous()
+                              for t in (scales, offsets)))
+
+
+def register_packed(module, q, scales, offsets):
+    """A quantized layer's buffers `weight`, `scales`, `offsets` in the kernel's layout."""
+    for name, tensor in zip(("weight", "scales", "offsets"), pack(q, scales, offsets)):
+        module.register_buffer(name, tensor)
+
+
+def takes(in_features, group):
+    """Whether the kernel takes a layer of this input width and group size, and is here to."""
+    return in_features % BLOCK == 0 and (group == 16 or group % BLOCK == 0) and available()
+
+
+def rows_of(tokens, qweight, scales, offsets):
+    """The int8 weight rows (output columns) `tokens` of a packed int8 weight, and their scales and
+    offsets: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
+    tiles, blocks = qweight.shape[:2]
+    tile, column = tokens // TILE, tokens % TILE
+    # [tile, block, k, h, c, j] at (tile, c) -> [..., block, k, h, j]: the inputs in order
+    q = qweight.view(tiles, blocks, 4, 2, TILE, 4)[tile, :, :, :, column].flatten(-4)
+    return q, scales[tile, :, column], None if offsets is None else offsets[tile, :, column]
+
+
+def qlinear(x, qweight, scales, offsets, group):
+    """x [M, K] float32 @ the packed weight's transpose -> [M, N padded to tiles] float32."""
+    return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, group)
+
+
+def qlinear_shape(x, qweight, scales, offsets, group):
+    return x.new_empty(x.shape[0], scales.shape[0] * TILE)

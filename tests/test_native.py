@@ -1,0 +1,111 @@
+"""minispec's own CPU kernel for quantized layers (minispec/models/native.py, qlinear.cpp): its
+arithmetic against a float64 re-computation of what it promises, every row as it would be alone,
+the packed layout's token lookup, and the fallback where it cannot be built."""
+
+import logging
+
+import pytest
+import torch
+
+from minispec.models import native, quant
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="minispec's CPU kernel cannot be built here")
+
+
+def promised(x, q, scales, offsets, group):
+    """What the kernel computes, in float64: each row of x rounded to int8 in blocks of 32 (the block's
+    largest |x| becomes 127) against q * scales, plus the exact x against the offsets."""
+    blocks = x.view(x.shape[0], -1, 32).double()
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view_as(x)
+    weight = q.double().view(q.shape[0], -1, group) * scales.double()[..., None]
+    y = rounded @ weight.view(q.shape[0], -1).T
+    if offsets is not None:
+        y += x.double() @ offsets.double().repeat_interleave(group, dim=1).T
+    return y
+
+
+def stored(form, n, k, generator):
+    weight = torch.randn(n, k, generator=generator)
+    if form.startswith("int4"):
+        parts = quant.quantize_int4(weight, int(form[6:]))
+        return quant.unpack_int4(parts["qweight"]), parts["scales"], parts["offsets"], int(form[6:])
+    group = {"int8 per channel": k, "int8 g32": 32, "int8 g16": 16, "int8 g16 offsets": 16}[form]
+    parts = quant.quantize_int8(weight, group)
+    offsets = torch.randn(n, k // group, generator=generator) if "offsets" in form else None
+    return parts["qweight"], parts["scales"].view(n, -1), offsets, group
+
+
+FORMS = ["int4 g32", "int4 g64", "int8 per channel", "int8 g32", "int8 g16", "int8 g16 offsets"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(70, 512), (8, 64), (3, 128)])  # out_features not a multiple of the tile
+def test_kernel_computes_what_it_promises(form, shape):
+    """Within float32 summation error (1e-6 of the largest output) of the float64 re-computation:
+    a lost block, a swapped nibble or a wrong scale is off by far more."""
+    generator = torch.Generator().manual_seed(len(form) + shape[0])
+    n, k = shape
+    q, scales, offsets, group = stored(form, n, k, generator)
+    x = torch.randn(7, k, generator=generator)
+    x[2, :32] = 0  # an all-zero block
+    y = native.qlinear(x, *native.pack(q, scales, offsets), group)[:, :n]
+    expected = promised(x, q, scales, offsets, group)
+    assert (y.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("form", FORMS)
+def test_every_row_computes_as_it_would_alone(form, threads):
+    """1 to 17 rows (a decode step, verifies, batches): each row's outputs bit for bit its 1-row ones."""
+    generator = torch.Generator().manual_seed(3)
+    q, scales, offsets, group = stored(form, 40, 256, generator)
+    packed = native.pack(q, scales, offsets)
+    x = torch.randn(17, 256, generator=generator)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([native.qlinear(x[i:i + 1], *packed, group) for i in range(len(x))])
+        for rows in range(2, len(x) + 1):
+            assert torch.equal(native.qlinear(x[:rows], *packed, group), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_token_rows_come_out_of_the_packed_layout():
+    """An int8 embedding kept in the kernel's layout looks its rows up from it, exactly."""
+    generator = torch.Generator().manual_seed(4)
+    q, scales, offsets, _ = stored("int8 g16 offsets", 42, 64, generator)
+    tokens = torch.tensor([[0, 41, 5], [7, 7, 40]])
+    rows, row_scales, row_offsets = native.rows_of(tokens, *native.pack(q, scales, offsets))
+    assert torch.equal(rows, q[tokens]) and torch.equal(row_scales, scales[tokens])
+    assert torch.equal(row_offsets, offsets[tokens])
+
+
+def test_without_a_compiler_pytorch_kernels_serve(monkeypatch, caplog):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="minispec"):
+            assert not native.available()
+            assert not native.takes(64, 32)
+        assert caplog.messages == ["minispec: no C++ compiler found: quantized layers use PyTorch's slower kernels"]
+        layer = quant.Int4Linear(quant.quantize_int4(torch.randn(16, 64), 32))
+        assert not layer.native and layer(torch.randn(2, 64)).shape == (2, 16)
+    finally:
+        native.available.cache_clear()
+
+
+def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path, caplog):
+    """A compiler that fails: one logged line naming its last error, and nothing in the cache that a
+    later load would take."""
+    monkeypatch.setenv("MINISPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "build_command", lambda cxx, out: ["sh", "-c", "echo 'error: no AVX2' >&2; exit 1"])
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="minispec"):
+            assert not native.available()
+        assert "could not build its CPU kernel (error: no AVX2)" in caplog.text
+        assert not list((tmp_path / "kernels").iterdir())
+    finally:
+        native.available.cache_clear()
