@@ -375,6 +375,30 @@ def test_greedy_with_other_families_draft_trees_is_plain_greedy(reference_dirs, 
     assert out.tokens == plain.tokens and out.stats["tree_nodes"] > 0
 
 
+def assert_sampled_trees(target, prompt, tree_settings, other_prompts, draws=4000):
+    """Sampled tree decoding (gamma 2, temperature 1, top-k 3) against the target's exact joint of three
+    tokens (chi-square at significance 0.001 over seeds 0 to draws - 1, and a total-variation bound);
+    first guesses rejected, rejections after acceptances and whole paths accepted each in >= 1/20 of
+    the requests, trees in half; batched rows (with other_prompts) draw what they draw alone."""
+    sampling = {"temperature": 1.0, "top_k": 3}
+    settings = {**tree_settings, "gamma": 2, "max_new_tokens": 3, "ignore_eos": True, **sampling}
+    joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=3)
+    counts, outcomes, trees = Counter(), Counter(), 0
+    for seed in range(draws):
+        out = minispec.generate(target, prompt, seed=seed, **settings)
+        counts[tuple(out.tokens)] += 1
+        outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)
+        trees += out.stats.get("tree_nodes", 0) > 0
+    print(f"{dict(outcomes)}, {trees} requests verified a tree")
+    for outcome in ("first rejected", "rejected after accepted", "all accepted"):
+        assert outcomes[outcome] >= draws // 20, f"{outcome}: {outcomes[outcome]} of {draws} requests"
+    assert trees >= draws // 2
+    assert_sampled_from(counts, joint, draws)
+    prompts, longer = [prompt, *other_prompts], {**settings, "max_new_tokens": 12, "seed": 5}
+    alone = [minispec.generate(target, p, **longer).tokens for p in prompts]
+    assert [out.tokens for out in minispec.generate(target, prompts, **longer)] == alone
+
+
 def test_a_tree_accepts_more_per_target_call_than_the_chain(reference_dirs, noisy_gqa):
     """The same depth (gamma 4), greedy, a good draft: the tree's other branches catch some of the
     chain's misses (deterministic: greedy, fixed models)."""
@@ -395,24 +419,7 @@ def test_sampled_draft_trees_have_the_targets_joint_distribution(vocab16):  # no
     others: its first guesses rejected, rejections after acceptances and whole paths accepted all
     happen often (fewer nodes: the root's 3 children, seldom a second depth). Batched rows draw what
     they draw alone."""
-    target, draft = vocab16["target"], vocab16["noisy"]
-    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 4000
-    settings = {"draft": draft, "gamma": 2, "tree": 5, "max_new_tokens": 3, "ignore_eos": True, **sampling}
-    joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=3)
-    counts, outcomes, trees = Counter(), Counter(), 0
-    for seed in range(draws):
-        out = minispec.generate(target, prompt, seed=seed, **settings)
-        counts[tuple(out.tokens)] += 1
-        outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)
-        trees += out.stats.get("tree_nodes", 0) > 0
-    print(f"{dict(outcomes)}, {trees} requests verified a tree")
-    for outcome in ("first rejected", "rejected after accepted", "all accepted"):
-        assert outcomes[outcome] >= draws // 20, f"{outcome}: {outcomes[outcome]} of {draws} requests"
-    assert trees >= draws // 2
-    assert_sampled_from(counts, joint, draws)
-    prompts, longer = [prompt, [4, 5], [6, 7, 8, 9]], {**settings, "max_new_tokens": 12, "seed": 5}
-    alone = [minispec.generate(target, p, **longer).tokens for p in prompts]
-    assert [out.tokens for out in minispec.generate(target, prompts, **longer)] == alone
+    assert_sampled_trees(vocab16["target"], [1, 2, 3], {"draft": vocab16["noisy"], "tree": 5}, [[4, 5], [6, 7, 8, 9]])
 
 
 def test_sampled_ngram_trees_have_the_targets_joint_distribution(vocab16):  # noqa: F811 (the fixture)
@@ -422,24 +429,8 @@ def test_sampled_ngram_trees_have_the_targets_joint_distribution(vocab16):  # no
     counts tie: the smaller id first), both in the target's top 3 there, and a node below each;
     first guesses rejected, rejections after acceptances and whole paths accepted all happen often.
     Batched rows draw what they draw alone."""
-    target = vocab16["target"]
-    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [6, 8, 15, 6, 8, 12, 6, 8], 4000
-    settings = {"draft": "ngram", "gamma": 2, "tree": 4, "max_new_tokens": 3, "ignore_eos": True, **sampling}
-    joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=3)
-    counts, outcomes, trees = Counter(), Counter(), 0
-    for seed in range(draws):
-        out = minispec.generate(target, prompt, seed=seed, **settings)
-        counts[tuple(out.tokens)] += 1
-        outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)
-        trees += out.stats.get("tree_nodes", 0) > 0
-    print(f"{dict(outcomes)}, {trees} requests verified a tree")
-    for outcome in ("first rejected", "rejected after accepted", "all accepted"):
-        assert outcomes[outcome] >= draws // 20, f"{outcome}: {outcomes[outcome]} of {draws} requests"
-    assert trees >= draws // 2
-    assert_sampled_from(counts, joint, draws)
-    prompts, longer = [prompt, [4, 5, 4, 6, 4], [6, 7, 8, 9]], {**settings, "max_new_tokens": 12, "seed": 5}
-    alone = [minispec.generate(target, p, **longer).tokens for p in prompts]
-    assert [out.tokens for out in minispec.generate(target, prompts, **longer)] == alone
+    assert_sampled_trees(vocab16["target"], [6, 8, 15, 6, 8, 12, 6, 8], {"draft": "ngram", "tree": 4},
+                         [[4, 5, 4, 6, 4], [6, 7, 8, 9]])
 
 
 @pytest.mark.parametrize("draft", ["model", "int8", "ngram"])
