@@ -69,7 +69,7 @@ def build(cxx, path):
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
     os.close(fd)
     try:
-        log.warning("minispec: building its CPU kernel for quantized layers (once per machine, ~%d s)", 40)
+        log.warning("minispec: building its CPU kernel for quantized layers (once per machine, about 10 s)")
         done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True, timeout=BUILD_SECONDS)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")

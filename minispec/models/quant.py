@@ -192,7 +192,7 @@ class Int8Linear(nn.Module):
         self.group = self.in_features // scales.shape[1]
         self.native = self.on_cpu and native.takes(self.in_features, self.group)
         if self.native:
-            self.pack_native(qweight, scales, offsets)
+            native.register_packed(self, qweight, scales, offsets)
             return
         if scales.shape[1] == 1 and offsets is None:
             weight, scales = qweight, scales.view(-1)
@@ -203,8 +203,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight.clone(memory_format=copy))
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
         self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
-
-    pack_native = native.register_packed
 
     def native_forward(self, x):
         rows = x.reshape(-1, self.in_features).float()
@@ -256,7 +254,7 @@ class Int4Linear(nn.Module):
         self.bias = bias
         self.native = self.on_cpu and native.takes(self.in_features, self.group)
         if self.native:
-            self.pack_native(q, scales, offsets)
+            native.register_packed(self, q, scales, offsets)
             return
         if self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -268,7 +266,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
 
-    pack_native = native.register_packed
     native_forward = Int8Linear.native_forward
 
     def forward(self, x):
@@ -294,11 +291,9 @@ class Int8Embedding(Int8Linear):
 
     def forward(self, tokens):
         if self.native:
-            q, scales, offsets = native.rows_of(tokens, self.weight, self.scales, self.offsets)
-            rows = q.float().unflatten(-1, (scales.shape[-1], -1)) * scales[..., None]
-            if offsets is not None:
-                rows = rows + offsets[..., None]
-            return rows.flatten(-2).to(self.output_dtype)
+            q, scales, offsets = native.rows_of(tokens.reshape(-1), self.weight, self.scales, self.offsets)
+            rows = dequantize({"qweight": q, "scales": scales, "offsets": offsets})
+            return rows.view(*tokens.shape, self.embedding_dim).to(self.output_dtype)
         if self.weight.dim() == 2:
             rows = self.weight[tokens].float() * self.scales[tokens].float()[..., None]
         else:  # weight [groups, vocab, group]: gather the tokens' rows of every group
