@@ -16,7 +16,7 @@ from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
 from .decoding.sampling import Sampling, is_integer
 from .decoding.stopping import Stop
-from .decoding.tree import TREE_MAX
+from .decoding.tree import TREE_AUTO, TREE_MAX
 from .loading.tokenizer import IncrementalDecoder
 
 
@@ -135,9 +135,11 @@ class Settings:
                              "use stop_token_ids")
 
     def check_tree(self):
+        if self.tree in ("off", "auto"):  # "auto": trees where the drafter can branch (trees)
+            return
         if not (is_integer(self.tree) and 1 <= self.tree <= TREE_MAX):
-            raise ValueError(f"tree (the most guesses a step's token tree holds) must be None or an integer in "
-                             f"[1, {TREE_MAX}], got {self.tree!r}")
+            raise ValueError(f"tree (the most guesses a step's token tree holds) must be None, 'off', 'auto' or an "
+                             f"integer in [1, {TREE_MAX}], got {self.tree!r}")
         if not self.drafting:
             raise ValueError(f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / 'int4' or a "
                              f"draft head), not {self.draft!r}")
@@ -147,6 +149,14 @@ class Settings:
     @property
     def sampling(self):
         return Sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def trees(self):
+        """A request's token trees: a node budget, "auto" (the policy's choice per step, where trees can
+        be verified: with a drafter, exactly, without beams), or None (chains)."""
+        if self.tree == "auto":
+            return "auto" if self.drafting and self.lenience == 1 and not self.searching else None
+        return None if self.tree == "off" else self.tree
 
     @property
     def drafting(self):
@@ -172,7 +182,7 @@ class Request:
     beams: int
     draft_beams: int
     searching: bool
-    tree: int | None
+    tree: object  # Settings.trees
 
     @classmethod
     def from_settings(cls, target, prompt, settings):
@@ -192,7 +202,7 @@ class Request:
             seed = target.tp.from_first(seed)[0]
         return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
-                   settings.tree)
+                   settings.trees)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
@@ -281,12 +291,17 @@ def size_caches(requests, rows):
     for model in models_of(requests[0]):
         # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
         # the context (near its end the engine offers smaller trees)
-        longest = max(request.decoder_length(model) + request.max_new_tokens + (request.tree or 0)
+        longest = max(request.decoder_length(model) + request.max_new_tokens + tree_room(request.tree)
                       for request in requests)
         longest = min(longest, model.context_length or longest)
         check_memory(model, rows, longest, len(requests), tp=requests[0].target.tp)
         model.ensure_caches(rows, longest)
         model.prepare_batch(rows, max(request.prompt_ids.shape[1] for request in requests))
+
+
+def tree_room(tree):
+    """The most cache slots a step's token tree takes past a row's tokens."""
+    return TREE_AUTO if tree == "auto" else tree or 0
 
 
 @torch.inference_mode()
@@ -360,7 +375,9 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
     chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "ngram" (the
     most counted successors), draft models, "int8" / "int4" and draft heads (the continuations they
-    find most probable, grown as EAGLE-2 grows its tree).
+    find most probable, grown as EAGLE-2 grows its tree). tree="auto" lets gamma="auto"'s policy
+    choose a tree (or a chain) each step where it expects more tokens per second from it; "off" or
+    None: chains.
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
     alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after

@@ -33,6 +33,16 @@ def gamma_setting(text):
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
 
 
+def tree_setting(text):
+    """--tree: "auto", "off" (None: chains) or the most guesses a step's tree holds."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or an integer, got {text!r}") from None
+
+
 def add_model_flags(parser, draft_default, tensor_parallel=False):
     """The flags that say which models to load, and how (run.py's and the server's); load_models reads them.
     tensor_parallel: also --tp (run.py's)."""

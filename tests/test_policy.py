@@ -461,3 +461,85 @@ def test_a_folder_that_cannot_be_written_is_noted_once(pair, fresh_profiles, cap
         policy.PROFILES.clear()
         minispec.generate(pair["target"], REPEATING, draft="lookup", max_new_tokens=4, ignore_eos=True)
     assert capsys.readouterr().err.count("cannot keep gamma='auto' costs") == 1
+
+
+# --- tree="auto": which tree a step verifies ------------------------------------------------------
+
+# A previewed tree: the chain 7 8 9 (each node at confidence 0.5), 20 beside 7 and 21 below 7 beside 8
+# (0.3 each). Its nodes' chances to survive start at their confidences.
+TREE = ([7, 8, 9, 20, 21], [-1, 0, 1, -1, 0], [0.5, 0.5, 0.5, 0.3, 0.3])
+
+
+def tree_chooser(t_verify, tree=TREE, t_tree=None):
+    chooser = adaptive(0.5, t_verify, 0.0)
+    chooser.profile.t_tree = t_tree
+    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=lambda k: ([], []),
+                  preview_tree=lambda k, budget: tree)
+    return chooser
+
+
+def test_a_previewed_tree_verifies_the_first_nodes_with_the_most_expected_tokens_per_second():
+    # Flat costs, trees priced at TREE_PRIOR (1.2) times a chain: the chain 7 8 9 expects 1.875 tokens
+    # a call; with 20 (+0.3) 2.175 / 1.2 = 1.81, with 21 too (+0.5 * 0.3) 2.325 / 1.2 = 1.94: all five.
+    chooser = tree_chooser(FLAT)
+    assert chooser.guesses() == 3 and chooser.tree_nodes == 5
+    assert chooser.planned == pytest.approx(2.325)
+    # trees measured dear (2 steps): the chain
+    chooser = tree_chooser(FLAT, t_tree=[0.0] + [2.0] * (policy.TREE_AUTO + 1))
+    assert chooser.guesses() == 3 and chooser.tree_nodes is None
+    # unlikely guesses on CPU-like costs: no guess at all
+    chooser = tree_chooser(STEEP, tree=(TREE[0], TREE[1], [0.05] * 5))
+    assert chooser.guesses() == 0 and chooser.tree_nodes is None
+
+
+def test_every_previewed_node_whose_parent_survived_is_checked():
+    """Below 7: 8 (0.5); beside 7: 20 (0.3), and below 20 another 8 (0.9). The target emitted 7, 8 and
+    then its own 40: 7 and 8 survived, 20 did not, and the 8 below 20 was never reached."""
+    chooser = tree_chooser(FLAT, tree=([7, 8, 20, 8], [-1, 0, -1, 2], [0.5, 0.5, 0.3, 0.9]))
+    chooser.guesses()
+    chooser.observe(k=2, n=2, emitted=[7, 8, 40], draft_seconds=0.0, step_seconds=1.2, nodes=4)
+    first, later = chooser.profile.tree_confidence
+    bin_of = policy.AdaptiveGamma.bin
+    assert first[bin_of(0.5)] == [1.0, 1.0] and first[bin_of(0.3)] == [0.0, 1.0]
+    assert later[bin_of(0.5)] == [1.0, 1.0] and later[bin_of(0.9)] == [0.0, 0.0]
+    assert chooser.tree_survival(0.3, 1) == pytest.approx((0 + 2 * 0.3) / 3)
+
+
+def test_a_tree_steps_time_refits_the_tree_costs_not_the_chains():
+    chooser = tree_chooser(FLAT)
+    chooser.guesses()
+    chain_before, tree_before = chooser.verify(6), chooser.tree_seconds(5)
+    for _ in range(10):
+        chooser.observe(k=2, n=1, emitted=[7, 30], draft_seconds=0.0, step_seconds=3.0, nodes=5)
+    assert chooser.verify(6) == chain_before and chooser.tree_seconds(5) > tree_before + 0.5
+
+
+@pytest.mark.parametrize("tree_tokens, most", [(6, "tree"), (2, "chain")])
+def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_other(tree_tokens, most):
+    """A draft model's trees cost forwards to grow: the policy compares the tokens per second of its
+    chain and tree steps. Chains first; a tree after PROBE_AFTER steps; then whichever measured faster,
+    the other tried at intervals that double while it stays behind."""
+    chooser = adaptive(0.9, FLAT, 0.05)
+    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, branching=True)
+    trees = []
+    for _ in range(300):
+        k = chooser.guesses()
+        trees.append(chooser.tree_nodes is not None)
+        emitted = [1] * (tree_tokens if trees[-1] else 4)
+        chooser.observe(k=k, n=len(emitted) - 1, emitted=emitted, draft_seconds=0.1, step_seconds=1.0,
+                        nodes=chooser.tree_nodes or 0)
+    first_tree = trees.index(True)
+    assert first_tree == policy.PROBE_AFTER - 1
+    after = trees[first_tree + 1:]
+    others = sum(after) if most == "chain" else len(after) - sum(after)
+    assert 3 <= others <= 5  # probes 8 (or 16), 16, 32, 64, 128 steps apart
+
+
+def test_stored_tree_costs_and_rates_are_checked():
+    profile = policy.PairProfile()
+    values = {name: getattr(profile, name) for name in profiles.FIELDS}
+    profiles.check(values, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)
+    for name, bad in [("t_tree", [1.0] * 3), ("modes", {"chain": [1.0, -1.0], "tree": [0.0, 0.0]}),
+                      ("tree_confidence", [[[2.0, 1.0]] * policy.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0]})]:
+        with pytest.raises(ValueError, match="out of range"):
+            profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)

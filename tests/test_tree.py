@@ -180,6 +180,17 @@ def test_lookup_offers_every_earlier_continuation_its_chain_first():
     assert paths == {(7, 11, 5), (9, 10, 5), (7, 8, 5)}
 
 
+def test_lookup_is_as_sure_of_a_node_as_the_share_of_matches_through_it():
+    """Three earlier "5 6" (2-token matches of 3 at most): 7 follows two of them, 9 one; below 7, 11
+    and 8 one each; a node's confidence is that share times 2/3."""
+    drafter = LookupDrafter(100, "cpu")
+    drafter.start(torch.tensor(BRANCHING[0]))
+    tokens, parents, sure = drafter.preview_tree(2, 16)
+    assert (tokens, parents) == ([7, 11, 9, 10, 8], [-1, 0, -1, 2, 0])
+    assert sure == pytest.approx([2 / 3 * 2 / 3, 1 / 2 * 2 / 3, 1 / 3 * 2 / 3, 2 / 3, 1 / 2 * 2 / 3])
+    assert drafter.preview(1)[1] == [2 / 3]  # the chain's confidence in a lone match
+
+
 def test_ngram_tree_is_greedys_chain_then_the_most_probable_continuations():
     """After 7 came 8 twice and 9 once; after 8, 7 twice and 8 once; after 9, 7. Three deep and five
     nodes: greedy's chain 8 7 8 first (its last node at 2/3 * 2/3 * 2/3 = 8/27, below 9's 1/3), then the
@@ -216,6 +227,21 @@ def test_greedy_tree_decoding_equals_plain_greedy(reference_dirs, kind, draft):
     assert calls <= sum(out.stats["target_calls"] for out in chain)
 
 
+@pytest.mark.parametrize("draft", ["lookup", "ngram", "model"])
+def test_greedy_with_trees_chosen_per_step_is_plain_greedy(reference_dirs, noisy_gqa, known_costs, draft):
+    """tree="auto": a tree or a chain each step, as the policy expects faster (costs held fixed, so
+    trees pay where they add a fifth more expected tokens); plain greedy's tokens, alone and batched."""
+    target = minispec.load(reference_dirs["llama_gqa"][1])
+    draft = minispec.load(noisy_gqa) if draft == "model" else draft
+    settings = {"max_new_tokens": 32, "ignore_eos": True, "draft": draft, "tree": "auto"}
+    plain = [minispec.generate(target, prompt, max_new_tokens=32, ignore_eos=True).tokens for prompt in BRANCHING]
+    alone = [minispec.generate(target, prompt, **settings) for prompt in BRANCHING]
+    assert [out.tokens for out in alone] == plain
+    assert sum(out.stats.get("tree_nodes", 0) for out in alone) > 0
+    together = minispec.generate(target, BRANCHING, batch_size=3, **settings)
+    assert [out.tokens for out in together] == plain
+
+
 def test_the_tree_is_verified_in_one_forward_and_counted(reference_dirs):
     target = minispec.load(reference_dirs["llama_gqa"][1])
     out = minispec.generate(target, BRANCHING[0], draft="lookup", gamma=3, tree=8, max_new_tokens=12, ignore_eos=True)
@@ -226,12 +252,21 @@ def test_the_tree_is_verified_in_one_forward_and_counted(reference_dirs):
 @pytest.mark.parametrize("settings, message", [
     ({"tree": 0}, "tree"), ({"tree": 65}, "tree"), ({"tree": "4"}, "tree"),
     ({"tree": 4, "draft": "none"}, "need a drafter"), ({"tree": 4, "temperature": 1.0, "lenience": 0.5}, "exactly"),
-    ({"tree": 4, "beams": 2}, "beams"),
+    ({"tree": 4, "beams": 2}, "beams"), ({"tree": "always"}, "'auto'"),
 ])
 def test_bad_tree_settings_are_refused(reference_dirs, settings, message):
     target = minispec.load(reference_dirs["gpt2"][1])
     with pytest.raises(ValueError, match=message):
         minispec.generate(target, [1, 2, 3], **{"draft": "lookup", **settings})
+
+
+@pytest.mark.parametrize("settings", [{"draft": "none"}, {"gamma": 3}, {"temperature": 1.0, "lenience": 0.5},
+                                      {"tree": "off"}])
+def test_auto_trees_are_chains_where_trees_cannot_be_chosen(reference_dirs, settings):
+    """No drafter, a fixed gamma (Algorithm 1 as written), lenience: tree="auto" is no tree."""
+    target = minispec.load(reference_dirs["gpt2"][1])
+    out = minispec.generate(target, BRANCHING[0], **{"draft": "lookup", "tree": "auto", "max_new_tokens": 8, **settings})
+    assert "tree_nodes" not in out.stats
 
 
 def test_sampled_trees_in_a_batch_give_what_they_give_alone(reference_dirs):

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from ..cli import gamma_setting, token_ids
+from ..cli import gamma_setting, token_ids, tree_setting
 from ..loading.weights import DTYPES
 from ..models import quant
 from .benchmarks import batch_benchmark, beam_benchmark, benchmark, sampling_of
@@ -35,7 +35,8 @@ def parse_args(argv):
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
     parser.add_argument("--gamma", type=gamma_setting, nargs="+", default=["auto"],
                         help="one table row per value: a number of guesses per step, or 'auto' (chosen per step)")
-    parser.add_argument("--tree", type=int, metavar="N", help="verify token trees of up to N guesses (run.py's)")
+    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N",
+                        help="verify token trees of up to N guesses, or 'auto' (run.py's)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the most likely tokens of this mass")
@@ -87,7 +88,7 @@ def parse_args(argv):
                          "--one-shot")
     if len(args.draft) == 1:
         args.draft = args.draft[0]
-    if args.tree is not None and args.tree < 1:
+    if isinstance(args.tree, int) and args.tree < 1:
         raise ValueError(f"--tree must be >= 1, got {args.tree}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:
         raise ValueError("--repeats, --max-new-tokens and --seeds must be >= 1")

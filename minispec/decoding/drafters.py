@@ -41,6 +41,8 @@ from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
 from .tree import Growth, add_path, best_children, best_first, tree_or_chain
 
+TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
+
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
@@ -409,10 +411,15 @@ class NgramDrafter:
         probable other continuations under the counts, each node's children its token's most counted
         successors. The same for any sampling: the candidates are fixed, not drawn from q (verified as
         such: tree.sample_walk), so no generator is used."""
+        tokens, parents, _ = self.preview_tree(k, budget)
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
+
+    def preview_tree(self, k, budget):
+        """propose_tree's tree as lists (tokens, parents), and each node's share of its parent's counts
+        (how sure the drafter is of it)."""
         self.count(self.context)
         successors = cache(self.ranked_successors)  # ranked once per proposal: nodes often repeat a token
-        tokens, parents = best_first(self.context[-1], successors, k, budget)
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
+        return best_first(self.context[-1], successors, k, budget)
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
@@ -481,14 +488,31 @@ class LookupDrafter:
         """A tree of at most `budget` guesses, k deep: what followed each earlier occurrence of the
         context's suffix, the longest suffixes and the latest occurrences first (so its first path is
         the chain's guesses), sharing common prefixes (tree.py). The same for any sampling."""
-        tokens, parents = [], []
-        earlier = (end for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
-                   for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
-        for end in earlier:  # the latest end of the suffix is the suffix itself: skipped
-            add_path(tokens, parents, self.copy_from(end, k), budget)
-            if len(tokens) >= budget:
-                break
+        tokens, parents, _ = self.preview_tree(k, budget)
         return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
+
+    def preview_tree(self, k, budget):
+        """propose_tree's tree as lists (tokens, parents), and how sure the drafter is of each node: the
+        share of the occurrences through its parent that continue with it, times the longest match
+        through it over max_ngram (a chain's is preview's). Up to TREE_OCCURRENCES occurrences count,
+        more than fill the tree, so that its shares are not those of its first few paths alone."""
+        tokens, parents, visits, matched, done = [], [], [], [], set()
+        earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
+                   for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
+        for n, end in earlier:  # the latest end of the suffix is the suffix itself: skipped
+            if end in done:  # a longer suffix's occurrence ends where a shorter one's does
+                continue
+            done.add(end)
+            for node in add_path(tokens, parents, self.copy_from(end, k), budget):
+                if node == len(visits):
+                    visits.append(0)
+                    matched.append(n)
+                visits[node] += 1
+            if len(done) >= TREE_OCCURRENCES:
+                break
+        sure = [visits[j] / (len(done) if parent < 0 else visits[parent]) * matched[j] / self.max_ngram
+                for j, parent in enumerate(parents)]
+        return tokens, parents, sure
 
     def preview(self, k):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""

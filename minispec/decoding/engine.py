@@ -42,7 +42,8 @@ class Row:
         self.length = 0  # positions its target cache row holds
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
-            self.policy.start(target, self.drafter, request.prompt_ids, timed=alone)  # a batch's steps are shared
+            # a batch's steps are shared: not timed
+            self.policy.start(target, self.drafter, request.prompt_ids, timed=alone, tree=request.tree == "auto")
             self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1),
                               verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
             self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
@@ -51,19 +52,20 @@ class Row:
         """γ for this step, as the policy chooses, never drafting past max_new_tokens."""
         return min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
 
-    def advance(self, n, guesses, t, accepted, overlap, timing, seen=None, rejected=None):
+    def advance(self, n, guesses, t, accepted, overlap, timing, seen=None, rejected=None, nodes=0):
         """Take a verified step: n of `guesses` accepted, then the target's token t (host ids;
         `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
         guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
         the step's forwards were shared with other rows; seen: for a draft head, the tokens the target
         saw and kept and its hidden state at each; rejected: the candidates the trace shows as rejected
-        (None: the chain's guess after the accepted ones). Returns whether the request has ended."""
+        (None: the chain's guess after the accepted ones); nodes: a tree's guesses (0: a chain). Returns
+        whether the request has ended."""
         k = len(guesses)
         new_tokens, stopped = self.request.stop.cut(guesses[:n] + [t])
         if self.drafter:
             draft_seconds, step_seconds = timing or (None, None)
             fresh = not self.stats["target_calls"]  # the prompt's forward also verified the first guesses
-            self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds)
+            self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds, nodes)
             if overlap is not None:  # only the positions up to a stop count
                 self.overlap += overlap[:len(new_tokens)].sum()
         self.count(guesses, n, new_tokens, guesses[n:n + 1] if rejected is None else rejected)
@@ -76,11 +78,12 @@ class Row:
         return len(self.tokens) >= self.request.max_new_tokens
 
     def tree_budget(self):
-        """The most nodes this step's token tree may have: the request's `tree`, or fewer where the
-        cache row has less room left (None: the request verifies chains)."""
-        if not self.request.tree:
+        """The most nodes this step's token tree may have: the request's `tree` (with "auto", the
+        policy's choice for this step), or fewer where the cache row has less room left (None: a chain)."""
+        tree = self.policy.tree_nodes if self.request.tree == "auto" else self.request.tree
+        if not tree:
             return None
-        return min(self.request.tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
+        return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
     def advance_tree(self, nodes, parents, path, t, rejected, timing, seen=None):
         """Take a verified tree step (tree.py): the accepted `path` of node indices, then the target's
@@ -94,7 +97,7 @@ class Row:
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
         accepted = torch.tensor(guesses[:len(path)] + [t], device=self.unseen.device)
-        return self.advance(len(path), guesses, t, accepted, None, timing, seen, rejected)
+        return self.advance(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes))
 
     def count(self, guesses, n, new_tokens, rejected):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's

@@ -31,6 +31,17 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   previewing drafter's confidences are known before the step, so it takes the k that pays most for
   these very guesses; a draft model stops early when one more guess costs more time than it is
   expected to gain (`keep_guessing`).
+- With tree="auto" (decoding/tree.py), a drafter whose trees cost nothing to preview (lookup; ngram when
+  greedy) offers its tree of TREE_AUTO guesses every step, each node with its confidence given its
+  parent, and the policy verifies the first nodes of it (its first path is the chain's guesses, the
+  nodes come in topological order) with the most expected tokens per second: a node's expected
+  contribution is the chance its whole path survives, from rates per confidence bin learnt from every
+  previewed node against what the target emitted, and a tree forward is priced by its own line
+  (`VerifyCost`, started at TREE_PRIOR times the chain's). A chain or no guess at all are among the
+  choices, so trees come only where they are expected to pay. A drafter whose trees cost forwards to
+  grow (a draft model, a head) cannot be previewed: the policy keeps the tokens per second that its
+  steps with guesses measured as chains and as trees, takes the better, and tries the other again
+  after PROBE_AFTER steps, the interval doubling up to PROBE_MAX while it stays behind.
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
   every probe that finds it still does not. No probe where the timings say that even guesses that all
@@ -46,6 +57,7 @@ import torch
 
 from . import profiles
 from .sampling import is_integer
+from .tree import TREE_AUTO, chain_length, depths
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
 BEAM_GAMMA_MAX = 4  # and among 0..4 draft beam steps in speculative beam search, each verifying w + u·k rows
@@ -69,23 +81,27 @@ PRIOR_SLOPE = {"cpu": 0.1, "cuda": 0.01}  # other devices: as on a CPU
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
 CONFIDENCE_BINS = 5  # how sure the drafter is of a guess, in bins of 0.2
 BIN_PRIOR = 2.0  # a bin's rate is shrunk towards a (or b) as if by this many verified guesses
+# Before any tree forward is timed, it is priced at this many times a chain's over as many tokens: the
+# tree's keys and values are read per token (docs/performance.md, "Token trees": +18% at 9 tokens).
+TREE_PRIOR = 1.2
 
 
 class FixedGamma:
     """γ guesses every step: the paper's Algorithm 1 as written."""
 
     keep_guessing = None
+    tree_nodes = None  # tree="auto" under a fixed γ verifies chains: the paper's Algorithm 1 as written
 
     def __init__(self, gamma):
         self.k_max = gamma
 
-    def start(self, target, drafter, prompt_ids, beams=None, timed=True):
+    def start(self, target, drafter, prompt_ids, beams=None, timed=True, tree=False):
         pass
 
     def guesses(self):
         return self.k_max
 
-    def observe(self, k, n, emitted, draft_seconds, step_seconds):
+    def observe(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
         pass
 
     def finish(self):
@@ -126,6 +142,13 @@ class PairProfile:
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
         # per bin of the drafter's confidence in a guess: decayed [accepted, verified] guesses that sure
         self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
+        # tree="auto": seconds of a tree forward over w tokens (None: none timed yet), decayed
+        # [accepted, verified] previewed tree nodes per confidence bin at depth 1 and deeper, and decayed
+        # [tokens, seconds] of the steps with guesses verified as chains and as trees
+        self.t_tree = None
+        self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
+        self.modes = {"chain": [0.0, 0.0], "tree": [0.0, 0.0]}
+        self.mode_steps, self.mode_probe_after, self.preferred = 0, PROBE_AFTER, "chain"
         self.key = None  # of the pair's file (profiles.pair_key); None: kept in this process only
 
 
@@ -275,7 +298,14 @@ class VerifyCost:
         self.level, self.slope = 1.0, 1.0
 
     def __call__(self, width):
-        return self.one * (self.level + self.slope * self.added[width])
+        return self.one * (self.level + self.slope * self.extra(width))
+
+    def extra(self, width):
+        """u(width); past the widths of the line, the line goes on straight."""
+        if width < len(self.added):
+            return self.added[width]
+        last = len(self.added) - 1
+        return self.added[last] * (width - 1) / (last - 1)
 
     def line(self):
         return [0.0] + [self(w) for w in range(1, len(self.added))]
@@ -301,14 +331,15 @@ class AdaptiveGamma:
     """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second."""
 
     tp = None  # the target's tensor-parallel group (set by start): timings are then rank 0's (`agreed`)
+    tree_nodes = None  # with tree="auto": this step's tree budget (None: a chain), set by guesses()
 
     def __init__(self, k_max):
         self.k_max = k_max
 
-    def start(self, target, drafter, prompt_ids, beams=None, timed=True):
+    def start(self, target, drafter, prompt_ids, beams=None, timed=True, tree=False):
         """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
         hypotheses and whose draft steps each extend u. timed: whether its steps will be timed (not
-        in a batch, whose steps are shared)."""
+        in a batch, whose steps are shared). tree: whether the policy chooses token trees too."""
         profile = profile_for(target, drafter, beams, self.k_max)
         self.tp = tp_of(target)
         token, (w, u) = prompt_ids[0, -1], beams or (1, 0)
@@ -329,14 +360,21 @@ class AdaptiveGamma:
             self.draft_ratio, = agreed(self.tp, [self.draft_ratio])
         early_stop = drafter.model is not None and on_host and beams is None
         preview = drafter.preview if beams is None else None
-        self.begin(profile, early_stop=early_stop, measure_draft=on_host, preview=preview)
+        preview_tree = getattr(drafter, "preview_tree", None) if tree and preview is not None else None
+        self.begin(profile, early_stop=early_stop, measure_draft=on_host, preview=preview, preview_tree=preview_tree,
+                   branching=tree and preview_tree is None)
 
-    def begin(self, profile, early_stop, measure_draft, preview=None):
+    def begin(self, profile, early_stop, measure_draft, preview=None, preview_tree=None, branching=False):
         """Start a request from what the pair has learnt (its timings and rates). early_stop: the
         drafter reports its confidence in each guess and stops when one more does not pay (a draft
         model on a CPU). preview(k), if given, returns the drafter's next k guesses without making
-        them, and its confidence in each (two lists, empty for none)."""
+        them, and its confidence in each (two lists, empty for none). preview_tree(k, budget), if
+        given, returns the tree the drafter would propose (tokens, parents, confidences: tree.py's
+        form), and trees are chosen from it; branching: trees are chosen by measured speed instead."""
         self.profile = profile
+        self.preview_tree, self.previewed_tree, self.branching = preview_tree, None, branching
+        self.tree_cost = None if profile.t_tree is None else VerifyCost(profile.t_tree)
+        self.tree_nodes, self.planned = None, None
         self.verify = None if profile.t_verify is None else VerifyCost(profile.t_verify)  # None: nothing timed
         self.t_draft = profile.t_draft  # None: nothing timed
         self.measure_draft = measure_draft
@@ -371,6 +409,9 @@ class AdaptiveGamma:
         return (accepted + BIN_PRIOR * prior) / (verified + BIN_PRIOR)
 
     def guesses(self):
+        self.tree_nodes = None
+        if self.preview_tree is not None:
+            return self.plan_tree()
         if self.verify is None:  # a new pair: plain steps until one is timed
             self.previewed, self.confidences = self.preview(self.k_max) if self.preview else (None, [])
             return 0
@@ -390,8 +431,70 @@ class AdaptiveGamma:
         else:  # speculation pays again: should it stop, probe soon
             self.profile.plain_steps, self.profile.probe_after = 0, PROBE_AFTER
         self.confidences = []
+        if best and self.branching:
+            self.tree_nodes = TREE_AUTO if self.choose_mode() == "tree" else None
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
+
+    def plan_tree(self):
+        """The previewed tree's first nodes with the most expected tokens per second (module docstring):
+        sets tree_nodes (None: they are a chain, verified as one) and returns their depth."""
+        _, parents, sure = self.previewed_tree = self.preview_tree(self.k_max, TREE_AUTO)
+        self.previewed, self.confidences = None, []
+        if self.verify is None:  # a new pair: plain steps until one is timed
+            return 0
+        chain, depth = chain_length(parents), depths(parents)
+        reach, expected = [], 1.0
+        best, self.planned, best_rate = 0, 1.0, 1.0 / self.verify(1)
+        for j, (parent, confidence) in enumerate(zip(parents, sure)):
+            reach.append((1.0 if parent < 0 else reach[parent]) * self.tree_survival(confidence, depth[j]))
+            expected += reach[-1]
+            nodes = j + 1
+            rate = expected / (self.verify(nodes + 1) if nodes <= chain else self.tree_seconds(nodes))
+            if rate > best_rate:
+                best, self.planned, best_rate = nodes, expected, rate
+        self.tree_nodes = best if best > chain else None
+        return max(depth[:best], default=0)
+
+    def tree_seconds(self, nodes):
+        """Seconds of a tree forward over `nodes` guesses and their root."""
+        if self.tree_cost is None:
+            self.tree_cost = VerifyCost([0.0] + [TREE_PRIOR * self.verify(w) for w in range(1, TREE_AUTO + 2)])
+        return self.tree_cost(nodes + 1)
+
+    def tree_survival(self, confidence, depth):
+        """The chance that a previewed node this sure survives, given that its parent did: its bin's rate
+        at its depth (the first or a later one), shrunk towards the confidence itself."""
+        accepted, verified = self.profile.tree_confidence[depth > 1][self.bin(confidence)]
+        return (accepted + BIN_PRIOR * confidence) / (verified + BIN_PRIOR)
+
+    def learn_tree(self, emitted):
+        """Every previewed node whose parent survived, against the tokens the target emitted: the node
+        survives iff its token is the one emitted at its depth (exact for any verification)."""
+        tokens, parents, sure = self.previewed_tree
+        survived = []
+        for token, parent, confidence, depth in zip(tokens, parents, sure, depths(parents)):
+            checked = depth <= len(emitted) and (parent < 0 or survived[parent])
+            survived.append(checked and token == emitted[depth - 1])
+            if checked:
+                counts = self.profile.tree_confidence[depth > 1][self.bin(confidence)]
+                counts[0] = counts[0] * DECAY + survived[-1]
+                counts[1] = counts[1] * DECAY + 1
+
+    def choose_mode(self):
+        """A branching drafter's step with guesses: "tree" or "chain", whichever measured the more tokens
+        per second, the other tried after profile.mode_probe_after steps (module docstring)."""
+        profile = self.profile
+        (chain_tokens, chain_seconds), (tree_tokens, tree_seconds) = profile.modes["chain"], profile.modes["tree"]
+        preferred = "tree" if tree_seconds and (not chain_seconds or
+                                               tree_tokens / tree_seconds > chain_tokens / chain_seconds) else "chain"
+        if preferred != profile.preferred:  # the last probe found the other faster
+            profile.preferred, profile.mode_probe_after = preferred, PROBE_AFTER
+        profile.mode_steps += 1
+        if profile.mode_steps < profile.mode_probe_after:
+            return preferred
+        profile.mode_steps, profile.mode_probe_after = 0, min(2 * profile.mode_probe_after, PROBE_MAX)
+        return "chain" if preferred == "tree" else "tree"
 
     def expected_with(self, sure):
         """[E(0), E(1), ..] for guesses this sure, one after another."""
@@ -426,13 +529,18 @@ class AdaptiveGamma:
     def bin(confidence):
         return min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
 
-    def observe(self, k, n, emitted, draft_seconds, step_seconds):
+    def observe(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
         """A step made k guesses, the target accepted n and emitted `emitted` (host ids; a stop may cut
         them short); it took step_seconds (None for the prompt's forward, which also verified the
-        first guesses), draft_seconds of them drafting."""
+        first guesses), draft_seconds of them drafting. nodes: the tree's guesses, 0 for a chain (a
+        tree's k guesses are its accepted path and the first rejected child)."""
         self.histogram[k] += 1
         previewed = self.previewed is not None
-        self.expected_tokens += self.expected_with(self.confidences[:k])[-1] if previewed else self.expected(k)
+        if self.previewed_tree is not None:
+            self.expected_tokens += self.planned or 1.0
+            self.learn_tree(emitted)
+        else:
+            self.expected_tokens += self.expected_with(self.confidences[:k])[-1] if previewed else self.expected(k)
         if previewed:  # the preview against what the target emitted
             compared = min(len(self.previewed), len(emitted))
             n = next((i for i in range(compared) if self.previewed[i] != emitted[i]), compared)
@@ -464,10 +572,17 @@ class AdaptiveGamma:
         if self.verify is None:  # the pair's first timed step, a plain one
             self.first_timing(step_seconds)
             return
-        if k and self.measure_draft and regular:
+        if k and regular:
+            mode = self.profile.modes["tree" if nodes else "chain"]
+            mode[:] = [mode[0] * TIME_DECAY + len(emitted), mode[1] * TIME_DECAY + step_seconds]
+        if k and self.measure_draft and regular and not nodes:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
-        self.verify.add(k + 1, verify)
+        if nodes:
+            self.tree_seconds(nodes)  # the prior line, before the first tree is timed
+            self.tree_cost.add(nodes + 1, verify)
+        else:
+            self.verify.add(k + 1, verify)
 
     def first_timing(self, seconds):
         """A new pair's first timed step, a plain one, took `seconds`: the verify line through it at
@@ -490,6 +605,8 @@ class AdaptiveGamma:
         if self.verify is not None:
             profile.t_verify = self.verify.line()
             profile.t_draft = self.t_draft
+        if self.tree_cost is not None:
+            profile.t_tree = self.tree_cost.line()
         profiles.save(profile.key, profile)
         steps = sum(self.histogram)
         return {

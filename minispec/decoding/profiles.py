@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 
 from ..loading.builtin import weights_dir
+from .tree import TREE_AUTO
 
-VERSION = 1  # of the files' contents; files of another version are ignored
-FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence")
+VERSION = 2  # of the files' contents; files of another version are ignored
+FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "t_tree",
+          "tree_confidence", "modes")
 
 
 def folder():
@@ -83,16 +85,26 @@ def check(values, widths, bins):
     def number(x, low=0.0, high=math.inf):
         return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high
 
-    timed = values["t_verify"] is not None  # a pair whose requests were too short to time a step: None
-    fine = (not timed or isinstance(values["t_verify"], list) and len(values["t_verify"]) == widths
-            and all(number(t, high=1e6) for t in values["t_verify"]))
+    def line(times, length):  # None: a pair whose requests were too short to time such a step
+        return times is None or (isinstance(times, list) and len(times) == length
+                                 and all(number(t, high=1e6) for t in times))
+
+    def counts(pair, high=1e9):
+        return isinstance(pair, list) and len(pair) == 2 and number(pair[1], high=high) and number(pair[0], high=pair[1])
+
+    modes = values["modes"]
+    fine = (line(values["t_verify"], widths) and line(values["t_tree"], TREE_AUTO + 2)
+            and isinstance(modes, dict) and sorted(modes) == ["chain", "tree"]
+            and all(isinstance(m, list) and len(m) == 2 and all(number(x, high=1e9) for x in m) for m in modes.values())
+            and isinstance(values["tree_confidence"], list) and len(values["tree_confidence"]) == 2
+            and all(isinstance(b, list) and len(b) == bins and all(counts(c) for c in b)
+                    for b in values["tree_confidence"]))
     fine = (fine and (values["t_draft"] is None or number(values["t_draft"], high=1e6))
             and number(values["first"], high=1.0) and (values["later"] is None or number(values["later"], high=1.0))
             and isinstance(values["plain_steps"], int) and values["plain_steps"] >= 0
             and isinstance(values["probe_after"], int) and values["probe_after"] >= 1
             and isinstance(values["confidence"], list) and len(values["confidence"]) == bins
-            and all(isinstance(c, list) and len(c) == 2 and number(c[1], high=1e9) and number(c[0], high=c[1])
-                    for c in values["confidence"]))
+            and all(counts(c) for c in values["confidence"]))
     if not fine:
         raise ValueError("values out of range or of another shape")
 

@@ -32,6 +32,9 @@ import torch
 from .sampling import adjust, sample
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
+# tree="auto": the most guesses the policy weighs a step's tree at (policy.py). A wider forward costs more
+# than its extra nodes bring on a CPU (docs/performance.md, "Token trees").
+TREE_AUTO = 16
 
 
 def feed_parents(unseen, parents, guesses):
@@ -91,17 +94,20 @@ def sample_walk(nodes, parents, p, generator):
 
 def add_path(tokens, parents, continuation, budget):
     """Add a continuation below the root to a tree (tokens, parents: lists, changed in place), sharing
-    the nodes it has in common with the tree, until the tree has `budget` nodes."""
-    at = -1
+    the nodes it has in common with the tree, until the tree has `budget` nodes. Returns the nodes the
+    continuation runs through, as far as the tree holds it."""
+    at, path = -1, []
     for token in continuation:
         child = next((j for j in children_of(parents, at) if tokens[j] == token), None)
         if child is None:
             if len(tokens) >= budget:
-                return
+                break
             tokens.append(token)
             parents.append(at)
             child = len(tokens) - 1
+        path.append(child)
         at = child
+    return path
 
 
 def best_first(root, successors, depth, budget):
@@ -110,9 +116,10 @@ def best_first(root, successors, depth, budget):
     First the spine, the root's first successor, that node's, and so on (the drafter's greedy chain: a
     greedy tree accepts no less than the chain); then the other nodes, most probable first, a node's
     probability being the product along its path. A node's children join in their rank order, the
-    tree in topological order. Returns tokens and parents (this module's form)."""
+    tree in topological order. Returns tokens and parents (this module's form), and each node's
+    probability given its parent's (how sure the drafter is of it)."""
     # per node; the root, -1, is at depth 0, with probability 1, on the spine
-    tokens, parents, depths, probabilities, on_spine = [], [], [], [], []
+    tokens, parents, depths, probabilities, shares, on_spine = [], [], [], [], [], []
     waiting, arrival = [], count()  # candidates: (off the spine, -probability, arrival, parent, rank)
 
     def offer(parent, rank):
@@ -130,10 +137,24 @@ def best_first(root, successors, depth, budget):
         parents.append(parent)
         depths.append(1 + (0 if parent < 0 else depths[parent]))
         probabilities.append(-minus_probability)
+        shares.append(successors(root if parent < 0 else tokens[parent])[rank][1])
         on_spine.append(not off_spine)
         offer(parent, rank + 1)  # its next sibling, ranked after it
         offer(len(tokens) - 1, 0)  # its first child
-    return tokens, parents
+    return tokens, parents, shares
+
+
+def depths(parents):
+    """Each node's depth, 1 for the root's children."""
+    out = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def chain_length(parents):
+    """How many of the first nodes form a chain from the root (a tree's first path, when it is first)."""
+    return next((j for j, parent in enumerate(parents) if parent != j - 1), len(parents))
 
 
 def tree_or_chain(parents):
