@@ -29,8 +29,8 @@ def parse_args(argv):
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompts", metavar="FILE",
                          help="a prompts file as run.py's --prompts-file reads it (one text prompt a line, or JSON "
-                              "lines: strings or lists of token ids), or a built-in set: 'open' or 'code' "
-                              "(default: both)")
+                              "lines: strings or lists of token ids), or a built-in set: 'open', 'code' or "
+                              "'partial' (a summary and a code edit; default: 'open' and 'code')")
     prompts.add_argument("--prompt-ids", type=token_ids, action="append",
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
     parser.add_argument("--gamma", type=gamma_setting, nargs="+", default=["auto"],

@@ -28,10 +28,25 @@ CODE_PROMPTS = [
 ]
 
 
+ARTICLE = ("The city council voted on Tuesday to extend the night bus service to the northern suburbs. The "
+           "extension adds four routes, runs every thirty minutes between midnight and five in the morning, and "
+           "will cost the city about two million dollars a year. Supporters said night workers in hospitals, "
+           "warehouses and restaurants have no other way home; opponents said the buses would run mostly empty "
+           "and asked for a one-year trial instead. The council agreed to review ridership after twelve months.")
+
+# Answers that copy parts of their prompt, with changes: a summary that reuses its article's phrases
+# and a code edit. Where the copy is partial, a guess often fails where two earlier passages part ways,
+# which is what lookup's and ngram's trees are for (issue 26's "partial copying" prompts).
+PARTIAL_PROMPTS = [
+    f"Summarize this article in three sentences, reusing its key phrases exactly:\n\n{ARTICLE}",
+    f"Rename `values` to `samples` and `window` to `width` in this function, changing nothing else:\n\n{CODE}",
+]
+
+
 DEFAULT_PROMPTS = OPEN_PROMPTS + CODE_PROMPTS
 
 
-BUILTIN_PROMPTS = {"open": OPEN_PROMPTS, "code": CODE_PROMPTS}
+BUILTIN_PROMPTS = {"open": OPEN_PROMPTS, "code": CODE_PROMPTS, "partial": PARTIAL_PROMPTS}
 
 
 def read_prompts(args):
