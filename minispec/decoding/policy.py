@@ -458,9 +458,13 @@ class AdaptiveGamma:
 
     def tree_seconds(self, nodes):
         """Seconds of a tree forward over `nodes` guesses and their root."""
+        return self.tree_costs()(nodes + 1)
+
+    def tree_costs(self):
+        """The tree forwards' VerifyCost: until one is timed, TREE_PRIOR times the chain's line."""
         if self.tree_cost is None:
             self.tree_cost = VerifyCost([0.0] + [TREE_PRIOR * self.verify(w) for w in range(1, TREE_AUTO + 2)])
-        return self.tree_cost(nodes + 1)
+        return self.tree_cost
 
     def tree_survival(self, confidence, depth):
         """The chance that a previewed node this sure survives, given that its parent did: its bin's rate
@@ -579,8 +583,7 @@ class AdaptiveGamma:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
         if nodes:
-            self.tree_seconds(nodes)  # the prior line, before the first tree is timed
-            self.tree_cost.add(nodes + 1, verify)
+            self.tree_costs().add(nodes + 1, verify)
         else:
             self.verify.add(k + 1, verify)
 

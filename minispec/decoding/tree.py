@@ -119,13 +119,13 @@ def best_first(root, successors, depth, budget):
     tree in topological order. Returns tokens and parents (this module's form), and each node's
     probability given its parent's (how sure the drafter is of it)."""
     # per node; the root, -1, is at depth 0, with probability 1, on the spine
-    tokens, parents, depths, probabilities, shares, on_spine = [], [], [], [], [], []
+    tokens, parents, levels, probabilities, shares, on_spine = [], [], [], [], [], []
     waiting, arrival = [], count()  # candidates: (off the spine, -probability, arrival, parent, rank)
 
     def offer(parent, rank):
         """The parent's rank-th successor becomes a candidate, if it has one and room below it."""
         ranked = successors(root if parent < 0 else tokens[parent])
-        if rank < len(ranked) and (0 if parent < 0 else depths[parent]) < depth:
+        if rank < len(ranked) and (0 if parent < 0 else levels[parent]) < depth:
             spine = rank == 0 and (parent < 0 or on_spine[parent])
             probability = (1.0 if parent < 0 else probabilities[parent]) * ranked[rank][1]
             heapq.heappush(waiting, (not spine, -probability, next(arrival), parent, rank))
@@ -133,11 +133,12 @@ def best_first(root, successors, depth, budget):
     offer(-1, 0)
     while waiting and len(tokens) < budget:
         off_spine, minus_probability, _, parent, rank = heapq.heappop(waiting)
-        tokens.append(successors(root if parent < 0 else tokens[parent])[rank][0])
+        token, share = successors(root if parent < 0 else tokens[parent])[rank]
+        tokens.append(token)
         parents.append(parent)
-        depths.append(1 + (0 if parent < 0 else depths[parent]))
+        levels.append(1 + (0 if parent < 0 else levels[parent]))
         probabilities.append(-minus_probability)
-        shares.append(successors(root if parent < 0 else tokens[parent])[rank][1])
+        shares.append(share)
         on_spine.append(not off_spine)
         offer(parent, rank + 1)  # its next sibling, ranked after it
         offer(len(tokens) - 1, 0)  # its first child
