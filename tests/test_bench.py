@@ -16,7 +16,7 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference
 
 import minispec
-from minispec.bench import benchmarks, memory, oneshot, theory, timing
+from minispec.bench import benchmarks, llamacpp, memory, oneshot, report, theory, timing
 from minispec.bench import cli as bench_cli
 from minispec.decoding import drafters
 from minispec.models import kernels
@@ -128,6 +128,26 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
     assert on_cpu["bytes_per_step"] == memory.decode_bytes(target, 10)
     assert on_cpu["achieved_bytes_per_s"] == pytest.approx(on_cpu["bytes_per_step"] / 1e-3)
     assert on_cpu["peak_bytes_per_s"] is None and on_cpu["fraction_of_peak"] is None
+    assert on_cpu["limit_bytes_per_s"] == memory.read_bandwidth(torch.device("cpu"))
+    assert on_cpu["fraction_of_limit"] == pytest.approx(on_cpu["achieved_bytes_per_s"] / on_cpu["limit_bytes_per_s"])
+
+
+def test_read_bandwidth_is_a_streaming_read():
+    """The measured limit is what a sum over a buffer far larger than the caches reaches: plausible for
+    any CPU (more than 1 GB/s, less than 1 TB/s), and of the order of a timed copy of the same buffer (a
+    copy reads and writes each byte, so it takes one to three times the sum's time). A limit measured
+    over a cache-sized buffer, or counting bytes wrongly, lands outside."""
+    limit = memory.read_bandwidth(torch.device("cpu"))
+    assert 1e9 < limit < 1e12
+    buffer = torch.ones(memory.READ_BUFFER_BYTES["cpu"] // 4)
+    copy = torch.empty_like(buffer)
+    fastest = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        copy.copy_(buffer)
+        fastest = min(fastest, time.perf_counter() - start)
+    copy_read_rate = buffer.numel() * 4 / fastest
+    assert 1 < limit / copy_read_rate < 4
 
 
 def test_memory_does_not_grow_with_generated_tokens(dirs, tmp_path, capsys):
@@ -310,7 +330,8 @@ def test_draft_bytes_per_step_for_a_model_draft(dirs, tmp_path, capsys):
     copy.setup_caches(1, 64)
     assert draft["bytes_per_step"] == memory.decode_bytes(copy, result["step_position"]) < target["bytes_per_step"]
     assert draft["achieved_bytes_per_s"] > 0
-    assert re.search(r"^draft decode step: [\d.]+ ms, [\d.]+ MB read, [\d.]+ GB/s$", table, re.M)
+    assert re.search(r"^draft decode step: [\d.]+ ms, [\d.]+ MB read, [\d.]+ GB/s = \d+% of the [\d.]+ GB/s "
+                     r"measured$", table, re.M)
     result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--gamma", "2",
                               "--repeats", "1", *PROMPT_FLAGS)
     assert result["draft_memory_bandwidth"] is None and "draft decode step" not in table
@@ -333,6 +354,14 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
     assert 0 < result["prefill_s"] and ar["decode_tokens_per_second"] > 0
     assert result["step_position"] == len(PROMPTS[0]) + NEW_TOKENS // 2
     assert result["memory_bandwidth"]["fraction_of_peak"] is None  # CPU: no datasheet peak
+    # The target's forward at every width a tree or a chain verifies, against the measured limit
+    widths = result["forward_bandwidth"]
+    assert list(widths) == ["1", "2", "4", "8", "16"]  # γ + 1 = 2 and 4 among them
+    for width in widths.values():
+        assert width["bytes_per_step"] == result["memory_bandwidth"]["bytes_per_step"]
+        assert width["fraction_of_limit"] == pytest.approx(width["achieved_bytes_per_s"] / width["limit_bytes_per_s"])
+    assert re.search(r"^target forward by tokens fed \(ms, share of the measured read bandwidth\): 1: [\d.]+ ms \d+%, "
+                     r"2: .*, 16: [\d.]+ ms \d+%$", table, re.M)
     assert [row["gamma"] for row in result["rows"]] == [1, 3]
     for row in result["rows"]:
         gamma = row["gamma"]
@@ -450,6 +479,9 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--one-shot", "--batch-sizes", "2"], "--batch-sizes is a benchmark of its own"),
     (["--draft", "lookup", "ngram", "--one-shot"], "several --draft values are a benchmark of their own"),
     (["--tree", "0"], "--tree must be >= 1"),
+    (["--llama-cpp", "/nonexistent", "--prompt-ids", "1,2"], "--llama-cpp compares greedy decoding of text prompts"),
+    (["--llama-cpp", "/nonexistent"], "--llama-cpp needs --target as a GGUF file"),
+    (["--llama-cpp", "/nonexistent", "--draft", "lookup", "ngram"], "--llama-cpp goes with the main table"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]
@@ -506,3 +538,80 @@ def test_one_shot_runs_each_request_in_a_fresh_process(dirs, tmp_path, capsys, m
         assert set(row["configs"]) == {"auto", "2"} and all(c["identical"] for c in row["configs"].values())
         assert row["configs"]["auto"]["first_seconds"] > 0 and row["configs"]["auto"]["later_seconds"] > 0
     assert "| prompt | load s | plain s | γ = auto | γ = 2 | same output |" in table and "first " in table
+
+
+def fake_llama_cpp(directory, plain_ms=(500, 400, 600), decoded_s=2.0):
+    """Stand-ins for llama.cpp's programs in directory/build/bin: each appends its arguments to calls.txt
+    and prints the line llama.cpp prints when done (llama-completion's perf line: its plain rate, a
+    different time on each call; the other two their decode phase)."""
+    folder = directory / "build" / "bin"
+    folder.mkdir(parents=True)
+    times = " ".join(map(str, plain_ms))
+    scripts = {
+        "llama-completion": f'n=$(wc -l < {directory}/calls.txt); set -- {times}; shift $((n % 3)); '
+                            'echo "llama_perf_context_print: prompt eval time = 10.00 ms / 9 tokens"; '
+                            'echo "llama_perf_context_print:        eval time =     $1.00 ms /    15 runs   (x)"',
+        "llama-speculative": f'echo "decoded   16 tokens in    {decoded_s:.3f} seconds, speed:    8.000 t/s"',
+        "llama-lookup": 'echo "decoded   16 tokens in    0.500 seconds, speed:   32.000 t/s" >&2',
+    }
+    for name, body in scripts.items():
+        script = folder / name
+        script.write_text(f'#!/bin/bash\necho "$(basename $0) $*" >> {directory}/calls.txt\n{body}\n')
+        script.chmod(0o755)
+    (directory / "calls.txt").write_text("")
+
+
+def test_llama_cpp_peer_runs_each_mode_on_the_same_files_and_prompts(tmp_path):
+    """--llama-cpp: each of llama.cpp's modes on every prompt, greedy, EOS ignored, the same threads and
+    new tokens, the draft model only where --draft is a GGUF file; rates from the lines llama.cpp prints
+    (plain: eval runs / eval time; the median of the repeats)."""
+    fake_llama_cpp(tmp_path)
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    modes = llamacpp.peer_benchmark(tmp_path, target, draft, ["first prompt", "second"], 16, 3, 2, 7)
+    # plain: two prompts per pass, 15 runs each; the calls take 400, 600, 500, 400, 600, 500 ms
+    rates = [30 / 1.0, 30 / 0.9, 30 / 1.1]
+    assert modes["plain"]["tokens_per_second_repeats"] == pytest.approx(rates)
+    assert modes["plain"]["tokens_per_second"] == pytest.approx(30 / 1.0)
+    assert modes["speculative"]["tokens_per_second"] == pytest.approx(8.0)
+    assert modes["lookup"]["tokens_per_second"] == pytest.approx(32.0)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 3 * 3 * 2
+    for call in calls:
+        assert f"-m {target} -n 16 -t 2 --temp 0 --ignore-eos -s 7" in call
+    assert sum(f"-md {draft}" in call for call in calls) == 6
+    assert sum(call.endswith("-p first prompt") for call in calls) == 9
+    assert all("-no-cnv" in call for call in calls if call.startswith("llama-completion"))
+    (tmp_path / "calls.txt").write_text("")
+    assert set(llamacpp.peer_benchmark(tmp_path, target, "lookup", ["p"], 16, 1, 2, 0)) == {"plain", "lookup"}
+
+
+def test_llama_cpp_peer_failures_are_named(tmp_path):
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="no llama-completion in it"):
+        llamacpp.find_programs(tmp_path)
+    fake_llama_cpp(tmp_path)
+    with pytest.raises(ValueError, match="needs --target as a GGUF file"):
+        llamacpp.check_files(tmp_path / "missing.gguf", "lookup")
+    (tmp_path / "build" / "bin" / "llama-lookup").write_text("#!/bin/bash\necho 'error: unknown model' >&2; exit 1\n")
+    with pytest.raises(ValueError, match="llama-lookup failed \\(exit 1\\): error: unknown model"):
+        llamacpp.peer_benchmark(tmp_path, target, "lookup", ["p"], 16, 1, 2, 0)
+
+
+def test_llama_cpp_peer_against_minispec(dirs, tmp_path):
+    """minispec's decode phase against llama.cpp's: plain against plain, the best of minispec's plain
+    and rows against the best of llama.cpp's modes; in the report, one line."""
+    fake_llama_cpp(tmp_path, plain_ms=(500, 500, 500))
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    args = bench_cli.parse_args(["--target", dirs["gpt2"], "--draft", "lookup", "--prompt-ids", "1,2"])
+    args.target, args.llama_cpp, args.prompt_ids, args.prompts, args.repeats = target, tmp_path, None, "code", 1
+    result = {"autoregressive": {"decode_tokens_per_second": 15.0}, "rows": [{"decode_tokens_per_second": 48.0}]}
+    peer = benchmarks.peer(args, minispec.load(dirs["gpt2"]), result)
+    assert peer["plain_vs_plain"] == pytest.approx(15.0 / 30.0)  # llama.cpp plain: 15 runs in 0.5 s
+    assert peer["best_vs_best"] == pytest.approx(48.0 / 32.0)  # its best: lookup
+    line = report.peer_line(peer)
+    assert line == (f"llama.cpp, {peer['threads']} threads, decode phase: plain 30.0 tok/s, lookup 32.0 tok/s; "
+                    "minispec's plain 0.50x its plain, minispec's best mode 1.50x its best")

@@ -10,6 +10,8 @@ from ..api import generate
 from ..cli import load_target_and_draft
 from ..loading.weights import DTYPES
 from ..decoding.sampling import Sampling
+from ..loading.chat import chat_prompt
+from .llamacpp import peer_benchmark
 from .prompts import prompt_ids_of, read_prompts
 from .memory import bandwidth, memory_growth
 from .reference import reference_runners
@@ -102,6 +104,8 @@ def benchmark(args):
         "step_position": steps["position"],
         "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
         "draft_memory_bandwidth": steps["draft_bandwidth"],
+        # A forward over n tokens reads what a 1-token step reads: n rows per weight read is the point.
+        "forward_bandwidth": {n: bandwidth(target, steps["position"], s) for n, s in steps["forward_s"].items()},
         "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
         if args.memory_tokens else None,
         "row_invariance_price": row_invariance_price(target, target.encode(torch.tensor([prompts[0]], device=device)))
@@ -144,6 +148,8 @@ def benchmark(args):
                                                               measured["decode_tokens_per_target_call"],
                                                               decode_speedup))
         result["rows"].append(row)
+    if args.llama_cpp:
+        result["llama_cpp"] = peer(args, target, result)
     if args.compare_reference:
         ref = timed["reference", None]
         result["reference"] = {
@@ -155,6 +161,19 @@ def benchmark(args):
                          for g in args.gamma if ("reference", g) in timed],
         }
     return result
+
+
+def peer(args, target, result):
+    """llama.cpp's modes on the same GGUF files and prompts (bench/llamacpp.py), and minispec's decode
+    phase against them: plain against plain, the best mode (plain or any row) against llama.cpp's best."""
+    texts = [chat_prompt(target.tokenizer, p) if args.chat else p for p in read_prompts(args)]
+    modes = peer_benchmark(args.llama_cpp, args.target, args.draft, texts, args.max_new_tokens, args.repeats,
+                           torch.get_num_threads(), args.seed)
+    plain = result["autoregressive"]["decode_tokens_per_second"]
+    best = max([plain] + [row["decode_tokens_per_second"] for row in result["rows"]])
+    best_peer = max(mode["tokens_per_second"] for mode in modes.values())
+    return {"modes": modes, "threads": torch.get_num_threads(),
+            "plain_vs_plain": plain / modes["plain"]["tokens_per_second"], "best_vs_best": best / best_peer}
 
 
 def batch_benchmark(args):

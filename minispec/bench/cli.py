@@ -10,6 +10,7 @@ from ..cli import gamma_setting, token_ids, tree_setting
 from ..loading.weights import DTYPES
 from ..models import quant
 from .benchmarks import batch_benchmark, beam_benchmark, benchmark, sampling_of
+from . import llamacpp
 from .drafters import drafters_benchmark
 from .oneshot import one_shot_benchmark
 from .report import markdown_table
@@ -71,6 +72,9 @@ def parse_args(argv):
     parser.add_argument("--one-shot", action="store_true",
                         help="instead of the table above: every request in a fresh process, as run.py runs it, "
                              "plain against each --gamma (with --beams: beam search), per prompt")
+    parser.add_argument("--llama-cpp", metavar="DIR",
+                        help="also run llama.cpp's plain, speculative (a GGUF --draft) and prompt-lookup decoding "
+                             "on the same GGUF --target and text prompts: its binaries in DIR (never a dependency)")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.memory_tokens and args.memory_tokens <= 16:
@@ -88,6 +92,15 @@ def parse_args(argv):
                          "--one-shot")
     if len(args.draft) == 1:
         args.draft = args.draft[0]
+    if args.llama_cpp:
+        if args.batch_sizes or args.beams or args.one_shot or isinstance(args.draft, list):
+            raise ValueError("--llama-cpp goes with the main table: one --draft, without --batch-sizes, --beams "
+                             "and --one-shot")
+        if args.prompt_ids or args.temperature != 0:
+            raise ValueError("--llama-cpp compares greedy decoding of text prompts: without --prompt-ids and "
+                             "--temperature")
+        llamacpp.check_files(args.target, args.draft)
+        llamacpp.find_programs(args.llama_cpp)
     if isinstance(args.tree, int) and args.tree < 1:
         raise ValueError(f"--tree must be >= 1, got {args.tree}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.seeds < 1:

@@ -1,7 +1,10 @@
-"""Memory: the bytes a decode step reads and the bandwidth that achieves (against a GPU's datasheet
-peak), and the peak tensor memory of a generation, which must not grow with its length."""
+"""Memory: the bytes a decode step reads and the bandwidth that achieves, against the device's measured
+read bandwidth (the limit a step that reads its weights once can reach) and a GPU's datasheet peak; and
+the peak tensor memory of a generation, which must not grow with its length."""
 
+import functools
 import re
+import time
 
 import torch
 from torch import nn
@@ -51,15 +54,40 @@ def peak_bandwidth(device_name):
     return next((peak for pattern, peak in PEAK_BANDWIDTH if re.search(pattern, name)), None)
 
 
-def bandwidth(target, position, step_seconds):
-    """The bytes the target's decode step reads, its achieved bandwidth and, on a GPU with a known
-    datasheet, the fraction of the peak that is."""
-    cuda = target.device.type == "cuda"
-    device_name = torch.cuda.get_device_name(target.device) if cuda else str(target.device)
-    size = decode_bytes(target, position)
+# The streaming read: a buffer far larger than any cache (a CPU's last level holds tens of MB, an H100's
+# L2 50 MB), summed (one read of each byte; the adds cost far less than the loads on either device).
+READ_BUFFER_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}
+READ_ROUNDS = 5
+
+
+@functools.cache
+def read_bandwidth(device):
+    """Bytes/s the device reads at, streaming: the fastest of READ_ROUNDS sums over a buffer of
+    READ_BUFFER_BYTES (with the threads torch uses, as a forward does). Measured once per process."""
+    device = torch.device(device)
+    buffer = torch.ones(READ_BUFFER_BYTES[device.type] // 4, device=device)  # written: pages mapped before timing
+    fastest = float("inf")
+    for _ in range(READ_ROUNDS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        buffer.sum().item()  # .item(): waits for the sum on a GPU
+        fastest = min(fastest, time.perf_counter() - start)
+    return buffer.numel() * 4 / fastest
+
+
+def bandwidth(model, position, step_seconds):
+    """The bytes the model's decode step reads, the bandwidth it achieves and the fraction that is of
+    the device's measured read bandwidth (`read_bandwidth`) and, on a GPU with a known datasheet, of
+    its peak."""
+    cuda = model.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(model.device) if cuda else str(model.device)
+    size = decode_bytes(model, position)
     achieved = size / step_seconds
+    limit = read_bandwidth(model.device)
     peak = peak_bandwidth(device_name) if cuda else None
     return {"device_name": device_name, "bytes_per_step": size, "achieved_bytes_per_s": achieved,
+            "limit_bytes_per_s": limit, "fraction_of_limit": achieved / limit,
             "peak_bytes_per_s": peak, "fraction_of_peak": achieved / peak if peak else None}
 
 

@@ -1,6 +1,22 @@
 """The benchmarks' results as markdown tables."""
 
 
+def read(bandwidth):
+    """A step's bytes and bandwidth against the device's measured read bandwidth (and datasheet peak)."""
+    peak = f", {bandwidth['fraction_of_peak']:.0%} of {bandwidth['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
+        if bandwidth["fraction_of_peak"] else ""
+    return (f"{bandwidth['bytes_per_step'] / 1e6:.3g} MB read, {bandwidth['achieved_bytes_per_s'] / 1e9:.1f} GB/s = "
+            f"{bandwidth['fraction_of_limit']:.0%} of the {bandwidth['limit_bytes_per_s'] / 1e9:.1f} GB/s measured{peak}")
+
+
+def peer_line(peer):
+    """llama.cpp's modes (bench/llamacpp.py) and minispec against them."""
+    return (f"llama.cpp, {peer['threads']} threads, decode phase: " + ", ".join(
+        f"{mode} {m['tokens_per_second']:.1f} tok/s" for mode, m in peer["modes"].items())
+        + f"; minispec's plain {peer['plain_vs_plain']:.2f}x its plain, minispec's best mode "
+          f"{peer['best_vs_best']:.2f}x its best")
+
+
 def markdown_table(result):
     s = result["settings"]
     seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
@@ -15,16 +31,16 @@ def markdown_table(result):
              "decode speedup and Theorem 3.8 (predicted) leave it out", ""]
     bw = result["memory_bandwidth"]
     if bw:
-        fraction = f" = {bw['fraction_of_peak']:.0%} of {bw['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
-            if bw["fraction_of_peak"] else ""
-        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, "
-                  f"{bw['bytes_per_step'] / 1e6:.3g} MB read, "
-                  f"{bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s{fraction} ({bw['device_name']})", ""]
+        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {read(bw)} ({bw['device_name']})", ""]
     draft_bw = result["draft_memory_bandwidth"]
     if draft_bw:
         step_ms = draft_bw["bytes_per_step"] / draft_bw["achieved_bytes_per_s"] * 1e3
-        lines += [f"draft decode step: {step_ms:.2f} ms, "
-                  f"{draft_bw['bytes_per_step'] / 1e6:.3g} MB read, {draft_bw['achieved_bytes_per_s'] / 1e9:.1f} GB/s", ""]
+        lines += [f"draft decode step: {step_ms:.2f} ms, {read(draft_bw)}", ""]
+    widths = result.get("forward_bandwidth")
+    if widths:
+        lines += ["target forward by tokens fed (ms, share of the measured read bandwidth): " + ", ".join(
+            f"{n}: {w['bytes_per_step'] / w['achieved_bytes_per_s'] * 1e3:.2f} ms {w['fraction_of_limit']:.0%}"
+            for n, w in widths.items()), ""]
     memory = result["memory"]
     if memory:
         growth = f" (growth {memory['growth']:+.2%})" if memory["growth"] is not None else ""
@@ -37,6 +53,8 @@ def markdown_table(result):
         lines += ["row invariance: target forward with / without (ms): " + ", ".join(
             f"{n} tokens {price['with'][n] * 1e3:.1f} / {price['without'][n] * 1e3:.1f} "
             f"({price['with'][n] / price['without'][n]:.2f}x)" for n in price["with"]), ""]
+    if result.get("llama_cpp"):
+        lines += [peer_line(result["llama_cpp"]), ""]
     reference = result.get("reference")
     assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
     if reference:

@@ -14,6 +14,7 @@ from ..models.kernels import without_row_invariance
 from .memory import bandwidth
 
 STEP_SAMPLES = 25  # forwards timed per step-time median
+FORWARD_WIDTHS = (1, 2, 4, 8, 16)  # the target forwards timed besides the verifications: up to tree.TREE_AUTO
 
 
 def synchronize(device):
@@ -115,17 +116,20 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     """Median seconds of the forwards Theorem 3.8 is about, with prompt + `generated` in the caches:
     a 1-token target decode (one autoregressive step), a (γ+1)-token one (one verification) and one
     draft step. A model drafter's step is a 1-token decode; a model-free drafter's is its time to
-    propose γ guesses, divided by γ. Returns {"position", "target_step_s", "verify_step_s": {γ: s},
-    "draft_step_s": {γ: s}, "draft_bandwidth": a draft model's bytes per step and bytes/s, or None}."""
+    propose γ guesses, divided by γ. The target's forward is also timed at each of FORWARD_WIDTHS
+    tokens (a tree's or a chain's verification). Returns {"position", "target_step_s", "verify_step_s":
+    {γ: s}, "forward_s": {width: s}, "draft_step_s": {γ: s}, "draft_bandwidth": a draft model's bytes per
+    step and bytes/s, or None}."""
     if draft in SELF_DRAFT_MODES:  # the target's quantized copy: a model drafter
         draft = make_drafter(draft, target).model
     device = target.device
     start = target.encode(prompt_ids)
-    if target.context_length is not None:  # keep the (γ+1)-token forward inside the context
-        generated = generated[:max(target.context_length - start.shape[1] - max(gammas) - 1, 0)]
+    widths = sorted(set(FORWARD_WIDTHS) | {g + 1 for g in gammas})
+    if target.context_length is not None:  # keep the widest forward inside the context
+        generated = generated[:max(target.context_length - start.shape[1] - widths[-1], 0)]
     generated = torch.tensor([generated], dtype=torch.long, device=device).view(1, -1)
     prefix = torch.cat([start, generated], dim=1)
-    steps = decode_steps(target, prefix, [1] + [g + 1 for g in gammas])
+    steps = decode_steps(target, prefix, widths)
     fns = {("target", n): fn for n, fn in steps.items()}
     if isinstance(draft, CachedLM):
         fns["draft", 1] = decode_steps(draft, torch.cat([draft.encode(prompt_ids), generated], dim=1), [1])[1]
@@ -137,7 +141,8 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     times = median_times(fns, device)
     draft_step = {g: times["draft", 1] if isinstance(draft, CachedLM) else times["draft", g] / g for g in gammas}
     return {"position": prefix.shape[1], "target_step_s": times["target", 1],
-            "verify_step_s": {g: times["target", g + 1] for g in gammas}, "draft_step_s": draft_step,
+            "verify_step_s": {g: times["target", g + 1] for g in gammas},
+            "forward_s": {n: times["target", n] for n in widths}, "draft_step_s": draft_step,
             "draft_bandwidth": bandwidth(draft, prefix.shape[1], times["draft", 1])
             if isinstance(draft, CachedLM) else None}
 
