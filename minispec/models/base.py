@@ -284,7 +284,7 @@ class CachedLM(nn.Module):
             last = None  # earlier chunks: a chain
             if layout is not None and end == n:
                 last = layout._replace(positions=layout.positions[:, start:], keys=layout.keys[:, start:],
-                                       window=layout.window[:, start:])
+                                       window=layout.window[:, start:], shared={})
             out.append(self.forward(tokens[:, start:end], input_pos[..., start:end], wanted, last,
                                     self.keys_for(ends(end)), hidden, None if inputs is None else inputs[:, start:end]))
         if len(out) == 1:
@@ -322,7 +322,7 @@ class CachedLM(nn.Module):
             raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} of cache rows "
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
-        if rows == 1 and widths[0] == n and parents is None:  # a lone request: decode()'s positions and graphs
+        if rows == 1 and widths[0] == n:  # a lone request: decode()'s slots and graphs (a tree's positions: its layout's)
             input_pos = torch.arange(lengths[0], lengths[0] + n, device=tokens.device)
         else:
             input_pos = torch.tensor([[length + min(j, max(width - 1, 0)) for j in range(n)]

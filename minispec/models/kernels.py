@@ -182,6 +182,10 @@ class TreeLayout(NamedTuple):
     keys: torch.Tensor  # [rows, n, S]: the cache slot holding each position's key, for each token
     window: torch.Tensor  # [rows, n, W]: keys at the positions of the window's blocks
     window_positions: torch.Tensor  # [rows, W]: those positions: whole blocks, the blocks that hold the trees
+    first_block: int  # the window's first block in row 0 (the host knows it: no device sync to read it)
+    # attend_cache's index tensors, by attention shape: made by the forward's first layer, read by the
+    # others (the layers' index arithmetic cost a tree forward more than its attention did)
+    shared: dict
 
 
 def tree_layout(lengths, parents, widths, n, cache_positions, device):
@@ -224,7 +228,40 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     first_block = first_block.clamp(max=blocks - window_blocks)
     span = first_block[:, None] * KEY_BLOCK + torch.arange(window_blocks * KEY_BLOCK)
     window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
-    return TreeLayout(*(t.to(device) for t in (positions, keys, window, span)))
+    return TreeLayout(*(t.to(device) for t in (positions, keys, window, span)), first_block=int(first_block[0]),
+                      shared={})
+
+
+class TreeIndices(NamedTuple):
+    """What attend_cache gathers for a forward's trees, the same in every layer (`tree_indices`); q has
+    rows = group x n query rows (group-major), padded by `pad` to whole row blocks."""
+    scores: torch.Tensor  # [b, h, rows + pad, S]: the cache slot whose score each row reads at each position
+    values: torch.Tensor  # [b, h, n x W, d]: each token's window of values, its path's in position order
+    weights: torch.Tensor  # [b, h, n x W / KEY_BLOCK x (group + pad') x KEY_BLOCK]: the window's weights by
+    # (token, block), each the rows of one product, padded to a whole row block by repeating the last
+    blocks: torch.Tensor  # [b, h, W / KEY_BLOCK, group, n, d]: the window's blocks among all blocks
+    first_block: int  # the first of them in batch row 0
+
+
+def tree_indices(layout, b, h, group, pad, d):
+    """attend_cache's TreeIndices for q [b, h, group x n (+ pad), d] under `layout` (made once a forward)."""
+    n, span = layout.window.shape[1:]
+    S = layout.keys.shape[-1]
+    row_block = CUDA_ATTENTION_ROW_BLOCK if layout.keys.is_cuda else ATTENTION_ROW_BLOCK
+    padded_group = group + -group % row_block
+    rows = torch.arange(group * n + pad, device=layout.keys.device).clamp(max=group * n - 1)  # pad: the last
+    scores = layout.keys.repeat(1, group, 1)[:, rows]  # row g x n + t reads as token t does
+    values = layout.window.reshape(b, 1, n * span, 1)
+    # weights[b, h, row, position] for row = g x n + t (g < group, then the last g again) and the window's
+    # positions, in the order (t, block, g, key) of the products' rows
+    g = torch.arange(padded_group, device=rows.device).clamp(max=group - 1)
+    t = torch.arange(n, device=rows.device)
+    row = (g[None, :] * n + t[:, None])  # [n, padded group]
+    blocked = layout.window_positions.view(b, 1, span // KEY_BLOCK, 1, KEY_BLOCK)
+    weights = (row[None, :, None, :, None] * S + blocked).reshape(b, 1, -1)
+    blocks = (layout.window_positions[:, ::KEY_BLOCK] // KEY_BLOCK).view(b, 1, -1, 1, 1, 1)
+    return TreeIndices(scores[:, None].expand(b, h, -1, -1), values.expand(b, h, -1, d),
+                       weights.expand(b, h, -1), blocks.expand(b, h, -1, group, n, d), layout.first_block)
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None):
@@ -244,13 +281,13 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     if pad and mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
         mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, S)], dim=-2)
     scores = q.float() @ k.float().transpose(-1, -2)  # each score alone: invariant to the key's slot
-    group = 1
-    if layout is not None:  # each token's keys in position order: its path, not its siblings'. Only the
-        # window's positions read other slots than their own.
-        group = rows // layout.keys.shape[1]
-        slots = layout.window.repeat(1, group, 1)
-        slots = torch.cat([slots, slots[:, -1:].expand(-1, pad, -1)], dim=1)[:, None].expand(b, h, -1, -1)
-        scores = scores.scatter(-1, layout.window_positions[:, None, None, :].expand_as(slots), scores.gather(-1, slots))
+    if layout is not None:  # each token's keys in position order: its path, not its siblings'
+        shape = (b, h, rows // layout.keys.shape[1], pad, d)
+        if torch.compiler.is_compiling():  # a graph computes them once anyway (and holds no dict)
+            indices = tree_indices(layout, *shape)
+        else:
+            indices = layout.shared.get(shape) or layout.shared.setdefault(shape, tree_indices(layout, *shape))
+        scores = scores.gather(-1, indices.scores)
     # Out of place: the same numbers, and gradients can flow (training a draft head, heads/train.py).
     if scale != 1.0:
         scores = scores * (scale if scale is not None else d ** -0.5)
@@ -259,8 +296,7 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     values = v.float()
     products = weights.transpose(1, 2) @ values.view(b * h, S // KEY_BLOCK, KEY_BLOCK, d)  # [bh, blocks, rows, d]
     if layout is not None:
-        products = tree_products(products.view(b, h, -1, rows + pad, d), weights.view(b, h, rows + pad, S),
-                                 values, layout, group).view(b * h, -1, rows + pad, d)
+        tree_products(products.view(b, h, -1, rows + pad, d), weights.view(b, h, -1), values, indices)
     # Each block's products and exp-sum, then the blocks added one after another: cumsum adds in order,
     # so blocks of zeros past a row's keys (however many the forward reads) change nothing.
     blocks = torch.cat([products, weights.sum(-1).transpose(1, 2).unsqueeze(-1)], dim=-1)
@@ -269,27 +305,25 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     return out.view(b, h, rows + pad, d)[..., :rows, :].to(q.dtype)
 
 
-def tree_products(products, weights, values, layout, group):
-    """products [b, h, blocks, rows, d] with the window's blocks recomputed per token from its own path's
-    values (the blocks outside the window hold the same keys for every token)."""
-    b, h, _, padded, d = products.shape
-    n, span = layout.window.shape[1:]
-    rows = n * group
-    # Each token's values at the window's positions: [b, h, n, span, d] (one index: rows of d copied)
-    batch = torch.arange(b, device=values.device)[:, None, None]
-    own = values[batch, :, layout.window].permute(0, 3, 1, 2, 4)
-    w = weights[:, :, :rows].gather(-1, layout.window_positions[:, None, None, :].expand(b, h, rows, span))
-    # [b, h, group, n, blocks, KEY_BLOCK] -> one product per (token, block) of its group's rows, the row
-    # count padded as every attention product is (the same kernel as the blocks outside the window)
-    w = w.view(b, h, group, n, span // KEY_BLOCK, KEY_BLOCK).permute(0, 1, 3, 4, 2, 5)
-    pad = -group % ATTENTION_ROW_BLOCK if not w.is_cuda else -group % CUDA_ATTENTION_ROW_BLOCK
-    w = F.pad(w, (0, 0, 0, pad)).reshape(-1, group + pad, KEY_BLOCK)
-    own = own.view(b, h, n, span // KEY_BLOCK, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d)
-    mine = (w @ own).view(b, h, n, span // KEY_BLOCK, group + pad, d)[..., :group, :]
-    mine = mine.permute(0, 1, 3, 4, 2, 5).reshape(b, h, span // KEY_BLOCK, rows, d)  # rows group-major
-    mine = torch.cat([mine, mine[..., -1:, :].expand(b, h, span // KEY_BLOCK, padded - rows, d)], dim=-2)
-    blocks = layout.window_positions[:, ::KEY_BLOCK] // KEY_BLOCK
-    return products.scatter(2, blocks[:, None, :, None, None].expand_as(mine), mine)
+def tree_products(products, weights, values, indices):
+    """Recompute the window's blocks of products [b, h, blocks, rows + pad, d] in place, per token from
+    its own path's values (the blocks outside the window hold the same keys for every token). weights:
+    [b, h, (rows + pad) x S]."""
+    b, h, _, _, d = products.shape
+    _, _, window_blocks, group, n, _ = indices.blocks.shape
+    if b == 1:  # one request: whole rows of d copied (a gather takes each number alone, 8x slower here)
+        own = values[0].index_select(1, indices.values[0, 0, :, 0])
+    else:
+        own = values.gather(2, indices.values)
+    own = own.view(-1, KEY_BLOCK, d)  # [(b, h, token, block), key, d]
+    w = weights.gather(2, indices.weights).view(own.shape[0], -1, KEY_BLOCK)  # [(b, h, token, block), group + pad', key]
+    mine = (w @ own).view(b, h, n, window_blocks, -1, d)[..., :group, :].permute(0, 1, 3, 4, 2, 5)
+    products = products[:, :, :, :group * n].unflatten(3, (group, n))
+    if b == 1:  # the window's blocks are consecutive: a copy into them, not a scatter
+        first = indices.first_block
+        products[:, :, first:first + window_blocks].copy_(mine)
+    else:
+        products.scatter_(2, indices.blocks, mine)
 
 
 @contextmanager
