@@ -542,16 +542,16 @@ def test_one_shot_runs_each_request_in_a_fresh_process(dirs, tmp_path, capsys, m
 
 def fake_llama_cpp(directory, plain_ms=(500, 400, 600), decoded_s=2.0):
     """Stand-ins for llama.cpp's programs in directory/build/bin: each appends its arguments to calls.txt
-    and prints the line llama.cpp prints when done (llama-completion's perf line: its plain rate, a
-    different time on each call; the other two their decode phase)."""
+    and prints the line llama.cpp prints when done, with or without its log prefix (llama-completion's
+    perf lines: its plain rate, a different time on each call; the other two their decode phase)."""
     folder = directory / "build" / "bin"
     folder.mkdir(parents=True)
     times = " ".join(map(str, plain_ms))
     scripts = {
         "llama-completion": f'n=$(wc -l < {directory}/calls.txt); set -- {times}; shift $((n % 3)); '
-                            'echo "llama_perf_context_print: prompt eval time = 10.00 ms / 9 tokens"; '
-                            'echo "llama_perf_context_print:        eval time =     $1.00 ms /    15 runs   (x)"',
-        "llama-speculative": f'echo "decoded   16 tokens in    {decoded_s:.3f} seconds, speed:    8.000 t/s"',
+                            'echo "0.00.788.984 I common_perf_print: prompt eval time = 10.00 ms / 9 tokens"; '
+                            'echo "0.00.789.014 I common_perf_print:        eval time =     $1.00 ms /    15 runs   (x)"',
+        "llama-speculative": f'echo "0.00.784.475 I decoded   16 tokens in    {decoded_s:.3f} seconds, speed:    8.000 t/s"',
         "llama-lookup": 'echo "decoded   16 tokens in    0.500 seconds, speed:   32.000 t/s" >&2',
     }
     for name, body in scripts.items():
@@ -610,6 +610,7 @@ def test_llama_cpp_peer_against_minispec(dirs, tmp_path):
     args.target, args.llama_cpp, args.prompt_ids, args.prompts, args.repeats = target, tmp_path, None, "code", 1
     result = {"autoregressive": {"decode_tokens_per_second": 15.0}, "rows": [{"decode_tokens_per_second": 48.0}]}
     peer = benchmarks.peer(args, minispec.load(dirs["gpt2"]), result)
+    assert (tmp_path / "calls.txt").read_text().count("-p Rewrite this Python function") == 2
     assert peer["plain_vs_plain"] == pytest.approx(15.0 / 30.0)  # llama.cpp plain: 15 runs in 0.5 s
     assert peer["best_vs_best"] == pytest.approx(48.0 / 32.0)  # its best: lookup
     line = report.peer_line(peer)

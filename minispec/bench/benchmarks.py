@@ -166,7 +166,8 @@ def benchmark(args):
 def peer(args, target, result):
     """llama.cpp's modes on the same GGUF files and prompts (bench/llamacpp.py), and minispec's decode
     phase against them: plain against plain, the best mode (plain or any row) against llama.cpp's best."""
-    texts = [chat_prompt(target.tokenizer, p) if args.chat else p for p in read_prompts(args)]
+    # the chat turn as text, its markers spelled out: llama.cpp reads them as the special tokens they are
+    texts = [target.tokenizer.decode(chat_prompt(target.tokenizer, p)) if args.chat else p for p in read_prompts(args)]
     modes = peer_benchmark(args.llama_cpp, args.target, args.draft, texts, args.max_new_tokens, args.repeats,
                            torch.get_num_threads(), args.seed)
     plain = result["autoregressive"]["decode_tokens_per_second"]

@@ -12,10 +12,10 @@ from pathlib import Path
 # llama.cpp's programs for each mode: a plain completion, a draft model's speculation, and prompt lookup
 # (n-grams of the context: minispec's `lookup`).
 PROGRAMS = {"plain": "llama-completion", "speculative": "llama-speculative", "lookup": "llama-lookup"}
-# What they print when done: the completion its context's perf line (the first token comes out of the
-# prompt's forward), the other two their decode phase.
-EVAL_LINE = re.compile(r"^\S+:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs", re.M)
-DECODED_LINE = re.compile(r"^decoded\s+(\d+) tokens in\s+([\d.]+) seconds", re.M)
+# What they print when done, after a log prefix (a timestamp) or none: the completion its context's perf
+# line (the first token comes out of the prompt's forward), the other two their decode phase.
+EVAL_LINE = re.compile(r"\S+:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
+DECODED_LINE = re.compile(r"(?:^|\s)decoded\s+(\d+) tokens in\s+([\d.]+) seconds", re.M)
 RUN_SECONDS = 600  # one request, however slow the model: past this the peer is hung
 
 
