@@ -74,6 +74,31 @@ def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoi
     assert minispec.generate(int4, longer, draft="lookup", gamma=3, **greedy).tokens == compiled[1]
 
 
+def test_a_graph_per_power_of_two_of_widths(checkpoint):
+    """Compiled forwards over 3 and 4 tokens share one graph (width 4; the 3-token forward padded with
+    its last token), 5 to 8 tokens one more: what gamma="auto" meets stays a few graphs. The padded
+    forward gives the eager forward's logits (to float tolerance: inductor fuses differently) and
+    writes no cache slot past its tokens."""
+    model, eager = minispec.load(checkpoint, compile=True), minispec.load(checkpoint)
+    for m in (model, eager):
+        m.setup_caches(1, 64)
+        m.prefill(torch.tensor([PROMPT]))
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    counters.clear()
+    for n in (3, 4, 3, 5, 8, 7, 6):
+        for m in (model, eager):
+            m.rollback(len(PROMPT))
+        caches = [layer.attention.kv_cache for layer in model.layers]
+        for cache in caches:
+            cache.k[:, :, len(PROMPT):] = 0
+        logits = model.decode(tokens[:, :n])
+        assert logits.shape[1] == n
+        torch.testing.assert_close(logits, eager.decode(tokens[:, :n]), rtol=1e-4, atol=1e-4)
+        assert all(cache.k[0, :, len(PROMPT) + n - 1].any() and not cache.k[0, :, len(PROMPT) + n:].any()
+                   for cache in caches)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 class ReusedOutputs:
     """CUDA graphs' memory reuse, on CPU: a replay writes its outputs where earlier replays' outputs
     live (cudagraph trees share one memory pool across graphs), so logits read after a later forward

@@ -44,6 +44,13 @@ from .kernels import can_pack, linear, pack, tree_layout, whole_blocks
 PREFILL_CHUNK = 128
 
 
+def compiled_width(n):
+    """The token width of the compiled graph that decodes n tokens: the next power of two. A graph per
+    width met (gamma="auto" meets every width up to 17, trees more) compiled for minutes on a CPU, in
+    the middle of requests; padded rows repeat the last token (decode_rows), which costs less."""
+    return 1 << (n - 1).bit_length()
+
+
 class KVCache(nn.Module):
     """Keys and values of one attention layer, preallocated for `max_seq_len` positions."""
 
@@ -225,7 +232,8 @@ class CachedLM(nn.Module):
 
     def compile(self, mode=None):
         """torch.compile the decode forward: static shapes (the caches are preallocated), one graph per
-        token width (1 for plain decoding, γ+1 for verification), each compiled on first use.
+        width bucket (`compiled_width`: 1 for plain decoding, γ+1 rounded up for a verify), each compiled
+        on first use.
         Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
@@ -261,11 +269,10 @@ class CachedLM(nn.Module):
                 f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
                 f"{self.cache_max_seq_len} positions"
             )
-        input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
         if self.compiled_forward is not None and not eager and logits_for is None:
-            # graphs guard on strides; a slice of the prompt has odd ones
-            logits = self.compiled_forward(tokens.clone(memory_format=torch.contiguous_format), input_pos)
+            logits = self.decode_rows(tokens, [self.length])  # its graphs
         else:
+            input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
             logits = self.eager_forward(tokens, input_pos, logits_for, None, lambda j: self.length + j)
         self.length += n
         return logits
@@ -322,19 +329,24 @@ class CachedLM(nn.Module):
             raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} of cache rows "
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
-        if rows == 1 and widths[0] == n:  # a lone request: decode()'s slots and graphs (a tree's positions: its layout's)
-            input_pos = torch.arange(lengths[0], lengths[0] + n, device=tokens.device)
-        else:
-            input_pos = torch.tensor([[length + min(j, max(width - 1, 0)) for j in range(n)]
-                                      for length, width in zip(lengths, widths)], device=tokens.device)
         compiled = self.compiled_forward if first_row == 0 and not eager and logits_for is None else None
+        fed = n
+        if compiled is not None:  # a graph per width bucket, not per width: the rest padded as above
+            n = compiled_width(n)
+            tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)
+                              for x in (tokens, inputs))
+        slots = [[length + min(j, max(width - 1, 0)) for j in range(n)] for length, width in zip(lengths, widths)]
+        # one row (a lone request, its tree): slots as a list (index_copy writes the cache); rows: per row
+        input_pos = torch.tensor(slots[0] if rows == 1 else slots, device=tokens.device)
         positions = self.cache_max_seq_len if compiled is not None else self.keys_for(ends(n))
         layout = None if parents is None else tree_layout(lengths, parents, widths, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
             tokens = tokens.clone(memory_format=torch.contiguous_format)
             if hidden or inputs is not None:
-                return compiled(tokens, input_pos, None, layout, None, hidden, inputs)
-            return compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
+                out = compiled(tokens, input_pos, None, layout, None, hidden, inputs)
+                return (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
+            logits = compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
+            return logits[:, :fed]
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
             return self.eager_forward(tokens, input_pos, logits_for, layout, ends, hidden, inputs)
 
