@@ -98,7 +98,7 @@ def benchmark(args):
                      "prompts": len(prompts), "seeds": args.seeds},
         "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
                                               "decode_tokens_per_second", "request_seconds",
-                                              "request_seconds_fastest", "outputs")},
+                                              "request_seconds_fastest", "warmup_seconds", "outputs")},
         "prefill_s": statistics.mean(s["prefill_seconds"] for s in ar["stats"]),
         "target_step_s": steps["target_step_s"],
         "step_position": steps["position"],
@@ -123,6 +123,7 @@ def benchmark(args):
             "gamma": gamma, "tokens_per_second": spec["tokens_per_second"],
             "tokens_per_second_repeats": spec["tokens_per_second_repeats"], "speedup": speedup,
             "decode_tokens_per_second": spec["decode_tokens_per_second"], "decode_speedup": decode_speedup,
+            "warmup_seconds": spec["warmup_seconds"],
             **measured, "c": c, "best_gamma": best, "best_gamma_predicted_speedup": best_speedup,
             # Greedy speculative decoding must reproduce greedy autoregressive decoding exactly.
             "identical_to_autoregressive": spec["outputs"] == ar["outputs"] if greedy else None,

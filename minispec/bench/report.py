@@ -28,7 +28,10 @@ def markdown_table(result):
              f"temperature {s['temperature']}{top_k_p(s)}, median of {s['repeats']}; "
              f"step times at position {result['step_position']}", "",
              f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
-             "decode speedup and Theorem 3.8 (predicted) leave it out", ""]
+             "decode speedup and Theorem 3.8 (predicted) leave it out", "",
+             f"warm-up pass over the prompts{' (compiling the graphs)' if s['compile'] else ''}: plain "
+             f"{result['autoregressive']['warmup_seconds']:.1f} s, then " + ", ".join(
+                 f"γ = {r['gamma']} {r['warmup_seconds']:.1f} s" for r in result["rows"]), ""]
     bw = result["memory_bandwidth"]
     if bw:
         lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {read(bw)} ({bw['device_name']})", ""]

@@ -64,10 +64,16 @@ def time_generation(runners, requests, repeats, device):
     runners: {name: run_one}, run_one(request) -> (generated ids, stats dict); stats may hold
     "prefill_seconds" and "first_call_tokens" (the tokens out of the prefill). Returns {name: median
     tokens/s over the rounds (and, where prefill times are known, median tokens/s of the decode
-    phase), each round's, and the outputs and stats of the last}."""
-    for run_one in runners.values():
+    phase), each round's, the warm-up pass's seconds (compiled: its graphs' compile time in them), and
+    the outputs and stats of the last}."""
+    warmup_seconds = {}
+    for name, run_one in runners.items():
+        synchronize(device)
+        start = time.perf_counter()
         for request in requests:
             run_one(request)
+        synchronize(device)
+        warmup_seconds[name] = time.perf_counter() - start
     rates = {name: [] for name in runners}
     decode_rates = {name: [] for name in runners}
     request_seconds = {name: [[] for _ in requests] for name in runners}
@@ -93,6 +99,7 @@ def time_generation(runners, requests, repeats, device):
                    "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
                    "request_seconds": [statistics.median(t) for t in request_seconds[name]],
                    "request_seconds_fastest": [min(t) for t in request_seconds[name]],
+                   "warmup_seconds": warmup_seconds[name],
                    "outputs": [tokens for tokens, _ in last[name]], "stats": [stats for _, stats in last[name]]}
             for name in runners}
 
