@@ -99,6 +99,21 @@ def test_a_graph_per_power_of_two_of_widths(checkpoint):
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_compiled_trees_match_eager_and_never_recompile(checkpoint):
+    """A token tree through the compiled forward: the eager forward's logits (to float tolerance), and
+    trees further on (their window in other key blocks) run the same graph."""
+    model, eager = minispec.load(checkpoint, compile=True), minispec.load(checkpoint)
+    parents, tokens = [[-1, 0, 0, 1, -1]], torch.tensor([[3, 1, 4, 1, 5]])
+    for length in (7, 45, 80):
+        with torch._dynamo.config.patch(error_on_recompile=length > 7):
+            logits = []
+            for m in (model, eager):
+                m.setup_caches(1, 128)
+                m.prefill(torch.arange(length)[None] % 50)
+                logits.append(m.decode_rows(tokens, [length], parents=parents))
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
 class ReusedOutputs:
     """CUDA graphs' memory reuse, on CPU: a replay writes its outputs where earlier replays' outputs
     live (cudagraph trees share one memory pool across graphs), so logits read after a later forward

@@ -65,7 +65,10 @@ def read_bandwidth(device):
     """Bytes/s the device reads at, streaming: the fastest of READ_ROUNDS sums over a buffer of
     READ_BUFFER_BYTES (with the threads torch uses, as a forward does). Measured once per process."""
     device = torch.device(device)
-    buffer = torch.ones(READ_BUFFER_BYTES[device.type] // 4, device=device)  # written: pages mapped before timing
+    size = READ_BUFFER_BYTES[device.type]
+    if device.type == "cuda":  # a GPU holding a model beside it: a quarter of what is free at most
+        size = min(size, torch.cuda.mem_get_info(device)[0] // 4)
+    buffer = torch.ones(size // 4, device=device)  # written: pages mapped before timing
     fastest = float("inf")
     for _ in range(READ_ROUNDS):
         if device.type == "cuda":

@@ -240,10 +240,10 @@ class TreeIndices(NamedTuple):
     weights: torch.Tensor  # [b, h, n x W / KEY_BLOCK x (group + pad') x KEY_BLOCK]: the window's weights by
     # (token, block), each the rows of one product, padded to a whole row block by repeating the last
     blocks: torch.Tensor  # [b, h, W / KEY_BLOCK, group, n, d]: the window's blocks among all blocks
-    first_block: int  # the first of them in batch row 0
+    first_block: Optional[int]  # the first of them in batch row 0 (None in a compiled graph: it would guard on it)
 
 
-def tree_indices(layout, b, h, group, pad, d):
+def tree_indices(layout, b, h, group, pad, d, compiling=False):
     """attend_cache's TreeIndices for q [b, h, group x n (+ pad), d] under `layout` (made once a forward)."""
     n, span = layout.window.shape[1:]
     S = layout.keys.shape[-1]
@@ -261,7 +261,8 @@ def tree_indices(layout, b, h, group, pad, d):
     weights = (row[None, :, None, :, None] * S + blocked).reshape(b, 1, -1)
     blocks = (layout.window_positions[:, ::KEY_BLOCK] // KEY_BLOCK).view(b, 1, -1, 1, 1, 1)
     return TreeIndices(scores[:, None].expand(b, h, -1, -1), values.expand(b, h, -1, d),
-                       weights.expand(b, h, -1), blocks.expand(b, h, -1, group, n, d), layout.first_block)
+                       weights.expand(b, h, -1), blocks.expand(b, h, -1, group, n, d),
+                       None if compiling else layout.first_block)
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None):
@@ -284,7 +285,7 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     if layout is not None:  # each token's keys in position order: its path, not its siblings'
         shape = (b, h, rows // layout.keys.shape[1], pad, d)
         if torch.compiler.is_compiling():  # a graph computes them once anyway (and holds no dict)
-            indices = tree_indices(layout, *shape)
+            indices = tree_indices(layout, *shape, compiling=True)
         else:
             indices = layout.shared.get(shape) or layout.shared.setdefault(shape, tree_indices(layout, *shape))
         scores = scores.gather(-1, indices.scores)
@@ -319,7 +320,7 @@ def tree_products(products, weights, values, indices):
     w = weights.gather(2, indices.weights).view(own.shape[0], -1, KEY_BLOCK)  # [(b, h, token, block), group + pad', key]
     mine = (w @ own).view(b, h, n, window_blocks, -1, d)[..., :group, :].permute(0, 1, 3, 4, 2, 5)
     products = products[:, :, :, :group * n].unflatten(3, (group, n))
-    if b == 1:  # the window's blocks are consecutive: a copy into them, not a scatter
+    if indices.first_block is not None and b == 1:  # the window's blocks are consecutive: a copy, not a scatter
         first = indices.first_block
         products[:, :, first:first + window_blocks].copy_(mine)
     else:
