@@ -3,6 +3,7 @@ straightforward re-implementations, exactness of decoding with a head (greedy = 
 batch = alone, sampled = the target's joint distribution), bad head folders, and training."""
 
 import contextlib
+import copy
 import io
 import json
 from collections import Counter
@@ -15,7 +16,10 @@ from conftest import save_reference, spread_init
 from test_speculative import assert_sampled_from, exact_joint
 
 import minispec
+from minispec.cli import load_draft
+from minispec.heads import is_head_dir
 from minispec.loading.weights import save_safetensors
+from minispec.models.base import CachedLM
 from safetensors.torch import load_file
 
 PROMPT = [1, 5, 9, 12, 5, 9, 30, 31]
@@ -439,6 +443,27 @@ def test_bad_head_folders_are_named(reference_dirs, tmp_path):
         minispec.generate(target, PROMPT, draft=head, beams=2)
     with pytest.raises(minispec.CheckpointError, match="not a directory"):
         minispec.load_draft_head(tmp_path / "missing", target)
+
+
+def test_a_one_layer_draft_model_is_no_head(reference_dirs, tmp_path):
+    """A one-layer Llama checkpoint without tokenizer files looks like EAGLE's published config, but its
+    weights hold no fc: --draft takes it as a draft model. EAGLE's folder stays a head."""
+    reference, directory = reference_dirs["llama_gqa"]
+    hf = json.loads((directory / "config.json").read_text())
+    eagle_dir, _, _ = write_eagle(tmp_path / "eagle", hf)
+    assert is_head_dir(eagle_dir)
+    one_layer = copy.deepcopy(reference)
+    one_layer.model.layers = one_layer.model.layers[:1]
+    one_layer.config.num_hidden_layers = 1
+    draft_dir = save_reference(one_layer, tmp_path / "one_layer")
+    for tokenizer_file in draft_dir.glob("tokenizer*"):
+        tokenizer_file.unlink()
+    assert not is_head_dir(draft_dir)
+    target = minispec.load(directory)
+    draft = load_draft(str(draft_dir), target)
+    assert isinstance(draft, CachedLM) and len(draft.layers) == 1
+    out = minispec.generate(target, PROMPT, draft=draft, gamma=2, max_new_tokens=8, ignore_eos=True)
+    assert out.tokens == minispec.generate(target, PROMPT, max_new_tokens=8, ignore_eos=True).tokens
 
 
 def test_run_py_drafts_with_a_head_folder(reference_dirs, tmp_path):

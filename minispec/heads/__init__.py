@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..loading import builtin
 from ..loading.checkpoint import check_shapes
@@ -34,8 +35,16 @@ def is_head_dir(path):
         return False
     if "minispec_head" in hf or "medusa_num_heads" in hf:
         return True
-    # EAGLE's authors publish a Llama config of one layer, beside weights with fc and no tokenizer
-    return hf.get("num_hidden_layers") == 1 and not any(directory.glob("tokenizer*"))
+    # EAGLE's authors publish a Llama config of one layer, beside weights with fc and no tokenizer. A
+    # one-layer Llama draft model without tokenizer files has no fc; pickled weights are not read here,
+    # so such a folder counts as a head (whose loader says how to convert them).
+    if hf.get("num_hidden_layers") != 1 or any(directory.glob("tokenizer*")):
+        return False
+    files = sorted(directory.glob("*.safetensors"))
+    try:
+        return not files or any(name.endswith("fc.weight") for f in files for name in safe_open(f, "pt").keys())
+    except (OSError, SafetensorError):
+        return False  # the checkpoint loader says what is wrong with it
 
 
 def kind_of(hf, directory):
