@@ -82,7 +82,8 @@ PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after eac
 CONFIDENCE_BINS = 5  # how sure the drafter is of a guess, in bins of 0.2
 BIN_PRIOR = 2.0  # a bin's rate is shrunk towards a (or b) as if by this many verified guesses
 # Before any tree forward is timed, it is priced at this many times a chain's over as many tokens: the
-# tree's keys and values are read per token (docs/performance.md, "Token trees": +18% at 9 tokens).
+# tree's keys and values are read per token (docs/performance.md, "Token trees": +18% at 9 tokens at
+# first, ~8% since the tree path's indices are made once a forward). A prior only: the line is refitted.
 TREE_PRIOR = 1.2
 
 
