@@ -263,10 +263,10 @@ def test_greedy_with_a_heads_tree_is_plain_greedy(gqa_heads, kind, dtype):
 @pytest.mark.parametrize("sampling", [minispec.Sampling(), minispec.Sampling(temperature=0.8, top_k=6)],
                          ids=["greedy", "sampled"])
 def test_an_eagle_heads_tree_holds_the_children_its_paths_give(gqa_heads, sampling):
-    """Every expanded node's children are the head's best after the node's path, as the chain's 1-pair
-    forwards give them: each node's input is its parent's predicted state (the root's: the state after
+    """Every expanded node's children are the head's best after the node's path (greedy), or draws from
+    its q there (sampled), as the chain's 1-pair forwards give them: each node's input is its parent's predicted state (the root's: the state after
     the target's tokens), at its depth's position, after its own ancestors."""
-    from test_tree import drafted_tree, reference_tree
+    from test_tree import assert_same_tree, drafted_tree, reference_tree
 
     target, heads = gqa_heads[torch.float32]
     head = heads["eagle"]
@@ -278,8 +278,8 @@ def test_an_eagle_heads_tree_holds_the_children_its_paths_give(gqa_heads, sampli
         logits, states = target.decode_rows(torch.tensor([PROMPT]), [0], eager=True, hidden=True)
         t = logits[0, -1].argmax().view(1)
         drafter.accept(t.tolist(), t, (torch.tensor(PROMPT), states[0]))  # as the engine's first step does
-        tokens, parents = drafted_tree(drafter, 4, 16, sampling)
-        assert parents is not None and len(tokens) == 16
+        drafted = drafted_tree(drafter, 4, 16, sampling)
+        assert drafted[2] is not None and len(drafted[0]) == 16
 
         def logits_after(path):
             logits, state = drafter.next_logits, drafter.state
@@ -288,7 +288,7 @@ def test_an_eagle_heads_tree_holds_the_children_its_paths_give(gqa_heads, sampli
                                                   inputs=state.view(1, 1, -1))
                 logits, state = out[0, -1], predicted[0, -1]
             return logits
-        assert (tokens, parents) == reference_tree(logits_after, 4, 16, sampling)
+        assert_same_tree(drafted, reference_tree(logits_after, 4, 16, sampling), sampling)
 
 
 def test_a_medusa_tree_is_the_heads_best_products(gqa_heads):

@@ -296,8 +296,8 @@ from test_speculative import assert_sampled_from, exact_joint, step_outcomes  # 
 from test_speculative import vocab16  # noqa: E402, F401 (a fixture)
 
 from minispec.decoding.drafters import TREE_WIDTH, make_drafter, propose_all  # noqa: E402
-from minispec.decoding.sampling import Sampling  # noqa: E402
-from minispec.decoding.tree import Growth, best_children, tree_or_chain  # noqa: E402
+from minispec.decoding.sampling import Sampling, adjust, sample_distinct  # noqa: E402
+from minispec.decoding.tree import DrawnGrowth, Growth, best_children, depths, sample_walk, tree_or_chain  # noqa: E402
 
 GREEDY, SAMPLED = Sampling(), Sampling(temperature=0.8, top_k=6)
 
@@ -328,34 +328,56 @@ def path_tokens(tokens, parents, j):
     return [tokens[node] for node in path(parents, j)]
 
 
+def drafted_tree(drafter, k, budget, sampling):
+    """The tree the drafter proposes: tokens (a list), q and parents; sampled, its draws from a generator
+    seeded 3."""
+    tokens, q, parents = propose_all([(drafter, k, sampling, torch.Generator().manual_seed(3), None, budget)])[0]
+    return tokens.tolist(), q, parents
+
+
 def reference_tree(logits_after, k, budget, sampling):
     """EAGLE-2's tree written out: each expanded node's children from the draft's logits after its path,
-    logits_after(path tokens), computed without any tree forward."""
-    growth = Growth(budget, min(TREE_WIDTH, budget))
+    logits_after(path tokens), computed without any tree forward; greedy, its best children
+    (tree.Growth), sampled, draws from its q (tree.DrawnGrowth, which also gives q's rows) from a
+    generator seeded 3, as drafted_tree's. Returns what drafted_tree does."""
+    depth, width, generator = min(k, budget), min(TREE_WIDTH, budget), torch.Generator().manual_seed(3)
+    growth = Growth(budget, width) if sampling.greedy else DrawnGrowth(budget, width, depth)
 
-    def add(node):
-        scores, tokens = best_children(logits_after(path_tokens(growth.tokens, growth.parents, node) if node >= 0
-                                                    else []), sampling, growth.width)
-        growth.add(node, tokens.tolist(), scores.tolist())
-    add(-1)
-    for _ in range(1, min(k, budget)):
-        for node in growth.expand():
-            add(node)
+    def after(node):
+        return logits_after(path_tokens(growth.tokens, growth.parents, node) if node >= 0 else [])
+
+    def add(nodes):
+        if not sampling.greedy:
+            return growth.draw(nodes, adjust(torch.stack([after(node) for node in nodes]), sampling), generator)
+        for node in nodes:
+            scores, tokens = best_children(after(node), sampling, growth.width)
+            growth.add(node, tokens.tolist(), scores.tolist())
+    add([-1])
+    for _ in range(1, depth):
+        add(growth.expand())
     tokens, parents = growth.best()
-    return tokens, tree_or_chain(parents)
+    return tokens, None if sampling.greedy else growth.q_rows(growth.chosen()), tree_or_chain(parents)
 
 
-def drafted_tree(drafter, k, budget, sampling):
-    tokens, q, parents = propose_all([(drafter, k, sampling, None, None, budget)])[0]
-    assert q is None  # top-k candidates are not draws
-    return tokens.tolist(), parents
+def assert_same_tree(drafted, reference, sampling):
+    """drafted_tree's tree is reference_tree's; greedy, q is None (top-k candidates are not draws);
+    sampled, its rows are the q each node's children were drawn from, and the spine reaches 4 deep."""
+    (tokens, q, parents), (want_tokens, want_q, want_parents) = drafted, reference
+    assert (tokens, parents) == (want_tokens, want_parents)
+    if sampling.greedy:
+        assert q is None
+    else:
+        torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
+        assert max(depths(parents)) == 4
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_a_draft_models_tree_holds_the_children_its_paths_give(reference_dirs, kind, sampling):
-    """Every expanded node's children are the draft's best after the node's path, as 1-token forwards
-    over that path give them: the tree forwards feed each node at its depth, after its own ancestors."""
+    """Every expanded node's children are the draft's best after the node's path (greedy), or draws
+    from its q there with the row's generator (sampled), as 1-token forwards over that path give them:
+    the tree forwards feed each node at its depth, after its own ancestors. Sampled, q's rows are the
+    q each node's children were drawn from."""
     draft = minispec.load(reference_dirs[kind][1])
     draft.ensure_caches(1, 128)
     draft.prepare_batch(1, len(PROMPT))
@@ -363,13 +385,13 @@ def test_a_draft_models_tree_holds_the_children_its_paths_give(reference_dirs, k
     with torch.inference_mode():
         drafter.start(torch.tensor([PROMPT]))
         start = draft.encode_row(0, torch.tensor([PROMPT]))
-        tokens, parents = drafted_tree(drafter, 4, 16, sampling)
-        assert parents is not None and len(tokens) == 16
+        drafted = drafted_tree(drafter, 4, 16, sampling)
+        assert drafted[2] is not None and len(drafted[0]) == 16
         assert draft.length == 0 and drafter.length == start.shape[1]  # the tree left nothing behind
 
         def logits_after(path_tokens):
             return draft.prefill(torch.cat([start, torch.tensor([path_tokens], dtype=torch.long)], 1))[0, -1]
-        assert (tokens, parents) == reference_tree(logits_after, 4, 16, sampling)
+        assert_same_tree(drafted, reference_tree(logits_after, 4, 16, sampling), sampling)
 
 
 @pytest.fixture(scope="module")
@@ -447,6 +469,48 @@ def test_a_tree_accepts_more_per_target_call_than_the_chain(reference_dirs, nois
     assert per_call[1] > 1.1 * per_call[0]
 
 
+def test_a_sampled_tree_accepts_more_per_target_call_than_the_chain(reference_dirs, noisy_gqa):
+    """Sampled (temperature 1), a good draft, gamma 4: the tree's first draws are accepted as often as
+    the chain's guesses and the other draws catch some of its misses (seeded: deterministic). Top-k
+    children verified as fixed candidates accepted far fewer here (each with p(x) alone)."""
+    target, draft = minispec.load(reference_dirs["llama_gqa"][1]), minispec.load(noisy_gqa)
+    settings = {"max_new_tokens": 48, "ignore_eos": True, "draft": draft, "gamma": 4, "temperature": 1.0, "seed": 0}
+    chain = minispec.generate(target, PROMPTS, **settings)
+    tree = minispec.generate(target, PROMPTS, tree=16, **settings)
+    per_call = [sum(len(out.tokens) for out in outs) / sum(out.stats["target_calls"] for out in outs)
+                for outs in (chain, tree)]
+    print(f"tokens per target call: chain {per_call[0]:.2f}, tree {per_call[1]:.2f}")
+    assert per_call[1] > 1.05 * per_call[0]
+
+
+def test_a_sampled_tree_behind_the_target_itself_is_always_accepted(reference_dirs):
+    """The target as its own draft, temperature 1: q = p (bit for bit: every node's logits are those of
+    its path), so every draw passes min(1, p/q) = 1 and nothing is ever rejected, tree or chain. Fixed
+    candidates (the most probable children) would be accepted with p(x) alone."""
+    target, draft = minispec.load(reference_dirs["llama_gqa"][1]), minispec.load(reference_dirs["llama_gqa"][1])
+    outs = minispec.generate(target, PROMPTS, draft=draft, gamma=4, tree=16, temperature=1.0, seed=0,
+                             max_new_tokens=40, ignore_eos=True)
+    assert all(out.stats["tree_nodes"] > 0 for out in outs)
+    assert [kind for out in outs for _, kind in out.trace if kind in ("rejected", "corrected")] == []
+
+
+@pytest.mark.parametrize("children", [1, 2, 3, 4])
+def test_children_drawn_from_q_are_verified_to_p(children):
+    """One node, its children drawn from q without replacement (sample_distinct), verified by recursive
+    rejection (sample_walk with q): the token that comes out has distribution p (chi-square at
+    significance 0.001, 20000 draws, seeded), for p and q far apart, q covering a token p lacks and
+    missing one p has."""
+    p = torch.tensor([0.25, 0.2, 0.15, 0.1, 0.1, 0.08, 0.07, 0.05, 0.0])
+    q = torch.tensor([0.05, 0.1, 0.3, 0.0, 0.15, 0.05, 0.1, 0.05, 0.2])
+    generator, counts, draws = torch.Generator().manual_seed(0), Counter(), 20000
+    for _ in range(draws):
+        drawn = sample_distinct(q, children, generator).tolist()
+        path, t, _ = sample_walk(drawn, [-1] * len(drawn), p.expand(len(drawn) + 1, -1), generator,
+                                 q.expand(len(drawn), -1))
+        counts[(drawn[path[0]] if path else t,)] += 1
+    assert_sampled_from(counts, {(token,): float(p[token]) for token in range(8)}, draws)
+
+
 def test_sampled_draft_trees_have_the_targets_joint_distribution(vocab16):  # noqa: F811 (the fixture)
     """Three tokens of many requests against the target's exact joint (chi-square at p > 0.001 and a
     total-variation bound, test_speculative.assert_sampled_from): a noisy draft's trees of 5 nodes, 2
@@ -454,7 +518,7 @@ def test_sampled_draft_trees_have_the_targets_joint_distribution(vocab16):  # no
     others: its first guesses rejected, rejections after acceptances and whole paths accepted all
     happen often (fewer nodes: the root's 3 children, seldom a second depth). Batched rows draw what
     they draw alone."""
-    assert_sampled_trees(vocab16["target"], [1, 2, 3], {"draft": vocab16["noisy"], "tree": 5}, [[4, 5], [6, 7, 8, 9]])
+    assert_sampled_trees(vocab16["target"], [1, 2, 3], {"draft": vocab16["noisy"], "tree": 3}, [[4, 5], [6, 7, 8, 9]])
 
 
 def test_sampled_ngram_trees_have_the_targets_joint_distribution(vocab16):  # noqa: F811 (the fixture)

@@ -39,7 +39,7 @@ from ..models.base import CachedLM
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
-from .tree import Growth, add_path, best_children, best_first, tree_or_chain
+from .tree import DrawnGrowth, Growth, add_path, best_children, best_first, tree_or_chain
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
@@ -247,10 +247,11 @@ class DraftTree:
     order of their cache slots after the row's length, with their parents among them and (a draft
     head) the state each predicted, which its children read."""
 
-    def __init__(self, drafter, k, sampling, budget):
-        self.drafter, self.sampling = drafter, sampling
+    def __init__(self, drafter, k, sampling, generator, budget):
+        self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.depth = min(k, budget)  # a node deeper than the budget would need more ancestors than it allows
-        self.growth = Growth(budget, min(TREE_WIDTH, budget))
+        width = min(TREE_WIDTH, budget)
+        self.growth = Growth(budget, width) if sampling.greedy else DrawnGrowth(budget, width, self.depth)
         self.fed, self.fed_parents, self.states = [], [], {}
         # the expanded nodes' slots, past the row's length: its cache row's room (the budget is the target's)
         self.room = drafter.model.cache_max_seq_len - drafter.length
@@ -272,12 +273,13 @@ def draft_trees(model, drafters, asks):
     continuing the tree the forwards before wrote past the row's length) at its depth's position; a draft
     head's node reads its parent's predicted state beside its token. A row's tree is the draft's chain
     and its best other nodes, `budget` in all, at most k deep (keep_guessing is a chain's):
-    {id(drafter): (tokens, None, parents)}, q None because the candidates are each node's most probable
-    children, not draws (verified as fixed candidates, tree.sample_walk). The nodes' slots lie past the
+    {id(drafter): (tokens, q, parents)}. Greedy, the candidates are each node's most probable children
+    and q is None (fixed candidates, tree.sample_walk); sampled, they are draws from q, q [k, vocab]
+    the root's and each node's (tree.DrawnGrowth), and the row's generator draws them. The nodes' slots lie past the
     row's length, so its cache row is as before the tree, and accept feeds the kept tokens as after a
     chain whose guesses went unfed."""
     heads = drafters[0].reads_states
-    trees = {id(ask[0]): DraftTree(ask[0], ask[1], ask[2], ask[5]) for ask in asks}
+    trees = {id(ask[0]): DraftTree(ask[0], ask[1], ask[2], ask[3], ask[5]) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
     for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):
         expanding = {key: tree.growth.expand()[:max(tree.room - len(tree.fed), 0)] for key, tree in trees.items()
@@ -313,13 +315,24 @@ def draft_trees(model, drafters, asks):
     out = {}
     for key, tree in trees.items():
         tokens, parents = tree.growth.best()
-        out[key] = torch.tensor(tokens, dtype=torch.long, device=model.device), None, tree_or_chain(parents)
+        q = None if tree.sampling.greedy else tree.growth.q_rows(tree.growth.chosen())
+        out[key] = torch.tensor(tokens, dtype=torch.long, device=model.device), q, tree_or_chain(parents)
     return out
 
 
 def add_children(trees, scored):
-    """scored: (tree, node, the draft's logits after it) for expanded nodes (-1: a root); each node's best
-    children go into its tree, all brought to the host at once."""
+    """scored: (tree, node, the draft's logits after it) for expanded nodes (-1: a root), a depth's. When
+    greedy, each node's best children go into its tree, all brought to the host at once; when sampled,
+    each tree draws its depth's children from q (tree.DrawnGrowth)."""
+    drawing = {}  # tree -> its expanded nodes and the logits after each
+    for tree, node, logits in scored:
+        if not tree.sampling.greedy:
+            nodes, rows = drawing.setdefault(tree, ([], []))
+            nodes.append(node)
+            rows.append(logits)
+    for tree, (nodes, rows) in drawing.items():
+        tree.growth.draw(nodes, adjust(torch.stack(rows), tree.sampling), tree.generator)
+    scored = [entry for entry in scored if entry[0].sampling.greedy]
     best = [best_children(logits, tree.sampling, tree.growth.width) for tree, _, logits in scored]
     if not best:
         return

@@ -90,8 +90,21 @@ def sample(probs, generator=None):
     argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential race); zero-probability
     tokens can never win, and a one-hot p always returns its argmax.
     """
+    return (probs / race(probs, generator)).argmax(-1)
+
+
+def sample_distinct(probs, m, generator=None):
+    """m tokens drawn from probs [vocab] one after another without replacement (each from p with the
+    ones before it removed, renormalized), in the order drawn: the race's first m finishers are such
+    draws. Fewer where p has fewer tokens."""
+    keys = probs / race(probs, generator)
+    drawn = keys.topk(min(m, probs.shape[-1])).indices
+    return drawn[probs[drawn] > 0]
+
+
+def race(probs, generator):
+    """E ~ Exponential(1) for each entry of probs."""
     # E = -log(U) with U ~ Uniform(0, 1): the same draw as Tensor.exponential_(), several times faster
     # on CPU. U < 1 keeps E > 0, and the clamp keeps log finite.
     uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
-    race = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
-    return (probs / race).argmax(-1)
+    return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()

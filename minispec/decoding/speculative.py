@@ -99,7 +99,7 @@ def step(target, rows):
     host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the step's one host sync
     # Roll both caches back to the accepted sequence; each target row has yet to see its t.
     ended, start = [], 0
-    for row, p, (drafts, _, parents), (n, t, overlap), state in zip(rows, logits, proposals, verdicts, states):
+    for row, p, (drafts, q, parents), (n, t, overlap), state in zip(rows, logits, proposals, verdicts, states):
         k = drafts.shape[0]
         # A step's time is this row's only when the forwards were its own.
         timing = (drafted - started, time.perf_counter() - started) if len(rows) == 1 else None
@@ -112,7 +112,7 @@ def step(target, rows):
             choices, nodes = host[start:start + len(n)], host[start + len(n):start + len(n) + k]
             start += len(n) + k
             verdict = walk(nodes, parents, choices) if row.sampling.greedy else \
-                sample_walk(nodes, parents, adjust(p, row.sampling), row.generator)
+                sample_walk(nodes, parents, adjust(p, row.sampling), row.generator, q)
             done = row.advance_tree(nodes, parents, *verdict, timing, seen(row, drafts, state, verdict[0]))
         if done:
             ended.append(row)

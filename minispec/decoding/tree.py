@@ -9,27 +9,30 @@ greedy verification walks down from the root, following the child that equals th
     t = the target's choice at node              its own token, as after a rejection in a chain
 
 Every node's logits are bit for bit those a 1-token forward over its path gives, so the output is
-plain greedy decoding's token for token. Sampled verification tries a node's children in turn, each
-accepted with the target's probability of it among the tokens not yet rejected (`sample_walk`), which
-gives exactly the target's distribution. A chain is the tree whose every node has one child.
+plain greedy decoding's token for token. Sampled verification tries a node's children in turn by
+recursive rejection (`sample_walk`: Algorithm 1's test and residual, once per child), which gives
+exactly the target's distribution. A chain is the tree whose every node has one child.
 
 A tree is given as its nodes' tokens in topological order and `parents`: node j hangs from node
 parents[j] (-1: from the root).
 
 Drafters with a distribution (draft models, EAGLE and Medusa heads) grow their trees as EAGLE-2 does
 (`Growth`): depth by depth, expanding the most probable new nodes, then keeping the drafter's own chain
-and the most probable other nodes. Their candidates are each node's most probable children,
-deterministic, so they are verified as fixed candidates too. `ngram`, whose successors cost nothing to
-rank, grows the same kind of tree most probable node first (`best_first`).
+and the most probable other nodes. Greedy, their candidates are each node's most probable children,
+verified as fixed candidates; sampled, a draft model's or an EAGLE head's are draws from its q
+(`DrawnGrowth`: a chain of draws is accepted far more often than a node's most probable tokens
+are). `ngram`, whose successors cost nothing to rank, grows the same kind of tree most probable node
+first (`best_first`).
 """
 
 import heapq
 import math
+from collections import Counter
 from itertools import count
 
 import torch
 
-from .sampling import adjust, sample
+from .sampling import adjust, sample, sample_distinct
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
 # tree="auto": the most guesses the policy weighs a step's tree at (policy.py). A wider forward costs more
@@ -72,22 +75,34 @@ def walk(nodes, parents, choices):
         next((j for j in children if nodes[j] == choices[row]), None), choices[row]))
 
 
-def sample_walk(nodes, parents, p, generator):
-    """Sampled verification of a tree whose children are fixed candidates, distinct at each node (not
-    drawn from a q: lookup's, ngram's, a draft's most probable). At each node, p' starts as the target's
-    p there (p [k + 1, vocab]: at the root, then at each node); each child in turn is accepted with
-    probability p'(child), else its token is zeroed in p' (renormalized); when none is, t ~ p'. Each
-    token thus comes out with probability p exactly: candidate c_i with (1 - p(c_1) - ... - p(c_{i-1}))
-    * p(c_i) / (1 - p(c_1) - ... - p(c_{i-1})), any other with (1 - sum of the candidates' p) * p / (1 -
-    that sum). Returns what walk returns; draws come from `generator` in a fixed order (a row's as alone
-    in a batch)."""
+def sample_walk(nodes, parents, p, generator, q=None):
+    """Sampled verification of a tree (SpecInfer's and Sequoia's recursive rejection). p [k + 1, vocab]:
+    the target's distribution at the root, then at each node. q: None when each node's children are
+    fixed candidates, distinct (lookup's, ngram's, Medusa's most probable); else q [k, vocab], the
+    drafter's distribution at the root, then at each node, from which that node's children were drawn
+    one after another without replacement, in their order (sample_distinct; DrawnGrowth). At a node, p'
+    and q' start as p and q there; each child x in turn is accepted with probability min(1, p'(x) /
+    q'(x)), else p' becomes norm(max(p' - q', 0)) (Algorithm 1's residual, which is 0 at x) and x leaves
+    q'; when none is accepted, t ~ p'. A fixed candidate is a draw from q' one-hot at it: accepted with
+    p'(x), else x leaves p'. Each step is Algorithm 1's, whose residual the next draw targets, so the
+    token that comes out has probability p exactly. Returns what walk returns; draws come from
+    `generator` in a fixed order (a row's as alone in a batch)."""
     def choose(row, children):
-        remaining = p[row].clone()  # p', unnormalized: its sum is the mass left
+        remaining = p[row] / p[row].sum()  # p'
+        drawn_from = None if q is None or not children else q[row] / q[row].sum()  # q' (a leaf: none)
         for j in children:
+            x = nodes[j]
+            q_x = 1.0 if q is None else drawn_from[x]
             r = torch.rand((), generator=generator, device=remaining.device)
-            if r * remaining.sum() < remaining[nodes[j]]:  # r < p'(child), without dividing
+            if r * q_x < remaining[x]:
                 return j, None
-            remaining[nodes[j]] = 0
+            if q is None:
+                remaining[x] = 0
+            else:
+                remaining = (remaining - drawn_from).clamp(min=0)
+                drawn_from[x] = 0
+                drawn_from /= drawn_from.sum()
+            remaining /= remaining.sum()
         return None, int(sample(remaining, generator))
     return descend(nodes, parents, choose)
 
@@ -227,9 +242,83 @@ class Growth:
         self.newest = []
         return (spine + others)[:self.width]
 
+    def chosen(self):
+        """The tree's nodes: the spine and the best other nodes, `budget` in all, in rank order."""
+        return sorted(self.spine[:self.budget] + self.others(), key=self.rank)
+
     def best(self):
-        """The tree: tokens and parents (tree.py's form) of the spine and the best other nodes, `budget`
-        in all, in rank order."""
-        chosen = sorted(self.spine[:self.budget] + self.others(), key=self.rank)
+        """The tree: tokens and parents (tree.py's form) of the chosen nodes."""
+        chosen = self.chosen()
         place = {node: i for i, node in enumerate(chosen)}
         return [self.tokens[j] for j in chosen], [-1 if self.parents[j] < 0 else place[self.parents[j]] for j in chosen]
+
+
+class DrawnGrowth(Growth):
+    """A tree whose children are draws (sampled decoding), verified by recursive rejection (sample_walk
+    with q): each node's children are drawn from the drafter's q after its path without replacement, in
+    order. That is exact only if how many a node gets is settled before they are drawn: children kept or
+    pruned for what they turned out to be (Growth.best's rule) would bias the verified tokens. So the
+    budget is shared out depth by depth, before each depth's draws: at most `width` new nodes a depth,
+    one kept for each depth below so that the spine (the chain of each depth's most probable draw) can
+    reach `depth`, and the slots go to the expanded nodes by score, a slot's score being its node's
+    plus the log of q's i-th largest probability for a node's i-th draw (what a draw there brings,
+    roughly; q is known before drawing, the draws are not). Every node drawn is in the tree, in the
+    order drawn (chosen). Top-k
+    candidates of a sampled q would be verified as fixed candidates, each accepted with p'(x) only:
+    behind a draft that matches the target well, far less than a chain of draws (accepted with Σ
+    min(p, q)); a child drawn first is accepted as often as a chain's guess."""
+
+    def __init__(self, budget, width, depth):
+        super().__init__(budget, width)
+        self.depths_left = depth  # depths still to draw, the next one included
+        self.q = {}  # node (-1: the root) -> the q its children were drawn from
+
+    def room(self):
+        """How many nodes the next depth may add."""
+        return max(min(self.width, self.budget - len(self.tokens) - (self.depths_left - 1)), 0)
+
+    def expand(self):
+        """The newest spine node, then the newest depth's best other nodes, as many as the next depth
+        has room for."""
+        spine = [node for node in self.newest if node in self.spine]
+        others = sorted((node for node in self.newest if node not in self.spine), key=self.rank)
+        self.newest = []
+        return (spine + others)[:self.room()]
+
+    def draw(self, nodes, qs, generator):
+        """The next depth: children for each of `nodes` (expanded, -1: the root), drawn from its q in
+        qs [len(nodes), vocab] with `generator`, in order."""
+        room = self.room()
+        self.depths_left -= 1
+        if not room:
+            return
+        largest = qs.topk(min(room, qs.shape[-1]), dim=-1).values.tolist()
+        slots = sorted((-self.slot_score(node, i, value), node != self.spine_end(), i, n)
+                       for n, (node, values) in enumerate(zip(nodes, largest))
+                       for i, value in enumerate(values) if value > 0)
+        # the spine's first draw always: the chain goes on; then the best slots
+        spine = [slot for slot in slots if slot[1] is False and slot[2] == 0]
+        counts = Counter(slot[3] for slot in (spine + [s for s in slots if s not in spine])[:room])
+        for n, node in enumerate(nodes):
+            if counts[n]:
+                drawn = sample_distinct(qs[n], counts[n], generator)
+                self.q[node] = qs[n]
+                self.add(node, drawn.tolist(), qs[n][drawn].log().tolist())
+
+    def chosen(self):
+        """Every node, in the order drawn: parents before children, each node's children in the order
+        they were drawn, which sample_walk tries them in (by score, the most probable draw would go
+        first whatever was drawn first, and the verified tokens would be biased toward it)."""
+        return list(range(len(self.tokens)))
+
+    def slot_score(self, node, i, value):
+        return (0.0 if node < 0 else self.scores[node]) + math.log(value)
+
+    def spine_end(self):
+        return self.spine[-1] if self.spine else -1
+
+    def q_rows(self, chosen):
+        """q [len(chosen), vocab] for sample_walk: the root's, then each chosen node's but the last
+        (which has no children: they come after it), zeros for a node without children."""
+        root = self.q[-1]
+        return torch.stack([root] + [self.q.get(node, torch.zeros_like(root)) for node in chosen[:-1]])
