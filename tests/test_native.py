@@ -25,23 +25,8 @@ def promised(x, q, scales, offsets, group):
     return y
 
 
-def k_quant_like(n, k, generator):
-    """int4 as GGUF's Q4_K stores it: for each 256 inputs (fewer in a narrower weight) an fp16 step for
-    the scales and one for the mins, and each group of 32 a 6-bit multiple of each, the largest 63."""
-    span = min(8, k // 32)  # groups per step
-    steps = (torch.rand(n, k // 32 // span, 2, 1, generator=generator) * 0.02 + 1e-3).half().float()
-    multiples = torch.randint(0, 64, (n, k // 32 // span, 2, span), generator=generator).float()
-    multiples[..., 0, 0] = multiples[..., 1, -1] = 63
-    multiples[0, 0, 1] = 0  # a super-block without mins: a zero step
-    values = steps * multiples
-    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
-    return q, values[:, :, 0].reshape(n, -1), -values[:, :, 1].reshape(n, -1), 32
-
-
 def stored(form, n, k, generator):
     weight = torch.randn(n, k, generator=generator)
-    if form == "int4 q4_k":
-        return k_quant_like(n, k, generator)
     if form.startswith("int4"):
         parts = quant.quantize_int4(weight, int(form[6:]))
         return quant.unpack_int4(parts["qweight"]), parts["scales"], parts["offsets"], int(form[6:])
@@ -51,7 +36,7 @@ def stored(form, n, k, generator):
     return parts["qweight"], parts["scales"].view(n, -1), offsets, group
 
 
-FORMS = ["int4 g32", "int4 g64", "int4 q4_k", "int8 per channel", "int8 g32", "int8 g16", "int8 g16 offsets"]
+FORMS = ["int4 g32", "int4 g64", "int8 per channel", "int8 g32", "int8 g16", "int8 g16 offsets"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -85,25 +70,6 @@ def test_every_row_computes_as_it_would_alone(form, threads):
             assert torch.equal(native.qlinear(x[:rows], *packed, group), alone[:rows]), rows
     finally:
         torch.set_num_threads(saved)
-
-
-def test_k_quant_scales_are_packed_in_two_levels_with_the_same_results(monkeypatch):
-    """Q4_K's scales and mins kept as 6-bit multiples of a step per 256 inputs (uint8 multipliers, float32
-    steps: 20% fewer bytes than float32 per group), the kernel's numbers bit for bit those of the
-    float32 scales they replace; minispec's own int4 (free float scales) stays in one level."""
-    generator = torch.Generator().manual_seed(5)
-    q, scales, offsets, group = k_quant_like(70, 512, generator)
-    two = native.pack(q, scales, offsets)
-    assert two[1].dtype == torch.uint8 and two[2].dtype == torch.uint8 and two[3].shape == (18, 2, 2, 4)
-    monkeypatch.setattr(native, "two_level", lambda values: None)
-    one = native.pack(q, scales, offsets)
-    assert one[1].dtype == torch.float32 and one[3] is None
-    assert sum(t.nbytes for t in two) < 0.8 * sum(t.nbytes for t in one if t is not None)
-    x = torch.randn(9, 512, generator=generator)
-    assert torch.equal(native.qlinear(x, *two, group), native.qlinear(x, *one, group))
-    monkeypatch.undo()
-    parts = quant.quantize_int4(torch.randn(8, 512, generator=generator), 32)
-    assert native.pack(quant.unpack_int4(parts["qweight"]), parts["scales"], parts["offsets"])[3] is None
 
 
 def test_token_rows_come_out_of_the_packed_layout():

@@ -103,10 +103,6 @@ def available():
 
 TILE = 4  # output columns the kernel computes together
 BLOCK = 32  # inputs per block
-STEP_GROUPS = 8  # groups sharing a step in the two-level form: a GGUF K-quant's super-block of 256 inputs
-# A K-quant super-block's scales (and mins) are its fp16 step times 6-bit integers, the largest 63:
-# llama.cpp sets the step to the largest / 63.
-LARGEST_MULTIPLIER = 63
 
 
 @functools.cache
@@ -120,48 +116,22 @@ def pack(q, scales, offsets):
     [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 4 columns (zero weights);
     per tile and block of 32 inputs, vectors k = 0..3 whose byte 4 * (4h + c) + j is column c's input
     8k + 4h + j, int4 ones two to a byte (k = 0 and 2 in the low nibbles, 1 and 3 in the high ones);
-    scales and offsets [tiles, G, 4] float32, or for an int4 weight whose scales and offsets are
-    steps times small integers (GGUF's Q4_K: `two_level`) uint8 multipliers [tiles, G, 4] and their
-    steps [tiles, G / 8, 2, 4] float32. Returns (qweight, scales, offsets, steps or None)."""
+    scales and offsets [tiles, G, 4] float32. Returns (qweight, scales, offsets)."""
     pad = -q.shape[0] % TILE
     q = F.pad(q, (0, 0, 0, pad))
     tiles, K = q.shape[0] // TILE, q.shape[1]
     # [tile, c, block, k, h, j] -> [tile, block, k, h, c, j]
     q = q.view(tiles, TILE, K // BLOCK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, K // BLOCK, 4, BLOCK)
-    steps = None
     if q.dtype == torch.uint8:
         q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)
-        levels = [two_level(t) for t in (scales, offsets) if t is not None]
-        if all(level is not None for level in levels):
-            (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if len(levels) > 1 else (None, None)
-            steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offset_steps is None else offset_steps], -1)
-
-    def tiled(t):  # [N, ...] -> [tiles, ..., 4]
-        t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
-        return t.movedim(1, -1).contiguous()
-    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.float())
-                              for t in (scales, offsets, steps)))
-
-
-def two_level(values):
-    """values [N, G] (scales or offsets) as multipliers uint8 [N, G] times steps float32 [N, G / 8], one
-    step for each 8 groups, the product exactly each value in float32 (as the kernel computes it); or
-    None where they are not such (minispec's own int4, GGUF's Q4_0/Q4_1, any other file)."""
-    N, G = values.shape
-    if G % STEP_GROUPS:
-        return None
-    v = values.float().view(N, G // STEP_GROUPS, STEP_GROUPS)
-    largest = v.gather(-1, v.abs().argmax(-1, keepdim=True))  # signed: offsets are -min
-    steps = largest / LARGEST_MULTIPLIER
-    multipliers = torch.where(steps != 0, v / steps, 0.0).round()
-    if not ((multipliers >= 0) & (multipliers <= 255) & (multipliers * steps == v)).all():
-        return None
-    return multipliers.to(torch.uint8).view(N, G), steps.view(N, -1)
+    return (q.contiguous(), *(None if t is None else
+                              F.pad(t.float(), (0, 0, 0, pad)).view(tiles, TILE, -1).transpose(1, 2).contiguous()
+                              for t in (scales, offsets)))
 
 
 def register_packed(module, q, scales, offsets):
-    """A quantized layer's buffers `weight`, `scales`, `offsets`, `steps` in the kernel's layout."""
-    for name, tensor in zip(("weight", "scales", "offsets", "steps"), pack(q, scales, offsets)):
+    """A quantized layer's buffers `weight`, `scales`, `offsets` in the kernel's layout."""
+    for name, tensor in zip(("weight", "scales", "offsets"), pack(q, scales, offsets)):
         module.register_buffer(name, tensor)
 
 
@@ -170,10 +140,9 @@ def takes(in_features, group):
     return in_features % BLOCK == 0 and (group == 16 or group % BLOCK == 0) and available()
 
 
-def rows_of(tokens, qweight, scales, offsets, steps=None):
-    """The int8 weight rows (output columns) `tokens` of a packed int8 weight (never two-level: steps
-    None), and their scales and offsets: q [..., K], scales, offsets [..., G] (a token embedding's
-    lookup)."""
+def rows_of(tokens, qweight, scales, offsets):
+    """The int8 weight rows (output columns) `tokens` of a packed int8 weight, and their scales and
+    offsets: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
     tiles, blocks = qweight.shape[:2]
     tile, column = tokens // TILE, tokens % TILE
     # [tile, block, k, h, c, j] at (tile, c) -> [..., block, k, h, j]: the inputs in order
@@ -181,10 +150,10 @@ def rows_of(tokens, qweight, scales, offsets, steps=None):
     return q, scales[tile, :, column], None if offsets is None else offsets[tile, :, column]
 
 
-def qlinear(x, qweight, scales, offsets, steps, group):
+def qlinear(x, qweight, scales, offsets, group):
     """x [M, K] float32 @ the packed weight's transpose -> [M, N padded to tiles] float32."""
-    return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, steps, group)
+    return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, group)
 
 
-def qlinear_shape(x, qweight, scales, offsets, steps, group):
+def qlinear_shape(x, qweight, scales, offsets, group):
     return x.new_empty(x.shape[0], scales.shape[0] * TILE)

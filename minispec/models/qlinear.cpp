@@ -22,11 +22,7 @@
 // The weight's layout (models/native.py packs it): tile after tile, block after block, the four
 // vectors k = 0..3 of 32 bytes (int8), or two bytes of 32 holding k = 0 and 2 in their low nibbles and
 // k = 1 and 3 in their high ones (int4, values 0..15). scales, offsets: float32 [tiles, G, 4]; w =
-// q * scale (+ offset) over groups of `group` inputs (16, or a multiple of 32). Or in two levels, as
-// GGUF's K-quants store them (a super-block's step times small integers): scales, offsets uint8
-// [tiles, G, 4] multipliers and steps float32 [tiles, G / 8, 2, 4] (scale steps, then offset steps),
-// a group's scale = multiplier x step, exactly the float32 scale it replaces (models/native.py checks
-// that when it packs), so both forms give the same numbers, the two-level one reading 20% fewer bytes.
+// q * scale (+ offset) over groups of `group` inputs (16, or a multiple of 32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,7 +30,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -49,7 +44,6 @@ namespace {
 constexpr int64_t BLOCK = 32;    // inputs per activation block
 constexpr int64_t TILE = 4;      // output columns computed together
 constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
-constexpr int64_t STEP_GROUPS = 8;  // groups sharing a step in the two-level form
 
 // The rows of x, quantized.
 struct Rows {
@@ -100,38 +94,14 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int
 
 struct Weight {
   const uint8_t* q;       // the tiles
-  const void* scales;     // [tiles, G, 4]: float32, or uint8 multipliers of `steps`
-  const void* offsets;    // the same, or null
-  const float* steps;     // [tiles, G / 8, 2, 4] or null (one level)
+  const float* scales;    // [tiles, G, 4]
+  const float* offsets;   // [tiles, G, 4] or null
   int64_t groups;
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
-
-  // The 4 columns' scale (which = 0) or offset (1) of group g in tile `tile`, one scalar at a time.
-  float value(int which, int64_t tile, int64_t g, int c) const {
-    const int64_t at = (tile * groups + g) * TILE + c;
-    const void* table = which ? offsets : scales;
-    if (steps == nullptr) return static_cast<const float*>(table)[at];
-    return static_cast<float>(static_cast<const uint8_t*>(table)[at]) *
-           steps[((tile * (groups / STEP_GROUPS) + g / STEP_GROUPS) * 2 + which) * TILE + c];
-  }
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Weight::value for the 4 columns at once.
-template <bool TWO_LEVEL>
-inline __m128 group_values(const Weight& w, int which, int64_t tile, int64_t g) {
-  const int64_t at = (tile * w.groups + g) * TILE;
-  const void* table = which ? w.offsets : w.scales;
-  if (!TWO_LEVEL) return _mm_loadu_ps(static_cast<const float*>(table) + at);
-  int32_t four;
-  std::memcpy(&four, static_cast<const uint8_t*>(table) + at, 4);
-  const __m128 multipliers = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
-  return _mm_mul_ps(multipliers, _mm_loadu_ps(w.steps + ((tile * (w.groups / STEP_GROUPS) + g / STEP_GROUPS) * 2 + which) * TILE));
-}
-
-inline __m256 twice(__m128 v) { return _mm256_insertf128_ps(_mm256_castps128_ps256(v), v, 1); }
-
 // The tile's four weight vectors of block b, as unsigned bytes (int8: w + 128 on VNNI, |w| on AVX2,
 // with the signed ones in `sign` for the rows to take w's sign).
 template <bool INT4>
@@ -171,18 +141,19 @@ inline __m256i dot(__m256i u, __m256i s, __m256i sign) {
 }
 
 // One tile's 4 columns for rows r0 .. r0 + R - 1.
-template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
+template <bool INT4, bool SIXTEEN, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = INT4 ? 2 * BLOCK : 4 * BLOCK;  // per tile and block
   const int64_t blocks = K / BLOCK;
   const uint8_t* q = w.q + tile * blocks * bytes;
+  const float* scales = w.scales + tile * w.groups * TILE;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i u[4], sign[4];
     load_block<INT4>(q + b * bytes, u, sign);
-    const __m256 s_lo = twice(group_values<TWO_LEVEL>(w, 0, tile, w.lo[b]));
-    const __m256 s_hi = SIXTEEN ? twice(group_values<TWO_LEVEL>(w, 0, tile, w.hi[b])) : s_lo;
+    const __m256 s_lo = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scales + w.lo[b] * TILE));
+    const __m256 s_hi = SIXTEEN ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scales + w.hi[b] * TILE)) : s_lo;
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (r0 + r) * blocks + b;
       const int8_t* xv = x.q.data() + row_block * 4 * BLOCK;
@@ -207,10 +178,11 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
   for (int r = 0; r < R; ++r) {
     __m128 out = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
     if (w.offsets != nullptr) {  // + sum over groups of offset x (the row's sum over the group)
+      const float* offsets = w.offsets + tile * w.groups * TILE;
       const float* sums = x.sums.data() + (r0 + r) * w.groups;
       __m128 share = _mm_setzero_ps();
       for (int64_t g = 0; g < w.groups; ++g)
-        share = _mm_fmadd_ps(group_values<TWO_LEVEL>(w, 1, tile, g), _mm_set1_ps(sums[g]), share);
+        share = _mm_fmadd_ps(_mm_loadu_ps(offsets + g * TILE), _mm_set1_ps(sums[g]), share);
       out = _mm_add_ps(out, share);
     }
     _mm_storeu_ps(y + (r0 + r) * N + tile * TILE, out);
@@ -218,7 +190,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #else
 // Portable: per column and block half, the integer sum, then acc += sum x scale, half after half.
-template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
+template <bool INT4, bool SIXTEEN, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = INT4 ? 2 * BLOCK : 4 * BLOCK;
   const int64_t blocks = K / BLOCK;
@@ -238,63 +210,48 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
                                        : static_cast<int8_t>(q[b * bytes + k * BLOCK + at]);
                 sum += v * x.q[(m * blocks + b) * 4 * BLOCK + k * BLOCK + at];
               }
-          const float scale = w.value(0, tile, half ? w.hi[b] : w.lo[b], c);
+          const float scale = w.scales[(tile * w.groups + (half ? w.hi[b] : w.lo[b])) * TILE + c];
           acc = std::fma(static_cast<float>(sum), scale * x.d[m * blocks + b], acc);
         }
       }
       for (int64_t g = 0; w.offsets != nullptr && g < w.groups; ++g)
-        acc = std::fma(w.value(1, tile, g, c), x.sums[m * w.groups + g], acc);
+        acc = std::fma(w.offsets[(tile * w.groups + g) * TILE + c], x.sums[m * w.groups + g], acc);
       y[m * N + tile * TILE + c] = acc;
     }
   }
 }
 #endif
 
-template <bool INT4, bool SIXTEEN, bool TWO_LEVEL>
+template <bool INT4, bool SIXTEEN>
 void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m = 0; m < M; m += ROWS_AT_ONCE) {
       switch (std::min<int64_t>(ROWS_AT_ONCE, M - m)) {
-        case 4: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 4>(w, t, x, m, K, y, N); break;
-        case 3: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 3>(w, t, x, m, K, y, N); break;
-        case 2: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 2>(w, t, x, m, K, y, N); break;
-        default: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 1>(w, t, x, m, K, y, N); break;
+        case 4: tile_rows<INT4, SIXTEEN, 4>(w, t, x, m, K, y, N); break;
+        case 3: tile_rows<INT4, SIXTEEN, 3>(w, t, x, m, K, y, N); break;
+        case 2: tile_rows<INT4, SIXTEEN, 2>(w, t, x, m, K, y, N); break;
+        default: tile_rows<INT4, SIXTEEN, 1>(w, t, x, m, K, y, N); break;
       }
     }
   }
 }
 
-template <bool INT4, bool SIXTEEN>
-void tiles_of(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
-  if (w.steps != nullptr) tiles<INT4, SIXTEEN, true>(w, x, M, K, N, t0, t1, y);
-  else tiles<INT4, SIXTEEN, false>(w, x, M, K, N, t0, t1, y);
-}
-
-// x [M, K] float32; qweight uint8 (int4) or int8, N / 4 tiles; scales, offsets [N / 4, G, 4] float32,
-// or uint8 with steps [N / 4, G / 8, 2, 4] float32.
+// x [M, K] float32; qweight uint8 (int4) or int8, N / 4 tiles; scales, offsets [N / 4, G, 4] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
+                   const c10::optional<at::Tensor>& offsets, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
-  const auto scale_type = steps.has_value() ? at::kByte : at::kFloat;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == scale_type && scales.is_contiguous(),
-              "qlinear: scales must be [N / 4, G, 4], float32 (uint8 with steps)");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "qlinear: scales must be float32 [N / 4, G, 4]");
   const bool int4 = qweight.scalar_type() == at::kByte, sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
   TORCH_CHECK(K % BLOCK == 0 && (sixteen || group % BLOCK == 0) && K % group == 0 && K / group == groups,
               "qlinear: K must be a multiple of 32 and of the group (16 or a multiple of 32)");
   TORCH_CHECK(qweight.numel() == N * (int4 ? K / 2 : K) && qweight.is_contiguous(), "qlinear: qweight does not match x and scales");
-  const void* off = nullptr;
+  const float* off = nullptr;
   if (offsets.has_value()) {
-    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == scale_type && offsets->is_contiguous(),
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
                 "qlinear: offsets do not match scales");
-    off = offsets->data_ptr();
-  }
-  const float* step = nullptr;
-  if (steps.has_value()) {
-    TORCH_CHECK(groups % STEP_GROUPS == 0 && steps->dim() == 4 && steps->size(0) == tiles_n && steps->size(1) == groups / STEP_GROUPS &&
-                steps->size(2) == 2 && steps->size(3) == TILE && steps->scalar_type() == at::kFloat && steps->is_contiguous(),
-                "qlinear: steps must be float32 [N / 4, G / 8, 2, 4]");
-    step = steps->data_ptr<float>();
+    off = offsets->data_ptr<float>();
   }
   const int64_t blocks = K / BLOCK;
   const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, !int4, off != nullptr);
@@ -303,13 +260,13 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
     hi[b] = static_cast<int32_t>((b * BLOCK + 16) / group);
   }
-  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, groups, lo.data(), hi.data()};
+  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), off, groups, lo.data(), hi.data()};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   // tiles split between threads, a few at least per thread so that a wake-up is worth it
   at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) {
-    if (int4) sixteen ? tiles_of<true, true>(w, rows, M, K, N, t0, t1, out) : tiles_of<true, false>(w, rows, M, K, N, t0, t1, out);
-    else sixteen ? tiles_of<false, true>(w, rows, M, K, N, t0, t1, out) : tiles_of<false, false>(w, rows, M, K, N, t0, t1, out);
+    if (int4) sixteen ? tiles<true, true>(w, rows, M, K, N, t0, t1, out) : tiles<true, false>(w, rows, M, K, N, t0, t1, out);
+    else sixteen ? tiles<false, true>(w, rows, M, K, N, t0, t1, out) : tiles<false, false>(w, rows, M, K, N, t0, t1, out);
   });
   return y;
 }
@@ -317,7 +274,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(minispec_native, m) {
-  m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? steps, int group) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
