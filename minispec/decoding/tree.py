@@ -222,7 +222,11 @@ class Growth:
                 self.scores.append(base + score)
                 self.newest.append(len(self.tokens) - 1)
         if parent == (self.spine[-1] if self.spine else -1) and len(self.tokens) > first:
-            self.spine.append(min(range(first, len(self.tokens)), key=self.rank))
+            self.spine.append(self.spine_child(range(first, len(self.tokens))))
+
+    def spine_child(self, children):
+        """Which of the spine's new children continues it: the most probable."""
+        return min(children, key=self.rank)
 
     def rank(self, node):
         return -self.scores[node], node
@@ -259,8 +263,8 @@ class DrawnGrowth(Growth):
     order. That is exact only if how many a node gets is settled before they are drawn: children kept or
     pruned for what they turned out to be (Growth.best's rule) would bias the verified tokens. So the
     budget is shared out depth by depth, before each depth's draws: at most `width` new nodes a depth,
-    one kept for each depth below so that the spine (the chain of each depth's most probable draw) can
-    reach `depth`, and the slots go to the expanded nodes by score, a slot's score being its node's
+    one kept for each depth below so that the spine (the chain of each node's first draw) can reach
+    `depth`, and the slots go to the expanded nodes by score, a slot's score being its node's
     plus the log of q's i-th largest probability for a node's i-th draw (what a draw there brings,
     roughly; q is known before drawing, the draws are not). Every node drawn is in the tree, in the
     order drawn (chosen). Top-k
@@ -310,6 +314,12 @@ class DrawnGrowth(Growth):
         they were drawn, which sample_walk tries them in (by score, the most probable draw would go
         first whatever was drawn first, and the verified tokens would be biased toward it)."""
         return list(range(len(self.tokens)))
+
+    def spine_child(self, children):
+        """The first drawn: a draw from q, as a chain's guess is, so the spine is a chain of draws and
+        the tree accepts at least what that chain would (the most probable draw instead lost a chain's
+        tokens wherever an earlier draw was accepted and, off the spine, had no children)."""
+        return children[0]
 
     def slot_score(self, node, i, value):
         return (0.0 if node < 0 else self.scores[node]) + math.log(value)
