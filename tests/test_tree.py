@@ -324,6 +324,28 @@ def test_growth_keeps_the_spine_and_the_best_other_nodes_with_their_ancestors():
     assert growth.best() == ([1, 3], [-1, 0])
 
 
+def test_drawn_growth_shares_the_budget_before_drawing_and_keeps_a_chain_of_first_draws():
+    """Sampled trees (DrawnGrowth): each depth adds at most `width` nodes, leaving one for each depth
+    below (so 4 deep in 10 nodes); a node's children are its draws in the order drawn; the spine is each
+    node's first draw (a chain of draws), which always gets a child; every node drawn is in the tree."""
+    growth = DrawnGrowth(budget=10, width=3, depth=4)
+    q = torch.tensor([0.05, 0.4, 0.3, 0.2, 0.05])
+    generator = torch.Generator().manual_seed(7)
+    growth.draw([-1], q[None], generator)
+    first = sample_distinct(q, 3, torch.Generator().manual_seed(7)).tolist()
+    assert growth.tokens == first and growth.spine == [0]  # 3 = min(width, 10 - 3 kept for depths 2-4)
+    for depth in (2, 3, 4):
+        nodes = growth.expand()
+        assert nodes[0] == growth.spine[-1] and len(nodes) <= 3
+        before = len(growth.tokens)
+        growth.draw(nodes, q.flip(0).expand(len(nodes), -1), generator)
+        assert growth.spine[-1] == before and growth.parents[before] == nodes[0]  # the spine's first draw
+        assert len(growth.tokens) <= 10 - (4 - depth)
+    tokens, parents = growth.best()
+    assert len(tokens) == len(growth.tokens) and max(depths(parents)) == 4
+    assert growth.chosen() == list(range(len(tokens)))  # the order drawn
+
+
 def path_tokens(tokens, parents, j):
     return [tokens[node] for node in path(parents, j)]
 
