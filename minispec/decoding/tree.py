@@ -221,8 +221,11 @@ class Growth:
                 self.parents.append(parent)
                 self.scores.append(base + score)
                 self.newest.append(len(self.tokens) - 1)
-        if parent == (self.spine[-1] if self.spine else -1) and len(self.tokens) > first:
+        if parent == self.spine_end() and len(self.tokens) > first:
             self.spine.append(self.spine_child(range(first, len(self.tokens))))
+
+    def spine_end(self):
+        return self.spine[-1] if self.spine else -1
 
     def spine_child(self, children):
         """Which of the spine's new children continues it: the most probable."""
@@ -264,13 +267,12 @@ class DrawnGrowth(Growth):
     pruned for what they turned out to be (Growth.best's rule) would bias the verified tokens. So the
     budget is shared out depth by depth, before each depth's draws: at most `width` new nodes a depth,
     one kept for each depth below so that the spine (the chain of each node's first draw) can reach
-    `depth`, and the slots go to the expanded nodes by score, a slot's score being its node's
-    plus the log of q's i-th largest probability for a node's i-th draw (what a draw there brings,
-    roughly; q is known before drawing, the draws are not). Every node drawn is in the tree, in the
-    order drawn (chosen). Top-k
-    candidates of a sampled q would be verified as fixed candidates, each accepted with p'(x) only:
-    behind a draft that matches the target well, far less than a chain of draws (accepted with Σ
-    min(p, q)); a child drawn first is accepted as often as a chain's guess."""
+    `depth`, and the slots go to the expanded nodes by score, a slot's score being its node's plus the
+    log of q's i-th largest probability for a node's i-th draw (what a draw there brings, roughly; q is
+    known before drawing, the draws are not). Every node drawn is in the tree, in the order drawn
+    (chosen). Top-k candidates of a sampled q would be verified as fixed candidates, each accepted with
+    p'(x) only: behind a draft that matches the target well, far less than a chain of draws (accepted
+    with Σ min(p, q)); a child drawn first is accepted as often as a chain's guess."""
 
     def __init__(self, budget, width, depth):
         super().__init__(budget, width)
@@ -297,12 +299,11 @@ class DrawnGrowth(Growth):
         if not room:
             return
         largest = qs.topk(min(room, qs.shape[-1]), dim=-1).values.tolist()
-        slots = sorted((-self.slot_score(node, i, value), node != self.spine_end(), i, n)
-                       for n, (node, values) in enumerate(zip(nodes, largest))
+        slots = sorted((-self.slot_score(node, value), i, n) for n, (node, values) in enumerate(zip(nodes, largest))
                        for i, value in enumerate(values) if value > 0)
-        # the spine's first draw always: the chain goes on; then the best slots
-        spine = [slot for slot in slots if slot[1] is False and slot[2] == 0]
-        counts = Counter(slot[3] for slot in (spine + [s for s in slots if s not in spine])[:room])
+        # the spine's first draw always (the chain of draws goes on), then the best other slots
+        first = [slot for slot in slots if nodes[slot[2]] == self.spine_end() and slot[1] == 0]
+        counts = Counter(n for _, _, n in (first + [slot for slot in slots if slot not in first])[:room])
         for n, node in enumerate(nodes):
             if counts[n]:
                 drawn = sample_distinct(qs[n], counts[n], generator)
@@ -321,11 +322,8 @@ class DrawnGrowth(Growth):
         tokens wherever an earlier draw was accepted and, off the spine, had no children)."""
         return children[0]
 
-    def slot_score(self, node, i, value):
+    def slot_score(self, node, value):
         return (0.0 if node < 0 else self.scores[node]) + math.log(value)
-
-    def spine_end(self):
-        return self.spine[-1] if self.spine else -1
 
     def q_rows(self, chosen):
         """q [len(chosen), vocab] for sample_walk: the root's, then each chosen node's but the last
