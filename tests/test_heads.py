@@ -322,7 +322,8 @@ def test_a_medusa_tree_is_the_heads_best_products(gqa_heads):
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_sampled_tokens_from_a_heads_tree_have_the_targets_joint_distribution(vocab16_heads, kind):
     """As for the chain (four tokens, chi-square at p > 0.001 and a total-variation bound), with trees of
-    5 nodes, 2 deep: the head's best candidates, verified as fixed candidates (tree.sample_walk)."""
+    5 nodes, 2 deep: EAGLE's draws from its q, verified by recursive rejection; Medusa's best
+    candidates, verified as fixed candidates (tree.sample_walk)."""
     target, heads = vocab16_heads
     sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 2000
     joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=4)
