@@ -242,12 +242,16 @@ class Growth:
 
     def expand(self):
         """The nodes to expand next: the newest spine node, and the newest depth's best others that can
-        still be in the tree, `width` in all."""
+        still be in the tree, `expansions()` in all."""
         hopeful = set(self.others())
         spine = [node for node in self.newest if node in self.spine]
         others = sorted((node for node in self.newest if node in hopeful), key=self.rank)
         self.newest = []
-        return (spine + others)[:self.width]
+        return (spine + others)[:self.expansions()]
+
+    def expansions(self):
+        """How many nodes a depth expands."""
+        return self.width
 
     def chosen(self):
         """The tree's nodes: the spine and the best other nodes, `budget` in all, in rank order."""
@@ -283,13 +287,9 @@ class DrawnGrowth(Growth):
         """How many nodes the next depth may add."""
         return max(min(self.width, self.budget - len(self.tokens) - (self.depths_left - 1)), 0)
 
-    def expand(self):
-        """The newest spine node, then the newest depth's best other nodes, as many as the next depth
-        has room for."""
-        spine = [node for node in self.newest if node in self.spine]
-        others = sorted((node for node in self.newest if node not in self.spine), key=self.rank)
-        self.newest = []
-        return (spine + others)[:self.room()]
+    def expansions(self):
+        """As many as the next depth has room for (no node is pruned, so every other one is hopeful)."""
+        return self.room()
 
     def draw(self, nodes, qs, generator):
         """The next depth: children for each of `nodes` (expanded, -1: the root), drawn from its q in
