@@ -101,7 +101,7 @@ def available():
     return True
 
 
-TILE = 4  # output columns the kernel computes together
+TILE = 8  # output columns the kernel computes together
 BLOCK = 32  # inputs per block
 
 
@@ -113,17 +113,17 @@ def load(path):
 
 def pack(q, scales, offsets):
     """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
-    [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 4 columns (zero weights);
-    per tile and block of 32 inputs, vectors k = 0..3 whose byte 4 * (4h + c) + j is column c's input
-    8k + 4h + j, int4 ones two to a byte (k = 0 and 2 in the low nibbles, 1 and 3 in the high ones);
-    scales and offsets [tiles, G, 4] float32. Returns (qweight, scales, offsets)."""
+    [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 8 columns (zero weights);
+    per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
+    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones); scales and offsets
+    [tiles, G, 8] float32. Returns (qweight, scales, offsets)."""
     pad = -q.shape[0] % TILE
     q = F.pad(q, (0, 0, 0, pad))
     tiles, K = q.shape[0] // TILE, q.shape[1]
-    # [tile, c, block, k, h, j] -> [tile, block, k, h, c, j]
-    q = q.view(tiles, TILE, K // BLOCK, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, K // BLOCK, 4, BLOCK)
+    # [tile, c, block, k, j] -> [tile, block, k, c, j]
+    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, BLOCK)
     if q.dtype == torch.uint8:
-        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)
+        q = q[:, :, :4] | (q[:, :, 4:] << 4)
     return (q.contiguous(), *(None if t is None else
                               F.pad(t.float(), (0, 0, 0, pad)).view(tiles, TILE, -1).transpose(1, 2).contiguous()
                               for t in (scales, offsets)))
@@ -145,8 +145,8 @@ def rows_of(tokens, qweight, scales, offsets):
     offsets: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
     tiles, blocks = qweight.shape[:2]
     tile, column = tokens // TILE, tokens % TILE
-    # [tile, block, k, h, c, j] at (tile, c) -> [..., block, k, h, j]: the inputs in order
-    q = qweight.view(tiles, blocks, 4, 2, TILE, 4)[tile, :, :, :, column].flatten(-4)
+    # [tile, block, k, c, j] at (tile, c) -> [..., block, k, j]: the inputs in order
+    q = qweight.view(tiles, blocks, 8, TILE, 4)[tile, :, :, column].flatten(-3)
     return q, scales[tile, :, column], None if offsets is None else offsets[tile, :, column]
 
 

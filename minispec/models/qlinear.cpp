@@ -8,21 +8,22 @@
 // exact, so both give the same sums); floats come in once per block: acc += sum * (weight scale x the
 // row's block scale). A weight is read from memory once for all rows.
 //
-// Output columns go in tiles of 4, interleaved so that no horizontal sums are needed: a 32-byte weight
-// vector holds 4 inputs of each of the 4 columns twice over (lanes 0-3: columns 0-3 at inputs 8k..8k+3,
-// lanes 4-7: at 8k+4..8k+7), and the row's vector holds those inputs repeated for each column (built
-// once per call). Four such products cover a block of 32 inputs, accumulating in one integer vector
-// whose lanes are columns; the block's first 16 inputs (k = 0, 1) and last 16 (k = 2, 3) go to two
-// vectors when the weight's groups are 16 inputs wide (GGUF's Q6_K).
+// Output columns go in tiles of 8, one per 32-bit lane: a 32-byte weight vector holds 4 consecutive
+// inputs of each of the 8 columns, so the row's side of a product is those 4 inputs broadcast to every
+// lane (a load, no shuffle), no horizontal sums are needed, and a row's quantized inputs are stored
+// once (K bytes: a layer as wide as an MLP's down projection keeps them in L1 beside the weights).
+// Eight such products cover a block of 32 inputs: the first 16 (vectors 0..3) and the last 16 (4..7)
+// go to two integer sums, which are one when the weight's groups are 32 or more inputs wide and two
+// when they are 16 (GGUF's Q6_K).
 //
 // Row invariance: a row's numbers never depend on the other rows: its quantization, its integer sums
-// and its float accumulation (block after block, then lanes 0-3 + lanes 4-7) are the same
-// instructions whether it is decoded alone or verified among others.
+// and its float accumulation (block after block, one lane per column) are the same instructions
+// whether it is decoded alone or verified among others.
 //
-// The weight's layout (models/native.py packs it): tile after tile, block after block, the four
-// vectors k = 0..3 of 32 bytes (int8), or two bytes of 32 holding k = 0 and 2 in their low nibbles and
-// k = 1 and 3 in their high ones (int4, values 0..15). scales, offsets: float32 [tiles, G, 4]; w =
-// q * scale (+ offset) over groups of `group` inputs (16, or a multiple of 32).
+// The weight's layout (models/native.py packs it): tile after tile, block after block, the vectors
+// k = 0..7 of 32 bytes whose byte 4c + j is column c's input 4k + j (int8), or four bytes of 32 holding
+// vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15). scales, offsets:
+// float32 [tiles, G, 8]; w = q * scale (+ offset) over groups of `group` inputs (16, or a multiple of 32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +31,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -42,22 +44,21 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;    // inputs per activation block
-constexpr int64_t TILE = 4;      // output columns computed together
+constexpr int64_t TILE = 8;      // output columns computed together, one per 32-bit lane
 constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
 
 // The rows of x, quantized.
 struct Rows {
-  std::vector<int8_t> q;      // [M, blocks, 4, 32]: block b's vector k: inputs 8k..8k+3 four times, then 8k+4..8k+7 four times
-  std::vector<float> d;       // [M, blocks]: x ~ q * d
-  std::vector<int32_t> minus; // int8 weights on VNNI: [M, blocks, 3, 8]: -128 x what each lane's inputs sum to, over k = 0..3, 0..1, 2..3
+  std::vector<int8_t> q;      // [M, K]: x ~ q * d, block by block
+  std::vector<float> d;       // [M, blocks]
+  std::vector<int32_t> minus; // int8 weights on VNNI: [M, blocks, 3]: -128 x the sum of q over the block, its first 16, its last 16
   std::vector<float> sums;    // [M, G]: x's float sums per weight group, left to right (the offsets' share)
 };
 
 Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int8_weights, bool with_sums) {
   const int64_t blocks = K / BLOCK, groups = K / group;
-  Rows rows{std::vector<int8_t>(M * K * 4), std::vector<float>(M * blocks),
-            std::vector<int32_t>(int8_weights ? M * blocks * 24 : 0), std::vector<float>(with_sums ? M * groups : 0)};
-  int8_t q[BLOCK];
+  Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
+            std::vector<int32_t>(int8_weights ? M * blocks * 3 : 0), std::vector<float>(with_sums ? M * groups : 0)};
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -66,21 +67,15 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int
       for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
       rows.d[m * blocks + b] = d;
+      int8_t* q = rows.q.data() + m * K + b * BLOCK;
       for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
-      int8_t* out = rows.q.data() + (m * blocks + b) * 4 * BLOCK;
-      for (int k = 0; k < 4; ++k)
-        for (int lane = 0; lane < 8; ++lane)
-          for (int j = 0; j < 4; ++j) out[k * BLOCK + lane * 4 + j] = q[8 * k + 4 * (lane / 4) + j];
       if (int8_weights) {
-        int32_t* minus = rows.minus.data() + (m * blocks + b) * 24;
-        for (int lane = 0; lane < 8; ++lane) {
-          int32_t half[2] = {0, 0};  // k = 0..1, k = 2..3
-          for (int k = 0; k < 4; ++k)
-            for (int j = 0; j < 4; ++j) half[k / 2] += q[8 * k + 4 * (lane / 4) + j];
-          minus[lane] = -128 * (half[0] + half[1]);
-          minus[8 + lane] = -128 * half[0];
-          minus[16 + lane] = -128 * half[1];
-        }
+        int32_t half[2] = {0, 0};
+        for (int i = 0; i < BLOCK; ++i) half[i / 16] += q[i];
+        int32_t* minus = rows.minus.data() + (m * blocks + b) * 3;
+        minus[0] = -128 * (half[0] + half[1]);
+        minus[1] = -128 * half[0];
+        minus[2] = -128 * half[1];
       }
     }
     for (int64_t g = 0; with_sums && g < groups; ++g) {
@@ -94,28 +89,28 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int
 
 struct Weight {
   const uint8_t* q;       // the tiles
-  const float* scales;    // [tiles, G, 4]
-  const float* offsets;   // [tiles, G, 4] or null
+  const float* scales;    // [tiles, G, 8]
+  const float* offsets;   // [tiles, G, 8] or null
   int64_t groups;
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The tile's four weight vectors of block b, as unsigned bytes (int8: w + 128 on VNNI, |w| on AVX2,
+// The tile's eight weight vectors of block b, as unsigned bytes (int8: w + 128 on VNNI, |w| on AVX2,
 // with the signed ones in `sign` for the rows to take w's sign).
 template <bool INT4>
 inline void load_block(const uint8_t* q, __m256i* u, __m256i* sign) {
   if (INT4) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int pair = 0; pair < 2; ++pair) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + pair * BLOCK));
-      u[2 * pair] = _mm256_and_si256(raw, mask);
-      u[2 * pair + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * BLOCK));
+      u[k] = _mm256_and_si256(raw, mask);
+      u[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     }
     return;
   }
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < 8; ++k) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * BLOCK));
 #ifdef MINISPEC_VNNI
     u[k] = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -127,47 +122,56 @@ inline void load_block(const uint8_t* q, __m256i* u, __m256i* sign) {
   }
 }
 
-// The 8 lanes' sums of u[4i..4i+3] x s[4i..4i+3], u unsigned bytes, s signed ones.
+// acc + each lane's sum of u[4i..4i+3] x s[4i..4i+3], u unsigned bytes, s signed ones.
 template <bool INT4>
-inline __m256i dot(__m256i u, __m256i s, __m256i sign) {
+inline __m256i dot(__m256i acc, __m256i u, __m256i s, __m256i sign) {
 #ifdef MINISPEC_VNNI
   (void)sign;
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else
   // u8 x s8 pairs fit an int16 here: u is at most 15 (int4) or |int8| <= 128, so 2 x 128 x 127 < 32767
   if (!INT4) s = _mm256_sign_epi8(s, sign);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
-// One tile's 4 columns for rows r0 .. r0 + R - 1.
+// Inputs 4k..4k+3 of a row's block, in every lane.
+inline __m256i inputs(const int8_t* block, int k) {
+  int32_t four;
+  std::memcpy(&four, block + 4 * k, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// One tile's 8 columns for rows r0 .. r0 + R - 1.
 template <bool INT4, bool SIXTEEN, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
-  constexpr int64_t bytes = INT4 ? 2 * BLOCK : 4 * BLOCK;  // per tile and block
+  constexpr int64_t bytes = INT4 ? 4 * BLOCK : 8 * BLOCK;  // per tile and block
   const int64_t blocks = K / BLOCK;
   const uint8_t* q = w.q + tile * blocks * bytes;
   const float* scales = w.scales + tile * w.groups * TILE;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i u[4], sign[4];
+    __m256i u[8], sign[8];
     load_block<INT4>(q + b * bytes, u, sign);
-    const __m256 s_lo = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scales + w.lo[b] * TILE));
-    const __m256 s_hi = SIXTEEN ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scales + w.hi[b] * TILE)) : s_lo;
+    const __m256 s_lo = _mm256_loadu_ps(scales + w.lo[b] * TILE);
+    const __m256 s_hi = SIXTEEN ? _mm256_loadu_ps(scales + w.hi[b] * TILE) : s_lo;
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (r0 + r) * blocks + b;
-      const int8_t* xv = x.q.data() + row_block * 4 * BLOCK;
-      // four independent products, then summed: one accumulating chain would wait on each
+      const int8_t* xv = x.q.data() + (r0 + r) * K + b * BLOCK;
+      // four short chains, then summed: one long one would wait on each product
       __m256i p[4];
-      for (int k = 0; k < 4; ++k)
-        p[k] = dot<INT4>(u[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv + k * BLOCK)), sign[k]);
+      for (int c = 0; c < 4; ++c) {
+        p[c] = dot<INT4>(_mm256_setzero_si256(), u[2 * c], inputs(xv, 2 * c), sign[2 * c]);
+        p[c] = dot<INT4>(p[c], u[2 * c + 1], inputs(xv, 2 * c + 1), sign[2 * c + 1]);
+      }
       __m256i lo = _mm256_add_epi32(p[0], p[1]), hi = _mm256_add_epi32(p[2], p[3]);
       if (!SIXTEEN) lo = _mm256_add_epi32(lo, hi);
 #ifdef MINISPEC_VNNI
       if (!INT4) {  // the weights went in as w + 128
-        const int32_t* minus = x.minus.data() + row_block * 24;
-        lo = _mm256_add_epi32(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minus + (SIXTEEN ? 8 : 0))));
-        if (SIXTEEN) hi = _mm256_add_epi32(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minus + 16)));
+        const int32_t* minus = x.minus.data() + row_block * 3;
+        lo = _mm256_add_epi32(lo, _mm256_set1_epi32(minus[SIXTEEN ? 1 : 0]));
+        if (SIXTEEN) hi = _mm256_add_epi32(hi, _mm256_set1_epi32(minus[2]));
       }
 #endif
       const __m256 d = _mm256_broadcast_ss(x.d.data() + row_block);
@@ -176,23 +180,23 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
     }
   }
   for (int r = 0; r < R; ++r) {
-    __m128 out = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    __m256 out = acc[r];
     if (w.offsets != nullptr) {  // + sum over groups of offset x (the row's sum over the group)
       const float* offsets = w.offsets + tile * w.groups * TILE;
       const float* sums = x.sums.data() + (r0 + r) * w.groups;
-      __m128 share = _mm_setzero_ps();
+      __m256 share = _mm256_setzero_ps();
       for (int64_t g = 0; g < w.groups; ++g)
-        share = _mm_fmadd_ps(_mm_loadu_ps(offsets + g * TILE), _mm_set1_ps(sums[g]), share);
-      out = _mm_add_ps(out, share);
+        share = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g * TILE), _mm256_set1_ps(sums[g]), share);
+      out = _mm256_add_ps(out, share);
     }
-    _mm_storeu_ps(y + (r0 + r) * N + tile * TILE, out);
+    _mm256_storeu_ps(y + (r0 + r) * N + tile * TILE, out);
   }
 }
 #else
-// Portable: per column and block half, the integer sum, then acc += sum x scale, half after half.
+// Portable: per column and block half, the integer sum, then acc += sum x scale, as the vector code.
 template <bool INT4, bool SIXTEEN, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
-  constexpr int64_t bytes = INT4 ? 2 * BLOCK : 4 * BLOCK;
+  constexpr int64_t bytes = INT4 ? 4 * BLOCK : 8 * BLOCK;
   const int64_t blocks = K / BLOCK;
   const uint8_t* q = w.q + tile * blocks * bytes;
   for (int r = 0; r < R; ++r) {
@@ -200,23 +204,27 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
     for (int c = 0; c < TILE; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        for (int half = 0; half < 2; ++half) {
-          int32_t sum = 0;
-          for (int k = 2 * half; k < 2 * half + 2; ++k)
-            for (int lane = c; lane < 8; lane += 4)
-              for (int j = 0; j < 4; ++j) {
-                const int64_t at = lane * 4 + j;
-                const int32_t v = INT4 ? (q[b * bytes + (k / 2) * BLOCK + at] >> (4 * (k % 2))) & 0x0F
-                                       : static_cast<int8_t>(q[b * bytes + k * BLOCK + at]);
-                sum += v * x.q[(m * blocks + b) * 4 * BLOCK + k * BLOCK + at];
-              }
-          const float scale = w.scales[(tile * w.groups + (half ? w.hi[b] : w.lo[b])) * TILE + c];
-          acc = std::fma(static_cast<float>(sum), scale * x.d[m * blocks + b], acc);
+        int32_t half[2] = {0, 0};
+        for (int k = 0; k < 8; ++k)
+          for (int j = 0; j < 4; ++j) {
+            const int64_t at = 4 * c + j;
+            const int32_t v = INT4 ? (q[b * bytes + (k % 4) * BLOCK + at] >> (4 * (k / 4))) & 0x0F
+                                   : static_cast<int8_t>(q[b * bytes + k * BLOCK + at]);
+            half[k / 4] += v * x.q[m * K + b * BLOCK + 4 * k + j];
+          }
+        const float d = x.d[m * blocks + b];
+        const float* scales = w.scales + tile * w.groups * TILE;
+        if (SIXTEEN) {
+          acc = std::fma(static_cast<float>(half[0]), scales[w.lo[b] * TILE + c] * d, acc);
+          acc = std::fma(static_cast<float>(half[1]), scales[w.hi[b] * TILE + c] * d, acc);
+        } else {
+          acc = std::fma(static_cast<float>(half[0] + half[1]), scales[w.lo[b] * TILE + c] * d, acc);
         }
       }
+      float share = 0.f;
       for (int64_t g = 0; w.offsets != nullptr && g < w.groups; ++g)
-        acc = std::fma(w.offsets[(tile * w.groups + g) * TILE + c], x.sums[m * w.groups + g], acc);
-      y[m * N + tile * TILE + c] = acc;
+        share = std::fma(w.offsets[(tile * w.groups + g) * TILE + c], x.sums[m * w.groups + g], share);
+      y[m * N + tile * TILE + c] = acc + share;
     }
   }
 }
@@ -236,12 +244,12 @@ void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int6
   }
 }
 
-// x [M, K] float32; qweight uint8 (int4) or int8, N / 4 tiles; scales, offsets [N / 4, G, 4] float32.
+// x [M, K] float32; qweight uint8 (int4) or int8, N / 8 tiles; scales, offsets [N / 8, G, 8] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& offsets, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "qlinear: scales must be float32 [N / 4, G, 4]");
+              "qlinear: scales must be float32 [N / 8, G, 8]");
   const bool int4 = qweight.scalar_type() == at::kByte, sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
   TORCH_CHECK(K % BLOCK == 0 && (sixteen || group % BLOCK == 0) && K % group == 0 && K / group == groups,
