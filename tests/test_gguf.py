@@ -22,7 +22,7 @@ from minispec.loading import gguf as minigguf
 from minispec.loading.checkpoint import load_model
 from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
 from minispec.loading.tokenizer import load_tokenizer
-from minispec.models import quant
+from minispec.models import native, quant
 
 
 def write_gguf(path, arch, tensors, setup=lambda writer: None):
@@ -48,13 +48,19 @@ SHAPE = (2, 3, 512)  # three dims, to check that GGUF's innermost-first dims are
 
 
 def random_k_blocks(qtype, n_blocks, rng):
+    """Random blocks whose largest scale multiplier is where llama.cpp's quantizers put it: 63 for
+    Q4_K/Q5_K's 6-bit scales and mins (sub-block 0's here), -128 for Q6_K's signed 8-bit ones."""
     block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
     if qtype == Q.Q6_K:
         blocks[:, -2:] = scales[:, :2]  # d is last
+        blocks[:, 193:208] = np.maximum(blocks[:, 193:208].view(np.int8), -127).view(np.uint8)
+        blocks[:, 192] = 0x80
     else:
         blocks[:, :4] = scales  # d, dmin come first
+        blocks[:, 4] |= 0x3F  # scale 0
+        blocks[:, 8] |= 0x3F  # min 0
     return blocks
 
 
@@ -97,6 +103,20 @@ def test_kept_quantized_dequantizes_bit_exactly(quantized_file, qtype, monkeypat
     parts = stored_form(tensor)
     assert parts["qweight"].dtype == (torch.uint8 if qtype.name.startswith("Q4") else torch.int8)
     assert torch.equal(quant.dequantize(parts), dequantize(tensor).reshape(SHAPE[0], -1))
+
+
+@pytest.mark.skipif(not native.available(), reason="minispec's CPU kernel cannot be built here")
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_k_quants_kept_in_two_levels(quantized_file, qtype, monkeypatch):
+    """A K-quant layer for minispec's CPU kernel keeps its scales as int8 multiples of each super-block's
+    step (fewer bytes a step), with the outputs of the float32 scales bit for bit."""
+    parts = stored_form(read_gguf(quantized_file[0])[1][qtype.name])
+    layer = (quant.Int4Linear if quant.is_int4(parts) else quant.Int8Linear)(parts)
+    monkeypatch.setattr(native, "two_level", lambda values, group: None)
+    one_level = (quant.Int4Linear if quant.is_int4(parts) else quant.Int8Linear)(parts)
+    assert layer.steps is not None and one_level.steps is None
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layer(x), one_level(x))
 
 
 def test_dequantize_in_chunks(quantized_file, monkeypatch):

@@ -25,8 +25,29 @@ def promised(x, q, scales, offsets, group):
     return y
 
 
+def k_quant_like(form, n, k, generator):
+    """A weight as GGUF's K-quants store it: per 256 inputs an fp16 step for the scales (and one for the
+    mins), each group a multiple of it: Q4_K's int4 in groups of 32, 6-bit multiples, the largest 63
+    (its offsets the mins, negated); Q6_K's int8 in groups of 16, signed 8-bit ones, the largest -128.
+    Narrower than 256 inputs: the float32 values alone."""
+    group, largest, low, high = (32, 63, 0, 63) if form == "int4 q4_k" else (16, -128, -128, 127)
+    spans, per_span = max(k // 256, 1), min(k, 256) // group
+    steps = (torch.rand(n, spans, 2, 1, generator=generator) * 0.02 + 1e-3).half().float()
+    multiples = torch.randint(low, high + 1, (n, spans, 2, per_span), generator=generator).float()
+    multiples[..., 0] = largest
+    multiples[0, 0, 1] = 0  # a super-block without mins: a zero step
+    values = (steps * multiples).view(n, spans, 2, per_span)
+    if form == "int4 q4_k":
+        q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+        return q, values[:, :, 0].reshape(n, -1), -values[:, :, 1].reshape(n, -1), group
+    q = torch.randint(-32, 32, (n, k), generator=generator, dtype=torch.int8)
+    return q, values[:, :, 0].reshape(n, -1), None, group
+
+
 def stored(form, n, k, generator):
     weight = torch.randn(n, k, generator=generator)
+    if "_k" in form:
+        return k_quant_like(form, n, k, generator)
     if form.startswith("int4"):
         parts = quant.quantize_int4(weight, int(form[6:]))
         return quant.unpack_int4(parts["qweight"]), parts["scales"], parts["offsets"], int(form[6:])
@@ -36,7 +57,7 @@ def stored(form, n, k, generator):
     return parts["qweight"], parts["scales"].view(n, -1), offsets, group
 
 
-FORMS = ["int4 g32", "int4 g64", "int8 per channel", "int8 g32", "int8 g16", "int8 g16 offsets"]
+FORMS = ["int4 g32", "int4 g64", "int4 q4_k", "int8 per channel", "int8 g32", "int8 g16", "int8 g16 offsets", "int8 q6_k"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -70,6 +91,31 @@ def test_every_row_computes_as_it_would_alone(form, threads):
             assert torch.equal(native.qlinear(x[:rows], *packed, group), alone[:rows]), rows
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("form", ["int4 q4_k", "int8 q6_k"])
+def test_k_quant_scales_are_packed_in_two_levels_with_the_same_results(form, monkeypatch):
+    """GGUF K-quants' scales and mins kept as int8 multiples of a step per 256 inputs (4.75 bits a
+    weight for Q4_K against 6, 8.75 for Q6_K as int8 against 10), the kernel's numbers bit for bit those
+    of the float32 values they replace; minispec's own quantizers' free scales stay in one level."""
+    generator = torch.Generator().manual_seed(5)
+    q, scales, offsets, group = k_quant_like(form, 70, 512, generator)
+    two = native.pack(q, scales, offsets)
+    assert two[1].dtype == torch.int8 and two[3].shape == (9, 2, 2, 8)
+    monkeypatch.setattr(native, "two_level", lambda values, group: None)
+    one = native.pack(q, scales, offsets)
+    assert one[1].dtype == torch.float32 and one[3] is None
+    saved = 1 - sum(t.nbytes for t in two if t is not None) / sum(t.nbytes for t in one if t is not None)
+    assert saved > (0.2 if form == "int4 q4_k" else 0.12), saved
+    x = torch.randn(9, 512, generator=generator)
+    assert torch.equal(native.qlinear(x, *two, group), native.qlinear(x, *one, group))
+    monkeypatch.undo()
+    tokens = torch.tensor([0, 69, 33])
+    if form == "int8 q6_k":  # an embedding looks its rows up from either form alike
+        assert all(torch.equal(a, b) for a, b in zip(native.rows_of(tokens, *two), native.rows_of(tokens, *one))
+                   if a is not None)
+    parts = quant.quantize_int4(torch.randn(8, 512, generator=generator), 32)
+    assert native.pack(quant.unpack_int4(parts["qweight"]), parts["scales"], parts["offsets"])[3] is None
 
 
 def test_token_rows_come_out_of_the_packed_layout():

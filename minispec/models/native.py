@@ -103,6 +103,11 @@ def available():
 
 TILE = 8  # output columns the kernel computes together
 BLOCK = 32  # inputs per block
+STEP_INPUTS = 256  # inputs sharing a step in the two-level form: a GGUF K-quant's super-block
+# A K-quant super-block's scales (and mins) are its fp16 step times small integers: 6-bit ones, the
+# largest 63, in Q4_K and Q5_K; signed 8-bit ones, the largest in magnitude -128, in Q6_K (llama.cpp's
+# quantizers). The step is found from the largest value and checked: any other file stays in one level.
+LARGEST_MULTIPLIERS = (63, -128, 127)
 
 
 @functools.cache
@@ -116,7 +121,9 @@ def pack(q, scales, offsets):
     [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 8 columns (zero weights);
     per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
     int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones); scales and offsets
-    [tiles, G, 8] float32. Returns (qweight, scales, offsets)."""
+    [tiles, G, 8] float32, or where they are steps times small integers (GGUF's K-quants: `two_level`)
+    int8 multipliers [tiles, G, 8] and their steps [tiles, K / 256, 2, 8] float32 (the scales', the
+    offsets'). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
     q = F.pad(q, (0, 0, 0, pad))
     tiles, K = q.shape[0] // TILE, q.shape[1]
@@ -124,14 +131,45 @@ def pack(q, scales, offsets):
     q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, BLOCK)
     if q.dtype == torch.uint8:
         q = q[:, :, :4] | (q[:, :, 4:] << 4)
-    return (q.contiguous(), *(None if t is None else
-                              F.pad(t.float(), (0, 0, 0, pad)).view(tiles, TILE, -1).transpose(1, 2).contiguous()
-                              for t in (scales, offsets)))
+    group = K // scales.shape[1]
+    levels = [two_level(t, group) for t in (scales, offsets) if t is not None]
+    steps = None
+    if all(level is not None for level in levels):
+        (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
+        steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offsets is None else offset_steps], -1)
+
+    def tiled(t):  # [N, ...] -> [tiles, ..., 8]
+        t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
+        return t.movedim(1, -1).contiguous()
+    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.float())
+                              for t in (scales, offsets, steps)))
+
+
+def two_level(values, group):
+    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float32 steps [N, K / 256],
+    each product exactly the value in float32 (as the kernel computes it); None where they are not such
+    (minispec's own quantizers, GGUF's Q4_0/Q4_1/Q8_0) or the layer's width is not in whole steps."""
+    N, G = values.shape
+    if STEP_INPUTS % group or (G * group) % STEP_INPUTS:
+        return None
+    v = values.float().view(N, G * group // STEP_INPUTS, STEP_INPUTS // group)
+    largest = v.gather(-1, v.abs().argmax(-1, keepdim=True))
+    found = torch.zeros_like(largest, dtype=torch.bool)
+    steps = torch.zeros_like(largest)
+    for multiplier in LARGEST_MULTIPLIERS:  # each step of 256 inputs the first that gives every value exactly
+        step = largest / multiplier
+        m = torch.where(step != 0, v / step, 0.0).round()
+        exact = ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True)
+        steps = torch.where(~found & exact, step, steps)
+        found |= exact
+    if not found.all():
+        return None
+    return torch.where(steps != 0, v / steps, 0.0).round().to(torch.int8).view(N, G), steps.view(N, -1)
 
 
 def register_packed(module, q, scales, offsets):
-    """A quantized layer's buffers `weight`, `scales`, `offsets` in the kernel's layout."""
-    for name, tensor in zip(("weight", "scales", "offsets"), pack(q, scales, offsets)):
+    """A quantized layer's buffers `weight`, `scales`, `offsets`, `steps` in the kernel's layout."""
+    for name, tensor in zip(("weight", "scales", "offsets", "steps"), pack(q, scales, offsets)):
         module.register_buffer(name, tensor)
 
 
@@ -140,20 +178,26 @@ def takes(in_features, group):
     return in_features % BLOCK == 0 and (group == 16 or group % BLOCK == 0) and available()
 
 
-def rows_of(tokens, qweight, scales, offsets):
+def rows_of(tokens, qweight, scales, offsets, steps):
     """The int8 weight rows (output columns) `tokens` of a packed int8 weight, and their scales and
-    offsets: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
+    offsets in float32: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
     tiles, blocks = qweight.shape[:2]
     tile, column = tokens // TILE, tokens % TILE
     # [tile, block, k, c, j] at (tile, c) -> [..., block, k, j]: the inputs in order
     q = qweight.view(tiles, blocks, 8, TILE, 4)[tile, :, :, column].flatten(-3)
-    return q, scales[tile, :, column], None if offsets is None else offsets[tile, :, column]
+
+    def values(table, which):
+        if steps is None:
+            return table[tile, :, column]
+        step = steps[tile, :, which, column].repeat_interleave(table.shape[1] // steps.shape[1], dim=-1)
+        return table[tile, :, column].float() * step
+    return q, values(scales, 0), None if offsets is None else values(offsets, 1)
 
 
-def qlinear(x, qweight, scales, offsets, group):
+def qlinear(x, qweight, scales, offsets, steps, group):
     """x [M, K] float32 @ the packed weight's transpose -> [M, N padded to tiles] float32."""
-    return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, group)
+    return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, steps, group)
 
 
-def qlinear_shape(x, qweight, scales, offsets, group):
+def qlinear_shape(x, qweight, scales, offsets, steps, group):
     return x.new_empty(x.shape[0], scales.shape[0] * TILE)

@@ -24,6 +24,10 @@
 // k = 0..7 of 32 bytes whose byte 4c + j is column c's input 4k + j (int8), or four bytes of 32 holding
 // vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15). scales, offsets:
 // float32 [tiles, G, 8]; w = q * scale (+ offset) over groups of `group` inputs (16, or a multiple of 32).
+// Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers): scales,
+// offsets int8 [tiles, G, 8] multipliers of steps float32 [tiles, K / 256, 2, 8] (the scales' step, the
+// offsets'), each product exactly the float32 value it replaces (models/native.py checks that when it
+// packs), so both forms give the same numbers, the two-level one reading a fifth fewer bytes for Q4_K.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +50,7 @@ namespace {
 constexpr int64_t BLOCK = 32;    // inputs per activation block
 constexpr int64_t TILE = 8;      // output columns computed together, one per 32-bit lane
 constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
+constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
 
 // The rows of x, quantized.
 struct Rows {
@@ -89,11 +94,25 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int
 
 struct Weight {
   const uint8_t* q;       // the tiles
-  const float* scales;    // [tiles, G, 8]
-  const float* offsets;   // [tiles, G, 8] or null
-  int64_t groups;
+  const void* scales;     // [tiles, G, 8]: float32, or int8 multipliers of `steps`
+  const void* offsets;    // the same, or null
+  const float* steps;     // [tiles, K / 256, 2, 8] or null (one level)
+  int64_t groups, group;
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
+
+  // Where group g's 8 (or 1: one column's) values are: `which` 0 the scales, 1 the offsets.
+  int64_t at(int64_t tile, int64_t g) const { return (tile * groups + g) * TILE; }
+  const float* step(int which, int64_t tile, int64_t g) const {
+    const int64_t spans = groups * group / STEP_INPUTS;
+    return steps + ((tile * spans + g * group / STEP_INPUTS) * 2 + which) * TILE;
+  }
+  // Column c's scale (which = 0) or offset (1) of group g.
+  float value(int which, int64_t tile, int64_t g, int c) const {
+    const void* table = which ? offsets : scales;
+    if (steps == nullptr) return static_cast<const float*>(table)[at(tile, g) + c];
+    return static_cast<float>(static_cast<const int8_t*>(table)[at(tile, g) + c]) * step(which, tile, g)[c];
+  }
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -135,6 +154,15 @@ inline __m256i dot(__m256i acc, __m256i u, __m256i s, __m256i sign) {
 #endif
 }
 
+// Weight::value for the tile's 8 columns at once.
+template <bool TWO_LEVEL>
+inline __m256 group_values(const Weight& w, int which, int64_t tile, int64_t g) {
+  const void* table = which ? w.offsets : w.scales;
+  if (!TWO_LEVEL) return _mm256_loadu_ps(static_cast<const float*>(table) + w.at(tile, g));
+  const __m128i multipliers = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(table) + w.at(tile, g)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(multipliers)), _mm256_loadu_ps(w.step(which, tile, g)));
+}
+
 // Inputs 4k..4k+3 of a row's block, in every lane.
 inline __m256i inputs(const int8_t* block, int k) {
   int32_t four;
@@ -143,19 +171,18 @@ inline __m256i inputs(const int8_t* block, int k) {
 }
 
 // One tile's 8 columns for rows r0 .. r0 + R - 1.
-template <bool INT4, bool SIXTEEN, int R>
+template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = INT4 ? 4 * BLOCK : 8 * BLOCK;  // per tile and block
   const int64_t blocks = K / BLOCK;
   const uint8_t* q = w.q + tile * blocks * bytes;
-  const float* scales = w.scales + tile * w.groups * TILE;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i u[8], sign[8];
     load_block<INT4>(q + b * bytes, u, sign);
-    const __m256 s_lo = _mm256_loadu_ps(scales + w.lo[b] * TILE);
-    const __m256 s_hi = SIXTEEN ? _mm256_loadu_ps(scales + w.hi[b] * TILE) : s_lo;
+    const __m256 s_lo = group_values<TWO_LEVEL>(w, 0, tile, w.lo[b]);
+    const __m256 s_hi = SIXTEEN ? group_values<TWO_LEVEL>(w, 0, tile, w.hi[b]) : s_lo;
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (r0 + r) * blocks + b;
       const int8_t* xv = x.q.data() + (r0 + r) * K + b * BLOCK;
@@ -182,11 +209,10 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
   for (int r = 0; r < R; ++r) {
     __m256 out = acc[r];
     if (w.offsets != nullptr) {  // + sum over groups of offset x (the row's sum over the group)
-      const float* offsets = w.offsets + tile * w.groups * TILE;
       const float* sums = x.sums.data() + (r0 + r) * w.groups;
       __m256 share = _mm256_setzero_ps();
       for (int64_t g = 0; g < w.groups; ++g)
-        share = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g * TILE), _mm256_set1_ps(sums[g]), share);
+        share = _mm256_fmadd_ps(group_values<TWO_LEVEL>(w, 1, tile, g), _mm256_set1_ps(sums[g]), share);
       out = _mm256_add_ps(out, share);
     }
     _mm256_storeu_ps(y + (r0 + r) * N + tile * TILE, out);
@@ -194,7 +220,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #else
 // Portable: per column and block half, the integer sum, then acc += sum x scale, as the vector code.
-template <bool INT4, bool SIXTEEN, int R>
+template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = INT4 ? 4 * BLOCK : 8 * BLOCK;
   const int64_t blocks = K / BLOCK;
@@ -213,53 +239,67 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
             half[k / 4] += v * x.q[m * K + b * BLOCK + 4 * k + j];
           }
         const float d = x.d[m * blocks + b];
-        const float* scales = w.scales + tile * w.groups * TILE;
         if (SIXTEEN) {
-          acc = std::fma(static_cast<float>(half[0]), scales[w.lo[b] * TILE + c] * d, acc);
-          acc = std::fma(static_cast<float>(half[1]), scales[w.hi[b] * TILE + c] * d, acc);
+          acc = std::fma(static_cast<float>(half[0]), w.value(0, tile, w.lo[b], c) * d, acc);
+          acc = std::fma(static_cast<float>(half[1]), w.value(0, tile, w.hi[b], c) * d, acc);
         } else {
-          acc = std::fma(static_cast<float>(half[0] + half[1]), scales[w.lo[b] * TILE + c] * d, acc);
+          acc = std::fma(static_cast<float>(half[0] + half[1]), w.value(0, tile, w.lo[b], c) * d, acc);
         }
       }
       float share = 0.f;
       for (int64_t g = 0; w.offsets != nullptr && g < w.groups; ++g)
-        share = std::fma(w.offsets[(tile * w.groups + g) * TILE + c], x.sums[m * w.groups + g], share);
+        share = std::fma(w.value(1, tile, g, c), x.sums[m * w.groups + g], share);
       y[m * N + tile * TILE + c] = acc + share;
     }
   }
 }
 #endif
 
-template <bool INT4, bool SIXTEEN>
+template <bool INT4, bool SIXTEEN, bool TWO_LEVEL>
 void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m = 0; m < M; m += ROWS_AT_ONCE) {
       switch (std::min<int64_t>(ROWS_AT_ONCE, M - m)) {
-        case 4: tile_rows<INT4, SIXTEEN, 4>(w, t, x, m, K, y, N); break;
-        case 3: tile_rows<INT4, SIXTEEN, 3>(w, t, x, m, K, y, N); break;
-        case 2: tile_rows<INT4, SIXTEEN, 2>(w, t, x, m, K, y, N); break;
-        default: tile_rows<INT4, SIXTEEN, 1>(w, t, x, m, K, y, N); break;
+        case 4: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 4>(w, t, x, m, K, y, N); break;
+        case 3: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 3>(w, t, x, m, K, y, N); break;
+        case 2: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 2>(w, t, x, m, K, y, N); break;
+        default: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 1>(w, t, x, m, K, y, N); break;
       }
     }
   }
 }
 
-// x [M, K] float32; qweight uint8 (int4) or int8, N / 8 tiles; scales, offsets [N / 8, G, 8] float32.
+template <bool INT4, bool SIXTEEN>
+void tiles_of(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
+  if (w.steps != nullptr) tiles<INT4, SIXTEEN, true>(w, x, M, K, N, t0, t1, y);
+  else tiles<INT4, SIXTEEN, false>(w, x, M, K, N, t0, t1, y);
+}
+
+// x [M, K] float32; qweight uint8 (int4) or int8, N / 8 tiles; scales, offsets [N / 8, G, 8] float32,
+// or int8 with steps [N / 8, K / 256, 2, 8] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& offsets, int64_t group) {
+                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "qlinear: scales must be float32 [N / 8, G, 8]");
+  const auto table_type = steps.has_value() ? at::kChar : at::kFloat;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == table_type && scales.is_contiguous(),
+              "qlinear: scales must be [N / 8, G, 8], float32 (int8 with steps)");
   const bool int4 = qweight.scalar_type() == at::kByte, sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
   TORCH_CHECK(K % BLOCK == 0 && (sixteen || group % BLOCK == 0) && K % group == 0 && K / group == groups,
               "qlinear: K must be a multiple of 32 and of the group (16 or a multiple of 32)");
   TORCH_CHECK(qweight.numel() == N * (int4 ? K / 2 : K) && qweight.is_contiguous(), "qlinear: qweight does not match x and scales");
-  const float* off = nullptr;
+  const void* off = nullptr;
   if (offsets.has_value()) {
-    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == table_type && offsets->is_contiguous(),
                 "qlinear: offsets do not match scales");
-    off = offsets->data_ptr<float>();
+    off = offsets->data_ptr();
+  }
+  const float* step = nullptr;
+  if (steps.has_value()) {
+    TORCH_CHECK(K % STEP_INPUTS == 0 && STEP_INPUTS % group == 0 && steps->scalar_type() == at::kFloat && steps->is_contiguous() &&
+                    steps->sizes() == at::IntArrayRef({tiles_n, K / STEP_INPUTS, 2, TILE}),
+                "qlinear: steps must be float32 [N / 8, K / 256, 2, 8], the group dividing 256");
+    step = steps->data_ptr<float>();
   }
   const int64_t blocks = K / BLOCK;
   const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, !int4, off != nullptr);
@@ -268,13 +308,13 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
     hi[b] = static_cast<int32_t>((b * BLOCK + 16) / group);
   }
-  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), off, groups, lo.data(), hi.data()};
+  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, groups, group, lo.data(), hi.data()};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   // tiles split between threads, a few at least per thread so that a wake-up is worth it
   at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) {
-    if (int4) sixteen ? tiles<true, true>(w, rows, M, K, N, t0, t1, out) : tiles<true, false>(w, rows, M, K, N, t0, t1, out);
-    else sixteen ? tiles<false, true>(w, rows, M, K, N, t0, t1, out) : tiles<false, false>(w, rows, M, K, N, t0, t1, out);
+    if (int4) sixteen ? tiles_of<true, true>(w, rows, M, K, N, t0, t1, out) : tiles_of<true, false>(w, rows, M, K, N, t0, t1, out);
+    else sixteen ? tiles_of<false, true>(w, rows, M, K, N, t0, t1, out) : tiles_of<false, false>(w, rows, M, K, N, t0, t1, out);
   });
   return y;
 }
@@ -282,7 +322,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(minispec_native, m) {
-  m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, int group) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? steps, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {

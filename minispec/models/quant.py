@@ -206,7 +206,7 @@ class Int8Linear(nn.Module):
 
     def native_forward(self, x):
         rows = x.reshape(-1, self.in_features).float()
-        y = native.qlinear(rows.contiguous(), self.weight, self.scales, self.offsets, self.group)
+        y = native.qlinear(rows.contiguous(), self.weight, self.scales, self.offsets, self.steps, self.group)
         y = y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -291,7 +291,7 @@ class Int8Embedding(Int8Linear):
 
     def forward(self, tokens):
         if self.native:
-            q, scales, offsets = native.rows_of(tokens.reshape(-1), self.weight, self.scales, self.offsets)
+            q, scales, offsets = native.rows_of(tokens.reshape(-1), self.weight, self.scales, self.offsets, self.steps)
             rows = dequantize({"qweight": q, "scales": scales, "offsets": offsets})
             return rows.view(*tokens.shape, self.embedding_dim).to(self.output_dtype)
         if self.weight.dim() == 2:
