@@ -101,7 +101,7 @@ def available():
     return True
 
 
-TILE = 8  # output columns the kernel computes together
+TILE = 16  # output columns the kernel computes together
 BLOCK = 32  # inputs per block
 STEP_INPUTS = 256  # inputs sharing a step in the two-level form: a GGUF K-quant's super-block
 # A K-quant super-block's scales (and mins) are its fp16 step times small integers: 6-bit ones, the
@@ -118,17 +118,17 @@ def load(path):
 
 def pack(q, scales, offsets):
     """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
-    [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 8 columns (zero weights);
+    [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 16 columns (zero weights);
     per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
     int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones); scales and offsets
-    [tiles, G, 8] float32, or where they are steps times small integers (GGUF's K-quants: `two_level`)
-    int8 multipliers [tiles, G, 8] and their steps [tiles, K / 256, 2, 8] float32 (the scales', the
+    [tiles, G, 16] float32, or where they are steps times small integers (GGUF's K-quants: `two_level`)
+    int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
     offsets'). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
     q = F.pad(q, (0, 0, 0, pad))
     tiles, K = q.shape[0] // TILE, q.shape[1]
     # [tile, c, block, k, j] -> [tile, block, k, c, j]
-    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, BLOCK)
+    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
     if q.dtype == torch.uint8:
         q = q[:, :, :4] | (q[:, :, 4:] << 4)
     group = K // scales.shape[1]
@@ -138,7 +138,7 @@ def pack(q, scales, offsets):
         (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
         steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offsets is None else offset_steps], -1)
 
-    def tiled(t):  # [N, ...] -> [tiles, ..., 8]
+    def tiled(t):  # [N, ...] -> [tiles, ..., 16]
         t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
         return t.movedim(1, -1).contiguous()
     return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.float())

@@ -8,10 +8,12 @@
 // exact, so both give the same sums); floats come in once per block: acc += sum * (weight scale x the
 // row's block scale). A weight is read from memory once for all rows.
 //
-// Output columns go in tiles of 8, one per 32-bit lane: a 32-byte weight vector holds 4 consecutive
-// inputs of each of the 8 columns, so the row's side of a product is those 4 inputs broadcast to every
+// Output columns go in tiles of 16, one per 32-bit lane: a 64-byte weight vector holds 4 consecutive
+// inputs of each of the 16 columns, so the row's side of a product is those 4 inputs broadcast to every
 // lane (a load, no shuffle), no horizontal sums are needed, and a row's quantized inputs are stored
 // once (K bytes: a layer as wide as an MLP's down projection keeps them in L1 beside the weights).
+// With AVX-512 a tile is one vector, with AVX2 two of 8 columns, one after the other: the 512-bit form
+// takes half the instructions per weight, which a verify of several rows, compute-bound, gains from.
 // Eight such products cover a block of 32 inputs: the first 16 (vectors 0..3) and the last 16 (4..7)
 // go to two integer sums, which are one when the weight's groups are 32 or more inputs wide and two
 // when they are 16 (GGUF's Q6_K).
@@ -21,13 +23,14 @@
 // whether it is decoded alone or verified among others.
 //
 // The weight's layout (models/native.py packs it): tile after tile, block after block, the vectors
-// k = 0..7 of 32 bytes whose byte 4c + j is column c's input 4k + j (int8), or four bytes of 32 holding
+// k = 0..7 of 64 bytes whose byte 4c + j is column c's input 4k + j (int8), or four of 64 bytes holding
 // vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15). scales, offsets:
-// float32 [tiles, G, 8]; w = q * scale (+ offset) over groups of `group` inputs (16, or a multiple of 32).
-// Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers): scales,
-// offsets int8 [tiles, G, 8] multipliers of steps float32 [tiles, K / 256, 2, 8] (the scales' step, the
-// offsets'), each product exactly the float32 value it replaces (models/native.py checks that when it
-// packs), so both forms give the same numbers, the two-level one reading a fifth fewer bytes for Q4_K.
+// float32 [tiles, G, 16]; w = q * scale (+ offset) over groups of `group` inputs (16, or a multiple of
+// 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers):
+// scales, offsets int8 [tiles, G, 16] multipliers of steps float32 [tiles, K / 256, 2, 16] (the scales'
+// step, the offsets'), each product exactly the float32 value it replaces (models/native.py checks that
+// when it packs), so both forms give the same numbers, the two-level one reading a fifth fewer bytes
+// for Q4_K.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,11 +47,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define MINISPEC_VNNI 1
 #endif
+#if defined(MINISPEC_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define MINISPEC_AVX512 1
+#endif
 
 namespace {
 
 constexpr int64_t BLOCK = 32;    // inputs per activation block
-constexpr int64_t TILE = 8;      // output columns computed together, one per 32-bit lane
+constexpr int64_t TILE = 16;     // output columns computed together, one per 32-bit lane
 constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
 constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
 
@@ -94,14 +100,14 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int
 
 struct Weight {
   const uint8_t* q;       // the tiles
-  const void* scales;     // [tiles, G, 8]: float32, or int8 multipliers of `steps`
+  const void* scales;     // [tiles, G, 16]: float32, or int8 multipliers of `steps`
   const void* offsets;    // the same, or null
-  const float* steps;     // [tiles, K / 256, 2, 8] or null (one level)
+  const float* steps;     // [tiles, K / 256, 2, 16] or null (one level)
   int64_t groups, group;
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
 
-  // Where group g's 8 (or 1: one column's) values are: `which` 0 the scales, 1 the offsets.
+  // Where group g's values for the tile's columns start.
   int64_t at(int64_t tile, int64_t g) const { return (tile * groups + g) * TILE; }
   const float* step(int which, int64_t tile, int64_t g) const {
     const int64_t spans = groups * group / STEP_INPUTS;
@@ -116,23 +122,78 @@ struct Weight {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The tile's eight weight vectors of block b, as unsigned bytes (int8: w + 128 on VNNI, |w| on AVX2,
-// with the signed ones in `sign` for the rows to take w's sign).
+// The vector code, written once over V: 16 columns a vector with AVX-512 (one vector per tile and
+// input quad: half the instructions per weight of 256-bit vectors), else 8 (the tile in two parts).
+#ifdef MINISPEC_AVX512
+struct V {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int COLUMNS = 16;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  static I plus_128(I v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  static I broadcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static F floats(I v) { return _mm512_cvtepi32_ps(v); }
+  static F load_floats(const float* p) { return _mm512_loadu_ps(p); }
+  static F bytes_as_floats(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static F broadcast(float v) { return _mm512_set1_ps(v); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#else
+struct V {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int COLUMNS = 8;
+  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  static I plus_128(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static I broadcast(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+#ifdef MINISPEC_VNNI
+  static I dot(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+  // u8 x s8 pairs fit an int16 here: u is at most 15 (int4) or |int8| <= 128, so 2 x 128 x 127 < 32767
+  static I dot(I acc, I u, I s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))); }
+#endif
+  static F floats(I v) { return _mm256_cvtepi32_ps(v); }
+  static F load_floats(const float* p) { return _mm256_loadu_ps(p); }
+  static F bytes_as_floats(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static F broadcast(float v) { return _mm256_set1_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+constexpr int PARTS = TILE / V::COLUMNS;  // vectors across a tile
+
+// A tile part's eight weight vectors of a block, as unsigned bytes (int8: w + 128 with VNNI, |w|
+// without, the signed ones in `sign` for the rows to take w's sign).
 template <bool INT4>
-inline void load_block(const uint8_t* q, __m256i* u, __m256i* sign) {
+inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
   if (INT4) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int k = 0; k < 4; ++k) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * BLOCK));
-      u[k] = _mm256_and_si256(raw, mask);
-      u[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      const V::I raw = V::load(q + k * TILE * 4);
+      u[k] = V::low_nibbles(raw);
+      u[k + 4] = V::high_nibbles(raw);
     }
     return;
   }
   for (int k = 0; k < 8; ++k) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * BLOCK));
+    const V::I v = V::load(q + k * TILE * 4);
 #ifdef MINISPEC_VNNI
-    u[k] = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+    u[k] = V::plus_128(v);
     (void)sign;
 #else
     u[k] = _mm256_sign_epi8(v, v);
@@ -141,88 +202,83 @@ inline void load_block(const uint8_t* q, __m256i* u, __m256i* sign) {
   }
 }
 
-// acc + each lane's sum of u[4i..4i+3] x s[4i..4i+3], u unsigned bytes, s signed ones.
+// The row's inputs 4k..4k+3 in every lane, signed as the weights are where w went in as |w|.
 template <bool INT4>
-inline __m256i dot(__m256i acc, __m256i u, __m256i s, __m256i sign) {
-#ifdef MINISPEC_VNNI
-  (void)sign;
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  // u8 x s8 pairs fit an int16 here: u is at most 15 (int4) or |int8| <= 128, so 2 x 128 x 127 < 32767
-  if (!INT4) s = _mm256_sign_epi8(s, sign);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// Weight::value for the tile's 8 columns at once.
-template <bool TWO_LEVEL>
-inline __m256 group_values(const Weight& w, int which, int64_t tile, int64_t g) {
-  const void* table = which ? w.offsets : w.scales;
-  if (!TWO_LEVEL) return _mm256_loadu_ps(static_cast<const float*>(table) + w.at(tile, g));
-  const __m128i multipliers = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(table) + w.at(tile, g)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(multipliers)), _mm256_loadu_ps(w.step(which, tile, g)));
-}
-
-// Inputs 4k..4k+3 of a row's block, in every lane.
-inline __m256i inputs(const int8_t* block, int k) {
+inline V::I inputs(const int8_t* block, int k, V::I sign) {
   int32_t four;
   std::memcpy(&four, block + 4 * k, 4);
-  return _mm256_set1_epi32(four);
+  const V::I s = V::broadcast(four);
+#ifndef MINISPEC_VNNI
+  if (!INT4) return _mm256_sign_epi8(s, sign);
+#endif
+  (void)sign;
+  return s;
 }
 
-// One tile's 8 columns for rows r0 .. r0 + R - 1.
+// Weight::value for a tile part's columns at once.
+template <bool TWO_LEVEL>
+inline V::F group_values(const Weight& w, int which, int64_t tile, int64_t g, int part) {
+  const void* table = which ? w.offsets : w.scales;
+  const int64_t at = w.at(tile, g) + part * V::COLUMNS;
+  if (!TWO_LEVEL) return V::load_floats(static_cast<const float*>(table) + at);
+  return V::mul(V::bytes_as_floats(static_cast<const int8_t*>(table) + at), V::load_floats(w.step(which, tile, g) + part * V::COLUMNS));
+}
+
+// One tile's columns for rows r0 .. r0 + R - 1.
 template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
-  constexpr int64_t bytes = INT4 ? 4 * BLOCK : 8 * BLOCK;  // per tile and block
+  constexpr int64_t bytes = (INT4 ? 4 : 8) * TILE * 4;  // per tile and block
   const int64_t blocks = K / BLOCK;
-  const uint8_t* q = w.q + tile * blocks * bytes;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i u[8], sign[8];
-    load_block<INT4>(q + b * bytes, u, sign);
-    const __m256 s_lo = group_values<TWO_LEVEL>(w, 0, tile, w.lo[b]);
-    const __m256 s_hi = SIXTEEN ? group_values<TWO_LEVEL>(w, 0, tile, w.hi[b]) : s_lo;
-    for (int r = 0; r < R; ++r) {
-      const int64_t row_block = (r0 + r) * blocks + b;
-      const int8_t* xv = x.q.data() + (r0 + r) * K + b * BLOCK;
-      // four short chains, then summed: one long one would wait on each product
-      __m256i p[4];
-      for (int c = 0; c < 4; ++c) {
-        p[c] = dot<INT4>(_mm256_setzero_si256(), u[2 * c], inputs(xv, 2 * c), sign[2 * c]);
-        p[c] = dot<INT4>(p[c], u[2 * c + 1], inputs(xv, 2 * c + 1), sign[2 * c + 1]);
-      }
-      __m256i lo = _mm256_add_epi32(p[0], p[1]), hi = _mm256_add_epi32(p[2], p[3]);
-      if (!SIXTEEN) lo = _mm256_add_epi32(lo, hi);
+  for (int part = 0; part < PARTS; ++part) {
+    const uint8_t* q = w.q + tile * blocks * bytes + part * V::COLUMNS * 4;
+    V::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      V::I u[8], sign[8];
+      load_block<INT4>(q + b * bytes, u, sign);
+      const V::F s_lo = group_values<TWO_LEVEL>(w, 0, tile, w.lo[b], part);
+      const V::F s_hi = SIXTEEN ? group_values<TWO_LEVEL>(w, 0, tile, w.hi[b], part) : s_lo;
+      for (int r = 0; r < R; ++r) {
+        const int64_t row_block = (r0 + r) * blocks + b;
+        const int8_t* xv = x.q.data() + (r0 + r) * K + b * BLOCK;
+        // four short chains, then summed: one long one would wait on each product
+        V::I p[4];
+        for (int c = 0; c < 4; ++c) {
+          p[c] = V::dot(V::zero(), u[2 * c], inputs<INT4>(xv, 2 * c, sign[2 * c]));
+          p[c] = V::dot(p[c], u[2 * c + 1], inputs<INT4>(xv, 2 * c + 1, sign[2 * c + 1]));
+        }
+        V::I lo = V::add(p[0], p[1]), hi = V::add(p[2], p[3]);
+        if (!SIXTEEN) lo = V::add(lo, hi);
 #ifdef MINISPEC_VNNI
-      if (!INT4) {  // the weights went in as w + 128
-        const int32_t* minus = x.minus.data() + row_block * 3;
-        lo = _mm256_add_epi32(lo, _mm256_set1_epi32(minus[SIXTEEN ? 1 : 0]));
-        if (SIXTEEN) hi = _mm256_add_epi32(hi, _mm256_set1_epi32(minus[2]));
-      }
+        if (!INT4) {  // the weights went in as w + 128
+          const int32_t* minus = x.minus.data() + row_block * 3;
+          lo = V::add(lo, V::broadcast(minus[SIXTEEN ? 1 : 0]));
+          if (SIXTEEN) hi = V::add(hi, V::broadcast(minus[2]));
+        }
 #endif
-      const __m256 d = _mm256_broadcast_ss(x.d.data() + row_block);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s_lo, d), acc[r]);
-      if (SIXTEEN) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s_hi, d), acc[r]);
+        const V::F d = V::broadcast(x.d[row_block]);
+        acc[r] = V::fma(V::floats(lo), V::mul(s_lo, d), acc[r]);
+        if (SIXTEEN) acc[r] = V::fma(V::floats(hi), V::mul(s_hi, d), acc[r]);
+      }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 out = acc[r];
-    if (w.offsets != nullptr) {  // + sum over groups of offset x (the row's sum over the group)
-      const float* sums = x.sums.data() + (r0 + r) * w.groups;
-      __m256 share = _mm256_setzero_ps();
-      for (int64_t g = 0; g < w.groups; ++g)
-        share = _mm256_fmadd_ps(group_values<TWO_LEVEL>(w, 1, tile, g), _mm256_set1_ps(sums[g]), share);
-      out = _mm256_add_ps(out, share);
+    for (int r = 0; r < R; ++r) {
+      V::F out = acc[r];
+      if (w.offsets != nullptr) {  // + sum over groups of offset x (the row's sum over the group)
+        const float* sums = x.sums.data() + (r0 + r) * w.groups;
+        V::F share = V::fzero();
+        for (int64_t g = 0; g < w.groups; ++g)
+          share = V::fma(group_values<TWO_LEVEL>(w, 1, tile, g, part), V::broadcast(sums[g]), share);
+        out = V::fadd(out, share);
+      }
+      V::store(y + (r0 + r) * N + tile * TILE + part * V::COLUMNS, out);
     }
-    _mm256_storeu_ps(y + (r0 + r) * N + tile * TILE, out);
   }
 }
 #else
 // Portable: per column and block half, the integer sum, then acc += sum x scale, as the vector code.
 template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
-  constexpr int64_t bytes = INT4 ? 4 * BLOCK : 8 * BLOCK;
+  constexpr int64_t bytes = (INT4 ? 4 : 8) * TILE * 4, vector = TILE * 4;
   const int64_t blocks = K / BLOCK;
   const uint8_t* q = w.q + tile * blocks * bytes;
   for (int r = 0; r < R; ++r) {
@@ -234,8 +290,8 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
         for (int k = 0; k < 8; ++k)
           for (int j = 0; j < 4; ++j) {
             const int64_t at = 4 * c + j;
-            const int32_t v = INT4 ? (q[b * bytes + (k % 4) * BLOCK + at] >> (4 * (k / 4))) & 0x0F
-                                   : static_cast<int8_t>(q[b * bytes + k * BLOCK + at]);
+            const int32_t v = INT4 ? (q[b * bytes + (k % 4) * vector + at] >> (4 * (k / 4))) & 0x0F
+                                   : static_cast<int8_t>(q[b * bytes + k * vector + at]);
             half[k / 4] += v * x.q[m * K + b * BLOCK + 4 * k + j];
           }
         const float d = x.d[m * blocks + b];
@@ -275,14 +331,14 @@ void tiles_of(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, i
   else tiles<INT4, SIXTEEN, false>(w, x, M, K, N, t0, t1, y);
 }
 
-// x [M, K] float32; qweight uint8 (int4) or int8, N / 8 tiles; scales, offsets [N / 8, G, 8] float32,
-// or int8 with steps [N / 8, K / 256, 2, 8] float32.
+// x [M, K] float32; qweight uint8 (int4) or int8, N / 16 tiles; scales, offsets [N / 16, G, 16]
+// float32, or int8 with steps [N / 16, K / 256, 2, 16] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
   const auto table_type = steps.has_value() ? at::kChar : at::kFloat;
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == table_type && scales.is_contiguous(),
-              "qlinear: scales must be [N / 8, G, 8], float32 (int8 with steps)");
+              "qlinear: scales must be [N / 16, G, 16], float32 (int8 with steps)");
   const bool int4 = qweight.scalar_type() == at::kByte, sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
   TORCH_CHECK(K % BLOCK == 0 && (sixteen || group % BLOCK == 0) && K % group == 0 && K / group == groups,
@@ -298,7 +354,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   if (steps.has_value()) {
     TORCH_CHECK(K % STEP_INPUTS == 0 && STEP_INPUTS % group == 0 && steps->scalar_type() == at::kFloat && steps->is_contiguous() &&
                     steps->sizes() == at::IntArrayRef({tiles_n, K / STEP_INPUTS, 2, TILE}),
-                "qlinear: steps must be float32 [N / 8, K / 256, 2, 8], the group dividing 256");
+                "qlinear: steps must be float32 [N / 16, K / 256, 2, 16], the group dividing 256");
     step = steps->data_ptr<float>();
   }
   const int64_t blocks = K / BLOCK;
