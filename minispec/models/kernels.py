@@ -265,10 +265,19 @@ def tree_indices(layout, b, h, group, pad, d, compiling=False):
                        None if compiling else layout.first_block)
 
 
+def padded_rows(mask):
+    """An additive mask [..., rows, S] with its rows padded as attend_cache pads q's (the last row
+    repeated: an all-masked row would be NaN), made once a forward rather than in every layer."""
+    pad = -mask.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if mask.is_cuda else ATTENTION_ROW_BLOCK)
+    if not pad or mask.shape[-2] == 1:
+        return mask
+    return torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])], dim=-2)
+
+
 def attend_cache(q, k, v, mask, scale=None, layout=None):
     """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] (S a multiple of KEY_BLOCK), in
-    the canonical order above; mask: additive float32 [..., rows or 1, S'] (`additive`) by position, S'
-    the positions read (a multiple of KEY_BLOCK, at most S). A row's numbers are those of the same
+    the canonical order above; mask: additive float32 [..., rows or 1, S'] (`additive`, its rows padded
+    or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A row's numbers are those of the same
     query alone, whatever the other rows and however many. With a `layout` (trees), rows are read in
     groups of the layout's tokens (grouped-query heads: group-major)."""
     b, h, rows, d = q.shape
@@ -279,8 +288,8 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
     if pad:
         q = F.pad(q, (0, 0, 0, pad))
-    if pad and mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
-        mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, S)], dim=-2)
+    if pad and mask.shape[-2] == rows:  # not padded by the forward yet (`padded_rows`)
+        mask = padded_rows(mask)
     scores = q.float() @ k.float().transpose(-1, -2)  # each score alone: invariant to the key's slot
     if layout is not None:  # each token's keys in position order: its path, not its siblings'
         shape = (b, h, rows // layout.keys.shape[1], pad, d)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise
+from .kernels import additive, attend_cache, causal_mask, elementwise, padded_rows
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -193,9 +193,10 @@ class Attention(nn.Module):
     def forward(self, x, input_pos, cos, sin, mask, layout):
         B, T, _ = x.shape
         kv_size = self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+        qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
+        # q's and k's heads rotated in one call (the same per-element arithmetic as one call each)
+        q, k = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin).transpose(1, 2) \
+            .split([self.n_heads, self.n_kv_heads], dim=1)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv_cache.update(input_pos, k, v)
         # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
@@ -279,7 +280,7 @@ class Llama(CachedLM):
         masks = {w: causal if w is None else causal & (key_pos > positions[..., None] - w)
                  for w in set(self.config.windows)}
         group = self.config.n_heads // self.config.n_kv_heads  # query heads per K/V head: rows of Attention's q
-        masks = {w: additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)) for w, mask in masks.items()}
+        masks = {w: padded_rows(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1))) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
