@@ -277,8 +277,8 @@ def padded_rows(mask):
 def attend_cache(q, k, v, mask, scale=None, layout=None):
     """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] (S a multiple of KEY_BLOCK), in
     the canonical order above; mask: additive float32 [..., rows or 1, S'] (`additive`, its rows padded
-    or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A row's numbers are those of the same
-    query alone, whatever the other rows and however many. With a `layout` (trees), rows are read in
+    or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A
+    row's numbers are those of the same query alone, whatever the other rows and however many. With a `layout` (trees), rows are read in
     groups of the layout's tokens (grouped-query heads: group-major)."""
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
