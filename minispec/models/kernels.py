@@ -132,6 +132,16 @@ ATTENTION_ROW_BLOCK = 4
 CUDA_ATTENTION_ROW_BLOCK = 16
 
 
+def padded_rows(mask):
+    """A mask [..., rows, S] with its rows padded as attend and attend_cache pad q's (the last row
+    repeated: an all-masked row would be NaN); a model pads its additive mask once a forward, rather
+    than every layer."""
+    pad = -mask.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if mask.is_cuda else ATTENTION_ROW_BLOCK)
+    if not pad or mask.shape[-2] == 1:
+        return mask
+    return torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])], dim=-2)
+
+
 def attend(q, k, v, mask, scale=None):
     """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
     computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""
@@ -141,8 +151,7 @@ def attend(q, k, v, mask, scale=None):
     pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
     if pad:
         q = F.pad(q, (0, 0, 0, pad))
-        if mask.shape[-2] > 1:  # padded rows repeat the last row's mask: an all-masked row would be NaN
-            mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])], dim=-2)
+        mask = padded_rows(mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :rows, :]
 
 
@@ -263,15 +272,6 @@ def tree_indices(layout, b, h, group, pad, d, compiling=False):
     return TreeIndices(scores[:, None].expand(b, h, -1, -1), values.expand(b, h, -1, d),
                        weights.expand(b, h, -1), blocks.expand(b, h, -1, group, n, d),
                        None if compiling else layout.first_block)
-
-
-def padded_rows(mask):
-    """An additive mask [..., rows, S] with its rows padded as attend_cache pads q's (the last row
-    repeated: an all-masked row would be NaN), made once a forward rather than in every layer."""
-    pad = -mask.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if mask.is_cuda else ATTENTION_ROW_BLOCK)
-    if not pad or mask.shape[-2] == 1:
-        return mask
-    return torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])], dim=-2)
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None):

@@ -155,16 +155,16 @@ def two_level(values, group):
     v = values.float().view(N, G * group // STEP_INPUTS, STEP_INPUTS // group)
     largest = v.gather(-1, v.abs().argmax(-1, keepdim=True))
     found = torch.zeros_like(largest, dtype=torch.bool)
-    steps = torch.zeros_like(largest)
+    steps, multipliers = torch.zeros_like(largest), torch.zeros_like(v)
     for multiplier in LARGEST_MULTIPLIERS:  # each step of 256 inputs the first that gives every value exactly
         step = largest / multiplier
         m = torch.where(step != 0, v / step, 0.0).round()
-        exact = ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True)
-        steps = torch.where(~found & exact, step, steps)
-        found |= exact
+        taken = ~found & ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True)
+        steps, multipliers = torch.where(taken, step, steps), torch.where(taken, m, multipliers)
+        found |= taken
     if not found.all():
         return None
-    return torch.where(steps != 0, v / steps, 0.0).round().to(torch.int8).view(N, G), steps.view(N, -1)
+    return multipliers.to(torch.int8).view(N, G), steps.view(N, -1)
 
 
 def register_packed(module, q, scales, offsets):

@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
 from .hf_config import COUNT, FLAG, INDEX, POSITIVE, TEXT, get
-from .kernels import attend, attend_cache, causal_mask, elementwise
+from .kernels import attend, attend_cache, causal_mask, elementwise, padded_rows
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -364,7 +364,7 @@ class T5(CachedLM):
         positions = input_pos if layout is None else layout.positions
         bias = self.position_bias(self.decoder_position_bias, positions, key_pos, bidirectional=False)
         causal = causal_mask(positions, len(key_pos))  # [n, S], or [rows, n, S] per row
-        mask = bias.masked_fill(~(causal if causal.dim() == 2 else causal.unsqueeze(1)), float("-inf"))
+        mask = padded_rows(bias.masked_fill(~(causal if causal.dim() == 2 else causal.unsqueeze(1)), float("-inf")))
         x = self.embed(tokens)
         for layer in self.decoder:
             x = layer(x, input_pos, mask, self.memory_mask, layout)
