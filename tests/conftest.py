@@ -148,6 +148,19 @@ def reference_dirs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def attention(request, monkeypatch):
+    """Attention over the cache through minispec's own CPU kernel (models/attention.cpp), or through
+    the PyTorch operations that serve where it cannot be built: both must keep every invariance."""
+    from minispec.models import kernels, native
+
+    if request.param == "native" and not native.available():
+        pytest.skip("minispec's CPU kernels cannot be built here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(kernels, "native_attention", lambda: False)
+    return request.param
+
+
 @pytest.fixture
 def known_costs(monkeypatch):
     """gamma="auto" believing, and keeping, fixed costs: a guess at a tenth of a verification, whose

@@ -1,13 +1,14 @@
-"""minispec's own CPU kernel for quantized layers (minispec/models/native.py, qlinear.cpp): its
+"""minispec's own CPU kernels (minispec/models/native.py): for quantized layers (qlinear.cpp), its
 arithmetic against a float64 re-computation of what it promises, every row as it would be alone,
-the packed layout's token lookup, and the fallback where it cannot be built."""
+the packed layout's token lookup, and the fallback where it cannot be built; for attention over a KV
+cache (attention.cpp), against float64 attention and in its canonical order."""
 
 import logging
 
 import pytest
 import torch
 
-from minispec.models import native, quant
+from minispec.models import kernels, native, quant
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="minispec's CPU kernel cannot be built here")
 
@@ -135,7 +136,7 @@ def test_without_a_compiler_pytorch_kernels_serve(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger="minispec"):
             assert not native.available()
             assert not native.takes(64, 32)
-        assert caplog.messages == ["minispec: no C++ compiler found: quantized layers use PyTorch's slower kernels"]
+        assert caplog.messages == ["minispec: no C++ compiler found: PyTorch's slower kernels serve instead of minispec's own"]
         layer = quant.Int4Linear(quant.quantize_int4(torch.randn(16, 64), 32))
         assert not layer.native and layer(torch.randn(2, 64)).shape == (2, 16)
     finally:
@@ -143,15 +144,68 @@ def test_without_a_compiler_pytorch_kernels_serve(monkeypatch, caplog):
 
 
 def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path, caplog):
-    """A compiler that fails: one logged line naming its last error, and nothing in the cache that a
-    later load would take."""
+    """A compiler that fails: one logged line naming its first error (not the caret under the code that
+    ends its output), and nothing in the cache that a later load would take."""
     monkeypatch.setenv("MINISPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "build_command", lambda cxx, out: ["sh", "-c", "echo 'error: no AVX2' >&2; exit 1"])
+    monkeypatch.setattr(native, "build_command", lambda cxx, out: ["sh", "-c", "echo 'x.cpp:1: error: no AVX2' >&2; echo '  ^~~~' >&2; exit 1"])
     native.available.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="minispec"):
             assert not native.available()
-        assert "could not build its CPU kernel (error: no AVX2)" in caplog.text
+        assert "could not build its CPU kernels (x.cpp:1: error: no AVX2)" in caplog.text
         assert not list((tmp_path / "kernels").iterdir())
     finally:
         native.available.cache_clear()
+
+
+# --- attention over a KV cache (attention.cpp) --------------------------------------------------------
+
+def exact_attention(q, k, v, mask, scale):
+    """q [B, H, R, d] over k, v [B, H, P, d] (keys in position order) in float64."""
+    scores = q.double() @ k.double().transpose(-1, -2) * scale + mask.double()
+    return scores.softmax(-1) @ v.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 20, 8])
+def test_attention_is_attention(dtype, d):
+    """Grouped rows over a causal mask, a head dim in whole vectors of 16 and not: float64's numbers
+    to float32 rounding (the inputs taken in `dtype`)."""
+    generator = torch.Generator().manual_seed(d)
+    B, H, T, group, P = 2, 2, 5, 3, 96
+    q, k, v = (torch.randn(B, H, n, d, generator=generator).to(dtype) for n in (group * T, 128, 128))
+    positions = torch.tensor([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]])
+    mask = kernels.additive(kernels.causal_mask(positions, P)).repeat(1, group, 1)[:, None]  # [B, 1, R, P]
+    got = kernels.native_attend(q, k, v, mask, None, None)
+    want = exact_attention(q.float(), k[:, :, :P].float(), v[:, :, :P].float(), mask, d ** -0.5)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_attention_reads_positions_through_slots_in_position_order():
+    """A token tree's node reading its ancestors from scattered slots gets, bit for bit, what the same
+    keys at consecutive slots give; reading more positions (masked) or sharing the call with other rows
+    changes nothing; a row that may read nothing is zeros."""
+    generator = torch.Generator().manual_seed(0)
+    d, P = 64, 64
+    q = torch.randn(1, 1, 3, d, generator=generator)
+    k, v = torch.randn(1, 1, P, d, generator=generator), torch.randn(1, 1, P, d, generator=generator)
+    order = torch.randperm(P, generator=generator)
+    scattered_k, scattered_v = torch.empty_like(k), torch.empty_like(v)
+    scattered_k[:, :, order], scattered_v[:, :, order] = k, v  # position p now in slot order[p]
+    mask = kernels.additive(torch.arange(P) <= torch.tensor([[50], [20], [-1]]))[None, None]  # row 2 reads nothing
+    in_order = native.attend(q, k, v, mask, None, 0.125)
+    through_slots = native.attend(q, scattered_k, scattered_v, mask, order.view(1, 1, P).contiguous(), 0.125)
+    assert torch.equal(in_order, through_slots)
+    assert torch.equal(in_order[0, 0, 2], torch.zeros(d))
+    alone = native.attend(q[:, :, :1].contiguous(), k, v, mask[:, :, :1, :32 * 2], None, 0.125)
+    assert torch.equal(alone, in_order[:, :, :1])
+
+
+def test_attention_refuses_what_it_cannot_read():
+    q, k = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 32, 8)
+    with pytest.raises(RuntimeError, match="mask must be float32"):
+        native.attend(q, k, k, torch.zeros(1, 1, 2, 64), None, 1.0)  # more positions than the cache holds
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        native.attend(q, k, k, torch.zeros(1, 1, 2, 32), torch.zeros(1, 3, 32, dtype=torch.long), 1.0)

@@ -49,7 +49,7 @@ def mismatched_rows(model):
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_every_row_computes_as_it_would_alone(reference_dirs, kind, dtype, threads):
+def test_every_row_computes_as_it_would_alone(reference_dirs, kind, dtype, threads, attention):
     model = minispec.load(reference_dirs[kind][1], dtype=dtype)
     with torch.inference_mode():
         assert mismatched_rows(model) == []

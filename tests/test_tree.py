@@ -39,7 +39,7 @@ def along_paths(model, start, tokens, parents):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_every_tree_token_computes_what_its_path_computes(reference_dirs, kind, dtype):
+def test_every_tree_token_computes_what_its_path_computes(reference_dirs, kind, dtype, attention):
     model = minispec.load(reference_dirs[kind][1], dtype=dtype)
     with torch.inference_mode():
         start = model.encode(torch.tensor([PROMPT]))
@@ -52,7 +52,7 @@ def test_every_tree_token_computes_what_its_path_computes(reference_dirs, kind, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["gpt2", "llama_gqa", "t5_v1_1"])
-def test_a_tree_across_a_block_boundary_computes_what_its_paths_compute(reference_dirs, kind, dtype):
+def test_a_tree_across_a_block_boundary_computes_what_its_paths_compute(reference_dirs, kind, dtype, attention):
     """A prefix of 29 tokens: the tree's positions 29..33 cross the first block of keys (KEY_BLOCK = 32),
     so its window is two blocks."""
     model = minispec.load(reference_dirs[kind][1], dtype=dtype)
@@ -70,7 +70,7 @@ def test_a_tree_across_a_block_boundary_computes_what_its_paths_compute(referenc
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_a_tree_fed_over_several_forwards_computes_what_its_paths_compute(reference_dirs, kind, dtype):
+def test_a_tree_fed_over_several_forwards_computes_what_its_paths_compute(reference_dirs, kind, dtype, attention):
     """A draft grows its tree depth by depth: each forward's tokens continue the tree the forwards before
     wrote (parents lists the whole tree; the row's tokens are its last nodes)."""
     model = minispec.load(reference_dirs[kind][1], dtype=dtype)
@@ -86,7 +86,7 @@ def test_a_tree_fed_over_several_forwards_computes_what_its_paths_compute(refere
         assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
 
 
-def test_trees_in_a_batch_compute_as_they_would_alone(reference_dirs):
+def test_trees_in_a_batch_compute_as_they_would_alone(reference_dirs, attention):
     """Two rows at different lengths, trees of different widths (the shorter one padded), and a chain."""
     model = minispec.load(reference_dirs["llama_gqa"][1], dtype=torch.bfloat16)
     with torch.inference_mode():

@@ -13,6 +13,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 
 # Why oneDNN on CPU: BLAS's float32 GEMM takes a 1-row product (a decode step) through a GEMV and partial
 # blocks of rows through other kernels, each summing in its own order, so a token's logits would differ
@@ -274,12 +276,22 @@ def tree_indices(layout, b, h, group, pad, d, compiling=False):
                        None if compiling else layout.first_block)
 
 
+@torch.compiler.assume_constant_result  # decided once: compiled graphs hold whichever kernel eager runs
+def native_attention():
+    """Whether attention over the cache runs minispec's own CPU kernel (models/attention.cpp)."""
+    return native.available()
+
+
 def attend_cache(q, k, v, mask, scale=None, layout=None):
     """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] (S a multiple of KEY_BLOCK), in
     the canonical order above; mask: additive float32 [..., rows or 1, S'] (`additive`, its rows padded
     or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A
-    row's numbers are those of the same query alone, whatever the other rows and however many. With a `layout` (trees), rows are read in
-    groups of the layout's tokens (grouped-query heads: group-major)."""
+    row's numbers are those of the same query alone, whatever the other rows and however many. With a
+    `layout` (trees), rows are read in groups of the layout's tokens (grouped-query heads: group-major).
+    On CPUs minispec's own kernel computes it in one call (the same canonical order, its own rounding),
+    except where gradients flow (training a draft head): it has no backward."""
+    if not q.is_cuda and native_attention() and not (torch.is_grad_enabled() and q.requires_grad):
+        return native_attend(q, k, v, mask, scale, layout)
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
     k, v = k[:, :, :S], v[:, :, :S]
@@ -313,6 +325,26 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     total = blocks.cumsum(1)[:, -1] if blocks.shape[1] > 1 else blocks[:, 0]
     out = total[..., :d] / total[..., d:]
     return out.view(b, h, rows + pad, d)[..., :rows, :].to(q.dtype)
+
+
+def native_attend(q, k, v, mask, scale, layout):
+    """attend_cache through models/attention.cpp: every row alone, so no padded rows."""
+    b, h, rows, d = q.shape
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)
+    mask = mask[..., :rows, :] if mask.shape[-2] > 1 else mask
+    mask = mask.float().expand(b, h, rows, mask.shape[-1])  # T5's position bias is in the model's dtype
+    slots = None
+    if layout is not None:  # each token's slot for every position read, made once a forward
+        width = mask.shape[-1]
+        if torch.compiler.is_compiling():
+            slots = layout.keys[..., :width].contiguous()
+        else:
+            slots = layout.shared.get(width)
+            if slots is None:
+                slots = layout.shared.setdefault(width, layout.keys[..., :width].contiguous())
+    out = native.attend(q.float().contiguous(), k, v, mask, slots, d ** -0.5 if scale is None else scale)
+    return out.to(q.dtype)
 
 
 def tree_products(products, weights, values, indices):

@@ -1,11 +1,13 @@
-"""minispec's own CPU kernel for quantized linear layers (qlinear.cpp beside this file), compiled at
-first use with the machine's C++ compiler (the toolchain torch.compile needs on CPU too), for this
-machine's instruction set, and cached. Where it cannot be built (no compiler, no x86, a failed build,
-or MINISPEC_NATIVE=0), `available()` is False and models.quant keeps PyTorch's kernels.
+"""minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file) and for
+attention over a KV cache (attention.cpp), compiled at first use with the machine's C++ compiler (the
+toolchain torch.compile needs on CPU too), for this machine's instruction set, and cached. Where they
+cannot be built (no compiler, no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False and
+models.quant and models.kernels keep PyTorch's operations.
 
-Why a kernel of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 kernel for CPUs converts
+Why kernels of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 kernel for CPUs converts
 every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
-released package ships faster ones for x86.
+released package ships faster ones for x86; a decode step's attention is about twenty tiny PyTorch
+operations a layer, whose dispatch costs more than their arithmetic.
 """
 
 import functools
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("minispec")
 
-SOURCE = Path(__file__).with_name("qlinear.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
 
@@ -52,14 +54,14 @@ def build_command(cxx, out):
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", str(out),
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(out),
             *[f"-L{path}" for path in libs], *[f"-Wl,-rpath,{path}" for path in libs], "-lc10", "-ltorch_cpu"]
 
 
 def library_path(cxx):
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        SOURCE.read_text(), torch.__version__, cxx, " ".join(FLAGS), cpu_flags()))).hexdigest()[:16]
-    return cache_dir() / f"qlinear-{key}.so"
+        *(source.read_text() for source in SOURCES), torch.__version__, cxx, " ".join(FLAGS), cpu_flags()))).hexdigest()[:16]
+    return cache_dir() / f"kernels-{key}.so"
 
 
 def build(cxx, path):
@@ -69,14 +71,20 @@ def build(cxx, path):
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
     os.close(fd)
     try:
-        log.warning("minispec: building its CPU kernel for quantized layers (once per machine, about 10 s)")
+        log.warning("minispec: building its CPU kernels (once per machine, about 20 s)")
         done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True, timeout=BUILD_SECONDS)
         if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+            raise RuntimeError(first_error(done.stderr))
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def first_error(stderr):
+    """The compiler's first error line (its last lines are often only a caret under the code)."""
+    lines = stderr.strip().splitlines()
+    return next((line.strip() for line in lines if "error" in line), lines[-1].strip() if lines else "compiler failed")
 
 
 @functools.cache
@@ -88,7 +96,7 @@ def available():
         return False  # the kernel's fast path is AVX2; elsewhere PyTorch's kernels serve
     cxx = compiler()
     if cxx is None:
-        log.warning("minispec: no C++ compiler found: quantized layers use PyTorch's slower kernels")
+        log.warning("minispec: no C++ compiler found: PyTorch's slower kernels serve instead of minispec's own")
         return False
     path = library_path(cxx)
     try:
@@ -96,7 +104,7 @@ def available():
             build(cxx, path)
         load(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("minispec: could not build its CPU kernel (%s): quantized layers use PyTorch's kernels", error)
+        log.warning("minispec: could not build its CPU kernels (%s): PyTorch's serve instead", error)
         return False
     return True
 
@@ -114,6 +122,7 @@ LARGEST_MULTIPLIERS = (63, -128, 127)
 def load(path):
     torch.ops.load_library(path)
     torch.library.register_fake("minispec_native::qlinear")(qlinear_shape)  # for torch.compile's tracing
+    torch.library.register_fake("minispec_native::attend")(lambda q, k, v, mask, slots, scale: torch.empty_like(q))
 
 
 def pack(q, scales, offsets):
@@ -201,3 +210,11 @@ def qlinear(x, qweight, scales, offsets, steps, group):
 
 def qlinear_shape(x, qweight, scales, offsets, steps, group):
     return x.new_empty(x.shape[0], scales.shape[0] * TILE)
+
+
+def attend(q, k, v, mask, slots, scale):
+    """Attention of q [B, H, R, d] float32 over a KV cache k, v [B, H, S, d] with an additive float32
+    mask [B, H, R, P] by position (any strides: expanded is fine), in kernels.attend_cache's canonical
+    order; slots int64 [B, n, P]: the cache slot of each position for query row r's token r % n (a
+    tree's), or None (position p in slot p). -> [B, H, R, d] float32."""
+    return torch.ops.minispec_native.attend(q, k, v, mask, slots, scale)

@@ -1,0 +1,183 @@
+// minispec's attention over a KV cache for CPUs: what kernels.attend_cache computes, in one call.
+// Built with qlinear.cpp by models/native.py.
+//
+// Why: a decode step's attention is a handful of tiny products (a few query rows against a few hundred
+// keys), and attend_cache spells it in about twenty PyTorch operations a layer, each a few microseconds
+// of dispatch: on SmolLM2-135M a fifth of an eager step. Here it is one loop per query row.
+//
+// The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
+// and values at the positions it reads, taken in position order, never on the cache slots holding them
+// nor on how many rows or positions the call has. A token tree's node reads its ancestors from the
+// slots `slots` names, and gets the numbers it would get decoded alone along its path. Masked positions
+// (-inf) are skipped, so reading more positions than a row may see changes nothing.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 floats: one AVX-512 register, two AVX2 ones (GCC and Clang vector extensions, no intrinsics)
+typedef float Vector __attribute__((vector_size(64)));
+typedef float Half __attribute__((vector_size(32)));
+typedef float Quarter __attribute__((vector_size(16)));
+constexpr int LANES = 16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline Vector vector_of(const T* p) {
+  float f[LANES];
+  for (int c = 0; c < LANES; ++c) f[c] = to_float(p[c]);
+  Vector v;
+  std::memcpy(&v, f, sizeof v);
+  return v;
+}
+
+inline float sum(Vector v) {  // the lanes added in halves: a fixed order
+  Half a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  a += b;
+  Quarter c, d;
+  std::memcpy(&c, &a, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// q . k over d elements, the same instructions for every row and key.
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  Vector part = {};
+  int64_t j = 0;
+  for (; j + LANES <= d; j += LANES) part += vector_of(q + j) * vector_of(k + j);
+  float rest = 0.f;
+  for (; j < d; ++j) rest += q[j] * to_float(k[j]);
+  return sum(part) + rest;
+}
+
+struct Call {
+  const float* q;        // [B, H, R, d] contiguous
+  const void* k;         // [B, H, S, d], the last dimension contiguous
+  const void* v;
+  int64_t kb, kh, ks;    // k's and v's strides (the same layout)
+  const float* mask;     // [B, H, R, P] additive, any strides but the last
+  int64_t mb, mh, mr;
+  const int64_t* slots;  // [B, n, P]: the cache slot of each position for token r % n (null: slot = position)
+  int64_t n;
+  int64_t H, R, d, P;
+  float scale;           // 1: scores used as they are (T5)
+  float* out;            // [B, H, R, d]
+};
+
+template <typename T>
+void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<float>& sums) {
+  const int64_t r = index % c.R, h = index / c.R % c.H, b = index / c.R / c.H;
+  const float* q = c.q + index * c.d;
+  const float* mask = c.mask + b * c.mb + h * c.mh + r * c.mr;
+  const int64_t* slots = c.slots ? c.slots + (b * c.n + r % c.n) * c.P : nullptr;
+  const T* k = static_cast<const T*>(c.k) + b * c.kb + h * c.kh;
+  const T* v = static_cast<const T*>(c.v) + b * c.kb + h * c.kh;
+  constexpr float none = -std::numeric_limits<float>::infinity();
+  float top = none;
+  for (int64_t p = 0; p < c.P; ++p) {
+    float s = none;
+    if (mask[p] != none) {
+      const float product = dot(q, k + (slots ? slots[p] : p) * c.ks, c.d);
+      s = (c.scale != 1.f ? product * c.scale : product) + mask[p];
+      top = std::max(top, s);
+    }
+    scores[p] = s;
+  }
+  float* y = c.out + index * c.d;
+  float* acc = sums.data();  // d rounded up to whole vectors
+  const int64_t whole = c.d / LANES * LANES;
+  std::fill(sums.begin(), sums.end(), 0.f);
+  if (top == none) {  // a row that may read nothing (a padded batch row): zeros, not NaN
+    std::copy(acc, acc + c.d, y);
+    return;
+  }
+  float total = 0.f;
+  for (int64_t p = 0; p < c.P; ++p) {
+    if (scores[p] == none) continue;
+    const float w = std::exp(scores[p] - top);
+    total += w;
+    const T* value = v + (slots ? slots[p] : p) * c.ks;
+    for (int64_t j = 0; j < whole; j += LANES) {
+      Vector a;
+      std::memcpy(&a, acc + j, sizeof a);
+      a += w * vector_of(value + j);
+      std::memcpy(acc + j, &a, sizeof a);
+    }
+    for (int64_t j = whole; j < c.d; ++j) acc[j] += w * to_float(value[j]);
+  }
+  for (int64_t j = 0; j < c.d; ++j) y[j] = acc[j] / total;
+}
+
+template <typename T>
+void rows(const Call& c, int64_t first, int64_t last) {
+  std::vector<float> scores(c.P), sums(c.d);
+  for (int64_t i = first; i < last; ++i) row<T>(c, i, scores, sums);
+}
+
+// q [B, H, R, d] float32; k, v [B, H, S, d] float32, bfloat16 or float16; mask [B, H, R, P] float32
+// (additive: 0 or -inf, or a bias), P <= S; slots int64 [B, n, P] with R a multiple of n (query row r
+// is token r % n: grouped-query heads' rows group-major), or none.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                  const c10::optional<at::Tensor>& slots, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attend: q must be float32 [B, H, R, d], contiguous");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3);
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() && k.scalar_type() == v.scalar_type() &&
+                  k.size(0) == B && k.size(1) == H && k.size(3) == d && k.stride(3) == 1,
+              "attend: k and v must be [B, H, S, d] alike, the last dimension contiguous");
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kFloat && mask.size(0) == B && mask.size(1) == H &&
+                  mask.size(2) == R && mask.size(3) <= k.size(2) && mask.stride(3) == 1,
+              "attend: mask must be float32 [B, H, R, P], P at most the cache's length");
+  const int64_t P = mask.size(3);
+  const int64_t* slot = nullptr;
+  int64_t n = 1;
+  if (slots.has_value()) {
+    TORCH_CHECK(slots->dim() == 3 && slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->size(0) == B &&
+                    slots->size(2) == P && R % slots->size(1) == 0,
+                "attend: slots must be int64 [B, n, P], contiguous, n dividing the rows");
+    n = slots->size(1);
+    slot = slots->data_ptr<int64_t>();
+  }
+  const auto type = k.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "attend: k and v must be float32, bfloat16 or float16");
+  at::Tensor y = at::empty({B, H, R, d}, q.options());
+  const Call c{q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+               mask.data_ptr<float>(), mask.stride(0), mask.stride(1), mask.stride(2), slot, n, H, R, d, P,
+               static_cast<float>(scale), y.data_ptr<float>()};
+  // rows split between threads where each share is worth a thread's wake-up (tens of thousands of
+  // multiply-adds)
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d));
+  at::parallel_for(0, B * H * R, grain, [&](int64_t first, int64_t last) {
+    if (type == at::kFloat) rows<float>(c, first, last);
+    else if (type == at::kBFloat16) rows<c10::BFloat16>(c, first, last);
+    else rows<c10::Half>(c, first, last);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor? slots, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
+  m.impl("attend", &attend);
+}
