@@ -18,6 +18,7 @@ from conftest import make_reference, noisy_copy, save_reference
 import minispec
 from minispec.bench import benchmarks, llamacpp, memory, oneshot, report, theory, timing
 from minispec.bench import cli as bench_cli
+from minispec.bench.prompts import read_prompts
 from minispec.decoding import drafters
 from minispec.models import kernels
 
@@ -567,30 +568,44 @@ def fake_llama_cpp(directory, plain_ms=(500, 400, 600), decoded_s=2.0):
     (directory / "calls.txt").write_text("")
 
 
-def test_llama_cpp_peer_runs_each_mode_on_the_same_files_and_prompts(tmp_path):
+def test_llama_cpp_peer_runs_each_mode_on_the_same_files_and_prompts_in_turn_with_minispec(tmp_path):
     """--llama-cpp: each of llama.cpp's modes on every prompt, greedy, EOS ignored, the same threads and
-    new tokens, the draft model only where --draft is a GGUF file; rates from the lines llama.cpp prints
-    (plain: eval runs / eval time; the median of the repeats)."""
+    new tokens, the draft model only where --draft is a GGUF file, in the same rounds as minispec's own
+    runners (request by request, each runner in turn); rates from the lines llama.cpp prints (plain:
+    eval runs / eval time; the median of the rounds)."""
     fake_llama_cpp(tmp_path)
     target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
     target.write_bytes(b"GGUF")
     draft.write_bytes(b"GGUF")
-    modes = llamacpp.peer_benchmark(tmp_path, target, draft, ["first prompt", "second"], 16, 3, 2, 7)
-    # plain: two prompts per pass, 15 runs each; the calls take 400, 600, 500, 400, 600, 500 ms
-    rates = [30 / 1.0, 30 / 0.9, 30 / 1.1]
-    assert modes["plain"]["tokens_per_second_repeats"] == pytest.approx(rates)
-    assert modes["plain"]["tokens_per_second"] == pytest.approx(30 / 1.0)
-    assert modes["speculative"]["tokens_per_second"] == pytest.approx(8.0)
-    assert modes["lookup"]["tokens_per_second"] == pytest.approx(32.0)
-    calls = (tmp_path / "calls.txt").read_text().splitlines()
-    assert len(calls) == 3 * 3 * 2
-    for call in calls:
+    calls = tmp_path / "calls.txt"
+    texts = {(1, 2): "first prompt", (3,): "second"}
+    runners = {("llama.cpp", mode): run for mode, run in llamacpp.peer_runners(tmp_path, target, draft, texts, 16, 2, 7).items()}
+
+    def minispec_run(request):
+        with calls.open("a") as f:
+            f.write("minispec\n")
+        return [0] * 16, {"prefill_seconds": 0.0, "first_call_tokens": 1}
+    timed = timing.time_generation({("minispec", None): minispec_run, **runners}, [([1, 2], 7), ([3], 7)], 3, "cpu")
+    # plain: two prompts per round, 15 runs each; the fake's time cycles with the lines in calls.txt: after
+    # the warm-up pass the calls take 600 + 500, 400 + 600, 500 + 400 ms
+    plain = timed["llama.cpp", "plain"]
+    # (to the timer's own microseconds: time_generation times each call around run_one)
+    assert plain["decode_tokens_per_second_repeats"] == pytest.approx([30 / 1.1, 30 / 1.0, 30 / 0.9], rel=1e-3)
+    assert plain["decode_tokens_per_second"] == pytest.approx(30 / 1.0, rel=1e-3)
+    assert timed["llama.cpp", "speculative"]["decode_tokens_per_second"] == pytest.approx(8.0, rel=1e-3)
+    assert timed["llama.cpp", "lookup"]["decode_tokens_per_second"] == pytest.approx(32.0, rel=1e-3)
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 4 * 2 * 4  # 4 runners x 2 prompts x (warm-up + 3 rounds)
+    # each round: minispec's pass, then each of llama.cpp's programs', before the next round
+    assert [line.split()[0] for line in lines[8:16]] == ["minispec"] * 2 + ["llama-completion"] * 2 + \
+        ["llama-speculative"] * 2 + ["llama-lookup"] * 2
+    peers = [line for line in lines if line != "minispec"]
+    for call in peers:
         assert f"-m {target} -n 16 -t 2 --temp 0 --ignore-eos -s 7" in call
-    assert sum(f"-md {draft}" in call for call in calls) == 6
-    assert sum(call.endswith("-p first prompt") for call in calls) == 9
-    assert all("-no-cnv" in call for call in calls if call.startswith("llama-completion"))
-    (tmp_path / "calls.txt").write_text("")
-    assert set(llamacpp.peer_benchmark(tmp_path, target, "lookup", ["p"], 16, 1, 2, 0)) == {"plain", "lookup"}
+    assert sum(f"-md {draft}" in call for call in peers) == 8
+    assert sum(call.endswith("-p first prompt") for call in peers) == 12
+    assert all("-no-cnv" in call for call in peers if call.startswith("llama-completion"))
+    assert set(llamacpp.peer_runners(tmp_path, target, "lookup", texts, 16, 2, 0)) == {"plain", "lookup"}
 
 
 def test_llama_cpp_peer_failures_are_named(tmp_path):
@@ -603,7 +618,7 @@ def test_llama_cpp_peer_failures_are_named(tmp_path):
         llamacpp.check_files(tmp_path / "missing.gguf", "lookup")
     (tmp_path / "build" / "bin" / "llama-lookup").write_text("#!/bin/bash\necho 'error: unknown model' >&2; exit 1\n")
     with pytest.raises(ValueError, match="llama-lookup failed \\(exit 1\\): error: unknown model"):
-        llamacpp.peer_benchmark(tmp_path, target, "lookup", ["p"], 16, 1, 2, 0)
+        llamacpp.peer_runners(tmp_path, target, "lookup", {(1,): "p"}, 16, 2, 0)["lookup"](([1], 0))
 
 
 def test_llama_cpp_peer_against_minispec(dirs, tmp_path):
@@ -615,10 +630,16 @@ def test_llama_cpp_peer_against_minispec(dirs, tmp_path):
     args = bench_cli.parse_args(["--target", dirs["gpt2"], "--draft", "lookup", "--prompt-ids", "1,2"])
     args.target, args.llama_cpp, args.prompt_ids, args.prompts, args.repeats = target, tmp_path, None, "code", 1
     result = {"autoregressive": {"decode_tokens_per_second": 15.0}, "rows": [{"decode_tokens_per_second": 48.0}]}
-    peer = benchmarks.peer(args, minispec.load(dirs["gpt2"]), result)
-    assert (tmp_path / "calls.txt").read_text().count("-p Rewrite this Python function") == 2
-    assert peer["plain_vs_plain"] == pytest.approx(15.0 / 30.0)  # llama.cpp plain: 15 runs in 0.5 s
-    assert peer["best_vs_best"] == pytest.approx(48.0 / 32.0)  # its best: lookup
+    model = minispec.load(dirs["gpt2"])
+    prompts = [[i] for i, _ in enumerate(read_prompts(args))]  # its ids (the tiny model has no tokenizer)
+    runners = benchmarks.peer_runners(args, model, prompts)
+    timed = timing.time_generation({("llama.cpp", mode): run for mode, run in runners.items()},
+                                   [(prompts[0], 0)], 1, "cpu")
+    peer = benchmarks.peer(timed, result)
+    # plain and lookup (--draft lookup: no draft model), each in the warm-up pass and one round
+    assert (tmp_path / "calls.txt").read_text().count("-p Rewrite this Python function") == 4
+    assert peer["plain_vs_plain"] == pytest.approx(15.0 / 30.0, rel=1e-3)  # llama.cpp plain: 15 runs in 0.5 s
+    assert peer["best_vs_best"] == pytest.approx(48.0 / 32.0, rel=1e-3)  # its best: lookup
     line = report.peer_line(peer)
     assert line == (f"llama.cpp, {peer['threads']} threads, decode phase: plain 30.0 tok/s, lookup 32.0 tok/s; "
                     "minispec's plain 0.50x its plain, minispec's best mode 1.50x its best")

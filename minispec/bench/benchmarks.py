@@ -11,7 +11,7 @@ from ..cli import load_target_and_draft
 from ..loading.weights import DTYPES
 from ..decoding.sampling import Sampling
 from ..loading.chat import chat_prompt
-from .llamacpp import peer_benchmark
+from . import llamacpp
 from .prompts import prompt_ids_of, read_prompts
 from .memory import bandwidth, memory_growth
 from .reference import reference_runners
@@ -79,6 +79,8 @@ def benchmark(args):
                     for g in args.gamma})
     if args.compare_reference:
         runners.update(reference_runners(args, device, target.dtype))
+    if args.llama_cpp:  # in the same rounds as minispec's runners: this VM's speed drifts within minutes
+        runners.update({("llama.cpp", mode): run_one for mode, run_one in peer_runners(args, target, prompts).items()})
     requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
     timed = time_generation(runners, requests, args.repeats, device)
 
@@ -150,7 +152,7 @@ def benchmark(args):
                                                               decode_speedup))
         result["rows"].append(row)
     if args.llama_cpp:
-        result["llama_cpp"] = peer(args, target, result)
+        result["llama_cpp"] = peer(timed, result)
     if args.compare_reference:
         ref = timed["reference", None]
         result["reference"] = {
@@ -164,13 +166,21 @@ def benchmark(args):
     return result
 
 
-def peer(args, target, result):
-    """llama.cpp's modes on the same GGUF files and prompts (bench/llamacpp.py), and minispec's decode
-    phase against them: plain against plain, the best mode (plain or any row) against llama.cpp's best."""
+def peer_runners(args, target, prompts):
+    """llama.cpp's modes on the same GGUF files and prompts (bench/llamacpp.py), as time_generation runners."""
     # the chat turn as text, its markers spelled out: llama.cpp reads them as the special tokens they are
-    texts = [target.tokenizer.decode(chat_prompt(target.tokenizer, p)) if args.chat else p for p in read_prompts(args)]
-    modes = peer_benchmark(args.llama_cpp, args.target, args.draft, texts, args.max_new_tokens, args.repeats,
-                           torch.get_num_threads(), args.seed)
+    texts = {tuple(ids): target.tokenizer.decode(chat_prompt(target.tokenizer, p)) if args.chat else p
+             for ids, p in zip(prompts, read_prompts(args))}
+    return llamacpp.peer_runners(args.llama_cpp, args.target, args.draft, texts, args.max_new_tokens,
+                                 torch.get_num_threads(), args.seed)
+
+
+def peer(timed, result):
+    """minispec's decode phase against llama.cpp's, timed in the same rounds: plain against plain, the
+    best mode (plain or any row) against llama.cpp's best."""
+    modes = {mode: {"tokens_per_second": t["decode_tokens_per_second"],
+                    "tokens_per_second_repeats": t["decode_tokens_per_second_repeats"]}
+             for (kind, mode), t in timed.items() if kind == "llama.cpp"}
     plain = result["autoregressive"]["decode_tokens_per_second"]
     best = max([plain] + [row["decode_tokens_per_second"] for row in result["rows"]])
     best_peer = max(mode["tokens_per_second"] for mode in modes.values())

@@ -1,12 +1,13 @@
 """llama.cpp as a peer in the bench (`--llama-cpp DIR`): its plain, speculative and prompt-lookup
-decoding of the same GGUF files, prompts, number of new tokens and threads, in the same run. Never a
-dependency: DIR holds llama.cpp binaries a user built (docs/performance.md, "Against llama.cpp", has the
+decoding of the same GGUF files, prompts, number of new tokens and threads, in the same rounds as
+minispec's own decoders (a request of each in turn: on a machine whose speed drifts within minutes,
+rounds minutes apart compared different machines). Never a dependency: DIR holds llama.cpp binaries a user built (docs/performance.md, "Against llama.cpp", has the
 recipe). Each mode's figure is its decode phase (the prompt's forward left out), as llama.cpp reports it,
 so it is compared with minispec's decode tokens/s."""
 
 import re
-import statistics
 import subprocess
+import time
 from pathlib import Path
 
 # llama.cpp's programs for each mode: a plain completion, a draft model's speculation, and prompt lookup
@@ -57,24 +58,27 @@ def decode_rate(program, arguments, mode):
     return int(tokens), float(seconds)
 
 
-def peer_benchmark(directory, target, draft, prompts, max_new_tokens, repeats, threads, seed):
-    """llama.cpp's decode tokens/s per mode (median of `repeats` passes over the text `prompts`, greedy,
-    EOS ignored), {mode: {"tokens_per_second", "tokens_per_second_repeats", "program"}}; speculative
-    only with a draft GGUF file."""
+def peer_runners(directory, target, draft, texts, max_new_tokens, threads, seed):
+    """{mode: run_one} for bench/timing.py's time_generation, which runs them in turn with minispec's
+    own runners, request by request and round by round, so that a drifting machine slows both alike:
+    run_one((prompt ids, seed)) runs llama.cpp's program for that mode on texts[tuple(prompt ids)]
+    (greedy, EOS ignored) and returns (a placeholder per new token, stats whose "prefill_seconds"
+    leave llama.cpp's own decode time: all but the decode phase it reports, its process start and model
+    load included). Speculative only with a draft GGUF file."""
     programs = find_programs(directory)
     target, draft = check_files(target, draft)
     common = ["-m", target, "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "--ignore-eos",
               "-s", str(seed), "-c", "4096"]
     extra = {"plain": ["-no-cnv", "--no-display-prompt"], "lookup": [],
              "speculative": ["-md", draft] if draft else None}
-    result = {}
-    for mode, program in programs.items():
-        if extra[mode] is None:
-            continue
-        rates = []
-        for _ in range(repeats):
-            runs = [decode_rate(program, [*common, *extra[mode], "-p", prompt], mode) for prompt in prompts]
-            rates.append(sum(tokens for tokens, _ in runs) / sum(seconds for _, seconds in runs))
-        result[mode] = {"tokens_per_second": statistics.median(rates), "tokens_per_second_repeats": rates,
-                        "program": str(program)}
-    return result
+
+    def runner(mode, program):
+        def run_one(request):
+            start = time.perf_counter()
+            decoded, seconds = decode_rate(program, [*common, *extra[mode], "-p", texts[tuple(request[0])]], mode)
+            wall = time.perf_counter() - start
+            # the first new token comes out of the prompt's forward, outside the decode phase
+            return [0] * (decoded + 1), {"prefill_seconds": wall - seconds, "first_call_tokens": 1}
+        return run_one
+
+    return {mode: runner(mode, program) for mode, program in programs.items() if extra[mode] is not None}

@@ -97,6 +97,7 @@ def time_generation(runners, requests, repeats, device):
             last[name] = results
     return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
                    "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
+                   "decode_tokens_per_second_repeats": decode_rates[name],
                    "request_seconds": [statistics.median(t) for t in request_seconds[name]],
                    "request_seconds_fastest": [min(t) for t in request_seconds[name]],
                    "warmup_seconds": warmup_seconds[name],
