@@ -155,6 +155,26 @@ def gqa_heads(reference_dirs, tmp_path_factory):
     return out
 
 
+def test_each_medusa_head_keeps_its_own_costs(reference_dirs, tmp_path):
+    """gamma="auto"'s costs for two different Medusa heads of one target: two stored profiles and two
+    in this process (Medusa heads have no model of their own: their weights tell them apart); heads
+    not loaded from a folder keep theirs in this process only."""
+    from minispec.decoding import policy, profiles
+
+    directory = reference_dirs["llama_gqa"][1]
+    hf = json.loads((directory / "config.json").read_text())
+    target = minispec.load(directory)
+    heads = [minispec.load_draft_head(write_medusa(tmp_path / f"m{seed}", hf["hidden_size"], hf["vocab_size"],
+                                                   seed=seed)[0], target) for seed in (0, 1)]
+    keys = [profiles.pair_key(target, head.drafter(), None, 4) for head in heads]
+    assert None not in keys and keys[0] != keys[1]
+    assert policy.profile_for(target, heads[0].drafter(), None, 4) is policy.profile_for(target, heads[0].drafter(), None, 4)
+    assert policy.profile_for(target, heads[0].drafter(), None, 4) is not policy.profile_for(target, heads[1].drafter(), None, 4)
+    unsaved = copy.deepcopy(heads[0])
+    unsaved.fingerprint = None
+    assert profiles.pair_key(target, unsaved.drafter(), None, 4) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
 def test_greedy_with_a_head_is_plain_greedy(gqa_heads, kind, dtype):

@@ -15,6 +15,9 @@
     drafter.calls, drafter.encoder_calls                   this request's, for statistics
     drafter.name, drafter.model                            what drafts: "model" and the model, or the
                                                            model-free drafter's name and None
+    drafter.weights (optional)                             a model-free drafter's trained weights (Medusa
+                                                           heads, with their fingerprint): gamma="auto"
+                                                           keeps their costs apart from other heads'
     drafter.preview                                        None, or preview(k): the next k guesses as
                                                            propose would make them, without making them,
                                                            and how sure the drafter is of each (0..1)

@@ -159,12 +159,14 @@ PROFILES = weakref.WeakKeyDictionary()
 
 def profile_for(target, drafter, beams, k_max):
     """The pair's profile: as this process left it, else as the last process here did, else new."""
-    key = (drafter.name if drafter.model is None else id(drafter.model), beams)
+    # what drafts: a draft model, a model-free drafter's own weights (Medusa heads), or its name alone
+    owner = drafter.model if drafter.model is not None else getattr(drafter, "weights", None)
+    key = (drafter.name if owner is None else id(owner), beams)
     pairs = PROFILES.setdefault(target, {})
     profile = pairs.get(key)
-    if profile is None or (drafter.model is not None and profile.model() is not drafter.model):
+    if profile is None or (owner is not None and profile.model() is not owner):
         profile = pairs[key] = PairProfile()
-        profile.model = weakref.ref(drafter.model) if drafter.model is not None else None
+        profile.model = weakref.ref(owner) if owner is not None else None
         profile.key = profiles.pair_key(target, drafter, beams, k_max)
         tp = tp_of(target)
         if tp is not None and tp.rank != 0:

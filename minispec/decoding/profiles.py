@@ -45,11 +45,12 @@ def identity(model):
 
 def pair_key(target, drafter, beams, k_max):
     """The key of a pair's file (a dict), or None for models loaded otherwise than from a checkpoint."""
-    draft = drafter.model
-    if target.fingerprint is None or (draft is not None and draft.fingerprint is None):
+    draft, weights = drafter.model, getattr(drafter, "weights", None)  # weights: Medusa heads'
+    if target.fingerprint is None or any(m is not None and m.fingerprint is None for m in (draft, weights)):
         return None
+    drafted_by = drafter.name if weights is None else f"{drafter.name} {weights.fingerprint}"
     return {"version": VERSION, "target": identity(target),
-            "draft": identity(draft) if draft is not None else drafter.name, "beams": beams, "k_max": k_max,
+            "draft": identity(draft) if draft is not None else drafted_by, "beams": beams, "k_max": k_max,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 

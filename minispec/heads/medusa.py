@@ -66,7 +66,7 @@ class MedusaDrafter:
     encoder_calls = 0
 
     def __init__(self, heads):
-        self.heads = heads
+        self.heads = self.weights = heads  # weights: what gamma="auto" keeps its costs under (policy.py)
         self.calls = 0
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
