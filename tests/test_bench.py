@@ -556,6 +556,7 @@ def fake_llama_cpp(directory, plain_ms=(500, 400, 600), decoded_s=2.0):
     times = " ".join(map(str, plain_ms))
     scripts = {
         "llama-completion": f'n=$(wc -l < {directory}/calls.txt); set -- {times}; shift $((n % 3)); '
+                            "printf 'a character cut short: \\231\\n'; "  # invalid UTF-8, as random weights write
                             'echo "0.00.788.984 I common_perf_print: prompt eval time = 10.00 ms / 9 tokens"; '
                             'echo "0.00.789.014 I common_perf_print:        eval time =     $1.00 ms /    15 runs   (x)"',
         "llama-speculative": f'echo "0.00.784.475 I decoded   16 tokens in    {decoded_s:.3f} seconds, speed:    8.000 t/s"',

@@ -209,3 +209,5 @@ def test_attention_refuses_what_it_cannot_read():
         native.attend(q, k, k, torch.zeros(1, 1, 2, 64), None, 1.0)  # more positions than the cache holds
     with pytest.raises(RuntimeError, match="slots must be int64"):
         native.attend(q, k, k, torch.zeros(1, 1, 2, 32), torch.zeros(1, 3, 32, dtype=torch.long), 1.0)
+    with pytest.raises(RuntimeError, match="a slot outside the cache"):
+        native.attend(q, k, k, torch.zeros(1, 1, 2, 32), torch.full((1, 2, 32), 32), 1.0)

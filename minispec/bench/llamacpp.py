@@ -43,7 +43,8 @@ def check_files(target, draft):
 def decode_rate(program, arguments, mode):
     """(new tokens, seconds) of the decode phase of one llama.cpp run."""
     try:
-        done = subprocess.run([str(program), *arguments], capture_output=True, text=True, timeout=RUN_SECONDS)
+        done = subprocess.run([str(program), *arguments], capture_output=True, text=True, errors="replace",
+                              timeout=RUN_SECONDS)  # its text may cut a character: invalid UTF-8
     except subprocess.TimeoutExpired:
         raise ValueError(f"{program} took more than {RUN_SECONDS} s for one request") from None
     output = done.stdout + done.stderr

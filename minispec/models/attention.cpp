@@ -102,7 +102,7 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
     scores[p] = s;
   }
   float* y = c.out + index * c.d;
-  float* acc = sums.data();  // d rounded up to whole vectors
+  float* acc = sums.data();  // the row's weighted sum of values [d]
   const int64_t whole = c.d / LANES * LANES;
   std::fill(sums.begin(), sums.end(), 0.f);
   if (top == none) {  // a row that may read nothing (a padded batch row): zeros, not NaN
@@ -154,6 +154,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "attend: slots must be int64 [B, n, P], contiguous, n dividing the rows");
     n = slots->size(1);
     slot = slots->data_ptr<int64_t>();
+    const int64_t S = k.size(2);
+    TORCH_CHECK(std::all_of(slot, slot + slots->numel(), [S](int64_t s) { return 0 <= s && s < S; }),
+                "attend: a slot outside the cache");
   }
   const auto type = k.scalar_type();
   TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "attend: k and v must be float32, bfloat16 or float16");
