@@ -284,9 +284,11 @@ def new_head(kind, target, heads, draft_vocab=None):
 
 
 def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens=128, lr=2e-3, heads=4,
-          batch_size=16, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
+          batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    draft_vocab: an EAGLE head's q covers the target's that many most said tokens (0: all of them)."""
+    batch_size: answers generated at once (SmolLM2 on 2 cores: 208 tokens/s at 64, 161 at 16; the same
+    answers, rows being invariant). draft_vocab: an EAGLE head's q covers the target's that many most
+    said tokens (0: all of them)."""
     if draft_vocab < 0:
         raise ValueError(f"draft_vocab must be a token count >= 0 (0: the whole vocabulary), got {draft_vocab}")
     out = Path(out)
