@@ -290,7 +290,7 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     `layout` (trees), rows are read in groups of the layout's tokens (grouped-query heads: group-major).
     On CPUs minispec's own kernel computes it in one call (the same canonical order, its own rounding),
     except where gradients flow (training a draft head): it has no backward."""
-    if not q.is_cuda and native_attention() and not (torch.is_grad_enabled() and q.requires_grad):
+    if q.device.type == "cpu" and native_attention() and not (torch.is_grad_enabled() and q.requires_grad):
         return native_attend(q, k, v, mask, scale, layout)
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
