@@ -342,7 +342,7 @@ def native_attend(q, k, v, mask, scale, layout):
         else:
             slots = layout.shared.get(width)
             if slots is None:
-                slots = layout.shared.setdefault(width, layout.keys[..., :width].contiguous())
+                slots = layout.shared[width] = layout.keys[..., :width].contiguous()
     out = native.attend(q.float().contiguous(), k, v, mask, slots, d ** -0.5 if scale is None else scale)
     return out.to(q.dtype)
 

@@ -59,8 +59,8 @@ def build_command(cxx, out):
 
 
 def library_path(cxx):
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        *(source.read_text() for source in SOURCES), torch.__version__, cxx, " ".join(FLAGS), cpu_flags()))).hexdigest()[:16]
+    parts = (*(source.read_text() for source in SOURCES), torch.__version__, cxx, " ".join(FLAGS), cpu_flags())
+    key = hashlib.sha256(b"\0".join(part.encode() for part in parts)).hexdigest()[:16]
     return cache_dir() / f"kernels-{key}.so"
 
 
@@ -89,7 +89,7 @@ def first_error(stderr):
 
 @functools.cache
 def available():
-    """Load (building it first if needed) the kernel; False, with one logged line, where it cannot be."""
+    """Load (building them first if needed) the kernels; False, with one logged line, where they cannot be."""
     if os.environ.get("MINISPEC_NATIVE", "1") == "0":
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
