@@ -233,7 +233,8 @@ class CachedLM(nn.Module):
     def compile(self, mode=None):
         """torch.compile the decode forward: static shapes (the caches are preallocated), one graph per
         width bucket (`compiled_width`: 1 for plain decoding, γ+1 rounded up for a verify), each compiled
-        on first use.
+        on first use; the families mark each layer's parts as compile regions, traced and compiled once
+        for all the layers of a graph.
         Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -66,9 +67,10 @@ class Attention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd)
         self.kv_cache = None  # set by GPT2.setup_caches
 
-    def forward(self, x, input_pos, mask, layout):
-        batch, seq_len, _ = x.shape
-        q, k, v = self.c_attn(x).split(self.n_head * self.head_dim, dim=-1)  # fewer heads when sharded (tp.py)
+    def forward(self, qkv, input_pos, mask, layout):
+        """The attention of c_attn's output qkv [batch, seq_len, 3 * dim] (keys and values written to the cache)."""
+        batch, seq_len, _ = qkv.shape
+        q, k, v = qkv.split(self.n_head * self.head_dim, dim=-1)  # fewer heads when sharded (tp.py)
         q, k, v = (t.view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         k, v = self.kv_cache.update(input_pos, k, v)
         y = attend_cache(q, k, v, mask, layout=layout)
@@ -94,8 +96,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
+    # Compiled, the halves around the cache write and attention are compiled once for every layer, as
+    # Llama's are (models/llama.py, TransformerBlock).
     def forward(self, x, input_pos, mask, layout):
-        x = x + self.attn(self.ln_1(x), input_pos, mask, layout)
+        x = x + self.attn(self.project(x), input_pos, mask, layout)
+        return self.finish(x)
+
+    @torch.compiler.nested_compile_region
+    def project(self, x):
+        return self.attn.c_attn(self.ln_1(x))
+
+    @torch.compiler.nested_compile_region
+    def finish(self, x):
         return x + self.mlp(self.ln_2(x))
 
 

@@ -190,14 +190,20 @@ class Attention(nn.Module):
         self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
         self.kv_cache = None
 
-    def forward(self, x, input_pos, cos, sin, mask, layout):
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one tensor, q and k rotated
+        (their heads in one call: the same per-element arithmetic as one call each). One new tensor: a
+        compile region's outputs come out wrong when they are views of its other tensors (TransformerBlock)."""
         B, T, _ = x.shape
         kv_size = self.n_kv_heads * self.head_dim
         qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
-        # q's and k's heads rotated in one call (the same per-element arithmetic as one call each)
-        q, k = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin).transpose(1, 2) \
-            .split([self.n_heads, self.n_kv_heads], dim=1)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+        return torch.cat([qk, v.view(B, T, self.n_kv_heads, self.head_dim)], dim=2)
+
+    def forward(self, qkv, input_pos, mask, layout):
+        """The attention of `project`'s q, k, v (the layer's keys and values written to its cache)."""
+        B, T = qkv.shape[:2]
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         k, v = self.kv_cache.update(input_pos, k, v)
         # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
         # (consecutive heads) become extra query rows of that head, each block of T rows with the same
@@ -229,8 +235,21 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
+    # Compiled, the layer's two halves around its cache write and attention are each traced and compiled
+    # once for every layer (nested compile regions), which halves the time to compile a forward; the
+    # write itself stays outside them, as a region would hand the written cache back as a copy. A
+    # region's output must be a tensor it computes: outputs that are views of its other tensors (a
+    # slice, even cloned) came out as garbage in this PyTorch (2.13, CPU); tests/test_compile.py checks.
     def forward(self, x, input_pos, cos, sin, mask, layout):
-        x = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask, layout)
+        x = x + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
+        return self.finish(x)
+
+    @torch.compiler.nested_compile_region
+    def project(self, x, cos, sin):
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    @torch.compiler.nested_compile_region
+    def finish(self, x):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
