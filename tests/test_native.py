@@ -119,6 +119,28 @@ def test_k_quant_scales_are_packed_in_two_levels_with_the_same_results(form, mon
     assert native.pack(quant.unpack_int4(parts["qweight"]), parts["scales"], parts["offsets"])[3] is None
 
 
+def test_six_bit_weights_take_three_quarters_of_the_bytes_for_the_same_numbers(monkeypatch):
+    """An int8 weight whose values fit 6 bits (GGUF's Q6_K) is packed in 6: 3/4 of int8's bytes, the
+    kernel's outputs and an embedding's rows bit for bit those of the int8 packing."""
+    generator = torch.Generator().manual_seed(6)
+    q, scales, offsets, group = k_quant_like("int8 q6_k", 70, 512, generator)
+    q[3, :64] = -32  # both ends of the range
+    q[4, :64] = 31
+    six = native.pack(q, scales, offsets)
+    monkeypatch.setattr(native, "six_bits", lambda q: False)
+    eight = native.pack(q, scales, offsets)
+    monkeypatch.undo()
+    assert six[0].numel() * 4 == eight[0].numel() * 3
+    x = torch.randn(9, 512, generator=generator)
+    assert torch.equal(native.qlinear(x, *six, group), native.qlinear(x, *eight, group))
+    tokens = torch.tensor([0, 69, 3, 4])
+    rows = native.rows_of(tokens, *six)
+    assert torch.equal(rows[0], q[tokens])
+    assert all(torch.equal(a, b) for a, b in zip(rows, native.rows_of(tokens, *eight)) if a is not None)
+    q[5, 7] = 32  # one value past 6 bits: int8's packing
+    assert native.pack(q, scales, offsets)[0].shape == eight[0].shape
+
+
 def test_token_rows_come_out_of_the_packed_layout():
     """An int8 embedding kept in the kernel's layout looks its rows up from it, exactly."""
     generator = torch.Generator().manual_seed(4)

@@ -129,7 +129,9 @@ def pack(q, scales, offsets):
     """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
     [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 16 columns (zero weights);
     per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
-    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones); scales and offsets
+    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones of 6 bits
+    (GGUF's Q6_K: `six_bits`) as value + 32, its nibbles so and its top two bits in two more vectors
+    (vector 4p + i's at bits 2i of the p-th); scales and offsets
     [tiles, G, 16] float32, or where they are steps times small integers (GGUF's K-quants: `two_level`)
     int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
     offsets'). Returns (qweight, scales, offsets, steps or None)."""
@@ -140,6 +142,12 @@ def pack(q, scales, offsets):
     q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
     if q.dtype == torch.uint8:
         q = q[:, :, :4] | (q[:, :, 4:] << 4)
+    elif six_bits(q):
+        u = (q.to(torch.int16) + 32).to(torch.uint8)
+        top = u >> 4
+        planes = [top[:, :, 4 * p] | top[:, :, 4 * p + 1] << 2 | top[:, :, 4 * p + 2] << 4 | top[:, :, 4 * p + 3] << 6
+                  for p in (0, 1)]
+        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(planes, 2)], 2)
     group = K // scales.shape[1]
     levels = [two_level(t, group) for t in (scales, offsets) if t is not None]
     steps = None
@@ -152,6 +160,12 @@ def pack(q, scales, offsets):
         return t.movedim(1, -1).contiguous()
     return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.float())
                               for t in (scales, offsets, steps)))
+
+
+def six_bits(q):
+    """Whether an int8 weight's values all fit 6 bits, -32..31 (GGUF's Q6_K): the kernel then reads 3/4
+    of the bytes for the same numbers."""
+    return q.dtype == torch.int8 and q.numel() > 0 and -32 <= q.min() and q.max() <= 31
 
 
 def two_level(values, group):
@@ -190,10 +204,15 @@ def takes(in_features, group):
 def rows_of(tokens, qweight, scales, offsets, steps):
     """The int8 weight rows (output columns) `tokens` of a packed int8 weight, and their scales and
     offsets in float32: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
-    tiles, blocks = qweight.shape[:2]
+    tiles, blocks, vectors = qweight.shape[:3]
     tile, column = tokens // TILE, tokens % TILE
     # [tile, block, k, c, j] at (tile, c) -> [..., block, k, j]: the inputs in order
-    q = qweight.view(tiles, blocks, 8, TILE, 4)[tile, :, :, column].flatten(-3)
+    q = qweight.view(tiles, blocks, vectors, TILE, 4)[tile, :, :, column]
+    if vectors == 6:  # 6-bit (pack): nibbles and top bits back together, less 32
+        low = torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2)
+        top = torch.stack([(q[..., 4 + k // 4, :] >> 2 * (k % 4)) & 0x03 for k in range(8)], -2)
+        q = ((low | top << 4).to(torch.int16) - 32).to(torch.int8)
+    q = q.flatten(-3)
 
     def values(table, which):
         if steps is None:

@@ -24,7 +24,10 @@
 //
 // The weight's layout (models/native.py packs it): tile after tile, block after block, the vectors
 // k = 0..7 of 64 bytes whose byte 4c + j is column c's input 4k + j (int8), or four of 64 bytes holding
-// vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15). scales, offsets:
+// vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15), or those four and two
+// more holding the values' top two bits, vector 4p + i's at bits 2i of the p-th (6-bit: int8 values
+// -32..31, GGUF's Q6_K, stored as value + 32, with 3/4 of int8's bytes; the rows' sums times -32 restore
+// the integer sums int8's would give, bit for bit the same numbers). scales, offsets:
 // float32 [tiles, G, 16]; w = q * scale (+ offset) over groups of `group` inputs (16, or a multiple of
 // 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers):
 // scales, offsets int8 [tiles, G, 16] multipliers of steps float32 [tiles, K / 256, 2, 16] (the scales'
@@ -62,14 +65,15 @@ constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level 
 struct Rows {
   std::vector<int8_t> q;      // [M, K]: x ~ q * d, block by block
   std::vector<float> d;       // [M, blocks]
-  std::vector<int32_t> minus; // int8 weights on VNNI: [M, blocks, 3]: -128 x the sum of q over the block, its first 16, its last 16
+  std::vector<int32_t> minus; // [M, blocks, 3]: -bias x the sum of q over the block, its first 16, its last 16,
+                              // bias the weights' added one (int8 on VNNI: 128; 6-bit: 32; int4: none)
   std::vector<float> sums;    // [M, G]: x's float sums per weight group, left to right (the offsets' share)
 };
 
-Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int8_weights, bool with_sums) {
+Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias, bool with_sums) {
   const int64_t blocks = K / BLOCK, groups = K / group;
   Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
-            std::vector<int32_t>(int8_weights ? M * blocks * 3 : 0), std::vector<float>(with_sums ? M * groups : 0)};
+            std::vector<int32_t>(bias ? M * blocks * 3 : 0), std::vector<float>(with_sums ? M * groups : 0)};
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -80,13 +84,13 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool int
       rows.d[m * blocks + b] = d;
       int8_t* q = rows.q.data() + m * K + b * BLOCK;
       for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
-      if (int8_weights) {
+      if (bias) {
         int32_t half[2] = {0, 0};
         for (int i = 0; i < BLOCK; ++i) half[i / 16] += q[i];
         int32_t* minus = rows.minus.data() + (m * blocks + b) * 3;
-        minus[0] = -128 * (half[0] + half[1]);
-        minus[1] = -128 * half[0];
-        minus[2] = -128 * half[1];
+        minus[0] = -bias * (half[0] + half[1]);
+        minus[1] = -bias * half[0];
+        minus[2] = -bias * half[1];
       }
     }
     for (int64_t g = 0; with_sums && g < groups; ++g) {
@@ -133,6 +137,12 @@ struct V {
   static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
   static I plus_128(I v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  // bits 2i, 2i + 1 of every byte moved to bits 4, 5 (16-bit shifts: the mask drops what crosses bytes)
+  template <int I2> static I top_bits(I v) {
+    const I moved = I2 < 4 ? _mm512_slli_epi16(v, 4 - I2) : _mm512_srli_epi16(v, I2 - 4);
+    return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+  }
+  static I with(I a, I b) { return _mm512_or_si512(a, b); }
   static I broadcast(int32_t v) { return _mm512_set1_epi32(v); }
   static I zero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -156,13 +166,18 @@ struct V {
   static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
   static I plus_128(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  template <int I2> static I top_bits(I v) {
+    const I moved = I2 < 4 ? _mm256_slli_epi16(v, 4 - I2) : _mm256_srli_epi16(v, I2 - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+  }
+  static I with(I a, I b) { return _mm256_or_si256(a, b); }
   static I broadcast(int32_t v) { return _mm256_set1_epi32(v); }
   static I zero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
 #ifdef MINISPEC_VNNI
   static I dot(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #else
-  // u8 x s8 pairs fit an int16 here: u is at most 15 (int4) or |int8| <= 128, so 2 x 128 x 127 < 32767
+  // u8 x s8 pairs fit an int16 here: u is at most 15 (int4), 63 (6-bit) or |int8| <= 128, so 2 x 128 x 127 < 32767
   static I dot(I acc, I u, I s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))); }
 #endif
   static F floats(I v) { return _mm256_cvtepi32_ps(v); }
@@ -179,14 +194,23 @@ struct V {
 constexpr int PARTS = TILE / V::COLUMNS;  // vectors across a tile
 
 // A tile part's eight weight vectors of a block, as unsigned bytes (int8: w + 128 with VNNI, |w|
-// without, the signed ones in `sign` for the rows to take w's sign).
-template <bool INT4>
+// without, the signed ones in `sign` for the rows to take w's sign; 6-bit: w + 32).
+template <int BITS>
 inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
-  if (INT4) {
+  if (BITS != 8) {
     for (int k = 0; k < 4; ++k) {
       const V::I raw = V::load(q + k * TILE * 4);
       u[k] = V::low_nibbles(raw);
       u[k + 4] = V::high_nibbles(raw);
+    }
+    if (BITS == 6) {
+      for (int p = 0; p < 2; ++p) {
+        const V::I top = V::load(q + (4 + p) * TILE * 4);
+        u[4 * p] = V::with(u[4 * p], V::top_bits<0>(top));
+        u[4 * p + 1] = V::with(u[4 * p + 1], V::top_bits<2>(top));
+        u[4 * p + 2] = V::with(u[4 * p + 2], V::top_bits<4>(top));
+        u[4 * p + 3] = V::with(u[4 * p + 3], V::top_bits<6>(top));
+      }
     }
     return;
   }
@@ -203,13 +227,13 @@ inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
 }
 
 // The row's inputs 4k..4k+3 in every lane, signed as the weights are where w went in as |w|.
-template <bool INT4>
+template <int BITS>
 inline V::I inputs(const int8_t* block, int k, V::I sign) {
   int32_t four;
   std::memcpy(&four, block + 4 * k, 4);
   const V::I s = V::broadcast(four);
 #ifndef MINISPEC_VNNI
-  if (!INT4) return _mm256_sign_epi8(s, sign);
+  if (BITS == 8) return _mm256_sign_epi8(s, sign);
 #endif
   (void)sign;
   return s;
@@ -225,9 +249,9 @@ inline V::F group_values(const Weight& w, int which, int64_t tile, int64_t g, in
 }
 
 // One tile's columns for rows r0 .. r0 + R - 1.
-template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
+template <int BITS, bool SIXTEEN, bool TWO_LEVEL, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
-  constexpr int64_t bytes = (INT4 ? 4 : 8) * TILE * 4;  // per tile and block
+  constexpr int64_t bytes = BITS * TILE * 4;  // per tile and block
   const int64_t blocks = K / BLOCK;
   for (int part = 0; part < PARTS; ++part) {
     const uint8_t* q = w.q + tile * blocks * bytes + part * V::COLUMNS * 4;
@@ -235,7 +259,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
     for (int r = 0; r < R; ++r) acc[r] = V::fzero();
     for (int64_t b = 0; b < blocks; ++b) {
       V::I u[8], sign[8];
-      load_block<INT4>(q + b * bytes, u, sign);
+      load_block<BITS>(q + b * bytes, u, sign);
       const V::F s_lo = group_values<TWO_LEVEL>(w, 0, tile, w.lo[b], part);
       const V::F s_hi = SIXTEEN ? group_values<TWO_LEVEL>(w, 0, tile, w.hi[b], part) : s_lo;
       for (int r = 0; r < R; ++r) {
@@ -244,18 +268,21 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
         // four short chains, then summed: one long one would wait on each product
         V::I p[4];
         for (int c = 0; c < 4; ++c) {
-          p[c] = V::dot(V::zero(), u[2 * c], inputs<INT4>(xv, 2 * c, sign[2 * c]));
-          p[c] = V::dot(p[c], u[2 * c + 1], inputs<INT4>(xv, 2 * c + 1, sign[2 * c + 1]));
+          p[c] = V::dot(V::zero(), u[2 * c], inputs<BITS>(xv, 2 * c, sign[2 * c]));
+          p[c] = V::dot(p[c], u[2 * c + 1], inputs<BITS>(xv, 2 * c + 1, sign[2 * c + 1]));
         }
         V::I lo = V::add(p[0], p[1]), hi = V::add(p[2], p[3]);
         if (!SIXTEEN) lo = V::add(lo, hi);
 #ifdef MINISPEC_VNNI
-        if (!INT4) {  // the weights went in as w + 128
+        constexpr bool biased = BITS != 4;  // the weights went in as w + 128 (int8) or w + 32 (6-bit)
+#else
+        constexpr bool biased = BITS == 6;
+#endif
+        if (biased) {
           const int32_t* minus = x.minus.data() + row_block * 3;
           lo = V::add(lo, V::broadcast(minus[SIXTEEN ? 1 : 0]));
           if (SIXTEEN) hi = V::add(hi, V::broadcast(minus[2]));
         }
-#endif
         const V::F d = V::broadcast(x.d[row_block]);
         acc[r] = V::fma(V::floats(lo), V::mul(s_lo, d), acc[r]);
         if (SIXTEEN) acc[r] = V::fma(V::floats(hi), V::mul(s_hi, d), acc[r]);
@@ -276,9 +303,9 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #else
 // Portable: per column and block half, the integer sum, then acc += sum x scale, as the vector code.
-template <bool INT4, bool SIXTEEN, bool TWO_LEVEL, int R>
+template <int BITS, bool SIXTEEN, bool TWO_LEVEL, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
-  constexpr int64_t bytes = (INT4 ? 4 : 8) * TILE * 4, vector = TILE * 4;
+  constexpr int64_t bytes = BITS * TILE * 4, vector = TILE * 4;
   const int64_t blocks = K / BLOCK;
   const uint8_t* q = w.q + tile * blocks * bytes;
   for (int r = 0; r < R; ++r) {
@@ -290,8 +317,9 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
         for (int k = 0; k < 8; ++k)
           for (int j = 0; j < 4; ++j) {
             const int64_t at = 4 * c + j;
-            const int32_t v = INT4 ? (q[b * bytes + (k % 4) * vector + at] >> (4 * (k / 4))) & 0x0F
-                                   : static_cast<int8_t>(q[b * bytes + k * vector + at]);
+            int32_t v = BITS == 8 ? static_cast<int8_t>(q[b * bytes + k * vector + at])
+                                  : (q[b * bytes + (k % 4) * vector + at] >> (4 * (k / 4))) & 0x0F;
+            if (BITS == 6) v = (v | ((q[b * bytes + (4 + k / 4) * vector + at] >> (2 * (k % 4))) & 0x03) << 4) - 32;
             half[k / 4] += v * x.q[m * K + b * BLOCK + 4 * k + j];
           }
         const float d = x.d[m * blocks + b];
@@ -311,27 +339,34 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #endif
 
-template <bool INT4, bool SIXTEEN, bool TWO_LEVEL>
+template <int BITS, bool SIXTEEN, bool TWO_LEVEL>
 void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m = 0; m < M; m += ROWS_AT_ONCE) {
       switch (std::min<int64_t>(ROWS_AT_ONCE, M - m)) {
-        case 4: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 4>(w, t, x, m, K, y, N); break;
-        case 3: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 3>(w, t, x, m, K, y, N); break;
-        case 2: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 2>(w, t, x, m, K, y, N); break;
-        default: tile_rows<INT4, SIXTEEN, TWO_LEVEL, 1>(w, t, x, m, K, y, N); break;
+        case 4: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 4>(w, t, x, m, K, y, N); break;
+        case 3: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 3>(w, t, x, m, K, y, N); break;
+        case 2: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 2>(w, t, x, m, K, y, N); break;
+        default: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 1>(w, t, x, m, K, y, N); break;
       }
     }
   }
 }
 
-template <bool INT4, bool SIXTEEN>
+template <int BITS, bool SIXTEEN>
 void tiles_of(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
-  if (w.steps != nullptr) tiles<INT4, SIXTEEN, true>(w, x, M, K, N, t0, t1, y);
-  else tiles<INT4, SIXTEEN, false>(w, x, M, K, N, t0, t1, y);
+  if (w.steps != nullptr) tiles<BITS, SIXTEEN, true>(w, x, M, K, N, t0, t1, y);
+  else tiles<BITS, SIXTEEN, false>(w, x, M, K, N, t0, t1, y);
 }
 
-// x [M, K] float32; qweight uint8 (int4) or int8, N / 16 tiles; scales, offsets [N / 16, G, 16]
+template <int BITS>
+void tiles_by_group(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
+  if (w.group == 16) tiles_of<BITS, true>(w, x, M, K, N, t0, t1, y);
+  else tiles_of<BITS, false>(w, x, M, K, N, t0, t1, y);
+}
+
+// x [M, K] float32; qweight int8, or uint8 of K / 2 (int4) or 3K / 4 (6-bit) bytes a column, N / 16
+// tiles; scales, offsets [N / 16, G, 16]
 // float32, or int8 with steps [N / 16, K / 256, 2, 16] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
@@ -339,11 +374,12 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   const auto table_type = steps.has_value() ? at::kChar : at::kFloat;
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == table_type && scales.is_contiguous(),
               "qlinear: scales must be [N / 16, G, 16], float32 (int8 with steps)");
-  const bool int4 = qweight.scalar_type() == at::kByte, sixteen = group == 16;
+  const bool sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
+  const int bits = qweight.scalar_type() != at::kByte ? 8 : qweight.numel() == N * K / 2 ? 4 : 6;
   TORCH_CHECK(K % BLOCK == 0 && (sixteen || group % BLOCK == 0) && K % group == 0 && K / group == groups,
               "qlinear: K must be a multiple of 32 and of the group (16 or a multiple of 32)");
-  TORCH_CHECK(qweight.numel() == N * (int4 ? K / 2 : K) && qweight.is_contiguous(), "qlinear: qweight does not match x and scales");
+  TORCH_CHECK(qweight.numel() == N * K * bits / 8 && qweight.is_contiguous(), "qlinear: qweight does not match x and scales");
   const void* off = nullptr;
   if (offsets.has_value()) {
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == table_type && offsets->is_contiguous(),
@@ -358,7 +394,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     step = steps->data_ptr<float>();
   }
   const int64_t blocks = K / BLOCK;
-  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, !int4, off != nullptr);
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, bits == 8 ? 128 : bits == 6 ? 32 : 0, off != nullptr);
   std::vector<int32_t> lo(blocks), hi(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
@@ -369,8 +405,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   float* out = y.data_ptr<float>();
   // tiles split between threads, a few at least per thread so that a wake-up is worth it
   at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) {
-    if (int4) sixteen ? tiles_of<true, true>(w, rows, M, K, N, t0, t1, out) : tiles_of<true, false>(w, rows, M, K, N, t0, t1, out);
-    else sixteen ? tiles_of<false, true>(w, rows, M, K, N, t0, t1, out) : tiles_of<false, false>(w, rows, M, K, N, t0, t1, out);
+    if (bits == 4) tiles_by_group<4>(w, rows, M, K, N, t0, t1, out);
+    else if (bits == 6) tiles_by_group<6>(w, rows, M, K, N, t0, t1, out);
+    else tiles_by_group<8>(w, rows, M, K, N, t0, t1, out);
   });
   return y;
 }
