@@ -43,6 +43,11 @@ from .kernels import can_pack, linear, pack, tree_layout, whole_blocks
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
 PREFILL_CHUNK = 128
 
+# Marks a layer's part that torch.compile traces and compiles once for all the layers of a graph (the
+# families' TransformerBlock / Block); outside compiled code it calls the function. PyTorch before
+# nested compile regions existed compiles every layer's copy instead, which only takes longer.
+compile_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
+
 
 def compiled_width(n):
     """The token width of the compiled graph that decodes n tokens: the next power of two. A graph per

@@ -3,11 +3,10 @@
 from dataclasses import dataclass
 from functools import partial
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear
+from .base import CachedLM, Embedding, KVCache, Linear, compile_region
 from .hf_config import COUNT, FLAG, POSITIVE, TEXT, get
 from .kernels import additive, attend_cache, causal_mask, elementwise, padded_rows
 
@@ -102,11 +101,11 @@ class Block(nn.Module):
         x = x + self.attn(self.project(x), input_pos, mask, layout)
         return self.finish(x)
 
-    @torch.compiler.nested_compile_region
+    @compile_region
     def project(self, x):
         return self.attn.c_attn(self.ln_1(x))
 
-    @torch.compiler.nested_compile_region
+    @compile_region
     def finish(self, x):
         return x + self.mlp(self.ln_2(x))
 

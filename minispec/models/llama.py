@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
+from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
 from .kernels import additive, attend_cache, causal_mask, elementwise, padded_rows
 
@@ -244,11 +244,11 @@ class TransformerBlock(nn.Module):
         x = x + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
         return self.finish(x)
 
-    @torch.compiler.nested_compile_region
+    @compile_region
     def project(self, x, cos, sin):
         return self.attention.project(self.attention_norm(x), cos, sin)
 
-    @torch.compiler.nested_compile_region
+    @compile_region
     def finish(self, x):
         return x + self.feed_forward(self.ffn_norm(x))
 
