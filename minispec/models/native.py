@@ -129,9 +129,9 @@ def pack(q, scales, offsets):
     """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
     [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 16 columns (zero weights);
     per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
-    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones of 6 bits
-    (GGUF's Q6_K: `six_bits`) as value + 32, its nibbles so and its top two bits in two more vectors
-    (vector 4p + i's at bits 2i of the p-th); scales and offsets
+    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones that fit 6
+    bits (GGUF's Q6_K: `six_bits`) as value + 32, its low 4 bits as int4's and its top 2 in two more
+    vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
     [tiles, G, 16] float32, or where they are steps times small integers (GGUF's K-quants: `two_level`)
     int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
     offsets'). Returns (qweight, scales, offsets, steps or None)."""

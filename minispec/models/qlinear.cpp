@@ -1,4 +1,4 @@
-// minispec's quantized matmul for CPUs: y = x @ w.T with w int4 or int8 in groups, 1 to a few dozen
+// minispec's quantized matmul for CPUs: y = x @ w.T with w int4, 6-bit or int8 in groups, 1 to a few dozen
 // rows of x (a decode step, a verify, a batch). Built at first use by models/native.py and cached.
 //
 // Why: PyTorch's int4 kernel converts every weight to float and is compute-bound on AVX2, so a 9-row
