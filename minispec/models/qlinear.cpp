@@ -61,12 +61,26 @@ constexpr int64_t TILE = 16;     // output columns computed together, one per 32
 constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
 constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
 
+// What a weight's stored byte adds to its value, which the rows' sums times it take back out
+// (Rows::minus): int8 goes in as w + 128 where VNNI's dot product wants unsigned weights (plain AVX2
+// moves w's sign onto the rows instead), 6-bit as w + 32 in the vector code; the portable code takes
+// the values as they are.
+constexpr int32_t weight_bias(int bits) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(MINISPEC_VNNI)
+  return bits == 8 ? 128 : bits == 6 ? 32 : 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return bits == 6 ? 32 : 0;
+#else
+  return 0;
+#endif
+}
+
 // The rows of x, quantized.
 struct Rows {
   std::vector<int8_t> q;      // [M, K]: x ~ q * d, block by block
   std::vector<float> d;       // [M, blocks]
   std::vector<int32_t> minus; // [M, blocks, 3]: -bias x the sum of q over the block, its first 16, its last 16,
-                              // bias the weights' added one (int8 on VNNI: 128; 6-bit: 32; int4: none)
+                              // bias the weights' added one (weight_bias)
   std::vector<float> sums;    // [M, G]: x's float sums per weight group, left to right (the offsets' share)
 };
 
@@ -273,12 +287,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
         }
         V::I lo = V::add(p[0], p[1]), hi = V::add(p[2], p[3]);
         if (!SIXTEEN) lo = V::add(lo, hi);
-#ifdef MINISPEC_VNNI
-        constexpr bool biased = BITS != 4;  // the weights went in as w + 128 (int8) or w + 32 (6-bit)
-#else
-        constexpr bool biased = BITS == 6;
-#endif
-        if (biased) {
+        if (weight_bias(BITS)) {  // the weights went in as w + 128 (int8) or w + 32 (6-bit)
           const int32_t* minus = x.minus.data() + row_block * 3;
           lo = V::add(lo, V::broadcast(minus[SIXTEEN ? 1 : 0]));
           if (SIXTEEN) hi = V::add(hi, V::broadcast(minus[2]));
@@ -394,7 +403,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     step = steps->data_ptr<float>();
   }
   const int64_t blocks = K / BLOCK;
-  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, bits == 8 ? 128 : bits == 6 ? 32 : 0, off != nullptr);
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, weight_bias(bits), off != nullptr);
   std::vector<int32_t> lo(blocks), hi(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
