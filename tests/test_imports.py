@@ -3,8 +3,11 @@ loading, the library's front door (api) above decoding, the command lines (and t
 body (an import placed there to dodge it) is caught too."""
 
 import ast
+from fnmatch import fnmatch
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minispec"
 
@@ -92,3 +95,15 @@ def test_the_graph_has_no_cycle():
         list(TopologicalSorter(edges).static_order())
     except CycleError as error:
         raise AssertionError(f"import cycle: {error.args[1]}") from None
+
+
+def test_every_file_the_package_reads_is_installed_with_it():
+    """A non-editable install (`pip install .`, a wheel) carries only the package data pyproject.toml
+    lists: a source file native.py compiles but the list misses would be absent there."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = [path for path in PACKAGE.rglob("*") if path.is_file() and path.suffix not in (".py", ".pyc")]
+    assert data
+    for path in data:
+        relative = path.relative_to(PACKAGE).as_posix()
+        assert any(fnmatch(relative, pattern) for pattern in listed["minispec"]), f"{relative} is not package data"

@@ -98,8 +98,8 @@ def available():
     if cxx is None:
         log.warning("minispec: no C++ compiler found: PyTorch's slower kernels serve instead of minispec's own")
         return False
-    path = library_path(cxx)
     try:
+        path = library_path(cxx)
         if not path.exists():
             build(cxx, path)
         load(str(path))
