@@ -48,21 +48,30 @@ SUBJECTS = (
     "the water cycle", "ancient Egypt", "sorting algorithms", "gardening in small spaces", "tides",
     "the violin", "recycling", "sleep", "mountain climbing", "renewable energy", "dinosaurs",
     "the French Revolution", "hash tables", "meditation", "city planning", "octopuses",
+    "the Great Wall of China", "glaciers", "submarines", "wind turbines", "coral reefs", "the Olympic Games",
+    "credit scores", "linked lists", "cloud computing", "the Renaissance", "tornadoes", "butterflies",
+    "3D printing", "podcasts", "board games", "the Silk Road", "nuclear power", "elephants", "blockchains",
+    "marathon training", "photography", "the Industrial Revolution", "deserts", "airplanes", "DNA",
+    "volunteering", "public speaking", "smartphones", "cheese making", "lighthouses", "the metric system",
+    "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
+    "video game design", "composting", "the periodic table",
 )
-# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 57559 answer tokens to the default
-# prompts are 4458 distinct ones; 8192 rows hold them all, and cost a sixth of its head's 49152.
+# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 115338 answer tokens to the default
+# prompts are 6313 distinct ones; 8192 rows hold them all, and cost a sixth of its head's 49152.
 DRAFT_VOCAB = 8192
 PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
 # Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
 # from memorising (SmolLM2 on 160 answers: 0.51 on the answers trained on, 0.13 on others).
 HELD_OUT = 20
-EPOCHS = 16  # SmolLM2-135M's held-out accuracy still rose at 16 (0.42 at 10, 0.46 at 16), slowly
+# SmolLM2-135M on 2 cores: 10 epochs over the 960 default answers (held-out 0.51, 22 minutes in all) beat
+# 16 over half of them (0.47, 14 minutes); the answers' number, not the epochs, is what raises acceptance.
+EPOCHS = 10
 
 
 def default_prompts():
-    """Every subject under every template: 480 prompts, about 57k answer tokens from SmolLM2-135M. On 160
-    of them its head was right 0.51 of the time on its training answers and 0.13 on other prompts; on
-    all 480, 0.46 on held-out answers (docs/performance.md, "Draft heads")."""
+    """Every subject under every template: 960 prompts, about 115k answer tokens from SmolLM2-135M. Its
+    head's first guess on docs/chat-prompts.txt was accepted 0.26 of the time trained 16 epochs on the
+    first 480, 0.30 trained 10 on all 960 (docs/performance.md, "Draft heads")."""
     return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
 
 
