@@ -1,6 +1,7 @@
 """The package's import graph flows one way: models at the bottom, loading above them, decoding above
 loading, the library's front door (api) above decoding, the command lines (and the server) on top. Read from the source with ast, so a cycle hidden in a function
-body (an import placed there to dodge it) is caught too."""
+body (an import placed there to dodge it) is caught too. And what the package reads besides its
+modules is installed with it."""
 
 import ast
 from fnmatch import fnmatch
