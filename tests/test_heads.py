@@ -431,6 +431,39 @@ def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
     assert reduced.draft_vocab.tolist() == sorted(sorted(said, key=lambda t: (-said[t], t))[:8])
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(epochs=-1), "epochs must be an integer >= 0"), (dict(lr=float("nan")), "lr must be a number > 0"),
+    (dict(lr=0.0), "lr must be a number > 0"), (dict(kind="medusa", heads=0), "heads >= 1"),
+    (dict(dtype=torch.float16), "float16 is not supported")])
+def test_training_refuses_settings_it_could_only_fail_with_before_answering(reference_dirs, tmp_path, monkeypatch,
+                                                                           setting, message):
+    from minispec.heads import train
+
+    monkeypatch.setattr(train, "answer", lambda *args: pytest.fail("answered before checking its settings"))
+    target = minispec.load(reference_dirs["llama_gqa"][1], dtype=setting.pop("dtype", None))
+    with pytest.raises(ValueError, match=message):
+        train.train(target, tmp_path / "head", prompts=[PROMPT], **setting)
+
+
+def test_training_that_diverges_stops_with_the_last_good_head(reference_dirs, tmp_path, monkeypatch, capsys):
+    """A non-finite loss ends training with one line naming it; what the folder holds is the last
+    finished epoch's head (none here), never a head of NaNs. And `--epochs 0` is refused: it would
+    write no head."""
+    from minispec.heads import __main__ as command
+    from minispec.heads import train
+
+    target = minispec.load(reference_dirs["llama_gqa"][1])
+    monkeypatch.setattr(train, "eagle_loss", lambda head, *args, **kwargs: (
+        sum(p.sum() for p in head.parameters()) * float("nan"), torch.zeros(())))
+    with pytest.raises(ValueError, match="training diverged at epoch 1, step 1 .*lower lr"):
+        train.train(target, tmp_path / "head", prompts=[PROMPT] * 2, epochs=2, max_new_tokens=8, chat=False)
+    assert not (tmp_path / "head" / "model.safetensors").exists()
+    capsys.readouterr()
+    assert command.main(["train", "--target", str(reference_dirs["llama_gqa"][1]), "--out", str(tmp_path / "h"),
+                         "--epochs", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "minispec: --epochs must be >= 1, got 0"
+
+
 def test_bad_head_folders_are_named(reference_dirs, tmp_path):
     directory = reference_dirs["llama_gqa"][1]
     target = minispec.load(directory)

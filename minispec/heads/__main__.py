@@ -36,6 +36,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.epochs < 1:  # train(epochs=0) only returns the untrained head: nothing would be written
+        print(f"minispec: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
+        return 2
     try:
         prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
         target = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype))

@@ -297,9 +297,8 @@ def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
     batch_size: answers generated at once (SmolLM2 on 2 cores: 208 tokens/s at 64, 161 at 16; the same
     answers, rows being invariant). draft_vocab: an EAGLE head's q covers the target's that many most
-    said tokens (0: all of them)."""
-    if draft_vocab < 0:
-        raise ValueError(f"draft_vocab must be a token count >= 0 (0: the whole vocabulary), got {draft_vocab}")
+    said tokens (0: all of them). epochs=0 returns the untrained head, saving nothing."""
+    check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
@@ -336,6 +335,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens
             for step, group in enumerate(groups):
                 batch = [tensor.to(target.device) for tensor in padded_batch(sequences, records, group)]
                 loss, accuracy = loss_of(head, *batch, generator)
+                if not torch.isfinite(loss):  # the last finished epoch's head stays as it was saved
+                    raise ValueError(f"training diverged at epoch {epoch + 1}, step {step + 1} (loss {loss.item()}); "
+                                     f"{out} keeps the head of the last finished epoch: try a lower lr")
                 optimizer.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -356,6 +358,22 @@ def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
         replace_whole(state / "progress.json", lambda file: file.write_text(progress_text))
     return head
+
+
+def check_settings(target, kind, epochs, lr, heads, draft_vocab):
+    """A ValueError naming the setting, before minutes of answering, where training could only fail or
+    learn nothing."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if kind == "medusa" and not (isinstance(heads, int) and heads >= 1):
+        raise ValueError(f"a Medusa head needs heads >= 1, got {heads!r}")
+    if draft_vocab < 0:
+        raise ValueError(f"draft_vocab must be a token count >= 0 (0: the whole vocabulary), got {draft_vocab}")
+    if target.dtype == torch.float16:  # its gradients under- and overflow without loss scaling: NaN heads
+        raise ValueError("training in float16 is not supported: train in float32 or bfloat16 (--dtype); the "
+                         "head then drafts for a float16 target too")
 
 
 def optimizer_tensors(optimizer):
