@@ -64,6 +64,42 @@ def reduce_vocab(source, directory, ids):
     return directory
 
 
+def write_eagle3(directory, hf, seed=0, draft_vocab=None, layer_ids=None, dim=None, sharpness=4.0):
+    """A random EAGLE-3 head for a target with config.json `hf`, as EAGLE's authors publish them: fc over
+    the target's states at len(layer_ids) layers (default 3), midlayer.* whose q/k/v read [embedding,
+    state] (2 dim), hidden_norm, its own norm and lm_head over the token ids `draft_vocab` (d2t: their
+    offsets; t2d: their mask; `sharpness` scales it), and its own embedding when `dim` is narrower than
+    the target's."""
+    target_dim, vocab = hf["hidden_size"], hf["vocab_size"]
+    dim, ids = dim or target_dim, list(range(vocab)) if draft_vocab is None else draft_vocab
+    heads, kv, inter, g = 4, 2, 2 * (dim or target_dim), torch.Generator().manual_seed(seed)
+    hd, taps = dim // heads, 3 if layer_ids is None else len(layer_ids)
+    weights = {"fc.weight": randn(g, dim, taps * target_dim),
+               "midlayer.self_attn.q_proj.weight": randn(g, heads * hd, 2 * dim),
+               "midlayer.self_attn.k_proj.weight": randn(g, kv * hd, 2 * dim),
+               "midlayer.self_attn.v_proj.weight": randn(g, kv * hd, 2 * dim),
+               "midlayer.self_attn.o_proj.weight": randn(g, dim, heads * hd),
+               "midlayer.mlp.gate_proj.weight": randn(g, inter, dim), "midlayer.mlp.up_proj.weight": randn(g, inter, dim),
+               "midlayer.mlp.down_proj.weight": randn(g, dim, inter),
+               "midlayer.hidden_norm.weight": 1 + 0.1 * randn(g, dim), "midlayer.input_layernorm.weight": 1 + 0.1 * randn(g, dim),
+               "midlayer.post_attention_layernorm.weight": 1 + 0.1 * randn(g, dim), "norm.weight": 1 + 0.1 * randn(g, dim),
+               "lm_head.weight": randn(g, len(ids), dim) * sharpness, "d2t": torch.tensor(ids) - torch.arange(len(ids)),
+               "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(ids), True),
+               "embed_tokens.weight": randn(g, vocab, dim)}  # the target's copy, or (narrower) the head's own
+    directory.mkdir(parents=True, exist_ok=True)
+    save_safetensors(weights, directory / "model.safetensors")
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": dim,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": vocab, "draft_vocab_size": len(ids),
+              "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    if dim != target_dim:
+        config["target_hidden_size"] = target_dim
+    if layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, weights, config
+
+
 def write_medusa(directory, dim, vocab, heads=3, seed=0):
     """Random Medusa-1 heads as published: {head}.0.linear.weight/bias and {head}.1.weight."""
     g = torch.Generator().manual_seed(seed)
@@ -124,6 +160,91 @@ def test_published_eagle_layout_drafts_as_a_straightforward_reimplementation(ref
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 
+def eagle3_reference(weights, config, embedded, fused):
+    """EAGLE-3's layer written out (eagle/model/cnets.py's LlamaDecoderLayeremb and Model, on one
+    sequence without a cache): [norm(embedding), norm(state)] -> attention, state + it, + the MLP; the
+    head's norm and lm_head; the draft tokens' logits placed at their target ids, -inf elsewhere."""
+    def norm(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * weights[name]
+
+    def w(name):
+        return weights[f"midlayer.{name}.weight"]
+    n, heads, kv = fused.shape[1], config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config["hidden_size"] // heads
+    both = torch.cat([norm(embedded, "midlayer.input_layernorm.weight"), norm(fused, "midlayer.hidden_norm.weight")], -1)
+    q, k, v = (F.linear(both, w(f"self_attn.{p}_proj")).view(1, n, -1, hd).transpose(1, 2) for p in "qkv")
+    inv = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+    angles = torch.outer(torch.arange(n).float(), inv).repeat(1, 2)
+
+    def rope(x):
+        return x * angles.cos() + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * angles.sin()
+    k, v = (t.repeat_interleave(heads // kv, dim=1) for t in (rope(k), v))
+    attended = F.scaled_dot_product_attention(rope(q), k, v, is_causal=True).transpose(1, 2).reshape(1, n, -1)
+    x = fused + F.linear(attended, w("self_attn.o_proj"))
+    h = norm(x, "midlayer.post_attention_layernorm.weight")
+    x = x + F.linear(F.silu(F.linear(h, w("mlp.gate_proj"))) * F.linear(h, w("mlp.up_proj")), w("mlp.down_proj"))
+    drafted = F.linear(norm(x, "norm.weight"), weights["lm_head.weight"])
+    ids = torch.arange(drafted.shape[-1]) + weights["d2t"]
+    logits = torch.full((1, n, config["vocab_size"]), float("-inf"))
+    logits[..., ids] = drafted
+    return x, logits
+
+
+@pytest.fixture(scope="module")
+def deep_target(tmp_path_factory):
+    """A tiny Llama of 8 layers: EAGLE-3's default taps (the states entering layers 2, 4 and 5) exist."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    reference = spread_init(transformers.LlamaForCausalLM(config).eval(), 0)
+    return reference, save_reference(reference, tmp_path_factory.mktemp("deep"))
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["as wide as the target", "narrower, own embedding"])
+def test_published_eagle3_layout_drafts_as_a_straightforward_reimplementation(deep_target, tmp_path, narrow):
+    """An EAGLE-3 head in its authors' layout: the target's states entering layers 2, L/2 and L-3 are the
+    reference's hidden_states there; fused by fc, paired with the next token's embedding (the target's,
+    or the narrower head's own), through EAGLE-3's layer, its logits those of the math written out."""
+    reference, directory = deep_target
+    target = minispec.load(directory)
+    hf = json.loads((directory / "config.json").read_text())
+    ids = list(range(1, 64, 3))
+    head_dir, weights, config = write_eagle3(tmp_path / "eagle3", hf, draft_vocab=ids, dim=16 if narrow else None)
+    head = minispec.load_draft_head(head_dir, target)
+    assert head.taps == (2, 4, 5) and head.draft_vocab.tolist() == ids
+    tokens = torch.tensor([PROMPT + [40, 41, 42]])
+    target.ensure_caches(1, 32)
+    head.ensure_caches(1, 32)
+    with torch.no_grad():
+        wanted = torch.cat([reference(tokens, output_hidden_states=True).hidden_states[j] for j in (2, 4, 5)], -1)
+        embedding = weights["embed_tokens.weight"] if narrow else reference.model.embed_tokens.weight
+        fused = F.linear(wanted[:, :-1], weights["fc.weight"])
+        expected, expected_logits = eagle3_reference(weights, config, F.embedding(tokens[:, 1:], embedding), fused)
+    with torch.inference_mode():
+        logits, states = target.decode_rows(tokens, [0], eager=True, hidden=head.taps)
+        torch.testing.assert_close(logits, target.decode_rows(tokens, [0], eager=True), rtol=0, atol=0)
+        torch.testing.assert_close(states, wanted, rtol=1e-4, atol=1e-4)
+        logits, predicted = head.decode_rows(tokens[:, 1:], [0], eager=True, hidden=True,
+                                             inputs=head.fuse(states[:, :-1]))
+    torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_greedy_with_an_eagle3_head_on_its_default_layers_is_plain_greedy(deep_target, tmp_path, dtype):
+    """The head reading layers 2, 4 and 5 of 8, chains and trees: plain greedy's tokens."""
+    directory = deep_target[1]
+    target = minispec.load(directory, dtype=dtype)
+    head_dir, _, _ = write_eagle3(tmp_path / "eagle3", json.loads((directory / "config.json").read_text()),
+                                  draft_vocab=list(range(0, 64, 2)))
+    head = minispec.load_draft_head(head_dir, target)
+    plain = minispec.generate(target, PROMPT, max_new_tokens=30, ignore_eos=True)
+    for settings in ({"gamma": 1}, {"gamma": 3}, {"gamma": "auto"}, {"gamma": 3, "tree": 8}):
+        out = minispec.generate(target, PROMPT, draft=head, max_new_tokens=30, ignore_eos=True, **settings)
+        assert out.tokens == plain.tokens, settings
+        assert settings["gamma"] == "auto" or out.stats["proposed"] > 0
+
+
 def test_published_medusa_layout_drafts_as_a_straightforward_reimplementation(reference_dirs, tmp_path):
     """Medusa-1 heads in their authors' layout: head j's logits are W_j (f + SiLU(A_j f + b_j))."""
     reference, directory = reference_dirs["llama_gqa"]
@@ -140,18 +261,22 @@ def test_published_medusa_layout_drafts_as_a_straightforward_reimplementation(re
 
 @pytest.fixture(scope="module")
 def gqa_heads(reference_dirs, tmp_path_factory):
-    """For each dtype: the tiny GQA llama target and its random EAGLE and Medusa heads."""
+    """For each dtype: the tiny GQA llama target and its random EAGLE, EAGLE-3 and Medusa heads."""
     directory = reference_dirs["llama_gqa"][1]
     hf = json.loads((directory / "config.json").read_text())
     eagle_dir, _, _ = write_eagle(tmp_path_factory.mktemp("eagle"), hf)
     reduced_dir = reduce_vocab(eagle_dir, tmp_path_factory.mktemp("reduced"), list(range(0, hf["vocab_size"], 3)))
     medusa_dir, _ = write_medusa(tmp_path_factory.mktemp("medusa"), hf["hidden_size"], hf["vocab_size"])
+    # two layers: EAGLE-3's default taps do not exist, the config names the states entering both
+    eagle3_dir, _, _ = write_eagle3(tmp_path_factory.mktemp("eagle3"), hf, draft_vocab=list(range(1, hf["vocab_size"], 2)),
+                                    layer_ids=[0, 1])
     out = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         target = minispec.load(directory, dtype=dtype)
         out[dtype] = target, {"eagle": minispec.load_draft_head(eagle_dir, target),
                               "eagle_reduced": minispec.load_draft_head(reduced_dir, target),
-                              "medusa": minispec.load_draft_head(medusa_dir, target)}
+                              "medusa": minispec.load_draft_head(medusa_dir, target),
+                              "eagle3": minispec.load_draft_head(eagle3_dir, target)}
     return out
 
 
@@ -176,7 +301,7 @@ def test_each_medusa_head_keeps_its_own_costs(reference_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "eagle3", "medusa"])
 def test_greedy_with_a_head_is_plain_greedy(gqa_heads, kind, dtype):
     target, heads = gqa_heads[dtype]
     plain = minispec.generate(target, PROMPT, max_new_tokens=40, ignore_eos=True)
@@ -186,7 +311,7 @@ def test_greedy_with_a_head_is_plain_greedy(gqa_heads, kind, dtype):
         assert gamma == "auto" or out.stats["proposed"] > 0 and out.stats["draft_calls"] > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_batched_rows_draft_as_alone(gqa_heads, kind):
     """Rows of a batch with a head: each request's tokens those it gets alone (greedy, and sampled for a
     seed with a fixed gamma)."""
@@ -237,19 +362,25 @@ def vocab16_heads(tmp_path_factory):
     medusa_dir, _ = write_medusa(tmp_path_factory.mktemp("v16_medusa"), 16, 16, heads=2, seed=3)
     # q zero on 4 of the target's likelier tokens: they come only from the residual max(0, p - q)
     reduced_dir = reduce_vocab(eagle_dir, tmp_path_factory.mktemp("v16_reduced"), [0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15])
+    # EAGLE-3 over the state entering the one layer (the token's embedding), q zero on 2 tokens (and
+    # nearly flat elsewhere: a sharp random q is seldom accepted)
+    eagle3_dir, _, _ = write_eagle3(tmp_path_factory.mktemp("v16_eagle3"), hf, seed=3, layer_ids=[0], sharpness=0.2,
+                                    draft_vocab=[i for i in range(16) if i not in (4, 10)])
     return target, {"eagle": minispec.load_draft_head(eagle_dir, target),
                     "eagle_reduced": minispec.load_draft_head(reduced_dir, target),
+                    "eagle3": minispec.load_draft_head(eagle3_dir, target),
                     "medusa": minispec.load_draft_head(medusa_dir, target)}
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "eagle3", "medusa"])
 def test_sampled_tokens_have_the_targets_joint_distribution(vocab16_heads, kind):
     """Four tokens of many requests, each with its own seed, against the target's exact joint: the first
     comes from the prompt's forward (no states yet), the next three from steps verifying the head's two
     guesses, drawn from its q (chi-square at p > 0.001, test_speculative.assert_sampled_from); a reduced
     head's q is zero on the tokens outside its draft vocabulary."""
     target, heads = vocab16_heads
-    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 2000
+    # top 4 for EAGLE-3: its random q cut to its own top 3 seldom meets the target's (0.06 accepted; 0.14 at 4)
+    sampling, prompt, draws = {"temperature": 1.0, "top_k": 4 if kind == "eagle3" else 3}, [1, 2, 3], 2000
     joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=4)
     counts, accepted, verified = Counter(), 0, 0
     for seed in range(draws):
@@ -265,7 +396,7 @@ def test_sampled_tokens_have_the_targets_joint_distribution(vocab16_heads, kind)
 # --- token trees from heads (decoding/tree.py): EAGLE-2's dynamic tree, Medusa's best products --------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_reduced", "eagle3", "medusa"])
 def test_greedy_with_a_heads_tree_is_plain_greedy(gqa_heads, kind, dtype):
     """Trees of several budgets, alone and batched: plain greedy's tokens, each row what it is alone."""
     target, heads = gqa_heads[dtype]
@@ -339,13 +470,14 @@ def test_a_medusa_tree_is_the_heads_best_products(gqa_heads):
     assert {path_of(j) for j in range(len(tokens))} == expected
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_sampled_tokens_from_a_heads_tree_have_the_targets_joint_distribution(vocab16_heads, kind):
     """As for the chain (four tokens, chi-square at p > 0.001 and a total-variation bound), with trees of
     5 nodes, 2 deep: EAGLE's draws from its q, verified by recursive rejection; Medusa's best
     candidates, verified as fixed candidates (tree.sample_walk)."""
     target, heads = vocab16_heads
-    sampling, prompt, draws = {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 2000
+    # top 4 for EAGLE-3: its random q cut to its own top 3 seldom meets the target's (0.06 accepted; 0.14 at 4)
+    sampling, prompt, draws = {"temperature": 1.0, "top_k": 4 if kind == "eagle3" else 3}, [1, 2, 3], 2000
     joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=4)
     counts, accepted, verified, trees = Counter(), 0, 0, 0
     for seed in range(draws):
@@ -475,11 +607,24 @@ def test_bad_head_folders_are_named(reference_dirs, tmp_path):
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(minispec.CheckpointError, match="pytorch_model.bin is a pickle file.*safetensors"):
         minispec.load_draft_head(pickled, target)
-    eagle3 = tmp_path / "eagle3"
-    eagle3.mkdir()
-    (eagle3 / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 32}))
-    with pytest.raises(minispec.CheckpointError, match="EAGLE-3"):
-        minispec.load_draft_head(eagle3, target)
+    eagle3_dir, _, eagle3_config = write_eagle3(tmp_path / "eagle3", hf)
+    for change, message in (({}, r"layers 2, L/2 and L-3, which are not three layers of .* name them in "
+                                 r"eagle_aux_hidden_state_layer_ids"),
+                            ({"eagle_aux_hidden_state_layer_ids": [0, 0]}, r"must be distinct layer indices .*\(0..1\)"),
+                            ({"eagle_aux_hidden_state_layer_ids": [1, 2]}, r"must be distinct layer indices"),
+                            ({"eagle_aux_hidden_state_layer_ids": [0, 1], "target_hidden_size": 32},
+                             "hidden states of 32 cannot draft"),
+                            ({"eagle_aux_hidden_state_layer_ids": [0, 1], "draft_vocab_size": 10**6},
+                             "draft_vocab_size 1000000 is more than")):
+        (eagle3_dir / "config.json").write_text(json.dumps({**eagle3_config, **change}))
+        with pytest.raises(minispec.CheckpointError, match=message):
+            minispec.load_draft_head(eagle3_dir, target)
+    (eagle3_dir / "config.json").write_text(json.dumps({**eagle3_config, "eagle_aux_hidden_state_layer_ids": [0]}))
+    with pytest.raises(minispec.CheckpointError, match=r"fc.weight.*shape"):  # its fc reads 3 layers, not 1
+        minispec.load_draft_head(eagle3_dir, target)
+    gpt2 = minispec.load(reference_dirs["gpt2"][1])
+    with pytest.raises(minispec.CheckpointError, match="reads states inside a Llama-family target"):
+        minispec.load_draft_head(eagle3_dir, gpt2)
     repeated = reduce_vocab(eagle_dir, tmp_path / "repeated", [1, 2, 2])
     with pytest.raises(minispec.CheckpointError, match="draft_vocab must hold distinct token ids"):
         minispec.load_draft_head(repeated, target)

@@ -101,7 +101,9 @@ class ModelDrafter:
     A draft head (heads/eagle.py) drafts through the same loop, reading states beside its tokens."""
 
     name, preview = "model", None
-    reads_states = False  # a draft head: its forwards read `inputs` beside the tokens (unseen_states, state)
+    # a draft head: its forwards read `inputs` beside the tokens (unseen_states, state), and the target's
+    # forwards return states for it: True, its last ones; a tuple of layers, those entering them (EAGLE-3)
+    reads_states = False
 
     def __init__(self, model):
         self.model = model
@@ -195,7 +197,7 @@ def propose_together(asks):
 def catch_up_all(model, drafters, waiting):
     """The tokens accepted since each of the `waiting` rows' last proposal through the draft: a few
     in one forward of all rows, more in a row's own (CATCH_UP_TOGETHER)."""
-    heads = drafters[0].reads_states
+    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     waiting = [d for d in waiting if d.unseen is not None]
     for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
         catch_up(drafter)
@@ -210,7 +212,7 @@ def catch_up_all(model, drafters, waiting):
 def draft_chains(model, drafters, going):
     """Algorithm 1's guesses for rows asking for chains, going: (drafter, k, sampling, generator,
     keep_guessing) each; {id(drafter): (drafts, q, None)}, each guess drawn from q, fed for the next."""
-    heads = drafters[0].reads_states
+    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     drafts, qs = {id(ask[0]): [] for ask in going}, {id(ask[0]): [] for ask in going}
     while going:
         still = []
@@ -281,7 +283,7 @@ def draft_trees(model, drafters, asks):
     the root's and each node's (tree.DrawnGrowth), and the row's generator draws them. The nodes' slots lie past the
     row's length, so its cache row is as before the tree, and accept feeds the kept tokens as after a
     chain whose guesses went unfed."""
-    heads = drafters[0].reads_states
+    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask[0]): DraftTree(ask[0], ask[1], ask[2], ask[3], ask[5]) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
     for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):

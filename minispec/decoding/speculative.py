@@ -153,7 +153,8 @@ def score(target, rows, proposals):
     joined has its prompt forward of its own (its prefill), the others one forward together, each at
     its own positions, rows with fewer tokens padded (models/base.py, decode_rows). A tree's nodes
     each attend to their own path (feed_parents). Also each row's hidden states [width, dim] at every
-    token fed when its drafter reads them (a draft head), else None."""
+    token fed when its drafter reads them (a draft head; an EAGLE-3 head's: those entering the layers it
+    reads, side by side), else None."""
     logits = [None] * len(rows)
     hidden = rows[0].drafter is not None and rows[0].drafter.reads_states
     states = [None] * len(rows)

@@ -1,6 +1,6 @@
-"""Draft heads: small trained modules on the target's own last hidden state that guess for it
-(eagle.py: one decoder layer predicting the next state; medusa.py: K heads each guessing one position
-further). `load_draft_head(path, target)` reads a head directory, as its authors publish them or as
+"""Draft heads: small trained modules on the target's own hidden states that guess for it
+(eagle.py: one decoder layer predicting the next state; eagle3.py: one layer over states from inside the
+target, with its own output head; medusa.py: K heads each guessing one position further). `load_draft_head(path, target)` reads a head directory, as its authors publish them or as
 `python -m minispec.heads train` writes them; the head drafts as `generate(..., draft=head)`.
 """
 
@@ -14,9 +14,9 @@ from safetensors import SafetensorError, safe_open
 from ..loading import builtin
 from ..loading.checkpoint import check_shapes
 from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
-from . import eagle, medusa
+from . import eagle, eagle3, medusa
 
-KINDS = {"eagle": eagle, "medusa": medusa}
+KINDS = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa}
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
@@ -48,15 +48,15 @@ def is_head_dir(path):
 
 
 def kind_of(hf, directory):
-    """"medusa" or "eagle", from config.json (minispec's own field, else what the published configs hold)."""
+    """"medusa", "eagle" or "eagle3", from config.json (minispec's own field, else what the published
+    configs hold: EAGLE-3's name a draft vocabulary or an Eagle3 architecture)."""
     kind = hf.get("minispec_head")
     if kind is None:
-        kind = "medusa" if "medusa_num_heads" in hf else "eagle"
+        eagle3_config = "draft_vocab_size" in hf or "eagle3" in str(hf.get("architectures")).lower()
+        kind = "medusa" if "medusa_num_heads" in hf else "eagle3" if eagle3_config else "eagle"
     if kind not in KINDS:
         raise CheckpointError(f"{directory}/config.json: unknown head kind {kind!r} (minispec knows "
                               f"{', '.join(KINDS)})")
-    if kind == "eagle" and ("draft_vocab_size" in hf or "Eagle3" in str(hf.get("architectures"))):
-        raise CheckpointError(f"{directory}: an EAGLE-3 head; minispec loads EAGLE-1/2 and Medusa heads")
     return kind
 
 
@@ -66,6 +66,8 @@ def build(kind, hf, target, source):
         if kind == "eagle":
             config, bias = eagle.config_from_hf(hf, target, source)
             return eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)), config
+        if kind == "eagle3":
+            return eagle3.build(hf, target)
         n_heads, n_layers = medusa.config_from_hf(hf)
         return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target), n_heads
 
@@ -91,7 +93,7 @@ def load_draft_head(path, target):
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
     load_weights(head, directory, config, assign=True)
-    if kind == "eagle":
+    if kind != "medusa":
         eagle.check_draft_vocab(head, directory)
     head = head.to(target.device).eval().requires_grad_(False)
     identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())

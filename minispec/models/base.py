@@ -22,7 +22,8 @@ with its own length, which the caller holds:
 
 Draft heads (minispec/heads) read the target's last hidden state: `decode_rows(..., hidden=True)`
 returns (logits, hidden), computed by the same forward; `embed_tokens(tokens)` and `logits(hidden)` are
-the model's own token embedding and output head.
+the model's own token embedding and output head. An EAGLE-3 head reads states inside the model instead:
+`hidden=(i, j, ...)` returns the residual states entering those layers, side by side (Llama family).
 
 A family implements `setup_caches(batch_size, max_seq_len)`, `features(tokens, input_pos, layout, keys,
 last)`, `embed_tokens(tokens)`, `logits(hidden)` and the properties `context_length`, `vocab_size` and `head`;
@@ -198,12 +199,16 @@ class CachedLM(nn.Module):
     def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None, hidden=False, inputs=None):
         """float32 logits [batch, n, vocab] of the tokens (features' arguments), or of the last
         `logits_for` positions only; `hidden`: also their last hidden states [batch, n, dim], of every
-        position (draft heads read them), as a pair (logits, hidden). `inputs`: what a draft head reads
-        beside each token (heads/eagle.py: the target's hidden states); models take none."""
+        position (draft heads read them), as a pair (logits, hidden); `hidden` a tuple of layer indices:
+        instead of the last states, those entering these layers, concatenated [batch, n, layers x dim]
+        (EAGLE-3's features). `inputs`: what a draft head reads beside each token (heads/eagle.py: the
+        target's hidden states); models take none."""
         last = None if hidden else logits_for
-        x = self.features(tokens, input_pos, layout, keys, last, **({} if inputs is None else {"inputs": inputs}))
+        extra = ({} if inputs is None else {"inputs": inputs}) | ({"taps": hidden} if isinstance(hidden, tuple) else {})
+        x = self.features(tokens, input_pos, layout, keys, last, **extra)
+        x, states = x if isinstance(hidden, tuple) else (x, x)
         logits = self.logits(x if logits_for is None or not hidden else x[:, x.shape[1] - logits_for:])
-        return (logits, x) if hidden else logits
+        return (logits, states) if hidden else logits
 
     # --- the shared interface ---------------------------------------------------------------------
     def ensure_caches(self, batch_size, max_seq_len):
@@ -323,7 +328,8 @@ class CachedLM(nn.Module):
         keys and values in its slot, lengths[i] + j, and it attends to its ancestors only. A tree may
         continue one that earlier forwards wrote just before lengths[i]: then parents[i] lists that
         tree's nodes first, and the row's tokens are its last widths[i] (kernels.tree_layout).
-        `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads;
+        `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads (a tuple
+        of layer indices: the states entering those layers, as forward's);
         `inputs`: forward's, [rows, n, ...], padded as the tokens are."""
         rows, n = tokens.shape
         widths = [n] * rows if widths is None else widths

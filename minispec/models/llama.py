@@ -286,12 +286,17 @@ class Llama(CachedLM):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def features(self, tokens, input_pos, layout=None, keys=None, last=None):
-        x = self.blocks(self.tok_embeddings(tokens), input_pos, layout, keys)
-        return self.norm(x if last is None else x[:, x.shape[1] - last:])
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
+        """... and with `taps` (layer indices), also the residual states entering those layers, side by
+        side: what an EAGLE-3 head reads (CachedLM.forward)."""
+        tapped = []
+        x = self.blocks(self.tok_embeddings(tokens), input_pos, layout, keys, taps or (), tapped)
+        x = self.norm(x if last is None else x[:, x.shape[1] - last:])
+        return x if taps is None else (x, torch.cat(tapped, dim=-1))
 
-    def blocks(self, x, input_pos, layout, keys):
-        """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too)."""
+    def blocks(self, x, input_pos, layout, keys, taps=(), tapped=None):
+        """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
+        entering each layer listed in `taps` is appended to `tapped`."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
         causal = causal_mask(positions, keys or self.cache_max_seq_len)
         # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
@@ -301,7 +306,9 @@ class Llama(CachedLM):
         group = self.config.n_heads // self.config.n_kv_heads  # query heads per K/V head: rows of Attention's q
         masks = {w: padded_rows(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1))) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped.append(x)
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
         return x
 

@@ -1,0 +1,181 @@
+"""EAGLE-3 (Li, Wei, Zhang & Zhang, 2025): EAGLE's one-layer draft, reading states from inside the target.
+
+EAGLE-1 (eagle.py) predicts the target's last state, which the target's own output head turns into
+tokens. EAGLE-3 drops that constraint: it reads the residual states entering three of the target's
+layers (low, middle, high: layers 2, L/2 and L-3 of L by default), fuses them into one state, and
+guesses tokens through an output head of its own over a reduced draft vocabulary:
+
+    g_i      = fc([h_i^low, h_i^mid, h_i^high])                   the target's states, fused (3d -> d)
+    g'_{i+1} = g_i + Attn([norm(embed(x_{i+1})), norm(g_i)])      attention reads both, side by side
+               (+ the layer's MLP, as any Llama layer)
+    q_{i+2}  = softmax(lm_head(norm(g'_{i+1})))                   over the draft vocabulary only
+
+The next guess reads g' where the target's fused states would be (the head's own prediction, not
+fused again), as EAGLE-1's reads f̂. A draft token d is the target's token d + d2t[d].
+
+Checkpoints as their authors publish them (EAGLE's eagle/model/cnets.py; vLLM and SGLang read the same):
+config.json a one-layer Llama config with `draft_vocab_size` (and `target_hidden_size` where the head is
+narrower than its target, `eagle_aux_hidden_state_layer_ids` where it reads other layers); safetensors
+with fc.weight, midlayer.* (q/k/v read twice the width; hidden_norm beside input_layernorm), norm.weight,
+lm_head.weight, d2t and t2d (the boolean inverse of d2t, not needed here), and the head's own
+embed_tokens.weight when it is narrower than the target.
+"""
+
+import torch
+from torch import nn
+
+from ..models.base import CachedLM, Embedding, Linear, RMSNorm, compile_region
+from ..models.hf_config import COUNT, FLAG, TABLE, get
+from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
+from .eagle import EagleDrafter, EagleHead
+
+
+class Eagle3Block(TransformerBlock):
+    """EAGLE-3's layer: its input is [embedding, state] side by side; attention reads both, each
+    normed on its own (attention_norm is the embedding's, hidden_norm the state's); the residual
+    stream is the state alone."""
+
+    def __init__(self, config, norm_before_residual):
+        super().__init__(config, None)
+        self.hidden_norm = RMSNorm(config.dim, config.norm_eps)
+        attention = self.attention
+        attention.wqkv = Linear(2 * config.dim, (attention.n_heads + 2 * attention.n_kv_heads) * attention.head_dim,
+                                bias=config.qkv_bias)
+        # some trainers (NVIDIA's) add the normed state back, not the state: their config says so
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, x, input_pos, cos, sin, mask, layout):
+        state = x[..., x.shape[-1] // 2:]
+        if self.norm_before_residual:
+            state = self.hidden_norm(state)
+        x = state + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
+        return self.finish(x)
+
+    @compile_region
+    def project(self, x, cos, sin):
+        embedded, state = x.chunk(2, dim=-1)
+        both = torch.cat([self.attention_norm(embedded), self.hidden_norm(state)], dim=-1)
+        return self.attention.project(both, cos, sin)
+
+
+class Eagle3Head(EagleHead):
+    """An EAGLE-3 draft: fc over the target's tapped states, one Eagle3Block, its own norm and output
+    head over `draft_vocab` (target token ids; None: the whole vocabulary, in order)."""
+
+    kind = "eagle3"
+
+    def __init__(self, config, target, taps, draft_vocab_size, norm_before_residual):
+        CachedLM.__init__(self)
+        self.config, self.taps = config, taps
+        self.fc = Linear(len(taps) * target.hidden_size, config.dim, bias=False)
+        self.layers = nn.ModuleList([Eagle3Block(config, norm_before_residual)])
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = Linear(config.dim, draft_vocab_size, bias=False)
+        # a head as wide as its target embeds with the target's own table (the copy it may carry is
+        # dropped); a narrower one brings its own
+        self.embedding = Embedding(config.vocab_size, config.dim) if config.dim != target.hidden_size else None
+        self.__dict__["target"] = target
+        self.register_buffer("draft_vocab", None if draft_vocab_size == target.vocab_size else
+                             torch.zeros(draft_vocab_size, dtype=torch.long))
+
+    def embed_tokens(self, tokens):
+        return self.target.embed_tokens(tokens) if self.embedding is None else self.embedding(tokens)
+
+    def logits(self, hidden):
+        drafted = self.lm_head(self.norm(hidden)).float()
+        if self.draft_vocab is None:
+            return drafted
+        logits = drafted.new_full((*drafted.shape[:-1], self.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.draft_vocab, drafted)
+
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None, inputs=None):
+        """The head's states after the pairs (inputs[:, j], tokens[:, j]): inputs are fused target
+        states (fuse) or the head's own earlier ones. Without inputs (the policy timing a guess) zeros
+        stand in: the same work."""
+        embedded = self.embed_tokens(tokens).to(self.dtype)
+        inputs = torch.zeros_like(embedded) if inputs is None else inputs.to(self.dtype)
+        x = self.blocks(torch.cat([embedded, inputs], dim=-1), input_pos, layout, keys)
+        return x if last is None else x[:, x.shape[1] - last:]
+
+    def fuse(self, states):
+        """The target's tapped states [..., taps x target dim] -> the head's input [..., dim]."""
+        return self.fc(states.to(self.dtype))
+
+    def drafter(self):
+        return Eagle3Drafter(self)
+
+
+class Eagle3Drafter(EagleDrafter):
+    """EagleDrafter's loop; the target's forwards return the states entering the head's tapped layers,
+    fused as they arrive."""
+
+    name = "eagle3"
+
+    def __init__(self, head):
+        super().__init__(head)
+        self.reads_states = head.taps  # what the target's forwards return beside their logits
+
+    def accept(self, tokens, tokens_on_device, seen=None):
+        fed, states = seen
+        super().accept(tokens, tokens_on_device, (fed, self.model.fuse(states)))
+
+
+def default_taps(n_layers):
+    """The layers whose entering states EAGLE-3 reads when its config names none: 2, L/2 and L-3 (its
+    authors' choice, vLLM's and SGLang's default)."""
+    return tuple(sorted({2, n_layers // 2, n_layers - 3}))
+
+
+def taps_from_hf(hf, target):
+    """The target layers the head reads, in order; a ValueError where the target cannot give them."""
+    n_layers = len(target.layers)
+    nested = get(hf, "eagle_config", TABLE, {})
+    ids = hf.get("eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids"))
+    if ids is None:
+        taps = default_taps(n_layers)
+        if len(taps) != 3 or not all(0 <= i < n_layers for i in taps):
+            raise ValueError(f"EAGLE-3 reads the states entering layers 2, L/2 and L-3, which are not three "
+                             f"layers of {target.name}'s {n_layers}: name them in eagle_aux_hidden_state_layer_ids")
+        return taps
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            and len(set(ids)) == len(ids) and all(0 <= i < n_layers for i in ids)):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be distinct layer indices of {target.name} "
+                         f"(0..{n_layers - 1}), got {ids!r}")
+    return tuple(sorted(ids))
+
+
+def build(hf, target):
+    """The head for config.json `hf` (on the current device: the loader builds it on meta), and what
+    convert_weights needs; a ValueError where it cannot draft for `target`."""
+    if not isinstance(target, Llama):
+        raise ValueError(f"an EAGLE-3 head reads states inside a Llama-family target; {target.name} is not one")
+    config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's ({target.vocab_size})")
+    wide = get(hf, "target_hidden_size", COUNT, config.dim)
+    if wide != target.hidden_size:
+        raise ValueError(f"an EAGLE-3 head for hidden states of {wide} cannot draft for {target.name}, whose "
+                         f"hidden states have {target.hidden_size}")
+    size = get(hf, "draft_vocab_size", COUNT, target.vocab_size)
+    if size > target.vocab_size:
+        raise ValueError(f"draft_vocab_size {size} is more than the target's {target.vocab_size} tokens")
+    head = Eagle3Head(config, target, taps_from_hf(hf, target), size, get(hf, "norm_before_residual", FLAG, False))
+    return head, (config, head.embedding is not None)
+
+
+def convert_weights(weights, settings):
+    """Published names -> ours: midlayer.* as a Llama layer 0 (fused q/k/v and gate/up; hidden_norm kept);
+    d2t's offsets as the target ids of the draft tokens; t2d dropped; the embedding kept only where the
+    head has its own."""
+    config, own_embedding = settings
+    weights = {name.removeprefix("model."): tensor for name, tensor in weights.items() if name != "t2d"}
+    layer = {name.replace("midlayer.", "layers.0.", 1): weights.pop(name) for name in list(weights)
+             if name.startswith("midlayer.")}
+    out = {**convert_hf_weights(layer, config), **weights}
+    embedding = out.pop("embed_tokens.weight", None)
+    if own_embedding and embedding is not None:
+        out["embedding.weight"] = embedding
+    offsets = out.pop("d2t", None)
+    if offsets is not None and len(offsets) != config.vocab_size:  # the whole vocabulary: no mapping (EAGLE's own)
+        out["draft_vocab"] = torch.arange(len(offsets)) + offsets.long()
+    return out
