@@ -180,7 +180,8 @@ def eagle3_reference(weights, config, embedded, fused):
         return x * angles.cos() + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * angles.sin()
     k, v = (t.repeat_interleave(heads // kv, dim=1) for t in (rope(k), v))
     attended = F.scaled_dot_product_attention(rope(q), k, v, is_causal=True).transpose(1, 2).reshape(1, n, -1)
-    x = fused + F.linear(attended, w("self_attn.o_proj"))
+    residual = norm(fused, "midlayer.hidden_norm.weight") if config.get("norm_before_residual") else fused
+    x = residual + F.linear(attended, w("self_attn.o_proj"))
     h = norm(x, "midlayer.post_attention_layernorm.weight")
     x = x + F.linear(F.silu(F.linear(h, w("mlp.gate_proj"))) * F.linear(h, w("mlp.up_proj")), w("mlp.down_proj"))
     drafted = F.linear(norm(x, "norm.weight"), weights["lm_head.weight"])
@@ -200,16 +201,21 @@ def deep_target(tmp_path_factory):
     return reference, save_reference(reference, tmp_path_factory.mktemp("deep"))
 
 
-@pytest.mark.parametrize("narrow", [False, True], ids=["as wide as the target", "narrower, own embedding"])
-def test_published_eagle3_layout_drafts_as_a_straightforward_reimplementation(deep_target, tmp_path, narrow):
+@pytest.mark.parametrize("variant", ["as wide as the target", "narrower, own embedding", "norm before residual"])
+def test_published_eagle3_layout_drafts_as_a_straightforward_reimplementation(deep_target, tmp_path, variant):
     """An EAGLE-3 head in its authors' layout: the target's states entering layers 2, L/2 and L-3 are the
     reference's hidden_states there; fused by fc, paired with the next token's embedding (the target's,
-    or the narrower head's own), through EAGLE-3's layer, its logits those of the math written out."""
+    or the narrower head's own), through EAGLE-3's layer (whose residual is the normed state where the
+    config says norm_before_residual), its logits those of the math written out."""
+    narrow = variant == "narrower, own embedding"
     reference, directory = deep_target
     target = minispec.load(directory)
     hf = json.loads((directory / "config.json").read_text())
     ids = list(range(1, 64, 3))
     head_dir, weights, config = write_eagle3(tmp_path / "eagle3", hf, draft_vocab=ids, dim=16 if narrow else None)
+    if variant == "norm before residual":
+        config["norm_before_residual"] = True
+        (head_dir / "config.json").write_text(json.dumps(config))
     head = minispec.load_draft_head(head_dir, target)
     assert head.taps == (2, 4, 5) and head.draft_vocab.tolist() == ids
     tokens = torch.tensor([PROMPT + [40, 41, 42]])
