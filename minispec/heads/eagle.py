@@ -69,9 +69,12 @@ class EagleHead(Llama):
     def logits(self, hidden):
         if self.draft_vocab is None:
             return self.target.logits(hidden)
-        reduced = self.reduced_head()(hidden).float()
-        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.draft_vocab, reduced)
+        return self.spread(self.reduced_head()(hidden).float())
+
+    def spread(self, drafted):
+        """Logits over the draft vocabulary [..., N] -> over the target's, -inf outside it."""
+        logits = drafted.new_full((*drafted.shape[:-1], self.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.draft_vocab, drafted)
 
     def reduced_head(self):
         """A Linear holding the draft vocabulary's rows of the target's output head, as the target
@@ -91,8 +94,11 @@ class EagleHead(Llama):
         policy timing a guess) zeros stand in: the same work."""
         embedded = self.embed_tokens(tokens).to(self.dtype)
         inputs = torch.zeros_like(embedded) if inputs is None else inputs.to(self.dtype)
-        x = self.blocks(self.fc(torch.cat([embedded, inputs], dim=-1)), input_pos, layout, keys)
+        x = self.blocks(self.layer_input(embedded, inputs), input_pos, layout, keys)
         return x if last is None else x[:, x.shape[1] - last:]
+
+    def layer_input(self, embedded, states):
+        return self.fc(torch.cat([embedded, states], dim=-1))
 
     def drafter(self):
         return EagleDrafter(self)

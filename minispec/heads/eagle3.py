@@ -83,19 +83,12 @@ class Eagle3Head(EagleHead):
 
     def logits(self, hidden):
         drafted = self.lm_head(self.norm(hidden)).float()
-        if self.draft_vocab is None:
-            return drafted
-        logits = drafted.new_full((*drafted.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.draft_vocab, drafted)
+        return drafted if self.draft_vocab is None else self.spread(drafted)
 
-    def features(self, tokens, input_pos, layout=None, keys=None, last=None, inputs=None):
-        """The head's states after the pairs (inputs[:, j], tokens[:, j]): inputs are fused target
-        states (fuse) or the head's own earlier ones. Without inputs (the policy timing a guess) zeros
-        stand in: the same work."""
-        embedded = self.embed_tokens(tokens).to(self.dtype)
-        inputs = torch.zeros_like(embedded) if inputs is None else inputs.to(self.dtype)
-        x = self.blocks(torch.cat([embedded, inputs], dim=-1), input_pos, layout, keys)
-        return x if last is None else x[:, x.shape[1] - last:]
+    def layer_input(self, embedded, states):
+        """[embedding, state] side by side, as they are (Eagle3Block norms each): states are fused
+        target states (fuse) or the head's own earlier ones."""
+        return torch.cat([embedded, states], dim=-1)
 
     def fuse(self, states):
         """The target's tapped states [..., taps x target dim] -> the head's input [..., dim]."""
