@@ -628,11 +628,14 @@ def test_bad_head_folders_are_named(reference_dirs, tmp_path):
     (eagle3_dir / "config.json").write_text(json.dumps({**eagle3_config, "eagle_aux_hidden_state_layer_ids": [0]}))
     with pytest.raises(minispec.CheckpointError, match=r"fc.weight.*shape"):  # its fc reads 3 layers, not 1
         minispec.load_draft_head(eagle3_dir, target)
+    eagle3_bad, _, _ = write_eagle3(tmp_path / "eagle3_bad", hf, layer_ids=[0, 1], draft_vocab=[3, 5, 5])
+    with pytest.raises(minispec.CheckpointError, match=r"d2t \(EAGLE-3's offsets to target ids\) must give distinct"):
+        minispec.load_draft_head(eagle3_bad, target)
     gpt2 = minispec.load(reference_dirs["gpt2"][1])
     with pytest.raises(minispec.CheckpointError, match="reads states inside a Llama-family target"):
         minispec.load_draft_head(eagle3_dir, gpt2)
     repeated = reduce_vocab(eagle_dir, tmp_path / "repeated", [1, 2, 2])
-    with pytest.raises(minispec.CheckpointError, match="draft_vocab must hold distinct token ids"):
+    with pytest.raises(minispec.CheckpointError, match="draft_vocab must give distinct token ids"):
         minispec.load_draft_head(repeated, target)
     too_many = reduce_vocab(eagle_dir, tmp_path / "too_many", [1, 2])
     (too_many / "config.json").write_text(json.dumps({**config, "minispec_draft_vocab": 10**6}))

@@ -151,7 +151,8 @@ def check_draft_vocab(head, source):
     """A CheckpointError when the loaded draft vocabulary is not distinct target token ids."""
     ids = head.draft_vocab
     if ids is not None and (ids.min() < 0 or ids.max() >= head.vocab_size or len(ids.unique()) != len(ids)):
-        raise CheckpointError(f"{source}: draft_vocab must hold distinct token ids below {head.vocab_size}")
+        stored = "d2t (EAGLE-3's offsets to target ids)" if head.kind == "eagle3" else "draft_vocab"
+        raise CheckpointError(f"{source}: {stored} must give distinct token ids below {head.vocab_size}")
 
 
 def convert_weights(weights, config):
