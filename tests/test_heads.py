@@ -569,6 +569,46 @@ def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
     assert reduced.draft_vocab.tolist() == sorted(sorted(said, key=lambda t: (-said[t], t))[:8])
 
 
+def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_dirs, tmp_path):
+    """`train --kind eagle3`: the head reads the inputs of the target's layers (both of a 2-layer
+    target's), learns (acceptance on unseen prompts above the untrained head's), is written in EAGLE-3's
+    published layout (midlayer.*, d2t, t2d, draft_vocab_size and the layers in config.json) and drafts
+    exactly; a target outside the Llama family is refused before answering."""
+    from minispec.heads import train
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    torch.manual_seed(0)
+    target = minispec.load(save_reference(spread_init(transformers.LlamaForCausalLM(config).eval(), 0, gain=1.0),
+                                          tmp_path / "target"))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(64)]
+    unseen = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(16)]
+
+    def acceptance(head):
+        out = minispec.generate(target, unseen, draft=head, gamma=3, max_new_tokens=48)
+        return sum(o.stats["accepted"] for o in out) / sum(o.stats["proposed"] for o in out)
+
+    settings = dict(max_new_tokens=48, chat=False, lr=3e-3, draft_vocab=48)
+    untrained = train.train(target, tmp_path / "head", "eagle3", prompts, epochs=0, **settings)
+    train.train(target, tmp_path / "head", "eagle3", prompts, epochs=20, **settings)
+    trained = minispec.load_draft_head(tmp_path / "head", target)
+    before, after = acceptance(untrained), acceptance(trained)
+    print(f"acceptance {before:.3f} untrained, {after:.3f} trained")
+    assert type(trained).__name__ == "Eagle3Head" and trained.taps == (0, 1) and after > before + 0.05
+    hf = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert hf["draft_vocab_size"] == 48 and hf["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    weights = load_file(tmp_path / "head" / "model.safetensors")
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.gate_proj.weight"} <= set(weights)
+    assert torch.equal(torch.arange(48) + weights["d2t"], trained.draft_vocab) and weights["t2d"].sum() == 48
+    plain = minispec.generate(target, unseen, max_new_tokens=48)
+    drafted = minispec.generate(target, unseen, draft=trained, gamma=3, max_new_tokens=48)
+    assert [o.tokens for o in drafted] == [o.tokens for o in plain]
+    with pytest.raises(ValueError, match="Llama-family target"):
+        train.train(minispec.load(reference_dirs["gpt2"][1]), tmp_path / "gpt2", "eagle3", prompts)
+
+
 @pytest.mark.parametrize("setting, message", [
     (dict(epochs=-1), "epochs must be an integer >= 0"), (dict(lr=float("nan")), "lr must be a number > 0"),
     (dict(lr=0.0), "lr must be a number > 0"), (dict(kind="medusa", heads=0), "heads >= 1"),

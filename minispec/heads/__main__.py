@@ -1,4 +1,4 @@
-"""python -m minispec.heads train --target T --out DIR [--kind eagle|medusa] [--prompts FILE] ...
+"""python -m minispec.heads train --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
 
 Trains a draft head for a target by self-distillation (heads/train.py) and writes it into DIR, where
 `--draft DIR` and `minispec.load_draft_head(DIR, target)` find it. Run again to resume."""
@@ -22,13 +22,13 @@ def parse_args(argv):
     command.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     command.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     command.add_argument("--out", required=True, help="the head's folder (made if missing)")
-    command.add_argument("--kind", choices=("eagle", "medusa"), default="eagle")
+    command.add_argument("--kind", choices=("eagle", "eagle3", "medusa"), default="eagle")
     command.add_argument("--prompts", help="a file of prompts, one per line (default: minispec's own set)")
     command.add_argument("--epochs", type=int, default=EPOCHS)
     command.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     command.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
     command.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
-                         help="EAGLE: the head guesses among the target's N most said tokens (0: all)")
+                         help="EAGLE, EAGLE-3: the head guesses among the target's N most said tokens (0: all)")
     command.add_argument("--lr", type=float, default=2e-3)
     command.add_argument("--no-chat", action="store_true", help="answer the prompts as raw text, not chat turns")
     return parser.parse_args(argv)

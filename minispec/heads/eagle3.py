@@ -27,6 +27,7 @@ from torch import nn
 from ..models.base import CachedLM, Embedding, Linear, RMSNorm, compile_region
 from ..models.hf_config import COUNT, FLAG, TABLE, get
 from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
+from . import eagle
 from .eagle import EagleDrafter, EagleHead
 
 
@@ -119,6 +120,15 @@ def default_taps(n_layers):
     return tuple(sorted({2, n_layers // 2, n_layers - 3}))
 
 
+def training_taps(n_layers):
+    """The layers a head trained here reads: EAGLE-3's default, or on targets too shallow for it the
+    first, middle and last layers' inputs that exist."""
+    taps = default_taps(n_layers)
+    if len(taps) == 3 and all(0 <= i < n_layers for i in taps):
+        return taps
+    return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
+
+
 def taps_from_hf(hf, target):
     """The target layers the head reads, in order; a ValueError where the target cannot give them."""
     n_layers = len(target.layers)
@@ -137,11 +147,15 @@ def taps_from_hf(hf, target):
     return tuple(sorted(ids))
 
 
+def check_target(target):
+    if not isinstance(target, Llama):
+        raise ValueError(f"an EAGLE-3 head reads states inside a Llama-family target; {target.name} is not one")
+
+
 def build(hf, target):
     """The head for config.json `hf` (on the current device: the loader builds it on meta), and what
     convert_weights needs; a ValueError where it cannot draft for `target`."""
-    if not isinstance(target, Llama):
-        raise ValueError(f"an EAGLE-3 head reads states inside a Llama-family target; {target.name} is not one")
+    check_target(target)
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's ({target.vocab_size})")
@@ -160,7 +174,9 @@ def convert_weights(weights, settings):
     """Published names -> ours: midlayer.* as a Llama layer 0 (fused q/k/v and gate/up; hidden_norm kept);
     d2t's offsets as the target ids of the draft tokens; t2d dropped; the embedding kept only where the
     head has its own."""
-    config, own_embedding = settings
+    # build's (config, whether the head embeds on its own); a head trained here (train.resume) passes
+    # its config alone: it is as wide as its target
+    config, own_embedding = settings if isinstance(settings, tuple) else (settings, False)
     weights = {name.removeprefix("model."): tensor for name, tensor in weights.items() if name != "t2d"}
     layer = {name.replace("midlayer.", "layers.0.", 1): weights.pop(name) for name in list(weights)
              if name.startswith("midlayer.")}
@@ -171,4 +187,16 @@ def convert_weights(weights, settings):
     offsets = out.pop("d2t", None)
     if offsets is not None and len(offsets) != config.vocab_size:  # the whole vocabulary: no mapping (EAGLE's own)
         out["draft_vocab"] = torch.arange(len(offsets)) + offsets.long()
+    return out
+
+
+def published(head):
+    """Our tensors under the published names (convert_weights' inverse): what train.py saves."""
+    out = {}
+    for name, tensor in eagle.published(head).items():
+        if name == "draft_vocab":
+            out["d2t"] = tensor - torch.arange(len(tensor), device=tensor.device)
+            out["t2d"] = torch.zeros(head.vocab_size, dtype=torch.bool).index_fill_(0, tensor.cpu(), True)
+        elif name != "embedding.weight":
+            out[name.replace("layers.0.", "midlayer.", 1)] = tensor
     return out

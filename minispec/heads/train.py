@@ -7,6 +7,9 @@ does next from them, with the losses of its paper:
             teaches the head to draft on from its own, imperfect, predicted states
     Medusa: head j at position i: CE(softmax(target.logits(f_{i+1+j})), head_j(f_i))
             (Medusa-1 with self-distillation: the target's own distribution as the label)
+    EAGLE-3: CE(softmax(target.logits(f_{i+1})), head.logits(g'_{i+1})) over pairs (fc(h_i), x_{i+1}),
+            h_i the states entering three of the target's layers (EAGLE-3: no state to regress to,
+            the head's own output head; the first guess only, without its training-time test)
 
 Only positions inside the answers are learnt. Everything lives in the output folder and a run resumes
 where an interrupted one stopped: the head (config.json, model.safetensors) after every epoch, and in
@@ -29,7 +32,7 @@ from ..api import generate, prompt_tensor
 from ..loading.chat import chat_prompt
 from ..loading.weights import save_safetensors
 from ..models.llama import LlamaConfig
-from . import eagle, load_weights, medusa, replace_whole, save_draft_head
+from . import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
 
 # What the target answers when no prompts file is given: templates over subjects, none of them the
 # subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
@@ -112,14 +115,20 @@ def load_data(file):
 
 
 @torch.no_grad()
-def record(target, sequences):
+def record(target, sequences, taps=None):
     """The target's last hidden state at every position of every sequence [length, dim], and the
     logsumexp of its logits there [length] (with it, p on a few tokens needs only their rows of the
-    head: the whole head is most of a training step's work otherwise)."""
+    head: the whole head is most of a training step's work otherwise). taps (an EAGLE-3 head's layers):
+    the states entering them come first, [length, taps x dim + dim]."""
     records, started = [], time.perf_counter()
     for i, (tokens, _) in enumerate(sequences):
         target.ensure_caches(1, len(tokens))
-        logits, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], eager=True, hidden=True)
+        # with taps, the last layer's output comes as a tap too, and the state is its norm (as features')
+        hidden = True if taps is None else (*taps, len(target.layers))
+        logits, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], eager=True, hidden=hidden)
+        if taps is not None:
+            tapped, last = states[0].split([len(taps) * target.hidden_size, target.hidden_size], -1)
+            states = torch.cat([tapped, target.norm(last)], -1)[None]
         records.append((states[0].float(), logits[0].float().logsumexp(-1)))
         progress(i + 1, len(sequences), started, "recording the target's states")
     return records
@@ -230,6 +239,25 @@ def eagle_loss(head, tokens, states, lse, mask, generator, noise=PAIR_NOISE):
     return regression.mean() + 0.1 * classification.mean(), accuracy
 
 
+def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None):
+    """EAGLE-3's loss for the first guess: the head's q against the target's p at the answer's next
+    position, over pairs (fc(tapped states at i), x_{i+1}); states: the tapped states, then the last
+    state (record). Accuracy as eagle_loss's."""
+    tapped, last = states.split([states.shape[-1] - head.config.dim, head.config.dim], -1)
+    inputs, pair_tokens = F.pad(head.fuse(tapped[:, :-1]), (0, 0, 0, 1)), F.pad(tokens[:, 1:], (0, 1))
+    width = inputs.shape[1]  # a whole number of key blocks again: one pad pair at the end
+    predicted = head.features(pair_tokens, torch.arange(width), keys=width, inputs=inputs)[:, :-1]
+    keep = mask[:, 1:]
+    chosen = F.pad(tokens[:, 2:], (0, 1))[keep]
+    scored = F.pad(mask[:, 2:], (0, 1))[keep]
+    with torch.no_grad():
+        p = (output_head(head.target, last[:, 1:][keep], head.draft_vocab) - lse[:, 1:][keep][:, None]).exp()
+    logits = head.lm_head(head.norm(predicted[keep])).float()
+    said = logits.detach().argmax(-1)
+    said = said if head.draft_vocab is None else head.draft_vocab[said]
+    return soft_cross_entropy(logits, p).mean(), (said == chosen)[scored].float().mean()
+
+
 def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
     """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j
     (on the states as they are: no noise)."""
@@ -250,8 +278,9 @@ def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
 def new_head(kind, target, heads, draft_vocab=None):
     """A fresh head for `target` and its config.json: an EAGLE layer starts as the target's last layer
     (a Llama target's) and fc as the identity on the state, its q on the token ids `draft_vocab` (None:
-    all); Medusa heads start as Medusa's do (each ResBlock the identity, each head the target's own
-    output head)."""
+    all); an EAGLE-3 head likewise (fc the identity on its highest tap, its norm and output head the
+    target's own, on the draft vocabulary's rows); Medusa heads start as Medusa's do (each ResBlock the
+    identity, each head the target's own output head)."""
     width = target.hidden_size
     if kind == "medusa":
         module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
@@ -270,6 +299,8 @@ def new_head(kind, target, heads, draft_vocab=None):
           "rms_norm_eps": like.norm_eps if like else 1e-6, "rope_theta": like.rope_theta if like else 10000.0,
           "max_position_embeddings": 1 << 16, "vocab_size": target.vocab_size, "num_hidden_layers": 1,
           "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True}
+    if kind == "eagle3":
+        return new_eagle3(target, hf, draft_vocab)
     if draft_vocab is not None:
         hf["minispec_draft_vocab"] = len(draft_vocab)
     config, bias = eagle.config_from_hf(hf, target, "the new head")
@@ -292,6 +323,32 @@ def new_head(kind, target, heads, draft_vocab=None):
     return module, hf
 
 
+def new_eagle3(target, hf, draft_vocab):
+    """new_head's EAGLE-3 head (a Llama target's), in EAGLE-3's published layout."""
+    taps = eagle3.training_taps(len(target.layers))
+    hf = {**{k: v for k, v in hf.items() if k != "bias"}, "architectures": ["LlamaForCausalLMEagle3"],
+          "draft_vocab_size": target.vocab_size if draft_vocab is None else len(draft_vocab),
+          "eagle_aux_hidden_state_layer_ids": list(taps), "tie_word_embeddings": False}
+    module, _ = eagle3.build(hf, target)
+    module = module.to(target.dtype)
+    width, last, block = target.hidden_size, target.layers[-1], module.layers[0]
+    with torch.no_grad():
+        if draft_vocab is not None:
+            module.draft_vocab.copy_(draft_vocab)
+        block.load_state_dict({k: v for k, v in last.state_dict().items() if "wqkv" not in k}, strict=False)
+        block.hidden_norm.weight.copy_(last.attention_norm.weight)
+        # q/k/v read [embedding, state]: the last layer's own on each half, halved
+        block.attention.wqkv.weight.copy_(torch.cat([last.attention.wqkv.weight] * 2, dim=1) / 2)
+        block.attention.wo.weight.zero_()  # the head starts as its highest tap, as EAGLE's starts as f_i
+        block.feed_forward.w2.weight.zero_()
+        module.fc.weight.zero_()
+        module.fc.weight[:, -width:].copy_(torch.eye(width))
+        module.norm.weight.copy_(target.norm.weight)
+        rows = target.logits(torch.eye(width, dtype=target.dtype, device=target.device)).T
+        module.lm_head.weight.copy_(rows if draft_vocab is None else rows[draft_vocab])
+    return module, hf
+
+
 def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
@@ -311,12 +368,13 @@ def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens
         sequences = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
                            chat and target.tokenizer is not None and target.tokenizer.chat_template is not None)
         replace_whole(data_file, lambda file: save_data(sequences, file))
-    records = record(target, sequences)
-    reduced = kind == "eagle" and 0 < draft_vocab < target.vocab_size
+    taps = eagle3.training_taps(len(target.layers)) if kind == "eagle3" else None
+    records = record(target, sequences, taps)
+    reduced = kind != "medusa" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
-    loss_of = eagle_loss if kind == "eagle" else medusa_loss
+    loss_of = {"eagle": eagle_loss, "eagle3": eagle3_loss, "medusa": medusa_loss}[kind]
     longest = max(len(s) for s, _ in sequences) + 32
     held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
     learn = sorted(set(range(len(sequences))) - set(held))
@@ -367,6 +425,10 @@ def check_settings(target, kind, epochs, lr, heads, draft_vocab):
         raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if kind not in ("eagle", "eagle3", "medusa"):
+        raise ValueError(f"kind must be eagle, eagle3 or medusa, got {kind!r}")
+    if kind == "eagle3":
+        eagle3.check_target(target)
     if kind == "medusa" and not (isinstance(heads, int) and heads >= 1):
         raise ValueError(f"a Medusa head needs heads >= 1, got {heads!r}")
     if draft_vocab < 0:

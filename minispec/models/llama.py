@@ -296,7 +296,7 @@ class Llama(CachedLM):
 
     def blocks(self, x, input_pos, layout, keys, taps=(), tapped=None):
         """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
-        entering each layer listed in `taps` is appended to `tapped`."""
+        entering each layer listed in `taps` is appended to `tapped` (index n_layers: the last one's output)."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
         causal = causal_mask(positions, keys or self.cache_max_seq_len)
         # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
@@ -310,6 +310,8 @@ class Llama(CachedLM):
             if i in taps:
                 tapped.append(x)
             x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
+        if len(self.layers) in taps:  # the last layer's output (training an EAGLE-3 head reads it too)
+            tapped.append(x)
         return x
 
     def embed_tokens(self, tokens):
