@@ -529,19 +529,16 @@ def test_an_eagle_head_keeps_the_pairs_of_a_step_that_drafted_nothing(gqa_heads)
         assert drafter.length == len(PROMPT) + 1  # a pair per token the target has seen, the last t's
 
 
-def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
-    """`train` on a tiny target's own answers, in seconds: the head's greedy guesses are accepted more
-    often on prompts it never saw than the untrained head's (which starts as heads/train.py's new_head);
-    an interrupted run resumes (the epochs done are kept), and the folder loads as a head."""
-    from minispec.heads import train
-
-    # two layers over 64 tokens: a target whose next state is not mostly its last (over 16 tokens and one
-    # layer the answers repeat their tokens, and the untrained head, f̂ = f, is already right 84% of the time)
+def tiny_training_target(directory):
+    """A target to train heads on in seconds, 64 prompts to answer, 16 others, and a head's acceptance
+    on those (greedy, gamma 3, 48 tokens): two layers over 64 tokens, whose next state is not mostly its
+    last (over 16 tokens and one layer the answers repeat their tokens, and the untrained EAGLE head,
+    f̂ = f, is already right 84% of the time)."""
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
     torch.manual_seed(0)
     target = minispec.load(save_reference(spread_init(transformers.LlamaForCausalLM(config).eval(), 0, gain=1.0),
-                                          tmp_path / "target"))
+                                          directory))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(64)]
     unseen = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(16)]
@@ -549,6 +546,16 @@ def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
     def acceptance(head):
         out = minispec.generate(target, unseen, draft=head, gamma=3, max_new_tokens=48)
         return sum(o.stats["accepted"] for o in out) / sum(o.stats["proposed"] for o in out)
+    return target, prompts, unseen, acceptance
+
+
+def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
+    """`train` on a tiny target's own answers, in seconds: the head's greedy guesses are accepted more
+    often on prompts it never saw than the untrained head's (which starts as heads/train.py's new_head);
+    an interrupted run resumes (the epochs done are kept), and the folder loads as a head."""
+    from minispec.heads import train
+
+    target, prompts, _, acceptance = tiny_training_target(tmp_path / "target")
 
     settings = dict(max_new_tokens=48, chat=False, lr=3e-3)
     untrained = train.train(target, tmp_path / "head", "eagle", prompts, epochs=0, **settings)
@@ -576,18 +583,7 @@ def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_
     exactly; a target outside the Llama family is refused before answering."""
     from minispec.heads import train
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    torch.manual_seed(0)
-    target = minispec.load(save_reference(spread_init(transformers.LlamaForCausalLM(config).eval(), 0, gain=1.0),
-                                          tmp_path / "target"))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(64)]
-    unseen = [torch.randint(3, 64, (5,), generator=g).tolist() for _ in range(16)]
-
-    def acceptance(head):
-        out = minispec.generate(target, unseen, draft=head, gamma=3, max_new_tokens=48)
-        return sum(o.stats["accepted"] for o in out) / sum(o.stats["proposed"] for o in out)
+    target, prompts, unseen, acceptance = tiny_training_target(tmp_path / "target")
 
     settings = dict(max_new_tokens=48, chat=False, lr=3e-3, draft_vocab=48)
     untrained = train.train(target, tmp_path / "head", "eagle3", prompts, epochs=0, **settings)
