@@ -678,8 +678,9 @@ def test_bad_head_folders_are_named(reference_dirs, tmp_path):
     with pytest.raises(minispec.CheckpointError, match="minispec_draft_vocab must be a token count"):
         minispec.load_draft_head(too_many, target)
     other = minispec.load(reference_dirs["llama"][1])  # hidden size 32, not 64
-    with pytest.raises(minispec.CheckpointError, match="hidden_size 64 cannot draft"):
+    with pytest.raises(minispec.CheckpointError, match="hidden_size 64 cannot draft") as refused:
         minispec.load_draft_head(eagle_dir, other)
+    assert str(refused.value).count(str(eagle_dir)) == 1  # the folder named once
     head = minispec.load_draft_head(eagle_dir, target)
     with pytest.raises(ValueError, match="loaded for"):
         minispec.generate(minispec.load(directory), PROMPT, draft=head)

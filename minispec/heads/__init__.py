@@ -60,11 +60,11 @@ def kind_of(hf, directory):
     return kind
 
 
-def build(kind, hf, target, source):
+def build(kind, hf, target):
     """The head module for config.json `hf`, on the meta device (shapes only)."""
     with torch.device("meta"):
         if kind == "eagle":
-            config, bias = eagle.config_from_hf(hf, target, source)
+            config, bias = eagle.config_from_hf(hf, target)
             return eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)), config
         if kind == "eagle3":
             return eagle3.build(hf, target)
@@ -89,7 +89,7 @@ def load_draft_head(path, target):
                 "safetensors only. Convert it once where you trust it: python -c \"import torch, safetensors.torch "
                 f"as s; s.save_file(torch.load('{pickles[0]}'), 'model.safetensors')\"")
     try:
-        head, config = build(kind, hf, target, directory)
+        head, config = build(kind, hf, target)
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
     load_weights(head, directory, config, assign=True)

@@ -126,14 +126,15 @@ class EagleDrafter(ModelDrafter):
         self.next_logits = None
 
 
-def config_from_hf(hf, target, source):
-    """The head's LlamaConfig and fc's bias, checked against the target it drafts for."""
+def config_from_hf(hf, target):
+    """The head's LlamaConfig and fc's bias, checked against the target it drafts for (a ValueError,
+    which the loader prefixes with the folder)."""
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
     if config.dim != target.hidden_size:
-        raise ValueError(f"{source}: an EAGLE head of hidden_size {config.dim} cannot draft for "
+        raise ValueError(f"an EAGLE head of hidden_size {config.dim} cannot draft for "
                          f"{target.name}, whose hidden states have {target.hidden_size}")
     if config.vocab_size != target.vocab_size:
-        raise ValueError(f"{source}: the head's vocab_size {config.vocab_size} is not the target's "
+        raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's "
                          f"({target.vocab_size})")
     return config, get(hf, "bias", FLAG, True)
 

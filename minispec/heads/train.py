@@ -303,7 +303,7 @@ def new_head(kind, target, heads, draft_vocab=None):
         return new_eagle3(target, hf, draft_vocab)
     if draft_vocab is not None:
         hf["minispec_draft_vocab"] = len(draft_vocab)
-    config, bias = eagle.config_from_hf(hf, target, "the new head")
+    config, bias = eagle.config_from_hf(hf, target)
     module = eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)).to(target.dtype)
     with torch.no_grad():
         if draft_vocab is not None:
