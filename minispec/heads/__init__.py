@@ -65,11 +65,11 @@ def build(kind, hf, target):
     with torch.device("meta"):
         if kind == "eagle":
             config, bias = eagle.config_from_hf(hf, target)
-            return eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)), config
+            return eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target))
         if kind == "eagle3":
             return eagle3.build(hf, target)
         n_heads, n_layers = medusa.config_from_hf(hf)
-        return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target), n_heads
+        return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target)
 
 
 def load_draft_head(path, target):
@@ -89,10 +89,10 @@ def load_draft_head(path, target):
                 "safetensors only. Convert it once where you trust it: python -c \"import torch, safetensors.torch "
                 f"as s; s.save_file(torch.load('{pickles[0]}'), 'model.safetensors')\"")
     try:
-        head, config = build(kind, hf, target)
+        head = build(kind, hf, target)
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
-    load_weights(head, directory, config, assign=True)
+    load_weights(head, directory, assign=True)
     if kind != "medusa":
         eagle.check_draft_vocab(head, directory)
     head = head.to(target.device).eval().requires_grad_(False)
@@ -102,10 +102,10 @@ def load_draft_head(path, target):
     return head
 
 
-def load_weights(head, directory, config, assign=False):
+def load_weights(head, directory, assign=False):
     """The head folder's weights (published names) into `head`, in its target's dtype; `assign`: take
     the tensors themselves (a head built on the meta device), else copy into the head's own."""
-    weights = KINDS[head.kind].convert_weights(read_weights(weight_files(directory)), config)
+    weights = KINDS[head.kind].convert_weights(read_weights(weight_files(directory)), head)
     check_shapes(head, weights, directory)
     head.load_state_dict({k: v.to(head.target.dtype) if v.is_floating_point() else v for k, v in weights.items()},
                          assign=assign)

@@ -156,12 +156,12 @@ def check_draft_vocab(head, source):
         raise CheckpointError(f"{source}: {stored} must give distinct token ids below {head.vocab_size}")
 
 
-def convert_weights(weights, config):
-    """Published names -> ours: layers.0.* as in a Llama checkpoint (fused q/k/v and gate/up); fc as it
-    is; a copy of the target's embedding, which some heads carry, dropped (the target's is used)."""
+def convert_weights(weights, head):
+    """Published names -> ours, for `head`: layers.0.* as in a Llama checkpoint (fused q/k/v and gate/up);
+    fc as it is; a copy of the target's embedding, which some heads carry, dropped (the target's is used)."""
     weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()
                if not name.endswith("embed_tokens.weight")}
-    return convert_hf_weights(weights, config)
+    return convert_hf_weights(weights, head.config)
 
 
 def published(head):

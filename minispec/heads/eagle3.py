@@ -116,17 +116,15 @@ class Eagle3Drafter(EagleDrafter):
 
 def default_taps(n_layers):
     """The layers whose entering states EAGLE-3 reads when its config names none: 2, L/2 and L-3 (its
-    authors' choice, vLLM's and SGLang's default)."""
-    return tuple(sorted({2, n_layers // 2, n_layers - 3}))
+    authors' choice, vLLM's and SGLang's default); None where those are not three layers of L."""
+    taps = tuple(sorted({2, n_layers // 2, n_layers - 3}))
+    return taps if len(taps) == 3 and taps[0] >= 0 and taps[-1] < n_layers else None
 
 
 def training_taps(n_layers):
     """The layers a head trained here reads: EAGLE-3's default, or on targets too shallow for it the
     first, middle and last layers' inputs that exist."""
-    taps = default_taps(n_layers)
-    if len(taps) == 3 and all(0 <= i < n_layers for i in taps):
-        return taps
-    return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
+    return default_taps(n_layers) or tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
 
 
 def taps_from_hf(hf, target):
@@ -136,7 +134,7 @@ def taps_from_hf(hf, target):
     ids = hf.get("eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids"))
     if ids is None:
         taps = default_taps(n_layers)
-        if len(taps) != 3 or not all(0 <= i < n_layers for i in taps):
+        if taps is None:
             raise ValueError(f"EAGLE-3 reads the states entering layers 2, L/2 and L-3, which are not three "
                              f"layers of {target.name}'s {n_layers}: name them in eagle_aux_hidden_state_layer_ids")
         return taps
@@ -153,8 +151,8 @@ def check_target(target):
 
 
 def build(hf, target):
-    """The head for config.json `hf` (on the current device: the loader builds it on meta), and what
-    convert_weights needs; a ValueError where it cannot draft for `target`."""
+    """The head for config.json `hf` (on the current device: the loader builds it on meta); a ValueError
+    where it cannot draft for `target`."""
     check_target(target)
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
     if config.vocab_size != target.vocab_size:
@@ -166,23 +164,20 @@ def build(hf, target):
     size = get(hf, "draft_vocab_size", COUNT, target.vocab_size)
     if size > target.vocab_size:
         raise ValueError(f"draft_vocab_size {size} is more than the target's {target.vocab_size} tokens")
-    head = Eagle3Head(config, target, taps_from_hf(hf, target), size, get(hf, "norm_before_residual", FLAG, False))
-    return head, (config, head.embedding is not None)
+    return Eagle3Head(config, target, taps_from_hf(hf, target), size, get(hf, "norm_before_residual", FLAG, False))
 
 
-def convert_weights(weights, settings):
-    """Published names -> ours: midlayer.* as a Llama layer 0 (fused q/k/v and gate/up; hidden_norm kept);
-    d2t's offsets as the target ids of the draft tokens; t2d dropped; the embedding kept only where the
-    head has its own."""
-    # build's (config, whether the head embeds on its own); a head trained here (train.resume) passes
-    # its config alone: it is as wide as its target
-    config, own_embedding = settings if isinstance(settings, tuple) else (settings, False)
+def convert_weights(weights, head):
+    """Published names -> ours, for `head` (built from the same config.json): midlayer.* as a Llama layer
+    0 (fused q/k/v and gate/up; hidden_norm kept); d2t's offsets as the target ids of the draft tokens;
+    t2d dropped; the embedding kept only where the head has its own."""
+    config = head.config
     weights = {name.removeprefix("model."): tensor for name, tensor in weights.items() if name != "t2d"}
     layer = {name.replace("midlayer.", "layers.0.", 1): weights.pop(name) for name in list(weights)
              if name.startswith("midlayer.")}
     out = {**convert_hf_weights(layer, config), **weights}
     embedding = out.pop("embed_tokens.weight", None)
-    if own_embedding and embedding is not None:
+    if head.embedding is not None and embedding is not None:
         out["embedding.weight"] = embedding
     offsets = out.pop("d2t", None)
     if offsets is not None and len(offsets) != config.vocab_size:  # the whole vocabulary: no mapping (EAGLE's own)

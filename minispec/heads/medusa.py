@@ -111,9 +111,10 @@ def config_from_hf(hf):
     return get(hf, "medusa_num_heads", COUNT), get(hf, "medusa_num_layers", COUNT, 1)
 
 
-def convert_weights(weights, n_heads):
+def convert_weights(weights, heads):
     """Published names -> ours: `{head}.*` (Medusa-1's own file) or `medusa_head.{head}.*` (in a
-    Medusa-2 model's files, beside the target's tensors, which are left out) -> `heads.{head}.*`."""
+    Medusa-2 model's files, beside the target's tensors, which are left out) -> `heads.{head}.*` (the
+    names say all: `heads`, the module they load into, is not needed)."""
     out = {}
     for name, tensor in weights.items():
         name = name.removeprefix("medusa_head.")

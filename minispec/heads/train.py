@@ -212,31 +212,40 @@ def soft_cross_entropy(logits, p):
     return -(p * logits.log_softmax(-1)).sum(-1)
 
 
+def predict_pairs(head, tokens, inputs, mask):
+    """An EAGLE head's states after the batch's pairs (inputs[:, i], x_{i+1}) at answer positions
+    [pairs, dim]; for each the answer's next token x_{i+2}, whether it has one (the last state of a
+    sequence has none), and the answer positions kept (mask[:, 1:])."""
+    width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
+    predicted = head.features(F.pad(tokens[:, 1:], (0, 1)), torch.arange(width), keys=width,
+                              inputs=F.pad(inputs, (0, 0, 0, 1)))[:, :-1]
+    keep = mask[:, 1:]
+    return predicted[keep], F.pad(tokens[:, 2:], (0, 1))[keep], F.pad(mask[:, 2:], (0, 1))[keep], keep
+
+
+def accuracy_of(head, logits, chosen, scored):
+    """How often the head's top token (logits over its draft vocabulary) is the answer's next token."""
+    said = logits.detach().argmax(-1)
+    said = said if head.draft_vocab is None else head.draft_vocab[said]
+    return (said == chosen)[scored].float().mean()
+
+
 def eagle_loss(head, tokens, states, lse, mask, generator, noise=PAIR_NOISE):
     """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only;
     lse: the target's logsumexp at each state. Accuracy: how often the head's top token at f̂_{i+1} is
     the target's, which (greedy answers) is the answer's next token x_{i+2}."""
-    inputs, pair_tokens, wanted = states[:, :-1], tokens[:, 1:], states[:, 1:]
+    inputs = states[:, :-1]
     if noise:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * noise * 512 / inputs.shape[1]
-    width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
-    inputs = F.pad(inputs, (0, 0, 0, 1))
-    pair_tokens = F.pad(pair_tokens, (0, 1))
-    predicted = head.features(pair_tokens, torch.arange(width), keys=width, inputs=inputs)[:, :-1].float()
-    keep = mask[:, 1:]
-    chosen = F.pad(tokens[:, 2:], (0, 1))[keep]
-    scored = F.pad(mask[:, 2:], (0, 1))[keep]  # the last state of a sequence has no next token
-    predicted, wanted, lse = predicted[keep], wanted[keep], lse[:, 1:][keep]
+    predicted, chosen, scored, keep = predict_pairs(head, tokens, inputs, mask)
+    predicted, wanted, lse = predicted.float(), states[:, 1:][keep], lse[:, 1:][keep]
     regression = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
     vocab = head.draft_vocab  # q lives there; p's mass outside it cannot be learnt
     with torch.no_grad():
         p = (output_head(head.target, wanted, vocab) - lse[:, None]).exp()
     logits = output_head(head.target, predicted, vocab)
     classification = soft_cross_entropy(logits, p)
-    said = logits.detach().argmax(-1)
-    said = said if vocab is None else vocab[said]
-    accuracy = (said == chosen)[scored].float().mean()
-    return regression.mean() + 0.1 * classification.mean(), accuracy
+    return regression.mean() + 0.1 * classification.mean(), accuracy_of(head, logits, chosen, scored)
 
 
 def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None):
@@ -244,18 +253,11 @@ def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None):
     position, over pairs (fc(tapped states at i), x_{i+1}); states: the tapped states, then the last
     state (record). Accuracy as eagle_loss's."""
     tapped, last = states.split([states.shape[-1] - head.config.dim, head.config.dim], -1)
-    inputs, pair_tokens = F.pad(head.fuse(tapped[:, :-1]), (0, 0, 0, 1)), F.pad(tokens[:, 1:], (0, 1))
-    width = inputs.shape[1]  # a whole number of key blocks again: one pad pair at the end
-    predicted = head.features(pair_tokens, torch.arange(width), keys=width, inputs=inputs)[:, :-1]
-    keep = mask[:, 1:]
-    chosen = F.pad(tokens[:, 2:], (0, 1))[keep]
-    scored = F.pad(mask[:, 2:], (0, 1))[keep]
+    predicted, chosen, scored, keep = predict_pairs(head, tokens, head.fuse(tapped[:, :-1]), mask)
     with torch.no_grad():
         p = (output_head(head.target, last[:, 1:][keep], head.draft_vocab) - lse[:, 1:][keep][:, None]).exp()
-    logits = head.lm_head(head.norm(predicted[keep])).float()
-    said = logits.detach().argmax(-1)
-    said = said if head.draft_vocab is None else head.draft_vocab[said]
-    return soft_cross_entropy(logits, p).mean(), (said == chosen)[scored].float().mean()
+    logits = head.lm_head(head.norm(predicted)).float()
+    return soft_cross_entropy(logits, p).mean(), accuracy_of(head, logits, chosen, scored)
 
 
 def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
@@ -329,8 +331,7 @@ def new_eagle3(target, hf, draft_vocab):
     hf = {**{k: v for k, v in hf.items() if k != "bias"}, "architectures": ["LlamaForCausalLMEagle3"],
           "draft_vocab_size": target.vocab_size if draft_vocab is None else len(draft_vocab),
           "eagle_aux_hidden_state_layer_ids": list(taps), "tie_word_embeddings": False}
-    module, _ = eagle3.build(hf, target)
-    module = module.to(target.dtype)
+    module = eagle3.build(hf, target).to(target.dtype)
     width, last, block = target.hidden_size, target.layers[-1], module.layers[0]
     with torch.no_grad():
         if draft_vocab is not None:
@@ -453,7 +454,7 @@ def resume(out, head, optimizer):
     if not progress_file.is_file():
         return 0
     done = json.loads(progress_file.read_text())["epochs_done"]
-    load_weights(head, out, getattr(head, "config", None))  # copied in: the optimizer holds these parameters
+    load_weights(head, out)  # copied in: the optimizer holds these parameters
     saved = load_file(out / "training" / "optimizer.safetensors")
     for i, parameter in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}
