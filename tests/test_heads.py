@@ -347,6 +347,19 @@ def test_reduced_draft_vocabulary_is_the_target_heads_rows(gqa_heads, dtype):
     assert torch.isneginf(part[:, outside]).all() and torch.isfinite(part[:, ids]).all()
 
 
+@pytest.mark.parametrize("kind, quantize", [("llama_gqa", None), ("llama", None), ("llama", "int8"), ("gpt2", "int4")])
+def test_head_rows_are_the_targets_logits_of_the_identity(reference_dirs, kind, quantize):
+    """head_rows reads a float head's rows instead of a forward of `dim` rows; tied, untied and
+    quantized heads alike give what the target's logits of the identity give."""
+    from minispec.heads.eagle import head_rows
+
+    target = minispec.load(reference_dirs[kind][1], quantize=quantize)
+    identity = target.logits(torch.eye(target.hidden_size)).T
+    ids = torch.tensor([5, 0, 17, 3])
+    assert torch.equal(head_rows(target, ids), identity[ids])
+    assert torch.equal(head_rows(target), identity)
+
+
 @pytest.fixture(scope="module")
 def vocab16_heads(tmp_path_factory):
     """A tiny one-layer llama over 16 tokens; an EAGLE head that is nearly the target itself (fc passes

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..decoding.drafters import ModelDrafter
 from ..loading.weights import CheckpointError
-from ..models.base import CachedLM, Linear
+from ..models.base import CachedLM, Embedding, Linear
 from ..models.kernels import can_pack, pack
 from ..models.hf_config import FLAG, get
 from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
@@ -80,9 +80,10 @@ class EagleHead(Llama):
         """A Linear holding the draft vocabulary's rows of the target's output head, as the target
         computes them (its logits of the identity: tied, untied or quantized heads alike)."""
         if self.reduced is None:
-            rows = self.target.logits(torch.eye(self.config.dim, dtype=self.dtype, device=self.device)).T
-            reduced = Linear(self.config.dim, len(self.draft_vocab), bias=False, device=self.device, dtype=self.dtype)
-            reduced.weight = nn.Parameter(rows[self.draft_vocab].to(self.dtype).contiguous(), requires_grad=False)
+            reduced = nn.utils.skip_init(Linear, self.config.dim, len(self.draft_vocab), bias=False,
+                                         device=self.device, dtype=self.dtype)
+            reduced.weight = nn.Parameter(head_rows(self.target, self.draft_vocab).to(self.dtype).contiguous(),
+                                          requires_grad=False)
             if can_pack(self.dtype, self.device):
                 pack(reduced.weight)
                 reduced.packed = True
@@ -102,6 +103,19 @@ class EagleHead(Llama):
 
     def drafter(self):
         return EagleDrafter(self)
+
+
+def head_rows(target, ids=None):
+    """The rows of the target's output head for token ids (all: None) [n, dim], as the target computes
+    its logits. A head stored as a float matrix gives them as they are; any other (quantized, sharded)
+    gives its logits of the identity, which cost a forward of `dim` rows: a quarter of a second for
+    SmolLM2's head, which a one-shot run.py call would pay before its first guess."""
+    head = target.head
+    weight = getattr(head, "weight", None)
+    if type(head) in (Linear, Embedding) and weight.is_floating_point():
+        return weight if ids is None else weight[ids]
+    rows = target.logits(torch.eye(target.hidden_size, dtype=target.dtype, device=target.device)).T
+    return rows if ids is None else rows[ids]
 
 
 class EagleDrafter(ModelDrafter):

@@ -345,8 +345,7 @@ def new_eagle3(target, hf, draft_vocab):
         module.fc.weight.zero_()
         module.fc.weight[:, -width:].copy_(torch.eye(width))
         module.norm.weight.copy_(target.norm.weight)
-        rows = target.logits(torch.eye(width, dtype=target.dtype, device=target.device)).T
-        module.lm_head.weight.copy_(rows if draft_vocab is None else rows[draft_vocab])
+        module.lm_head.weight.copy_(eagle.head_rows(target, draft_vocab))
     return module, hf
 
 
