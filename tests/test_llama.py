@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 import transformers
-from conftest import save_reference, spread_init
+from conftest import TINY_CONFIGS, save_reference, spread_init
 
 from minispec import generate
 from minispec.loading.checkpoint import CheckpointError, load_model
+from minispec.models.llama import LlamaConfig, apply_rope, rope_tables
 
 KINDS = ["llama", "llama_gqa", "qwen2"]
 # Our float32 logits are compared with the reference's computed in float64 (the exact values, up to
@@ -191,3 +192,17 @@ def test_yarn_rope_scaling_matches_reference(tmp_path, family, rope):
     plain.load_state_dict(hf_model.state_dict())
     assert hf_model.config.rope_parameters["rope_type"] == "yarn" and plain.config.rope_parameters["rope_type"] == "default"
     assert not torch.allclose(reference_logits(plain, tokens).exact, reference.exact, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_rotate_half_bit_for_bit(dtype):
+    """apply_rope's roll with signed sines is the reference's rotate_half, bit for bit."""
+    config = LlamaConfig.from_hf(TINY_CONFIGS["llama"]().to_dict())
+    cos, signed_sin = rope_tables(config, 64, torch.device("cpu"))
+    half = config.head_dim // 2
+    sin = torch.cat([signed_sin[:, half:]] * 2, dim=-1)  # the reference's table: halves repeated
+    positions = torch.tensor([0, 7, 63])
+    x = torch.randn(2, 3, 4, config.head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    wanted = (x.float() * cos[positions, None] + torch.cat([-x2, x1], -1) * sin[positions, None]).to(dtype)
+    assert torch.equal(apply_rope(x, cos[positions], signed_sin[positions]), wanted)

@@ -207,7 +207,9 @@ class Int8Linear(nn.Module):
     def native_forward(self, x):
         rows = x.reshape(-1, self.in_features).float()
         y = native.qlinear(rows.contiguous(), self.weight, self.scales, self.offsets, self.steps, self.group)
-        y = y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if y.shape[1] != self.out_features:  # padded to whole tiles
+            y = y[:, :self.out_features]
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def grouped_weight(self):
