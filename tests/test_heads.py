@@ -618,6 +618,42 @@ def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_
         train.train(minispec.load(reference_dirs["gpt2"][1]), tmp_path / "gpt2", "eagle3", prompts)
 
 
+def test_eagle3_training_time_test_unrolls_as_the_head_drafts(tmp_path):
+    """EAGLE-3's training-time test: the head's states at unrolled step j, computed for every chain of
+    a batch at once, are the states it drafts j guesses deep from the target's pairs up to that chain's
+    position (through its KV cache, as decoding does), the guesses being the answer's tokens."""
+    from minispec.heads import train
+
+    target, _, _, _ = tiny_training_target(tmp_path / "target")
+    g = torch.Generator().manual_seed(2)
+    sequences = [(torch.randint(3, 64, (n,), generator=g), 4) for n in (40, 29)]
+    records = train.record(target, sequences, train.eagle3.training_taps(len(target.layers)))
+    head, _ = train.new_head("eagle3", target, 4, torch.arange(0, 64, 2))
+    with torch.no_grad():  # away from the identity it starts as
+        for parameter in head.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=g) * 0.1)
+    tokens, states, lse, mask = train.padded_batch(sequences, records, [0, 1])
+    unrolled = []
+    hook = head.norm.register_forward_hook(lambda module, inputs, output: unrolled.append(inputs[0].detach()))
+    with train.training(head, 128):
+        train.eagle3_loss(head, tokens, states, lse, mask, None, steps=3)
+    hook.remove()
+    assert len(unrolled) == 3
+    tapped = states[..., :-head.config.dim]
+    head.ensure_caches(1, 128)
+    for row, chain in [(0, 4), (0, 20), (0, 36), (1, 9), (1, 25)]:
+        inputs = head.fuse(tapped[row, :chain + 1])[None]
+        _, drafted = head.decode_rows(tokens[row, 1:chain + 2][None], [0], eager=True, hidden=True, inputs=inputs)
+        state = drafted[0, -1]
+        for j in range(3):
+            kept = train.shifted(mask, 1 + j)
+            at = int(kept.flatten()[:row * kept.shape[1] + chain].sum())  # the chain's row among the kept ones
+            torch.testing.assert_close(unrolled[j][at], state, rtol=1e-4, atol=1e-5)
+            _, drafted = head.decode_rows(tokens[row, chain + 2 + j].view(1, 1), [chain + 1 + j], eager=True,
+                                          hidden=True, inputs=state.view(1, 1, -1))
+            state = drafted[0, -1]
+
+
 @pytest.mark.parametrize("setting, message", [
     (dict(epochs=-1), "epochs must be an integer >= 0"), (dict(lr=float("nan")), "lr must be a number > 0"),
     (dict(lr=0.0), "lr must be a number > 0"), (dict(kind="medusa", heads=0), "heads >= 1"),

@@ -9,7 +9,8 @@ does next from them, with the losses of its paper:
             (Medusa-1 with self-distillation: the target's own distribution as the label)
     EAGLE-3: CE(softmax(target.logits(f_{i+1})), head.logits(g'_{i+1})) over pairs (fc(h_i), x_{i+1}),
             h_i the states entering three of the target's layers (EAGLE-3: no state to regress to,
-            the head's own output head; the first guess only, without its training-time test)
+            the head's own output head), and its training-time test: the same at the next guesses,
+            drafted on the head's own states g' as decoding drafts them (weights 0.8^j)
 
 Only positions inside the answers are learnt. Everything lives in the output folder and a run resumes
 where an interrupted one stopped: the head (config.json, model.safetensors) after every epoch, and in
@@ -31,6 +32,7 @@ from safetensors.torch import load_file
 from ..api import generate, prompt_tensor
 from ..loading.chat import chat_prompt
 from ..loading.weights import save_safetensors
+from ..models.kernels import additive, padded_rows
 from ..models.llama import LlamaConfig
 from . import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
 
@@ -69,6 +71,9 @@ HELD_OUT = 20
 # SmolLM2-135M on 2 cores: 10 epochs over the 960 default answers (held-out 0.51, 22 minutes in all) beat
 # 16 over the first 480 (0.47, 14 minutes), within the half hour a CPU user is asked to wait.
 EPOCHS = 10
+# EAGLE-3's training-time test: the steps a head is trained to draft on its own states (1: the first
+# guess only).
+TTT_STEPS = 2
 
 
 def default_prompts():
@@ -248,16 +253,76 @@ def eagle_loss(head, tokens, states, lse, mask, generator, noise=PAIR_NOISE):
     return regression.mean() + 0.1 * classification.mean(), accuracy_of(head, logits, chosen, scored)
 
 
-def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None):
-    """EAGLE-3's loss for the first guess: the head's q against the target's p at the answer's next
-    position, over pairs (fc(tapped states at i), x_{i+1}); states: the tapped states, then the last
-    state (record). Accuracy as eagle_loss's."""
+def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None, steps=None):
+    """EAGLE-3's loss with its training-time test: the head's q against the target's p at the answer's
+    next position over pairs (fc(tapped states at i), x_{i+1}) (step 0); then `steps` - 1 times more
+    the head drafts on from its own states as it does when decoding (step j: chain i's pair (its state
+    of step j - 1, x_{i+1+j}) at position i + j, predicting x_{i+2+j}), reading the target's pairs up
+    to i and its own chain (unrolled_attention). Step j's loss weighs 0.8^j (EAGLE-3's). states: the
+    tapped states, then the last state (record). Accuracy: the first guess's, as eagle_loss's."""
+    steps = TTT_STEPS if steps is None else steps
     tapped, last = states.split([states.shape[-1] - head.config.dim, head.config.dim], -1)
-    predicted, chosen, scored, keep = predict_pairs(head, tokens, head.fuse(tapped[:, :-1]), mask)
-    with torch.no_grad():
-        p = (output_head(head.target, last[:, 1:][keep], head.draft_vocab) - lse[:, 1:][keep][:, None]).exp()
-    logits = head.lm_head(head.norm(predicted)).float()
-    return soft_cross_entropy(logits, p).mean(), accuracy_of(head, logits, chosen, scored)
+    inputs = F.pad(head.fuse(tapped[:, :-1]), (0, 0, 0, 1))  # pair i's state; a pad pair: whole key blocks
+    total, accuracy = 0.0, None
+    with unrolled_attention(head) as attend_step:
+        for j in range(steps):
+            # chain i's pair at step j: (its state, x_{i+1+j}); the target's p at position i+1+j, in the answer
+            inputs = attend_step(head.layer_input(head.embed_tokens(shifted(tokens, 1 + j)).to(head.dtype), inputs), j)
+            keep = shifted(mask, 1 + j)
+            if not keep.any():
+                break
+            with torch.no_grad():
+                p = (output_head(head.target, shifted(last, 1 + j)[keep], head.draft_vocab)
+                     - shifted(lse, 1 + j)[keep][:, None]).exp()
+            logits = head.lm_head(head.norm(inputs[keep])).float()
+            total = total + soft_cross_entropy(logits, p).mean() * 0.8 ** j
+            if j == 0:
+                accuracy = accuracy_of(head, logits, shifted(tokens, 2)[keep], shifted(mask, 2)[keep])
+    return total, accuracy
+
+
+def shifted(batch, by):
+    """batch [b, T, ...] moved `by` positions to the left along T, zeros (False) coming in at the end."""
+    return torch.cat([batch[:, by:], batch.new_zeros(batch.shape[0], min(by, batch.shape[1]), *batch.shape[2:])], dim=1)
+
+
+@contextmanager
+def unrolled_attention(head):
+    """attend_step(x, j): the head's layer over step j's pairs x [b, W, 2 dim] (chain i at position
+    i + j), attending to step 0's keys at positions <= i and to chain i's own keys of steps 1..j: the
+    keys and values of every step kept side by side, W apart (EAGLE-3's training-time test)."""
+    block = head.layers[0]
+    attention, cache = block.attention, block.attention.kv_cache
+    kept = Unrolled()
+    attention.kv_cache = kept
+    group = attention.n_heads // attention.n_kv_heads
+
+    def attend_step(x, j):
+        width = x.shape[1]
+        chain = torch.arange(width)
+        readable = [chain[None] <= chain[:, None]] + [torch.diag(torch.ones(width, dtype=torch.bool))] * j
+        mask = padded_rows(additive(torch.cat(readable, dim=-1).repeat(group, 1)))
+        positions = chain + j
+        return block(x, positions, head.rope_cos[positions], head.rope_sin[positions], mask, None)
+
+    try:
+        yield attend_step
+    finally:
+        attention.kv_cache = cache
+
+
+class Unrolled(torch.nn.Module):
+    """The keys and values of every unrolled step so far, side by side (unrolled_attention)."""
+    first_row = 0
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.v = [], []
+
+    def update(self, input_pos, k, v):
+        self.k.append(k.contiguous())
+        self.v.append(v.contiguous())
+        return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
 
 
 def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
@@ -375,7 +440,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=EPOCHS, max_new_tokens
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
     loss_of = {"eagle": eagle_loss, "eagle3": eagle3_loss, "medusa": medusa_loss}[kind]
-    longest = max(len(s) for s, _ in sequences) + 32
+    longest = max(len(s) for s, _ in sequences) + 32 + TTT_STEPS  # RoPE's positions: whole key blocks, unrolled steps
     held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
     learn = sorted(set(range(len(sequences))) - set(held))
     # every epoch groups the sequences afresh; about this many batches each (the cosine decay's length)
