@@ -11,7 +11,7 @@ import torch
 from ..cli import read_prompts_file
 from ..loading.checkpoint import load_model
 from ..loading.weights import DTYPES, CheckpointError
-from .train import DRAFT_VOCAB, EPOCHS, train
+from .train import DRAFT_VOCAB, train
 
 
 def parse_args(argv):
@@ -24,7 +24,7 @@ def parse_args(argv):
     command.add_argument("--out", required=True, help="the head's folder (made if missing)")
     command.add_argument("--kind", choices=("eagle", "eagle3", "medusa"), default="eagle")
     command.add_argument("--prompts", help="a file of prompts, one per line (default: minispec's own set)")
-    command.add_argument("--epochs", type=int, default=EPOCHS)
+    command.add_argument("--epochs", type=int, help="default: 10 (eagle3: 6)")
     command.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     command.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
     command.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
@@ -36,7 +36,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.epochs < 1:  # train(epochs=0) only returns the untrained head: nothing would be written
+    # train(epochs=0) only returns the untrained head: nothing would be written
+    if args.epochs is not None and args.epochs < 1:
         print(f"minispec: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
         return 2
     try:

@@ -48,8 +48,7 @@ def forget(key, entry):
         del _PACKED[key]
 
 
-@torch.library.custom_op("minispec::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if weight.device.type != "cpu":  # the model was moved after loading
         return F.linear(x, weight, bias)
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
@@ -58,6 +57,11 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             return F.linear(x, weight, bias)
         packed = pack(weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# An op of its own for torch.compile (opaque, with a fake for tracing); eager calls the function itself:
+# the dispatcher's round trip into a Python op cost ~30 µs a call, 10% of SmolLM2's float32 step.
+packed_linear = torch.library.custom_op("minispec::packed_linear", mutates_args=())(packed_product)
 
 
 @packed_linear.register_fake
@@ -76,7 +80,8 @@ CUDA_ROW_BLOCK = 64
 
 def linear(x, weight, bias, packed):
     if packed:
-        return packed_linear(x, weight, bias)
+        eager = not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+        return packed_product(x, weight, bias) if eager else packed_linear(x, weight, bias)
     if x.is_cuda:
         return in_row_blocks(lambda rows: F.linear(rows, weight, bias), x)
     return F.linear(x, weight, bias)
