@@ -11,7 +11,7 @@ import torch
 from ..cli import read_prompts_file
 from ..loading.checkpoint import load_model
 from ..loading.weights import DTYPES, CheckpointError
-from .train import DRAFT_VOCAB, train
+from .train import DRAFT_VOCAB, EPOCHS, train
 
 
 def parse_args(argv):
@@ -24,7 +24,7 @@ def parse_args(argv):
     command.add_argument("--out", required=True, help="the head's folder (made if missing)")
     command.add_argument("--kind", choices=("eagle", "eagle3", "medusa"), default="eagle")
     command.add_argument("--prompts", help="a file of prompts, one per line (default: minispec's own set)")
-    command.add_argument("--epochs", type=int, help="default: 10 (eagle3: 6)")
+    command.add_argument("--epochs", type=int, help=f"default: {EPOCHS['eagle']} (eagle3: {EPOCHS['eagle3']})")
     command.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     command.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
     command.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",

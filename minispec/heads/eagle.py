@@ -77,8 +77,7 @@ class EagleHead(Llama):
         return logits.index_copy_(-1, self.draft_vocab, drafted)
 
     def reduced_head(self):
-        """A Linear holding the draft vocabulary's rows of the target's output head, as the target
-        computes them (its logits of the identity: tied, untied or quantized heads alike)."""
+        """A Linear holding the draft vocabulary's rows of the target's output head (head_rows)."""
         if self.reduced is None:
             reduced = nn.utils.skip_init(Linear, self.config.dim, len(self.draft_vocab), bias=False,
                                          device=self.device, dtype=self.dtype)
@@ -111,9 +110,8 @@ def head_rows(target, ids=None):
     gives its logits of the identity, which cost a forward of `dim` rows: a quarter of a second for
     SmolLM2's head, which a one-shot run.py call would pay before its first guess."""
     head = target.head
-    weight = getattr(head, "weight", None)
-    if type(head) in (Linear, Embedding) and weight.is_floating_point():
-        return weight if ids is None else weight[ids]
+    if type(head) in (Linear, Embedding) and head.weight.is_floating_point():
+        return head.weight if ids is None else head.weight[ids]
     rows = target.logits(torch.eye(target.hidden_size, dtype=target.dtype, device=target.device)).T
     return rows if ids is None else rows[ids]
 

@@ -32,8 +32,7 @@ from safetensors.torch import load_file
 from ..api import generate, prompt_tensor
 from ..loading.chat import chat_prompt
 from ..loading.weights import save_safetensors
-from ..models.kernels import additive, padded_rows
-from ..models.llama import LlamaConfig
+from ..models.llama import LlamaConfig, query_rows_mask
 from . import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
 
 # What the target answers when no prompts file is given: templates over subjects, none of them the
@@ -301,9 +300,9 @@ def unrolled_attention(head):
 
     def attend_step(x, j):
         width = x.shape[1]
-        chain = torch.arange(width)
-        readable = [chain[None] <= chain[:, None]] + [torch.diag(torch.ones(width, dtype=torch.bool))] * j
-        mask = padded_rows(additive(torch.cat(readable, dim=-1).repeat(group, 1)))
+        chain = torch.arange(width, device=x.device)
+        readable = [chain[None] <= chain[:, None]] + [torch.eye(width, dtype=torch.bool, device=x.device)] * j
+        mask = query_rows_mask(torch.cat(readable, dim=-1), group)
         positions = chain + j
         return block(x, positions, head.rope_cos[positions], head.rope_sin[positions], mask, None)
 

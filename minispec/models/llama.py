@@ -183,6 +183,12 @@ def apply_rope(x, cos, sin):
     return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
 
 
+def query_rows_mask(mask, group):
+    """A boolean mask [..., n, keys] as Attention's rows read it: additive, repeated for the `group`
+    query heads sharing a K/V head (extra query rows of that head, Attention.forward), rows padded."""
+    return padded_rows(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
+
+
 class Attention(nn.Module):
     def __init__(self, config, window):
         super().__init__()
@@ -305,8 +311,8 @@ class Llama(CachedLM):
         key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
         masks = {w: causal if w is None else causal & (key_pos > positions[..., None] - w)
                  for w in set(self.config.windows)}
-        group = self.config.n_heads // self.config.n_kv_heads  # query heads per K/V head: rows of Attention's q
-        masks = {w: padded_rows(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1))) for w, mask in masks.items()}
+        group = self.config.n_heads // self.config.n_kv_heads
+        masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for i, layer in enumerate(self.layers):
             if i in taps:
