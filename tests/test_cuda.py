@@ -5,7 +5,8 @@ A speculative step must make one host sync, counted by torch's own sync debug mo
 memory and bandwidth figures must be plausible.
 The CPU suite's central claims are checked again here on the GPU, whose kernels differ: greedy
 speculative decoding (every family, bfloat16 and float16) and speculative beam search equal their plain
-versions, and batched requests each get what they get alone.
+versions, batched requests each get what they get alone, every token of a tree computes what its path
+computes, and trees and draft heads give plain greedy's tokens.
 """
 
 import json
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
+DEVICE = "cuda"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,7 @@ def load_pair(checkpoints, compile):
     {"max_new_tokens": 40, "ignore_eos": True, "gamma": 4},
     {"max_new_tokens": 40, "ignore_eos": True, "gamma": 3, "temperature": 1.0, "top_p": 0.9, "seed": 2},
     {"max_new_tokens": 16, "ignore_eos": True, "gamma": 3, "beams": 2, "draft_beams": 4},
+    {"max_new_tokens": 40, "ignore_eos": True, "gamma": 3, "tree": 8},
 ])
 def test_cuda_graphs_give_eager_tokens(checkpoints, settings):
     eager_target, eager_draft = load_pair(checkpoints, compile=False)
@@ -56,28 +59,33 @@ def test_cuda_graphs_give_eager_tokens(checkpoints, settings):
         assert out.stats["accepted"] == expected.stats["accepted"]
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_one_sync_per_speculative_step(checkpoints, compile):
-    """torch's sync debug mode flags every operation that makes the host wait for the GPU: a
-    speculative step with a model draft has exactly one (its .tolist()); the rest are per request."""
-    target, draft = load_pair(checkpoints, compile)
+def steps_and_syncs(target, draft, new_tokens):
+    """(target calls, operations the sync debug mode flags) of one greedy request, γ = 3."""
+    settings = dict(draft=draft, gamma=3, max_new_tokens=new_tokens, ignore_eos=True)
+    minispec.generate(target, PROMPT, **settings)  # compiles and records graphs outside the count
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = minispec.generate(target, PROMPT, **settings)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return out.stats["target_calls"], sum("synchroniz" in str(w.message) for w in caught)
 
-    def steps_and_syncs(new_tokens):
-        settings = dict(draft=draft, gamma=3, max_new_tokens=new_tokens, ignore_eos=True)
-        minispec.generate(target, PROMPT, **settings)  # compiles and records graphs outside the count
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = minispec.generate(target, PROMPT, **settings)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return out.stats["target_calls"], sum("synchroniz" in str(w.message) for w in caught)
 
-    (short_steps, short_syncs), (long_steps, long_syncs) = steps_and_syncs(8), steps_and_syncs(40)
+def assert_one_sync_per_step(target, draft):
+    (short_steps, short_syncs), (long_steps, long_syncs) = (steps_and_syncs(target, draft, n) for n in (8, 40))
     assert long_steps > short_steps
     assert long_syncs - short_syncs == long_steps - short_steps
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_one_sync_per_speculative_step(checkpoints, compile):
+    """torch's sync debug mode flags every operation that makes the host wait for the GPU (a value read,
+    a blocking copy either way): a speculative step with a model draft has exactly one (its .tolist());
+    the rest are per request."""
+    assert_one_sync_per_step(*load_pair(checkpoints, compile))
 
 
 def test_bench_memory_does_not_grow_on_cuda(checkpoints, tmp_path):
@@ -207,3 +215,92 @@ def test_batched_requests_each_get_what_they_get_alone_on_cuda(low_precision, ki
         for batch_size in (None, 2):
             together = minispec.generate(target, PROMPTS, batch_size=batch_size, **settings)
             assert [out.tokens for out in together] == alone, f"draft={draft is not None} batch_size={batch_size}"
+
+
+# --- token trees and draft heads on CUDA (tests/test_tree.py and tests/test_heads.py on CPU) ------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_every_tree_token_computes_what_its_path_computes_on_cuda(reference_dirs, kind, dtype):
+    """The tree mask under CUDA's kernels: every node's logits bit for bit a 1-token forward's over its path."""
+    from test_rows import PROMPT as ROWS_PROMPT
+    from test_tree import PARENTS, TOKENS, along_paths
+
+    model = minispec.load(reference_dirs[kind][1], device=DEVICE, dtype=dtype)
+    with torch.inference_mode():
+        start = model.encode(torch.tensor([ROWS_PROMPT], device=DEVICE))
+        model.ensure_caches(1, 128)
+        expected = along_paths(model, start, TOKENS, PARENTS)
+        model.prefill(start)
+        logits = model.decode_rows(torch.tensor([TOKENS], device=DEVICE), [start.shape[1]], parents=[PARENTS])[0]
+        assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_tree_decoding_equals_plain_greedy_on_cuda(low_precision, kind, dtype):
+    from test_rows import PROMPT as ROWS_PROMPT
+
+    target, noisy = low_precision[kind, dtype]
+    settings = {"max_new_tokens": 40, "ignore_eos": True}
+    plain = minispec.generate(target, ROWS_PROMPT, **settings).tokens
+    cases = [(draft, gamma, tree) for draft in (noisy, "lookup", "ngram", "int8") for gamma, tree in ((3, 4), (3, 16))]
+    cases.append((noisy, "auto", "auto"))
+    assert [(getattr(draft, "name", draft), gamma, tree) for draft, gamma, tree in cases
+            if minispec.generate(target, ROWS_PROMPT, draft=draft, gamma=gamma, tree=tree, **settings).tokens != plain] == []
+
+
+@pytest.fixture(scope="module")
+def head_dirs(reference_dirs, tmp_path_factory):
+    """The tiny GQA llama and its random EAGLE, EAGLE-3 and Medusa heads (tests/test_heads.py's writers)."""
+    from test_heads import write_eagle, write_eagle3, write_medusa
+
+    directory = reference_dirs["llama_gqa"][1]
+    hf = json.loads((directory / "config.json").read_text())
+    return directory, {
+        "eagle": write_eagle(tmp_path_factory.mktemp("eagle"), hf)[0],
+        "eagle3": write_eagle3(tmp_path_factory.mktemp("eagle3"), hf, draft_vocab=list(range(1, hf["vocab_size"], 2)),
+                               layer_ids=[0, 1])[0],
+        "medusa": write_medusa(tmp_path_factory.mktemp("medusa"), hf["hidden_size"], hf["vocab_size"])[0]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_greedy_with_a_head_and_its_trees_is_plain_greedy_on_cuda(head_dirs, kind, dtype):
+    from test_heads import PROMPT as HEAD_PROMPT
+
+    directory, heads = head_dirs
+    target = minispec.load(directory, device=DEVICE, dtype=dtype)
+    head = minispec.load_draft_head(heads[kind], target)
+    prompts = [HEAD_PROMPT, HEAD_PROMPT[:5], [3, 4, 5]]
+    settings = {"max_new_tokens": 24, "ignore_eos": True}
+    plain = [minispec.generate(target, prompt, **settings).tokens for prompt in prompts]
+    for gamma, tree in ((1, None), (3, None), ("auto", None), (3, 4), (3, 16), ("auto", "auto")):
+        alone = [minispec.generate(target, prompt, draft=head, gamma=gamma, tree=tree, **settings) for prompt in prompts]
+        assert [out.tokens for out in alone] == plain, (gamma, tree)
+    together = minispec.generate(target, prompts, draft=head, gamma=3, tree=16, batch_size=2, **settings)
+    assert [out.tokens for out in together] == plain
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_compiled_target_drafting_with_a_head_gives_eager_tokens(head_dirs, kind):
+    """CUDA graphs reuse their outputs on replay: the hidden states a head reads must be read before."""
+    from test_heads import PROMPT as HEAD_PROMPT
+
+    directory, heads = head_dirs
+    eager = minispec.load(directory, device=DEVICE, dtype=torch.float32)
+    target = minispec.load(directory, device=DEVICE, dtype=torch.float32, compile=True)
+    eager_head, head = minispec.load_draft_head(heads[kind], eager), minispec.load_draft_head(heads[kind], target)
+    for tree in (None, 8):
+        settings = {"max_new_tokens": 24, "ignore_eos": True, "gamma": 3, "tree": tree}
+        expected = minispec.generate(eager, HEAD_PROMPT, draft=eager_head, **settings)
+        for _ in range(2):
+            out = minispec.generate(target, HEAD_PROMPT, draft=head, **settings)
+            assert out.tokens == expected.tokens, tree
+            assert out.stats["accepted"] == expected.stats["accepted"], tree
+
+
+def test_one_sync_per_step_with_a_head(head_dirs):
+    directory, heads = head_dirs
+    target = minispec.load(directory, device=DEVICE)
+    assert_one_sync_per_step(target, minispec.load_draft_head(heads["eagle"], target))

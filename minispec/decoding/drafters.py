@@ -39,6 +39,7 @@ from itertools import islice
 import torch
 
 from ..models.base import CachedLM
+from ..models.kernels import to_device
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
@@ -298,7 +299,7 @@ def draft_trees(model, drafters, asks):
             tree, nodes = trees.get(id(drafter)), expanding.get(id(drafter))
             if nodes:
                 lengths[i] += len(tree.fed)
-                feeds[i] = torch.tensor([tree.growth.tokens[j] for j in nodes], device=model.device)
+                feeds[i] = to_device([tree.growth.tokens[j] for j in nodes], model.device)
                 tree.fed_parents += [tree.slot_of(tree.growth.parents[j]) for j in nodes]
                 tree.fed += nodes
                 parents[i] = tree.fed_parents
@@ -321,7 +322,7 @@ def draft_trees(model, drafters, asks):
     for key, tree in trees.items():
         tokens, parents = tree.growth.best()
         q = None if tree.sampling.greedy else tree.growth.q_rows(tree.growth.chosen())
-        out[key] = torch.tensor(tokens, dtype=torch.long, device=model.device), q, tree_or_chain(parents)
+        out[key] = to_device(tokens, model.device), q, tree_or_chain(parents)
     return out
 
 
@@ -430,7 +431,7 @@ class NgramDrafter:
         successors. The same for any sampling: the candidates are fixed, not drawn from q (verified as
         such: tree.sample_walk), so no generator is used."""
         tokens, parents, _ = self.preview_tree(k, budget)
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
+        return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def preview_tree(self, k, budget):
         """propose_tree's tree as lists (tokens, parents), and each node's share of its parent's counts
@@ -441,7 +442,7 @@ class NgramDrafter:
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
-            return torch.tensor(self.greedy_continuation(k)[0], dtype=torch.long, device=self.device), None
+            return to_device(self.greedy_continuation(k)[0], self.device), None
         if self.generator is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -454,7 +455,7 @@ class NgramDrafter:
             qs.append(q)
         if not drafts:
             return torch.zeros(0, dtype=torch.long, device=self.device), None
-        return torch.tensor(drafts, device=self.device), torch.stack(qs).to(self.device)
+        return to_device(drafts, self.device), torch.stack(qs).to(self.device)
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.context += tokens
@@ -507,7 +508,7 @@ class LookupDrafter:
         context's suffix, the longest suffixes and the latest occurrences first (so its first path is
         the chain's guesses), sharing common prefixes (tree.py). The same for any sampling."""
         tokens, parents, _ = self.preview_tree(k, budget)
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, tree_or_chain(parents)
+        return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def preview_tree(self, k, budget):
         """propose_tree's tree as lists (tokens, parents), and how sure the drafter is of each node: the
@@ -538,7 +539,7 @@ class LookupDrafter:
         return guesses, [matched / self.max_ngram] * len(guesses)
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return torch.tensor(self.continuation(k)[0] if k else [], dtype=torch.long, device=self.device), None
+        return to_device(self.continuation(k)[0] if k else [], self.device), None
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.extend(tokens)

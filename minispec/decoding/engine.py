@@ -20,6 +20,7 @@ from collections import deque
 
 import torch
 
+from ..models.kernels import to_device
 from .speculative import step
 
 
@@ -96,7 +97,7 @@ class Row:
         guesses = [nodes[j] for j in path] + rejected[:1]
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
-        accepted = torch.tensor(guesses[:len(path)] + [t], device=self.unseen.device)
+        accepted = to_device(guesses[:len(path)] + [t], self.unseen.device)
         return self.advance(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes))
 
     def count(self, guesses, n, new_tokens, rejected):

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..models.kernels import to_device
 from .drafters import propose_all
 from .sampling import adjust, sample
 from .tree import feed_parents, sample_walk, walk
@@ -144,7 +145,7 @@ def seen(row, drafts, states, kept):
     row's unseen tokens and its guesses at indices `kept`), and the target's hidden state at each."""
     if states is None:
         return None
-    u, kept = len(row.unseen), torch.tensor(kept, dtype=torch.long, device=drafts.device)
+    u, kept = len(row.unseen), to_device(kept, drafts.device)
     return torch.cat([row.unseen, drafts[kept]]), torch.cat([states[:u], states[u + kept]])
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from ..decoding.sampling import Sampling, adjust, sample
 from ..decoding.tree import Growth, best_children, tree_or_chain
 from ..models.base import Linear
-from ..models.kernels import elementwise
+from ..models.kernels import elementwise, to_device
 from ..models.hf_config import COUNT, get
 
 
@@ -100,7 +100,7 @@ class MedusaDrafter:
             for node in growth.expand():  # every node of a depth has the same candidates: the head's
                 growth.add(node, tokens[depth], scores[depth])
         tokens, parents = growth.best()
-        return torch.tensor(tokens, dtype=torch.long, device=self.heads.target.device), None, tree_or_chain(parents)
+        return to_device(tokens, self.heads.target.device), None, tree_or_chain(parents)
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.state = seen[1][-1]

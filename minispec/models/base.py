@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import can_pack, linear, pack, tree_layout, whole_blocks
+from .kernels import can_pack, linear, pack, to_device, tree_layout, whole_blocks
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -358,7 +358,7 @@ class CachedLM(nn.Module):
                               for x in (tokens, inputs))
         slots = [[length + min(j, max(width - 1, 0)) for j in range(n)] for length, width in zip(lengths, widths)]
         # one row (a lone request, its tree): slots as a list (index_copy writes the cache); rows: per row
-        input_pos = torch.tensor(slots[0] if rows == 1 else slots, device=tokens.device)
+        input_pos = to_device(slots[0] if rows == 1 else slots, tokens.device)
         positions = self.cache_max_seq_len if compiled is not None else self.keys_for(ends(n))
         layout = None if parents is None else tree_layout(lengths, parents, widths, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
@@ -385,7 +385,7 @@ class CachedLM(nn.Module):
         for w in widths:
             index.append([offset + min(j, w - 1) if w else len(flat) - 1 for j in range(width)])
             offset += w
-        return flat[torch.tensor(index, device=flat.device)], widths
+        return flat[to_device(index, flat.device)], widths
 
     @contextmanager
     def rows_from(self, first_row):
@@ -413,7 +413,7 @@ class CachedLM(nn.Module):
         slots, length = slots[moved:], length + moved  # a path's first nodes may be in place already
         if not slots:
             return
-        index = torch.tensor(slots, device=self.device)
+        index = to_device(slots, self.device)
         for module in self.modules():
             if isinstance(module, KVCache):
                 for cache in (module.k, module.v):

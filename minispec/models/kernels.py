@@ -29,6 +29,13 @@ from . import native
 _PACKED = {}  # data_ptr -> (the weight's version when packed, packed weight: an opaque oneDNN tensor)
 
 
+def to_device(values, device, dtype=torch.long):
+    """Host numbers (a list) as a tensor on `device`, copied without a host sync: a blocking copy to a
+    GPU first waits for all the work queued before it, which would cost every forward a sync. From
+    pageable memory the driver takes the numbers before the call returns, so the list may go at once."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def version(tensor):
     """How often the tensor was written in place (-1 for inference tensors, which keep no count)."""
     return -1 if tensor.is_inference() else tensor._version
@@ -244,7 +251,7 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     first_block = first_block.clamp(max=blocks - window_blocks)
     span = first_block[:, None] * KEY_BLOCK + torch.arange(window_blocks * KEY_BLOCK)
     window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
-    return TreeLayout(*(t.to(device) for t in (positions, keys, window, span)), first_block=int(first_block[0]),
+    return TreeLayout(*(t.to(device, non_blocking=True) for t in (positions, keys, window, span)), first_block=int(first_block[0]),
                       shared={})
 
 
