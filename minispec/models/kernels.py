@@ -227,22 +227,24 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     for r, (length, row_parents, width) in enumerate(zip(lengths, parents, widths)):
         written = len(row_parents) - width  # nodes already in the cache
         start = length - written  # the slot of node 0, which sits at position start
-        depth = []
+        depth, token, position, slot = [], [], [], []  # the keys read from another slot than their position's
         for j, parent in enumerate(row_parents):
             depth.append(0 if parent < 0 else depth[parent] + 1)
             ancestor = j
             # Its path: the ancestor at depth d is read as position start + d. Up to the first token
             # with a sibling before it, the path is a chain in its own slots (keys already in place).
             while j >= written and ancestor >= 0 and ancestor != depth[ancestor]:
-                keys[r, j - written, start + depth[ancestor]] = start + ancestor
+                token.append(j - written)
+                position.append(start + depth[ancestor])
+                slot.append(start + ancestor)
                 ancestor = row_parents[ancestor]
+        keys[r, token, position] = torch.tensor(slot, dtype=torch.long)  # one write: a tensor op per key cost ms
         fed = [start + d for d in depth[written:]] or [length]  # nothing to feed: a placeholder at its length
         positions[r] = torch.tensor(fed + [fed[-1]] * (n - len(fed)))
         keys[r, width:] = keys[r, max(width - 1, 0)]
         # The window: the blocks from the first position some token reads from another slot (a chain
         # before the tree, such as a prompt, reads its own) to the last position.
-        moved = (keys[r] != torch.arange(cache_positions)).any(0).nonzero()
-        first_block[r] = int(moved[0]) // KEY_BLOCK if len(moved) else int(positions[r].max()) // KEY_BLOCK
+        first_block[r] = (min(position) if position else max(fed)) // KEY_BLOCK
     # One block when every row's tree fits in one (usually: trees are a few tokens deep), else two.
     last_block = positions.amax(1) // KEY_BLOCK
     window_blocks = int((last_block - first_block).max()) + 1
