@@ -63,6 +63,23 @@ def test_quantized_rows_compute_as_they_would_alone(reference_dirs, kind, mode):
         assert mismatched_rows(model) == []
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_features", [576, 1536, 4096])
+def test_a_linear_gives_each_row_what_it_gives_alone_at_real_sizes(in_features, dtype, threads):
+    """The tiny models' layers are narrow, and oneDNN picks kernels by size: on an AVX-512 EPYC a 1-row
+    product summed differently from products of 2+ rows once K >= 1152 (kernels.PACKED_MIN_ROWS). Real
+    models' widths, 1 to 40 rows, each row bit for bit what it gives alone."""
+    if not kernels.can_pack(dtype, torch.device("cpu")):
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(1536, in_features, generator=generator) / in_features ** 0.5).to(dtype)
+    x = torch.randn(40, in_features, generator=generator).to(dtype)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight, None, packed=True) for i in range(40)])
+    assert [rows for rows in range(1, 41)
+            if not torch.equal(kernels.linear(x[:rows], weight, None, packed=True), alone[:rows])] == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_rows_compute_as_they_would_alone(reference_dirs, dtype):
     """torch.compile'd forwards (one graph per width): widths 4 and 9 against compiled 1-token steps."""

@@ -55,6 +55,15 @@ def forget(key, entry):
         del _PACKED[key]
 
 
+# oneDNN takes a 1-row product through kernels of its own: on an AVX-512 EPYC (torch 2.13.0) they sum
+# in another order than those of 2+ rows once K >= 1152 (SmolLM2's down projection, any larger model's
+# layers), so a 1-token step and a k-token verify rounded a token differently. Products of 2 to 40
+# rows agree there, so every product takes at least PACKED_MIN_ROWS rows, the rest zeros. 4, not 2:
+# 2-row products read the weights slowest there (SmolLM2 float32: a 2-token forward 37 ms, a 1- or
+# 4-token one 31; docs/performance.md, "Row invariance on AVX-512").
+PACKED_MIN_ROWS = 4
+
+
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if weight.device.type != "cpu":  # the model was moved after loading
         return F.linear(x, weight, bias)
@@ -63,7 +72,11 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         if not can_pack_on_cpu(weight.dtype):  # converted after loading to a dtype oneDNN cannot take here
             return F.linear(x, weight, bias)
         packed = pack(weight)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
+    if rows >= PACKED_MIN_ROWS or rows == 0:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - rows))
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 # An op of its own for torch.compile (opaque, with a fake for tracing); eager calls the function itself:
