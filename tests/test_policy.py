@@ -535,6 +535,32 @@ def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_o
     assert 3 <= others <= 5  # probes 8 (or 16), 16, 32, 64, 128 steps apart
 
 
+def test_a_branching_drafters_tree_is_as_deep_as_the_chain_the_costs_choose():
+    """A tree step of a draft model or head: each depth costs a draft forward, so the tree is as deep as
+    the chain the cost model would verify (not the early stop's k_max), each depth TREE_WIDTH wide."""
+    from minispec.decoding.drafters import TREE_WIDTH
+
+    for alpha, t_draft in ((0.4, 0.1), (0.95, 0.02)):
+        chooser = adaptive(alpha, STEEP, t_draft, confident_drafter=True)
+        chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
+        chain = max(range(9), key=lambda k: chooser.expected(k) / chooser.seconds(k))
+        chooser.profile.modes = {"chain": [1.0, 1.0], "tree": [9.0, 1.0]}  # trees measured faster
+        assert chooser.guesses() == chain > 0
+        assert chooser.tree_nodes == min(chain * TREE_WIDTH, policy.TREE_AUTO)
+
+
+def test_trees_measured_faster_than_plain_steps_are_taken_whatever_a_says():
+    """A head right a third of the time: a's estimate, from its last ~10 first guesses, often falls
+    below where one guess pays, and plain steps never correct it. Its trees' measured speed decides."""
+    for tree_rate, guesses in ((1.5, 1), (0.8, 0)):  # tokens per second of tree steps; a plain step takes 1 s
+        chooser = adaptive(0.02, [1.0] * 9, 0.3)
+        chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
+        chooser.profile.modes = {"chain": [1.0, 2.0], "tree": [tree_rate, 1.0]}
+        chooser.profile.preferred = "tree"
+        assert chooser.guesses() == guesses
+        assert (chooser.tree_nodes is not None) == bool(guesses)
+
+
 def test_stored_tree_costs_and_rates_are_checked():
     profile = policy.PairProfile()
     values = {name: getattr(profile, name) for name in profiles.FIELDS}

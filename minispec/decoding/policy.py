@@ -41,7 +41,9 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   choices, so trees come only where they are expected to pay. A drafter whose trees cost forwards to
   grow (a draft model, a head) cannot be previewed: the policy keeps the tokens per second that its
   steps with guesses measured as chains and as trees, takes the better, and tries the other again
-  after PROBE_AFTER steps, the interval doubling up to PROBE_MAX while it stays behind.
+  after PROBE_AFTER steps, the interval doubling up to PROBE_MAX while it stays behind. Its tree is as
+  deep as the chain the cost model chooses, TREE_WIDTH children a depth; where its trees measured
+  faster than plain steps, it guesses whatever a says.
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
   every probe that finds it still does not. No probe where the timings say that even guesses that all
@@ -57,6 +59,7 @@ import torch
 
 from . import profiles
 from .sampling import is_integer
+from .drafters import TREE_WIDTH
 from .tree import TREE_AUTO, chain_length, depths
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
@@ -422,6 +425,8 @@ class AdaptiveGamma:
             self.previewed, self.confidences = self.preview(self.k_max)
             return self.best_for(self.confidences)
         best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
+        if best == 0 and self.trees_pay():
+            best = 1  # measured, whatever a's estimate says: a's is of a chain's first guess
         if best == 0:
             # Plain steps count across requests: many short ones must not lock a pair out of speculating.
             profile = self.profile
@@ -434,10 +439,20 @@ class AdaptiveGamma:
         else:  # speculation pays again: should it stop, probe soon
             self.profile.plain_steps, self.profile.probe_after = 0, PROBE_AFTER
         self.confidences = []
-        if best and self.branching:
-            self.tree_nodes = TREE_AUTO if self.choose_mode() == "tree" else None
+        if best and self.branching and self.choose_mode() == "tree":
+            # As deep as the chain the costs choose, each depth's nodes given TREE_WIDTH children: every
+            # depth costs a draft forward, and a CPU's verify costs the same up to a few tokens and then
+            # grows (a head 1 deep, 4 children: 1.51 tokens a call against 1.32 for its chain,
+            # docs/performance.md). A chain's early stop does not apply to a tree.
+            self.tree_nodes = min(best * TREE_WIDTH, TREE_AUTO)
+            return best
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
+
+    def trees_pay(self):
+        """Whether a branching drafter's tree steps measured more tokens per second than plain steps take."""
+        tokens, seconds = self.profile.modes["tree"]
+        return self.branching and seconds > 0 and tokens / seconds > 1.0 / self.seconds(0)
 
     def plan_tree(self):
         """The previewed tree's first nodes with the most expected tokens per second (module docstring):
