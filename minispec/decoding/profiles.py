@@ -22,7 +22,7 @@ import torch
 from ..loading.builtin import weights_dir
 from .tree import TREE_AUTO
 
-VERSION = 2  # of the files' contents; files of another version are ignored
+VERSION = 3  # of the files' contents; files of another version are ignored (3: tree steps of draft models shaped anew)
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "t_tree",
           "tree_confidence", "modes")
 
