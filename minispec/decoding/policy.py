@@ -58,8 +58,8 @@ import weakref
 import torch
 
 from . import profiles
-from .sampling import is_integer
 from .drafters import TREE_WIDTH
+from .sampling import is_integer
 from .tree import TREE_AUTO, chain_length, depths
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses
@@ -442,8 +442,7 @@ class AdaptiveGamma:
         if best and self.branching and self.choose_mode() == "tree":
             # As deep as the chain the costs choose, each depth's nodes given TREE_WIDTH children: every
             # depth costs a draft forward, and a CPU's verify costs the same up to a few tokens and then
-            # grows (a head 1 deep, 4 children: 1.51 tokens a call against 1.32 for its chain,
-            # docs/performance.md). A chain's early stop does not apply to a tree.
+            # grows (docs/performance.md, "A head's tree"). A chain's early stop does not apply to a tree.
             self.tree_nodes = min(best * TREE_WIDTH, TREE_AUTO)
             return best
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
