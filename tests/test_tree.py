@@ -37,17 +37,23 @@ def along_paths(model, start, tokens, parents):
     return expected
 
 
+def mismatched_tree_tokens(model):
+    """The tree's tokens whose logits, all verified in one forward, differ from a 1-token forward's over
+    their path (tests/test_cuda.py too)."""
+    start = model.encode(torch.tensor([PROMPT], device=model.device))
+    model.ensure_caches(2, 128)
+    expected = along_paths(model, start, TOKENS, PARENTS)
+    model.prefill(start)
+    logits = model.decode_rows(torch.tensor([TOKENS], device=model.device), [start.shape[1]], parents=[PARENTS])[0]
+    return [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_every_tree_token_computes_what_its_path_computes(reference_dirs, kind, dtype, attention):
     model = minispec.load(reference_dirs[kind][1], dtype=dtype)
     with torch.inference_mode():
-        start = model.encode(torch.tensor([PROMPT]))
-        model.ensure_caches(2, 128)
-        expected = along_paths(model, start, TOKENS, PARENTS)
-        model.prefill(start)
-        logits = model.decode_rows(torch.tensor([TOKENS]), [start.shape[1]], parents=[PARENTS])[0]
-        assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
+        assert mismatched_tree_tokens(model) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -60,7 +60,7 @@ def forget(key, entry):
 # layers), so a 1-token step and a k-token verify rounded a token differently. Products of 2 to 40
 # rows agree there, so every product takes at least PACKED_MIN_ROWS rows, the rest zeros. 4, not 2:
 # 2-row products read the weights slowest there (SmolLM2 float32: a 2-token forward 37 ms, a 1- or
-# 4-token one 31; docs/performance.md, "Row invariance on AVX-512").
+# 4-token one 31; docs/performance.md, "On AVX-512, 1-row products").
 PACKED_MIN_ROWS = 4
 
 
@@ -73,10 +73,11 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             return F.linear(x, weight, bias)
         packed = pack(weight)
     rows = x.numel() // x.shape[-1]
-    if rows >= PACKED_MIN_ROWS or rows == 0:
+    if rows >= PACKED_MIN_ROWS or rows == 0:  # no rows: nothing to pad a product for
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - rows))
-    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows].view(*x.shape[:-1], weight.shape[0])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 # An op of its own for torch.compile (opaque, with a fake for tracing); eager calls the function itself:
@@ -266,8 +267,8 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     first_block = first_block.clamp(max=blocks - window_blocks)
     span = first_block[:, None] * KEY_BLOCK + torch.arange(window_blocks * KEY_BLOCK)
     window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
-    return TreeLayout(*(t.to(device, non_blocking=True) for t in (positions, keys, window, span)), first_block=int(first_block[0]),
-                      shared={})
+    return TreeLayout(*(t.to(device, non_blocking=True) for t in (positions, keys, window, span)),
+                      first_block=int(first_block[0]), shared={})
 
 
 class TreeIndices(NamedTuple):
