@@ -235,40 +235,46 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     length)."""
     rows = len(parents)
     blocks = cache_positions // KEY_BLOCK
-    positions = torch.empty(rows, n, dtype=torch.long)
-    keys = torch.arange(cache_positions).repeat(rows, n, 1)
-    first_block = torch.empty(rows, dtype=torch.long)
+    positions, first_block = [], []
+    moved = [[], [], [], []]  # (row, token, position, slot) of each key read from another slot than its position's
     for r, (length, row_parents, width) in enumerate(zip(lengths, parents, widths)):
         written = len(row_parents) - width  # nodes already in the cache
         start = length - written  # the slot of node 0, which sits at position start
-        depth, token, position, slot = [], [], [], []  # the keys read from another slot than their position's
+        depth, row_moved = [], []
         for j, parent in enumerate(row_parents):
             depth.append(0 if parent < 0 else depth[parent] + 1)
             ancestor = j
             # Its path: the ancestor at depth d is read as position start + d. Up to the first token
             # with a sibling before it, the path is a chain in its own slots (keys already in place).
             while j >= written and ancestor >= 0 and ancestor != depth[ancestor]:
-                token.append(j - written)
-                position.append(start + depth[ancestor])
-                slot.append(start + ancestor)
+                row_moved.append((j - written, start + depth[ancestor], start + ancestor))
                 ancestor = row_parents[ancestor]
-        keys[r, token, position] = torch.tensor(slot, dtype=torch.long)  # one write: a tensor op per key cost ms
+        last = max(width - 1, 0)  # padding tokens read as the row's last token does
+        row_moved += [(t, position, slot) for t in range(width, n) for token, position, slot in row_moved
+                      if token == last]
+        for token, position, slot in row_moved:
+            for column, value in zip(moved, (r, token, position, slot)):
+                column.append(value)
         fed = [start + d for d in depth[written:]] or [length]  # nothing to feed: a placeholder at its length
-        positions[r] = torch.tensor(fed + [fed[-1]] * (n - len(fed)))
-        keys[r, width:] = keys[r, max(width - 1, 0)]
+        positions.append(fed + [fed[-1]] * (n - len(fed)))
         # The window: the blocks from the first position some token reads from another slot (a chain
         # before the tree, such as a prompt, reads its own) to the last position.
-        first_block[r] = (min(position) if position else max(fed)) // KEY_BLOCK
+        first_block.append((min(p for _, p, _ in row_moved) if row_moved else max(fed)) // KEY_BLOCK)
     # One block when every row's tree fits in one (usually: trees are a few tokens deep), else two.
-    last_block = positions.amax(1) // KEY_BLOCK
-    window_blocks = int((last_block - first_block).max()) + 1
+    window_blocks = max(max(row) // KEY_BLOCK - first for row, first in zip(positions, first_block)) + 1
     if window_blocks > 2:
         raise ValueError(f"a token tree spans {window_blocks} blocks of {KEY_BLOCK} positions (at most 2)")
-    first_block = first_block.clamp(max=blocks - window_blocks)
-    span = first_block[:, None] * KEY_BLOCK + torch.arange(window_blocks * KEY_BLOCK)
+    first_block = [min(first, blocks - window_blocks) for first in first_block]
+    span = [[first * KEY_BLOCK + i for i in range(window_blocks * KEY_BLOCK)] for first in first_block]
+    # The key index is built where it is read: from the host it would be a [rows, n, S] copy a forward
+    # (2 MB at 64 nodes and 4096 positions), where the moved keys are a few hundred numbers.
+    keys = torch.arange(cache_positions, device=device).repeat(rows, n, 1)
+    row, token, position, slot = to_device(moved, device) if moved[0] else [None] * 4
+    if row is not None:
+        keys.index_put_((row, token, position), slot)
+    positions, span = to_device(positions, device), to_device(span, device)
     window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
-    return TreeLayout(*(t.to(device, non_blocking=True) for t in (positions, keys, window, span)),
-                      first_block=int(first_block[0]), shared={})
+    return TreeLayout(positions, keys, window, span, first_block=first_block[0], shared={})
 
 
 class TreeIndices(NamedTuple):
