@@ -135,7 +135,8 @@ def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, mon
     def sdpa(q, k, v, mask, scale=None, layout=None):
         positions, mask = mask.shape[-1], mask == 0  # additive -> boolean
         if layout is not None:  # the keys read from their slots: each position's mask moved to its slot
-            slots = layout.keys[..., :positions].repeat(1, q.shape[2] // layout.keys.shape[1], 1)[:, None]
+            keys = kernels.tree_keys(layout, positions)
+            slots = keys.repeat(1, q.shape[2] // keys.shape[1], 1)[:, None]
             mask = torch.zeros(slots.shape, dtype=torch.int).scatter_reduce(-1, slots, mask.view(slots.shape).int(),
                                                                             "amax") > 0
         return kernels.attend(q, k[:, :, :positions], v[:, :, :positions], mask, scale)

@@ -310,8 +310,8 @@ class CachedLM(nn.Module):
             wanted = None if logits_for is None else min(end - start, max(logits_for - (n - end), 0))
             last = None  # earlier chunks: a chain
             if layout is not None and end == n:
-                last = layout._replace(positions=layout.positions[:, start:], keys=layout.keys[:, start:],
-                                       window=layout.window[:, start:], shared={})
+                last = layout._replace(positions=layout.positions[:, start:], window=layout.window[:, start:],
+                                       shared={})
             out.append(self.forward(tokens[:, start:end], input_pos[..., start:end], wanted, last,
                                     self.keys_for(ends(end)), hidden, None if inputs is None else inputs[:, start:end]))
         if len(out) == 1:

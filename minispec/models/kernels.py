@@ -216,8 +216,7 @@ class TreeLayout(NamedTuple):
     token's position is its depth after the row's length, while its keys and values go to the next free
     cache slot. Shared by every layer of the forward."""
     positions: torch.Tensor  # [rows, n]: each token's position (RoPE, learned positions, masks)
-    keys: torch.Tensor  # [rows, n, S]: the cache slot holding each position's key, for each token
-    window: torch.Tensor  # [rows, n, W]: keys at the positions of the window's blocks
+    window: torch.Tensor  # [rows, n, W]: the cache slot holding each window position's key, for each token
     window_positions: torch.Tensor  # [rows, W]: those positions: whole blocks, the blocks that hold the trees
     first_block: int  # the window's first block in row 0 (the host knows it: no device sync to read it)
     # attend_cache's index tensors, by attention shape: made by the forward's first layer, read by the
@@ -266,15 +265,27 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
         raise ValueError(f"a token tree spans {window_blocks} blocks of {KEY_BLOCK} positions (at most 2)")
     first_block = [min(first, blocks - window_blocks) for first in first_block]
     span = [[first * KEY_BLOCK + i for i in range(window_blocks * KEY_BLOCK)] for first in first_block]
-    # The key index is built where it is read: from the host it would be a [rows, n, S] copy a forward
-    # (2 MB at 64 nodes and 4096 positions), where the moved keys are a few hundred numbers.
-    keys = torch.arange(cache_positions, device=device).repeat(rows, n, 1)
-    row, token, position, slot = to_device(moved, device) if moved[0] else [None] * 4
-    if row is not None:
-        keys.index_put_((row, token, position), slot)
-    positions, span = to_device(positions, device), to_device(span, device)
-    window = keys.gather(2, span[:, None, :].expand(rows, n, -1))
-    return TreeLayout(positions, keys, window, span, first_block=first_block[0], shared={})
+    # Built on the device from the moved keys: a few hundred numbers cross instead of the window.
+    span = to_device(span, device)
+    window = span[:, None, :].repeat(1, n, 1)  # outside a token's path, a position's key is in its own slot
+    if moved[0]:
+        starts = [first * KEY_BLOCK for first in first_block]
+        moved[2] = [position - starts[r] for r, position in zip(moved[0], moved[2])]
+        row, token, offset, slot = to_device(moved, device)
+        window.index_put_((row, token, offset), slot)
+    return TreeLayout(to_device(positions, device), window, span, first_block=first_block[0], shared={})
+
+
+def tree_keys(layout, S):
+    """[rows, n, S]: the cache slot holding each of the first S positions' key, for each token: its
+    path's slots inside the window, every other position's own. Computed, not stored: in a compiled
+    graph it fuses into the gather that reads it, which then streams no [rows, n, S] index."""
+    rows, n, W = layout.window.shape
+    position = torch.arange(S, device=layout.window.device)
+    offset = position - layout.window_positions[:, :1]  # [rows, S]
+    inside = (offset >= 0) & (offset < W)
+    path = layout.window.gather(2, offset.clamp(0, W - 1)[:, None, :].expand(rows, n, S))
+    return torch.where(inside[:, None, :], path, position)
 
 
 class TreeIndices(NamedTuple):
@@ -288,14 +299,14 @@ class TreeIndices(NamedTuple):
     first_block: Optional[int]  # the first of them in batch row 0 (None in a compiled graph: it would guard on it)
 
 
-def tree_indices(layout, b, h, group, pad, d, compiling=False):
-    """attend_cache's TreeIndices for q [b, h, group x n (+ pad), d] under `layout` (made once a forward)."""
+def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
+    """attend_cache's TreeIndices for q [b, h, group x n (+ pad), d] over S positions under `layout`
+    (made once a forward)."""
     n, span = layout.window.shape[1:]
-    S = layout.keys.shape[-1]
-    row_block = CUDA_ATTENTION_ROW_BLOCK if layout.keys.is_cuda else ATTENTION_ROW_BLOCK
+    row_block = CUDA_ATTENTION_ROW_BLOCK if layout.window.is_cuda else ATTENTION_ROW_BLOCK
     padded_group = group + -group % row_block
-    rows = torch.arange(group * n + pad, device=layout.keys.device).clamp(max=group * n - 1)  # pad: the last
-    scores = layout.keys.repeat(1, group, 1)[:, rows]  # row g x n + t reads as token t does
+    rows = torch.arange(group * n + pad, device=layout.window.device).clamp(max=group * n - 1)  # pad: the last
+    scores = tree_keys(layout, S).repeat(1, group, 1)[:, rows]  # row g x n + t reads as token t does
     values = layout.window.reshape(b, 1, n * span, 1)
     # weights[b, h, row, position] for row = g x n + t (g < group, then the last g again) and the window's
     # positions, in the order (t, block, g, key) of the products' rows
@@ -338,7 +349,7 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
         mask = padded_rows(mask)
     scores = q.float() @ k.float().transpose(-1, -2)  # each score alone: invariant to the key's slot
     if layout is not None:  # each token's keys in position order: its path, not its siblings'
-        shape = (b, h, rows // layout.keys.shape[1], pad, d)
+        shape = (b, h, rows // layout.window.shape[1], pad, d, S)
         if torch.compiler.is_compiling():  # a graph computes them once anyway (and holds no dict)
             indices = tree_indices(layout, *shape, compiling=True)
         else:
@@ -372,11 +383,11 @@ def native_attend(q, k, v, mask, scale, layout):
     if layout is not None:  # each token's slot for every position read, made once a forward
         width = mask.shape[-1]
         if torch.compiler.is_compiling():
-            slots = layout.keys[..., :width].contiguous()
+            slots = tree_keys(layout, width)
         else:
             slots = layout.shared.get(width)
             if slots is None:
-                slots = layout.shared[width] = layout.keys[..., :width].contiguous()
+                slots = layout.shared[width] = tree_keys(layout, width)
     out = native.attend(q.float().contiguous(), k, v, mask, slots, d ** -0.5 if scale is None else scale)
     return out.to(q.dtype)
 
