@@ -82,10 +82,11 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each "
                              "step, 0 to 8, from the pair's costs measured on this machine and its acceptance rate")
-    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N",
+    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N", default="auto",
                         help="verify a token tree of up to N guesses per target call instead of a chain "
-                             "(any --draft: ngram, lookup, a model, int8/int4 or a head folder); 'auto' (with "
-                             "--gamma auto): a tree or a chain each step, whichever is expected to be faster")
+                             "(any --draft: ngram, lookup, a model, int8/int4 or a head folder); 'auto' (the "
+                             "default; with --gamma auto): a tree or a chain each step, whichever is expected to "
+                             "be faster; 'off': chains")
     parser.add_argument("--lenience", type=float, default=1.0,
                         help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")

@@ -107,7 +107,7 @@ class Settings:
     draft_beams: int | None = None
     stop: object = None
     stop_token_ids: object = None
-    tree: object = None
+    tree: object = "auto"
 
     def __post_init__(self):
         if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
@@ -360,7 +360,7 @@ def final_text(target, stop, tokens):
 
 def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
              seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-             batch_size=None, on_tokens=None, tree=None):
+             batch_size=None, on_tokens=None, tree="auto"):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
     "int8"/"int4": the target itself, quantized).
 
@@ -375,9 +375,9 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
     chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "ngram" (the
     most counted successors), draft models, "int8" / "int4" and draft heads (the continuations they
-    find most probable, grown as EAGLE-2 grows its tree). tree="auto" lets gamma="auto"'s policy
-    choose a tree (or a chain) each step where it expects more tokens per second from it; "off" or
-    None: chains.
+    find most probable, grown as EAGLE-2 grows its tree). tree="auto" (the default) lets
+    gamma="auto"'s policy choose a tree or a chain each step, whichever it expects more tokens per
+    second from (under a fixed gamma: chains, Algorithm 1 as written); "off" or None: chains.
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
     alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after
@@ -430,7 +430,7 @@ class Chunk:
 
 def stream(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
            seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-           tree=None):
+           tree="auto"):
     """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
     never text past a stop string (text that may begin one is held back until the next step tells).

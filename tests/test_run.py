@@ -2,6 +2,7 @@
 
 The tiny checkpoints have no tokenizer files, so prompts are given as --prompt-ids."""
 
+import inspect
 import json
 import re
 import subprocess
@@ -40,6 +41,18 @@ def run_json(capsys, *argv):
     assert run.main([*argv, "--device", "cpu", "--json"]) == 0
     stdout = capsys.readouterr().out
     return json.loads(stdout)  # fails unless stdout is exactly one JSON object
+
+
+def test_trees_are_the_default_and_a_fixed_gamma_keeps_algorithm_1s_chains(gpt2_dir, capsys):
+    """--tree defaults to auto, as generate's and the server's do: the policy chooses a tree or a chain
+    each step under --gamma auto; under a fixed gamma every step is a chain; --tree off: chains."""
+    from minispec.serve.__main__ import parse_args as serve_args
+    assert run.parse_args(["--target", gpt2_dir, *PROMPT_FLAG]).tree == "auto"
+    assert run.parse_args(["--target", gpt2_dir, *PROMPT_FLAG, "--tree", "off"]).tree is None
+    assert serve_args(["--target", gpt2_dir]).tree == "auto"
+    assert inspect.signature(minispec.generate).parameters["tree"].default == "auto"
+    fixed = run_json(capsys, "--target", gpt2_dir, *PROMPT_FLAG, "--draft", "lookup", "--gamma", "3")
+    assert fixed["stats"]["target_calls"] > 1 and "tree_nodes" not in fixed["stats"]
 
 
 def test_json_equals_generate(gpt2_dir, capsys):

@@ -546,6 +546,13 @@ class AdaptiveGamma:
         cost = self.t_draft + self.verify(i + 2) - self.verify(i + 1)
         return gain * self.seconds(i) > tokens * cost
 
+    def confidence_counts(self):
+        """(accepted, verified) per confidence bin: the chain's guesses', or the previewed trees' nodes'."""
+        if self.preview_tree is None:
+            return self.confidence
+        first, later = self.profile.tree_confidence
+        return [(a + c, v + w) for (a, v), (c, w) in zip(first, later)]
+
     @staticmethod
     def bin(confidence):
         return min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
@@ -633,9 +640,10 @@ class AdaptiveGamma:
             "gamma": "auto",
             "guesses_histogram": self.histogram,
             "alpha_estimate": {"first_guess": self.first.value, "after_an_accepted_guess": self.later_rate()},
-            # the pair's rate per bin of the drafter's confidence (0-0.2, ..., 0.8-1), None before any guess
+            # the pair's rate per bin of the drafter's confidence (0-0.2, ..., 0.8-1), None before any guess;
+            # with previewed trees, their nodes' (each given its parent survived), at every depth
             "acceptance_by_confidence": [accepted / verified if verified else None
-                                         for accepted, verified in self.confidence],
+                                         for accepted, verified in self.confidence_counts()],
             "cost_model": {"t_draft": self.t_draft,
                            "t_verify": {w: self.verify(w) if self.verify else None for w in range(1, self.k_max + 2)}},
             "expected_tokens_per_call": self.expected_tokens / steps if steps else 0.0,

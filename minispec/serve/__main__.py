@@ -26,9 +26,10 @@ def parse_args(argv=None):
     add_model_flags(parser, draft_default="lookup")
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
-    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N",
+    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N", default="auto",
                         help="verify a token tree of up to N guesses per target call (any --draft: ngram, lookup, "
-                             "a model, int8/int4 or a head); 'auto': a tree or a chain each step, as expected faster")
+                             "a model, int8/int4 or a head); 'auto' (the default): a tree or a chain each step, as "
+                             "expected faster; 'off': chains")
     parser.add_argument("--batch-size", type=int, default=4, help="requests decoded together (cache rows); default 4")
     parser.add_argument("--max-model-len", type=int,
                         help="positions per request, prompt and completion together (default: the target's context, "

@@ -69,7 +69,7 @@ class Scheduler:
     positions, and decodes every request in one engine.decode loop on its own thread. submit() queues
     a job (at most `max_waiting` wait for a row); cancel() ends one at the next step."""
 
-    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree=None):
+    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto"):
         drafting = api.Settings(draft=draft, gamma=gamma, tree=tree).drafting  # checks gamma and tree
         self.target, self.draft, self.gamma, self.rows, self.max_waiting = target, draft, gamma, rows, max_waiting
         self.tree = tree
