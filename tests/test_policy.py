@@ -551,21 +551,32 @@ def test_a_branching_drafters_tree_is_as_deep_as_the_chain_the_costs_choose():
 
 def test_trees_measured_faster_than_plain_steps_are_taken_whatever_a_says():
     """A head right a third of the time: a's estimate, from its last ~10 first guesses, often falls
-    below where one guess pays, and plain steps never correct it. Its trees' measured speed decides."""
-    for tree_rate, guesses in ((1.5, 1), (0.8, 0)):  # tokens per second of tree steps; a plain step takes 1 s
-        chooser = adaptive(0.02, [1.0] * 9, 0.3)
+    below where one guess pays, and plain steps never correct it. Its trees' measured speed against the
+    plain steps' measured speed decides (not the cost model's plain step: a fit, not a measurement)."""
+    for tree_rate, plain_seconds, guesses in ((1.5, 1.0, 1), (0.8, 1.0, 0), (1.5, 0.5, 0), (1.5, 0.0, 0)):
+        chooser = adaptive(0.02, [1.0] * 9, 0.3)  # the cost model's plain step: 1 s
         chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
-        chooser.profile.modes = {"chain": [1.0, 2.0], "tree": [tree_rate, 1.0]}
+        chooser.profile.modes = {"chain": [1.0, 2.0], "tree": [tree_rate, 1.0], "plain": [1.0, plain_seconds]}
         chooser.profile.preferred = "tree"
         assert chooser.guesses() == guesses
         assert (chooser.tree_nodes is not None) == bool(guesses)
+
+
+def test_a_branching_drafters_tree_is_probed_while_a_keeps_chains_out():
+    """Plain steps count towards the next try of the mode not preferred: with a's estimate too low for
+    any guess, a head's tree is still tried every PROBE_AFTER steps (and so measured), not never."""
+    chooser = adaptive(0.02, [1.0] * 9, 0.3)
+    chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
+    steps = [(chooser.guesses(), chooser.tree_nodes) for _ in range(policy.PROBE_AFTER)]
+    assert steps[:-1] == [(0, None)] * (policy.PROBE_AFTER - 1)
+    assert steps[-1][0] == 1 and steps[-1][1] is not None
 
 
 def test_stored_tree_costs_and_rates_are_checked():
     profile = policy.PairProfile()
     values = {name: getattr(profile, name) for name in profiles.FIELDS}
     profiles.check(values, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)
-    for name, bad in [("t_tree", [1.0] * 3), ("modes", {"chain": [1.0, -1.0], "tree": [0.0, 0.0]}),
+    for name, bad in [("t_tree", [1.0] * 3), ("modes", {"chain": [1.0, -1.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}),
                       ("tree_confidence", [[[2.0, 1.0]] * policy.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0]})]:
         with pytest.raises(ValueError, match="out of range"):
             profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)

@@ -41,7 +41,7 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   choices, so trees come only where they are expected to pay. A drafter whose trees cost forwards to
   grow (a draft model, a head) cannot be previewed: the policy keeps the tokens per second that its
   steps with guesses measured as chains and as trees, takes the better, and tries the other again
-  after PROBE_AFTER steps, the interval doubling up to PROBE_MAX while it stays behind. Its tree is as
+  after PROBE_AFTER steps of any kind, the interval doubling up to PROBE_MAX while it stays behind. Its tree is as
   deep as the chain the cost model chooses, TREE_WIDTH children a depth; where its trees measured
   faster than plain steps, it guesses whatever a says.
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
@@ -75,6 +75,10 @@ SHAPE_PRIOR = 0.1  # how firmly the widths keep the ratios of the pair's line wh
 # draft compiling its graph for a new width on first use, another process taking the cores) must not
 # price guessing out for good, while a lasting change still comes through within a few steps.
 OUTLIER = 3.0
+# Per step of each kind (a chain's, a tree's, a plain one): their tokens per second follow the last ~30
+# such steps. A step's tokens vary from 1 to k + 1, so over ~10 a short run of rejections (one hard
+# sentence) would price trees below plain steps, and their next probe could come a hundred steps later.
+MODE_DECAY = 0.97
 CALIBRATION_ROUNDS = 3
 # Before any step is timed, a verify over x token positions is priced at t·(1 + PRIOR_SLOPE·(x − x₀)),
 # t being a plain step over x₀ positions: dearer than measured on CPUs here (9 tokens at about 1.25x
@@ -148,10 +152,10 @@ class PairProfile:
         self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
         # tree="auto": seconds of a tree forward over w tokens (None: none timed yet), decayed
         # [accepted, verified] previewed tree nodes per confidence bin at depth 1 and deeper, and decayed
-        # [tokens, seconds] of the steps with guesses verified as chains and as trees
+        # [tokens, seconds] of the steps with guesses verified as chains and as trees, and of plain steps
         self.t_tree = None
         self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
-        self.modes = {"chain": [0.0, 0.0], "tree": [0.0, 0.0]}
+        self.modes = {"chain": [0.0, 0.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}
         self.mode_steps, self.mode_probe_after, self.preferred = 0, PROBE_AFTER, "chain"
         self.key = None  # of the pair's file (profiles.pair_key); None: kept in this process only
 
@@ -425,8 +429,9 @@ class AdaptiveGamma:
             self.previewed, self.confidences = self.preview(self.k_max)
             return self.best_for(self.confidences)
         best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
-        if best == 0 and self.trees_pay():
-            best = 1  # measured, whatever a's estimate says: a's is of a chain's first guess
+        mode, probing = self.choose_mode() if self.branching else ("chain", False)
+        if best == 0 and (self.trees_pay() or mode == "tree" and probing):
+            best = 1  # measured, or due to be, whatever a's estimate says: a's is of a chain's first guess
         if best == 0:
             # Plain steps count across requests: many short ones must not lock a pair out of speculating.
             profile = self.profile
@@ -439,7 +444,7 @@ class AdaptiveGamma:
         else:  # speculation pays again: should it stop, probe soon
             self.profile.plain_steps, self.profile.probe_after = 0, PROBE_AFTER
         self.confidences = []
-        if best and self.branching and self.choose_mode() == "tree":
+        if best and mode == "tree":
             # As deep as the chain the costs choose, each depth's nodes given TREE_WIDTH children: every
             # depth costs a draft forward, and a CPU's verify costs the same up to a few tokens and then
             # grows (docs/performance.md, "A head's tree"). A chain's early stop does not apply to a tree.
@@ -449,9 +454,10 @@ class AdaptiveGamma:
         return self.k_max if best and self.keep_guessing else best
 
     def trees_pay(self):
-        """Whether a branching drafter's tree steps measured more tokens per second than plain steps take."""
-        tokens, seconds = self.profile.modes["tree"]
-        return self.branching and seconds > 0 and tokens / seconds > 1.0 / self.seconds(0)
+        """Whether a branching drafter's tree steps measured more tokens per second than plain steps did:
+        both wall-clock times of whole steps, so alike (the cost model's plain step is a fit)."""
+        (tokens, seconds), (plain_tokens, plain_seconds) = self.profile.modes["tree"], self.profile.modes["plain"]
+        return self.branching and seconds > 0 and plain_seconds > 0 and tokens / seconds > plain_tokens / plain_seconds
 
     def plan_tree(self):
         """The previewed tree's first nodes with the most expected tokens per second (module docstring):
@@ -503,8 +509,10 @@ class AdaptiveGamma:
                 counts[1] = counts[1] * DECAY + 1
 
     def choose_mode(self):
-        """A branching drafter's step with guesses: "tree" or "chain", whichever measured the more tokens
-        per second, the other tried after profile.mode_probe_after steps (module docstring)."""
+        """A branching drafter's step: ("tree" or "chain", whichever measured the more tokens per second
+        in steps with guesses, False), or (the other, True) once profile.mode_probe_after steps of any
+        kind have passed since it was last tried (module docstring): counting plain steps too, a tree
+        that measured slow once is tried again while a's estimate keeps chains out."""
         profile = self.profile
         (chain_tokens, chain_seconds), (tree_tokens, tree_seconds) = profile.modes["chain"], profile.modes["tree"]
         preferred = "tree" if tree_seconds and (not chain_seconds or
@@ -513,9 +521,9 @@ class AdaptiveGamma:
             profile.preferred, profile.mode_probe_after = preferred, PROBE_AFTER
         profile.mode_steps += 1
         if profile.mode_steps < profile.mode_probe_after:
-            return preferred
+            return preferred, False
         profile.mode_steps, profile.mode_probe_after = 0, min(2 * profile.mode_probe_after, PROBE_MAX)
-        return "chain" if preferred == "tree" else "tree"
+        return ("chain" if preferred == "tree" else "tree"), True
 
     def expected_with(self, sure):
         """[E(0), E(1), ..] for guesses this sure, one after another."""
@@ -600,9 +608,9 @@ class AdaptiveGamma:
         if self.verify is None:  # the pair's first timed step, a plain one
             self.first_timing(step_seconds)
             return
-        if k and regular:
-            mode = self.profile.modes["tree" if nodes else "chain"]
-            mode[:] = [mode[0] * TIME_DECAY + len(emitted), mode[1] * TIME_DECAY + step_seconds]
+        if regular or not k:
+            mode = self.profile.modes["plain" if not k else "tree" if nodes else "chain"]
+            mode[:] = [mode[0] * MODE_DECAY + len(emitted), mode[1] * MODE_DECAY + step_seconds]
         if k and self.measure_draft and regular and not nodes:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)

@@ -22,7 +22,7 @@ import torch
 from ..loading.builtin import weights_dir
 from .tree import TREE_AUTO
 
-VERSION = 3  # of the files' contents; files of another version are ignored (3: tree steps of draft models shaped anew)
+VERSION = 4  # of the files' contents; files of another version are ignored (4: plain steps' speed kept beside trees')
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "t_tree",
           "tree_confidence", "modes")
 
@@ -95,7 +95,7 @@ def check(values, widths, bins):
 
     modes = values["modes"]
     fine = (line(values["t_verify"], widths) and line(values["t_tree"], TREE_AUTO + 2)
-            and isinstance(modes, dict) and sorted(modes) == ["chain", "tree"]
+            and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
             and all(isinstance(m, list) and len(m) == 2 and all(number(x, high=1e9) for x in m) for m in modes.values())
             and isinstance(values["tree_confidence"], list) and len(values["tree_confidence"]) == 2
             and all(isinstance(b, list) and len(b) == bins and all(counts(c) for c in b)
