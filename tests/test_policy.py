@@ -544,7 +544,7 @@ def test_a_branching_drafters_tree_is_as_deep_as_the_chain_the_costs_choose():
         chooser = adaptive(alpha, STEEP, t_draft, confident_drafter=True)
         chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
         chain = max(range(9), key=lambda k: chooser.expected(k) / chooser.seconds(k))
-        chooser.profile.modes = {"chain": [1.0, 1.0], "tree": [9.0, 1.0]}  # trees measured faster
+        chooser.profile.modes = {"chain": [1.0, 1.0], "tree": [9.0, 1.0], "plain": [0.0, 0.0]}  # trees measured faster
         assert chooser.guesses() == chain > 0
         assert chooser.tree_nodes == min(chain * TREE_WIDTH, policy.TREE_AUTO)
 

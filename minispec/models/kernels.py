@@ -235,7 +235,7 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     rows = len(parents)
     blocks = cache_positions // KEY_BLOCK
     positions, first_block = [], []
-    moved = [[], [], [], []]  # (row, token, position, slot) of each key read from another slot than its position's
+    moved = []  # (row, token, position, slot) of each key read from another slot than its position's
     for r, (length, row_parents, width) in enumerate(zip(lengths, parents, widths)):
         written = len(row_parents) - width  # nodes already in the cache
         start = length - written  # the slot of node 0, which sits at position start
@@ -251,9 +251,7 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
         last = max(width - 1, 0)  # padding tokens read as the row's last token does
         row_moved += [(t, position, slot) for t in range(width, n) for token, position, slot in row_moved
                       if token == last]
-        for token, position, slot in row_moved:
-            for column, value in zip(moved, (r, token, position, slot)):
-                column.append(value)
+        moved += [(r, token, position, slot) for token, position, slot in row_moved]
         fed = [start + d for d in depth[written:]] or [length]  # nothing to feed: a placeholder at its length
         positions.append(fed + [fed[-1]] * (n - len(fed)))
         # The window: the blocks from the first position some token reads from another slot (a chain
@@ -268,10 +266,9 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     # Built on the device from the moved keys: a few hundred numbers cross instead of the window.
     span = to_device(span, device)
     window = span[:, None, :].repeat(1, n, 1)  # outside a token's path, a position's key is in its own slot
-    if moved[0]:
-        starts = [first * KEY_BLOCK for first in first_block]
-        moved[2] = [position - starts[r] for r, position in zip(moved[0], moved[2])]
-        row, token, offset, slot = to_device(moved, device)
+    if moved:  # each moved key at its offset in its row's window
+        moved = [(r, token, position - first_block[r] * KEY_BLOCK, slot) for r, token, position, slot in moved]
+        row, token, offset, slot = to_device(list(zip(*moved)), device)
         window.index_put_((row, token, offset), slot)
     return TreeLayout(to_device(positions, device), window, span, first_block=first_block[0], shared={})
 
