@@ -135,22 +135,21 @@ def test_memory_bandwidth_helpers(dirs, tmp_path):
 
 def test_read_bandwidth_is_a_streaming_read():
     """The measured limit is what a sum over a buffer far larger than the caches reaches: plausible for
-    any CPU (more than 1 GB/s, less than 1 TB/s), and of the order of a timed copy of the same buffer (a
-    copy reads and writes each byte, so it takes one to three times the sum's time). A limit measured
-    over a cache-sized buffer, or counting bytes wrongly, lands outside. Measured afresh beside the
-    copies, round after round, the best of each: other work on the machine (CI beside a training run
-    gave a limit 5.6x a later copy's rate) then slows both alike."""
+    any CPU (more than 1 GB/s, less than 1 TB/s), and within 2x of another streaming read of the same
+    buffer, a max (different arithmetic, the same bytes). A limit measured over a cache-sized buffer, or
+    counting bytes wrongly, lands outside. A copy was the yardstick once, but a copy writes too, and its
+    cost against a read varies by machine: CI measured a sum 6.3x a copy's read rate. Measured afresh
+    beside each other, round after round, the best of each: other work on the machine slows both alike."""
     assert 1e9 < memory.read_bandwidth(torch.device("cpu")) < 1e12
     buffer = torch.ones(memory.READ_BUFFER_BYTES["cpu"] // 4)
-    copy = torch.empty_like(buffer)
     limit, fastest = 0.0, float("inf")
     for _ in range(3):
         limit = max(limit, memory.read_bandwidth.__wrapped__(torch.device("cpu")))  # not the process's cached one
         start = time.perf_counter()
-        copy.copy_(buffer)
+        buffer.amax().item()
         fastest = min(fastest, time.perf_counter() - start)
-    copy_read_rate = buffer.numel() * 4 / fastest
-    assert 1 < limit / copy_read_rate < 4
+    max_read_rate = buffer.numel() * 4 / fastest
+    assert 1 / 2 < limit / max_read_rate < 2
 
 
 def test_memory_does_not_grow_with_generated_tokens(dirs, tmp_path, capsys):
