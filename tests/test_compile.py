@@ -6,7 +6,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import minispec
-from minispec.decoding import drafters
+from minispec.decoding import drafters, policy
 from conftest import make_reference, noisy_copy, save_reference
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -96,7 +96,7 @@ def test_a_graph_per_power_of_two_of_widths(checkpoint):
         torch.testing.assert_close(logits, eager.decode(tokens[:, :n]), rtol=1e-4, atol=1e-4)
         assert all(cache.k[0, :, len(PROMPT) + n - 1].any() and not cache.k[0, :, len(PROMPT) + n:].any()
                    for cache in caches)
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == 2 == len(model.graphs)
 
 
 def test_compiled_trees_match_eager_and_never_recompile(checkpoint):
@@ -112,6 +112,29 @@ def test_compiled_trees_match_eager_and_never_recompile(checkpoint):
                 m.prefill(torch.arange(length)[None] % 50)
                 logits.append(m.decode_rows(tokens, [length], parents=parents))
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert len(model.graphs) == 1
+
+
+def test_a_step_that_compiles_a_graph_is_not_timed(checkpoint, monkeypatch):
+    """The policy prices steps by their wall time, but a compiled forward meeting a new width compiles a
+    graph first, seconds to minutes on a CPU that no later step costs again: such a step reaches the
+    policy untimed. (Timed, the first plain step's compile set SmolLM2's verify line at 24 s a token,
+    and a `lookup` request never guessed.) Every step after the prompt's is timed unless the target's
+    or the draft's graphs grew during it, and some did grow."""
+    target = minispec.load(checkpoint, compile=True)
+    steps = []
+    observe = policy.FixedGamma.observe
+
+    def spy(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
+        draft = drafters.SELF_DRAFTS[target]["int8"]
+        steps.append((len(target.graphs) + len(draft.graphs), step_seconds))
+        return observe(self, k, n, emitted, draft_seconds, step_seconds, nodes)
+
+    monkeypatch.setattr(policy.FixedGamma, "observe", spy)
+    minispec.generate(target, PROMPT, draft="int8", gamma=3, max_new_tokens=24, ignore_eos=True)
+    compiled = [after > before for (before, _), (after, _) in zip(steps, steps[1:])]
+    assert any(compiled) and not all(compiled)
+    assert all((seconds is None) == grew for grew, (_, seconds) in zip(compiled, steps[1:]))
 
 
 class ReusedOutputs:

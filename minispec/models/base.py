@@ -58,6 +58,13 @@ def compiled_width(n):
     return 1 << (n - 1).bit_length()
 
 
+def graph_shapes(*inputs):
+    """What a compiled forward's graph is specialized on (dynamic=False): the shapes of its tensors and
+    its other arguments as they are. A forward meeting new ones compiles a graph first, seconds to
+    minutes on a CPU: decoding counts `CachedLM.graphs` to keep such a step's time out of its cost model."""
+    return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
 class KVCache(nn.Module):
     """Keys and values of one attention layer, preallocated for `max_seq_len` positions."""
 
@@ -165,6 +172,7 @@ class CachedLM(nn.Module):
         self.name = type(self).__name__
         self.fingerprint = None  # set by the loader: the checkpoint's files (minispec.decoding.profiles)
         self.compiled_forward = None  # set by compile()
+        self.graphs = set()  # the input shapes the compiled forward has met: one graph each (graph_shapes)
         self.busy = None  # the thread whose generate() call is using the model and its caches (api.exclusive)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
         self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
@@ -260,6 +268,7 @@ class CachedLM(nn.Module):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
         self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
+        self.graphs = set()
         return self
 
     def encode(self, prompt):
@@ -363,6 +372,9 @@ class CachedLM(nn.Module):
         layout = None if parents is None else tree_layout(lengths, parents, widths, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
             tokens = tokens.clone(memory_format=torch.contiguous_format)
+            trees = () if layout is None else (layout.positions, layout.window, layout.window_positions)
+            self.graphs.add(graph_shapes(tokens, input_pos, *trees, hidden, inputs, self.cache_batch_size,
+                                         self.cache_max_seq_len))
             if hidden or inputs is not None:
                 out = compiled(tokens, input_pos, None, layout, None, hidden, inputs)
                 return (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
