@@ -22,7 +22,7 @@ import torch
 from ..loading.builtin import weights_dir
 from .tree import TREE_AUTO
 
-VERSION = 4  # of the files' contents; files of another version are ignored (4: plain steps' speed kept beside trees')
+VERSION = 5  # of the files' contents; files of another version are ignored (5: compiled pairs timed their graphs' compiles)
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "t_tree",
           "tree_confidence", "modes")
 
