@@ -115,6 +115,24 @@ def test_compiled_trees_match_eager_and_never_recompile(checkpoint):
     assert len(model.graphs) == 1
 
 
+def test_a_lone_chain_and_tree_of_one_width_share_a_graph_on_a_cpu(checkpoint):
+    """On a CPU a lone request's chain goes through the tree path when compiled: with trees chosen per
+    step, one graph per width instead of two (each minutes for a large model on a CPU). Its logits
+    stay the eager chain's."""
+    model, eager = minispec.load(checkpoint, compile=True), minispec.load(checkpoint)
+    for m in (model, eager):
+        m.setup_caches(1, 64)
+        m.prefill(torch.tensor([PROMPT]))
+    counters.clear()
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    for parents in (None, [[-1, 0, 0, 1, 1]], None):
+        for m in (model, eager):
+            m.rollback(len(PROMPT))
+        torch.testing.assert_close(model.decode_rows(tokens, [len(PROMPT)], parents=parents),
+                                   eager.decode_rows(tokens, [len(PROMPT)], parents=parents), rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1 == len(model.graphs)
+
+
 def test_a_step_that_compiles_a_graph_is_not_timed(checkpoint, monkeypatch):
     """The policy prices steps by their wall time, but a compiled forward meeting a new width compiles a
     graph first, seconds to minutes on a CPU that no later step costs again: such a step reaches the
@@ -146,10 +164,10 @@ class ReusedOutputs:
         self.outputs = []
 
     def install(self, model):
-        def forward(tokens, input_pos):
+        def forward(tokens, input_pos, *rest):  # rest: a tree's layout (chains on a CPU are trees too)
             for old in self.outputs:
                 old.fill_(float("nan"))
-            self.outputs = [model.forward(tokens, input_pos)]
+            self.outputs = [model.forward(tokens, input_pos, *rest)]
             return self.outputs[0]
 
         model.compiled_forward = forward  # where decode() looks for the compiled forward

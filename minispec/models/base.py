@@ -363,6 +363,11 @@ class CachedLM(nn.Module):
         fed = n
         if compiled is not None:  # a graph per width bucket, not per width: the rest padded as above
             n = compiled_width(n)
+            if parents is None and n > 1 and rows == 1 and self.device.type == "cpu":
+                # A lone request's chain as the tree it is: one graph per width serves its chains and
+                # trees, where two took twice the compiling; on a CPU the tree path costs what a chain's
+                # does (on a GPU 20% more: docs/performance.md, "Chains through the tree graphs").
+                parents = [list(range(-1, widths[0] - 1))]
             tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)
                               for x in (tokens, inputs))
         slots = [[length + min(j, max(width - 1, 0)) for j in range(n)] for length, width in zip(lengths, widths)]
