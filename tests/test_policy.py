@@ -535,9 +535,10 @@ def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_o
     assert 3 <= others <= 5  # probes 8 (or 16), 16, 32, 64, 128 steps apart
 
 
-def test_a_branching_drafters_tree_is_as_deep_as_the_chain_the_costs_choose():
-    """A tree step of a draft model or head: each depth costs a draft forward, so the tree is as deep as
-    the chain the cost model would verify (not the early stop's k_max), each depth TREE_WIDTH wide."""
+def test_a_branching_drafters_tree_is_its_likeliest_first_guesses():
+    """A tree step of a draft model or head: each depth costs a draft forward, and deeper trees measured
+    slower than one depth (docs/performance.md), so the tree is the drafter's TREE_WIDTH likeliest first
+    guesses, however deep a chain the cost model would verify, for a weak drafter and a sure one."""
     from minispec.decoding.drafters import TREE_WIDTH
 
     for alpha, t_draft in ((0.4, 0.1), (0.95, 0.02)):
@@ -545,8 +546,8 @@ def test_a_branching_drafters_tree_is_as_deep_as_the_chain_the_costs_choose():
         chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
         chain = max(range(9), key=lambda k: chooser.expected(k) / chooser.seconds(k))
         chooser.profile.modes = {"chain": [1.0, 1.0], "tree": [9.0, 1.0], "plain": [0.0, 0.0]}  # trees measured faster
-        assert chooser.guesses() == chain > 0
-        assert chooser.tree_nodes == min(chain * TREE_WIDTH, policy.TREE_AUTO)
+        assert chain > 1 or alpha < 0.5
+        assert chooser.guesses() == 1 and chooser.tree_nodes == TREE_WIDTH
 
 
 def test_trees_measured_faster_than_plain_steps_are_taken_whatever_a_says():

@@ -41,9 +41,9 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   choices, so trees come only where they are expected to pay. A drafter whose trees cost forwards to
   grow (a draft model, a head) cannot be previewed: the policy keeps the tokens per second that its
   steps with guesses measured as chains and as trees, takes the better, and tries the other again
-  after PROBE_AFTER steps of any kind, the interval doubling up to PROBE_MAX while it stays behind. Its tree is as
-  deep as the chain the cost model chooses, TREE_WIDTH children a depth; where its trees measured
-  faster than plain steps, it guesses whatever a says.
+  after PROBE_AFTER steps of any kind, the interval doubling up to PROBE_MAX while it stays behind. Its tree is
+  its TREE_WIDTH likeliest first guesses; where its trees measured faster than plain steps, it guesses
+  whatever a says.
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
   every probe that finds it still does not. No probe where the timings say that even guesses that all
@@ -445,11 +445,11 @@ class AdaptiveGamma:
             self.profile.plain_steps, self.profile.probe_after = 0, PROBE_AFTER
         self.confidences = []
         if best and mode == "tree":
-            # As deep as the chain the costs choose, each depth's nodes given TREE_WIDTH children: every
-            # depth costs a draft forward, and a CPU's verify costs the same up to a few tokens and then
-            # grows (docs/performance.md, "A head's tree"). A chain's early stop does not apply to a tree.
-            self.tree_nodes = min(best * TREE_WIDTH, TREE_AUTO)
-            return best
+            # The drafter's TREE_WIDTH likeliest first guesses, one depth: every depth more costs a draft
+            # forward, and trees as deep as the chain the costs choose (TREE_WIDTH children a depth, or
+            # one) were slower with a head on a CPU (docs/performance.md, "A head's tree, one depth").
+            self.tree_nodes = TREE_WIDTH
+            return 1
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
 
