@@ -133,6 +133,17 @@ def test_a_lone_chain_and_tree_of_one_width_share_a_graph_on_a_cpu(checkpoint):
     assert counters["stats"]["unique_graphs"] == 1 == len(model.graphs)
 
 
+def test_auto_trees_fit_the_widest_chain_graph():
+    """tree="auto" weighs trees of up to TREE_AUTO guesses, fed with the token before them: that forward
+    fits the graph of the widest chain gamma="auto" verifies (GAMMA_MAX guesses and that token), so
+    trees compile no wider graph (a 17th token would pad the forward to 32 rows)."""
+    from minispec.decoding.policy import GAMMA_MAX
+    from minispec.decoding.tree import TREE_AUTO
+    from minispec.models.base import compiled_width
+
+    assert compiled_width(TREE_AUTO + 1) == compiled_width(GAMMA_MAX + 1)
+
+
 def test_a_step_that_compiles_a_graph_is_not_timed(checkpoint, monkeypatch):
     """The policy prices steps by their wall time, but a compiled forward meeting a new width compiles a
     graph first, seconds to minutes on a CPU that no later step costs again: such a step reaches the

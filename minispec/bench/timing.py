@@ -14,7 +14,7 @@ from ..models.kernels import without_row_invariance
 from .memory import bandwidth
 
 STEP_SAMPLES = 25  # forwards timed per step-time median
-FORWARD_WIDTHS = (1, 2, 4, 8, 16)  # the target forwards timed besides the verifications: up to tree.TREE_AUTO
+FORWARD_WIDTHS = (1, 2, 4, 8, 16)  # the target forwards timed besides the verifications: up to tree.TREE_AUTO + 1
 
 
 def synchronize(device):

@@ -36,8 +36,9 @@ from .sampling import adjust, sample, sample_distinct
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
 # tree="auto": the most guesses the policy weighs a step's tree at (policy.py). A wider forward costs more
-# than its extra nodes bring on a CPU (docs/performance.md, "Token trees").
-TREE_AUTO = 16
+# than its extra nodes bring on a CPU (docs/performance.md, "Token trees"). With the token before them,
+# 16 tokens: a compiled target's widest chain graph, where a 17th would compile a graph padded to 32.
+TREE_AUTO = 15
 
 
 def feed_parents(unseen, parents, guesses):
