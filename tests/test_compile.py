@@ -130,7 +130,8 @@ def test_a_lone_chain_and_tree_of_one_width_share_a_graph_on_a_cpu(checkpoint):
             m.rollback(len(PROMPT))
         torch.testing.assert_close(model.decode_rows(tokens, [len(PROMPT)], parents=parents),
                                    eager.decode_rows(tokens, [len(PROMPT)], parents=parents), rtol=1e-4, atol=1e-4)
-    assert counters["stats"]["unique_graphs"] == 1 == len(model.graphs)
+    # dynamo may reuse a graph an earlier test compiled for another model of these shapes: at most one
+    assert counters["stats"]["unique_graphs"] <= 1 and len(model.graphs) == 1
 
 
 def test_auto_trees_fit_the_widest_chain_graph():
