@@ -167,6 +167,24 @@ def test_a_step_that_compiles_a_graph_is_not_timed(checkpoint, monkeypatch):
     assert all((seconds is None) == grew for grew, (_, seconds) in zip(compiled, steps[1:]))
 
 
+def test_a_beam_step_that_compiles_a_graph_is_not_timed(checkpoint, monkeypatch):
+    """The same for speculative beam search, whose steps verify w + u·k rows: untimed where the target's
+    or the draft's graphs grew during the step, timed otherwise (the first step is the prompt's)."""
+    target, draft = minispec.load(checkpoint, compile=True), minispec.load(checkpoint, compile=True)
+    steps = []
+    observe = policy.FixedGamma.observe
+
+    def spy(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
+        steps.append((len(target.graphs) + len(draft.graphs), step_seconds))
+        return observe(self, k, n, emitted, draft_seconds, step_seconds, nodes)
+
+    monkeypatch.setattr(policy.FixedGamma, "observe", spy)
+    minispec.generate(target, PROMPT, draft=draft, gamma=2, beams=2, draft_beams=2, max_new_tokens=12, ignore_eos=True)
+    compiled = [after > before for (before, _), (after, _) in zip(steps, steps[1:])]
+    assert any(compiled) and not all(compiled)
+    assert all((seconds is None) == grew for grew, (_, seconds) in zip(compiled, steps[1:]))
+
+
 class ReusedOutputs:
     """CUDA graphs' memory reuse, on CPU: a replay writes its outputs where earlier replays' outputs
     live (cudagraph trees share one memory pool across graphs), so logits read after a later forward
