@@ -197,6 +197,13 @@ def reads_on_host(drafter):
     return drafter.model is None or drafter.model.device.type == "cpu"
 
 
+def graphs_met(*models):
+    """How many graphs the models' compiled forwards have met (None: no model): a step that adds one
+    compiled it first, seconds to minutes on a CPU that no later step costs again, so its time is no
+    measure of the costs."""
+    return sum(len(model.graphs) for model in models if model is not None)
+
+
 def weight_bytes(model):
     return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
 

@@ -27,6 +27,7 @@ import torch
 
 from ..models.kernels import to_device
 from .drafters import propose_all
+from .policy import graphs_met
 from .sampling import adjust, sample
 from .tree import feed_parents, sample_walk, walk
 
@@ -72,20 +73,14 @@ def accept_greedy(logits, drafts):
     return n, best[n]
 
 
-def graphs_met(target, rows):
-    """How many graphs the compiled forwards of the target and the rows' draft models have met: a step
-    that adds one compiled it, seconds to minutes on a CPU that no later step costs again."""
-    models = [target] + [getattr(row.drafter, "model", None) for row in rows]
-    return sum(len(model.graphs) for model in models if model is not None)
-
-
 @torch.inference_mode()
 def step(target, rows):
     """One step of Algorithm 1 for every row of a batch (a lone request is a batch of one row, in cache
     row 0; rows are in cache-row order). Each row verifies its own guesses with its own sampling and
     generator; the guesses of all rows are drafted together and verified in one target forward.
     Returns the rows that ended."""
-    started, graphs = time.perf_counter(), graphs_met(target, rows)
+    models = [target] + [getattr(row.drafter, "model", None) for row in rows]  # whose graphs a step may compile
+    started, graphs = time.perf_counter(), graphs_met(*models)
     # Sample γ guesses x_1..x_γ from M_q, γ as each row's policy chooses (never past max_new_tokens).
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
         proposals = [(torch.zeros(0, dtype=torch.long, device=target.device), None, None)] * len(rows)
@@ -108,7 +103,7 @@ def step(target, rows):
     # Roll both caches back to the accepted sequence; each target row has yet to see its t.
     ended, start = [], 0
     # A step's time is the row's only when the forwards were its own, and none compiled a graph first.
-    timed = len(rows) == 1 and graphs_met(target, rows) == graphs
+    timed = len(rows) == 1 and graphs_met(*models) == graphs
     for row, p, (drafts, q, parents), (n, t, overlap), state in zip(rows, logits, proposals, verdicts, states):
         k = drafts.shape[0]
         timing = (drafted - started, time.perf_counter() - started) if timed else None
