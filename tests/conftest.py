@@ -161,15 +161,25 @@ def attention(request, monkeypatch):
     return request.param
 
 
+class Kept(list):
+    """A mode's [tokens, seconds] that steps do not move (known_costs)."""
+
+    def __setitem__(self, index, value):
+        pass
+
+
 @pytest.fixture
 def known_costs(monkeypatch):
     """gamma="auto" believing, and keeping, fixed costs: a guess at a tenth of a verification, whose
-    cost does not grow with its width. The tiny models' real costs make speculation pointless (a draft
-    as large as its target), so without this "auto" would mostly decide not to guess."""
+    cost does not grow with its width, and a draft model's chain steps measured faster than its tree
+    steps, these no faster than plain ones (so its trees come only as the policy's counted tries, not
+    as the machine's timings happen to fall). The tiny models' real costs make speculation pointless
+    (a draft as large as its target), so without this "auto" would mostly decide not to guess."""
     from minispec.decoding import policy
 
     def stored_profile(profile):  # as if a former process had measured these
         profile.t_verify, profile.t_draft = [0.0] + [1.0] * (policy.GAMMA_MAX + 1), 0.1
+        profile.modes = {"chain": Kept([2.0, 1.0]), "tree": Kept([1.0, 1.0]), "plain": Kept([1.0, 1.0])}
 
     monkeypatch.setattr(policy, "stored_profile", stored_profile)
     monkeypatch.setattr(policy, "TIME_SMOOTHING", 0.0)
