@@ -41,6 +41,19 @@ def test_compiled_decoding_matches_eager_and_never_recompiles(checkpoint):
                                              temperature=1.0, seed=1).tokens
 
 
+def test_compiling_on_a_cpu_skips_inductors_instruction_set_probe(checkpoint, monkeypatch):
+    """Where minispec's kernels built for this CPU, inductor is told its vector instructions work rather
+    than building and loading test programs in every process (7 s cold, 1 s warm); a user's own
+    setting stands."""
+    from minispec.models import native
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
+    minispec.load(checkpoint, compile=True)
+    assert torch._inductor.config.cpp.vec_isa_ok is (True if native.available() else None)
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
+    minispec.load(checkpoint, compile=True)
+    assert torch._inductor.config.cpp.vec_isa_ok is False
+
+
 def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoint):
     """Quantized layers compile into the same full graphs (fullgraph=True: no graph break) and, after
     warm-up, never recompile: an int4 target decoding plain and sampled, and a float target drafting

@@ -210,6 +210,21 @@ def test_quantized_model_logits(gentle_dirs, kind, mode):
     assert (quantized - float_model).abs().max() <= {"int8": 0.05, "int4": 0.3}[mode] * scale
 
 
+@pytest.mark.parametrize("mode", quant.MODES)
+def test_quantizing_at_load_quantizes_the_float_models_weights(gentle_dirs, tmp_path, mode):
+    """load(quantize=) quantizes the weights as the file stores them, each chunk rounded to the model's
+    dtype first (no float copy of the whole model): the same tensors, in the same dtypes, as quantizing
+    the float model loaded (quantized_copy), for a bfloat16 file read in float32 and the reverse."""
+    bfloat16_dir = save_reference(spread_init(make_reference("llama"), seed=0, gain=1.0).to(torch.bfloat16),
+                                  tmp_path / "bfloat16")
+    for directory, dtype in ((bfloat16_dir, torch.float32), (gentle_dirs["llama"], torch.bfloat16)):
+        loaded = minispec.load(directory, quantize=mode, dtype=dtype).state_dict()
+        copied = quant.quantized_copy(minispec.load(directory, dtype=dtype), mode).state_dict()
+        assert loaded.keys() == copied.keys()
+        for key, tensor in loaded.items():
+            assert tensor.dtype == copied[key].dtype and torch.equal(tensor, copied[key]), (directory, key)
+
+
 def test_int4_layers_the_kernel_cannot_take_are_int8(reference_dirs, capsys):
     t5 = minispec.load(reference_dirs["t5_v1_1"][1], quantize="int4")  # d_ff 48: wo's in_features
     names = [f"{stack}.{i}.ffn.wo" for stack in ("encoder", "decoder") for i in range(2)]

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .kernels import can_pack, linear, pack, to_device, tree_layout, whole_blocks
 
 
@@ -266,6 +267,11 @@ class CachedLM(nn.Module):
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        if self.device.type == "cpu" and torch._inductor.config.cpp.vec_isa_ok is None and native.available():
+            # Inductor finds the vector instructions it may use by building and loading test programs, in
+            # every process: 7 s with a cold cache, 1 s warm. minispec's kernels, built for -march=native
+            # by the same toolchain, have answered that already; the CPU's flags still pick the set.
+            torch._inductor.config.cpp.vec_isa_ok = True
         mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
         self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         self.graphs = set()

@@ -332,7 +332,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
         target = torch.device(device) if device is not None else module.weight.device
         if isinstance(module, Embedding):
             if parts is None:
-                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim))
+                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim), dtype)
             elif is_int4(parts):
                 parts = widen_int4(parts)
             model.set_submodule(name, Int8Embedding(on(parts, target), dtype))
@@ -346,8 +346,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                 int4 = False
         if parts is None:
             int8_group = head_group(module.in_features) if module is head else None
-            parts = (in_row_chunks(quantize_int4, module.weight, group_size) if int4 else
-                     in_row_chunks(quantize_int8, module.weight, int8_group))
+            parts = (in_row_chunks(quantize_int4, module.weight, group_size, dtype) if int4 else
+                     in_row_chunks(quantize_int8, module.weight, int8_group, dtype))
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
@@ -362,11 +362,12 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
 CHUNK_ELEMENTS = 1 << 22
 
 
-def in_row_chunks(quantize, weight, group_size):
+def in_row_chunks(quantize, weight, group_size, dtype):
     """quantize(weight, group_size), a few rows at a time: its float temporaries are then a few 16 MiB
-    chunks, not a few copies of the largest weight (a 49152 x 576 head makes 113 MB ones)."""
+    chunks, not a few copies of the largest weight (a 49152 x 576 head makes 113 MB ones). Each chunk
+    is rounded to `dtype` first: the weights the model's float form would hold, whatever the file's."""
     rows = max(1, CHUNK_ELEMENTS // weight.shape[1])
-    chunks = [quantize(weight[i:i + rows], group_size) for i in range(0, weight.shape[0], rows)]
+    chunks = [quantize(weight[i:i + rows].to(dtype), group_size) for i in range(0, weight.shape[0], rows)]
     return {key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]}
 
 
