@@ -198,10 +198,10 @@ def reads_on_host(drafter):
 
 
 def graphs_met(*models):
-    """How many graphs the models' compiled forwards have met (None: no model): a step that adds one
-    compiled it first, seconds to minutes on a CPU that no later step costs again, so its time is no
-    measure of the costs."""
-    return sum(len(model.graphs) for model in models if model is not None)
+    """How many graphs the models' compiled forwards have compiled (None: no model): a step that adds
+    one compiled it first, seconds to minutes on a CPU that no later step costs again, so its time is
+    no measure of the costs."""
+    return sum(model.graphs for model in models if model is not None)
 
 
 def weight_bytes(model):

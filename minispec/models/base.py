@@ -53,17 +53,16 @@ compile_region = getattr(torch.compiler, "nested_compile_region", lambda functio
 
 
 def compiled_width(n):
-    """The token width of the compiled graph that decodes n tokens: the next power of two. A graph per
-    width met (gamma="auto" meets every width up to 17, trees more) compiled for minutes on a CPU, in
-    the middle of requests; padded rows repeat the last token (decode_rows), which costs less."""
+    """On a GPU, the token width of the compiled graph that decodes n tokens: the next power of two. A
+    graph per width met (gamma="auto" meets every width up to 17, trees more) would be captured in the
+    middle of requests; padded rows repeat the last token (decode_rows), which costs less. (A CPU
+    compiles one graph for every width above 1 instead: CachedLM.decode_rows.)"""
     return 1 << (n - 1).bit_length()
 
 
-def graph_shapes(*inputs):
-    """What a compiled forward's graph is specialized on (dynamic=False): the shapes of its tensors and
-    its other arguments as they are. A forward meeting new ones compiles a graph first, seconds to
-    minutes on a CPU: decoding counts `CachedLM.graphs` to keep such a step's time out of its cost model."""
-    return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in inputs)
+def graphs_compiled():
+    """How many graphs torch.compile has made in this process (dynamo's count)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class KVCache(nn.Module):
@@ -173,7 +172,7 @@ class CachedLM(nn.Module):
         self.name = type(self).__name__
         self.fingerprint = None  # set by the loader: the checkpoint's files (minispec.decoding.profiles)
         self.compiled_forward = None  # set by compile()
-        self.graphs = set()  # the input shapes the compiled forward has met: one graph each (graph_shapes)
+        self.graphs = 0  # how many graphs the compiled forward has compiled (decode_rows)
         self.busy = None  # the thread whose generate() call is using the model and its caches (api.exclusive)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
         self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
@@ -259,10 +258,11 @@ class CachedLM(nn.Module):
                    if isinstance(m, KVCache))
 
     def compile(self, mode=None):
-        """torch.compile the decode forward: static shapes (the caches are preallocated), one graph per
-        width bucket (`compiled_width`: 1 for plain decoding, γ+1 rounded up for a verify), each compiled
-        on first use; the families mark each layer's parts as compile regions, traced and compiled once
-        for all the layers of a graph.
+        """torch.compile the decode forward: static shapes (the caches are preallocated) but for the token
+        width, one graph for 1 token (plain decoding) and one for any more on a CPU (decode_rows), a graph
+        per width bucket on a GPU (`compiled_width`: γ+1 rounded up for a verify), each compiled on first
+        use; the families mark each layer's parts as compile regions, traced and compiled once for all
+        the layers of a graph.
         Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
@@ -274,7 +274,7 @@ class CachedLM(nn.Module):
             torch._inductor.config.cpp.vec_isa_ok = True
         mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
         self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
-        self.graphs = set()
+        self.graphs = 0
         return self
 
     def encode(self, prompt):
@@ -367,12 +367,16 @@ class CachedLM(nn.Module):
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
         compiled = self.compiled_forward if first_row == 0 and not eager and logits_for is None else None
         fed = n
-        if compiled is not None:  # a graph per width bucket, not per width: the rest padded as above
-            n = compiled_width(n)
+        # On a CPU one graph serves every width above 1, its token dimension symbolic: a graph per power
+        # of two of widths compiled for 15-20 s each (seven graphs for a 1.5B target and its draft), and
+        # fed the padded rows' arithmetic too (docs/performance.md, "One graph for every width").
+        any_width = compiled is not None and n > 1 and self.device.type == "cpu"
+        if compiled is not None:  # on a GPU a graph per width bucket, not per width: the rest padded as above
+            n = n if any_width else compiled_width(n)
             if parents is None and n > 1 and rows == 1 and self.device.type == "cpu":
-                # A lone request's chain as the tree it is: one graph per width serves its chains and
-                # trees, where two took twice the compiling; on a CPU the tree path costs what a chain's
-                # does (on a GPU 20% more: docs/performance.md, "Chains through the tree graphs").
+                # A lone request's chain as the tree it is: one graph serves its chains and trees, where
+                # two took twice the compiling; on a CPU the tree path costs what a chain's does (on a
+                # GPU 20% more: docs/performance.md, "Chains through the tree graphs").
                 parents = [list(range(-1, widths[0] - 1))]
             tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)
                               for x in (tokens, inputs))
@@ -383,14 +387,21 @@ class CachedLM(nn.Module):
         layout = None if parents is None else tree_layout(lengths, parents, widths, n, positions, tokens.device)
         if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
             tokens = tokens.clone(memory_format=torch.contiguous_format)
-            trees = () if layout is None else (layout.positions, layout.window, layout.window_positions)
-            self.graphs.add(graph_shapes(tokens, input_pos, *trees, hidden, inputs, self.cache_batch_size,
-                                         self.cache_max_seq_len))
+            if any_width:  # the width is symbolic (a width 1 stays a graph of its own: dynamo specializes 1)
+                widthwise = [(tokens, 1), (input_pos, -1), (inputs, 1)]
+                if layout is not None:
+                    widthwise += [(layout.positions, 1), (layout.window, 1)]
+                for tensor, dim in widthwise:
+                    if tensor is not None:
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
+            before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
             if hidden or inputs is not None:
                 out = compiled(tokens, input_pos, None, layout, None, hidden, inputs)
-                return (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-            logits = compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
-            return logits[:, :fed]
+                out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
+            else:
+                out = (compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout))[:, :fed]
+            self.graphs += graphs_compiled() - before
+            return out
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
             return self.eager_forward(tokens, input_pos, logits_for, layout, ends, hidden, inputs)
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, compile_region
 from .hf_config import COUNT, FLAG, POSITIVE, TEXT, get
-from .kernels import additive, attend_cache, causal_mask, elementwise, padded_rows
+from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
 GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -140,7 +140,7 @@ class GPT2(CachedLM):
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None):
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        mask = padded_rows(additive(causal_mask(positions, keys or self.cache_max_seq_len)))
+        mask = rows_as_read(additive(causal_mask(positions, keys or self.cache_max_seq_len)))
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.h:
             x = block(x, input_pos, mask, layout)

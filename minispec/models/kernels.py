@@ -170,6 +170,13 @@ def padded_rows(mask):
     return torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])], dim=-2)
 
 
+def rows_as_read(mask):
+    """A model's additive mask made once a forward, as attend_cache reads it: its rows padded for
+    PyTorch's path (padded_rows); as they are for minispec's kernel, which takes each row alone, so a
+    compiled graph guards on no row count modulo the padding (one graph serves every width)."""
+    return mask if mask.device.type == "cpu" and native_attention() else padded_rows(mask)
+
+
 def attend(q, k, v, mask, scale=None):
     """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
     computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, padded_rows
+from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -185,8 +185,8 @@ def apply_rope(x, cos, sin):
 
 def query_rows_mask(mask, group):
     """A boolean mask [..., n, keys] as Attention's rows read it: additive, repeated for the `group`
-    query heads sharing a K/V head (extra query rows of that head, Attention.forward), rows padded."""
-    return padded_rows(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
+    query heads sharing a K/V head (extra query rows of that head, Attention.forward), as attend_cache reads it."""
+    return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
 
 
 class Attention(nn.Module):
