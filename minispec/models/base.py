@@ -378,8 +378,9 @@ class CachedLM(nn.Module):
                 # two took twice the compiling; on a CPU the tree path costs what a chain's does (on a
                 # GPU 20% more: docs/performance.md, "Chains through the tree graphs").
                 parents = [list(range(-1, widths[0] - 1))]
-            tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)
-                              for x in (tokens, inputs))
+            if n > fed:
+                tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)
+                                  for x in (tokens, inputs))
         slots = [[length + min(j, max(width - 1, 0)) for j in range(n)] for length, width in zip(lengths, widths)]
         # one row (a lone request, its tree): slots as a list (index_copy writes the cache); rows: per row
         input_pos = to_device(slots[0] if rows == 1 else slots, tokens.device)
@@ -399,7 +400,8 @@ class CachedLM(nn.Module):
                 out = compiled(tokens, input_pos, None, layout, None, hidden, inputs)
                 out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
             else:
-                out = (compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout))[:, :fed]
+                out = compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
+                out = out[:, :fed]
             self.graphs += graphs_compiled() - before
             return out
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row

@@ -185,7 +185,8 @@ def apply_rope(x, cos, sin):
 
 def query_rows_mask(mask, group):
     """A boolean mask [..., n, keys] as Attention's rows read it: additive, repeated for the `group`
-    query heads sharing a K/V head (extra query rows of that head, Attention.forward), as attend_cache reads it."""
+    query heads sharing a K/V head (extra query rows of that head, Attention.forward), its rows as
+    attend_cache reads them (rows_as_read)."""
     return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
 
 
