@@ -89,6 +89,20 @@ def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoi
     assert minispec.generate(int4, longer, draft="lookup", gamma=3, **greedy).tokens == compiled[1]
 
 
+def test_compiled_int4_on_pytorchs_kernel_matches_eager(checkpoint, monkeypatch):
+    """Where minispec's kernel does not take a layer (MINISPEC_NATIVE=0, no compiler), int4 layers run
+    aten's CPU int4 kernel, opaque to torch.compile: inductor's lowering of it failed ("group size must
+    be a scalar"). Compiled, the eager model's greedy tokens, plain and with a draft."""
+    monkeypatch.setattr(native, "takes", lambda in_features, group: False)
+    eager = minispec.load(checkpoint, quantize="int4")
+    compiled = minispec.load(checkpoint, quantize="int4", compile=True)
+    assert not compiled.layers[0].feed_forward.w13.native
+    for settings in ({}, {"draft": "lookup", "gamma": 3}):
+        settings = {"max_new_tokens": 12, "ignore_eos": True, **settings}
+        assert (minispec.generate(compiled, PROMPT, **settings).tokens ==
+                minispec.generate(eager, PROMPT, **settings).tokens)
+
+
 @pytest.fixture(scope="module")
 def three_query_heads_a_group(tmp_path_factory):
     """SmolLM2's grouping (3 query heads to a key/value head): padding its attention rows to a multiple

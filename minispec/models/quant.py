@@ -241,6 +241,21 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def int4pack_mm_cpu(x: torch.Tensor, weight: torch.Tensor, group: int,
+                    scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group, scales_and_zeros)
+
+
+# Opaque to torch.compile: inductor's lowering of aten's CPU int4 kernel hands it the group size as a
+# tensor, which the kernel refuses ("group size must be a scalar", torch 2.13); eager calls it directly.
+int4pack_mm_cpu_op = torch.library.custom_op("minispec::int4pack_mm_cpu", mutates_args=())(int4pack_mm_cpu)
+
+
+@int4pack_mm_cpu_op.register_fake
+def _(x, weight, group, scales_and_zeros):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 class Int4Linear(nn.Module):
     """y = x @ (q * scales + offsets).T + bias, from a stored int4 weight, with PyTorch's int4 kernels
     (tinygemm's layout): aten._weight_int4pack_mm_for_cpu on CPU, aten._weight_int4pack_mm on CUDA.
@@ -276,7 +291,10 @@ class Int4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         # Not in row blocks on CUDA (kernels.in_row_blocks): this kernel gave each row its 1-row product
         # for 1 to 128 rows on an H100 unpadded, and 64 rows cost it 5 times what 1 row does.
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if self.on_cpu else torch.ops.aten._weight_int4pack_mm
+        if not self.on_cpu:
+            mm = torch.ops.aten._weight_int4pack_mm
+        else:
+            mm = int4pack_mm_cpu_op if torch.compiler.is_compiling() else int4pack_mm_cpu
         y = mm(rows, self.weight, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
