@@ -47,7 +47,6 @@ def test_compiling_on_a_cpu_skips_inductors_instruction_set_probe(checkpoint, mo
     """Where minispec's kernels built for this CPU, inductor is told its vector instructions work rather
     than building and loading test programs in every process (7 s cold, 1 s warm); a user's own
     setting stands."""
-    from minispec.models import native
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
     minispec.load(checkpoint, compile=True)
     assert torch._inductor.config.cpp.vec_isa_ok is (True if native.available() else None)

@@ -199,7 +199,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
         parallel.join(device).shard(model, stored)
-    if quantize or stored:
+    if quantizing:
         try:
             notes = quant.quantize_model(model, quantize, group_size, dtype, stored, device)
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)

@@ -373,7 +373,7 @@ class CachedLM(nn.Module):
         any_width = compiled is not None and n > 1 and self.device.type == "cpu"
         if compiled is not None:  # on a GPU a graph per width bucket, not per width: the rest padded as above
             n = n if any_width else compiled_width(n)
-            if parents is None and n > 1 and rows == 1 and self.device.type == "cpu":
+            if any_width and parents is None and rows == 1:
                 # A lone request's chain as the tree it is: one graph serves its chains and trees, where
                 # two took twice the compiling; on a CPU the tree path costs what a chain's does (on a
                 # GPU 20% more: docs/performance.md, "Chains through the tree graphs").
