@@ -175,13 +175,13 @@ def test_walk_follows_the_targets_choices_down_the_tree():
     assert tokens[-1] == 7 and len(tokens) == 7
 
 
-def test_lookup_offers_every_earlier_continuation_its_chain_first():
+def test_lookup_offers_every_earlier_continuation_likeliest_first():
     drafter = LookupDrafter(100, "cpu")
     drafter.start(torch.tensor(BRANCHING[0]))
-    chain, _ = drafter.continuation(3)
     tokens, _, parents = drafter.propose_tree(3, 16)
-    # the latest earlier "5 6" was followed by 7 11, the one before by 9 10, the first by 7 8
-    assert chain == [7, 11, 5] and tokens.tolist()[:3] == chain
+    # the latest earlier "5 6" was followed by 7 11, the one before by 9 10, the first by 7 8: 7 follows
+    # two of the three, 9 one, then the second tokens (each as likely as 9 below 7's share)
+    assert tokens.tolist()[:3] == [7, 9, 11]
     paths = {tuple(tokens[j].item() for j in path(parents, leaf)) for leaf in range(len(parents))
              if leaf not in parents}
     assert paths == {(7, 11, 5), (9, 10, 5), (7, 8, 5)}
@@ -189,25 +189,26 @@ def test_lookup_offers_every_earlier_continuation_its_chain_first():
 
 def test_lookup_is_as_sure_of_a_node_as_the_share_of_matches_through_it():
     """Three earlier "5 6" (2-token matches of 3 at most): 7 follows two of them, 9 one; below 7, 11
-    and 8 one each; a node's confidence is that share times 2/3."""
+    and 8 one each; a node's confidence is that share times 2/3. The nodes come most probable first
+    (the product down the path: 4/9, 2/9, then three at 4/27, in the order the trie met them)."""
     drafter = LookupDrafter(100, "cpu")
     drafter.start(torch.tensor(BRANCHING[0]))
     tokens, parents, sure = drafter.preview_tree(2, 16)
-    assert (tokens, parents) == ([7, 11, 9, 10, 8], [-1, 0, -1, 2, 0])
-    assert sure == pytest.approx([2 / 3 * 2 / 3, 1 / 2 * 2 / 3, 1 / 3 * 2 / 3, 2 / 3, 1 / 2 * 2 / 3])
+    assert (tokens, parents) == ([7, 9, 11, 10, 8], [-1, -1, 0, 1, 0])
+    assert sure == pytest.approx([2 / 3 * 2 / 3, 1 / 3 * 2 / 3, 1 / 2 * 2 / 3, 2 / 3, 1 / 2 * 2 / 3])
     assert drafter.preview(1)[1] == [2 / 3]  # the chain's confidence in a lone match
+    assert drafter.preview_tree(2, 3)[:2] == ([7, 9, 11], [-1, -1, 0])  # a smaller budget: the first nodes
 
 
-def test_ngram_tree_is_greedys_chain_then_the_most_probable_continuations():
+def test_ngram_tree_is_its_most_probable_continuations_first():
     """After 7 came 8 twice and 9 once; after 8, 7 twice and 8 once; after 9, 7. Three deep and five
-    nodes: greedy's chain 8 7 8 first (its last node at 2/3 * 2/3 * 2/3 = 8/27, below 9's 1/3), then the
-    most probable others, 9 (1/3) and below it 9 7 (1/3 * 1), which outranks 8 8 (2/3 * 1/3) nearer
-    the root: most probable first, not depth by depth."""
+    nodes, most probable first (the product down the path), not depth by depth: 8 (2/3), 8 7 (4/9), 9
+    (1/3) and 9 7 (1/3 * 1) outrank greedy's third guess 8 7 8 (8/27), which outranks 8 8 (2/9)."""
     drafter = NgramDrafter(100, "cpu")
     drafter.start(torch.tensor([7, 8, 7, 9, 7, 8, 8, 7]))
     tokens, q, parents = drafter.propose_tree(3, 5)
     assert drafter.greedy_continuation(3)[0] == [8, 7, 8] and q is None
-    assert (tokens.tolist(), parents) == ([8, 7, 8, 9, 7], [-1, 0, 1, -1, 3])
+    assert (tokens.tolist(), parents) == ([8, 7, 9, 7, 8], [-1, 0, -1, 2, 1])
     tokens, _, parents = drafter.propose_tree(1, 4)  # one deep: the root's successors, most counted first
     assert (tokens.tolist(), parents) == ([8, 9], [-1, -1])
     tokens, _, parents = drafter.propose_tree(3, 2)  # room for the chain's first two guesses only: a chain

@@ -34,12 +34,36 @@ ARTICLE = ("The city council voted on Tuesday to extend the night bus service to
            "warehouses and restaurants have no other way home; opponents said the buses would run mostly empty "
            "and asked for a one-year trial instead. The council agreed to review ridership after twelve months.")
 
-# Answers that copy parts of their prompt, with changes: a summary that reuses its article's phrases
-# and a code edit. Where the copy is partial, a guess often fails where two earlier passages part ways,
-# which is what lookup's and ngram's trees are for (issue 26's "partial copying" prompts).
+COUNT_WORDS = '''def count_words(path):
+    counts = {}
+    with open(path) as handle:
+        for line in handle:
+            for word in line.split():
+                word = word.lower().strip(".,!?")
+                counts[word] = counts.get(word, 0) + 1
+    return counts'''
+
+TYPOS = ("Our team has been working on the new relase for three months. The main changes are a faster search, "
+         "a cleaner setings page and better suport for older phones. We will ship the update next tuesday, "
+         "and the old version will keep working untill the end of the year.")
+
+NOTE = ("Hi Sam, the meeting moved to Thursday at 3 pm in room 204. Bring the budget numbers for the second "
+        "quarter and the list of vendors. Tell Maria too. Thanks, Jo")
+
+PEOPLE = ("- Alice Moreau, engineer, Paris\n- Bob Tanaka, designer, Osaka\n- Carla Ruiz, manager, Madrid\n"
+          "- Dev Patel, analyst, Leeds")
+
+# Answers that copy parts of their prompt, with changes: summaries, code edits, corrections, reformats.
+# Where the copy is partial, a guess often fails where two earlier passages part ways, which is what
+# lookup's and ngram's trees are for (issue 26's "partial copying" prompts).
 PARTIAL_PROMPTS = [
     f"Summarize this article in three sentences, reusing its key phrases exactly:\n\n{ARTICLE}",
     f"Rename `values` to `samples` and `window` to `width` in this function, changing nothing else:\n\n{CODE}",
+    f"Fix the spelling mistakes in this paragraph and change nothing else:\n\n{TYPOS}",
+    "Add a docstring and a comment on each loop to this function, leaving its code exactly as it is:\n\n"
+    + COUNT_WORDS,
+    f"Rewrite this note as a polite, formal email, keeping every detail:\n\n{NOTE}",
+    f"Turn this list into a Markdown table with the columns Name, Role and City:\n\n{PEOPLE}",
 ]
 
 

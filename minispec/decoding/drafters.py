@@ -43,7 +43,7 @@ from ..models.kernels import to_device
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
-from .tree import DrawnGrowth, Growth, add_path, best_children, best_first, tree_or_chain
+from .tree import DrawnGrowth, Growth, add_path, best_children, best_first, likeliest, tree_or_chain
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
@@ -426,10 +426,10 @@ class NgramDrafter:
         return [(t, counts[t] / total) for t in sorted(counts, key=lambda t: (-counts[t], t))]
 
     def propose_tree(self, k, budget, sampling=None):
-        """A tree of at most `budget` guesses, k deep (tree.best_first): greedy's chain, then the most
-        probable other continuations under the counts, each node's children its token's most counted
-        successors. The same for any sampling: the candidates are fixed, not drawn from q (verified as
-        such: tree.sample_walk), so no generator is used."""
+        """A tree of at most `budget` guesses, k deep (tree.best_first): the most probable continuations
+        under the counts first, each node's children its token's most counted successors. The same for
+        any sampling: the candidates are fixed, not drawn from q (verified as such: tree.sample_walk), so
+        no generator is used."""
         tokens, parents, _ = self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
 
@@ -504,17 +504,18 @@ class LookupDrafter:
         return [], 0
 
     def propose_tree(self, k, budget, sampling=None):
-        """A tree of at most `budget` guesses, k deep: what followed each earlier occurrence of the
-        context's suffix, the longest suffixes and the latest occurrences first (so its first path is
-        the chain's guesses), sharing common prefixes (tree.py). The same for any sampling."""
+        """A tree of at most `budget` guesses, k deep: what followed earlier occurrences of the context's
+        suffix, sharing common prefixes (tree.py), its likeliest nodes first (tree.likeliest). The same
+        for any sampling."""
         tokens, parents, _ = self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def preview_tree(self, k, budget):
         """propose_tree's tree as lists (tokens, parents), and how sure the drafter is of each node: the
         share of the occurrences through its parent that continue with it, times the longest match
-        through it over max_ngram (a chain's is preview's). Up to TREE_OCCURRENCES occurrences count,
-        more than fill the tree, so that its shares are not those of its first few paths alone."""
+        through it over max_ngram. The trie holds what followed up to TREE_OCCURRENCES occurrences, the
+        longest suffixes and the latest occurrences first, more than fill the tree, so that its shares
+        are not those of its first few paths alone."""
         tokens, parents, visits, matched, done = [], [], [], [], set()
         earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
@@ -522,7 +523,7 @@ class LookupDrafter:
             if end in done:  # a longer suffix's occurrence ends where a shorter one's does
                 continue
             done.add(end)
-            for node in add_path(tokens, parents, self.copy_from(end, k), budget):
+            for node in add_path(tokens, parents, self.copy_from(end, k), k * TREE_OCCURRENCES):  # all of it
                 if node == len(visits):
                     visits.append(0)
                     matched.append(n)
@@ -531,7 +532,7 @@ class LookupDrafter:
                 break
         sure = [visits[j] / (len(done) if parent < 0 else visits[parent]) * matched[j] / self.max_ngram
                 for j, parent in enumerate(parents)]
-        return tokens, parents, sure
+        return likeliest(tokens, parents, sure, budget)
 
     def preview(self, k):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""

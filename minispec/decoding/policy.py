@@ -33,17 +33,17 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   expected to gain (`keep_guessing`).
 - With tree="auto" (decoding/tree.py), a drafter whose trees cost nothing to preview (lookup; ngram when
   greedy) offers its tree of TREE_AUTO guesses every step, each node with its confidence given its
-  parent, and the policy verifies the first nodes of it (its first path is the chain's guesses, the
-  nodes come in topological order) with the most expected tokens per second: a node's expected
-  contribution is the chance its whole path survives, from rates per confidence bin learnt from every
-  previewed node against what the target emitted, and a tree forward is priced by its own line
-  (`VerifyCost`, started at TREE_PRIOR times the chain's). A chain or no guess at all are among the
-  choices, so trees come only where they are expected to pay. A drafter whose trees cost forwards to
-  grow (a draft model, a head) cannot be previewed: the policy keeps the tokens per second that its
-  steps with guesses measured as chains and as trees, takes the better, and tries the other again
-  after PROBE_AFTER steps of any kind, the interval doubling up to PROBE_MAX while it stays behind. Its tree is
-  its TREE_WIDTH likeliest first guesses; where its trees measured faster than plain steps, it guesses
-  whatever a says.
+  parent, and the policy verifies the first nodes of it (the nodes come likeliest first by the drafter's
+  own confidences, so each number of them is the likeliest tree that size, a chain where they form one)
+  with the most expected tokens per second: a node's expected contribution is the chance its whole path
+  survives, from rates per confidence bin learnt from every previewed node against what the target
+  emitted, and a tree forward is priced by its own line (`VerifyCost`, started at TREE_PRIOR times the
+  chain's). A chain or no guess at all are among the choices, so trees come only where they are expected
+  to pay. A drafter whose trees cost forwards to grow (a draft model, a head) cannot be previewed: the
+  policy keeps the tokens per second that its steps with guesses measured as chains and as trees, takes
+  the better, and tries the other again after PROBE_AFTER steps of any kind, the interval doubling up to
+  PROBE_MAX while it stays behind. Its tree is its TREE_WIDTH likeliest first guesses; where its trees
+  measured faster than plain steps, it guesses whatever a says.
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
   every probe that finds it still does not. No probe where the timings say that even guesses that all
@@ -71,6 +71,11 @@ DECAY = 0.9  # per verified position: the estimates follow the last ~10 position
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running average of t_draft
 TIME_DECAY = 0.9  # per step: the verify costs follow the last ~10 steps (see VerifyCost)
 SHAPE_PRIOR = 0.1  # how firmly the widths keep the ratios of the pair's line while steps cannot tell
+# A width's own correction to the line (VerifyCost) starts at none, as if from this many steps on the
+# line, and follows the last ~20 steps of any width: widths are timed seldom where trees vary them.
+# A step off the line by more than CORRECTION_MAX either way is a stall (a compile, another process),
+# no width's shape: it corrects nothing.
+CORRECTION_PRIOR, CORRECTION_DECAY, CORRECTION_MAX = 1.0, 0.95, 1.5
 # A step's timing counts as at most this many times the running average: a one-off stall (a compiled
 # draft compiling its graph for a new width on first use, another process taking the cores) must not
 # price guessing out for good, while a lasting change still comes through within a few steps.
@@ -304,7 +309,13 @@ class VerifyCost:
     once, keeping the line's ratios (were each width refined alone, one timed in a slow moment would
     keep its stale time, never be chosen, and so never be corrected). Steps spread over widths bend
     the line: a calibration on a busy machine can get the line's slope wrong either way
-    (docs/performance.md, "Refitting the verify costs' slope")."""
+    (docs/performance.md, "Refitting the verify costs' slope").
+
+    What no line holds, each width's steps correct: a CPU's matrix products cost the same from 1 to 6
+    rows and a seventh costs 15% more (docs/performance.md, "Trees that fit the flat part"). A width's
+    correction is its steps' time over the line's, decayed at every step of any width, so that a width
+    timed in a slow moment and then avoided drifts back to the line; the line a request leaves for the
+    next (line()) keeps the corrections as its shape."""
 
     def __init__(self, line):
         self.one = line[1]
@@ -313,8 +324,13 @@ class VerifyCost:
         for u in (0.0, self.added[-1]):
             self.add_point(u, 1.0 + u, weight=0.5 / (1.0 - TIME_DECAY))
         self.level, self.slope = 1.0, 1.0
+        self.corrections = {}  # width -> decayed [sum of its steps' time over the line's, steps]
 
     def __call__(self, width):
+        ratios, steps = self.corrections.get(width, (0.0, 0.0))
+        return self.on_line(width) * (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
+
+    def on_line(self, width):
         return self.one * (self.level + self.slope * self.extra(width))
 
     def extra(self, width):
@@ -338,6 +354,13 @@ class VerifyCost:
         det = a * d - b * b
         self.slope = max((a * uys - b * ys) / det, 0.0)  # a wider forward never costs less
         self.level = (ys - b * self.slope) / a
+        ratio = y * self.one / self.on_line(width)
+        if 1 / CORRECTION_MAX < ratio < CORRECTION_MAX:  # else a stall, not the width's shape
+            for ratios in self.corrections.values():
+                ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]
+            ratios = self.corrections.setdefault(width, [0.0, 0.0])
+            ratios[0] += ratio
+            ratios[1] += 1.0
 
     def add_point(self, u, y, weight):
         for i, value in enumerate((1.0, u, u * u, y, u * y)):
@@ -468,7 +491,8 @@ class AdaptiveGamma:
 
     def plan_tree(self):
         """The previewed tree's first nodes with the most expected tokens per second (module docstring):
-        sets tree_nodes (None: they are a chain, verified as one) and returns their depth."""
+        sets tree_nodes to their number (None: no guess) and returns their depth. Nodes that form a
+        chain are verified as one (tree.tree_or_chain), priced as one."""
         _, parents, sure = self.previewed_tree = self.preview_tree(self.k_max, TREE_AUTO)
         self.previewed, self.confidences = None, []
         if self.verify is None:  # a new pair: plain steps until one is timed
@@ -483,7 +507,7 @@ class AdaptiveGamma:
             rate = expected / (self.verify(nodes + 1) if nodes <= chain else self.tree_seconds(nodes))
             if rate > best_rate:
                 best, self.planned, best_rate = nodes, expected, rate
-        self.tree_nodes = best if best > chain else None
+        self.tree_nodes = best or None
         return max(depth[:best], default=0)
 
     def tree_seconds(self, nodes):
@@ -551,15 +575,22 @@ class AdaptiveGamma:
 
     def _keep_guessing(self, i, confidence):
         """After guess i (1-based) with the draft's probability `confidence` of it: guess once more?
-        Yes while the next guess's expected gain per second of its cost beats the step's so far."""
+        Yes while more guesses, each as likely as any after an accepted one, are expected to make more
+        tokens per second than the step so far. Looking past the next one: a CPU's verify costs jump
+        at some width and are flat after it (VerifyCost), where one guess more would not pay but three
+        would."""
         self.confidences.append(confidence)
         if i >= self.k_max:
             return False
         expected = self.expected_with(self.confidences)
         tokens, survive = expected[-1], expected[-1] - expected[-2]  # with i guesses; P(all i accepted)
-        gain = survive * self.later_rate()  # the next guess, whose confidence is not known yet
-        cost = self.t_draft + self.verify(i + 2) - self.verify(i + 1)
-        return gain * self.seconds(i) > tokens * cost
+        rate, later = tokens / self.seconds(i), self.later_rate()
+        for more in range(i + 1, self.k_max + 1):
+            survive *= later
+            tokens += survive
+            if tokens / self.seconds(more) > rate:
+                return True
+        return False
 
     def confidence_counts(self):
         """(accepted, verified) per confidence bin: the chain's guesses', or the previewed trees' nodes'."""

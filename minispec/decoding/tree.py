@@ -21,8 +21,9 @@ Drafters with a distribution (draft models, EAGLE and Medusa heads) grow their t
 and the most probable other nodes. Greedy, their candidates are each node's most probable children,
 verified as fixed candidates; sampled, a draft model's or an EAGLE head's are draws from its q
 (`DrawnGrowth`: a chain of draws is accepted far more often than a node's most probable tokens
-are). `ngram`, whose successors cost nothing to rank, grows the same kind of tree most probable node
-first (`best_first`).
+are). `ngram`, whose successors cost nothing to rank, grows its tree most probable node first
+(`best_first`), and `lookup` orders its trie of earlier continuations so (`likeliest`): the first nodes
+of either are the likeliest tree of their size, which is what the policy chooses among.
 """
 
 import heapq
@@ -129,36 +130,47 @@ def add_path(tokens, parents, continuation, budget):
 def best_first(root, successors, depth, budget):
     """A tree below token `root`, of at most `budget` nodes and `depth` deep, for a drafter that ranks
     any token's successors for free: successors(token) lists (token, probability), most probable first.
-    First the spine, the root's first successor, that node's, and so on (the drafter's greedy chain: a
-    greedy tree accepts no less than the chain); then the other nodes, most probable first, a node's
-    probability being the product along its path. A node's children join in their rank order, the
-    tree in topological order. Returns tokens and parents (this module's form), and each node's
-    probability given its parent's (how sure the drafter is of it)."""
-    # per node; the root, -1, is at depth 0, with probability 1, on the spine
-    tokens, parents, levels, probabilities, shares, on_spine = [], [], [], [], [], []
-    waiting, arrival = [], count()  # candidates: (off the spine, -probability, arrival, parent, rank)
+    The nodes come most probable first, a node's probability being the product along its path, so that
+    the first nodes of the tree are the likeliest tree of their size (the policy verifies such a
+    prefix); a node's children join in their rank order, the tree in topological order. Returns tokens
+    and parents (this module's form), and each node's probability given its parent's (how sure the
+    drafter is of it)."""
+    tokens, parents, levels, probabilities, shares = [], [], [], [], []  # per node; the root, -1, is at depth 0
+    waiting, arrival = [], count()  # candidates: (-probability, arrival, parent, rank)
 
     def offer(parent, rank):
         """The parent's rank-th successor becomes a candidate, if it has one and room below it."""
         ranked = successors(root if parent < 0 else tokens[parent])
         if rank < len(ranked) and (0 if parent < 0 else levels[parent]) < depth:
-            spine = rank == 0 and (parent < 0 or on_spine[parent])
             probability = (1.0 if parent < 0 else probabilities[parent]) * ranked[rank][1]
-            heapq.heappush(waiting, (not spine, -probability, next(arrival), parent, rank))
+            heapq.heappush(waiting, (-probability, next(arrival), parent, rank))
 
     offer(-1, 0)
     while waiting and len(tokens) < budget:
-        off_spine, minus_probability, _, parent, rank = heapq.heappop(waiting)
+        minus_probability, _, parent, rank = heapq.heappop(waiting)
         token, share = successors(root if parent < 0 else tokens[parent])[rank]
         tokens.append(token)
         parents.append(parent)
         levels.append(1 + (0 if parent < 0 else levels[parent]))
         probabilities.append(-minus_probability)
         shares.append(share)
-        on_spine.append(not off_spine)
+        offer(len(tokens) - 1, 0)  # its first child, which a tie puts before its next sibling
         offer(parent, rank + 1)  # its next sibling, ranked after it
-        offer(len(tokens) - 1, 0)  # its first child
     return tokens, parents, shares
+
+
+def likeliest(tokens, parents, sure, budget):
+    """A tree's `budget` most probable nodes, most probable first (best_first's order), a node's
+    probability being the product of `sure` (each node's given its parent) down its path: a
+    topological order, since no node is more probable than its parent (ties: the shallower first).
+    Returns tokens, parents and sure of those nodes, in that order."""
+    probability, level = [], depths(parents)
+    for parent, confidence in zip(parents, sure):
+        probability.append((1.0 if parent < 0 else probability[parent]) * confidence)
+    order = sorted(range(len(tokens)), key=lambda j: (-probability[j], level[j], j))[:budget]
+    place = {j: i for i, j in enumerate(order)}
+    return ([tokens[j] for j in order], [-1 if parents[j] < 0 else place[parents[j]] for j in order],
+            [sure[j] for j in order])
 
 
 def depths(parents):
