@@ -308,6 +308,20 @@ def test_keep_guessing_stops_when_the_draft_is_unsure():
     assert not chooser.keep_guessing(1, 0.1)
 
 
+def test_keep_guessing_looks_past_a_jump_in_the_verify_costs():
+    """Flat to 6 tokens, 30% dearer from 7 on, flat again (a CPU's products): after 5 sure guesses a
+    sixth alone does not pay for the jump, but three more do."""
+    jump = [1.0] * 6 + [1.3] * 3
+    chooser = adaptive(0.95, jump, 0.02, confident_drafter=True)
+    chooser.guesses()
+    assert all(chooser.keep_guessing(i, 0.99) for i in range(1, 6))
+    expected = chooser.expected_with(chooser.confidences)
+    rate = expected[5] / chooser.seconds(5)
+    assert (expected[5] + chooser.later_rate() * (expected[5] - expected[4])) / chooser.seconds(6) < rate
+    chooser.guesses()
+    assert all(chooser.keep_guessing(i, 0.99) for i in range(1, 8))  # 8 = k_max: no more
+
+
 def test_confidence_bins_learn_from_verified_guesses_only():
     chooser = adaptive(0.5, FLAT, 0.05, confident_drafter=True)
     chooser.guesses()
