@@ -314,8 +314,10 @@ class VerifyCost:
     What no line holds, each width's steps correct: a CPU's matrix products cost the same from 1 to 6
     rows and a seventh costs 15% more (docs/performance.md, "Trees that fit the flat part"). A width's
     correction is its steps' time over the line's, decayed at every step of any width, so that a width
-    timed in a slow moment and then avoided drifts back to the line; the line a request leaves for the
-    next (line()) keeps the corrections as its shape."""
+    timed in a slow moment and then avoided drifts back to the line. It counts relative to all the
+    widths' steps together, so it is shape only: steps at one width still rescale every width at once
+    (plain steps alone must not make guesses look dearer while the line catches up with a faster
+    machine). The line a request leaves for the next (line()) keeps the corrections as its shape."""
 
     def __init__(self, line):
         self.one = line[1]
@@ -327,8 +329,12 @@ class VerifyCost:
         self.corrections = {}  # width -> decayed [sum of its steps' time over the line's, steps]
 
     def __call__(self, width):
-        ratios, steps = self.corrections.get(width, (0.0, 0.0))
-        return self.on_line(width) * (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
+        return self.on_line(width) * self.correction(*self.corrections.get(width, (0.0, 0.0))) / self.correction(
+            sum(ratios for ratios, _ in self.corrections.values()), sum(steps for _, steps in self.corrections.values()))
+
+    @staticmethod
+    def correction(ratios, steps):
+        return (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
 
     def on_line(self, width):
         return self.one * (self.level + self.slope * self.extra(width))
