@@ -329,12 +329,15 @@ class VerifyCost:
         self.corrections = {}  # width -> decayed [sum of its steps' time over the line's, steps]
 
     def __call__(self, width):
-        return self.on_line(width) * self.correction(*self.corrections.get(width, (0.0, 0.0))) / self.correction(
-            sum(ratios for ratios, _ in self.corrections.values()), sum(steps for _, steps in self.corrections.values()))
+        return self.on_line(width) * self.correction(width)
 
-    @staticmethod
-    def correction(ratios, steps):
-        return (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
+    def correction(self, width):
+        """The width's steps' time over the line's, over the same for all widths' steps (shape only)."""
+        def mean(ratios, steps):
+            return (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
+
+        every_width = [sum(column) for column in zip(*self.corrections.values())] or [0.0, 0.0]
+        return mean(*self.corrections.get(width, (0.0, 0.0))) / mean(*every_width)
 
     def on_line(self, width):
         return self.one * (self.level + self.slope * self.extra(width))
