@@ -7,7 +7,7 @@ import torch
 
 import minispec
 from conftest import TINY_CONFIGS
-from minispec.models import base, kernels
+from minispec.models import base, kernels, native
 
 PROMPT = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
 DECODER = torch.tensor([[0, 5, 17, 33, 8, 90]])  # T5: decoder tokens after the encoded prompt
@@ -65,15 +65,25 @@ def test_only_a_tied_embedding_is_packed(reference_dirs):
     assert tied.head.packed
 
 
-def test_rms_norm_in_one_call_is_the_formula_bit_for_bit(monkeypatch):
-    """float32 on a CPU, RMSNorm is F.rms_norm's one call (fewer operations an eager step): the same
-    numbers as the float32 formula it replaces, for any row count."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_in_one_call_is_the_formula_and_row_invariant(threads):
+    """float32 on a CPU, RMSNorm is one call of minispec's (layer.cpp): the formula to float32's
+    rounding, and each row's numbers those of the row alone, whatever the row count."""
+    if not native.available():
+        pytest.skip("minispec's CPU kernels cannot be built here")
     generator = torch.Generator().manual_seed(0)
     norm = base.RMSNorm(576, 1e-5)
     norm.weight.data = torch.rand(576, generator=generator) + 0.5
-    inputs = [torch.randn(shape, generator=generator) * scale
-              for shape, scale in [((1, 1, 576), 1.0), ((3, 5, 576), 30.0), ((17, 576), 1e-3)]]
-    fused = [norm(x) for x in inputs]
-    monkeypatch.setattr(base, "FUSED_NORM", False)
-    for x, y in zip(inputs, fused):
-        assert torch.equal(y, norm(x))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape, scale in [((1, 1, 576), 1.0), ((3, 5, 576), 30.0), ((70, 576), 1e-3)]:
+            x = torch.randn(shape, generator=generator) * scale
+            y = norm(x)
+            wide = x.double()
+            exact = norm.weight.double() * wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)
+            torch.testing.assert_close(y.double(), exact, rtol=3e-6, atol=1e-7)
+            rows = x.reshape(-1, 576)
+            assert all(torch.equal(norm(row[None]), y.reshape(-1, 576)[i:i + 1]) for i, row in enumerate(rows))
+    finally:
+        torch.set_num_threads(before)

@@ -37,8 +37,8 @@ def reference_logits(hf_model, tokens):
         return Reference(exact, hf_model(torch.tensor([tokens])).logits[0])
 
 
-def assert_logits_close(actual, reference, **kwargs):
-    atol = max(ATOL, 2 * (reference.float32 - reference.exact).abs().max().item())
+def assert_logits_close(actual, reference, floor=ATOL, **kwargs):
+    atol = max(floor, 2 * (reference.float32 - reference.exact).abs().max().item())
     torch.testing.assert_close(actual, reference.exact, atol=atol, rtol=0, **kwargs)
 
 
@@ -185,8 +185,11 @@ def test_yarn_rope_scaling_matches_reference(tmp_path, family, rope):
     model.setup_caches(1, 512)
     reference = reference_logits(hf_model, tokens)
     assert_logits_close(model.prefill(torch.tensor([tokens[:290]]))[0], reference[:290])
+    # The decode steps to the reference's own float32 rounding over all ten (one position's alone is
+    # 1e-4 here, which two float32 computations can straddle by rounding)
+    floor = 2 * (reference.float32[290:] - reference.exact[290:]).abs().max().item()
     for i in range(290, 300):
-        assert_logits_close(model.decode(torch.tensor([[tokens[i]]]))[0, -1], reference[i])
+        assert_logits_close(model.decode(torch.tensor([[tokens[i]]]))[0, -1], reference[i], floor)
     # Plain RoPE gives different logits: the test would notice yarn being ignored.
     plain = model_class(config_class(**{**config.to_dict(), "rope_scaling": None, "rope_parameters": None})).eval()
     plain.load_state_dict(hf_model.state_dict())

@@ -1,14 +1,17 @@
 """minispec's own CPU kernels (minispec/models/native.py): for quantized layers (qlinear.cpp), its
 arithmetic against a float64 re-computation of what it promises, every row as it would be alone,
 the packed layout's token lookup, and the fallback where it cannot be built; for attention over a KV
-cache (attention.cpp), against float64 attention and in its canonical order."""
+cache (attention.cpp), against float64 attention and in its canonical order; a quantized Llama layer in
+one call (layer.cpp), against the modules."""
 
 import logging
 
 import pytest
 import torch
 
+import minispec
 from minispec.models import kernels, native, quant
+from minispec.models.llama import Llama
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="minispec's CPU kernel cannot be built here")
 
@@ -233,3 +236,52 @@ def test_attention_refuses_what_it_cannot_read():
         native.attend(q, k, k, torch.zeros(1, 1, 2, 32), torch.zeros(1, 3, 32, dtype=torch.long), 1.0)
     with pytest.raises(RuntimeError, match="a slot outside the cache"):
         native.attend(q, k, k, torch.zeros(1, 1, 2, 32), torch.full((1, 2, 32), 32), 1.0)
+
+
+def every_forward(model):
+    """Logits of the forwards decoding makes: a prompt, a 1-token step, a 3-token verify, a batch of two
+    rows at their own lengths, and a token tree beside a chain."""
+    prompt = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]])
+    model.ensure_caches(2, 64)
+    out = [model.prefill(prompt), model.decode(torch.tensor([[7]])), model.decode(torch.tensor([[19, 44, 3]]))]
+    model.decode_rows(prompt[:, :5], [0], first_row=1)
+    out.append(model.decode_rows(torch.tensor([[61, 28], [90, 90]]), [16, 5], [2, 1]))
+    out.append(model.decode_rows(torch.tensor([[12, 55, 36, 71], [7, 19, 19, 19]]), [18, 6], [4, 2],
+                                 parents=[[-1, 0, 0, 1], [-1, 0]]))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2"])  # multi-head; grouped, intermediate 96; biases
+def test_a_quantized_layer_in_one_call_computes_what_the_modules_compute(reference_dirs, kind, mode, threads,
+                                                                       monkeypatch):
+    """Every forward decoding makes, bit for bit: the one-call layer (layer.cpp) against the modules
+    it stands in for (the modules' RMSNorm is the same one call, their silu the same PyTorch's)."""
+    model = minispec.load(reference_dirs[kind][1], quantize=mode)
+    calls = []
+    monkeypatch.setattr(native, "llama_layer", lambda *args, original=native.llama_layer: calls.append(1) or original(*args))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            fused = every_forward(model)
+            assert len(calls) == 6 * model.config.n_layers  # all six forwards ran the one-call layers
+            monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
+            modules = every_forward(model)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 6 * model.config.n_layers  # and the modules none
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+
+
+def test_a_float_or_sharded_layer_runs_the_modules(reference_dirs):
+    """The one-call layer takes only layers quantized for minispec's kernel, in float32."""
+    quantized = minispec.load(reference_dirs["llama"][1], quantize="int8")
+    x = torch.zeros(1, 1, 32)
+    assert quantized.fused_layers(x) is not None
+    assert minispec.load(reference_dirs["llama"][1]).fused_layers(x) is None  # float weights
+    assert quantized.fused_layers(x.bfloat16()) is None
+    with torch.enable_grad():
+        assert quantized.fused_layers(x.requires_grad_()) is None  # training a head through it

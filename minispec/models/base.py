@@ -101,9 +101,6 @@ class KVCache(nn.Module):
         self.v[:rows] = self.v.index_select(0, beam_idx)
 
 
-FUSED_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
-
-
 class RMSNorm(nn.Module):
     """Scale-only layer norm (no mean subtraction, no bias) of Llama and T5. Statistics in float32
     at least: bf16 sums of squares lose precision; the reference does the same."""
@@ -114,11 +111,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        if FUSED_NORM and x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" \
-                and not torch.compiler.is_compiling():
-            # the same operations, bit for bit, in one call: in an eager step of a small model the
-            # seven calls below cost more than their arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype == torch.float32 \
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+                and native.available():
+            # one call (layer.cpp), the same as minispec's one-call layer computes: PyTorch's norm is
+            # seven operations, which in an eager step of a small model cost more than their arithmetic
+            return native.rms_norm(x, self.weight, self.eps)
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
+from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read, tree_keys
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -261,6 +262,16 @@ class TransformerBlock(nn.Module):
     def finish(self, x):
         return x + self.feed_forward(self.ffn_norm(x))
 
+    def native_tensors(self):
+        """The layer's tensors as minispec's one-call layer takes them (native.layer_tensors), or None;
+        made once, and again when its weights were replaced (quantized, moved)."""
+        linears = (self.attention.wqkv, self.attention.wo, self.feed_forward.w13, self.feed_forward.w2)
+        weights = [getattr(linear, "weight", None) for linear in linears]
+        made = getattr(self, "_native", None)
+        if made is None or any(a is not b for a, b in zip(made[0], weights)):
+            made = self._native = weights, native.layer_tensors((self.attention_norm, self.ffn_norm), linears)
+        return made[1]
+
 
 class Llama(CachedLM):
     def __init__(self, config):
@@ -315,13 +326,32 @@ class Llama(CachedLM):
         group = self.config.n_heads // self.config.n_kv_heads
         masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        fused = self.fused_layers(x)
+        if fused:  # a tree's key slots, once for every layer
+            slots = None if layout is None else tree_keys(layout, next(iter(masks.values())).shape[-1])
+            c, scale = self.config, self.config.head_dim ** -0.5
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped.append(x)
-            x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
+            attention, mask = layer.attention, masks[layer.attention.window]
+            if fused:
+                x = native.llama_layer(x, fused[i], c.norm_eps, attention.n_heads, attention.n_kv_heads, cos, sin,
+                                       attention.kv_cache, input_pos, mask, slots, scale)
+            else:
+                x = layer(x, input_pos, cos, sin, mask, layout)
         if len(self.layers) in taps:  # the last layer's output (training an EAGLE-3 head reads it too)
             tapped.append(x)
         return x
+
+    def fused_layers(self, x):
+        """Each layer's tensors for minispec's one-call layer (layer.cpp), where the forward can run
+        that way: eagerly, on a CPU, in float32, every layer quantized for minispec's kernel, not sharded
+        (the sums across ranks hook the modules). Else None: the modules below."""
+        if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
+                or (torch.is_grad_enabled() and x.requires_grad) or not native.available():
+            return None
+        tensors = [layer.native_tensors() for layer in self.layers]
+        return None if any(t is None for t in tensors) else tensors
 
     def embed_tokens(self, tokens):
         return self.tok_embeddings(tokens)

@@ -1,0 +1,240 @@
+// A Llama decoder layer with quantized weights, for CPUs, in one call: what models/llama.py's
+// TransformerBlock computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
+// projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel and
+// its attention through attention.cpp's; and RMSNorm alone, which the modules use too. Built with them
+// by models/native.py.
+//
+// Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
+// products, not the products: SmolLM2-135M kept int4 ran ~55 operations a layer around 5 kernel calls,
+// each a few microseconds of dispatch, and PyTorch's RMSNorm on a CPU is seven of them (~30 µs a call)
+// (docs/performance.md, "One call a layer"). Here they are loops over a few hundred floats.
+//
+// The same numbers as the modules, bit for bit (tests/test_layer.py): RMSNorm is this file's in both,
+// silu is PyTorch's, and the rest is the modules' arithmetic in their order, products and sums rounded
+// one at a time (no fused multiply-adds: the pragma below). Row invariance (docs/design.md) holds as
+// there: every row's norm, rotation and activation is a loop over that row alone, and the two kernels
+// are row-invariant.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// PyTorch's elementwise operations round each product; a compiler contracting a * b + c into one
+// fused multiply-add would round once and differ from the modules in the last bit.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace {
+
+typedef float Vector __attribute__((vector_size(64)));  // 16 floats, as attention.cpp
+typedef float Half __attribute__((vector_size(32)));
+typedef float Quarter __attribute__((vector_size(16)));
+constexpr int64_t LANES = 16;
+constexpr int64_t PER_LINEAR = 5;  // qweight, scales, offsets, steps, bias
+constexpr int64_t ELEMENTWISE_ROW_MULTIPLE = 64;  // kernels.py's
+
+using Optional = c10::optional<at::Tensor>;
+
+inline float sum(Vector v) {  // the lanes added in halves: a fixed order
+  Half a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  a += b;
+  Quarter c, d;
+  std::memcpy(&c, &a, sizeof c);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// y = w * (x * rsqrt(mean(x^2) + eps)) over one row of D floats, as RMSNorm computes it.
+void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
+  Vector part = {};
+  int64_t i = 0;
+  for (; i + LANES <= D; i += LANES) {
+    Vector v;
+    std::memcpy(&v, x + i, sizeof v);
+    part += v * v;
+  }
+  float rest = 0.f;
+  for (; i < D; ++i) rest += x[i] * x[i];
+  const float inverse = 1.f / std::sqrt((sum(part) + rest) / static_cast<float>(D) + eps);
+  for (i = 0; i < D; ++i) y[i] = w[i] * (x[i] * inverse);
+}
+
+// x [..., D] float32, weight [D] float32 -> RMSNorm of each row: models/base.py's RMSNorm on CPUs.
+at::Tensor rms_norm_rows(const at::Tensor& input, const at::Tensor& w, double eps) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 1 &&
+                  input.size(-1) == w.size(0) && w.is_contiguous(),
+              "rms_norm: x [..., D] and weight [D] must be float32");
+  const at::Tensor x = input.contiguous();
+  const int64_t D = x.size(-1), M = D ? x.numel() / D : 0;
+  at::Tensor y = at::empty_like(x);
+  const float *in = x.data_ptr<float>(), *weight = w.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / D), [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m) rms_norm(in + m * D, weight, static_cast<float>(eps), D, out + m * D);
+  });
+  return y;
+}
+
+struct Linear {
+  at::Tensor qweight, scales;
+  Optional offsets, steps, bias;
+  int64_t group, features;  // features: the output width before padding to the kernel's tiles
+};
+
+Linear linear_at(const c10::List<Optional>& tensors, at::IntArrayRef groups, at::IntArrayRef features, int64_t i) {
+  const int64_t at = i * PER_LINEAR;
+  return {tensors.get(at).value(), tensors.get(at + 1).value(), tensors.get(at + 2), tensors.get(at + 3),
+          tensors.get(at + 4), groups[i], features[i]};
+}
+
+// x [M, K] -> [M, N padded to tiles], the first `features` columns with the bias added.
+at::Tensor apply(const Linear& l, const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("minispec_native::qlinear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&,
+                                         const Optional&, int64_t)>();
+  at::Tensor y = op.call(x, l.qweight, l.scales, l.offsets, l.steps, l.group);
+  if (l.bias.has_value()) {
+    const float* bias = l.bias->data_ptr<float>();
+    float* out = y.data_ptr<float>();
+    const int64_t M = y.size(0), N = y.size(1);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < l.features; ++n) out[m * N + n] += bias[n];
+  }
+  return y;
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                  const Optional& slots, double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("minispec_native::attend", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const Optional&, double)>();
+  return op.call(q, k, v, mask, slots, scale);
+}
+
+// x [B, T, D] float32: the layer's input, the residual stream; cos, sin [T or B x T, head_dim] (RoPE's
+// tables at the tokens' positions, sin's first half negated: llama.py's rope_tables); k_cache, v_cache
+// [rows, n_kv_heads, S, head_dim] float32, the forward's batch row b at cache row first_row + b;
+// input_pos int64 [T] or [B, T]: where each token's key and value go; mask additive float32 [R, P] or
+// [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's query_rows_mask); slots: attention.cpp's.
+// linears: 4 x (qweight, scales, offsets, steps, bias) of wqkv, wo, w13, w2, in qlinear's packed form.
+at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
+                       const c10::List<Optional>& linears, at::IntArrayRef groups, at::IntArrayRef features,
+                       int64_t n_heads, int64_t n_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
+                       at::Tensor& k_cache, at::Tensor& v_cache, int64_t first_row, const at::Tensor& input_pos,
+                       const at::Tensor& mask, const Optional& slots, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llama_layer: x must be float32 [B, T, D]");
+  TORCH_CHECK(linears.size() == 4 * PER_LINEAR && groups.size() == 4 && features.size() == 4,
+              "llama_layer: four linear layers");
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), M = B * T;
+  const int64_t heads = n_heads + 2 * n_kv_heads, group = n_heads / n_kv_heads;
+  const int64_t hd = features[0] / heads, half = hd / 2;
+  TORCH_CHECK(hd * heads == features[0] && hd % 2 == 0 && features[1] == D && features[3] == D,
+              "llama_layer: the projections do not match the heads");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == n_kv_heads && k_cache.size(3) == hd &&
+                  first_row + B <= k_cache.size(0),
+              "llama_layer: the caches must be float32 [rows, n_kv_heads, S, head_dim], contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == hd && cos.numel() == sin.numel() &&
+                  (cos.numel() == T * hd || cos.numel() == M * hd),
+              "llama_layer: cos and sin must be [T or B x T, head_dim], contiguous");
+  TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.is_contiguous() &&
+                  (input_pos.numel() == T || input_pos.numel() == M),
+              "llama_layer: input_pos must be int64 [T] or [B, T]");
+  const Linear qkv_proj = linear_at(linears, groups, features, 0), out_proj = linear_at(linears, groups, features, 1);
+  const Linear gate_up = linear_at(linears, groups, features, 2), down = linear_at(linears, groups, features, 3);
+  const int64_t I = features[2] / 2;
+
+  at::Tensor residual = x.reshape({M, D}).clone(at::MemoryFormat::Contiguous);
+  float* stream = residual.data_ptr<float>();
+
+  // attention: q rotated into [B, n_kv_heads, group x T, hd] (a K/V head's query heads as extra rows,
+  // group-major, as llama.py's Attention lays them out), k rotated and v into the cache
+  const at::Tensor qkv = apply(qkv_proj, rms_norm_rows(residual, attention_norm, eps));
+  at::Tensor q = at::empty({B, n_kv_heads, group * T, hd}, x.options());
+  const float *projected = qkv.data_ptr<float>(), *cosines = cos.data_ptr<float>(), *sines = sin.data_ptr<float>();
+  const int64_t* positions = input_pos.data_ptr<int64_t>();
+  float *queries = q.data_ptr<float>(), *keys = k_cache.data_ptr<float>(), *values = v_cache.data_ptr<float>();
+  const int64_t S = k_cache.size(2), N = qkv.size(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / T, t = m % T;
+    const float* row = projected + m * N;
+    const float* c = cosines + (cos.numel() == T * hd ? t : m) * hd;
+    const float* s = sines + (cos.numel() == T * hd ? t : m) * hd;
+    const int64_t position = positions[input_pos.numel() == T ? t : m];
+    TORCH_CHECK(0 <= position && position < S, "llama_layer: a position outside the cache");
+    for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
+      const float* in = row + h * hd;
+      float* out = h < n_heads
+          ? queries + ((b * n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd
+          : keys + (((first_row + b) * n_kv_heads + h - n_heads) * S + position) * hd;
+      // x1 cos - x2 sin, x2 cos + x1 sin: the halves swapped times the signed sines (llama.py's apply_rope)
+      for (int64_t i = 0; i < hd; ++i) out[i] = in[i] * c[i] + in[(i + half) % hd] * s[i];
+    }
+    for (int64_t h = 0; h < n_kv_heads; ++h)
+      std::memcpy(values + (((first_row + b) * n_kv_heads + h) * S + position) * hd,
+                  row + (n_heads + n_kv_heads + h) * hd, hd * sizeof(float));
+  }
+  at::Tensor mask4 = mask.dim() == 2 ? mask.expand({B, n_kv_heads, mask.size(0), mask.size(1)})
+                                     : mask.unsqueeze(1).expand({B, n_kv_heads, mask.size(1), mask.size(2)});
+  const at::Tensor attended = attend(q, k_cache.narrow(0, first_row, B), v_cache.narrow(0, first_row, B), mask4,
+                                     slots, scale);
+  // back to [M, n_heads x hd], head h = j x group + g of K/V head j
+  at::Tensor heads_out = at::empty({M, n_heads * hd}, x.options());
+  const float* a = attended.data_ptr<float>();
+  float* o = heads_out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / T, t = m % T;
+    for (int64_t h = 0; h < n_heads; ++h)
+      std::memcpy(o + (m * n_heads + h) * hd, a + ((b * n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd,
+                  hd * sizeof(float));
+  }
+  const at::Tensor projected_out = apply(out_proj, heads_out);
+  const float* p = projected_out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < D; ++i) stream[m * D + i] += p[m * projected_out.size(1) + i];
+
+  // SwiGLU: w2(silu(gate) * up), gate and up the two halves of w13's output
+  const at::Tensor gu = apply(gate_up, rms_norm_rows(residual, ffn_norm, eps));
+  // PyTorch's silu, its rows padded as kernels.elementwise pads them (its vector loops' remainder rounds
+  // otherwise)
+  const int64_t pad = -I % ELEMENTWISE_ROW_MULTIPLE + (I % ELEMENTWISE_ROW_MULTIPLE ? ELEMENTWISE_ROW_MULTIPLE : 0);
+  at::Tensor activated = pad ? at::silu(at::constant_pad_nd(gu.narrow(1, 0, I), {0, pad})).narrow(1, 0, I).contiguous()
+                             : at::silu(gu.narrow(1, 0, I)).contiguous();
+  const float* up = gu.data_ptr<float>() + I;
+  float* act = activated.data_ptr<float>();
+  const int64_t G = gu.size(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) act[m * I + i] *= up[m * G + i];
+  const at::Tensor mlp = apply(down, activated);
+  const float* d = mlp.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < D; ++i) stream[m * D + i] += d[m * mlp.size(1) + i];
+  return residual.view({B, T, D});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("llama_layer(Tensor x, Tensor attention_norm, Tensor ffn_norm, float eps, Tensor?[] linears, int[] groups, "
+        "int[] features, int n_heads, int n_kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "int first_row, Tensor input_pos, Tensor mask, Tensor? slots, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
+  m.impl("rms_norm", &rms_norm_rows);
+  m.impl("llama_layer", &llama_layer);
+}
