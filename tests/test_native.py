@@ -252,12 +252,12 @@ def every_forward(model):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", None])
 @pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2"])  # multi-head; grouped, intermediate 96; biases
-def test_a_quantized_layer_in_one_call_computes_what_the_modules_compute(reference_dirs, kind, mode, threads,
-                                                                       monkeypatch):
+def test_a_layer_in_one_call_computes_what_the_modules_compute(reference_dirs, kind, mode, threads, monkeypatch):
     """Every forward decoding makes, bit for bit: the one-call layer (layer.cpp) against the modules
-    it stands in for (the modules' RMSNorm is the same one call, their silu the same PyTorch's)."""
+    it stands in for (the modules' RMSNorm is the same one call, their silu the same PyTorch's, their
+    products the same kernels), quantized and float32."""
     model = minispec.load(reference_dirs[kind][1], quantize=mode)
     calls = []
     monkeypatch.setattr(native, "llama_layer", lambda *args, original=native.llama_layer: calls.append(1) or original(*args))
@@ -276,12 +276,29 @@ def test_a_quantized_layer_in_one_call_computes_what_the_modules_compute(referen
         assert torch.equal(a, b)
 
 
-def test_a_float_or_sharded_layer_runs_the_modules(reference_dirs):
-    """The one-call layer takes only layers quantized for minispec's kernel, in float32."""
-    quantized = minispec.load(reference_dirs["llama"][1], quantize="int8")
+def test_the_one_call_layer_takes_what_it_can_compute(reference_dirs):
+    """float32 activations on a CPU, weights quantized for minispec's kernel or packed for oneDNN, and
+    no gradient: a bfloat16 model and a head in training run the modules."""
     x = torch.zeros(1, 1, 32)
-    assert quantized.fused_layers(x) is not None
-    assert minispec.load(reference_dirs["llama"][1]).fused_layers(x) is None  # float weights
-    assert quantized.fused_layers(x.bfloat16()) is None
+    for mode in ("int8", None):
+        assert minispec.load(reference_dirs["llama"][1], quantize=mode).fused_layers(x) is not None
+    assert minispec.load(reference_dirs["llama"][1], dtype=torch.bfloat16).fused_layers(x.bfloat16()) is None
     with torch.enable_grad():
-        assert quantized.fused_layers(x.requires_grad_()) is None  # training a head through it
+        assert minispec.load(reference_dirs["llama"][1]).fused_layers(x.requires_grad_()) is None
+
+
+def test_a_weight_written_in_place_is_read_again(reference_dirs, monkeypatch):
+    """The one-call layer keeps its layers' tensors (oneDNN's packed copies among them) from forward to
+    forward; a weight written since (a test, a merged adapter) is packed and taken again, as the
+    modules do."""
+    model = minispec.load(reference_dirs["llama"][1])
+    prompt = torch.tensor([[5, 17, 33, 8, 90, 41]])
+    model.ensure_caches(1, 64)
+    with torch.inference_mode():
+        model.prefill(prompt)
+    with torch.no_grad():
+        model.layers[1].feed_forward.w2.weight.mul_(1.5)
+    with torch.inference_mode():
+        fused = model.prefill(prompt)
+        monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
+        assert torch.equal(fused, model.prefill(prompt))

@@ -64,14 +64,23 @@ def forget(key, entry):
 PACKED_MIN_ROWS = 4
 
 
-def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if weight.device.type != "cpu":  # the model was moved after loading
-        return F.linear(x, weight, bias)
+def packed_weight(weight):
+    """The weight's oneDNN-packed copy, packed again if it was written since; None where oneDNN cannot
+    take it (moved off the CPU, or converted to a dtype oneDNN cannot take here, after loading)."""
+    if weight.device.type != "cpu":
+        return None
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
     if version_packed != version(weight):  # new or written in place since it was packed (a test, a LoRA merge)
-        if not can_pack_on_cpu(weight.dtype):  # converted after loading to a dtype oneDNN cannot take here
-            return F.linear(x, weight, bias)
+        if not can_pack_on_cpu(weight.dtype):
+            return None
         packed = pack(weight)
+    return packed
+
+
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    packed = packed_weight(weight)
+    if packed is None:
+        return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if rows >= PACKED_MIN_ROWS or rows == 0:  # no rows: nothing to pad a product for
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

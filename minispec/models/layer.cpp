@@ -1,7 +1,8 @@
-// A Llama decoder layer with quantized weights, for CPUs, in one call: what models/llama.py's
+// A Llama decoder layer for CPUs in one call, float32 or with quantized weights: what models/llama.py's
 // TransformerBlock computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
-// projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel and
-// its attention through attention.cpp's; and RMSNorm alone, which the modules use too. Built with them
+// projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel
+// (quantized weights) or oneDNN's on the weight kernels.py packed (float32), its attention through
+// attention.cpp's; and RMSNorm alone, which the modules use too. Built with them
 // by models/native.py.
 //
 // Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
@@ -18,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -40,6 +42,7 @@ typedef float Quarter __attribute__((vector_size(16)));
 constexpr int64_t LANES = 16;
 constexpr int64_t PER_LINEAR = 5;  // qweight, scales, offsets, steps, bias
 constexpr int64_t ELEMENTWISE_ROW_MULTIPLE = 64;  // kernels.py's
+constexpr int64_t PACKED_MIN_ROWS = 4;  // kernels.py's: oneDNN's 1-row products sum in another order
 
 using Optional = c10::optional<at::Tensor>;
 
@@ -86,25 +89,40 @@ at::Tensor rms_norm_rows(const at::Tensor& input, const at::Tensor& w, double ep
   return y;
 }
 
+// A linear layer: quantized (qweight, scales, offsets, steps in qlinear's packed form, group > 0), or
+// float32 (qweight the oneDNN-packed weight kernels.py made, group 0).
 struct Linear {
-  at::Tensor qweight, scales;
-  Optional offsets, steps, bias;
+  at::Tensor qweight;
+  Optional scales, offsets, steps, bias;
   int64_t group, features;  // features: the output width before padding to the kernel's tiles
 };
 
 Linear linear_at(const c10::List<Optional>& tensors, at::IntArrayRef groups, at::IntArrayRef features, int64_t i) {
   const int64_t at = i * PER_LINEAR;
-  return {tensors.get(at).value(), tensors.get(at + 1).value(), tensors.get(at + 2), tensors.get(at + 3),
+  return {tensors.get(at).value(), tensors.get(at + 1), tensors.get(at + 2), tensors.get(at + 3),
           tensors.get(at + 4), groups[i], features[i]};
 }
 
-// x [M, K] -> [M, N padded to tiles], the first `features` columns with the bias added.
+// x [M, K] through oneDNN's product on its packed weight, as kernels.packed_product calls it (its bias too).
+at::Tensor float_product(const Linear& l, const at::Tensor& x) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t M = x.size(0);
+  const at::Tensor rows = M >= PACKED_MIN_ROWS ? x : at::constant_pad_nd(x, {0, 0, 0, PACKED_MIN_ROWS - M});
+  torch::jit::Stack stack{rows, l.qweight, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(),
+                          c10::IValue("none"), c10::IValue(c10::List<c10::optional<c10::Scalar>>()), c10::IValue("")};
+  op.callBoxed(&stack);
+  const at::Tensor y = stack[0].toTensor();
+  return M >= PACKED_MIN_ROWS ? y : y.narrow(0, 0, M);
+}
+
+// x [M, K] -> [M, N (quantized: padded to tiles)], the first `features` columns with the bias added.
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
+  if (l.group == 0) return float_product(l, x);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("minispec_native::qlinear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&,
                                          const Optional&, int64_t)>();
-  at::Tensor y = op.call(x, l.qweight, l.scales, l.offsets, l.steps, l.group);
+  at::Tensor y = op.call(x, l.qweight, *l.scales, l.offsets, l.steps, l.group);
   if (l.bias.has_value()) {
     const float* bias = l.bias->data_ptr<float>();
     float* out = y.data_ptr<float>();
@@ -129,7 +147,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // [rows, n_kv_heads, S, head_dim] float32, the forward's batch row b at cache row first_row + b;
 // input_pos int64 [T] or [B, T]: where each token's key and value go; mask additive float32 [R, P] or
 // [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's query_rows_mask); slots: attention.cpp's.
-// linears: 4 x (qweight, scales, offsets, steps, bias) of wqkv, wo, w13, w2, in qlinear's packed form.
+// linears: 4 x (qweight, scales, offsets, steps, bias) of wqkv, wo, w13, w2 (Linear above), groups
+// their groups (0: float32), features their output widths.
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
                        const c10::List<Optional>& linears, at::IntArrayRef groups, at::IntArrayRef features,
                        int64_t n_heads, int64_t n_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
@@ -236,5 +255,10 @@ TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
   m.impl("rms_norm", &rms_norm_rows);
+  m.impl("llama_layer", &llama_layer);
+}
+
+// A float32 layer's weights are oneDNN's packed tensors, which dispatch by their own key.
+TORCH_LIBRARY_IMPL(minispec_native, MkldnnCPU, m) {
   m.impl("llama_layer", &llama_layer);
 }

@@ -15,7 +15,7 @@ from torch import nn
 from . import native
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read, tree_keys
+from .kernels import additive, attend_cache, causal_mask, elementwise, packed_weight, rows_as_read, tree_keys, version
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -263,14 +263,40 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def native_tensors(self):
-        """The layer's tensors as minispec's one-call layer takes them (native.layer_tensors), or None;
-        made once, and again when its weights were replaced (quantized, moved)."""
+        """The layer's tensors as native.llama_layer takes them: its norms' weights, then per linear
+        layer its tensors (LINEAR_TENSORS: qlinear's packed form, or oneDNN's packed float32 weight and
+        the bias), group (0: float32) and output width. None where the layer cannot run as one call.
+        Made again when a weight was replaced (quantized, moved) or written in place."""
         linears = (self.attention.wqkv, self.attention.wo, self.feed_forward.w13, self.feed_forward.w2)
-        weights = [getattr(linear, "weight", None) for linear in linears]
+        key = [(linear.weight, version(linear.weight)) for linear in linears]
         made = getattr(self, "_native", None)
-        if made is None or any(a is not b for a, b in zip(made[0], weights)):
-            made = self._native = weights, native.layer_tensors((self.attention_norm, self.ffn_norm), linears)
+        if made is None or any(a is not b or i != j for (a, i), (b, j) in zip(made[0], key)):
+            made = self._native = key, self.layer_tensors(linears)
         return made[1]
+
+    def layer_tensors(self, linears):
+        if any(norm.weight.dtype != torch.float32 for norm in (self.attention_norm, self.ffn_norm)):
+            return None
+        tensors, groups = [], []
+        for linear in linears:
+            if linear.bias is not None and linear.bias.dtype != torch.float32:
+                return None
+            if getattr(linear, "native", False):  # quantized for minispec's kernel
+                tensors += [getattr(linear, name) for name in LINEAR_TENSORS]
+                groups.append(linear.group)
+            elif getattr(linear, "packed", False) and linear.weight.dtype == torch.float32:
+                packed = packed_weight(linear.weight)
+                if packed is None:
+                    return None
+                tensors += [packed, None, None, None, linear.bias]
+                groups.append(0)
+            else:
+                return None
+        return (self.attention_norm.weight, self.ffn_norm.weight, tensors, groups,
+                [linear.out_features for linear in linears])
+
+
+LINEAR_TENSORS = ("weight", "scales", "offsets", "steps", "bias")  # a quantized layer's, in layer.cpp's order
 
 
 class Llama(CachedLM):
@@ -345,8 +371,9 @@ class Llama(CachedLM):
 
     def fused_layers(self, x):
         """Each layer's tensors for minispec's one-call layer (layer.cpp), where the forward can run
-        that way: eagerly, on a CPU, in float32, every layer quantized for minispec's kernel, not sharded
-        (the sums across ranks hook the modules). Else None: the modules below."""
+        that way: eagerly, on a CPU, in float32, every layer's weights quantized for minispec's kernel
+        or packed for oneDNN, not sharded (the sums across ranks hook the modules). Else None: the
+        modules below."""
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
                 or (torch.is_grad_enabled() and x.requires_grad) or not native.available():
             return None

@@ -1,5 +1,5 @@
 """minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for
-attention over a KV cache (attention.cpp) and for a whole quantized Llama layer (layer.cpp), compiled at first use with the machine's C++ compiler (the
+attention over a KV cache (attention.cpp) and for a whole Llama layer (layer.cpp), compiled at first use with the machine's C++ compiler (the
 toolchain torch.compile needs on CPU too), for this machine's instruction set, and cached. Where they
 cannot be built (no compiler, no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False and
 models.quant and models.kernels keep PyTorch's operations.
@@ -8,7 +8,7 @@ Why kernels of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 ke
 every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
 released package ships faster ones for x86; a decode step's attention is about twenty tiny PyTorch
 operations a layer, whose dispatch costs more than their arithmetic; and an eager step of a small
-quantized model spends more in the small operations between its products than in the products.
+model spends as much in the small operations between its products as in the products.
 """
 
 import functools
@@ -240,29 +240,15 @@ def attend(q, k, v, mask, slots, scale):
     return torch.ops.minispec_native.attend(q, k, v, mask, slots, scale)
 
 
-LINEAR_TENSORS = ("weight", "scales", "offsets", "steps", "bias")  # a packed layer's, in layer.cpp's order
-
-
-def layer_tensors(norms, linears):
-    """What `llama_layer` takes of a decoder layer, built once: its two norms' weights, its four linear
-    layers' packed tensors, groups and output widths; None where the layer cannot run as one call (a
-    layer not quantized for this kernel, norms or biases not float32)."""
-    if not all(getattr(linear, "native", False) and (linear.bias is None or linear.bias.dtype == torch.float32)
-               for linear in linears) or any(norm.weight.dtype != torch.float32 for norm in norms):
-        return None
-    tensors = [getattr(linear, name) for linear in linears for name in LINEAR_TENSORS]
-    return (norms[0].weight, norms[1].weight, tensors, [linear.group for linear in linears],
-            [linear.out_features for linear in linears])
-
-
 def rms_norm(x, weight, eps):
     """RMSNorm of x [..., D] float32 by weight [D] float32, each row alone (layer.cpp)."""
     return torch.ops.minispec_native.rms_norm(x, weight, eps)
 
 
 def llama_layer(x, tensors, eps, n_heads, n_kv_heads, cos, sin, cache, input_pos, mask, slots, scale):
-    """A Llama decoder layer over x [B, T, D] float32 in one call (layer.cpp): `tensors` from
-    layer_tensors, `cache` the layer's KVCache (written at input_pos, from its first_row)."""
+    """A Llama decoder layer over x [B, T, D] float32 in one call (layer.cpp): `tensors` its norms'
+    weights, its linear layers' tensors, groups and widths (llama.py's TransformerBlock.native_tensors),
+    `cache` the layer's KVCache (written at input_pos, from its first_row)."""
     attention_norm, ffn_norm, linears, groups, features = tensors
     return torch.ops.minispec_native.llama_layer(
         x, attention_norm, ffn_norm, eps, linears, groups, features, n_heads, n_kv_heads, cos, sin, cache.k, cache.v,
