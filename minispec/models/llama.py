@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import kernels, native
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, packed_weight, rows_as_read, tree_keys, version
+from .kernels import additive, attend_cache, causal_mask, elementwise, packed_weight, rows_as_read, tree_keys
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -266,17 +266,28 @@ class TransformerBlock(nn.Module):
         """The layer's tensors as native.llama_layer takes them: its norms' weights, then per linear
         layer its tensors (LINEAR_TENSORS: qlinear's packed form, or oneDNN's packed float32 weight and
         the bias), group (0: float32) and output width. None where the layer cannot run as one call.
-        Made again when a weight was replaced (quantized, moved) or written in place."""
+        Made again when a weight was replaced (quantized, moved) or unpacked (without_row_invariance); a
+        float weight's packed copy is taken each time from kernels.packed_weight, which packs again a
+        weight written since."""
         linears = (self.attention.wqkv, self.attention.wo, self.feed_forward.w13, self.feed_forward.w2)
-        key = [(linear.weight, version(linear.weight)) for linear in linears]
+        key = [(linear.weight, getattr(linear, "packed", False)) for linear in linears]
         made = getattr(self, "_native", None)
-        if made is None or any(a is not b or i != j for (a, i), (b, j) in zip(made[0], key)):
+        if made is None or any(a is not b or p != q for (a, p), (b, q) in zip(made[0], key)):
             made = self._native = key, self.layer_tensors(linears)
-        return made[1]
+        if made[1] is None or 0 not in made[1][3]:  # no float layer
+            return made[1]
+        norms, tensors, groups, features = made[1][:2], list(made[1][2]), *made[1][3:]
+        for i, (linear, group) in enumerate(zip(linears, groups)):
+            if group == 0:
+                tensors[i * len(LINEAR_TENSORS)] = packed_weight(linear.weight)
+                if tensors[i * len(LINEAR_TENSORS)] is None:  # converted to what oneDNN cannot take
+                    return None
+        return *norms, tensors, groups, features
 
     def layer_tensors(self, linears):
-        if any(norm.weight.dtype != torch.float32 for norm in (self.attention_norm, self.ffn_norm)):
-            return None
+        norms = (self.attention_norm, self.ffn_norm)
+        if any(type(norm) is not RMSNorm or norm.weight.dtype != torch.float32 for norm in norms):
+            return None  # an EAGLE head's first layer has no input norm
         tensors, groups = [], []
         for linear in linears:
             if linear.bias is not None and linear.bias.dtype != torch.float32:
@@ -285,10 +296,7 @@ class TransformerBlock(nn.Module):
                 tensors += [getattr(linear, name) for name in LINEAR_TENSORS]
                 groups.append(linear.group)
             elif getattr(linear, "packed", False) and linear.weight.dtype == torch.float32:
-                packed = packed_weight(linear.weight)
-                if packed is None:
-                    return None
-                tensors += [packed, None, None, None, linear.bias]
+                tensors += [None, None, None, None, linear.bias]  # the packed weight: native_tensors
                 groups.append(0)
             else:
                 return None
@@ -371,11 +379,11 @@ class Llama(CachedLM):
 
     def fused_layers(self, x):
         """Each layer's tensors for minispec's one-call layer (layer.cpp), where the forward can run
-        that way: eagerly, on a CPU, in float32, every layer's weights quantized for minispec's kernel
-        or packed for oneDNN, not sharded (the sums across ranks hook the modules). Else None: the
-        modules below."""
+        that way: eagerly, on a CPU, in float32, with minispec's attention kernel (which it calls), every
+        layer's weights quantized for minispec's kernel or packed for oneDNN, not sharded (the sums
+        across ranks hook the modules). Else None: the modules below."""
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
-                or (torch.is_grad_enabled() and x.requires_grad) or not native.available():
+                or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
             return None
         tensors = [layer.native_tensors() for layer in self.layers]
         return None if any(t is None for t in tensors) else tensors
