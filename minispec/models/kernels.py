@@ -67,7 +67,7 @@ PACKED_MIN_ROWS = 4
 def packed_weight(weight):
     """The weight's oneDNN-packed copy, packed again if it was written since; None where oneDNN cannot
     take it (moved off the CPU, or converted to a dtype oneDNN cannot take here, after loading)."""
-    if weight.device.type != "cpu":
+    if not weight.is_cpu:
         return None
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
     if version_packed != version(weight):  # new or written in place since it was packed (a test, a LoRA merge)
