@@ -22,7 +22,7 @@ import torch
 from ..loading.builtin import weights_dir
 from .tree import TREE_AUTO
 
-VERSION = 5  # of the files' contents; files of another version are ignored (5: compiled pairs timed their graphs' compiles)
+VERSION = 6  # of the files' contents; files of another version are ignored (6: eager layers in one call, 1.3-2x faster steps)
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "t_tree",
           "tree_confidence", "modes")
 
