@@ -778,3 +778,39 @@ def test_run_py_drafts_with_a_head_folder(reference_dirs, tmp_path):
         outputs.append(json.loads(buffer.getvalue()))
     assert outputs[0]["tokens"] == outputs[1]["tokens"] == outputs[2]["tokens"]
     assert outputs[0]["stats"]["proposed"] > 0 and outputs[2]["stats"]["tree_nodes"] > 0  # --tree 8
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3 norm before residual"])
+def test_a_heads_layer_in_one_call_drafts_what_its_modules_draft(deep_target, tmp_path, kind, monkeypatch):
+    """EAGLE-1's layer (no input norm) and EAGLE-3's ([embedding, state], each normed; the state, or
+    its norm, the residual) run as one call on a CPU (models/layer.cpp): bit for bit their modules."""
+    from minispec.models import native
+    from minispec.models.llama import Llama
+    if not native.available():
+        pytest.skip("minispec's CPU kernels cannot be built here")
+    _, directory = deep_target
+    target = minispec.load(directory)
+    hf = json.loads((directory / "config.json").read_text())
+    if kind == "eagle":
+        head_dir, _, _ = write_eagle(tmp_path / "head", hf)
+    else:
+        head_dir, _, config = write_eagle3(tmp_path / "head", hf, draft_vocab=list(range(1, 64, 3)))
+        config["norm_before_residual"] = kind.endswith("residual")
+        (head_dir / "config.json").write_text(json.dumps(config))
+    head = minispec.load_draft_head(head_dir, target)
+    tokens = torch.tensor([PROMPT + [40, 41, 42]])
+    calls = []
+    monkeypatch.setattr(native, "llama_layer", lambda *args, original=native.llama_layer: calls.append(1) or original(*args))
+
+    def draft():
+        head.ensure_caches(1, 32)
+        width = hf["hidden_size"] * (1 if kind == "eagle" else len(head.taps))  # the target's state(s) read
+        states = torch.randn(1, tokens.shape[1] - 1, width, generator=torch.Generator().manual_seed(0))
+        inputs = states if kind == "eagle" else head.fuse(states)
+        return head.decode_rows(tokens[:, 1:], [0], eager=True, hidden=True, inputs=inputs)
+    with torch.inference_mode():
+        fused = draft()
+        assert calls == [1]
+        monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
+        modules = draft()
+    assert calls == [1] and all(torch.equal(a, b) for a, b in zip(fused, modules))

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from ..loading import builtin
 from ..loading.checkpoint import check_shapes
 from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
+from ..models.base import CachedLM, pack_linears
 from . import eagle, eagle3, medusa
 
 KINDS = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa}
@@ -96,6 +97,8 @@ def load_draft_head(path, target):
     if kind != "medusa":
         eagle.check_draft_vocab(head, directory)
     head = head.to(target.device).eval().requires_grad_(False)
+    if isinstance(head, CachedLM):  # an EAGLE head's layer: oneDNN's packed products, which the one-call layer takes
+        pack_linears(head)
     identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
     head.fingerprint = hashlib.sha256(f"{identities}|{target.fingerprint}".encode()).hexdigest()[:20]
     head.name = directory.name

@@ -142,14 +142,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return op.call(q, k, v, mask, slots, scale);
 }
 
-// x [B, T, D] float32: the layer's input, the residual stream; cos, sin [T or B x T, head_dim] (RoPE's
+// x [B, T, D] float32: the layer's input, the residual stream; attention_norm: none for EAGLE-1's first
+// layer, which takes its input as it is; hidden_norm: EAGLE-3's layer, whose x [B, T, 2D] is [embedding,
+// state] side by side, each normed on its own for attention (attention_norm the embedding's), the
+// state (normed with norm_before_residual) the residual stream (heads/eagle3.py); cos, sin [T or B x T, head_dim] (RoPE's
 // tables at the tokens' positions, sin's first half negated: llama.py's rope_tables); k_cache, v_cache
 // [rows, n_kv_heads, S, head_dim] float32, the forward's batch row b at cache row first_row + b;
 // input_pos int64 [T] or [B, T]: where each token's key and value go; mask additive float32 [R, P] or
 // [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's query_rows_mask); slots: attention.cpp's.
 // linears: 4 x (qweight, scales, offsets, steps, bias) of wqkv, wo, w13, w2 (Linear above), groups
 // their groups (0: float32), features their output widths.
-at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
+at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, const at::Tensor& ffn_norm,
+                       const Optional& hidden_norm, bool norm_before_residual, double eps,
                        const c10::List<Optional>& linears, at::IntArrayRef groups, at::IntArrayRef features,
                        int64_t n_heads, int64_t n_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& k_cache, at::Tensor& v_cache, int64_t first_row, const at::Tensor& input_pos,
@@ -157,7 +161,9 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm, co
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llama_layer: x must be float32 [B, T, D]");
   TORCH_CHECK(linears.size() == 4 * PER_LINEAR && groups.size() == 4 && features.size() == 4,
               "llama_layer: four linear layers");
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), M = B * T;
+  const int64_t B = x.size(0), T = x.size(1), M = B * T, D = hidden_norm.has_value() ? x.size(2) / 2 : x.size(2);
+  TORCH_CHECK(!hidden_norm.has_value() || (attention_norm.has_value() && x.size(2) == 2 * D),
+              "llama_layer: EAGLE-3's layer takes [embedding, state] and norms both");
   const int64_t heads = n_heads + 2 * n_kv_heads, group = n_heads / n_kv_heads;
   const int64_t hd = features[0] / heads, half = hd / 2;
   TORCH_CHECK(hd * heads == features[0] && hd % 2 == 0 && features[1] == D && features[3] == D,
@@ -176,12 +182,21 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm, co
   const Linear gate_up = linear_at(linears, groups, features, 2), down = linear_at(linears, groups, features, 3);
   const int64_t I = features[2] / 2;
 
-  at::Tensor residual = x.reshape({M, D}).clone(at::MemoryFormat::Contiguous);
+  const at::Tensor input = x.reshape({M, x.size(2)});
+  at::Tensor residual, attention_input;
+  if (hidden_norm.has_value()) {
+    const at::Tensor state = input.narrow(1, D, D), normed_state = rms_norm_rows(state, *hidden_norm, eps);
+    attention_input = at::cat({rms_norm_rows(input.narrow(1, 0, D), *attention_norm, eps), normed_state}, 1);
+    residual = (norm_before_residual ? normed_state : state).clone(at::MemoryFormat::Contiguous);
+  } else {
+    residual = input.clone(at::MemoryFormat::Contiguous);
+    attention_input = attention_norm.has_value() ? rms_norm_rows(residual, *attention_norm, eps) : residual;
+  }
   float* stream = residual.data_ptr<float>();
 
   // attention: q rotated into [B, n_kv_heads, group x T, hd] (a K/V head's query heads as extra rows,
   // group-major, as llama.py's Attention lays them out), k rotated and v into the cache
-  const at::Tensor qkv = apply(qkv_proj, rms_norm_rows(residual, attention_norm, eps));
+  const at::Tensor qkv = apply(qkv_proj, attention_input);
   at::Tensor q = at::empty({B, n_kv_heads, group * T, hd}, x.options());
   const float *projected = qkv.data_ptr<float>(), *cosines = cos.data_ptr<float>(), *sines = sin.data_ptr<float>();
   const int64_t* positions = input_pos.data_ptr<int64_t>();
@@ -248,7 +263,8 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm, co
 
 TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("llama_layer(Tensor x, Tensor attention_norm, Tensor ffn_norm, float eps, Tensor?[] linears, int[] groups, "
+  m.def("llama_layer(Tensor x, Tensor? attention_norm, Tensor ffn_norm, Tensor? hidden_norm, bool norm_before_residual, "
+        "float eps, Tensor?[] linears, int[] groups, "
         "int[] features, int n_heads, int n_kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int first_row, Tensor input_pos, Tensor mask, Tensor? slots, float scale) -> Tensor");
 }

@@ -263,7 +263,7 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def native_tensors(self):
-        """The layer's tensors as native.llama_layer takes them: its norms' weights, then per linear
+        """The layer's tensors as native.llama_layer takes them: its norms (native_norms), then per linear
         layer its tensors (LINEAR_TENSORS: qlinear's packed form, or oneDNN's packed float32 weight and
         the bias), group (0: float32) and output width. None where the layer cannot run as one call.
         Made again when a weight was replaced (quantized, moved) or unpacked (without_row_invariance); a
@@ -276,20 +276,29 @@ class TransformerBlock(nn.Module):
         made = self.__dict__.get("_native")
         if made is None or any(a is not b or p != q for (a, p), (b, q) in zip(made[0], key)):
             made = self._native = key, self.layer_tensors(linears)
-        if made[1] is None or 0 not in made[1][3]:  # no float layer
+        if made[1] is None or 0 not in made[1][2]:  # no float layer
             return made[1]
-        norms, tensors, groups, features = made[1][:2], list(made[1][2]), *made[1][3:]
+        norms, tensors, groups, features = made[1][0], list(made[1][1]), *made[1][2:]
         for i, group in enumerate(groups):
             if group == 0:
                 tensors[i * len(LINEAR_TENSORS)] = packed = packed_weight(key[i][0])
                 if packed is None:  # converted to what oneDNN cannot take
                     return None
-        return *norms, tensors, groups, features
+        return norms, tensors, groups, features
+
+    def native_norms(self):
+        """The norms' weights as the one-call layer takes them (attention's, MLP's, EAGLE-3's state's,
+        whether the state is normed before the residual add), or None where it cannot take them."""
+        attention_norm = None if isinstance(self.attention_norm, nn.Identity) else self.attention_norm  # EAGLE-1's
+        norms = [norm for norm in (attention_norm, self.ffn_norm) if norm is not None]
+        if any(type(norm) is not RMSNorm or norm.weight.dtype != torch.float32 for norm in norms):
+            return None
+        return None if attention_norm is None else attention_norm.weight, self.ffn_norm.weight, None, False
 
     def layer_tensors(self, linears):
-        norms = (self.attention_norm, self.ffn_norm)
-        if any(type(norm) is not RMSNorm or norm.weight.dtype != torch.float32 for norm in norms):
-            return None  # an EAGLE head's first layer has no input norm
+        norms = self.native_norms()
+        if norms is None:
+            return None
         tensors, groups = [], []
         for linear in linears:
             if linear.bias is not None and linear.bias.dtype != torch.float32:
@@ -302,8 +311,7 @@ class TransformerBlock(nn.Module):
                 groups.append(0)
             else:
                 return None
-        return (self.attention_norm.weight, self.ffn_norm.weight, tensors, groups,
-                [linear.out_features for linear in linears])
+        return norms, tensors, groups, [linear.out_features for linear in linears]
 
 
 LINEAR_TENSORS = ("weight", "scales", "offsets", "steps", "bias")  # a quantized layer's, in layer.cpp's order
