@@ -814,3 +814,22 @@ def test_a_heads_layer_in_one_call_drafts_what_its_modules_draft(deep_target, tm
         monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
         modules = draft()
     assert calls == [1] and all(torch.equal(a, b) for a, b in zip(fused, modules))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_beside_a_quantized_target_a_head_is_int8(reference_dirs, tmp_path, kind):
+    """A float head would cost a quantized target's guess as much as its bytes do: its linear layers are
+    int8 there (float beside a float target), and greedy decoding with it is still plain greedy."""
+    from minispec.models.quant import Int8Linear
+    directory = reference_dirs["llama_gqa"][1]
+    hf = json.loads((directory / "config.json").read_text())
+    head_dir = (write_eagle(tmp_path / "head", hf) if kind == "eagle" else
+                write_eagle3(tmp_path / "head", hf, draft_vocab=list(range(1, hf["vocab_size"], 2)), layer_ids=[0, 1]))[0]
+    for quantize in (None, "int4"):
+        target = minispec.load(directory, quantize=quantize)
+        head = minispec.load_draft_head(head_dir, target)
+        assert isinstance(head.layers[0].feed_forward.w2, Int8Linear) == (quantize is not None)
+    plain = minispec.generate(target, PROMPT, max_new_tokens=30, ignore_eos=True)
+    for gamma in (1, 3):
+        out = minispec.generate(target, PROMPT, draft=head, gamma=gamma, max_new_tokens=30, ignore_eos=True)
+        assert out.tokens == plain.tokens and out.stats["proposed"] > 0
