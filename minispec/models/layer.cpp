@@ -37,26 +37,12 @@
 namespace {
 
 typedef float Vector __attribute__((vector_size(64)));  // 16 floats, as attention.cpp
-typedef float Half __attribute__((vector_size(32)));
-typedef float Quarter __attribute__((vector_size(16)));
 constexpr int64_t LANES = 16;
 constexpr int64_t PER_LINEAR = 5;  // qweight, scales, offsets, steps, bias
 constexpr int64_t ELEMENTWISE_ROW_MULTIPLE = 64;  // kernels.py's
 constexpr int64_t PACKED_MIN_ROWS = 4;  // kernels.py's: oneDNN's 1-row products sum in another order
 
 using Optional = c10::optional<at::Tensor>;
-
-inline float sum(Vector v) {  // the lanes added in halves: a fixed order
-  Half a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  a += b;
-  Quarter c, d;
-  std::memcpy(&c, &a, sizeof c);
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 // y = w * (x * rsqrt(mean(x^2) + eps)) over one row of D floats, as RMSNorm computes it.
 void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
@@ -69,7 +55,9 @@ void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
   }
   float rest = 0.f;
   for (; i < D; ++i) rest += x[i] * x[i];
-  const float inverse = 1.f / std::sqrt((sum(part) + rest) / static_cast<float>(D) + eps);
+  float total = 0.f;  // the lanes in order: a fixed order for every row
+  for (int64_t c = 0; c < LANES; ++c) total += part[c];
+  const float inverse = 1.f / std::sqrt((total + rest) / static_cast<float>(D) + eps);
   for (i = 0; i < D; ++i) y[i] = w[i] * (x[i] * inverse);
 }
 
