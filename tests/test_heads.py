@@ -685,6 +685,10 @@ def test_training_that_diverges_stops_with_the_last_good_head(reference_dirs, tm
     assert command.main(["train", "--target", str(reference_dirs["llama_gqa"][1]), "--out", str(tmp_path / "h"),
                          "--epochs", "0"]) == 2
     assert capsys.readouterr().err.strip() == "minispec: --epochs must be >= 1, got 0"
+    quantized = minispec.load(reference_dirs["llama_gqa"][1], quantize="int8")
+    for kind in ("eagle", "eagle3", "medusa"):  # each starts from the target's float weights
+        with pytest.raises(ValueError, match="a head is trained on a float target"):
+            train.train(quantized, tmp_path / "q", kind=kind)
 
 
 def test_bad_head_folders_are_named(reference_dirs, tmp_path):

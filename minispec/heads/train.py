@@ -497,6 +497,9 @@ def check_settings(target, kind, epochs, lr, heads, draft_vocab):
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if kind == "eagle3":
         eagle3.check_target(target)
+    if target.quantization is not None:  # a head starts from the target's float weights (its layer, its head)
+        raise ValueError("a head is trained on a float target: load it without quantize (a head loaded beside "
+                         "a quantized target is quantized then)")
     if kind == "medusa" and not (isinstance(heads, int) and heads >= 1):
         raise ValueError(f"a Medusa head needs heads >= 1, got {heads!r}")
     if draft_vocab < 0:
