@@ -111,9 +111,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)  # no backward there
         if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype == torch.float32 \
-                and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
-                and native.available():
+                and x.device.type == "cpu" and not training and native.available():
             # one call (layer.cpp), the same as minispec's one-call layer computes: PyTorch's norm is
             # seven operations, which in an eager step of a small model cost more than their arithmetic
             return native.rms_norm(x, self.weight, self.eps)

@@ -392,17 +392,20 @@ def native_attend(q, k, v, mask, scale, layout):
         mask = mask.unsqueeze(1)
     mask = mask[..., :rows, :] if mask.shape[-2] > 1 else mask
     mask = mask.float().expand(b, h, rows, mask.shape[-1])  # T5's position bias is in the model's dtype
-    slots = None
-    if layout is not None:  # each token's slot for every position read, made once a forward
-        width = mask.shape[-1]
-        if torch.compiler.is_compiling():
-            slots = tree_keys(layout, width)
-        else:
-            slots = layout.shared.get(width)
-            if slots is None:
-                slots = layout.shared[width] = tree_keys(layout, width)
+    slots = None if layout is None else key_slots(layout, mask.shape[-1])
     out = native.attend(q.float().contiguous(), k, v, mask, slots, d ** -0.5 if scale is None else scale)
     return out.to(q.dtype)
+
+
+def key_slots(layout, width):
+    """tree_keys(layout, width) as minispec's attention kernel reads them: made once a forward (kept in
+    layout.shared for every layer; a compiled graph computes them once anyway)."""
+    if torch.compiler.is_compiling():
+        return tree_keys(layout, width)
+    slots = layout.shared.get(width)
+    if slots is None:
+        slots = layout.shared[width] = tree_keys(layout, width)
+    return slots
 
 
 def tree_products(products, weights, values, indices):

@@ -130,13 +130,21 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return op.call(q, k, v, mask, slots, scale);
 }
 
+// stream [M, D] += y's first D columns (y [M, N >= D]: a product padded to the kernel's tiles).
+void add_rows(float* stream, const at::Tensor& y, int64_t M, int64_t D) {
+  const float* rows = y.data_ptr<float>();
+  const int64_t N = y.size(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < D; ++i) stream[m * D + i] += rows[m * N + i];
+}
+
 // x [B, T, D] float32: the layer's input, the residual stream; attention_norm: none for EAGLE-1's first
 // layer, which takes its input as it is; hidden_norm: EAGLE-3's layer, whose x [B, T, 2D] is [embedding,
 // state] side by side, each normed on its own for attention (attention_norm the embedding's), the
-// state (normed with norm_before_residual) the residual stream (heads/eagle3.py); cos, sin [T or B x T, head_dim] (RoPE's
-// tables at the tokens' positions, sin's first half negated: llama.py's rope_tables); k_cache, v_cache
-// [rows, n_kv_heads, S, head_dim] float32, the forward's batch row b at cache row first_row + b;
-// input_pos int64 [T] or [B, T]: where each token's key and value go; mask additive float32 [R, P] or
+// state (normed with norm_before_residual) the residual stream (heads/eagle3.py); cos, sin [T or B x T,
+// head_dim] (RoPE's tables at the tokens' positions, sin's first half negated: llama.py's rope_tables);
+// k_cache, v_cache [rows, n_kv_heads, S, head_dim] float32, the forward's batch row b at cache row
+// first_row + b; input_pos int64 [T] or [B, T]: where each token's key and value go; mask additive float32 [R, P] or
 // [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's query_rows_mask); slots: attention.cpp's.
 // linears: 4 x (qweight, scales, offsets, steps, bias) of wqkv, wo, w13, w2 (Linear above), groups
 // their groups (0: float32), features their output widths.
@@ -190,6 +198,10 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
   const int64_t* positions = input_pos.data_ptr<int64_t>();
   float *queries = q.data_ptr<float>(), *keys = k_cache.data_ptr<float>(), *values = v_cache.data_ptr<float>();
   const int64_t S = k_cache.size(2), N = qkv.size(1);
+  // query head h's row for token t, in q and in attention's output
+  auto query_row = [&](int64_t b, int64_t h, int64_t t) {
+    return ((b * n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd;
+  };
   for (int64_t m = 0; m < M; ++m) {
     const int64_t b = m / T, t = m % T;
     const float* row = projected + m * N;
@@ -200,7 +212,7 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
     for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
       const float* in = row + h * hd;
       float* out = h < n_heads
-          ? queries + ((b * n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd
+          ? queries + query_row(b, h, t)
           : keys + (((first_row + b) * n_kv_heads + h - n_heads) * S + position) * hd;
       // x1 cos - x2 sin, x2 cos + x1 sin: the halves swapped times the signed sines (llama.py's apply_rope)
       for (int64_t i = 0; i < hd; ++i) out[i] = in[i] * c[i] + in[(i + half) % hd] * s[i];
@@ -220,19 +232,15 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
   for (int64_t m = 0; m < M; ++m) {
     const int64_t b = m / T, t = m % T;
     for (int64_t h = 0; h < n_heads; ++h)
-      std::memcpy(o + (m * n_heads + h) * hd, a + ((b * n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd,
-                  hd * sizeof(float));
+      std::memcpy(o + (m * n_heads + h) * hd, a + query_row(b, h, t), hd * sizeof(float));
   }
-  const at::Tensor projected_out = apply(out_proj, heads_out);
-  const float* p = projected_out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < D; ++i) stream[m * D + i] += p[m * projected_out.size(1) + i];
+  add_rows(stream, apply(out_proj, heads_out), M, D);
 
   // SwiGLU: w2(silu(gate) * up), gate and up the two halves of w13's output
   const at::Tensor gu = apply(gate_up, rms_norm_rows(residual, ffn_norm, eps));
   // PyTorch's silu, its rows padded as kernels.elementwise pads them (its vector loops' remainder rounds
   // otherwise)
-  const int64_t pad = -I % ELEMENTWISE_ROW_MULTIPLE + (I % ELEMENTWISE_ROW_MULTIPLE ? ELEMENTWISE_ROW_MULTIPLE : 0);
+  const int64_t pad = (ELEMENTWISE_ROW_MULTIPLE - I % ELEMENTWISE_ROW_MULTIPLE) % ELEMENTWISE_ROW_MULTIPLE;
   at::Tensor activated = pad ? at::silu(at::constant_pad_nd(gu.narrow(1, 0, I), {0, pad})).narrow(1, 0, I).contiguous()
                              : at::silu(gu.narrow(1, 0, I)).contiguous();
   const float* up = gu.data_ptr<float>() + I;
@@ -240,10 +248,7 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
   const int64_t G = gu.size(1);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) act[m * I + i] *= up[m * G + i];
-  const at::Tensor mlp = apply(down, activated);
-  const float* d = mlp.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < D; ++i) stream[m * D + i] += d[m * mlp.size(1) + i];
+  add_rows(stream, apply(down, activated), M, D);
   return residual.view({B, T, D});
 }
 
@@ -251,10 +256,10 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
 
 TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("llama_layer(Tensor x, Tensor? attention_norm, Tensor ffn_norm, Tensor? hidden_norm, bool norm_before_residual, "
-        "float eps, Tensor?[] linears, int[] groups, "
-        "int[] features, int n_heads, int n_kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "int first_row, Tensor input_pos, Tensor mask, Tensor? slots, float scale) -> Tensor");
+  m.def("llama_layer(Tensor x, Tensor? attention_norm, Tensor ffn_norm, Tensor? hidden_norm, "
+        "bool norm_before_residual, float eps, Tensor?[] linears, int[] groups, int[] features, int n_heads, "
+        "int n_kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int first_row, "
+        "Tensor input_pos, Tensor mask, Tensor? slots, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {

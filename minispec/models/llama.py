@@ -15,7 +15,7 @@ from torch import nn
 from . import kernels, native
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, packed_weight, rows_as_read, tree_keys
+from .kernels import additive, attend_cache, causal_mask, elementwise, key_slots, packed_weight, rows_as_read
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -377,8 +377,8 @@ class Llama(CachedLM):
         masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         fused = self.fused_layers(x)
-        if fused:  # a tree's key slots, once for every layer
-            slots = None if layout is None else tree_keys(layout, next(iter(masks.values())).shape[-1])
+        if fused:
+            slots = None if layout is None else key_slots(layout, next(iter(masks.values())).shape[-1])
             c, scale = self.config, self.config.head_dim ** -0.5
         for i, layer in enumerate(self.layers):
             if i in taps:

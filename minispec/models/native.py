@@ -1,8 +1,8 @@
 """minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for
-attention over a KV cache (attention.cpp) and for a whole Llama layer (layer.cpp), compiled at first use with the machine's C++ compiler (the
-toolchain torch.compile needs on CPU too), for this machine's instruction set, and cached. Where they
-cannot be built (no compiler, no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False and
-models.quant and models.kernels keep PyTorch's operations.
+attention over a KV cache (attention.cpp) and for a whole Llama layer (layer.cpp), compiled at first
+use with the machine's C++ compiler (the toolchain torch.compile needs on CPU too), for this machine's
+instruction set, and cached. Where they cannot be built (no compiler, no x86, a failed build, or
+MINISPEC_NATIVE=0), `available()` is False and models.quant and models.kernels keep PyTorch's operations.
 
 Why kernels of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 kernel for CPUs converts
 every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
