@@ -299,3 +299,19 @@ def test_one_sync_per_step_with_a_head(head_dirs):
     directory, heads = head_dirs
     target = minispec.load(directory, device="cuda")
     assert_one_sync_per_step(target, minispec.load_draft_head(heads["eagle"], target))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_beside_a_quantized_target_an_int8_head_drafts_plain_greedy_on_cuda(head_dirs, quantize):
+    from minispec.models.quant import Int8Linear
+    from test_heads import PROMPT as HEAD_PROMPT
+
+    directory, heads = head_dirs
+    target = minispec.load(directory, device="cuda", dtype=torch.bfloat16, quantize=quantize)
+    head = minispec.load_draft_head(heads["eagle"], target)
+    assert isinstance(head.layers[0].feed_forward.w2, Int8Linear)
+    settings = {"max_new_tokens": 24, "ignore_eos": True}
+    plain = minispec.generate(target, HEAD_PROMPT, **settings).tokens
+    for gamma, tree in ((3, None), (3, 16), ("auto", "auto")):
+        out = minispec.generate(target, HEAD_PROMPT, draft=head, gamma=gamma, tree=tree, **settings)
+        assert out.tokens == plain and out.stats["proposed"] > 0, (gamma, tree)
