@@ -804,7 +804,7 @@ def test_a_heads_layer_in_one_call_drafts_what_its_modules_draft(deep_target, tm
     head = minispec.load_draft_head(head_dir, target)
     tokens = torch.tensor([PROMPT + [40, 41, 42]])
     calls = []
-    monkeypatch.setattr(native, "llama_layer", lambda *args, original=native.llama_layer: calls.append(1) or original(*args))
+    monkeypatch.setattr(native, "llama_layers", lambda *args, original=native.llama_layers: calls.append(1) or original(*args))
 
     def draft():
         head.ensure_caches(1, 32)

@@ -260,31 +260,50 @@ def test_a_layer_in_one_call_computes_what_the_modules_compute(reference_dirs, k
     products the same kernels), quantized and float32."""
     model = minispec.load(reference_dirs[kind][1], quantize=mode)
     calls = []
-    monkeypatch.setattr(native, "llama_layer", lambda *args, original=native.llama_layer: calls.append(1) or original(*args))
+    monkeypatch.setattr(native, "llama_layers", lambda *args, original=native.llama_layers: calls.append(1) or original(*args))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             fused = every_forward(model)
-            assert len(calls) == 6 * model.config.n_layers  # all six forwards ran the one-call layers
+            assert len(calls) == 6  # all six forwards ran their layers in one call
             monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
             modules = every_forward(model)
     finally:
         torch.set_num_threads(before)
-    assert len(calls) == 6 * model.config.n_layers  # and the modules none
+    assert len(calls) == 6  # and the modules none
     for a, b in zip(fused, modules):
         assert torch.equal(a, b)
+
+
+def test_the_one_call_taps_the_states_the_modules_tap(reference_dirs, monkeypatch):
+    """An EAGLE-3 head reads the states entering some of the target's layers (and the last one's output):
+    the one call returns them, in layer order whatever order they are asked in, bit for bit."""
+    model = minispec.load(reference_dirs["llama_gqa"][1], quantize="int8")
+    tokens, layers = torch.tensor([[5, 17, 33, 8, 90, 41]]), model.config.n_layers
+    model.ensure_caches(1, 64)
+    with torch.inference_mode():
+        fused = model.features(tokens, torch.arange(6), taps=(layers, 0, 1))
+        monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
+        modules = model.features(tokens, torch.arange(6), taps=(0, 1, layers))
+    assert fused[1].shape[-1] == 3 * model.config.dim
+    assert torch.equal(fused[0], modules[0]) and torch.equal(fused[1], modules[1])
 
 
 def test_the_one_call_layer_takes_what_it_can_compute(reference_dirs):
     """float32 activations on a CPU, weights quantized for minispec's kernel or packed for oneDNN, and
     no gradient: a bfloat16 model and a head in training run the modules."""
     x = torch.zeros(1, 1, 32)
+
+    def loaded(**options):
+        model = minispec.load(reference_dirs["llama"][1], **options)
+        model.ensure_caches(1, 8)
+        return model
     for mode in ("int8", None):
-        assert minispec.load(reference_dirs["llama"][1], quantize=mode).fused_layers(x) is not None
-    assert minispec.load(reference_dirs["llama"][1], dtype=torch.bfloat16).fused_layers(x.bfloat16()) is None
+        assert loaded(quantize=mode).fused_layers(x) is not None
+    assert loaded(dtype=torch.bfloat16).fused_layers(x.bfloat16()) is None
     with torch.enable_grad():
-        assert minispec.load(reference_dirs["llama"][1]).fused_layers(x.requires_grad_()) is None
+        assert loaded().fused_layers(x.requires_grad_()) is None
 
 
 def test_a_weight_written_in_place_is_read_again(reference_dirs, monkeypatch):

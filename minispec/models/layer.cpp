@@ -1,5 +1,5 @@
-// A Llama decoder layer for CPUs in one call, float32 or with quantized weights: what models/llama.py's
-// TransformerBlock computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
+// A Llama model's decoder layers for CPUs in one call, float32 or with quantized weights: what each of
+// models/llama.py's TransformerBlocks computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
 // projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel
 // (quantized weights) or oneDNN's on the weight kernels.py packed (float32), its attention through
 // attention.cpp's; and RMSNorm alone, which the modules use too. Built with them
@@ -8,9 +8,11 @@
 // Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
 // products, not the products: SmolLM2-135M kept int4 ran ~55 operations a layer around 5 kernel calls,
 // each a few microseconds of dispatch, and PyTorch's RMSNorm on a CPU is seven of them (~30 µs a call)
-// (docs/performance.md, "One call a layer"). Here they are loops over a few hundred floats.
+// (docs/performance.md, "One call a layer"). Here they are loops over a few hundred floats, and the
+// layers follow one another in C++: a call from Python costs ~20 µs of argument passing and dispatch,
+// 0.7 ms a step for 30 layers called one by one ("One call a forward").
 //
-// The same numbers as the modules, bit for bit (tests/test_layer.py): RMSNorm is this file's in both,
+// The same numbers as the modules, bit for bit (tests/test_native.py): RMSNorm is this file's in both,
 // silu is PyTorch's, and the rest is the modules' arithmetic in their order, products and sums rounded
 // one at a time (no fused multiply-adds: the pragma below). Row invariance (docs/design.md) holds as
 // there: every row's norm, rotation and activation is a loop over that row alone, and the two kernels
@@ -85,10 +87,11 @@ struct Linear {
   int64_t group, features;  // features: the output width before padding to the kernel's tiles
 };
 
-Linear linear_at(const c10::List<Optional>& tensors, at::IntArrayRef groups, at::IntArrayRef features, int64_t i) {
-  const int64_t at = i * PER_LINEAR;
+// Linear layer i of the layer whose tensors start at `first` in the flat list, with its group and width.
+Linear linear_at(const c10::List<Optional>& tensors, int64_t first, int64_t i, int64_t group, int64_t features) {
+  const int64_t at = first + i * PER_LINEAR;
   return {tensors.get(at).value(), tensors.get(at + 1), tensors.get(at + 2), tensors.get(at + 3),
-          tensors.get(at + 4), groups[i], features[i]};
+          tensors.get(at + 4), group, features};
 }
 
 // x [M, K] through oneDNN's product on its packed weight, as kernels.packed_product calls it (its bias too).
@@ -138,45 +141,65 @@ void add_rows(float* stream, const at::Tensor& y, int64_t M, int64_t D) {
     for (int64_t i = 0; i < D; ++i) stream[m * D + i] += rows[m * N + i];
 }
 
-// x [B, T, D] float32: the layer's input, the residual stream; attention_norm: none for EAGLE-1's first
-// layer, which takes its input as it is; hidden_norm: EAGLE-3's layer, whose x [B, T, 2D] is [embedding,
-// state] side by side, each normed on its own for attention (attention_norm the embedding's), the
-// state (normed with norm_before_residual) the residual stream (heads/eagle3.py); cos, sin [T or B x T,
-// head_dim] (RoPE's tables at the tokens' positions, sin's first half negated: llama.py's rope_tables);
-// k_cache, v_cache [rows, n_kv_heads, S, head_dim] float32, the forward's batch row b at cache row
-// first_row + b; input_pos int64 [T] or [B, T]: where each token's key and value go; mask additive float32 [R, P] or
-// [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's query_rows_mask); slots: attention.cpp's.
-// linears: 4 x (qweight, scales, offsets, steps, bias) of wqkv, wo, w13, w2 (Linear above), groups
-// their groups (0: float32), features their output widths.
-at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, const at::Tensor& ffn_norm,
-                       const Optional& hidden_norm, bool norm_before_residual, double eps,
-                       const c10::List<Optional>& linears, at::IntArrayRef groups, at::IntArrayRef features,
-                       int64_t n_heads, int64_t n_kv_heads, const at::Tensor& cos, const at::Tensor& sin,
-                       at::Tensor& k_cache, at::Tensor& v_cache, int64_t first_row, const at::Tensor& input_pos,
-                       const at::Tensor& mask, const Optional& slots, double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llama_layer: x must be float32 [B, T, D]");
-  TORCH_CHECK(linears.size() == 4 * PER_LINEAR && groups.size() == 4 && features.size() == 4,
-              "llama_layer: four linear layers");
+// One layer: its norms (attention_norm none for EAGLE-1's first layer, which takes its input as it is;
+// hidden_norm for EAGLE-3's layer, whose x [B, T, 2D] is [embedding, state] side by side, each normed on
+// its own for attention (attention_norm the embedding's), the state (normed with norm_before_residual)
+// the residual stream: heads/eagle3.py), its four linear layers wqkv, wo, w13, w2, its heads and its
+// cache k_cache, v_cache [rows, n_kv_heads, S, head_dim] float32, and the mask its attention reads.
+struct Layer {
+  Optional attention_norm;
+  at::Tensor ffn_norm;
+  Optional hidden_norm;
+  bool norm_before_residual;
+  Linear qkv_proj, out_proj, gate_up, down;
+  int64_t n_heads, n_kv_heads;
+  at::Tensor k_cache, v_cache;
+  at::Tensor mask;
+};
+
+// What a forward shares between its layers: cos, sin [T or B x T, head_dim] (RoPE's tables at the
+// tokens' positions, sin's first half negated: llama.py's rope_tables); input_pos int64 [T] or [B, T]:
+// where each token's key and value go, the forward's batch row b at cache row first_row + b; slots:
+// attention.cpp's.
+struct Forward {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  int64_t first_row;
+  const at::Tensor& input_pos;
+  const Optional& slots;
+  double eps, scale;
+};
+
+// x [B, T, D] float32 (EAGLE-3's [B, T, 2D]), the layer's input and residual stream -> its output [B, T, D].
+// A layer's mask is additive float32 [R, P] or [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's
+// query_rows_mask).
+at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f) {
+  const Optional &attention_norm = l.attention_norm, &hidden_norm = l.hidden_norm, &slots = f.slots;
+  const at::Tensor &ffn_norm = l.ffn_norm, &cos = f.cos, &sin = f.sin, &input_pos = f.input_pos, &mask = l.mask;
+  const at::Tensor &k_cache = l.k_cache, &v_cache = l.v_cache;
+  const Linear &qkv_proj = l.qkv_proj, &out_proj = l.out_proj, &gate_up = l.gate_up, &down = l.down;
+  const int64_t n_heads = l.n_heads, n_kv_heads = l.n_kv_heads, first_row = f.first_row;
+  const double eps = f.eps, scale = f.scale;
+  const bool norm_before_residual = l.norm_before_residual;
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llama_layers: x must be float32 [B, T, D]");
   const int64_t B = x.size(0), T = x.size(1), M = B * T, D = hidden_norm.has_value() ? x.size(2) / 2 : x.size(2);
   TORCH_CHECK(!hidden_norm.has_value() || (attention_norm.has_value() && x.size(2) == 2 * D),
-              "llama_layer: EAGLE-3's layer takes [embedding, state] and norms both");
+              "llama_layers: EAGLE-3's layer takes [embedding, state] and norms both");
   const int64_t heads = n_heads + 2 * n_kv_heads, group = n_heads / n_kv_heads;
-  const int64_t hd = features[0] / heads, half = hd / 2;
-  TORCH_CHECK(hd * heads == features[0] && hd % 2 == 0 && features[1] == D && features[3] == D,
-              "llama_layer: the projections do not match the heads");
+  const int64_t hd = qkv_proj.features / heads, half = hd / 2;
+  TORCH_CHECK(hd * heads == qkv_proj.features && hd % 2 == 0 && out_proj.features == D && down.features == D,
+              "llama_layers: the projections do not match the heads");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == n_kv_heads && k_cache.size(3) == hd &&
                   first_row + B <= k_cache.size(0),
-              "llama_layer: the caches must be float32 [rows, n_kv_heads, S, head_dim], contiguous");
+              "llama_layers: the caches must be float32 [rows, n_kv_heads, S, head_dim], contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == hd && cos.numel() == sin.numel() &&
                   (cos.numel() == T * hd || cos.numel() == M * hd),
-              "llama_layer: cos and sin must be [T or B x T, head_dim], contiguous");
+              "llama_layers: cos and sin must be [T or B x T, head_dim], contiguous");
   TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.is_contiguous() &&
                   (input_pos.numel() == T || input_pos.numel() == M),
-              "llama_layer: input_pos must be int64 [T] or [B, T]");
-  const Linear qkv_proj = linear_at(linears, groups, features, 0), out_proj = linear_at(linears, groups, features, 1);
-  const Linear gate_up = linear_at(linears, groups, features, 2), down = linear_at(linears, groups, features, 3);
-  const int64_t I = features[2] / 2;
+              "llama_layers: input_pos must be int64 [T] or [B, T]");
+  const int64_t I = gate_up.features / 2;
 
   const at::Tensor input = x.reshape({M, x.size(2)});
   at::Tensor residual, attention_input;
@@ -196,7 +219,8 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
   at::Tensor q = at::empty({B, n_kv_heads, group * T, hd}, x.options());
   const float *projected = qkv.data_ptr<float>(), *cosines = cos.data_ptr<float>(), *sines = sin.data_ptr<float>();
   const int64_t* positions = input_pos.data_ptr<int64_t>();
-  float *queries = q.data_ptr<float>(), *keys = k_cache.data_ptr<float>(), *values = v_cache.data_ptr<float>();
+  float *queries = q.data_ptr<float>(), *keys = const_cast<float*>(k_cache.data_ptr<float>()),
+        *values = const_cast<float*>(v_cache.data_ptr<float>());
   const int64_t S = k_cache.size(2), N = qkv.size(1);
   // query head h's row for token t, in q and in attention's output
   auto query_row = [&](int64_t b, int64_t h, int64_t t) {
@@ -208,7 +232,7 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
     const float* c = cosines + (cos.numel() == T * hd ? t : m) * hd;
     const float* s = sines + (cos.numel() == T * hd ? t : m) * hd;
     const int64_t position = positions[input_pos.numel() == T ? t : m];
-    TORCH_CHECK(0 <= position && position < S, "llama_layer: a position outside the cache");
+    TORCH_CHECK(0 <= position && position < S, "llama_layers: a position outside the cache");
     for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
       const float* in = row + h * hd;
       float* out = h < n_heads
@@ -252,22 +276,57 @@ at::Tensor llama_layer(const at::Tensor& x, const Optional& attention_norm, cons
   return residual.view({B, T, D});
 }
 
+constexpr int64_t TENSORS_PER_LAYER = 3 + 4 * PER_LINEAR;  // attention_norm, ffn_norm, hidden_norm, 4 linears
+constexpr int64_t NUMBERS_PER_LAYER = 12;  // norm_before_residual, 4 groups, 4 widths, n_heads, n_kv_heads, mask
+
+// Every layer of a stack in one call, so that a forward crosses from Python once, not once a layer.
+// tensors: per layer, TENSORS_PER_LAYER of them: its norms, then wqkv's, wo's, w13's and w2's (qweight,
+// scales, offsets, steps, bias: Linear above); caches: per layer its k and v; numbers: per layer
+// NUMBERS_PER_LAYER: norm_before_residual, the linears' groups (0: float32) and output widths, its heads,
+// and which of `masks` its attention reads (a sliding window's, or the causal one). taps: the layers
+// whose input state is returned too (the number of layers: the last one's output), in increasing order.
+// -> [the last layer's output, the tapped states].
+std::vector<at::Tensor> llama_layers(const at::Tensor& x, const c10::List<Optional>& tensors, at::TensorList caches,
+                                     at::IntArrayRef numbers, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                                     int64_t first_row, const at::Tensor& input_pos, at::TensorList masks,
+                                     const Optional& slots, double scale, at::IntArrayRef taps) {
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * TENSORS_PER_LAYER &&
+                  static_cast<int64_t>(numbers.size()) == layers * NUMBERS_PER_LAYER,
+              "llama_layers: the tensors, caches and numbers do not describe the same layers");
+  const Forward f{cos, sin, first_row, input_pos, slots, eps, scale};
+  std::vector<at::Tensor> out{x};
+  size_t tap = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    if (tap < taps.size() && taps[tap] == i) out.push_back(out[0]), ++tap;
+    const int64_t t = i * TENSORS_PER_LAYER;
+    const int64_t* n = numbers.data() + i * NUMBERS_PER_LAYER;
+    TORCH_CHECK(0 <= n[11] && n[11] < static_cast<int64_t>(masks.size()), "llama_layers: a layer's mask is missing");
+    const Layer l{tensors.get(t), tensors.get(t + 1).value(), tensors.get(t + 2), n[0] != 0,
+                  linear_at(tensors, t + 3, 0, n[1], n[5]), linear_at(tensors, t + 3, 1, n[2], n[6]),
+                  linear_at(tensors, t + 3, 2, n[3], n[7]), linear_at(tensors, t + 3, 3, n[4], n[8]),
+                  n[9], n[10], caches[2 * i], caches[2 * i + 1], masks[n[11]]};
+    out[0] = layer_forward(out[0], l, f);
+  }
+  if (tap < taps.size() && taps[tap] == layers) out.push_back(out[0]);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("llama_layer(Tensor x, Tensor? attention_norm, Tensor ffn_norm, Tensor? hidden_norm, "
-        "bool norm_before_residual, float eps, Tensor?[] linears, int[] groups, int[] features, int n_heads, "
-        "int n_kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int first_row, "
-        "Tensor input_pos, Tensor mask, Tensor? slots, float scale) -> Tensor");
+  m.def("llama_layers(Tensor x, Tensor?[] tensors, Tensor(a!)[] caches, int[] numbers, float eps, Tensor cos, "
+        "Tensor sin, int first_row, Tensor input_pos, Tensor[] masks, Tensor? slots, float scale, int[] taps) "
+        "-> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
   m.impl("rms_norm", &rms_norm_rows);
-  m.impl("llama_layer", &llama_layer);
+  m.impl("llama_layers", &llama_layers);
 }
 
 // A float32 layer's weights are oneDNN's packed tensors, which dispatch by their own key.
 TORCH_LIBRARY_IMPL(minispec_native, MkldnnCPU, m) {
-  m.impl("llama_layer", &llama_layer);
+  m.impl("llama_layers", &llama_layers);
 }

@@ -263,7 +263,7 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def native_tensors(self):
-        """The layer's tensors as native.llama_layer takes them: its norms (native_norms), then per linear
+        """The layer's tensors as layer.cpp takes them (LayerStack): its norms (native_norms), then per linear
         layer its tensors (LINEAR_TENSORS: qlinear's packed form, or oneDNN's packed float32 weight and
         the bias), group (0: float32) and output width. None where the layer cannot run as one call.
         Made again when a weight was replaced (quantized, moved) or unpacked (without_row_invariance); a
@@ -323,6 +323,28 @@ def weight_of(linear):
     return linear._buffers.get("weight") if weight is None else weight
 
 
+class LayerStack:
+    """A model's layers laid out once for native.llama_layers (layer.cpp's flat lists): per layer its
+    norms and linear layers' tensors, its cache's k and v, and its numbers (norm_before_residual, the
+    linears' groups and widths, its heads, the index of the mask it reads in `windows`)."""
+
+    def __init__(self, key, tensors, caches, numbers, windows, eps, first_cache):
+        self.key, self.tensors, self.caches, self.numbers = key, tensors, caches, numbers
+        self.windows, self.eps, self.first_cache = windows, eps, first_cache
+
+    @classmethod
+    def of(cls, model, layers, caches, key):
+        windows = list(dict.fromkeys(layer.attention.window for layer in model.layers))
+        tensors, numbers = [], []
+        for layer, ((attention_norm, ffn_norm, hidden_norm, before_residual), linears, groups, features) in \
+                zip(model.layers, layers):
+            tensors += [attention_norm, ffn_norm, hidden_norm, *linears]
+            numbers += [int(before_residual), *groups, *features, layer.attention.n_heads, layer.attention.n_kv_heads,
+                        windows.index(layer.attention.window)]
+        return cls(key, tensors, [t for cache in caches for t in (cache.k, cache.v)], numbers, windows,
+                   model.config.norm_eps, caches[0])
+
+
 class Llama(CachedLM):
     def __init__(self, config):
         super().__init__()
@@ -376,33 +398,40 @@ class Llama(CachedLM):
         group = self.config.n_heads // self.config.n_kv_heads
         masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        fused = self.fused_layers(x)
-        if fused:
+        stack = self.fused_layers(x)
+        if stack is not None:
             slots = None if layout is None else key_slots(layout, next(iter(masks.values())).shape[-1])
-            c, scale = self.config, self.config.head_dim ** -0.5
+            x, *states = native.llama_layers(x, stack, cos, sin, stack.first_cache.first_row, input_pos,
+                                             [masks[w] for w in stack.windows], slots, self.config.head_dim ** -0.5, taps)
+            if states:
+                tapped.extend(states)
+            return x
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped.append(x)
-            attention, mask = layer.attention, masks[layer.attention.window]
-            if fused:
-                x = native.llama_layer(x, fused[i], c.norm_eps, attention.n_heads, attention.n_kv_heads, cos, sin,
-                                       attention.kv_cache, input_pos, mask, slots, scale)
-            else:
-                x = layer(x, input_pos, cos, sin, mask, layout)
+            x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
         if len(self.layers) in taps:  # the last layer's output (training an EAGLE-3 head reads it too)
             tapped.append(x)
         return x
 
     def fused_layers(self, x):
-        """Each layer's tensors for minispec's one-call layer (layer.cpp), where the forward can run
-        that way: eagerly, on a CPU, in float32, with minispec's attention kernel (which it calls), every
-        layer's weights quantized for minispec's kernel or packed for oneDNN, not sharded (the sums
-        across ranks hook the modules). Else None: the modules below."""
+        """The layers as minispec's one call takes them (layer.cpp: a LayerStack), where the forward can
+        run that way: eagerly, on a CPU, in float32, with minispec's attention kernel (which it calls),
+        every layer's weights quantized for minispec's kernel or packed for oneDNN, not sharded (the sums
+        across ranks hook the modules). Else None: the modules. Laid out again when a layer's tensors
+        (TransformerBlock.native_tensors) or its cache were replaced."""
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
                 or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
             return None
-        tensors = [layer.native_tensors() for layer in self.layers]
-        return None if any(t is None for t in tensors) else tensors
+        layers = [layer.native_tensors() for layer in self.layers]
+        if any(tensors is None for tensors in layers):
+            return None
+        caches = [layer._modules["attention"]._modules["kv_cache"] for layer in self.layers]
+        key = [part for tensors, cache in zip(layers, caches) for part in (tensors, cache._buffers["k"], cache._buffers["v"])]
+        stack = self.__dict__.get("_stack")
+        if stack is None or len(stack.key) != len(key) or any(a is not b for a, b in zip(stack.key, key)):
+            stack = self._stack = LayerStack.of(self, layers, caches, key)
+        return stack
 
     def embed_tokens(self, tokens):
         return self.tok_embeddings(tokens)

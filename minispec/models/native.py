@@ -245,12 +245,10 @@ def rms_norm(x, weight, eps):
     return torch.ops.minispec_native.rms_norm(x, weight, eps)
 
 
-def llama_layer(x, tensors, eps, n_heads, n_kv_heads, cos, sin, cache, input_pos, mask, slots, scale):
-    """A Llama decoder layer over x [B, T, D] float32 in one call (layer.cpp): `tensors` its norms (the
-    attention's, the MLP's, EAGLE-3's state's, whether that state is normed before the residual add),
-    its linear layers' tensors, groups and widths (llama.py's TransformerBlock.native_tensors), `cache`
-    the layer's KVCache (written at input_pos, from its first_row)."""
-    (attention_norm, ffn_norm, hidden_norm, norm_before_residual), linears, groups, features = tensors
-    return torch.ops.minispec_native.llama_layer(
-        x, attention_norm, ffn_norm, hidden_norm, norm_before_residual, eps, linears, groups, features, n_heads,
-        n_kv_heads, cos, sin, cache.k, cache.v, cache.first_row, input_pos, mask, slots, scale)
+def llama_layers(x, stack, cos, sin, first_row, input_pos, masks, slots, scale, taps=()):
+    """A Llama model's decoder layers over x [B, T, D] float32 in one call (layer.cpp): `stack` their
+    tensors, KV caches (written at input_pos, from cache row first_row) and numbers, as
+    llama.py's Llama.fused_layers lays them out; masks: the attention masks the layers read (by the
+    stack's index). -> [the last layer's output, then the state entering each layer in `taps`]."""
+    return torch.ops.minispec_native.llama_layers(x, stack.tensors, stack.caches, stack.numbers, stack.eps, cos, sin,
+                                                   first_row, input_pos, masks, slots, scale, sorted(taps))
