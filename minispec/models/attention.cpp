@@ -45,15 +45,10 @@ inline Vector vector_of(const T* p) {
   return v;
 }
 
-inline float sum(Vector v) {  // the lanes added in halves: a fixed order
-  Half a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  a += b;
-  Quarter c, d;
-  std::memcpy(&c, &a, sizeof c);
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
-  c += d;
+inline float sum(Vector v) {  // the lanes added in halves: a fixed order, in registers
+  const Half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Quarter c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
@@ -66,6 +61,16 @@ inline float dot(const float* q, const T* k, int64_t d) {
   float rest = 0.f;
   for (; j < d; ++j) rest += q[j] * to_float(k[j]);
   return sum(part) + rest;
+}
+
+// acc[0, 16 x CHUNKS) = the sum over i of w[i] x from[i][...], i in order: CHUNKS independent sums in
+// registers, so that one position's products do not wait on the previous position's.
+template <int CHUNKS, typename T>
+inline void weighted_sum(const float* w, const T* const* from, int64_t read, float* acc) {
+  Vector a[CHUNKS] = {};
+  for (int64_t i = 0; i < read; ++i)
+    for (int j = 0; j < CHUNKS; ++j) a[j] += w[i] * vector_of(from[i] + j * LANES);
+  std::memcpy(acc, a, sizeof a);
 }
 
 struct Call {
@@ -83,7 +88,8 @@ struct Call {
 };
 
 template <typename T>
-void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<float>& sums) {
+void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<float>& sums,
+         std::vector<const T*>& from) {
   const int64_t r = index % c.R, h = index / c.R % c.H, b = index / c.R / c.H;
   const float* q = c.q + index * c.d;
   const float* mask = c.mask + b * c.mb + h * c.mh + r * c.mr;
@@ -109,27 +115,40 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
     std::copy(acc, acc + c.d, y);
     return;
   }
+  // The weights, in position order; then each 16 of the d sums at a time over every position, so that
+  // they stay in a register (kept in memory across positions, each waited on its own store). Each sum
+  // still adds the positions in order: the same numbers either way.
   float total = 0.f;
+  int64_t read = 0;  // positions not masked, their weights in scores[0, read) and value rows in `from`
   for (int64_t p = 0; p < c.P; ++p) {
     if (scores[p] == none) continue;
     const float w = std::exp(scores[p] - top);
     total += w;
-    const T* value = v + (slots ? slots[p] : p) * c.ks;
-    for (int64_t j = 0; j < whole; j += LANES) {
-      Vector a;
-      std::memcpy(&a, acc + j, sizeof a);
-      a += w * vector_of(value + j);
-      std::memcpy(acc + j, &a, sizeof a);
-    }
-    for (int64_t j = whole; j < c.d; ++j) acc[j] += w * to_float(value[j]);
+    scores[read] = w;
+    from[read++] = v + (slots ? slots[p] : p) * c.ks;
   }
+  switch (whole / LANES) {  // head dims of 16 x 1..8 (64 and 128 most), the sums unrolled
+    case 8: weighted_sum<8>(scores.data(), from.data(), read, acc); break;
+    case 4: weighted_sum<4>(scores.data(), from.data(), read, acc); break;
+    case 2: weighted_sum<2>(scores.data(), from.data(), read, acc); break;
+    case 1: weighted_sum<1>(scores.data(), from.data(), read, acc); break;
+    default:
+      for (int64_t j = 0; j < whole; j += LANES) {
+        Vector a = {};
+        for (int64_t i = 0; i < read; ++i) a += scores[i] * vector_of(from[i] + j);
+        std::memcpy(acc + j, &a, sizeof a);
+      }
+  }
+  for (int64_t i = 0; i < read; ++i)
+    for (int64_t j = whole; j < c.d; ++j) acc[j] += scores[i] * to_float(from[i][j]);
   for (int64_t j = 0; j < c.d; ++j) y[j] = acc[j] / total;
 }
 
 template <typename T>
 void rows(const Call& c, int64_t first, int64_t last) {
   std::vector<float> scores(c.P), sums(c.d);
-  for (int64_t i = first; i < last; ++i) row<T>(c, i, scores, sums);
+  std::vector<const T*> from(c.P);
+  for (int64_t i = first; i < last; ++i) row<T>(c, i, scores, sums, from);
 }
 
 // q [B, H, R, d] float32; k, v [B, H, S, d] float32, bfloat16 or float16; mask [B, H, R, P] float32
