@@ -171,9 +171,10 @@ struct Forward {
 };
 
 // x [B, T, D] float32 (EAGLE-3's [B, T, 2D]), the layer's input and residual stream -> its output [B, T, D].
+// owned: x is the previous layer's output, which nothing else reads: the residual adds go into it.
 // A layer's mask is additive float32 [R, P] or [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's
 // query_rows_mask).
-at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f) {
+at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, bool owned) {
   const Optional &attention_norm = l.attention_norm, &hidden_norm = l.hidden_norm, &slots = f.slots;
   const at::Tensor &ffn_norm = l.ffn_norm, &cos = f.cos, &sin = f.sin, &input_pos = f.input_pos, &mask = l.mask;
   const at::Tensor &k_cache = l.k_cache, &v_cache = l.v_cache;
@@ -208,7 +209,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f) 
     attention_input = at::cat({rms_norm_rows(input.narrow(1, 0, D), *attention_norm, eps), normed_state}, 1);
     residual = (norm_before_residual ? normed_state : state).clone(at::MemoryFormat::Contiguous);
   } else {
-    residual = input.clone(at::MemoryFormat::Contiguous);
+    residual = owned && input.is_contiguous() ? input : input.clone(at::MemoryFormat::Contiguous);
     attention_input = attention_norm.has_value() ? rms_norm_rows(residual, *attention_norm, eps) : residual;
   }
   float* stream = residual.data_ptr<float>();
@@ -298,7 +299,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x, const c10::List<Option
   std::vector<at::Tensor> out{x};
   size_t tap = 0;
   for (int64_t i = 0; i < layers; ++i) {
-    if (tap < taps.size() && taps[tap] == i) out.push_back(out[0]), ++tap;
+    const bool tapped = tap < taps.size() && taps[tap] == i;
+    if (tapped) out.push_back(out[0]), ++tap;
     const int64_t t = i * TENSORS_PER_LAYER;
     const int64_t* n = numbers.data() + i * NUMBERS_PER_LAYER;
     TORCH_CHECK(0 <= n[11] && n[11] < static_cast<int64_t>(masks.size()), "llama_layers: a layer's mask is missing");
@@ -306,7 +308,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x, const c10::List<Option
                   linear_at(tensors, t + 3, 0, n[1], n[5]), linear_at(tensors, t + 3, 1, n[2], n[6]),
                   linear_at(tensors, t + 3, 2, n[3], n[7]), linear_at(tensors, t + 3, 3, n[4], n[8]),
                   n[9], n[10], caches[2 * i], caches[2 * i + 1], masks[n[11]]};
-    out[0] = layer_forward(out[0], l, f);
+    out[0] = layer_forward(out[0], l, f, i > 0 && !tapped);  // a tapped state is returned as it is
   }
   if (tap < taps.size() && taps[tap] == layers) out.push_back(out[0]);
   return out;
