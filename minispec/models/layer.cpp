@@ -175,94 +175,87 @@ struct Forward {
 // A layer's mask is additive float32 [R, P] or [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's
 // query_rows_mask).
 at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, bool owned) {
-  const Optional &attention_norm = l.attention_norm, &hidden_norm = l.hidden_norm, &slots = f.slots;
-  const at::Tensor &ffn_norm = l.ffn_norm, &cos = f.cos, &sin = f.sin, &input_pos = f.input_pos, &mask = l.mask;
-  const at::Tensor &k_cache = l.k_cache, &v_cache = l.v_cache;
-  const Linear &qkv_proj = l.qkv_proj, &out_proj = l.out_proj, &gate_up = l.gate_up, &down = l.down;
-  const int64_t n_heads = l.n_heads, n_kv_heads = l.n_kv_heads, first_row = f.first_row;
-  const double eps = f.eps, scale = f.scale;
-  const bool norm_before_residual = l.norm_before_residual;
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llama_layers: x must be float32 [B, T, D]");
-  const int64_t B = x.size(0), T = x.size(1), M = B * T, D = hidden_norm.has_value() ? x.size(2) / 2 : x.size(2);
-  TORCH_CHECK(!hidden_norm.has_value() || (attention_norm.has_value() && x.size(2) == 2 * D),
+  const int64_t B = x.size(0), T = x.size(1), M = B * T, D = l.hidden_norm.has_value() ? x.size(2) / 2 : x.size(2);
+  TORCH_CHECK(!l.hidden_norm.has_value() || (l.attention_norm.has_value() && x.size(2) == 2 * D),
               "llama_layers: EAGLE-3's layer takes [embedding, state] and norms both");
-  const int64_t heads = n_heads + 2 * n_kv_heads, group = n_heads / n_kv_heads;
-  const int64_t hd = qkv_proj.features / heads, half = hd / 2;
-  TORCH_CHECK(hd * heads == qkv_proj.features && hd % 2 == 0 && out_proj.features == D && down.features == D,
+  const int64_t heads = l.n_heads + 2 * l.n_kv_heads, group = l.n_heads / l.n_kv_heads;
+  const int64_t hd = l.qkv_proj.features / heads, half = hd / 2;
+  TORCH_CHECK(hd * heads == l.qkv_proj.features && hd % 2 == 0 && l.out_proj.features == D && l.down.features == D,
               "llama_layers: the projections do not match the heads");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == n_kv_heads && k_cache.size(3) == hd &&
-                  first_row + B <= k_cache.size(0),
+  TORCH_CHECK(l.k_cache.scalar_type() == at::kFloat && l.k_cache.is_contiguous() && l.v_cache.is_contiguous() &&
+                  l.k_cache.sizes() == l.v_cache.sizes() && l.k_cache.size(1) == l.n_kv_heads &&
+                  l.k_cache.size(3) == hd && f.first_row + B <= l.k_cache.size(0),
               "llama_layers: the caches must be float32 [rows, n_kv_heads, S, head_dim], contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == hd && cos.numel() == sin.numel() &&
-                  (cos.numel() == T * hd || cos.numel() == M * hd),
+  TORCH_CHECK(f.cos.is_contiguous() && f.sin.is_contiguous() && f.cos.size(-1) == hd &&
+                  f.cos.numel() == f.sin.numel() && (f.cos.numel() == T * hd || f.cos.numel() == M * hd),
               "llama_layers: cos and sin must be [T or B x T, head_dim], contiguous");
-  TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.is_contiguous() &&
-                  (input_pos.numel() == T || input_pos.numel() == M),
+  TORCH_CHECK(f.input_pos.scalar_type() == at::kLong && f.input_pos.is_contiguous() &&
+                  (f.input_pos.numel() == T || f.input_pos.numel() == M),
               "llama_layers: input_pos must be int64 [T] or [B, T]");
-  const int64_t I = gate_up.features / 2;
+  const int64_t I = l.gate_up.features / 2;
 
   const at::Tensor input = x.reshape({M, x.size(2)});
   at::Tensor residual, attention_input;
-  if (hidden_norm.has_value()) {
-    const at::Tensor state = input.narrow(1, D, D), normed_state = rms_norm_rows(state, *hidden_norm, eps);
-    attention_input = at::cat({rms_norm_rows(input.narrow(1, 0, D), *attention_norm, eps), normed_state}, 1);
-    residual = (norm_before_residual ? normed_state : state).clone(at::MemoryFormat::Contiguous);
+  if (l.hidden_norm.has_value()) {
+    const at::Tensor state = input.narrow(1, D, D), normed_state = rms_norm_rows(state, *l.hidden_norm, f.eps);
+    attention_input = at::cat({rms_norm_rows(input.narrow(1, 0, D), *l.attention_norm, f.eps), normed_state}, 1);
+    residual = (l.norm_before_residual ? normed_state : state).clone(at::MemoryFormat::Contiguous);
   } else {
     residual = owned && input.is_contiguous() ? input : input.clone(at::MemoryFormat::Contiguous);
-    attention_input = attention_norm.has_value() ? rms_norm_rows(residual, *attention_norm, eps) : residual;
+    attention_input = l.attention_norm.has_value() ? rms_norm_rows(residual, *l.attention_norm, f.eps) : residual;
   }
   float* stream = residual.data_ptr<float>();
 
   // attention: q rotated into [B, n_kv_heads, group x T, hd] (a K/V head's query heads as extra rows,
   // group-major, as llama.py's Attention lays them out), k rotated and v into the cache
-  const at::Tensor qkv = apply(qkv_proj, attention_input);
-  at::Tensor q = at::empty({B, n_kv_heads, group * T, hd}, x.options());
-  const float *projected = qkv.data_ptr<float>(), *cosines = cos.data_ptr<float>(), *sines = sin.data_ptr<float>();
-  const int64_t* positions = input_pos.data_ptr<int64_t>();
-  float *queries = q.data_ptr<float>(), *keys = const_cast<float*>(k_cache.data_ptr<float>()),
-        *values = const_cast<float*>(v_cache.data_ptr<float>());
-  const int64_t S = k_cache.size(2), N = qkv.size(1);
+  const at::Tensor qkv = apply(l.qkv_proj, attention_input);
+  at::Tensor q = at::empty({B, l.n_kv_heads, group * T, hd}, x.options());
+  const float *projected = qkv.data_ptr<float>(), *cosines = f.cos.data_ptr<float>();
+  const float* sines = f.sin.data_ptr<float>();
+  const int64_t* positions = f.input_pos.data_ptr<int64_t>();
+  float *queries = q.data_ptr<float>(), *keys = l.k_cache.data_ptr<float>(), *values = l.v_cache.data_ptr<float>();
+  const int64_t S = l.k_cache.size(2), N = qkv.size(1);
   // query head h's row for token t, in q and in attention's output
   auto query_row = [&](int64_t b, int64_t h, int64_t t) {
-    return ((b * n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd;
+    return ((b * l.n_kv_heads + h / group) * group * T + (h % group) * T + t) * hd;
   };
   for (int64_t m = 0; m < M; ++m) {
     const int64_t b = m / T, t = m % T;
     const float* row = projected + m * N;
-    const float* c = cosines + (cos.numel() == T * hd ? t : m) * hd;
-    const float* s = sines + (cos.numel() == T * hd ? t : m) * hd;
-    const int64_t position = positions[input_pos.numel() == T ? t : m];
+    const float* c = cosines + (f.cos.numel() == T * hd ? t : m) * hd;
+    const float* s = sines + (f.cos.numel() == T * hd ? t : m) * hd;
+    const int64_t position = positions[f.input_pos.numel() == T ? t : m];
     TORCH_CHECK(0 <= position && position < S, "llama_layers: a position outside the cache");
-    for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
+    for (int64_t h = 0; h < l.n_heads + l.n_kv_heads; ++h) {
       const float* in = row + h * hd;
-      float* out = h < n_heads
+      float* out = h < l.n_heads
           ? queries + query_row(b, h, t)
-          : keys + (((first_row + b) * n_kv_heads + h - n_heads) * S + position) * hd;
+          : keys + (((f.first_row + b) * l.n_kv_heads + h - l.n_heads) * S + position) * hd;
       // x1 cos - x2 sin, x2 cos + x1 sin: the halves swapped times the signed sines (llama.py's apply_rope)
       for (int64_t i = 0; i < hd; ++i) out[i] = in[i] * c[i] + in[(i + half) % hd] * s[i];
     }
-    for (int64_t h = 0; h < n_kv_heads; ++h)
-      std::memcpy(values + (((first_row + b) * n_kv_heads + h) * S + position) * hd,
-                  row + (n_heads + n_kv_heads + h) * hd, hd * sizeof(float));
+    for (int64_t h = 0; h < l.n_kv_heads; ++h)
+      std::memcpy(values + (((f.first_row + b) * l.n_kv_heads + h) * S + position) * hd,
+                  row + (l.n_heads + l.n_kv_heads + h) * hd, hd * sizeof(float));
   }
-  at::Tensor mask4 = mask.dim() == 2 ? mask.expand({B, n_kv_heads, mask.size(0), mask.size(1)})
-                                     : mask.unsqueeze(1).expand({B, n_kv_heads, mask.size(1), mask.size(2)});
-  const at::Tensor attended = attend(q, k_cache.narrow(0, first_row, B), v_cache.narrow(0, first_row, B), mask4,
-                                     slots, scale);
+  at::Tensor mask4 = l.mask.dim() == 2 ? l.mask.expand({B, l.n_kv_heads, l.mask.size(0), l.mask.size(1)})
+                                     : l.mask.unsqueeze(1).expand({B, l.n_kv_heads, l.mask.size(1), l.mask.size(2)});
+  const at::Tensor attended = attend(q, l.k_cache.narrow(0, f.first_row, B), l.v_cache.narrow(0, f.first_row, B),
+                                     mask4, f.slots, f.scale);
   // back to [M, n_heads x hd], head h = j x group + g of K/V head j
-  at::Tensor heads_out = at::empty({M, n_heads * hd}, x.options());
+  at::Tensor heads_out = at::empty({M, l.n_heads * hd}, x.options());
   const float* a = attended.data_ptr<float>();
   float* o = heads_out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     const int64_t b = m / T, t = m % T;
-    for (int64_t h = 0; h < n_heads; ++h)
-      std::memcpy(o + (m * n_heads + h) * hd, a + query_row(b, h, t), hd * sizeof(float));
+    for (int64_t h = 0; h < l.n_heads; ++h)
+      std::memcpy(o + (m * l.n_heads + h) * hd, a + query_row(b, h, t), hd * sizeof(float));
   }
-  add_rows(stream, apply(out_proj, heads_out), M, D);
+  add_rows(stream, apply(l.out_proj, heads_out), M, D);
 
   // SwiGLU: w2(silu(gate) * up), gate and up the two halves of w13's output
-  const at::Tensor gu = apply(gate_up, rms_norm_rows(residual, ffn_norm, eps));
+  const at::Tensor gu = apply(l.gate_up, rms_norm_rows(residual, l.ffn_norm, f.eps));
   // PyTorch's silu, its rows padded as kernels.elementwise pads them (its vector loops' remainder rounds
   // otherwise)
   const int64_t pad = (ELEMENTWISE_ROW_MULTIPLE - I % ELEMENTWISE_ROW_MULTIPLE) % ELEMENTWISE_ROW_MULTIPLE;
@@ -273,7 +266,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, 
   const int64_t G = gu.size(1);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) act[m * I + i] *= up[m * G + i];
-  add_rows(stream, apply(down, activated), M, D);
+  add_rows(stream, apply(l.down, activated), M, D);
   return residual.view({B, T, D});
 }
 

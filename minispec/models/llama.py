@@ -401,8 +401,9 @@ class Llama(CachedLM):
         stack = self.fused_layers(x)
         if stack is not None:
             slots = None if layout is None else key_slots(layout, next(iter(masks.values())).shape[-1])
-            x, *states = native.llama_layers(x, stack, cos, sin, stack.first_cache.first_row, input_pos,
-                                             [masks[w] for w in stack.windows], slots, self.config.head_dim ** -0.5, taps)
+            layer_masks = [masks[w] for w in stack.windows]
+            x, *states = native.llama_layers(x, stack, cos, sin, stack.first_cache.first_row, input_pos, layer_masks,
+                                             slots, self.config.head_dim ** -0.5, taps)
             if states:
                 tapped.extend(states)
             return x
@@ -427,7 +428,8 @@ class Llama(CachedLM):
         if any(tensors is None for tensors in layers):
             return None
         caches = [layer._modules["attention"]._modules["kv_cache"] for layer in self.layers]
-        key = [part for tensors, cache in zip(layers, caches) for part in (tensors, cache._buffers["k"], cache._buffers["v"])]
+        key = [part for tensors, cache in zip(layers, caches)
+               for part in (tensors, cache._buffers["k"], cache._buffers["v"])]
         stack = self.__dict__.get("_stack")
         if stack is None or len(stack.key) != len(key) or any(a is not b for a, b in zip(stack.key, key)):
             stack = self._stack = LayerStack.of(self, layers, caches, key)
