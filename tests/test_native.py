@@ -192,7 +192,7 @@ def exact_attention(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d", [64, 20, 8])
+@pytest.mark.parametrize("d", [128, 80, 64, 32, 16, 20, 8])  # 16 x 8, 5 (not unrolled), 4, 2, 1 and none
 def test_attention_is_attention(dtype, d):
     """Grouped rows over a causal mask, a head dim in whole vectors of 16 and not: float64's numbers
     to float32 rounding (the inputs taken in `dtype`)."""
