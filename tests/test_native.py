@@ -307,17 +307,21 @@ def test_the_one_call_layer_takes_what_it_can_compute(reference_dirs):
 
 
 def test_a_weight_written_in_place_is_read_again(reference_dirs, monkeypatch):
-    """The one-call layer keeps its layers' tensors (oneDNN's packed copies among them) from forward to
-    forward; a weight written since (a test, a merged adapter) is packed and taken again, as the
+    """The one-call layer keeps its layers' tensors (oneDNN's packed copies among them) and their layout
+    from forward to forward; a weight written since (a test, a merged adapter) is packed and taken again, as the
     modules do."""
     model = minispec.load(reference_dirs["llama"][1])
     prompt = torch.tensor([[5, 17, 33, 8, 90, 41]])
     model.ensure_caches(1, 64)
     with torch.inference_mode():
         model.prefill(prompt)
+        stack = model._stack
+        model.prefill(prompt)
+        assert model._stack is stack  # laid out once while nothing changes
     with torch.no_grad():
         model.layers[1].feed_forward.w2.weight.mul_(1.5)
     with torch.inference_mode():
         fused = model.prefill(prompt)
+        assert model._stack is not stack
         monkeypatch.setattr(Llama, "fused_layers", lambda self, x: None)
         assert torch.equal(fused, model.prefill(prompt))

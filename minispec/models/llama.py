@@ -275,16 +275,22 @@ class TransformerBlock(nn.Module):
         key = [(weight_of(linear), linear.__dict__.get("packed", False)) for linear in linears]
         made = self.__dict__.get("_native")
         if made is None or any(a is not b or p != q for (a, p), (b, q) in zip(made[0], key)):
-            made = self._native = key, self.layer_tensors(linears)
+            # [key, the tensors without packed weights, the packed weights last taken, the tensors with them]
+            made = self._native = [key, self.layer_tensors(linears), None, None]
         if made[1] is None or 0 not in made[1][2]:  # no float layer
             return made[1]
-        norms, tensors, groups, features = made[1][0], list(made[1][1]), *made[1][2:]
-        for i, group in enumerate(groups):
-            if group == 0:
-                tensors[i * len(LINEAR_TENSORS)] = packed = packed_weight(key[i][0])
-                if packed is None:  # converted to what oneDNN cannot take
-                    return None
-        return norms, tensors, groups, features
+        norms, tensors, groups, features = made[1]
+        packed = [packed_weight(weight) if group == 0 else None for (weight, _), group in zip(key, groups)]
+        if any(weight is None for weight, group in zip(packed, groups) if group == 0):
+            return None  # converted to what oneDNN cannot take
+        if made[2] is None or any(a is not b for a, b in zip(made[2], packed)):
+            # the same object while no weight was packed again, so the model's LayerStack stays as laid out
+            tensors = list(tensors)
+            for i, weight in enumerate(packed):
+                if weight is not None:
+                    tensors[i * len(LINEAR_TENSORS)] = weight
+            made[2], made[3] = packed, (norms, tensors, groups, features)
+        return made[3]
 
     def native_norms(self):
         """The norms' weights as the one-call layer takes them (attention's, MLP's, EAGLE-3's state's,

@@ -1,5 +1,5 @@
 """minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for
-attention over a KV cache (attention.cpp) and for a whole Llama layer (layer.cpp), compiled at first
+attention over a KV cache (attention.cpp) and for a Llama model's layers (layer.cpp), compiled at first
 use with the machine's C++ compiler (the toolchain torch.compile needs on CPU too), for this machine's
 instruction set, and cached. Where they cannot be built (no compiler, no x86, a failed build, or
 MINISPEC_NATIVE=0), `available()` is False and models.quant and models.kernels keep PyTorch's operations.
