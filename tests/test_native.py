@@ -183,6 +183,16 @@ def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path, caplog):
         native.available.cache_clear()
 
 
+
+@pytest.mark.parametrize("version, standard", [("2.13.0", "-std=c++17"), ("2.14.1+cu130", "-std=c++20"),
+                                               ("3.0.0a0", "-std=c++20")])
+def test_the_kernels_build_in_the_standard_torch_needs(monkeypatch, version, standard):
+    """torch 2.14's ATen.h refuses C++17: built as C++17 there, the kernels failed and PyTorch's served."""
+    monkeypatch.setattr(torch, "__version__", version)
+    command = native.build_command("c++", "out.so")
+    assert native.cxx_standard() == standard and command.count(standard) == 1
+    assert not [flag for flag in command if flag.startswith("-std=") and flag != standard]
+
 # --- attention over a KV cache (attention.cpp) --------------------------------------------------------
 
 def exact_attention(q, k, v, mask, scale):

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 log = logging.getLogger("minispec")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp", "layer.cpp"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
 
 
@@ -50,13 +51,21 @@ def compiler():
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
+def cxx_standard():
+    """The C++ standard torch's headers need: C++20 from torch 2.14 on (ATen.h refuses to compile under
+    C++17 there), C++17 before."""
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+
+
 def build_command(cxx, out):
     from torch.utils import cpp_extension
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(out),
-            *[f"-L{path}" for path in libs], *[f"-Wl,-rpath,{path}" for path in libs], "-lc10", "-ltorch_cpu"]
+    return [cxx, *FLAGS, cxx_standard(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES),
+            "-o", str(out), *[f"-L{path}" for path in libs], *[f"-Wl,-rpath,{path}" for path in libs],
+            "-lc10", "-ltorch_cpu"]
 
 
 def library_path(cxx):
