@@ -248,6 +248,32 @@ def test_attention_refuses_what_it_cannot_read():
         native.attend(q, k, k, torch.zeros(1, 1, 2, 32), torch.full((1, 2, 32), 32), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keep_moves_a_path_as_indexing_would(dtype):
+    """A tree's accepted path (slots 9, 10, 13, 17 of row 1) moved to positions 7.. of every cache: what
+    cache[row, :, 7:11] = cache[row, :, slots] does, the other row and positions untouched."""
+    generator = torch.Generator().manual_seed(4)
+    caches = [torch.randn(2, 3, 32, 16, generator=generator).to(dtype) for _ in range(4)]
+    expected = [cache.clone() for cache in caches]
+    slots = [9, 10, 13, 17]
+    for cache in expected:
+        cache[1, :, 7:11] = cache[1, :, slots]
+    native.keep(caches, 1, slots, 7)
+    assert all(torch.equal(cache, want) for cache, want in zip(caches, expected))
+
+
+def test_keep_refuses_what_would_overwrite_before_reading():
+    cache = torch.zeros(1, 1, 32, 8)
+    with pytest.raises(RuntimeError, match="slots must increase"):
+        native.keep([cache], 0, [5, 4], 2)
+    with pytest.raises(RuntimeError, match="slots must increase, each at or after its destination"):
+        native.keep([cache], 0, [3, 4], 4)
+    with pytest.raises(RuntimeError, match="the slots inside it"):
+        native.keep([cache], 0, [31, 32], 4)
+    with pytest.raises(RuntimeError, match="the slots inside it"):
+        native.keep([cache.transpose(2, 3)], 0, [5], 4)
+
+
 def every_forward(model):
     """Logits of the forwards decoding makes: a prompt, a 1-token step, a 3-token verify, a batch of two
     rows at their own lengths, and a token tree beside a chain."""

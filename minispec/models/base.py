@@ -195,6 +195,7 @@ class CachedLM(nn.Module):
         """Allocate every layer's KVCache; subclasses call super() to record the shape, then allocate
         `cache_max_seq_len` positions: whole blocks of keys, as attention reads them (kernels.KEY_BLOCK)."""
         self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, whole_blocks(max_seq_len), 0
+        self._kv_caches = None  # the caches the subclass is about to make
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None):
         """tokens [batch, n] at positions input_pos [n] -> the last hidden state [batch, n, dim] (of the
@@ -252,8 +253,7 @@ class CachedLM(nn.Module):
         if not self.cache_batch_size:  # the shapes tell: a cache of one block shows them
             self.setup_caches(1, 1)
             self.cache_batch_size = self.cache_max_seq_len = 0  # too small to keep: the first request sizes it
-        return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.modules()
-                   if isinstance(m, KVCache))
+        return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.kv_caches())
 
     def compile(self, mode=None):
         """torch.compile the decode forward: static shapes (the caches are preallocated) but for the token
@@ -435,10 +435,9 @@ class CachedLM(nn.Module):
 
     def move_row(self, source, destination):
         """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left)."""
-        for module in self.modules():
-            if isinstance(module, KVCache):
-                module.k[destination] = module.k[source]
-                module.v[destination] = module.v[source]
+        for module in self.kv_caches():
+            module.k[destination] = module.k[source]
+            module.v[destination] = module.v[source]
 
     def keep(self, row, slots, length):
         """Keys and values of cache row `row` at `slots` (increasing, each >= its destination) moved to
@@ -447,11 +446,21 @@ class CachedLM(nn.Module):
         slots, length = slots[moved:], length + moved  # a path's first nodes may be in place already
         if not slots:
             return
+        caches = [cache for module in self.kv_caches() for cache in (module.k, module.v)]
+        if caches[0].is_cpu and native.available():  # one call, not two PyTorch operations a cache
+            native.keep(caches, row, slots, length)
+            return
         index = to_device(slots, self.device)
-        for module in self.modules():
-            if isinstance(module, KVCache):
-                for cache in (module.k, module.v):
-                    cache[row, :, length:length + len(slots)] = cache[row, :, index]
+        for cache in caches:
+            cache[row, :, length:length + len(slots)] = cache[row, :, index]
+
+    def kv_caches(self):
+        """Every layer's KVCache, found once per setup_caches (a walk over the modules costs a tenth
+        of a millisecond, and keep runs every token tree step)."""
+        found = self.__dict__.get("_kv_caches")
+        if found is None:
+            found = self._kv_caches = [module for module in self.modules() if isinstance(module, KVCache)]
+        return found
 
     def rollback(self, length):
         if not 0 <= length <= self.length:
@@ -459,9 +468,8 @@ class CachedLM(nn.Module):
         self.length = length
 
     def reorder_cache(self, beam_idx):
-        for module in self.modules():
-            if isinstance(module, KVCache):
-                module.reorder(beam_idx)
+        for module in self.kv_caches():
+            module.reorder(beam_idx)
 
     @property
     def hidden_size(self):

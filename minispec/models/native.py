@@ -249,6 +249,13 @@ def attend(q, k, v, mask, slots, scale):
     return torch.ops.minispec_native.attend(q, k, v, mask, slots, scale)
 
 
+def keep(caches, row, slots, length):
+    """Move the keys and values of cache row `row` at `slots` (increasing, each at or after its
+    destination) to positions length, length + 1, ... in every cache of `caches` (k and v tensors
+    [rows, H, S, d] on the CPU, any dtype), in place."""
+    torch.ops.minispec_native.keep(caches, row, slots, length)
+
+
 def rms_norm(x, weight, eps):
     """RMSNorm of x [..., D] float32 by weight [D] float32, each row alone (layer.cpp)."""
     return torch.ops.minispec_native.rms_norm(x, weight, eps)
