@@ -142,7 +142,8 @@ def pack(q, scales, offsets):
     int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones that fit 6
     bits (GGUF's Q6_K: `six_bits`) as value + 32, its low 4 bits as int4's and its top 2 in two more
     vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
-    [tiles, G, 16] float32, or where they are steps times small integers (GGUF's K-quants: `two_level`)
+    [tiles, G, 16] float32 (float16 where all are float16 values: `fits_half`), or where they are
+    steps times small integers (GGUF's K-quants: `two_level`)
     int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
     offsets'). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
@@ -164,12 +165,19 @@ def pack(q, scales, offsets):
     if all(level is not None for level in levels):
         (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
         steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offsets is None else offset_steps], -1)
+    table = torch.float16 if all(t is None or fits_half(t) for t in (scales, offsets)) else torch.float32
 
     def tiled(t):  # [N, ...] -> [tiles, ..., 16]
         t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
         return t.movedim(1, -1).contiguous()
-    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.float())
+    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.to(table))
                               for t in (scales, offsets, steps)))
+
+
+def fits_half(values):
+    """Whether every value is a float16 one (GGUF's Q4_0, Q4_1 and Q8_0 store their scales so): the
+    kernel then reads them as float16, the same numbers in half the bytes."""
+    return bool(torch.equal(values.to(torch.float16).float(), values.float()))
 
 
 def six_bits(q):
@@ -226,7 +234,7 @@ def rows_of(tokens, qweight, scales, offsets, steps):
 
     def values(table, which):
         if steps is None:
-            return table[tile, :, column]
+            return table[tile, :, column].float()
         step = steps[tile, :, which, column].repeat_interleave(table.shape[1] // steps.shape[1], dim=-1)
         return table[tile, :, column].float() * step
     return q, values(scales, 0), None if offsets is None else values(offsets, 1)

@@ -28,8 +28,9 @@
 // more holding the values' top two bits, vector 4p + i's at bits 2i of the p-th (6-bit: int8 values
 // -32..31, GGUF's Q6_K, stored as value + 32, with 3/4 of int8's bytes; the rows' sums times -32 restore
 // the integer sums int8's would give, bit for bit the same numbers). scales, offsets:
-// float32 [tiles, G, 16]; w = q * scale (+ offset) over groups of `group` inputs (16, or a multiple of
-// 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers):
+// float32 [tiles, G, 16], or float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 store them so:
+// a third fewer bytes for Q4_1, the same numbers); w = q * scale (+ offset) over groups of `group`
+// inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers):
 // scales, offsets int8 [tiles, G, 16] multipliers of steps float32 [tiles, K / 256, 2, 16] (the scales'
 // step, the offsets'), each product exactly the float32 value it replaces (models/native.py checks that
 // when it packs), so both forms give the same numbers, the two-level one reading a fifth fewer bytes
@@ -37,6 +38,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -60,6 +62,7 @@ constexpr int64_t BLOCK = 32;    // inputs per activation block
 constexpr int64_t TILE = 16;     // output columns computed together, one per 32-bit lane
 constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
 constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
+enum Table { FLOATS, HALVES, STEPPED };  // how scales and offsets are stored: float32, float16, two levels
 
 // What a weight's stored byte adds to its value, which the rows' sums times it take back out
 // (Rows::minus): int8 goes in as w + 128 where VNNI's dot product wants unsigned weights (plain AVX2
@@ -118,9 +121,10 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int32_t 
 
 struct Weight {
   const uint8_t* q;       // the tiles
-  const void* scales;     // [tiles, G, 16]: float32, or int8 multipliers of `steps`
+  const void* scales;     // [tiles, G, 16]: float32, float16, or int8 multipliers of `steps`
   const void* offsets;    // the same, or null
   const float* steps;     // [tiles, K / 256, 2, 16] or null (one level)
+  bool halves;            // one level, in float16
   int64_t groups, group;
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
@@ -134,6 +138,7 @@ struct Weight {
   // Column c's scale (which = 0) or offset (1) of group g.
   float value(int which, int64_t tile, int64_t g, int c) const {
     const void* table = which ? offsets : scales;
+    if (halves) return static_cast<float>(static_cast<const c10::Half*>(table)[at(tile, g) + c]);
     if (steps == nullptr) return static_cast<const float*>(table)[at(tile, g) + c];
     return static_cast<float>(static_cast<const int8_t*>(table)[at(tile, g) + c]) * step(which, tile, g)[c];
   }
@@ -163,6 +168,7 @@ struct V {
   static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static F floats(I v) { return _mm512_cvtepi32_ps(v); }
   static F load_floats(const float* p) { return _mm512_loadu_ps(p); }
+  static F halves_as_floats(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
   static F bytes_as_floats(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F broadcast(float v) { return _mm512_set1_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
@@ -196,6 +202,7 @@ struct V {
 #endif
   static F floats(I v) { return _mm256_cvtepi32_ps(v); }
   static F load_floats(const float* p) { return _mm256_loadu_ps(p); }
+  static F halves_as_floats(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
   static F bytes_as_floats(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F broadcast(float v) { return _mm256_set1_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }
@@ -254,16 +261,17 @@ inline V::I inputs(const int8_t* block, int k, V::I sign) {
 }
 
 // Weight::value for a tile part's columns at once.
-template <bool TWO_LEVEL>
+template <int TABLE>
 inline V::F group_values(const Weight& w, int which, int64_t tile, int64_t g, int part) {
   const void* table = which ? w.offsets : w.scales;
   const int64_t at = w.at(tile, g) + part * V::COLUMNS;
-  if (!TWO_LEVEL) return V::load_floats(static_cast<const float*>(table) + at);
+  if (TABLE == FLOATS) return V::load_floats(static_cast<const float*>(table) + at);
+  if (TABLE == HALVES) return V::halves_as_floats(static_cast<const c10::Half*>(table) + at);
   return V::mul(V::bytes_as_floats(static_cast<const int8_t*>(table) + at), V::load_floats(w.step(which, tile, g) + part * V::COLUMNS));
 }
 
 // One tile's columns for rows r0 .. r0 + R - 1.
-template <int BITS, bool SIXTEEN, bool TWO_LEVEL, int R>
+template <int BITS, bool SIXTEEN, int TABLE, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = BITS * TILE * 4;  // per tile and block
   const int64_t blocks = K / BLOCK;
@@ -274,8 +282,8 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
     for (int64_t b = 0; b < blocks; ++b) {
       V::I u[8], sign[8];
       load_block<BITS>(q + b * bytes, u, sign);
-      const V::F s_lo = group_values<TWO_LEVEL>(w, 0, tile, w.lo[b], part);
-      const V::F s_hi = SIXTEEN ? group_values<TWO_LEVEL>(w, 0, tile, w.hi[b], part) : s_lo;
+      const V::F s_lo = group_values<TABLE>(w, 0, tile, w.lo[b], part);
+      const V::F s_hi = SIXTEEN ? group_values<TABLE>(w, 0, tile, w.hi[b], part) : s_lo;
       for (int r = 0; r < R; ++r) {
         const int64_t row_block = (r0 + r) * blocks + b;
         const int8_t* xv = x.q.data() + (r0 + r) * K + b * BLOCK;
@@ -303,7 +311,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
         const float* sums = x.sums.data() + (r0 + r) * w.groups;
         V::F share = V::fzero();
         for (int64_t g = 0; g < w.groups; ++g)
-          share = V::fma(group_values<TWO_LEVEL>(w, 1, tile, g, part), V::broadcast(sums[g]), share);
+          share = V::fma(group_values<TABLE>(w, 1, tile, g, part), V::broadcast(sums[g]), share);
         out = V::fadd(out, share);
       }
       V::store(y + (r0 + r) * N + tile * TILE + part * V::COLUMNS, out);
@@ -312,7 +320,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #else
 // Portable: per column and block half, the integer sum, then acc += sum x scale, as the vector code.
-template <int BITS, bool SIXTEEN, bool TWO_LEVEL, int R>
+template <int BITS, bool SIXTEEN, int TABLE, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = BITS * TILE * 4, vector = TILE * 4;
   const int64_t blocks = K / BLOCK;
@@ -348,15 +356,15 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #endif
 
-template <int BITS, bool SIXTEEN, bool TWO_LEVEL>
+template <int BITS, bool SIXTEEN, int TABLE>
 void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m = 0; m < M; m += ROWS_AT_ONCE) {
       switch (std::min<int64_t>(ROWS_AT_ONCE, M - m)) {
-        case 4: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 4>(w, t, x, m, K, y, N); break;
-        case 3: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 3>(w, t, x, m, K, y, N); break;
-        case 2: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 2>(w, t, x, m, K, y, N); break;
-        default: tile_rows<BITS, SIXTEEN, TWO_LEVEL, 1>(w, t, x, m, K, y, N); break;
+        case 4: tile_rows<BITS, SIXTEEN, TABLE, 4>(w, t, x, m, K, y, N); break;
+        case 3: tile_rows<BITS, SIXTEEN, TABLE, 3>(w, t, x, m, K, y, N); break;
+        case 2: tile_rows<BITS, SIXTEEN, TABLE, 2>(w, t, x, m, K, y, N); break;
+        default: tile_rows<BITS, SIXTEEN, TABLE, 1>(w, t, x, m, K, y, N); break;
       }
     }
   }
@@ -364,8 +372,9 @@ void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int6
 
 template <int BITS, bool SIXTEEN>
 void tiles_of(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
-  if (w.steps != nullptr) tiles<BITS, SIXTEEN, true>(w, x, M, K, N, t0, t1, y);
-  else tiles<BITS, SIXTEEN, false>(w, x, M, K, N, t0, t1, y);
+  if (w.steps != nullptr) tiles<BITS, SIXTEEN, STEPPED>(w, x, M, K, N, t0, t1, y);
+  else if (w.halves) tiles<BITS, SIXTEEN, HALVES>(w, x, M, K, N, t0, t1, y);
+  else tiles<BITS, SIXTEEN, FLOATS>(w, x, M, K, N, t0, t1, y);
 }
 
 template <int BITS>
@@ -376,13 +385,13 @@ void tiles_by_group(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_
 
 // x [M, K] float32; qweight int8, or uint8 of K / 2 (int4) or 3K / 4 (6-bit) bytes a column, N / 16
 // tiles; scales, offsets [N / 16, G, 16]
-// float32, or int8 with steps [N / 16, K / 256, 2, 16] float32.
+// float32 or float16, or int8 with steps [N / 16, K / 256, 2, 16] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
-  const auto table_type = steps.has_value() ? at::kChar : at::kFloat;
+  const auto table_type = steps.has_value() ? at::kChar : scales.scalar_type() == at::kHalf ? at::kHalf : at::kFloat;
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == table_type && scales.is_contiguous(),
-              "qlinear: scales must be [N / 16, G, 16], float32 (int8 with steps)");
+              "qlinear: scales must be [N / 16, G, 16], float32 or float16 (int8 with steps)");
   const bool sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
   const int bits = qweight.scalar_type() != at::kByte ? 8 : qweight.numel() == N * K / 2 ? 4 : 6;
@@ -409,7 +418,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
     hi[b] = static_cast<int32_t>((b * BLOCK + 16) / group);
   }
-  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, groups, group, lo.data(), hi.data()};
+  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, table_type == at::kHalf,
+                 groups, group, lo.data(), hi.data()};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   // tiles split between threads, a few at least per thread so that a wake-up is worth it
