@@ -43,16 +43,22 @@ def test_compiled_decoding_matches_eager_and_never_recompiles(checkpoint):
                                              temperature=1.0, seed=1).tokens
 
 
-def test_compiling_on_a_cpu_skips_inductors_instruction_set_probe(checkpoint, monkeypatch):
+def test_compiling_on_a_cpu_skips_inductors_instruction_set_probe(checkpoint):
     """Where minispec's kernels built for this CPU, inductor is told its vector instructions work rather
     than building and loading test programs in every process (7 s cold, 1 s warm); a user's own
     setting stands."""
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)
-    minispec.load(checkpoint, compile=True)
-    assert torch._inductor.config.cpp.vec_isa_ok is (True if native.available() else None)
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
-    minispec.load(checkpoint, compile=True)
-    assert torch._inductor.config.cpp.vec_isa_ok is False
+    # Set and restored by hand: through torch 2.14's config proxy monkeypatch reads no old value, so its
+    # undo deleted the setting, and every later compile in the session failed to read it.
+    config, saved = torch._inductor.config.cpp, torch._inductor.config.cpp.vec_isa_ok
+    try:
+        config.vec_isa_ok = None
+        minispec.load(checkpoint, compile=True)
+        assert config.vec_isa_ok is (True if native.available() else None)
+        config.vec_isa_ok = False
+        minispec.load(checkpoint, compile=True)
+        assert config.vec_isa_ok is False
+    finally:
+        config.vec_isa_ok = saved
 
 
 def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoint):
