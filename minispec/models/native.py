@@ -165,12 +165,13 @@ def pack(q, scales, offsets):
     if all(level is not None for level in levels):
         (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
         steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offsets is None else offset_steps], -1)
-    table = torch.float16 if all(t is None or fits_half(t) for t in (scales, offsets)) else torch.float32
+    one_level = torch.float16 if steps is None and all(t is None or fits_half(t) for t in (scales, offsets)) \
+        else torch.float32
 
     def tiled(t):  # [N, ...] -> [tiles, ..., 16]
         t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
         return t.movedim(1, -1).contiguous()
-    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.to(table))
+    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.to(one_level))
                               for t in (scales, offsets, steps)))
 
 

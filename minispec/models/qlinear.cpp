@@ -29,12 +29,12 @@
 // -32..31, GGUF's Q6_K, stored as value + 32, with 3/4 of int8's bytes; the rows' sums times -32 restore
 // the integer sums int8's would give, bit for bit the same numbers). scales, offsets:
 // float32 [tiles, G, 16], or float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 store them so:
-// a third fewer bytes for Q4_1, the same numbers); w = q * scale (+ offset) over groups of `group`
-// inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs' step times small integers):
-// scales, offsets int8 [tiles, G, 16] multipliers of steps float32 [tiles, K / 256, 2, 16] (the scales'
-// step, the offsets'), each product exactly the float32 value it replaces (models/native.py checks that
-// when it packs), so both forms give the same numbers, the two-level one reading a fifth fewer bytes
-// for Q4_K.
+// a sixth fewer bytes for Q4_1, the same numbers); w = q * scale (+ offset) over groups of `group`
+// inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs'
+// step times small integers): scales, offsets int8 [tiles, G, 16] multipliers of steps float32
+// [tiles, K / 256, 2, 16] (the scales' step, the offsets'), each product exactly the float32 value it
+// replaces (models/native.py checks that when it packs), so both forms give the same numbers, the
+// two-level one reading a fifth fewer bytes for Q4_K.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -123,8 +123,8 @@ struct Weight {
   const uint8_t* q;       // the tiles
   const void* scales;     // [tiles, G, 16]: float32, float16, or int8 multipliers of `steps`
   const void* offsets;    // the same, or null
-  const float* steps;     // [tiles, K / 256, 2, 16] or null (one level)
-  bool halves;            // one level, in float16
+  const float* steps;     // [tiles, K / 256, 2, 16] (STEPPED) or null
+  Table table;            // how scales and offsets are stored
   int64_t groups, group;
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
@@ -137,10 +137,10 @@ struct Weight {
   }
   // Column c's scale (which = 0) or offset (1) of group g.
   float value(int which, int64_t tile, int64_t g, int c) const {
-    const void* table = which ? offsets : scales;
-    if (halves) return static_cast<float>(static_cast<const c10::Half*>(table)[at(tile, g) + c]);
-    if (steps == nullptr) return static_cast<const float*>(table)[at(tile, g) + c];
-    return static_cast<float>(static_cast<const int8_t*>(table)[at(tile, g) + c]) * step(which, tile, g)[c];
+    const void* values = which ? offsets : scales;
+    if (table == HALVES) return static_cast<float>(static_cast<const c10::Half*>(values)[at(tile, g) + c]);
+    if (table == FLOATS) return static_cast<const float*>(values)[at(tile, g) + c];
+    return static_cast<float>(static_cast<const int8_t*>(values)[at(tile, g) + c]) * step(which, tile, g)[c];
   }
 };
 
@@ -372,8 +372,8 @@ void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int6
 
 template <int BITS, bool SIXTEEN>
 void tiles_of(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
-  if (w.steps != nullptr) tiles<BITS, SIXTEEN, STEPPED>(w, x, M, K, N, t0, t1, y);
-  else if (w.halves) tiles<BITS, SIXTEEN, HALVES>(w, x, M, K, N, t0, t1, y);
+  if (w.table == STEPPED) tiles<BITS, SIXTEEN, STEPPED>(w, x, M, K, N, t0, t1, y);
+  else if (w.table == HALVES) tiles<BITS, SIXTEEN, HALVES>(w, x, M, K, N, t0, t1, y);
   else tiles<BITS, SIXTEEN, FLOATS>(w, x, M, K, N, t0, t1, y);
 }
 
@@ -418,8 +418,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
     hi[b] = static_cast<int32_t>((b * BLOCK + 16) / group);
   }
-  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, table_type == at::kHalf,
-                 groups, group, lo.data(), hi.data()};
+  const Table table = step != nullptr ? STEPPED : table_type == at::kHalf ? HALVES : FLOATS;
+  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, table, groups, group,
+                 lo.data(), hi.data()};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   // tiles split between threads, a few at least per thread so that a wake-up is worth it
