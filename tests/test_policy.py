@@ -410,8 +410,19 @@ def fresh_profiles(monkeypatch, tmp_path):
     return tmp_path / "profiles"
 
 
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """Every step takes a millisecond, whatever its width, and drafting none: guesses cost nothing, so a
+    policy speculates wherever its drafter guesses (real times on a busy machine may say otherwise)."""
+    observe = AdaptiveGamma.observe
+
+    def steady(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
+        return observe(self, k, n, emitted, 0.0, step_seconds and 1e-3, nodes)
+    monkeypatch.setattr(AdaptiveGamma, "observe", steady)
+
+
 @pytest.mark.parametrize("draft", ["lookup", "same"])
-def test_a_new_pair_times_no_forward_before_it_decodes(pair, draft, fresh_profiles, monkeypatch):
+def test_a_new_pair_times_no_forward_before_it_decodes(pair, draft, fresh_profiles, steady_clock, monkeypatch):
     """No calibration: every target forward is one of the request's steps. The first steps are plain
     (the prompt's forward, then the step that gives the costs their scale), then it speculates."""
     target = pair["target"]
@@ -427,7 +438,7 @@ def test_a_new_pair_times_no_forward_before_it_decodes(pair, draft, fresh_profil
         assert sum(histogram[1:]) >= 1, histogram  # target is not worth its cost: it may never guess)
 
 
-def test_costs_are_kept_for_the_next_process(pair, fresh_profiles, monkeypatch):
+def test_costs_are_kept_for_the_next_process(pair, fresh_profiles, steady_clock, monkeypatch):
     target, draft = pair["target"], "lookup"
     first = minispec.generate(target, REPEATING, draft=draft, max_new_tokens=20, ignore_eos=True)
     [path] = fresh_profiles.glob("*.json")
