@@ -32,17 +32,18 @@ def promised(x, q, scales, offsets, group):
 def k_quant_like(form, n, k, generator):
     """A weight as GGUF's K-quants store it: per 256 inputs an fp16 step for the scales (and one for the
     mins), each group a multiple of it: Q4_K's int4 in groups of 32, 6-bit multiples, the largest 63
-    (its offsets the mins, negated); Q6_K's int8 in groups of 16, signed 8-bit ones, the largest -128.
-    Narrower than 256 inputs: the float32 values alone."""
-    group, largest, low, high = (32, 63, 0, 63) if form == "int4 q4_k" else (16, -128, -128, 127)
+    (its offsets the mins, negated), Q5_K's the same over values 0..31; Q6_K's int8 in groups of 16,
+    signed 8-bit ones, the largest -128. Narrower than 256 inputs: the float32 values alone."""
+    group, largest, low, high = (16, -128, -128, 127) if form == "int8 q6_k" else (32, 63, 0, 63)
     spans, per_span = max(k // 256, 1), min(k, 256) // group
     steps = (torch.rand(n, spans, 2, 1, generator=generator) * 0.02 + 1e-3).half().float()
     multiples = torch.randint(low, high + 1, (n, spans, 2, per_span), generator=generator).float()
     multiples[..., 0] = largest
     multiples[0, 0, 1] = 0  # a super-block without mins: a zero step
     values = (steps * multiples).view(n, spans, 2, per_span)
-    if form == "int4 q4_k":
-        q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    if form != "int8 q6_k":
+        q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8) if form == "int4 q4_k" \
+            else torch.randint(0, 32, (n, k), generator=generator, dtype=torch.int8)
         return q, values[:, :, 0].reshape(n, -1), -values[:, :, 1].reshape(n, -1), group
     q = torch.randint(-32, 32, (n, k), generator=generator, dtype=torch.int8)
     return q, values[:, :, 0].reshape(n, -1), None, group
@@ -52,6 +53,12 @@ def stored(form, n, k, generator):
     weight = torch.randn(n, k, generator=generator)
     if "_k" in form:
         return k_quant_like(form, n, k, generator)
+    if form in ("int5 q5_0", "int5 q5_1"):  # GGUF's 5-bit values: -16..15, or 0..31 with mins
+        signed = form == "int5 q5_0"
+        q = torch.randint(-16 if signed else 0, 16 if signed else 32, (n, k), generator=generator, dtype=torch.int8)
+        scales = (torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3).half().float()
+        offsets = None if signed else -(torch.rand(n, k // 32, generator=generator) * 0.3).half().float()
+        return q, scales, offsets, 32
     if form in ("int4 q4_1", "int8 q8_0"):  # GGUF's: scales (and mins) stored in float16
         q, scales, offsets, group = stored("int4 g32" if form == "int4 q4_1" else "int8 g32", n, k, generator)
         return q, scales.half().float(), None if offsets is None else offsets.half().float(), group
@@ -64,8 +71,8 @@ def stored(form, n, k, generator):
     return parts["qweight"], parts["scales"].view(n, -1), offsets, group
 
 
-FORMS = ["int4 g32", "int4 g64", "int4 q4_k", "int4 q4_1", "int8 per channel", "int8 g32", "int8 g16",
-         "int8 g16 offsets", "int8 q6_k", "int8 q8_0"]
+FORMS = ["int4 g32", "int4 g64", "int4 q4_k", "int4 q4_1", "int5 q5_0", "int5 q5_1", "int5 q5_k", "int8 per channel",
+         "int8 g32", "int8 g16", "int8 g16 offsets", "int8 q6_k", "int8 q8_0"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -168,6 +175,33 @@ def test_six_bit_weights_take_three_quarters_of_the_bytes_for_the_same_numbers(m
     assert all(torch.equal(a, b) for a, b in zip(rows, native.rows_of(tokens, *eight)) if a is not None)
     q[5, 7] = 32  # one value past 6 bits: int8's packing
     assert native.pack(q, scales, offsets)[0].shape == eight[0].shape
+
+
+@pytest.mark.parametrize("form", ["int5 q5_0", "int5 q5_1", "int5 q5_k"])
+def test_five_bit_weights_take_five_eighths_of_the_bytes_for_the_same_numbers(form, monkeypatch):
+    """An int8 weight whose values fit 5 bits (GGUF's Q5_0: -16..15; Q5_1, Q5_K: 0..31 with mins) is
+    packed in 5: 5/8 of int8's bytes, the kernel's outputs and an embedding's rows bit for bit those of
+    the 6-bit and int8 packings."""
+    generator = torch.Generator().manual_seed(9)
+    q, scales, offsets, group = stored(form, 70, 512, generator)
+    low, high = (-16, 15) if offsets is None else (0, 31)
+    q[3, :64], q[4, :64] = low, high  # both ends of the range
+    five = native.pack(q, scales, offsets)
+    monkeypatch.setattr(native, "five_bits", lambda q, offsets: False)
+    six = native.pack(q, scales, offsets)
+    monkeypatch.setattr(native, "six_bits", lambda q: False)
+    eight = native.pack(q, scales, offsets)
+    monkeypatch.undo()
+    assert five[0].numel() * 8 == eight[0].numel() * 5 and six[0].numel() * 4 == eight[0].numel() * 3
+    x = torch.randn(9, 512, generator=generator)
+    y = native.qlinear(x, *five, group)
+    assert torch.equal(y, native.qlinear(x, *six, group)) and torch.equal(y, native.qlinear(x, *eight, group))
+    tokens = torch.tensor([0, 69, 3, 4])
+    rows = native.rows_of(tokens, *five)
+    assert torch.equal(rows[0], q[tokens])
+    assert all(torch.equal(a, b) for a, b in zip(rows, native.rows_of(tokens, *eight)) if a is not None)
+    q[5, 7] = low - 1  # one value past 5 bits: 6-bit's packing
+    assert native.pack(q, scales, offsets)[0].shape == six[0].shape
 
 
 def test_token_rows_come_out_of_the_packed_layout():

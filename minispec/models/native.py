@@ -139,9 +139,11 @@ def pack(q, scales, offsets):
     """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
     [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 16 columns (zero weights);
     per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
-    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones that fit 6
-    bits (GGUF's Q6_K: `six_bits`) as value + 32, its low 4 bits as int4's and its top 2 in two more
-    vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
+    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones that fit 5
+    bits (GGUF's Q5_0, Q5_1, Q5_K: `five_bits`) as value + 16 (0..31 as they are where there are
+    offsets), their low 4 bits as int4's and their fifth in one more vector (vector k's at bit k), int8
+    ones that fit 6 bits (GGUF's Q6_K: `six_bits`) as value + 32, their low 4 bits as int4's and their
+    top 2 in two more vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
     [tiles, G, 16] float32 (float16 where all are float16 values: `fits_half`), or where they are
     steps times small integers (GGUF's K-quants: `two_level`)
     int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
@@ -153,6 +155,10 @@ def pack(q, scales, offsets):
     q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
     if q.dtype == torch.uint8:
         q = q[:, :, :4] | (q[:, :, 4:] << 4)
+    elif five_bits(q, offsets):
+        u = (q.to(torch.int16) + (0 if offsets is not None else 16)).to(torch.uint8)
+        fifth = sum(((u[:, :, k] >> 4) & 1) << k for k in range(8))
+        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, fifth.unsqueeze(2)], 2)
     elif six_bits(q):
         u = (q.to(torch.int16) + 32).to(torch.uint8)
         top = u >> 4
@@ -179,6 +185,13 @@ def fits_half(values):
     """Whether every value is a float16 one (GGUF's Q4_0, Q4_1 and Q8_0 store their scales so): the
     kernel then reads them as float16, the same numbers in half the bytes."""
     return bool(torch.equal(values.to(torch.float16).float(), values.float()))
+
+
+def five_bits(q, offsets):
+    """Whether an int8 weight's values all fit 5 bits: -16..15 without offsets (GGUF's Q5_0), 0..31 with
+    them (Q5_1, Q5_K). The kernel then reads 5/8 of the bytes for the same numbers."""
+    low, high = (0, 31) if offsets is not None else (-16, 15)
+    return q.dtype == torch.int8 and q.numel() > 0 and low <= q.min() and q.max() <= high
 
 
 def six_bits(q):
@@ -227,6 +240,10 @@ def rows_of(tokens, qweight, scales, offsets, steps):
     tile, column = tokens // TILE, tokens % TILE
     # [tile, block, k, c, j] at (tile, c) -> [..., block, k, j]: the inputs in order
     q = qweight.view(tiles, blocks, vectors, TILE, 4)[tile, :, :, column]
+    if vectors == 5:  # 5-bit (pack): nibbles and fifth bits back together, less 16 without offsets
+        low = torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2)
+        fifth = torch.stack([(q[..., 4, :] >> k) & 0x01 for k in range(8)], -2)
+        q = ((low | fifth << 4).to(torch.int16) - (0 if offsets is not None else 16)).to(torch.int8)
     if vectors == 6:  # 6-bit (pack): nibbles and top bits back together, less 32
         low = torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2)
         top = torch.stack([(q[..., 4 + k // 4, :] >> 2 * (k % 4)) & 0x03 for k in range(8)], -2)

@@ -1,4 +1,4 @@
-// minispec's quantized matmul for CPUs: y = x @ w.T with w int4, 6-bit or int8 in groups, 1 to a few dozen
+// minispec's quantized matmul for CPUs: y = x @ w.T with w int4, 5-bit, 6-bit or int8 in groups, 1 to a few dozen
 // rows of x (a decode step, a verify, a batch). Built at first use by models/native.py and cached.
 //
 // Why: PyTorch's int4 kernel converts every weight to float and is compute-bound on AVX2, so a 9-row
@@ -24,10 +24,13 @@
 //
 // The weight's layout (models/native.py packs it): tile after tile, block after block, the vectors
 // k = 0..7 of 64 bytes whose byte 4c + j is column c's input 4k + j (int8), or four of 64 bytes holding
-// vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15), or those four and two
-// more holding the values' top two bits, vector 4p + i's at bits 2i of the p-th (6-bit: int8 values
-// -32..31, GGUF's Q6_K, stored as value + 32, with 3/4 of int8's bytes; the rows' sums times -32 restore
-// the integer sums int8's would give, bit for bit the same numbers). scales, offsets:
+// vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15), or those four and one
+// more holding the values' fifth bits, vector k's at bit k (5-bit: GGUF's Q5_0, values -16..15 stored as
+// value + 16, or with offsets Q5_1's and Q5_K's 0..31 as they are: 5/8 of int8's bytes), or those four
+// and two more holding the values' top two bits, vector 4p + i's at bits 2i of the p-th (6-bit: int8
+// values -32..31, GGUF's Q6_K, stored as value + 32, with 3/4 of int8's bytes). Where a stored value is
+// value + bias, the rows' sums times -bias restore the integer sums int8's would give, bit for bit the
+// same numbers. scales, offsets:
 // float32 [tiles, G, 16], or float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 store them so:
 // a sixth fewer bytes for Q4_1, the same numbers); w = q * scale (+ offset) over groups of `group`
 // inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs'
@@ -64,16 +67,21 @@ constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
 constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
 enum Table { FLOATS, HALVES, STEPPED };  // how scales and offsets are stored: float32, float16, two levels
 
-// What a weight's stored byte adds to its value, which the rows' sums times it take back out
-// (Rows::minus): int8 goes in as w + 128 where VNNI's dot product wants unsigned weights (plain AVX2
-// moves w's sign onto the rows instead), 6-bit as w + 32 in the vector code; the portable code takes
-// the values as they are.
-constexpr int32_t weight_bias(int bits) {
+// What the packed layout adds to a weight's value: 6-bit values are stored + 32, 5-bit ones + 16 unless
+// the weight has offsets (then they are 0..31 as they are).
+constexpr int32_t stored_bias(int bits, bool offsets) { return bits == 6 ? 32 : bits == 5 && !offsets ? 16 : 0; }
+
+// What a weight's byte adds to its value in the dot products, which the rows' sums times it take back
+// out (Rows::minus): int8 goes in as w + 128 where VNNI's dot product wants unsigned weights (plain AVX2
+// moves w's sign onto the rows instead), 5- and 6-bit as stored in the vector code; the portable code
+// takes the values as they are.
+constexpr int32_t weight_bias(int bits, bool offsets) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(MINISPEC_VNNI)
-  return bits == 8 ? 128 : bits == 6 ? 32 : 0;
+  return bits == 8 ? 128 : stored_bias(bits, offsets);
 #elif defined(__AVX2__) && defined(__FMA__)
-  return bits == 6 ? 32 : 0;
+  return stored_bias(bits, offsets);
 #else
+  (void)bits, (void)offsets;
   return 0;
 #endif
 }
@@ -161,6 +169,11 @@ struct V {
     const I moved = I2 < 4 ? _mm512_slli_epi16(v, 4 - I2) : _mm512_srli_epi16(v, I2 - 4);
     return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
   }
+  // bit K of every byte moved to bit 4
+  template <int K> static I fifth_bit(I v) {
+    const I moved = K < 4 ? _mm512_slli_epi16(v, 4 - K) : K > 4 ? _mm512_srli_epi16(v, K - 4) : v;
+    return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+  }
   static I with(I a, I b) { return _mm512_or_si512(a, b); }
   static I broadcast(int32_t v) { return _mm512_set1_epi32(v); }
   static I zero() { return _mm512_setzero_si512(); }
@@ -190,6 +203,10 @@ struct V {
     const I moved = I2 < 4 ? _mm256_slli_epi16(v, 4 - I2) : _mm256_srli_epi16(v, I2 - 4);
     return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
   }
+  template <int K> static I fifth_bit(I v) {
+    const I moved = K < 4 ? _mm256_slli_epi16(v, 4 - K) : K > 4 ? _mm256_srli_epi16(v, K - 4) : v;
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+  }
   static I with(I a, I b) { return _mm256_or_si256(a, b); }
   static I broadcast(int32_t v) { return _mm256_set1_epi32(v); }
   static I zero() { return _mm256_setzero_si256(); }
@@ -197,7 +214,7 @@ struct V {
 #ifdef MINISPEC_VNNI
   static I dot(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #else
-  // u8 x s8 pairs fit an int16 here: u is at most 15 (int4), 63 (6-bit) or |int8| <= 128, so 2 x 128 x 127 < 32767
+  // u8 x s8 pairs fit an int16 here: u is at most 15 (int4), 31 (5-bit), 63 (6-bit) or |int8| <= 128, so 2 x 128 x 127 < 32767
   static I dot(I acc, I u, I s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))); }
 #endif
   static F floats(I v) { return _mm256_cvtepi32_ps(v); }
@@ -215,7 +232,7 @@ struct V {
 constexpr int PARTS = TILE / V::COLUMNS;  // vectors across a tile
 
 // A tile part's eight weight vectors of a block, as unsigned bytes (int8: w + 128 with VNNI, |w|
-// without, the signed ones in `sign` for the rows to take w's sign; 6-bit: w + 32).
+// without, the signed ones in `sign` for the rows to take w's sign; 5- and 6-bit: as stored).
 template <int BITS>
 inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
   if (BITS != 8) {
@@ -223,6 +240,17 @@ inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
       const V::I raw = V::load(q + k * TILE * 4);
       u[k] = V::low_nibbles(raw);
       u[k + 4] = V::high_nibbles(raw);
+    }
+    if (BITS == 5) {
+      const V::I top = V::load(q + 4 * TILE * 4);
+      u[0] = V::with(u[0], V::fifth_bit<0>(top));
+      u[1] = V::with(u[1], V::fifth_bit<1>(top));
+      u[2] = V::with(u[2], V::fifth_bit<2>(top));
+      u[3] = V::with(u[3], V::fifth_bit<3>(top));
+      u[4] = V::with(u[4], V::fifth_bit<4>(top));
+      u[5] = V::with(u[5], V::fifth_bit<5>(top));
+      u[6] = V::with(u[6], V::fifth_bit<6>(top));
+      u[7] = V::with(u[7], V::fifth_bit<7>(top));
     }
     if (BITS == 6) {
       for (int p = 0; p < 2; ++p) {
@@ -275,6 +303,7 @@ template <int BITS, bool SIXTEEN, int TABLE, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = BITS * TILE * 4;  // per tile and block
   const int64_t blocks = K / BLOCK;
+  const bool biased = !x.minus.empty();  // the weights' bytes add a bias (weight_bias)
   for (int part = 0; part < PARTS; ++part) {
     const uint8_t* q = w.q + tile * blocks * bytes + part * V::COLUMNS * 4;
     V::F acc[R];
@@ -295,7 +324,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
         }
         V::I lo = V::add(p[0], p[1]), hi = V::add(p[2], p[3]);
         if (!SIXTEEN) lo = V::add(lo, hi);
-        if (weight_bias(BITS)) {  // the weights went in as w + 128 (int8) or w + 32 (6-bit)
+        if (biased) {  // the weights went in as w + 128 (int8), w + 32 (6-bit) or w + 16 (5-bit)
           const int32_t* minus = x.minus.data() + row_block * 3;
           lo = V::add(lo, V::broadcast(minus[SIXTEEN ? 1 : 0]));
           if (SIXTEEN) hi = V::add(hi, V::broadcast(minus[2]));
@@ -324,6 +353,7 @@ template <int BITS, bool SIXTEEN, int TABLE, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
   constexpr int64_t bytes = BITS * TILE * 4, vector = TILE * 4;
   const int64_t blocks = K / BLOCK;
+  const int32_t bias = stored_bias(BITS, w.offsets != nullptr);
   const uint8_t* q = w.q + tile * blocks * bytes;
   for (int r = 0; r < R; ++r) {
     const int64_t m = r0 + r;
@@ -336,7 +366,8 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
             const int64_t at = 4 * c + j;
             int32_t v = BITS == 8 ? static_cast<int8_t>(q[b * bytes + k * vector + at])
                                   : (q[b * bytes + (k % 4) * vector + at] >> (4 * (k / 4))) & 0x0F;
-            if (BITS == 6) v = (v | ((q[b * bytes + (4 + k / 4) * vector + at] >> (2 * (k % 4))) & 0x03) << 4) - 32;
+            if (BITS == 5) v = (v | ((q[b * bytes + 4 * vector + at] >> k) & 0x01) << 4) - bias;
+            if (BITS == 6) v = (v | ((q[b * bytes + (4 + k / 4) * vector + at] >> (2 * (k % 4))) & 0x03) << 4) - bias;
             half[k / 4] += v * x.q[m * K + b * BLOCK + 4 * k + j];
           }
         const float d = x.d[m * blocks + b];
@@ -383,7 +414,7 @@ void tiles_by_group(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_
   else tiles_of<BITS, false>(w, x, M, K, N, t0, t1, y);
 }
 
-// x [M, K] float32; qweight int8, or uint8 of K / 2 (int4) or 3K / 4 (6-bit) bytes a column, N / 16
+// x [M, K] float32; qweight int8, or uint8 of K / 2 (int4), 5K / 8 (5-bit) or 3K / 4 (6-bit) bytes a column, N / 16
 // tiles; scales, offsets [N / 16, G, 16]
 // float32 or float16, or int8 with steps [N / 16, K / 256, 2, 16] float32.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -394,7 +425,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
               "qlinear: scales must be [N / 16, G, 16], float32 or float16 (int8 with steps)");
   const bool sixteen = group == 16;
   const int64_t M = x.size(0), K = x.size(1), tiles_n = scales.size(0), groups = scales.size(1), N = tiles_n * TILE;
-  const int bits = qweight.scalar_type() != at::kByte ? 8 : qweight.numel() == N * K / 2 ? 4 : 6;
+  const int bits = qweight.scalar_type() != at::kByte ? 8 : qweight.numel() == N * K / 2 ? 4 : qweight.numel() == N * K * 5 / 8 ? 5 : 6;
   TORCH_CHECK(K % BLOCK == 0 && (sixteen || group % BLOCK == 0) && K % group == 0 && K / group == groups,
               "qlinear: K must be a multiple of 32 and of the group (16 or a multiple of 32)");
   TORCH_CHECK(qweight.numel() == N * K * bits / 8 && qweight.is_contiguous(), "qlinear: qweight does not match x and scales");
@@ -412,7 +443,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     step = steps->data_ptr<float>();
   }
   const int64_t blocks = K / BLOCK;
-  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, weight_bias(bits), off != nullptr);
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, weight_bias(bits, off != nullptr), off != nullptr);
   std::vector<int32_t> lo(blocks), hi(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
@@ -426,6 +457,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   // tiles split between threads, a few at least per thread so that a wake-up is worth it
   at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) {
     if (bits == 4) tiles_by_group<4>(w, rows, M, K, N, t0, t1, out);
+    else if (bits == 5) tiles_by_group<5>(w, rows, M, K, N, t0, t1, out);
     else if (bits == 6) tiles_by_group<6>(w, rows, M, K, N, t0, t1, out);
     else tiles_by_group<8>(w, rows, M, K, N, t0, t1, out);
   });
