@@ -1,0 +1,84 @@
+"""A quantized model's weights in huge pages (minispec/models/pages.py): its buffers views of one
+mapping, the same numbers and the same tokens, a shared buffer still shared, the mapping alive as long
+as its tensors, and nothing moved where huge pages cannot be asked for."""
+
+import gc
+import sys
+
+import pytest
+import torch
+from conftest import make_reference, save_reference
+
+import minispec
+from minispec.models import pages
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+
+
+@pytest.fixture
+def small_pages(monkeypatch):
+    """Tiny models hold less than a huge page: move them as if pages were 4 KiB."""
+    monkeypatch.setattr(pages, "HUGE_PAGE", 4096)
+
+
+def storages(model):
+    return {tensor.untyped_storage().data_ptr() for tensor in model.buffers()}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_model_decodes_from_one_mapping_as_before(tmp_path, small_pages, monkeypatch, mode):
+    directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
+    moved = minispec.load(directory, quantize=mode)
+    assert len(storages(moved)) == 1 and len(list(moved.buffers())) > 10
+    monkeypatch.setattr(pages, "in_huge_pages", lambda model: 0)
+    kept = minispec.load(directory, quantize=mode)
+    assert len(storages(kept)) > 1
+    assert all(torch.equal(a, b) for a, b in zip(moved.state_dict().values(), kept.state_dict().values()))
+    prompt = [5, 17, 33, 8, 90, 41]
+    one, other = (minispec.generate(m, prompt, max_new_tokens=16, ignore_eos=True) for m in (moved, kept))
+    assert one.tokens == other.tokens and len(set(one.tokens)) > 3
+
+
+def test_a_self_draft_moves_its_quantized_weights(tmp_path, small_pages):
+    target = minispec.load(save_reference(make_reference("llama_gqa"), tmp_path / "ckpt"))
+    out = minispec.generate(target, [5, 17, 33, 8], draft="int8", max_new_tokens=8, ignore_eos=True)
+    assert out.tokens == minispec.generate(target, [5, 17, 33, 8], max_new_tokens=8, ignore_eos=True).tokens
+    [copy] = minispec.decoding.drafters.SELF_DRAFTS[target].values()
+    quantized = [tensor for name, tensor in copy.named_buffers()  # not the caches decoding made since
+                 if name.rsplit(".", 1)[-1] in ("weight", "scales", "offsets", "steps")]
+    assert len(quantized) > 10 and len({tensor.untyped_storage().data_ptr() for tensor in quantized}) == 1
+
+
+class Shared(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Module(), torch.nn.Module()
+        table = torch.arange(3000, dtype=torch.float32)
+        self.a.register_buffer("table", table)
+        self.b.register_buffer("table", table)  # one tensor, two owners (a tied head's)
+        self.a.register_buffer("codes", torch.arange(999, dtype=torch.int8))
+        self.a.register_buffer("halves", torch.linspace(0, 1, 77, dtype=torch.float16))
+
+
+def test_shared_buffers_stay_shared_and_the_mapping_lives_with_its_tensors(small_pages):
+    module = Shared()
+    expected = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    assert pages.in_huge_pages(module) >= 3000 * 4 + 999 + 77 * 2
+    assert module.a.table is module.b.table and len(storages(module)) == 1
+    for name, tensor in module.named_buffers(remove_duplicate=False):
+        assert tensor.data_ptr() % pages.ALIGN == 0 and tensor.is_contiguous()
+    gc.collect()  # nothing but the tensors holds the mapping now
+    assert all(torch.equal(module.state_dict()[name], tensor) for name, tensor in expected.items())
+    assert all(module.state_dict()[name].dtype == tensor.dtype for name, tensor in expected.items())
+
+
+@pytest.mark.parametrize("why", ["not linux", "refused"])
+def test_nothing_moves_where_huge_pages_cannot_be_asked_for(small_pages, monkeypatch, why):
+    if why == "not linux":
+        monkeypatch.setattr(sys, "platform", "darwin")
+    else:
+        monkeypatch.setattr(pages, "advise_huge_pages", lambda address, length: False)
+    module = Shared()
+    before = {name: tensor for name, tensor in module.named_buffers()}
+    assert pages.in_huge_pages(module) == 0
+    assert all(tensor is before[name] for name, tensor in module.named_buffers())
