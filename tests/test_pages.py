@@ -72,12 +72,18 @@ def test_shared_buffers_stay_shared_and_the_mapping_lives_with_its_tensors(small
     assert all(module.state_dict()[name].dtype == tensor.dtype for name, tensor in expected.items())
 
 
-@pytest.mark.parametrize("why", ["not linux", "refused"])
+def no_memory(*args, **kwargs):
+    raise OSError(12, "Cannot allocate memory")
+
+
+@pytest.mark.parametrize("why", ["not linux", "refused", "no memory"])
 def test_nothing_moves_where_huge_pages_cannot_be_asked_for(small_pages, monkeypatch, why):
     if why == "not linux":
         monkeypatch.setattr(sys, "platform", "darwin")
-    else:
+    elif why == "refused":
         monkeypatch.setattr(pages, "advise_huge_pages", lambda address, length: False)
+    else:
+        monkeypatch.setattr(pages.mmap, "mmap", no_memory)
     module = Shared()
     before = {name: tensor for name, tensor in module.named_buffers()}
     assert pages.in_huge_pages(module) == 0

@@ -41,9 +41,13 @@ def in_huge_pages(model):
     total = sum(sizes)
     if total < HUGE_PAGE:
         return 0
-    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
-    if not advise_huge_pages(ctypes.addressof(ctypes.c_char.from_buffer(region)) + start, total):
+    try:
+        region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no address space or memory for a second copy (a limit): the buffers stay as they are
+        return 0
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    start = -address % HUGE_PAGE
+    if not advise_huge_pages(address + start, total):
         return 0
     arena = torch.frombuffer(region, dtype=torch.uint8)  # the tensors keep the mapping alive
     offset = start
