@@ -27,8 +27,8 @@ def advise_huge_pages(address, length):
 
 
 def in_huge_pages(model):
-    """Move the model's contiguous CPU buffers into one mapping in huge pages, each a view of it, the
-    same numbers in the same shapes; a buffer two modules share stays shared. Returns the bytes moved:
+    """Move the model's contiguous CPU buffers into one mapping in huge pages, each over a part of it,
+    the same numbers in the same shapes; a buffer two modules share stays shared. Returns the bytes moved:
     0 off Linux, where the kernel refuses, or where there is less than a page to move."""
     if not sys.platform.startswith("linux"):
         return 0
@@ -49,10 +49,11 @@ def in_huge_pages(model):
     start = -address % HUGE_PAGE
     if not advise_huge_pages(address + start, total):
         return 0
-    arena = torch.frombuffer(region, dtype=torch.uint8)  # the tensors keep the mapping alive
     offset = start
     for (tensor, places), size in zip(owners.values(), sizes):
-        moved = arena[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        # A storage of its own over its part of the mapping (each keeps the mapping alive), not a view
+        # of one tensor: torch.compile refuses a graph whose inputs alias one another.
+        moved = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset).view(tensor.shape)
         moved.copy_(tensor)  # pages are taken as they are first written: huge ones, as advised
         for module, name in places:
             module._buffers[name] = moved
