@@ -1,4 +1,4 @@
-"""A quantized model's weights in huge pages (minispec/models/pages.py): its buffers views of one
+"""A quantized model's weights and the KV caches in huge pages (minispec/models/pages.py): buffers over one
 mapping, the same numbers and the same tokens, a shared buffer still shared, the mapping alive as long
 as its tensors, and nothing moved where huge pages cannot be asked for."""
 
@@ -31,21 +31,21 @@ def small_pages(monkeypatch):
     return made
 
 
-def inside(tensors, mapping):
-    """Whether every tensor's bytes lie in the mapping [start, end)."""
-    start, end = mapping
-    return all(start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end for tensor in tensors)
+def inside(tensors, mappings):
+    """Whether every tensor's bytes lie in one of the mappings, each [start, end)."""
+    tensors = list(tensors)
+    return any(all(start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end for tensor in tensors)
+               for start, end in mappings)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_model_decodes_from_one_mapping_as_before(tmp_path, small_pages, monkeypatch, mode):
     directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
     moved = minispec.load(directory, quantize=mode)
-    [mapping] = small_pages
-    assert len(list(moved.buffers())) > 10 and inside(moved.buffers(), mapping)
-    monkeypatch.setattr(pages, "in_huge_pages", lambda model: 0)
+    assert len(list(moved.buffers())) > 10 and inside(moved.buffers(), small_pages)
+    monkeypatch.setattr(pages, "in_huge_pages", lambda modules: 0)
     kept = minispec.load(directory, quantize=mode)
-    assert len(small_pages) == 1 and not inside(kept.buffers(), mapping)
+    assert not inside(kept.buffers(), small_pages)
     assert all(torch.equal(a, b) for a, b in zip(moved.state_dict().values(), kept.state_dict().values()))
     prompt = [5, 17, 33, 8, 90, 41]
     one, other = (minispec.generate(m, prompt, max_new_tokens=16, ignore_eos=True) for m in (moved, kept))
@@ -59,18 +59,29 @@ def test_a_self_draft_moves_its_quantized_weights(tmp_path, small_pages):
     [copy] = minispec.decoding.drafters.SELF_DRAFTS[target].values()
     quantized = [tensor for name, tensor in copy.named_buffers()  # not the caches decoding made since
                  if name.rsplit(".", 1)[-1] in ("weight", "scales", "offsets", "steps")]
-    [mapping] = small_pages
-    assert len(quantized) > 10 and inside(quantized, mapping)
+    assert len(quantized) > 10 and inside(quantized, small_pages)
 
 
 def test_a_moved_model_compiles(tmp_path, small_pages):
     """Each buffer has a storage of its own over the mapping: torch.compile refuses inputs that alias."""
     directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
     compiled, eager = minispec.load(directory, quantize="int4", compile=True), minispec.load(directory, quantize="int4")
-    assert len(small_pages) == 2 and inside(compiled.buffers(), small_pages[0])
+    assert inside(compiled.buffers(), small_pages)
     prompt = [5, 17, 33, 8, 90, 41]
     assert (minispec.generate(compiled, prompt, max_new_tokens=8, ignore_eos=True).tokens
             == minispec.generate(eager, prompt, max_new_tokens=8, ignore_eos=True).tokens)
+
+
+def test_kv_caches_move_as_they_are_made(tmp_path, small_pages, monkeypatch):
+    """A float model's caches too (read every step): moved when ensure_caches makes them, the same tokens."""
+    target = minispec.load(save_reference(make_reference("llama_gqa"), tmp_path / "ckpt"))
+    out = minispec.generate(target, [5, 17, 33, 8], max_new_tokens=12, ignore_eos=True)
+    caches = [tensor for cache in target.kv_caches() for tensor in (cache.k, cache.v)]
+    assert len(caches) > 2 and inside(caches, small_pages)
+    monkeypatch.setattr(pages, "in_huge_pages", lambda modules: 0)
+    target.setup_caches(1, 1)  # the next request makes them anew, in ordinary pages
+    assert minispec.generate(target, [5, 17, 33, 8], max_new_tokens=12, ignore_eos=True).tokens == out.tokens
+    assert not inside([target.kv_caches()[0].k], small_pages)
 
 
 class Shared(torch.nn.Module):
@@ -87,9 +98,8 @@ class Shared(torch.nn.Module):
 def test_shared_buffers_stay_shared_and_the_mapping_lives_with_its_tensors(small_pages):
     module = Shared()
     expected = {name: tensor.clone() for name, tensor in module.state_dict().items()}
-    assert pages.in_huge_pages(module) >= 3000 * 4 + 999 + 77 * 2
-    [mapping] = small_pages
-    assert module.a.table is module.b.table and inside(module.buffers(), mapping)
+    assert pages.in_huge_pages(module.modules()) >= 3000 * 4 + 999 + 77 * 2
+    assert module.a.table is module.b.table and inside(module.buffers(), small_pages)
     for name, tensor in module.named_buffers(remove_duplicate=False):
         assert tensor.data_ptr() % pages.ALIGN == 0 and tensor.is_contiguous()
     gc.collect()  # nothing but the tensors holds the mapping now
@@ -111,5 +121,5 @@ def test_nothing_moves_where_huge_pages_cannot_be_asked_for(small_pages, monkeyp
         monkeypatch.setattr(pages.mmap, "mmap", no_memory)
     module = Shared()
     before = {name: tensor for name, tensor in module.named_buffers()}
-    assert pages.in_huge_pages(module) == 0
+    assert pages.in_huge_pages(module.modules()) == 0
     assert all(tensor is before[name] for name, tensor in module.named_buffers())

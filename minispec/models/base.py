@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import native, pages
 from .kernels import can_pack, linear, pack, to_device, tree_layout, whole_blocks
 
 
@@ -242,6 +242,7 @@ class CachedLM(nn.Module):
         # otherwise reallocate, and zero, every layer's cache.
         if batch_size > self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
             self.setup_caches(batch_size, self.cache_length_for(max_seq_len))
+            pages.in_huge_pages(self.kv_caches())  # read every step, as the weights are (pages.py)
 
     def cache_length_for(self, max_seq_len):
         """The positions a cache allocated for `max_seq_len` gets (see ensure_caches)."""

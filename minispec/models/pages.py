@@ -4,8 +4,10 @@ distributions' default "madvise" setting honours only where asked).
 
 Why: a decode step streams every weight once, and with 4 KiB pages each 4 KiB read is also a walk of
 the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages. SmolLM2's int4 step
-(~100 MB of packed weights) took 11-16% less time with its buffers in huge pages; float32's (oneDNN's
-own packed copies) took as long either way (docs/performance.md, "Weights in huge pages").
+(~100 MB of packed weights) took 11-16% less time with its buffers in huge pages, and 5-11% less again
+at 600-3000 cached positions with its KV caches there too; a float32 model's parameters gained nothing
+(its products read oneDNN's packed copies of them). Measured in docs/performance.md, "Q5_x in 5 bits,
+weights in huge pages".
 """
 
 import ctypes
@@ -26,14 +28,15 @@ def advise_huge_pages(address, length):
     return libc.madvise(address, length, MADV_HUGEPAGE) == 0
 
 
-def in_huge_pages(model):
-    """Move the model's contiguous CPU buffers into one mapping in huge pages, each over a part of it,
-    the same numbers in the same shapes; a buffer two modules share stays shared. Returns the bytes moved:
-    0 off Linux, where the kernel refuses, or where there is less than a page to move."""
+def in_huge_pages(modules):
+    """Move the contiguous CPU buffers of `modules` (a model's, or its KV caches) into one mapping in huge
+    pages, each over a part of it, the same numbers in the same shapes; a buffer two modules share stays
+    shared. Returns the bytes moved: 0 off Linux, where the kernel refuses, or where there is less than
+    a page to move."""
     if not sys.platform.startswith("linux"):
         return 0
     owners = {}  # id(tensor) -> (tensor, [(module, name), ...])
-    for module in model.modules():
+    for module in modules:
         for name, tensor in module._buffers.items():
             if tensor is not None and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.numel():
                 owners.setdefault(id(tensor), (tensor, []))[1].append((module, name))

@@ -374,7 +374,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                          "or token embeddings of this model")
     notes = [f"kept int8 ({problem}): {', '.join(names)}" for problem, names in fallbacks.items()]
     model.quantization = {"mode": mode, "group_size": group_size, "notes": notes}
-    pages.in_huge_pages(model)  # on a CPU, read every step: in 2 MiB pages (pages.py)
+    pages.in_huge_pages(model.modules())  # on a CPU, read every step: in 2 MiB pages (pages.py)
     return notes
 
 
