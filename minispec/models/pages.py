@@ -52,13 +52,16 @@ def in_huge_pages(modules):
     start = -address % HUGE_PAGE
     if not advise_huge_pages(address + start, total):
         return 0
-    offset = start
-    for (tensor, places), size in zip(owners.values(), sizes):
+    offset, waiting = start, list(owners.values())
+    owners.clear()
+    for i, size in enumerate(sizes):
+        (tensor, places), waiting[i] = waiting[i], None  # nothing here holds it once its owners let go
         # A storage of its own over its part of the mapping (each keeps the mapping alive), not a view
         # of one tensor: torch.compile refuses a graph whose inputs alias one another.
         moved = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset).view(tensor.shape)
         moved.copy_(tensor)  # pages are taken as they are first written: huge ones, as advised
         for module, name in places:
             module._buffers[name] = moved
+        del tensor  # freed now, unless something else holds it: a load's peak grows by a buffer, not a model
         offset += size
     return total
