@@ -153,18 +153,14 @@ def pack(q, scales, offsets):
     tiles, K = q.shape[0] // TILE, q.shape[1]
     # [tile, c, block, k, j] -> [tile, block, k, c, j]
     q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
-    if q.dtype == torch.uint8:
+    bits = 4 if q.dtype == torch.uint8 else 5 if five_bits(q, offsets) else 6 if six_bits(q) else 8
+    if bits == 4:
         q = q[:, :, :4] | (q[:, :, 4:] << 4)
-    elif five_bits(q, offsets):
-        u = (q.to(torch.int16) + (0 if offsets is not None else 16)).to(torch.uint8)
-        fifth = sum(((u[:, :, k] >> 4) & 1) << k for k in range(8))
-        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, fifth.unsqueeze(2)], 2)
-    elif six_bits(q):
-        u = (q.to(torch.int16) + 32).to(torch.uint8)
-        top = u >> 4
-        planes = [top[:, :, 4 * p] | top[:, :, 4 * p + 1] << 2 | top[:, :, 4 * p + 2] << 4 | top[:, :, 4 * p + 3] << 6
-                  for p in (0, 1)]
-        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(planes, 2)], 2)
+    elif bits < 8:  # vector k's top `width` bits at bits width·k on of the extra vectors, one bit string
+        u = (q.to(torch.int16) + stored_bias(bits, offsets)).to(torch.uint8)
+        width = bits - 4
+        extra = [sum(u[:, :, k] >> 4 << k * width % 8 for k in range(8) if k * width // 8 == p) for p in range(width)]
+        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(extra, 2)], 2)
     group = K // scales.shape[1]
     levels = [two_level(t, group) for t in (scales, offsets) if t is not None]
     steps = None
@@ -185,6 +181,12 @@ def fits_half(values):
     """Whether every value is a float16 one (GGUF's Q4_0, Q4_1 and Q8_0 store their scales so): the
     kernel then reads them as float16, the same numbers in half the bytes."""
     return bool(torch.equal(values.to(torch.float16).float(), values.float()))
+
+
+def stored_bias(bits, offsets):
+    """What the packed layout adds to a 5- or 6-bit weight's values (qlinear.cpp's stored_bias): 6-bit
+    ones are stored + 32, 5-bit ones + 16 unless the weight has offsets (then they are 0..31)."""
+    return 32 if bits == 6 else 16 if bits == 5 and offsets is None else 0
 
 
 def five_bits(q, offsets):
@@ -240,14 +242,11 @@ def rows_of(tokens, qweight, scales, offsets, steps):
     tile, column = tokens // TILE, tokens % TILE
     # [tile, block, k, c, j] at (tile, c) -> [..., block, k, j]: the inputs in order
     q = qweight.view(tiles, blocks, vectors, TILE, 4)[tile, :, :, column]
-    if vectors == 5:  # 5-bit (pack): nibbles and fifth bits back together, less 16 without offsets
+    if vectors in (5, 6):  # 5- or 6-bit (pack): nibbles and top bits back together, less the stored bias
+        width = vectors - 4
         low = torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2)
-        fifth = torch.stack([(q[..., 4, :] >> k) & 0x01 for k in range(8)], -2)
-        q = ((low | fifth << 4).to(torch.int16) - (0 if offsets is not None else 16)).to(torch.int8)
-    if vectors == 6:  # 6-bit (pack): nibbles and top bits back together, less 32
-        low = torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2)
-        top = torch.stack([(q[..., 4 + k // 4, :] >> 2 * (k % 4)) & 0x03 for k in range(8)], -2)
-        q = ((low | top << 4).to(torch.int16) - 32).to(torch.int8)
+        top = torch.stack([(q[..., 4 + k * width // 8, :] >> k * width % 8) & ((1 << width) - 1) for k in range(8)], -2)
+        q = ((low | top << 4).to(torch.int16) - stored_bias(vectors, offsets)).to(torch.int8)
     q = q.flatten(-3)
 
     def values(table, which):

@@ -164,15 +164,11 @@ struct V {
   static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
   static I plus_128(I v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
-  // bits 2i, 2i + 1 of every byte moved to bits 4, 5 (16-bit shifts: the mask drops what crosses bytes)
-  template <int I2> static I top_bits(I v) {
-    const I moved = I2 < 4 ? _mm512_slli_epi16(v, 4 - I2) : _mm512_srli_epi16(v, I2 - 4);
-    return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
-  }
-  // bit K of every byte moved to bit 4
-  template <int K> static I fifth_bit(I v) {
-    const I moved = K < 4 ? _mm512_slli_epi16(v, 4 - K) : K > 4 ? _mm512_srli_epi16(v, K - 4) : v;
-    return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+  // bits FROM .. FROM + WIDTH - 1 of every byte moved to bits 4 .. (16-bit shifts: the mask drops what
+  // crosses bytes)
+  template <int FROM, int WIDTH> static I top_bits(I v) {
+    const I moved = FROM < 4 ? _mm512_slli_epi16(v, 4 - FROM) : FROM > 4 ? _mm512_srli_epi16(v, FROM - 4) : v;
+    return _mm512_and_si512(moved, _mm512_set1_epi8(((1 << WIDTH) - 1) << 4));
   }
   static I with(I a, I b) { return _mm512_or_si512(a, b); }
   static I broadcast(int32_t v) { return _mm512_set1_epi32(v); }
@@ -199,13 +195,9 @@ struct V {
   static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
   static I plus_128(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
-  template <int I2> static I top_bits(I v) {
-    const I moved = I2 < 4 ? _mm256_slli_epi16(v, 4 - I2) : _mm256_srli_epi16(v, I2 - 4);
-    return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
-  }
-  template <int K> static I fifth_bit(I v) {
-    const I moved = K < 4 ? _mm256_slli_epi16(v, 4 - K) : K > 4 ? _mm256_srli_epi16(v, K - 4) : v;
-    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+  template <int FROM, int WIDTH> static I top_bits(I v) {
+    const I moved = FROM < 4 ? _mm256_slli_epi16(v, 4 - FROM) : FROM > 4 ? _mm256_srli_epi16(v, FROM - 4) : v;
+    return _mm256_and_si256(moved, _mm256_set1_epi8(((1 << WIDTH) - 1) << 4));
   }
   static I with(I a, I b) { return _mm256_or_si256(a, b); }
   static I broadcast(int32_t v) { return _mm256_set1_epi32(v); }
@@ -231,6 +223,13 @@ struct V {
 #endif
 constexpr int PARTS = TILE / V::COLUMNS;  // vectors across a tile
 
+// Vector K's top W bits (5-bit: W = 1, 6-bit: 2), at bits W·K on of the extra vectors taken as one
+// bit string, put above its low nibble.
+template <int W, int K>
+inline void add_top_bits(const V::I* extra, V::I* u) {
+  u[K] = V::with(u[K], V::template top_bits<K * W % 8, W>(extra[K * W / 8]));
+}
+
 // A tile part's eight weight vectors of a block, as unsigned bytes (int8: w + 128 with VNNI, |w|
 // without, the signed ones in `sign` for the rows to take w's sign; 5- and 6-bit: as stored).
 template <int BITS>
@@ -241,25 +240,18 @@ inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
       u[k] = V::low_nibbles(raw);
       u[k + 4] = V::high_nibbles(raw);
     }
-    if (BITS == 5) {
-      const V::I top = V::load(q + 4 * TILE * 4);
-      u[0] = V::with(u[0], V::fifth_bit<0>(top));
-      u[1] = V::with(u[1], V::fifth_bit<1>(top));
-      u[2] = V::with(u[2], V::fifth_bit<2>(top));
-      u[3] = V::with(u[3], V::fifth_bit<3>(top));
-      u[4] = V::with(u[4], V::fifth_bit<4>(top));
-      u[5] = V::with(u[5], V::fifth_bit<5>(top));
-      u[6] = V::with(u[6], V::fifth_bit<6>(top));
-      u[7] = V::with(u[7], V::fifth_bit<7>(top));
-    }
-    if (BITS == 6) {
-      for (int p = 0; p < 2; ++p) {
-        const V::I top = V::load(q + (4 + p) * TILE * 4);
-        u[4 * p] = V::with(u[4 * p], V::top_bits<0>(top));
-        u[4 * p + 1] = V::with(u[4 * p + 1], V::top_bits<2>(top));
-        u[4 * p + 2] = V::with(u[4 * p + 2], V::top_bits<4>(top));
-        u[4 * p + 3] = V::with(u[4 * p + 3], V::top_bits<6>(top));
-      }
+    if (BITS == 5 || BITS == 6) {
+      constexpr int W = BITS - 4;
+      V::I extra[W];
+      for (int p = 0; p < W; ++p) extra[p] = V::load(q + (4 + p) * TILE * 4);
+      add_top_bits<W, 0>(extra, u);
+      add_top_bits<W, 1>(extra, u);
+      add_top_bits<W, 2>(extra, u);
+      add_top_bits<W, 3>(extra, u);
+      add_top_bits<W, 4>(extra, u);
+      add_top_bits<W, 5>(extra, u);
+      add_top_bits<W, 6>(extra, u);
+      add_top_bits<W, 7>(extra, u);
     }
     return;
   }
@@ -366,8 +358,10 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
             const int64_t at = 4 * c + j;
             int32_t v = BITS == 8 ? static_cast<int8_t>(q[b * bytes + k * vector + at])
                                   : (q[b * bytes + (k % 4) * vector + at] >> (4 * (k / 4))) & 0x0F;
-            if (BITS == 5) v = (v | ((q[b * bytes + 4 * vector + at] >> k) & 0x01) << 4) - bias;
-            if (BITS == 6) v = (v | ((q[b * bytes + (4 + k / 4) * vector + at] >> (2 * (k % 4))) & 0x03) << 4) - bias;
+            if (BITS == 5 || BITS == 6) {  // vector k's top W bits at bits W·k on of the extra vectors
+              constexpr int W = BITS - 4;
+              v = (v | ((q[b * bytes + (4 + k * W / 8) * vector + at] >> (k * W % 8)) & ((1 << W) - 1)) << 4) - bias;
+            }
             half[k / 4] += v * x.q[m * K + b * BLOCK + 4 * k + j];
           }
         const float d = x.d[m * blocks + b];
