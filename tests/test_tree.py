@@ -4,6 +4,7 @@ computes, in every family and dtype, alone and in a batch; the accepted path kep
 as plain decoding would."""
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -156,7 +157,7 @@ def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, mon
 # --- decoding with trees (decoding/tree.py, the engine) ---------------------------------------------
 
 from minispec.decoding.drafters import LookupDrafter, NgramDrafter  # noqa: E402
-from minispec.decoding.tree import add_path, walk  # noqa: E402
+from minispec.decoding.tree import add_path, depths, walk  # noqa: E402
 
 # Prompts whose suffix occurred before with different continuations: lookup's tree has branches.
 BRANCHING = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [9, 4, 1, 9, 4, 2, 9, 4, 3, 9, 4],
@@ -214,6 +215,32 @@ def test_ngram_tree_is_its_most_probable_continuations_first():
     assert (tokens.tolist(), parents) == ([8, 9], [-1, -1])
     tokens, _, parents = drafter.propose_tree(3, 2)  # room for the chain's first two guesses only: a chain
     assert tokens.tolist() == [8, 7] and parents is None
+
+
+@pytest.mark.parametrize("drafter_class", [LookupDrafter, NgramDrafter])
+def test_a_step_cuts_its_tree_from_the_policys_preview(drafter_class, monkeypatch):
+    """The policy previews the largest tree (8 deep, 15 nodes) and the step proposes its first n nodes,
+    as deep as they go: cut from the preview, not grown again, and the tree grown for that size; any
+    other size is grown as before (random contexts)."""
+    rng = random.Random(0)
+    for _ in range(100):
+        vocab = rng.choice([3, 5, 8, 20])
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(2, 50))]
+        grown, drafter = drafter_class(vocab, "cpu"), drafter_class(vocab, "cpu")
+        grown.start(torch.tensor(context))
+        drafter.start(torch.tensor(context))
+        _, preview_parents, _ = drafter.preview_tree(8, 15)
+        for n in range(1, len(preview_parents) + 1):
+            depth = max(depths(preview_parents[:n]))
+            tokens, parents, _ = grown.preview_tree(depth, n)
+            with monkeypatch.context() as patch:
+                patch.setattr(drafter, "preview_tree", None)  # growing it again would fail
+                proposed, _, proposed_parents = drafter.propose_tree(depth, n)
+            assert proposed.tolist() == tokens and (proposed_parents or list(range(-1, n - 1))) == parents
+        depth, budget = rng.randrange(1, 9), rng.randrange(1, 16)
+        tokens, parents, _ = grown.preview_tree(depth, budget)
+        proposed, _, proposed_parents = drafter.propose_tree(depth, budget)
+        assert proposed.tolist() == tokens and (proposed_parents or list(range(-1, len(tokens) - 1))) == parents
 
 
 @pytest.mark.parametrize("draft", ["lookup", "ngram"])

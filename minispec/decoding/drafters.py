@@ -33,7 +33,6 @@ it, and the sampled path builds it only when it needs it.
 import sys
 import weakref
 from collections import Counter, defaultdict
-from functools import cache
 from itertools import islice
 
 import torch
@@ -43,7 +42,7 @@ from ..models.kernels import to_device
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
-from .tree import DrawnGrowth, Growth, add_path, best_children, best_first, likeliest, tree_or_chain
+from .tree import DrawnGrowth, Growth, add_path, best_children, best_first, first_of, likeliest, tree_or_chain
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
@@ -385,8 +384,10 @@ class NgramDrafter:
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
         self.context = prompt_ids.view(-1).tolist()
+        self.previewed_tree = None  # (context length, depth, budget, tree) of the last preview_tree
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
+        self.ranked = {}  # token (None: the unigrams) -> ranked_successors, until its counts change
         self.generator = None
         # Greedy guesses are a walk over the counts on the host, free to preview; sampled ones are
         # random, and how often a sample survives is not what its preview would show.
@@ -395,8 +396,10 @@ class NgramDrafter:
     def count(self, context):
         for i in range(self.counted, len(context)):
             self.unigrams[context[i]] += 1
+            self.ranked.pop(None, None)
             if i > 0:
                 self.bigrams[context[i - 1]][context[i]] += 1
+                self.ranked.pop(context[i - 1], None)
         self.counted = len(context)
 
     def counts_after(self, token):
@@ -420,25 +423,31 @@ class NgramDrafter:
 
     def ranked_successors(self, token):
         """The tokens counted after `token` and their shares of its counts, most counted first (ties:
-        the smallest id, as greedy_continuation picks)."""
-        counts = self.bigrams.get(token) or self.unigrams
-        total = counts.total()
-        return [(t, counts[t] / total) for t in sorted(counts, key=lambda t: (-counts[t], t))]
+        the smallest id, as greedy_continuation picks). Kept until its counts change: a tree step ranks
+        a frequent token's hundreds of successors (a tenth of a quantized step's time) otherwise."""
+        key = token if token in self.bigrams else None
+        ranked = self.ranked.get(key)
+        if ranked is None:
+            counts = self.bigrams[token] if key is not None else self.unigrams
+            total = counts.total()
+            ranked = self.ranked[key] = [(t, counts[t] / total) for t in sorted(counts, key=lambda t: (-counts[t], t))]
+        return ranked
 
     def propose_tree(self, k, budget, sampling=None):
         """A tree of at most `budget` guesses, k deep (tree.best_first): the most probable continuations
         under the counts first, each node's children its token's most counted successors. The same for
         any sampling: the candidates are fixed, not drawn from q (verified as such: tree.sample_walk), so
         no generator is used."""
-        tokens, parents, _ = self.preview_tree(k, budget)
+        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def preview_tree(self, k, budget):
         """propose_tree's tree as lists (tokens, parents), and each node's share of its parent's counts
-        (how sure the drafter is of it)."""
+        (how sure the drafter is of it). Kept for propose_tree, which takes its first nodes."""
         self.count(self.context)
-        successors = cache(self.ranked_successors)  # ranked once per proposal: nodes often repeat a token
-        return best_first(self.context[-1], successors, k, budget)
+        tree = best_first(self.context[-1], self.ranked_successors, k, budget)
+        self.previewed_tree = (len(self.context), k, budget, tree)
+        return tree
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
@@ -478,7 +487,7 @@ class LookupDrafter:
         self.device, self.max_ngram = device, max_ngram
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
-        self.context = []
+        self.context, self.previewed_tree = [], None  # previewed_tree: as NgramDrafter's
         self.ends = defaultdict(list)  # n-gram -> end positions of its occurrences, oldest first
         self.extend(prompt_ids.view(-1).tolist())
 
@@ -507,7 +516,7 @@ class LookupDrafter:
         """A tree of at most `budget` guesses, k deep: what followed earlier occurrences of the context's
         suffix, sharing common prefixes (tree.py), its likeliest nodes first (tree.likeliest). The same
         for any sampling."""
-        tokens, parents, _ = self.preview_tree(k, budget)
+        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def preview_tree(self, k, budget):
@@ -515,7 +524,7 @@ class LookupDrafter:
         share of the occurrences through its parent that continue with it, times the longest match
         through it over max_ngram. The trie holds what followed up to TREE_OCCURRENCES occurrences, the
         longest suffixes and the latest occurrences first, more than fill the tree, so that its shares
-        are not those of its first few paths alone."""
+        are not those of its first few paths alone. Kept for propose_tree, which takes its first nodes."""
         tokens, parents, visits, matched, done = [], [], [], [], set()
         earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
@@ -532,7 +541,9 @@ class LookupDrafter:
                 break
         sure = [visits[j] / (len(done) if parent < 0 else visits[parent]) * matched[j] / self.max_ngram
                 for j, parent in enumerate(parents)]
-        return likeliest(tokens, parents, sure, budget)
+        tree = likeliest(tokens, parents, sure, budget)
+        self.previewed_tree = (len(self.context), k, budget, tree)
+        return tree
 
     def preview(self, k):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""

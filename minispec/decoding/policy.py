@@ -327,17 +327,14 @@ class VerifyCost:
             self.add_point(u, 1.0 + u, weight=0.5 / (1.0 - TIME_DECAY))
         self.level, self.slope = 1.0, 1.0
         self.corrections = {}  # width -> decayed [sum of its steps' time over the line's, steps]
+        self.every_width = 1.0  # the same over all widths' steps (kept by add: a tree plan prices 15 widths)
 
     def __call__(self, width):
         return self.on_line(width) * self.correction(width)
 
     def correction(self, width):
         """The width's steps' time over the line's, over the same for all widths' steps (shape only)."""
-        def mean(ratios, steps):
-            return (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
-
-        every_width = [sum(column) for column in zip(*self.corrections.values())] or [0.0, 0.0]
-        return mean(*self.corrections.get(width, (0.0, 0.0))) / mean(*every_width)
+        return corrected_mean(*self.corrections.get(width, (0.0, 0.0))) / self.every_width
 
     def on_line(self, width):
         return self.one * (self.level + self.slope * self.extra(width))
@@ -370,10 +367,16 @@ class VerifyCost:
             ratios = self.corrections.setdefault(width, [0.0, 0.0])
             ratios[0] += ratio
             ratios[1] += 1.0
+            self.every_width = corrected_mean(*(sum(column) for column in zip(*self.corrections.values())))
 
     def add_point(self, u, y, weight):
         for i, value in enumerate((1.0, u, u * u, y, u * y)):
             self.sums[i] += weight * value
+
+
+def corrected_mean(ratios, steps):
+    """A width's correction (VerifyCost): its steps' mean ratio to the line, shrunk towards none."""
+    return (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
 
 
 class AdaptiveGamma:

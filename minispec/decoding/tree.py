@@ -159,6 +159,20 @@ def best_first(root, successors, depth, budget):
     return tokens, parents, shares
 
 
+def first_of(previewed, length, depth, budget):
+    """The tree of at most `budget` nodes, `depth` deep, that a drafter whose first nodes are its
+    likeliest tree of their size (best_first, likeliest) proposes, cut from the tree it previewed at
+    this step (the policy previews the largest, then the step proposes a part of it): previewed is
+    (context length, depth, budget, (tokens, parents, sure)) as the preview was made, or None. None
+    where that preview cannot give it (another context, or a smaller or shallower tree)."""
+    if previewed is None:
+        return None
+    at, deep, size, (tokens, parents, sure) = previewed
+    if at != length or deep < depth or size < budget or max(depths(parents[:budget]), default=0) > depth:
+        return None
+    return tokens[:budget], parents[:budget], sure[:budget]
+
+
 def likeliest(tokens, parents, sure, budget):
     """A tree's `budget` most probable nodes, most probable first (best_first's order), a node's
     probability being the product of `sure` (each node's given its parent) down its path: a
