@@ -186,13 +186,12 @@ def test_a_lone_chain_and_tree_of_one_width_share_a_graph_on_a_cpu(checkpoint):
 def test_auto_trees_fit_the_widest_chain_graph():
     """tree="auto" weighs trees of up to TREE_AUTO guesses, fed with the token before them: that forward
     fits the graph of the widest chain gamma="auto" verifies (GAMMA_MAX guesses and that token), so
-    on a GPU, a graph per power of two of widths, trees capture no wider graph (a 17th token would pad
-    the forward to 32 rows)."""
+    on a GPU, a graph per power of two of widths, trees capture no wider graph."""
     from minispec.decoding.policy import GAMMA_MAX
     from minispec.decoding.tree import TREE_AUTO
     from minispec.models.base import compiled_width
 
-    assert compiled_width(TREE_AUTO + 1) == compiled_width(GAMMA_MAX + 1)
+    assert compiled_width(TREE_AUTO + 1) <= compiled_width(GAMMA_MAX + 1)
 
 
 def test_a_step_that_compiles_a_graph_is_not_timed(checkpoint, monkeypatch):

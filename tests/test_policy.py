@@ -510,30 +510,42 @@ def test_a_folder_that_cannot_be_written_is_noted_once(pair, fresh_profiles, cap
 # --- tree="auto": which tree a step verifies ------------------------------------------------------
 
 # A previewed tree: the chain 7 8 9 (each node at confidence 0.5), 20 beside 7 and 21 below 7 beside 8
-# (0.3 each). Its nodes' chances to survive start at their confidences.
+# (0.3 each). While their bins have seen nothing, each node survives as any guess in its place does:
+# a at depth one, b below (both 0.5 here), whatever the drafter's confidence.
 TREE = ([7, 8, 9, 20, 21], [-1, 0, 1, -1, 0], [0.5, 0.5, 0.5, 0.3, 0.3])
 
 
-def tree_chooser(t_verify, tree=TREE, t_tree=None):
-    chooser = adaptive(0.5, t_verify, 0.0)
-    chooser.profile.t_tree = t_tree
+def tree_chooser(t_verify, tree=TREE, alpha=0.5):
+    chooser = adaptive(alpha, t_verify, 0.0)
     chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=lambda k: ([], []),
                   preview_tree=lambda k, budget: tree)
     return chooser
 
 
 def test_a_previewed_tree_verifies_the_first_nodes_with_the_most_expected_tokens_per_second():
-    # Flat costs, trees priced at TREE_PRIOR (1.2) times a chain: the chain 7 8 9 expects 1.875 tokens
-    # a call; with 20 (+0.3) 2.175 / 1.2 = 1.81, with 21 too (+0.5 * 0.3) 2.325 / 1.2 = 1.94: all five.
+    # Flat costs: the chain 7 8 9 expects 1 + 0.5 + 0.25 + 0.125 tokens a call, with 20 0.5 more, with
+    # 21 (below 7) 0.25 more: all five, 2.625 tokens.
     chooser = tree_chooser(FLAT)
     assert chooser.guesses() == 3 and chooser.tree_nodes == 5
-    assert chooser.planned == pytest.approx(2.325)
-    # trees measured dear (2 steps): the chain
-    chooser = tree_chooser(FLAT, t_tree=[0.0] + [2.0] * (policy.TREE_AUTO + 1))
-    assert chooser.guesses() == 3 and chooser.tree_nodes == 3  # its first 3 nodes, verified as a chain
-    # unlikely guesses on CPU-like costs: no guess at all
-    chooser = tree_chooser(STEEP, tree=(TREE[0], TREE[1], [0.05] * 5))
+    assert chooser.planned == pytest.approx(2.625)
+    # CPU-like costs (a quarter step a token): 1 guess, 1.5 / 1.25, beats 7 8 9 20's 2.375 / 2.0
+    chooser = tree_chooser(STEEP)
+    assert chooser.guesses() == 1 and chooser.tree_nodes == 1
+    # guesses that seldom survive: no guess at all
+    chooser = tree_chooser(STEEP, alpha=0.05)
     assert chooser.guesses() == 0 and chooser.tree_nodes is None
+
+
+def test_a_tree_branches_over_at_most_tree_auto_nodes_and_a_chain_runs_to_k_max():
+    from minispec.decoding.tree import TREE_AUTO
+
+    sure = [0.9] * 8
+    chooser = tree_chooser(FLAT, tree=(list(range(8)), list(range(-1, 7)), sure), alpha=0.9)
+    assert chooser.guesses() == 8 and chooser.tree_nodes == 8  # a chain: as long as it pays
+    branching = (list(range(8)), [-1, -1, 0, 1, 2, 3, 4, 5], sure)  # two chains from the root
+    chooser = tree_chooser(FLAT, tree=branching, alpha=0.9)
+    chooser.guesses()
+    assert chooser.tree_nodes == TREE_AUTO
 
 
 def test_every_previewed_node_whose_parent_survived_is_checked():
@@ -546,16 +558,26 @@ def test_every_previewed_node_whose_parent_survived_is_checked():
     bin_of = policy.AdaptiveGamma.bin
     assert first[bin_of(0.5)] == [1.0, 1.0] and first[bin_of(0.3)] == [0.0, 1.0]
     assert later[bin_of(0.5)] == [1.0, 1.0] and later[bin_of(0.9)] == [0.0, 0.0]
-    assert chooser.tree_survival(0.3, 1) == pytest.approx((0 + 2 * 0.3) / 3)
+    # one miss in its bin, shrunk towards a (which that step's accepted first guess raised)
+    assert chooser.tree_survival(0.3, 1) == pytest.approx((0 + 2 * chooser.first.value) / 3)
 
 
-def test_a_tree_steps_time_refits_the_tree_costs_not_the_chains():
+def test_a_tree_step_times_the_line_a_chain_is_priced_by():
+    """A forward is priced by its width, tree or chain: tree steps refit the one line."""
     chooser = tree_chooser(FLAT)
     chooser.guesses()
-    chain_before, tree_before = chooser.verify(6), chooser.tree_seconds(5)
+    before = chooser.verify(6)
     for _ in range(10):
         chooser.observe(k=2, n=1, emitted=[7, 30], draft_seconds=0.0, step_seconds=3.0, nodes=5)
-    assert chooser.verify(6) == chain_before and chooser.tree_seconds(5) > tree_before + 0.5
+    assert chooser.verify(6) > before + 0.5
+    # a draft model's tree, chosen by measured speed: its k guesses took fewer draft forwards than k,
+    # so a GPU's verify time (the step's less k drafts) would be off; it times no line
+    chooser = adaptive(0.9, FLAT, 0.05)
+    chooser.begin(chooser.profile, early_stop=False, measure_draft=False, branching=True)
+    before = chooser.verify(5)
+    for _ in range(10):
+        chooser.observe(k=2, n=1, emitted=[7, 30], draft_seconds=0.0, step_seconds=3.0, nodes=4)
+    assert chooser.verify(5) == before
 
 
 @pytest.mark.parametrize("tree_tokens, most", [(6, "tree"), (2, "chain")])
@@ -621,7 +643,7 @@ def test_stored_tree_costs_and_rates_are_checked():
     profile = policy.PairProfile()
     values = {name: getattr(profile, name) for name in profiles.FIELDS}
     profiles.check(values, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)
-    for name, bad in [("t_tree", [1.0] * 3), ("modes", {"chain": [1.0, -1.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}),
+    for name, bad in [("t_verify", [1.0] * 3), ("modes", {"chain": [1.0, -1.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}),
                       ("tree_confidence", [[[2.0, 1.0]] * policy.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0]})]:
         with pytest.raises(ValueError, match="out of range"):
             profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)

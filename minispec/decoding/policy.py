@@ -32,14 +32,16 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   these very guesses; a draft model stops early when one more guess costs more time than it is
   expected to gain (`keep_guessing`).
 - With tree="auto" (decoding/tree.py), a drafter whose trees cost nothing to preview (lookup; ngram when
-  greedy) offers its tree of TREE_AUTO guesses every step, each node with its confidence given its
+  greedy) offers its tree of k_max guesses every step, each node with its confidence given its
   parent, and the policy verifies the first nodes of it (the nodes come likeliest first by the drafter's
   own confidences, so each number of them is the likeliest tree that size, a chain where they form one)
-  with the most expected tokens per second: a node's expected contribution is the chance its whole path
-  survives, from rates per confidence bin learnt from every previewed node against what the target
-  emitted, and a tree forward is priced by its own line (`VerifyCost`, started at TREE_PRIOR times the
-  chain's). A chain or no guess at all are among the choices, so trees come only where they are expected
-  to pay. A drafter whose trees cost forwards to grow (a draft model, a head) cannot be previewed: the
+  with the most expected tokens per second, up to k_max nodes that form a chain or TREE_AUTO that branch:
+  a node's expected contribution is the chance its whole path survives, from rates per confidence bin
+  learnt from every previewed node against what the target emitted (shrunk towards a and b while a bin
+  has seen few), and a forward is priced by the one line of its width, whatever its shape: tree steps
+  time it too (a tree's attention mask costs 1-3% over a chain's on this CPU). A chain or no guess at
+  all are among the choices, so trees come only where they are expected to pay. A drafter whose trees
+  cost forwards to grow (a draft model, a head) cannot be previewed: the
   policy keeps the tokens per second that its steps with guesses measured as chains and as trees, takes
   the better, and tries the other again after PROBE_AFTER steps of any kind, the interval doubling up to
   PROBE_MAX while it stays behind. Its tree is its TREE_WIDTH likeliest first guesses; where its trees
@@ -93,10 +95,6 @@ PRIOR_SLOPE = {"cpu": 0.1, "cuda": 0.01}  # other devices: as on a CPU
 PROBE_AFTER, PROBE_MAX = 8, 128  # plain steps before a probe; doubled after each that finds it still does not pay
 CONFIDENCE_BINS = 5  # how sure the drafter is of a guess, in bins of 0.2
 BIN_PRIOR = 2.0  # a bin's rate is shrunk towards a (or b) as if by this many verified guesses
-# Before any tree forward is timed, it is priced at this many times a chain's over as many tokens: the
-# tree's keys and values are read per token (docs/performance.md, "Token trees": +18% at 9 tokens at
-# first, ~8% since the tree path's indices are made once a forward). A prior only: the line is refitted.
-TREE_PRIOR = 1.2
 
 
 class FixedGamma:
@@ -155,10 +153,9 @@ class PairProfile:
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
         # per bin of the drafter's confidence in a guess: decayed [accepted, verified] guesses that sure
         self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
-        # tree="auto": seconds of a tree forward over w tokens (None: none timed yet), decayed
-        # [accepted, verified] previewed tree nodes per confidence bin at depth 1 and deeper, and decayed
-        # [tokens, seconds] of the steps with guesses verified as chains and as trees, and of plain steps
-        self.t_tree = None
+        # tree="auto": decayed [accepted, verified] previewed tree nodes per confidence bin at depth 1 and
+        # deeper, and decayed [tokens, seconds] of the steps with guesses verified as chains and as trees,
+        # and of plain steps
         self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
         self.modes = {"chain": [0.0, 0.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}
         self.mode_steps, self.mode_probe_after, self.preferred = 0, PROBE_AFTER, "chain"
@@ -353,7 +350,7 @@ class VerifyCost:
         """A step verified `width` tokens in `seconds` (see OUTLIER)."""
         y = min(seconds, OUTLIER * self(width)) / self.one
         self.sums = [s * TIME_DECAY for s in self.sums]
-        self.add_point(self.added[width], y, weight=1.0)
+        self.add_point(self.extra(width), y, weight=1.0)
         ones, us, uus, ys, uys = self.sums
         # minimize sum (y - level - slope·u)² + SHAPE_PRIOR·(slope - level)²: a 2x2 linear system
         a, b, d = ones + SHAPE_PRIOR, us - SHAPE_PRIOR, uus + SHAPE_PRIOR
@@ -425,7 +422,6 @@ class AdaptiveGamma:
         form), and trees are chosen from it; branching: trees are chosen by measured speed instead."""
         self.profile = profile
         self.preview_tree, self.previewed_tree, self.branching = preview_tree, None, branching
-        self.tree_cost = None if profile.t_tree is None else VerifyCost(profile.t_tree)
         self.tree_nodes, self.planned = None, None
         self.verify = None if profile.t_verify is None else VerifyCost(profile.t_verify)  # None: nothing timed
         self.t_draft = profile.t_draft  # None: nothing timed
@@ -505,7 +501,7 @@ class AdaptiveGamma:
         """The previewed tree's first nodes with the most expected tokens per second (module docstring):
         sets tree_nodes to their number (None: no guess) and returns their depth. Nodes that form a
         chain are verified as one (tree.tree_or_chain), priced as one."""
-        _, parents, sure = self.previewed_tree = self.preview_tree(self.k_max, TREE_AUTO)
+        _, parents, sure = self.previewed_tree = self.preview_tree(self.k_max, max(self.k_max, TREE_AUTO))
         self.previewed, self.confidences = None, []
         if self.verify is None:  # a new pair: plain steps until one is timed
             return 0
@@ -513,30 +509,25 @@ class AdaptiveGamma:
         reach, expected = [], 1.0
         best, self.planned, best_rate = 0, 1.0, 1.0 / self.verify(1)
         for j, (parent, confidence) in enumerate(zip(parents, sure)):
+            nodes = j + 1
+            if nodes > max(chain, TREE_AUTO):  # a chain may be k_max long, a tree TREE_AUTO nodes
+                break
             reach.append((1.0 if parent < 0 else reach[parent]) * self.tree_survival(confidence, depth[j]))
             expected += reach[-1]
-            nodes = j + 1
-            rate = expected / (self.verify(nodes + 1) if nodes <= chain else self.tree_seconds(nodes))
+            rate = expected / self.verify(nodes + 1)
             if rate > best_rate:
                 best, self.planned, best_rate = nodes, expected, rate
         self.tree_nodes = best or None
         return max(depth[:best], default=0)
 
-    def tree_seconds(self, nodes):
-        """Seconds of a tree forward over `nodes` guesses and their root."""
-        return self.tree_costs()(nodes + 1)
-
-    def tree_costs(self):
-        """The tree forwards' VerifyCost: until one is timed, TREE_PRIOR times the chain's line."""
-        if self.tree_cost is None:
-            self.tree_cost = VerifyCost([0.0] + [TREE_PRIOR * self.verify(w) for w in range(1, TREE_AUTO + 2)])
-        return self.tree_cost
-
     def tree_survival(self, confidence, depth):
         """The chance that a previewed node this sure survives, given that its parent did: its bin's rate
-        at its depth (the first or a later one), shrunk towards the confidence itself."""
+        at its depth (the first or a later one), shrunk towards the rate of any guess there (a, or b),
+        as a chain's guesses are: shrunk towards the confidence itself, ngram's trees came out surer
+        than its chains for the same guesses (a bigram seen once is "sure") and lost to them."""
         accepted, verified = self.profile.tree_confidence[depth > 1][self.bin(confidence)]
-        return (accepted + BIN_PRIOR * confidence) / (verified + BIN_PRIOR)
+        prior = self.first.value if depth == 1 else self.later_rate()
+        return (accepted + BIN_PRIOR * prior) / (verified + BIN_PRIOR)
 
     def learn_tree(self, emitted):
         """Every previewed node whose parent survived, against the tokens the target emitted: the node
@@ -663,11 +654,9 @@ class AdaptiveGamma:
             mode[:] = [mode[0] * MODE_DECAY + len(emitted), mode[1] * MODE_DECAY + step_seconds]
         if k and self.measure_draft and regular and not nodes:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
-        verify = step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft)
-        if nodes:
-            self.tree_costs().add(nodes + 1, verify)
-        else:
-            self.verify.add(k + 1, verify)
+        if nodes and self.preview_tree is None:
+            return  # a draft model's or head's tree: chosen by measured speed, and its k guesses took fewer drafts
+        self.verify.add((nodes or k) + 1, step_seconds - (draft_seconds if self.measure_draft else k * self.t_draft))
 
     def first_timing(self, seconds):
         """A new pair's first timed step, a plain one, took `seconds`: the verify line through it at
@@ -690,8 +679,6 @@ class AdaptiveGamma:
         if self.verify is not None:
             profile.t_verify = self.verify.line()
             profile.t_draft = self.t_draft
-        if self.tree_cost is not None:
-            profile.t_tree = self.tree_cost.line()
         profiles.save(profile.key, profile)
         steps = sum(self.histogram)
         return {

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from ..loading.builtin import weights_dir
-from .tree import TREE_AUTO
 
-VERSION = 6  # of the files' contents; files of another version are ignored (6: eager layers in one call, 1.3-2x faster steps)
-FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "t_tree",
-          "tree_confidence", "modes")
+VERSION = 7  # of the files' contents; files of another version are ignored (7: trees timed on the chains' line)
+FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
+          "modes")
 
 
 def folder():
@@ -94,8 +93,7 @@ def check(values, widths, bins):
         return isinstance(pair, list) and len(pair) == 2 and number(pair[1], high=high) and number(pair[0], high=pair[1])
 
     modes = values["modes"]
-    fine = (line(values["t_verify"], widths) and line(values["t_tree"], TREE_AUTO + 2)
-            and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
+    fine = (line(values["t_verify"], widths) and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
             and all(isinstance(m, list) and len(m) == 2 and all(number(x, high=1e9) for x in m) for m in modes.values())
             and isinstance(values["tree_confidence"], list) and len(values["tree_confidence"]) == 2
             and all(isinstance(b, list) and len(b) == bins and all(counts(c) for c in b)

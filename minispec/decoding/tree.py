@@ -36,10 +36,12 @@ import torch
 from .sampling import adjust, sample, sample_distinct
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
-# tree="auto": the most guesses the policy weighs a step's tree at (policy.py). A wider forward costs more
-# than its extra nodes bring on a CPU (docs/performance.md, "Token trees"). With the token before them,
-# 16 tokens: a compiled target's widest chain graph, where a 17th would compile a graph padded to 32.
-TREE_AUTO = 15
+# tree="auto": the most guesses the policy weighs a step's tree at (policy.py). With the token before
+# them, 6 tokens: the widest forward that costs a float32 1-token step's price on this CPU (a seventh
+# row +14%). The policy, offered 15, took wider trees whose extra nodes it expected too much of (ngram on
+# partial copies: 9+ nodes planned at 3.7 tokens a step, 2.6 realized) and lost 3-6% to 5 nodes always
+# (docs/performance.md, "Trees of the flat part's width").
+TREE_AUTO = 5
 
 
 def feed_parents(unseen, parents, guesses):
