@@ -101,9 +101,7 @@ def load_draft(draft, target, compile=False, draft_quantize=None, group_size=qua
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
         return None if draft == "none" else draft
     if is_head_dir(draft):  # a draft head trained for this target (minispec/heads)
-        if draft_quantize is not None:
-            raise ValueError(f"--draft-quantize quantizes a draft model; {draft} is a draft head")
-        return load_draft_head(draft, target)
+        return load_draft_head(draft, target, draft_quantize or "auto")
     return load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                       group_size=group_size)
 

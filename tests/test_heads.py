@@ -142,7 +142,7 @@ def test_published_eagle_layout_drafts_as_a_straightforward_reimplementation(ref
     target = minispec.load(directory)
     hf = json.loads((directory / "config.json").read_text())
     head_dir, weights, config = write_eagle(tmp_path / "eagle", hf)
-    head = minispec.load_draft_head(head_dir, target)
+    head = minispec.load_draft_head(head_dir, target, quantize=None)  # the float math, as written
     tokens = torch.tensor([PROMPT + [40, 41, 42]])
     with torch.no_grad():
         states = reference(tokens, output_hidden_states=True).hidden_states[-1]  # after the final norm
@@ -216,7 +216,7 @@ def test_published_eagle3_layout_drafts_as_a_straightforward_reimplementation(de
     if variant == "norm before residual":
         config["norm_before_residual"] = True
         (head_dir / "config.json").write_text(json.dumps(config))
-    head = minispec.load_draft_head(head_dir, target)
+    head = minispec.load_draft_head(head_dir, target, quantize=None)  # the float math, as written
     assert head.taps == (2, 4, 5) and head.draft_vocab.tolist() == ids
     tokens = torch.tensor([PROMPT + [40, 41, 42]])
     target.ensure_caches(1, 32)
@@ -821,19 +821,48 @@ def test_a_heads_layer_in_one_call_drafts_what_its_modules_draft(deep_target, tm
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_beside_a_quantized_target_a_head_is_int8(reference_dirs, tmp_path, kind):
-    """A float head would cost a quantized target's guess as much as its bytes do: its linear layers are
-    int8 there (float beside a float target), and greedy decoding with it is still plain greedy."""
+def test_on_a_cpu_or_beside_a_quantized_target_a_head_is_int8(reference_dirs, tmp_path, kind):
+    """A float head's guess costs what its bytes cost: by default its linear layers are int8 on a CPU and
+    beside a quantized target (quantize=None keeps them as they are), and greedy decoding with it is
+    still plain greedy."""
     from minispec.models.quant import Int8Linear
     directory = reference_dirs["llama_gqa"][1]
     hf = json.loads((directory / "config.json").read_text())
     head_dir = (write_eagle(tmp_path / "head", hf) if kind == "eagle" else
                 write_eagle3(tmp_path / "head", hf, draft_vocab=list(range(1, hf["vocab_size"], 2)), layer_ids=[0, 1]))[0]
+    target = minispec.load(directory)
+    assert not isinstance(minispec.load_draft_head(head_dir, target, quantize=None).layers[0].feed_forward.w2, Int8Linear)
     for quantize in (None, "int4"):
         target = minispec.load(directory, quantize=quantize)
         head = minispec.load_draft_head(head_dir, target)
-        assert isinstance(head.layers[0].feed_forward.w2, Int8Linear) == (quantize is not None)
+        assert isinstance(head.layers[0].feed_forward.w2, Int8Linear)
     plain = minispec.generate(target, PROMPT, max_new_tokens=30, ignore_eos=True)
     for gamma in (1, 3):
         out = minispec.generate(target, PROMPT, draft=head, gamma=gamma, max_new_tokens=30, ignore_eos=True)
         assert out.tokens == plain.tokens and out.stats["proposed"] > 0
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_head_is_quantized_beside_a_float_target_when_asked(reference_dirs, tmp_path, quantize, capsys):
+    """quantize= (run.py's --draft-quantize) chooses how an EAGLE head beside a float target is
+    quantized; greedy decoding with it is still plain greedy. A Medusa head's heads are the target's
+    output head: asking is an error that says so."""
+    import run
+    from minispec.models.quant import Int4Linear, Int8Linear
+    directory = reference_dirs["llama_gqa"][1]
+    hf = json.loads((directory / "config.json").read_text())
+    head_dir = write_eagle3(tmp_path / "head", hf, layer_ids=[0, 1])[0]
+    target = minispec.load(directory)
+    head = minispec.load_draft_head(head_dir, target, quantize=quantize)
+    assert isinstance(head.layers[0].feed_forward.w2, {"int8": Int8Linear, "int4": Int4Linear}[quantize])
+    # its stored costs (decoding/profiles.py) are its own, not the float head's
+    assert head.fingerprint != minispec.load_draft_head(head_dir, target, quantize=None).fingerprint
+    plain = minispec.generate(target, PROMPT, max_new_tokens=30, ignore_eos=True)
+    out = minispec.generate(target, PROMPT, draft=head, max_new_tokens=30, ignore_eos=True)
+    assert out.tokens == plain.tokens
+    common = ["--target", str(directory), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4"]
+    assert run.main([*common, "--draft", str(head_dir), "--draft-quantize", quantize]) == 0
+    medusa_dir = write_medusa(tmp_path / "medusa", hf["hidden_size"], hf["vocab_size"])[0]
+    capsys.readouterr()
+    assert run.main([*common, "--draft", str(medusa_dir), "--draft-quantize", quantize]) == 2
+    assert "a Medusa head is not quantized" in capsys.readouterr().err
