@@ -324,7 +324,7 @@ class VerifyCost:
             self.add_point(u, 1.0 + u, weight=0.5 / (1.0 - TIME_DECAY))
         self.level, self.slope = 1.0, 1.0
         self.corrections = {}  # width -> decayed [sum of its steps' time over the line's, steps]
-        self.every_width = 1.0  # the same over all widths' steps (kept by add: a tree plan prices 15 widths)
+        self.every_width = 1.0  # the same over all widths' steps (kept by add: a tree plan prices many widths)
 
     def __call__(self, width):
         return self.on_line(width) * self.correction(width)

@@ -14,9 +14,8 @@ from safetensors import SafetensorError, safe_open
 from ..loading import builtin
 from ..loading.checkpoint import check_shapes
 from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
-from ..models.base import CachedLM, pack_linears
 from ..models import quant
-from ..models.quant import quantize_model
+from ..models.base import CachedLM, pack_linears
 from . import eagle, eagle3, medusa
 
 KINDS = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa}
@@ -110,7 +109,7 @@ def load_draft_head(path, target, quantize="auto"):
     head = head.to(target.device).eval().requires_grad_(False)
     if isinstance(head, CachedLM):  # an EAGLE head
         if quantize is not None:
-            quantize_model(head, quantize, dtype=head.dtype)
+            quant.quantize_model(head, quantize, dtype=head.dtype)
         pack_linears(head)  # oneDNN's packed products for what stays float: row-invariant, and the one-call layer's
     identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
     # its quantization too: an int8 head's stored costs are not a float one's (decoding/profiles.py)
