@@ -18,6 +18,7 @@ from .decoding.sampling import Sampling, is_integer
 from .decoding.stopping import Stop
 from .decoding.tree import TREE_AUTO, TREE_MAX
 from .loading.tokenizer import IncrementalDecoder
+from .models.llama import Llama
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Settings:
     stop: object = None
     stop_token_ids: object = None
     tree: object = "auto"
+    on_states: object = None
+    state_layers: object = None
 
     def __post_init__(self):
         if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
@@ -133,6 +136,12 @@ class Settings:
         if self.searching and self.stop:
             raise ValueError("beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
                              "use stop_token_ids")
+        if self.on_states is not None and not callable(self.on_states):
+            raise ValueError(f"on_states must be a function (i, tokens, states), got {self.on_states!r}")
+        if self.on_states is None and self.state_layers is not None:
+            raise ValueError("state_layers says which states on_states receives: give on_states too")
+        if self.on_states is not None and self.searching:
+            raise ValueError("on_states needs decoding without beams (beam search keeps no one sequence of states)")
 
     def check_tree(self):
         if self.tree in ("off", "auto"):  # "auto": trees where the drafter can branch (trees)
@@ -183,6 +192,16 @@ class Request:
     draft_beams: int
     searching: bool
     tree: object  # Settings.trees
+    on_states: object = None  # Settings'
+    state_layers: tuple | None = None
+
+    @property
+    def reads_states(self):
+        """What the target's forwards return beside logits (decode_rows' `hidden`): a draft head's
+        states, or those on_states receives; False: none."""
+        if self.drafter is not None and self.drafter.reads_states:
+            return self.drafter.reads_states
+        return (self.state_layers or True) if self.on_states is not None else False
 
     @classmethod
     def from_settings(cls, target, prompt, settings):
@@ -200,13 +219,28 @@ class Request:
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
         if settings.seed is None and target.tp is not None:  # ranks draw alike only from one seed: rank 0's
             seed = target.tp.from_first(seed)[0]
+        if settings.on_states is not None and drafter is not None and drafter.reads_states:
+            raise ValueError("on_states cannot be given with a draft head (the target's forwards return the "
+                             "head's states)")
         return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
-                   settings.trees)
+                   settings.trees, settings.on_states, state_layers_of(target, settings.state_layers))
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
         return 1 if model.is_encoder_decoder else self.prompt_ids.shape[1]
+
+
+def state_layers_of(target, layers):
+    """generate()'s state_layers checked against the target: None, or a tuple of layer indices."""
+    if layers is None:
+        return None
+    count = len(getattr(target, "layers", ()))
+    if not isinstance(target, Llama):
+        raise ValueError(f"state_layers reads states inside a Llama-family target; {target.name} is not one")
+    if not (isinstance(layers, (list, tuple)) and layers and all(is_integer(i) and 0 <= i <= count for i in layers)):
+        raise ValueError(f"state_layers must be a list of layer indices in [0, {count}], got {layers!r}")
+    return tuple(layers)
 
 
 def stop_ids(target, ignore_eos, extra):
@@ -360,7 +394,7 @@ def final_text(target, stop, tokens):
 
 def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
              seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-             batch_size=None, on_tokens=None, tree="auto"):
+             batch_size=None, on_tokens=None, tree="auto", on_states=None, state_layers=None):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
     "int8"/"int4": the target itself, quantized).
 
@@ -382,9 +416,15 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after
     another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
+    on_states(i, tokens, states) is called after each step with the tokens of prompt i the target's
+    forward saw and kept (the prompt, then accepted tokens: all but the last output token, which no
+    forward sees) and its hidden states at each [len(tokens), dim], computed by the same forwards (for
+    training draft heads on them: minispec.heads). state_layers: which states: None, the last (what the
+    output head reads); a list of layer indices, the residual states entering those layers side by side
+    (the number of layers: the last layer's output before the final norm; Llama family).
     """
     settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
-                        draft_beams, stop, stop_token_ids, tree)
+                        draft_beams, stop, stop_token_ids, tree, on_states, state_layers)
     batched = is_batch(prompt)
     requests = []
     for i, one in enumerate(prompt if batched else [prompt]):

@@ -264,6 +264,31 @@ def test_a_refused_call_leaves_the_caches_of_the_call_under_way_alone(target):
     assert results[0].tokens == expected
 
 
+@pytest.mark.parametrize("settings", [{}, {"draft": "same", "gamma": 3}, {"draft": "lookup", "tree": 4},
+                                      {"draft": "same", "gamma": 3, "stop": True}])
+@pytest.mark.parametrize("layers", [None, [0, 2]])
+def test_on_states_gets_the_states_of_every_token_the_forwards_saw(target, same, settings, layers):
+    """generate(on_states=...): per prompt, the tokens the target's forwards saw and kept, in order (the
+    prompt, then the output but its last token, which no forward sees), and its states at each, those
+    of one forward over the same tokens: the last (what the output head reads), or with state_layers
+    those entering those layers; a stop token among accepted guesses cuts them at the output's end."""
+    prompts = [PROMPT, PROMPT[:5]]
+    settings = {**settings, "draft": same if settings.get("draft") == "same" else settings.get("draft")}
+    if settings.pop("stop", False):  # the 6th token of each output, as a stop token
+        settings["stop_token_ids"] = [o.tokens[5] for o in minispec.generate(target, prompts, max_new_tokens=12)]
+    seen = {}
+    out = minispec.generate(target, prompts, max_new_tokens=12, state_layers=layers, **settings,
+                            on_states=lambda i, tokens, states: seen.setdefault(i, []).append((tokens, states)))
+    for i, (prompt, generation) in enumerate(zip(prompts, out)):
+        tokens = torch.cat([tokens for tokens, _ in seen[i]])
+        assert tokens.tolist() == prompt + generation.tokens[:-1]
+        target.ensure_caches(1, len(tokens))
+        _, expected = target.decode_rows(tokens.view(1, -1), [0], eager=True, hidden=tuple(layers or ()) or True)
+        torch.testing.assert_close(torch.cat([states for _, states in seen[i]]), expected[0], rtol=1e-5, atol=1e-6)
+    if "stop_token_ids" in settings:
+        assert any(len(g.tokens) < 12 for g in out)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"seed": 2**70}, r"seed must be an integer in \[0, 2\*\*63\)"),
     ({"seed": "abc"}, "seed must be an integer"),
@@ -277,10 +302,20 @@ def test_a_refused_call_leaves_the_caches_of_the_call_under_way_alone(target):
     ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
     ({"stop_token_ids": "5"}, "stop_token_ids must be a list of token ids, got '5'"),
     ({"beams": True}, "beams .* must be an integer >= 1"),
+    ({"on_states": 5}, r"on_states must be a function \(i, tokens, states\), got 5"),
+    ({"state_layers": [0]}, "state_layers says which states on_states receives: give on_states too"),
+    ({"on_states": print, "beams": 2}, "on_states needs decoding without beams"),
+    ({"on_states": print, "state_layers": [3]}, r"state_layers must be a list of layer indices in \[0, 2\], got \[3\]"),
+    ({"on_states": print, "state_layers": []}, r"state_layers must be a list of layer indices"),
 ])
 def test_bad_settings_are_named_before_any_work(target, kwargs, message):
     with pytest.raises(ValueError, match=message):
         minispec.generate(target, PROMPT, **kwargs)
+
+
+def test_state_layers_are_refused_outside_the_llama_family(reference_dirs):
+    with pytest.raises(ValueError, match="state_layers reads states inside a Llama-family target; .* is not one"):
+        minispec.generate(minispec.load(reference_dirs["gpt2"][1]), PROMPT, on_states=print, state_layers=[1])
 
 
 @pytest.mark.parametrize("prompt, message", [

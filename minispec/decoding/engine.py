@@ -57,8 +57,8 @@ class Row:
         """Take a verified step: n of `guesses` accepted, then the target's token t (host ids;
         `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
         guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
-        the step's forwards were shared with other rows; seen: for a draft head, the tokens the target
-        saw and kept and its hidden state at each; rejected: the candidates the trace shows as rejected
+        the step's forwards were shared with other rows; seen: for a draft head or the request's
+        on_states, the tokens the target saw and kept and its hidden state at each; rejected: the candidates the trace shows as rejected
         (None: the chain's guess after the accepted ones); nodes: a tree's guesses (0: a chain). Returns
         whether the request has ended."""
         k = len(guesses)
@@ -70,6 +70,9 @@ class Row:
             if overlap is not None:  # only the positions up to a stop count
                 self.overlap += overlap[:len(new_tokens)].sum()
         self.count(guesses, n, new_tokens, guesses[n:n + 1] if rejected is None else rejected)
+        if self.request.on_states is not None:  # the tokens of the output fed so far: not those after a stop
+            fed = len(self.unseen) + len(new_tokens) - 1
+            self.request.on_states(self.index, seen[0][:fed], seen[1][:fed])
         if stopped:
             return True
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next

@@ -144,8 +144,8 @@ def verify(logits, drafts, q, sampling, lenience, generator):
 
 
 def seen(row, drafts, states, kept):
-    """For a draft head (None for other drafters): the tokens the target saw this step and keeps (the
-    row's unseen tokens and its guesses at indices `kept`), and the target's hidden state at each."""
+    """For a draft head or a request's on_states (else None): the tokens the target saw this step and
+    keeps (the row's unseen tokens and its guesses at indices `kept`), and its hidden state at each."""
     if states is None:
         return None
     u, kept = len(row.unseen), to_device(kept, drafts.device)
@@ -158,9 +158,9 @@ def score(target, rows, proposals):
     its own positions, rows with fewer tokens padded (models/base.py, decode_rows). A tree's nodes
     each attend to their own path (feed_parents). Also each row's hidden states [width, dim] at every
     token fed when its drafter reads them (a draft head; an EAGLE-3 head's: those entering the layers it
-    reads, side by side), else None."""
+    reads, side by side) or its request's on_states does, else None."""
     logits = [None] * len(rows)
-    hidden = rows[0].drafter is not None and rows[0].drafter.reads_states
+    hidden = rows[0].request.reads_states
     states = [None] * len(rows)
     drafts = [d for d, _, _ in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]

@@ -1,6 +1,7 @@
 """Training a draft head by self-distillation: the target answers a set of prompts, its hidden states
-over each prompt and answer are recorded in one forward, and the head learns to predict what the target
-does next from them, with the losses of its paper:
+over each prompt and answer are kept from the very forwards that answer (generate's on_states), and the
+head learns to predict what the target does next from them, with the losses of its paper (the
+target's p renormalized over an EAGLE head's draft vocabulary, where its q lives):
 
     EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
             over pairs (f_i + noise, x_{i+1}); the noise (EAGLE's uniform noise on the input states)
@@ -43,6 +44,12 @@ TEMPLATES = (
     "Summarize the history of {} in a paragraph.", "Describe {} to a curious child.",
     "Write a friendly email inviting a colleague to learn about {}.", "List some practical tips about {}.",
     "What are common misconceptions about {}?", "Write a Python function related to {}, with a docstring.",
+    "Why does {} matter?", "Write a haiku about {}.", "Give three tips for a beginner interested in {}.",
+    "Write a short dialogue between two friends talking about {}.", "Compare {} today with fifty years ago.",
+    "Write a short quiz with answers about {}.", "What would a day working with {} look like?",
+    "Explain {} to an expert in one paragraph.", "Write a tweet announcing a surprising fact about {}.",
+    "What questions should I ask to learn more about {}?", "Write a product description inspired by {}.",
+    "Tell me a fun story for kids that involves {}.",
 )
 SUBJECTS = (
     "volcanoes", "the printing press", "black holes", "honey bees", "electric cars", "the Roman Empire",
@@ -60,8 +67,8 @@ SUBJECTS = (
     "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
     "video game design", "composting", "the periodic table",
 )
-# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 115338 answer tokens to the default
-# prompts are 6313 distinct ones; 8192 rows hold them all, and cost a sixth of its head's 49152.
+# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 222k answer tokens to the default
+# prompts are 7910 distinct ones; 8192 rows hold them all, and cost a sixth of its head's 49152.
 DRAFT_VOCAB = 8192
 PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
 # Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
@@ -70,7 +77,7 @@ HELD_OUT = 20
 # SmolLM2-135M on 2 cores: 10 epochs over the 960 default answers (held-out 0.51, 22 minutes in all) beat
 # 16 over the first 480 (0.47, 14 minutes), within the half hour a CPU user is asked to wait.
 # EAGLE-3 heads: 6 epochs, as each costs about twice as much with the training-time test's second step.
-EPOCHS = {"eagle": 10, "eagle3": 6, "medusa": 10}
+EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
 # EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
 # only). Two on SmolLM2's chat prompts, teacher-forced: the second guess right after a right first 0.36
 # of the time against 0.16 with one, the first 0.35 against 0.38 (6 epochs against 10, the same minutes).
@@ -78,9 +85,10 @@ TTT_STEPS = 2
 
 
 def default_prompts():
-    """Every subject under every template: 960 prompts, about 115k answer tokens from SmolLM2-135M. Its
-    head's first guess on docs/chat-prompts.txt was accepted 0.26 of the time trained 16 epochs on the
-    first 480, 0.30 trained 10 on all 960 (docs/performance.md, "Draft heads")."""
+    """Every subject under every template: 1920 prompts, 222k answer tokens from SmolLM2-135M. Its
+    EAGLE head's first guess on docs/chat-prompts.txt was accepted 0.26 of the time trained 16 epochs
+    on the first 480 of the first 12 templates' 960, 0.30 trained 10 on all 960 (docs/performance.md,
+    "Draft heads"); the 12 templates after them widen the forms answers take."""
     return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
 
 
@@ -94,17 +102,35 @@ def progress(done, total, started, what):
     sys.stderr.flush()
 
 
-def answer(target, prompts, max_new_tokens, batch_size, chat):
-    """(token ids of prompt + answer, where the answer starts) per prompt: the target's greedy answers."""
-    sequences, started = [], time.perf_counter()
+def answer(target, prompts, max_new_tokens, batch_size, chat, taps=None):
+    """The target's greedy answers, and its states over them from the same forwards: per prompt
+    answered with more than one token, (token ids of the prompt and the answer but its last token,
+    which no forward sees; where the answer starts), and its states there as `record` gives them."""
+    sequences, records, started = [], [], time.perf_counter()
+    hidden = None if taps is None else [*taps, len(target.layers)]
     for start in range(0, len(prompts), batch_size):
         ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts[start:start + batch_size]]
-        out = generate(target, ids, max_new_tokens=max_new_tokens, batch_size=len(ids))
-        for prompt, generation in zip(ids, out):
-            prompt = prompt_tensor(target, prompt).view(-1).cpu()  # the ids generate() decoded from
-            sequences.append((torch.cat([prompt, torch.tensor(generation.tokens, dtype=torch.long)]), len(prompt)))
+        seen = [[] for _ in ids]
+        generate(target, ids, max_new_tokens=max_new_tokens, batch_size=len(ids), state_layers=hidden,
+                 on_states=lambda i, tokens, states: seen[i].append((tokens.cpu(), states.cpu())))
+        for prompt, pieces in zip(ids, seen):
+            prompt = prompt_tensor(target, prompt).view(-1)  # the ids generate() decoded from
+            tokens = torch.cat([tokens for tokens, _ in pieces])
+            if len(tokens) > len(prompt):  # an answer of one token (EOS at once) has nothing to learn from
+                sequences.append((tokens, len(prompt)))
+                records.append(states_of(target, torch.cat([states for _, states in pieces]), taps))
         progress(min(start + batch_size, len(prompts)), len(prompts), started, "the target answers")
-    return sequences
+    return sequences, records
+
+
+def states_of(target, states, taps):
+    """The states a head learns from, [length, dim] (taps: [length, taps x dim + dim]), out of the
+    target's forwards' (its last state, or with taps the states entering them and the last layer's
+    output, which is normed as the last state is)."""
+    if taps is not None:
+        tapped, last = states.split([len(taps) * target.hidden_size, target.hidden_size], -1)
+        states = torch.cat([tapped, target.norm(last.to(target.device)).cpu()], -1)
+    return states.float()
 
 
 def save_data(sequences, file):
@@ -122,20 +148,16 @@ def load_data(file):
 
 @torch.no_grad()
 def record(target, sequences, taps=None):
-    """The target's last hidden state at every position of every sequence [length, dim], and the
-    logsumexp of its logits there [length] (with it, p on a few tokens needs only their rows of the
-    head: the whole head is most of a training step's work otherwise). taps (an EAGLE-3 head's layers):
-    the states entering them come first, [length, taps x dim + dim]."""
+    """The target's states at every position of every sequence, as `answer` records them while the
+    target answers (for a resumed run, whose answers are kept but not their states): [length, dim], its
+    last hidden state; with taps (an EAGLE-3 head's layers), the states entering them first."""
     records, started = [], time.perf_counter()
+    hidden = True if taps is None else (*taps, len(target.layers))
     for i, (tokens, _) in enumerate(sequences):
         target.ensure_caches(1, len(tokens))
-        # with taps, the last layer's output comes as a tap too, and the state is its norm (as features')
-        hidden = True if taps is None else (*taps, len(target.layers))
-        logits, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], eager=True, hidden=hidden)
-        if taps is not None:
-            tapped, last = states[0].split([len(taps) * target.hidden_size, target.hidden_size], -1)
-            states = torch.cat([tapped, target.norm(last)], -1)[None]
-        records.append((states[0].float(), logits[0].float().logsumexp(-1)))
+        _, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], logits_for=1, eager=True,
+                                       hidden=hidden)
+        records.append(states_of(target, states[0].cpu(), taps))
         progress(i + 1, len(sequences), started, "recording the target's states")
     return records
 
@@ -181,17 +203,16 @@ def batch_groups(sequences, indices, tokens_per_batch, generator=None):
 
 def padded_batch(sequences, records, group):
     """A group's sequences padded to a whole number of key blocks (attention reads keys in blocks of
-    32): (tokens [b, T], states [b, T, dim], logsumexps [b, T], answer mask [b, T])."""
+    32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
     width = -(-max(len(sequences[i][0]) for i in group) // 32) * 32
     tokens = torch.zeros(len(group), width, dtype=torch.long)
-    feats = torch.zeros(len(group), width, records[group[0]][0].shape[-1])
-    lse = torch.zeros(len(group), width)
+    feats = torch.zeros(len(group), width, records[group[0]].shape[-1])
     mask = torch.zeros(len(group), width, dtype=torch.bool)
     for row, i in enumerate(group):
         seq, start = sequences[i]
-        tokens[row, :len(seq)], (feats[row, :len(seq)], lse[row, :len(seq)]) = seq, records[i]
+        tokens[row, :len(seq)], feats[row, :len(seq)] = seq, records[i]
         mask[row, start:len(seq)] = True
-    return tokens, feats, lse, mask
+    return tokens, feats, mask
 
 
 def output_head(target, x, rows=None):
@@ -201,6 +222,13 @@ def output_head(target, x, rows=None):
     if weight is None or not weight.is_floating_point():
         raise ValueError(f"training a head needs {target.name} with float weights (load it without --quantize)")
     return F.linear(x.to(weight.dtype), weight if rows is None else weight[rows]).float()
+
+
+def target_probabilities(target, states, rows=None):
+    """The target's distribution at its `states` (on token ids `rows` only, renormalized there), in
+    float32 also under training's bfloat16 autocast: the labels stay as the target computes them."""
+    with torch.no_grad(), torch.autocast(states.device.type, enabled=False):
+        return output_head(target, states, rows).softmax(-1)
 
 
 def most_said(sequences, vocab_size, size):
@@ -236,25 +264,24 @@ def accuracy_of(head, logits, chosen, scored):
     return (said == chosen)[scored].float().mean()
 
 
-def eagle_loss(head, tokens, states, lse, mask, generator, noise=PAIR_NOISE):
-    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only;
-    lse: the target's logsumexp at each state. Accuracy: how often the head's top token at f̂_{i+1} is
+def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
+    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only,
+    the target's p renormalized over the head's draft vocabulary (where its q lives). Accuracy: how often the head's top token at f̂_{i+1} is
     the target's, which (greedy answers) is the answer's next token x_{i+2}."""
     inputs = states[:, :-1]
     if noise:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * noise * 512 / inputs.shape[1]
     predicted, chosen, scored, keep = predict_pairs(head, tokens, inputs, mask)
-    predicted, wanted, lse = predicted.float(), states[:, 1:][keep], lse[:, 1:][keep]
+    predicted, wanted = predicted.float(), states[:, 1:][keep]
     regression = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
-    vocab = head.draft_vocab  # q lives there; p's mass outside it cannot be learnt
-    with torch.no_grad():
-        p = (output_head(head.target, wanted, vocab) - lse[:, None]).exp()
+    vocab = head.draft_vocab
+    p = target_probabilities(head.target, wanted, vocab)
     logits = output_head(head.target, predicted, vocab)
     classification = soft_cross_entropy(logits, p)
     return regression.mean() + 0.1 * classification.mean(), accuracy_of(head, logits, chosen, scored)
 
 
-def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None, steps=None):
+def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=None):
     """EAGLE-3's loss with its training-time test: the head's q against the target's p at the answer's
     next position over pairs (fc(tapped states at i), x_{i+1}) (step 0); then `steps` - 1 times more
     the head drafts on from its own states as it does when decoding (step j: chain i's pair (its state
@@ -272,9 +299,7 @@ def eagle3_loss(head, tokens, states, lse, mask, generator, noise=None, steps=No
             keep = shifted(mask, 1 + j)
             if not keep.any():
                 break
-            with torch.no_grad():
-                p = (output_head(head.target, shifted(last, 1 + j)[keep], head.draft_vocab)
-                     - shifted(lse, 1 + j)[keep][:, None]).exp()
+            p = target_probabilities(head.target, shifted(last, 1 + j)[keep], head.draft_vocab)
             logits = head.lm_head(head.norm(inputs[keep])).float()
             total = total + soft_cross_entropy(logits, p).mean() * 0.8 ** j
             if j == 0:
@@ -326,7 +351,7 @@ class Unrolled(torch.nn.Module):
         return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
 
 
-def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
+def medusa_loss(heads, tokens, states, mask, generator, noise=None):
     """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j
     (on the states as they are: no noise)."""
     total, correct = 0.0, []
@@ -335,11 +360,10 @@ def medusa_loss(heads, tokens, states, lse, mask, generator, noise=None):
         keep = mask[:, :-shift] & mask[:, shift:]
         if not keep.any():
             continue
-        with torch.no_grad():
-            target_logits = output_head(heads.target, states[:, shift:][keep])
+        p = target_probabilities(heads.target, states[:, shift:][keep])
         logits = module(states[:, :-shift][keep].to(heads.target.dtype)).float()
-        total = total + soft_cross_entropy(logits, target_logits.softmax(-1)).mean() * 0.8 ** j  # Medusa's decay
-        correct.append((logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
+        total = total + soft_cross_entropy(logits, p).mean() * 0.8 ** j  # Medusa's decay
+        correct.append((logits.argmax(-1) == p.argmax(-1)).float().mean())
     return total, correct[0] if correct else torch.zeros(())
 
 
@@ -430,14 +454,15 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     state = out / "training"
     state.mkdir(exist_ok=True)
     data_file = state / "data.safetensors"
-    if data_file.is_file():
-        sequences = load_data(data_file)
-    else:
-        sequences = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
-                           chat and target.tokenizer is not None and target.tokenizer.chat_template is not None)
-        replace_whole(data_file, lambda file: save_data(sequences, file))
     taps = eagle3.training_taps(len(target.layers)) if kind == "eagle3" else None
-    records = record(target, sequences, taps)
+    if data_file.is_file():  # a resumed run: its answers are kept, their states (gigabytes) are not
+        sequences = load_data(data_file)
+        records = record(target, sequences, taps)
+    else:
+        sequences, records = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
+                                    chat and target.tokenizer is not None and target.tokenizer.chat_template is not None,
+                                    taps)
+        replace_whole(data_file, lambda file: save_data(sequences, file))
     reduced = kind != "medusa" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
@@ -460,7 +485,8 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         with training(head, longest):
             for step, group in enumerate(groups):
                 batch = [tensor.to(target.device) for tensor in padded_batch(sequences, records, group)]
-                loss, accuracy = loss_of(head, *batch, generator)
+                with bfloat16_products(target.device):  # one step each: autocast keeps its weight copies till it ends
+                    loss, accuracy = loss_of(head, *batch, generator)
                 if not torch.isfinite(loss):  # the last finished epoch's head stays as it was saved
                     raise ValueError(f"training diverged at epoch {epoch + 1}, step {step + 1} (loss {loss.item()}); "
                                      f"{out} keeps the head of the last finished epoch: try a lower lr")
@@ -474,7 +500,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
                 progress(step + 1, len(groups), started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
                          f"next-token accuracy {sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
             if held:
-                with torch.no_grad():
+                with torch.no_grad(), bfloat16_products(target.device):
                     scores = [float(loss_of(head, *[t.to(target.device) for t in padded_batch(sequences, records, g)],
                                             None, noise=0)[1]) for g in batch_groups(sequences, held, tokens_per_batch)]
                 sys.stderr.write(f"epoch {epoch + 1}/{epochs}: next-token accuracy on the {len(held)} held-out "
@@ -484,6 +510,15 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
         replace_whole(state / "progress.json", lambda file: file.write_text(progress_text))
     return head
+
+
+def bfloat16_products(device):
+    """Training's matrix products in bfloat16 (autocast; weights, optimizer and losses stay float32)
+    where the device computes bfloat16 natively: on a 2-core Zen 4 an EAGLE-3 step ran 1.7x faster,
+    its losses the same to 3 digits over 14 steps. Elsewhere (emulated, slower) as they are."""
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else \
+        device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
 
 
 def check_settings(target, kind, epochs, lr, heads, draft_vocab):
