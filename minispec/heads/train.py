@@ -74,9 +74,11 @@ PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.
 # Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
 # from memorising (SmolLM2 on 160 answers: 0.51 on the answers trained on, 0.13 on others).
 HELD_OUT = 20
-# SmolLM2-135M on 2 cores: 10 epochs over the 960 default answers (held-out 0.51, 22 minutes in all) beat
-# 16 over the first 480 (0.47, 14 minutes), within the half hour a CPU user is asked to wait.
-# EAGLE-3 heads: 6 epochs, as each costs about twice as much with the training-time test's second step.
+# SmolLM2-135M on 2 cores (Zen 4): 10 epochs over the first 960 default answers (held-out 0.51, 22 minutes
+# in all) beat 16 over the first 480 (0.47, 14 minutes); over all 1920, bfloat16 products, 0.55 in 22
+# minutes. EAGLE-3 heads: 5 epochs (0.56, 26 minutes), each costing about twice an EAGLE head's with the
+# training-time test's second step; 6 over the first 960 gave 0.52 in float32 products, 25 minutes.
+# Within the half hour a CPU user is asked to wait (docs/performance.md, "Answers' own states").
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
 # EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
 # only). Two on SmolLM2's chat prompts, teacher-forced: the second guess right after a right first 0.36
