@@ -470,13 +470,13 @@ class Chunk:
 
 def stream(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
            seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-           tree="auto"):
+           tree="auto", on_states=None, state_layers=None):
     """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
     never text past a stop string (text that may begin one is held back until the next step tells).
     Settings are checked here, before the first chunk is asked for."""
     settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
-                        draft_beams, stop, stop_token_ids, tree)
+                        draft_beams, stop, stop_token_ids, tree, on_states, state_layers)
     request = Request.from_settings(target, prompt, settings)
     check_lengths([request])
     return chunks(request)

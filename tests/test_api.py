@@ -287,6 +287,12 @@ def test_on_states_gets_the_states_of_every_token_the_forwards_saw(target, same,
         torch.testing.assert_close(torch.cat([states for _, states in seen[i]]), expected[0], rtol=1e-5, atol=1e-6)
     if "stop_token_ids" in settings:
         assert any(len(g.tokens) < 12 for g in out)
+    streamed = []  # stream() takes them too
+    for _ in minispec.stream(target, prompts[0], max_new_tokens=12, state_layers=layers, **settings,
+                             on_states=lambda i, tokens, states: streamed.append((i, tokens, states))):
+        pass
+    assert [i for i, _, _ in streamed] == [0] * len(seen[0])
+    assert all(torch.equal(a, b) for (_, a, _), (b, _) in zip(streamed, seen[0]))
 
 
 @pytest.mark.parametrize("kwargs, message", [
