@@ -235,9 +235,9 @@ def state_layers_of(target, layers):
     """generate()'s state_layers checked against the target: None, or a tuple of layer indices."""
     if layers is None:
         return None
-    count = len(getattr(target, "layers", ()))
     if not isinstance(target, Llama):
         raise ValueError(f"state_layers reads states inside a Llama-family target; {target.name} is not one")
+    count = len(target.layers)
     if not (isinstance(layers, (list, tuple)) and layers and all(is_integer(i) and 0 <= i <= count for i in layers)):
         raise ValueError(f"state_layers must be a list of layer indices in [0, {count}], got {layers!r}")
     return tuple(layers)

@@ -58,9 +58,9 @@ class Row:
         `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
         guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
         the step's forwards were shared with other rows; seen: for a draft head or the request's
-        on_states, the tokens the target saw and kept and its hidden state at each; rejected: the candidates the trace shows as rejected
-        (None: the chain's guess after the accepted ones); nodes: a tree's guesses (0: a chain). Returns
-        whether the request has ended."""
+        on_states, the tokens the target saw and kept and its hidden state at each; rejected: the
+        candidates the trace shows as rejected (None: the chain's guess after the accepted ones);
+        nodes: a tree's guesses (0: a chain). Returns whether the request has ended."""
         k = len(guesses)
         new_tokens, stopped = self.request.stop.cut(guesses[:n] + [t])
         if self.drafter:

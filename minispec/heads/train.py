@@ -268,8 +268,9 @@ def accuracy_of(head, logits, chosen, scored):
 
 def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
     """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only,
-    the target's p renormalized over the head's draft vocabulary (where its q lives). Accuracy: how often the head's top token at f̂_{i+1} is
-    the target's, which (greedy answers) is the answer's next token x_{i+2}."""
+    the target's p renormalized over the head's draft vocabulary (where its q lives). Accuracy: how
+    often the head's top token at f̂_{i+1} is the target's, which (greedy answers) is the answer's next
+    token x_{i+2}."""
     inputs = states[:, :-1]
     if noise:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * noise * 512 / inputs.shape[1]
@@ -461,9 +462,8 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         sequences = load_data(data_file)
         records = record(target, sequences, taps)
     else:
-        sequences, records = answer(target, prompts or default_prompts(), max_new_tokens, batch_size,
-                                    chat and target.tokenizer is not None and target.tokenizer.chat_template is not None,
-                                    taps)
+        chat = chat and target.tokenizer is not None and target.tokenizer.chat_template is not None
+        sequences, records = answer(target, prompts or default_prompts(), max_new_tokens, batch_size, chat, taps)
         replace_whole(data_file, lambda file: save_data(sequences, file))
     reduced = kind != "medusa" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
