@@ -7,7 +7,7 @@ import secrets
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -403,7 +403,8 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     gamma: guesses per step, or "auto": chosen before each step (minispec.policy).
     beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
     own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
-    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call.
+    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call. With a
+    list of prompts, seed may be a list too: one seed per prompt (the same seed draws alike for alike prompts).
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
@@ -423,13 +424,17 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     output head reads); a list of layer indices, the residual states entering those layers side by side
     (the number of layers: the last layer's output before the final norm; Llama family).
     """
-    settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
-                        draft_beams, stop, stop_token_ids, tree, on_states, state_layers)
     batched = is_batch(prompt)
+    seeds = seed if batched and isinstance(seed, (list, tuple)) else None
+    if seeds is not None and len(seeds) != len(prompt):
+        raise ValueError(f"seed: a list of seeds needs one per prompt, got {len(seeds)} for {len(prompt)} prompts")
+    settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed if seeds is None else None,
+                        lenience, ignore_eos, beams, draft_beams, stop, stop_token_ids, tree, on_states, state_layers)
     requests = []
     for i, one in enumerate(prompt if batched else [prompt]):
         with naming_prompt(i if batched else None):
-            requests.append(Request.from_settings(target, one, settings))
+            requests.append(Request.from_settings(target, one, settings if seeds is None else
+                                                  replace(settings, seed=seeds[i])))
     if batch_size is not None and not (is_integer(batch_size) and batch_size >= 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     check_lengths(requests)

@@ -76,6 +76,24 @@ def test_without_a_seed_each_call_samples_afresh_and_stats_give_the_seed(target)
     assert minispec.generate(target, PROMPT, temperature=1.0, max_new_tokens=8, seed=3).stats["seed"] == 3
 
 
+def test_a_batch_takes_a_seed_per_prompt(target, same):
+    """seed=[...] with a list of prompts: prompt i samples as it does alone with seed i (one seed for all
+    draws alike for alike prompts, so a batch of one prompt is written many ways only with a seed each)."""
+    for draft in (None, same):
+        out = minispec.generate(target, [PROMPT] * 3, draft=draft, gamma=3, temperature=1.0, max_new_tokens=24,
+                                ignore_eos=True, seed=[7, 8, 7])
+        alone = [minispec.generate(target, PROMPT, draft=draft, gamma=3, temperature=1.0, max_new_tokens=24,
+                                   ignore_eos=True, seed=seed).tokens for seed in (7, 8)]
+        assert [o.tokens for o in out] == [alone[0], alone[1], alone[0]] and alone[0] != alone[1]
+        assert [o.stats["seed"] for o in out] == [7, 8, 7]
+    with pytest.raises(ValueError, match="seed: a list of seeds needs one per prompt, got 2 for 3 prompts"):
+        minispec.generate(target, [PROMPT] * 3, seed=[1, 2])
+    with pytest.raises(ValueError, match=r"prompt 1: seed must be an integer in \[0, 2\*\*63\) or None, got -1"):
+        minispec.generate(target, [PROMPT] * 2, seed=[1, -1])
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\) or None, got \[1\]"):
+        minispec.generate(target, PROMPT, seed=[1])  # one prompt, one seed
+
+
 @pytest.mark.parametrize("gamma", [3, 5])
 def test_statistics_count_only_the_guesses_emitted_before_a_stop_token(target, same, gamma):
     """The draft has the target's weights, so every guess is accepted; a stop token placed among the

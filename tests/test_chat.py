@@ -8,7 +8,7 @@ import pytest
 from test_tokenizer import build_byte_level
 from transformers import AutoTokenizer
 
-from minispec.loading.chat import ChatTemplateError, chat_prompt, default_system_prompt, render
+from minispec.loading.chat import ChatTemplateError, chat_prompt, default_system_prompt, render, user_turn_start
 from minispec.loading.tokenizer import load_tokenizer
 
 # Copies of the templates in the checkpoints' tokenizer_config.json (and SmolLM2's GGUF).
@@ -75,6 +75,17 @@ CONVERSATIONS = [
 def reference_tokenizer(tmp_path_factory):
     """A ChatML byte-level tokenizer (<|im_start|>, <|im_end|> special) as the reference loads it."""
     return AutoTokenizer.from_pretrained(build_byte_level(tmp_path_factory.mktemp("chatml"), "smollm"))
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_a_user_turn_starts_as_the_reference_renders_it(reference_tokenizer, tmp_path, name):
+    """user_turn_start: the reference's ids of a chat whose user message is empty, up to that message's end."""
+    reference_tokenizer.chat_template = TEMPLATES[name]
+    reference_tokenizer.save_pretrained(tmp_path)
+    text = reference_tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False)
+    assert text.endswith("<|im_start|>user\n<|im_end|>\n")
+    expected = reference_tokenizer.encode(text.removesuffix("<|im_end|>\n"), add_special_tokens=False)
+    assert user_turn_start(load_tokenizer(tmp_path)) == expected
 
 
 @pytest.mark.parametrize("name", TEMPLATES)

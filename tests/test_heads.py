@@ -592,6 +592,51 @@ def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
     assert reduced.draft_vocab.tolist() == sorted(sorted(said, key=lambda t: (-said[t], t))[:8])
 
 
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """A tiny random Llama with a ChatML byte-level tokenizer (700 tokens) and SmolLM2's chat template."""
+    from test_chat import SMOLLM2
+    from test_tokenizer import build_byte_level
+
+    directory = build_byte_level(tmp_path_factory.mktemp("chat_target"), "smollm")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = SMOLLM2
+    tokenizer.save_pretrained(directory)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return minispec.load(directory)
+
+
+def test_a_chat_target_writes_prompts_from_the_start_of_a_users_turn(chat_target, monkeypatch):
+    """own_prompts: each try is what the target writes alone from user_turn_start with its own seed from
+    the generator (temperature 1, the 50 likeliest tokens), kept when it ends the message (<|im_end|> or
+    EOS) within PROMPT_TOKENS, once, in order. default_prompts: a chat target answers the templates over
+    every other subject and those; a target answering plain text, every subject under every template."""
+    from minispec.heads import train
+    from minispec.loading.chat import user_turn_start
+
+    monkeypatch.setattr(train, "PROMPT_TOKENS", 300)  # this random target ends about half its messages in 300
+    tokenizer = chat_target.tokenizer
+    ends = [tokenizer.encode("<|im_end|>", add_special_tokens=False)[0], tokenizer.eos_token_id]
+    written = train.own_prompts(chat_target, 12, torch.Generator().manual_seed(5), batch_size=4)
+    expected = []
+    for seed in torch.randint(2**62, (12,), generator=torch.Generator().manual_seed(5)).tolist():
+        alone = minispec.generate(chat_target, user_turn_start(tokenizer), max_new_tokens=300, temperature=1.0,
+                                  top_k=50, seed=seed, stop_token_ids=ends)
+        text = tokenizer.decode(alone.tokens[:-1]).strip()
+        if alone.tokens[-1] in ends and text and text not in expected:
+            expected.append(text)
+    assert written == expected and 2 <= len(written) <= 10, len(written)
+
+    monkeypatch.setattr(train, "own_prompts", lambda target, count, generator, batch_size: ["a", "b"])
+    everything = train.default_prompts(chat_target, False, None, 4)
+    assert len(set(everything)) == len(train.SUBJECTS) * len(train.TEMPLATES) == 1920
+    chat = train.default_prompts(chat_target, True, None, 4)
+    assert chat[-2:] == ["a", "b"] and len(set(chat[:-2])) == 960 and set(chat[:-2]) < set(everything)
+
+
 def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_dirs, tmp_path):
     """`train --kind eagle3`: the head reads the inputs of the target's layers (both of a 2-layer
     target's), learns (acceptance on unseen prompts above the untrained head's), is written in EAGLE-3's

@@ -23,7 +23,8 @@ def parse_args(argv):
     command.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     command.add_argument("--out", required=True, help="the head's folder (made if missing)")
     command.add_argument("--kind", choices=("eagle", "eagle3", "medusa"), default="eagle")
-    command.add_argument("--prompts", help="a file of prompts, one per line (default: minispec's own set)")
+    command.add_argument("--prompts", help="a file of prompts, one per line (default: templates, and for a chat "
+                         "target prompts it writes itself)")
     command.add_argument("--epochs", type=int, help=f"default: {EPOCHS['eagle']} (eagle3: {EPOCHS['eagle3']})")
     command.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
     command.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")

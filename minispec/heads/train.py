@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from ..api import generate, prompt_tensor
-from ..loading.chat import chat_prompt
+from ..loading.chat import chat_prompt, user_turn_start
 from ..loading.weights import save_safetensors
 from ..models.llama import LlamaConfig, query_rows_mask
 from . import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
@@ -67,8 +67,12 @@ SUBJECTS = (
     "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
     "video game design", "composting", "the periodic table",
 )
-# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 222k answer tokens to the default
-# prompts are 7910 distinct ones; 8192 rows hold them all, and cost a sixth of its head's 49152.
+# The longest user message own_prompts keeps, in tokens (SmolLM2-135M's run 37 on average), and how many
+# it tries for (SmolLM2 ends 4 in 5 within the limit, at 0.16 s a try on 2 cores).
+PROMPT_TOKENS = 64
+OWN_PROMPTS = 1000
+# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 200k answer tokens to the default
+# prompts are 9007 distinct ones; its 8192 most said are 99.6% of them, and cost a sixth of its 49152.
 DRAFT_VOCAB = 8192
 PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
 # Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
@@ -77,8 +81,9 @@ HELD_OUT = 20
 # SmolLM2-135M on 2 cores (Zen 4): 10 epochs over the first 960 default answers (held-out 0.51, 22 minutes
 # in all) beat 16 over the first 480 (0.47, 14 minutes); over all 1920, bfloat16 products, 0.55 in 22
 # minutes. EAGLE-3 heads: 5 epochs (0.56, 26 minutes), each costing about twice an EAGLE head's with the
-# training-time test's second step; 6 over the first 960 gave 0.52 in float32 products, 25 minutes.
-# Within the half hour a CPU user is asked to wait (docs/performance.md, "Answers' own states").
+# training-time test's second step; 6 over the first 960 gave 0.52 in float32 products, 25 minutes. With
+# the prompts the target writes (default_prompts), 28 minutes. Within the half hour a CPU user is asked
+# to wait (docs/performance.md, "Answers' own states", "Prompts the target writes").
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
 # EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
 # only). Two on SmolLM2's chat prompts, teacher-forced: the second guess right after a right first 0.36
@@ -86,12 +91,37 @@ EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
 TTT_STEPS = 2
 
 
-def default_prompts():
-    """Every subject under every template: 1920 prompts, 222k answer tokens from SmolLM2-135M. Its
-    EAGLE head's first guess on docs/chat-prompts.txt was accepted 0.26 of the time trained 16 epochs
-    on the first 480 of the first 12 templates' 960, 0.30 trained 10 on all 960 (docs/performance.md,
-    "Draft heads"); the 12 templates after them widen the forms answers take."""
-    return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
+def default_prompts(target, chat, generator, batch_size):
+    """What the target answers when no prompts are given: for a chat target, the templates over every
+    other subject (960) and about 800 messages it writes itself (own_prompts, from OWN_PROMPTS tries);
+    otherwise every subject under every template (1920). SmolLM2-135M's EAGLE-3 heads trained on 640 of
+    each kind guessed its next token in its answers to docs/chat-prompts.txt 0.27 of the time (templates),
+    0.33 (its own) and 0.34 (half and half) (docs/performance.md, "Prompts the target writes")."""
+    if not chat:
+        return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
+    templated = [template.format(subject) for subject in SUBJECTS[::2] for template in TEMPLATES]
+    return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size)
+
+
+def own_prompts(target, count, generator, batch_size):
+    """Up to `count` user messages the target writes itself (Magpie, Xu et al. 2024): a chat model
+    continued from the start of a user's turn writes what its chat training taught it users ask, over
+    more subjects and forms than templates reach. Sampled at temperature 1 among the 50 likeliest
+    tokens, a seed each from `generator`; a message not ended within PROMPT_TOKENS, and a repeat, is
+    dropped."""
+    start, tokenizer = user_turn_start(target.tokenizer), target.tokenizer
+    ends = {*tokenizer.encode("<|im_end|>", add_special_tokens=False), tokenizer.eos_token_id}
+    seeds = torch.randint(2**62, (count,), generator=generator).tolist()
+    messages, started = {}, time.perf_counter()
+    for first in range(0, count, 4 * batch_size):  # 4 batches a call: rows that end early make room for others
+        chunk = seeds[first:first + 4 * batch_size]
+        for written in generate(target, [start] * len(chunk), max_new_tokens=PROMPT_TOKENS, temperature=1.0,
+                                top_k=50, seed=chunk, stop_token_ids=[*ends - {None}], batch_size=batch_size):
+            text = tokenizer.decode(written.tokens[:-1]).strip()
+            if written.tokens[-1] in ends and text:
+                messages.setdefault(text)
+        progress(first + len(chunk), count, started, "the target writes prompts")
+    return list(messages)
 
 
 def progress(done, total, started, what):
@@ -463,7 +493,8 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         records = record(target, sequences, taps)
     else:
         chat = chat and target.tokenizer is not None and target.tokenizer.chat_template is not None
-        sequences, records = answer(target, prompts or default_prompts(), max_new_tokens, batch_size, chat, taps)
+        prompts = prompts or default_prompts(target, chat, generator, batch_size)
+        sequences, records = answer(target, prompts, max_new_tokens, batch_size, chat, taps)
         replace_whole(data_file, lambda file: save_data(sequences, file))
     reduced = kind != "medusa" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)

@@ -96,5 +96,18 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
     parts = rendered_parts(tokenizer.chat_template, messages)
     if special_tokens_in_content:
         return tokenizer.encode("".join(text for text, _ in parts), add_special_tokens=False)
+    return encoded(tokenizer, parts)
+
+
+def user_turn_start(tokenizer):
+    """Token ids of a chat up to where the user's first message starts (the template's default system
+    prompt, then the user's turn marker): what a chat model continues with a user's message of its
+    own (Magpie, Xu et al. 2024: how minispec.heads writes prompts to train on)."""
+    parts = rendered_parts(tokenizer.chat_template, [{"role": "user", "content": ""}], add_generation_prompt=False)
+    return encoded(tokenizer, parts[:-1])  # all but the end of the (empty) message
+
+
+def encoded(tokenizer, parts):
+    """rendered_parts' token ids: the template's markers are special tokens, a message's text never."""
     return [i for text, from_message in parts
             for i in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=from_message)]
