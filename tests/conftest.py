@@ -179,7 +179,7 @@ def known_costs(monkeypatch):
 
     def stored_profile(profile):  # as if a former process had measured these
         profile.t_verify, profile.t_draft = [0.0] + [1.0] * (policy.GAMMA_MAX + 1), 0.1
-        profile.modes = {"chain": Kept([2.0, 1.0]), "tree": Kept([1.0, 1.0]), "plain": Kept([1.0, 1.0])}
+        profile.modes = {"chain": Kept([2.0, 1.0, 1.0]), "tree": Kept([1.0, 1.0, 1.0]), "plain": Kept([1.0, 1.0, 1.0])}
 
     monkeypatch.setattr(policy, "stored_profile", stored_profile)
     monkeypatch.setattr(policy, "TIME_SMOOTHING", 0.0)

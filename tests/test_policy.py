@@ -584,7 +584,8 @@ def test_a_tree_step_times_the_line_a_chain_is_priced_by():
 def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_other(tree_tokens, most):
     """A draft model's trees cost forwards to grow: the policy compares the tokens per second of its
     chain and tree steps. Chains first; a tree after PROBE_AFTER steps; then whichever measured faster,
-    the other tried at intervals that double while it stays behind."""
+    the other tried every PROBE_AFTER steps until it has MODE_EVIDENCE steps to its name, then at
+    intervals that double while it stays behind."""
     chooser = adaptive(0.9, FLAT, 0.05)
     chooser.begin(chooser.profile, early_stop=False, measure_draft=True, branching=True)
     trees = []
@@ -596,9 +597,27 @@ def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_o
                         nodes=chooser.tree_nodes or 0)
     first_tree = trees.index(True)
     assert first_tree == policy.PROBE_AFTER - 1
-    after = trees[first_tree + 1:]
-    others = sum(after) if most == "chain" else len(after) - sum(after)
-    assert 3 <= others <= 5  # probes 8 (or 16), 16, 32, 64, 128 steps apart
+    probes = [i for i in range(first_tree, len(trees)) if trees[i] == (most == "chain")]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] == policy.PROBE_AFTER and all(b in (a, 2 * a) for a, b in zip(gaps, gaps[1:]))
+    assert gaps.count(policy.PROBE_AFTER) >= 4 and gaps[-1] >= 64  # 8 steps apart till measured, then 16, 32, ..
+
+
+def test_trees_that_lose_their_first_probes_by_chance_are_measured_before_being_left():
+    """A step makes 1 to 5 tokens: a head's trees, truly faster, may make 1 token at each of their first
+    two probes. They are probed every PROBE_AFTER steps until measured over MODE_EVIDENCE steps, and so
+    taken within ~50 steps, not after the 250 that doubling intervals from the first probe would take."""
+    chooser = adaptive(0.9, FLAT, 0.05)
+    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, branching=True)
+    trees, tree_steps = [], 0
+    for _ in range(150):
+        k = chooser.guesses()
+        trees.append(chooser.tree_nodes is not None)
+        tree_steps += trees[-1]
+        emitted = [1] * ((1 if tree_steps <= 2 else 6) if trees[-1] else 4)
+        chooser.observe(k=k, n=len(emitted) - 1, emitted=emitted, draft_seconds=0.1, step_seconds=1.0,
+                        nodes=chooser.tree_nodes or 0)
+    assert sum(trees[100:]) >= 45, trees
 
 
 def test_a_branching_drafters_tree_is_its_likeliest_first_guesses():
@@ -611,7 +630,8 @@ def test_a_branching_drafters_tree_is_its_likeliest_first_guesses():
         chooser = adaptive(alpha, STEEP, t_draft, confident_drafter=True)
         chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
         chain = max(range(9), key=lambda k: chooser.expected(k) / chooser.seconds(k))
-        chooser.profile.modes = {"chain": [1.0, 1.0], "tree": [9.0, 1.0], "plain": [0.0, 0.0]}  # trees measured faster
+        # trees measured faster
+        chooser.profile.modes = {"chain": [1.0, 1.0, 1.0], "tree": [9.0, 1.0, 1.0], "plain": [0.0, 0.0, 0.0]}
         assert chain > 1 or alpha < 0.5
         assert chooser.guesses() == 1 and chooser.tree_nodes == TREE_WIDTH
 
@@ -623,7 +643,8 @@ def test_trees_measured_faster_than_plain_steps_are_taken_whatever_a_says():
     for tree_rate, plain_seconds, guesses in ((1.5, 1.0, 1), (0.8, 1.0, 0), (1.5, 0.5, 0), (1.5, 0.0, 0)):
         chooser = adaptive(0.02, [1.0] * 9, 0.3)  # the cost model's plain step: 1 s
         chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
-        chooser.profile.modes = {"chain": [1.0, 2.0], "tree": [tree_rate, 1.0], "plain": [1.0, plain_seconds]}
+        chooser.profile.modes = {"chain": [1.0, 2.0, 1.0], "tree": [tree_rate, 1.0, 1.0],
+                                 "plain": [1.0, plain_seconds, 1.0]}
         chooser.profile.preferred = "tree"
         assert chooser.guesses() == guesses
         assert (chooser.tree_nodes is not None) == bool(guesses)
@@ -643,7 +664,9 @@ def test_stored_tree_costs_and_rates_are_checked():
     profile = policy.PairProfile()
     values = {name: getattr(profile, name) for name in profiles.FIELDS}
     profiles.check(values, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)
-    for name, bad in [("t_verify", [1.0] * 3), ("modes", {"chain": [1.0, -1.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}),
-                      ("tree_confidence", [[[2.0, 1.0]] * policy.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0]})]:
+    for name, bad in [("t_verify", [1.0] * 3),
+                      ("modes", {"chain": [1.0, -1.0, 1.0], "tree": [0.0] * 3, "plain": [0.0] * 3}),
+                      ("tree_confidence", [[[2.0, 1.0]] * policy.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0, 0]}),
+                      ("modes", {"chain": [0.0] * 2, "tree": [0.0] * 2, "plain": [0.0] * 2})]:
         with pytest.raises(ValueError, match="out of range"):
             profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)

@@ -44,8 +44,8 @@ grows with w. "auto" takes the k in 0..γ_max with the most expected tokens per 
   cost forwards to grow (a draft model, a head) cannot be previewed: the
   policy keeps the tokens per second that its steps with guesses measured as chains and as trees, takes
   the better, and tries the other again after PROBE_AFTER steps of any kind, the interval doubling up to
-  PROBE_MAX while it stays behind. Its tree is its TREE_WIDTH likeliest first guesses; where its trees
-  measured faster than plain steps, it guesses whatever a says.
+  PROBE_MAX while it stays behind over MODE_EVIDENCE steps or more. Its tree is its TREE_WIDTH likeliest
+  first guesses; where its trees measured faster than plain steps, it guesses whatever a says.
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again; the interval doubles (8 to 128 steps) after
   every probe that finds it still does not. No probe where the timings say that even guesses that all
@@ -86,6 +86,7 @@ OUTLIER = 3.0
 # such steps. A step's tokens vary from 1 to k + 1, so over ~10 a short run of rejections (one hard
 # sentence) would price trees below plain steps, and their next probe could come a hundred steps later.
 MODE_DECAY = 0.97
+MODE_EVIDENCE = 8  # steps (decayed) of the mode not preferred before its probes grow apart (choose_mode)
 CALIBRATION_ROUNDS = 3
 # Before any step is timed, a verify over x token positions is priced at t·(1 + PRIOR_SLOPE·(x − x₀)),
 # t being a plain step over x₀ positions: dearer than measured on CPUs here (9 tokens at about 1.25x
@@ -154,10 +155,10 @@ class PairProfile:
         # per bin of the drafter's confidence in a guess: decayed [accepted, verified] guesses that sure
         self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
         # tree="auto": decayed [accepted, verified] previewed tree nodes per confidence bin at depth 1 and
-        # deeper, and decayed [tokens, seconds] of the steps with guesses verified as chains and as trees,
-        # and of plain steps
+        # deeper, and decayed [tokens, seconds, steps] of the steps with guesses verified as chains and as
+        # trees, and of plain steps
         self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
-        self.modes = {"chain": [0.0, 0.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]}
+        self.modes = {"chain": [0.0, 0.0, 0.0], "tree": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]}
         self.mode_steps, self.mode_probe_after, self.preferred = 0, PROBE_AFTER, "chain"
         self.key = None  # of the pair's file (profiles.pair_key); None: kept in this process only
 
@@ -494,7 +495,7 @@ class AdaptiveGamma:
     def trees_pay(self):
         """Whether a branching drafter's tree steps measured more tokens per second than plain steps did:
         both wall-clock times of whole steps, so alike (the cost model's plain step is a fit)."""
-        (tokens, seconds), (plain_tokens, plain_seconds) = self.profile.modes["tree"], self.profile.modes["plain"]
+        (tokens, seconds, _), (plain_tokens, plain_seconds, _) = self.profile.modes["tree"], self.profile.modes["plain"]
         return self.branching and seconds > 0 and plain_seconds > 0 and tokens / seconds > plain_tokens / plain_seconds
 
     def plan_tree(self):
@@ -546,9 +547,11 @@ class AdaptiveGamma:
         """A branching drafter's step: ("tree" or "chain", whichever measured the more tokens per second
         in steps with guesses, False), or (the other, True) once profile.mode_probe_after steps of any
         kind have passed since it was last tried (module docstring): counting plain steps too, a tree
-        that measured slow once is tried again while a's estimate keeps chains out."""
+        that measured slow once is tried again while a's estimate keeps chains out. The interval doubles
+        only once the other has MODE_EVIDENCE steps to its name: a step makes 1 to 5 tokens, and a head's
+        trees, faster by a sixth, lost their first probes and then waited 300 steps for their next."""
         profile = self.profile
-        (chain_tokens, chain_seconds), (tree_tokens, tree_seconds) = profile.modes["chain"], profile.modes["tree"]
+        (chain_tokens, chain_seconds, _), (tree_tokens, tree_seconds, _) = profile.modes["chain"], profile.modes["tree"]
         preferred = "tree" if tree_seconds and (not chain_seconds or
                                                tree_tokens / tree_seconds > chain_tokens / chain_seconds) else "chain"
         if preferred != profile.preferred:  # the last probe found the other faster
@@ -556,8 +559,11 @@ class AdaptiveGamma:
         profile.mode_steps += 1
         if profile.mode_steps < profile.mode_probe_after:
             return preferred, False
-        profile.mode_steps, profile.mode_probe_after = 0, min(2 * profile.mode_probe_after, PROBE_MAX)
-        return ("chain" if preferred == "tree" else "tree"), True
+        other = "chain" if preferred == "tree" else "tree"
+        profile.mode_steps = 0
+        if profile.modes[other][2] >= MODE_EVIDENCE:
+            profile.mode_probe_after = min(2 * profile.mode_probe_after, PROBE_MAX)
+        return other, True
 
     def expected_with(self, sure):
         """[E(0), E(1), ..] for guesses this sure, one after another."""
@@ -651,7 +657,7 @@ class AdaptiveGamma:
             return
         if regular or not k:
             mode = self.profile.modes["plain" if not k else "tree" if nodes else "chain"]
-            mode[:] = [mode[0] * MODE_DECAY + len(emitted), mode[1] * MODE_DECAY + step_seconds]
+            mode[:] = [x * MODE_DECAY + y for x, y in zip(mode, (len(emitted), step_seconds, 1))]
         if k and self.measure_draft and regular and not nodes:
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         if nodes and self.preview_tree is None:

@@ -21,7 +21,7 @@ import torch
 
 from ..loading.builtin import weights_dir
 
-VERSION = 7  # of the files' contents; files of another version are ignored (7: trees timed on the chains' line)
+VERSION = 8  # of the files' contents; files of another version are ignored (8: modes count their steps)
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
           "modes")
 
@@ -94,7 +94,7 @@ def check(values, widths, bins):
 
     modes = values["modes"]
     fine = (line(values["t_verify"], widths) and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
-            and all(isinstance(m, list) and len(m) == 2 and all(number(x, high=1e9) for x in m) for m in modes.values())
+            and all(isinstance(m, list) and len(m) == 3 and all(number(x, high=1e9) for x in m) for m in modes.values())
             and isinstance(values["tree_confidence"], list) and len(values["tree_confidence"]) == 2
             and all(isinstance(b, list) and len(b) == bins and all(counts(c) for c in b)
                     for b in values["tree_confidence"]))
