@@ -97,10 +97,9 @@ def default_prompts(target, chat, generator, batch_size):
     otherwise every subject under every template (1920). SmolLM2-135M's EAGLE-3 heads trained on 640 of
     each kind guessed its next token in its answers to docs/chat-prompts.txt 0.27 of the time (templates),
     0.33 (its own) and 0.34 (half and half) (docs/performance.md, "Prompts the target writes")."""
-    if not chat:
-        return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
-    templated = [template.format(subject) for subject in SUBJECTS[::2] for template in TEMPLATES]
-    return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size)
+    subjects = SUBJECTS[::2] if chat else SUBJECTS
+    templated = [template.format(subject) for subject in subjects for template in TEMPLATES]
+    return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size) if chat else templated
 
 
 def own_prompts(target, count, generator, batch_size):
