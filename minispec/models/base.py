@@ -122,8 +122,9 @@ class RMSNorm(nn.Module):
 
 
 def pack_linears(model):
-    """Give every float Linear (and a tied head) a oneDNN-packed copy of its weight, when the model's
-    dtype runs on oneDNN here. The float weight stays: checkpoints, the self-draft and `.to()` read it."""
+    """Give every float Linear (and a tied head) a packed copy of its weight (kernels.pack), when the
+    model's dtype has a packed kernel here. The float weight stays: checkpoints, the self-draft and
+    `.to()` read it."""
     if not can_pack(model.dtype, model.device):
         return model
     for module in [*model.modules(), model.head]:  # the head: a Linear, or the token Embedding when tied

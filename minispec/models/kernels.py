@@ -2,7 +2,8 @@
 decoded alone, verified among γ + 1 tokens, or computed in a batch row beside others, so greedy
 speculative decoding (and every batch) gives exactly plain decoding's tokens, in float32 and bfloat16
 alike (docs/design.md, "Row invariance"; tests/test_rows.py guards it). The linear layers multiply
-through oneDNN on a weight packed once; attention pads its query rows to full blocks.
+through minispec's float32 kernel or oneDNN on a weight packed once; attention pads its query rows to
+full blocks.
 """
 
 import functools
@@ -16,17 +17,19 @@ import torch.nn.functional as F
 from . import native
 
 
-# Why oneDNN on CPU: BLAS's float32 GEMM takes a 1-row product (a decode step) through a GEMV and partial
-# blocks of rows through other kernels, each summing in its own order, so a token's logits would differ
-# by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's argmax.
-# oneDNN's matmul over a weight packed once for it computes every row alike whatever the row count,
-# and is faster than BLAS's at the 1-16 rows decoding uses (docs/performance.md, row invariance).
+# Why packed weights on CPU: BLAS's float32 GEMM takes a 1-row product (a decode step) through a GEMV and
+# partial blocks of rows through other kernels, each summing in its own order, so a token's logits would
+# differ by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's
+# argmax. minispec's own float32 kernel (native.float_product, flinear.cpp) sums every row alike whatever
+# the row count, on a weight packed once, and costs the same from 1 to about 10 rows; where it is not
+# built, and for bfloat16 and float16, oneDNN's matmul over a weight packed for it does the same with
+# PACKED_MIN_ROWS below (docs/performance.md, row invariance and "A float32 kernel of our own").
 # The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
 # so compiled graphs hold no per-model constant and a target and its draft share graphs as before.
 # An entry lives as long as the weight's storage (not its Parameter, which outlives its data after
 # `.to()`, `.half()` or `param.data = ...`), so no stale copy stays alive, and none is found by a new
 # tensor that the allocator places at a freed address.
-_PACKED = {}  # data_ptr -> (the weight's version when packed, packed weight: an opaque oneDNN tensor)
+_PACKED = {}  # data_ptr -> (the weight's version when packed, packed weight: flinear's, or an opaque oneDNN tensor)
 
 
 def to_device(values, device, dtype=torch.long):
@@ -41,11 +44,17 @@ def version(tensor):
     return -1 if tensor.is_inference() else tensor._version
 
 
+def own_kernel(dtype):
+    """Whether minispec's float32 kernel takes this dtype's products here (else oneDNN's)."""
+    return dtype == torch.float32 and native.available()
+
+
 def pack(weight):
-    """Pack a weight for oneDNN; the packed copy goes when the weight's storage does."""
+    """Pack a weight for its kernel; the packed copy goes when the weight's storage does."""
     key = weight.data_ptr()
-    # 16: the row count oneDNN plans the packing for; every row count then runs the same kernels
-    entry = _PACKED[key] = version(weight), torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    # oneDNN: 16 is the row count it plans the packing for; every row count then runs the same kernels
+    packed = native.float_pack(weight) if own_kernel(weight.dtype) else torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    entry = _PACKED[key] = version(weight), packed
     weakref.finalize(weight.untyped_storage(), forget, key, entry)
     return entry[1]
 
@@ -65,8 +74,8 @@ PACKED_MIN_ROWS = 4
 
 
 def packed_weight(weight):
-    """The weight's oneDNN-packed copy, packed again if it was written since; None where oneDNN cannot
-    take it (moved off the CPU, or converted to a dtype oneDNN cannot take here, after loading)."""
+    """The weight's packed copy, packed again if it was written since; None where no packed kernel takes
+    it (moved off the CPU, or converted to a dtype none takes here, after loading)."""
     if not weight.is_cpu:
         return None
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
@@ -82,6 +91,9 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
+    if own_kernel(weight.dtype):
+        out = native.float_product(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias, weight.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
     if rows >= PACKED_MIN_ROWS or rows == 0:  # no rows: nothing to pad a product for
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - rows))
@@ -127,13 +139,15 @@ def in_row_blocks(product, x):
 
 
 def can_pack(dtype, device):
-    """Whether oneDNN matmuls run here for this dtype (float32 wherever torch has oneDNN; bfloat16 and
-    float16 only on CPUs with the instructions for them)."""
+    """Whether packed products run here for this dtype (float32 wherever minispec's kernel or oneDNN
+    runs; bfloat16 and float16 with oneDNN on CPUs with the instructions for them)."""
     return device.type == "cpu" and can_pack_on_cpu(dtype)
 
 
 @functools.cache
 def can_pack_on_cpu(dtype):
+    if own_kernel(dtype):
+        return True
     if not torch.backends.mkldnn.is_available():
         return False
     try:

@@ -1,9 +1,8 @@
 // A Llama model's decoder layers for CPUs in one call, float32 or with quantized weights: what each of
 // models/llama.py's TransformerBlocks computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
 // projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel
-// (quantized weights) or oneDNN's on the weight kernels.py packed (float32), its attention through
-// attention.cpp's; and RMSNorm alone, which the modules use too. Built with them
-// by models/native.py.
+// (quantized weights) or flinear.cpp's (float32), its attention through attention.cpp's; and RMSNorm
+// alone, which the modules use too. Built with them by models/native.py.
 //
 // Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
 // products, not the products: SmolLM2-135M kept int4 ran ~55 operations a layer around 5 kernel calls,
@@ -21,7 +20,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -42,7 +40,6 @@ typedef float Vector __attribute__((vector_size(64)));  // 16 floats, as attenti
 constexpr int64_t LANES = 16;
 constexpr int64_t PER_LINEAR = 5;  // qweight, scales, offsets, steps, bias
 constexpr int64_t ELEMENTWISE_ROW_MULTIPLE = 64;  // kernels.py's
-constexpr int64_t PACKED_MIN_ROWS = 4;  // kernels.py's: oneDNN's 1-row products sum in another order
 
 using Optional = c10::optional<at::Tensor>;
 
@@ -80,7 +77,7 @@ at::Tensor rms_norm_rows(const at::Tensor& input, const at::Tensor& w, double ep
 }
 
 // A linear layer: quantized (qweight, scales, offsets, steps in qlinear's packed form, group > 0), or
-// float32 (qweight the oneDNN-packed weight kernels.py made, group 0).
+// float32 (qweight in flinear's packed form, group 0).
 struct Linear {
   at::Tensor qweight;
   Optional scales, offsets, steps, bias;
@@ -94,21 +91,14 @@ Linear linear_at(const c10::List<Optional>& tensors, int64_t first, int64_t i, i
           tensors.get(at + 4), group, features};
 }
 
-// x [M, K] through oneDNN's product on its packed weight, as kernels.packed_product calls it (its bias too).
-at::Tensor float_product(const Linear& l, const at::Tensor& x) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  const int64_t M = x.size(0);
-  const at::Tensor rows = M >= PACKED_MIN_ROWS ? x : at::constant_pad_nd(x, {0, 0, 0, PACKED_MIN_ROWS - M});
-  torch::jit::Stack stack{rows, l.qweight, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(),
-                          c10::IValue("none"), c10::IValue(c10::List<c10::optional<c10::Scalar>>()), c10::IValue("")};
-  op.callBoxed(&stack);
-  const at::Tensor y = stack[0].toTensor();
-  return M >= PACKED_MIN_ROWS ? y : y.narrow(0, 0, M);
-}
-
 // x [M, K] -> [M, N (quantized: padded to tiles)], the first `features` columns with the bias added.
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
-  if (l.group == 0) return float_product(l, x);
+  if (l.group == 0) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("minispec_native::flinear", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t)>();
+    return op.call(x, l.qweight, l.bias, l.features);
+  }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("minispec_native::qlinear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&,
@@ -318,10 +308,5 @@ TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
   m.impl("rms_norm", &rms_norm_rows);
-  m.impl("llama_layers", &llama_layers);
-}
-
-// A float32 layer's weights are oneDNN's packed tensors, which dispatch by their own key.
-TORCH_LIBRARY_IMPL(minispec_native, MkldnnCPU, m) {
   m.impl("llama_layers", &llama_layers);
 }

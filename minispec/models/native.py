@@ -1,14 +1,16 @@
-"""minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for
-attention over a KV cache (attention.cpp) and for a Llama model's layers (layer.cpp), compiled at first
-use with the machine's C++ compiler (the toolchain torch.compile needs on CPU too), for this machine's
-instruction set, and cached. Where they cannot be built (no compiler, no x86, a failed build, or
-MINISPEC_NATIVE=0), `available()` is False and models.quant and models.kernels keep PyTorch's operations.
+"""minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for float32
+ones (flinear.cpp), for attention over a KV cache (attention.cpp) and for a Llama model's layers
+(layer.cpp), compiled at first use with the machine's C++ compiler (the toolchain torch.compile needs
+on CPU too), for this machine's instruction set, and cached. Where they cannot be built (no compiler,
+no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False and models.quant and
+models.kernels keep PyTorch's operations.
 
 Why kernels of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 kernel for CPUs converts
 every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
-released package ships faster ones for x86; a decode step's attention is about twenty tiny PyTorch
-operations a layer, whose dispatch costs more than their arithmetic; and an eager step of a small
-model spends as much in the small operations between its products as in the products.
+released package ships faster ones for x86; oneDNN's float32 product costs a quarter more from its
+7th row on, where a tree's verify wants 8-12 (flinear.cpp); a decode step's attention is about twenty
+tiny PyTorch operations a layer, whose dispatch costs more than their arithmetic; and an eager step of
+a small model spends as much in the small operations between its products as in the products.
 """
 
 import functools
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger("minispec")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp", "layer.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp",
+                                                                    "layer.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
 
@@ -132,6 +135,7 @@ LARGEST_MULTIPLIERS = (63, -128, 127)
 def load(path):
     torch.ops.load_library(path)
     torch.library.register_fake("minispec_native::qlinear")(qlinear_shape)  # for torch.compile's tracing
+    torch.library.register_fake("minispec_native::flinear")(lambda x, packed, bias, features: x.new_empty(x.shape[0], features))
     torch.library.register_fake("minispec_native::attend")(lambda q, k, v, mask, slots, scale: torch.empty_like(q))
 
 
@@ -264,6 +268,16 @@ def qlinear(x, qweight, scales, offsets, steps, group):
 
 def qlinear_shape(x, qweight, scales, offsets, steps, group):
     return x.new_empty(x.shape[0], scales.shape[0] * TILE)
+
+
+def float_pack(weight):
+    """A float32 weight [N, K] in flinear.cpp's layout: [N / its tile, K, tile], padded with zeros."""
+    return torch.ops.minispec_native.flinear_pack(weight.detach())
+
+
+def float_product(x, packed, bias, features):
+    """x [M, K] float32 (contiguous) @ the float_pack'ed weight's transpose + bias -> [M, features]."""
+    return torch.ops.minispec_native.flinear(x, packed, bias, features)
 
 
 def attend(q, k, v, mask, slots, scale):

@@ -1,0 +1,156 @@
+// minispec's float32 matmul for CPUs: y = x @ w.T + bias for 1 to a few dozen rows of x (a decode step, a
+// verify, a tree, a batch), on a weight packed once by flinear_pack. Built at first use by models/native.py
+// and cached.
+//
+// Why not oneDNN, which float32 products took before: its packed matmul costs the same from 1 to 6 rows,
+// then a 7th row costs a quarter more (SmolLM2-135M's forward: 22.5 ms at 1-6 tokens, 28.4 at 7, 34.9 at
+// 12), which capped a verify at 5 guesses; and a call costs tens of microseconds around its arithmetic.
+// Here a weight tile is read from memory once for all rows: the rows go through it in blocks of up to
+// ROWS_AT_ONCE, each block's accumulators held in registers, and the tile (K x TILE floats, 72-192 KB at
+// SmolLM2's widths) stays in the core's L2 cache for the next block. A decode step is bound by reading
+// the weights, so more rows are free until the arithmetic catches up: SmolLM2's linear layers 18 ms at
+// 1-9 rows, 21 at 12, 28 at 16, against oneDNN's 24, 27, 31 and 35 (docs/performance.md, "A float32
+// kernel of our own").
+//
+// Row invariance (docs/design.md): every output is one chain of fused multiply-adds over k = 0..K-1 in
+// order, from zero, then + bias, whatever the row count, the row's place in its block, the number of
+// threads (they split the tiles, never K) or the instruction set (AVX-512, AVX2 and the scalar loop
+// compute the same chain, lane by lane). So a token's numbers are the same decoded alone or verified
+// among others, and no minimum row count is needed (oneDNN's 1-row kernels summed in another order).
+//
+// Layout: tiles of TILE output columns, tile t holding packed[t][k][c] = w[t * TILE + c][k] (K rows of
+// TILE floats, read in order), the last tile's missing columns zero.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using Optional = c10::optional<at::Tensor>;
+
+#if defined(__AVX512F__)
+// 32 columns: two 16-float vectors; 12 rows: 24 accumulators, two weight vectors and a broadcast row
+// value in 27 of the 32 registers.
+constexpr int64_t TILE = 32, ROWS_AT_ONCE = 12, VECTORS = 2;
+typedef __m512 Lanes;
+inline Lanes zero() { return _mm512_setzero_ps(); }
+inline Lanes load(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes broadcast(float v) { return _mm512_set1_ps(v); }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 16 columns: two 8-float vectors; 6 rows: 12 accumulators of the 16 registers.
+constexpr int64_t TILE = 16, ROWS_AT_ONCE = 6, VECTORS = 2;
+typedef __m256 Lanes;
+inline Lanes zero() { return _mm256_setzero_ps(); }
+inline Lanes load(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes broadcast(float v) { return _mm256_set1_ps(v); }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
+#else
+// One float a lane: std::fma rounds once, as the vector instructions do.
+constexpr int64_t TILE = 16, ROWS_AT_ONCE = 4, VECTORS = 16;
+typedef float Lanes;
+inline Lanes zero() { return 0.f; }
+inline Lanes load(const float* p) { return *p; }
+inline Lanes broadcast(float v) { return v; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return std::fma(a, b, c); }
+inline void store(float* p, Lanes v) { *p = v; }
+#endif
+constexpr int64_t WIDTH = TILE / VECTORS;  // floats a vector
+
+// R rows of x (row stride K) through one tile: y[r][0..columns) = the rows' sums, + bias.
+template <int R>
+void tile_rows(const float* __restrict w, const float* __restrict x, int64_t K, const float* bias, int64_t columns,
+               float* __restrict y, int64_t N) {
+  Lanes acc[R][VECTORS];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < VECTORS; ++v) acc[r][v] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Lanes weight[VECTORS];
+#pragma GCC unroll 16
+    for (int v = 0; v < VECTORS; ++v) weight[v] = load(w + k * TILE + v * WIDTH);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Lanes row = broadcast(x[r * K + k]);
+#pragma GCC unroll 16
+      for (int v = 0; v < VECTORS; ++v) acc[r][v] = fma(row, weight[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sums[TILE];
+    for (int v = 0; v < VECTORS; ++v) store(sums + v * WIDTH, acc[r][v]);
+    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = bias != nullptr ? sums[c] + bias[c] : sums[c];
+  }
+}
+
+template <int R>
+void rows_through(const float* w, const float* x, int64_t K, const float* bias, int64_t columns, float* y, int64_t N,
+                  int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_through<R - 1>(w, x, K, bias, columns, y, N, rows);
+  }
+  tile_rows<R>(w, x, K, bias, columns, y, N);
+}
+
+// w [N, K] float32 -> [ceil(N / TILE), K, TILE], the layout above.
+at::Tensor flinear_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "flinear_pack: w must be float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + TILE - 1) / TILE;
+  const at::Tensor padded = at::constant_pad_nd(w, {0, 0, 0, tiles * TILE - N});
+  return padded.view({tiles, TILE, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32, contiguous; packed from flinear_pack of a weight with N = features rows; bias [N] or
+// none -> y [M, N].
+at::Tensor flinear(const at::Tensor& x, const at::Tensor& packed, const Optional& bias, int64_t features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "flinear: x must be float32 [M, K], contiguous");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.size(1) == K &&
+                  packed.size(2) == TILE && tiles == (features + TILE - 1) / TILE,
+              "flinear: the packed weight does not match x and features");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == features,
+                "flinear: bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, features}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* w = packed.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  // tiles split between threads, a few at least per thread so that a wake-up is worth it
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t columns = std::min(TILE, features - t * TILE);
+      for (int64_t m = 0; m < M; m += ROWS_AT_ONCE)
+        rows_through<ROWS_AT_ONCE>(w + t * K * TILE, xs + m * K, K, b == nullptr ? nullptr : b + t * TILE, columns,
+                                   out + m * features + t * TILE, features, std::min(ROWS_AT_ONCE, M - m));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
+  m.def("flinear_pack(Tensor w) -> Tensor");
+  m.def("flinear(Tensor x, Tensor packed, Tensor? bias, int features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
+  m.impl("flinear_pack", &flinear_pack);
+  m.impl("flinear", &flinear);
+}
