@@ -10,7 +10,7 @@ import torch
 from conftest import make_reference, save_reference
 
 import minispec
-from minispec.models import pages
+from minispec.models import kernels, pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 
@@ -123,3 +123,26 @@ def test_nothing_moves_where_huge_pages_cannot_be_asked_for(small_pages, monkeyp
     before = {name: tensor for name, tensor in module.named_buffers()}
     assert pages.in_huge_pages(module.modules()) == 0
     assert all(tensor is before[name] for name, tensor in module.named_buffers())
+
+
+def test_a_float_models_packed_weights_move_and_decode_as_before(tmp_path, small_pages, monkeypatch):
+    """A float32 model's products read the packed copies of its weights (kernels.pack_together): those
+    move into one mapping, the same numbers, the same tokens as copies left in ordinary pages."""
+    if not kernels.own_kernel(torch.float32):
+        pytest.skip("minispec's float32 kernel is not built here")
+    directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
+    moved = minispec.load(directory)
+    copies = [kernels.packed_weight(weight) for weight in packed_weights(moved)]
+    assert len(copies) > 5 and inside(copies, small_pages)
+    monkeypatch.setattr(pages, "to_huge_pages", lambda tensors, place: 0)
+    kept = minispec.load(directory)
+    kept_copies = [kernels.packed_weight(weight) for weight in packed_weights(kept)]
+    assert not inside(kept_copies, small_pages) and all(map(torch.equal, copies, kept_copies))
+    prompt = [5, 17, 33, 8, 90, 41]
+    one, other = (minispec.generate(m, prompt, max_new_tokens=16, ignore_eos=True) for m in (moved, kept))
+    assert one.tokens == other.tokens and len(set(one.tokens)) > 3
+
+
+def packed_weights(model):
+    return list({module.weight.data_ptr(): module.weight for module in [*model.modules(), model.head]
+                 if getattr(module, "packed", False)}.values())

@@ -110,7 +110,7 @@ def load_draft_head(path, target, quantize="auto"):
     if isinstance(head, CachedLM):  # an EAGLE head
         if quantize is not None:
             quant.quantize_model(head, quantize, dtype=head.dtype)
-        pack_linears(head)  # oneDNN's packed products for what stays float: row-invariant, and the one-call layer's
+        pack_linears(head)  # packed products for what stays float: row-invariant, and the one-call layer's
     identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
     # its quantization too: an int8 head's stored costs are not a float one's (decoding/profiles.py)
     head.fingerprint = hashlib.sha256(f"{identities}|{target.fingerprint}|{quantize}".encode()).hexdigest()[:20]

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native, pages
-from .kernels import can_pack, linear, pack, to_device, tree_layout, whole_blocks
+from .kernels import can_pack, linear, pack_together, to_device, tree_layout, whole_blocks
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -127,11 +127,13 @@ def pack_linears(model):
     `.to()` read it."""
     if not can_pack(model.dtype, model.device):
         return model
+    weights = {}  # by address: a weight two modules share is packed once
     for module in [*model.modules(), model.head]:  # the head: a Linear, or the token Embedding when tied
         is_linear = isinstance(module, Linear) or (module is model.head and isinstance(module, Embedding))
         if is_linear and module.weight.dtype == model.dtype and not module.packed:
-            pack(module.weight)
+            weights[module.weight.data_ptr()] = module.weight
             module.packed = True
+    pack_together(list(weights.values()))
     return model
 
 

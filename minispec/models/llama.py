@@ -264,7 +264,7 @@ class TransformerBlock(nn.Module):
 
     def native_tensors(self):
         """The layer's tensors as layer.cpp takes them (LayerStack): its norms (native_norms), then per linear
-        layer its tensors (LINEAR_TENSORS: qlinear's packed form, or oneDNN's packed float32 weight and
+        layer its tensors (LINEAR_TENSORS: qlinear's packed form, or flinear's packed float32 weight and
         the bias), group (0: float32) and output width. None where the layer cannot run as one call.
         Made again when a weight was replaced (quantized, moved) or unpacked (without_row_invariance); a
         float weight's packed copy is taken each time from kernels.packed_weight, which packs again a
@@ -282,7 +282,7 @@ class TransformerBlock(nn.Module):
         norms, tensors, groups, features = made[1]
         packed = [packed_weight(weight) if group == 0 else None for (weight, _), group in zip(key, groups)]
         if any(weight is None for weight, group in zip(packed, groups) if group == 0):
-            return None  # converted to what oneDNN cannot take
+            return None  # converted to what no packed kernel takes
         if made[2] is None or any(a is not b for a, b in zip(made[2], packed)):
             # the same object while no weight was packed again, so the model's LayerStack stays as laid out
             tensors = list(tensors)
@@ -424,8 +424,8 @@ class Llama(CachedLM):
     def fused_layers(self, x):
         """The layers as minispec's one call takes them (layer.cpp: a LayerStack), where the forward can
         run that way: eagerly, on a CPU, in float32, with minispec's attention kernel (which it calls),
-        every layer's weights quantized for minispec's kernel or packed for oneDNN, not sharded (the sums
-        across ranks hook the modules). Else None: the modules. Laid out again when a layer's tensors
+        every layer's weights quantized for minispec's kernel or packed for its float32 one, not sharded
+        (the sums across ranks hook the modules). Else None: the modules. Laid out again when a layer's tensors
         (TransformerBlock.native_tensors) or its cache were replaced."""
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
                 or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():

@@ -1,13 +1,14 @@
-"""A quantized model's weights in 2 MiB pages (Linux): its buffers moved into one anonymous mapping that
-the kernel is asked to back with transparent huge pages (madvise(MADV_HUGEPAGE), which most
-distributions' default "madvise" setting honours only where asked).
+"""A model's weights in 2 MiB pages (Linux): a quantized model's buffers, or the packed copies a float32
+model's products read (kernels.pack_together), moved into one anonymous mapping that the kernel is
+asked to back with transparent huge pages (madvise(MADV_HUGEPAGE), which most distributions' default
+"madvise" setting honours only where asked).
 
 Why: a decode step streams every weight once, and with 4 KiB pages each 4 KiB read is also a walk of
 the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages. SmolLM2's int4 step
 (~100 MB of packed weights) took 11-16% less time with its buffers in huge pages, and 5-11% less again
-at 600-3000 cached positions with its KV caches there too; a float32 model's parameters gained nothing
-(its products read oneDNN's packed copies of them). Measured in docs/performance.md, "Q5_x in 5 bits,
-weights in huge pages".
+at 600-3000 cached positions with its KV caches there too (docs/performance.md, "Q5_x in 5 bits,
+weights in huge pages"); its float32 step about a quarter less, with flinear.cpp's packed copies there
+("A float32 kernel of our own").
 """
 
 import ctypes
@@ -33,35 +34,46 @@ def in_huge_pages(modules):
     pages, each over a part of it, the same numbers in the same shapes; a buffer two modules share stays
     shared. Returns the bytes moved: 0 off Linux, where the kernel refuses, or where there is less than
     a page to move."""
-    if not sys.platform.startswith("linux"):
-        return 0
     owners = {}  # id(tensor) -> (tensor, [(module, name), ...])
     for module in modules:
         for name, tensor in module._buffers.items():
             if tensor is not None and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.numel():
                 owners.setdefault(id(tensor), (tensor, []))[1].append((module, name))
-    sizes = [-(-tensor.nbytes // ALIGN) * ALIGN for tensor, _ in owners.values()]
+    tensors, places = [tensor for tensor, _ in owners.values()], [places for _, places in owners.values()]
+    owners.clear()
+
+    def place(i, moved):
+        for module, name in places[i]:
+            module._buffers[name] = moved
+    return to_huge_pages(tensors, place)
+
+
+def to_huge_pages(tensors, place):
+    """Copy contiguous CPU `tensors` into one mapping in huge pages, each over a part of it, handing each
+    copy to place(i, copy) to put where tensor i was; the list's entries are dropped as they are copied.
+    Returns the bytes moved, as in_huge_pages."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    sizes = [-(-tensor.nbytes // ALIGN) * ALIGN for tensor in tensors]
     total = sum(sizes)
     if total < HUGE_PAGE:
         return 0
     try:
         region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # no address space or memory for a second copy (a limit): the buffers stay as they are
+    except OSError:  # no address space or memory for a second copy (a limit): the tensors stay as they are
         return 0
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
     start = -address % HUGE_PAGE
     if not advise_huge_pages(address + start, total):
         return 0
-    offset, waiting = start, list(owners.values())
-    owners.clear()
+    offset = start
     for i, size in enumerate(sizes):
-        (tensor, places), waiting[i] = waiting[i], None  # nothing here holds it once its owners let go
+        tensor, tensors[i] = tensors[i], None  # nothing here holds it once its place lets go
         # A storage of its own over its part of the mapping (each keeps the mapping alive), not a view
         # of one tensor: torch.compile refuses a graph whose inputs alias one another.
         moved = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset).view(tensor.shape)
         moved.copy_(tensor)  # pages are taken as they are first written: huge ones, as advised
-        for module, name in places:
-            module._buffers[name] = moved
-        del tensor  # freed now, unless something else holds it: a load's peak grows by a buffer, not a model
+        place(i, moved)
+        del tensor  # freed now, unless something else holds it: a load's peak grows by a tensor, not a model
         offset += size
     return total
