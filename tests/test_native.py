@@ -1,8 +1,9 @@
 """minispec's own CPU kernels (minispec/models/native.py): for quantized layers (qlinear.cpp), its
 arithmetic against a float64 re-computation of what it promises, every row as it would be alone,
-the packed layout's token lookup, and the fallback where it cannot be built; for attention over a KV
-cache (attention.cpp), against float64 attention and in its canonical order; a quantized Llama layer in
-one call (layer.cpp), against the modules."""
+the packed layout's token lookup, and the fallback where it cannot be built; for float32 ones
+(flinear.cpp), against float64 and in its order of sums (tests/test_rows.py checks its rows); for
+attention over a KV cache (attention.cpp), against float64 attention and in its canonical order; a
+quantized Llama layer in one call (layer.cpp), against the modules."""
 
 import logging
 
@@ -106,6 +107,34 @@ def test_every_row_computes_as_it_would_alone(form, threads):
             assert torch.equal(native.qlinear(x[:rows], *packed, group), alone[:rows]), rows
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("shape", [(70, 512), (49, 64), (64, 576), (3, 1536)])  # whole tiles of 32 and partial ones
+def test_the_float_kernel_computes_a_linear_layer(shape):
+    """flinear.cpp: x @ w.T + b within float32 summation error of float64, for 0 to 30 rows (its blocks
+    of up to 12 rows, whole and partial); the bias added after the sum."""
+    generator = torch.Generator().manual_seed(shape[0])
+    n, k = shape
+    w, b, x = (torch.randn(*size, generator=generator) for size in ((n, k), (n,), (30, k)))
+    packed = native.float_pack(w)
+    for rows in (0, 1, 5, 12, 13, 30):
+        y = native.float_product(x[:rows].contiguous(), packed, b, n)
+        expected = x[:rows].double() @ w.double().T + b.double()
+        assert y.shape == (rows, n) and torch.allclose(y.double(), expected, rtol=0, atol=1e-5 * k ** 0.5)
+    assert torch.equal(native.float_product(x, packed, b, n), native.float_product(x, packed, None, n) + b)
+
+
+def test_each_float_output_is_one_chain_of_fused_multiply_adds():
+    """What makes the float kernel row-invariant and the same on every instruction set, bit for bit:
+    output j of a row is fma(x[K-1], w[j, K-1], ... fma(x[0], w[j, 0], 0)), then + b[j]. A float32 fma
+    is emulated in float64 (the product of two float32s is exact there; the sum is rounded twice, which
+    differs from one rounding only at rare ties, none in these numbers)."""
+    generator = torch.Generator().manual_seed(0)
+    w, b, x = (torch.randn(*size, generator=generator) for size in ((40, 96), (40,), (14, 96)))
+    chain = torch.zeros(14, 40)
+    for k in range(96):
+        chain = (x[:, k:k + 1].double() * w[:, k].double() + chain.double()).float()
+    assert torch.equal(native.float_product(x, native.float_pack(w), b, 40), chain + b)
 
 
 @pytest.mark.parametrize("form", ["int4 q4_k", "int8 q6_k"])
