@@ -21,7 +21,9 @@ import torch
 
 from ..loading.builtin import weights_dir
 
-VERSION = 8  # of the files' contents; files of another version are ignored (8: modes count their steps)
+# of the files' contents; files of another version are ignored (9: float32 forwards on flinear.cpp have
+# other costs than on oneDNN)
+VERSION = 9
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
           "modes")
 
