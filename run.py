@@ -242,6 +242,8 @@ def summary(stats):
     elif "acceptance_rate" in stats:
         line += (f", acceptance rate {stats['acceptance_rate']:.2f}, "
                  f"{stats['tokens_per_target_call']:.2f} tokens per target call")
+        if stats.get("tree_nodes"):
+            line += f", {stats['tree_nodes']} tree nodes verified"
     return line
 
 

@@ -323,16 +323,16 @@ def test_greedy_with_a_head_is_plain_greedy(gqa_heads, kind, dtype):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_batched_rows_draft_as_alone(gqa_heads, kind):
     """Rows of a batch with a head: each request's tokens those it gets alone (greedy, and sampled for a
-    seed with a fixed gamma)."""
+    seed with a fixed gamma); under gamma="auto" (rows choosing their own guesses) greedy ones."""
     target, heads = gqa_heads[torch.float32]
     prompts = [PROMPT, PROMPT[:5], [3, 4, 5], PROMPT[2:]]
-    for settings in ({}, {"temperature": 1.0, "top_k": 5}):
-        together = minispec.generate(target, prompts, draft=heads[kind], gamma=3, max_new_tokens=24, seed=4,
+    for gamma, settings in ((3, {}), (3, {"temperature": 1.0, "top_k": 5}), ("auto", {})):
+        together = minispec.generate(target, prompts, draft=heads[kind], gamma=gamma, max_new_tokens=24, seed=4,
                                      ignore_eos=True, batch_size=3, **settings)
         for prompt, out in zip(prompts, together):
-            alone = minispec.generate(target, prompt, draft=heads[kind], gamma=3, max_new_tokens=24, seed=4,
+            alone = minispec.generate(target, prompt, draft=heads[kind], gamma=gamma, max_new_tokens=24, seed=4,
                                       ignore_eos=True, **settings)
-            assert out.tokens == alone.tokens
+            assert out.tokens == alone.tokens, (gamma, settings)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -664,6 +664,28 @@ def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_
     assert [o.tokens for o in drafted] == [o.tokens for o in plain]
     with pytest.raises(ValueError, match="Llama-family target"):
         train.train(minispec.load(reference_dirs["gpt2"][1]), tmp_path / "gpt2", "eagle3", prompts)
+
+
+def test_medusa_heads_trained_here_are_saved_as_published_and_draft(tmp_path):
+    """`train --kind medusa`: K heads on the last state, each trained against the target one position
+    further (Medusa-1's self-distillation), accepted more often on unseen prompts than the untrained
+    heads (each the target's own output head: a guess of the token after next as if it were the next),
+    written in Medusa's published layout and drafting exactly."""
+    from minispec.heads import train
+
+    target, prompts, unseen, acceptance = tiny_training_target(tmp_path / "target")
+    settings = dict(max_new_tokens=48, chat=False, lr=1e-2, heads=3)
+    untrained = train.train(target, tmp_path / "head", "medusa", prompts, epochs=0, **settings)
+    train.train(target, tmp_path / "head", "medusa", prompts, epochs=20, **settings)
+    trained = minispec.load_draft_head(tmp_path / "head", target)
+    before, after = acceptance(untrained), acceptance(trained)
+    print(f"acceptance {before:.3f} untrained, {after:.3f} trained")
+    assert type(trained).__name__ == "MedusaHeads" and after > before + 0.05
+    hf = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert hf["medusa_num_heads"] == 3 and hf["medusa_num_layers"] == 1
+    plain = minispec.generate(target, unseen, max_new_tokens=48)
+    drafted = minispec.generate(target, unseen, draft=trained, gamma=3, max_new_tokens=48)
+    assert [o.tokens for o in drafted] == [o.tokens for o in plain]
 
 
 def test_each_training_step_computes_with_the_weights_the_last_step_left(tmp_path, monkeypatch):

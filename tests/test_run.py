@@ -150,10 +150,11 @@ def test_show_under_a_tree_prints_the_rejected_candidates(gpt2_dir, capsys):
     weights). Where a step's accepted path ends, every successor the tree offered there is shown
     rejected: after a token never followed yet, the most counted of all (5|17|8, the likeliest 8 nodes
     holding three of them); after the accepted 27, the two tokens seen after 27 (17|27). Without them,
-    the output is plain greedy decoding's."""
+    the output is plain greedy decoding's. The summary counts the tree nodes verified."""
     flags = ["--target", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu"]
     assert run.main([*flags, "--draft", "ngram", "--gamma", "3", "--tree", "8", "--show"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert re.search(r"tokens per target call, \d+ tree nodes verified$", err.strip())
     assert out == ("[~33~]42[~5|17|8~] 73[~5|17|8~] 84[~5|17|8~] 27[~5|17|8~] 27[~27~] 17[~33|42~] "
                    "64[~17|5|27|…~] 64[~64~] 84 27[~17|27~] 84 43\n")
     plain = run_json(capsys, *flags)["tokens"]

@@ -569,14 +569,15 @@ def test_sampled_draft_trees_have_the_targets_joint_distribution(vocab16):  # no
     assert_sampled_trees(vocab16["target"], [1, 2, 3], {"draft": vocab16["noisy"], "tree": 3}, [[4, 5], [6, 7, 8, 9]])
 
 
-def test_sampled_ngram_trees_have_the_targets_joint_distribution(vocab16):  # noqa: F811 (the fixture)
-    """ngram's trees (fixed candidates, tree.sample_walk) against the target's exact joint of three
-    tokens, as the draft models' test above (chi-square at significance 0.001, seeds 0-3999, and a
-    total-variation bound): after 8 came 15 and then 12, so the tree offers 12 then 15 at the root (the
-    counts tie: the smaller id first), both in the target's top 3 there, and a node below each;
-    first guesses rejected, rejections after acceptances and whole paths accepted all happen often.
-    Batched rows draw what they draw alone."""
-    assert_sampled_trees(vocab16["target"], [6, 8, 15, 6, 8, 12, 6, 8], {"draft": "ngram", "tree": 4},
+@pytest.mark.parametrize("draft", ["ngram", "lookup"])
+def test_sampled_ngram_and_lookup_trees_have_the_targets_joint_distribution(vocab16, draft):  # noqa: F811
+    """ngram's and lookup's trees (fixed candidates, tree.sample_walk) against the target's exact joint of
+    three tokens, as the draft models' test above (chi-square at significance 0.001, seeds 0-3999, and
+    a total-variation bound): after 6 8 came 15 and then 12, so the tree offers both at the root (ngram:
+    the counts tie, the smaller id first; lookup: both earlier matches' continuations), both in the
+    target's top 3 there, and a node below each; first guesses rejected, rejections after acceptances
+    and whole paths accepted all happen often. Batched rows draw what they draw alone."""
+    assert_sampled_trees(vocab16["target"], [6, 8, 15, 6, 8, 12, 6, 8], {"draft": draft, "tree": 4},
                          [[4, 5, 4, 6, 4], [6, 7, 8, 9]])
 
 
