@@ -269,9 +269,7 @@ class TransformerBlock(nn.Module):
         Made again when a weight was replaced (quantized, moved) or unpacked (without_row_invariance); a
         float weight's packed copy is taken each time from kernels.packed_weight, which packs again a
         weight written since."""
-        # Read past nn.Module's __getattr__: an eager step of a small model feels every microsecond here.
-        attention, feed_forward = self._modules["attention"]._modules, self._modules["feed_forward"]._modules
-        linears = (attention["wqkv"], attention["wo"], feed_forward["w13"], feed_forward["w2"])
+        linears = linears_of(self)  # past nn.Module's __getattr__: an eager step of a small model feels it
         key = [(weight_of(linear), linear.__dict__.get("packed", False)) for linear in linears]
         made = self.__dict__.get("_native")
         if made is None or any(a is not b or p != q for (a, p), (b, q) in zip(made[0], key)):
@@ -332,23 +330,53 @@ def weight_of(linear):
 class LayerStack:
     """A model's layers laid out once for native.llama_layers (layer.cpp's flat lists): per layer its
     norms and linear layers' tensors, its cache's k and v, and its numbers (norm_before_residual, the
-    linears' groups and widths, its heads, the index of the mask it reads in `windows`)."""
+    linears' groups and widths, its heads, the index of the mask it reads in `windows`); and what it was
+    laid out from (`sources`, per layer: each linear layer's weight, whether packed, its packed copy, and
+    the cache's k and v)."""
 
-    def __init__(self, key, tensors, caches, numbers, windows, eps, first_cache):
+    def __init__(self, key, tensors, caches, numbers, windows, eps, first_cache, sources):
         self.key, self.tensors, self.caches, self.numbers = key, tensors, caches, numbers
-        self.windows, self.eps, self.first_cache = windows, eps, first_cache
+        self.windows, self.eps, self.first_cache, self.sources = windows, eps, first_cache, sources
 
     @classmethod
     def of(cls, model, layers, caches, key):
         windows = list(dict.fromkeys(layer.attention.window for layer in model.layers))
-        tensors, numbers = [], []
-        for layer, ((attention_norm, ffn_norm, hidden_norm, before_residual), linears, groups, features) in \
-                zip(model.layers, layers):
+        tensors, numbers, sources = [], [], []
+        for layer, cache, ((attention_norm, ffn_norm, hidden_norm, before_residual), linears, groups, features) in \
+                zip(model.layers, caches, layers):
             tensors += [attention_norm, ffn_norm, hidden_norm, *linears]
             numbers += [int(before_residual), *groups, *features, layer.attention.n_heads, layer.attention.n_kv_heads,
                         windows.index(layer.attention.window)]
+            weights = [(weight_of(linear), linear.__dict__.get("packed", False),
+                        linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
+                       for i, (linear, group) in enumerate(zip(linears_of(layer), groups))]
+            sources.append((weights, cache.k, cache.v))
         return cls(key, tensors, [t for cache in caches for t in (cache.k, cache.v)], numbers, windows,
-                   model.config.norm_eps, caches[0])
+                   model.config.norm_eps, caches[0], sources)
+
+    def unchanged(self, model):
+        """Whether the model's layers still hold what the stack was laid out from: fused_layers' check
+        without making every layer's tensors again (TransformerBlock.native_tensors), which took 4% of
+        SmolLM2-135M's float32 step. A float weight written in place since is packed again here
+        (kernels.packed_weight), and its new copy fails the check."""
+        if len(model.layers) != len(self.sources):
+            return False
+        for layer, (weights, k, v) in zip(model.layers, self.sources):
+            cache = layer._modules["attention"]._modules.get("kv_cache")
+            if cache is None or cache._buffers["k"] is not k or cache._buffers["v"] is not v:
+                return False
+            for linear, (weight, packed, copy) in zip(linears_of(layer), weights):
+                if weight_of(linear) is not weight or linear.__dict__.get("packed", False) != packed \
+                        or copy is not None and packed_weight(weight) is not copy:
+                    return False
+        return True
+
+
+def linears_of(layer):
+    """A TransformerBlock's four linear layers in layer.cpp's order (wqkv, wo, w13, w2), past
+    nn.Module's __getattr__."""
+    attention, feed_forward = layer._modules["attention"]._modules, layer._modules["feed_forward"]._modules
+    return attention["wqkv"], attention["wo"], feed_forward["w13"], feed_forward["w2"]
 
 
 class Llama(CachedLM):
@@ -430,13 +458,15 @@ class Llama(CachedLM):
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
                 or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
             return None
+        stack = self.__dict__.get("_stack")
+        if stack is not None and stack.unchanged(self):
+            return stack
         layers = [layer.native_tensors() for layer in self.layers]
         if any(tensors is None for tensors in layers):
             return None
         caches = [layer._modules["attention"]._modules["kv_cache"] for layer in self.layers]
         key = [part for tensors, cache in zip(layers, caches)
                for part in (tensors, cache._buffers["k"], cache._buffers["v"])]
-        stack = self.__dict__.get("_stack")
         if stack is None or len(stack.key) != len(key) or any(a is not b for a, b in zip(stack.key, key)):
             stack = self._stack = LayerStack.of(self, layers, caches, key)
         return stack
