@@ -52,6 +52,40 @@ inline float sum(Vector v) {  // the lanes added in halves: a fixed order, in re
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+// exp of 16 floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a polynomial, times
+// 2^n through the exponent's bits), within a few units in the last place of std::exp. Why: one std::exp
+// a position was a fifth of a verify's attention. Each lane's result depends on its own input only, so
+// a position's weight is the same in any block. Inputs below -87 (weights under 1e-38 next to the
+// row's top weight of 1; masked positions, which are not read) come out as 2^-126 x exp(r).
+inline Vector exp16(Vector x) {
+  typedef int32_t Ints __attribute__((vector_size(64)));
+  const Vector low = Vector{} - 87.f, high = Vector{} + 88.f;
+  x = x < low ? low : x;  // lane by lane (GCC's and Clang's vector extensions)
+  x = x > high ? high : x;
+  const Vector magic = Vector{} + 12582912.f;  // adding and taking away 1.5 x 2^23 rounds to an integer
+  const Vector n = (x * 1.44269504088896341f + magic) - magic;
+  const Vector r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 in two parts
+  Vector p = Vector{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;  // 2^n, n in [-126, 127]
+  Vector two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// q . k over 16 x CHUNKS elements, q as vectors: the same instructions for every row and key.
+template <int CHUNKS, typename T>
+inline float dot_whole(const Vector* q, const T* k) {
+  Vector part = {};
+  for (int j = 0; j < CHUNKS; ++j) part += q[j] * vector_of(k + j * LANES);
+  return sum(part);
+}
+
 // q . k over d elements, the same instructions for every row and key.
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -87,6 +121,26 @@ struct Call {
   float* out;            // [B, H, R, d]
 };
 
+// out[p] = q . k at each position p < P that the mask lets the row read, 4 positions at a time: four
+// independent sums in flight, where one position's sum waited on its own chain of products (dot_whole,
+// the same numbers as dot). In a group of 4 with some readable, the others' products are computed too
+// (and dropped by the caller).
+template <int CHUNKS, typename T>
+inline void products(const float* q, const T* k, const int64_t* slots, int64_t ks, const float* mask, int64_t P,
+                     float* out) {
+  constexpr float none = -std::numeric_limits<float>::infinity();
+  Vector qv[CHUNKS];
+  std::memcpy(qv, q, sizeof qv);
+  int64_t p = 0;
+  for (; p + 4 <= P; p += 4) {
+    if (mask[p] == none && mask[p + 1] == none && mask[p + 2] == none && mask[p + 3] == none) continue;
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) out[p + u] = dot_whole<CHUNKS>(qv, k + (slots ? slots[p + u] : p + u) * ks);
+  }
+  for (; p < P; ++p)
+    if (mask[p] != none) out[p] = dot_whole<CHUNKS>(qv, k + (slots ? slots[p] : p) * ks);
+}
+
 template <typename T>
 void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<float>& sums,
          std::vector<const T*>& from) {
@@ -97,12 +151,20 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
   const T* k = static_cast<const T*>(c.k) + b * c.kb + h * c.kh;
   const T* v = static_cast<const T*>(c.v) + b * c.kb + h * c.kh;
   constexpr float none = -std::numeric_limits<float>::infinity();
+  switch (c.d % LANES ? 0 : c.d / LANES) {  // head dims of 16 x 1..8: products of 4 keys at a time
+    case 8: products<8>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
+    case 4: products<4>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
+    case 2: products<2>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
+    case 1: products<1>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
+    default:
+      for (int64_t p = 0; p < c.P; ++p)
+        if (mask[p] != none) scores[p] = dot(q, k + (slots ? slots[p] : p) * c.ks, c.d);
+  }
   float top = none;
   for (int64_t p = 0; p < c.P; ++p) {
     float s = none;
     if (mask[p] != none) {
-      const float product = dot(q, k + (slots ? slots[p] : p) * c.ks, c.d);
-      s = (c.scale != 1.f ? product * c.scale : product) + mask[p];
+      s = (c.scale != 1.f ? scores[p] * c.scale : scores[p]) + mask[p];
       top = std::max(top, s);
     }
     scores[p] = s;
@@ -110,7 +172,7 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
   float* y = c.out + index * c.d;
   float* acc = sums.data();  // the row's weighted sum of values [d]
   const int64_t whole = c.d / LANES * LANES;
-  std::fill(sums.begin(), sums.end(), 0.f);
+  std::fill(sums.begin(), sums.begin() + c.d, 0.f);
   if (top == none) {  // a row that may read nothing (a padded batch row): zeros, not NaN
     std::copy(acc, acc + c.d, y);
     return;
@@ -118,13 +180,19 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
   // The weights, in position order; then each 16 of the d sums at a time over every position, so that
   // they stay in a register (kept in memory across positions, each waited on its own store). Each sum
   // still adds the positions in order: the same numbers either way.
+  float* weights = sums.data() + c.d;  // exp(score - top) at every position (masked ones unread)
+  for (int64_t p = 0; p < c.P; p += LANES) {
+    Vector x;
+    std::memcpy(&x, scores.data() + p, sizeof x);  // whole vectors: scores' last one is padded
+    const Vector w = exp16(x - top);
+    std::memcpy(weights + p, &w, sizeof w);
+  }
   float total = 0.f;
   int64_t read = 0;  // positions not masked, their weights in scores[0, read) and value rows in `from`
   for (int64_t p = 0; p < c.P; ++p) {
     if (scores[p] == none) continue;
-    const float w = std::exp(scores[p] - top);
-    total += w;
-    scores[read] = w;
+    total += weights[p];
+    scores[read] = weights[p];
     from[read++] = v + (slots ? slots[p] : p) * c.ks;
   }
   switch (whole / LANES) {  // head dims of 16 x 1..8 (64 and 128 most), the sums unrolled
@@ -146,7 +214,8 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
 
 template <typename T>
 void rows(const Call& c, int64_t first, int64_t last) {
-  std::vector<float> scores(c.P), sums(c.d);
+  const int64_t padded = (c.P + LANES - 1) / LANES * LANES;
+  std::vector<float> scores(padded, 0.f), sums(c.d + padded);  // sums: a row's d sums, then its weights
   std::vector<const T*> from(c.P);
   for (int64_t i = first; i < last; ++i) row<T>(c, i, scores, sums, from);
 }
