@@ -21,7 +21,7 @@ from . import native, pages
 # partial blocks of rows through other kernels, each summing in its own order, so a token's logits would
 # differ by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's
 # argmax. minispec's own float32 kernel (native.float_product, flinear.cpp) sums every row alike whatever
-# the row count, on a weight packed once, and costs the same from 1 to about 10 rows; where it is not
+# the row count, on a weight packed once, and costs about the same from 1 to 8 rows; where it is not
 # built, and for bfloat16 and float16, oneDNN's matmul over a weight packed for it does the same with
 # PACKED_MIN_ROWS below (docs/performance.md, row invariance and "A float32 kernel of our own").
 # The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
@@ -68,7 +68,7 @@ def pack(weight, packed=None):
 
 def pack_together(weights):
     """Pack a model's weights (pack), minispec's float32 copies then together in huge pages (pages.py):
-    a decode step streams them all, and SmolLM2-135M's took about a quarter less time so."""
+    a decode step streams them all, and SmolLM2-135M's took 7-13% less time so."""
     for weight in weights:
         pack(weight)
     own = [weight for weight in weights if own_kernel(weight.dtype)]

@@ -453,8 +453,8 @@ class Llama(CachedLM):
         """The layers as minispec's one call takes them (layer.cpp: a LayerStack), where the forward can
         run that way: eagerly, on a CPU, in float32, with minispec's attention kernel (which it calls),
         every layer's weights quantized for minispec's kernel or packed for its float32 one, not sharded
-        (the sums across ranks hook the modules). Else None: the modules. Laid out again when a layer's tensors
-        (TransformerBlock.native_tensors) or its cache were replaced."""
+        (the sums across ranks hook the modules). Else None: the modules. Laid out again when a layer's
+        tensors (TransformerBlock.native_tensors) or its cache were replaced (LayerStack.unchanged)."""
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
                 or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
             return None

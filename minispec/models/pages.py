@@ -7,8 +7,8 @@ Why: a decode step streams every weight once, and with 4 KiB pages each 4 KiB re
 the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages. SmolLM2's int4 step
 (~100 MB of packed weights) took 11-16% less time with its buffers in huge pages, and 5-11% less again
 at 600-3000 cached positions with its KV caches there too (docs/performance.md, "Q5_x in 5 bits,
-weights in huge pages"); its float32 step about a quarter less, with flinear.cpp's packed copies there
-("A float32 kernel of our own").
+weights in huge pages"); its float32 step 7-13% less, with flinear.cpp's packed copies there ("A
+float32 kernel of our own").
 """
 
 import ctypes
