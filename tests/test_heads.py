@@ -644,14 +644,7 @@ def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_
     exactly; a target outside the Llama family is refused before answering."""
     from minispec.heads import train
 
-    target, prompts, unseen, acceptance = tiny_training_target(tmp_path / "target")
-
-    settings = dict(max_new_tokens=48, chat=False, lr=3e-3, draft_vocab=48)
-    untrained = train.train(target, tmp_path / "head", "eagle3", prompts, epochs=0, **settings)
-    train.train(target, tmp_path / "head", "eagle3", prompts, epochs=20, **settings)
-    trained = minispec.load_draft_head(tmp_path / "head", target)
-    before, after = acceptance(untrained), acceptance(trained)
-    print(f"acceptance {before:.3f} untrained, {after:.3f} trained")
+    _, prompts, trained, before, after = trained_beside_untrained(tmp_path, "eagle3", 20, lr=3e-3, draft_vocab=48)
     assert type(trained).__name__ == "Eagle3Head" and trained.taps == (0, 1) and after > before + 0.05
     hf = json.loads((tmp_path / "head" / "config.json").read_text())
     assert hf["draft_vocab_size"] == 48 and hf["eagle_aux_hidden_state_layer_ids"] == [0, 1]
@@ -659,9 +652,6 @@ def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
             "midlayer.self_attn.q_proj.weight", "midlayer.mlp.gate_proj.weight"} <= set(weights)
     assert torch.equal(torch.arange(48) + weights["d2t"], trained.draft_vocab) and weights["t2d"].sum() == 48
-    plain = minispec.generate(target, unseen, max_new_tokens=48)
-    drafted = minispec.generate(target, unseen, draft=trained, gamma=3, max_new_tokens=48)
-    assert [o.tokens for o in drafted] == [o.tokens for o in plain]
     with pytest.raises(ValueError, match="Llama-family target"):
         train.train(minispec.load(reference_dirs["gpt2"][1]), tmp_path / "gpt2", "eagle3", prompts)
 
@@ -671,21 +661,29 @@ def test_medusa_heads_trained_here_are_saved_as_published_and_draft(tmp_path):
     further (Medusa-1's self-distillation), accepted more often on unseen prompts than the untrained
     heads (each the target's own output head: a guess of the token after next as if it were the next),
     written in Medusa's published layout and drafting exactly."""
-    from minispec.heads import train
-
-    target, prompts, unseen, acceptance = tiny_training_target(tmp_path / "target")
-    settings = dict(max_new_tokens=48, chat=False, lr=1e-2, heads=3)
-    untrained = train.train(target, tmp_path / "head", "medusa", prompts, epochs=0, **settings)
-    train.train(target, tmp_path / "head", "medusa", prompts, epochs=20, **settings)
-    trained = minispec.load_draft_head(tmp_path / "head", target)
-    before, after = acceptance(untrained), acceptance(trained)
-    print(f"acceptance {before:.3f} untrained, {after:.3f} trained")
+    _, _, trained, before, after = trained_beside_untrained(tmp_path, "medusa", 20, lr=1e-2, heads=3)
     assert type(trained).__name__ == "MedusaHeads" and after > before + 0.05
     hf = json.loads((tmp_path / "head" / "config.json").read_text())
     assert hf["medusa_num_heads"] == 3 and hf["medusa_num_layers"] == 1
+
+
+def trained_beside_untrained(tmp_path, kind, epochs, **settings):
+    """A head of `kind` for tiny_training_target, in tmp_path / "head": (target, its prompts, the head
+    trained `epochs` epochs, the untrained head's acceptance on unseen prompts, the trained one's). The
+    trained head's greedy drafting is checked to give plain greedy's tokens."""
+    from minispec.heads import train
+
+    target, prompts, unseen, acceptance = tiny_training_target(tmp_path / "target")
+    settings = dict(max_new_tokens=48, chat=False, **settings)
+    untrained = train.train(target, tmp_path / "head", kind, prompts, epochs=0, **settings)
+    train.train(target, tmp_path / "head", kind, prompts, epochs=epochs, **settings)
+    trained = minispec.load_draft_head(tmp_path / "head", target)
+    before, after = acceptance(untrained), acceptance(trained)
+    print(f"acceptance {before:.3f} untrained, {after:.3f} trained")
     plain = minispec.generate(target, unseen, max_new_tokens=48)
     drafted = minispec.generate(target, unseen, draft=trained, gamma=3, max_new_tokens=48)
     assert [o.tokens for o in drafted] == [o.tokens for o in plain]
+    return target, prompts, trained, before, after
 
 
 def test_each_training_step_computes_with_the_weights_the_last_step_left(tmp_path, monkeypatch):

@@ -432,7 +432,7 @@ def test_the_one_call_layer_takes_what_it_can_compute(reference_dirs):
 
 
 def test_a_weight_written_in_place_is_read_again(reference_dirs, monkeypatch):
-    """The one-call layer keeps its layers' tensors (oneDNN's packed copies among them) and their layout
+    """The one-call layer keeps its layers' tensors (the packed copies among them) and their layout
     from forward to forward; a weight written since (a test, a merged adapter) is packed and taken again, as the
     modules do."""
     model = minispec.load(reference_dirs["llama"][1])

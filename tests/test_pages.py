@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import make_reference, save_reference
+from test_base import packed_modules
 
 import minispec
 from minispec.models import kernels, pages
@@ -132,17 +133,13 @@ def test_a_float_models_packed_weights_move_and_decode_as_before(tmp_path, small
         pytest.skip("minispec's float32 kernel is not built here")
     directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
     moved = minispec.load(directory)
-    copies = [kernels.packed_weight(weight) for weight in packed_weights(moved)]
+    copies = [kernels.packed_weight(module.weight) for module in packed_modules(moved)]
     assert len(copies) > 5 and inside(copies, small_pages)
     monkeypatch.setattr(pages, "to_huge_pages", lambda tensors, place: 0)
     kept = minispec.load(directory)
-    kept_copies = [kernels.packed_weight(weight) for weight in packed_weights(kept)]
+    kept_copies = [kernels.packed_weight(module.weight) for module in packed_modules(kept)]
     assert not inside(kept_copies, small_pages) and all(map(torch.equal, copies, kept_copies))
     prompt = [5, 17, 33, 8, 90, 41]
     one, other = (minispec.generate(m, prompt, max_new_tokens=16, ignore_eos=True) for m in (moved, kept))
     assert one.tokens == other.tokens and len(set(one.tokens)) > 3
 
-
-def packed_weights(model):
-    return list({module.weight.data_ptr(): module.weight for module in [*model.modules(), model.head]
-                 if getattr(module, "packed", False)}.values())

@@ -282,7 +282,7 @@ class TransformerBlock(nn.Module):
         if any(weight is None for weight, group in zip(packed, groups) if group == 0):
             return None  # converted to what no packed kernel takes
         if made[2] is None or any(a is not b for a, b in zip(made[2], packed)):
-            # the same object while no weight was packed again, so the model's LayerStack stays as laid out
+            # made again only when a weight was packed again
             tensors = list(tensors)
             for i, weight in enumerate(packed):
                 if weight is not None:
@@ -334,12 +334,12 @@ class LayerStack:
     laid out from (`sources`, per layer: each linear layer's weight, whether packed, its packed copy, and
     the cache's k and v)."""
 
-    def __init__(self, key, tensors, caches, numbers, windows, eps, first_cache, sources):
-        self.key, self.tensors, self.caches, self.numbers = key, tensors, caches, numbers
+    def __init__(self, tensors, caches, numbers, windows, eps, first_cache, sources):
+        self.tensors, self.caches, self.numbers = tensors, caches, numbers
         self.windows, self.eps, self.first_cache, self.sources = windows, eps, first_cache, sources
 
     @classmethod
-    def of(cls, model, layers, caches, key):
+    def of(cls, model, layers, caches):
         windows = list(dict.fromkeys(layer.attention.window for layer in model.layers))
         tensors, numbers, sources = [], [], []
         for layer, cache, ((attention_norm, ffn_norm, hidden_norm, before_residual), linears, groups, features) in \
@@ -351,7 +351,7 @@ class LayerStack:
                         linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
                        for i, (linear, group) in enumerate(zip(linears_of(layer), groups))]
             sources.append((weights, cache.k, cache.v))
-        return cls(key, tensors, [t for cache in caches for t in (cache.k, cache.v)], numbers, windows,
+        return cls(tensors, [t for cache in caches for t in (cache.k, cache.v)], numbers, windows,
                    model.config.norm_eps, caches[0], sources)
 
     def unchanged(self, model):
@@ -465,11 +465,8 @@ class Llama(CachedLM):
         if any(tensors is None for tensors in layers):
             return None
         caches = [layer._modules["attention"]._modules["kv_cache"] for layer in self.layers]
-        key = [part for tensors, cache in zip(layers, caches)
-               for part in (tensors, cache._buffers["k"], cache._buffers["v"])]
-        if stack is None or len(stack.key) != len(key) or any(a is not b for a, b in zip(stack.key, key)):
-            stack = self._stack = LayerStack.of(self, layers, caches, key)
-        return stack
+        self._stack = LayerStack.of(self, layers, caches)
+        return self._stack
 
     def embed_tokens(self, tokens):
         return self.tok_embeddings(tokens)

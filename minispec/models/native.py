@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger("minispec")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp",
-                                                                    "layer.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
 
@@ -135,7 +135,8 @@ LARGEST_MULTIPLIERS = (63, -128, 127)
 def load(path):
     torch.ops.load_library(path)
     torch.library.register_fake("minispec_native::qlinear")(qlinear_shape)  # for torch.compile's tracing
-    torch.library.register_fake("minispec_native::flinear")(lambda x, packed, bias, features: x.new_empty(x.shape[0], features))
+    torch.library.register_fake("minispec_native::flinear")(
+        lambda x, packed, bias, features: x.new_empty(x.shape[0], features))
     torch.library.register_fake("minispec_native::attend")(lambda q, k, v, mask, slots, scale: torch.empty_like(q))
 
 
