@@ -490,6 +490,40 @@ def test_greedy_with_other_families_draft_trees_is_plain_greedy(reference_dirs, 
     assert out.tokens == plain.tokens and out.stats["tree_nodes"] > 0
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "t5_v1_1"])
+def test_a_draft_model_keeps_the_accepted_nodes_it_computed(reference_dirs, kind, sampled, tmp_path, monkeypatch):
+    """After a tree step the draft's cache row keeps the accepted nodes it fed while growing the tree,
+    moved into place (ModelDrafter.keep_path), instead of feeding them again: the same guesses and
+    tokens step for step as feeding every accepted token again (their keys and values are a chain's bit
+    for bit), alone and in a batch whose rows move, with fewer tokens through the draft."""
+    import types
+
+    from minispec.decoding.drafters import ModelDrafter
+
+    reference, directory = reference_dirs[kind]
+    target = minispec.load(directory)
+    draft = minispec.load(save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path))
+    fed, decode_rows = [], draft.decode_rows
+
+    def counted(self, tokens, lengths, widths=None, *args, **kwargs):
+        fed[-1] += tokens.numel() if widths is None else sum(widths)
+        return decode_rows(tokens, lengths, widths, *args, **kwargs)
+
+    monkeypatch.setattr(draft, "decode_rows", types.MethodType(counted, draft))
+    settings = {"draft": draft, "gamma": 4, "tree": 16, "max_new_tokens": 32, "ignore_eos": True,
+                **({"temperature": 1.0, "seed": 3} if sampled else {})}
+    runs = []
+    for keeping in (True, False):
+        if not keeping:
+            monkeypatch.setattr(ModelDrafter, "keep_path", lambda self, accepted: 0)
+        fed.append(0)
+        runs.append([(out.tokens, out.trace) for batch_size in (1, 3)
+                     for out in minispec.generate(target, PROMPTS, batch_size=batch_size, **settings)])
+    print(f"tokens through the draft: {fed[0]} kept, {fed[1]} fed again")
+    assert runs[0] == runs[1] and fed[0] < 0.9 * fed[1]
+
+
 def assert_sampled_trees(target, prompt, tree_settings, other_prompts, draws=4000):
     """Sampled tree decoding (gamma 2, temperature 1, top-k 3) against the target's exact joint of three
     tokens (chi-square at significance 0.001 over seeds 0 to draws - 1, and a total-variation bound);

@@ -42,7 +42,8 @@ from ..models.kernels import to_device
 from ..models.quant import MODES as SELF_DRAFT_MODES
 from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
-from .tree import DrawnGrowth, Growth, add_path, best_children, best_first, first_of, likeliest, tree_or_chain
+from .tree import (DrawnGrowth, Growth, add_path, best_children, best_first, children_of, first_of, likeliest,
+                   tree_or_chain)
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
@@ -121,6 +122,7 @@ class ModelDrafter:
         self.next_logits = None
         self.unseen_states = self.state = None  # a draft head's: inputs beside `unseen`, and for the next guess
         self.fed_guesses = 0  # guesses of the last proposal that went through the model
+        self.tree = None  # the last proposal's tree: tokens, parents, and each node's slot past `length` or None
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         return propose_together([(self, k, sampling, generator, keep_guessing, None)])[0][:2]
@@ -138,9 +140,28 @@ class ModelDrafter:
         # still waiting from steps that proposed nothing.
         keep = min(len(tokens) - 1, self.fed_guesses)
         self.length -= self.fed_guesses - keep
+        keep += self.keep_path(tokens[:-1])
         new = tokens_on_device[keep:].view(-1)
         self.unseen = new if self.unseen is None else torch.cat([self.unseen, new])
         self.next_logits = None  # known only after the unseen tokens go through the model
+
+    def keep_path(self, accepted):
+        """After a tree: the accepted guesses whose keys and values the draft computed while growing it
+        (the path's expanded nodes, all but perhaps its last) are moved into place after the row's length,
+        as the target's are, instead of going through the draft again. They are a chain's bit for bit:
+        each node attended to its own path at its depth's position. Returns how many were kept."""
+        if self.tree is None:
+            return 0
+        tokens, parents, slots = self.tree
+        self.tree, at, kept = None, -1, []
+        for token in accepted:  # a node's children are distinct tokens: the path is found by its tokens
+            at = next(j for j in children_of(parents, at) if tokens[j] == token)
+            if slots[at] is None:
+                break
+            kept.append(self.length + slots[at])
+        self.model.keep(self.row, kept, self.length)
+        self.length += len(kept)
+        return len(kept)
 
 
 # Catching up on more unseen tokens than this (after plain steps, or the prompt) runs as a row's own
@@ -184,7 +205,7 @@ def propose_together(asks):
     drafters = [ask[0] for ask in asks]
     model = drafters[0].model
     for drafter in drafters:
-        drafter.fed_guesses = 0
+        drafter.fed_guesses, drafter.tree = 0, None
     going = [ask for ask in asks if ask[1] > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
     catch_up_all(model, drafters, [ask[0] for ask in going])
     going = [ask for ask in going if ask[0].next_logits is not None]  # a head before the target's first states
@@ -280,9 +301,9 @@ def draft_trees(model, drafters, asks):
     and its best other nodes, `budget` in all, at most k deep (keep_guessing is a chain's):
     {id(drafter): (tokens, q, parents)}. Greedy, the candidates are each node's most probable children
     and q is None (fixed candidates, tree.sample_walk); sampled, they are draws from q, q [k, vocab]
-    the root's and each node's (tree.DrawnGrowth), and the row's generator draws them. The nodes' slots lie past the
-    row's length, so its cache row is as before the tree, and accept feeds the kept tokens as after a
-    chain whose guesses went unfed."""
+    the root's and each node's (tree.DrawnGrowth), and the row's generator draws them. The nodes' slots
+    lie past the row's length, so its cache row is as before the tree; accept moves the accepted path's
+    fed nodes into place (ModelDrafter.keep_path) and feeds the rest of the kept tokens."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask[0]): DraftTree(ask[0], ask[1], ask[2], ask[3], ask[5]) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
@@ -320,8 +341,11 @@ def draft_trees(model, drafters, asks):
     out = {}
     for key, tree in trees.items():
         tokens, parents = tree.growth.best()
-        q = None if tree.sampling.greedy else tree.growth.q_rows(tree.growth.chosen())
+        chosen, slots = tree.growth.chosen(), {node: slot for slot, node in enumerate(tree.fed)}
+        q = None if tree.sampling.greedy else tree.growth.q_rows(chosen)
         out[key] = to_device(tokens, model.device), q, tree_or_chain(parents)
+        if not heads:  # a head's nodes read predicted states: accepted ones go through it again with real ones
+            tree.drafter.tree = tokens, parents, [slots.get(node) for node in chosen]
     return out
 
 
