@@ -155,8 +155,8 @@ class ModelDrafter:
         tokens, parents, slots = self.tree
         self.tree, at, kept = None, -1, []
         for token in accepted:  # a node's children are distinct tokens: the path is found by its tokens
-            at = next(j for j in children_of(parents, at) if tokens[j] == token)
-            if slots[at] is None:
+            at = next((j for j in children_of(parents, at) if tokens[j] == token), None)
+            if at is None or slots[at] is None:
                 break
             kept.append(self.length + slots[at])
         self.model.keep(self.row, kept, self.length)
