@@ -147,8 +147,8 @@ class Settings:
         if self.tree in ("off", "auto"):  # "auto": trees where the drafter can branch (trees)
             return
         if not (is_integer(self.tree) and 1 <= self.tree <= TREE_MAX):
-            raise ValueError(f"tree (the most guesses a step's token tree holds) must be None, 'off', 'auto' or an "
-                             f"integer in [1, {TREE_MAX}], got {self.tree!r}")
+            raise ValueError(f"tree (the most guesses a step's token tree holds) must be 'auto', 'off' or an integer "
+                             f"in [1, {TREE_MAX}] (None: 'off'), got {self.tree!r}")
         if not self.drafting:
             raise ValueError(f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / 'int4' or a "
                              f"draft head), not {self.draft!r}")
