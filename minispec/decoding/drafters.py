@@ -340,8 +340,8 @@ def draft_trees(model, drafters, asks):
         add_children(trees, scored)
     out = {}
     for key, tree in trees.items():
-        tokens, parents = tree.growth.best()
         chosen, slots = tree.growth.chosen(), {node: slot for slot, node in enumerate(tree.fed)}
+        tokens, parents = tree.growth.best(chosen)
         q = None if tree.sampling.greedy else tree.growth.q_rows(chosen)
         out[key] = to_device(tokens, model.device), q, tree_or_chain(parents)
         if not heads:  # a head's nodes read predicted states: accepted ones go through it again with real ones

@@ -289,9 +289,10 @@ class Growth:
         """The tree's nodes: the spine and the best other nodes, `budget` in all, in rank order."""
         return sorted(self.spine[:self.budget] + self.others(), key=self.rank)
 
-    def best(self):
-        """The tree: tokens and parents (tree.py's form) of the chosen nodes."""
-        chosen = self.chosen()
+    def best(self, chosen=None):
+        """The tree: tokens and parents (tree.py's form) of the chosen nodes (`chosen`, when the caller
+        has them already)."""
+        chosen = self.chosen() if chosen is None else chosen
         place = {node: i for i, node in enumerate(chosen)}
         return [self.tokens[j] for j in chosen], [-1 if self.parents[j] < 0 else place[self.parents[j]] for j in chosen]
 
