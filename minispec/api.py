@@ -1,6 +1,6 @@
 """The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step
 at a time. They check the settings (`Settings`, once per call) and each prompt (`Request`), claim the
-models, size their caches, and hand the requests to the engine (minispec.engine), or to beam search.
+models, size their caches, and hand the requests to the engine (minispec.decoding.engine), or to beam search.
 """
 
 import secrets
@@ -400,7 +400,7 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
 
     Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
     has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
-    gamma: guesses per step, or "auto": chosen before each step (minispec.policy).
+    gamma: guesses per step, or "auto": chosen before each step (minispec.decoding.policy).
     beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
     own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
     seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call. With a
@@ -414,7 +414,7 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     gamma="auto"'s policy choose a tree or a chain each step, whichever it expects more tokens per
     second from (under a fixed gamma: chains, Algorithm 1 as written); "off" or None: chains.
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
-    alone. They are decoded together (minispec.engine), plainly or speculatively, `batch_size` (default:
+    alone. They are decoded together (minispec.decoding.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after
     another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
     on_states(i, tokens, states) is called after each step with the tokens of prompt i the target's

@@ -622,7 +622,7 @@ def test_trees_that_lose_their_first_probes_by_chance_are_measured_before_being_
 
 def test_a_branching_drafters_tree_is_its_likeliest_first_guesses():
     """A tree step of a draft model or head: each depth costs a draft forward, and deeper trees measured
-    slower than one depth (docs/performance.md), so the tree is the drafter's TREE_WIDTH likeliest first
+    slower than one depth, so the tree is the drafter's TREE_WIDTH likeliest first
     guesses, however deep a chain the cost model would verify, for a weak drafter and a sure one."""
     from minispec.decoding.drafters import TREE_WIDTH
 

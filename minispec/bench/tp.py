@@ -1,4 +1,4 @@
-"""What tensor parallelism costs per decode step (docs/performance.md, "Tensor parallelism"):
+"""What tensor parallelism costs per decode step:
 
     torchrun --standalone --nproc-per-node 2 -m minispec.bench.tp --target CKPT --device cpu   # sharded
     python -m minispec.bench.tp --target CKPT --device cpu --threads 2                        # one process

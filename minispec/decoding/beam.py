@@ -182,7 +182,7 @@ def trie_rows(roots, kept, batch_size):
 @torch.inference_mode()
 def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
     """Beam search of width w with the target, guessed by the draft with width u for as many steps per
-    target forward as `policy` (minispec.policy) says, 0 being a plain beam step. Returns (finished,
+    target forward as `policy` (minispec.decoding.policy) says, 0 being a plain beam step. Returns (finished,
     stats), finished exactly as beam_search's."""
     draft = drafter.model
 

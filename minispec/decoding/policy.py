@@ -306,11 +306,10 @@ class VerifyCost:
     all at one width (or at two close ones) cannot tell the two apart, so they rescale every width at
     once, keeping the line's ratios (were each width refined alone, one timed in a slow moment would
     keep its stale time, never be chosen, and so never be corrected). Steps spread over widths bend
-    the line: a calibration on a busy machine can get the line's slope wrong either way
-    (docs/performance.md, "Refitting the verify costs' slope").
+    the line: a calibration on a busy machine can get the line's slope wrong either way.
 
     What no line holds, each width's steps correct: a CPU's matrix products cost the same from 1 to 6
-    rows and a seventh costs 15% more (docs/performance.md, "Trees that fit the flat part"). A width's
+    rows and a seventh costs 15% more. A width's
     correction is its steps' time over the line's, decayed at every step of any width, so that a width
     timed in a slow moment and then avoided drifts back to the line. It counts relative to all the
     widths' steps together, so it is shape only: steps at one width still rescale every width at once
@@ -486,7 +485,7 @@ class AdaptiveGamma:
         if best and mode == "tree":
             # The drafter's TREE_WIDTH likeliest first guesses, one depth: every depth more costs a draft
             # forward, and trees as deep as the chain the costs choose (TREE_WIDTH children a depth, or
-            # one) were slower with a head on a CPU (docs/performance.md, "A head's tree, one depth").
+            # one) were slower with a head on a CPU.
             self.tree_nodes = TREE_WIDTH
             return 1
         # A drafter that reports confidences guesses on while the rule says so, up to k_max.

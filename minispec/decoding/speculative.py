@@ -15,7 +15,7 @@ accepted iff it is the target's argmax, so the output equals target-only greedy 
 the vocabulary (a test checks it against `accept_and_resample` on one-hot p and q).
 Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l = 1 is exact.
 
-Requests are decoded together, each in a row of the static KV caches (minispec.engine; a lone request
+Requests are decoded together, each in a row of the static KV caches (minispec.decoding.engine; a lone request
 is a batch of one), and `step` is the loop body above for every row at once. After each step both
 models' cache rows are rolled back to the accepted sequence by moving their length pointers (the
 target's row always holds every accepted token but the last).

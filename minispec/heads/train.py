@@ -83,7 +83,7 @@ HELD_OUT = 20
 # minutes. EAGLE-3 heads: 5 epochs (0.56, 26 minutes), each costing about twice an EAGLE head's with the
 # training-time test's second step; 6 over the first 960 gave 0.52 in float32 products, 25 minutes. With
 # the prompts the target writes (default_prompts), 28 minutes. Within the half hour a CPU user is asked
-# to wait (docs/performance.md, "Answers' own states", "Prompts the target writes").
+# to wait.
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
 # EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
 # only). Two on SmolLM2's chat prompts, teacher-forced: the second guess right after a right first 0.36
@@ -96,7 +96,7 @@ def default_prompts(target, chat, generator, batch_size):
     other subject (960) and about 800 messages it writes itself (own_prompts, from OWN_PROMPTS tries);
     otherwise every subject under every template (1920). SmolLM2-135M's EAGLE-3 heads trained on 640 of
     each kind guessed its next token in its answers to docs/chat-prompts.txt 0.27 of the time (templates),
-    0.33 (its own) and 0.34 (half and half) (docs/performance.md, "Prompts the target writes")."""
+    0.33 (its own) and 0.34 (half and half)."""
     subjects = SUBJECTS[::2] if chat else SUBJECTS
     templated = [template.format(subject) for subject in subjects for template in TEMPLATES]
     return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size) if chat else templated

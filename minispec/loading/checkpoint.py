@@ -38,7 +38,7 @@ FAMILIES = {
 def resolve_checkpoint(name_or_path, keep_quantized=False):
     """A local checkpoint directory for `name_or_path`: an existing directory, a .gguf file (converted
     once into the weights folder, its quantized tensors kept quantized if asked), a built-in name
-    (minispec.builtin), or a hub id to fetch."""
+    (minispec.loading.builtin), or a hub id to fetch."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -230,7 +230,7 @@ def fingerprint(directory, quantize, group_size, tp=None):
 def release_freed_memory():
     """Hand the float weights' freed memory back to the system. glibc keeps freed heap memory for reuse,
     and quantizing leaves small tensors between the freed float temporaries, which then stays resident:
-    SmolLM2 int4 kept 360 MiB instead of 202 (docs/performance.md). Other C libraries: nothing to do."""
+    SmolLM2 int4 kept 360 MiB instead of 202. Other C libraries: nothing to do."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

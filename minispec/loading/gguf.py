@@ -1,6 +1,6 @@
 """Import a llama.cpp GGUF file: parse it, dequantize its tensors and write an ordinary checkpoint
 directory (config.json + model.safetensors + tokenizer files), once, so that later loads are plain
-safetensors loads through minispec.checkpoint. Or, with keep_quantized, keep the quantized tensors as
+safetensors loads through minispec.loading.checkpoint. Or, with keep_quantized, keep the quantized tensors as
 they are, in minispec.models.quant's stored form (int8 or int4 values with their scales and offsets),
 which dequantizes bit for bit to the same floats.
 

@@ -10,7 +10,7 @@ Decoding code (minispec.decoding) drives any family through these calls only:
     model.rollback(length)           # forget everything from `length` on: moves a pointer, copies nothing
     model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
 
-Requests decoded together (minispec.engine; a lone request is a batch of one) each keep a cache row
+Requests decoded together (minispec.decoding.engine; a lone request is a batch of one) each keep a cache row
 with its own length, which the caller holds:
 
     model.prepare_batch(rows, longest_prompt)   # T5: cross-attention memory for `rows` prompts
@@ -165,7 +165,7 @@ class CachedLM(nn.Module):
         self.encoder_calls = 0  # stays 0 for decoder-only models
         self.cache_batch_size = 0
         self.cache_max_seq_len = 0
-        # Set by the loader (minispec.checkpoint.load_model): tokenizer and special token ids.
+        # Set by the loader (minispec.loading.checkpoint.load_model): tokenizer and special token ids.
         self.tokenizer = None
         self.bos_token_id = None
         self.eos_token_ids = ()
@@ -371,14 +371,14 @@ class CachedLM(nn.Module):
         fed = n
         # On a CPU one graph serves every width above 1, its token dimension symbolic: a graph per power
         # of two of widths compiled for 15-20 s each (seven graphs for a 1.5B target and its draft), and
-        # fed the padded rows' arithmetic too (docs/performance.md, "One graph for every width").
+        # fed the padded rows' arithmetic too.
         any_width = compiled is not None and n > 1 and self.device.type == "cpu"
         if compiled is not None:  # on a GPU a graph per width bucket, not per width: the rest padded as above
             n = n if any_width else compiled_width(n)
             if any_width and parents is None and rows == 1:
                 # A lone request's chain as the tree it is: one graph serves its chains and trees, where
                 # two took twice the compiling; on a CPU the tree path costs what a chain's does (on a
-                # GPU 20% more: docs/performance.md, "Chains through the tree graphs").
+                # GPU 20% more).
                 parents = [list(range(-1, widths[0] - 1))]
             if n > fed:
                 tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)

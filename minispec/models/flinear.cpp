@@ -9,8 +9,7 @@
 // ROWS_AT_ONCE, each block's accumulators held in registers, and the tile (K x TILE floats, 72-192 KB at
 // SmolLM2's widths) stays in the core's L2 cache for the next block. A decode step is bound by reading
 // the weights, so more rows are free until the arithmetic catches up: SmolLM2's linear layers 18 ms at
-// 1-9 rows, 21 at 12, 28 at 16, against oneDNN's 24, 27, 31 and 35 (docs/performance.md, "A float32
-// kernel of our own").
+// 1-9 rows, 21 at 12, 28 at 16, against oneDNN's 24, 27, 31 and 35.
 //
 // Row invariance (docs/design.md): every output is one chain of fused multiply-adds over k = 0..K-1 in
 // order, from zero, then + bias, whatever the row count, the row's place in its block, the number of

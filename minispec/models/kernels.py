@@ -23,7 +23,7 @@ from . import native, pages
 # argmax. minispec's own float32 kernel (native.float_product, flinear.cpp) sums every row alike whatever
 # the row count, on a weight packed once, and costs about the same from 1 to 8 rows; where it is not
 # built, and for bfloat16 and float16, oneDNN's matmul over a weight packed for it does the same with
-# PACKED_MIN_ROWS below (docs/performance.md, row invariance and "A float32 kernel of our own").
+# PACKED_MIN_ROWS below.
 # The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
 # so compiled graphs hold no per-model constant and a target and its draft share graphs as before.
 # An entry lives as long as the weight's storage (not its Parameter, which outlives its data after
@@ -85,7 +85,7 @@ def forget(key, entry):
 # layers), so a 1-token step and a k-token verify rounded a token differently. Products of 2 to 40
 # rows agree there, so every product takes at least PACKED_MIN_ROWS rows, the rest zeros. 4, not 2:
 # 2-row products read the weights slowest there (SmolLM2 float32: a 2-token forward 37 ms, a 1- or
-# 4-token one 31; docs/performance.md, "On AVX-512, 1-row products").
+# 4-token one 31).
 PACKED_MIN_ROWS = 4
 
 
@@ -128,7 +128,7 @@ def _(x, weight, bias):
 
 
 # On CUDA, cuBLAS picks a GEMM kernel (tile shape, split-K) by the number of rows, so a row's sums depend
-# on how many rows share its product. Seen on an H100 (docs/performance.md, "GPU"): float32 products of
+# on how many rows share its product. Seen on an H100: float32 products of
 # 16 and 17+ rows differ, and bfloat16 ones of 64 and 65+ rows when K is 8192, so no padding to a multiple
 # keeps one kernel. Every CUDA product is therefore made of products of exactly CUDA_ROW_BLOCK rows (the
 # last block padded): one kernel for any width. 64 rows cost a bfloat16 decode step what 1 row costs,

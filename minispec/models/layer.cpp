@@ -6,8 +6,8 @@
 //
 // Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
 // products, not the products: SmolLM2-135M kept int4 ran ~55 operations a layer around 5 kernel calls,
-// each a few microseconds of dispatch, and PyTorch's RMSNorm on a CPU is seven of them (~30 µs a call)
-// (docs/performance.md, "One call a layer"). Here they are loops over a few hundred floats, and the
+// each a few microseconds of dispatch, and PyTorch's RMSNorm on a CPU is seven of them (~30 µs a call).
+// Here they are loops over a few hundred floats, and the
 // layers follow one another in C++: a call from Python costs ~20 µs of argument passing and dispatch,
 // 0.7 ms a step for 30 layers called one by one ("One call a forward").
 //

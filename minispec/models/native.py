@@ -5,7 +5,7 @@ on CPU too), for this machine's instruction set, and cached. Where they cannot b
 no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False and models.quant and
 models.kernels keep PyTorch's operations.
 
-Why kernels of our own: docs/performance.md, "CPU kernels" — PyTorch's int4 kernel for CPUs converts
+Why kernels of our own: PyTorch's int4 kernel for CPUs converts
 every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
 released package ships faster ones for x86; oneDNN's float32 product costs a quarter more from its
 7th row on, where a tree's verify wants 8-12 (flinear.cpp); a decode step's attention is about twenty

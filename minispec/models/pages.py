@@ -6,9 +6,8 @@ asked to back with transparent huge pages (madvise(MADV_HUGEPAGE), which most di
 Why: a decode step streams every weight once, and with 4 KiB pages each 4 KiB read is also a walk of
 the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages. SmolLM2's int4 step
 (~100 MB of packed weights) took 11-16% less time with its buffers in huge pages, and 5-11% less again
-at 600-3000 cached positions with its KV caches there too (docs/performance.md, "Q5_x in 5 bits,
-weights in huge pages"); its float32 step 7-13% less, with flinear.cpp's packed copies there ("A
-float32 kernel of our own").
+at 600-3000 cached positions with its KV caches there too; its float32 step 7-13% less,
+with flinear.cpp's packed copies there.
 """
 
 import ctypes

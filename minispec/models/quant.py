@@ -15,7 +15,7 @@ A quantized weight [out N, in K] has two forms:
 Kernels. On x86 CPUs, minispec's own (models/native.py, qlinear.cpp: the input quantized to int8 in
 blocks of 32 and integer dot products, as llama.cpp does; memory-bound for a decode step), built at
 first use; where it cannot be built, or for a shape it does not take, PyTorch's, measured on a 2-core
-AVX2 CPU (docs/performance.md, "Quantized weights"): with bfloat16 activations,
+AVX2 CPU: with bfloat16 activations,
 aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow
 paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a float32
 matmul), so those layers compute in bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast
@@ -35,7 +35,7 @@ from .kernels import linear
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 32  # GGUF's Q4 group; 64 runs as fast here (docs/performance.md) but is less accurate
+DEFAULT_GROUP_SIZE = 32  # GGUF's Q4 group; 64 runs as fast here but is less accurate
 # Token embeddings and the output head, in both modes: int8 in groups of 32 columns. The head decides
 # every argmax: per-channel int8 there changed SmolLM2's greedy tokens where groups of 32 did not.
 HEAD_GROUP_SIZE = 32
