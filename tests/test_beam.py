@@ -105,7 +105,7 @@ def test_speculative_beam_search_equals_beam_search(models, kind, w):
 
 
 def test_noisy_draft_saves_target_calls(models):
-    """The saving over plain beam search (also quoted in the README): w=4, u=8, gamma=3, 32 new tokens."""
+    """The saving over plain beam search: w=4, u=8, gamma=3, 32 new tokens."""
     report = []
     for kind in TARGETS:
         target = models[kind]["target"]
