@@ -558,7 +558,7 @@ def test_every_previewed_node_whose_parent_survived_is_checked():
     assert first[bin_of(0.5)] == [1.0, 1.0] and first[bin_of(0.3)] == [0.0, 1.0]
     assert later[bin_of(0.5)] == [1.0, 1.0] and later[bin_of(0.9)] == [0.0, 0.0]
     # one miss in its bin, shrunk towards a (which that step's accepted first guess raised)
-    assert chooser.survival(chooser.profile.tree_confidence[0], 0.3, True) == pytest.approx((0 + 2 * chooser.first.value) / 3)
+    assert chooser.survival(first, 0.3, True) == pytest.approx((0 + 2 * chooser.first.value) / 3)
 
 
 def test_a_tree_step_times_the_line_a_chain_is_priced_by():

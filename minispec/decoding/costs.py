@@ -1,11 +1,8 @@
 """What a speculative step costs, as gamma="auto" prices it (policy.py): T(k) = k·t_draft + t_verify(k + 1),
-t_verify(w) being a target forward over w tokens, which on a CPU grows with w.
-
-Both come from the steps decoding takes anyway, each timed by its own wall time (no extra host sync:
-the step has one). A pair never decoded here takes plain steps until one is timed, then prices the
-widths by a careful line through that step (PRIOR_SLOPE) and a draft step by the models' sizes.
-Requests in a batch time no step of their own, so a pair new to a batch is timed up front
-(`calibrate`), as is a draft model's step on a GPU, where reading its time would be a host sync.
+t_verify(w) being a target forward over w tokens, which on a CPU grows with w. Both come from the steps
+decoding takes anyway, each timed by its own wall time (the step's one host sync). A batch's steps are
+shared and time nothing, so a pair new to a batch is timed up front (`calibrate`), as is a draft
+model's step on a GPU, where reading its time would be a host sync.
 """
 
 import time
@@ -32,10 +29,9 @@ CALIBRATION_ROUNDS = 3  # the fastest of this many runs: other work only ever sl
 
 
 class NewPair(NamedTuple):
-    """How a pair that has timed nothing prices its first timed step into costs (first_costs)."""
-    positions: list  # the token positions each verify computes, for k = 0..k_max guesses
-    slope: float  # PRIOR_SLOPE of the target's device
-    draft_ratio: float  # a guess's cost over a plain step's: the draft's weights over the target's
+    """How a pair that has timed nothing prices its costs from its first timed step, a plain one."""
+    shape: list  # each verify width's time over that step's, index w (0 unused): the PRIOR_SLOPE line
+    draft_ratio: float  # a guess's time over that step's: the draft's weights over the target's
 
 
 def reads_on_host(drafter):
@@ -133,18 +129,12 @@ def time_draft(target, drafter, token, u):
 def new_pair(target, drafter, k_max, beams, draft_timed):
     """NewPair for a request's first timed step; draft_timed: whether t_draft is known already."""
     w, u = beams or (1, 0)
+    positions = [max(w + u * k, 1) * (k + 1) for k in range(k_max + 1)]  # the tokens each verify computes
+    slope = PRIOR_SLOPE.get(target.device.type, PRIOR_SLOPE["cpu"])
     ratio = 0.0  # a host drafter's cost is measured on its first steps with guesses
     if not draft_timed and drafter.model is not None:  # a sharded target's slices differ from rank to rank
         ratio, = agreed(tp_of(target), [weight_bytes(drafter.model) / weight_bytes(target)])
-    return NewPair([max(w + u * k, 1) * (k + 1) for k in range(k_max + 1)],
-                   PRIOR_SLOPE.get(target.device.type, PRIOR_SLOPE["cpu"]), ratio)
-
-
-def first_costs(pair, seconds, t_draft):
-    """A new pair's verify costs and t_draft after its first timed step, a plain one of `seconds`."""
-    x0 = pair.positions[0]
-    line = [0.0] + [seconds * (1 + pair.slope * (x - x0)) for x in pair.positions]
-    return VerifyCost(line), pair.draft_ratio * seconds if t_draft is None else t_draft
+    return NewPair([0.0] + [1 + slope * (x - positions[0]) for x in positions], ratio)
 
 
 def straight_line(xs, ys):
@@ -169,21 +159,18 @@ class VerifyCost:
     """t_verify(w), seconds of a target forward over w tokens: the pair's line through the widths (as
     calibrated, or as its last request left it), refitted to every step's own time.
 
-    In units of the line's 1-token time, a w-token verify costs level + slope·u(w), where u(w) is what
-    the line adds over one token: level follows how fast the machine runs now, slope what each token
-    more costs. Both are fitted by least squares to the steps, recent ones weighing more, with the line
-    itself counting as a memory's worth of steps at its two ends, and a penalty on slope − level: steps
-    all at one width cannot tell the two apart, so they rescale every width at once, keeping the
-    line's ratios (a width refined alone, timed in a slow moment, would keep its stale time, never be
-    chosen, and so never be corrected). Steps spread over widths bend the line, so a calibration on a
-    busy machine that got the slope wrong is put right.
+    In units of the line's 1-token time, a w-token verify costs level + slope·u(w), u(w) being what the
+    line adds over one token. Both are fitted by least squares to the steps, recent ones weighing more,
+    the line itself counting as a memory's worth of steps at its two ends, with a penalty on slope −
+    level: steps all at one width rescale every width at once (a width refined alone, timed in a slow
+    moment, would never be chosen again, so never corrected), and steps spread over widths bend the
+    line, so a calibration that got the slope wrong is put right.
 
-    What no line holds, each width's steps correct: a CPU's matrix products may cost the same over a few
-    rows and jump at the next. A width's correction is its steps' time over the line's, decayed at every
-    step of any width, so that a width timed in a slow moment and then avoided drifts back to the line.
-    It counts relative to all the widths' steps together, so it is shape only: plain steps alone must
-    not make guesses look dearer while the line catches up with a faster machine. The line a request
-    leaves for the next (line()) keeps the corrections as its shape."""
+    What no line holds (a CPU's products may cost the same over a few rows and jump at the next), each
+    width's steps correct: its steps' time over the line's, decayed at every step of any width so that
+    a width timed in a slow moment drifts back, and relative to all the widths' steps together, so that
+    plain steps alone do not make guesses look dearer while the line catches up with a faster machine.
+    line() keeps the corrections as the next request's shape."""
 
     def __init__(self, line):
         self.one = line[1]

@@ -5,19 +5,16 @@ costs its steps measured (costs.py), both kept for the pair's next request and p
 
 - A drafter whose guesses cost nothing to preview (lookup; ngram when greedy) is checked every step,
   guessing or not: its preview against the tokens the target emitted is exactly what verification
-  would have found (a guess x survives with probability p(x), the chance that the target's token is
-  x), so its rates stay current without spending a forward, and a step takes the k that pays most for
-  these very guesses, each priced by its confidence bin.
+  would have found, so its rates stay current without spending a forward, and a step takes the k that
+  pays most for these very guesses, each priced by its confidence bin.
 - A draft model that reads its confidence in each guess for free (on a CPU) stops early once one more
   guess costs more time than it is expected to gain (`keep_guessing`).
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
-  1-guess probe checks whether speculation pays again, unless the costs say that even guesses that all
-  survive would not pay (speculative beam search on a CPU, whose verify forwards are w + u·k rows).
-- With tree="auto" (tree.py), a previewing drafter offers its tree every step, likeliest nodes first,
-  and the policy verifies its first nodes with the most expected tokens per second (`plan_tree`). A
-  drafter whose trees cost forwards to grow (a draft model, a head) cannot be previewed: the policy
-  keeps the tokens per second its chain, tree and plain steps measured, takes the faster of chains
-  and trees, and probes the other now and then (`choose_mode`).
+  1-guess probe checks whether speculation pays again, where guesses that all survive would pay.
+- With tree="auto" (tree.py), a previewing drafter offers its tree every step and the policy verifies
+  its first nodes with the most expected tokens per second (`plan_tree`); a drafter whose trees cost
+  forwards to grow (a draft model, a head) takes the faster of chains and trees by their measured
+  tokens per second, probing the other now and then (`choose_mode`).
 
 Exactness is untouched: the policy only chooses how many guesses Algorithm 1 verifies, and in what shape.
 """
@@ -26,15 +23,15 @@ import weakref
 from typing import Callable, NamedTuple, Optional
 
 from . import profiles
-from .costs import VerifyCost, agreed, calibrate, first_costs, new_pair, reads_on_host, refined, time_draft, tp_of
+from .costs import VerifyCost, agreed, calibrate, new_pair, reads_on_host, refined, time_draft, tp_of
 from .drafters import TREE_WIDTH
 from .profiles import PROBE_AFTER, PROBE_MAX, PairProfile
 from .rates import Rate, Seen, carried, count, shrunk
 from .sampling import is_integer
 from .tree import TREE_AUTO, chain_length, depths
 
-GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses: past 8, a CPU's verify costs more than guesses bring
-BEAM_GAMMA_MAX = 4  # and among 0..4 draft beam steps in speculative beam search, each verifying w + u·k rows
+GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses: the longest fixed γ it was measured against
+BEAM_GAMMA_MAX = 4  # fewer draft beam steps in speculative beam search, each verifying w + u·k rows
 # Per step of each kind (chain, tree, plain), so that their tokens per second follow the last ~30 such
 # steps: a step makes 1 to k + 1 tokens, and over fewer a short run of rejections would price a mode out.
 MODE_DECAY = 0.97
@@ -138,10 +135,8 @@ class AdaptiveGamma:
                         new_pair(target, drafter, self.k_max, beams, profile.t_draft is not None))
 
     def start_from(self, profile, drafting, tp=None, pair=None):
-        """start's second half, from the pair's profile (tests start here): `drafting` says what the
-        drafter allows; tp: the target's tensor-parallel group, whose rank 0's timings every rank takes
-        (`agreed`); pair: how the first timed step prices the widths (costs.NewPair), for a pair that
-        has timed nothing."""
+        """start's second half, from the pair's profile (tests start here). tp: the target's tensor-
+        parallel group, whose rank 0's timings every rank takes; pair: a costs.NewPair."""
         self.profile, self.drafting, self.tp, self.pair = profile, drafting, tp, pair
         self.verify = None if profile.t_verify is None else VerifyCost(profile.t_verify)  # None: nothing timed
         self.t_draft = profile.t_draft  # None: nothing timed
@@ -155,7 +150,6 @@ class AdaptiveGamma:
         self.histogram = [0] * (self.k_max + 1)
         self.guessed_last_step, self.expected_tokens, self.seen = False, 0.0, Seen()
 
-    # --- E(k) and T(k) ---
 
     def expected(self, k):
         """E(k): expected new tokens of a step with k guesses."""
@@ -182,7 +176,6 @@ class AdaptiveGamma:
     def seconds(self, k):
         return k * self.t_draft + self.verify(k + 1)
 
-    # --- the choice ---
 
     def guesses(self):
         self.tree_nodes = None
@@ -247,7 +240,6 @@ class AdaptiveGamma:
                 return True
         return False
 
-    # --- trees ---
 
     def plan_tree(self):
         """The previewed tree's first nodes with the most expected tokens per second, up to k_max nodes
@@ -313,7 +305,6 @@ class AdaptiveGamma:
             profile.mode_probe_after = min(2 * profile.mode_probe_after, PROBE_MAX)
         return Mode(other, True)
 
-    # --- what a step taught ---
 
     def observe(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
         """A step made k guesses, the target accepted n and emitted `emitted` (host ids; a stop may cut
@@ -349,7 +340,7 @@ class AdaptiveGamma:
                 if self.later is None:
                     self.later = Rate(self.first.value)
                 self.later.add(n - (n > 0), verified - 1)
-            self.seen = self.seen.plus(n, verified)
+            self.seen = Seen(*(x + y for x, y in zip(self.seen, (n > 0, 1, n - (n > 0), verified - 1))))
         if verified <= 1 and self.later is not None:
             # Nothing checked after an accepted guess: b drifts to a (the i.i.d. model), or a low b
             # learnt on other text would keep a sure draft at one guess a step, never measuring b again.
@@ -360,7 +351,8 @@ class AdaptiveGamma:
     def learn_costs(self, k, tokens, nodes, regular, draft_seconds, step_seconds):
         """A timed step of k guesses (nodes: a tree's) made `tokens`; regular: it followed one with guesses."""
         if self.verify is None:  # the pair's first timed step, a plain one
-            self.verify, self.t_draft = first_costs(self.pair, step_seconds, self.t_draft)
+            self.verify = VerifyCost([step_seconds * t for t in self.pair.shape])
+            self.t_draft = self.pair.draft_ratio * step_seconds if self.t_draft is None else self.t_draft
             return
         if regular or not k:
             mode = self.profile.modes["plain" if not k else "tree" if nodes else "chain"]

@@ -11,7 +11,6 @@ leaves the last complete one; a file that cannot be read is ignored, with a note
 
 import hashlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..loading.builtin import weights_dir
-from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA, new_bins
+from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA
 
 VERSION = 9  # of the files' contents: files of another version, whose costs were other kernels', are ignored
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
@@ -42,8 +41,10 @@ class PairProfile:
         # worth its cost at that prior, none would be made, and b never measured.
         self.first, self.later = DEFAULT_ALPHA, None
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
-        self.confidence = new_bins()  # the chains' verified guesses per bin of the drafter's confidence
-        self.tree_confidence = [new_bins(), new_bins()]  # previewed tree nodes', at depth 1 and deeper
+        # decayed [accepted, verified] guesses per bin of the drafter's confidence (rates.py): the chains',
+        # and the previewed tree nodes' at depth 1 and deeper
+        self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
+        self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
         # decayed [tokens, seconds, steps] of the steps with guesses verified as chains and as trees, and
         # of plain steps (tree="auto" with a drafter whose trees cannot be previewed)
         self.modes = {"chain": [0.0, 0.0, 0.0], "tree": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]}
@@ -107,28 +108,27 @@ def load(key, profile):
 
 def check(values, widths):
     """A file's values as the policy needs them: finite seconds, rates in [0, 1], counts >= 0."""
-    def number(x, low=0.0, high=math.inf):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high
+    def number(x, high):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= high
 
-    def line(times, length):  # None: a pair whose requests were too short to time such a step
-        return times is None or (isinstance(times, list) and len(times) == length
-                                 and all(number(t, high=1e6) for t in times))
+    def numbers(xs, length, high, check=number):
+        return isinstance(xs, list) and len(xs) == length and all(check(x, high) for x in xs)
 
-    def counts(pair, high=1e9):
-        return isinstance(pair, list) and len(pair) == 2 and number(pair[1], high=high) and number(pair[0], high=pair[1])
+    def counts(pair, high):  # [accepted, verified]
+        return numbers(pair, 2, high) and pair[0] <= pair[1]
 
-    modes = values["modes"]
-    fine = (line(values["t_verify"], widths) and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
-            and all(isinstance(m, list) and len(m) == 3 and all(number(x, high=1e9) for x in m) for m in modes.values())
-            and isinstance(values["tree_confidence"], list) and len(values["tree_confidence"]) == 2
-            and all(isinstance(b, list) and len(b) == CONFIDENCE_BINS and all(counts(c) for c in b)
-                    for b in values["tree_confidence"]))
-    fine = (fine and (values["t_draft"] is None or number(values["t_draft"], high=1e6))
-            and number(values["first"], high=1.0) and (values["later"] is None or number(values["later"], high=1.0))
-            and isinstance(values["plain_steps"], int) and values["plain_steps"] >= 0
-            and isinstance(values["probe_after"], int) and values["probe_after"] >= 1
-            and isinstance(values["confidence"], list) and len(values["confidence"]) == CONFIDENCE_BINS
-            and all(counts(c) for c in values["confidence"]))
+    def bins(counted, high):
+        return numbers(counted, CONFIDENCE_BINS, high, counts)
+
+    v, modes = values, values["modes"]
+    fine = ((v["t_verify"] is None or numbers(v["t_verify"], widths, 1e6))  # None: no step timed yet
+            and (v["t_draft"] is None or number(v["t_draft"], 1e6))
+            and number(v["first"], 1.0) and (v["later"] is None or number(v["later"], 1.0))
+            and isinstance(v["plain_steps"], int) and v["plain_steps"] >= 0
+            and isinstance(v["probe_after"], int) and v["probe_after"] >= 1
+            and bins(v["confidence"], 1e9) and numbers(v["tree_confidence"], 2, 1e9, bins)
+            and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
+            and all(numbers(m, 3, 1e9) for m in modes.values()))
     if not fine:
         raise ValueError("values out of range or of another shape")
 

@@ -1,10 +1,7 @@
-"""The chances that guesses survive verification, as gamma="auto" estimates them (policy.py).
-
-A step with k guesses yields E(k) = 1 + a·(1 − b^k) / (1 − b) tokens, a being the chance that its
-first guess survives and b that a guess survives given the one before did (paper Theorem 3.8 is
-a = b = α). Two rates, because guesses come in runs: lookup's copy either holds for a while or fails
-at once. A drafter's confidence in a guess says more still, so a pair also keeps a rate per bin of
-that confidence, shrunk towards a (or b) while a bin has seen few guesses.
+"""The chances that guesses survive verification, as gamma="auto" estimates them (policy.py): a that a
+step's first guess survives and b that a guess survives given the one before did (Theorem 3.8's α is
+a = b; two rates, because guesses come in runs), and a rate per bin of the drafter's confidence in a
+guess, shrunk towards a (or b) while its bin has seen few.
 """
 
 from typing import NamedTuple
@@ -44,11 +41,6 @@ class Seen(NamedTuple):
     later_accepted: int = 0
     later_verified: int = 0
 
-    def plus(self, n, verified):
-        """After a step that accepted n guesses of the `verified` it checked."""
-        return Seen(self.first_accepted + (n > 0), self.first_verified + 1,
-                    self.later_accepted + n - (n > 0), self.later_verified + verified - 1)
-
 
 def carried(accepted, verified, prior):
     """A pair's rate after a request that saw `accepted` of `verified`, from `prior` (HISTORY_WEIGHT)."""
@@ -57,11 +49,6 @@ def carried(accepted, verified, prior):
 
 def bin_of(confidence):
     return min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
-
-
-def new_bins():
-    """Decayed [accepted, verified] guesses per confidence bin (lists: they are kept as JSON)."""
-    return [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
 
 
 def count(bins, confidence, survived):
