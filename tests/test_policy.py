@@ -355,6 +355,18 @@ def pair(tmp_path_factory):
     }
 
 
+def test_what_each_drafter_lets_the_policy_do(pair):
+    """lookup is previewed, its trees too under tree="auto", but not in beam search; a draft model on a
+    CPU stops early on its confidence (not in beam search), and its trees are chosen by measured speed."""
+    target = pair["target"]
+    lookup, model = drafters.make_drafter("lookup", target), drafters.make_drafter(pair["same"], target)
+    assert policy.drafting(lookup, None, False) == Drafting(preview=lookup.preview)
+    assert policy.drafting(lookup, None, True) == Drafting(preview=lookup.preview, preview_tree=lookup.preview_tree)
+    assert policy.drafting(model, None, False) == Drafting(early_stop=True)
+    assert policy.drafting(model, None, True) == Drafting(early_stop=True, branching=True)
+    assert policy.drafting(lookup, (2, 2), False) == policy.drafting(model, (2, 2), False) == Drafting()
+
+
 def test_end_to_end_long_drafts_when_alpha_is_high_and_none_when_low(pair, known_costs):
     target = pair["target"]
     plain = minispec.generate(target, PROMPT, max_new_tokens=60, ignore_eos=True)
