@@ -150,7 +150,6 @@ class AdaptiveGamma:
         self.histogram = [0] * (self.k_max + 1)
         self.guessed_last_step, self.expected_tokens, self.seen = False, 0.0, Seen()
 
-
     def expected(self, k):
         """E(k): expected new tokens of a step with k guesses."""
         a, b = self.first.value, self.later_rate()
@@ -175,7 +174,6 @@ class AdaptiveGamma:
 
     def seconds(self, k):
         return k * self.t_draft + self.verify(k + 1)
-
 
     def guesses(self):
         self.tree_nodes = None
@@ -240,7 +238,6 @@ class AdaptiveGamma:
                 return True
         return False
 
-
     def plan_tree(self):
         """The previewed tree's first nodes with the most expected tokens per second, up to k_max nodes
         that form a chain or TREE_AUTO that branch: sets tree_nodes to their number (None: no guess) and
@@ -304,7 +301,6 @@ class AdaptiveGamma:
         if profile.modes[other][2] >= MODE_EVIDENCE:
             profile.mode_probe_after = min(2 * profile.mode_probe_after, PROBE_MAX)
         return Mode(other, True)
-
 
     def observe(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
         """A step made k guesses, the target accepted n and emitted `emitted` (host ids; a stop may cut
