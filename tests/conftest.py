@@ -175,14 +175,14 @@ def known_costs(monkeypatch):
     steps, these no faster than plain ones (so its trees come only as the policy's counted tries, not
     as the machine's timings happen to fall). The tiny models' real costs make speculation pointless
     (a draft as large as its target), so without this "auto" would mostly decide not to guess."""
-    from minispec.decoding import policy
+    from minispec.decoding import costs, policy
 
     def stored_profile(profile):  # as if a former process had measured these
         profile.t_verify, profile.t_draft = [0.0] + [1.0] * (policy.GAMMA_MAX + 1), 0.1
         profile.modes = {"chain": Kept([2.0, 1.0, 1.0]), "tree": Kept([1.0, 1.0, 1.0]), "plain": Kept([1.0, 1.0, 1.0])}
 
     monkeypatch.setattr(policy, "stored_profile", stored_profile)
-    monkeypatch.setattr(policy, "TIME_SMOOTHING", 0.0)
+    monkeypatch.setattr(costs, "TIME_SMOOTHING", 0.0)
     monkeypatch.setattr(policy.VerifyCost, "add", lambda self, width, seconds: None)
     monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
 

@@ -10,18 +10,18 @@ import torch
 from conftest import make_reference, save_reference
 
 import minispec
-from minispec.decoding import drafters, policy, profiles
-from minispec.decoding.policy import AdaptiveGamma, FixedGamma, make_policy
+from minispec.decoding import costs, drafters, policy, profiles, rates
+from minispec.decoding.policy import AdaptiveGamma, Drafting, FixedGamma, make_policy
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 
 
 def adaptive(alpha, t_verify, t_draft, k_max=8, confident_drafter=False):
     """An AdaptiveGamma starting a request with the given α and timings, as if measured."""
-    profile = policy.PairProfile()
+    profile = profiles.PairProfile()
     profile.t_verify, profile.t_draft, profile.first, profile.later = [0.0, *t_verify], t_draft, alpha, alpha
     chooser = AdaptiveGamma(k_max)
-    chooser.begin(profile, early_stop=confident_drafter, measure_draft=True)
+    chooser.start_from(profile, Drafting(early_stop=confident_drafter))
     return chooser
 
 
@@ -33,10 +33,10 @@ def test_expected_tokens_is_theorem_3_8_per_step_with_a_first_and_a_later_rate()
     chooser = adaptive(0.8, FLAT, 0.1)
     assert chooser.expected(0) == pytest.approx(1.0)
     assert chooser.expected(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)  # a = b: the i.i.d. model
-    chooser.first, chooser.later = policy.Rate(0.5, 1.0), policy.Rate(1.0, 1.0)
+    chooser.first, chooser.later = rates.Rate(0.5, 1.0), rates.Rate(1.0, 1.0)
     assert chooser.expected(3) == pytest.approx(1 + 0.5 * 3)  # a run that, once started, always holds
-    chooser.first = policy.Rate(0.2, 1.0)
-    chooser.later = policy.Rate(0.9, 1.0)
+    chooser.first = rates.Rate(0.2, 1.0)
+    chooser.later = rates.Rate(0.9, 1.0)
     assert chooser.expected(2) == pytest.approx(1 + 0.2 + 0.2 * 0.9)
 
 
@@ -74,11 +74,11 @@ def test_a_drafter_with_a_preview_is_checked_on_every_step_guessing_or_not():
     upcoming = [[7, 8, 9, 10]]
     chooser = adaptive(0.05, STEEP, 0.0)
     preview = lambda k: (upcoming[0][:k], [0.5] * len(upcoming[0][:k]))  # noqa: E731
-    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=preview)
+    chooser.start_from(chooser.profile, Drafting(preview=preview))
     assert chooser.guesses() == 0  # unpromising so far: a plain step, with a look at what it would guess
     chooser.observe(k=0, n=0, emitted=[7], draft_seconds=0.0, step_seconds=1.0)  # the first guess was right
     before = chooser.first.value
-    assert before > 0.05 and chooser.later.verified == pytest.approx(policy.PRIOR_WEIGHT)  # nothing after it seen
+    assert before > 0.05 and chooser.later.verified == pytest.approx(rates.PRIOR_WEIGHT)  # nothing after it seen
     for _ in range(30):  # a copy that holds: the target emits what the preview says
         k = chooser.guesses()
         chooser.observe(k=k, n=k, emitted=upcoming[0][:k + 1], draft_seconds=0.0, step_seconds=STEEP[k])
@@ -98,7 +98,7 @@ def test_a_previewing_drafter_guesses_as_far_as_its_confidence_in_these_guesses_
     sure = [1.0]
     chooser = adaptive(0.5, STEEP, 0.0)
     preview = lambda k: (upcoming[:k], sure * k)  # noqa: E731
-    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=preview)
+    chooser.start_from(chooser.profile, Drafting(preview=preview))
     for step in range(40):
         sure[0] = 1.0 if step % 2 else 0.2
         k = chooser.guesses()
@@ -113,7 +113,7 @@ def test_a_previewing_drafter_guesses_as_far_as_its_confidence_in_these_guesses_
 
 def test_a_guess_after_plain_steps_does_not_price_the_draft():
     """A probe after plain steps makes the draft model feed every token it skipped (a forward over many):
-    timing that as its guess priced guessing out for good (a 54 ms int8 draft at 86 ms, never re-timed).
+    timing that as its guess would price guessing out for good.
     Only guesses right after guesses refine t_draft."""
     chooser = adaptive(0.5, STEEP, 0.5)
     for _ in range(8):
@@ -121,7 +121,7 @@ def test_a_guess_after_plain_steps_does_not_price_the_draft():
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=5.0, step_seconds=5.0 + STEEP[1])  # the catch-up
     assert chooser.t_draft == 0.5 and chooser.verify(2) == pytest.approx(STEEP[1])
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.6, step_seconds=0.6 + STEEP[1])
-    assert chooser.t_draft == pytest.approx(0.5 + policy.TIME_SMOOTHING * 0.1)
+    assert chooser.t_draft == pytest.approx(0.5 + costs.TIME_SMOOTHING * 0.1)
 
 
 def test_a_host_drafters_cost_is_measured_from_its_steps():
@@ -142,14 +142,14 @@ def test_calibrated_widths_lie_on_a_line_through_their_timings(monkeypatch, beam
     positions = [(w + u * k) * (k + 1) for k in range(5)]
     noise = [0.0, 0.2, -0.2, 0.0, 0.0]
     timed = {k: 1.0 + 0.1 * x + noise[k] for k, x in enumerate(positions)}
-    monkeypatch.setattr(policy, "fastest", lambda forwards, device: dict(timed, draft=0.3))
+    monkeypatch.setattr(costs, "fastest", lambda forwards, device: dict(timed, draft=0.3))
     target = SimpleNamespace(rollback=lambda length: None, length=0, device=torch.device("cpu"))
-    profile = policy.PairProfile()
-    policy.calibrate(profile, target, SimpleNamespace(model=None), torch.tensor(5), 4, beams)
+    profile = profiles.PairProfile()
+    costs.calibrate(profile, target, SimpleNamespace(model=None), torch.tensor(5), 4, beams)
     fitted = profile.t_verify[1:]
     assert all(a < b for a, b in zip(fitted, fitted[1:]))  # the 2-3 inversion is gone
     assert fitted == pytest.approx([1.0 + 0.1 * x for x in positions], abs=0.1)
-    assert policy.straight_line([1, 2, 3], [2.0, 1.0, 1.5]) == pytest.approx([1.5] * 3)  # never falling
+    assert costs.straight_line([1, 2, 3], [2.0, 1.0, 1.5]) == pytest.approx([1.5] * 3)  # never falling
 
 
 def test_timings_are_refined_from_each_step():
@@ -168,8 +168,8 @@ def test_timings_are_refined_from_each_step():
 
 
 def test_steps_at_several_widths_refit_the_slope_of_the_verify_costs():
-    """A calibration taken on a busy machine had a 9-token verify at 1.7x a 1-token one where steps
-    took 1.44x. Steps that spread over widths bend the line to what they take, whatever the level."""
+    """A calibration taken on a busy machine may get the slope wrong. Steps that spread over widths bend
+    the line to what they take, whatever the level."""
     chooser = adaptive(0.95, STEEP, 0.3)  # calibrated: 1 s, and each token more adds 0.25 s
     true = [1.3 * (1.0 + 0.15 * w) for w in range(9)]  # the machine is slower, and extra tokens cheaper
     for step in range(60):
@@ -202,8 +202,8 @@ def test_a_width_the_line_misses_is_corrected_by_its_own_steps():
 
 
 def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
-    """A compiled draft compiles a graph the first time it decodes a new width: one proposal took 9 s
-    instead of 0.1. That must not price guessing out for the rest of the pair's life."""
+    """A compiled draft compiles a graph the first time it decodes a new width: one proposal takes 90
+    times its usual time. That must not price guessing out for the rest of the pair's life."""
     chooser = adaptive(0.9, FLAT, 0.1)
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.1, step_seconds=1.1)  # as calibrated
     chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=9.0, step_seconds=19.0)  # and the verify 10 s
@@ -234,7 +234,7 @@ def test_no_probe_where_even_perfect_guesses_would_not_pay():
         chooser.observe(k=0, n=0, emitted=[1], draft_seconds=0.0, step_seconds=1.0)
     assert chooser.could_pay() is False
     # cheaper verification: the next plain step is followed by a probe
-    chooser.verify = policy.VerifyCost([0.0, *STEEP])
+    chooser.verify = costs.VerifyCost([0.0, *STEEP])
     assert chooser.could_pay() is True and chooser.guesses() == 1
 
 
@@ -244,7 +244,7 @@ def test_plain_steps_count_toward_a_probe_across_requests():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []
     for _ in range(4):  # 4 requests of 3 steps
-        chooser.begin(chooser.profile, early_stop=False, measure_draft=True)
+        chooser.start_from(chooser.profile, Drafting())
         for _ in range(3):
             k = chooser.guesses()
             choices.append(k)
@@ -255,10 +255,10 @@ def test_plain_steps_count_toward_a_probe_across_requests():
 def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
     """A sure draft whose first guesses all survive: with b at a prior of 0.6 its second guess would not
     be worth a guess's cost, none would be made and b never measured. Until one is, b is a."""
-    profile = policy.PairProfile()  # a new pair: nothing measured but its timings
+    profile = profiles.PairProfile()  # a new pair: nothing measured but its timings
     profile.t_verify, profile.t_draft = [0.0, *FLAT], 0.5
     chooser = AdaptiveGamma(8)
-    chooser.begin(profile, early_stop=True, measure_draft=True)
+    chooser.start_from(profile, Drafting(early_stop=True))
     for _ in range(20):  # one sure guess a step, each accepted
         chooser.guesses()
         chooser.keep_guessing(1, 0.99)
@@ -267,11 +267,11 @@ def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
     chooser.guesses()
     assert chooser.keep_guessing(1, 0.99)  # a second guess pays at b = a
     chooser.profile.later = 0.6  # what a prior of its own did: stuck at one guess
-    chooser.begin(chooser.profile, early_stop=True, measure_draft=True)
+    chooser.start_from(chooser.profile, Drafting(early_stop=True))
     chooser.guesses()
     assert not chooser.keep_guessing(1, 0.99)
     chooser.profile.later = None
-    chooser.begin(chooser.profile, early_stop=True, measure_draft=True)
+    chooser.start_from(chooser.profile, Drafting(early_stop=True))
     chooser.guesses()
     chooser.keep_guessing(1, 0.99)
     chooser.keep_guessing(2, 0.99)
@@ -284,10 +284,10 @@ def test_the_rate_after_an_accepted_guess_follows_the_first_until_measured():
 def test_a_low_rate_after_an_accepted_guess_drifts_back_to_the_first_without_evidence():
     """b learnt low on other text and a sure draft now: at b = 0.5 a second guess does not pay, so none
     is made and b would never be measured again. Steps that check no later guess move b towards a."""
-    profile = policy.PairProfile()
+    profile = profiles.PairProfile()
     profile.t_verify, profile.t_draft, profile.first, profile.later = [0.0, *STEEP], 0.5, 0.99, 0.5
     chooser = AdaptiveGamma(8)
-    chooser.begin(profile, early_stop=True, measure_draft=True)
+    chooser.start_from(profile, Drafting(early_stop=True))
     seconds = 0.5 + STEEP[1]  # a guess and a 2-token verify
     for step in range(30):
         chooser.guesses()
@@ -300,7 +300,7 @@ def test_a_low_rate_after_an_accepted_guess_drifts_back_to_the_first_without_evi
 def test_keep_guessing_stops_when_the_draft_is_unsure():
     chooser = adaptive(0.7, FLAT, 0.2, confident_drafter=True)
     # what the confidence bins have learnt: sure guesses survive, unsure ones do not
-    chooser.confidence = [[0.1, 10.0], [1.0, 10.0], [5.0, 10.0], [8.0, 10.0], [9.9, 10.0]]
+    chooser.profile.confidence = [[0.1, 10.0], [1.0, 10.0], [5.0, 10.0], [8.0, 10.0], [9.9, 10.0]]
     assert chooser.guesses() == 8  # a drafter that reports confidences may go up to k_max
     assert chooser.keep_guessing(1, 0.95) and chooser.keep_guessing(2, 0.97)
     assert not chooser.keep_guessing(3, 0.05)  # survival now ~0.01: another guess is not worth its cost
@@ -327,10 +327,10 @@ def test_confidence_bins_learn_from_verified_guesses_only():
     chooser.guesses()
     for i, c in enumerate([0.9, 0.9, 0.1, 0.9], 1):
         chooser.keep_guessing(i, c)
-    before = [list(b) for b in chooser.confidence]
+    before = [list(b) for b in chooser.profile.confidence]
     chooser.observe(k=4, n=2, emitted=[1, 2, 3], draft_seconds=0.2, step_seconds=1.2)  # 1, 2 accepted, 3 not
-    top, low = chooser.confidence[4], chooser.confidence[0]
-    decay = policy.DECAY
+    top, low = chooser.profile.confidence[4], chooser.profile.confidence[0]
+    decay = rates.DECAY
     assert top == pytest.approx([(before[4][0] * decay + 1) * decay + 1, (before[4][1] * decay + 1) * decay + 1])
     assert low == pytest.approx([before[0][0] * decay, before[0][1] * decay + 1])
 
@@ -355,6 +355,18 @@ def pair(tmp_path_factory):
     }
 
 
+def test_what_each_drafter_lets_the_policy_do(pair):
+    """lookup is previewed, its trees too under tree="auto", but not in beam search; a draft model on a
+    CPU stops early on its confidence (not in beam search), and its trees are chosen by measured speed."""
+    target = pair["target"]
+    lookup, model = drafters.make_drafter("lookup", target), drafters.make_drafter(pair["same"], target)
+    assert policy.drafting(lookup, None, False) == Drafting(preview=lookup.preview)
+    assert policy.drafting(lookup, None, True) == Drafting(preview=lookup.preview, preview_tree=lookup.preview_tree)
+    assert policy.drafting(model, None, False) == Drafting(early_stop=True)
+    assert policy.drafting(model, None, True) == Drafting(early_stop=True, branching=True)
+    assert policy.drafting(lookup, (2, 2), False) == policy.drafting(model, (2, 2), False) == Drafting()
+
+
 def test_end_to_end_long_drafts_when_alpha_is_high_and_none_when_low(pair, known_costs):
     target = pair["target"]
     plain = minispec.generate(target, PROMPT, max_new_tokens=60, ignore_eos=True)
@@ -375,7 +387,7 @@ def test_the_prior_carries_alpha_to_the_next_request(pair, known_costs):
     second = minispec.generate(target, PROMPT, draft=draft, gamma="auto", max_new_tokens=40, ignore_eos=True)
     # the first request starts hopeful (DEFAULT_ALPHA) and learns; the second starts from what it learnt
     assert first.stats["guesses_histogram"][0] < second.stats["guesses_histogram"][0]
-    assert policy.PROFILES[target][id(draft), None].first < policy.DEFAULT_ALPHA
+    assert policy.PROFILES[target][id(draft), None].first < rates.DEFAULT_ALPHA
 
 
 def test_stats_report_the_cost_model(pair):
@@ -386,7 +398,7 @@ def test_stats_report_the_cost_model(pair):
     assert all(t > 0 for t in stats["cost_model"]["t_verify"].values())
     assert all(0 <= rate <= 1 for rate in stats["alpha_estimate"].values()) and stats["expected_tokens_per_call"] >= 1
     by_confidence = stats["acceptance_by_confidence"]
-    assert len(by_confidence) == policy.CONFIDENCE_BINS and any(rate is not None for rate in by_confidence)
+    assert len(by_confidence) == rates.CONFIDENCE_BINS and any(rate is not None for rate in by_confidence)
     assert all(rate is None or 0 <= rate <= 1 for rate in by_confidence)
 
 
@@ -451,7 +463,7 @@ def test_costs_are_kept_for_the_next_process(pair, fresh_profiles, steady_clock,
     chooser.start(target, drafters.make_drafter(draft, target), torch.tensor([REPEATING]))
     # costs known from its first step, and the rates the last process learnt
     assert chooser.verify is not None and chooser.profile.t_verify == stored["profile"]["t_verify"]
-    assert chooser.first.value == pytest.approx(stored["profile"]["first"]) != policy.DEFAULT_ALPHA
+    assert chooser.first.value == pytest.approx(stored["profile"]["first"]) != rates.DEFAULT_ALPHA
     monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
     torch.set_num_threads(2)  # another setting the costs depend on: another file
     try:
@@ -517,8 +529,7 @@ TREE = ([7, 8, 9, 20, 21], [-1, 0, 1, -1, 0], [0.5, 0.5, 0.5, 0.3, 0.3])
 
 def tree_chooser(t_verify, tree=TREE, alpha=0.5):
     chooser = adaptive(alpha, t_verify, 0.0)
-    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, preview=lambda k: ([], []),
-                  preview_tree=lambda k, budget: tree)
+    chooser.start_from(chooser.profile, Drafting(preview=lambda k: ([], []), preview_tree=lambda k, budget: tree))
     return chooser
 
 
@@ -555,11 +566,11 @@ def test_every_previewed_node_whose_parent_survived_is_checked():
     chooser.guesses()
     chooser.observe(k=2, n=2, emitted=[7, 8, 40], draft_seconds=0.0, step_seconds=1.2, nodes=4)
     first, later = chooser.profile.tree_confidence
-    bin_of = policy.AdaptiveGamma.bin
+    bin_of = rates.bin_of
     assert first[bin_of(0.5)] == [1.0, 1.0] and first[bin_of(0.3)] == [0.0, 1.0]
     assert later[bin_of(0.5)] == [1.0, 1.0] and later[bin_of(0.9)] == [0.0, 0.0]
     # one miss in its bin, shrunk towards a (which that step's accepted first guess raised)
-    assert chooser.tree_survival(0.3, 1) == pytest.approx((0 + 2 * chooser.first.value) / 3)
+    assert chooser.survival(first, 0.3, True) == pytest.approx((0 + 2 * chooser.first.value) / 3)
 
 
 def test_a_tree_step_times_the_line_a_chain_is_priced_by():
@@ -573,7 +584,7 @@ def test_a_tree_step_times_the_line_a_chain_is_priced_by():
     # a draft model's tree, chosen by measured speed: its k guesses took fewer draft forwards than k,
     # so a GPU's verify time (the step's less k drafts) would be off; it times no line
     chooser = adaptive(0.9, FLAT, 0.05)
-    chooser.begin(chooser.profile, early_stop=False, measure_draft=False, branching=True)
+    chooser.start_from(chooser.profile, Drafting(measure_draft=False, branching=True))
     before = chooser.verify(5)
     for _ in range(10):
         chooser.observe(k=2, n=1, emitted=[7, 30], draft_seconds=0.0, step_seconds=3.0, nodes=4)
@@ -587,7 +598,7 @@ def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_o
     the other tried every PROBE_AFTER steps until it has MODE_EVIDENCE steps to its name, then at
     intervals that double while it stays behind."""
     chooser = adaptive(0.9, FLAT, 0.05)
-    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, branching=True)
+    chooser.start_from(chooser.profile, Drafting(branching=True))
     trees = []
     for _ in range(300):
         k = chooser.guesses()
@@ -596,11 +607,11 @@ def test_a_branching_drafter_takes_the_faster_of_chain_and_tree_and_probes_the_o
         chooser.observe(k=k, n=len(emitted) - 1, emitted=emitted, draft_seconds=0.1, step_seconds=1.0,
                         nodes=chooser.tree_nodes or 0)
     first_tree = trees.index(True)
-    assert first_tree == policy.PROBE_AFTER - 1
+    assert first_tree == profiles.PROBE_AFTER - 1
     probes = [i for i in range(first_tree, len(trees)) if trees[i] == (most == "chain")]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[0] == policy.PROBE_AFTER and all(b in (a, 2 * a) for a, b in zip(gaps, gaps[1:]))
-    assert gaps.count(policy.PROBE_AFTER) >= 4 and gaps[-1] >= 64  # 8 steps apart till measured, then 16, 32, ..
+    assert gaps[0] == profiles.PROBE_AFTER and all(b in (a, 2 * a) for a, b in zip(gaps, gaps[1:]))
+    assert gaps.count(profiles.PROBE_AFTER) >= 4 and gaps[-1] >= 64  # 8 steps apart till measured, then 16, 32, ..
 
 
 def test_trees_that_lose_their_first_probes_by_chance_are_measured_before_being_left():
@@ -608,7 +619,7 @@ def test_trees_that_lose_their_first_probes_by_chance_are_measured_before_being_
     two probes. They are probed every PROBE_AFTER steps until measured over MODE_EVIDENCE steps, and so
     taken within ~50 steps, not after the 250 that doubling intervals from the first probe would take."""
     chooser = adaptive(0.9, FLAT, 0.05)
-    chooser.begin(chooser.profile, early_stop=False, measure_draft=True, branching=True)
+    chooser.start_from(chooser.profile, Drafting(branching=True))
     trees, tree_steps = [], 0
     for _ in range(150):
         k = chooser.guesses()
@@ -628,7 +639,7 @@ def test_a_branching_drafters_tree_is_its_likeliest_first_guesses():
 
     for alpha, t_draft in ((0.4, 0.1), (0.95, 0.02)):
         chooser = adaptive(alpha, STEEP, t_draft, confident_drafter=True)
-        chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
+        chooser.start_from(chooser.profile, Drafting(early_stop=True, branching=True))
         chain = max(range(9), key=lambda k: chooser.expected(k) / chooser.seconds(k))
         # trees measured faster
         chooser.profile.modes = {"chain": [1.0, 1.0, 1.0], "tree": [9.0, 1.0, 1.0], "plain": [0.0, 0.0, 0.0]}
@@ -642,7 +653,7 @@ def test_trees_measured_faster_than_plain_steps_are_taken_whatever_a_says():
     plain steps' measured speed decides (not the cost model's plain step: a fit, not a measurement)."""
     for tree_rate, plain_seconds, guesses in ((1.5, 1.0, 1), (0.8, 1.0, 0), (1.5, 0.5, 0), (1.5, 0.0, 0)):
         chooser = adaptive(0.02, [1.0] * 9, 0.3)  # the cost model's plain step: 1 s
-        chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
+        chooser.start_from(chooser.profile, Drafting(early_stop=True, branching=True))
         chooser.profile.modes = {"chain": [1.0, 2.0, 1.0], "tree": [tree_rate, 1.0, 1.0],
                                  "plain": [1.0, plain_seconds, 1.0]}
         chooser.profile.preferred = "tree"
@@ -654,19 +665,19 @@ def test_a_branching_drafters_tree_is_probed_while_a_keeps_chains_out():
     """Plain steps count towards the next try of the mode not preferred: with a's estimate too low for
     any guess, a head's tree is still tried every PROBE_AFTER steps (and so measured), not never."""
     chooser = adaptive(0.02, [1.0] * 9, 0.3)
-    chooser.begin(chooser.profile, early_stop=True, measure_draft=True, branching=True)
-    steps = [(chooser.guesses(), chooser.tree_nodes) for _ in range(policy.PROBE_AFTER)]
-    assert steps[:-1] == [(0, None)] * (policy.PROBE_AFTER - 1)
+    chooser.start_from(chooser.profile, Drafting(early_stop=True, branching=True))
+    steps = [(chooser.guesses(), chooser.tree_nodes) for _ in range(profiles.PROBE_AFTER)]
+    assert steps[:-1] == [(0, None)] * (profiles.PROBE_AFTER - 1)
     assert steps[-1][0] == 1 and steps[-1][1] is not None
 
 
 def test_stored_tree_costs_and_rates_are_checked():
-    profile = policy.PairProfile()
+    profile = profiles.PairProfile()
     values = {name: getattr(profile, name) for name in profiles.FIELDS}
-    profiles.check(values, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)
+    profiles.check(values, policy.GAMMA_MAX + 2)
     for name, bad in [("t_verify", [1.0] * 3),
                       ("modes", {"chain": [1.0, -1.0, 1.0], "tree": [0.0] * 3, "plain": [0.0] * 3}),
-                      ("tree_confidence", [[[2.0, 1.0]] * policy.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0, 0]}),
+                      ("tree_confidence", [[[2.0, 1.0]] * rates.CONFIDENCE_BINS] * 2), ("modes", {"tree": [0, 0, 0]}),
                       ("modes", {"chain": [0.0] * 2, "tree": [0.0] * 2, "plain": [0.0] * 2})]:
         with pytest.raises(ValueError, match="out of range"):
-            profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2, policy.CONFIDENCE_BINS)
+            profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .costs import graphs_met, reads_on_host
 from .drafters import ModelDrafter
-from .policy import graphs_met, reads_on_host
 from .sampling import Sampling, is_integer
 
 

@@ -1,5 +1,5 @@
-"""What gamma="auto" learns about a (target, drafter) pair on this machine, kept on disk between
-processes: each run.py call is a fresh process, and without this every one would start from nothing.
+"""What gamma="auto" learns about a (target, drafter) pair on this machine (`PairProfile`), kept on disk
+between processes: each run.py call is a fresh process, and without this every one would start from nothing.
 
 One small JSON file a pair, in the folder MINISPEC_PROFILES names (default: `profiles/` in the weights
 folder; "off" keeps nothing), named by a hash of everything the costs depend on: both models'
@@ -11,7 +11,6 @@ leaves the last complete one; a file that cannot be read is ignored, with a note
 
 import hashlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -20,12 +19,37 @@ from pathlib import Path
 import torch
 
 from ..loading.builtin import weights_dir
+from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA
 
-# of the files' contents; files of another version are ignored (9: float32 forwards on flinear.cpp have
-# other costs than on oneDNN)
-VERSION = 9
+VERSION = 9  # of the files' contents: files of another version, whose costs were other kernels', are ignored
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
           "modes")
+# Steps before a probe of what the costs say not to do (guessing, or the mode not preferred): soon
+# enough to notice a change, and doubled after each probe that finds it still does not pay, up to
+# PROBE_MAX, so that a pair where it never pays spends little on probes.
+PROBE_AFTER, PROBE_MAX = 8, 128
+
+
+class PairProfile:
+    """What one (target, drafter) pair has learnt across requests: its timings and acceptance rates."""
+
+    def __init__(self):
+        self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused): a line
+        self.t_draft = None  # seconds per guess
+        # a and b (rates.py); b is None until a guess after an accepted one has been verified: till then
+        # a stands in for it. A prior of its own would lock a sure draft out: were a second guess not
+        # worth its cost at that prior, none would be made, and b never measured.
+        self.first, self.later = DEFAULT_ALPHA, None
+        self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
+        # decayed [accepted, verified] guesses per bin of the drafter's confidence (rates.py): the chains',
+        # and the previewed tree nodes' at depth 1 and deeper
+        self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
+        self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
+        # decayed [tokens, seconds, steps] of the steps with guesses verified as chains and as trees, and
+        # of plain steps (tree="auto" with a drafter whose trees cannot be previewed)
+        self.modes = {"chain": [0.0, 0.0, 0.0], "tree": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]}
+        self.mode_steps, self.mode_probe_after, self.preferred = 0, PROBE_AFTER, "chain"
+        self.key = None  # of the pair's file (pair_key); None: kept in this process only
 
 
 def folder():
@@ -64,7 +88,7 @@ def path_of(key):
 
 
 def load(key, profile):
-    """Fill `profile` (a policy.PairProfile) from the pair's file; returns whether there was one."""
+    """Fill a PairProfile from the pair's file; returns whether there was one."""
     path = path_of(key)
     if path is None or not path.is_file():
         return False
@@ -73,7 +97,7 @@ def load(key, profile):
         if stored["key"] != json.loads(json.dumps(key)):  # JSON's lists for tuples
             raise ValueError("written for another pair")
         values = {name: stored["profile"][name] for name in FIELDS}
-        check(values, key["k_max"] + 2, len(profile.confidence))
+        check(values, key["k_max"] + 2)
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"minispec: ignoring the stored costs {path}: {error}", file=sys.stderr)
         return False
@@ -82,30 +106,29 @@ def load(key, profile):
     return True
 
 
-def check(values, widths, bins):
+def check(values, widths):
     """A file's values as the policy needs them: finite seconds, rates in [0, 1], counts >= 0."""
-    def number(x, low=0.0, high=math.inf):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high
+    def number(x, high):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= high
 
-    def line(times, length):  # None: a pair whose requests were too short to time such a step
-        return times is None or (isinstance(times, list) and len(times) == length
-                                 and all(number(t, high=1e6) for t in times))
+    def numbers(xs, length, high, check=number):
+        return isinstance(xs, list) and len(xs) == length and all(check(x, high) for x in xs)
 
-    def counts(pair, high=1e9):
-        return isinstance(pair, list) and len(pair) == 2 and number(pair[1], high=high) and number(pair[0], high=pair[1])
+    def counts(pair, high):  # [accepted, verified]
+        return numbers(pair, 2, high) and pair[0] <= pair[1]
 
-    modes = values["modes"]
-    fine = (line(values["t_verify"], widths) and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
-            and all(isinstance(m, list) and len(m) == 3 and all(number(x, high=1e9) for x in m) for m in modes.values())
-            and isinstance(values["tree_confidence"], list) and len(values["tree_confidence"]) == 2
-            and all(isinstance(b, list) and len(b) == bins and all(counts(c) for c in b)
-                    for b in values["tree_confidence"]))
-    fine = (fine and (values["t_draft"] is None or number(values["t_draft"], high=1e6))
-            and number(values["first"], high=1.0) and (values["later"] is None or number(values["later"], high=1.0))
-            and isinstance(values["plain_steps"], int) and values["plain_steps"] >= 0
-            and isinstance(values["probe_after"], int) and values["probe_after"] >= 1
-            and isinstance(values["confidence"], list) and len(values["confidence"]) == bins
-            and all(counts(c) for c in values["confidence"]))
+    def bins(counted, high):
+        return numbers(counted, CONFIDENCE_BINS, high, counts)
+
+    v, modes = values, values["modes"]
+    fine = ((v["t_verify"] is None or numbers(v["t_verify"], widths, 1e6))  # None: no step timed yet
+            and (v["t_draft"] is None or number(v["t_draft"], 1e6))
+            and number(v["first"], 1.0) and (v["later"] is None or number(v["later"], 1.0))
+            and isinstance(v["plain_steps"], int) and v["plain_steps"] >= 0
+            and isinstance(v["probe_after"], int) and v["probe_after"] >= 1
+            and bins(v["confidence"], 1e9) and numbers(v["tree_confidence"], 2, 1e9, bins)
+            and isinstance(modes, dict) and sorted(modes) == ["chain", "plain", "tree"]
+            and all(numbers(m, 3, 1e9) for m in modes.values()))
     if not fine:
         raise ValueError("values out of range or of another shape")
 

@@ -26,8 +26,8 @@ import time
 import torch
 
 from ..models.kernels import to_device
+from .costs import graphs_met
 from .drafters import propose_all
-from .policy import graphs_met
 from .sampling import adjust, sample
 from .tree import feed_parents, sample_walk, walk
 

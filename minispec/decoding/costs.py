@@ -1,0 +1,232 @@
+"""What a speculative step costs, as gamma="auto" prices it (policy.py): T(k) = k·t_draft + t_verify(k + 1),
+t_verify(w) being a target forward over w tokens, which on a CPU grows with w. Both come from the steps
+decoding takes anyway, each timed by its own wall time (the step's one host sync). A batch's steps are
+shared and time nothing, so a pair new to a batch is timed up front (`calibrate`), as is a draft
+model's step on a GPU, where reading its time would be a host sync.
+"""
+
+import time
+from typing import NamedTuple
+
+import torch
+
+# A new pair prices a verify over x token positions at t·(1 + PRIOR_SLOPE·(x − x₀)), t being its first
+# plain step over x₀: dearer than a CPU's forwards cost, so that a new pair starts careful; a GPU's
+# forwards cost about the same at these widths. Other devices: as on a CPU.
+PRIOR_SLOPE = {"cpu": 0.1, "cuda": 0.01}
+TIME_SMOOTHING = 0.1  # weight of each step's timing in the running average of t_draft (~10 steps)
+TIME_DECAY = 0.9  # per step, so that the verify costs follow the last ~10 steps
+SHAPE_PRIOR = 0.1  # how firmly the widths keep the line's ratios while steps at one width cannot tell
+# A width's own correction to the line starts at none, as if from this many steps on the line, and
+# follows the last ~20 steps of any width, since trees that vary the width time each one seldom.
+CORRECTION_PRIOR, CORRECTION_DECAY = 1.0, 0.95
+CORRECTION_MAX = 1.5  # a step further off the line than this either way is a stall, not a width's shape
+# A step's timing counts as at most this many times the running average: a one-off stall (a graph
+# compiled, another process on the cores) must not price guessing out for good, while a lasting
+# change still comes through within a few steps.
+OUTLIER = 3.0
+CALIBRATION_ROUNDS = 3  # the fastest of this many runs: other work only ever slows a forward down
+
+
+class NewPair(NamedTuple):
+    """How a pair that has timed nothing prices its costs from its first timed step, a plain one."""
+    shape: list  # each verify width's time over that step's, index w (0 unused): the PRIOR_SLOPE line
+    draft_ratio: float  # a guess's time over that step's: the draft's weights over the target's
+
+
+def reads_on_host(drafter):
+    """Whether a draft's time and its confidence in a guess can be read for free: not on a GPU, where
+    reading them would be a host sync."""
+    return drafter.model is None or drafter.model.device.type == "cpu"
+
+
+def graphs_met(*models):
+    """How many graphs the models' compiled forwards have compiled: a step that adds one compiled it
+    first, a cost no later step pays again, so its time is no measure of the costs."""
+    return sum(model.graphs for model in models if model is not None)
+
+
+def weight_bytes(model):
+    return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+
+
+def tp_of(target):
+    """The target's tensor-parallel group, None when it is whole (or a stand-in without one, in tests)."""
+    return getattr(target, "tp", None)
+
+
+def agreed(tp, seconds):
+    """Timings taken on this rank (a list or a {name: seconds} dict), as rank 0 took them when the target
+    is sharded over processes (tp: its group, None when it is not): choices made from each rank's own
+    timings would send the ranks different ways."""
+    if tp is None:
+        return seconds
+    if isinstance(seconds, dict):
+        return dict(zip(seconds, tp.first_numbers(list(seconds.values()))))
+    return tp.first_numbers(seconds)
+
+
+def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
+    """{name: the fastest of `rounds` runs of forward(), in seconds}: one untimed run each first (it may
+    allocate or compile), then rounds in which each runs once in turn, so that one busy moment does not
+    skew a single width."""
+    def run(forward):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    for forward in forwards.values():
+        forward()
+    best = dict.fromkeys(forwards, float("inf"))
+    for _ in range(rounds):
+        for name, forward in forwards.items():
+            best[name] = min(best[name], run(forward))
+    return best
+
+
+def decode_at_end(model, token, rows, width):
+    """A function that decodes `rows` batch rows of `width` tokens past the cache's length and rolls
+    back: what the cache holds is untouched."""
+    length = model.length
+    tokens = token.view(1, 1).expand(rows, width)
+
+    def forward():
+        model.decode(tokens)
+        model.rollback(length)
+
+    return forward
+
+
+def calibrate(profile, target, drafter, token, k_max, beams=None):
+    """Time a verification of k = 0..k_max guesses (a target forward over k + 1 tokens; with beams =
+    (w, u), of w + u·k hypotheses at once) and a guess of a draft model (a draft beam step of u)."""
+    w, u = beams or (1, 0)
+    rows = [max(w + u * k, 1) for k in range(k_max + 1)]
+    target.rollback(0)  # the request's prefill resets the cache anyway
+    forwards = {k: decode_at_end(target, token, rows[k], k + 1) for k in range(k_max + 1)}
+    if drafter.model is not None:  # its cache may hold the prompt already: decode_at_end keeps that
+        forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
+    seconds = agreed(tp_of(target), fastest(forwards, target.device))
+    # Steps rescale the widths together, so noise in one width's timing would stay in the shape for
+    # good: a line through them, in the token positions each forward computes, averages it away.
+    profile.t_verify = [0.0] + straight_line([r * (k + 1) for k, r in enumerate(rows)],
+                                             [seconds[k] for k in range(k_max + 1)])
+    # A host-side drafter's cost is measured on its first steps with guesses (refined takes the first).
+    profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
+
+
+def time_draft(target, drafter, token, u):
+    """A draft model's step, timed from an empty cache row (each beam's)."""
+    drafter.model.rollback(0)
+    forward = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
+    return agreed(tp_of(target), fastest({"draft": forward}, drafter.model.device))["draft"]
+
+
+def new_pair(target, drafter, k_max, beams, draft_timed):
+    """NewPair for a request's first timed step; draft_timed: whether t_draft is known already."""
+    w, u = beams or (1, 0)
+    positions = [max(w + u * k, 1) * (k + 1) for k in range(k_max + 1)]  # the tokens each verify computes
+    slope = PRIOR_SLOPE.get(target.device.type, PRIOR_SLOPE["cpu"])
+    ratio = 0.0  # a host drafter's cost is measured on its first steps with guesses
+    if not draft_timed and drafter.model is not None:  # a sharded target's slices differ from rank to rank
+        ratio, = agreed(tp_of(target), [weight_bytes(drafter.model) / weight_bytes(target)])
+    return NewPair([0.0] + [1 + slope * (x - positions[0]) for x in positions], ratio)
+
+
+def straight_line(xs, ys):
+    """The least-squares line a + b·x (b >= 0) through the points, at each x, and no lower than the
+    lowest y."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    return [max(mean_y + max(slope, 0.0) * (x - mean_x), min(ys)) for x in xs]
+
+
+def refined(average, seconds):
+    """The running average of t_draft after one more step (see OUTLIER); the first (average 0,
+    nothing measured yet) is taken as it is."""
+    if average <= 0:
+        return seconds
+    return average + TIME_SMOOTHING * (min(seconds, OUTLIER * average) - average)
+
+
+class VerifyCost:
+    """t_verify(w), seconds of a target forward over w tokens: the pair's line through the widths (as
+    calibrated, or as its last request left it), refitted to every step's own time.
+
+    In units of the line's 1-token time, a w-token verify costs level + slope·u(w), u(w) being what the
+    line adds over one token. Both are fitted by least squares to the steps, recent ones weighing more,
+    the line itself counting as a memory's worth of steps at its two ends, with a penalty on slope −
+    level: steps all at one width rescale every width at once (a width refined alone, timed in a slow
+    moment, would never be chosen again, so never corrected), and steps spread over widths bend the
+    line, so a calibration that got the slope wrong is put right.
+
+    What no line holds (a CPU's products may cost the same over a few rows and jump at the next), each
+    width's steps correct: its steps' time over the line's, decayed at every step of any width so that
+    a width timed in a slow moment drifts back, and relative to all the widths' steps together, so that
+    plain steps alone do not make guesses look dearer while the line catches up with a faster machine.
+    line() keeps the corrections as the next request's shape."""
+
+    def __init__(self, line):
+        self.one = line[1]
+        self.added = [0.0] + [t / self.one - 1.0 for t in line[1:]]  # u(w)
+        self.sums = [0.0] * 5  # decayed sums over the steps of 1, u, u², y, u·y
+        for u in (0.0, self.added[-1]):
+            self.add_point(u, 1.0 + u, weight=0.5 / (1.0 - TIME_DECAY))
+        self.level, self.slope = 1.0, 1.0
+        self.corrections = {}  # width -> decayed [sum of its steps' time over the line's, steps]
+        self.every_width = 1.0  # the same over all widths' steps (kept by add: a tree plan prices many widths)
+
+    def __call__(self, width):
+        return self.on_line(width) * self.correction(width)
+
+    def correction(self, width):
+        """The width's steps' time over the line's, over the same for all widths' steps (shape only)."""
+        return corrected_mean(*self.corrections.get(width, (0.0, 0.0))) / self.every_width
+
+    def on_line(self, width):
+        return self.one * (self.level + self.slope * self.extra(width))
+
+    def extra(self, width):
+        """u(width); past the widths of the line, the line goes on straight."""
+        if width < len(self.added):
+            return self.added[width]
+        last = len(self.added) - 1
+        return self.added[last] * (width - 1) / (last - 1)
+
+    def line(self):
+        return [0.0] + [self(w) for w in range(1, len(self.added))]
+
+    def add(self, width, seconds):
+        """A step verified `width` tokens in `seconds` (see OUTLIER)."""
+        y = min(seconds, OUTLIER * self(width)) / self.one
+        self.sums = [s * TIME_DECAY for s in self.sums]
+        self.add_point(self.extra(width), y, weight=1.0)
+        ones, us, uus, ys, uys = self.sums
+        # minimize sum (y - level - slope·u)² + SHAPE_PRIOR·(slope - level)²: a 2x2 linear system
+        a, b, d = ones + SHAPE_PRIOR, us - SHAPE_PRIOR, uus + SHAPE_PRIOR
+        det = a * d - b * b
+        self.slope = max((a * uys - b * ys) / det, 0.0)  # a wider forward never costs less
+        self.level = (ys - b * self.slope) / a
+        ratio = y * self.one / self.on_line(width)
+        if 1 / CORRECTION_MAX < ratio < CORRECTION_MAX:  # else a stall, not the width's shape
+            for ratios in self.corrections.values():
+                ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]
+            ratios = self.corrections.setdefault(width, [0.0, 0.0])
+            ratios[0] += ratio
+            ratios[1] += 1.0
+            self.every_width = corrected_mean(*(sum(column) for column in zip(*self.corrections.values())))
+
+    def add_point(self, u, y, weight):
+        for i, value in enumerate((1.0, u, u * u, y, u * y)):
+            self.sums[i] += weight * value
+
+
+def corrected_mean(ratios, steps):
+    """A width's correction: its steps' mean ratio to the line, shrunk towards none."""
+    return (ratios + CORRECTION_PRIOR) / (steps + CORRECTION_PRIOR)
