@@ -307,6 +307,8 @@ FAILING = [  # template, what the one-line error names
     ("{{ messages[0].content.no_such.attribute }}", r"\(UndefinedError\): .*no_such"),
     ("{{ 'a' + 1 }}", r"\(TypeError\)"),
     ("{% for i in range(10**9) %}{% endfor %}", r"\(OverflowError\)"),
+    ("{{ " + "(" * 10**5 + "1" + ")" * 10**5 + " }}", r"\(RecursionError\)"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", r"\(RecursionError\)"),
     # Ways out of the sandbox: refused.
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", r"\(SecurityError\): access to attribute '__class__'"),
     ("{{ messages.append(1) }}", r"\(SecurityError\)"),

@@ -59,28 +59,24 @@ def failure(error):
 
 @functools.lru_cache(maxsize=8)
 def compiled(template):
-    if template is None:
-        raise ChatTemplateError(NO_TEMPLATE)
-    try:
-        return ENVIRONMENT.from_string(template)
-    except jinja2.TemplateSyntaxError as error:
-        raise failure(error) from None
+    return ENVIRONMENT.from_string(template)
 
 
 def render(template, messages, add_generation_prompt=True, **variables):
     """The text of `messages` ([{"role": ..., "content": ...}]) in the chat `template` (its Jinja source),
     as the reference's apply_chat_template(messages, tokenize=False, ...) gives it; `variables` are the
     template's other inputs (bos_token, eos_token, enable_thinking ...)."""
+    if template is None:
+        raise ChatTemplateError(NO_TEMPLATE)
     if not messages:
         raise ValueError("a chat needs at least one message")
     for message in messages:
         if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
             raise ValueError(f"a chat message needs a string role and content, got {message!r}")
-    program = compiled(template)
     try:  # the reference passes tools and documents always, None when there are none
-        return program.render(messages=messages, tools=None, documents=None,
-                              add_generation_prompt=add_generation_prompt, **variables)
-    except Exception as error:  # a template is a program: whatever it raises is its own error
+        return compiled(template).render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+    except Exception as error:  # a template is a program: whatever compiling or running it raises is its own error
         raise failure(error) from None
 
 
