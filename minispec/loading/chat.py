@@ -102,7 +102,7 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
     specials = {} if special_tokens_in_content else special_token_texts(tokenizer)
     masks = masked_specials(tokenizer.chat_template, messages, specials)
     if masks:
-        pattern = alternatives(masks)
+        pattern = re.compile("|".join(map(re.escape, sorted(masks, key=len, reverse=True))))  # longest first
         messages = mapped(messages, lambda text: pattern.sub(lambda match: masks[match[0]], text))
     text = render(tokenizer.chat_template, messages, **variables)
     return encoded(tokenizer, text, specials, {ord(mask): special for special, mask in masks.items()})
@@ -129,11 +129,6 @@ def special_tokens(tokenizer):
 def special_token_texts(tokenizer):
     """{text: added token} of the tokenizer's special tokens."""
     return {tokenizer.added[i]["content"]: tokenizer.added[i] for i in tokenizer.special_ids}
-
-
-def alternatives(texts):
-    """A regex matching any of `texts`, the longest first (a token before the tokens inside it)."""
-    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
 
 
 def free_characters(*texts):
