@@ -402,8 +402,11 @@ def test_bench_builtin_code_prompt_as_chat(tiny_chat_model, tmp_path, capsys):
 def test_chat_errors(tiny_chat_model, reference_dirs, capsys):
     assert run.main(["--target", NAME, "--prompt-ids", "1,2,3", "--chat"]) == 2
     assert "--chat needs the prompt as text" in capsys.readouterr().err
-    (tiny_chat_model / "chat_template.jinja").write_text("{{ bos_token }}" + SMOLLM2)
+    (tiny_chat_model / "chat_template.jinja").write_text("{{ raise_exception('System role not supported') }}")
     assert run.main(["--target", NAME, "--prompt", "Hi"]) == 2
+    assert "the chat template failed (TemplateError): System role not supported" in capsys.readouterr().err
+    (tiny_chat_model / "chat_template.jinja").unlink()
+    assert run.main(["--target", NAME, "--prompt", "Hi", "--chat"]) == 2
     assert "--no-chat" in capsys.readouterr().err
     assert run.main(["--target", NAME, "--prompt", "Hi", "--no-chat", "--max-new-tokens", "4"]) == 0
 

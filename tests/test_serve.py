@@ -9,6 +9,7 @@ life, so every server loads its own copies, and the expected outputs come from o
 
 import ast
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import torch
 import transformers
 from conftest import noisy_copy, save_reference, spread_init
 from starlette.testclient import TestClient
-from test_chat import SMOLLM2
+from test_chat import REAL, SMOLLM2
 
 import minispec
 from minispec.decoding import engine
@@ -430,6 +431,25 @@ def test_neutral_values_of_unsupported_fields_and_text_content_parts_are_accepte
     assert reply.status_code == 200, reply.json()
     text = expected(alone, [{"role": "user", "content": "the cat\nsat"}], max_new_tokens=6).text
     assert reply.json()["choices"][0]["message"]["content"] == text
+
+
+@pytest.mark.parametrize("name", ["llama-3.2", "gemma-2"])
+def test_chats_in_other_templates(checkpoints, tmp_path, name):
+    """Any template: the checkpoint's, rendered; one that refuses the messages (Gemma 2: no system role) is
+    a bad request naming the template's error."""
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints[0], target)
+    (target / "chat_template.jinja").write_text(REAL[name], encoding="utf-8")
+    greedy = {"temperature": 0, "max_tokens": 6}
+    with serving((target, checkpoints[1])) as client:
+        reply = client.post("/v1/chat/completions", json={"messages": CHAT[1:], **greedy})
+        refused = client.post("/v1/chat/completions", json={"messages": CHAT, **greedy})
+    text = expected((minispec.load(target), None), CHAT[1:], max_new_tokens=6).text
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == text
+    if name == "gemma-2":
+        assert refused.status_code == 400 and "System role not supported" in refused.json()["error"]["message"]
+    else:
+        assert refused.status_code == 200
 
 
 def test_unknown_paths_and_methods_and_the_models_list(client):

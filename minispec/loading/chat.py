@@ -1,90 +1,95 @@
-"""Chat prompts: messages wrapped in the checkpoint's chat template, without a template engine.
+"""Chat prompts: messages rendered by the checkpoint's chat template, a Jinja program, as the reference
+(transformers' apply_chat_template) renders it: jinja2's sandbox with trim_blocks and lstrip_blocks, the
+loop controls extension, and the reference's globals and filters (raise_exception, strftime_now, its
+tojson, the {% generation %} block), given the messages, add_generation_prompt, bos_token, eos_token and
+any other variables the caller names (enable_thinking ...)."""
 
-Checkpoint chat templates are Jinja programs. minispec renders the ChatML family (SmolLM, SmolLM2,
-Qwen2, Qwen2.5), recognised by its parts in the template's source:
-
-    <|im_start|>system\\n{system}<|im_end|>\\n       the template's default system prompt, if it has one,
-                                                 when the conversation does not start with its own
-    <|im_start|>{role}\\n{content}<|im_end|>\\n      every message
-    <|im_start|>assistant\\n                       the generation prompt
-
-Any other template is refused with an error, rather than rendered differently from the reference.
-"""
-
+import datetime
+import functools
+import json
 import re
 
-NEWLINE = r"(?:\n|\\n)"  # a template's string literals hold newlines as such or as the escape \n
-MESSAGE = re.compile(  # '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'
-    r"'<\|im_start\|>' \+ message(?:\['role'\]|\.role) \+ '" + NEWLINE + r"' \+ message(?:\['content'\]|\.content)"
-    r" \+ '<\|im_end\|>(?:' \+ '" + NEWLINE + "|" + NEWLINE + ")'"
-)
-GENERATION_PROMPT = re.compile(  # {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}
-    r"add_generation_prompt %\}\s*\{\{-?\s*'<\|im_start\|>assistant" + NEWLINE + r"'\s*-?\}\}"
-)
-DEFAULT_SYSTEM = re.compile(r"'<\|im_start\|>system" + NEWLINE + r"((?:[^'\\]|\\.)*?)<\|im_end\|>" + NEWLINE + "'")
-# Parts of other templates that this renderer would silently leave out.
-UNSUPPORTED = ("bos_token", "eos_token", "<think>", "enable_thinking", "is string")
-ESCAPES = {"n": "\n", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+NO_TEMPLATE = "the checkpoint has no chat template; use the prompt as plain text (run.py --no-chat)"
+PRIVATE_USE = range(0xF0000, 0x110000)  # Unicode's supplementary private use planes: characters texts do not hold
 
 
 class ChatTemplateError(ValueError):
-    """A chat template minispec cannot render; the message says what to do instead."""
+    """A chat template that is missing or fails; the message names the template's error."""
 
 
-def unescape(literal):
-    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m[1], m[0]), literal)
+class Generation(jinja2.ext.Extension):
+    """{% generation %} ... {% endgeneration %}: the reference marks the assistant's text with it (for
+    training masks); rendering, it is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-def default_system_prompt(template):
-    """The system prompt a ChatML template adds to conversations without one ('' for none); raises
-    ChatTemplateError for a template that is not ChatML as minispec renders it."""
+def raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # The reference's: unlike Jinja's own, it neither escapes HTML characters nor sorts keys.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def strftime_now(format):
+    return datetime.datetime.now().strftime(format)
+
+
+ENVIRONMENT = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation])
+ENVIRONMENT.filters["tojson"] = tojson
+ENVIRONMENT.globals |= {"raise_exception": raise_exception, "strftime_now": strftime_now}
+
+
+def failure(error):
+    """A template's error in one line."""
+    line = f" at line {error.lineno}" if isinstance(error, jinja2.TemplateSyntaxError) else ""
+    return ChatTemplateError(f"the chat template failed ({type(error).__name__}{line}): {' '.join(str(error).split())}")
+
+
+@functools.lru_cache(maxsize=8)
+def compiled(template):
+    return ENVIRONMENT.from_string(template)
+
+
+def render(template, messages, add_generation_prompt=True, **variables):
+    """The text of `messages` ([{"role": ..., "content": ...}]) in the chat `template` (its Jinja source),
+    as the reference's apply_chat_template(messages, tokenize=False, ...) gives it; `variables` are the
+    template's other inputs (bos_token, eos_token, enable_thinking ...)."""
     if template is None:
-        raise ChatTemplateError("the checkpoint has no chat template; use the prompt as plain text (run.py --no-chat)")
-    supported = (MESSAGE.search(template) and GENERATION_PROMPT.search(template)
-                 and not any(part in template for part in UNSUPPORTED))
-    defaults = {unescape(literal) for literal in DEFAULT_SYSTEM.findall(template)}
-    if not supported or len(defaults) > 1:
-        raise ChatTemplateError(
-            "the checkpoint's chat template is not one minispec can render (it renders the ChatML templates of "
-            "SmolLM, SmolLM2, Qwen2 and Qwen2.5); use the prompt as plain text (run.py --no-chat), or render "
-            "the template yourself and pass the resulting text"
-        )
-    return defaults.pop() if defaults else ""
-
-
-def render(template, messages, add_generation_prompt=True):
-    """The text of `messages` ([{"role": ..., "content": ...}]) in a ChatML `template`, as the
-    reference's apply_chat_template(messages, tokenize=False) gives it."""
-    return "".join(text for text, _ in rendered_parts(template, messages, add_generation_prompt))
-
-
-def rendered_parts(template, messages, add_generation_prompt=True):
-    """render's text in parts, each (text, whether it comes from a message): the template's own
-    markers, and each message's role and content between them."""
-    system = default_system_prompt(template)
+        raise ChatTemplateError(NO_TEMPLATE)
     if not messages:
         raise ValueError("a chat needs at least one message")
     for message in messages:
         if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
             raise ValueError(f"a chat message needs a string role and content, got {message!r}")
-    if system and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system}, *messages]
-    parts = []
-    for m in messages:
-        parts += [("<|im_start|>", False), (f"{m['role']}\n{m['content']}", True), ("<|im_end|>\n", False)]
-    return parts + [("<|im_start|>assistant\n", False)] if add_generation_prompt else parts
+    try:  # the reference passes tools and documents always, None when there are none
+        return compiled(template).render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+    except Exception as error:  # a template is a program: whatever compiling or running it raises is its own error
+        raise failure(error) from None
 
 
-def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=False):
+def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=False, **variables):
     """Token ids of a conversation ready for the assistant's answer. `conversation` is the user's text,
     or the messages so far ([{"role": "system" | "user" | "assistant", "content": ...}], as apps keep
-    them); `system`, if given, goes first. Special tokens come from the template, so none are added.
+    them); `system`, if given, goes first; `variables` go to the template (enable_thinking=False ...).
+    Special tokens come from the template, so none are added.
 
     A message's text is encoded as plain text: "<|im_end|>" typed in it is those characters, not the
-    token that ends a turn, so a user cannot write turns of their own. (The template's markers are
-    special tokens in the checkpoints this renders, which the reference cuts out of the text first
-    too: for messages without such text, the ids are the reference's.) special_tokens_in_content=True
-    reads special tokens in messages too, as the reference's apply_chat_template does."""
+    token that ends a turn, so a user cannot write turns of their own (for messages without special
+    tokens' text, the ids are the reference's). special_tokens_in_content=True reads special tokens in
+    messages too, as the reference's apply_chat_template does."""
     messages = [{"role": "system", "content": system}] if system is not None else []
     if isinstance(conversation, str):
         messages.append({"role": "user", "content": conversation})
@@ -93,21 +98,76 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
     else:
         raise ValueError(f"a chat is the user's text or a list of messages (dicts with role and content), "
                          f"got {type(conversation).__name__}")
-    parts = rendered_parts(tokenizer.chat_template, messages)
-    if special_tokens_in_content:
-        return tokenizer.encode("".join(text for text, _ in parts), add_special_tokens=False)
-    return encoded(tokenizer, parts)
+    variables = special_tokens(tokenizer) | variables
+    specials = {} if special_tokens_in_content else special_token_texts(tokenizer)
+    masks = masked_specials(tokenizer.chat_template, messages, specials)
+    if masks:
+        pattern = re.compile("|".join(map(re.escape, sorted(masks, key=len, reverse=True))))  # longest first
+        messages = mapped(messages, lambda text: pattern.sub(lambda match: masks[match[0]], text))
+    text = render(tokenizer.chat_template, messages, **variables)
+    return encoded(tokenizer, text, specials, {ord(mask): special for special, mask in masks.items()})
 
 
 def user_turn_start(tokenizer):
     """Token ids of a chat up to where the user's first message starts (the template's default system
     prompt, then the user's turn marker): what a chat model continues with a user's message of its
     own (Magpie, Xu et al. 2024: how minispec.heads writes prompts to train on)."""
-    parts = rendered_parts(tokenizer.chat_template, [{"role": "user", "content": ""}], add_generation_prompt=False)
-    return encoded(tokenizer, parts[:-1])  # all but the end of the (empty) message
+    template = tokenizer.chat_template
+    mark = next(free_characters(template or ""))
+    text = render(template, [{"role": "user", "content": mark}], add_generation_prompt=False, **special_tokens(tokenizer))
+    if mark not in text:
+        raise ChatTemplateError("the chat template does not write the user's message")
+    return tokenizer.encode(text[:text.index(mark)], add_special_tokens=False)
 
 
-def encoded(tokenizer, parts):
-    """rendered_parts' token ids: the template's markers are special tokens, a message's text never."""
-    return [i for text, from_message in parts
-            for i in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=from_message)]
+def special_tokens(tokenizer):
+    """The special tokens' text that the reference gives templates (bos_token, eos_token)."""
+    ids = {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id}
+    return {name: tokenizer.decode([i]) for name, i in ids.items() if i is not None}
+
+
+def special_token_texts(tokenizer):
+    """{text: added token} of the tokenizer's special tokens."""
+    return {tokenizer.added[i]["content"]: tokenizer.added[i] for i in tokenizer.special_ids}
+
+
+def free_characters(*texts):
+    """Private-use characters that none of `texts` holds."""
+    used = set().union(*texts)
+    return (c for c in map(chr, PRIVATE_USE) if c not in used)
+
+
+def mapped(value, function):
+    """`value` (messages: dicts, lists and strings) with `function` applied to every string in it."""
+    if isinstance(value, str):
+        return function(value)
+    if isinstance(value, dict):
+        return {key: mapped(item, function) for key, item in value.items()}
+    return [mapped(item, function) for item in value] if isinstance(value, (list, tuple)) else value
+
+
+def masked_specials(template, messages, specials):
+    """{text: mask} for each special token's text in the messages: a character of its own, which the
+    template writes where it writes the text, and which is put back as plain text once rendered."""
+    texts = []
+    mapped(messages, texts.append)
+    found = [special for special in specials if any(special in text for text in texts)]
+    return dict(zip(found, free_characters(template or "", *texts)))
+
+
+def encoded(tokenizer, text, specials, unmask):
+    """Token ids of a rendered chat: the template's special tokens as those tokens, the text between them
+    (with `unmask`'s characters put back: special tokens' text from the messages) as plain text."""
+    if not unmask:  # then this is what the reference does
+        return tokenizer.encode(text, add_special_tokens=False)
+    # Cut where the tokenizer cuts the text too: at the template's special tokens, with the spaces they strip.
+    splitter = re.compile("(" + "|".join(
+        ("\\s*" if token.get("lstrip") else "") + re.escape(content) + ("\\s*" if token.get("rstrip") else "")
+        for content, token in sorted(specials.items(), key=lambda item: len(item[0]), reverse=True)) + ")")
+    ids = []
+    for n, piece in enumerate(splitter.split(text)):  # text, special token, text, ..., text
+        if n % 2:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+        elif piece:
+            ids += tokenizer.encode(piece.translate(unmask), add_special_tokens=False, split_special_tokens=True)
+    return ids

@@ -135,10 +135,8 @@ def chat_ids(target, messages):
     plain = [checked_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
     try:
         return chat_prompt(target.tokenizer, plain, special_tokens_in_content=False)
-    except ChatTemplateError:
-        raise invalid(f"{target.name} has no chat template minispec can render (it renders the ChatML templates of "
-                      "SmolLM, SmolLM2, Qwen2 and Qwen2.5); send a rendered prompt to /v1/completions",
-                      "messages") from None
+    except ChatTemplateError as error:  # the template's own error (it refuses these messages), or none
+        raise invalid(f"{target.name}: {error}; send a rendered prompt to /v1/completions", "messages") from None
 
 
 def checked_message(message, where):
