@@ -252,16 +252,16 @@ def print_batch(args, target, prompts, draft, settings, chat):
 
 
 def check_flags(args):
+    system = [args.system] if args.system is not None else []
+    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
+        for text in texts:
+            check_text(flag, text)
     minispec.Settings(draft=args.draft, **settings_of(args))
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
     if several and (args.show or args.compare):
         raise ValueError("--show and --compare take one prompt (--prompt once)")
-    system = [args.system] if args.system is not None else []
-    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
-        for text in texts:
-            check_text(flag, text)
 
 
 def check_text(flag, text):

@@ -4,6 +4,8 @@ models, size their caches, and hand the requests to the engine (minispec.engine)
 """
 
 import argparse
+import functools
+import inspect
 import secrets
 import threading
 import time
@@ -25,8 +27,10 @@ from .loading.weights import DTYPES
 from .models.llama import Llama
 
 
+# minispec.load: load_model (its documentation and signature, as help() shows them), whose dtype may
+# also be given by its name ("float32"), as the reference implementation takes it.
+@functools.wraps(load_model)
 def load(name_or_path, device="cpu", dtype=None, **options):
-    """A checkpoint's model (loading.checkpoint.load_model), its dtype a torch.dtype or its name."""
     if isinstance(dtype, str):
         dtype = DTYPES[Check(lambda name: name in DTYPES, f"must be a torch.dtype or one of {', '.join(DTYPES)}")(
             "dtype", dtype)]
@@ -296,7 +300,7 @@ class Request:
                 drafter = make_drafter(settings.draft, target)
         draft_beams = settings.draft_beams
         if settings.searching:
-            with named("beams"):
+            with named("beams" if settings.beams != 1 else "draft_beams"):
                 draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, settings.sampling,
                                                   settings.lenience)
         stop = settings.stop
@@ -490,9 +494,21 @@ def final_text(target, stop, tokens):
     return text
 
 
-def generate(target, prompt, batch_size=None, on_tokens=None, **settings):
+def with_settings(function):
+    """`function(..., **settings)` shown (inspect, help()) with Settings' fields as its keywords and defaults."""
+    signature = inspect.signature(function)
+    keywords = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default)
+                for spec in fields(Settings)]
+    given = [parameter for parameter in signature.parameters.values() if parameter.kind != parameter.VAR_KEYWORD]
+    function.__signature__ = signature.replace(parameters=given + keywords)
+    return function
+
+
+@with_settings
+def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
-    "int8"/"int4": the target itself, quantized).
+    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields, as
+    keywords; an invalid one raises SettingError (a ValueError) naming it in its `field`.
 
     Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
     has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
@@ -569,6 +585,7 @@ class Chunk:
     generation: Generation | None = None
 
 
+@with_settings
 def stream(target, prompt, **settings):
     """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
