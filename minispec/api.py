@@ -171,8 +171,8 @@ class Settings:
     default, its check and its help, from which run.py's flags and the server's fields are made.
     Checked once, before any work: an invalid one raises SettingError naming it."""
     draft: object = setting(None, None)  # a model or a drafter's name: run.py's --draft loads it
-    gamma: object = setting("auto", Check(lambda v: is_word(v, "auto") or integer(1, GAMMA_LIMIT)(v),
-                                          f"(draft tokens per step) must be 'auto' or an integer in [1, {GAMMA_LIMIT}]"),
+    gamma: object = setting("auto", Check(lambda v: is_word(v, "auto") or integer(1, GAMMA_LIMIT)(v), "(draft "
+                                          f"tokens per step) must be 'auto' or an integer in [1, {GAMMA_LIMIT}]"),
                             "draft tokens guessed per target call, or 'auto' (the default): chosen before each "
                             f"step, 0 to {GAMMA_MAX}, from the pair's costs measured on this machine and its "
                             "acceptance rate", type=gamma_setting)
@@ -389,11 +389,12 @@ def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, t
     if remedy is not None:
         raise ValueError(f"{model.name}: {rows} cache rows need {need}, more than the {free / 2**30:.1f} GiB free; "
                          f"at most {free // per_row} fit: {remedy}")
+    free_text = f"more than the {free / 2**30:.1f} GiB free"
     if requests > 1:
-        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}, more than the {free / 2**30:.1f} GiB free; "
-                         f"at most {free // per_row} fit: pass batch_size=")
-    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}, more than the {free / 2**30:.1f} GiB free; "
-                     "ask for fewer new tokens or beams")
+        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}, {free_text}; at most "
+                                         f"{free // per_row} fit: pass batch_size=")
+    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}, {free_text}; ask for fewer new "
+                                "tokens or beams")
 
 
 def available_memory(device):

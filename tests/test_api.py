@@ -355,7 +355,7 @@ def test_bad_settings_are_named_before_any_work(target, kwargs, message):
     ({"seed": True}, "seed must be an integer"),
     ({"max_new_tokens": 8.0}, "max_new_tokens must be an integer"),
     ({"max_new_tokens": 10**12}, "exceeds"),
-    ({"beams": 2, "temperature": 1.0}, "beam search is deterministic"),
+    ({"temperature": 1.0, "beams": 2}, "beam search is deterministic"),
     ({"draft_beams": 2}, "draft_beams .* needs a draft model"),
     ({"tree": 4}, "token trees need a drafter"),
 ])
@@ -389,7 +389,7 @@ def test_a_text_prompt_that_is_not_text_is_named(llama_with_tokenizer):
 
 def test_load_takes_a_dtype_by_name(llama_dir):
     assert minispec.load(llama_dir, dtype="float32").dtype == torch.float32
-    with pytest.raises(ValueError, match="dtype must be a torch.dtype or one of float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(ValueError, match="dtype must be a torch.dtype or one of float32, bfloat16, float16, got 'int8"):
         minispec.load(llama_dir, dtype="int8")
 
 

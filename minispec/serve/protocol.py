@@ -41,7 +41,8 @@ SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
             "top_k": "top_k", "ignore_eos": "ignore_eos"}  # the last two are minispec's (and vLLM's), not OpenAI's
 SHARED = {"model": STRING, "stream": BOOLEAN, "stream_options": OBJECT, "n": INTEGER, "user": STRING,
           "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "logit_bias": OBJECT,
-          **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items() if name != "max_completion_tokens"}}
+          **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
+             if name != "max_completion_tokens"}}
 FIELDS = {
     False: {**SHARED, "prompt": PROMPT, "echo": BOOLEAN, "best_of": INTEGER, "logprobs": INTEGER, "suffix": STRING},
     True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": BOOLEAN,
@@ -88,7 +89,7 @@ def parse(body, chat, scheduler, model_name):
     max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
     given = {SETTINGS[name]: value for name, value in body.items() if name in SETTINGS and value is not None}
     try:
-        settings = api.Settings(**{"temperature": 1.0, **given}, max_new_tokens=max_tokens,  # OpenAI's temperature
+        settings = api.Settings(**{"temperature": 1.0, **given, "max_new_tokens": max_tokens},  # OpenAI's temperature
                                 draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree)
         request = api.Request.from_settings(target, ids, settings)
     except SettingError as error:  # named by its request's field (none: the server's own settings)
