@@ -15,12 +15,13 @@ import time
 import minispec  # before torch (which the others import): it keeps torch's import from warning that numpy is missing
 from minispec.cli import (
     add_model_flags,
-    gamma_setting,
+    add_setting_flags,
+    exit_status,
     load_models,
     read_prompts_file,
+    settings_of,
     token_ids,
     tp_rank,
-    tree_setting,
 )
 from minispec.loading import parallel
 from minispec.loading.chat import chat_prompt
@@ -73,36 +74,12 @@ def parse_args(argv=None):
                              "the checkpoint has one, i.e. for instruct/chat models)")
     parser.add_argument("--compare", action="store_true",
                         help="also decode without the draft (same settings) and report the speedup")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gamma", type=gamma_setting, default="auto",
-                        help="draft tokens guessed per target call, or 'auto' (the default): chosen before each "
-                             "step, 0 to 8, from the pair's costs measured on this machine and its acceptance rate")
-    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N", default="auto",
-                        help="verify a token tree of up to N guesses per target call instead of a chain "
-                             "(any --draft: ngram, lookup, a model, int8/int4 or a head folder); 'auto' (the "
-                             "default; with --gamma auto): a tree or a chain each step, whichever is expected to "
-                             "be faster; 'off': chains")
-    parser.add_argument("--lenience", type=float, default=1.0,
-                        help="accept drafts more easily (paper A.5); 1 keeps the target's exact distribution")
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    parser.add_argument("--stop", action="append", metavar="TEXT",
-                        help="end the output just before this text (repeat the flag for several)")
-    parser.add_argument("--stop-token-ids", type=token_ids, metavar="IDS",
-                        help="comma-separated token ids that end the output as EOS does")
+    add_setting_flags(parser)  # --max-new-tokens, --temperature, ...: one for each of minispec.Settings' fields
     parser.add_argument("--system", metavar="TEXT", help="a system prompt before --prompt in the chat template")
     parser.add_argument("--special-tokens-in-prompt", action="store_true",
                         help="with --chat: read special tokens' text typed in --prompt and --system (<|im_end|>) as "
                              "those tokens, as the reference implementation does (default: plain text, so a "
                              "prompt cannot end its turn and write others')")
-    parser.add_argument("--beams", type=int, default=1,
-                        help="beam search of this width w (1: no beam search); with --draft, speculative beam "
-                             "search (paper A.4) with the same result")
-    parser.add_argument("--draft-beams", type=int,
-                        help="the draft's beam width u >= w in speculative beam search (default: --beams)")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats, settings")
     output.add_argument("--show", action="store_true", help=SHOW_HELP)
@@ -274,16 +251,16 @@ def print_batch(args, target, prompts, draft, settings, chat):
 
 
 def check_flags(args):
-    minispec.Sampling(args.temperature, args.top_k, args.top_p)
+    system = [args.system] if args.system is not None else []
+    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
+        for text in texts:
+            check_text(flag, text)
+    minispec.Settings(draft=args.draft, **settings_of(args))
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
     if several and (args.show or args.compare):
         raise ValueError("--show and --compare take one prompt (--prompt once)")
-    system = [args.system] if args.system is not None else []
-    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
-        for text in texts:
-            check_text(flag, text)
 
 
 def check_text(flag, text):
@@ -308,10 +285,7 @@ def rank_failed(error, rank):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv or DEFAULT_ARGS)
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, gamma=args.gamma, lenience=args.lenience,
-                    ignore_eos=args.ignore_eos, beams=args.beams, draft_beams=args.draft_beams, stop=args.stop,
-                    stop_token_ids=args.stop_token_ids, tree=args.tree)
+    settings = settings_of(args)
     baseline_settings = {**settings, "draft_beams": None, "tree": None}
     rank = tp_rank(args)
     if rank:  # --tp: every rank decodes the same tokens; rank 0 alone prints them
@@ -357,4 +331,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -15,10 +15,11 @@ import warnings
 # torch's first import: run.py imports minispec first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from .api import Chunk, Generation, generate, stream  # noqa: E402
-from .decoding.sampling import Sampling  # noqa: E402
+from .api import Chunk, Generation, Settings, generate, load, stream  # noqa: E402
+from .decoding.sampling import Sampling, SettingError  # noqa: E402
 from .heads import load_draft_head  # noqa: E402
 from .loading.chat import chat_prompt  # noqa: E402
-from .loading.checkpoint import CheckpointError, load_model as load  # noqa: E402
+from .loading.checkpoint import CheckpointError  # noqa: E402
 
-__all__ = ["load", "load_draft_head", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "CheckpointError"]
+__all__ = ["load", "load_draft_head", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "Settings",
+           "SettingError", "CheckpointError"]

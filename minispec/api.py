@@ -3,22 +3,38 @@ at a time. They check the settings (`Settings`, once per call) and each prompt (
 models, size their caches, and hand the requests to the engine (minispec.decoding.engine), or to beam search.
 """
 
+import argparse
+import functools
+import inspect
 import secrets
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from .decoding import beam, engine
 from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
-from .decoding.sampling import Sampling, is_integer
+from .decoding.sampling import (TEMPERATURE, TOP_K, TOP_P, Check, Sampling, SettingError, integer, is_integer,
+                                is_number, is_text)
 from .decoding.stopping import Stop
 from .decoding.tree import TREE_AUTO, TREE_MAX
+from .loading.checkpoint import load_model
 from .loading.tokenizer import IncrementalDecoder
+from .loading.weights import DTYPES
 from .models.llama import Llama
+
+
+# minispec.load: load_model (its documentation and signature, as help() shows them), whose dtype may
+# also be given by its name ("float32"), as the reference implementation takes it.
+@functools.wraps(load_model)
+def load(name_or_path, device="cpu", dtype=None, **options):
+    if isinstance(dtype, str):
+        dtype = DTYPES[Check(lambda name: name in DTYPES, f"must be a torch.dtype or one of {', '.join(DTYPES)}")(
+            "dtype", dtype)]
+    return load_model(name_or_path, device=device, dtype=dtype, **options)
 
 
 @dataclass
@@ -39,9 +55,16 @@ class Generation:
 def prompt_tensor(model, prompt):
     """A prompt given as text, a list of ids or a 1-D tensor of them -> LongTensor [1, n] on the model's
     device."""
+    with named("prompt"):
+        return checked_prompt(model, prompt)
+
+
+def checked_prompt(model, prompt):
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise ValueError(f"{model.name} has no tokenizer files; pass the prompt as token ids")
+        if not is_text(prompt):
+            raise ValueError("the prompt is not text: it holds a lone surrogate (undecodable bytes)")
         prompt = model.tokenizer.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
@@ -92,68 +115,130 @@ def exclusive(*models):
             model.busy = None
 
 
+# A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
+GAMMA_LIMIT = 64
+
+
+def setting(value, check, help=None, **flag):
+    """A Settings field: its default value, its check (a Check; None: checked where it is used), and
+    run.py's flag for it: its help (None: no flag) and argparse options (its default: the field's)."""
+    return field(default=value, metadata={"check": check, "help": help, "flag": flag})
+
+
+def gamma_setting(text):
+    """--gamma: "auto" or a number of guesses per step."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+
+
+def tree_setting(text):
+    """--tree: "auto", "off" (None: chains) or the most guesses a step's tree holds."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or an integer, got {text!r}") from None
+
+
+def token_ids(text):
+    """The command lines' token ids: '1,2,3' -> [1, 2, 3]."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def optional(test):
+    return lambda value: value is None or test(value)
+
+
+def is_word(value, *words):
+    return isinstance(value, str) and value in words
+
+
+def are_stops(value):
+    return is_text(value) or isinstance(value, (list, tuple)) and all(is_text(s) for s in value)
+
+
 @dataclass(frozen=True)
 class Settings:
-    """A generate() or stream() call's settings (its keywords), checked once, before any work."""
-    draft: object = None
-    gamma: object = "auto"
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    lenience: float = 1.0
-    ignore_eos: bool = False
-    beams: int = 1
-    draft_beams: int | None = None
-    stop: object = None
-    stop_token_ids: object = None
-    tree: object = "auto"
-    on_states: object = None
-    state_layers: object = None
+    """The settings of a generate() or stream() call (their keywords): the one list, each with its
+    default, its check and its help, from which run.py's flags and the server's fields are made.
+    Checked once, before any work: an invalid one raises SettingError naming it."""
+    draft: object = setting(None, None)  # a model or a drafter's name: run.py's --draft loads it
+    gamma: object = setting("auto", Check(lambda v: is_word(v, "auto") or integer(1, GAMMA_LIMIT)(v), "(draft "
+                                          f"tokens per step) must be 'auto' or an integer in [1, {GAMMA_LIMIT}]"),
+                            "draft tokens guessed per target call, or 'auto' (the default): chosen before each "
+                            f"step, 0 to {GAMMA_MAX}, from the pair's costs measured on this machine and its "
+                            "acceptance rate", type=gamma_setting)
+    max_new_tokens: int = setting(64, Check(integer(1), "must be an integer >= 1"),
+                                  "the most tokens generated (fewer where EOS or a stop comes first)", type=int)
+    temperature: float = setting(0.0, TEMPERATURE, "0 (the default) is greedy", type=float)
+    top_k: int = setting(0, TOP_K, "keep the k most likely tokens (0: all)", type=int)
+    top_p: float = setting(1.0, TOP_P, "nucleus sampling mass (1: all)", type=float)
+    seed: int | None = setting(None, Check(optional(integer(0, 2**63 - 1)), "must be an integer in [0, 2**63) or None"),
+                               "the seed of sampling's random draws (the command line's default: 0)", type=int,
+                               default=0)
+    lenience: float = setting(1.0, Check(lambda v: is_number(v) and 0 < v <= 1, "must be in (0, 1]"),
+                              "accept drafts more easily (paper A.5); 1 keeps the target's exact distribution",
+                              type=float)
+    ignore_eos: bool = setting(False, Check(lambda v: isinstance(v, bool), "must be True or False"),
+                               "always generate --max-new-tokens tokens", action="store_true")
+    beams: int = setting(1, Check(integer(1), "(the beam width w) must be an integer >= 1"),
+                         "beam search of this width w (1: no beam search); with --draft, speculative beam search "
+                         "(paper A.4) with the same result", type=int)
+    draft_beams: int | None = setting(None, Check(optional(integer(1)), "(the draft's beam width u) must be an "
+                                                  "integer >= 1 or None"),
+                                      "the draft's beam width u >= w in speculative beam search (default: --beams)",
+                                      type=int)
+    stop: object = setting(None, Check(optional(are_stops), "must be a string or a list of strings"),
+                           "end the output just before this text (repeat the flag for several)", action="append",
+                           metavar="TEXT")
+    stop_token_ids: object = setting(None, Check(optional(lambda v: isinstance(v, (list, tuple)) and all(
+                                         integer(0)(token) for token in v)), "must be a list of token ids"),
+                                     "comma-separated token ids that end the output as EOS does", type=token_ids,
+                                     metavar="IDS")
+    tree: object = setting("auto", Check(lambda v: v is None or is_word(v, "auto", "off") or integer(1, TREE_MAX)(v),
+                                         "(the most guesses a step's token tree holds) must be 'auto', 'off' or an "
+                                         f"integer in [1, {TREE_MAX}] (None: 'off')"),
+                           "verify a token tree of up to N guesses per target call instead of a chain (any --draft: "
+                           "ngram, lookup, a model, int8/int4 or a head folder); 'auto' (the default; with --gamma "
+                           "auto): a tree or a chain each step, whichever is expected to be faster; 'off': chains",
+                           type=tree_setting, metavar="off|auto|N")
+    on_states: object = setting(None, Check(optional(callable), "must be a function (i, tokens, states)"))
+    state_layers: object = setting(None, None)  # checked against the target (state_layers_of)
 
     def __post_init__(self):
-        if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        Sampling(self.temperature, self.top_k, self.top_p)  # checks them
-        if not (is_integer(self.beams) and self.beams >= 1):
-            raise ValueError(f"beams (the beam width w) must be an integer >= 1, got {self.beams!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stops is not None and not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        if self.drafting:
-            make_policy(self.gamma)  # checks gamma
-            if not (isinstance(self.lenience, (int, float)) and 0 < self.lenience <= 1):
-                raise ValueError(f"lenience must be in (0, 1], got {self.lenience!r}")
-        if self.tree is not None:
-            self.check_tree()
+        for spec in fields(self):
+            if spec.metadata["check"] is not None:
+                spec.metadata["check"](spec.name, getattr(self, spec.name))
+        if is_integer(self.tree) and not self.drafting:
+            raise SettingError("tree", f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / "
+                                       f"'int4' or a draft head), not {self.draft!r}")
+        if is_integer(self.tree) and (self.lenience != 1 or self.searching):
+            raise SettingError("tree", "token trees are verified exactly (lenience=1), without beams")
         if self.searching and self.stop:
-            raise ValueError("beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
-                             "use stop_token_ids")
-        if self.on_states is not None and not callable(self.on_states):
-            raise ValueError(f"on_states must be a function (i, tokens, states), got {self.on_states!r}")
+            raise SettingError("stop", "beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
+                                       "use stop_token_ids")
         if self.on_states is None and self.state_layers is not None:
-            raise ValueError("state_layers says which states on_states receives: give on_states too")
+            raise SettingError("state_layers", "state_layers says which states on_states receives: give on_states too")
         if self.on_states is not None and self.searching:
-            raise ValueError("on_states needs decoding without beams (beam search keeps no one sequence of states)")
+            raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
+                                            "sequence of states)")
 
-    def check_tree(self):
-        if self.tree in ("off", "auto"):  # "auto": trees where the drafter can branch (trees)
-            return
-        if not (is_integer(self.tree) and 1 <= self.tree <= TREE_MAX):
-            raise ValueError(f"tree (the most guesses a step's token tree holds) must be 'auto', 'off' or an integer "
-                             f"in [1, {TREE_MAX}] (None: 'off'), got {self.tree!r}")
-        if not self.drafting:
-            raise ValueError(f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / 'int4' or a "
-                             f"draft head), not {self.draft!r}")
-        if self.lenience != 1 or self.searching:
-            raise ValueError("token trees are verified exactly (lenience=1), without beams")
+    @classmethod
+    def of(cls, caller, settings):
+        """Settings from a call's keywords; one it does not know is named (a TypeError, as Python's)."""
+        unknown = next((name for name in settings if name not in SETTING_CHECKS), None)
+        if unknown is not None:
+            raise TypeError(f"{caller}() got an unknown setting {unknown!r}; the settings are "
+                            f"{', '.join(SETTING_CHECKS)}")
+        return cls(**settings)
 
     @property
     def sampling(self):
@@ -174,6 +259,9 @@ class Settings:
     @property
     def searching(self):
         return self.beams != 1 or self.draft_beams is not None
+
+
+SETTING_CHECKS = {spec.name: spec.metadata["check"] for spec in fields(Settings)}
 
 
 @dataclass
@@ -208,20 +296,23 @@ class Request:
         drafter = policy = None
         if settings.drafting:
             policy = make_policy(settings.gamma, BEAM_GAMMA_MAX if settings.searching else GAMMA_MAX)
-            drafter = make_drafter(settings.draft, target)
+            with named("draft"):
+                drafter = make_drafter(settings.draft, target)
         draft_beams = settings.draft_beams
         if settings.searching:
-            draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, settings.sampling,
-                                              settings.lenience)
+            with named("beams" if settings.beams != 1 else "draft_beams"):
+                draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, settings.sampling,
+                                                  settings.lenience)
         stop = settings.stop
-        stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids),
-                    [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
+        with named("stop"):
+            stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids),
+                        [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
         if settings.seed is None and target.tp is not None:  # ranks draw alike only from one seed: rank 0's
             seed = target.tp.from_first(seed)[0]
         if settings.on_states is not None and drafter is not None and drafter.reads_states:
-            raise ValueError("on_states cannot be given with a draft head (the target's forwards return the "
-                             "head's states)")
+            raise SettingError("on_states", "on_states cannot be given with a draft head (the target's forwards "
+                                            "return the head's states)")
         return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
                    settings.trees, settings.on_states, state_layers_of(target, settings.state_layers))
@@ -236,41 +327,51 @@ def state_layers_of(target, layers):
     if layers is None:
         return None
     if not isinstance(target, Llama):
-        raise ValueError(f"state_layers reads states inside a Llama-family target; {target.name} is not one")
+        raise SettingError("state_layers", f"state_layers reads states inside a Llama-family target; {target.name} "
+                                           "is not one")
     count = len(target.layers)
-    if not (isinstance(layers, (list, tuple)) and layers and all(is_integer(i) and 0 <= i <= count for i in layers)):
-        raise ValueError(f"state_layers must be a list of layer indices in [0, {count}], got {layers!r}")
+    Check(lambda v: isinstance(v, (list, tuple)) and bool(v) and all(integer(0, count)(i) for i in v),
+          f"must be a list of layer indices in [0, {count}]")("state_layers", layers)
     return tuple(layers)
 
 
 def stop_ids(target, ignore_eos, extra):
     ids = [] if ignore_eos else list(target.eos_token_ids)
-    for token in extra or ():
-        if not (isinstance(token, int) and 0 <= token < target.vocab_size):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {target.vocab_size}), got {token!r}")
-        ids.append(token)
-    return ids
+    check = Check(integer(0, target.vocab_size - 1), f"must be token ids in [0, {target.vocab_size})")
+    return ids + [check("stop_token_ids", token) for token in extra or ()]
+
+
+@contextmanager
+def named(name):
+    """A ValueError raised inside is about the setting `name`: it becomes a SettingError naming it."""
+    try:
+        yield
+    except SettingError:
+        raise
+    except ValueError as error:
+        raise SettingError(name, str(error)) from None
 
 
 def check_fits(model, prefix_length, max_new_tokens, role="target"):
     """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
     context = model.context_length
     if context is not None and prefix_length > context:
-        raise ValueError(f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
+        raise SettingError("prompt", f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
                          f"context of {context}")
     if context is not None and prefix_length + max_new_tokens > context:
-        raise ValueError(
-            f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
+        raise SettingError(
+            "max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
             f"{model.name}'s context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
         )
 
 
-def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None):
+def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
     """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
     `working` bytes of temporaries beside them) do not fit in free memory (beyond what the model's
     caches take already). `remedy`: what the error tells to do, where the rows are not requests' (the
     server's flags). tp: the target's tensor-parallel group, if sharded: the least memory free on any
-    rank then decides, so that every rank stops, or none."""
+    rank then decides, so that every rank stops, or none. setting: what the error names (SettingError),
+    where the rows are requests'."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
@@ -288,11 +389,12 @@ def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, t
     if remedy is not None:
         raise ValueError(f"{model.name}: {rows} cache rows need {need}, more than the {free / 2**30:.1f} GiB free; "
                          f"at most {free // per_row} fit: {remedy}")
+    free_text = f"more than the {free / 2**30:.1f} GiB free"
     if requests > 1:
-        raise ValueError(f"a batch of {rows} requests needs {need}, more than the {free / 2**30:.1f} GiB free; "
-                         f"at most {free // per_row} fit: pass batch_size=")
-    raise ValueError(f"{model.name}: {rows} cache row(s) need {need}, more than the {free / 2**30:.1f} GiB free; "
-                     "ask for fewer new tokens or beams")
+        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}, {free_text}; at most "
+                                         f"{free // per_row} fit: pass batch_size=")
+    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}, {free_text}; ask for fewer new "
+                                "tokens or beams")
 
 
 def available_memory(device):
@@ -369,10 +471,11 @@ def search(request):
     # Scores up to w + u·γ hypotheses in one forward (u = 0 without a draft), each in a cache row.
     rows = request.beams + request.draft_beams * request.policy.k_max if drafter else request.beams
     longest = prefix.shape[1] + request.max_new_tokens
-    check_memory(target, rows, longest, working=beam.working_bytes(rows, longest, target.vocab_size), tp=target.tp)
+    check_memory(target, rows, longest, working=beam.working_bytes(rows, longest, target.vocab_size), tp=target.tp,
+                 setting="beams")
     if drafter:
         check_memory(drafter.model, request.draft_beams, request.decoder_length(drafter.model) + request.max_new_tokens,
-                     tp=target.tp)
+                     tp=target.tp, setting="draft_beams")
     sequences, scores, stats = beam.search(target, prefix, drafter, request.prompt_ids, request.beams,
                                            request.draft_beams, request.policy, request.max_new_tokens,
                                            request.stop.token_ids)
@@ -392,11 +495,21 @@ def final_text(target, stop, tokens):
     return text
 
 
-def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-             seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-             batch_size=None, on_tokens=None, tree="auto", on_states=None, state_layers=None):
+def with_settings(function):
+    """`function(..., **settings)` shown (inspect, help()) with Settings' fields as its keywords and defaults."""
+    signature = inspect.signature(function)
+    keywords = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default)
+                for spec in fields(Settings)]
+    given = [parameter for parameter in signature.parameters.values() if parameter.kind != parameter.VAR_KEYWORD]
+    function.__signature__ = signature.replace(parameters=given + keywords)
+    return function
+
+
+@with_settings
+def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
-    "int8"/"int4": the target itself, quantized).
+    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields, as
+    keywords; an invalid one raises SettingError (a ValueError) naming it in its `field`.
 
     Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
     has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
@@ -425,18 +538,18 @@ def generate(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temper
     (the number of layers: the last layer's output before the final norm; Llama family).
     """
     batched = is_batch(prompt)
+    seed = settings.get("seed")
     seeds = seed if batched and isinstance(seed, (list, tuple)) else None
     if seeds is not None and len(seeds) != len(prompt):
-        raise ValueError(f"seed: a list of seeds needs one per prompt, got {len(seeds)} for {len(prompt)} prompts")
-    settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed if seeds is None else None,
-                        lenience, ignore_eos, beams, draft_beams, stop, stop_token_ids, tree, on_states, state_layers)
+        raise SettingError("seed", f"seed: a list of seeds needs one per prompt, got {len(seeds)} for {len(prompt)} "
+                                   "prompts")
+    settings = Settings.of("generate", {**settings, "seed": None} if seeds is not None else settings)
     requests = []
     for i, one in enumerate(prompt if batched else [prompt]):
         with naming_prompt(i if batched else None):
             requests.append(Request.from_settings(target, one, settings if seeds is None else
                                                   replace(settings, seed=seeds[i])))
-    if batch_size is not None and not (is_integer(batch_size) and batch_size >= 1):
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    Check(lambda v: v is None or integer(1)(v), "must be an integer >= 1")("batch_size", batch_size)
     check_lengths(requests)
     generations = [None] * len(requests)
     for i, tokens, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
@@ -451,10 +564,10 @@ def naming_prompt(i):
     """A batch's bad input says which prompt it is about (i None: a lone prompt)."""
     try:
         yield
-    except ValueError as error:
+    except SettingError as error:
         if i is None:
             raise
-        raise ValueError(f"prompt {i}: {error}") from None
+        raise SettingError(error.field, f"prompt {i}: {error}") from None
 
 
 def is_batch(prompt):
@@ -473,16 +586,13 @@ class Chunk:
     generation: Generation | None = None
 
 
-def stream(target, prompt, draft=None, gamma="auto", max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, lenience=1.0, ignore_eos=False, beams=1, draft_beams=None, stop=None, stop_token_ids=None,
-           tree="auto", on_states=None, state_layers=None):
+@with_settings
+def stream(target, prompt, **settings):
     """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
     never text past a stop string (text that may begin one is held back until the next step tells).
     Settings are checked here, before the first chunk is asked for."""
-    settings = Settings(draft, gamma, max_new_tokens, temperature, top_k, top_p, seed, lenience, ignore_eos, beams,
-                        draft_beams, stop, stop_token_ids, tree, on_states, state_layers)
-    request = Request.from_settings(target, prompt, settings)
+    request = Request.from_settings(target, prompt, Settings.of("stream", settings))
     check_lengths([request])
     return chunks(request)
 

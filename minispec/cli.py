@@ -1,46 +1,49 @@
 """What the command lines (run.py, minispec.bench and minispec.serve) share: argument types, the flags
 that choose and load the models, and loading a target with the draft that --draft names."""
 
-import argparse
 import json
 import os
-from pathlib import Path
+import signal
+import stat
+import sys
+from dataclasses import fields
 
 import torch
 
+from .api import Settings, gamma_setting, token_ids, tree_setting  # noqa: F401 (the command lines' argument types)
 from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
+from .decoding.sampling import is_integer
 from .heads import is_head_dir, load_draft_head
 from .loading.checkpoint import load_model
 from .loading.weights import DTYPES
 from .models import quant
 
 
-def token_ids(text):
-    """The command lines' --prompt-ids: '1,2,3' -> [1, 2, 3]."""
+def add_setting_flags(parser):
+    """A flag for each setting with help, made from Settings' fields: --max-new-tokens sets max_new_tokens."""
+    for spec in fields(Settings):
+        if spec.metadata["help"] is not None:
+            parser.add_argument("--" + spec.name.replace("_", "-"), help=spec.metadata["help"],
+                                **{"default": spec.default, **spec.metadata["flag"]})
+
+
+def settings_of(args):
+    """The settings add_setting_flags' flags give, as generate() takes them."""
+    return {spec.name: getattr(args, spec.name) for spec in fields(Settings) if spec.metadata["help"] is not None}
+
+
+def exit_status(main):
+    """main()'s exit status, where Ctrl-C ends it with 130 and one line, and a closed stdout (a pipe into
+    `head`) quietly, as other command-line tools end."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def gamma_setting(text):
-    """--gamma: "auto" or a number of guesses per step."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
-
-
-def tree_setting(text):
-    """--tree: "auto", "off" (None: chains) or the most guesses a step's tree holds."""
-    if text in ("auto", "off"):
-        return None if text == "off" else text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or an integer, got {text!r}") from None
+        return main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout's reader has gone: Python's last flush of stdout at exit must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def add_model_flags(parser, draft_default, tensor_parallel=False):
@@ -112,26 +115,38 @@ def tp_rank(args):
     return int(rank) if rank.isdigit() else 0  # a bad RANK: loading says so
 
 
-def is_token_id(value):
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is not token 1
+# A prompts file's bounds, checked before it is read: its bytes, and its prompts (each a request).
+PROMPTS_FILE_MAX_BYTES = 64 * 2**20
+PROMPTS_MAX = 10_000
 
 
 def read_prompts_file(path, flag):
     """A prompts file, as both command lines read it (`flag` names their option in errors): JSON lines
     when every line parses as a string or a list of token ids, else one text prompt a line."""
     try:
-        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        regular = stat.S_ISREG(os.stat(path).st_mode)  # before opening: a FIFO's open would wait for a writer
+        if regular:
+            with open(path, "rb") as file:
+                data = file.read(PROMPTS_FILE_MAX_BYTES + 1)
     except OSError as error:
         raise ValueError(f"{flag} {path}: {error.strerror}") from None
+    if not regular:
+        raise ValueError(f"{flag} {path}: not a regular file")
+    if len(data) > PROMPTS_FILE_MAX_BYTES:
+        raise ValueError(f"{flag} {path}: larger than {PROMPTS_FILE_MAX_BYTES // 2**20} MiB")
+    try:
+        lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError as error:
         line = error.object[:error.start].count(b"\n") + 1
         raise ValueError(f"{flag} {path}: not UTF-8 text (byte {error.object[error.start]:#04x} on line {line})") from None
     if not lines:
         raise ValueError(f"{flag} {path} holds no prompt")
+    if len(lines) > PROMPTS_MAX:
+        raise ValueError(f"{flag} {path}: {len(lines)} prompts, more than the {PROMPTS_MAX} a run takes")
     try:
         prompts = [json.loads(line) for line in lines]
     except json.JSONDecodeError:
         return lines
-    if not all(isinstance(p, str) or isinstance(p, list) and all(is_token_id(t) for t in p) for p in prompts):
+    if not all(isinstance(p, str) or isinstance(p, list) and all(is_integer(t) for t in p) for p in prompts):
         raise ValueError(f"{flag} {path}: a JSON line must be a string or a list of token ids")
     return prompts

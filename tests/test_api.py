@@ -9,8 +9,12 @@ import pytest
 import torch
 import transformers
 from conftest import make_reference, save_reference
+from hypothesis import HealthCheck, given
+from hypothesis import settings as budget
+from hypothesis import strategies as st
 
 import minispec
+from minispec import api
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 
@@ -333,8 +337,93 @@ def test_on_states_gets_the_states_of_every_token_the_forwards_saw(target, same,
     ({"on_states": print, "state_layers": []}, r"state_layers must be a list of layer indices"),
 ])
 def test_bad_settings_are_named_before_any_work(target, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         minispec.generate(target, PROMPT, **kwargs)
+    assert isinstance(refused.value, minispec.SettingError) and refused.value.field in kwargs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": 1e-300}, "temperature must be a number >= 0"),  # would overflow the logits: every token 0
+    ({"temperature": 5e-324}, "temperature must be a number >= 0"),  # a denormal
+    ({"temperature": float("inf")}, "temperature must be a number >= 0"),
+    ({"top_p": float("nan")}, "top_p must be a number"),
+    ({"draft": "lookup", "lenience": float("inf")}, r"lenience must be in \(0, 1\]"),
+    ({"stop_token_ids": [True]}, r"stop_token_ids must be a list of token ids, got \[True\]"),
+    ({"stop_token_ids": [96]}, r"stop_token_ids must be token ids in \[0, 96\), got 96"),
+    ({"draft": "lookup", "gamma": 10**9}, r"gamma .* must be 'auto' or an integer in \[1, 64\]"),
+    ({"draft": "lookup", "gamma": True}, "gamma"),
+    ({"seed": True}, "seed must be an integer"),
+    ({"max_new_tokens": 8.0}, "max_new_tokens must be an integer"),
+    ({"max_new_tokens": 10**12}, "exceeds"),
+    ({"temperature": 1.0, "beams": 2}, "beam search is deterministic"),
+    ({"draft_beams": 2}, "draft_beams .* needs a draft model"),
+    ({"tree": 4}, "token trees need a drafter"),
+])
+def test_numbers_at_their_edges_are_refused_naming_their_setting(target, kwargs, message):
+    with pytest.raises(minispec.SettingError, match=message) as refused:
+        minispec.generate(target, PROMPT, **kwargs)
+    assert refused.value.field == list(kwargs)[-1]
+
+
+def test_an_unknown_setting_is_named(target):
+    for call in (minispec.generate, minispec.stream):
+        with pytest.raises(TypeError, match=f"{call.__name__}\\(\\) got an unknown setting 'temprature'"):
+            call(target, PROMPT, temprature=1.0)
+
+
+def test_settings_are_one_list_that_generate_and_stream_take(target):
+    """Settings' fields are generate()'s and stream()'s keywords, with Settings' defaults."""
+    defaults = minispec.Settings()
+    assert (defaults.gamma, defaults.max_new_tokens, defaults.temperature, defaults.top_k, defaults.top_p,
+            defaults.tree) == ("auto", 64, 0.0, 0, 1.0, "auto")
+    out = minispec.generate(target, PROMPT, **{name: getattr(defaults, name) for name in api.SETTING_CHECKS})
+    assert out.tokens == minispec.generate(target, PROMPT).tokens
+
+
+def test_a_text_prompt_that_is_not_text_is_named(llama_with_tokenizer):
+    model = minispec.load(llama_with_tokenizer)
+    with pytest.raises(minispec.SettingError, match="lone surrogate") as refused:
+        minispec.generate(model, "caf\udce9", max_new_tokens=2)
+    assert refused.value.field == "prompt"
+
+
+def test_load_takes_a_dtype_by_name(llama_dir):
+    assert minispec.load(llama_dir, dtype="float32").dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype must be a torch.dtype or one of float32, bfloat16, float16, got 'int8"):
+        minispec.load(llama_dir, dtype="int8")
+
+
+ODD = st.one_of(st.none(), st.booleans(), st.floats(), st.integers(-2**70, 2**70), st.text(max_size=3),
+                st.lists(st.integers(-2, 100), max_size=3))  # floats(): NaN, infinities and denormals too
+VALUES = {
+    "draft": st.sampled_from([None, "none", "lookup", "ngram"]),
+    "gamma": st.one_of(st.just("auto"), st.integers(-1, 4), ODD),
+    "max_new_tokens": st.one_of(st.integers(-1, 6), ODD),
+    "temperature": st.one_of(st.floats(0, 2), ODD),
+    "top_k": st.one_of(st.integers(-1, 100), ODD),
+    "top_p": st.one_of(st.floats(0, 1), ODD),
+    "seed": st.one_of(st.integers(-1, 2**64), ODD),
+    "lenience": st.one_of(st.floats(0, 1), ODD),
+    "ignore_eos": st.one_of(st.booleans(), ODD),
+    "beams": st.one_of(st.integers(0, 3), ODD),
+    "draft_beams": st.one_of(st.integers(0, 4), ODD),
+    "stop": st.one_of(st.text(max_size=2), st.lists(st.text(max_size=2), max_size=2), ODD),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-1, 100), max_size=3), ODD),
+    "tree": st.one_of(st.sampled_from(["auto", "off"]), st.integers(-1, 5), ODD),
+}
+
+
+@given(st.fixed_dictionaries({}, optional=VALUES))
+@budget(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_every_setting_is_accepted_or_refused_naming_its_field(target, values):
+    """Whatever the values, generate() works, or raises a SettingError that names one of them."""
+    try:
+        out = minispec.generate(target, PROMPT, **values)
+    except minispec.SettingError as error:
+        assert error.field in values, (error.field, str(error))
+        return
+    assert 1 <= len(out.tokens) <= values.get("max_new_tokens", 64)
+    assert all(0 <= token < target.vocab_size for token in out.tokens)
 
 
 def test_state_layers_are_refused_outside_the_llama_family(reference_dirs):

@@ -154,6 +154,15 @@ CASES = {
     "prompt not UTF-8": (flags("--prompt", "caf\udce9"), "--prompt is not UTF-8"),
     "several prompts with --show": (flags("--prompt", "a", "--prompt", "b", "--show"), "--show"),
     "JSON booleans as token ids": (prompts_file(b"[true, false]\n"), "token ids"),
+    # numbers at their edges, and sizes from outside (issue 66)
+    "gamma a billion": (flags(*PROMPT, "--draft", "lookup", "--gamma", "1000000000"), "gamma"),
+    "temperature 1e-300": (flags(*PROMPT, "--temperature", "1e-300"), "temperature must be"),
+    "temperature a denormal": (flags(*PROMPT, "--temperature", "5e-324"), "temperature must be"),
+    "temperature inf": (flags(*PROMPT, "--temperature", "inf"), "temperature must be"),
+    "top-p NaN": (flags(*PROMPT, "--temperature", "1", "--top-p", "nan"), "top_p must be"),
+    "lenience inf": (flags(*PROMPT, "--draft", "lookup", "--lenience", "inf"), "lenience must be"),
+    "stop token id beyond the vocabulary": (flags(*PROMPT, "--stop-token-ids", "96"), "stop_token_ids"),
+    "prompts file /dev/zero": (flags("--prompts-file", "/dev/zero"), "--prompts-file /dev/zero: not a regular file"),
     "prompts file not UTF-8": (prompts_file(b"ok\n\xff\n"), "line 2"),
 }
 

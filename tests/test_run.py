@@ -2,9 +2,11 @@
 
 The tiny checkpoints have no tokenizer files, so prompts are given as --prompt-ids."""
 
+import dataclasses
 import inspect
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -316,3 +318,66 @@ def test_chat_prompts_read_special_tokens_only_when_asked(llama_with_tokenizer, 
     assert run.main(["--target", str(llama_with_tokenizer), "--device", "cpu", "--prompt", "hi<|endoftext|>", "--chat",
                      "--max-new-tokens", "2", "--json", *flag]) == 0
     assert calls[0][1:] == ("hi<|endoftext|>", None, bool(flag))
+
+
+def test_help_documents_a_flag_for_every_setting(capsys):
+    """run.py's settings flags are made from minispec.Settings' fields, and keep their names."""
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    out = capsys.readouterr().out
+    flagged = [spec.name for spec in dataclasses.fields(minispec.Settings) if spec.metadata["help"] is not None]
+    assert set(flagged) == set(dataclasses.asdict(minispec.Settings())) - {"draft", "on_states", "state_layers"}
+    for flag in ("--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--gamma", "--tree",
+                 "--lenience", "--ignore-eos", "--stop", "--stop-token-ids", "--beams", "--draft-beams"):
+        assert re.search(f"^  {flag} ", out, re.MULTILINE), flag
+
+
+def test_a_prompts_file_beyond_its_bounds_is_refused_unread(gpt2_dir, tmp_path, capsys, monkeypatch):
+    from minispec import cli
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("a\nb\nc\n")
+    monkeypatch.setattr(cli, "PROMPTS_MAX", 2)
+    assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(path)]) == 2
+    assert "3 prompts, more than the 2 a run takes" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "PROMPTS_FILE_MAX_BYTES", 4)
+    assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: --prompts-file {path}: larger than 0 MiB\n"
+
+
+# run.py with each step of its stream slowed down, so that a signal surely comes mid-generation.
+SLOW_RUN = """
+import runpy, sys, time
+import minispec
+stream = minispec.stream
+def slow(*args, **kwargs):
+    for chunk in stream(*args, **kwargs):
+        time.sleep(0.05)
+        yield chunk
+minispec.stream = slow
+sys.argv = ["run.py", *sys.argv[1:]]
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+def slow_run(gpt2_dir):
+    return subprocess.Popen([sys.executable, "-c", SLOW_RUN, "--target", gpt2_dir, "--device", "cpu", *PROMPT_FLAG,
+                             "--max-new-tokens", "100", "--ignore-eos"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_ctrl_c_ends_a_run_with_status_130_and_one_line(gpt2_dir):
+    process = slow_run(gpt2_dir)
+    process.stdout.read(1)  # generating
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and err.decode() == "interrupted\n", err.decode()[-500:]
+
+
+def test_a_closed_pipe_ends_a_run_quietly(gpt2_dir):
+    """`run.py ... | head -c 10`: once its reader has gone, the run ends without a word."""
+    process = slow_run(gpt2_dir)
+    process.stdout.read(10)
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=120) == 128 + signal.SIGPIPE and err == b"", err.decode()[-500:]

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 import minispec.decoding.sampling
-from minispec.decoding.sampling import Sampling, adjust, sample
+from minispec.decoding.sampling import TEMPERATURE_MIN, Sampling, SettingError, adjust, sample
 from minispec.decoding.speculative import accept_and_resample
 
 VOCAB = 10
@@ -141,3 +141,23 @@ def test_top_p_keeps_what_the_reference_keeps(monkeypatch, top_p):
         monkeypatch.setattr(minispec.decoding.sampling, "TOP_P_CANDIDATES", 0)  # sort every row
         assert torch.equal(adjust(logits, sampling), probs)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": 1e-300}, "temperature"), ({"temperature": 5e-324}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": True}, "temperature"), ({"top_k": True}, "top_k"), ({"top_k": 2.0}, "top_k"),
+    ({"top_p": float("nan")}, "top_p"), ({"top_p": float("inf")}, "top_p"), ({"top_p": True}, "top_p"),
+])
+def test_numbers_at_their_edges_are_refused_naming_their_field(kwargs, field):
+    with pytest.raises(SettingError, match=f"^{field} must be") as refused:
+        Sampling(**kwargs)
+    assert refused.value.field == field
+
+
+def test_the_smallest_temperature_still_gives_a_distribution():
+    """At TEMPERATURE_MIN the tempered logits stay finite: a distribution, all but one-hot, not NaN."""
+    logits = torch.tensor([[30.0, 29.99999, -3000.0, 0.0]])
+    probs = adjust(logits, Sampling(temperature=TEMPERATURE_MIN))
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+    assert probs[0, 0] > probs[0, 1] > 0 and probs[0, 2] == 0

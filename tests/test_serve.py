@@ -398,6 +398,23 @@ BAD_REQUESTS = [  # (path, body, status, param, part of the message)
      "leave room for"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "not supported"),
     ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt", "unrecognized"),
+    # numbers at their edges and text that is not text (issue 66): refused with a 400, never a 500
+    ("/v1/completions", '{"prompt": "x", "temperature": 1e999}', 400, "temperature", "must be a number"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-300}, 400, "temperature", "temperature must be a number"),
+    ("/v1/completions", {"prompt": "x", "temperature": 5e-324}, 400, "temperature", "temperature must be a number"),
+    ("/v1/completions", '{"prompt": "x", "top_p": 1e999}', 400, "top_p", "top_p must be"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1e999}', 400, "max_tokens", "max_tokens must be an integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", "max_tokens must be an integer"),
+    ("/v1/completions", {"prompt": "x", "seed": True}, 400, "seed", "seed must be an integer"),
+    ("/v1/completions", {"prompt": "x", "top_k": True}, 400, "top_k", "top_k must be an integer"),
+    ("/v1/completions", '{"prompt": "x", "presence_penalty": -1e999}', 400, "presence_penalty", "must be a number"),
+    ("/v1/completions", {"prompt": [True, 2]}, 400, "prompt", "token ids"),
+    ("/v1/completions", '{"prompt": "caf\\udce9"}', 400, "prompt", "lone surrogate"),
+    ("/v1/completions", '{"prompt": "x", "stop": "\\ud800"}', 400, "stop", "stop must be"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages[0].content",
+     "lone surrogates"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "max_completion_tokens must be an integer >= 1"),
 ]
 
 
@@ -415,6 +432,16 @@ def test_a_bad_request_is_refused_in_the_openai_shape_naming_the_field(client, p
     assert error["param"] == param and message in error["message"], error
     assert error["type"] == "invalid_request_error"
     assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_the_field_of_a_refused_setting_is_the_errors_not_its_messages(client, monkeypatch):
+    """param is the SettingError's field, as the request names it, whatever the message says."""
+    def refuse(target, ids, settings):
+        raise minispec.SettingError("top_k", "prompt: a message whose first word names another field")
+
+    monkeypatch.setattr(minispec.api.Request, "from_settings", refuse)
+    error = client.post("/v1/completions", json={"prompt": "x"}).json()["error"]
+    assert error["param"] == "top_k" and error["message"].startswith("prompt: a message"), error
 
 
 def test_a_body_beyond_the_bound_is_refused_unread(client, monkeypatch):

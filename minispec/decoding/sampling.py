@@ -1,11 +1,70 @@
 """Standardized sampling (paper section 2.2): argmax, temperature, top-k and top-p all become
 "sample from an adjusted distribution". Speculative decoding applies the same adjustment to the
 draft's q and the target's p, and everything downstream only ever sees probabilities.
+Here too: the one check of a value from outside (Check, SettingError), which Settings, run.py and the
+server share.
 """
 
+import math
+import reprlib
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
+
+
+class SettingError(ValueError):
+    """A value refused before any work: `field` names its setting (a Settings field, a request's field,
+    "prompt"), whichever way it came in, so that callers name it without reading the message."""
+
+    def __init__(self, field, message):
+        super().__init__(message)
+        self.field = field
+
+
+def is_integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)  # True is no token 1, no count 1
+
+
+def is_number(value):
+    """A finite int or float: NaN, infinities (JSON's 1e999 parses as one) and bools are no setting's value."""
+    return (is_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def is_text(value):
+    """A string that is text: lone surrogates (undecodable bytes, or a JSON escape) cannot be encoded."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Check(NamedTuple):
+    """The one check of a value from outside (a keyword, a flag, a request's field): its test, and the
+    rule its error states, as `{name} {rule}, got {value}`."""
+    test: Callable
+    rule: str
+
+    def __call__(self, name, value):
+        if not self.test(value):
+            raise SettingError(name, f"{name} {self.rule}, got {reprlib.repr(value)}")
+        return value
+
+
+def integer(low, high=math.inf):
+    return lambda value: is_integer(value) and low <= value <= high
+
+
+# Below this a temperature is refused, not rounded to greedy: dividing logits by it overflows towards
+# 1e-38 (every token id 0), and well above that sampling is already greedy but for float ties.
+TEMPERATURE_MIN = 1e-5
+TEMPERATURE = Check(lambda v: is_number(v) and (v == 0 or v >= TEMPERATURE_MIN),
+                    f"must be a number >= 0 (0 = greedy; else at least {TEMPERATURE_MIN:g})")
+TOP_K = Check(integer(0), "must be an integer >= 0 (0 = off)")
+TOP_P = Check(lambda v: is_number(v) and 0 < v <= 1, "must be a number in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -15,24 +74,13 @@ class Sampling:
     top_p: float = 1.0  # most likely first, keep tokens while the mass before them is < top_p; 1 keeps all
 
     def __post_init__(self):
-        if not (is_number(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (is_integer(self.top_k) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        TEMPERATURE("temperature", self.temperature)
+        TOP_K("top_k", self.top_k)
+        TOP_P("top_p", self.top_p)
 
     @property
     def greedy(self):
         return self.temperature == 0
-
-
-def is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_integer(value):
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def adjust(logits, sampling):

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from .. import api
-from ..decoding.sampling import is_integer, is_number
+from ..decoding.sampling import Check, SettingError, is_integer, is_number, is_text
 from ..loading.chat import ChatTemplateError, chat_prompt
 
 
@@ -27,23 +27,26 @@ def invalid(message, param=None, code=None):
     return RequestError(400, message, param, code=code)
 
 
-STRING = (lambda v: isinstance(v, str), "a string")
-INTEGER = (is_integer, "an integer")
-NUMBER = (is_number, "a number")
-BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
-OBJECT = (lambda v: isinstance(v, dict), "an object")
-LIST = (lambda v: isinstance(v, list), "a list")
-STRINGS = (lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v),
-           "a string or a list of strings")
-PROMPT = (lambda v: isinstance(v, (str, list)), "a string or a list of token ids")
+STRING = Check(is_text, "must be a string (of text: no lone surrogates)")
+INTEGER = Check(is_integer, "must be an integer")
+NUMBER = Check(is_number, "must be a number")
+BOOLEAN = Check(lambda v: isinstance(v, bool), "must be true or false")
+OBJECT = Check(lambda v: isinstance(v, dict), "must be an object")
+LIST = Check(lambda v: isinstance(v, list), "must be a list")
+PROMPT = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list of token ids")
 
-SHARED = {"model": STRING, "stream": BOOLEAN, "stream_options": OBJECT, "max_tokens": INTEGER, "temperature": NUMBER,
-          "top_p": NUMBER, "seed": INTEGER, "stop": STRINGS, "n": INTEGER, "user": STRING,
+# The request's fields that are settings, as api.Settings' fields; each is checked by that field's check.
+SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
+            "top_p": "top_p", "seed": "seed", "stop": "stop",
+            "top_k": "top_k", "ignore_eos": "ignore_eos"}  # the last two are minispec's (and vLLM's), not OpenAI's
+SHARED = {"model": STRING, "stream": BOOLEAN, "stream_options": OBJECT, "n": INTEGER, "user": STRING,
           "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "logit_bias": OBJECT,
-          "top_k": INTEGER, "ignore_eos": BOOLEAN}  # the last two are minispec's (and vLLM's), not OpenAI's
+          **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
+             if name != "max_completion_tokens"}}
 FIELDS = {
     False: {**SHARED, "prompt": PROMPT, "echo": BOOLEAN, "best_of": INTEGER, "logprobs": INTEGER, "suffix": STRING},
-    True: {**SHARED, "messages": LIST, "max_completion_tokens": INTEGER, "logprobs": BOOLEAN, "top_logprobs": INTEGER},
+    True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": BOOLEAN,
+           "top_logprobs": INTEGER},
 }  # by whether the request is a chat
 # Fields read only at their neutral value (or null), and why.
 NEUTRAL = {
@@ -84,18 +87,15 @@ def parse(body, chat, scheduler, model_name):
     ids = chat_ids(target, body.get("messages")) if chat else prompt_ids(target, body.get("prompt"))
     max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
-    given = {name: value for name, value in body.items() if value is not None}
+    given = {SETTINGS[name]: value for name, value in body.items() if name in SETTINGS and value is not None}
     try:
-        settings = api.Settings(draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree,
-                                max_new_tokens=max_tokens,
-                                temperature=given.get("temperature", 1.0), top_k=given.get("top_k", 0),
-                                top_p=given.get("top_p", 1.0), seed=given.get("seed"),
-                                ignore_eos=given.get("ignore_eos", False), stop=given.get("stop"))
+        settings = api.Settings(**{"temperature": 1.0, **given, "max_new_tokens": max_tokens},  # OpenAI's temperature
+                                draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree)
         request = api.Request.from_settings(target, ids, settings)
-    except ValueError as error:  # api's messages start with its keyword's name: name the request's field
-        message = str(error).replace("max_new_tokens", max_field)
-        word = message.removeprefix("the ").split(" ", 1)[0]
-        raise invalid(message, prompt_field if word == "prompt" else word if word in FIELDS[chat] else None) from None
+    except SettingError as error:  # named by its request's field (none: the server's own settings)
+        names = {"prompt": prompt_field, "max_new_tokens": max_field,
+                 **{setting: name for name, setting in SETTINGS.items() if setting != "max_new_tokens"}}
+        raise invalid(str(error), names.get(error.field)) from None
     return Parsed(request, bool(body.get("stream")), bool(options.get("include_usage")))
 
 
@@ -104,11 +104,12 @@ def check_fields(body, fields, prefix=""):
     for name, value in body.items():
         if name not in fields:
             raise invalid(f"unrecognized request argument: {prefix}{name}", prefix + name)
-        check, description = fields[name]
         if value is None:
             continue
-        if not check(value):
-            raise invalid(f"{prefix}{name} must be {description}, got {reprlib.repr(value)}", prefix + name)
+        try:
+            fields[name](prefix + name, value)
+        except SettingError as error:
+            raise invalid(str(error), error.field) from None
         if name in NEUTRAL:
             neutral, why = NEUTRAL[name]
             if not (value == neutral and isinstance(value, bool) == isinstance(neutral, bool)):  # 0 is no False
@@ -121,6 +122,8 @@ def prompt_ids(target, prompt):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        if not is_text(prompt):
+            raise invalid("prompt is not text: it holds a lone surrogate", "prompt")
         return target.tokenizer.encode(prompt, split_special_tokens=True)
     if not (isinstance(prompt, list) and all(is_integer(token) for token in prompt)):
         raise invalid("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
@@ -150,14 +153,14 @@ def checked_message(message, where):
     if extra is not None:
         raise invalid(f"{where}.{extra} is not supported", f"{where}.{extra}")
     if isinstance(content, list):  # content parts: their text, joined by line breaks as vLLM joins them
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        if not all(isinstance(part, dict) and part.get("type") == "text" and is_text(part.get("text"))
                    for part in content):
             raise invalid(f"{where}.content parts must be text parts ({{'type': 'text', 'text': ...}})",
                           f"{where}.content")
         content = "\n".join(part["text"] for part in content)
-    if not isinstance(content, str):
-        raise invalid(f"{where}.content must be a string or a list of text parts, got {reprlib.repr(content)}",
-                      f"{where}.content")
+    if not is_text(content):
+        raise invalid(f"{where}.content must be a string (of text: no lone surrogates) or a list of text parts, got "
+                      f"{reprlib.repr(content)}", f"{where}.content")
     return {"role": role, "content": content}
 
 
