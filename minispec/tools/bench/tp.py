@@ -1,7 +1,7 @@
 """What tensor parallelism costs per decode step (docs/performance.md, "Tensor parallelism"):
 
-    torchrun --standalone --nproc-per-node 2 -m minispec.bench.tp --target CKPT --device cpu   # sharded
-    python -m minispec.bench.tp --target CKPT --device cpu --threads 2                        # one process
+    torchrun --standalone --nproc-per-node 2 -m minispec.tools.bench.tp --target CKPT --device cpu   # sharded
+    python -m minispec.tools.bench.tp --target CKPT --device cpu --threads 2                        # one process
 
 Sharded, rank 0 prints one JSON object: the median time of one sum (the all-reduce a layer's attention
 and MLP each end with) over a decode step's rows, of the host broadcast that agrees gamma="auto"'s
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..loading.checkpoint import load_model
-from ..loading.weights import DTYPES
+from minispec import load
+from minispec.loading.weights import DTYPES
 
 
 def median_seconds(work, repeats, warmup=5):
@@ -65,7 +65,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     sharded = dist.is_torchelastic_launched()
     world = int(os.environ["WORLD_SIZE"]) if sharded else None
-    model = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype), tp=world)
+    model = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype), tp=world)
     with torch.inference_mode():
         steps = decode_steps(model, (1, 9), args.repeats)
         report = {"processes": world or 1, "threads": torch.get_num_threads(),

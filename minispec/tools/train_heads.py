@@ -1,6 +1,10 @@
-"""Training a draft head by self-distillation: the target answers a set of prompts, its hidden states
-over each prompt and answer are kept from the very forwards that answer (generate's on_states), and the
-head learns to predict what the target does next from them, with the losses of its paper (the
+"""Training a draft head by self-distillation, a tool over minispec's public API:
+
+    python -m minispec.tools.train_heads --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
+
+writes the head into DIR, where `--draft DIR` and `minispec.load_draft_head(DIR, target)` find it; run
+it again to resume. The target answers a set of prompts, its hidden states over each prompt and
+answer are kept from the very forwards that answer (generate's on_states), and the head learns to predict what the target does next from them, with the losses of its paper (the
 target's p renormalized over an EAGLE head's draft vocabulary, where its q lives):
 
     EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
@@ -19,6 +23,7 @@ its training/ folder the prompts and answers as token ids (data.safetensors), th
 and the epochs done.
 """
 
+import argparse
 import json
 import math
 import sys
@@ -30,11 +35,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ..api import generate, prompt_tensor
-from ..loading.chat import chat_prompt, user_turn_start
-from ..loading.weights import save_safetensors
-from ..models.llama import LlamaConfig, query_rows_mask
-from . import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec import CheckpointError, chat_prompt, generate, load
+from minispec.api import prompt_tensor
+from minispec.cli import read_prompts_file
+from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec.loading.chat import user_turn_start
+from minispec.loading.weights import DTYPES, save_safetensors
+from minispec.models.llama import LlamaConfig, query_rows_mask
 
 # What the target answers when no prompts file is given: templates over subjects, none of them the
 # subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
@@ -177,18 +184,18 @@ def load_data(file):
     return list(zip(pieces, data["answer_starts"].tolist()))
 
 
-@torch.no_grad()
 def record(target, sequences, taps=None):
     """The target's states at every position of every sequence, as `answer` records them while the
-    target answers (for a resumed run, whose answers are kept but not their states): [length, dim], its
-    last hidden state; with taps (an EAGLE-3 head's layers), the states entering them first."""
+    target answers (for a resumed run, whose answers are kept but not their states), from the one
+    forward over a sequence that generate makes for a single new token: [length, dim], its last hidden
+    state; with taps (an EAGLE-3 head's layers), the states entering them first."""
     records, started = [], time.perf_counter()
-    hidden = True if taps is None else (*taps, len(target.layers))
+    hidden = None if taps is None else [*taps, len(target.layers)]
     for i, (tokens, _) in enumerate(sequences):
-        target.ensure_caches(1, len(tokens))
-        _, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], logits_for=1, eager=True,
-                                       hidden=hidden)
-        records.append(states_of(target, states[0].cpu(), taps))
+        seen = []
+        generate(target, tokens.tolist(), max_new_tokens=1, state_layers=hidden,
+                 on_states=lambda _, tokens, states: seen.append(states.cpu()))
+        records.append(states_of(target, torch.cat(seen), taps))
         progress(i + 1, len(sequences), started, "recording the target's states")
     return records
 
@@ -598,3 +605,45 @@ def resume(out, head, optimizer):
         if state:
             optimizer.state[parameter] = state
     return done
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m minispec.tools.train_heads",
+                                     description="Train a draft head for a target (resumes an interrupted run).")
+    parser.add_argument("--target", required=True, help="the target, as run.py's --target")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", required=True, help="the head's folder (made if missing)")
+    parser.add_argument("--kind", choices=("eagle", "eagle3", "medusa"), default="eagle")
+    parser.add_argument("--prompts", help="a file of prompts, one per line (default: templates, and for a chat "
+                        "target prompts it writes itself)")
+    parser.add_argument("--epochs", type=int, help=f"default: {EPOCHS['eagle']} (eagle3: {EPOCHS['eagle3']})")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
+    parser.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
+    parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
+                        help="EAGLE, EAGLE-3: the head guesses among the target's N most said tokens (0: all)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--no-chat", action="store_true", help="answer the prompts as raw text, not chat turns")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # train(epochs=0) only returns the untrained head: nothing would be written
+    if args.epochs is not None and args.epochs < 1:
+        print(f"minispec: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
+        return 2
+    try:
+        prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
+        target = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
+        train(target, args.out, args.kind, prompts, args.epochs, args.max_new_tokens, args.lr, args.heads,
+              chat=not args.no_chat, draft_vocab=args.draft_vocab)
+    except (ValueError, OSError, CheckpointError) as error:
+        print(f"minispec: {error}", file=sys.stderr)
+        return 2
+    print(f"minispec: the head is in {args.out}; use it with --draft {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
