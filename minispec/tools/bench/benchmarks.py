@@ -81,7 +81,7 @@ def benchmark(args):
                     for g in args.gamma})
     if args.compare_reference:
         runners.update(reference_runners(args, device, target.dtype))
-    if args.llama_cpp:  # in the same rounds as minispec's runners: this VM's speed drifts within minutes
+    if args.llama_cpp:  # in the same rounds as minispec's runners: a machine's drift hits both alike
         runners.update({("llama.cpp", mode): run_one for mode, run_one in peer_runners(args, target, prompts).items()})
     requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
     timed = time_generation(runners, requests, args.repeats, device)
