@@ -384,7 +384,7 @@ def test_chat_prompt_by_default_for_chat_checkpoints(tiny_chat_model, capsys):
 
 
 def test_bench_builtin_code_prompt_as_chat(tiny_chat_model, tmp_path, capsys):
-    from minispec.bench import cli as bench_cli, prompts
+    from minispec.tools.bench import cli as bench_cli, prompts
 
     report = tmp_path / "bench.json"
     flags = ["--target", NAME, "--draft", "lookup", "--prompts", "code", "--max-new-tokens", "8", "--repeats", "1"]

@@ -91,7 +91,7 @@ def test_bench_memory_does_not_grow_on_cuda(checkpoints, tmp_path):
     """As on CPU (tests/test_bench.py), from the caching allocator's counters: the loop's own peak of
     allocated bytes is the same for 16 and 64 tokens, and what a request leaves behind differs by less
     than one allocator block (512 bytes) between them."""
-    from minispec.bench import cli as bench_cli
+    from minispec.tools.bench import cli as bench_cli
 
     report = tmp_path / "bench.json"
     assert bench_cli.main(["--target", str(checkpoints[0]), "--draft", str(checkpoints[1]), "--device", "cuda",
@@ -120,7 +120,7 @@ def test_bench_bandwidth_is_a_fraction_of_the_peak(checkpoint_200m, tmp_path):
     """The decode step's achieved bandwidth (the bytes it must read over its median time) lies in (0, 1]
     of the datasheet peak memory.PEAK_BANDWIDTH gives for this GPU: above 1 the byte count or the clock
     is wrong, since nothing reads DRAM faster than its peak."""
-    from minispec.bench import cli as bench_cli, memory
+    from minispec.tools.bench import cli as bench_cli, memory
 
     report = tmp_path / "bench.json"
     assert bench_cli.main(["--target", str(checkpoint_200m), "--draft", "lookup", "--device", "cuda",

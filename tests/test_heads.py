@@ -567,9 +567,9 @@ def tiny_training_target(directory):
 
 def test_training_raises_acceptance_above_an_untrained_heads(tmp_path):
     """`train` on a tiny target's own answers, in seconds: the head's greedy guesses are accepted more
-    often on prompts it never saw than the untrained head's (which starts as heads/train.py's new_head);
+    often on prompts it never saw than the untrained head's (which starts as tools/train_heads.py's new_head);
     an interrupted run resumes (the epochs done are kept), and the folder loads as a head."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     target, prompts, _, acceptance = tiny_training_target(tmp_path / "target")
 
@@ -614,7 +614,7 @@ def test_a_chat_target_writes_prompts_from_the_start_of_a_users_turn(chat_target
     the generator (temperature 1, the 50 likeliest tokens), kept when it ends the message (<|im_end|> or
     EOS) within PROMPT_TOKENS, once, in order. default_prompts: a chat target answers the templates over
     every other subject and those; a target answering plain text, every subject under every template."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
     from minispec.loading.chat import user_turn_start
 
     monkeypatch.setattr(train, "PROMPT_TOKENS", 300)  # this random target ends about half its messages in 300
@@ -642,7 +642,7 @@ def test_an_eagle3_head_trained_here_is_saved_as_published_and_drafts(reference_
     target's), learns (acceptance on unseen prompts above the untrained head's), is written in EAGLE-3's
     published layout (midlayer.*, d2t, t2d, draft_vocab_size and the layers in config.json) and drafts
     exactly; a target outside the Llama family is refused before answering."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     _, prompts, trained, before, after = trained_beside_untrained(tmp_path, "eagle3", 20, lr=3e-3, draft_vocab=48)
     assert type(trained).__name__ == "Eagle3Head" and trained.taps == (0, 1) and after > before + 0.05
@@ -671,7 +671,7 @@ def trained_beside_untrained(tmp_path, kind, epochs, **settings):
     """A head of `kind` for tiny_training_target, in tmp_path / "head": (target, its prompts, the head
     trained `epochs` epochs, the untrained head's acceptance on unseen prompts, the trained one's). The
     trained head's greedy drafting is checked to give plain greedy's tokens."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     target, prompts, unseen, acceptance = tiny_training_target(tmp_path / "target")
     settings = dict(max_new_tokens=48, chat=False, **settings)
@@ -691,7 +691,7 @@ def test_each_training_step_computes_with_the_weights_the_last_step_left(tmp_pat
     step: autocast keeps its bfloat16 copies of the weights till it ends, so one kept open over an
     epoch computed every step with the epoch's first weights (SmolLM2's EAGLE-3 head learnt nothing:
     first-guess accuracy 0.03 after an epoch)."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     target, prompts, _, _ = tiny_training_target(tmp_path / "target")
     monkeypatch.setattr(train, "bfloat16_products", lambda device: torch.autocast(device.type, dtype=torch.bfloat16))
@@ -714,7 +714,7 @@ def test_the_states_kept_while_answering_are_those_a_resumed_run_records(tmp_pat
     """train.answer keeps the target's states from the forwards that answer (generate's on_states); a
     resumed run, whose answers are saved but not their states, records them in one forward: the same
     numbers, over the prompt and the answer but its last token (no forward saw it)."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     target, prompts, _, _ = tiny_training_target(tmp_path / "target")
     taps = train.eagle3.training_taps(len(target.layers)) if kind == "eagle3" else None
@@ -732,7 +732,7 @@ def test_eagle3_training_time_test_unrolls_as_the_head_drafts(tmp_path):
     """EAGLE-3's training-time test: the head's states at unrolled step j, computed for every chain of
     a batch at once, are the states it drafts j guesses deep from the target's pairs up to that chain's
     position (through its KV cache, as decoding does), the guesses being the answer's tokens."""
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     target, _, _, _ = tiny_training_target(tmp_path / "target")
     g = torch.Generator().manual_seed(2)
@@ -770,7 +770,7 @@ def test_eagle3_training_time_test_unrolls_as_the_head_drafts(tmp_path):
     (dict(dtype=torch.float16), "float16 is not supported")])
 def test_training_refuses_settings_it_could_only_fail_with_before_answering(reference_dirs, tmp_path, monkeypatch,
                                                                            setting, message):
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     monkeypatch.setattr(train, "answer", lambda *args: pytest.fail("answered before checking its settings"))
     target = minispec.load(reference_dirs["llama_gqa"][1], dtype=setting.pop("dtype", None))
@@ -782,8 +782,7 @@ def test_training_that_diverges_stops_with_the_last_good_head(reference_dirs, tm
     """A non-finite loss ends training with one line naming it; what the folder holds is the last
     finished epoch's head (none here), never a head of NaNs. And `--epochs 0` is refused: it would
     write no head."""
-    from minispec.heads import __main__ as command
-    from minispec.heads import train
+    from minispec.tools import train_heads as train
 
     target = minispec.load(reference_dirs["llama_gqa"][1])
     monkeypatch.setattr(train, "eagle_loss", lambda head, *args, **kwargs: (
@@ -792,8 +791,8 @@ def test_training_that_diverges_stops_with_the_last_good_head(reference_dirs, tm
         train.train(target, tmp_path / "head", prompts=[PROMPT] * 2, epochs=2, max_new_tokens=8, chat=False)
     assert not (tmp_path / "head" / "model.safetensors").exists()
     capsys.readouterr()
-    assert command.main(["train", "--target", str(reference_dirs["llama_gqa"][1]), "--out", str(tmp_path / "h"),
-                         "--epochs", "0"]) == 2
+    assert train.main(["--target", str(reference_dirs["llama_gqa"][1]), "--out", str(tmp_path / "h"),
+                       "--epochs", "0"]) == 2
     assert capsys.readouterr().err.strip() == "minispec: --epochs must be >= 1, got 0"
     quantized = minispec.load(reference_dirs["llama_gqa"][1], quantize="int8")
     for kind in ("eagle", "eagle3", "medusa"):  # each starts from the target's float weights

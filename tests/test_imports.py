@@ -1,7 +1,8 @@
 """The package's import graph flows one way: models at the bottom, loading above them, decoding above
-loading, the library's front door (api) above decoding, the command lines (and the server) on top. Read from the source with ast, so a cycle hidden in a function
-body (an import placed there to dodge it) is caught too. And what the package reads besides its
-modules is installed with it."""
+loading, the library's front door (api) above decoding, the command lines (and the server) above it, and
+the tools (bench, head training) apart on top, over the public API. Read from the source with ast, so a
+cycle hidden in a function body (an import placed there to dodge it) is caught too. And what the package
+reads besides its modules is installed with it."""
 
 import ast
 from fnmatch import fnmatch
@@ -17,9 +18,16 @@ LAYERS = {  # by the top-level module or subpackage
     "loading": 1,
     "decoding": 2,
     "api": 3,
-    "__init__": 4, "cli": 4, "convert": 4, "heads": 4,  # heads train through the api and read the cli's prompt files
-    "bench": 5, "serve": 5,
+    "__init__": 4, "cli": 4, "convert": 4, "heads": 4,
+    "serve": 5,
+    "tools": 6,  # the bench and head training: over the public API, apart from the engine
 }
+# What tools may import besides the package's front door (`import minispec`): the command lines' flags
+# and loaders, the forwards, drafters and weight formats the bench times one by one, and the heads'
+# modules and the target's layers training builds a head from.
+TOOL_API = {"api", "cli", "decoding.drafters", "heads.__init__", "heads.eagle", "heads.eagle3", "heads.medusa",
+            "loading.chat", "loading.checkpoint", "loading.weights", "models.__init__", "models.base",
+            "models.kernels", "models.llama", "models.quant"}
 
 
 def module_name(file):
@@ -81,6 +89,19 @@ def test_imports_never_go_up_a_layer():
     upward = [(name, target) for name, imports in EDGES.items() for target, _ in imports
               if layer(target) > layer(name)]
     assert upward == []
+
+
+def test_tools_import_only_the_public_api():
+    for name, imports in EDGES.items():
+        if name.startswith("tools."):
+            outside = {target for target, _ in imports if not target.startswith("tools.")}
+            assert outside <= {"__init__"} | TOOL_API, name
+
+
+def test_no_engine_module_imports_tools():
+    engine = [(name, target) for name, imports in EDGES.items() if not name.startswith("tools.")
+              for target, _ in imports if target.startswith("tools.")]
+    assert engine == []
 
 
 def test_models_import_only_their_base():

@@ -19,7 +19,7 @@ from test_speculative import assert_sampled_from, exact_joint
 from torch import nn
 
 import minispec
-from minispec.bench import memory
+from minispec.tools.bench import memory
 from minispec.cli import load_target_and_draft
 from minispec.decoding import drafters
 from minispec.loading import builtin

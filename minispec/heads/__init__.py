@@ -1,7 +1,7 @@
 """Draft heads: small trained modules on the target's own hidden states that guess for it
 (eagle.py: one decoder layer predicting the next state; eagle3.py: one layer over states from inside the
 target, with its own output head; medusa.py: K heads each guessing one position further). `load_draft_head(path, target)` reads a head directory, as its authors publish them or as
-`python -m minispec.heads train` writes them; the head drafts as `generate(..., draft=head)`.
+`python -m minispec.tools.train_heads` writes them; the head drafts as `generate(..., draft=head)`.
 """
 
 import hashlib

@@ -21,7 +21,7 @@ head would seldom have guessed. Exactness is untouched: the guesses are drawn fr
 
 Checkpoints: EAGLE-1/EAGLE-2 heads as their authors publish them (config.json: a Llama config with one
 layer and `bias` for fc; safetensors with fc.weight, fc.bias and layers.0.* in Hugging Face names; layer
-0 has no input norm), and heads trained here (heads/train.py writes the same layout, with
+0 has no input norm), and heads trained here (tools/train_heads.py writes the same layout, with
 `minispec_draft_vocab` in config.json and the tensor `draft_vocab` of target token ids when reduced).
 """
 

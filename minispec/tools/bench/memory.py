@@ -9,8 +9,8 @@ import time
 import torch
 from torch import nn
 
-from ..api import generate
-from ..models.quant import Int8Embedding
+from minispec import generate
+from minispec.models.quant import Int8Embedding
 
 # Peak DRAM bandwidth in bytes/s from vendor datasheets, matched against torch.cuda.get_device_name();
 # the first pattern that matches wins (so the specific variants come first).

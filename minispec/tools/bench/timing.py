@@ -8,9 +8,10 @@ from functools import partial
 
 import torch
 
-from ..decoding.drafters import SELF_DRAFT_MODES, make_drafter
-from ..models.base import CachedLM
-from ..models.kernels import without_row_invariance
+from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
+from minispec.models.base import CachedLM
+from minispec.models.kernels import without_row_invariance
+
 from .memory import bandwidth
 
 STEP_SAMPLES = 25  # forwards timed per step-time median
@@ -37,24 +38,6 @@ def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
             synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-class PrefillClock:
-    """Stands in for a model's decode_rows and notes when a request's prefill (a forward from position
-    0) returns, its device work done. A generation's time after that is its decode time, and the tokens
-    after the prefill's are its decode tokens: the part Theorem 3.8 is about. The prompt's forward (and
-    a T5 encoder's, which runs before it) costs about the same with or without speculation (which
-    verifies its first guesses in it)."""
-
-    def __init__(self, model):
-        self.model, self.decode_rows, self.finished_at = model, model.decode_rows, None
-
-    def __call__(self, tokens, lengths, *args, **kwargs):
-        logits = self.decode_rows(tokens, lengths, *args, **kwargs)
-        if not any(lengths):
-            synchronize(self.model.device)
-            self.finished_at = time.perf_counter()
-        return logits
 
 
 def time_generation(runners, requests, repeats, device):

@@ -6,7 +6,7 @@ is a first run on this machine and the later ones are later runs. A request's ti
 call's; the process start and loading the models (a self-draft's quantized copy included) are left
 out, the loading reported apart.
 
-    python -m minispec.bench --one-shot --target T --draft D --gamma auto 3 [--beams 4 --draft-beams 8]
+    python -m minispec.tools.bench --one-shot --target T --draft D --gamma auto 3 [--beams 4 --draft-beams 8]
 """
 
 import json
@@ -17,10 +17,11 @@ import sys
 import tempfile
 import time
 
-from ..api import generate
-from ..cli import load_target_and_draft
-from ..decoding.drafters import SELF_DRAFT_MODES, make_drafter
-from ..loading.weights import DTYPES
+from minispec import generate
+from minispec.cli import load_target_and_draft
+from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
+from minispec.loading.weights import DTYPES
+
 from .prompts import prompt_ids_of, read_prompts
 from .report import yes_no
 
@@ -49,7 +50,7 @@ def run_request(spec):
 
 
 def in_fresh_process(spec, env):
-    done = subprocess.run([sys.executable, "-m", "minispec.bench.oneshot", json.dumps(spec)], env=env,
+    done = subprocess.run([sys.executable, "-m", "minispec.tools.bench.oneshot", json.dumps(spec)], env=env,
                           capture_output=True, text=True)
     if done.returncode:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]

@@ -1,8 +1,7 @@
 """llama.cpp as a peer in the bench (`--llama-cpp DIR`): its plain, speculative and prompt-lookup decoding
 of the same GGUF files, prompts, number of new tokens and threads, in the same rounds as minispec's own
-decoders (a request of each in turn: on a machine whose speed drifts within minutes, rounds minutes
-apart compared different machines). Never a dependency: DIR holds llama.cpp binaries a user built
-(docs/results.md has the recipe). Each mode's figure is its decode phase (the
+decoders (a request of each in turn, so that a machine's drift hits both alike). Never a dependency:
+DIR holds llama.cpp binaries a user built (docs/results.md has the recipe). Each mode's figure is its decode phase (the
 prompt's forward left out), as llama.cpp reports it, so it is compared with minispec's decode tokens/s."""
 
 import re

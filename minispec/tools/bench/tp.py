@@ -1,7 +1,7 @@
 """What tensor parallelism costs per decode step:
 
-    torchrun --standalone --nproc-per-node 2 -m minispec.bench.tp --target CKPT --device cpu   # sharded
-    python -m minispec.bench.tp --target CKPT --device cpu --threads 2                        # one process
+    torchrun --standalone --nproc-per-node 2 -m minispec.tools.bench.tp --target CKPT --device cpu  # sharded
+    python -m minispec.tools.bench.tp --target CKPT --device cpu --threads 2                       # one process
 
 Sharded, rank 0 prints one JSON object: the median time of one sum (the all-reduce a layer's attention
 and MLP each end with) over a decode step's rows, of the host broadcast that agrees gamma="auto"'s
@@ -13,44 +13,24 @@ process: the decode steps alone.
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from ..loading.checkpoint import load_model
-from ..loading.weights import DTYPES
+from minispec import load
+from minispec.loading.weights import DTYPES
+
+from .timing import decode_steps, median_times
 
 
-def median_seconds(work, repeats, warmup=5):
-    for _ in range(warmup):
-        work()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_seconds(work, repeats, model):
+    return median_times({"work": work}, model.device, repeats, warmup=5)["work"]
 
 
-def decode_steps(model, widths, repeats):
+def decode_seconds(model, widths, repeats):
     """{width: median seconds of a decode step of that many tokens after a 32-token prompt}."""
-    model.ensure_caches(1, 64)
-    model.prefill(model.encode(torch.arange(1, 33, device=model.device).view(1, -1)))
-    length = model.length
-    out = {}
-    for width in widths:
-        tokens = torch.full((1, width), 7, device=model.device)
-
-        def step():
-            model.decode(tokens)
-            model.rollback(length)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-
-        out[width] = median_seconds(step, repeats)
-    return out
+    prompt = model.encode(torch.arange(1, 33, device=model.device).view(1, -1))
+    return median_times(decode_steps(model, prompt, widths), model.device, repeats, warmup=5)
 
 
 def main(argv=None):
@@ -65,9 +45,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     sharded = dist.is_torchelastic_launched()
     world = int(os.environ["WORLD_SIZE"]) if sharded else None
-    model = load_model(args.target, device=args.device, dtype=DTYPES.get(args.dtype), tp=world)
+    model = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype), tp=world)
     with torch.inference_mode():
-        steps = decode_steps(model, (1, 9), args.repeats)
+        steps = decode_seconds(model, (1, 9), args.repeats)
         report = {"processes": world or 1, "threads": torch.get_num_threads(),
                   "step_ms": {w: s * 1e3 for w, s in steps.items()}}
         if sharded:
@@ -77,12 +57,13 @@ def main(argv=None):
             sums, plain = {}, {}
             for rows in (1, 9):
                 partial = torch.randn(1, rows, dim, dtype=model.dtype, device=model.device)
-                sums[rows] = median_seconds(lambda: tp.sum(partial) + 0, args.repeats * 4)  # + 0: waits for it
+                sums[rows] = median_seconds(lambda: tp.sum(partial) + 0, args.repeats * 4, model)  # + 0: waits for it
                 # the same through torch.distributed's in-place all_reduce: what the functional form adds
-                plain[rows] = median_seconds(lambda: dist.all_reduce(partial.clone(), group=tp.group), args.repeats * 4)
+                plain[rows] = median_seconds(lambda: dist.all_reduce(partial.clone(), group=tp.group),
+                                             args.repeats * 4, model)
             # the same steps with every sum skipped (wrong numbers, same work otherwise): a rank's own compute
             tp.sum = lambda partial: partial
-            alone = decode_steps(model, (1, 9), args.repeats)
+            alone = decode_seconds(model, (1, 9), args.repeats)
             del tp.sum
             dist.barrier()
             q = torch.rand(3, model.vocab_size, device=model.device)
@@ -91,8 +72,9 @@ def main(argv=None):
                 sum_us={rows: s * 1e6 for rows, s in sums.items()},
                 all_reduce_us={rows: s * 1e6 for rows, s in plain.items()}, sums_per_step=per_step,
                 sums_ms_per_step={rows: per_step * s * 1e3 for rows, s in sums.items()},
-                agree_timings_us=median_seconds(lambda: tp.first_numbers([0.1, 0.2]), args.repeats * 4) * 1e6,
-                broadcast_q_us=median_seconds(lambda: dist.broadcast(q, tp.first, group=tp.group), args.repeats) * 1e6)
+                agree_timings_us=median_seconds(lambda: tp.first_numbers([0.1, 0.2]), args.repeats * 4, model) * 1e6,
+                broadcast_q_us=median_seconds(lambda: dist.broadcast(q, tp.first, group=tp.group), args.repeats,
+                                              model) * 1e6)
         if not sharded or model.tp.rank == 0:
             print(json.dumps(report), flush=True)
     if sharded:

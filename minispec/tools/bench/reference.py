@@ -3,7 +3,7 @@ checkpoints and prompts: its generate and its assisted generation, as runners fo
 
 import torch
 
-from ..loading.checkpoint import resolve_checkpoint
+from minispec.loading.checkpoint import resolve_checkpoint
 
 
 def load_reference(name_or_path, device, dtype):

@@ -1,7 +1,12 @@
-"""Training a draft head by self-distillation: the target answers a set of prompts, its hidden states
-over each prompt and answer are kept from the very forwards that answer (generate's on_states), and the
-head learns to predict what the target does next from them, with the losses of its paper (the
-target's p renormalized over an EAGLE head's draft vocabulary, where its q lives):
+"""Training a draft head by self-distillation, a tool over minispec's public API:
+
+    python -m minispec.tools.train_heads --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
+
+writes the head into DIR, where `--draft DIR` and `minispec.load_draft_head(DIR, target)` find it; run
+it again to resume. The target answers a set of prompts, its hidden states over each prompt and answer
+are kept from the very forwards that answer (generate's on_states), and the head learns to predict what
+the target does next from them, with the losses of its paper (the target's p renormalized over an EAGLE
+head's draft vocabulary, where its q lives):
 
     EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
             over pairs (f_i + noise, x_{i+1}); the noise (EAGLE's uniform noise on the input states)
@@ -19,6 +24,7 @@ its training/ folder the prompts and answers as token ids (data.safetensors), th
 and the epochs done.
 """
 
+import argparse
 import json
 import math
 import sys
@@ -30,11 +36,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ..api import generate, prompt_tensor
-from ..loading.chat import chat_prompt, user_turn_start
-from ..loading.weights import save_safetensors
-from ..models.llama import LlamaConfig, query_rows_mask
-from . import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec import CheckpointError, chat_prompt, generate, load
+from minispec.api import prompt_tensor
+from minispec.cli import read_prompts_file
+from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec.loading.chat import user_turn_start
+from minispec.loading.weights import DTYPES, save_safetensors
+from minispec.models.llama import LlamaConfig, query_rows_mask
 
 # What the target answers when no prompts file is given: templates over subjects, none of them the
 # subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
@@ -67,36 +75,31 @@ SUBJECTS = (
     "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
     "video game design", "composting", "the periodic table",
 )
-# The longest user message own_prompts keeps, in tokens (SmolLM2-135M's run 37 on average), and how many
-# it tries for (SmolLM2 ends 4 in 5 within the limit, at 0.16 s a try on 2 cores).
+# The longest user message own_prompts keeps, in tokens (a typical chat request fits well within it), and
+# how many it tries for (some run past the limit or repeat and are dropped).
 PROMPT_TOKENS = 64
 OWN_PROMPTS = 1000
-# An EAGLE head's reduced draft vocabulary (eagle.py): SmolLM2-135M's 200k answer tokens to the default
-# prompts are 9007 distinct ones; its 8192 most said are 99.6% of them, and cost a sixth of its 49152.
+# An EAGLE head's reduced draft vocabulary (eagle.py): a model's answers use few of its tokens, so the
+# most said ones cover nearly all of them at a fraction of the whole vocabulary's cost.
 DRAFT_VOCAB = 8192
 PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
 # Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
-# from memorising (SmolLM2 on 160 answers: 0.51 on the answers trained on, 0.13 on others).
+# from memorising.
 HELD_OUT = 20
-# SmolLM2-135M on 2 cores (Zen 4): 10 epochs over the first 960 default answers (held-out 0.51, 22 minutes
-# in all) beat 16 over the first 480 (0.47, 14 minutes); over all 1920, bfloat16 products, 0.55 in 22
-# minutes. EAGLE-3 heads: 5 epochs (0.56, 26 minutes), each costing about twice an EAGLE head's with the
-# training-time test's second step; 6 over the first 960 gave 0.52 in float32 products, 25 minutes. With
-# the prompts the target writes (default_prompts), 28 minutes. Within the half hour a CPU user is asked
-# to wait.
+# Default epochs: a small target's head trains within about half an hour on a CPU; an EAGLE-3 epoch costs
+# about twice an EAGLE one (its training-time test's second step), so it gets half the epochs.
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
 # EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
-# only). Two on SmolLM2's chat prompts, teacher-forced: the second guess right after a right first 0.36
-# of the time against 0.16 with one, the first 0.35 against 0.38 (6 epochs against 10, the same minutes).
+# only). Two: a head trained on its first guess alone drafts its second far worse, at little cost to its
+# first.
 TTT_STEPS = 2
 
 
 def default_prompts(target, chat, generator, batch_size):
     """What the target answers when no prompts are given: for a chat target, the templates over every
     other subject (960) and about 800 messages it writes itself (own_prompts, from OWN_PROMPTS tries);
-    otherwise every subject under every template (1920). SmolLM2-135M's EAGLE-3 heads trained on 640 of
-    each kind guessed its next token in its answers to docs/chat-prompts.txt 0.27 of the time (templates),
-    0.33 (its own) and 0.34 (half and half)."""
+    otherwise every subject under every template (1920). A chat target's own messages are closer to what
+    its users ask than templates are, and the mix of both trains a head at least as well as either."""
     subjects = SUBJECTS[::2] if chat else SUBJECTS
     templated = [template.format(subject) for subject in subjects for template in TEMPLATES]
     return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size) if chat else templated
@@ -177,18 +180,18 @@ def load_data(file):
     return list(zip(pieces, data["answer_starts"].tolist()))
 
 
-@torch.no_grad()
 def record(target, sequences, taps=None):
     """The target's states at every position of every sequence, as `answer` records them while the
-    target answers (for a resumed run, whose answers are kept but not their states): [length, dim], its
-    last hidden state; with taps (an EAGLE-3 head's layers), the states entering them first."""
+    target answers (for a resumed run, whose answers are kept but not their states), from the one
+    forward over a sequence that generate makes for a single new token: [length, dim], its last hidden
+    state; with taps (an EAGLE-3 head's layers), the states entering them first."""
     records, started = [], time.perf_counter()
-    hidden = True if taps is None else (*taps, len(target.layers))
+    hidden = None if taps is None else [*taps, len(target.layers)]
     for i, (tokens, _) in enumerate(sequences):
-        target.ensure_caches(1, len(tokens))
-        _, states = target.decode_rows(tokens.view(1, -1).to(target.device), [0], logits_for=1, eager=True,
-                                       hidden=hidden)
-        records.append(states_of(target, states[0].cpu(), taps))
+        seen = []
+        generate(target, tokens.tolist(), max_new_tokens=1, state_layers=hidden,
+                 on_states=lambda _, tokens, states: seen.append(states.cpu()))
+        records.append(states_of(target, torch.cat(seen), taps))
         progress(i + 1, len(sequences), started, "recording the target's states")
     return records
 
@@ -440,8 +443,8 @@ def new_head(kind, target, heads, draft_vocab=None):
             module.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("attention_norm")},
                                              strict=False)
         # ... with its output projections zeroed, so that the head starts as f̂_{i+1} = f_i: the final
-        # norm scales the states far below the residual stream the layer was made for (SmolLM2: RMS 1.9),
-        # and the whole layer's output would swamp them (a loss 20x that of predicting f_i)
+        # norm scales the states far below the residual stream the layer was made for, and the whole
+        # layer's output would swamp them
         module.layers[0].attention.wo.weight.zero_()
         module.layers[0].feed_forward.w2.weight.zero_()
     return module, hf
@@ -474,8 +477,7 @@ def new_eagle3(target, hf, draft_vocab):
 def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    batch_size: answers generated at once (SmolLM2 on 2 cores: 208 tokens/s at 64, 161 at 16; the same
-    answers, rows being invariant). draft_vocab: an EAGLE head's q covers the target's that many most
+    batch_size: answers generated at once (the same answers at any size, rows being invariant). draft_vocab: an EAGLE head's q covers the target's that many most
     said tokens (0: all of them). epochs: None for the kind's default (EPOCHS); 0 returns the untrained
     head, saving nothing."""
     epochs = EPOCHS.get(kind) if epochs is None else epochs
@@ -507,7 +509,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     steps_per_epoch = len(batch_groups(sequences, learn, tokens_per_batch))
     total, first = max(epochs * steps_per_epoch, 1), done * steps_per_epoch
     # a linear warmup over the first 5% of the steps, then a cosine decay: at full rate from the start
-    # the first steps' large gradients threw SmolLM2's head far off (loss 1.7 to 30 in 5 steps at 3e-3)
+    # the first steps' large gradients throw a head far off
     warmup = max(total // 20, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((first + step + 1) / warmup, 1) * 0.5 * (
         1 + math.cos(math.pi * min((first + step) / total, 1))))
@@ -546,8 +548,8 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
 
 def bfloat16_products(device):
     """Training's matrix products in bfloat16 (autocast; weights, optimizer and losses stay float32)
-    where the device computes bfloat16 natively: on a 2-core Zen 4 an EAGLE-3 step ran 1.7x faster,
-    its losses the same to 3 digits over 14 steps. Elsewhere (emulated, slower) as they are."""
+    where the device computes bfloat16 natively, faster at the same losses. Elsewhere (emulated, slower)
+    as they are."""
     native = torch.cuda.is_bf16_supported() if device.type == "cuda" else \
         device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
@@ -598,3 +600,45 @@ def resume(out, head, optimizer):
         if state:
             optimizer.state[parameter] = state
     return done
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m minispec.tools.train_heads",
+                                     description="Train a draft head for a target (resumes an interrupted run).")
+    parser.add_argument("--target", required=True, help="the target, as run.py's --target")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", required=True, help="the head's folder (made if missing)")
+    parser.add_argument("--kind", choices=("eagle", "eagle3", "medusa"), default="eagle")
+    parser.add_argument("--prompts", help="a file of prompts, one per line (default: templates, and for a chat "
+                        "target prompts it writes itself)")
+    parser.add_argument("--epochs", type=int, help=f"default: {EPOCHS['eagle']} (eagle3: {EPOCHS['eagle3']})")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
+    parser.add_argument("--heads", type=int, default=4, help="Medusa: how many heads")
+    parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
+                        help="EAGLE, EAGLE-3: the head guesses among the target's N most said tokens (0: all)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--no-chat", action="store_true", help="answer the prompts as raw text, not chat turns")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # train(epochs=0) only returns the untrained head: nothing would be written
+    if args.epochs is not None and args.epochs < 1:
+        print(f"minispec: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
+        return 2
+    try:
+        prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
+        target = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
+        train(target, args.out, args.kind, prompts, args.epochs, args.max_new_tokens, args.lr, args.heads,
+              chat=not args.no_chat, draft_vocab=args.draft_vocab)
+    except (ValueError, OSError, CheckpointError) as error:
+        print(f"minispec: {error}", file=sys.stderr)
+        return 2
+    print(f"minispec: the head is in {args.out}; use it with --draft {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

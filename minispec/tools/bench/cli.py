@@ -1,4 +1,4 @@
-"""The bench's command line: `python -m minispec.bench --help`."""
+"""The bench's command line: `python -m minispec.tools.bench --help`."""
 
 import argparse
 import json
@@ -6,9 +6,10 @@ import sys
 
 import torch
 
-from ..cli import gamma_setting, token_ids, tree_setting
-from ..loading.weights import DTYPES
-from ..models import quant
+from minispec.cli import gamma_setting, token_ids, tree_setting
+from minispec.loading.weights import DTYPES
+from minispec.models import quant
+
 from .benchmarks import batch_benchmark, beam_benchmark, benchmark, sampling_of
 from . import llamacpp
 from .drafters import drafters_benchmark
@@ -17,7 +18,7 @@ from .report import markdown_table
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m minispec.bench",
+    parser = argparse.ArgumentParser(prog="python -m minispec.tools.bench",
                                      description="Autoregressive vs speculative decoding, against Theorem 3.8.")
     parser.add_argument("--target", required=True, help="checkpoint directory or Hugging Face hub id")
     parser.add_argument("--draft", required=True, nargs="+",

@@ -1,7 +1,7 @@
 """Benchmark: autoregressive vs speculative decoding side by side, against the paper's Theorem 3.8.
 
-    python -m minispec.bench --target gpt2-large --draft gpt2 --gamma 2 4 8
-    python -m minispec.bench --target ./ckpt --draft lookup --prompt-ids 1,2,3,1,2 --compare-reference
+    python -m minispec.tools.bench --target gpt2-large --draft gpt2 --gamma 2 4 8
+    python -m minispec.tools.bench --target ./ckpt --draft lookup --prompt-ids 1,2,3,1,2 --compare-reference
 
 For each γ it measures tokens/s of both decoders (median of --repeats timed passes over all prompts,
 after one warm-up pass), end to end and for the decode phase after the prompt's forward; the measured

@@ -6,16 +6,17 @@ of a target step. With --tree N each drafter also runs with token trees of up to
 same rounds, a row of its own beside its chain's: tree nodes per call, and its tokens per target call
 and speed over its chain's (its speedup column is over plain decoding, as the chain's).
 
-    python -m minispec.bench --target smollm2-135m-instruct --draft lookup ngram int8 ./head --chat [--tree 16]
+    python -m minispec.tools.bench --target smollm2-135m-instruct --draft lookup ngram int8 ./head --chat [--tree 16]
 """
 
 import torch
 
-from ..cli import load_draft, load_target_and_draft
-from ..loading.weights import DTYPES
+from minispec.cli import load_draft, load_target_and_draft
+from minispec.loading.weights import DTYPES
+
 from .benchmarks import minispec_runner, sampling_of
 from .prompts import prompt_ids_of, read_prompts
-from .timing import PrefillClock, decode_steps, median_times, step_times, time_generation
+from .timing import decode_steps, median_times, step_times, time_generation
 
 POSITIONS = 4  # acceptance is shown for the first guess positions
 
@@ -25,13 +26,12 @@ def drafters_benchmark(args):
                                       args.quantize, None, args.group_size)
     drafts = {name: load_draft(name, target, args.compile, args.draft_quantize, args.group_size) for name in args.draft}
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
-    target.decode_rows = clock = PrefillClock(target)
     gamma = args.gamma[0]
-    runners = {"plain": minispec_runner(target, None, 1, args, clock)}
+    runners = {"plain": minispec_runner(target, None, 1, args)}
     for name, draft in drafts.items():
-        runners[name] = minispec_runner(target, draft, gamma, args, clock)
+        runners[name] = minispec_runner(target, draft, gamma, args)
         if args.tree and draft is not None:  # "none" decodes plainly: it has no tree
-            runners[name, "tree"] = minispec_runner(target, draft, gamma, args, clock, args.tree)
+            runners[name, "tree"] = minispec_runner(target, draft, gamma, args, args.tree)
     requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
     timed = time_generation(runners, requests, args.repeats, target.device)
     plain = timed["plain"]

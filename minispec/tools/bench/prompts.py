@@ -1,8 +1,8 @@
 """The bench's prompts: the built-in ones, a prompts file (the format run.py reads), or token ids."""
 
-from ..api import prompt_tensor
-from ..cli import read_prompts_file
-from ..loading.chat import chat_prompt
+from minispec import chat_prompt
+from minispec.api import prompt_tensor
+from minispec.cli import read_prompts_file
 
 CODE = '''def moving_average(values, window):
     result = []
