@@ -79,7 +79,7 @@ def test_weights_dir(monkeypatch, tmp_path):
 
 def test_gguf_file_converted_once(weights, tiny_gguf, monkeypatch, capsys):
     model = load_model(tiny_gguf)
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     assert sorted(p.name for p in weights.iterdir()) == [out.name]  # no staging leftovers
     assert "converting" in capsys.readouterr().err
     expected = logits(load_model(out))
@@ -223,7 +223,7 @@ def test_builtin_bad_download_leaves_nothing(weights, monkeypatch, files, change
 def test_incomplete_conversion_is_converted_again(weights, tiny_gguf, capsys):
     """A folder without the mark of a complete conversion (an older minispec's, or a copy cut short) is
     not loaded as it is: it is converted again."""
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
     expected = logits(load_model(tiny_gguf))
@@ -235,7 +235,7 @@ def test_incomplete_conversion_is_converted_again(weights, tiny_gguf, capsys):
 def test_stale_partials_swept(weights, tiny_gguf):
     """Partials that killed processes left (one of this very process id, as a container's restarted
     process gets) are removed by the next run, which converts under a name of its own."""
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     stale = [weights / f".{out.name}.partial-{os.getpid()}", weights / f".{out.name}.partial-{os.getpid()}-x1"]
     for partial in stale:
         partial.mkdir(parents=True)
@@ -255,7 +255,7 @@ def test_partial_being_written_is_not_swept(weights, tiny_gguf):
     any other; one of this process id's (a process of another container's, or of this one's past) is
     then in the way of no conversion."""
     weights.mkdir()
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     live = weights / f".{out.name}.partial-{os.getpid()}"
     live.mkdir()
     folder = os.open(weights, os.O_RDONLY)  # a descriptor of its own: a lock apart from this run's
@@ -286,7 +286,7 @@ def test_killed_conversions_leave_nothing_behind(weights, tiny_gguf, monkeypatch
 
     monkeypatch.setattr(minigguf, "dequantize", slow_dequantize)
     monkeypatch.setattr(minigguf, "save_safetensors", slow_save)
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     rng, cleaned, left = random.Random(0), 0, 0
     for signum in [signal.SIGTERM, signal.SIGKILL] * 4:
         pid = os.fork()
