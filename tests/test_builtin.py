@@ -31,7 +31,7 @@ import minispec
 from minispec.loading import builtin
 from minispec.loading import gguf as minigguf
 from minispec.loading.chat import chat_prompt
-from minispec.loading.checkpoint import CheckpointError, load_model
+from minispec.loading.checkpoint import CheckpointError, check_checkpoint, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -311,6 +311,46 @@ def test_killed_conversions_leave_nothing_behind(weights, tiny_gguf, monkeypatch
         shutil.rmtree(out, ignore_errors=True)  # converted before the signal came: the next child converts again
     assert cleaned and left  # signals did come while partials were written
     torch.testing.assert_close(logits(load_model(tiny_gguf)), logits(load_model(tiny_gguf)), atol=0, rtol=0)
+    assert sorted(p.name for p in weights.iterdir()) == [out.name]
+
+
+# A child process converting a GGUF file with each step slowed down, so that a kill lands inside it.
+SLOW_CONVERSION = """
+import sys, time
+from minispec.loading import builtin, gguf
+from minispec.loading.checkpoint import check_checkpoint
+dequantize, save = gguf.dequantize, gguf.save_safetensors
+gguf.dequantize = lambda tensor: time.sleep(0.002) or dequantize(tensor)
+gguf.save_safetensors = lambda *args, **kwargs: (time.sleep(0.05), save(*args, **kwargs), time.sleep(0.05))
+print("converting", flush=True)
+builtin.import_gguf(sys.argv[1], check=check_checkpoint)
+"""
+
+
+def test_kill_9_at_any_moment_leaves_the_last_good_state(weights, tiny_gguf):
+    """kill -9 of a process converting a GGUF file, at several moments from its start to past its end:
+    the weights folder holds either no conversion or a complete one that loads (made from this file's
+    content), never a partial one under the conversion's name; the next run works and sweeps the rest."""
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MINISPEC_WEIGHTS": str(weights)}
+    partials, complete = 0, 0
+    for delay in [0, 0.02, 0.05, 0.1, 0.2, 0.4, None]:  # None: not killed, left to finish
+        child = subprocess.Popen([sys.executable, "-c", SLOW_CONVERSION, str(tiny_gguf)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert child.stdout.readline() == "converting\n"
+        if delay is not None:
+            time.sleep(delay)
+            child.kill()
+        assert child.wait(timeout=120) in (0, -signal.SIGKILL)
+        child.stdout.close()
+        partials += any(weights.glob(f".{out.name}.partial-*"))
+        if out.exists():
+            assert builtin.made_from(out) == builtin.sha256(tiny_gguf)
+            check_checkpoint(out)  # loads
+            complete += 1
+            shutil.rmtree(out)  # the next child converts again
+    assert partials and complete  # kills came inside conversions; one ran to its end
+    torch.testing.assert_close(logits(load_model(tiny_gguf)), logits(load_model(out)), atol=0, rtol=0)
     assert sorted(p.name for p in weights.iterdir()) == [out.name]
 
 
