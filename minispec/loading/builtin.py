@@ -77,7 +77,10 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
     file rewritten in place, whatever its size and time, is converted again. A conversion is kept only
     once `check` (checkpoint.check_checkpoint) has loaded it."""
     gguf_path = Path(gguf_path).expanduser()
-    digest = digest or sha256(gguf_path)
+    try:
+        digest = digest or sha256(gguf_path)
+    except OSError as error:
+        raise CheckpointError(f"cannot read {gguf_path}: {error}") from error
     folder = name or f"{gguf_path.stem}-{digest[:16]}"
     out = weights_dir() / (folder + ("-quantized" if keep_quantized else ""))
     try:

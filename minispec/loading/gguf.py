@@ -76,6 +76,14 @@ class Reader(GGUFReader):
         self.values = 0
         super().__init__(path, mode="c")  # private, hence writable, which torch.from_numpy wants; nothing is written
 
+    @property
+    def data(self):
+        return self.array
+
+    @data.setter
+    def data(self, mapped):  # a plain array over the mapping: np.memmap's slices, one a value, cost twice as much
+        self.array = mapped.view(np.ndarray)
+
     def _get(self, offset, dtype, count=1, override_order=None):
         if offset + np.dtype(dtype).itemsize * int(count) > len(self.data):
             raise BadFile(f"truncated GGUF file (header runs past the end, {len(self.data)} bytes)")
