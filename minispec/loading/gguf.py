@@ -41,9 +41,9 @@ from .weights import save_safetensors
 # Reading the file
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# Every value the header holds (a string, a number, an array item) is a numpy object in gguf's reader, some
-# 100 bytes each: a file's count of them is bounded, at several times the largest vocabulary's.
-MAX_HEADER_VALUES = 1 << 22
+# Every value the header holds (a string, a number, an array item) is a few numpy objects in gguf's reader,
+# some 350 bytes: a file's count of them is bounded (700 MB), above a 262k-token vocabulary's 1.6 million.
+MAX_HEADER_VALUES = 1 << 21
 
 
 def shortest_float32(value):
