@@ -7,6 +7,7 @@ converts on first use too):
 import argparse
 import sys
 
+from .loading.checkpoint import check_checkpoint
 from .loading.gguf import convert_gguf
 from .loading.weights import DTYPES
 
@@ -20,7 +21,8 @@ def main(argv=None):
                         help="keep quantized tensors quantized (int8/int4 with scales) instead of dequantizing them")
     args = parser.parse_args(argv)
     try:
-        out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype), keep_quantized=args.keep_quantized)
+        out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype), keep_quantized=args.keep_quantized,
+                           check=check_checkpoint)
     except (ValueError, OSError) as error:  # a problem with the input or the output folder, not a bug
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -31,7 +31,7 @@ import minispec
 from minispec.loading import builtin
 from minispec.loading import gguf as minigguf
 from minispec.loading.chat import chat_prompt
-from minispec.loading.checkpoint import CheckpointError, load_model
+from minispec.loading.checkpoint import CheckpointError, check_checkpoint, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,7 +79,7 @@ def test_weights_dir(monkeypatch, tmp_path):
 
 def test_gguf_file_converted_once(weights, tiny_gguf, monkeypatch, capsys):
     model = load_model(tiny_gguf)
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     assert sorted(p.name for p in weights.iterdir()) == [out.name]  # no staging leftovers
     assert "converting" in capsys.readouterr().err
     expected = logits(load_model(out))
@@ -223,7 +223,7 @@ def test_builtin_bad_download_leaves_nothing(weights, monkeypatch, files, change
 def test_incomplete_conversion_is_converted_again(weights, tiny_gguf, capsys):
     """A folder without the mark of a complete conversion (an older minispec's, or a copy cut short) is
     not loaded as it is: it is converted again."""
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
     expected = logits(load_model(tiny_gguf))
@@ -235,7 +235,7 @@ def test_incomplete_conversion_is_converted_again(weights, tiny_gguf, capsys):
 def test_stale_partials_swept(weights, tiny_gguf):
     """Partials that killed processes left (one of this very process id, as a container's restarted
     process gets) are removed by the next run, which converts under a name of its own."""
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     stale = [weights / f".{out.name}.partial-{os.getpid()}", weights / f".{out.name}.partial-{os.getpid()}-x1"]
     for partial in stale:
         partial.mkdir(parents=True)
@@ -255,7 +255,7 @@ def test_partial_being_written_is_not_swept(weights, tiny_gguf):
     any other; one of this process id's (a process of another container's, or of this one's past) is
     then in the way of no conversion."""
     weights.mkdir()
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     live = weights / f".{out.name}.partial-{os.getpid()}"
     live.mkdir()
     folder = os.open(weights, os.O_RDONLY)  # a descriptor of its own: a lock apart from this run's
@@ -286,7 +286,7 @@ def test_killed_conversions_leave_nothing_behind(weights, tiny_gguf, monkeypatch
 
     monkeypatch.setattr(minigguf, "dequantize", slow_dequantize)
     monkeypatch.setattr(minigguf, "save_safetensors", slow_save)
-    out = weights / f"Tiny-Llama.Q8_0-{builtin.file_identity(tiny_gguf)}"
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
     rng, cleaned, left = random.Random(0), 0, 0
     for signum in [signal.SIGTERM, signal.SIGKILL] * 4:
         pid = os.fork()
@@ -311,6 +311,46 @@ def test_killed_conversions_leave_nothing_behind(weights, tiny_gguf, monkeypatch
         shutil.rmtree(out, ignore_errors=True)  # converted before the signal came: the next child converts again
     assert cleaned and left  # signals did come while partials were written
     torch.testing.assert_close(logits(load_model(tiny_gguf)), logits(load_model(tiny_gguf)), atol=0, rtol=0)
+    assert sorted(p.name for p in weights.iterdir()) == [out.name]
+
+
+# A child process converting a GGUF file with each step slowed down, so that a kill lands inside it.
+SLOW_CONVERSION = """
+import sys, time
+from minispec.loading import builtin, gguf
+from minispec.loading.checkpoint import check_checkpoint
+dequantize, save = gguf.dequantize, gguf.save_safetensors
+gguf.dequantize = lambda tensor: time.sleep(0.002) or dequantize(tensor)
+gguf.save_safetensors = lambda *args, **kwargs: (time.sleep(0.05), save(*args, **kwargs), time.sleep(0.05))
+print("converting", flush=True)
+builtin.import_gguf(sys.argv[1], check=check_checkpoint)
+"""
+
+
+def test_kill_9_at_any_moment_leaves_the_last_good_state(weights, tiny_gguf):
+    """kill -9 of a process converting a GGUF file, at several moments from its start to past its end:
+    the weights folder holds either no conversion or a complete one that loads (made from this file's
+    content), never a partial one under the conversion's name; the next run works and sweeps the rest."""
+    out = weights / f"Tiny-Llama.Q8_0-{builtin.sha256(tiny_gguf)[:16]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MINISPEC_WEIGHTS": str(weights)}
+    partials, complete = 0, 0
+    for delay in [0, 0.02, 0.05, 0.1, 0.2, 0.4, None]:  # None: not killed, left to finish
+        child = subprocess.Popen([sys.executable, "-c", SLOW_CONVERSION, str(tiny_gguf)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert child.stdout.readline() == "converting\n"
+        if delay is not None:
+            time.sleep(delay)
+            child.kill()
+        assert child.wait(timeout=120) in (0, -signal.SIGKILL)
+        child.stdout.close()
+        partials += any(weights.glob(f".{out.name}.partial-*"))
+        if out.exists():
+            assert builtin.made_from(out) == builtin.sha256(tiny_gguf)
+            check_checkpoint(out)  # loads
+            complete += 1
+            shutil.rmtree(out)  # the next child converts again
+    assert partials and complete  # kills came inside conversions; one ran to its end
+    torch.testing.assert_close(logits(load_model(tiny_gguf)), logits(load_model(out)), atol=0, rtol=0)
     assert sorted(p.name for p in weights.iterdir()) == [out.name]
 
 

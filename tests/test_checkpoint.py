@@ -1,6 +1,7 @@
 """The loader: checkpoint layouts it accepts, and the clear errors it gives for the ones it cannot."""
 
 import json
+import math
 import re
 import shutil
 import socket
@@ -351,3 +352,15 @@ def test_a_tensor_in_two_shards_is_refused(reference_dirs, tmp_path):
     both = {name: tensor.clone() for name, tensor in {**load_file(second), **load_file(first)}.items()}
     save_safetensors(both, second)  # copies: the file is rewritten
     refused(sharded, re.escape(f"of {second} is also in another shard"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nan_and_infinite_weights_are_refused_with_the_tensor_name(gpt2_dir, dtype, value):
+    """A NaN or infinite weight would make every output NaN, or garbage, without an error: refused at load,
+    naming the tensor, whatever the float type it is stored in."""
+    file = gpt2_dir / "model.safetensors"
+    weights = {name: tensor.to(dtype, copy=True) for name, tensor in load_file(file).items()}
+    weights["transformer.h.1.mlp.c_fc.weight"][7, 3] = value
+    save_safetensors(weights, file)
+    refused(gpt2_dir, re.escape(f"{gpt2_dir}: tensor transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"))

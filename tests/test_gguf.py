@@ -5,6 +5,7 @@ the rebuilt tokenizer against the original, and clear errors for bad files."""
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -343,8 +344,9 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
 
 
 def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkeypatch):
-    """Files of one name in two folders, and a file replaced in place, each get their own conversion:
-    the converted folder is keyed by the file's path, size and modification time, not its name."""
+    """Files of one name in two folders, and a file replaced in place, each load their own content's
+    conversion: the converted folder is found by the file's SHA-256, not its name, size or time (the
+    replaced file holds the second one's bytes: it loads that one's conversion, converting nothing)."""
     monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
     small, large = make_reference("llama"), make_reference("qwen2")
     first = model_to_gguf(small, (tmp_path / "a").mkdir() or tmp_path / "a" / "model.gguf")
@@ -355,7 +357,64 @@ def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkey
     model_to_gguf(large, first.with_suffix(".new"))
     first.with_suffix(".new").replace(first)  # replaced in place: the same name and folder
     torch.testing.assert_close(logits_of(load_model(first), PROMPT), expected[second], atol=1e-4, rtol=0)
-    assert len(list((tmp_path / "weights").iterdir())) == 3
+    assert len(list((tmp_path / "weights").iterdir())) == 2
+
+
+def test_a_gguf_rewritten_with_the_same_size_and_time_is_converted_again(tmp_path, monkeypatch):
+    """A file rewritten in place with other weights of the same shapes, and its size and modification
+    time put back, loads its new content, never the old content's conversion."""
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    old, new = make_reference("llama"), spread_init(make_reference("llama"), seed=1)
+    path = model_to_gguf(old, tmp_path / "model.gguf")
+    torch.testing.assert_close(logits_of(load_model(path), PROMPT), reference_logits(old, PROMPT), atol=1e-4, rtol=0)
+    stat = path.stat()
+    model_to_gguf(new, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    torch.testing.assert_close(logits_of(load_model(path), PROMPT), reference_logits(new, PROMPT), atol=1e-4, rtol=0)
+
+
+def nan_weight_gguf(path):
+    reference = make_reference("llama")
+    with torch.no_grad():
+        reference.model.layers[1].mlp.down_proj.weight[3, 5] = math.nan
+    return model_to_gguf(reference, path)
+
+
+def test_nan_weights_refused_with_the_tensor_name(tmp_path, monkeypatch):
+    """A conversion is loaded back before it is kept: a file with a NaN weight is refused naming the
+    tensor, and nothing of it stays in the weights folder (nor, through the command, where it would go)."""
+    weights = tmp_path / "weights"
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(weights))
+    path = nan_weight_gguf(tmp_path / "model.gguf")
+    with pytest.raises(ValueError, match="tensor model.layers.1.mlp.down_proj.weight holds NaN") as error:
+        load_model(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value) and ".partial" not in str(error.value)
+    assert list(weights.iterdir()) == []
+    bad = subprocess.run([sys.executable, "-m", "minispec.convert", str(path), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "down_proj.weight holds NaN" in bad.stderr and bad.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "weights"]
+
+
+def test_a_conversion_that_does_not_load_is_not_kept(good_file, tmp_path, monkeypatch):
+    """Weights written wrong (here: cut short, as a failing disk would) are found when the conversion is
+    loaded back, before it is renamed into place: the next run converts afresh."""
+    weights = tmp_path / "weights"
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(weights))
+    save = minigguf.save_safetensors
+
+    def save_cut_short(tensors, file, **kwargs):
+        save(tensors, file, **kwargs)
+        with open(file, "r+b") as written:
+            written.truncate(file.stat().st_size - 100)
+
+    monkeypatch.setattr(minigguf, "save_safetensors", save_cut_short)
+    with pytest.raises(ValueError, match="its conversion does not load: .*model.safetensors"):
+        load_model(good_file)
+    assert list(weights.iterdir()) == []
+    monkeypatch.setattr(minigguf, "save_safetensors", save)
+    assert load_model(good_file).vocab_size == 96
 
 
 def logits_of(model, tokens):
@@ -676,6 +735,45 @@ def test_nested_arrays_refused(tmp_path):
     path = write_gguf(tmp_path / "model.gguf", "llama", {"a": (np.zeros(4, np.float32), None)},
                       lambda writer: writer.add_key_value("x", [[1]], ARR, sub_type=ARR))
     assert_converts_to_error(path, tmp_path / "out", "corrupt GGUF file .an array of arrays")
+
+
+def test_header_values_are_bounded(good_file, tmp_path, monkeypatch):
+    """gguf's reader makes a numpy object of each value the header holds: a file holding more than
+    MAX_HEADER_VALUES is refused before they take the memory (a hostile array of a billion bytes)."""
+    monkeypatch.setattr(minigguf, "MAX_HEADER_VALUES", 1000)
+    read_gguf(good_file)  # under the bound
+    path = write_gguf(tmp_path / "model.gguf", "llama", {"a": (np.zeros(4, np.float32), None)},
+                      lambda writer: writer.add_array("x", [7] * 2000))
+    assert_converts_to_error(path, tmp_path / "out", "corrupt GGUF file .its header holds more than 1000 values")
+
+
+def test_deeply_nested_arrays_refused(tmp_path):
+    """Arrays of arrays a thousand deep, 12 bytes a level: gguf's reader recurses into them; refused in one line."""
+    path = write_gguf(tmp_path / "model.gguf", "llama", {"a": (np.zeros(4, np.float32), None)},
+                      lambda writer: writer.add_key_value("x", [1], ARR, sub_type=U32))
+    data = path.read_bytes()
+    level = (9).to_bytes(4, "little") + (1).to_bytes(8, "little")  # an array of one array
+    at = data.index((1).to_bytes(8, "little") + b"x") + 9 + 4  # key "x", then its type: an array
+    path.write_bytes(data[:at] + level * 5000 + data[at:])
+    assert_converts_to_error(path, tmp_path / "out", "corrupt GGUF file .arrays of arrays nested too deep")
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.7, 0.9])
+def test_garbage_in_the_header_is_one_error(good_file, tmp_path, cut):
+    """Random bytes over part of the header: whatever gguf's reader makes of them ends in one line naming
+    the file (a ValueError), never another exception."""
+    data = np.frombuffer(good_file.read_bytes(), np.uint8)
+    end = good_file.read_bytes().index(b"output_norm.weight")
+    rng = np.random.default_rng(int(cut * 10))
+    for seed in range(40):
+        damaged = data.copy()
+        damaged[rng.integers(8, end, size=3)] = rng.integers(0, 256, size=3, dtype=np.uint8)
+        path = tmp_path / "model.gguf"
+        path.write_bytes((damaged[:int(len(damaged) * cut)] if seed % 2 else damaged).tobytes())
+        try:
+            read_gguf(path)
+        except ValueError as error:
+            assert str(path) in str(error) and "\n" not in str(error)
 
 
 def test_failed_write_leaves_nothing(good_file, tmp_path, monkeypatch):

@@ -1,13 +1,13 @@
-"""Import a llama.cpp GGUF file: parse it, dequantize its tensors and write an ordinary checkpoint
+"""Import a llama.cpp GGUF file: read it, dequantize its tensors and write an ordinary checkpoint
 directory (config.json + model.safetensors + tokenizer files), once, so that later loads are plain
 safetensors loads through minispec.loading.checkpoint. Or, with keep_quantized, keep the quantized tensors as
 they are, in minispec.models.quant's stored form (int8 or int4 values with their scales and offsets),
 which dequantizes bit for bit to the same floats.
 
-GGUF layout (little-endian): magic "GGUF", version (2 or 3), tensor count, metadata count; the
-metadata key/values; one info per tensor (name, dims innermost first, ggml type, data offset);
-padding to `general.alignment`; the tensor data. Quantized types pack blocks of 32 or 256 values
-with fp16 scales; the dequantizers below mirror ggml's reference (and the `gguf` package's) exactly.
+The container (header, metadata, tensor infos, data offsets) is read by the `gguf` package, llama.cpp's
+own reader. Quantized types pack blocks of 32 or 256 values with fp16 scales; the unpackers below mirror
+ggml's reference (and the `gguf` package's) exactly, and also give the blocks' integer values and scales,
+which a kept quantized tensor is stored as.
 
     python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
@@ -16,7 +16,6 @@ import fcntl
 import glob
 import json
 import math
-import mmap
 import os
 import re
 import shutil
@@ -30,7 +29,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from ..models import quant
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
@@ -39,18 +40,10 @@ from .weights import save_safetensors
 # ---------------------------------------------------------------------------------------------
 # Reading the file
 
-GGML_TYPE_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
-    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
-    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0",
-    35: "TQ2_0", 39: "MXFP4",
-}
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-# Metadata value types: struct formats of the scalars; 8 is a string, 9 an array.
-SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-FLOAT32, STRING, ARRAY = 6, 8, 9
+# Every value the header holds (a string, a number, an array item) is a few numpy objects in gguf's reader,
+# some 350 bytes: a file's count of them is bounded (700 MB), above a 262k-token vocabulary's 1.6 million.
+MAX_HEADER_VALUES = 1 << 21
 
 
 def shortest_float32(value):
@@ -69,109 +62,112 @@ class GGUFTensor:
     data: torch.Tensor | None  # raw bytes, a view of the mapped file; None for unsupported types
 
 
-class _Cursor:
-    """Bounds-checked reads from the mapped file, so a truncated file fails with a clear message."""
+class BadFile(ValueError):
+    """A problem minispec found in the file itself, its message ready to follow the file's name."""
 
-    def __init__(self, buffer, path):
-        self.buffer, self.path, self.pos = buffer, path, 0
 
-    def read(self, char, count=1):
-        size = struct.calcsize(char) * count
-        if self.pos + size > len(self.buffer):
-            raise ValueError(f"{self.path}: truncated GGUF file (header runs past the end, {len(self.buffer)} bytes)")
-        values = struct.unpack_from(f"<{count}{char}", self.buffer, self.pos)
-        self.pos += size
-        return values
+class Reader(GGUFReader):
+    """gguf's reader, held to the file's bounds: a read past the end comes back short there, without a
+    word (a truncated file then fails anywhere later, or loops over an array count read as nothing). Its
+    tensor infos are kept as read (name, dims, type, offset): minispec makes its own views of the data,
+    and names a tensor of a type it cannot read only when that tensor is dequantized."""
 
-    def scalar(self, char):
-        return self.read(char)[0]
+    def __init__(self, path):
+        self.values = 0
+        super().__init__(path, mode="c")  # private, hence writable, which torch.from_numpy wants; nothing is written
 
-    def string(self):
-        raw = bytes(self.read("s", self.scalar("Q"))[0])
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"{self.path}: corrupt GGUF file (a string before byte {self.pos} is not UTF-8)") from None
+    @property
+    def data(self):
+        return self.array
 
-    def value(self, value_type):
-        if value_type == STRING:
-            return self.string()
-        if value_type == ARRAY:
-            item_type, count = self.scalar("I"), self.scalar("Q")
-            if item_type == ARRAY:  # as in llama.cpp; nesting would recurse as deep as a file asks
-                raise ValueError(f"{self.path}: corrupt GGUF file (an array of arrays before byte {self.pos})")
-            if item_type in SCALAR_FORMATS:
-                return list(self.read(SCALAR_FORMATS[item_type], count))
-            return [self.value(item_type) for _ in range(count)]
-        if value_type == FLOAT32:
-            return shortest_float32(self.scalar("f"))
-        if value_type in SCALAR_FORMATS:
-            return self.scalar(SCALAR_FORMATS[value_type])
-        raise ValueError(f"{self.path}: corrupt GGUF file (unknown metadata value type {value_type})")
+    @data.setter
+    def data(self, mapped):  # a plain array over the mapping: np.memmap's slices, one a value, cost twice as much
+        self.array = mapped.view(np.ndarray)
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if offset + np.dtype(dtype).itemsize * int(count) > len(self.data):
+            raise BadFile(f"truncated GGUF file (header runs past the end, {len(self.data)} bytes)")
+        self.values += 1
+        if self.values > MAX_HEADER_VALUES:
+            raise BadFile(f"corrupt GGUF file (its header holds more than {MAX_HEADER_VALUES} values)")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _push_field(self, field, skip_sum=False):
+        if field.name in self.fields:
+            raise BadFile(f"corrupt GGUF file (metadata key {field.name!r} appears twice)")
+        return super()._push_field(field, skip_sum)
+
+    def _build_tensors(self, start_offs, fields):
+        self.infos = fields
+
+
+def metadata_value(name, field):
+    if field.types[:2] == [GGUFValueType.ARRAY] * 2:  # as in llama.cpp; nesting recurses as deep as a file asks
+        raise BadFile(f"corrupt GGUF file (an array of arrays in metadata {name!r})")
+    value = field.contents()
+    return shortest_float32(value) if field.types == [GGUFValueType.FLOAT32] else value
 
 
 def read_gguf(path):
     """Parse a GGUF file: (metadata dict, {name: GGUFTensor}). Tensor data stays memory-mapped
-    until `dequantize` touches it."""
+    until `dequantize` touches it. Every problem with the file is a ValueError naming it."""
     path = Path(path)
     with open(path, "rb") as file:
-        magic = file.read(4)
-        if magic != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-        # A private (copy-on-write) mapping is writable, which torch.frombuffer wants; nothing is written.
-        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    cursor = _Cursor(buffer, path)
-    cursor.pos = 4
-    version = cursor.scalar("I")
-    if version not in (2, 3):
+        magic, version = file.read(4), int.from_bytes(file.read(4).ljust(4, b"\0"), "little")
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    if version not in (2, 3):  # also refuses big-endian files, whose tensor data the unpackers would misread
         hint = " (a big-endian file?)" if version >= 1 << 16 else ""
         raise ValueError(f"{path}: unsupported GGUF version {version}{hint}; minispec reads versions 2 and 3")
-    n_tensors, n_metadata = cursor.scalar("Q"), cursor.scalar("Q")
-    metadata = {}
-    for _ in range(n_metadata):
-        key = cursor.string()
-        if key in metadata:
-            raise ValueError(f"{path}: corrupt GGUF file (metadata key {key!r} appears twice)")
-        metadata[key] = cursor.value(cursor.scalar("I"))
+    try:
+        reader = Reader(path)
+        metadata = {name: metadata_value(name, field) for name, field in reader.fields.items()
+                    if not name.startswith("GGUF.")}  # the reader's own entries: version and counts
+        tensors = tensor_views(reader)
+    except BadFile as error:
+        raise ValueError(f"{path}: {error}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: corrupt GGUF file (arrays of arrays nested too deep)") from None
+    except (ValueError, KeyError, IndexError, OverflowError) as error:  # what gguf's reader raises on garbage
+        raise ValueError(f"{path}: corrupt GGUF file ({error})") from None
+    return metadata, tensors
 
-    infos = []
-    for _ in range(n_tensors):
-        name = cursor.string()
-        n_dims = cursor.scalar("I")
-        if n_dims > 4:
-            raise ValueError(f"{path}: corrupt GGUF file (tensor {name!r} has {n_dims} dimensions)")
-        dims = cursor.read("Q", n_dims)
-        type_id, offset = cursor.scalar("I"), cursor.scalar("Q")
-        infos.append((name, dims, type_id, offset))
 
-    alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
-        raise ValueError(f"{path}: corrupt GGUF file (general.alignment {alignment!r} is not a multiple of 8)")
-    data_start = -(-cursor.pos // alignment) * alignment
-    data = torch.frombuffer(buffer, dtype=torch.uint8)
+def ggml_type_name(type_id):
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"ggml type {type_id}"
+
+
+def tensor_views(reader):
+    """{name: GGUFTensor} of the reader's tensor infos, each checked against the file's size."""
+    if reader.alignment % 8:
+        raise BadFile(f"corrupt GGUF file (general.alignment {reader.alignment} is not a multiple of 8)")
+    data = torch.from_numpy(reader.data)
     tensors = {}
-    for name, dims, type_id, offset in infos:
+    for info in reader.infos:
+        name, dims = info.name, info.parts[3].tolist()
+        type_id, offset = int(info.parts[4][0]), int(info.parts[5][0])
         if name in tensors:
-            raise ValueError(f"{path}: corrupt GGUF file (tensor {name!r} appears twice)")
-        type_name = GGML_TYPE_NAMES.get(type_id, f"ggml type {type_id}")
+            raise BadFile(f"corrupt GGUF file (tensor {name!r} appears twice)")
+        if len(dims) > 4:
+            raise BadFile(f"corrupt GGUF file (tensor {name!r} has {len(dims)} dimensions)")
+        type_name = ggml_type_name(type_id)
         raw = None
         if block_size(type_name):  # unsupported types keep data=None; dequantize() names them
             block, block_bytes = block_size(type_name)
             if dims and dims[0] % block:
-                raise ValueError(
-                    f"{path}: corrupt GGUF file (tensor {name!r} rows of {dims[0]} are not whole {type_name} blocks)"
-                )
-            if offset % alignment:
-                raise ValueError(f"{path}: corrupt GGUF file (tensor {name!r} offset {offset} is not aligned)")
-            start, size = data_start + offset, math.prod(dims) // block * block_bytes
-            if start + size > len(buffer):
-                raise ValueError(
-                    f"{path}: truncated GGUF file (tensor {name!r} needs bytes up to {start + size}, "
-                    f"the file has {len(buffer)})"
-                )
+                raise BadFile(f"corrupt GGUF file (tensor {name!r} rows of {dims[0]} are not whole {type_name} blocks)")
+            if offset % reader.alignment:
+                raise BadFile(f"corrupt GGUF file (tensor {name!r} offset {offset} is not aligned)")
+            start, size = reader.data_offset + offset, math.prod(dims) // block * block_bytes
+            if start + size > len(data):
+                raise BadFile(f"truncated GGUF file (tensor {name!r} needs bytes up to {start + size}, "
+                              f"the file has {len(data)})")
             raw = data[start:start + size]
         tensors[name] = GGUFTensor(name, type_name, tuple(reversed(dims)), raw)
-    return metadata, tensors
+    return tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,20 +717,21 @@ def template_processor(tokens, bos_id, eos_id):
 # ---------------------------------------------------------------------------------------------
 # Conversion
 
-# Written last into a converted folder, whose tensors were checked against its config (check_tensors): a
-# folder without it (an older minispec's, or a copy cut short) is converted again (builtin.import_gguf).
+# Written last into a converted folder, holding the SHA-256 of the GGUF file it was made from: a folder
+# without it (a copy cut short), or with another file's, is converted again (builtin.import_gguf).
 COMPLETE = "conversion-complete"
 
 
-def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False):
+def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False, check=None, source_hash=""):
     """Write `out_dir` (config.json, model.safetensors, tokenizer files) from a GGUF file; returns it.
 
     `dtype` (e.g. torch.bfloat16) casts every weight; by default F32/F16/BF16 tensors keep their
     type and quantized ones are stored as the exact fp32 values they dequantize to, or, with
     `keep_quantized`, as they are (hf_weights; `dtype` then casts the float ones only, and config.json
-    says so in its quantization_config). The directory is written under a temporary name (staging) and
-    renamed at the end, so a failure leaves nothing behind. Every problem with the file is a
-    ValueError naming it."""
+    says so in its quantization_config). The directory is written under a temporary name (staging),
+    checked by `check` (a function of the folder: checkpoint.check_checkpoint, which loads it) and
+    renamed at the end, so a failure leaves nothing behind. `source_hash`, the file's SHA-256, goes into
+    the COMPLETE mark. Every problem with the file is a ValueError naming it."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
@@ -754,9 +751,16 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
     with staging(out_dir) as staged:
         (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(weights, staged / "model.safetensors", metadata={"format": "pt"})
+        del weights  # before the check loads the folder again
         for file_name, content in tokenizer.items():
             (staged / file_name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        (staged / COMPLETE).touch()
+        try:
+            if check:
+                check(staged)
+        except ValueError as error:
+            message = str(error).replace(str(staged), str(out_dir))  # the folder it would have been
+            raise ValueError(f"{gguf_path}: its conversion does not load: {message}") from None
+        (staged / COMPLETE).write_text(source_hash)
         staged.rename(out_dir)
     return out_dir
 

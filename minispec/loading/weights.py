@@ -2,8 +2,8 @@
 safetensors weights, and writing safetensors files.
 
 minispec writes safetensors itself (a few lines: the format is a length, a JSON header and the raw
-bytes) because the safetensors package's torch writer goes through numpy, which minispec does not
-otherwise need; reading goes through the package, which does not.
+bytes), one tensor at a time from its own memory (a non-contiguous one through a copy of it alone);
+reading goes through the package.
 """
 
 import ctypes
