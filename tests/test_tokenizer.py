@@ -438,6 +438,19 @@ def test_tiny_spec_is_valid(tmp_path):
         assert load_tokenizer(tmp_path).encode(text) == reference.encode(text).ids
 
 
+def test_symbols_outside_the_vocab(tmp_path):
+    """A symbol missing from the vocab is dropped when unk is no token (the reference would fail on the
+    text), and becomes unk when it is one."""
+    spec = tiny_spec()
+    del spec["model"]["vocab"]["x"]
+    spec["model"]["unk_token"] = "<unk>"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert load_tokenizer(tmp_path).encode("ax", add_special_tokens=False) == [ord("a")]
+    spec["model"]["vocab"]["<unk>"] = 300
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert load_tokenizer(tmp_path).encode("ax", add_special_tokens=False) == [ord("a"), 300]
+
+
 def mutated(change):
     def edit(spec):
         change(spec)

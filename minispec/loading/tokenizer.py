@@ -308,7 +308,9 @@ class ByteLevelBPE(Tokenizer):
                 raise ValueError(f"model.merges[{rank}] {reprlib.repr(merge)} makes {reprlib.repr(pair[0] + pair[1])}, "
                                  "which is not in model.vocab")
         unk_token = field(model, "unk_token", (str, type(None)), "model", None)
-        bpe = {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": unk_token,
+        # A symbol missing from the vocab becomes unk, or is dropped when unk is none (the library would
+        # fail on each text that has one when unk is no token).
+        bpe = {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": unk_token if unk_token in vocab else None,
                "ignore_merges": field(model, "ignore_merges", (bool,), "model", False)}
         added = [self.added_token(token, f"added_tokens[{n}]", id_to_token)
                  for n, token in enumerate(field(spec, "added_tokens", (list,), default=[]))]
@@ -323,7 +325,7 @@ class ByteLevelBPE(Tokenizer):
             self.tokenizer = tokenizers.Tokenizer.from_str(json.dumps(rebuilt))
         except Exception as error:  # what the checks above do not foresee; the library raises a plain Exception
             raise ValueError(f"the tokenizers library refuses it: {error}") from error
-        self.lock = threading.Lock()  # encode_special_tokens is the library tokenizer's state, set per call
+        self.lock = threading.Lock()  # encode_special_tokens is the library tokenizer's state, set per encode
         super().__init__(id_to_token, added, config, chat_template)  # added_token put the added tokens in
         self.literal_ids = {t["id"] for t in added if vocab.get(t["content"]) != t["id"]}  # beyond the model's vocab
         self.prefix, self.suffix = self.template(spec.get("post_processor"), "post_processor")
@@ -334,7 +336,7 @@ class ByteLevelBPE(Tokenizer):
         i = valid_id(field(token, "id", (int,), where), f"{where}.id")
         if id_to_token.setdefault(i, content) != content:
             raise ValueError(f"{where} gives id {i} to {reprlib.repr(content)}, which is {reprlib.repr(id_to_token[i])}'s")
-        flags = {flag: token.get(flag) or False for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}
+        flags = {flag: token.get(flag, False) for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}
         return {"id": i, "content": content, **flags}
 
     # Sequences are flattened, so that steps nested deeper than the library's JSON reader goes still load;
@@ -408,7 +410,8 @@ class ByteLevelBPE(Tokenizer):
             return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode_run(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 class SentencePieceTokenizer(Tokenizer):
