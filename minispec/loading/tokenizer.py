@@ -155,7 +155,7 @@ def token_content(value):
 
 # --- Added tokens (SentencePiece) ----------------------------------------------------------------
 
-# Rust's char::is_whitespace, which the reference strips beside lstrip/rstrip tokens (Python's \s also
+# What an lstrip/rstrip token swallows beside it: Unicode's White_Space, as the reference (Python's \s also
 # holds U+001C..U+001F).
 WHITESPACE = "[\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*"
 
