@@ -8,7 +8,8 @@ import time
 import pytest
 
 from minispec.decoding.stopping import Stop
-from minispec.loading.tokenizer import ByteLevelBPE, IncrementalDecoder, bytes_to_unicode
+from minispec.loading.tokenizer import ByteLevelBPE, IncrementalDecoder
+from test_tokenizer import bytes_to_unicode
 
 SPECIAL, PLAIN = 256, 258  # ids of "<|im_end|>" (special) and "<tool>" (an added token that is not)
 
