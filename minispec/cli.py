@@ -1,4 +1,4 @@
-"""What the command lines (run.py, minispec.bench and minispec.serve) share: argument types, the flags
+"""What the command lines (run.py, minispec.tools.bench and minispec.serve) share: argument types, the flags
 that choose and load the models, and loading a target with the draft that --draft names."""
 
 import json
@@ -53,8 +53,8 @@ def add_model_flags(parser, draft_default, tensor_parallel=False):
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
     parser.add_argument("--draft", default=draft_default,
-                        help="a smaller model (as --target), a draft head's folder (python -m minispec.heads "
-                             "train), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
+                        help="a smaller model (as --target), a draft head's folder (python -m "
+                             "minispec.tools.train_heads), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
                              f"quantized), or 'none' (plain autoregressive decoding with the target); default "
                              f"{draft_default}")
     parser.add_argument("--quantize", choices=quant.MODES,
