@@ -7,7 +7,8 @@ import torch
 
 import minispec
 from conftest import TINY_CONFIGS
-from minispec.models import base, kernels, native
+from minispec import native
+from minispec.models import base, kernels
 
 PROMPT = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
 DECODER = torch.tensor([[0, 5, 17, 33, 8, 90]])  # T5: decoder tokens after the encoded prompt

@@ -1,4 +1,4 @@
-"""minispec's own CPU kernels (minispec/models/native.py): for quantized layers (qlinear.cpp), its
+"""minispec's own CPU kernels (minispec/native): for quantized layers (qlinear.cpp), its
 arithmetic against a float64 re-computation of what it promises, every row as it would be alone,
 the packed layout's token lookup, and the fallback where it cannot be built; for float32 ones
 (flinear.cpp), against float64 and in its order of sums (tests/test_rows.py checks its rows); for
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import minispec
-from minispec.models import kernels, native, quant
+from minispec import native
+from minispec.models import backend, kernels, quant
 from minispec.models.llama import Llama
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="minispec's CPU kernel cannot be built here")
@@ -250,11 +251,16 @@ def test_without_a_compiler_pytorch_kernels_serve(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger="minispec"):
             assert not native.available()
             assert not native.takes(64, 32)
+            native.install()
         assert caplog.messages == ["minispec: no C++ compiler found: PyTorch's slower kernels serve instead of minispec's own"]
+        assert type(backend.current()) is backend.PyTorch
         layer = quant.Int4Linear(quant.quantize_int4(torch.randn(16, 64), 32))
         assert not layer.native and layer(torch.randn(2, 64)).shape == (2, 16)
     finally:
+        monkeypatch.undo()
         native.available.cache_clear()
+        native.install()
+    assert backend.current() is native.NATIVE
 
 
 def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path, caplog):
@@ -300,7 +306,7 @@ def test_attention_is_attention(dtype, d):
     q, k, v = (torch.randn(B, H, n, d, generator=generator).to(dtype) for n in (group * T, 128, 128))
     positions = torch.tensor([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]])
     mask = kernels.additive(kernels.causal_mask(positions, P)).repeat(1, group, 1)[:, None]  # [B, 1, R, P]
-    got = kernels.native_attend(q, k, v, mask, None, None)
+    got = kernels.backend_attend(q, k, v, mask, None, None)
     want = exact_attention(q.float(), k[:, :, :P].float(), v[:, :, :P].float(), mask, d ** -0.5)
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2

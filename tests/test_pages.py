@@ -1,4 +1,4 @@
-"""A quantized model's weights and the KV caches in huge pages (minispec/models/pages.py): buffers over one
+"""A quantized model's weights and the KV caches in huge pages (minispec/native/pages.py): buffers over one
 mapping, the same numbers and the same tokens, a shared buffer still shared, the mapping alive as long
 as its tensors, and nothing moved where huge pages cannot be asked for."""
 
@@ -11,7 +11,8 @@ from conftest import make_reference, save_reference
 from test_base import packed_modules
 
 import minispec
-from minispec.models import kernels, pages
+from minispec.models import kernels
+from minispec.native import pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 

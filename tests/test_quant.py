@@ -24,7 +24,8 @@ from minispec.cli import load_target_and_draft
 from minispec.decoding import drafters
 from minispec.loading import builtin
 from minispec.loading.chat import chat_prompt
-from minispec.models import native, quant
+from minispec import native
+from minispec.models import quant
 from minispec.models.base import Embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
