@@ -14,13 +14,12 @@ A quantized weight [out N, in K] has two forms:
 
 Kernels. The backend's own where it has one that takes the layer (minispec/native's qlinear.cpp on x86
 CPUs: the input quantized to int8 in blocks of 32 and integer dot products, as llama.cpp does;
-memory-bound for a decode step); elsewhere PyTorch's, measured on a 2-core
-AVX2 CPU (docs/performance.md, "Quantized weights"): with bfloat16 activations,
-aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow
-paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a float32
-matmul), so those layers compute in bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast
-does it (the weight converted inside the matmul, which torch.compile fuses), int4 with
-aten._weight_int4pack_mm.
+memory-bound for a decode step); elsewhere PyTorch's, measured on a 2-core AVX2 CPU
+(docs/performance.md, "Quantized weights"): with bfloat16 activations, aten._weight_int8pack_mm and
+aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow paths, and the dequantize-in-matmul
+graphs torch.compile makes on CPU were slower than a float32 matmul), so those layers compute in
+bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast does it (the weight converted inside
+the matmul, which torch.compile fuses), int4 with aten._weight_int4pack_mm.
 """
 
 from collections import defaultdict
