@@ -437,6 +437,23 @@ def test_the_one_call_layer_takes_what_it_can_compute(reference_dirs):
         assert loaded().fused_layers(x.requires_grad_()) is None
 
 
+def test_with_minispec_native_0_a_load_installs_pytorchs_operations(reference_dirs, monkeypatch):
+    """MINISPEC_NATIVE=0: the backend a load chooses is PyTorch's, whose model runs no kernel of
+    minispec's (no one-call layer, no quantized kernel, nothing in huge pages); the next load where they
+    build takes them again."""
+    monkeypatch.setenv("MINISPEC_NATIVE", "0")
+    native.available.cache_clear()
+    try:
+        model = minispec.load(reference_dirs["llama"][1], quantize="int8")
+        model.ensure_caches(1, 8)
+        assert backend.current() is backend.PYTORCH
+        assert model.fused_layers(torch.zeros(1, 1, 32)) is None and not model.layers[0].attention.wqkv.native
+    finally:
+        monkeypatch.undo()
+        native.available.cache_clear()
+    assert minispec.load(reference_dirs["llama"][1]) and backend.current() is native.NATIVE
+
+
 def test_a_weight_written_in_place_is_read_again(reference_dirs, monkeypatch):
     """The one-call layer keeps its layers' tensors (the packed copies among them) and their layout
     from forward to forward; a weight written since (a test, a merged adapter) is packed and taken again, as the
