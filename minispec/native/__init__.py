@@ -296,11 +296,6 @@ def keep(caches, row, slots, length):
     torch.ops.minispec_native.keep(caches, row, slots, length)
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm of x [..., D] float32 by weight [D] float32, each row alone (layer.cpp)."""
-    return torch.ops.minispec_native.rms_norm(x, weight, eps)
-
-
 def llama_layers(x, stack, cos, sin, first_row, input_pos, masks, slots, scale, taps=()):
     """A Llama model's decoder layers over x [B, T, D] float32 in one call (layer.cpp): `stack` their
     tensors, KV caches (written at input_pos, from cache row first_row) and numbers, as
@@ -335,15 +330,14 @@ class Native(PyTorch):
         if torch.compiler.is_compiling() or training or x.dtype != torch.float32 or weight.dtype != torch.float32 \
                 or x.device.type != "cpu":
             return None
-        # one call, the same as the one-call layer computes: PyTorch's norm is seven operations, which
-        # in an eager step of a small model cost more than their arithmetic
-        return rms_norm(x, weight, eps)
+        # one call (layer.cpp), the same as the one-call layer computes: PyTorch's norm is seven
+        # operations, which in an eager step of a small model cost more than their arithmetic
+        return torch.ops.minispec_native.rms_norm(x, weight, eps)
 
     def keep(self, caches, row, slots, length):
-        if not caches[0].is_cpu:
-            return False
-        keep(caches, row, slots, length)
-        return True
+        if caches[0].is_cpu:
+            keep(caches, row, slots, length)
+        return caches[0].is_cpu
 
     def takes_quantized(self, in_features, group, device):
         return device.type == "cpu" and takes(in_features, group)
