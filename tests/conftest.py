@@ -152,7 +152,8 @@ def reference_dirs(tmp_path_factory):
 def attention(request, monkeypatch):
     """Attention over the cache through minispec's own CPU kernel (models/attention.cpp), or through
     the PyTorch operations that serve where it cannot be built: both must keep every invariance."""
-    from minispec.models import kernels, native
+    from minispec import native
+    from minispec.models import kernels
 
     if request.param == "native" and not native.available():
         pytest.skip("minispec's CPU kernels cannot be built here")

@@ -7,7 +7,8 @@ import torch
 
 import minispec
 from conftest import TINY_CONFIGS
-from minispec.models import base, kernels, native
+from minispec import native
+from minispec.models import base, kernels
 
 PROMPT = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63]])
 DECODER = torch.tensor([[0, 5, 17, 33, 8, 90]])  # T5: decoder tokens after the encoded prompt
@@ -87,3 +88,16 @@ def test_rms_norm_in_one_call_is_the_formula_and_row_invariant(threads):
             assert all(torch.equal(norm(row[None]), y.reshape(-1, 576)[i:i + 1]) for i, row in enumerate(rows))
     finally:
         torch.set_num_threads(before)
+
+
+def test_compile_leaves_inductors_settings_to_the_user(reference_dirs):
+    """CachedLM.compile changes no global setting of inductor's: a model loaded without compile and
+    compiled later finds the instruction-set probe as the user left it (a load that compiles skips it:
+    minispec.native.install, tests/test_compile.py)."""
+    config, saved = torch._inductor.config.cpp, torch._inductor.config.cpp.vec_isa_ok
+    try:
+        config.vec_isa_ok = None
+        minispec.load(reference_dirs["llama"][1]).compile()
+        assert config.vec_isa_ok is None
+    finally:
+        config.vec_isa_ok = saved

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 import minispec
 from minispec.decoding import drafters, policy
-from minispec.models import native
+from minispec import native
 from conftest import VOCAB, make_reference, noisy_copy, save_reference, spread_init
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -65,7 +65,7 @@ def test_compiled_quantized_decoding_matches_eager_and_never_recompiles(checkpoi
     """Quantized layers compile into the same full graphs (fullgraph=True: no graph break) and, after
     warm-up, never recompile: an int4 target decoding plain and sampled, and a float target drafting
     with its int8 copy (compiled because the target is); the int4 target with `lookup` gives its plain
-    greedy tokens. Compiled matches eager, but for minispec's own CPU kernel (models/native.py)
+    greedy tokens. Compiled matches eager, but for minispec's own CPU kernel (minispec/native)
     on the int4 target: it rounds its inputs to int8 in blocks scaled by each block's largest value, so
     the last-bit differences of inductor's norms can move a whole block's rounding."""
     eager_int4 = minispec.load(checkpoint, quantize="int4")

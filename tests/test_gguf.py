@@ -24,7 +24,8 @@ from minispec.loading import gguf as minigguf
 from minispec.loading.checkpoint import load_model
 from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
 from minispec.loading.tokenizer import load_tokenizer
-from minispec.models import native, quant
+from minispec import native
+from minispec.models import quant
 
 
 def write_gguf(path, arch, tensors, setup=lambda writer: None):

@@ -1,8 +1,9 @@
-"""The package's import graph flows one way: models at the bottom, loading above them, decoding above
-loading, the library's front door (api) above decoding, the command lines (and the server) above it, and
-the tools (bench, head training) apart on top, over the public API. Read from the source with ast, so a
-cycle hidden in a function body (an import placed there to dodge it) is caught too. And what the package
-reads besides its modules is installed with it."""
+"""The package's import graph flows one way: models at the bottom, the native kernels above them (a
+backend for models/backend.py's interface), loading above those, decoding above loading, the library's
+front door (api) above decoding, the command lines (and the server) above it, and the tools (bench,
+head training) apart on top, over the public API. Read from the source with ast, so a cycle hidden in a
+function body (an import placed there to dodge it) is caught too. And what the package reads besides
+its modules is installed with it."""
 
 import ast
 from fnmatch import fnmatch
@@ -15,12 +16,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minispec"
 
 LAYERS = {  # by the top-level module or subpackage
     "models": 0,
-    "loading": 1,
-    "decoding": 2,
-    "api": 3,
-    "__init__": 4, "cli": 4, "convert": 4, "heads": 4,
-    "serve": 5,
-    "tools": 6,  # the bench and head training: over the public API, apart from the engine
+    "native": 1,  # implements models/backend.py's interface; loading installs it
+    "loading": 2,
+    "decoding": 3,
+    "api": 4,
+    "__init__": 5, "cli": 5, "convert": 5, "heads": 5,
+    "serve": 6,
+    "tools": 7,  # the bench and head training: over the public API, apart from the engine
 }
 # What tools may import besides the package's front door (`import minispec`): the command lines' flags
 # and loaders, the forwards, drafters and weight formats the bench times one by one, and the heads'
@@ -107,8 +109,8 @@ def test_no_engine_module_imports_tools():
 def test_models_import_only_their_base():
     for name, imports in EDGES.items():
         if name.startswith("models.") and name not in ("models.base", "models.kernels", "models.__init__"):
-            assert {target for target, _ in imports} <= {"models.base", "models.kernels", "models.native",
-                                                         "models.pages", "models.hf_config"}, name
+            assert {target for target, _ in imports} <= {"models.base", "models.kernels", "models.backend",
+                                                         "models.hf_config"}, name
 
 
 def test_the_graph_has_no_cycle():
@@ -121,7 +123,7 @@ def test_the_graph_has_no_cycle():
 
 def test_every_file_the_package_reads_is_installed_with_it():
     """A non-editable install (`pip install .`, a wheel) carries only the package data pyproject.toml
-    lists: a source file native.py compiles but the list misses would be absent there."""
+    lists: a source file minispec/native compiles but the list misses would be absent there."""
     tomllib = pytest.importorskip("tomllib")
     listed = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     data = [path for path in PACKAGE.rglob("*") if path.is_file() and path.suffix not in (".py", ".pyc")]

@@ -1,4 +1,4 @@
-"""minispec's own CPU kernels (minispec/models/native.py): for quantized layers (qlinear.cpp), its
+"""minispec's own CPU kernels (minispec/native): for quantized layers (qlinear.cpp), its
 arithmetic against a float64 re-computation of what it promises, every row as it would be alone,
 the packed layout's token lookup, and the fallback where it cannot be built; for float32 ones
 (flinear.cpp), against float64 and in its order of sums (tests/test_rows.py checks its rows); for
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import minispec
-from minispec.models import kernels, native, quant
+from minispec import native
+from minispec.models import backend, kernels, quant
 from minispec.models.llama import Llama
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="minispec's CPU kernel cannot be built here")
@@ -250,11 +251,16 @@ def test_without_a_compiler_pytorch_kernels_serve(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger="minispec"):
             assert not native.available()
             assert not native.takes(64, 32)
+            native.install()
         assert caplog.messages == ["minispec: no C++ compiler found: PyTorch's slower kernels serve instead of minispec's own"]
+        assert type(backend.current()) is backend.PyTorch
         layer = quant.Int4Linear(quant.quantize_int4(torch.randn(16, 64), 32))
         assert not layer.native and layer(torch.randn(2, 64)).shape == (2, 16)
     finally:
+        monkeypatch.undo()
         native.available.cache_clear()
+        native.install()
+    assert backend.current() is native.NATIVE
 
 
 def test_a_failed_build_leaves_no_library(monkeypatch, tmp_path, caplog):
@@ -300,7 +306,7 @@ def test_attention_is_attention(dtype, d):
     q, k, v = (torch.randn(B, H, n, d, generator=generator).to(dtype) for n in (group * T, 128, 128))
     positions = torch.tensor([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]])
     mask = kernels.additive(kernels.causal_mask(positions, P)).repeat(1, group, 1)[:, None]  # [B, 1, R, P]
-    got = kernels.native_attend(q, k, v, mask, None, None)
+    got = kernels.backend_attend(q, k, v, mask, None, None)
     want = exact_attention(q.float(), k[:, :, :P].float(), v[:, :, :P].float(), mask, d ** -0.5)
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -429,6 +435,23 @@ def test_the_one_call_layer_takes_what_it_can_compute(reference_dirs):
     assert loaded(dtype=torch.bfloat16).fused_layers(x.bfloat16()) is None
     with torch.enable_grad():
         assert loaded().fused_layers(x.requires_grad_()) is None
+
+
+def test_with_minispec_native_0_a_load_installs_pytorchs_operations(reference_dirs, monkeypatch):
+    """MINISPEC_NATIVE=0: the backend a load chooses is PyTorch's, whose model runs no kernel of
+    minispec's (no one-call layer, no quantized kernel, nothing in huge pages); the next load where they
+    build takes them again."""
+    monkeypatch.setenv("MINISPEC_NATIVE", "0")
+    native.available.cache_clear()
+    try:
+        model = minispec.load(reference_dirs["llama"][1], quantize="int8")
+        model.ensure_caches(1, 8)
+        assert backend.current() is backend.PYTORCH
+        assert model.fused_layers(torch.zeros(1, 1, 32)) is None and not model.layers[0].attention.wqkv.native
+    finally:
+        monkeypatch.undo()
+        native.available.cache_clear()
+    assert minispec.load(reference_dirs["llama"][1]) and backend.current() is native.NATIVE
 
 
 def test_a_weight_written_in_place_is_read_again(reference_dirs, monkeypatch):

@@ -1,4 +1,4 @@
-"""A quantized model's weights and the KV caches in huge pages (minispec/models/pages.py): buffers over one
+"""A quantized model's weights and the KV caches in huge pages (minispec/native/pages.py): buffers over one
 mapping, the same numbers and the same tokens, a shared buffer still shared, the mapping alive as long
 as its tensors, and nothing moved where huge pages cannot be asked for."""
 
@@ -11,7 +11,12 @@ from conftest import make_reference, save_reference
 from test_base import packed_modules
 
 import minispec
-from minispec.models import kernels, pages
+from minispec import native
+from minispec.models import kernels
+from minispec.native import pages
+
+# A model's buffers move where the native backend serves it (PyTorch's asks for no huge pages).
+native_backend = pytest.mark.skipif(not native.available(), reason="minispec's CPU kernels cannot be built here")
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 
@@ -39,6 +44,7 @@ def inside(tensors, mappings):
                for start, end in mappings)
 
 
+@native_backend
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_model_decodes_from_one_mapping_as_before(tmp_path, small_pages, monkeypatch, mode):
     directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
@@ -53,6 +59,7 @@ def test_a_quantized_model_decodes_from_one_mapping_as_before(tmp_path, small_pa
     assert one.tokens == other.tokens and len(set(one.tokens)) > 3
 
 
+@native_backend
 def test_a_self_draft_moves_its_quantized_weights(tmp_path, small_pages):
     target = minispec.load(save_reference(make_reference("llama_gqa"), tmp_path / "ckpt"))
     out = minispec.generate(target, [5, 17, 33, 8], draft="int8", max_new_tokens=8, ignore_eos=True)
@@ -63,6 +70,7 @@ def test_a_self_draft_moves_its_quantized_weights(tmp_path, small_pages):
     assert len(quantized) > 10 and inside(quantized, small_pages)
 
 
+@native_backend
 def test_a_moved_model_compiles(tmp_path, small_pages):
     """Each buffer has a storage of its own over the mapping: torch.compile refuses inputs that alias."""
     directory = save_reference(make_reference("llama_gqa"), tmp_path / "ckpt")
@@ -73,6 +81,7 @@ def test_a_moved_model_compiles(tmp_path, small_pages):
             == minispec.generate(eager, prompt, max_new_tokens=8, ignore_eos=True).tokens)
 
 
+@native_backend
 def test_kv_caches_move_as_they_are_made(tmp_path, small_pages, monkeypatch):
     """A float model's caches too (read every step): moved when ensure_caches makes them, the same tokens."""
     target = minispec.load(save_reference(make_reference("llama_gqa"), tmp_path / "ckpt"))

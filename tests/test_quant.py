@@ -24,7 +24,8 @@ from minispec.cli import load_target_and_draft
 from minispec.decoding import drafters
 from minispec.loading import builtin
 from minispec.loading.chat import chat_prompt
-from minispec.models import native, quant
+from minispec import native
+from minispec.models import quant
 from minispec.models.base import Embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -105,7 +106,7 @@ def input_rounding_bound(x, weight):
 def test_kernel_matches_dequantize_then_matmul(form):
     """Random weights and inputs. PyTorch's kernels compute in bfloat16 (inputs, scales, outputs rounded
     to 8 bits of mantissa, sums in float32): within 2^-7 of the output's largest magnitude. minispec's
-    own (models/native.py, where it builds): within what rounding the inputs to int8 blocks may move."""
+    own (minispec/native, where it builds): within what rounding the inputs to int8 blocks may move."""
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(N, K, generator=generator), torch.randn(N, generator=generator)
     parts = stored(form, weight)

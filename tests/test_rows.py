@@ -67,16 +67,17 @@ def test_quantized_rows_compute_as_they_would_alone(reference_dirs, kind, mode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("in_features", [576, 1536, 4096])
 def test_a_linear_gives_each_row_what_it_gives_alone_at_real_sizes(in_features, dtype, threads):
-    """The tiny models' layers are narrow, and oneDNN picks kernels by size: on an AVX-512 EPYC a 1-row
-    product summed differently from products of 2+ rows once K >= 1152 (kernels.PACKED_MIN_ROWS). Real
-    models' widths, 1 to 40 rows, each row bit for bit what it gives alone."""
+    """The tiny models' layers are narrow, and oneDNN picks kernels by size: a 1-row product can sum
+    differently from products of 2+ rows once K >= 1152 (kernels.PACKED_MIN_ROWS), and with AMX tiles
+    bfloat16 products of 33+ rows differently from shorter ones (kernels.PACKED_MAX_ROWS). Real models'
+    widths, 1 to 72 rows (more than two blocks), each row bit for bit what it gives alone."""
     if not kernels.can_pack(dtype, torch.device("cpu")):
         pytest.skip(f"oneDNN does not run {dtype} on this CPU")
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(1536, in_features, generator=generator) / in_features ** 0.5).to(dtype)
-    x = torch.randn(40, in_features, generator=generator).to(dtype)
-    alone = torch.cat([kernels.linear(x[i:i + 1], weight, None, packed=True) for i in range(40)])
-    assert [rows for rows in range(1, 41)
+    x = torch.randn(72, in_features, generator=generator).to(dtype)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight, None, packed=True) for i in range(72)])
+    assert [rows for rows in range(1, 73)
             if not torch.equal(kernels.linear(x[:rows], weight, None, packed=True), alone[:rows])] == []
 
 

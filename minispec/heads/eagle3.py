@@ -52,11 +52,8 @@ class Eagle3Block(TransformerBlock):
         x = state + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
         return self.finish(x)
 
-    def native_norms(self):
-        norms = super().native_norms()
-        if norms is None or type(self.hidden_norm) is not RMSNorm or self.hidden_norm.weight.dtype != torch.float32:
-            return None
-        return norms[0], norms[1], self.hidden_norm.weight, self.norm_before_residual
+    def norms(self):
+        return super().norms()._replace(hidden=self.hidden_norm, before_residual=self.norm_before_residual)
 
     @compile_region
     def project(self, x, cos, sin):

@@ -22,6 +22,7 @@ import torch
 from ..models import gpt2, llama, quant, t5, tp as tensor_parallel
 from ..models.base import pack_linears
 from ..models.hf_config import COUNT, get
+from ..native import install as install_backend
 from . import builtin, parallel
 from .hub import download_from_hub
 from .tokenizer import load_tokenizer
@@ -218,6 +219,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     ranks (launched by torchrun) over which the model is sharded (models/tp.py, loading/parallel.py);
     every rank calls load_model alike, and on cuda each takes the GPU of its local rank."""
     quant.check_settings(quantize, group_size)
+    install_backend(compile)  # the kernels every model of this load computes with
     world = None
     if tp is not None:  # before check_device: NCCL without GPUs gets its own message
         world, device = parallel.launch(tp, device)

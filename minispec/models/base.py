@@ -36,10 +36,9 @@ never read and rolling back needs no clearing.
 from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import native, pages
+from . import backend
 from .kernels import can_pack, linear, pack_together, to_device, tree_layout, whole_blocks
 
 
@@ -111,12 +110,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)  # no backward there
-        if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype == torch.float32 \
-                and x.device.type == "cpu" and not training and native.available():
-            # one call (layer.cpp), the same as minispec's one-call layer computes: PyTorch's norm is
-            # seven operations, which in an eager step of a small model cost more than their arithmetic
-            return native.rms_norm(x, self.weight, self.eps)
+        y = backend.current().rms_norm(x, self.weight, self.eps)
+        if y is not None:
+            return y
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -245,7 +241,7 @@ class CachedLM(nn.Module):
         # otherwise reallocate, and zero, every layer's cache.
         if batch_size > self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
             self.setup_caches(batch_size, self.cache_length_for(max_seq_len))
-            pages.in_huge_pages(self.kv_caches())  # read every step, as the weights are (pages.py)
+            backend.current().in_huge_pages(self.kv_caches())  # read every step, as the weights are
 
     def cache_length_for(self, max_seq_len):
         """The positions a cache allocated for `max_seq_len` gets (see ensure_caches)."""
@@ -269,11 +265,6 @@ class CachedLM(nn.Module):
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if self.device.type == "cpu" and torch._inductor.config.cpp.vec_isa_ok is None and native.available():
-            # Inductor finds the vector instructions it may use by building and loading test programs, in
-            # every process: 7 s with a cold cache, 1 s warm. minispec's kernels, built for -march=native
-            # by the same toolchain, have answered that already; the CPU's flags still pick the set.
-            torch._inductor.config.cpp.vec_isa_ok = True
         mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
         self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         self.graphs = 0
@@ -451,8 +442,7 @@ class CachedLM(nn.Module):
         if not slots:
             return
         caches = [cache for module in self.kv_caches() for cache in (module.k, module.v)]
-        if caches[0].is_cpu and native.available():  # one call, not two PyTorch operations a cache
-            native.keep(caches, row, slots, length)
+        if backend.current().keep(caches, row, slots, length):  # one call, not two PyTorch operations a cache
             return
         index = to_device(slots, self.device)
         for cache in caches:

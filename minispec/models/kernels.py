@@ -2,7 +2,7 @@
 decoded alone, verified among γ + 1 tokens, or computed in a batch row beside others, so greedy
 speculative decoding (and every batch) gives exactly plain decoding's tokens, in float32 and bfloat16
 alike (docs/design.md, "Row invariance"; tests/test_rows.py guards it). The linear layers multiply
-through minispec's float32 kernel or oneDNN on a weight packed once; attention pads its query rows to
+through a backend's float32 kernel or oneDNN on a weight packed once; attention pads its query rows to
 full blocks.
 """
 
@@ -14,16 +14,16 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import native, pages
+from . import backend
 
 
 # Why packed weights on CPU: BLAS's float32 GEMM takes a 1-row product (a decode step) through a GEMV and
 # partial blocks of rows through other kernels, each summing in its own order, so a token's logits would
 # differ by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's
-# argmax. minispec's own float32 kernel (native.float_product, flinear.cpp) sums every row alike whatever
-# the row count, on a weight packed once, and costs about the same from 1 to 8 rows; where it is not
-# built, and for bfloat16 and float16, oneDNN's matmul over a weight packed for it does the same with
-# PACKED_MIN_ROWS below.
+# argmax. A backend's own float32 kernel (minispec/native's flinear.cpp) sums every row alike whatever
+# the row count, on a weight packed once, and costs about the same from 1 to 8 rows; where there is
+# none, and for bfloat16 and float16, oneDNN's matmul over a weight packed for it does the same with
+# PACKED_MIN_ROWS and PACKED_MAX_ROWS below.
 # The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
 # so compiled graphs hold no per-model constant and a target and its draft share graphs as before.
 # An entry lives as long as the weight's storage (not its Parameter, which outlives its data after
@@ -45,8 +45,8 @@ def version(tensor):
 
 
 def own_kernel(dtype):
-    """Whether minispec's float32 kernel takes this dtype's products here (else oneDNN's)."""
-    return dtype == torch.float32 and native.available()
+    """Whether the backend's own float kernel takes this dtype's products here (else oneDNN's)."""
+    return backend.current().float_kernel(dtype)
 
 
 def pack(weight, packed=None):
@@ -54,7 +54,7 @@ def pack(weight, packed=None):
     when the weight's storage does."""
     if packed is None:
         # oneDNN: 16 is the row count it plans the packing for; every row count then runs the same kernels
-        packed = native.float_pack(weight) if own_kernel(weight.dtype) else \
+        packed = backend.current().float_pack(weight) if own_kernel(weight.dtype) else \
             torch.ops.mkldnn._reorder_linear_weight(weight, 16)
     key = weight.data_ptr()
     entry = _PACKED.get(key)
@@ -67,12 +67,13 @@ def pack(weight, packed=None):
 
 
 def pack_together(weights):
-    """Pack a model's weights (pack), minispec's float32 copies then together in huge pages (pages.py):
-    a decode step streams them all, and SmolLM2-135M's took 7-13% less time so."""
+    """Pack a model's weights (pack), the backend's own kernel's copies then together in huge pages where
+    it has them: a decode step streams them all."""
     for weight in weights:
         pack(weight)
     own = [weight for weight in weights if own_kernel(weight.dtype)]
-    pages.to_huge_pages([_PACKED[weight.data_ptr()][1] for weight in own], lambda i, moved: pack(own[i], moved))
+    backend.current().to_huge_pages([_PACKED[weight.data_ptr()][1] for weight in own],
+                                    lambda i, moved: pack(own[i], moved))
 
 
 def forget(key, entry):
@@ -87,6 +88,9 @@ def forget(key, entry):
 # 2-row products read the weights slowest there (SmolLM2 float32: a 2-token forward 37 ms, a 1- or
 # 4-token one 31).
 PACKED_MIN_ROWS = 4
+# On CPUs with AMX tiles oneDNN takes bfloat16 products of more than 32 rows through them, which sum in
+# another order than its products of 4 to 32 rows: longer products are cut into blocks of this many.
+PACKED_MAX_ROWS = 32
 
 
 def packed_weight(weight):
@@ -108,13 +112,22 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if own_kernel(weight.dtype):
-        out = native.float_product(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias, weight.shape[0])
+        out = backend.current().float_product(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
-    if rows >= PACKED_MIN_ROWS or rows == 0:  # no rows: nothing to pad a product for
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - rows))
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out[:rows].view(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1])
+    if rows <= PACKED_MAX_ROWS:
+        return onednn_product(flat, packed, bias).view(*x.shape[:-1], weight.shape[0])
+    out = torch.cat([onednn_product(block, packed, bias) for block in flat.split(PACKED_MAX_ROWS)])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def onednn_product(rows, packed, bias):
+    """oneDNN's product of rows [n <= PACKED_MAX_ROWS, K], padded with zero rows to PACKED_MIN_ROWS."""
+    n = rows.shape[0]
+    if n >= PACKED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, PACKED_MIN_ROWS - n)), packed, bias, "none", [], "")
+    return out[:n]
 
 
 # An op of its own for torch.compile (opaque, with a fake for tracing); eager calls the function itself:
@@ -155,15 +168,17 @@ def in_row_blocks(product, x):
 
 
 def can_pack(dtype, device):
-    """Whether packed products run here for this dtype (float32 wherever minispec's kernel or oneDNN
+    """Whether packed products run here for this dtype (float32 wherever the backend's kernel or oneDNN
     runs; bfloat16 and float16 with oneDNN on CPUs with the instructions for them)."""
     return device.type == "cpu" and can_pack_on_cpu(dtype)
 
 
-@functools.cache
 def can_pack_on_cpu(dtype):
-    if own_kernel(dtype):
-        return True
+    return own_kernel(dtype) or onednn_packs(dtype)
+
+
+@functools.cache
+def onednn_packs(dtype):
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -211,7 +226,7 @@ def padded_rows(mask):
 
 def rows_as_read(mask):
     """A model's additive mask made once a forward, as attend_cache reads it: its rows padded for
-    PyTorch's path (padded_rows); as they are for minispec's kernel, which takes each row alone, so a
+    PyTorch's path (padded_rows); as they are for the backend's kernel, which takes each row alone, so a
     compiled graph guards on no row count modulo the padding (one graph serves every width)."""
     return mask if mask.device.type == "cpu" and native_attention() else padded_rows(mask)
 
@@ -366,8 +381,8 @@ def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
 
 @torch.compiler.assume_constant_result  # decided once: compiled graphs hold whichever kernel eager runs
 def native_attention():
-    """Whether attention over the cache runs minispec's own CPU kernel (models/attention.cpp)."""
-    return native.available()
+    """Whether attention over a CPU's cache runs the backend's own kernel."""
+    return backend.current().attends()
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None):
@@ -376,10 +391,10 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A
     row's numbers are those of the same query alone, whatever the other rows and however many. With a
     `layout` (trees), rows are read in groups of the layout's tokens (grouped-query heads: group-major).
-    On CPUs minispec's own kernel computes it in one call (the same canonical order, its own rounding),
+    On CPUs a backend's own kernel computes it in one call (the same canonical order, its own rounding),
     except where gradients flow (training a draft head): it has no backward."""
     if q.device.type == "cpu" and native_attention() and not (torch.is_grad_enabled() and q.requires_grad):
-        return native_attend(q, k, v, mask, scale, layout)
+        return backend_attend(q, k, v, mask, scale, layout)
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
     k, v = k[:, :, :S], v[:, :, :S]
@@ -398,7 +413,7 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
         else:
             indices = layout.shared.get(shape) or layout.shared.setdefault(shape, tree_indices(layout, *shape))
         scores = scores.gather(-1, indices.scores)
-    # Out of place: the same numbers, and gradients can flow (training a draft head, heads/train.py).
+    # Out of place: the same numbers, and gradients can flow (training a draft head, tools/train_heads.py).
     if scale != 1.0:
         scores = scores * (scale if scale is not None else d ** -0.5)
     scores = scores + mask
@@ -415,20 +430,20 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     return out.view(b, h, rows + pad, d)[..., :rows, :].to(q.dtype)
 
 
-def native_attend(q, k, v, mask, scale, layout):
-    """attend_cache through models/attention.cpp: every row alone, so no padded rows."""
+def backend_attend(q, k, v, mask, scale, layout):
+    """attend_cache through the backend's kernel: every row alone, so no padded rows."""
     b, h, rows, d = q.shape
     if mask.dim() == 3:
         mask = mask.unsqueeze(1)
     mask = mask[..., :rows, :] if mask.shape[-2] > 1 else mask
     mask = mask.float().expand(b, h, rows, mask.shape[-1])  # T5's position bias is in the model's dtype
     slots = None if layout is None else key_slots(layout, mask.shape[-1])
-    out = native.attend(q.float().contiguous(), k, v, mask, slots, d ** -0.5 if scale is None else scale)
+    out = backend.current().attend(q.float().contiguous(), k, v, mask, slots, d ** -0.5 if scale is None else scale)
     return out.to(q.dtype)
 
 
 def key_slots(layout, width):
-    """tree_keys(layout, width) as minispec's attention kernel reads them: made once a forward (kept in
+    """tree_keys(layout, width) as a backend's attention kernel reads them: made once a forward (kept in
     layout.shared for every layer; a compiled graph computes them once anyway)."""
     if torch.compiler.is_compiling():
         return tree_keys(layout, width)
@@ -462,7 +477,7 @@ def tree_products(products, weights, values, indices):
 @contextmanager
 def without_row_invariance(model):
     """The model computing as it would without row invariance: BLAS linears and attention rows unpadded.
-    Only to measure what row invariance costs (minispec.bench --row-invariance-price)."""
+    Only to measure what row invariance costs (minispec.tools.bench --row-invariance-price)."""
     global ATTENTION_ROW_BLOCK
     packed = [module for module in model.modules() if getattr(module, "packed", False)]
     block = ATTENTION_ROW_BLOCK

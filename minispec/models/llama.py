@@ -7,15 +7,16 @@ query heads). Layout follows gpt-fast: q/k/v projections (and gate/up) are fused
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels, native
+from . import backend
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, key_slots, packed_weight, rows_as_read
+from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -237,6 +238,14 @@ class FeedForward(nn.Module):
         return self.w2(elementwise(F.silu, gate) * up)
 
 
+class LayerNorms(NamedTuple):
+    """A layer's norms (TransformerBlock.norms)."""
+    attention: Optional[nn.Module]  # None: the input goes in as it is (EAGLE-1's layer)
+    ffn: nn.Module
+    hidden: Optional[nn.Module] = None  # EAGLE-3's state's, beside the input's
+    before_residual: bool = False  # EAGLE-3: the residual is the normed state, not the state
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, config, window):
         super().__init__()
@@ -262,121 +271,9 @@ class TransformerBlock(nn.Module):
     def finish(self, x):
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def native_tensors(self):
-        """The layer's tensors as layer.cpp takes them (LayerStack): its norms (native_norms), then per linear
-        layer its tensors (LINEAR_TENSORS: qlinear's packed form, or flinear's packed float32 weight and
-        the bias), group (0: float32) and output width. None where the layer cannot run as one call.
-        Made again when a weight was replaced (quantized, moved) or unpacked (without_row_invariance); a
-        float weight's packed copy is taken each time from kernels.packed_weight, which packs again a
-        weight written since."""
-        linears = linears_of(self)  # past nn.Module's __getattr__: an eager step of a small model feels it
-        key = [(weight_of(linear), linear.__dict__.get("packed", False)) for linear in linears]
-        made = self.__dict__.get("_native")
-        if made is None or any(a is not b or p != q for (a, p), (b, q) in zip(made[0], key)):
-            # [key, the tensors without packed weights, the packed weights last taken, the tensors with them]
-            made = self._native = [key, self.layer_tensors(linears), None, None]
-        if made[1] is None or 0 not in made[1][2]:  # no float layer
-            return made[1]
-        norms, tensors, groups, features = made[1]
-        packed = [packed_weight(weight) if group == 0 else None for (weight, _), group in zip(key, groups)]
-        if any(weight is None for weight, group in zip(packed, groups) if group == 0):
-            return None  # converted to what no packed kernel takes
-        if made[2] is None or any(a is not b for a, b in zip(made[2], packed)):
-            # made again only when a weight was packed again
-            tensors = list(tensors)
-            for i, weight in enumerate(packed):
-                if weight is not None:
-                    tensors[i * len(LINEAR_TENSORS)] = weight
-            made[2], made[3] = packed, (norms, tensors, groups, features)
-        return made[3]
-
-    def native_norms(self):
-        """The norms' weights as the one-call layer takes them (attention's, MLP's, EAGLE-3's state's,
-        whether the state is normed before the residual add), or None where it cannot take them."""
-        attention_norm = None if isinstance(self.attention_norm, nn.Identity) else self.attention_norm  # EAGLE-1's
-        norms = [norm for norm in (attention_norm, self.ffn_norm) if norm is not None]
-        if any(type(norm) is not RMSNorm or norm.weight.dtype != torch.float32 for norm in norms):
-            return None
-        return None if attention_norm is None else attention_norm.weight, self.ffn_norm.weight, None, False
-
-    def layer_tensors(self, linears):
-        norms = self.native_norms()
-        if norms is None:
-            return None
-        tensors, groups = [], []
-        for linear in linears:
-            if linear.bias is not None and linear.bias.dtype != torch.float32:
-                return None
-            if getattr(linear, "native", False):  # quantized for minispec's kernel
-                tensors += [getattr(linear, name) for name in LINEAR_TENSORS]
-                groups.append(linear.group)
-            elif getattr(linear, "packed", False) and linear.weight.dtype == torch.float32:
-                tensors += [None, None, None, None, linear.bias]  # the packed weight: native_tensors
-                groups.append(0)
-            else:
-                return None
-        return norms, tensors, groups, [linear.out_features for linear in linears]
-
-
-LINEAR_TENSORS = ("weight", "scales", "offsets", "steps", "bias")  # a quantized layer's, in layer.cpp's order
-
-
-def weight_of(linear):
-    """A linear layer's weight: its Parameter (float) or buffer (quantized), without __getattr__."""
-    weight = linear._parameters.get("weight")
-    return linear._buffers.get("weight") if weight is None else weight
-
-
-class LayerStack:
-    """A model's layers laid out once for native.llama_layers (layer.cpp's flat lists): per layer its
-    norms and linear layers' tensors, its cache's k and v, and its numbers (norm_before_residual, the
-    linears' groups and widths, its heads, the index of the mask it reads in `windows`); and what it was
-    laid out from (`sources`, per layer: each linear layer's weight, whether packed, its packed copy, and
-    the cache's k and v)."""
-
-    def __init__(self, tensors, caches, numbers, windows, eps, first_cache, sources):
-        self.tensors, self.caches, self.numbers = tensors, caches, numbers
-        self.windows, self.eps, self.first_cache, self.sources = windows, eps, first_cache, sources
-
-    @classmethod
-    def of(cls, model, layers, caches):
-        windows = list(dict.fromkeys(layer.attention.window for layer in model.layers))
-        tensors, numbers, sources = [], [], []
-        for layer, cache, ((attention_norm, ffn_norm, hidden_norm, before_residual), linears, groups, features) in \
-                zip(model.layers, caches, layers):
-            tensors += [attention_norm, ffn_norm, hidden_norm, *linears]
-            numbers += [int(before_residual), *groups, *features, layer.attention.n_heads, layer.attention.n_kv_heads,
-                        windows.index(layer.attention.window)]
-            weights = [(weight_of(linear), linear.__dict__.get("packed", False),
-                        linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
-                       for i, (linear, group) in enumerate(zip(linears_of(layer), groups))]
-            sources.append((weights, cache.k, cache.v))
-        return cls(tensors, [t for cache in caches for t in (cache.k, cache.v)], numbers, windows,
-                   model.config.norm_eps, caches[0], sources)
-
-    def unchanged(self, model):
-        """Whether the model's layers still hold what the stack was laid out from: fused_layers' check
-        without making every layer's tensors again (TransformerBlock.native_tensors), which took 4% of
-        SmolLM2-135M's float32 step. A float weight written in place since is packed again here
-        (kernels.packed_weight), and its new copy fails the check."""
-        if len(model.layers) != len(self.sources):
-            return False
-        for layer, (weights, k, v) in zip(model.layers, self.sources):
-            cache = layer._modules["attention"]._modules.get("kv_cache")
-            if cache is None or cache._buffers["k"] is not k or cache._buffers["v"] is not v:
-                return False
-            for linear, (weight, packed, copy) in zip(linears_of(layer), weights):
-                if weight_of(linear) is not weight or linear.__dict__.get("packed", False) != packed \
-                        or copy is not None and packed_weight(weight) is not copy:
-                    return False
-        return True
-
-
-def linears_of(layer):
-    """A TransformerBlock's four linear layers in layer.cpp's order (wqkv, wo, w13, w2), past
-    nn.Module's __getattr__."""
-    attention, feed_forward = layer._modules["attention"]._modules, layer._modules["feed_forward"]._modules
-    return attention["wqkv"], attention["wo"], feed_forward["w13"], feed_forward["w2"]
+    def norms(self):
+        """The layer's norms, as a backend's one call for the whole layer reads them."""
+        return LayerNorms(None if isinstance(self.attention_norm, nn.Identity) else self.attention_norm, self.ffn_norm)
 
 
 class Llama(CachedLM):
@@ -432,12 +329,9 @@ class Llama(CachedLM):
         group = self.config.n_heads // self.config.n_kv_heads
         masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        stack = self.fused_layers(x)
-        if stack is not None:
-            slots = None if layout is None else key_slots(layout, next(iter(masks.values())).shape[-1])
-            layer_masks = [masks[w] for w in stack.windows]
-            x, *states = native.llama_layers(x, stack, cos, sin, stack.first_cache.first_row, input_pos, layer_masks,
-                                             slots, self.config.head_dim ** -0.5, taps)
+        fused = self.fused_layers(x)
+        if fused is not None:
+            x, *states = fused(x, input_pos, cos, sin, masks, layout, taps)
             if states:
                 tapped.extend(states)
             return x
@@ -450,23 +344,9 @@ class Llama(CachedLM):
         return x
 
     def fused_layers(self, x):
-        """The layers as minispec's one call takes them (layer.cpp: a LayerStack), where the forward can
-        run that way: eagerly, on a CPU, in float32, with minispec's attention kernel (which it calls),
-        every layer's weights quantized for minispec's kernel or packed for its float32 one, not sharded
-        (the sums across ranks hook the modules). Else None: the modules. Laid out again when a layer's
-        tensors (TransformerBlock.native_tensors) or its cache were replaced (LayerStack.unchanged)."""
-        if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or self.tp is not None \
-                or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
-            return None
-        stack = self.__dict__.get("_stack")
-        if stack is not None and stack.unchanged(self):
-            return stack
-        layers = [layer.native_tensors() for layer in self.layers]
-        if any(tensors is None for tensors in layers):
-            return None
-        caches = [layer._modules["attention"]._modules["kv_cache"] for layer in self.layers]
-        self._stack = LayerStack.of(self, layers, caches)
-        return self._stack
+        """The backend's one call for every layer of this forward (a function of blocks' inputs), where
+        it has one; None: the modules."""
+        return backend.current().fused_llama(self, x)
 
     def embed_tokens(self, tokens):
         return self.tok_embeddings(tokens)

@@ -12,15 +12,13 @@ A quantized weight [out N, in K] has two forms:
         column 2i + 1 in the high one; `scales`, `offsets` [N, K / group]; w = q * scales + offsets.
 - packed, what the kernels read, built from the stored form on the device it runs on.
 
-Kernels. On x86 CPUs, minispec's own (models/native.py, qlinear.cpp: the input quantized to int8 in
-blocks of 32 and integer dot products, as llama.cpp does; memory-bound for a decode step), built at
-first use; where it cannot be built, or for a shape it does not take, PyTorch's, measured on a 2-core
-AVX2 CPU: with bfloat16 activations,
-aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow
-paths, and the dequantize-in-matmul graphs torch.compile makes on CPU were slower than a float32
-matmul), so those layers compute in bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast
-does it (the weight converted inside the matmul, which torch.compile fuses), int4 with
-aten._weight_int4pack_mm.
+Kernels. The backend's own where it has one that takes the layer (minispec/native's qlinear.cpp on x86
+CPUs: the input quantized to int8 in blocks of 32 and integer dot products, as llama.cpp does;
+memory-bound for a decode step); elsewhere PyTorch's, the fastest on a CPU: with bfloat16 activations, aten._weight_int8pack_mm and
+aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow paths, and the dequantize-in-matmul
+graphs torch.compile makes on CPU were slower than a float32 matmul), so those layers compute in
+bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast does it (the weight converted inside
+the matmul, which torch.compile fuses), int4 with aten._weight_int4pack_mm.
 """
 
 from collections import defaultdict
@@ -29,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native, pages
+from . import backend
 from .base import Embedding
 from .kernels import linear
 
@@ -166,8 +164,8 @@ def int4_problem(out_features, in_features, group_size, device):
     """Why the int4 kernel cannot take a weight of this shape, or None."""
     if in_features % group_size:
         return f"in_features {in_features} is not a multiple of the group size {group_size}"
-    if device.type == "cpu" and native.takes(in_features, group_size):
-        return None  # minispec's own kernel takes any number of rows
+    if backend.current().takes_quantized(in_features, group_size, device):
+        return None  # the backend's own kernel takes any number of rows
     rows = 16 if device.type == "cpu" else 8
     if out_features % rows:
         return f"out_features {out_features} is not a multiple of {rows}"
@@ -190,9 +188,9 @@ class Int8Linear(nn.Module):
         self.on_cpu = qweight.device.type == "cpu"
         self.bias = bias
         self.group = self.in_features // scales.shape[1]
-        self.native = self.on_cpu and native.takes(self.in_features, self.group)
+        self.native = backend.current().takes_quantized(self.in_features, self.group, qweight.device)
         if self.native:
-            native.register_packed(self, qweight, scales, offsets)
+            self.register_packed(qweight, scales, offsets)
             return
         if scales.shape[1] == 1 and offsets is None:
             weight, scales = qweight, scales.view(-1)
@@ -204,9 +202,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
         self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
 
+    def register_packed(self, q, scales, offsets):
+        """The buffers `weight`, `scales`, `offsets`, `steps` as the backend's kernel reads them."""
+        packed = backend.current().pack_quantized(q, scales, offsets)
+        for name, tensor in zip(("weight", "scales", "offsets", "steps"), packed):
+            self.register_buffer(name, tensor)
+
     def native_forward(self, x):
         rows = x.reshape(-1, self.in_features).float()
-        y = native.qlinear(rows.contiguous(), self.weight, self.scales, self.offsets, self.steps, self.group)
+        y = backend.current().quantized_product(rows.contiguous(), self.weight, self.scales, self.offsets, self.steps,
+                                                self.group)
         if y.shape[1] != self.out_features:  # padded to whole tiles
             y = y[:, :self.out_features]
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -269,9 +274,9 @@ class Int4Linear(nn.Module):
         q = unpack_int4(parts["qweight"])
         self.on_cpu = q.device.type == "cpu"
         self.bias = bias
-        self.native = self.on_cpu and native.takes(self.in_features, self.group)
+        self.native = backend.current().takes_quantized(self.in_features, self.group, q.device)
         if self.native:
-            native.register_packed(self, q, scales, offsets)
+            self.register_packed(q, scales, offsets)
             return
         if self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -283,7 +288,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
 
-    native_forward = Int8Linear.native_forward
+    register_packed, native_forward = Int8Linear.register_packed, Int8Linear.native_forward
 
     def forward(self, x):
         if self.native:
@@ -311,7 +316,8 @@ class Int8Embedding(Int8Linear):
 
     def forward(self, tokens):
         if self.native:
-            q, scales, offsets = native.rows_of(tokens.reshape(-1), self.weight, self.scales, self.offsets, self.steps)
+            q, scales, offsets = backend.current().quantized_rows(tokens.reshape(-1), self.weight, self.scales,
+                                                                  self.offsets, self.steps)
             rows = dequantize({"qweight": q, "scales": scales, "offsets": offsets})
             return rows.view(*tokens.shape, self.embedding_dim).to(self.output_dtype)
         if self.weight.dim() == 2:
@@ -374,7 +380,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                          "or token embeddings of this model")
     notes = [f"kept int8 ({problem}): {', '.join(names)}" for problem, names in fallbacks.items()]
     model.quantization = {"mode": mode, "group_size": group_size, "notes": notes}
-    pages.in_huge_pages(model.modules())  # on a CPU, read every step: in 2 MiB pages (pages.py)
+    backend.current().in_huge_pages(model.modules())  # read every step: in huge pages where the backend has them
     return notes
 
 

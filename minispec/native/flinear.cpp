@@ -1,5 +1,5 @@
 // minispec's float32 matmul for CPUs: y = x @ w.T + bias for 1 to a few dozen rows of x (a decode step, a
-// verify, a tree, a batch), on a weight packed once by flinear_pack. Built at first use by models/native.py
+// verify, a tree, a batch), on a weight packed once by flinear_pack. Built at first use by minispec/native
 // and cached.
 //
 // Why not oneDNN, which float32 products took before: its packed matmul costs the same from 1 to 6 rows,

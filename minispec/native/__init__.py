@@ -1,9 +1,10 @@
 """minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for float32
 ones (flinear.cpp), for attention over a KV cache (attention.cpp) and for a Llama model's layers
 (layer.cpp), compiled at first use with the machine's C++ compiler (the toolchain torch.compile needs
-on CPU too), for this machine's instruction set, and cached. Where they cannot be built (no compiler,
-no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False and models.quant and
-models.kernels keep PyTorch's operations.
+on CPU too), for this machine's instruction set, and cached; with the weights and caches in huge pages
+(pages.py). They serve the models as a backend (`Native`, models/backend.py's interface), which a
+load installs (`install`). Where they cannot be built (no compiler, no x86, a failed build, or
+MINISPEC_NATIVE=0), `available()` is False and the models keep PyTorch's operations.
 
 Why kernels of our own: PyTorch's int4 kernel for CPUs converts
 every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
@@ -26,6 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..models import backend, kernels
+from ..models.backend import PyTorch
+from . import pages
+from .layers import stack_of
 
 log = logging.getLogger("minispec")
 
@@ -229,12 +235,6 @@ def two_level(values, group):
     return multipliers.to(torch.int8).view(N, G), steps.view(N, -1)
 
 
-def register_packed(module, q, scales, offsets):
-    """A quantized layer's buffers `weight`, `scales`, `offsets`, `steps` in the kernel's layout."""
-    for name, tensor in zip(("weight", "scales", "offsets", "steps"), pack(q, scales, offsets)):
-        module.register_buffer(name, tensor)
-
-
 def takes(in_features, group):
     """Whether the kernel takes a layer of this input width and group size, and is here to."""
     return in_features % BLOCK == 0 and (group == 16 or group % BLOCK == 0) and available()
@@ -296,15 +296,85 @@ def keep(caches, row, slots, length):
     torch.ops.minispec_native.keep(caches, row, slots, length)
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm of x [..., D] float32 by weight [D] float32, each row alone (layer.cpp)."""
-    return torch.ops.minispec_native.rms_norm(x, weight, eps)
-
-
 def llama_layers(x, stack, cos, sin, first_row, input_pos, masks, slots, scale, taps=()):
     """A Llama model's decoder layers over x [B, T, D] float32 in one call (layer.cpp): `stack` their
     tensors, KV caches (written at input_pos, from cache row first_row) and numbers, as
-    llama.py's Llama.fused_layers lays them out; masks: the attention masks the layers read (by the
+    layers.py's LayerStack lays them out; masks: the attention masks the layers read (by the
     stack's index). -> [the last layer's output, then the state entering each layer in `taps`]."""
     return torch.ops.minispec_native.llama_layers(x, stack.tensors, stack.caches, stack.numbers, stack.eps, cos, sin,
                                                    first_row, input_pos, masks, slots, scale, sorted(taps))
+
+
+def run_layers(stack, x, input_pos, cos, sin, masks, layout, taps):
+    """Llama.blocks' layers through llama_layers: masks by window, as Llama.blocks makes them."""
+    slots = None if layout is None else kernels.key_slots(layout, next(iter(masks.values())).shape[-1])
+    return llama_layers(x, stack, cos, sin, stack.first_cache.first_row, input_pos, [masks[w] for w in stack.windows],
+                        slots, stack.scale, taps)
+
+
+class Native(PyTorch):
+    """The models' backend (models/backend.py) through these kernels, where they take the tensors:
+    on a CPU, float32 for the float ones, and not where gradients flow (they have no backward)."""
+
+    float_pack, float_product, attend = staticmethod(float_pack), staticmethod(float_product), staticmethod(attend)
+    pack_quantized, quantized_product, quantized_rows = staticmethod(pack), staticmethod(qlinear), staticmethod(rows_of)
+
+    def float_kernel(self, dtype):
+        return dtype == torch.float32
+
+    def attends(self):
+        return True
+
+    def rms_norm(self, x, weight, eps):
+        training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if torch.compiler.is_compiling() or training or x.dtype != torch.float32 or weight.dtype != torch.float32 \
+                or x.device.type != "cpu":
+            return None
+        # one call (layer.cpp), the same as the one-call layer computes: PyTorch's norm is seven
+        # operations, which in an eager step of a small model cost more than their arithmetic
+        return torch.ops.minispec_native.rms_norm(x, weight, eps)
+
+    def keep(self, caches, row, slots, length):
+        if caches[0].is_cpu:
+            keep(caches, row, slots, length)
+        return caches[0].is_cpu
+
+    def takes_quantized(self, in_features, group, device):
+        return device.type == "cpu" and takes(in_features, group)
+
+    def fused_llama(self, model, x):
+        """layer.cpp's one call for every layer, where the forward can run that way: eagerly, in float32,
+        on a CPU, with this attention kernel (which it calls), every layer's weights quantized for
+        qlinear or packed for flinear, not sharded (the sums across ranks hook the modules)."""
+        if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or model.tp is not None \
+                or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
+            return None
+        stack = stack_of(model)
+        return None if stack is None else functools.partial(run_layers, stack)
+
+    def in_huge_pages(self, modules):
+        return pages.in_huge_pages(modules)
+
+    def to_huge_pages(self, tensors, place):
+        return pages.to_huge_pages(tensors, place)
+
+
+NATIVE = Native()
+
+
+def choose():
+    """This package's backend where its kernels build here, else PyTorch's operations."""
+    return NATIVE if available() else backend.PYTORCH
+
+
+def install(compile=False):
+    """Choose the models' backend (loading.checkpoint.load_model, at every load; `compile`: the load
+    compiles its model)."""
+    if backend.use(choose()) is NATIVE and compile and torch._inductor.config.cpp.vec_isa_ok is None:
+        # Inductor finds the vector instructions it may use by building and loading test programs, in
+        # every process: 7 s with a cold cache, 1 s warm. These kernels, built for -march=native by the
+        # same toolchain, have answered that already; the CPU's flags still pick the set.
+        torch._inductor.config.cpp.vec_isa_ok = True
+
+
+backend.offer(choose)  # models made without a load (tests, a script's own) take it at first use

@@ -1,5 +1,5 @@
 // minispec's attention over a KV cache for CPUs: what kernels.attend_cache computes, in one call.
-// Built with qlinear.cpp by models/native.py.
+// Built with qlinear.cpp by minispec/native.
 //
 // Why: a decode step's attention is a handful of tiny products (a few query rows against a few hundred
 // keys), and attend_cache spells it in about twenty PyTorch operations a layer, each a few microseconds

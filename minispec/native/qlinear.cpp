@@ -1,5 +1,5 @@
 // minispec's quantized matmul for CPUs: y = x @ w.T with w int4, 5-bit, 6-bit or int8 in groups, 1 to a few dozen
-// rows of x (a decode step, a verify, a batch). Built at first use by models/native.py and cached.
+// rows of x (a decode step, a verify, a batch). Built at first use by minispec/native and cached.
 //
 // Why: PyTorch's int4 kernel converts every weight to float and is compute-bound on AVX2, so a 9-row
 // verify costs 5 single steps; its int8 kernel takes one call per group. Here, as llama.cpp does, each
@@ -22,7 +22,7 @@
 // and its float accumulation (block after block, one lane per column) are the same instructions
 // whether it is decoded alone or verified among others.
 //
-// The weight's layout (models/native.py packs it): tile after tile, block after block, the vectors
+// The weight's layout (minispec/native packs it): tile after tile, block after block, the vectors
 // k = 0..7 of 64 bytes whose byte 4c + j is column c's input 4k + j (int8), or four of 64 bytes holding
 // vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15), or those four and one
 // more holding the values' fifth bits, vector k's at bit k (5-bit: GGUF's Q5_0, values -16..15 stored as
@@ -36,7 +36,7 @@
 // inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs'
 // step times small integers): scales, offsets int8 [tiles, G, 16] multipliers of steps float32
 // [tiles, K / 256, 2, 16] (the scales' step, the offsets'), each product exactly the float32 value it
-// replaces (models/native.py checks that when it packs), so both forms give the same numbers, the
+// replaces (minispec/native checks that when it packs), so both forms give the same numbers, the
 // two-level one reading a fifth fewer bytes for Q4_K.
 
 #include <ATen/ATen.h>

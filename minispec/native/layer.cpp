@@ -2,7 +2,7 @@
 // models/llama.py's TransformerBlocks computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
 // projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel
 // (quantized weights) or flinear.cpp's (float32), its attention through attention.cpp's; and RMSNorm
-// alone, which the modules use too. Built with them by models/native.py.
+// alone, which the modules use too. Built with them by minispec/native.
 //
 // Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
 // products, not the products: SmolLM2-135M kept int4 ran ~55 operations a layer around 5 kernel calls,

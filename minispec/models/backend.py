@@ -1,0 +1,97 @@
+"""The one interface through which the models reach kernels that are not PyTorch's own operations.
+
+A backend is chosen once, at load (loading/checkpoint.py): this module's `PyTorch`, whose every hook
+answers "not here" so that the models compute with PyTorch's operations (kernels.py), or minispec's
+native CPU kernels (minispec/native), a subclass that takes the operations it has kernels for. The
+models never ask which one runs: they call `current()`'s hooks and compute as PyTorch does where a
+hook declines.
+"""
+
+
+class PyTorch:
+    """PyTorch's operations everywhere: no kernel of a backend's own, no huge pages, no fused layers."""
+
+    def float_kernel(self, dtype):
+        """Whether CPU products of this dtype run the backend's own float kernel (float_pack,
+        float_product) rather than oneDNN's."""
+        return False
+
+    def float_pack(self, weight):
+        """A float weight [N, K] in the layout float_product reads."""
+        raise NotImplementedError
+
+    def float_product(self, x, packed, bias, features):
+        """x [M, K] (contiguous) @ the float_pack'ed weight's transpose + bias -> [M, features]."""
+        raise NotImplementedError
+
+    def attends(self):
+        """Whether attention over a KV cache on a CPU runs the backend's own kernel (attend)."""
+        return False
+
+    def attend(self, q, k, v, mask, slots, scale):
+        """kernels.attend_cache's attention of q [B, H, R, d] float32, every row alone; slots: the
+        cache slot of each position (trees, kernels.key_slots), or None."""
+        raise NotImplementedError
+
+    def rms_norm(self, x, weight, eps):
+        """RMSNorm of x by weight in one call, each row alone; None where the backend has no kernel for
+        these tensors (the module then computes PyTorch's formula)."""
+        return None
+
+    def keep(self, caches, row, slots, length):
+        """CachedLM.keep's move over every cache in one call; False where the backend has none."""
+        return False
+
+    def takes_quantized(self, in_features, group, device):
+        """Whether the backend's quantized kernel takes a layer of this width and group size here."""
+        return False
+
+    def pack_quantized(self, q, scales, offsets):
+        """A stored quantized weight (models/quant.py) as the backend's kernel reads it: (weight, scales,
+        offsets, steps), a quantized layer's buffers."""
+        raise NotImplementedError
+
+    def quantized_product(self, x, weight, scales, offsets, steps, group):
+        """x [M, K] float32 @ a pack_quantized weight's transpose -> [M, N or more] float32."""
+        raise NotImplementedError
+
+    def quantized_rows(self, tokens, weight, scales, offsets, steps):
+        """Rows `tokens` of a pack_quantized weight in the stored form: q [..., K], scales and offsets
+        [..., G] (a quantized token embedding's lookup)."""
+        raise NotImplementedError
+
+    def fused_llama(self, model, x):
+        """A function computing all of a Llama model's layers in one call for this forward (Llama.blocks
+        calls it), or None: the modules compute them."""
+        return None
+
+    def in_huge_pages(self, modules):
+        """Move the modules' CPU buffers into huge pages; the bytes moved."""
+        return 0
+
+    def to_huge_pages(self, tensors, place):
+        """Copy `tensors` into huge pages, handing copy i to place(i, copy); the bytes moved."""
+        return 0
+
+
+PYTORCH = PyTorch()
+_current = None
+_choose = None  # what current() takes when no load chose: minispec.native offers its own choice
+
+
+def offer(choose):
+    """Make `choose()` (-> a backend) the choice current() takes if no backend was chosen yet."""
+    global _choose
+    _choose = choose
+
+
+def use(backend):
+    """Choose `backend` for every model from now on."""
+    global _current
+    _current = backend
+    return backend
+
+
+def current():
+    """The chosen backend (at first use, where no load chose one: what was offered, else PyTorch's)."""
+    return _current if _current is not None else use(_choose() if _choose else PYTORCH)

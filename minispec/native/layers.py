@@ -1,0 +1,161 @@
+"""A Llama model's decoder layers as layer.cpp's one call takes them: each layer's norms and linear
+layers' tensors, its KV cache and its numbers, laid out once (`LayerStack`) and laid out again only
+when a layer's weights or cache were replaced.
+
+Reads the model's modules without nn.Module's __getattr__ (`_modules`, `_parameters`, `__dict__`): the
+checks run every eager step, and in a small model's step that lookup is felt.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..models.base import RMSNorm
+from ..models.kernels import packed_weight
+
+LINEAR_TENSORS = ("weight", "scales", "offsets", "steps", "bias")  # a quantized layer's, in layer.cpp's order
+
+
+def linears_of(layer):
+    """A TransformerBlock's four linear layers in layer.cpp's order (wqkv, wo, w13, w2)."""
+    attention, feed_forward = layer._modules["attention"]._modules, layer._modules["feed_forward"]._modules
+    return attention["wqkv"], attention["wo"], feed_forward["w13"], feed_forward["w2"]
+
+
+def weight_of(linear):
+    """A linear layer's weight: its Parameter (float) or buffer (quantized)."""
+    weight = linear._parameters.get("weight")
+    return linear._buffers.get("weight") if weight is None else weight
+
+
+def source_of(linear):
+    """What a layer's tensors are made from: the linear layer's weight and whether it is packed."""
+    return weight_of(linear), linear.__dict__.get("packed", False)
+
+
+class LayerTensors(NamedTuple):
+    """A layer as layer.cpp takes it."""
+    norms: tuple  # norm_weights
+    tensors: list  # per linear layer its LINEAR_TENSORS (a float one: its packed weight, None, None, None, bias)
+    groups: list  # per linear layer its group size (0: float32)
+    features: list  # per linear layer its output width
+
+
+@dataclass
+class Laid:
+    """A layer's tensors as last laid out (kept on the layer), and what from: its linear layers'
+    sources, the tensors without packed float weights, the packed weights last taken, the tensors with
+    them."""
+    sources: list
+    base: Optional[LayerTensors]
+    packed: Optional[list] = None
+    tensors: Optional[LayerTensors] = None
+
+
+def layer_tensors(layer):
+    """The layer's LayerTensors, or None where it
+    cannot run as one call. Laid out again when a weight was replaced (quantized, moved) or unpacked
+    (without_row_invariance); a float weight's packed copy is taken each time from
+    kernels.packed_weight, which packs again a weight written since."""
+    linears = linears_of(layer)
+    sources = [source_of(linear) for linear in linears]
+    laid = layer.__dict__.get("_laid")
+    if laid is None or any(a is not b or p != q for (a, p), (b, q) in zip(laid.sources, sources)):
+        laid = layer.__dict__["_laid"] = Laid(sources, unpacked_tensors(layer, linears))
+    if laid.base is None or 0 not in laid.base.groups:  # no float layer
+        return laid.base
+    groups = laid.base.groups
+    packed = [packed_weight(weight) if group == 0 else None for (weight, _), group in zip(sources, groups)]
+    if any(weight is None for weight, group in zip(packed, groups) if group == 0):
+        return None  # converted to what no packed kernel takes
+    if laid.packed is None or any(a is not b for a, b in zip(laid.packed, packed)):  # packed again
+        tensors = list(laid.base.tensors)
+        for i, weight in enumerate(packed):
+            if weight is not None:
+                tensors[i * len(LINEAR_TENSORS)] = weight
+        laid.packed, laid.tensors = packed, laid.base._replace(tensors=tensors)
+    return laid.tensors
+
+
+def unpacked_tensors(layer, linears):
+    """layer_tensors without the packed float weights (None in their places)."""
+    norms = norm_weights(layer.norms())
+    if norms is None:
+        return None
+    tensors, groups = [], []
+    for linear in linears:
+        if linear.bias is not None and linear.bias.dtype != torch.float32:
+            return None
+        if getattr(linear, "native", False):  # quantized for minispec's kernel
+            tensors += [getattr(linear, name) for name in LINEAR_TENSORS]
+            groups.append(linear.group)
+        elif getattr(linear, "packed", False) and linear.weight.dtype == torch.float32:
+            tensors += [None, None, None, None, linear.bias]  # the packed weight: layer_tensors
+            groups.append(0)
+        else:
+            return None
+    return LayerTensors(norms, tensors, groups, [linear.out_features for linear in linears])
+
+
+def norm_weights(norms):
+    """A layer's LayerNorms as layer.cpp takes them (the weights of the input's, the MLP's and a second
+    input's norm, whether that one is normed before the residual add), or None where it cannot."""
+    modules = [norms.attention, norms.ffn, norms.hidden]
+    if any(norm is not None and (type(norm) is not RMSNorm or norm.weight.dtype != torch.float32) for norm in modules):
+        return None
+    return *(None if norm is None else norm.weight for norm in modules), norms.before_residual
+
+
+class LayerStack:
+    """A model's layers laid out once for native.llama_layers (layer.cpp's flat lists): per layer its
+    norms and linear layers' tensors, its cache's k and v, and its numbers (norm_before_residual, the
+    linears' groups and widths, its heads, the index of the mask it reads in `windows`); and what it was
+    laid out from (`sources`, per layer: each linear layer's weight, whether packed, its packed copy, and
+    the cache's k and v)."""
+
+    def __init__(self, model, layers):
+        caches = [layer._modules["attention"]._modules["kv_cache"] for layer in model.layers]
+        self.windows = list(dict.fromkeys(layer.attention.window for layer in model.layers))
+        self.tensors, self.numbers, self.sources = [], [], []
+        for layer, cache, ((attention_norm, ffn_norm, hidden_norm, before_residual), linears, groups, features) in \
+                zip(model.layers, caches, layers):
+            attention = layer.attention
+            self.tensors += [attention_norm, ffn_norm, hidden_norm, *linears]
+            self.numbers += [int(before_residual), *groups, *features, attention.n_heads, attention.n_kv_heads,
+                             self.windows.index(attention.window)]
+            weights = [(*source_of(linear), linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
+                       for i, (linear, group) in enumerate(zip(linears_of(layer), groups))]
+            self.sources.append((weights, cache.k, cache.v))
+        self.caches = [t for cache in caches for t in (cache.k, cache.v)]
+        self.eps, self.scale, self.first_cache = model.config.norm_eps, model.config.head_dim ** -0.5, caches[0]
+
+    def unchanged(self, model):
+        """Whether the model's layers still hold what the stack was laid out from, without laying out
+        every layer's tensors again (layer_tensors), which a small model's eager step feels. A
+        float weight written in place since is packed again here (kernels.packed_weight), and its new
+        copy fails the check."""
+        if len(model.layers) != len(self.sources):
+            return False
+        for layer, (weights, k, v) in zip(model.layers, self.sources):
+            cache = layer._modules["attention"]._modules.get("kv_cache")
+            if cache is None or cache._buffers["k"] is not k or cache._buffers["v"] is not v:
+                return False
+            for linear, (weight, packed, copy) in zip(linears_of(layer), weights):
+                if weight_of(linear) is not weight or linear.__dict__.get("packed", False) != packed \
+                        or copy is not None and packed_weight(weight) is not copy:
+                    return False
+        return True
+
+
+def stack_of(model):
+    """The model's LayerStack, laid out again when a layer's tensors or its cache were replaced; None
+    where a layer cannot run as one call."""
+    stack = model.__dict__.get("_stack")
+    if stack is not None and stack.unchanged(model):
+        return stack
+    layers = [layer_tensors(layer) for layer in model.layers]
+    if any(tensors is None for tensors in layers):
+        return None
+    stack = model.__dict__["_stack"] = LayerStack(model, layers)
+    return stack
