@@ -150,7 +150,7 @@ def reference_dirs(tmp_path_factory):
 
 @pytest.fixture(params=["native", "pytorch"])
 def attention(request, monkeypatch):
-    """Attention over the cache through minispec's own CPU kernel (models/attention.cpp), or through
+    """Attention over the cache through minispec's own CPU kernel (minispec/native/attention.cpp), or through
     the PyTorch operations that serve where it cannot be built: both must keep every invariance."""
     from minispec import native
     from minispec.models import kernels

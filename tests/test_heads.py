@@ -896,7 +896,7 @@ def test_run_py_drafts_with_a_head_folder(reference_dirs, tmp_path):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3 norm before residual"])
 def test_a_heads_layer_in_one_call_drafts_what_its_modules_draft(deep_target, tmp_path, kind, monkeypatch):
     """EAGLE-1's layer (no input norm) and EAGLE-3's ([embedding, state], each normed; the state, or
-    its norm, the residual) run as one call on a CPU (models/layer.cpp): bit for bit their modules."""
+    its norm, the residual) run as one call on a CPU (minispec/native/layer.cpp): bit for bit their modules."""
     from minispec import native
     from minispec.models.llama import Llama
     if not native.available():
