@@ -114,7 +114,7 @@ CASES = {
     "negative intermediate_size": (edited_config("llama", intermediate_size=-4), "intermediate_size"),
     "rope_scaling is a string": (edited_config("llama", rope_scaling="yarn"), "rope_scaling"),
     "a billion layers": (edited_config("llama", num_hidden_layers=10**9), "num_hidden_layers"),
-    "negative sliding_window": (edited_config("llama", sliding_window=-1, use_sliding_window=True),
+    "negative sliding_window": (edited_config("llama", model_type="mistral", sliding_window=-1),
                                 "sliding_window"),
     "eos_token_id is a string": (edited_config("llama", eos_token_id="2"), "eos_token_id"),
     "gpt2 n_head is a float": (edited_config("gpt2", n_head=4.5), "n_head"),
