@@ -95,18 +95,20 @@ class LlamaConfig:
 
 def sliding_windows(hf, model_type, n_layers):
     """Each layer's sliding-window size, or None for full attention, as the reference reads them: Llama has
-    none, Mistral slides every layer by sliding_window, Qwen2 only when use_sliding_window is set, in the
-    layers layer_types names (or from max_window_layers on)."""
-    if model_type == "mistral":
-        return (get(hf, "sliding_window", COUNT, None),) * n_layers
-    if model_type != "qwen2":
+    none; Mistral slides every layer by sliding_window, or the layers layer_types names (the reference
+    reads such a config as Ministral's); Qwen2 only when use_sliding_window is set, in the layers
+    layer_types names or else from max_window_layers on."""
+    if model_type not in ("mistral", "qwen2"):
         return (None,) * n_layers
     window = get(hf, "sliding_window", COUNT, None)  # checked even when unused, as the reference checks it
-    window = window if get(hf, "use_sliding_window", FLAG, False) else None
     layer_types = get(hf, "layer_types", LAYER_TYPES, None)
+    if model_type == "qwen2":
+        window = window if get(hf, "use_sliding_window", FLAG, False) else None
+        if layer_types is None:
+            first = get(hf, "max_window_layers", INDEX, 28)
+            return tuple(window if i >= first else None for i in range(n_layers))
     if layer_types is None:
-        first = get(hf, "max_window_layers", INDEX, 28)
-        return tuple(window if i >= first else None for i in range(n_layers))
+        return (window,) * n_layers
     if len(layer_types) != n_layers:
         raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {n_layers}")
     if window is None and "sliding_attention" in layer_types:

@@ -73,9 +73,10 @@ class T5Config:
         # absent or null keys: the reference's defaults
         sizes = {key: get(hf, key, kind) for key, kind in SIZE_KEYS.items() if hf.get(key) is not None}
         vocab_size = sizes.get("vocab_size", cls.vocab_size)
-        start = get(hf, "decoder_start_token_id", INDEX, None)
-        if start is None:  # T5 starts decoding from the pad token
-            start = get(hf, "pad_token_id", INDEX, 0)
+        # Without decoder_start_token_id the reference's generate starts from bos_token_id; without that
+        # too it has no start, and T5's own convention is the pad token.
+        keys = ("decoder_start_token_id", "bos_token_id", "pad_token_id")
+        start = next((get(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
         if start >= vocab_size:
             raise ValueError(f"decoder_start_token_id {start} is outside the vocabulary of {vocab_size} tokens")
         return cls(
