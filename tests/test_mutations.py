@@ -5,9 +5,11 @@ ValueError of one line: never another exception, never a hang, nothing left in t
 model or open file kept once the case is over.
 
 A short fixed search runs with the suite; a long one by hand, e.g.
-    MINISPEC_HOSTILE_EXAMPLES=5000 python -m pytest -q -p no:cacheprovider tests/test_mutations.py
+    MINISPEC_HOSTILE_EXAMPLES=5000 python -m pytest -q -s -p no:cacheprovider tests/test_mutations.py -k mutated
+(-s lets the counts of cases run and refused through pytest's capture, for the report).
 """
 
+import collections
 import gc
 import json
 import math
@@ -15,6 +17,7 @@ import os
 import shutil
 import signal
 import struct
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,17 +75,31 @@ def weights_folder(monkeypatch):
         yield Path(folder)
 
 
+COUNTS = collections.Counter()  # (test, "ran" or "refused"): what the search met, for the long run's report
+
+
 def outcome(source, weights, prompt=PROMPT):
     """The tokens minispec generates greedily from checkpoint `source`, or the ValueError that refuses it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
     try:
         with bounded(SECONDS):
             model = minispec.load(source, device="cpu")
-            return minispec.generate(model, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, gamma=1).tokens
+            tokens = minispec.generate(model, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, gamma=1).tokens
+        COUNTS[test, "ran"] += 1
+        return tokens
     except ValueError as error:
         message = str(error)
         assert message.strip() and "\n" not in message and "Traceback" not in message, f"not one line: {message!r}"
         assert list(weights.iterdir()) == [], f"refused ({message}) but left {list(weights.iterdir())}"
+        COUNTS[test, "refused"] += 1
         return error
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    yield
+    if LONG:  # past pytest's capture: the counts go into the closing note
+        print("\n".join(f"{test}: {kind} {n}" for (test, kind), n in sorted(COUNTS.items())), file=sys.__stderr__)
 
 
 def open_files():
@@ -407,3 +424,31 @@ def test_the_harness_tells_a_traceback_from_a_clean_error(checkpoints, tmp_path,
         monkeypatch.setattr(minispec, "load", lambda *args, **kwargs: [][1])
         with pytest.raises(IndexError):
             outcome(directory, weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights that are not numbers (issue 66, class 7): refused naming the tensor, not decoded into nonsense
+
+@pytest.mark.xfail(reason="the check is loading/weights.py's and checkpoint.py's (another branch of issue 66)")
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5_v1_1", "gguf"])
+def test_weights_that_are_not_numbers(kind, value, checkpoints, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    if kind == "gguf":
+        from test_gguf import model_to_gguf
+
+        model = make_reference("llama")
+        with torch.no_grad():
+            model.model.layers[1].mlp.up_proj.weight[3, 5] = value
+        source, names = model_to_gguf(model, tmp_path / "model.gguf"), ("blk.1.ffn_up", "layers.1.mlp.up_proj")
+    else:
+        source = copy_of(checkpoints[kind], tmp_path)
+        weights = load_file(source / "model.safetensors")
+        name = sorted(weights)[len(weights) // 2]
+        weights[name][(0,) * weights[name].dim()] = value
+        save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+        names = (name,)
+    with weights_folder(monkeypatch) as folder:
+        result = outcome(source, folder)
+    assert isinstance(result, ValueError) and any(name in str(result) for name in names), result
