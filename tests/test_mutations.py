@@ -33,7 +33,7 @@ import minispec
 from conftest import make_reference, save_reference
 from minispec.models.base import CachedLM
 
-EXAMPLES = int(os.environ.get("MINISPEC_HOSTILE_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("MINISPEC_HOSTILE_EXAMPLES", "50"))
 LONG = "MINISPEC_HOSTILE_EXAMPLES" in os.environ
 SEARCH = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not LONG, print_blob=LONG,
                   suppress_health_check=list(HealthCheck))
