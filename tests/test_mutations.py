@@ -190,6 +190,9 @@ AS_THE_REFERENCE = {
                                                "max_window_layers": 1}),
     "qwen2 max_window_layers absent": ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
                                                  "layer_types": None, "max_window_layers": DELETE}),
+    "rope_scaling replaces rope_parameters whole": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                                              "rope_theta": 500.0}),
+    "rope_type before type": ("llama", {"rope_scaling": {"rope_type": "linear", "type": "default", "factor": 2.0}}),
     "qwen2 by layer_types": ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
                                        "layer_types": ["full_attention", "sliding_attention"]}),
 }

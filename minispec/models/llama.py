@@ -120,10 +120,11 @@ def sliding_windows(hf, model_type, n_layers):
 def rope_settings(hf):
     """config.json's rope_theta, and its RoPE scaling: {rope_type, the parameters that type needs}."""
     # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
-    # transformers >= 5: everything in rope_parameters.
-    rope = {**get(hf, "rope_scaling", TABLE, {}), **get(hf, "rope_parameters", TABLE, {})}
+    # transformers >= 5: everything in rope_parameters. As in the reference, a rope_scaling replaces it whole.
+    scaling, parameters = get(hf, "rope_scaling", TABLE, {}), get(hf, "rope_parameters", TABLE, {})
+    rope = scaling or parameters
     rope_theta = get(rope, "rope_theta", THETA, None) or get(hf, "rope_theta", THETA, 10000.0)
-    rope_type = get(rope, "type", TEXT, None, "rope type") or get(rope, "rope_type", TEXT, "default")
+    rope_type = get(rope, "rope_type", TEXT, None) or get(rope, "type", TEXT, "default", "rope type")
     rope = {key: value for key, value in rope.items() if key not in ("rope_theta", "type")} | {"rope_type": rope_type}
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"llama: rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
