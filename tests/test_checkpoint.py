@@ -246,9 +246,9 @@ def test_json_files_that_hold_no_object(gpt2_dir, name, content):
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "rope factor is '2'"),
     ("llama", {"rope_parameters": {"rope_type": ["linear"]}}, "rope_type is ['linear']"),
     ("llama", {"rope_parameters": {"rope_theta": 0}}, "rope_theta is 0"),
-    ("llama", {"sliding_window": -1}, "sliding_window is -1"),
-    ("llama", {"sliding_window": 4.5}, "sliding_window is 4.5"),
-    ("llama", {"layer_types": "full_attention"}, "layer_types is 'full_attention'"),
+    ("qwen2", {"sliding_window": -1}, "sliding_window is -1"),
+    ("qwen2", {"sliding_window": 4.5}, "sliding_window is 4.5"),
+    ("qwen2", {"layer_types": "full_attention"}, "layer_types is 'full_attention'"),
     ("llama", {"attention_bias": 1}, "attention_bias is 1"),
     ("qwen2", {"layer_types": None, "use_sliding_window": True, "max_window_layers": -1}, "max_window_layers is -1"),
     ("t5_v1_0", {"d_model": "32"}, "d_model is '32'"),
@@ -265,7 +265,7 @@ def test_config_values_of_the_wrong_type_or_range(reference_dirs, tmp_path, kind
 @pytest.mark.parametrize("kind, change, message", [
     ("gpt2", {"n_embd": 30}, "n_embd 30 is not a multiple of n_head 4"),
     ("llama", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-    ("llama", {"layer_types": ["full_attention"] * 3}, "layer_types lists 3 layers but num_hidden_layers is 2"),
+    ("qwen2", {"layer_types": ["full_attention"] * 3}, "layer_types lists 3 layers but num_hidden_layers is 2"),
     ("t5_v1_0", {"decoder_start_token_id": 96}, "decoder_start_token_id 96 is outside the vocabulary of 96 tokens"),
     # each size below 2^31, but tensors of 2^62 elements: torch's sizes overflow
     ("gpt2", {"n_embd": 2**31 - 1, "n_head": 1, "vocab_size": 2**31 - 1}, "its sizes make tensors too large for torch"),

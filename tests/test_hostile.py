@@ -114,7 +114,7 @@ CASES = {
     "negative intermediate_size": (edited_config("llama", intermediate_size=-4), "intermediate_size"),
     "rope_scaling is a string": (edited_config("llama", rope_scaling="yarn"), "rope_scaling"),
     "a billion layers": (edited_config("llama", num_hidden_layers=10**9), "num_hidden_layers"),
-    "negative sliding_window": (edited_config("llama", sliding_window=-1, use_sliding_window=True),
+    "negative sliding_window": (edited_config("llama", model_type="mistral", sliding_window=-1),
                                 "sliding_window"),
     "eos_token_id is a string": (edited_config("llama", eos_token_id="2"), "eos_token_id"),
     "gpt2 n_head is a float": (edited_config("gpt2", n_head=4.5), "n_head"),
@@ -186,3 +186,21 @@ def test_a_hostile_input_ends_in_one_line_naming_it(case, checkpoints, tmp_path,
     assert all(note.startswith("minispec: ") for note in notes) or err.startswith("usage:"), f"{case}: {err!r}"
     assert message in err, f"{case}: {err!r}"
     assert list(weights.iterdir()) == [], f"{case} left {list(weights.iterdir())}"
+
+
+# Issue 66, class 4: config values read unlike the reference reads them (tests/test_mutations.py has the
+# comparisons with the reference), met through the command line like the corpus above.
+CONFIG_CASES = {
+    "qwen2 use_sliding_window 'yes'": (edited_config("llama", model_type="qwen2", use_sliding_window="yes"),
+                                       "use_sliding_window"),
+    "qwen2 max_window_layers -1": (edited_config("llama", model_type="qwen2", use_sliding_window=True,
+                                                 max_window_layers=-1), "max_window_layers"),
+    "t5 relative_attention_max_distance 1": (edited_config("t5_v1_1", relative_attention_max_distance=1),
+                                             "relative_attention_max_distance"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_a_config_read_unlike_the_reference_ends_in_one_line(case, checkpoints, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(CASES, case, CONFIG_CASES[case])
+    test_a_hostile_input_ends_in_one_line_naming_it(case, checkpoints, tmp_path, monkeypatch, capsys)

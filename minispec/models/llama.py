@@ -32,6 +32,9 @@ ROPE_VALUES = {
     "attention_factor": POSITIVE, "mscale": NUMBER, "mscale_all_dim": NUMBER, "truncate": FLAG,
 }
 THETA = (lambda v: is_number(v) and v > 1, "a number above 1")  # yarn divides by log(rope_theta)
+# The reference's defaults for keys config.json leaves out, where a null value means something else.
+ABSENT = {"mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
+          "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096}}
 LAYER_TYPES = (lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
                "a list of 'full_attention' and 'sliding_attention'")
 
@@ -62,24 +65,15 @@ class LlamaConfig:
     def from_hf(cls, hf):
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"llama: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        model_type = hf.get("model_type")
+        qwen2, mistral = model_type == "qwen2", model_type == "mistral"
+        hf = {**ABSENT.get(model_type, {}), **hf}
         rope_theta, rope = rope_settings(hf)
         n_layers, n_heads = get(hf, "num_hidden_layers", COUNT), get(hf, "num_attention_heads", COUNT)
         n_kv_heads, dim = get(hf, "num_key_value_heads", COUNT, n_heads), get(hf, "hidden_size", COUNT)
         if n_heads % n_kv_heads:  # each K/V head serves a whole group of query heads
             raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
-        qwen2 = hf.get("model_type") == "qwen2"
-        window = get(hf, "sliding_window", COUNT, None)
-        layer_types = get(hf, "layer_types", LAYER_TYPES, None)
-        if layer_types is not None:  # transformers >= 5 lists which layers slide
-            if len(layer_types) != n_layers:
-                raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {n_layers}")
-            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        elif qwen2:  # Qwen2 slides only when asked to, and only from layer max_window_layers on
-            slide, first = get(hf, "use_sliding_window", FLAG, False), get(hf, "max_window_layers", INDEX, 0)
-            windows = tuple(window if slide and i >= first else None for i in range(n_layers))
-        else:  # Mistral: every layer slides when sliding_window is set
-            windows = (window,) * n_layers
-        attention_bias = get(hf, "attention_bias", FLAG, False)
+        attention_bias = not (qwen2 or mistral) and get(hf, "attention_bias", FLAG, False)
         return cls(
             vocab_size=get(hf, "vocab_size", COUNT),
             dim=dim,
@@ -92,21 +86,46 @@ class LlamaConfig:
             norm_eps=get(hf, "rms_norm_eps", POSITIVE, 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
-            qkv_bias=qwen2 or attention_bias,
-            out_bias=not qwen2 and attention_bias,  # Qwen2's output projection has no bias
-            mlp_bias=get(hf, "mlp_bias", FLAG, False),
+            qkv_bias=qwen2 or attention_bias,  # Qwen2's q/k/v always have a bias, its output projection none
+            out_bias=attention_bias,
+            mlp_bias=not (qwen2 or mistral) and get(hf, "mlp_bias", FLAG, False),
             tie_word_embeddings=get(hf, "tie_word_embeddings", FLAG, False),
-            windows=windows,
+            windows=sliding_windows(hf, model_type, n_layers),
         )
+
+
+def sliding_windows(hf, model_type, n_layers):
+    """Each layer's sliding-window size, or None for full attention, as the reference reads them: Llama has
+    none; Mistral slides every layer by sliding_window, or the layers layer_types names (the reference
+    reads such a config as Ministral's); Qwen2 only when use_sliding_window is set, in the layers
+    layer_types names or else from max_window_layers on."""
+    if model_type not in ("mistral", "qwen2"):
+        return (None,) * n_layers
+    window = get(hf, "sliding_window", COUNT, None)  # checked even when unused, as the reference checks it
+    layer_types = get(hf, "layer_types", LAYER_TYPES, None)
+    if model_type == "qwen2":
+        window = window if get(hf, "use_sliding_window", FLAG, False) else None
+        if layer_types is None:
+            first = get(hf, "max_window_layers", INDEX, 28)
+            return tuple(window if i >= first else None for i in range(n_layers))
+    if layer_types is None:
+        return (window,) * n_layers
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {n_layers}")
+    if window is None and "sliding_attention" in layer_types:
+        raise ValueError("layer_types has sliding_attention layers but no sliding_window is in use "
+                         "(use_sliding_window false or sliding_window null)")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
 def rope_settings(hf):
     """config.json's rope_theta, and its RoPE scaling: {rope_type, the parameters that type needs}."""
     # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
-    # transformers >= 5: everything in rope_parameters.
-    rope = {**get(hf, "rope_scaling", TABLE, {}), **get(hf, "rope_parameters", TABLE, {})}
+    # transformers >= 5: everything in rope_parameters. As in the reference, a rope_scaling replaces it whole.
+    scaling, parameters = get(hf, "rope_scaling", TABLE, {}), get(hf, "rope_parameters", TABLE, {})
+    rope = scaling or parameters
     rope_theta = get(rope, "rope_theta", THETA, None) or get(hf, "rope_theta", THETA, 10000.0)
-    rope_type = get(rope, "type", TEXT, None, "rope type") or get(rope, "rope_type", TEXT, "default")
+    rope_type = get(rope, "rope_type", TEXT, None) or get(rope, "type", TEXT, "default", "rope type")
     rope = {key: value for key, value in rope.items() if key not in ("rope_theta", "type")} | {"rope_type": rope_type}
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"llama: rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")

@@ -73,9 +73,15 @@ class T5Config:
         # absent or null keys: the reference's defaults
         sizes = {key: get(hf, key, kind) for key, kind in SIZE_KEYS.items() if hf.get(key) is not None}
         vocab_size = sizes.get("vocab_size", cls.vocab_size)
-        start = get(hf, "decoder_start_token_id", INDEX, None)
-        if start is None:  # T5 starts decoding from the pad token
-            start = get(hf, "pad_token_id", INDEX, 0)
+        buckets = sizes.get("relative_attention_num_buckets", cls.relative_attention_num_buckets)
+        distance = sizes.get("relative_attention_max_distance", cls.relative_attention_max_distance)
+        if buckets < 4 or distance <= buckets // 2:  # else the log-spaced buckets divide by zero or run backwards
+            raise ValueError(f"relative_attention_num_buckets {buckets} and relative_attention_max_distance {distance} "
+                             "do not make buckets: they need at least 4 buckets and a distance above half their number")
+        # Without decoder_start_token_id the reference's generate starts from bos_token_id; without that
+        # too it has no start, and T5's own convention is the pad token.
+        keys = ("decoder_start_token_id", "bos_token_id", "pad_token_id")
+        start = next((get(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
         if start >= vocab_size:
             raise ValueError(f"decoder_start_token_id {start} is outside the vocabulary of {vocab_size} tokens")
         return cls(
