@@ -445,7 +445,6 @@ def test_the_harness_tells_a_traceback_from_a_clean_error(checkpoints, tmp_path,
 # ---------------------------------------------------------------------------------------------
 # Weights that are not numbers (issue 66, class 7): refused naming the tensor, not decoded into nonsense
 
-@pytest.mark.xfail(reason="the check is loading/weights.py's and checkpoint.py's (another branch of issue 66)")
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5_v1_1", "gguf"])
 def test_weights_that_are_not_numbers(kind, value, checkpoints, tmp_path, monkeypatch):

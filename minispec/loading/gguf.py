@@ -50,8 +50,17 @@ def shortest_float32(value):
     """The shortest decimal that is the same float32, so an epsilon of 1e-6 reads back as 1e-6
     rather than 9.999999974752427e-07."""
     exact = struct.pack("<f", value)
-    return next((float(f"{value:.{digits}g}") for digits in range(1, 10)
-                 if struct.pack("<f", float(f"{value:.{digits}g}")) == exact), value)  # NaN payloads: as read
+    return next((float(f"{value:.{digits}g}") for digits in range(1, 10) if same_float32(f"{value:.{digits}g}", exact)),
+                value)  # NaN payloads: as read
+
+
+def same_float32(decimal, exact):
+    """Whether the decimal reads back as the float32 `exact` (near float32's largest, a short decimal
+    rounds past it: not the same)."""
+    try:
+        return struct.pack("<f", float(decimal)) == exact
+    except OverflowError:
+        return False
 
 
 @dataclass
