@@ -642,21 +642,21 @@ def byte_vocab(writer):
 
 
 @pytest.mark.parametrize("metadata, message", [
-    ({"llama.attention.head_count": (0, U32)}, "llama.attention.head_count is 0, expected a positive integer"),
-    ({"llama.embedding_length": ("32", STR)}, "llama.embedding_length is '32', expected a positive integer"),
-    ({"llama.block_count": (True, GGUFValueType.BOOL)}, "llama.block_count is True, expected a positive integer"),
-    ({"llama.attention.layer_norm_rms_epsilon": (math.nan, F32)}, "epsilon is nan, expected a positive finite"),
-    ({"llama.rope.freq_base": ([1.0], ARR)}, r"rope.freq_base is \[1.0\], expected a positive finite number"),
-    ({"general.architecture": (["llama"], ARR)}, r"general.architecture is \['llama'\], expected a string"),
+    ({"llama.attention.head_count": (0, U32)}, "llama.attention.head_count must be an integer from 1 to .*, got 0"),
+    ({"llama.embedding_length": ("32", STR)}, "llama.embedding_length must be an integer from 1 to .*, got '32'"),
+    ({"llama.block_count": (True, GGUFValueType.BOOL)}, "llama.block_count must be an integer from 1 to .*, got True"),
+    ({"llama.attention.layer_norm_rms_epsilon": (math.nan, F32)}, "epsilon must be a positive finite number, got nan"),
+    ({"llama.rope.freq_base": ([1.0], ARR)}, r"rope.freq_base must be a positive finite number, got \[1.0\]"),
+    ({"general.architecture": (["llama"], ARR)}, r"general.architecture must be a string, got \['llama'\]"),
     # Bounded by the blocks the file holds, not trusted: 2^31 - 1 blocks converted, then hung at load.
     ({"llama.block_count": (2**31 - 1, U32)}, "block_count is 2147483647, but the file holds tensors of 2 blocks"),
     ({"llama.block_count": (1, U32)}, "block_count is 1, but the file holds tensors of 2 blocks, numbered up to 1"),
     ({"llama.feed_forward_length": (48, U32)}, r"'blk.0.ffn_gate.weight' has shape \(64, 32\), but the metadata implies \(48, 32\)"),
     ({"llama.attention.head_count_kv": (3, U32)}, "head_count 4 is not a multiple of llama.attention.head_count_kv 3"),
     ({"llama.attention.head_count": (32, U32)}, "attention heads of 1 dimensions; rotary embeddings need a positive even"),
-    ({"tokenizer.ggml.eos_token_id": (-1, I32)}, "eos_token_id is -1, expected a token id from 0 to 95"),
-    ({"tokenizer.ggml.bos_token_id": (VOCAB, U32)}, "bos_token_id is 96, expected a token id from 0 to 95"),
-    ({"tokenizer.ggml.eot_token_id": ("2", STR)}, "eot_token_id is '2', expected a token id"),
+    ({"tokenizer.ggml.eos_token_id": (-1, I32)}, "eos_token_id must be a token id from 0 to 95, got -1"),
+    ({"tokenizer.ggml.bos_token_id": (VOCAB, U32)}, "bos_token_id must be a token id from 0 to 95, got 96"),
+    ({"tokenizer.ggml.eot_token_id": ("2", STR)}, "eot_token_id must be a token id.*, got '2'"),
 ])
 def test_bad_metadata(metadata, message, tmp_path):
     """A metadata value of the wrong type or out of range is named, with the file, in one line: not a
@@ -670,12 +670,12 @@ def test_bad_metadata(metadata, message, tmp_path):
     ({"tokenizer.ggml.token_type": ([1] * (VOCAB - 1), ARR)}, "token_type holds 95 types for 96 tokens"),
     ({"tokenizer.ggml.tokens": ([f"t{i}" for i in range(VOCAB + 1)], ARR)},
      "tokens holds 97 tokens, but token_embd.weight has 96 rows"),
-    ({"tokenizer.ggml.tokens": ([1, 2], ARR)}, r"tokenizer.ggml.tokens is \[1, 2\], expected a list of strings"),
-    ({"tokenizer.ggml.merges": ([1, 2], ARR)}, "merges is .*, expected a list of strings"),
-    ({"tokenizer.ggml.add_bos_token": (1, U32)}, "add_bos_token is 1, expected true or false"),
-    ({"tokenizer.chat_template": (7, U32)}, "chat_template is 7, expected a string"),
+    ({"tokenizer.ggml.tokens": ([1, 2], ARR)}, r"tokenizer.ggml.tokens must be a list of strings, got \[1, 2\]"),
+    ({"tokenizer.ggml.merges": ([1, 2], ARR)}, "merges must be a list of strings, got .*"),
+    ({"tokenizer.ggml.add_bos_token": (1, U32)}, "add_bos_token must be true or false, got 1"),
+    ({"tokenizer.chat_template": (7, U32)}, "chat_template must be a string, got 7"),
     ({"tokenizer.ggml.eos_token_id": (VOCAB - 1, U32), "tokenizer.ggml.tokens": (["a", "b"], ARR),
-      "tokenizer.ggml.token_type": ([1, 1], ARR)}, "eos_token_id is 95, expected a token id from 0 to 1"),
+      "tokenizer.ggml.token_type": ([1, 1], ARR)}, "eos_token_id must be a token id from 0 to 1, got 95"),
 ])
 def test_bad_tokenizer_metadata(metadata, message, tmp_path):
     def vocab(writer):
@@ -693,7 +693,7 @@ def test_bad_tokenizer_metadata(metadata, message, tmp_path):
 def test_missing_vocabulary(tmp_path):
     path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf",
                          vocab=lambda writer: (writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("gpt-2")))
-    assert_converts_to_error(path, tmp_path / "out", "GGUF metadata lacks tokenizer.ggml.tokens")
+    assert_converts_to_error(path, tmp_path / "out", "GGUF metadata tokenizer.ggml.tokens is missing")
 
 
 def patched(good_file, tmp_path, old, new):
@@ -807,5 +807,5 @@ def test_convert_command(good_file, tmp_path):
     hostile = model_to_gguf(make_reference("llama"), tmp_path / "hostile.gguf",
                             metadata={"llama.attention.head_count": (0, U32)})
     bad = subprocess.run([*command, str(hostile), str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr == f"error: {hostile}: GGUF metadata llama.attention.head_count is 0, " \
-                                                "expected a positive integer\n"
+    assert bad.returncode == 2 and bad.stderr == f"error: {hostile}: GGUF metadata llama.attention.head_count must be an " \
+                                                "integer from 1 to 2^31 - 1, got 0\n"

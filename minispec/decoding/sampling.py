@@ -1,61 +1,14 @@
 """Standardized sampling (paper section 2.2): argmax, temperature, top-k and top-p all become
 "sample from an adjusted distribution". Speculative decoding applies the same adjustment to the
 draft's q and the target's p, and everything downstream only ever sees probabilities.
-Here too: the one check of a value from outside (Check, SettingError), which Settings, run.py and the
-server share.
 """
 
-import math
-import reprlib
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
 
 import torch
 
-
-class SettingError(ValueError):
-    """A value refused before any work: `field` names its setting (a Settings field, a request's field,
-    "prompt"), whichever way it came in, so that callers name it without reading the message."""
-
-    def __init__(self, field, message):
-        super().__init__(message)
-        self.field = field
-
-
-def is_integer(value):
-    return isinstance(value, int) and not isinstance(value, bool)  # True is no token 1, no count 1
-
-
-def is_number(value):
-    """A finite int or float: NaN, infinities (JSON's 1e999 parses as one) and bools are no setting's value."""
-    return (is_integer(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def is_text(value):
-    """A string that is text: lone surrogates (undecodable bytes, or a JSON escape) cannot be encoded."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class Check(NamedTuple):
-    """The one check of a value from outside (a keyword, a flag, a request's field): its test, and the
-    rule its error states, as `{name} {rule}, got {value}`."""
-    test: Callable
-    rule: str
-
-    def __call__(self, name, value):
-        if not self.test(value):
-            raise SettingError(name, f"{name} {self.rule}, got {reprlib.repr(value)}")
-        return value
-
-
-def integer(low, high=math.inf):
-    return lambda value: is_integer(value) and low <= value <= high
+# The one check of a value from outside, which Settings, run.py and the server import from here too.
+from ..models.checks import Check, SettingError, integer, is_integer, is_number, is_text  # noqa: F401
 
 
 # Below this a temperature is refused, not rounded to greedy: dividing logits by it overflows towards

@@ -32,7 +32,7 @@ from ..decoding.drafters import ModelDrafter
 from ..loading.weights import CheckpointError
 from ..models.base import CachedLM, Embedding, Linear
 from ..models.kernels import can_pack, pack
-from ..models.hf_config import FLAG, get
+from ..models.checks import FLAG, check
 from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
 
 
@@ -148,7 +148,7 @@ def config_from_hf(hf, target):
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's "
                          f"({target.vocab_size})")
-    return config, get(hf, "bias", FLAG, True)
+    return config, check(hf, "bias", FLAG, True)
 
 
 def draft_vocab_size(hf, target):

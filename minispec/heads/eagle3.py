@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..models.base import CachedLM, Embedding, Linear, RMSNorm, compile_region
-from ..models.hf_config import COUNT, FLAG, TABLE, get
+from ..models.checks import COUNT, FLAG, TABLE, check
 from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
 from . import eagle
 from .eagle import EagleDrafter, EagleHead
@@ -133,7 +133,7 @@ def training_taps(n_layers):
 def taps_from_hf(hf, target):
     """The target layers the head reads, in order; a ValueError where the target cannot give them."""
     n_layers = len(target.layers)
-    nested = get(hf, "eagle_config", TABLE, {})
+    nested = check(hf, "eagle_config", TABLE, {})
     ids = hf.get("eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids"))
     if ids is None:
         taps = default_taps(n_layers)
@@ -160,14 +160,14 @@ def build(hf, target):
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's ({target.vocab_size})")
-    wide = get(hf, "target_hidden_size", COUNT, config.dim)
+    wide = check(hf, "target_hidden_size", COUNT, config.dim)
     if wide != target.hidden_size:
         raise ValueError(f"an EAGLE-3 head for hidden states of {wide} cannot draft for {target.name}, whose "
                          f"hidden states have {target.hidden_size}")
-    size = get(hf, "draft_vocab_size", COUNT, target.vocab_size)
+    size = check(hf, "draft_vocab_size", COUNT, target.vocab_size)
     if size > target.vocab_size:
         raise ValueError(f"draft_vocab_size {size} is more than the target's {target.vocab_size} tokens")
-    return Eagle3Head(config, target, taps_from_hf(hf, target), size, get(hf, "norm_before_residual", FLAG, False))
+    return Eagle3Head(config, target, taps_from_hf(hf, target), size, check(hf, "norm_before_residual", FLAG, False))
 
 
 def convert_weights(weights, head):

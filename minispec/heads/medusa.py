@@ -21,7 +21,7 @@ from ..decoding.sampling import Sampling, adjust, sample
 from ..decoding.tree import Growth, best_children, tree_or_chain
 from ..models.base import Linear
 from ..models.kernels import elementwise, to_device
-from ..models.hf_config import COUNT, get
+from ..models.checks import COUNT, check
 
 
 class ResBlock(nn.Module):
@@ -108,7 +108,7 @@ class MedusaDrafter:
 
 def config_from_hf(hf):
     """(heads, layers per head) from config.json."""
-    return get(hf, "medusa_num_heads", COUNT), get(hf, "medusa_num_layers", COUNT, 1)
+    return check(hf, "medusa_num_heads", COUNT), check(hf, "medusa_num_layers", COUNT, 1)
 
 
 def convert_weights(weights, heads):

@@ -2,7 +2,7 @@
 weights, and build the matching minispec model.
 
 A family module (minispec/models/<family>.py) provides three things, registered in FAMILIES:
-a config class with `from_hf(config_json: dict)` (its values checked with models.hf_config) and
+a config class with `from_hf(config_json: dict)` (its values checked with models.checks) and
 `LAYER_STACKS` (where its layer counts show in tensor names), the model class (a CachedLM) built from that
 config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to the model's own.
 
@@ -21,7 +21,7 @@ import torch
 
 from ..models import gpt2, llama, quant, t5, tp as tensor_parallel
 from ..models.base import pack_linears
-from ..models.hf_config import COUNT, get
+from ..models.checks import COUNT, check
 from ..native import install as install_backend
 from . import builtin, parallel
 from .hub import download_from_hub
@@ -115,7 +115,7 @@ def check_layer_counts(hf_config, stacks, names):
     for a billion layers would take gigabytes and minutes to build, only to be refused for missing tensors.
     Distinct layer numbers are counted, not the highest one, which a single tensor's name could inflate."""
     for key, stack in stacks.items():
-        count = get(hf_config, key, COUNT, None)
+        count = check(hf_config, key, COUNT, None)
         layer = re.compile(rf"(?:^|\.){re.escape(stack)}\.(\d+)\.")
         held = len({match[1] for name in names if (match := layer.search(name))})
         if count is not None and count != held:

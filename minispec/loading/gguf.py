@@ -34,6 +34,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from ..models import quant
+from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
 from .weights import save_safetensors
 
@@ -360,33 +361,9 @@ LAYER_NAMES = {
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, stored as a tensor; becomes config, not a weight
 
 
-# What a metadata value that minispec reads must be: (description, test). GGUF types its values, but a
-# file can give any key any type.
-COUNT = ("a positive integer", lambda value: type(value) is int and value > 0)
-NUMBER = ("a positive finite number", lambda value: type(value) in (int, float) and 0 < value < math.inf)
-TEXT = ("a string", lambda value: type(value) is str)
-FLAG = ("true or false", lambda value: type(value) is bool)
-TEXTS = ("a list of strings", lambda value: type(value) is list and all(type(item) is str for item in value))
-INTEGERS = ("a list of integers", lambda value: type(value) is list and all(type(item) is int for item in value))
-REQUIRED = object()
-
-
-def meta(metadata, key, expected, default=REQUIRED):
-    """metadata[key], checked to be `expected`; `default` where the file has no such key."""
-    if key not in metadata:
-        if default is REQUIRED:
-            raise ValueError(f"GGUF metadata lacks {key}")
-        return default
-    description, test = expected
-    if not test(metadata[key]):
-        raise ValueError(f"GGUF metadata {key} is {shown(metadata[key])}, expected {description}")
-    return metadata[key]
-
-
-def shown(value):
-    """A metadata value for a one-line message: a long one (a vocabulary) cut short."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:80]}... (length {len(value)})"
+def meta(metadata, key, kind, default=REQUIRED):
+    """metadata[key], checked to be `kind`: GGUF types its values, but a file can give any key any type."""
+    return check(metadata, key, kind, default, "GGUF metadata ")
 
 
 def hf_name(name):
@@ -405,8 +382,8 @@ def hf_config(metadata, tensors):
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; minispec imports {', '.join(ARCHITECTURES)}")
 
-    def get(key, expected, default=REQUIRED):
-        return meta(metadata, f"{arch}.{key}", expected, default)
+    def get(key, kind, default=REQUIRED):
+        return meta(metadata, f"{arch}.{key}", kind, default)
 
     hidden, n_head = get("embedding_length", COUNT), get("attention.head_count", COUNT)
     embedding = tensors.get("token_embd.weight")
@@ -436,8 +413,8 @@ def hf_config(metadata, tensors):
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv_head,
         "max_position_embeddings": get("context_length", COUNT),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", NUMBER),
-        "rope_theta": get("rope.freq_base", NUMBER, 10000.0),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", POSITIVE),
+        "rope_theta": get("rope.freq_base", POSITIVE, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
     if head_dim != hidden // n_head:
@@ -489,10 +466,8 @@ def token_ids(metadata, keys, vocab_size):
     for name, key in keys.items():
         key = f"tokenizer.ggml.{key}"
         if key in metadata:
-            if type(metadata[key]) is not int or not 0 <= metadata[key] < vocab_size:
-                raise ValueError(f"GGUF metadata {key} is {shown(metadata[key])}, expected a token id from 0 to "
-                                 f"{vocab_size - 1}")
-            ids[name] = metadata[key]
+            ids[name] = meta(metadata, key, Check(integer(0, vocab_size - 1),
+                                                  f"must be a token id from 0 to {vocab_size - 1}"))
     return ids
 
 
@@ -508,10 +483,10 @@ def special_token_ids(metadata, vocab_size):
 
 def rope_scaling(metadata, arch, tensors, head_dim):
     if ROPE_FREQS in tensors:
-        theta = meta(metadata, f"{arch}.rope.freq_base", NUMBER, 10000.0)
+        theta = meta(metadata, f"{arch}.rope.freq_base", POSITIVE, 10000.0)
         return llama3_rope_scaling(dequantize(tensors[ROPE_FREQS]).tolist(), head_dim, theta)
     kind = meta(metadata, f"{arch}.rope.scaling.type", TEXT, "none")
-    factor = meta(metadata, f"{arch}.rope.scaling.factor", NUMBER, 1.0)
+    factor = meta(metadata, f"{arch}.rope.scaling.factor", POSITIVE, 1.0)
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return None
     if kind == "linear":
@@ -665,7 +640,7 @@ def tokenizer_files(metadata, vocab_size):
     if len(tokens) > vocab_size:
         raise ValueError(f"GGUF metadata tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
                          f"has {vocab_size} rows")
-    types = meta(metadata, "tokenizer.ggml.token_type", INTEGERS, [NORMAL] * len(tokens))
+    types = meta(metadata, "tokenizer.ggml.token_type", list_of(INTEGER, "integers"), [NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise ValueError(f"GGUF metadata tokenizer.ggml.token_type holds {len(types)} types for {len(tokens)} tokens")
     added = [

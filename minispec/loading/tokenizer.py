@@ -16,6 +16,8 @@ from pathlib import Path
 
 import tokenizers
 
+from ..models.checks import FLAG, LIST, TABLE, TEXT, Check, check, integer
+
 
 class UnsupportedTokenizer(ValueError):
     """A tokenizer.json that is no byte-level BPE this module knows (the message names the part), or a
@@ -39,9 +41,11 @@ def load_tokenizer(directory, model_type=""):
         spec = read_json(spec_file)
         try:
             return ByteLevelBPE(spec, config, chat_template)
+        except UnsupportedTokenizer as error:
+            if sentencepiece_file is None:
+                raise UnsupportedTokenizer(f"{spec_file}: {error}") from error
         except ValueError as error:
-            if not isinstance(error, UnsupportedTokenizer) or sentencepiece_file is None:
-                raise type(error)(f"{spec_file}: {error}") from error
+            raise ValueError(f"{spec_file}: {error}") from error
         except RecursionError as error:
             raise ValueError(f"{spec_file}: nested too deeply") from error
     if sentencepiece_file is not None:
@@ -59,39 +63,11 @@ def read_json(path):
         raise ValueError(f"{path} is not valid JSON: {error}") from error
 
 
-REQUIRED = object()
-JSON_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
-              bool: "a boolean", type(None): "null"}
 MAX_EXTRA_IDS = 1000  # T5's sentinel tokens (<extra_id_N>): 100 in every T5; each is an added token
-
-
-def expect(value, kinds, name):
-    """`value` when it is one of the JSON types `kinds` (a boolean is no integer); otherwise a
-    ValueError naming it (its key's path in the file) and what it is."""
-    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
-        return value
-    shown = JSON_NAMES.get(type(value), type(value).__name__)
-    if not isinstance(value, (dict, list, type(None))):
-        shown += f" ({reprlib.repr(value)})"
-    raise ValueError(f"{name} is {shown}, not {' or '.join(JSON_NAMES[kind] for kind in kinds)}")
-
-
-def field(obj, key, kinds, where="", default=REQUIRED):
-    """obj[key] (or `default` when absent), which must be one of the JSON types `kinds`; `where` is the
-    path of `obj` in its file, for the message."""
-    name = f"{where}.{key}" if where else key
-    if key not in obj:
-        if default is REQUIRED:
-            raise ValueError(f"{name} is missing")
-        return default
-    return expect(obj[key], kinds, name)
-
-
-def valid_id(value, name):
-    """A token id from a tokenizer file: an integer in the reference's range (it stores them as u32)."""
-    if not 0 <= expect(value, (int,), name) < 2**32:
-        raise ValueError(f"{name} is {value}, not a token id (0 to 2**32 - 1)")
-    return value
+EXTRA_IDS = Check(integer(0, MAX_EXTRA_IDS), f"must be an integer from 0 to {MAX_EXTRA_IDS}")
+TOKEN_ID = Check(integer(0, 2**32 - 1), "must be a token id (an integer from 0 to 2^32 - 1)")  # the reference's u32
+TEXT_OR_TABLE = Check(lambda v: isinstance(v, (str, dict)), "must be a string or an object")
+TEXT_OR_LIST = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list")
 
 
 def read_config(directory):
@@ -101,22 +77,21 @@ def read_config(directory):
     for path in (directory / "special_tokens_map.json", directory / "tokenizer_config.json"):
         part = read_json(path)
         try:
-            expect(part, (dict,), "its top level")
+            TABLE("its top level", part)
             for key in ("bos_token", "eos_token", "pad_token"):
-                if isinstance(field(part, key, (str, dict, type(None)), default=None), dict):
-                    field(part[key], "content", (str,), key)
-            templates = field(part, "chat_template", (str, list, type(None)), default=None)
+                if isinstance(check(part, key, TEXT_OR_TABLE, None), dict):
+                    check(part[key], "content", TEXT, where=f"{key}.")
+            templates = check(part, "chat_template", TEXT_OR_LIST, None)
             for n, template in enumerate(templates if isinstance(templates, list) else []):
-                field(expect(template, (dict,), f"chat_template[{n}]"), "name", (str,), f"chat_template[{n}]")
-                field(template, "template", (str,), f"chat_template[{n}]")
-            for key, token in field(part, "added_tokens_decoder", (dict,), default={}).items():
+                check(TABLE(f"chat_template[{n}]", template), "name", TEXT, where=f"chat_template[{n}].")
+                check(template, "template", TEXT, where=f"chat_template[{n}].")
+            for key, token in check(part, "added_tokens_decoder", TABLE, {}).items():
                 if not key.isdecimal():
                     raise ValueError(f"added_tokens_decoder has key {reprlib.repr(key)}, not a token id")
                 check_added_token(token, f"added_tokens_decoder.{key}")
             for key in ("add_bos_token", "add_eos_token"):
-                field(part, key, (bool, type(None)), default=None)
-            if not 0 <= field(part, "extra_ids", (int,), default=0) <= MAX_EXTRA_IDS:
-                raise ValueError(f"extra_ids is {part['extra_ids']}, not 0 to {MAX_EXTRA_IDS}")
+                check(part, key, FLAG, None)
+            check(part, "extra_ids", EXTRA_IDS, 0)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from error
         config |= part
@@ -125,11 +100,11 @@ def read_config(directory):
 
 def check_added_token(token, where):
     """An added token as tokenizer.json and tokenizer_config.json store it: {content, special, lstrip ...}."""
-    content = field(expect(token, (dict,), where), "content", (str,), where)
+    content = check(TABLE(where, token), "content", TEXT, where=f"{where}.")
     if not content:  # it would match everywhere
         raise ValueError(f"{where}.content is empty")
     for flag in ("special", "lstrip", "rstrip", "normalized", "single_word"):
-        field(token, flag, (bool,), where, None)
+        check(token, flag, FLAG, None, f"{where}.")
     return content
 
 
@@ -287,33 +262,33 @@ class ByteLevelBPE(Tokenizer):
     BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
     def __init__(self, spec, config, chat_template):
-        model = field(expect(spec, (dict,), "its top level"), "model", (dict,))
+        model = check(TABLE("its top level", spec), "model", TABLE)
         if model.get("type") != "BPE":
             raise UnsupportedTokenizer(f"model type {model.get('type')!r} is not BPE")
         for option in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"):
             if model.get(option):
                 raise UnsupportedTokenizer(f"BPE option {option} is not byte-level BPE")
-        vocab = field(model, "vocab", (dict,), "model")
+        vocab = check(model, "vocab", TABLE, where="model.")
         id_to_token = {i: token for token, i in vocab.items() if type(i) is int and 0 <= i < 2**32}
         if len(id_to_token) < len(vocab):  # an id that is none, or one given to two tokens
             for token, i in vocab.items():
-                if id_to_token.get(valid_id(i, f"model.vocab[{reprlib.repr(token)}]")) != token:
+                if id_to_token.get(TOKEN_ID(f"model.vocab[{reprlib.repr(token)}]", i)) != token:
                     raise ValueError(f"model.vocab gives id {i} to both {reprlib.repr(token)} and {reprlib.repr(id_to_token[i])}")
-        merges = field(model, "merges", (list,), "model")
+        merges = check(model, "merges", LIST, where="model.")
         for rank, merge in enumerate(merges):
             pair = merge.split(" ") if isinstance(merge, str) else merge  # older files: "a b"
             if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], str)):
-                raise ValueError(f"model.merges[{rank}] is {reprlib.repr(merge)}, not a pair of tokens")
+                raise ValueError(f"model.merges[{rank}] must be a pair of tokens, got {reprlib.repr(merge)}")
             if pair[0] + pair[1] not in vocab:
                 raise ValueError(f"model.merges[{rank}] {reprlib.repr(merge)} makes {reprlib.repr(pair[0] + pair[1])}, "
                                  "which is not in model.vocab")
-        unk_token = field(model, "unk_token", (str, type(None)), "model", None)
+        unk_token = check(model, "unk_token", TEXT, None, "model.")
         # A symbol missing from the vocab becomes unk, or is dropped when unk is none (the library would
         # fail on each text that has one when unk is no token).
         bpe = {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": unk_token if unk_token in vocab else None,
-               "ignore_merges": field(model, "ignore_merges", (bool,), "model", False)}
+               "ignore_merges": check(model, "ignore_merges", FLAG, False, "model.")}
         added = [self.added_token(token, f"added_tokens[{n}]", id_to_token)
-                 for n, token in enumerate(field(spec, "added_tokens", (list,), default=[]))]
+                 for n, token in enumerate(check(spec, "added_tokens", LIST, []))]
         normalizers = self.normalizers(spec.get("normalizer"), "normalizer")
         pre_tokenizers = self.pre_tokenizers(spec.get("pre_tokenizer"), "pre_tokenizer")
         if not any(step["type"] == "ByteLevel" for step in pre_tokenizers):
@@ -333,7 +308,7 @@ class ByteLevelBPE(Tokenizer):
     @staticmethod
     def added_token(token, where, id_to_token):
         content = check_added_token(token, where)
-        i = valid_id(field(token, "id", (int,), where), f"{where}.id")
+        i = check(token, "id", TOKEN_ID, where=f"{where}.")
         if id_to_token.setdefault(i, content) != content:
             raise ValueError(f"{where} gives id {i} to {reprlib.repr(content)}, which is {reprlib.repr(id_to_token[i])}'s")
         flags = {flag: token.get(flag, False) for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}
@@ -344,9 +319,9 @@ class ByteLevelBPE(Tokenizer):
     def normalizers(self, spec, where):
         if spec is None:
             return []
-        kind = field(expect(spec, (dict,), where), "type", (str,), where)
+        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
         if kind == "Sequence":
-            steps = field(spec, "normalizers", (list,), where)
+            steps = check(spec, "normalizers", LIST, where=f"{where}.")
             return [n for k, s in enumerate(steps) for n in self.normalizers(s, f"{where}.normalizers[{k}]")]
         if kind in ("NFC", "NFD", "NFKC", "NFKD"):
             return [{"type": kind}]
@@ -355,51 +330,52 @@ class ByteLevelBPE(Tokenizer):
     def pre_tokenizers(self, spec, where):
         if spec is None:
             return []
-        kind = field(expect(spec, (dict,), where), "type", (str,), where)
+        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
         if kind == "Sequence":
-            steps = field(spec, "pretokenizers", (list,), where)
+            steps = check(spec, "pretokenizers", LIST, where=f"{where}.")
             return [p for k, s in enumerate(steps) for p in self.pre_tokenizers(s, f"{where}.pretokenizers[{k}]")]
         if kind == "Split":
-            pattern, behavior = field(spec, "pattern", (dict,), where), field(spec, "behavior", (str,), where)
+            pattern = check(spec, "pattern", TABLE, where=f"{where}.")
+            behavior = check(spec, "behavior", TEXT, where=f"{where}.")
             if behavior not in ("Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"):
                 raise UnsupportedTokenizer(f"Split behavior {behavior!r} is not supported")
             if "Regex" in pattern:
-                pattern = {"Regex": check_regex(field(pattern, "Regex", (str,), f"{where}.pattern"))}
+                pattern = {"Regex": check_regex(check(pattern, "Regex", TEXT, where=f"{where}.pattern."))}
             else:
-                pattern = {"String": field(pattern, "String", (str,), f"{where}.pattern")}
+                pattern = {"String": check(pattern, "String", TEXT, where=f"{where}.pattern.")}
             return [{"type": kind, "pattern": pattern, "behavior": behavior,
-                     "invert": field(spec, "invert", (bool,), where, False)}]
+                     "invert": check(spec, "invert", FLAG, False, f"{where}.")}]
         if kind == "Digits":
-            return [{"type": kind, "individual_digits": field(spec, "individual_digits", (bool,), where, False)}]
+            return [{"type": kind, "individual_digits": check(spec, "individual_digits", FLAG, False, f"{where}.")}]
         if kind == "ByteLevel":
-            return [{**self.BYTE_LEVEL, "use_regex": field(spec, "use_regex", (bool,), where, True),
-                     "add_prefix_space": field(spec, "add_prefix_space", (bool,), where, False)}]
+            return [{**self.BYTE_LEVEL, "use_regex": check(spec, "use_regex", FLAG, True, f"{where}."),
+                     "add_prefix_space": check(spec, "add_prefix_space", FLAG, False, f"{where}.")}]
         raise UnsupportedTokenizer(f"pre-tokenizer {kind!r} is not supported")
 
     def template(self, spec, where):
         """(prefix ids, suffix ids) that the post-processor adds around a single sequence."""
         if spec is None:
             return [], []
-        kind = field(expect(spec, (dict,), where), "type", (str,), where)
+        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
         if kind == "ByteLevel":  # ByteLevel only adjusts offsets
             return [], []
         if kind == "Sequence":
-            steps = field(spec, "processors", (list,), where)
+            steps = check(spec, "processors", LIST, where=f"{where}.")
             parts = [self.template(s, f"{where}.processors[{k}]") for k, s in enumerate(steps)]
             return [i for p, _ in parts for i in p], [i for _, s in parts for i in s]
         if kind != "TemplateProcessing":
             raise UnsupportedTokenizer(f"post-processor {kind!r} is not supported")
-        special_tokens = field(spec, "special_tokens", (dict,), where)
+        special_tokens = check(spec, "special_tokens", TABLE, where=f"{where}.")
         prefix, suffix, seen_text = [], [], False
-        for k, item in enumerate(field(spec, "single", (list,), where)):
-            if "Sequence" in expect(item, (dict,), f"{where}.single[{k}]"):
+        for k, item in enumerate(check(spec, "single", LIST, where=f"{where}.")):
+            if "Sequence" in TABLE(f"{where}.single[{k}]", item):
                 seen_text = True
                 continue
-            name = field(field(item, "SpecialToken", (dict,), f"{where}.single[{k}]"), "id", (str,),
-                         f"{where}.single[{k}].SpecialToken")
-            token = field(special_tokens, name, (dict,), f"{where}.special_tokens")
-            for n, i in enumerate(field(token, "ids", (list,), f"{where}.special_tokens.{name}")):
-                if valid_id(i, f"{where}.special_tokens.{name}.ids[{n}]") not in self.id_to_token:
+            name = check(check(item, "SpecialToken", TABLE, where=f"{where}.single[{k}]."), "id", TEXT,
+                         where=f"{where}.single[{k}].SpecialToken.")
+            token = check(special_tokens, name, TABLE, where=f"{where}.special_tokens.")
+            for n, i in enumerate(check(token, "ids", LIST, where=f"{where}.special_tokens.{name}.")):
+                if TOKEN_ID(f"{where}.special_tokens.{name}.ids[{n}]", i) not in self.id_to_token:
                     raise ValueError(f"{where}.special_tokens.{name}.ids[{n}] is {i}, which is no token's id")
                 (suffix if seen_text else prefix).append(i)
         return prefix, suffix

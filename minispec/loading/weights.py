@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..models import hf_config
+from ..models.checks import INDEX, TOKEN_IDS, check
 
 
 class CheckpointError(ValueError):
@@ -67,7 +67,7 @@ def read_config(directory):
 def check_token_ids(config, file):
     for key in TOKEN_ID_KEYS:
         try:  # eos may be a list: generation stops at any of them
-            hf_config.get(config, key, hf_config.TOKEN_IDS if key == "eos_token_id" else hf_config.INDEX, None)
+            check(config, key, TOKEN_IDS if key == "eos_token_id" else INDEX, None)
         except ValueError as error:
             raise CheckpointError(f"{file}: {error}") from None
 

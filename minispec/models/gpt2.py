@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, compile_region
-from .hf_config import COUNT, FLAG, POSITIVE, TEXT, get
+from .checks import COUNT, FLAG, POSITIVE, TEXT, check
 from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
 # HF activation names -> F.gelu's `approximate`; "gelu_new" (the original GPT-2) is the tanh approximation.
@@ -30,31 +30,31 @@ class GPT2Config:
 
     @classmethod
     def from_hf(cls, hf):
-        activation = get(hf, "activation_function", TEXT, "gelu_new")
+        activation = check(hf, "activation_function", TEXT, "gelu_new")
         if activation not in GELU_APPROXIMATION:
             raise ValueError(
                 f"GPT-2 activation_function {activation!r} is not supported; "
                 f"minispec supports {', '.join(GELU_APPROXIMATION)}"
             )
         # These variants change the attention math; refuse them rather than compute something else.
-        if get(hf, "scale_attn_by_inverse_layer_idx", FLAG, False) or not get(hf, "scale_attn_weights", FLAG, True):
+        if check(hf, "scale_attn_by_inverse_layer_idx", FLAG, False) or not check(hf, "scale_attn_weights", FLAG, True):
             raise ValueError(
                 "GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported"
             )
-        if not get(hf, "tie_word_embeddings", FLAG, True):
+        if not check(hf, "tie_word_embeddings", FLAG, True):
             raise ValueError("GPT-2 with an untied lm_head (tie_word_embeddings=false) is not supported")
-        n_embd, n_head = get(hf, "n_embd", COUNT), get(hf, "n_head", COUNT)
+        n_embd, n_head = check(hf, "n_embd", COUNT), check(hf, "n_head", COUNT)
         if n_embd % n_head:  # heads split the width evenly
             raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
         return cls(
             n_embd=n_embd,
-            n_layer=get(hf, "n_layer", COUNT),
+            n_layer=check(hf, "n_layer", COUNT),
             n_head=n_head,
-            n_positions=get(hf, "n_positions", COUNT),
-            vocab_size=get(hf, "vocab_size", COUNT),
-            layer_norm_epsilon=get(hf, "layer_norm_epsilon", POSITIVE, 1e-5),
+            n_positions=check(hf, "n_positions", COUNT),
+            vocab_size=check(hf, "vocab_size", COUNT),
+            layer_norm_epsilon=check(hf, "layer_norm_epsilon", POSITIVE, 1e-5),
             activation_function=activation,
-            n_inner=get(hf, "n_inner", COUNT, 4 * n_embd),
+            n_inner=check(hf, "n_inner", COUNT, 4 * n_embd),
         )
 
 

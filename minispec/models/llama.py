@@ -15,7 +15,7 @@ from torch import nn
 
 from . import backend
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
-from .hf_config import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, get, is_number
+from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
 from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
@@ -31,12 +31,12 @@ ROPE_VALUES = {
     "original_max_position_embeddings": COUNT, "beta_fast": POSITIVE, "beta_slow": POSITIVE,
     "attention_factor": POSITIVE, "mscale": NUMBER, "mscale_all_dim": NUMBER, "truncate": FLAG,
 }
-THETA = (lambda v: is_number(v) and v > 1, "a number above 1")  # yarn divides by log(rope_theta)
+THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")  # yarn divides by log(rope_theta)
 # The reference's defaults for keys config.json leaves out, where a null value means something else.
 ABSENT = {"mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
           "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096}}
-LAYER_TYPES = (lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
-               "a list of 'full_attention' and 'sliding_attention'")
+LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
+                    "must be a list of 'full_attention' and 'sliding_attention'")
 
 
 @dataclass
@@ -69,27 +69,27 @@ class LlamaConfig:
         qwen2, mistral = model_type == "qwen2", model_type == "mistral"
         hf = {**ABSENT.get(model_type, {}), **hf}
         rope_theta, rope = rope_settings(hf)
-        n_layers, n_heads = get(hf, "num_hidden_layers", COUNT), get(hf, "num_attention_heads", COUNT)
-        n_kv_heads, dim = get(hf, "num_key_value_heads", COUNT, n_heads), get(hf, "hidden_size", COUNT)
+        n_layers, n_heads = check(hf, "num_hidden_layers", COUNT), check(hf, "num_attention_heads", COUNT)
+        n_kv_heads, dim = check(hf, "num_key_value_heads", COUNT, n_heads), check(hf, "hidden_size", COUNT)
         if n_heads % n_kv_heads:  # each K/V head serves a whole group of query heads
             raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
-        attention_bias = not (qwen2 or mistral) and get(hf, "attention_bias", FLAG, False)
+        attention_bias = not (qwen2 or mistral) and check(hf, "attention_bias", FLAG, False)
         return cls(
-            vocab_size=get(hf, "vocab_size", COUNT),
+            vocab_size=check(hf, "vocab_size", COUNT),
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
-            head_dim=get(hf, "head_dim", COUNT, dim // n_heads),
-            intermediate_size=get(hf, "intermediate_size", COUNT),
-            max_seq_len=get(hf, "max_position_embeddings", COUNT),
-            norm_eps=get(hf, "rms_norm_eps", POSITIVE, 1e-6),
+            head_dim=check(hf, "head_dim", COUNT, dim // n_heads),
+            intermediate_size=check(hf, "intermediate_size", COUNT),
+            max_seq_len=check(hf, "max_position_embeddings", COUNT),
+            norm_eps=check(hf, "rms_norm_eps", POSITIVE, 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
             qkv_bias=qwen2 or attention_bias,  # Qwen2's q/k/v always have a bias, its output projection none
             out_bias=attention_bias,
-            mlp_bias=not (qwen2 or mistral) and get(hf, "mlp_bias", FLAG, False),
-            tie_word_embeddings=get(hf, "tie_word_embeddings", FLAG, False),
+            mlp_bias=not (qwen2 or mistral) and check(hf, "mlp_bias", FLAG, False),
+            tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG, False),
             windows=sliding_windows(hf, model_type, n_layers),
         )
 
@@ -101,12 +101,12 @@ def sliding_windows(hf, model_type, n_layers):
     layer_types names or else from max_window_layers on."""
     if model_type not in ("mistral", "qwen2"):
         return (None,) * n_layers
-    window = get(hf, "sliding_window", COUNT, None)  # checked even when unused, as the reference checks it
-    layer_types = get(hf, "layer_types", LAYER_TYPES, None)
+    window = check(hf, "sliding_window", COUNT, None)  # checked even when unused, as the reference checks it
+    layer_types = check(hf, "layer_types", LAYER_TYPES, None)
     if model_type == "qwen2":
-        window = window if get(hf, "use_sliding_window", FLAG, False) else None
+        window = window if check(hf, "use_sliding_window", FLAG, False) else None
         if layer_types is None:
-            first = get(hf, "max_window_layers", INDEX, 28)
+            first = check(hf, "max_window_layers", INDEX, 28)
             return tuple(window if i >= first else None for i in range(n_layers))
     if layer_types is None:
         return (window,) * n_layers
@@ -122,10 +122,10 @@ def rope_settings(hf):
     """config.json's rope_theta, and its RoPE scaling: {rope_type, the parameters that type needs}."""
     # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
     # transformers >= 5: everything in rope_parameters. As in the reference, a rope_scaling replaces it whole.
-    scaling, parameters = get(hf, "rope_scaling", TABLE, {}), get(hf, "rope_parameters", TABLE, {})
+    scaling, parameters = check(hf, "rope_scaling", TABLE, {}), check(hf, "rope_parameters", TABLE, {})
     rope = scaling or parameters
-    rope_theta = get(rope, "rope_theta", THETA, None) or get(hf, "rope_theta", THETA, 10000.0)
-    rope_type = get(rope, "rope_type", TEXT, None) or get(rope, "type", TEXT, "default", "rope type")
+    rope_theta = check(rope, "rope_theta", THETA, None) or check(hf, "rope_theta", THETA, 10000.0)
+    rope_type = check(rope, "rope_type", TEXT, None) or check(rope, "type", TEXT, "default", "rope ")
     rope = {key: value for key, value in rope.items() if key not in ("rope_theta", "type")} | {"rope_type": rope_type}
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"llama: rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
@@ -133,7 +133,7 @@ def rope_settings(hf):
     if missing:
         raise ValueError(f"llama: {rope_type} rope scaling needs {', '.join(missing)} in rope_scaling")
     for key, kind in ROPE_VALUES.items():
-        get(rope, key, kind, None, f"rope {key}")
+        check(rope, key, kind, None, "rope ")
     return rope_theta, rope
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
-from .hf_config import COUNT, FLAG, INDEX, POSITIVE, TEXT, get
+from .checks import COUNT, FLAG, INDEX, POSITIVE, TEXT, check
 from .kernels import attend, attend_cache, causal_mask, elementwise, padded_rows
 
 ACTIVATIONS = {
@@ -58,7 +58,7 @@ class T5Config:
 
     @classmethod
     def from_hf(cls, hf):
-        proj = get(hf, "feed_forward_proj", TEXT, "relu")
+        proj = check(hf, "feed_forward_proj", TEXT, "relu")
         parts = proj.split("-")
         gated = parts[0] == "gated"
         # "gated-gelu" means the tanh approximation, as in the reference (its backwards-compatibility rule).
@@ -69,9 +69,9 @@ class T5Config:
                 f"{', '.join(ACTIVATIONS)}"
             )
         # Configs written by transformers >= 5 say scale_decoder_outputs; older ones imply it by a tied head.
-        scale = get(hf, "scale_decoder_outputs", FLAG, get(hf, "tie_word_embeddings", FLAG, True))
+        scale = check(hf, "scale_decoder_outputs", FLAG, check(hf, "tie_word_embeddings", FLAG, True))
         # absent or null keys: the reference's defaults
-        sizes = {key: get(hf, key, kind) for key, kind in SIZE_KEYS.items() if hf.get(key) is not None}
+        sizes = {key: check(hf, key, kind) for key, kind in SIZE_KEYS.items() if hf.get(key) is not None}
         vocab_size = sizes.get("vocab_size", cls.vocab_size)
         buckets = sizes.get("relative_attention_num_buckets", cls.relative_attention_num_buckets)
         distance = sizes.get("relative_attention_max_distance", cls.relative_attention_max_distance)
@@ -81,12 +81,12 @@ class T5Config:
         # Without decoder_start_token_id the reference's generate starts from bos_token_id; without that
         # too it has no start, and T5's own convention is the pad token.
         keys = ("decoder_start_token_id", "bos_token_id", "pad_token_id")
-        start = next((get(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
+        start = next((check(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
         if start >= vocab_size:
             raise ValueError(f"decoder_start_token_id {start} is outside the vocabulary of {vocab_size} tokens")
         return cls(
             **sizes,
-            num_decoder_layers=get(hf, "num_decoder_layers", COUNT, sizes.get("num_layers", cls.num_layers)),
+            num_decoder_layers=check(hf, "num_decoder_layers", COUNT, sizes.get("num_layers", cls.num_layers)),
             activation=activation,
             gated=gated,
             scale_decoder_outputs=scale,

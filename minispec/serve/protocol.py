@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 
 from .. import api
-from ..decoding.sampling import Check, SettingError, is_integer, is_number, is_text
 from ..loading.chat import ChatTemplateError, chat_prompt
+from ..models.checks import FLAG, INTEGER, LIST, NUMBER, TABLE, Check, SettingError, is_integer, is_text
 
 
 class RequestError(Exception):
@@ -28,24 +28,19 @@ def invalid(message, param=None, code=None):
 
 
 STRING = Check(is_text, "must be a string (of text: no lone surrogates)")
-INTEGER = Check(is_integer, "must be an integer")
-NUMBER = Check(is_number, "must be a number")
-BOOLEAN = Check(lambda v: isinstance(v, bool), "must be true or false")
-OBJECT = Check(lambda v: isinstance(v, dict), "must be an object")
-LIST = Check(lambda v: isinstance(v, list), "must be a list")
 PROMPT = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list of token ids")
 
 # The request's fields that are settings, as api.Settings' fields; each is checked by that field's check.
 SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
             "top_p": "top_p", "seed": "seed", "stop": "stop",
             "top_k": "top_k", "ignore_eos": "ignore_eos"}  # the last two are minispec's (and vLLM's), not OpenAI's
-SHARED = {"model": STRING, "stream": BOOLEAN, "stream_options": OBJECT, "n": INTEGER, "user": STRING,
-          "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "logit_bias": OBJECT,
+SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER, "user": STRING,
+          "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "logit_bias": TABLE,
           **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
-    False: {**SHARED, "prompt": PROMPT, "echo": BOOLEAN, "best_of": INTEGER, "logprobs": INTEGER, "suffix": STRING},
-    True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": BOOLEAN,
+    False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": INTEGER, "logprobs": INTEGER, "suffix": STRING},
+    True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": FLAG,
            "top_logprobs": INTEGER},
 }  # by whether the request is a chat
 # Fields read only at their neutral value (or null), and why.
@@ -81,7 +76,7 @@ def parse(body, chat, scheduler, model_name):
         raise RequestError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                            code="model_not_found")
     options = body.get("stream_options") or {}
-    check_fields(options, {"include_usage": BOOLEAN}, "stream_options.")
+    check_fields(options, {"include_usage": FLAG}, "stream_options.")
     target = scheduler.target
     prompt_field = "messages" if chat else "prompt"
     ids = chat_ids(target, body.get("messages")) if chat else prompt_ids(target, body.get("prompt"))
