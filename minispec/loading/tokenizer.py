@@ -269,7 +269,7 @@ class ByteLevelBPE(Tokenizer):
             if model.get(option):
                 raise UnsupportedTokenizer(f"BPE option {option} is not byte-level BPE")
         vocab = check(model, "vocab", TABLE, where="model.")
-        id_to_token = {i: token for token, i in vocab.items() if type(i) is int and 0 <= i < 2**32}
+        id_to_token = {i: token for token, i in vocab.items() if TOKEN_ID.test(i)}
         if len(id_to_token) < len(vocab):  # an id that is none, or one given to two tokens
             for token, i in vocab.items():
                 if id_to_token.get(TOKEN_ID(f"model.vocab[{reprlib.repr(token)}]", i)) != token:
