@@ -197,9 +197,10 @@ AS_THE_REFERENCE = {
                                        "layer_types": ["full_attention", "sliding_attention"]}),
 }
 REFUSED = {  # values the reference accepts, or fails on later, that minispec refuses naming them
-    "qwen2 use_sliding_window 'yes'": ("qwen2", {"use_sliding_window": "yes"}, "use_sliding_window is 'yes'"),
+    "qwen2 use_sliding_window 'yes'": ("qwen2", {"use_sliding_window": "yes"},
+                                       "use_sliding_window must be true or false, got 'yes'"),
     "qwen2 max_window_layers -1": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "layer_types": None,
-                                             "max_window_layers": -1}, "max_window_layers is -1"),
+                                             "max_window_layers": -1}, "max_window_layers must be .*, got -1"),
     "qwen2 sliding layers without a window": ("qwen2", {"layer_types": ["sliding_attention"] * 2},
                                               "no sliding_window is in use"),
     "t5 decoder_start_token_id beyond the vocabulary": ("t5_v1_1", {"decoder_start_token_id": 96},
