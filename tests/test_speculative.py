@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minispec
 from conftest import noisy_copy, save_reference, spread_init, target_and_drafts
 
-TARGETS = ["gpt2", "llama_gqa", "qwen2", "t5_v1_1"]
+TARGETS = ["gpt2", "llama_gqa", "qwen2", "qwen3", "t5_v1_1"]
 DRAFTS = ["same", "noisy", "independent", "ngram", "lookup"]
 GAMMAS = [1, 2, 3, 5, 8, "auto"]
 # 24 tokens: T5's encoder needs a long enough prompt for its tiny decoder's output to vary.
