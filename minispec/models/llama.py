@@ -37,6 +37,8 @@ THETA = (lambda v: is_number(v) and v > 1, "a number above 1")  # yarn divides b
 ABSENT = {"mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
           "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096},
           "qwen3": {"num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128}}
+# Keys the reference never reads for a model type (Qwen3's MLP has no bias, whatever mlp_bias says).
+UNREAD = {"qwen3": ("mlp_bias",)}
 LAYER_TYPES = (lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
                "a list of 'full_attention' and 'sliding_attention'")
 
@@ -69,8 +71,9 @@ class LlamaConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"llama: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
         model_type = hf.get("model_type")
-        qwen2, mistral, qwen3 = model_type == "qwen2", model_type == "mistral", model_type == "qwen3"
+        qwen2, mistral = model_type == "qwen2", model_type == "mistral"
         hf = {**ABSENT.get(model_type, {}), **hf}
+        hf = {key: value for key, value in hf.items() if key not in UNREAD.get(model_type, ())}
         rope_theta, rope = rope_settings(hf)
         n_layers, n_heads = get(hf, "num_hidden_layers", COUNT), get(hf, "num_attention_heads", COUNT)
         n_kv_heads, dim = get(hf, "num_key_value_heads", COUNT, n_heads), get(hf, "hidden_size", COUNT)
@@ -91,10 +94,10 @@ class LlamaConfig:
             rope_scaling=rope,
             qkv_bias=qwen2 or attention_bias,  # Qwen2's q/k/v always have a bias, its output projection none
             out_bias=attention_bias,
-            mlp_bias=not (qwen2 or mistral or qwen3) and get(hf, "mlp_bias", FLAG, False),
+            mlp_bias=not (qwen2 or mistral) and get(hf, "mlp_bias", FLAG, False),
             tie_word_embeddings=get(hf, "tie_word_embeddings", FLAG, False),
             windows=sliding_windows(hf, model_type, n_layers),
-            qk_norm=qwen3,
+            qk_norm=model_type == "qwen3",
         )
 
 
