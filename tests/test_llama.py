@@ -226,3 +226,19 @@ def test_qwen3_config_as_the_reference_reads_it():
     windowed = {**base, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
     assert LlamaConfig.from_hf(windowed).windows == (None, 4)
     assert not LlamaConfig.from_hf({**base, "model_type": "llama"}).qk_norm
+
+
+def test_qwen3_sliding_window_matches_reference(tmp_path):
+    """Qwen3 slides the layers from max_window_layers on when use_sliding_window is set (here layer 1)."""
+    config = transformers.Qwen3Config(**{**TINY_CONFIGS["qwen3"]().to_dict(), "use_sliding_window": True,
+                                         "sliding_window": 8, "max_window_layers": 1, "layer_types": None})
+    torch.manual_seed(3)
+    hf_model = spread_init(transformers.Qwen3ForCausalLM(config).eval(), seed=3)
+    model = load_model(save_reference(hf_model, tmp_path))
+    assert model.config.windows == (None, 8) and hf_model.config.layer_types == ["full_attention", "sliding_attention"]
+    tokens = random_tokens(20, seed=5)
+    model.setup_caches(1, 32)
+    assert_logits_close(model.prefill(torch.tensor([tokens]))[0], reference_logits(hf_model, tokens))
+    for token in random_tokens(4, seed=6):  # decoding past the window through the cache
+        tokens.append(token)
+        assert_logits_close(model.decode(torch.tensor([[token]]))[0, -1], reference_logits(hf_model, tokens)[-1])
