@@ -56,7 +56,7 @@ def test_every_row_computes_as_it_would_alone(reference_dirs, kind, dtype, threa
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "qwen3"])
 def test_quantized_rows_compute_as_they_would_alone(reference_dirs, kind, mode):
     model = minispec.load(reference_dirs[kind][1], quantize=mode)
     with torch.inference_mode():
