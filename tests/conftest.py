@@ -46,6 +46,11 @@ TINY_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     ),
+    "qwen3": lambda: transformers.Qwen3Config(  # per-head q/k norm, GQA, head_dim apart from hidden_size, tied head
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    ),
     "t5_v1_0": lambda: transformers.T5Config(  # ReLU feed-forward, tied head (output scaled by d_model^-0.5)
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
@@ -65,6 +70,7 @@ MODEL_CLASSES = {
     "llama": transformers.LlamaForCausalLM,
     "llama_gqa": transformers.LlamaForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
     "t5_v1_0": transformers.T5ForConditionalGeneration,
     "t5_v1_1": transformers.T5ForConditionalGeneration,
 }
@@ -92,7 +98,7 @@ def spread_init(model, seed, gain=3.0):
 
 
 # Seeds whose greedy continuations vary (checked by the model tests' distinct-token asserts).
-SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "t5_v1_0": 1, "t5_v1_1": 2}
+SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "qwen3": 3, "t5_v1_0": 1, "t5_v1_1": 2}
 # T5 v1.1 at gain 3 has logits of ~30, where float32 rounding alone exceeds the 1e-4 tolerance.
 GAINS = {"t5_v1_1": 2.0}
 

@@ -1,4 +1,4 @@
-"""GGUF import: dequantization against the `gguf` package's reference, tiny llama/qwen2 models
+"""GGUF import: dequantization against the `gguf` package's reference, tiny llama/qwen2/qwen3 models
 written the way llama.cpp's converter writes them and imported back (logits against transformers),
 the rebuilt tokenizer against the original, and clear errors for bad files."""
 
@@ -19,7 +19,7 @@ from gguf import GGUFValueType, GGUFWriter, TokenType, quants
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from conftest import make_reference, spread_init
+from conftest import TINY_CONFIGS, make_reference, spread_init
 from minispec.loading import gguf as minigguf
 from minispec.loading.checkpoint import load_model
 from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
@@ -168,13 +168,12 @@ def llama3_rope_freqs(head_dim, theta, scaling):
 
 
 def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=(), metadata=()):
-    """Write a transformers llama/qwen2 model like llama.cpp does; `vocab` adds tokenizer metadata,
+    """Write a transformers llama/qwen2/qwen3 model like llama.cpp does; `vocab` adds tokenizer metadata,
     `metadata` ({key: (value, GGUFValueType)}) replaces or adds values last."""
     config, arch = model.config, model.config.model_type
     theta = config.rope_parameters["rope_theta"]
-    head_dim = config.hidden_size // config.num_attention_heads
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
-                                     config.num_hidden_layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     tensors = {}
     for hf_name, weight in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -202,6 +201,9 @@ def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=(), metada
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_rope_freq_base(theta)
         writer.add_rope_dimension_count(head_dim)
+        if arch == "qwen3":  # llama.cpp writes Qwen3's head size, which need not be hidden_size / heads
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
         writer.add_file_type(int(qtype))
         if config.rope_parameters.get("rope_type") == "yarn":  # llama.cpp writes Qwen2's YaRN this way
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -229,7 +231,7 @@ def reference_logits(model, tokens):
 PROMPT = [1, 5, 17, 42, 3, 88, 64, 9, 30, 71]
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2", "qwen3"])
 def test_f32_model_matches_transformers(kind, tmp_path):
     reference = make_reference(kind)
     out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
@@ -244,13 +246,13 @@ def test_f32_model_matches_transformers(kind, tmp_path):
                                           if key != "rope_theta"}
 
     imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    for name, weight in reference.state_dict().items():  # q/k un-permuted, qwen2 biases kept
+    for name, weight in reference.state_dict().items():  # q/k un-permuted, qwen2 biases and qwen3 q/k norms kept
         assert torch.equal(imported.state_dict()[name], weight), name
     torch.testing.assert_close(reference_logits(imported, PROMPT), reference_logits(reference, PROMPT),
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2", "qwen3"])
 def test_minispec_loads_converted_model(kind, tmp_path):
     reference = make_reference(kind)
     out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
@@ -517,6 +519,29 @@ def vocab_writer(tokenizer, pre, add_bos):
 
 def expected_ids(original, text):
     return original.encode(text, add_special_tokens=False).ids
+
+
+def test_qwen3_file_with_its_tokenizer(tmp_path):
+    """A Qwen3 file as llama.cpp writes one (its tokenizer's pre-tokenization 'qwen2', its head size in
+    key_length): the checkpoint it converts to gives the reference's logits and the original's tokens.
+    Heads of hidden_size / heads dimensions: config.json still names them, as Qwen3 reads an absent
+    head_dim as 128."""
+    original = train_tokenizer("qwen2")
+    config = TINY_CONFIGS["qwen3"]()
+    config.vocab_size, config.head_dim = original.get_vocab_size(), 8
+    torch.manual_seed(0)
+    reference = spread_init(transformers.Qwen3ForCausalLM(config).eval(), seed=0)
+    path = model_to_gguf(reference, tmp_path / "model.gguf", vocab=vocab_writer(original, "qwen2", False))
+    out = convert_gguf(path, tmp_path / "converted", progress=False)
+    assert json.loads((out / "config.json").read_text())["head_dim"] == 8
+    model = load_model(out, dtype=torch.float32)
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+    torch.testing.assert_close(logits, reference_logits(reference, PROMPT), atol=1e-4, rtol=0)
+    ours = load_tokenizer(out)
+    for text in CORPUS:
+        assert ours.encode(text, add_special_tokens=False) == expected_ids(original, text), text
 
 
 @pytest.mark.parametrize("pre", list(ORIGINAL_PRE_TOKENIZERS))

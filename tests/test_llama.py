@@ -1,4 +1,4 @@
-"""Llama-family models (Llama MHA/GQA with llama3 and YaRN rope scaling, Qwen2, Mistral sliding window) against
+"""Llama-family models (Llama MHA/GQA with llama3 and YaRN rope scaling, Qwen2, Qwen3, Mistral sliding window) against
 the reference implementation: prefill, cached decoding, rollback, greedy generation, checkpoint errors."""
 
 import copy
@@ -14,7 +14,7 @@ from minispec import generate
 from minispec.loading.checkpoint import CheckpointError, load_model
 from minispec.models.llama import LlamaConfig, apply_rope, rope_tables
 
-KINDS = ["llama", "llama_gqa", "qwen2"]
+KINDS = ["llama", "llama_gqa", "qwen2", "qwen3"]
 # Our float32 logits are compared with the reference's computed in float64 (the exact values, up to
 # float64 rounding): within ATOL, or within twice the reference's own float32 error where that is
 # larger. Comparing two float32 results directly fails for rounding alone on some CPUs (AVX2 and
@@ -118,10 +118,12 @@ def test_mistral_sliding_window_matches_reference(tmp_path):
     assert not torch.allclose(full.exact, reference_logits(hf_model, tokens).exact, atol=1e-2)
 
 
-def test_bfloat16_close_to_float32(reference_dirs):
-    hf_model, directory = reference_dirs["llama_gqa"]
-    model = load_model(directory, dtype=torch.bfloat16)
-    assert model.dtype == torch.bfloat16
+@pytest.mark.parametrize("kind, dtype", [("llama_gqa", torch.bfloat16), ("qwen3", torch.bfloat16),
+                                         ("qwen3", torch.float16)])
+def test_bfloat16_close_to_float32(reference_dirs, kind, dtype):
+    hf_model, directory = reference_dirs[kind]
+    model = load_model(directory, dtype=dtype)
+    assert model.dtype == dtype
     tokens = random_tokens(12, seed=7)
     model.setup_caches(1, 16)
     logits = model.prefill(torch.tensor([tokens]))[0]
@@ -209,3 +211,34 @@ def test_rope_is_rotate_half_bit_for_bit(dtype):
     x1, x2 = x.float().chunk(2, dim=-1)
     wanted = (x.float() * cos[positions, None] + torch.cat([-x2, x1], -1) * sin[positions, None]).to(dtype)
     assert torch.equal(apply_rope(x, cos[positions], signed_sin[positions]), wanted)
+
+
+def test_qwen3_config_as_the_reference_reads_it():
+    """Qwen3's head_dim defaults to 128 (not hidden_size / heads), it has no MLP bias, its q/k norm is on,
+    and its sliding window follows Qwen2's rules."""
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=32, max_position_embeddings=128, mlp_bias=True, model_type="qwen3")
+    config = LlamaConfig.from_hf(base)
+    wanted = transformers.Qwen3Config(**base)
+    assert config.head_dim == wanted.head_dim == 128 and config.n_kv_heads == wanted.num_key_value_heads == 32
+    assert config.qk_norm and not config.mlp_bias and config.windows == (None, None)
+    assert LlamaConfig.from_hf({**base, "model_type": "qwen2"}).head_dim == 2
+    windowed = {**base, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+    assert LlamaConfig.from_hf(windowed).windows == (None, 4)
+    assert not LlamaConfig.from_hf({**base, "model_type": "llama"}).qk_norm
+
+
+def test_qwen3_sliding_window_matches_reference(tmp_path):
+    """Qwen3 slides the layers from max_window_layers on when use_sliding_window is set (here layer 1)."""
+    config = transformers.Qwen3Config(**{**TINY_CONFIGS["qwen3"]().to_dict(), "use_sliding_window": True,
+                                         "sliding_window": 8, "max_window_layers": 1, "layer_types": None})
+    torch.manual_seed(3)
+    hf_model = spread_init(transformers.Qwen3ForCausalLM(config).eval(), seed=3)
+    model = load_model(save_reference(hf_model, tmp_path))
+    assert model.config.windows == (None, 8) and hf_model.config.layer_types == ["full_attention", "sliding_attention"]
+    tokens = random_tokens(20, seed=5)
+    model.setup_caches(1, 32)
+    assert_logits_close(model.prefill(torch.tensor([tokens]))[0], reference_logits(hf_model, tokens))
+    for token in random_tokens(4, seed=6):  # decoding past the window through the cache
+        tokens.append(token)
+        assert_logits_close(model.decode(torch.tensor([[token]]))[0, -1], reference_logits(hf_model, tokens)[-1])

@@ -2,7 +2,7 @@
 gloo processes on the CPU, launched by torchrun from these tests, each launch bounded in time.
 
 tests/tp_worker.py runs the checks inside the launch: for each family (Llama multi-head and
-grouped-query, Qwen2, GPT-2, T5 v1.0 and v1.1), logits against one process (within float tolerance,
+grouped-query, Qwen2, Qwen3, GPT-2, T5 v1.0 and v1.1), logits against one process (within float tolerance,
 bit for bit the same on every rank), the same greedy tokens, speculative greedy = plain greedy under
 TP (a replicated draft model, lookup, fixed and adaptive gamma), row invariance per rank; then
 batches, streaming, beam search, sampling, the sums of more than 2 ranks, quantized targets and
@@ -46,7 +46,7 @@ def tiny_t5_v1_1():
 def checkpoints(tmp_path_factory):
     """{"families": {kind: [target dir, noisy-copy draft dir]}, "quantizable": dir}, and the JSON file."""
     families = {}
-    for kind in ("llama", "llama_gqa", "qwen2", "gpt2", "t5_v1_0", "t5_v1_1"):
+    for kind in ("llama", "llama_gqa", "qwen2", "qwen3", "gpt2", "t5_v1_0", "t5_v1_1"):
         reference = tiny_t5_v1_1() if kind == "t5_v1_1" else make_reference(kind)
         families[kind] = [str(save_reference(reference, tmp_path_factory.mktemp(kind))),
                           str(save_reference(noisy_copy(reference, seed=1, scale=0.05),
@@ -74,7 +74,7 @@ def test_sharded_checks(checkpoints):
     _, path = checkpoints
     result = torchrun(ROOT / "tests" / "tp_worker.py", path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    kinds = ("llama", "llama_gqa", "qwen2", "gpt2", "t5_v1_0", "t5_v1_1")
+    kinds = ("llama", "llama_gqa", "qwen2", "qwen3", "gpt2", "t5_v1_0", "t5_v1_1")
     expected = [f"ok {kind}: parity, speculative = plain" for kind in kinds]
     expected += [f"ok {kind}: row invariance" for kind in kinds]
     expected += ["ok engine: batches, streaming, beam search, sampling", "ok sums in rank order",

@@ -33,6 +33,7 @@ FAMILIES = {
     "llama": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
     "mistral": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
     "qwen2": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
+    "qwen3": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
     "t5": (t5.T5Config, t5.T5, t5.convert_hf_weights),
 }
 

@@ -337,7 +337,7 @@ def stored_form(tensor):
 # ---------------------------------------------------------------------------------------------
 # llama.cpp names and metadata -> Hugging Face config and weights
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -353,6 +353,8 @@ LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -372,7 +374,7 @@ def hf_name(name):
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
     if match and match[2] in LAYER_NAMES:
         return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}"
-    raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2 decoder tensors")
+    raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2/qwen3 decoder tensors")
 
 
 def hf_config(metadata, tensors):
@@ -417,7 +419,7 @@ def hf_config(metadata, tensors):
         "rope_theta": get("rope.freq_base", POSITIVE, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if head_dim != hidden // n_head:
+    if head_dim != hidden // n_head or arch == "qwen3":  # Qwen3's absent head_dim reads as 128
         config["head_dim"] = head_dim
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
@@ -447,6 +449,8 @@ def check_tensors(tensors, config, head_dim):
         layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if bias and not qwen2:  # Qwen2's output projection has no bias
         layer["attn_output.bias"] = (hidden,)
+    if config["model_type"] == "qwen3":
+        layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
     shapes = {f"blk.{i}.{kind}": shape for i in range(n_layers) for kind, shape in layer.items()}
     missing = [name for name in ["output_norm.weight", *shapes] if name not in tensors]
     if missing:
@@ -455,7 +459,7 @@ def check_tensors(tensors, config, head_dim):
                    "output_norm.weight": (hidden,), ROPE_FREQS: (head_dim // 2,)})
     for name, tensor in tensors.items():
         if name not in shapes:
-            raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2 decoder tensors")
+            raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2/qwen3 decoder tensors")
         if tensor.shape != shapes[name]:
             raise ValueError(f"GGUF tensor {name!r} has shape {tensor.shape}, but the metadata implies {shapes[name]}")
 

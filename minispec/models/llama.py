@@ -1,4 +1,5 @@
-"""Llama 1/2/3 and its close relatives: Mistral (sliding-window attention), Qwen2 (q/k/v bias), SmolLM.
+"""Llama 1/2/3 and its close relatives: Mistral (sliding-window attention), Qwen2 (q/k/v bias), Qwen3
+(per-head RMSNorm on q and k), SmolLM.
 
 Pre-norm decoder: RMSNorm -> attention with rotary position embeddings (RoPE) -> RMSNorm -> SwiGLU MLP.
 Multi-head and grouped-query attention share one code path (a K/V head serves `n_heads // n_kv_heads`
@@ -34,7 +35,10 @@ ROPE_VALUES = {
 THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")  # yarn divides by log(rope_theta)
 # The reference's defaults for keys config.json leaves out, where a null value means something else.
 ABSENT = {"mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
-          "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096}}
+          "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096},
+          "qwen3": {"num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128}}
+# Keys the reference never reads for a model type (Qwen3's MLP has no bias, whatever mlp_bias says).
+UNREAD = {"qwen3": ("mlp_bias",)}
 LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
                     "must be a list of 'full_attention' and 'sliding_attention'")
 
@@ -57,6 +61,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     windows: tuple = ()  # per layer: sliding-window size, or None for full causal attention
+    qk_norm: bool = False  # Qwen3: each q and k head RMS-normed (its own weights) before RoPE
 
     # config.json's layer count -> the checkpoint's name for the stack of layers (checkpoint.check_layer_counts)
     LAYER_STACKS = {"num_hidden_layers": "layers"}
@@ -68,6 +73,7 @@ class LlamaConfig:
         model_type = hf.get("model_type")
         qwen2, mistral = model_type == "qwen2", model_type == "mistral"
         hf = {**ABSENT.get(model_type, {}), **hf}
+        hf = {key: value for key, value in hf.items() if key not in UNREAD.get(model_type, ())}
         rope_theta, rope = rope_settings(hf)
         n_layers, n_heads = check(hf, "num_hidden_layers", COUNT), check(hf, "num_attention_heads", COUNT)
         n_kv_heads, dim = check(hf, "num_key_value_heads", COUNT, n_heads), check(hf, "hidden_size", COUNT)
@@ -91,19 +97,20 @@ class LlamaConfig:
             mlp_bias=not (qwen2 or mistral) and check(hf, "mlp_bias", FLAG, False),
             tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG, False),
             windows=sliding_windows(hf, model_type, n_layers),
+            qk_norm=model_type == "qwen3",
         )
 
 
 def sliding_windows(hf, model_type, n_layers):
     """Each layer's sliding-window size, or None for full attention, as the reference reads them: Llama has
     none; Mistral slides every layer by sliding_window, or the layers layer_types names (the reference
-    reads such a config as Ministral's); Qwen2 only when use_sliding_window is set, in the layers
-    layer_types names or else from max_window_layers on."""
-    if model_type not in ("mistral", "qwen2"):
+    reads such a config as Ministral's); Qwen2 and Qwen3 only when use_sliding_window is set, in the
+    layers layer_types names or else from max_window_layers on."""
+    if model_type not in ("mistral", "qwen2", "qwen3"):
         return (None,) * n_layers
     window = check(hf, "sliding_window", COUNT, None)  # checked even when unused, as the reference checks it
     layer_types = check(hf, "layer_types", LAYER_TYPES, None)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         window = window if check(hf, "use_sliding_window", FLAG, False) else None
         if layer_types is None:
             first = check(hf, "max_window_layers", INDEX, 28)
@@ -218,6 +225,8 @@ class Attention(nn.Module):
         self.window = window
         self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
         self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.kv_cache = None
 
     def project(self, x, cos, sin):
@@ -227,7 +236,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         kv_size = self.n_kv_heads * self.head_dim
         qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
-        qk = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+        qk = qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        qk = apply_rope(qk, cos, sin)
         return torch.cat([qk, v.view(B, T, self.n_kv_heads, self.head_dim)], dim=2)
 
     def forward(self, qkv, input_pos, mask, layout):
@@ -391,6 +404,7 @@ def convert_hf_weights(weights, config):
         "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
         ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
         ".input_layernorm.": ".attention_norm.", ".post_attention_layernorm.": ".ffn_norm.",
+        ".self_attn.q_norm.": ".attention.q_norm.", ".self_attn.k_norm.": ".attention.k_norm.",
     }
     out = {}
     for name, tensor in weights.items():

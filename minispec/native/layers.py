@@ -79,9 +79,10 @@ def layer_tensors(layer):
 
 
 def unpacked_tensors(layer, linears):
-    """layer_tensors without the packed float weights (None in their places)."""
+    """layer_tensors without the packed float weights (None in their places); None for a layer whose q
+    and k heads are normed (Qwen3), which layer.cpp does not do."""
     norms = norm_weights(layer.norms())
-    if norms is None:
+    if norms is None or layer._modules["attention"]._modules.get("q_norm") is not None:
         return None
     tensors, groups = [], []
     for linear in linears:
