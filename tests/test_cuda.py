@@ -22,7 +22,7 @@ from conftest import make_reference, noisy_copy, save_reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
-FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
+FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "qwen3", "t5_v1_1"]
 
 
 @pytest.fixture(scope="module")

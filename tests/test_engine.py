@@ -10,7 +10,7 @@ from minispec import api
 from minispec.models import kernels
 from conftest import make_reference, noisy_copy, save_reference
 
-KINDS = ["gpt2", "llama", "llama_gqa", "qwen2", "t5_v1_1"]
+KINDS = ["gpt2", "llama", "llama_gqa", "qwen2", "qwen3", "t5_v1_1"]
 PROMPTS = [[5, 17, 33, 8, 90, 41, 2, 63], [9, 4], [3, 3, 3, 7, 11, 13, 40, 50, 60, 70, 80, 1], [44, 45, 46], [8],
            [12, 30, 31, 32, 33, 34, 35]]
 
