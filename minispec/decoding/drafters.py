@@ -283,11 +283,9 @@ def draft_chains(model, drafters, going):
             for key, guesses in drafts.items()}
 
 
-# Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). EAGLE-2 takes
-# 8-10 on GPUs, where a forward of 10 tokens costs what one of 1 does. On a CPU every fed token costs:
-# drafting 5 deep for 16 nodes took SmolLM2-135M's int8 self-draft 156 ms as a chain, 206 ms at width 2,
-# 236 at 4, 326 at 8 (2 busy cores, 2026-11-24), while tokens per target call behind tiny noisy drafts
-# (budget 24) stopped rising at widths 3-4 (3.56 chain, 4.68 at 2, 5.19-5.33 at 3-8).
+# Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). GPUs afford
+# wider (a forward of 10 tokens costs what one of 1 does); on a CPU every fed token costs, and past a
+# few children per node the tokens a target call gains stop paying for the wider draft forwards.
 TREE_WIDTH = 4
 
 
@@ -317,7 +315,8 @@ class DraftTree:
 
 
 def draft_trees(model, drafters, asks):
-    """EAGLE-2's dynamic draft tree for each row of `asks` (Asks with a tree budget): the root's best children (tree.best_children), then depth by depth one draft forward over
+    """EAGLE-2's dynamic draft tree for each row of `asks` (Asks with a tree budget): the root's best
+    children (tree.best_children), then depth by depth one draft forward over
     every row's expanded nodes (tree.Growth), each attending to its own path (decode_rows' parents,
     continuing the tree the forwards before wrote past the row's length) at its depth's position; a draft
     head's node reads its parent's predicted state beside its token. A row's tree is the draft's chain

@@ -1,12 +1,15 @@
-"""Speculative decoding: Algorithm 1 of Leviathan, Kalman & Matias (ICML 2023), step by step.
+"""Speculative decoding: Algorithm 1 of Leviathan, Kalman & Matias (ICML 2023), SpeculativeDecodingStep.
 
-    for each step:
-        x_1..x_γ ~ q_1..q_γ               the drafter guesses γ tokens autoregressively
-        p_1..p_{γ+1} = M_p(prefix + x)     the target scores all of them in ONE forward
-        r_i ~ U(0, 1)
-        n = first i with r_i > p_i(x_i) / q_i(x_i), else γ
-        t ~ norm(max(0, p_{n+1} - q_{n+1}))   (just p_{γ+1} when all γ were accepted)
-        prefix += x_1..x_n, t
+    Sample γ guesses x_1..x_γ from M_q autoregressively       propose_all (drafters.py) -> Proposal
+        q_i(x) = M_q(prefix + [x_1..x_{i-1}]),  x_i ~ q_i(x)
+    Run M_p in parallel                                       score: one target forward
+        p_1(x)..p_{γ+1}(x) = M_p(prefix), .., M_p(prefix + [x_1..x_γ])
+    Determine the number of accepted guesses n               verify -> ChainVerdict
+        r_i ~ U(0, 1),  n = min({i - 1 | r_i > p_i(x_i) / q_i(x_i)} ∪ {γ})
+    Adjust the distribution from M_p if needed
+        p'(x) = p_{n+1}(x), or norm(max(0, p_{n+1}(x) - q_{n+1}(x))) if n < γ
+    Return one token from M_p, and n tokens from M_q          Row.advance (engine.py) takes the Outcome
+        t ~ p'(x),  prefix + [x_1..x_n, t]
 
 This yields between 1 and γ+1 tokens per target forward, and the tokens have exactly the target's
 distribution (Appendix A.1). Greedy decoding is the same algorithm with one-hot p and q: a guess is
@@ -18,7 +21,9 @@ Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l
 Requests are decoded together, each in a row of the static KV caches (minispec.decoding.engine; a lone request
 is a batch of one), and `step` is the loop body above for every row at once. After each step both
 models' cache rows are rolled back to the accepted sequence by moving their length pointers (the
-target's row always holds every accepted token but the last).
+target's row always holds every accepted token but the last). A row may guess a token tree instead of
+a chain (tree.py): the target scores every node in the same forward, and the walk down the tree that
+replaces n's test (walk, sample_walk -> TreeVerdict) runs on the host.
 """
 
 import time

@@ -38,13 +38,8 @@ from .sampling import adjust, sample, sample_distinct
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
 # tree="auto": the most guesses the policy weighs a step's tree at (policy.py). With the token before
-# them, 6 tokens: on oneDNN's float32 products the widest forward that cost a 1-token step's price on
-# this CPU (a seventh row +14%). The policy, offered 15, took wider trees whose extra nodes it expected
-# too much of (ngram on partial copies: 9+ nodes planned at 3.7 tokens a step, 2.6 realized) and lost
-# 3-6% to 5 nodes always. On minispec's own
-# float32 kernel, whose cost grows smoothly from 5 rows on, a replay gave 8 nodes 1.5% more than 5 with
-# ngram and 0.2% less with lookup, 12 nodes 0.8% less with ngram ("A float32 kernel of our own"): 5
-# stays.
+# them, about the widest forward that costs a CPU what a 1-token step does; offered more, the policy
+# expects too much of the extra nodes and picks wider trees that accept less than they cost.
 TREE_AUTO = 5
 
 
