@@ -331,7 +331,7 @@ from conftest import noisy_copy, save_reference  # noqa: E402
 from test_speculative import assert_sampled_from, exact_joint, step_outcomes  # noqa: E402
 from test_speculative import vocab16  # noqa: E402, F401 (a fixture)
 
-from minispec.decoding.drafters import TREE_WIDTH, make_drafter, propose_all  # noqa: E402
+from minispec.decoding.drafters import TREE_WIDTH, Ask, make_drafter, propose_all  # noqa: E402
 from minispec.decoding.sampling import Sampling, adjust, sample_distinct  # noqa: E402
 from minispec.decoding.tree import DrawnGrowth, Growth, best_children, depths, sample_walk, tree_or_chain  # noqa: E402
 
@@ -389,7 +389,7 @@ def path_tokens(tokens, parents, j):
 def drafted_tree(drafter, k, budget, sampling):
     """The tree the drafter proposes: tokens (a list), q and parents; sampled, its draws from a generator
     seeded 3."""
-    tokens, q, parents = propose_all([(drafter, k, sampling, torch.Generator().manual_seed(3), None, budget)])[0]
+    tokens, q, parents = propose_all([Ask(drafter, k, sampling, torch.Generator().manual_seed(3), None, budget)])[0]
     return tokens.tolist(), q, parents
 
 

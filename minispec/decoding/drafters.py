@@ -34,6 +34,7 @@ import sys
 import weakref
 from collections import Counter, defaultdict
 from itertools import islice
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -46,6 +47,26 @@ from .tree import (DrawnGrowth, Growth, add_path, best_children, best_first, chi
                    tree_or_chain)
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
+
+
+
+class Ask(NamedTuple):
+    """What a row asks its drafter for at a step."""
+    drafter: object
+    k: int  # γ: the most guesses (a tree: its depth)
+    sampling: Sampling
+    generator: Optional[torch.Generator]
+    keep_guessing: Optional[Callable]  # keep_guessing(i, confidence): whether to go on after guess i
+    tree: Optional[int] = None  # the most nodes of a token tree (None: a chain)
+
+
+class Proposal(NamedTuple):
+    """A drafter's guesses: a chain's drafts [k] each drawn from q [k, vocab] (None: one-hot at them), or
+    a tree's nodes in topological order (parents: tree.py's form; None for a chain)."""
+    drafts: torch.Tensor
+    q: Optional[torch.Tensor]
+    parents: Optional[list] = None
+
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
@@ -125,7 +146,7 @@ class ModelDrafter:
         self.tree = None  # the last proposal's tree: tokens, parents, and each node's slot past `length` or None
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return propose_together([(self, k, sampling, generator, keep_guessing, None)])[0][:2]
+        return propose_together([Ask(self, k, sampling, generator, keep_guessing)])[0][:2]
 
     def fed(self, n, logits, state):
         """n tokens went through the draft: `logits` for the next guess, and a head's `state` (else None)
@@ -197,22 +218,22 @@ def catch_up(drafter):
 
 
 def propose_together(asks):
-    """asks: per cache row, in row order, (ModelDrafter, k, sampling, generator, keep_guessing, tree).
-    Each row's (drafts, q, parents), as ModelDrafter.propose makes them alone: a chain's drafts [k'] and
-    q [k', vocab] (None when greedy), parents None; or with `tree` (a node budget) a tree at most k deep
-    (draft_trees; parents None when it is a chain). The draft forwards of all rows are shared, and each
-    row draws from its own generator in the same order, so a row guesses what it would guess alone."""
-    drafters = [ask[0] for ask in asks]
+    """Each row's Proposal (asks: one per cache row, in row order, of ModelDrafters), as
+    ModelDrafter.propose makes it alone: a chain (q None when greedy), or with a tree budget a tree at
+    most k deep (draft_trees; parents None when it is a chain). The draft forwards of all rows are
+    shared, and each row draws from its own generator in the same order, so a row guesses what it would
+    guess alone."""
+    drafters = [ask.drafter for ask in asks]
     model = drafters[0].model
     for drafter in drafters:
         drafter.fed_guesses, drafter.tree = 0, None
-    going = [ask for ask in asks if ask[1] > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
-    catch_up_all(model, drafters, [ask[0] for ask in going])
-    going = [ask for ask in going if ask[0].next_logits is not None]  # a head before the target's first states
-    proposals = draft_chains(model, drafters, [ask[:5] for ask in going if not ask[5]])
-    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask[5]]))
-    empty = torch.zeros(0, dtype=torch.long, device=model.device)
-    return [proposals.get(id(d), (empty, None, None)) for d in drafters]
+    going = [ask for ask in asks if ask.k > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
+    catch_up_all(model, drafters, [ask.drafter for ask in going])
+    going = [ask for ask in going if ask.drafter.next_logits is not None]  # a head before the target's first states
+    proposals = draft_chains(model, drafters, [ask for ask in going if not ask.tree])
+    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask.tree]))
+    empty = Proposal(torch.zeros(0, dtype=torch.long, device=model.device), None)
+    return [proposals.get(id(d), empty) for d in drafters]
 
 
 def catch_up_all(model, drafters, waiting):
@@ -231,40 +252,40 @@ def catch_up_all(model, drafters, waiting):
 
 
 def draft_chains(model, drafters, going):
-    """Algorithm 1's guesses for rows asking for chains, going: (drafter, k, sampling, generator,
-    keep_guessing) each; {id(drafter): (drafts, q, None)}, each guess drawn from q, fed for the next."""
+    """Algorithm 1's guesses for the rows of `going` (Asks for chains): {id(drafter): Proposal}, each
+    guess drawn from q, fed for the next."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
-    drafts, qs = {id(ask[0]): [] for ask in going}, {id(ask[0]): [] for ask in going}
+    drafts, qs = {id(ask.drafter): [] for ask in going}, {id(ask.drafter): [] for ask in going}
     while going:
         still = []
-        for drafter, k, sampling, generator, keep_guessing in going:
+        for ask in going:
+            drafter, sampling = ask.drafter, ask.sampling
             logits, guesses, q = drafter.next_logits, drafts[id(drafter)], qs[id(drafter)]
             if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
                 guesses.append(logits.argmax(-1))
             else:
                 q.append(adjust(logits, sampling))
-                guesses.append(sample(q[-1], generator))
+                guesses.append(sample(q[-1], ask.generator))
             # How sure the draft is of its guess: q(x), or the probability of its argmax when greedy.
-            if keep_guessing and not keep_guessing(len(guesses), confidence(logits, q, guesses[-1], sampling)):
+            keep = ask.keep_guessing
+            if keep and not keep(len(guesses), confidence(logits, q, guesses[-1], sampling)):
                 continue
-            if len(guesses) < k:  # the last guess is never fed: the target decides what follows it
-                still.append((drafter, k, sampling, generator, keep_guessing))
+            if len(guesses) < ask.k:  # the last guess is never fed: the target decides what follows it
+                still.append(ask)
         going = still
         if going:
-            fed = {id(ask[0]) for ask in going}
+            fed = {id(ask.drafter) for ask in going}
             feed(model, drafters, [drafts[id(d)][-1].view(1) if id(d) in fed else None for d in drafters],
                  [d.state.view(1, -1) if id(d) in fed else None for d in drafters] if heads else None)
-            for drafter, *_ in going:
-                drafter.fed_guesses += 1
-    return {key: (torch.stack(guesses), torch.stack(qs[key]) if qs[key] else None, None)
+            for ask in going:
+                ask.drafter.fed_guesses += 1
+    return {key: Proposal(torch.stack(guesses), torch.stack(qs[key]) if qs[key] else None)
             for key, guesses in drafts.items()}
 
 
-# Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). EAGLE-2 takes
-# 8-10 on GPUs, where a forward of 10 tokens costs what one of 1 does. On a CPU every fed token costs:
-# drafting 5 deep for 16 nodes took SmolLM2-135M's int8 self-draft 156 ms as a chain, 206 ms at width 2,
-# 236 at 4, 326 at 8 (2 busy cores, 2026-11-24), while tokens per target call behind tiny noisy drafts
-# (budget 24) stopped rising at widths 3-4 (3.56 chain, 4.68 at 2, 5.19-5.33 at 3-8).
+# Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). GPUs afford
+# wider (a forward of 10 tokens costs what one of 1 does); on a CPU every fed token costs, and past a
+# few children per node the tokens a target call gains stop paying for the wider draft forwards.
 TREE_WIDTH = 4
 
 
@@ -273,9 +294,10 @@ class DraftTree:
     order of their cache slots after the row's length, with their parents among them and (a draft
     head) the state each predicted, which its children read."""
 
-    def __init__(self, drafter, k, sampling, generator, budget):
-        self.drafter, self.sampling, self.generator = drafter, sampling, generator
-        self.depth = min(k, budget)  # a node deeper than the budget would need more ancestors than it allows
+    def __init__(self, ask):
+        drafter, sampling, budget = ask.drafter, ask.sampling, ask.tree
+        self.drafter, self.sampling, self.generator = drafter, sampling, ask.generator
+        self.depth = min(ask.k, budget)  # a node deeper than the budget would need more ancestors than it allows
         width = min(TREE_WIDTH, budget)
         self.growth = Growth(budget, width) if sampling.greedy else DrawnGrowth(budget, width, self.depth)
         self.fed, self.fed_parents, self.states = [], [], {}
@@ -293,19 +315,19 @@ class DraftTree:
 
 
 def draft_trees(model, drafters, asks):
-    """EAGLE-2's dynamic draft tree for each row of asks (drafter, k, sampling, generator, keep_guessing,
-    budget): the root's best children (tree.best_children), then depth by depth one draft forward over
+    """EAGLE-2's dynamic draft tree for each row of `asks` (Asks with a tree budget): the root's best
+    children (tree.best_children), then depth by depth one draft forward over
     every row's expanded nodes (tree.Growth), each attending to its own path (decode_rows' parents,
     continuing the tree the forwards before wrote past the row's length) at its depth's position; a draft
     head's node reads its parent's predicted state beside its token. A row's tree is the draft's chain
     and its best other nodes, `budget` in all, at most k deep (keep_guessing is a chain's):
-    {id(drafter): (tokens, q, parents)}. Greedy, the candidates are each node's most probable children
+    {id(drafter): Proposal}. Greedy, the candidates are each node's most probable children
     and q is None (fixed candidates, tree.sample_walk); sampled, they are draws from q, q [k, vocab]
     the root's and each node's (tree.DrawnGrowth), and the row's generator draws them. The nodes' slots
     lie past the row's length, so its cache row is as before the tree; accept moves the accepted path's
     fed nodes into place (ModelDrafter.keep_path) and feeds the rest of the kept tokens."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
-    trees = {id(ask[0]): DraftTree(ask[0], ask[1], ask[2], ask[3], ask[5]) for ask in asks}
+    trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
     for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):
         expanding = {key: tree.growth.expand()[:max(tree.room - len(tree.fed), 0)] for key, tree in trees.items()
@@ -343,7 +365,7 @@ def draft_trees(model, drafters, asks):
         chosen, slots = tree.growth.chosen(), {node: slot for slot, node in enumerate(tree.fed)}
         tokens, parents = tree.growth.best(chosen)
         q = None if tree.sampling.greedy else tree.growth.q_rows(chosen)
-        out[key] = to_device(tokens, model.device), q, tree_or_chain(parents)
+        out[key] = Proposal(to_device(tokens, model.device), q, tree_or_chain(parents))
         if not heads:  # a head's nodes read predicted states: accepted ones go through it again with real ones
             tree.drafter.tree = tokens, parents, [slots.get(node) for node in chosen]
     return out
@@ -374,15 +396,13 @@ def add_children(trees, scored):
 
 
 def propose_all(asks):
-    """Every row's guesses, (drafts, q, parents) each (parents None: a chain; else a tree's, tree.py):
-    asks are (drafter, k, sampling, generator, keep_guessing, tree) per cache row, in row order, all of
-    one kind of drafter; tree: None, or the most nodes a tree of depth k may have. Draft-model rows
-    guess together."""
-    if isinstance(asks[0][0], ModelDrafter):
+    """Every row's Proposal: asks are one Ask per cache row, in row order, all of one kind of drafter.
+    Draft-model rows guess together."""
+    if isinstance(asks[0].drafter, ModelDrafter):
         return propose_together(asks)
-    return [drafter.propose_tree(k, tree, sampling) if tree and k
-            else (*drafter.propose(k, sampling, generator, keep), None)
-            for drafter, k, sampling, generator, keep, tree in asks]
+    return [Proposal(*ask.drafter.propose_tree(ask.k, ask.tree, ask.sampling)) if ask.tree and ask.k
+            else Proposal(*ask.drafter.propose(ask.k, ask.sampling, ask.generator, ask.keep_guessing))
+            for ask in asks]
 
 
 def confidence(logits, qs, guess, sampling):

@@ -21,7 +21,8 @@ from collections import deque
 import torch
 
 from ..models.kernels import to_device
-from .speculative import step
+from .drafters import Ask
+from .speculative import Outcome, step
 
 
 class Row:
@@ -49,36 +50,31 @@ class Row:
                               verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
             self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
 
-    def wanted_guesses(self):
-        """γ for this step, as the policy chooses, never drafting past max_new_tokens."""
-        return min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
+    def ask(self):
+        """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
+        k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
+        return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget())
 
-    def advance(self, n, guesses, t, accepted, overlap, timing, seen=None, rejected=None, nodes=0):
-        """Take a verified step: n of `guesses` accepted, then the target's token t (host ids;
-        `accepted`: the same n + 1 tokens on the device), cut at a stop. `overlap`: Σ min(p, q) at each
-        guess position (None: one-hot p and q); timing: (seconds drafting, seconds in all), or None when
-        the step's forwards were shared with other rows; seen: for a draft head or the request's
-        on_states, the tokens the target saw and kept and its hidden state at each; rejected: the
-        candidates the trace shows as rejected (None: the chain's guess after the accepted ones);
-        nodes: a tree's guesses (0: a chain). Returns whether the request has ended."""
-        k = len(guesses)
-        new_tokens, stopped = self.request.stop.cut(guesses[:n] + [t])
+    def advance(self, step):
+        """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
+        n, guesses, k = step.n, step.guesses, len(step.guesses)
+        new_tokens, stopped = self.request.stop.cut(guesses[:n] + [step.t])
         if self.drafter:
-            draft_seconds, step_seconds = timing or (None, None)
+            draft_seconds, step_seconds = step.timing or (None, None)
             fresh = not self.stats["target_calls"]  # the prompt's forward also verified the first guesses
-            self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds, nodes)
-            if overlap is not None:  # only the positions up to a stop count
-                self.overlap += overlap[:len(new_tokens)].sum()
-        self.count(guesses, n, new_tokens, guesses[n:n + 1] if rejected is None else rejected)
+            self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds, step.nodes)
+            if step.overlap is not None:  # only the positions up to a stop count
+                self.overlap += step.overlap[:len(new_tokens)].sum()
+        self.count(guesses, n, new_tokens, guesses[n:n + 1] if step.rejected is None else step.rejected)
         if self.request.on_states is not None:  # the tokens of the output fed so far: not those after a stop
             fed = len(self.unseen) + len(new_tokens) - 1
-            self.request.on_states(self.index, seen[0][:fed], seen[1][:fed])
+            self.request.on_states(self.index, step.seen.tokens[:fed], step.seen.states[:fed])
         if stopped:
             return True
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
-        self.unseen = accepted[-1:]
+        self.unseen = step.accepted[-1:]
         if self.drafter:
-            self.drafter.accept(new_tokens, accepted, seen)
+            self.drafter.accept(new_tokens, step.accepted, step.seen)
         return len(self.tokens) >= self.request.max_new_tokens
 
     def tree_budget(self):
@@ -89,19 +85,20 @@ class Row:
             return None
         return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
-    def advance_tree(self, nodes, parents, path, t, rejected, timing, seen=None):
-        """Take a verified tree step (tree.py): the accepted `path` of node indices, then the target's
-        token t; `rejected`: the tokens of the path's last node's children, all rejected. The path's keys
+    def advance_tree(self, nodes, parents, verdict, timing, seen=None):
+        """Take a verified tree step (tree.py's TreeVerdict: the accepted path of node indices, the
+        target's token t, and the path's last node's children, all rejected). The path's keys
         and values become a chain after the root in the target's cache row; then it is the step of a
         chain whose guesses are the path and the first rejected child (what the statistics count),
         whose trace shows every rejected child."""
+        path, t, rejected = verdict
         root = self.length - len(nodes) - 1  # the root's slot: the last token fed before the nodes
         self.request.target.keep(self.slot, [root + 1 + j for j in path], root + 1)
         guesses = [nodes[j] for j in path] + rejected[:1]
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
         accepted = to_device(guesses[:len(path)] + [t], self.unseen.device)
-        return self.advance(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes))
+        return self.advance(Outcome(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes)))
 
     def count(self, guesses, n, new_tokens, rejected):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's

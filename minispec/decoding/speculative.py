@@ -1,12 +1,15 @@
-"""Speculative decoding: Algorithm 1 of Leviathan, Kalman & Matias (ICML 2023), step by step.
+"""Speculative decoding: Algorithm 1 of Leviathan, Kalman & Matias (ICML 2023), SpeculativeDecodingStep.
 
-    for each step:
-        x_1..x_γ ~ q_1..q_γ               the drafter guesses γ tokens autoregressively
-        p_1..p_{γ+1} = M_p(prefix + x)     the target scores all of them in ONE forward
-        r_i ~ U(0, 1)
-        n = first i with r_i > p_i(x_i) / q_i(x_i), else γ
-        t ~ norm(max(0, p_{n+1} - q_{n+1}))   (just p_{γ+1} when all γ were accepted)
-        prefix += x_1..x_n, t
+    Sample γ guesses x_1..x_γ from M_q autoregressively       propose_all (drafters.py) -> Proposal
+        q_i(x) = M_q(prefix + [x_1..x_{i-1}]),  x_i ~ q_i(x)
+    Run M_p in parallel                                       score: one target forward
+        p_1(x)..p_{γ+1}(x) = M_p(prefix), .., M_p(prefix + [x_1..x_γ])
+    Determine the number of accepted guesses n               verify -> ChainVerdict
+        r_i ~ U(0, 1),  n = min({i - 1 | r_i > p_i(x_i) / q_i(x_i)} ∪ {γ})
+    Adjust the distribution from M_p if needed
+        p'(x) = p_{n+1}(x), or norm(max(0, p_{n+1}(x) - q_{n+1}(x))) if n < γ
+    Return one token from M_p, and n tokens from M_q          Row.advance (engine.py) takes the Outcome
+        t ~ p'(x),  prefix + [x_1..x_n, t]
 
 This yields between 1 and γ+1 tokens per target forward, and the tokens have exactly the target's
 distribution (Appendix A.1). Greedy decoding is the same algorithm with one-hot p and q: a guess is
@@ -18,18 +21,63 @@ Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l
 Requests are decoded together, each in a row of the static KV caches (minispec.decoding.engine; a lone request
 is a batch of one), and `step` is the loop body above for every row at once. After each step both
 models' cache rows are rolled back to the accepted sequence by moving their length pointers (the
-target's row always holds every accepted token but the last).
+target's row always holds every accepted token but the last). A row may guess a token tree instead of
+a chain (tree.py): the target scores every node in the same forward, and the walk down the tree that
+replaces n's test (walk, sample_walk -> TreeVerdict) runs on the host.
 """
 
 import time
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..models.kernels import to_device
 from .costs import graphs_met
-from .drafters import propose_all
+from .drafters import Proposal, propose_all
 from .sampling import adjust, sample
 from .tree import feed_parents, sample_walk, walk
+
+
+class ChainVerdict(NamedTuple):
+    """A chain's verification, on the device: n accepted guesses and the token t after them ([1] each),
+    and Σ_x min(p, q) at each verified guess position (None where p and q are one-hot)."""
+    n: torch.Tensor
+    t: torch.Tensor
+    overlap: Optional[torch.Tensor]
+
+
+class Seen(NamedTuple):
+    """For a draft head or a request's on_states: the tokens the target saw and keeps, and its hidden
+    state at each."""
+    tokens: torch.Tensor
+    states: torch.Tensor
+
+
+class Timing(NamedTuple):
+    """A lone row's step, in seconds: drafting, and all of it."""
+    drafting: float
+    step: float
+
+
+class Outcome(NamedTuple):
+    """One row's verified step, as Row.advance takes it; a tree's is the chain of its accepted path."""
+    n: int  # accepted guesses
+    guesses: list  # host ids: a chain's, or a tree's accepted path and its first rejected child
+    t: int  # the target's token after the accepted guesses
+    accepted: torch.Tensor  # the same n + 1 tokens, on the device
+    overlap: Optional[torch.Tensor] = None  # ChainVerdict's
+    timing: Optional[Timing] = None  # None when the step's forwards were shared with other rows
+    seen: Optional[Seen] = None
+    rejected: Optional[list] = None  # what the trace shows as rejected (None: the chain's guess after n)
+    nodes: int = 0  # a tree's guesses (0: a chain)
+
+
+class HostStep(NamedTuple):
+    """One row's part of the step's host transfer (to_host)."""
+    guesses: list  # a chain's guesses, or a tree's nodes
+    n: Optional[int]  # a chain's
+    t: Optional[int]  # a chain's
+    choices: Optional[list]  # a tree's: the target's argmax at its root and each node (sampled: empty)
 
 
 def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
@@ -75,81 +123,90 @@ def accept_greedy(logits, drafts):
 
 @torch.inference_mode()
 def step(target, rows):
-    """One step of Algorithm 1 for every row of a batch (a lone request is a batch of one row, in cache
-    row 0; rows are in cache-row order). Each row verifies its own guesses with its own sampling and
-    generator; the guesses of all rows are drafted together and verified in one target forward.
-    Returns the rows that ended."""
+    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (a lone request is a batch of one
+    row, in cache row 0; rows are in cache-row order). Each row verifies its own guesses with its own
+    sampling and generator; the guesses of all rows are drafted together and verified in one target
+    forward. Returns the rows that ended."""
     models = [target] + [getattr(row.drafter, "model", None) for row in rows]  # whose graphs a step may compile
     started, graphs = time.perf_counter(), graphs_met(*models)
-    # Sample γ guesses x_1..x_γ from M_q, γ as each row's policy chooses (never past max_new_tokens).
+    # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
-        proposals = [(torch.zeros(0, dtype=torch.long, device=target.device), None, None)] * len(rows)
+        proposals = [Proposal(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
     else:
-        proposals = propose_all([(row.drafter, row.wanted_guesses(), row.sampling, row.generator,
-                                  row.policy.keep_guessing, row.tree_budget()) for row in rows])
+        proposals = propose_all([row.ask() for row in rows])
     drafted = time.perf_counter()
-    # One target forward over every row's unseen tokens and guesses; a row's last k+1 are p_1 .. p_{k+1}
-    # (a tree's: p at its root, then at each of its k nodes).
+    # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
-    # n accepted guesses, then t ~ norm(max(0, p_{n+1} - q_{n+1})), for each row. A tree is walked on
-    # the host (tree.py): greedy, by the target's argmax at each node; sampled, node by node. A tree's
-    # verdict holds in n's place its choices to bring to the host: the argmaxes, or none when sampled.
-    verdicts = [verify(p, drafts, q, row.sampling, row.lenience, row.generator) if parents is None
-                else (p.argmax(-1) if row.sampling.greedy else drafts[:0], None, None)
-                for row, p, (drafts, q, parents) in zip(rows, logits, proposals)]
-    parts = [torch.cat([n, drafts, t]) if t is not None else torch.cat([n, drafts])
-             for (n, t, _), (drafts, _, _) in zip(verdicts, proposals)]
-    host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the step's one host sync
-    # Roll both caches back to the accepted sequence; each target row has yet to see its t.
-    ended, start = [], 0
+    # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
+    # A tree is walked on the host instead (tree.py), so it brings its argmaxes there when greedy.
+    verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator) if x.parents is None else None
+                for row, p, x in zip(rows, logits, proposals)]
+    host = to_host(rows, logits, proposals, verdicts)
     # A step's time is the row's only when the forwards were its own, and none compiled a graph first.
     timed = len(rows) == 1 and graphs_met(*models) == graphs
-    for row, p, (drafts, q, parents), (n, t, overlap), state in zip(rows, logits, proposals, verdicts, states):
-        k = drafts.shape[0]
-        timing = (drafted - started, time.perf_counter() - started) if timed else None
-        if parents is None:
-            n, guesses, t_host = host[start], host[start + 1:start + 1 + k], host[start + 1 + k]
-            start += k + 2
-            done = row.advance(n, guesses, t_host, torch.cat([drafts[:n], t]) if k else t, overlap, timing,
-                               seen(row, drafts, state, list(range(n))))
+    timing = Timing(drafted - started, time.perf_counter() - started) if timed else None
+    # Return prefix + [x_1..x_n, t]: both caches roll back to it; each target row has yet to see its t.
+    ended = []
+    for row, p, x, verdict, got, state in zip(rows, logits, proposals, verdicts, host, states):
+        if x.parents is None:
+            accepted = torch.cat([x.drafts[:got.n], verdict.t]) if len(x.drafts) else verdict.t
+            done = row.advance(Outcome(got.n, got.guesses, got.t, accepted, verdict.overlap, timing,
+                                       seen(row, x.drafts, state, list(range(got.n)))))
         else:
-            choices, nodes = host[start:start + len(n)], host[start + len(n):start + len(n) + k]
-            start += len(n) + k
-            verdict = walk(nodes, parents, choices) if row.sampling.greedy else \
-                sample_walk(nodes, parents, adjust(p, row.sampling), row.generator, q)
-            done = row.advance_tree(nodes, parents, *verdict, timing, seen(row, drafts, state, verdict[0]))
+            tree = walk(got.guesses, x.parents, got.choices) if row.sampling.greedy else \
+                sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q)
+            done = row.advance_tree(got.guesses, x.parents, tree, timing, seen(row, x.drafts, state, tree.path))
         if done:
             ended.append(row)
     return ended
 
 
+def to_host(rows, logits, proposals, verdicts):
+    """The step's one host sync: each row's guesses with a chain's n and t, or a tree's choices (the
+    target's argmax at its root and each node, which a greedy walk follows), in one transfer. HostSteps."""
+    parts = [[v.n, x.drafts, v.t] if v is not None else
+             [p.argmax(-1) if row.sampling.greedy else x.drafts[:0], x.drafts]
+             for row, p, x, v in zip(rows, logits, proposals, verdicts)]
+    host = torch.cat([part for row in parts for part in row]).tolist()
+    out, start = [], 0
+    for row in parts:
+        lists = []
+        for part in row:
+            lists.append(host[start:start + len(part)])
+            start += len(part)
+        if len(row) == 3:
+            out.append(HostStep(lists[1], lists[0][0], lists[2][0], None))
+        else:
+            out.append(HostStep(lists[1], None, None, lists[0]))
+    return out
+
+
 def verify(logits, drafts, q, sampling, lenience, generator):
     """One row's verification: logits [k+1, vocab] of the target at its k guesses `drafts` and one
-    beyond, q [k, vocab] (None: one-hot at the guesses). Returns n and t as 1-element device tensors,
-    and Σ_x min(p, q) at each verified guess position (zeros past them; None where p and q are one-hot:
-    1 at an accepted guess, 0 at a rejected one)."""
+    beyond, q [k, vocab] (None: one-hot at the guesses). A ChainVerdict, its overlap zero past the
+    verified positions (None where p and q are one-hot: 1 at an accepted guess, 0 at a rejected one)."""
     k = drafts.shape[0]
     if k == 0:  # no guesses: the target's own token, drawn as plain decoding draws it
         last = logits[-1]
         t = last.argmax(-1) if sampling.greedy else sample(adjust(last, sampling), generator)
-        return torch.zeros(1, dtype=torch.long, device=logits.device), t.view(1), None
+        return ChainVerdict(torch.zeros(1, dtype=torch.long, device=logits.device), t.view(1), None)
     if sampling.greedy and lenience == 1:  # p and q one-hot: verifying is comparing argmaxes
-        return *accept_greedy(logits, drafts), None
+        return ChainVerdict(*accept_greedy(logits, drafts), None)
     p = adjust(logits, sampling)
     q = one_hot(drafts, p.shape[-1]) if q is None else q
     greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
     n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
     verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
-    return n, t, torch.minimum(p[:k], q).sum(-1) * verified
+    return ChainVerdict(n, t, torch.minimum(p[:k], q).sum(-1) * verified)
 
 
 def seen(row, drafts, states, kept):
-    """For a draft head or a request's on_states (else None): the tokens the target saw this step and
-    keeps (the row's unseen tokens and its guesses at indices `kept`), and its hidden state at each."""
+    """What the target saw this step and keeps (Seen: the row's unseen tokens and its guesses at indices
+    `kept`), for a draft head or a request's on_states; else None."""
     if states is None:
         return None
     u, kept = len(row.unseen), to_device(kept, drafts.device)
-    return torch.cat([row.unseen, drafts[kept]]), torch.cat([states[:u], states[u + kept]])
+    return Seen(torch.cat([row.unseen, drafts[kept]]), torch.cat([states[:u], states[u + kept]]))
 
 
 def score(target, rows, proposals):
@@ -162,11 +219,11 @@ def score(target, rows, proposals):
     logits = [None] * len(rows)
     hidden = rows[0].request.reads_states
     states = [None] * len(rows)
-    drafts = [d for d, _, _ in proposals]
+    drafts = [x.drafts for x in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]
-    trees = any(tree is not None for _, _, tree in proposals)  # then every row's feed is a tree
-    parents = [feed_parents(len(row.unseen), tree, len(d)) if trees else None
-               for row, (d, _, tree) in zip(rows, proposals)]
+    trees = any(x.parents is not None for x in proposals)  # then every row's feed is a tree
+    parents = [feed_parents(len(row.unseen), x.parents, len(x.drafts)) if trees else None
+               for row, x in zip(rows, proposals)]
     widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request

@@ -30,6 +30,7 @@ import heapq
 import math
 from collections import Counter
 from itertools import count
+from typing import NamedTuple
 
 import torch
 
@@ -37,13 +38,8 @@ from .sampling import adjust, sample, sample_distinct
 
 TREE_MAX = 64  # the most guesses a step's tree may hold
 # tree="auto": the most guesses the policy weighs a step's tree at (policy.py). With the token before
-# them, 6 tokens: on oneDNN's float32 products the widest forward that cost a 1-token step's price on
-# this CPU (a seventh row +14%). The policy, offered 15, took wider trees whose extra nodes it expected
-# too much of (ngram on partial copies: 9+ nodes planned at 3.7 tokens a step, 2.6 realized) and lost
-# 3-6% to 5 nodes always. On minispec's own
-# float32 kernel, whose cost grows smoothly from 5 rows on, a replay gave 8 nodes 1.5% more than 5 with
-# ngram and 0.2% less with lookup, 12 nodes 0.8% less with ngram ("A float32 kernel of our own"): 5
-# stays.
+# them, about the widest forward that costs a CPU what a 1-token step does; offered more, the policy
+# expects too much of the extra nodes and picks wider trees that accept less than they cost.
 TREE_AUTO = 5
 
 
@@ -55,6 +51,14 @@ def feed_parents(unseen, parents, guesses):
     return list(range(-1, unseen - 1)) + [unseen - 1 if p < 0 else unseen + p for p in parents]
 
 
+class TreeVerdict(NamedTuple):
+    """A tree's verification: the accepted path (node indices, root first), the target's token after it,
+    and the tokens of the path's last node's children, all rejected, in order (none: it was a leaf)."""
+    path: list
+    t: int
+    rejected: list
+
+
 def children_of(parents, at):
     """The nodes hanging from node `at` (-1: the root), in order."""
     return [j for j, parent in enumerate(parents) if parent == at]
@@ -62,22 +66,21 @@ def children_of(parents, at):
 
 def descend(nodes, parents, choose):
     """Walk down from the root: choose(row, children) returns the child to follow, or (None, the
-    target's token there); row indexes the target's scores, 0 at the root, 1 + j at node j. Returns the
-    accepted path (node indices, root first), the target's token after it, and the tokens of the path's
-    last node's children, all rejected, in order (none: it was a leaf)."""
+    target's token there); row indexes the target's scores, 0 at the root, 1 + j at node j. Returns
+    the TreeVerdict."""
     path, at = [], -1
     while True:
         children = children_of(parents, at)
         follow, t = choose(1 + at, children)
         if follow is None:
-            return path, t, [nodes[j] for j in children]
+            return TreeVerdict(path, t, [nodes[j] for j in children])
         path.append(follow)
         at = follow
 
 
 def walk(nodes, parents, choices):
     """Greedy verification of a tree: follow the child equal to the target's choice (choices[0] at the
-    root, choices[1 + j] at node j); descend's result."""
+    root, choices[1 + j] at node j): a TreeVerdict."""
     return descend(nodes, parents, lambda row, children: (
         next((j for j in children if nodes[j] == choices[row]), None), choices[row]))
 
@@ -92,7 +95,7 @@ def sample_walk(nodes, parents, p, generator, q=None):
     q'(x)), else p' becomes norm(max(p' - q', 0)) (Algorithm 1's residual, which is 0 at x) and x leaves
     q'; when none is accepted, t ~ p'. A fixed candidate is a draw from q' one-hot at it: accepted with
     p'(x), else x leaves p'. Each step is Algorithm 1's, whose residual the next draw targets, so the
-    token that comes out has probability p exactly. Returns what walk returns; draws come from
+    token that comes out has probability p exactly. Returns a TreeVerdict; draws come from
     `generator` in a fixed order (a row's as alone in a batch)."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'

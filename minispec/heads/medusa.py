@@ -103,7 +103,7 @@ class MedusaDrafter:
         return to_device(tokens, self.heads.target.device), None, tree_or_chain(parents)
 
     def accept(self, tokens, tokens_on_device, seen=None):
-        self.state = seen[1][-1]
+        self.state = seen.states[-1]
 
 
 def config_from_hf(hf):

@@ -34,6 +34,7 @@ never read and rolling back needs no clearing.
 """
 
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -57,6 +58,35 @@ def compiled_width(n):
     middle of requests; padded rows repeat the last token (decode_rows), which costs less. (A CPU
     compiles one graph for every width above 1 instead: CachedLM.decode_rows.)"""
     return 1 << (n - 1).bit_length()
+
+
+class Feed(NamedTuple):
+    """What one decode_rows forward feeds: tokens [rows, n], row i at its own cache length lengths[i]
+    (host ints), its first widths[i] tokens its own (the rest repeat its last); each row's token tree
+    (parents, None: chains) and a draft head's inputs [rows, n, ...], padded as the tokens are."""
+    tokens: torch.Tensor
+    lengths: list
+    widths: list
+    parents: Optional[list] = None
+    inputs: Optional[torch.Tensor] = None
+
+    def ends(self, j):
+        """One past the last cache slot the first j tokens of any row write."""
+        return max(length + max(min(j, width), 1) for length, width in zip(self.lengths, self.widths))
+
+    def input_pos(self):
+        """Each token's cache slot: a row's padding rewrites its last token's (a lone row's as a list,
+        which index_copy writes the cache with)."""
+        n = self.tokens.shape[1]
+        slots = [[length + min(j, max(width - 1, 0)) for j in range(n)]
+                 for length, width in zip(self.lengths, self.widths)]
+        return to_device(slots[0] if len(slots) == 1 else slots, self.tokens.device)
+
+    def layout(self, positions):
+        """The trees' TreeLayout over `positions` cache positions (None: chains)."""
+        if self.parents is None:
+            return None
+        return tree_layout(self.lengths, self.parents, self.widths, self.tokens.shape[1], positions, self.tokens.device)
 
 
 def graphs_compiled():
@@ -347,58 +377,63 @@ class CachedLM(nn.Module):
         tree's nodes first, and the row's tokens are its last widths[i] (kernels.tree_layout).
         `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads (a tuple
         of layer indices: the states entering those layers, as forward's);
-        `inputs`: forward's, [rows, n, ...], padded as the tokens are."""
+        `inputs`: forward's, [rows, n, ...], padded as the tokens are. The rows' data travel as one Feed
+        (its slots, ends and tree layout); the compiled forward takes it through decode_compiled."""
         rows, n = tokens.shape
-        widths = [n] * rows if widths is None else widths
-
-        def ends(j):  # one past the last slot the first j tokens of any row write
-            return max(length + max(min(j, width), 1) for length, width in zip(lengths, widths))
-
-        if ends(n) > self.cache_max_seq_len or first_row + rows > self.cache_batch_size:
+        feed = Feed(tokens, lengths, [n] * rows if widths is None else widths, parents, inputs)
+        if feed.ends(n) > self.cache_max_seq_len or first_row + rows > self.cache_batch_size:
             raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} of cache rows "
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
-        compiled = self.compiled_forward if first_row == 0 and not eager and logits_for is None else None
-        fed = n
-        # On a CPU one graph serves every width above 1, its token dimension symbolic: a graph per power
-        # of two of widths compiled for 15-20 s each (seven graphs for a 1.5B target and its draft), and
-        # fed the padded rows' arithmetic too.
-        any_width = compiled is not None and n > 1 and self.device.type == "cpu"
-        if compiled is not None:  # on a GPU a graph per width bucket, not per width: the rest padded as above
-            n = n if any_width else compiled_width(n)
-            if any_width and parents is None and rows == 1:
-                # A lone request's chain as the tree it is: one graph serves its chains and trees, where
-                # two took twice the compiling; on a CPU the tree path costs what a chain's does (on a
-                # GPU 20% more).
-                parents = [list(range(-1, widths[0] - 1))]
-            if n > fed:
-                tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n - fed, *x.shape[2:])], 1)
-                                  for x in (tokens, inputs))
-        slots = [[length + min(j, max(width - 1, 0)) for j in range(n)] for length, width in zip(lengths, widths)]
-        # one row (a lone request, its tree): slots as a list (index_copy writes the cache); rows: per row
-        input_pos = to_device(slots[0] if rows == 1 else slots, tokens.device)
-        positions = self.cache_max_seq_len if compiled is not None else self.keys_for(ends(n))
-        layout = None if parents is None else tree_layout(lengths, parents, widths, n, positions, tokens.device)
-        if compiled is not None:  # graphs guard on strides; a slice of a longer tensor has odd ones
-            tokens = tokens.clone(memory_format=torch.contiguous_format)
-            if any_width:  # the width is symbolic (a width 1 stays a graph of its own: dynamo specializes 1)
-                widthwise = [(tokens, 1), (input_pos, -1), (inputs, 1)]
-                if layout is not None:
-                    widthwise += [(layout.positions, 1), (layout.window, 1)]
-                for tensor, dim in widthwise:
-                    if tensor is not None:
-                        torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
-            before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
-            if hidden or inputs is not None:
-                out = compiled(tokens, input_pos, None, layout, None, hidden, inputs)
-                out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-            else:
-                out = compiled(tokens, input_pos) if layout is None else compiled(tokens, input_pos, None, layout)
-                out = out[:, :fed]
-            self.graphs += graphs_compiled() - before
-            return out
+        if self.compiled_forward is not None and first_row == 0 and not eager and logits_for is None:
+            return self.decode_compiled(feed, hidden)
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
-            return self.eager_forward(tokens, input_pos, logits_for, layout, ends, hidden, inputs)
+            return self.eager_forward(tokens, feed.input_pos(), logits_for, feed.layout(self.keys_for(feed.ends(n))),
+                                      feed.ends, hidden, inputs)
+
+    def graph_feed(self, feed):
+        """The feed as the compiled forward's graphs take it. On a CPU one graph serves every width above
+        1, its token dimension symbolic, since a graph per power of two of widths is slow to compile and
+        feeds the padding's arithmetic too; there a lone request's chain goes as the tree it is, so that
+        one graph serves its chains and trees (the tree path costs a CPU what a chain's does). On a GPU a
+        graph per width bucket, not per width (compiled_width): the rest padded as decode_rows pads a row."""
+        rows, n = feed.tokens.shape
+        if n > 1 and self.device.type == "cpu":
+            if feed.parents is None and rows == 1:
+                return feed._replace(parents=[list(range(-1, feed.widths[0] - 1))])
+            return feed
+        width = compiled_width(n)
+        if width == n:
+            return feed
+        tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, width - n, *x.shape[2:])], 1)
+                          for x in (feed.tokens, feed.inputs))
+        return feed._replace(tokens=tokens, inputs=inputs)
+
+    def decode_compiled(self, feed, hidden):
+        """decode_rows through the compiled forward, from cache row 0."""
+        fed = feed.tokens.shape[1]
+        feed = self.graph_feed(feed)
+        input_pos, layout = feed.input_pos(), feed.layout(self.cache_max_seq_len)
+        # graphs guard on strides; a slice of a longer tensor has odd ones
+        tokens, inputs = feed.tokens.clone(memory_format=torch.contiguous_format), feed.inputs
+        # On a CPU the width is symbolic (a width 1 stays a graph of its own: dynamo specializes 1).
+        if fed > 1 and self.device.type == "cpu":
+            widthwise = [(tokens, 1), (input_pos, -1), (inputs, 1)]
+            if layout is not None:
+                widthwise += [(layout.positions, 1), (layout.window, 1)]
+            for tensor, dim in widthwise:
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
+        before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
+        if hidden or inputs is not None:
+            out = self.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
+            out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
+        elif layout is None:
+            out = self.compiled_forward(tokens, input_pos)[:, :fed]
+        else:
+            out = self.compiled_forward(tokens, input_pos, None, layout)[:, :fed]
+        self.graphs += graphs_compiled() - before
+        return out
 
     @staticmethod
     def padded(feeds):
