@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -21,8 +22,8 @@ from .scheduler import Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
 
-# Prompts are bounded by the context, but a body is read before it is parsed: a bound keeps a client
-# from filling the memory (JSON escapes make text up to 6x longer).
+# Prompts are bounded by the context, but a body is read (and a prompt tokenized) before it is checked: a
+# bound keeps a client from filling the memory. The bound is also what the context can hold (body_bound).
 MAX_BODY_BYTES = 16 * 2**20
 
 
@@ -32,7 +33,7 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
     request must carry (None: none needed)."""
     if scheduler.target.tokenizer is None:
         raise ValueError(f"{scheduler.target.name} has no tokenizer files: the server reads and writes text")
-    server = Handlers(scheduler, model_name, draft_name)
+    server = Handlers(scheduler, model_name, draft_name, body_bound(scheduler))
 
     def guarded(handler):
         async def endpoint(request):
@@ -69,12 +70,12 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
 class Handlers:
     """The endpoints, over one scheduler."""
 
-    def __init__(self, scheduler, model_name, draft_name):
-        self.scheduler, self.model_name, self.draft_name = scheduler, model_name, draft_name
+    def __init__(self, scheduler, model_name, draft_name, max_body):
+        self.scheduler, self.model_name, self.draft_name, self.max_body = scheduler, model_name, draft_name, max_body
         self.started = int(time.time())
 
     async def complete(self, request, chat):
-        body = await read_json(request)
+        body = await read_json(request, self.max_body)
         # Tokenizing a long prompt takes a while: off the event loop, which streams the others' replies.
         parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
@@ -147,12 +148,26 @@ class Handlers:
         return JSONResponse({"status": "stopping" if self.scheduler.stopping else "ok", **self.scheduler.load})
 
 
-async def read_json(request):
+def body_bound(scheduler):
+    """The largest body a request that fits the context can need: a token spells at most its longest
+    token's characters (4x for a normalizer that composes characters), a character takes at most 12 bytes
+    of JSON (an escaped surrogate pair), and 1 MiB for the other fields. Larger ones are refused unread,
+    never tokenized (a 15 MiB prompt took a minute and 900 MiB to tokenize)."""
+    tokenizer = scheduler.target.tokenizer
+    longest = max(map(len, tokenizer.id_to_token.values()))
+    return 48 * longest * scheduler.max_length + 2**20
+
+
+async def read_json(request, max_body):
+    max_body = min(max_body, MAX_BODY_BYTES)
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body:
+                raise RequestError(413, f"the request body is larger than {max_body} bytes")
+    except ClientDisconnect:  # nobody reads the reply
+        raise RequestError(499, "the client went before its body was sent") from None
     try:
         return json.loads(body, parse_constant=refuse_constant)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python recurses
