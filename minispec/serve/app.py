@@ -4,6 +4,7 @@ queues a Job, and answers with the job's outcome, or streams it as server-sent e
 verified step; a client that goes away cancels its job."""
 
 import asyncio
+import ctypes
 import json
 import logging
 import secrets
@@ -25,6 +26,8 @@ log = logging.getLogger("minispec.serve")
 # Prompts are bounded by the context, but a body is read (and a prompt tokenized) before it is checked: a
 # bound keeps a client from filling the memory. The bound is also what the context can hold (body_bound).
 MAX_BODY_BYTES = 16 * 2**20
+TRIM_AFTER_BYTES = 2**16  # bodies after which release_memory runs
+MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 
 
 def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=None):
@@ -75,9 +78,12 @@ class Handlers:
         self.started = int(time.time())
 
     async def complete(self, request, chat):
-        body = await read_json(request, self.max_body)
-        # Tokenizing a long prompt takes a while: off the event loop, which streams the others' replies.
-        parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
+        body, size = await read_json(request, self.max_body)
+        try:  # tokenizing a long prompt takes a while: off the event loop, which streams the others' replies
+            parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
+        finally:
+            if size > TRIM_AFTER_BYTES:
+                release_memory()
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
         def deliver(event):  # on the scheduler's thread
@@ -152,7 +158,7 @@ def body_bound(scheduler):
     """The largest body a request that fits the context can need: a token spells at most its longest
     token's characters (4x for a normalizer that composes characters), a character takes at most 12 bytes
     of JSON (an escaped surrogate pair), and 1 MiB for the other fields. Larger ones are refused unread,
-    never tokenized (a 15 MiB prompt took a minute and 900 MiB to tokenize)."""
+    never tokenized (which takes far more time and memory than the body itself)."""
     tokenizer = scheduler.target.tokenizer
     longest = max(map(len, tokenizer.id_to_token.values()))
     return 48 * longest * scheduler.max_length + 2**20
@@ -169,9 +175,17 @@ async def read_json(request, max_body):
     except ClientDisconnect:  # nobody reads the reply
         raise RequestError(499, "the client went before its body was sent") from None
     try:
-        return json.loads(body, parse_constant=refuse_constant)
+        return json.loads(body, parse_constant=refuse_constant), len(body)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python recurses
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
+
+
+def release_memory():
+    """Give the C heap's free pages back to the system. Large bodies are parsed and tokenized on the
+    thread pool's threads, each with its own glibc arena, which keeps what they freed: without this the
+    resident memory grows with every barrage of large prompts."""
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 def refuse_constant(name):
