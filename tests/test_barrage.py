@@ -111,7 +111,9 @@ class Barrage:
                 assert reply.status_code == 200, reply.read()[:300]
                 lines = [line for line in reply.iter_lines() if line]
             assert lines[-1] == "data: [DONE]", lines[-3:]
-            choices = [c for line in lines[:-1] for c in json.loads(line.removeprefix("data: ")).get("choices", [])]
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            assert not any("error" in chunk for chunk in chunks), (body, chunks[-1])
+            choices = [c for chunk in chunks for c in chunk.get("choices", [])]
             text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
         else:
             reply = http.post(path, json=body)
@@ -149,20 +151,22 @@ class Barrage:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoints):  # noqa: F811
-    port = free_port()
+def server(checkpoints, tmp_path_factory):  # noqa: F811
+    port, log = free_port(), tmp_path_factory.mktemp("barrage") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-m", "minispec.serve", "--target", str(checkpoints[0]), "--port",
                                 str(port), "--device", "cpu", "--threads", "1", "--batch-size", "4", "--max-queue",
-                                "256"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                                "256"], cwd=ROOT, env=env, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: up(url) or process.poll() is not None, timeout=120)
-        assert process.poll() is None, process.communicate()[1]
+        assert process.poll() is None, log.read_text()
         yield process, url, port
     finally:
         process.kill()
         process.wait()
+        failures = [line for line in log.read_text().splitlines() if not line.startswith("INFO")]
+        print("\n".join(failures[-60:]))
 
 
 def test_a_barrage_of_bad_good_and_vanishing_requests(server, checkpoints):  # noqa: F811

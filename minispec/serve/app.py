@@ -82,8 +82,7 @@ class Handlers:
         try:  # tokenizing a long prompt takes a while: off the event loop, which streams the others' replies
             parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
         finally:
-            if size > TRIM_AFTER_BYTES:
-                release_memory()
+            release_memory(size)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
         def deliver(event):  # on the scheduler's thread
@@ -180,12 +179,17 @@ async def read_json(request, max_body):
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
 
 
-def release_memory():
-    """Give the C heap's free pages back to the system. Large bodies are parsed and tokenized on the
-    thread pool's threads, each with its own glibc arena, which keeps what they freed: without this the
-    resident memory grows with every barrage of large prompts."""
-    if MALLOC_TRIM is not None:
+def release_memory(size):
+    """Give the C heap's free pages back to the system after a large body, and at most once a second
+    otherwise. Bodies are parsed and tokenized on the thread pool's threads, each with its own glibc
+    arena, which keeps what they freed: without this the resident memory grows with every barrage."""
+    global trimmed
+    if MALLOC_TRIM is not None and (size > TRIM_AFTER_BYTES or time.monotonic() > trimmed + 1):
         MALLOC_TRIM(0)
+        trimmed = time.monotonic()
+
+
+trimmed = 0.0  # when release_memory last trimmed
 
 
 def refuse_constant(name):
