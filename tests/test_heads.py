@@ -993,7 +993,7 @@ def test_a_head_is_quantized_beside_a_float_target_when_asked(reference_dirs, tm
 def test_a_head_config_asking_for_more_memory_than_is_free_is_refused_before_it_is_built(
         reference_dirs, tmp_path, kind, fields, message):
     """A head whose config.json asks for more than the free memory: one line naming the fields, at once
-    (built, a billion Medusa heads took hours before anything was read)."""
+    (built, a billion Medusa heads would take hours before anything is read)."""
     directory = reference_dirs["llama_gqa"][1]
     hf = json.loads((directory / "config.json").read_text())
     head_dir = (write_medusa(tmp_path / "h", hf["hidden_size"], hf["vocab_size"]) if kind == "medusa" else

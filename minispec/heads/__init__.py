@@ -79,7 +79,7 @@ def build(kind, hf, target):
 
 def check_size(kind, hf, target):
     """A ValueError naming config.json's fields when the head they ask for needs more memory than is free:
-    refused before it is built (a billion Medusa heads were built as modules one by one, for hours)."""
+    refused before it is built (a billion Medusa heads, built as modules one by one, would take hours)."""
     dim, vocab, size = target.hidden_size, target.vocab_size, target.dtype.itemsize
     if kind == "medusa":
         n_heads, n_layers = medusa.config_from_hf(hf)
