@@ -6,8 +6,14 @@ import contextlib
 import copy
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +29,7 @@ from minispec.loading.weights import save_safetensors
 from minispec.models.base import CachedLM
 from safetensors.torch import load_file
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 5, 9, 12, 5, 9, 30, 31]
 
 
@@ -975,3 +982,110 @@ def test_a_head_is_quantized_beside_a_float_target_when_asked(reference_dirs, tm
     capsys.readouterr()
     assert run.main([*common, "--draft", str(medusa_dir), "--draft-quantize", quantize]) == 2
     assert "a Medusa head is not quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, fields, message", [
+    ("medusa", {"medusa_num_heads": 10**9}, "medusa_num_heads, medusa_num_layers ask for a head of"),
+    ("medusa", {"medusa_num_layers": 2**30}, "medusa_num_heads, medusa_num_layers ask for a head of"),
+    ("eagle", {"num_hidden_layers": 2**30}, "num_hidden_layers, hidden_size, intermediate_size ask for a head of"),
+    ("eagle", {"intermediate_size": 2**31 - 1}, "num_hidden_layers, hidden_size, intermediate_size ask for a head of"),
+])
+def test_a_head_config_asking_for_more_memory_than_is_free_is_refused_before_it_is_built(
+        reference_dirs, tmp_path, kind, fields, message):
+    """A head whose config.json asks for more than the free memory: one line naming the fields, at once
+    (built, a billion Medusa heads would take hours before anything is read)."""
+    directory = reference_dirs["llama_gqa"][1]
+    hf = json.loads((directory / "config.json").read_text())
+    head_dir = (write_medusa(tmp_path / "h", hf["hidden_size"], hf["vocab_size"]) if kind == "medusa" else
+                write_eagle(tmp_path / "h", hf))[0]
+    config = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    target = minispec.load(directory)
+    started = time.monotonic()
+    with pytest.raises(minispec.CheckpointError, match=message) as error:
+        minispec.load_draft_head(head_dir, target)
+    assert time.monotonic() - started < 10 and "GiB free" in str(error.value) and "\n" not in str(error.value)
+
+
+def resume_case(folder, case):
+    """Damage a trained head's resume files as `case` says."""
+    training = folder / "training"
+    if case == "progress cut short":
+        (training / "progress.json").write_text('{"epochs_do')
+    elif case == "optimizer missing":
+        (training / "optimizer.safetensors").unlink()
+    elif case == "optimizer cut short":
+        data = (training / "optimizer.safetensors").read_bytes()
+        (training / "optimizer.safetensors").write_bytes(data[:len(data) // 2])
+    elif case == "answers cut short":
+        data = (training / "data.safetensors").read_bytes()
+        (training / "data.safetensors").write_bytes(data[:len(data) // 2])
+    elif case == "another kind's":
+        (training / "progress.json").write_text(json.dumps({"epochs_done": 1, "kind": "eagle"}))
+    elif case == "another head's optimizer":  # two heads' where three are trained
+        shutil.copy(folder.parent / "two" / "training" / "optimizer.safetensors", training)
+
+
+RESUME_CASES = ["progress cut short", "optimizer missing", "optimizer cut short", "answers cut short",
+                "another kind's", "another head's optimizer"]
+
+
+def test_resume_files_that_cannot_be_resumed_from_are_one_line(tmp_path, capsys):
+    """The heads tool's resume files missing, cut short or another head's: exit 2, one line naming the
+    folder and what to do, no traceback."""
+    from minispec.tools import train_heads as train
+
+    target, prompts, _, _ = tiny_training_target(tmp_path / "target")
+    settings = dict(max_new_tokens=16, chat=False, kind="medusa", epochs=1)
+    train.train(target, tmp_path / "three", prompts=prompts[:8], heads=3, **settings)
+    train.train(target, tmp_path / "two", prompts=prompts[:8], heads=2, **settings)
+    for case in RESUME_CASES:
+        folder = tmp_path / case.replace(" ", "_").replace("'", "")
+        shutil.copytree(tmp_path / "three", folder)
+        resume_case(folder, case)
+        argv = ["--target", str(tmp_path / "target"), "--out", str(folder), "--kind", "medusa", "--heads", "3",
+                "--epochs", "2", "--no-chat", "--max-new-tokens", "16"]
+        capsys.readouterr()
+        assert train.main(argv) == 2, case
+        err = capsys.readouterr().err
+        assert err.startswith(f"minispec: cannot resume the training in {folder}") and err.count("\n") == 1, (case, err)
+        assert "remove" in err and "Traceback" not in err, (case, err)
+
+
+KILLING = """
+import os, signal, sys
+calls = 0
+real_fsync = os.fsync
+def fsync(fd):  # the Nth write is cut off at half its bytes, then the process is killed
+    global calls
+    calls += 1
+    if calls == int(os.environ["KILL_AT"]):
+        os.ftruncate(fd, os.fstat(fd).st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_fsync(fd)
+os.fsync = fsync
+"""
+
+
+def test_a_training_killed_at_any_write_leaves_its_last_good_state(tmp_path):
+    """kill -9 in the middle of each of a training's writes (the answers, then per epoch the head, its
+    config, the optimizer and the progress): the folder keeps its last whole files, and the next run
+    resumes and finishes with a head that loads."""
+    from minispec.tools import train_heads as train
+
+    target, prompts, _, _ = tiny_training_target(tmp_path / "target")
+    (tmp_path / "prompts.txt").write_text("".join(json.dumps(p) + "\n" for p in prompts[:8]))
+    code = KILLING + "from minispec.tools import train_heads; sys.exit(train_heads.main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for kill_at in (1, 3, 5, 8):  # the answers; epoch 1's config and progress; epoch 2's optimizer
+        out = tmp_path / f"head{kill_at}"
+        argv = ["--target", str(tmp_path / "target"), "--out", str(out), "--kind", "medusa", "--heads", "2",
+                "--epochs", "2", "--no-chat", "--max-new-tokens", "16", "--prompts", str(tmp_path / "prompts.txt")]
+        killed = subprocess.run([sys.executable, "-c", code, *argv], env={**env, "KILL_AT": str(kill_at)},
+                                capture_output=True, text=True, timeout=300)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        finished = subprocess.run([sys.executable, "-m", "minispec.tools.train_heads", *argv], env=env,
+                                  capture_output=True, text=True, timeout=300)
+        assert finished.returncode == 0, (kill_at, finished.stderr[-2000:])
+        assert json.loads((out / "training" / "progress.json").read_text())["epochs_done"] == 2
+        minispec.load_draft_head(out, target)

@@ -3,11 +3,15 @@ decisions for known α and timings, early stopping on the draft's confidence, pr
 steps, and end to end on tiny pairs whose α is controlled."""
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import make_reference, save_reference
+from test_heads import KILLING, ROOT
 
 import minispec
 from minispec.decoding import costs, drafters, policy, profiles, rates
@@ -681,3 +685,27 @@ def test_stored_tree_costs_and_rates_are_checked():
                       ("modes", {"chain": [0.0] * 2, "tree": [0.0] * 2, "plain": [0.0] * 2})]:
         with pytest.raises(ValueError, match="out of range"):
             profiles.check({**values, name: bad}, policy.GAMMA_MAX + 2)
+
+
+def test_a_profile_write_killed_at_any_point_leaves_the_last_whole_file(tmp_path, monkeypatch):
+    """kill -9 in the middle of the Nth of a run of profile writes: the file holds the (N-1)th, whole, and
+    the next run reads it and writes over it."""
+    saving = KILLING + """
+from minispec.decoding import profiles
+for value in range(1, 5):
+    profile = profiles.PairProfile()
+    profile.t_draft = value / 1000
+    profiles.save({"version": profiles.VERSION, "k_max": 4, "pair": "killed"}, profile)
+"""
+    monkeypatch.setenv("MINISPEC_PROFILES", str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    key = {"version": profiles.VERSION, "k_max": 4, "pair": "killed"}
+    for kill_at in (2, 3, 4):
+        killed = subprocess.run([sys.executable, "-c", saving], env={**env, "KILL_AT": str(kill_at)},
+                                capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        profile = profiles.PairProfile()
+        assert profiles.load(key, profile) and profile.t_draft == (kill_at - 1) / 1000
+        profile.t_draft = 0.5
+        profiles.save(key, profile)
+        assert profiles.load(key, profiles.PairProfile())

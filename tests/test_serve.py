@@ -676,3 +676,13 @@ def test_only_the_server_imports_the_asgi_stack():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(name.split(".")[0] in ("starlette", "uvicorn") for name in names), file
+
+
+def test_a_body_longer_than_the_context_can_hold_is_refused_untokenized(client, monkeypatch):
+    """A body beyond what a prompt of the server's context can spell is refused (413) before its prompt
+    is tokenized (which costs far more time and memory than the body)."""
+    bound = app_module.body_bound(client.scheduler)
+    assert bound < app_module.MAX_BODY_BYTES
+    monkeypatch.setattr(client.scheduler.target.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    reply = client.post("/v1/completions", json={"prompt": "x" * bound})
+    assert reply.status_code == 413 and f"larger than {bound} bytes" in reply.json()["error"]["message"]

@@ -169,3 +169,32 @@ def test_stored_slices_dequantize_to_the_float_slices():
                 assert torch.equal(quant.dequantize(sliced), take(whole, dim, sizes, rank, 2)), (name, rank, dim)
     with pytest.raises(ValueError, match="its 4 groups of 32 columns do not split evenly over tp=3"):
         take_stored(forms["int4"], 1, None, 0, 3, "w")
+
+
+def test_a_rank_that_never_joins_is_a_bounded_wait(checkpoints, tmp_path):
+    """Rank 0 of 2 launched alone (rank 1 never comes): it waits MINISPEC_TP_TIMEOUT seconds, then
+    exits 2 with one line naming the wait, the setting and the ranks that came; no hang, no traceback."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MINISPEC_TP_TIMEOUT": "3"}
+    result = subprocess.run([sys.executable, "run.py", "--target", checkpoints[0]["families"]["llama"][0],
+                             "--prompt-ids", "1,2", "--device", "cpu", "--tp", "2"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT, env=env)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "waited 3 s (MINISPEC_TP_TIMEOUT)" in errors[0] and "1/2" in errors[0], errors
+    assert "Traceback" not in result.stderr
+
+
+def test_a_bad_join_timeout_is_refused_before_joining(checkpoints, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MINISPEC_TP_TIMEOUT", "never")
+    assert run.main(["--target", checkpoints[0]["families"]["llama"][0], "--prompt-ids", "1,2", "--device", "cpu",
+                     "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MINISPEC_TP_TIMEOUT='never' must be a number of seconds" in err, err
+    assert not torch.distributed.is_initialized()

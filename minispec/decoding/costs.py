@@ -213,7 +213,8 @@ class VerifyCost:
         det = a * d - b * b
         self.slope = max((a * uys - b * ys) / det, 0.0)  # a wider forward never costs less
         self.level = (ys - b * self.slope) / a
-        ratio = y * self.one / self.on_line(width)
+        on_line = self.on_line(width)  # 0 after steps timed at 0 s or less (a draft's time above its step's)
+        ratio = y * self.one / on_line if on_line > 0 else 0.0
         if 1 / CORRECTION_MAX < ratio < CORRECTION_MAX:  # else a stall, not the width's shape
             for ratios in self.corrections.values():
                 ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]

@@ -146,6 +146,8 @@ def save(key, profile):
         try:
             with os.fdopen(handle, "w") as f:
                 f.write(text)
+                f.flush()
+                os.fsync(f.fileno())  # on the disk before it takes the old file's place
             os.replace(temporary, path)
         except BaseException:
             os.unlink(temporary)

@@ -6,16 +6,19 @@ target, with its own output head; medusa.py: K heads each guessing one position 
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..api import available_memory
 from ..loading import builtin
 from ..loading.checkpoint import check_shapes
 from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
 from ..models import quant
 from ..models.base import CachedLM, pack_linears
+from ..models.hf_config import COUNT, get
 from . import eagle, eagle3, medusa
 
 KINDS = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa}
@@ -74,6 +77,23 @@ def build(kind, hf, target):
         return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target)
 
 
+def check_size(kind, hf, target):
+    """A ValueError naming config.json's fields when the head they ask for needs more memory than is free:
+    refused before it is built (a billion Medusa heads, built as modules one by one, would take hours)."""
+    dim, vocab, size = target.hidden_size, target.vocab_size, target.dtype.itemsize
+    if kind == "medusa":
+        n_heads, n_layers = medusa.config_from_hf(hf)
+        need, fields = n_heads * (n_layers * (dim * dim + dim) + dim * vocab) * size, "medusa_num_heads, medusa_num_layers"
+    else:  # an EAGLE head's layers, each about its attention (4 dim x dim) and MLP (3 dim x intermediate)
+        n_layers, wide = get(hf, "num_hidden_layers", COUNT, 1), get(hf, "hidden_size", COUNT, dim)
+        layer = 4 * wide * wide + 3 * wide * get(hf, "intermediate_size", COUNT, 4 * wide)
+        need, fields = n_layers * layer * size, "num_hidden_layers, hidden_size, intermediate_size"
+    free = available_memory(target.device)
+    if free is not None and need > free:
+        raise ValueError(f"{fields} ask for a head of {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+                         "free")
+
+
 def load_draft_head(path, target, quantize="auto"):
     """The draft head in directory `path` (config.json and safetensors weights), for `target` (a loaded
     minispec model: the head reads its states, embedding and output head), on the target's device.
@@ -96,6 +116,7 @@ def load_draft_head(path, target, quantize="auto"):
                 "safetensors only. Convert it once where you trust it: python -c \"import torch, safetensors.torch "
                 f"as s; s.save_file(torch.load('{pickles[0]}'), 'model.safetensors')\"")
     try:
+        check_size(kind, hf, target)
         head = build(kind, hf, target)
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
@@ -128,10 +149,13 @@ def load_weights(head, directory, assign=False):
 
 
 def replace_whole(file, write):
-    """write(path) into a .partial file beside `file`, then put it in `file`'s place: an interrupted
-    write never leaves half a file under the real name."""
+    """write(path) into a .partial file beside `file`, on the disk (fsync), then put it in `file`'s place:
+    a process killed at any moment, or a machine that goes down, never leaves half a file under the real
+    name."""
     partial = Path(f"{file}.partial")
     write(partial)
+    with open(partial, "rb+") as written:
+        os.fsync(written.fileno())
     partial.replace(file)
 
 

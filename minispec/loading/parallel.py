@@ -7,6 +7,7 @@ CPU. The sharding itself is models/tp.py's.
 
 import atexit
 import gc
+import math
 import os
 from datetime import timedelta
 
@@ -16,6 +17,9 @@ import torch.distributed as dist
 from ..models.tp import TensorParallel
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+# Seconds a rank waits for the others to join (MINISPEC_TP_TIMEOUT): a rank that never comes is an error,
+# not a hang; as long as torch's default, for ranks that load a large checkpoint first.
+JOIN_TIMEOUT = 600
 
 
 def env_int(name):
@@ -24,6 +28,18 @@ def env_int(name):
         return None if value is None else int(value)
     except ValueError:
         raise ValueError(f"tp: the environment variable {name}={value!r} is not an integer") from None
+
+
+def join_timeout():
+    """MINISPEC_TP_TIMEOUT in seconds (default JOIN_TIMEOUT), checked."""
+    value = os.environ.get("MINISPEC_TP_TIMEOUT", str(JOIN_TIMEOUT))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < 1e6:
+        raise ValueError(f"tp: MINISPEC_TP_TIMEOUT={value!r} must be a number of seconds in (0, 1e6)")
+    return seconds
 
 
 def launch(tp, device):
@@ -50,6 +66,7 @@ def launch(tp, device):
                              "(RANK and WORLD_SIZE are not set)")
     if world != tp:
         raise ValueError(f"tp={tp} but {world} processes were launched (WORLD_SIZE); they must be equal")
+    join_timeout()
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"tp={tp} on cuda runs over NCCL, which needs GPUs, and CUDA is not available on "
@@ -67,9 +84,10 @@ def launch(tp, device):
     return world, device
 
 
-def join(device, timeout=None):
-    """The TensorParallel of this process: the default group (joined here when the launcher has not),
-    and for host values under NCCL a gloo group beside it (made once)."""
+def join(device):
+    """The TensorParallel of this process: the default group (joined here when the launcher has not,
+    waiting at most MINISPEC_TP_TIMEOUT seconds for every rank), and for host values under NCCL a gloo
+    group beside it (made once)."""
     global host_group, joined
     if not joined:
         # Garbage in reference cycles still holding the collectives' objects, destroyed in the
@@ -82,7 +100,14 @@ def join(device, timeout=None):
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timeout or timedelta(minutes=10), **kwargs)
+        seconds = join_timeout()
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=seconds), **kwargs)
+        except dist.DistError as error:  # the store's own words say how many ranks came
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"tp: rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} waited "
+                             f"{seconds:g} s (MINISPEC_TP_TIMEOUT) at {os.environ.get('MASTER_ADDR')}:"
+                             f"{os.environ.get('MASTER_PORT')} for ranks that did not join: {reason}") from None
     if backend == "gloo":
         return TensorParallel(dist.group.WORLD)
     if host_group is None:

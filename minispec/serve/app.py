@@ -4,6 +4,7 @@ queues a Job, and answers with the job's outcome, or streams it as server-sent e
 verified step; a client that goes away cancels its job."""
 
 import asyncio
+import ctypes
 import json
 import logging
 import secrets
@@ -13,6 +14,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -21,9 +23,11 @@ from .scheduler import Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
 
-# Prompts are bounded by the context, but a body is read before it is parsed: a bound keeps a client
-# from filling the memory (JSON escapes make text up to 6x longer).
+# Prompts are bounded by the context, but a body is read (and a prompt tokenized) before it is checked: a
+# bound keeps a client from filling the memory. The bound is also what the context can hold (body_bound).
 MAX_BODY_BYTES = 16 * 2**20
+TRIM_AFTER_BYTES = 2**16  # bodies after which release_memory runs
+MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 
 
 def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=None):
@@ -32,7 +36,7 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
     request must carry (None: none needed)."""
     if scheduler.target.tokenizer is None:
         raise ValueError(f"{scheduler.target.name} has no tokenizer files: the server reads and writes text")
-    server = Handlers(scheduler, model_name, draft_name)
+    server = Handlers(scheduler, model_name, draft_name, body_bound(scheduler))
 
     def guarded(handler):
         async def endpoint(request):
@@ -69,14 +73,16 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
 class Handlers:
     """The endpoints, over one scheduler."""
 
-    def __init__(self, scheduler, model_name, draft_name):
-        self.scheduler, self.model_name, self.draft_name = scheduler, model_name, draft_name
+    def __init__(self, scheduler, model_name, draft_name, max_body):
+        self.scheduler, self.model_name, self.draft_name, self.max_body = scheduler, model_name, draft_name, max_body
         self.started = int(time.time())
 
     async def complete(self, request, chat):
-        body = await read_json(request)
-        # Tokenizing a long prompt takes a while: off the event loop, which streams the others' replies.
-        parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
+        body, size = await read_json(request, self.max_body)
+        try:  # tokenizing a long prompt takes a while: off the event loop, which streams the others' replies
+            parsed = await run_in_threadpool(parse, body, chat, self.scheduler, self.model_name)
+        finally:
+            release_memory(size)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
         def deliver(event):  # on the scheduler's thread
@@ -147,16 +153,43 @@ class Handlers:
         return JSONResponse({"status": "stopping" if self.scheduler.stopping else "ok", **self.scheduler.load})
 
 
-async def read_json(request):
+def body_bound(scheduler):
+    """The largest body a request that fits the context can need: a token spells at most its longest
+    token's characters (4x for a normalizer that composes characters), a character takes at most 12 bytes
+    of JSON (an escaped surrogate pair), and 1 MiB for the other fields. Larger ones are refused unread,
+    never tokenized (which takes far more time and memory than the body itself)."""
+    tokenizer = scheduler.target.tokenizer
+    longest = max(map(len, tokenizer.id_to_token.values()))
+    return 48 * longest * scheduler.max_length + 2**20
+
+
+async def read_json(request, max_body):
+    max_body = min(max_body, MAX_BODY_BYTES)
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     try:
-        return json.loads(body, parse_constant=refuse_constant)
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body:
+                raise RequestError(413, f"the request body is larger than {max_body} bytes")
+    except ClientDisconnect:  # nobody reads the reply
+        raise RequestError(499, "the client went before its body was sent") from None
+    try:
+        return json.loads(body, parse_constant=refuse_constant), len(body)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python recurses
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
+
+
+def release_memory(size):
+    """Give the C heap's free pages back to the system after a large body, and at most once a second
+    otherwise. Bodies are parsed and tokenized on the thread pool's threads, each with its own glibc
+    arena, which keeps what they freed: without this the resident memory grows with every barrage."""
+    global trimmed
+    if MALLOC_TRIM is not None and (size > TRIM_AFTER_BYTES or time.monotonic() > trimmed + 1):
+        MALLOC_TRIM(0)
+        trimmed = time.monotonic()
+
+
+trimmed = 0.0  # when release_memory last trimmed
 
 
 def refuse_constant(name):

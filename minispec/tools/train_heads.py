@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from minispec import CheckpointError, chat_prompt, generate, load
@@ -490,8 +491,11 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     data_file = state / "data.safetensors"
     taps = eagle3.training_taps(len(target.layers)) if kind == "eagle3" else None
     if data_file.is_file():  # a resumed run: its answers are kept, their states (gigabytes) are not
-        sequences = load_data(data_file)
-        records = record(target, sequences, taps)
+        with resuming(out):
+            sequences = load_data(data_file)
+            if not sequences or max(int(tokens.max()) for tokens, _ in sequences) >= target.vocab_size:
+                raise ValueError(f"{data_file} holds no answers, or token ids of another target")
+        records = None  # recorded once the resume files are read: a run that cannot resume fails at once
     else:
         chat = chat and target.tokenizer is not None and target.tokenizer.chat_template is not None
         prompts = prompts or default_prompts(target, chat, generator, batch_size)
@@ -501,6 +505,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
+    records = record(target, sequences, taps) if records is None else records
     loss_of = {"eagle": eagle_loss, "eagle3": eagle3_loss, "medusa": medusa_loss}[kind]
     longest = max(len(s) for s, _ in sequences) + 32 + TTT_STEPS  # RoPE's positions: whole key blocks, unrolled steps
     held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
@@ -588,18 +593,37 @@ def optimizer_tensors(optimizer):
 
 
 def resume(out, head, optimizer):
-    """Epochs an earlier run finished in `out`, after loading its head and optimizer state (0: none)."""
+    """Epochs an earlier run finished in `out`, after loading its head and optimizer state (0: none); a
+    CheckpointError naming the file when what is there cannot be resumed from."""
     progress_file = out / "training" / "progress.json"
     if not progress_file.is_file():
         return 0
-    done = json.loads(progress_file.read_text())["epochs_done"]
-    load_weights(head, out)  # copied in: the optimizer holds these parameters
-    saved = load_file(out / "training" / "optimizer.safetensors")
-    for i, parameter in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}
-        if state:
+    with resuming(out):
+        progress = json.loads(progress_file.read_text())
+        done = progress["epochs_done"]
+        if progress["kind"] != head.kind or not (isinstance(done, int) and done >= 0):
+            raise ValueError(f"{progress_file} is a {progress['kind']} head's, not this {head.kind} head's")
+        load_weights(head, out)  # copied in: the optimizer holds these parameters
+        saved = load_file(out / "training" / "optimizer.safetensors")
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        for i, parameter in enumerate(parameters):
+            state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}
+            if not state or any(value.dim() and value.shape != parameter.shape for value in state.values()):
+                raise ValueError(f"{out}/training/optimizer.safetensors is another head's (parameter {i})")
             optimizer.state[parameter] = state
+        if len({name.split(".", 1)[0] for name in saved}) != len(parameters):
+            raise ValueError(f"{out}/training/optimizer.safetensors is another head's (its parameter count)")
     return done
+
+
+@contextmanager
+def resuming(out):
+    """An unreadable resume file (missing, cut short, another head's) as one CheckpointError."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, RuntimeError) as error:
+        raise CheckpointError(f"cannot resume the training in {out} ({error}); remove {out / 'training'} to start "
+                              "afresh") from None
 
 
 def parse_args(argv):
