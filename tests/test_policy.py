@@ -242,6 +242,17 @@ def test_no_probe_where_even_perfect_guesses_would_not_pay():
     assert chooser.could_pay() is True and chooser.guesses() == 1
 
 
+def test_a_step_timed_at_zero_or_less_measures_nothing():
+    """Under load a step's own time (its whole time less its draft's) can come out at 0 s or less: such a
+    step leaves the verify line as it was, so no width is priced as free (a division by zero failed a
+    server's batch)."""
+    verify = costs.VerifyCost([0.0, *STEEP])
+    before = verify.line()
+    for seconds in (0.0, -0.01, -1.0):
+        verify.add(3, seconds)
+    assert verify.line() == before and all(verify(w) > 0 for w in range(1, 9))
+
+
 def test_plain_steps_count_toward_a_probe_across_requests():
     """Many short requests (a server's) must not lock the pair out of speculating for good: the pair's
     α is low, so each request starts with plain steps, but a probe comes after 8 of them in all."""

@@ -203,7 +203,10 @@ class VerifyCost:
         return [0.0] + [self(w) for w in range(1, len(self.added))]
 
     def add(self, width, seconds):
-        """A step verified `width` tokens in `seconds` (see OUTLIER)."""
+        """A step verified `width` tokens in `seconds` (see OUTLIER); a step timed at 0 s or less (its
+        draft timed longer than the whole step, on a busy machine) measures nothing."""
+        if seconds <= 0:
+            return
         y = min(seconds, OUTLIER * self(width)) / self.one
         self.sums = [s * TIME_DECAY for s in self.sums]
         self.add_point(self.extra(width), y, weight=1.0)
@@ -213,8 +216,7 @@ class VerifyCost:
         det = a * d - b * b
         self.slope = max((a * uys - b * ys) / det, 0.0)  # a wider forward never costs less
         self.level = (ys - b * self.slope) / a
-        on_line = self.on_line(width)  # 0 after steps timed at 0 s or less (a draft's time above its step's)
-        ratio = y * self.one / on_line if on_line > 0 else 0.0
+        ratio = y * self.one / self.on_line(width)
         if 1 / CORRECTION_MAX < ratio < CORRECTION_MAX:  # else a stall, not the width's shape
             for ratios in self.corrections.values():
                 ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]

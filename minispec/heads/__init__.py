@@ -18,7 +18,7 @@ from ..loading.checkpoint import check_shapes
 from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
 from ..models import quant
 from ..models.base import CachedLM, pack_linears
-from ..models.hf_config import COUNT, get
+from ..models.checks import COUNT, check
 from . import eagle, eagle3, medusa
 
 KINDS = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa}
@@ -85,8 +85,8 @@ def check_size(kind, hf, target):
         n_heads, n_layers = medusa.config_from_hf(hf)
         need, fields = n_heads * (n_layers * (dim * dim + dim) + dim * vocab) * size, "medusa_num_heads, medusa_num_layers"
     else:  # an EAGLE head's layers, each about its attention (4 dim x dim) and MLP (3 dim x intermediate)
-        n_layers, wide = get(hf, "num_hidden_layers", COUNT, 1), get(hf, "hidden_size", COUNT, dim)
-        layer = 4 * wide * wide + 3 * wide * get(hf, "intermediate_size", COUNT, 4 * wide)
+        n_layers, wide = check(hf, "num_hidden_layers", COUNT, 1), check(hf, "hidden_size", COUNT, dim)
+        layer = 4 * wide * wide + 3 * wide * check(hf, "intermediate_size", COUNT, 4 * wide)
         need, fields = n_layers * layer * size, "num_hidden_layers, hidden_size, intermediate_size"
     free = available_memory(target.device)
     if free is not None and need > free:
