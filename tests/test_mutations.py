@@ -10,6 +10,7 @@ A short fixed search runs with the suite; a long one by hand, e.g.
 """
 
 import collections
+import copy
 import gc
 import json
 import math
@@ -133,8 +134,14 @@ def copy_of(directory, into):
     return target
 
 
+def fresh(value):
+    """A value of its own: Hypothesis may hand one object to two mutations, which would nest it in itself."""
+    return value if value is DELETE else copy.deepcopy(value)
+
+
 def mutate(table, mutations):
     for key, value in mutations:
+        value = fresh(value)
         table.pop(key, None) if value is DELETE else table.__setitem__(key, value)
     return table
 
@@ -290,7 +297,7 @@ def mutated_safetensors(data, mutations):
     names = sorted(name for name in header if name != "__metadata__")
     raw, shift = None, 0
     for kind, index, value in mutations:
-        name = names[index % len(names)]
+        name, value = names[index % len(names)], fresh(value)
         if kind in ("dtype", "shape", "data_offsets") and isinstance(header.get(name), dict):
             header[name][kind] = value
         elif kind == "entry":
@@ -338,6 +345,7 @@ TOKENIZER_VALUES = st.one_of(
 def set_path(table, path, value):
     """table with the value at `path` (keys and list indices) replaced; a path that is not there is no change."""
     *inner, last = path
+    value = fresh(value)
     for key in inner:
         if isinstance(table, dict) and key in table or isinstance(table, list) and isinstance(key, int) and key < len(table):
             table = table[key]
