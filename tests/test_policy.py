@@ -253,6 +253,18 @@ def test_a_step_timed_at_zero_or_less_measures_nothing():
     assert verify.line() == before and all(verify(w) > 0 for w in range(1, 9))
 
 
+def test_the_verify_line_never_prices_a_width_at_zero():
+    """A line whose wider forward was timed faster than a narrower one, then steps timed in busy moments
+    (tiny at one token, long at three): every width still costs more than nothing, and no less than a
+    narrower one (a server's batch failed on a division by zero)."""
+    verify = costs.VerifyCost([0.0, 1.0, 0.5, 2.0])
+    for _ in range(200):
+        verify.add(1, 1e-6)
+        verify.add(3, 10.0)
+    line = verify.line()[1:]
+    assert all(t > 0 for t in line) and line == sorted(line)
+
+
 def test_plain_steps_count_toward_a_probe_across_requests():
     """Many short requests (a server's) must not lock the pair out of speculating for good: the pair's
     α is low, so each request starts with plain steps, but a probe comes after 8 of them in all."""

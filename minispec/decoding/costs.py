@@ -5,6 +5,7 @@ shared and time nothing, so a pair new to a batch is timed up front (`calibrate`
 model's step on a GPU, where reading its time would be a host sync.
 """
 
+import itertools
 import time
 from typing import NamedTuple
 
@@ -17,6 +18,9 @@ PRIOR_SLOPE = {"cpu": 0.1, "cuda": 0.01}
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running average of t_draft (~10 steps)
 TIME_DECAY = 0.9  # per step, so that the verify costs follow the last ~10 steps
 SHAPE_PRIOR = 0.1  # how firmly the widths keep the line's ratios while steps at one width cannot tell
+# A 1-token verify never costs less than this share of the line's own: a fit to steps timed in a busy
+# moment could reach 0 or below, pricing guesses as free (and dividing by zero).
+LEVEL_MIN = 0.01
 # A width's own correction to the line starts at none, as if from this many steps on the line, and
 # follows the last ~20 steps of any width, since trees that vary the width time each one seldom.
 CORRECTION_PRIOR, CORRECTION_DECAY = 1.0, 0.95
@@ -174,7 +178,8 @@ class VerifyCost:
 
     def __init__(self, line):
         self.one = line[1]
-        self.added = [0.0] + [t / self.one - 1.0 for t in line[1:]]  # u(w)
+        # u(w), never below a narrower width's: a wider forward never costs less than a narrower one
+        self.added = [0.0] + list(itertools.accumulate((max(t / self.one - 1.0, 0.0) for t in line[1:]), max))
         self.sums = [0.0] * 5  # decayed sums over the steps of 1, u, u², y, u·y
         for u in (0.0, self.added[-1]):
             self.add_point(u, 1.0 + u, weight=0.5 / (1.0 - TIME_DECAY))
@@ -215,7 +220,7 @@ class VerifyCost:
         a, b, d = ones + SHAPE_PRIOR, us - SHAPE_PRIOR, uus + SHAPE_PRIOR
         det = a * d - b * b
         self.slope = max((a * uys - b * ys) / det, 0.0)  # a wider forward never costs less
-        self.level = (ys - b * self.slope) / a
+        self.level = max((ys - b * self.slope) / a, LEVEL_MIN)
         ratio = y * self.one / self.on_line(width)
         if 1 / CORRECTION_MAX < ratio < CORRECTION_MAX:  # else a stall, not the width's shape
             for ratios in self.corrections.values():
