@@ -4,7 +4,6 @@ queues a Job, and answers with the job's outcome, or streams it as server-sent e
 verified step; a client that goes away cancels its job."""
 
 import asyncio
-import ctypes
 import json
 import logging
 import secrets
@@ -19,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .protocol import Reply, RequestError, parse
-from .scheduler import Job, QueueFull, ShuttingDown
+from .scheduler import MALLOC_TRIM, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
 
@@ -27,7 +26,6 @@ log = logging.getLogger("minispec.serve")
 # bound keeps a client from filling the memory. The bound is also what the context can hold (body_bound).
 MAX_BODY_BYTES = 16 * 2**20
 TRIM_AFTER_BYTES = 2**16  # bodies after which release_memory runs
-MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 
 
 def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=None):

@@ -7,6 +7,7 @@ gets what minispec.generate gives it alone.
 Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: ("text",
 piece) per step, then ("end", piece, Outcome), or ("error", status, message)."""
 
+import ctypes
 import logging
 import threading
 from collections import deque
@@ -16,6 +17,8 @@ from itertools import count
 from .. import api
 from ..decoding import engine
 from ..decoding.drafters import make_drafter
+
+MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 
 log = logging.getLogger("minispec.serve")
 
@@ -171,6 +174,8 @@ class Scheduler:
         """engine.decode's source: up to `free` waiting jobs as (index, request); while the batch is
         empty (`wait`), blocks until one comes or the server stops."""
         with self.changed:
+            if wait and not self.waiting and MALLOC_TRIM is not None:
+                MALLOC_TRIM(0)  # idle: the pages the batch's requests freed go back to the system
             while wait and not self.waiting and not self.stopping:
                 self.changed.wait()
             jobs = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
