@@ -20,9 +20,9 @@ from minispec.cli import (
     load_models,
     read_prompts_file,
     settings_of,
-    token_ids,
     tp_rank,
 )
+from minispec.api import token_ids
 from minispec.loading import parallel
 from minispec.loading.chat import chat_prompt
 from minispec.loading.tokenizer import IncrementalDecoder

@@ -16,7 +16,8 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from .api import Chunk, Generation, Settings, generate, load, stream  # noqa: E402
-from .decoding.sampling import Sampling, SettingError  # noqa: E402
+from .decoding.sampling import Sampling  # noqa: E402
+from .models.checks import SettingError  # noqa: E402
 from .heads import load_draft_head  # noqa: E402
 from .loading.chat import chat_prompt  # noqa: E402
 from .loading.checkpoint import CheckpointError  # noqa: E402

@@ -17,11 +17,11 @@ import torch
 from .decoding import beam, engine
 from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
-from .decoding.sampling import (TEMPERATURE, TOP_K, TOP_P, Check, Sampling, SettingError, integer, is_integer,
-                                is_number, is_text)
+from .decoding.sampling import TEMPERATURE, TOP_K, TOP_P, Sampling
 from .decoding.stopping import Stop
 from .decoding.tree import TREE_AUTO, TREE_MAX
 from .loading.checkpoint import load_model
+from .models.checks import Check, SettingError, integer, is_integer, is_number, is_text
 from .loading.tokenizer import IncrementalDecoder
 from .loading.weights import DTYPES
 from .models.llama import Llama

@@ -10,9 +10,9 @@ from dataclasses import fields
 
 import torch
 
-from .api import Settings, gamma_setting, token_ids, tree_setting  # noqa: F401 (the command lines' argument types)
+from .api import Settings
 from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
-from .decoding.sampling import is_integer
+from .models.checks import is_integer
 from .heads import is_head_dir, load_draft_head
 from .loading.checkpoint import load_model
 from .loading.weights import DTYPES

@@ -5,7 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 import minispec.decoding.sampling
-from minispec.decoding.sampling import TEMPERATURE_MIN, Sampling, SettingError, adjust, sample
+from minispec.decoding.sampling import TEMPERATURE_MIN, Sampling, adjust, sample
+from minispec.models.checks import SettingError
 from minispec.decoding.speculative import accept_and_resample
 
 VOCAB = 10

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from .costs import graphs_met, reads_on_host
 from .drafters import ModelDrafter
-from .sampling import Sampling, is_integer
+from ..models.checks import is_integer
+from .sampling import Sampling
 
 
 def check_settings(w, u, target, drafter, sampling, lenience):

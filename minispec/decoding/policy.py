@@ -27,7 +27,7 @@ from .costs import VerifyCost, agreed, calibrate, new_pair, reads_on_host, refin
 from .drafters import TREE_WIDTH
 from .profiles import PROBE_AFTER, PROBE_MAX, PairProfile
 from .rates import Rate, Seen, carried, count, shrunk
-from .sampling import is_integer
+from ..models.checks import is_integer
 from .tree import TREE_AUTO, chain_length, depths
 
 GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses: the longest fixed γ it was measured against

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The one check of a value from outside, which Settings, run.py and the server import from here too.
-from ..models.checks import Check, SettingError, integer, is_integer, is_number, is_text  # noqa: F401
+# The sampling settings are checked by the one check of a value from outside (models/checks.py).
+from ..models.checks import Check, integer, is_number
 
 
 # Below this a temperature is refused, not rounded to greedy: dividing logits by it overflows towards

@@ -7,7 +7,8 @@ import math
 import os
 import sys
 
-from ..cli import add_model_flags, gamma_setting, load_models, tree_setting
+from ..api import gamma_setting, tree_setting
+from ..cli import add_model_flags, load_models
 from .scheduler import Scheduler
 
 try:

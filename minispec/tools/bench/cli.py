@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from minispec.cli import gamma_setting, token_ids, tree_setting
+from minispec.api import gamma_setting, token_ids, tree_setting
 from minispec.loading.weights import DTYPES
 from minispec.models import quant
 
