@@ -1,8 +1,8 @@
 """Find a checkpoint (local directory or Hugging Face hub id), read its config and safetensors
 weights, and build the matching minispec model.
 
-A family module (minispec/models/<family>.py) provides three things, registered in FAMILIES:
-a config class with `from_hf(config_json: dict)` (its values checked with models.checks) and
+A family module (minispec/models/<family>.py), registered by name in FAMILIES, ends with its FAMILY
+(models.base.Family) of three things: a config class with `from_hf(config_json: dict)` (its values checked with models.checks) and
 `LAYER_STACKS` (where its layer counts show in tensor names), the model class (a CachedLM) built from that
 config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to the model's own.
 
@@ -13,14 +13,15 @@ gives its own, as they are.
 
 import ctypes
 import hashlib
+import importlib
 import re
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from ..models import gpt2, llama, quant, t5, tp as tensor_parallel
-from ..models.base import pack_linears
+from ..models import quant, tp as tensor_parallel
+from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
 from ..native import install as install_backend
 from . import builtin, parallel
@@ -28,14 +29,13 @@ from .hub import download_from_hub
 from .tokenizer import load_tokenizer
 from .weights import CheckpointError, read_config, read_dtypes, read_weights, weight_files
 
-FAMILIES = {
-    "gpt2": (gpt2.GPT2Config, gpt2.GPT2, gpt2.convert_hf_weights),
-    "llama": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
-    "mistral": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
-    "qwen2": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
-    "qwen3": (llama.LlamaConfig, llama.Llama, llama.convert_hf_weights),
-    "t5": (t5.T5Config, t5.T5, t5.convert_hf_weights),
-}
+# model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
+# its own family's code.
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "t5": "t5"}
+
+
+def family(model_type) -> Family:
+    return importlib.import_module(f"minispec.models.{FAMILIES[model_type]}").FAMILY
 
 
 def resolve_checkpoint(name_or_path, keep_quantized=False):
@@ -164,7 +164,7 @@ def read_checkpoint(directory, world=None):
         raise CheckpointError(
             f"{directory}: unknown model_type {model_type!r}; minispec supports {', '.join(sorted(FAMILIES))}"
         )
-    config_class, model_class, convert = FAMILIES[model_type]
+    config_class, model_class, convert = family(model_type)
     files = weight_files(directory)
     dtypes = read_dtypes(files)
     try:

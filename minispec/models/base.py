@@ -60,6 +60,13 @@ def compiled_width(n):
     return 1 << (n - 1).bit_length()
 
 
+class Family(NamedTuple):
+    """What a family module gives the loader (loading/checkpoint.py)."""
+    config: type  # from_hf(config.json's dict) -> the config; LAYER_STACKS
+    model: type  # a CachedLM built from that config
+    convert: object  # convert_hf_weights(state_dict, config) -> the model's own keys
+
+
 class Feed(NamedTuple):
     """What one decode_rows forward feeds: tokens [rows, n], row i at its own cache length lengths[i]
     (host ints), its first widths[i] tokens its own (the rest repeat its last); each row's token tree

@@ -6,7 +6,7 @@ from functools import partial
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear, compile_region
+from .base import CachedLM, Family, Embedding, KVCache, Linear, compile_region
 from .checks import COUNT, FLAG, POSITIVE, TEXT, check
 from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
@@ -168,3 +168,6 @@ def convert_hf_weights(weights, config):
             tensor = tensor.t().contiguous()
         out[name] = tensor
     return out
+
+
+FAMILY = Family(GPT2Config, GPT2, convert_hf_weights)

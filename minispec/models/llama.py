@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm, compile_region
+from .base import CachedLM, Family, Embedding, KVCache, Linear, RMSNorm, compile_region
 from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
 from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
 
@@ -422,3 +422,6 @@ def convert_hf_weights(weights, config):
             fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
             fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
     return out
+
+
+FAMILY = Family(LlamaConfig, Llama, convert_hf_weights)

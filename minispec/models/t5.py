@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, KVCache, Linear, RMSNorm
+from .base import CachedLM, Family, Embedding, KVCache, Linear, RMSNorm
 from .checks import COUNT, FLAG, INDEX, POSITIVE, TEXT, check
 from .kernels import attend, attend_cache, causal_mask, elementwise, padded_rows
 
@@ -441,3 +441,6 @@ def convert_hf_weights(weights, config):
     if "lm_head.weight" not in out and "embed.weight" in out:  # tied checkpoints store the head once
         out["lm_head.weight"] = out["embed.weight"]
     return out
+
+
+FAMILY = Family(T5Config, T5, convert_hf_weights)
