@@ -18,9 +18,19 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 from .api import Chunk, Generation, Settings, generate, load, stream  # noqa: E402
 from .decoding.sampling import Sampling  # noqa: E402
 from .models.checks import SettingError  # noqa: E402
-from .heads import load_draft_head  # noqa: E402
-from .loading.chat import chat_prompt  # noqa: E402
 from .loading.checkpoint import CheckpointError  # noqa: E402
 
 __all__ = ["load", "load_draft_head", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "Settings",
            "SettingError", "CheckpointError"]
+
+
+def __getattr__(name):
+    """What only some calls need, read when first asked for: a float model's generate reads neither the
+    draft heads nor the chat templates (and jinja2)."""
+    if name == "load_draft_head":
+        from .heads import load_draft_head
+        return load_draft_head
+    if name == "chat_prompt":
+        from .loading.chat import chat_prompt
+        return chat_prompt
+    raise AttributeError(f"module 'minispec' has no attribute {name!r}")

@@ -9,12 +9,13 @@ import inspect
 import secrets
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .decoding import beam, engine
+from .decoding import engine
 from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
 from .decoding.sampling import TEMPERATURE, TOP_K, TOP_P, Sampling
@@ -84,9 +85,10 @@ def checked_prompt(model, prompt):
     return ids
 
 
-# A model's KV cache holds its requests' rows, so a model runs one generate() call at a time; `busy`
-# names the thread of the call under way, and this lock makes checking and marking atomic.
+# A model's KV cache holds its requests' rows, so a model runs one generate() call at a time: HOLDERS
+# names the thread of the call under way, by model, and this lock makes checking and marking atomic.
 _claiming = threading.Lock()
+HOLDERS = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -96,23 +98,23 @@ def exclusive(*models):
     garbage collected."""
     with _claiming:
         for model in models:
-            if model.busy == threading.get_ident():
+            if HOLDERS.get(model) == threading.get_ident():
                 raise RuntimeError(
                     f"{model.name} is still held by an unfinished call in this thread (a stream not read to its end: "
                     "finish it or call its close(); or an on_tokens callback): a model runs one request at a time"
                 )
-            if model.busy:
+            if model in HOLDERS:
                 raise RuntimeError(
                     f"{model.name} is already generating in another call: a model runs one request at a time "
                     "(its KV cache holds that request); load one copy of the model per thread"
                 )
         for model in models:
-            model.busy = threading.get_ident()
+            HOLDERS[model] = threading.get_ident()
     try:
         yield
     finally:
         for model in models:
-            model.busy = None
+            HOLDERS.pop(model, None)
 
 
 # A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
@@ -300,6 +302,7 @@ class Request:
                 drafter = make_drafter(settings.draft, target)
         draft_beams = settings.draft_beams
         if settings.searching:
+            from .decoding import beam  # read only by a call that asks for beams
             with named("beams" if settings.beams != 1 else "draft_beams"):
                 draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, settings.sampling,
                                                   settings.lenience)
@@ -463,6 +466,7 @@ def run(requests, rows):
 
 def search(request):
     """A request of (speculative) beam search; its result is known only at the end."""
+    from .decoding import beam  # read only by a call that asks for beams
     target, drafter = request.target, request.drafter
     start = time.perf_counter()
     draft = drafter.model if drafter else None

@@ -40,8 +40,6 @@ import torch
 
 from ..models.base import CachedLM
 from ..models.kernels import to_device
-from ..models.quant import MODES as SELF_DRAFT_MODES
-from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
 from .tree import (DrawnGrowth, Growth, add_path, best_children, best_first, children_of, first_of, likeliest,
                    tree_or_chain)
@@ -69,6 +67,7 @@ class Proposal(NamedTuple):
 
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
+SELF_DRAFT_MODES = ("int8", "int4")  # models.quant's MODES
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
 
@@ -80,6 +79,7 @@ def make_drafter(draft, target):
     if isinstance(draft, str) and draft in SELF_DRAFT_MODES:
         copies = SELF_DRAFTS.setdefault(target, {})
         if draft not in copies:
+            from ..models.quant import quantized_copy  # read only when a self-draft is asked for
             copies[draft] = quantized_copy(target, draft)
             for note in copies[draft].quantization["notes"]:  # layers the int4 kernel cannot take
                 print(f"minispec: draft {copies[draft].name}: {note}", file=sys.stderr)
