@@ -128,7 +128,8 @@ def test_sampled_output_has_the_targets_distribution(vocab16, tree):  # noqa: F8
                                 ignore_eos=True, **settings)
         counts[tuple(out.tokens)] += 1
         outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)
-    for outcome in ("first rejected", "rejected after accepted", "all accepted"):
+    # a tree's root soon offers all three tokens top-k keeps: its first guesses are rarely all rejected
+    for outcome in ("rejected after accepted", "all accepted") + (() if tree else ("first rejected",)):
         assert outcomes[outcome] >= draws // 20, f"{outcome}: {outcomes[outcome]} of {draws} requests"
     assert_sampled_from(counts, joint, draws)
 
