@@ -11,7 +11,7 @@ tree="auto" price it as they price lookup. The guesses are deterministic (q one-
 """
 
 import weakref
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from itertools import islice
 from typing import NamedTuple
 
@@ -19,8 +19,8 @@ from ..models.kernels import to_device
 from .sampling import Sampling
 from .tree import add_path, children_of, first_of, likeliest, tree_or_chain
 
-# The store's budget: each token costs a list slot and an entry in the pair index, ~120 bytes in all
-# (30 MiB at this budget).
+# The store's budget. A token costs its int, a list slot and an entry in the pair index, and a pair seen
+# for the first time a key and a list: ~250 bytes a token in all (~60 MiB at this budget) on varied text.
 STORE_TOKENS = 1 << 18
 MATCH_MAX = 16  # suffix tokens compared: a match this long is as sure as a match gets
 SCANNED = 256  # the latest occurrences of the context's last pair compared, in the store and in the request
@@ -46,7 +46,7 @@ class Texts:
 
     def __init__(self):
         self.texts, self.size = deque(), 0
-        self.pairs = defaultdict(deque)  # (a, b) -> (text, position of b) of each occurrence
+        self.pairs = defaultdict(list)  # (a, b) -> (text, position of b) of each occurrence
 
     def add(self, tokens):
         text = []
@@ -63,11 +63,10 @@ class Texts:
 
     def drop_oldest(self):
         text = self.texts.popleft()
-        for end in range(1, len(text)):
-            places = self.pairs[text[end - 1], text[end]]
-            places.popleft()  # texts are added whole, so the oldest one's occurrences come first
-            if not places:
-                del self.pairs[text[end - 1], text[end]]
+        for pair, n in Counter(zip(text, text[1:])).items():
+            del self.pairs[pair][:n]  # texts are added whole, so the oldest one's occurrences come first
+            if not self.pairs[pair]:
+                del self.pairs[pair]
         self.size -= len(text)
 
     def places(self, context):
