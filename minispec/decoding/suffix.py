@@ -4,10 +4,10 @@ seeing only the current request, cannot use. Each target has one Store in the pr
 output of every request that finished (the server's traffic, a library user's earlier calls), at most
 STORE_TOKENS tokens, the oldest request evicted first. At each step the drafter finds where the
 context's last two tokens occurred, in the store and in the request itself, measures how long a suffix
-of the context each occurrence matches, and counts what followed the longest matches in a trie: its
-most visited path is the chain, its likeliest nodes the tree. A node's confidence is its share of the
-occurrences through its parent times the match length over MATCH_MAX, as lookup's, so gamma="auto" and
-tree="auto" price it as they price lookup. The guesses are deterministic (q one-hot, reported as None).
+of the context each occurrence matches, and counts what followed the longest matches in a trie. A
+node's confidence is its share of the occurrences through its parent times the match length over
+MATCH_MAX, as lookup's, so gamma="auto" and tree="auto" price it as they price lookup; the chain follows
+the surest child from the root, the tree is the trie's likeliest nodes. The guesses are deterministic (q one-hot, reported as None).
 """
 
 import weakref
@@ -17,13 +17,13 @@ from typing import NamedTuple
 
 from ..models.kernels import to_device
 from .sampling import Sampling
-from .tree import add_path, children_of, first_of, likeliest, tree_or_chain
+from .tree import children_of, first_of, likeliest, tree_or_chain
 
 # The store's budget. A token costs its int, a list slot and an entry in the pair index, and a pair seen
 # for the first time a key and a list: ~250 bytes a token in all (~60 MiB at this budget) on varied text.
 STORE_TOKENS = 1 << 18
 MATCH_MAX = 16  # suffix tokens compared: a match this long is as sure as a match gets
-SCANNED = 256  # the latest occurrences of the context's last pair compared, in the store and in the request
+SCANNED = 64  # the latest occurrences of the context's last pair compared, in the store and in the request
 OCCURRENCES = 32  # the continuations counted: the longest matches, the request's own and the latest first
 
 STORES = weakref.WeakKeyDictionary()  # target -> its Store: token ids mean nothing under another vocabulary
@@ -130,13 +130,18 @@ class SuffixDrafter:
         # (the suffix itself is no place: nothing follows it yet)
         places = self.own.places(self.context) + self.store.places(self.context)
         places = sorted(places, key=lambda place: -place.matched)[:OCCURRENCES]
-        tokens, parents, visits, longest = [], [], [], []
+        tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
         for place in places:
-            for node in add_path(tokens, parents, copy_from(place, self.context, k), k * OCCURRENCES):
-                if node == len(visits):  # a new node: the longest match through it comes first
+            at = -1
+            for token in copy_from(place, self.context, k):
+                if (at, token) not in nodes:  # a new node: the longest match through it comes first
+                    nodes[at, token] = len(tokens)
+                    tokens.append(token)
+                    parents.append(at)
                     visits.append(0)
                     longest.append(place.matched)
-                visits[node] += 1
+                at = nodes[at, token]
+                visits[at] += 1
         sure = [visits[j] / (len(places) if parent < 0 else visits[parent]) * longest[j] / MATCH_MAX
                 for j, parent in enumerate(parents)]
         self.counted = len(self.context), k, (tokens, parents, sure)
