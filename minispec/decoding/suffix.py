@@ -7,7 +7,8 @@ context's last two tokens occurred, in the store and in the request itself, meas
 of the context each occurrence matches, and counts what followed the longest matches in a trie. A
 node's confidence is its share of the occurrences through its parent times the match length over
 MATCH_MAX, as lookup's, so gamma="auto" and tree="auto" price it as they price lookup; the chain follows
-the surest child from the root, the tree is the trie's likeliest nodes. The guesses are deterministic (q one-hot, reported as None).
+the surest child from the root, the tree is the trie's likeliest nodes. The guesses are deterministic (q
+one-hot, reported as None).
 """
 
 import weakref
