@@ -209,8 +209,9 @@ class Settings:
                                          "(the most guesses a step's token tree holds) must be 'auto', 'off' or an "
                                          f"integer in [1, {TREE_MAX}] (None: 'off')"),
                            "verify a token tree of up to N guesses per target call instead of a chain (any --draft: "
-                           "ngram, lookup, a model, int8/int4 or a head folder); 'auto' (the default; with --gamma "
-                           "auto): a tree or a chain each step, whichever is expected to be faster; 'off': chains",
+                           "ngram, lookup, suffix, a model, int8/int4 or a head folder); 'auto' (the default; with "
+                           "--gamma auto): a tree or a chain each step, whichever is expected to be faster; 'off': "
+                           "chains",
                            type=tree_setting, metavar="off|auto|N")
     on_states: object = setting(None, Check(optional(callable), "must be a function (i, tokens, states)"))
     state_layers: object = setting(None, None)  # checked against the target (state_layers_of)
@@ -220,8 +221,8 @@ class Settings:
             if spec.metadata["check"] is not None:
                 spec.metadata["check"](spec.name, getattr(self, spec.name))
         if is_integer(self.tree) and not self.drafting:
-            raise SettingError("tree", f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / "
-                                       f"'int4' or a draft head), not {self.draft!r}")
+            raise SettingError("tree", f"token trees need a drafter ('ngram', 'lookup', 'suffix', a draft model, "
+                                       f"'int8' / 'int4' or a draft head), not {self.draft!r}")
         if is_integer(self.tree) and (self.lenience != 1 or self.searching):
             raise SettingError("tree", "token trees are verified exactly (lenience=1), without beams")
         if self.searching and self.stop:
@@ -511,7 +512,7 @@ def with_settings(function):
 
 @with_settings
 def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
-    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
+    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
     "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields, as
     keywords; an invalid one raises SettingError (a ValueError) naming it in its `field`.
 
@@ -525,9 +526,10 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
-    chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "ngram" (the
-    most counted successors), draft models, "int8" / "int4" and draft heads (the continuations they
-    find most probable, grown as EAGLE-2 grows its tree). tree="auto" (the default) lets
+    chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "suffix" (the same,
+    over this process's earlier requests too), "ngram" (the most counted successors), draft models,
+    "int8" / "int4" and draft heads (the continuations they find most probable, grown as EAGLE-2 grows
+    its tree). tree="auto" (the default) lets
     gamma="auto"'s policy choose a tree or a chain each step, whichever it expects more tokens per
     second from (under a fixed gamma: chains, Algorithm 1 as written); "off" or None: chains.
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives

@@ -11,7 +11,7 @@ from dataclasses import fields
 import torch
 
 from .api import Settings
-from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
+from .decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
 from .models.checks import is_integer
 from .heads import is_head_dir, load_draft_head
 from .loading.checkpoint import load_model
@@ -54,9 +54,9 @@ def add_model_flags(parser, draft_default, tensor_parallel=False):
                              "Face hub id")
     parser.add_argument("--draft", default=draft_default,
                         help="a smaller model (as --target), a draft head's folder (python -m "
-                             "minispec.tools.train_heads), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
-                             f"quantized), or 'none' (plain autoregressive decoding with the target); default "
-                             f"{draft_default}")
+                             "minispec.tools.train_heads), 'ngram', 'lookup', 'suffix' (lookup over earlier requests "
+                             "too), 'int8' or 'int4' (the target itself, quantized), or 'none' (plain autoregressive "
+                             f"decoding with the target); default {draft_default}")
     parser.add_argument("--quantize", choices=quant.MODES,
                         help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
                              "tensors as they are)")
@@ -88,8 +88,8 @@ def load_models(args):
 
 def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
                           group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
-    """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup" and
-    "int8"/"int4" (the target's own quantized copy, sharded as the target is) as they are, or a model
+    """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup"/"suffix"
+    and "int8"/"int4" (the target's own quantized copy, sharded as the target is) as they are, or a model
     loaded like the target (same device, dtype; whole on every rank when the target is sharded over
     `tp` processes), quantized as `draft_quantize` says."""
     target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
@@ -99,7 +99,7 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
 
 def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
     """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it)."""
-    if draft in (None, "none") or draft in MODEL_FREE or draft in SELF_DRAFT_MODES:
+    if draft in (None, "none") or draft in MODEL_FREE_NAMES or draft in SELF_DRAFT_MODES:
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
         return None if draft == "none" else draft

@@ -143,6 +143,8 @@ class Row:
             stats["alpha"] = overlap / verified if verified else 0.0
             stats["tokens_per_target_call"] = len(self.tokens) / max(stats["target_calls"], 1)
             stats.update(self.policy.finish())
+            if hasattr(self.drafter, "finish"):  # a drafter that learns from whole requests (decoding/suffix.py)
+                self.drafter.finish(self.tokens)
         return stats
 
 
