@@ -103,7 +103,8 @@ class Row:
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
         accepted = to_device(guesses[:len(path)] + [t], self.unseen.device)
-        return self.advance(Outcome(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes), logprobs))
+        return self.advance(Outcome(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes),
+                                    logprobs))
 
     def count(self, guesses, n, new_tokens, rejected):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's

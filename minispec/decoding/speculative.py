@@ -26,6 +26,7 @@ a chain (tree.py): the target scores every node in the same forward, and the wal
 replaces n's test (walk, sample_walk -> TreeVerdict) runs on the host.
 """
 
+import math
 import time
 from array import array
 from typing import NamedTuple, Optional
@@ -76,7 +77,8 @@ class Outcome(NamedTuple):
 
 class TokenLogprob(NamedTuple):
     """An output token's log-probability (sampling.log_probs: under the distribution it was drawn from),
-    and the k most likely tokens there as (token, log-probability) pairs, best first."""
+    and the k most likely tokens there as (token, log-probability) pairs, best first: fewer where top-k
+    or top-p leave fewer that can be drawn (-inf is no alternative, nor a number JSON can write)."""
     token: int
     logprob: float
     top: list
@@ -224,7 +226,8 @@ def unpack(host, m):
     for i in range(0, len(host), width):
         row = host[i:i + width]
         values = array("f", array("i", row[1:k + 2]).tobytes()).tolist()
-        out.append(TokenLogprob(row[0], values[0], list(zip(row[k + 2:], values[1:]))))
+        top = [(token, value) for token, value in zip(row[k + 2:], values[1:]) if value != -math.inf]
+        out.append(TokenLogprob(row[0], values[0], top))
     return out
 
 
