@@ -37,7 +37,8 @@ def pairs(tmp_path_factory):
     target_dir = save_reference(reference, tmp_path_factory.mktemp("target"))
     draft_dir = save_reference(noisy_copy(reference, seed=1, scale=0.02), tmp_path_factory.mktemp("draft"))
     return {"reference": reference,
-            **{dtype: (minispec.load(target_dir, dtype=dtype), minispec.load(draft_dir, dtype=dtype)) for dtype in DTYPES}}
+            **{dtype: (minispec.load(target_dir, dtype=dtype), minispec.load(draft_dir, dtype=dtype))
+               for dtype in DTYPES}}
 
 
 def speculative(pairs, dtype, drafter, prompt=PROMPT, **settings):

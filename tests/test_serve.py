@@ -474,6 +474,30 @@ def test_neutral_values_of_unsupported_fields_and_text_content_parts_are_accepte
     assert reply.json()["choices"][0]["message"]["content"] == text
 
 
+# Each field an OpenAI client may send, at its default value (issue 64): taken, and changing nothing.
+OPENAI_DEFAULTS = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u",
+                   "temperature": 1, "top_p": 1, "stream": False, "seed": 7, "max_tokens": 6}
+CHAT_DEFAULTS = {**OPENAI_DEFAULTS, "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
+                 "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": [],
+                 "function_call": "auto", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+                 "modalities": ["text"]}
+COMPLETION_DEFAULTS = {**OPENAI_DEFAULTS, "best_of": 1, "echo": False, "suffix": "", "logprobs": None}
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_every_openai_field_is_taken_at_its_default_and_at_null(client, chat):
+    from minispec.serve.protocol import FIELDS
+
+    path, base = ("/v1/chat/completions", {"messages": CHAT}) if chat else ("/v1/completions", {"prompt": PROMPTS[0]})
+    seeded = {**base, "seed": 7, "max_tokens": 6}
+    plain = client.post(path, json=seeded).json()["choices"][0]
+    defaults = client.post(path, json={**base, **(CHAT_DEFAULTS if chat else COMPLETION_DEFAULTS)})
+    nulls = client.post(path, json={**seeded, **{name: None for name in FIELDS[chat] if name not in seeded}})
+    for reply in (defaults, nulls):
+        assert reply.status_code == 200, reply.json()
+        assert reply.json()["choices"][0] == plain
+
+
 @pytest.mark.parametrize("name", ["llama-3.2", "gemma-2"])
 def test_chats_in_other_templates(checkpoints, tmp_path, name):
     """Any template: the checkpoint's, rendered; one that refuses the messages (Gemma 2: no system role) is
