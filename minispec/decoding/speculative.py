@@ -165,7 +165,7 @@ def step(target, rows):
             accepted = torch.cat([x.drafts[:got.n], verdict.t]) if len(x.drafts) else verdict.t
             done = row.advance(Outcome(got.n, got.guesses, got.t, accepted, verdict.overlap, timing,
                                        seen(row, x.drafts, state, list(range(got.n))),
-                                       logprobs=got.logprobs and got.logprobs[:got.n + 1]))
+                                       logprobs=None if got.logprobs is None else got.logprobs[:got.n + 1]))
         else:
             tree = walk(got.guesses, x.parents, got.choices) if row.sampling.greedy else \
                 sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q)
@@ -190,12 +190,12 @@ def to_host(rows, logits, proposals, verdicts):
         parts.append(ids)
     host = torch.cat([part.view(-1) for row in parts for part in row]).tolist()
     out, start = [], 0
-    for row, logprobs, x in zip(parts, asked, proposals):
+    for row, wanted, x in zip(parts, asked, proposals):
         lists = []
         for part in row:
             lists.append(host[start:start + part.numel()])
             start += part.numel()
-        logprobs = unpack(lists.pop(), len(x.drafts) + 1) if logprobs else None
+        logprobs = unpack(lists.pop(), len(x.drafts) + 1) if wanted else None
         if x.parents is None:
             out.append(HostStep(lists[1], lists[0][0], lists[2][0], None, logprobs))
         else:
@@ -204,7 +204,8 @@ def to_host(rows, logits, proposals, verdicts):
 
 
 def emitted(drafts, verdict):
-    """[k + 1]: a chain's token at each verified position if it is emitted: its guess, t after the n accepted."""
+    """[k + 1]: the token a chain emits at each position if it gets there: its guess, and t after the n
+    accepted guesses."""
     return torch.cat([drafts, verdict.t]).scatter(0, verdict.n, verdict.t)
 
 
