@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import make_reference, noisy_copy, save_reference
 from test_run import run_cli
-from test_serve import (CHAT, PROMPTS, alone, checkpoints, expected, make_app, serving,  # noqa: F401 (fixtures)
-                        streamed, uvicorn_serving)
+from test_serve import (CHAT, PROMPTS, Steps, alone, checkpoints, expected, in_threads, make_app,  # noqa: F401
+                        post, queued, serving, streamed, uvicorn_serving)
 from test_speculative import HostSyncs
 
 import minispec
@@ -237,3 +237,24 @@ def test_the_openai_client_reads_the_servers_logprobs(checkpoints, alone):
     completion_out = expected(alone, PROMPTS[0], max_new_tokens=10, logprobs=1, temperature=0.8, seed=4)
     assert completion.choices[0].logprobs.token_logprobs == [entry.logprob for entry in completion_out.logprobs]
 
+
+
+@pytest.mark.parametrize("tree", [None, 4], ids=["chains", "trees"])
+def test_a_batch_mixes_requests_with_and_without_logprobs(checkpoints, alone, monkeypatch, tree):
+    """Rows that ask and rows that do not share steps; each gets what generate gives it alone."""
+    steps = Steps(monkeypatch)
+    bodies = [{"prompt": PROMPTS[0], "logprobs": 2, "temperature": 0.8, "seed": 1, "max_tokens": 12},
+              {"prompt": PROMPTS[1], "temperature": 0, "max_tokens": 12},
+              {"prompt": PROMPTS[3], "logprobs": 0, "temperature": 0, "max_tokens": 12}]
+    with serving(checkpoints, draft="model", rows=3, tree=tree) as client:
+        steps.hold()
+        calls = [post(client, "/v1/completions", body) for body in bodies]
+        steps.open_when(queued(client, 3))
+        replies = [reply.json()["choices"][0] for reply in in_threads(calls)]
+    assert any(len(batch) == 3 for batch in steps.batches)
+    for body, reply in zip(bodies, replies):
+        out = expected(alone, body["prompt"], draft="model", max_new_tokens=12, temperature=body["temperature"],
+                       seed=body.get("seed"), logprobs=body.get("logprobs"), tree=tree)
+        assert reply["text"] == out.text
+        assert (reply["logprobs"] and reply["logprobs"]["token_logprobs"]) == \
+            (out.logprobs and [entry.logprob for entry in out.logprobs])
