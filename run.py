@@ -240,7 +240,8 @@ def print_batch(args, target, prompts, draft, settings, chat):
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
     seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats) for out in outs]))
+        print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats, **logprobs_json(out))
+                          for out in outs]))
         return 0
     for i, out in enumerate(outs):
         print(f"[{i}] " + (out.text if out.text is not None else " ".join(map(str, out.tokens))))
@@ -248,6 +249,11 @@ def print_batch(args, target, prompts, draft, settings, chat):
     print(f"{len(outs)} prompts, {total} new tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s in all)",
           file=sys.stderr)
     return 0
+
+
+def logprobs_json(out):
+    """--logprobs N: each token's {token, logprob, top: [[token, logprob], ...]} (in place of N)."""
+    return {} if out.logprobs is None else {"logprobs": [entry._asdict() for entry in out.logprobs]}
 
 
 def check_flags(args):
@@ -324,7 +330,8 @@ def main(argv=None):
         hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}
         comparison = dict(baseline=baseline.stats, speedup=speedup(out, baseline)) if baseline else {}
         print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
-                              draft=args.draft, chat=chat, **settings, **hypotheses, **comparison)))
+                              draft=args.draft, chat=chat, **{**settings, **logprobs_json(out)}, **hypotheses,
+                              **comparison)))
         return 0
     print(summary(out.stats) + (f"; {speedup_summary(out, baseline)}" if baseline else ""), file=sys.stderr)
     return 0

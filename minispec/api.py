@@ -51,6 +51,9 @@ class Generation:
     # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
     sequences: list = field(default_factory=list)
     scores: list = field(default_factory=list)
+    # With logprobs=k: a TokenLogprob for each token (its log-probability under the distribution it was
+    # drawn from, sampling.log_probs, and the k most likely tokens there), bit for bit plain decoding's.
+    logprobs: list | None = None
 
 
 def prompt_tensor(model, prompt):
@@ -119,6 +122,7 @@ def exclusive(*models):
 
 # A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
 GAMMA_LIMIT = 64
+LOGPROBS_MAX = 20  # the most alternatives a token's log-probabilities list (OpenAI's bound)
 
 
 def setting(value, check, help=None, **flag):
@@ -213,6 +217,10 @@ class Settings:
                            "--gamma auto): a tree or a chain each step, whichever is expected to be faster; 'off': "
                            "chains",
                            type=tree_setting, metavar="off|auto|N")
+    logprobs: int | None = setting(None, Check(optional(integer(0, LOGPROBS_MAX)), "must be None or an integer in "
+                                               f"[0, {LOGPROBS_MAX}] (the alternatives listed per token)"),
+                                   "report each token's log-probability and its N most likely alternatives (--json)",
+                                   type=int, metavar="N")
     on_states: object = setting(None, Check(optional(callable), "must be a function (i, tokens, states)"))
     state_layers: object = setting(None, None)  # checked against the target (state_layers_of)
 
@@ -230,6 +238,9 @@ class Settings:
                                        "use stop_token_ids")
         if self.on_states is None and self.state_layers is not None:
             raise SettingError("state_layers", "state_layers says which states on_states receives: give on_states too")
+        if self.logprobs is not None and self.searching:
+            raise SettingError("logprobs", "logprobs needs decoding without beams (beam search reports its "
+                                           "sequences' scores)")
         if self.on_states is not None and self.searching:
             raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
                                             "sequence of states)")
@@ -285,6 +296,7 @@ class Request:
     tree: object  # Settings.trees
     on_states: object = None  # Settings'
     state_layers: tuple | None = None
+    logprobs: int | None = None  # Settings'
 
     @property
     def reads_states(self):
@@ -319,7 +331,8 @@ class Request:
                                             "return the head's states)")
         return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
-                   settings.trees, settings.on_states, state_layers_of(target, settings.state_layers))
+                   settings.trees, settings.on_states, state_layers_of(target, settings.state_layers),
+                   settings.logprobs)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
@@ -447,22 +460,23 @@ def tree_room(tree):
 @torch.inference_mode()
 def run(requests, rows):
     """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
-    request as (request index, new tokens, segments of the trace, generation): generation is None until
-    the request's last step, then its Generation."""
+    request as (request index, new tokens, their TokenLogprobs (None unless asked), segments of the
+    trace, generation): generation is None until the request's last step, then its Generation."""
     target = requests[0].target
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             for i, request in enumerate(requests):
                 generation = search(request)
-                yield i, generation.tokens, generation.trace, generation
+                yield i, generation.tokens, None, generation.trace, generation
             return
         size_caches(requests, rows)
-        for i, new_tokens, segments, result in engine.decode(target, requests, rows):
+        for i, new_tokens, logprobs, segments, result in engine.decode(target, requests, rows):
             generation = None
             if result is not None:
-                tokens, trace, stats = result
-                generation = Generation(tokens, final_text(target, requests[i].stop, tokens), stats, trace)
-            yield i, new_tokens, segments, generation
+                tokens, trace, stats, all_logprobs = result
+                generation = Generation(tokens, final_text(target, requests[i].stop, tokens), stats, trace,
+                                        logprobs=all_logprobs)
+            yield i, new_tokens, logprobs, segments, generation
 
 
 def search(request):
@@ -536,6 +550,10 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     alone. They are decoded together (minispec.decoding.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after
     another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
+    logprobs=k: Generation.logprobs holds each token's log-probability and its k most likely
+    alternatives (speculative.TokenLogprob), read from the verifying forward: the same numbers as plain
+    decoding's. Sampled, of the distribution drawn from (after temperature, top_k and top_p); greedy, of
+    the model's own softmax.
     on_states(i, tokens, states) is called after each step with the tokens of prompt i the target's
     forward saw and kept (the prompt, then accepted tokens: all but the last output token, which no
     forward sees) and its hidden states at each [len(tokens), dim], computed by the same forwards (for
@@ -558,7 +576,7 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     Check(lambda v: v is None or integer(1)(v), "must be an integer >= 1")("batch_size", batch_size)
     check_lengths(requests)
     generations = [None] * len(requests)
-    for i, tokens, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
+    for i, tokens, _, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
         if on_tokens:
             on_tokens(i, tokens)
         generations[i] = generation or generations[i]
@@ -584,12 +602,13 @@ def is_batch(prompt):
 @dataclass
 class Chunk:
     """One step of a stream: the tokens it added, the text they added, and the step's segments as in
-    Generation.trace (its rejected guess included, for colouring). The last chunk also carries the
-    whole Generation, stats included."""
+    Generation.trace (its rejected guess included, for colouring), and with logprobs=k the tokens'
+    TokenLogprobs. The last chunk also carries the whole Generation, stats included."""
     tokens: list
     text: str
     segments: list
     generation: Generation | None = None
+    logprobs: list | None = None
 
 
 @with_settings
@@ -606,11 +625,11 @@ def stream(target, prompt, **settings):
 def chunks(request):
     text = TextStream(request)
     steps = run([request], 1)
-    for _, tokens, segments, generation in steps:
-        yield Chunk(tokens, text.push(tokens), segments)
+    for _, tokens, logprobs, segments, generation in steps:
+        yield Chunk(tokens, text.push(tokens), segments, logprobs=logprobs)
         if generation is not None:
             steps.close()  # the models are free again before the last chunk is handed out
-            yield Chunk([], text.rest(generation.text), [], generation)
+            yield Chunk([], text.rest(generation.text), [], generation, None if logprobs is None else [])
 
 
 class TextStream:

@@ -38,9 +38,25 @@ class Sampling:
 
 def adjust(logits, sampling):
     """float logits [..., vocab] -> the probabilities we actually sample from, [..., vocab] float32."""
-    logits = logits.float()
+    logits = processed(logits, sampling)
     if sampling.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return logits.softmax(-1)
+
+
+def log_probs(logits, sampling):
+    """float logits [..., vocab] -> the log-probabilities a token is reported with, [..., vocab] float32:
+    those of the distribution it is drawn from (vLLM's "processed logprobs"), save greedy's, whose
+    one-hot would say only 0 or -inf: there the model's own, the logits' log-softmax."""
+    return processed(logits, sampling).log_softmax(-1)
+
+
+def processed(logits, sampling):
+    """float logits [..., vocab] -> float32 logits as sampling adjusts them: divided by the temperature,
+    -inf where top-k or top-p drop a token (greedy: as they are)."""
+    logits = logits.float()
+    if sampling.greedy:
+        return logits
     logits = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -48,7 +64,7 @@ def adjust(logits, sampling):
     if sampling.top_p < 1:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < top_p_cutoff(probs, sampling.top_p), float("-inf"))
-    return logits.softmax(-1)
+    return logits
 
 
 # torch.sort is slow on a CPU (3 ms for one 49k-token row on 2 cores: 16 ms for the 9 rows of a γ = 8
