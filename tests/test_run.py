@@ -314,7 +314,7 @@ def test_show_ends_before_a_stop_string(llama_with_tokenizer, capsys):
 def test_chat_prompts_read_special_tokens_only_when_asked(llama_with_tokenizer, capsys, monkeypatch, flag):
     """The chat template's rendering itself is tests/test_chat.py's: here, that the flag reaches it."""
     calls = []
-    monkeypatch.setattr(run, "chat_prompt", lambda *args: calls.append(args) or [5, 6, 7])
+    monkeypatch.setattr(minispec, "chat_prompt", lambda *args: calls.append(args) or [5, 6, 7])
     assert run.main(["--target", str(llama_with_tokenizer), "--device", "cpu", "--prompt", "hi<|endoftext|>", "--chat",
                      "--max-new-tokens", "2", "--json", *flag]) == 0
     assert calls[0][1:] == ("hi<|endoftext|>", None, bool(flag))

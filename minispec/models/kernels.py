@@ -379,8 +379,7 @@ def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
                        None if compiling else layout.first_block)
 
 
-@torch.compiler.assume_constant_result  # decided once: compiled graphs hold whichever kernel eager runs
-def native_attention():
+def native_attention():  # assumed constant when compiling (CachedLM.compile): graphs hold whichever kernel eager runs
     """Whether attention over a CPU's cache runs the backend's own kernel."""
     return backend.current().attends()
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from minispec import generate
-from minispec.cli import load_target_and_draft
+from minispec.loaders import load_target_and_draft
 from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
 from minispec.loading.weights import DTYPES
 
