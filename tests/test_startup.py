@@ -2,7 +2,9 @@
 command line answers --help and a bad flag without torch, the core never imports the compiler (or the
 hub's HTTP stack) until asked, and OpenMP's threads wait passively unless the user chose."""
 
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -75,3 +77,30 @@ def test_openmp_waits_passively_unless_the_user_chose():
     code = "import json, os, minispec; print(json.dumps(os.environ.get('OMP_WAIT_POLICY')))"
     assert in_fresh_python(code) == "PASSIVE"
     assert in_fresh_python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_kernel_build_says_how_long_it_takes_and_shows_progress_on_a_terminal(monkeypatch, tmp_path, caplog):
+    """The first build here gives the usual range; later ones the last build's time. On a terminal a bar
+    counts its seconds; elsewhere (a log) the one line alone."""
+    from minispec import native
+
+    monkeypatch.setattr(native, "build_command", lambda cxx, out: [sys.executable, "-c", "import time; time.sleep(1.5)"])
+    path = tmp_path / "kernels.so"
+    with caplog.at_level(logging.WARNING, logger="minispec"):
+        native.build("c++", path)
+    low, high = native.FIRST_BUILD_SECONDS
+    assert caplog.messages == [f"minispec: building its CPU kernels, once per machine: {low}-{high} s"]
+    took = float(native.build_seconds_file(path).read_text())
+    assert 1.5 <= took < 60 and path.exists()
+    caplog.clear()
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with caplog.at_level(logging.WARNING, logger="minispec"):
+        native.build("c++", path)
+    assert caplog.messages == [f"minispec: building its CPU kernels, once per machine: about {took:.0f} s, as the "
+                               "last build here"]
+    assert "minispec: building CPU kernels: 1 of about" in sys.stderr.getvalue()
