@@ -322,6 +322,9 @@ def main(argv=None):
         prompt = prompts[0]
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}
+            if args.compile and sys.stderr.isatty():  # minutes without a word would look like a hang
+                print("compiling the decode steps (this run's first generation; later ones reuse them)...",
+                      file=sys.stderr, flush=True)
             minispec.generate(target, prompt, draft=draft, **{**settings, **short})
             if args.compare:
                 minispec.generate(target, prompt, **{**baseline_settings, **short})
