@@ -24,8 +24,8 @@ from .models.checks import Check, SettingError, integer, is_integer, is_text
 from .loading.tokenizer import IncrementalDecoder
 from .loading.weights import DTYPES
 from .models.llama import Llama
-# Settings moved to a torch-free module (the command lines check flags before loading torch); imported back here
-# for the callers that take it, and the flags' argument types, from the front door.
+# Settings live in settings.py, free of torch for the command lines' flags; the server takes them, their
+# checks and the flags' argument types from here.
 from .settings import GAMMA_MAX, SETTING_CHECKS, Settings, gamma_setting, token_ids, tree_setting  # noqa: F401
 
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from minispec.api import gamma_setting, token_ids, tree_setting
+from minispec.settings import gamma_setting, token_ids, tree_setting
 from minispec.loading.weights import DTYPES
 from minispec.models import quant
 
