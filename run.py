@@ -16,7 +16,8 @@ import time
 # What the flags need, none of it torch: --help and a bad flag answer at once. What decodes is imported
 # once the flags are good (load_models, and in the functions that use it).
 import minispec
-from minispec.cli import add_model_flags, add_setting_flags, check_threads, exit_status, read_prompts_file, settings_of, tp_rank
+from minispec.cli import (add_model_flags, add_setting_flags, check_threads, exit_status, read_prompts_file,
+                          settings_of, tp_rank)
 from minispec.settings import token_ids
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),

@@ -89,7 +89,8 @@ def test_the_kernel_build_says_how_long_it_takes_and_shows_progress_on_a_termina
     counts its seconds; elsewhere (a log) the one line alone."""
     from minispec import native
 
-    monkeypatch.setattr(native, "build_command", lambda cxx, out: [sys.executable, "-c", "import time; time.sleep(1.5)"])
+    pause = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    monkeypatch.setattr(native, "build_command", lambda cxx, out: pause)
     path = tmp_path / "kernels.so"
     with caplog.at_level(logging.WARNING, logger="minispec"):
         native.build("c++", path)
