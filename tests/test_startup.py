@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,18 @@ def test_the_kernel_build_says_how_long_it_takes_and_shows_progress_on_a_termina
     assert caplog.messages == [f"minispec: building its CPU kernels, once per machine: about {took:.0f} s, as the "
                                "last build here"]
     assert "minispec: building CPU kernels: 1 of about" in sys.stderr.getvalue()
+
+
+def test_compiling_marks_the_attention_kernels_choice_constant(monkeypatch):
+    """The mark that lets compiled graphs hold whichever attention kernel eager runs is set when a model
+    compiles (marking imports the compiler, which the package's import must not)."""
+    import torch
+
+    from minispec.models import kernels
+    from minispec.models.base import CachedLM
+
+    marked = []
+    monkeypatch.setattr(torch.compiler, "assume_constant_result", lambda function: marked.append(function) or function)
+    model = types.SimpleNamespace(forward=lambda tokens: tokens, device=torch.device("cpu"))
+    CachedLM.compile(model)
+    assert marked == [kernels.native_attention] and model.compiled_forward is not None
