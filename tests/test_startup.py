@@ -121,3 +121,18 @@ def test_compiling_marks_the_attention_kernels_choice_constant(monkeypatch):
     model = types.SimpleNamespace(forward=lambda tokens: tokens, device=torch.device("cpu"))
     CachedLM.compile(model)
     assert marked == [kernels.native_attention] and model.compiled_forward is not None
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_hubs_progress_bars_show_on_a_terminal_only(monkeypatch, tmp_path, terminal):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from huggingface_hub import utils
+
+    from minispec.loading import hub
+
+    seen = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **options: seen.append(
+        utils.are_progress_bars_disabled()) or str(tmp_path))
+    monkeypatch.setattr(sys, "stderr", Terminal() if terminal else io.StringIO())
+    assert hub.download_from_hub("someone/model") == tmp_path
+    assert seen == [not terminal] and not utils.are_progress_bars_disabled()  # as they were after
