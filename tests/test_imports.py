@@ -21,16 +21,17 @@ LAYERS = {  # by the top-level module or subpackage
     "models": 0,
     "native": 1,  # implements models/backend.py's interface; loading installs it
     "loading": 2,
+    "settings": 0,  # torch-free: the command lines check flags before loading torch
     "decoding": 3,
     "api": 4,
-    "__init__": 5, "cli": 5, "convert": 5, "heads": 5,
+    "__init__": 5, "cli": 5, "convert": 5, "heads": 5, "loaders": 5,
     "serve": 6,
     "tools": 7,  # the bench and head training: over the public API, apart from the engine
 }
 # What tools may import besides the package's front door (`import minispec`): the command lines' flags
 # and loaders, the forwards, drafters and weight formats the bench times one by one, and the heads'
 # modules and the target's layers training builds a head from.
-TOOL_API = {"api", "cli", "decoding.drafters", "heads.__init__", "heads.eagle", "heads.eagle3", "heads.medusa",
+TOOL_API = {"api", "cli", "loaders", "settings", "decoding.drafters", "heads.__init__", "heads.eagle", "heads.eagle3", "heads.medusa",
             "loading.chat", "loading.checkpoint", "loading.weights", "models.__init__", "models.base",
             "models.kernels", "models.llama", "models.quant"}
 # Modules the core reaches only when a call asks for what they do (a head, beam search, quantized or sharded

@@ -7,17 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The sampling settings are checked by the one check of a value from outside (models/checks.py).
-from ..models.checks import Check, integer, is_number
-
-
-# Below this a temperature is refused, not rounded to greedy: dividing logits by it overflows towards
-# 1e-38 (every token id 0), and well above that sampling is already greedy but for float ties.
-TEMPERATURE_MIN = 1e-5
-TEMPERATURE = Check(lambda v: is_number(v) and (v == 0 or v >= TEMPERATURE_MIN),
-                    f"must be a number >= 0 (0 = greedy; else at least {TEMPERATURE_MIN:g})")
-TOP_K = Check(integer(0), "must be an integer >= 0 (0 = off)")
-TOP_P = Check(lambda v: is_number(v) and 0 < v <= 1, "must be a number in (0, 1]")
+# The sampling settings' checks live with the other settings (torch-free, for the command lines' flags).
+from ..settings import TEMPERATURE, TOP_K, TOP_P
 
 
 @dataclass(frozen=True)

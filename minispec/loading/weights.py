@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..models.checks import INDEX, TOKEN_IDS, check
+from ..settings import DTYPE_NAMES
 
 
 class CheckpointError(ValueError):
@@ -48,7 +49,7 @@ def file_identity(path):
 
 
 # The --dtype names the command lines accept.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def read_json(file):

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from . import backend
-from .kernels import can_pack, linear, pack_together, to_device, tree_layout, whole_blocks
+from .kernels import can_pack, native_attention, linear, pack_together, to_device, tree_layout, whole_blocks
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -301,6 +301,8 @@ class CachedLM(nn.Module):
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # marked here, not where it is defined: marking imports the compiler, which the package's import must not
+        torch.compiler.assume_constant_result(native_attention)
         mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
         self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         self.graphs = 0

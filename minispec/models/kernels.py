@@ -376,7 +376,7 @@ def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
                        None if compiling else layout.first_block)
 
 
-@torch.compiler.assume_constant_result  # decided once: compiled graphs hold whichever kernel eager runs
+# Decided once: compiled graphs hold whichever kernel eager runs (CachedLM.compile marks it so).
 def native_attention():
     """Whether attention over a CPU's cache runs the backend's own kernel."""
     return backend.current().attends()
