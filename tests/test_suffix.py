@@ -11,7 +11,7 @@ import torch
 
 import minispec
 from conftest import target_and_drafts
-from minispec.cli import load_draft
+from minispec.loaders import load_draft
 from minispec.decoding import suffix
 from test_speculative import assert_sampled_from, exact_joint, step_outcomes, vocab16  # noqa: F401 (a fixture)
 
