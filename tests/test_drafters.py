@@ -8,7 +8,8 @@ import torch
 from conftest import make_reference, save_reference
 
 import minispec
-from minispec.decoding.drafters import LookupDrafter, ModelDrafter, NgramDrafter
+from minispec.decoding.drafters import ModelDrafter
+from minispec.decoding.lookup import LookupDrafter, NgramDrafter
 from minispec.decoding.sampling import Sampling, adjust
 from minispec.decoding.speculative import one_hot
 

@@ -156,7 +156,7 @@ def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, mon
 
 # --- decoding with trees (decoding/tree.py, the engine) ---------------------------------------------
 
-from minispec.decoding.drafters import LookupDrafter, NgramDrafter  # noqa: E402
+from minispec.decoding.lookup import LookupDrafter, NgramDrafter  # noqa: E402
 from minispec.decoding.tree import add_path, depths, walk  # noqa: E402
 
 # Prompts whose suffix occurred before with different continuations: lookup's tree has branches.

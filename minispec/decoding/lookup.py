@@ -1,0 +1,206 @@
+"""The drafters that read only the text: paper 3.6's bigram model (ngram) and prompt lookup (lookup), which
+copies what followed the latest earlier occurrence of the context's last tokens. Neither has weights or a
+cache: both live on the host, and their guesses cost nothing but the verify positions."""
+
+from collections import Counter, defaultdict
+from itertools import islice
+
+import torch
+
+from ..models.kernels import to_device
+from .sampling import Sampling, adjust, sample
+from .tree import add_path, best_first, first_of, likeliest, tree_or_chain
+
+TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
+
+
+class NgramDrafter:
+    """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
+    far, falling back to unigram counts for an unseen previous token. q = normalized counts. It lives
+    on the host (each guess picks the next row of counts), so it samples there with a generator of its
+    own, seeded once per request from the caller's, and hands the device its guesses in one copy.
+    With a token tree (tree.py) it offers each node's most counted successors at once."""
+
+    name, model = "ngram", None
+    encoder_calls, reads_states = 0, False
+    calls = 0
+
+    def __init__(self, vocab_size, device):
+        self.vocab_size, self.device = vocab_size, device
+
+    def start(self, prompt_ids, sampling=Sampling(), row=0):
+        self.context = prompt_ids.view(-1).tolist()
+        self.previewed_tree = None  # (context length, depth, budget, tree) of the last preview_tree
+        self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
+        self.counted = 0  # context tokens already counted
+        self.ranked = {}  # token (None: the unigrams) -> ranked_successors, until its counts change
+        self.generator = None
+        # Greedy guesses are a walk over the counts on the host, free to preview; sampled ones are
+        # random, and how often a sample survives is not what its preview would show.
+        self.preview = self.greedy_continuation if sampling.greedy else None
+
+    def count(self, context):
+        for i in range(self.counted, len(context)):
+            self.unigrams[context[i]] += 1
+            self.ranked.pop(None, None)
+            if i > 0:
+                self.bigrams[context[i - 1]][context[i]] += 1
+                self.ranked.pop(context[i - 1], None)
+        self.counted = len(context)
+
+    def counts_after(self, token):
+        counts = self.bigrams.get(token) or self.unigrams
+        row = torch.zeros(self.vocab_size)
+        row[list(counts)] = torch.tensor(list(counts.values()), dtype=row.dtype)
+        return row
+
+    def greedy_continuation(self, k):
+        """Greedy's k guesses: each the most counted successor of the one before, the smallest id among
+        ties (as argmax over q's row would pick), and its share of the counts (how sure the drafter is).
+        q is one-hot at each guess, so it is reported as None."""
+        self.count(self.context)
+        guesses, shares, previous = [], [], self.context[-1]
+        for _ in range(k):
+            counts = self.bigrams.get(previous) or self.unigrams
+            previous = min(counts, key=lambda token: (-counts[token], token))
+            guesses.append(previous)
+            shares.append(counts[previous] / counts.total())
+        return guesses, shares
+
+    def ranked_successors(self, token):
+        """The tokens counted after `token` and their shares of its counts, most counted first (ties:
+        the smallest id, as greedy_continuation picks). Kept until its counts change: a tree step ranks
+        a frequent token's hundreds of successors (a tenth of a quantized step's time) otherwise."""
+        key = token if token in self.bigrams else None
+        ranked = self.ranked.get(key)
+        if ranked is None:
+            counts = self.bigrams[token] if key is not None else self.unigrams
+            total = counts.total()
+            ranked = self.ranked[key] = [(t, counts[t] / total) for t in sorted(counts, key=lambda t: (-counts[t], t))]
+        return ranked
+
+    def propose_tree(self, k, budget, sampling=None):
+        """A tree of at most `budget` guesses, k deep (tree.best_first): the most probable continuations
+        under the counts first, each node's children its token's most counted successors. The same for
+        any sampling: the candidates are fixed, not drawn from q (verified as such: tree.sample_walk), so
+        no generator is used."""
+        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
+        return to_device(tokens, self.device), None, tree_or_chain(parents)
+
+    def preview_tree(self, k, budget):
+        """propose_tree's tree as lists (tokens, parents), and each node's share of its parent's counts
+        (how sure the drafter is of it). Kept for propose_tree, which takes its first nodes."""
+        self.count(self.context)
+        tree = best_first(self.context[-1], self.ranked_successors, k, budget)
+        self.previewed_tree = (len(self.context), k, budget, tree)
+        return tree
+
+    def propose(self, k, sampling, generator, keep_guessing=None):
+        if sampling.greedy:
+            return to_device(self.greedy_continuation(k)[0], self.device), None
+        if self.generator is None:
+            seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
+            self.generator = torch.Generator().manual_seed(int(seed))
+        self.count(self.context)
+        drafts, qs, previous = [], [], self.context[-1]
+        for _ in range(k):
+            q = adjust(self.counts_after(previous).log(), sampling)  # same standardization as p
+            previous = int(sample(q, self.generator))
+            drafts.append(previous)
+            qs.append(q)
+        if not drafts:
+            return torch.zeros(0, dtype=torch.long, device=self.device), None
+        return to_device(drafts, self.device), torch.stack(qs).to(self.device)
+
+    def accept(self, tokens, tokens_on_device, seen=None):
+        self.context += tokens
+
+
+class LookupDrafter:
+    """Paper 3.6's copy heuristic (prompt lookup): find the most recent earlier occurrence of the
+    longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
+    A copy that runs into the end of the context goes on copying its own guesses, as an overlapping
+    LZ77 copy does, so text that repeats with a period shorter than k still yields k guesses.
+    The guesses are deterministic (q one-hot, reported as None); no match means no guesses this step.
+    An index of every n-gram's end positions makes a proposal O(max_ngram), however long the
+    context. With a token tree (tree.py) it offers what followed several earlier occurrences at once."""
+
+    name, model = "lookup", None
+    encoder_calls, reads_states = 0, False
+    calls = 0
+
+    def __init__(self, vocab_size, device, max_ngram=3):  # NgramDrafter's signature; no q, so no vocab_size
+        self.device, self.max_ngram = device, max_ngram
+
+    def start(self, prompt_ids, sampling=Sampling(), row=0):
+        self.context, self.previewed_tree = [], None  # previewed_tree: as NgramDrafter's
+        self.ends = defaultdict(list)  # n-gram -> end positions of its occurrences, oldest first
+        self.extend(prompt_ids.view(-1).tolist())
+
+    def extend(self, tokens):
+        for token in tokens:
+            self.context.append(token)
+            end = len(self.context) - 1
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.ends[tuple(self.context[end + 1 - n:])].append(end)
+
+    def copy_from(self, end, k):
+        """The k tokens after position `end`, continued past the context's end by its own guesses."""
+        period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
+        return [self.context[end + 1 + i % period] for i in range(k)]
+
+    def continuation(self, k):
+        """The k guesses, and the length of the match they copy from (0: none, no guesses)."""
+        # The suffix's latest occurrence is the suffix itself; copy what followed the one before it.
+        for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
+            ends = self.ends.get(tuple(self.context[-n:]), ())
+            if len(ends) > 1:
+                return self.copy_from(ends[-2], k), n
+        return [], 0
+
+    def propose_tree(self, k, budget, sampling=None):
+        """A tree of at most `budget` guesses, k deep: what followed earlier occurrences of the context's
+        suffix, sharing common prefixes (tree.py), its likeliest nodes first (tree.likeliest). The same
+        for any sampling."""
+        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
+        return to_device(tokens, self.device), None, tree_or_chain(parents)
+
+    def preview_tree(self, k, budget):
+        """propose_tree's tree as lists (tokens, parents), and how sure the drafter is of each node: the
+        share of the occurrences through its parent that continue with it, times the longest match
+        through it over max_ngram. The trie holds what followed up to TREE_OCCURRENCES occurrences, the
+        longest suffixes and the latest occurrences first, more than fill the tree, so that its shares
+        are not those of its first few paths alone. Kept for propose_tree, which takes its first nodes."""
+        tokens, parents, visits, matched, done = [], [], [], [], set()
+        earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
+                   for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
+        for n, end in earlier:  # the latest end of the suffix is the suffix itself: skipped
+            if end in done:  # a longer suffix's occurrence ends where a shorter one's does
+                continue
+            done.add(end)
+            for node in add_path(tokens, parents, self.copy_from(end, k), k * TREE_OCCURRENCES):  # all of it
+                if node == len(visits):
+                    visits.append(0)
+                    matched.append(n)
+                visits[node] += 1
+            if len(done) >= TREE_OCCURRENCES:
+                break
+        sure = [visits[j] / (len(done) if parent < 0 else visits[parent]) * matched[j] / self.max_ngram
+                for j, parent in enumerate(parents)]
+        tree = likeliest(tokens, parents, sure, budget)
+        self.previewed_tree = (len(self.context), k, budget, tree)
+        return tree
+
+    def preview(self, k):
+        """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""
+        guesses, matched = self.continuation(k)
+        return guesses, [matched / self.max_ngram] * len(guesses)
+
+    def propose(self, k, sampling, generator, keep_guessing=None):
+        return to_device(self.continuation(k)[0] if k else [], self.device), None
+
+    def accept(self, tokens, tokens_on_device, seen=None):
+        self.extend(tokens)
+
+
+DRAFTERS = {"ngram": NgramDrafter, "lookup": LookupDrafter}
