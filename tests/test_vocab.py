@@ -179,3 +179,23 @@ def test_a_tokenizer_with_more_ids_than_rows_leaves_the_model_whole(tmp_path):
     """Cutting only ever narrows: rows the tokenizer does not reach stay, as before."""
     directory = letters_tokenizer(save_reference(padded_llama(IDS - 8), tmp_path / "short"), IDS)
     assert minispec.load(directory).vocab_size == IDS - 8
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_a_head_saved_for_the_padded_rows_drafts_for_the_cut_target(kind, tmp_path):
+    """Heads published for a padded target have its rows (config.json's vocab_size, their output heads
+    and embeddings): they are cut as the target was, and draft exactly."""
+    from test_heads import write_eagle, write_eagle3, write_medusa
+
+    directory = padded_checkpoint(make_reference("llama_gqa"), tmp_path / "target", 16, encode(PROMPT))
+    hf = json.loads((directory / "config.json").read_text())
+    head_dir = {"eagle": lambda: write_eagle(tmp_path / "head", hf)[0],
+                "eagle3": lambda: write_eagle3(tmp_path / "head", hf, draft_vocab=list(range(1, IDS, 2)),
+                                               layer_ids=[0, 1], dim=hf["hidden_size"] // 2)[0],
+                "medusa": lambda: write_medusa(tmp_path / "head", hf["hidden_size"], hf["vocab_size"])[0]}[kind]()
+    target = minispec.load(directory)
+    head = minispec.load_draft_head(head_dir, target)
+    plain = minispec.generate(target, PROMPT, max_new_tokens=16, ignore_eos=True)
+    out = minispec.generate(target, PROMPT, draft=head, gamma=3, max_new_tokens=16, ignore_eos=True)
+    assert out.tokens == plain.tokens and max(plain.tokens) < IDS and out.stats["proposed"] > 0
+    assert hf["vocab_size"] == 96 and target.vocab_size == IDS

@@ -197,6 +197,7 @@ def read_checkpoint(directory, world=None):
     stored = quant.take_stored(weights) if ours else {}
     if config.vocab_size < rows:
         cut_padding(model, weights, stored, rows)
+        model.checkpoint_rows = rows
     check_shapes(model, weights, directory, stored)
     return Checkpoint(hf_config, model_type, model, weights, stored, tokenizer)
 
