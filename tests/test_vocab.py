@@ -199,3 +199,24 @@ def test_a_head_saved_for_the_padded_rows_drafts_for_the_cut_target(kind, tmp_pa
     out = minispec.generate(target, PROMPT, draft=head, gamma=3, max_new_tokens=16, ignore_eos=True)
     assert out.tokens == plain.tokens and max(plain.tokens) < IDS and out.stats["proposed"] > 0
     assert hf["vocab_size"] == 96 and target.vocab_size == IDS
+
+
+def test_a_padded_checkpoint_holding_quantized_rows_is_cut_too(tmp_path):
+    """Quantized embedding and head (models/quant.py's stored form, as GGUF imports keep them): their
+    stored tensors are cut as float ones are."""
+    from safetensors.torch import load_file
+
+    from minispec.loading.weights import save_safetensors
+    from minispec.models import quant
+
+    directory = padded_checkpoint(make_reference("llama"), tmp_path / "llama", 12, encode(PROMPT))
+    weights = {name: tensor.clone() for name, tensor in load_file(directory / "model.safetensors").items()}
+    for name in ("model.embed_tokens", "lm_head"):
+        weights.update({f"{name}.{key}": value for key, value in quant.quantize_int8(weights.pop(f"{name}.weight"), 32).items()})
+    save_safetensors(weights, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "minispec"}}))
+    model = minispec.load(directory)
+    assert isinstance(model.head, quant.Int8Linear) and model.head.out_features == IDS
+    assert model.tok_embeddings.num_embeddings == IDS
+    assert max(minispec.generate(model, PROMPT, max_new_tokens=12, ignore_eos=True).tokens) < IDS
