@@ -206,7 +206,7 @@ def to_tokenizer(config, tokenizer):
     """The config with vocab_size cut to the ids its tokenizer has, where the embedding has more rows
     (padded to a round number): the model then never scores, so never outputs, an id without a token,
     and models of one tokenizer score the same ids however their checkpoints pad."""
-    if tokenizer is None or tokenizer.n_ids >= config.vocab_size:
+    if tokenizer is None or not 0 < tokenizer.n_ids < config.vocab_size:
         return config
     return dataclasses.replace(config, vocab_size=tokenizer.n_ids)
 
