@@ -9,23 +9,16 @@
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
-import minispec  # before torch (which the others import): it keeps torch's import from warning that numpy is missing
-from minispec.cli import (
-    add_model_flags,
-    add_setting_flags,
-    exit_status,
-    load_models,
-    read_prompts_file,
-    settings_of,
-    tp_rank,
-)
-from minispec.api import token_ids
-from minispec.loading import parallel
-from minispec.loading.chat import chat_prompt
-from minispec.loading.tokenizer import IncrementalDecoder
+# What the flags need, none of it torch: --help and a bad flag answer at once. What decodes is imported
+# once the flags are good (load_models, and in the functions that use it).
+import minispec
+from minispec.cli import (add_model_flags, add_setting_flags, check_threads, exit_status, read_prompts_file,
+                          settings_of, tp_rank)
+from minispec.settings import token_ids
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
 # the target's own tokens blue.
@@ -74,6 +67,9 @@ def parse_args(argv=None):
                              "the checkpoint has one, i.e. for instruct/chat models)")
     parser.add_argument("--compare", action="store_true",
                         help="also decode without the draft (same settings) and report the speedup")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --compare: decode each side this many times, taking turns, and report the median "
+                             "and the spread (default 3)")
     add_setting_flags(parser)  # --max-new-tokens, --temperature, ...: one for each of minispec.Settings' fields
     parser.add_argument("--system", metavar="TEXT", help="a system prompt before --prompt in the chat template")
     parser.add_argument("--special-tokens-in-prompt", action="store_true",
@@ -161,6 +157,8 @@ def print_stream(chunks, tokenizer, show, stops=None):
     Figure 1 (special tokens included: they mark the end of an answer). With --show and stop strings the
     output is printed whole at its end, up to the stop string: a step's text may begin one that only a
     later step completes. Returns the Generation."""
+    from minispec.loading.tokenizer import IncrementalDecoder
+
     colour = show and sys.stdout.isatty()
     if tokenizer is None:
         text = TokenIds(" " if show else ",")
@@ -196,7 +194,7 @@ def prompts_for(args, target):
             raise ValueError("--chat needs the prompts as text")
         return texts, False
     chat = chat_setting(args, target)
-    return [chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt) if chat else text
+    return [minispec.chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt) if chat else text
             for text in texts], chat
 
 
@@ -223,15 +221,26 @@ def summary(stats):
     return line
 
 
-def speedup(out, baseline):
-    return out.stats["tokens_per_second"] / baseline.stats["tokens_per_second"]
+def rates(runs):
+    return [run.stats["tokens_per_second"] for run in runs]
 
 
-def speedup_summary(out, baseline):
-    """The --compare part of the summary."""
-    return (f"{speedup(out, baseline):.2f}x the speed of decoding without the draft "
-            f"({baseline.stats['tokens_per_second']:.1f} "
-            f"tokens/s, {'same' if out.tokens == baseline.tokens else 'different'} output)")
+def speedup(runs, baselines):
+    """--compare's speedup: the median speed with the draft over the median without."""
+    return statistics.median(rates(runs)) / statistics.median(rates(baselines))
+
+
+def spread(runs):
+    """Runs' median tokens/s and their range: 41.2 tokens/s (40.1-43.0)."""
+    speeds = rates(runs)
+    return f"{statistics.median(speeds):.1f} tokens/s ({min(speeds):.1f}-{max(speeds):.1f})"
+
+
+def speedup_summary(runs, baselines):
+    """The --compare part of the summary: medians of the runs, with their spread."""
+    same = all(run.tokens == runs[0].tokens for run in runs + baselines)
+    return (f"{speedup(runs, baselines):.2f}x the speed of decoding without the draft, median of {len(runs)} runs "
+            f"each: {spread(runs)} against {spread(baselines)}, {'same' if same else 'different'} output")
 
 
 def print_batch(args, target, prompts, draft, settings, chat):
@@ -240,7 +249,8 @@ def print_batch(args, target, prompts, draft, settings, chat):
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
     seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats) for out in outs]))
+        print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats, **logprobs_json(out))
+                          for out in outs]))
         return 0
     for i, out in enumerate(outs):
         print(f"[{i}] " + (out.text if out.text is not None else " ".join(map(str, out.tokens))))
@@ -250,12 +260,20 @@ def print_batch(args, target, prompts, draft, settings, chat):
     return 0
 
 
+def logprobs_json(out):
+    """--logprobs N: each token's {token, logprob, top: [[token, logprob], ...]} (in place of N)."""
+    return {} if out.logprobs is None else {"logprobs": [entry._asdict() for entry in out.logprobs]}
+
+
 def check_flags(args):
     system = [args.system] if args.system is not None else []
     for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
         for text in texts:
             check_text(flag, text)
     minispec.Settings(draft=args.draft, **settings_of(args))
+    check_threads(args)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
@@ -276,10 +294,19 @@ def rank_failed(error, rank):
     """--tp: this rank failed. One line for what went wrong, from the rank it went wrong on; a rank whose
     collective failed because another rank had gone says nothing (that rank has said it), and exits too
     (under torchrun, which also stops the ranks still waiting)."""
+    from minispec.loading import parallel
+
     if not parallel.lost_peer(error):
         line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"error: rank {rank}: {type(error).__name__}: {line}", file=sys.__stderr__, flush=True)
     return 1
+
+
+def load_models(args):
+    """The models the flags name (minispec.loaders, which loads torch)."""
+    from minispec.loaders import load_models
+
+    return load_models(args)
 
 
 def main(argv=None):
@@ -291,7 +318,8 @@ def main(argv=None):
     if rank:  # --tp: every rank decodes the same tokens; rank 0 alone prints them
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
-        check_flags(args)  # bad flags fail before loading weights
+        check_flags(args)  # bad flags fail before loading weights, and torch
+        from minispec.loading import parallel
         target, draft = load_models(args)
         prompts, chat = prompts_for(args, target)
         if len(prompts) > 1:
@@ -301,6 +329,9 @@ def main(argv=None):
         prompt = prompts[0]
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}
+            if args.compile and sys.stderr.isatty():  # minutes without a word would look like a hang
+                print("compiling the decode steps (this run's first generation; later ones reuse them)...",
+                      file=sys.stderr, flush=True)
             minispec.generate(target, prompt, draft=draft, **{**settings, **short})
             if args.compare:
                 minispec.generate(target, prompt, **{**baseline_settings, **short})
@@ -309,7 +340,10 @@ def main(argv=None):
         else:  # tokens printed as they come
             out = print_stream(minispec.stream(target, prompt, draft=draft, **settings), target.tokenizer, args.show,
                                    args.stop)
-        baseline = minispec.generate(target, prompt, **baseline_settings) if args.compare else None
+        runs, baselines = [out], []
+        for i in range(args.repeats if args.compare else 0):  # taking turns: a machine's drift hits both sides
+            runs += [minispec.generate(target, prompt, draft=draft, **settings)] if i else []
+            baselines.append(minispec.generate(target, prompt, **baseline_settings))
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
         # With --tp every rank checks the same input and stops alike: rank 0 prints it.
         print(f"error: {error}", file=sys.stderr)
@@ -322,11 +356,14 @@ def main(argv=None):
 
     if args.json:
         hypotheses = dict(sequences=out.sequences, scores=out.scores) if out.sequences else {}
-        comparison = dict(baseline=baseline.stats, speedup=speedup(out, baseline)) if baseline else {}
+        comparison = dict(baseline=baselines[0].stats, speedup=speedup(runs, baselines),
+                          tokens_per_second=rates(runs), baseline_tokens_per_second=rates(baselines)) \
+            if baselines else {}
         print(json.dumps(dict(tokens=out.tokens, text=out.text, stats=out.stats, target=args.target,
-                              draft=args.draft, chat=chat, **settings, **hypotheses, **comparison)))
+                              draft=args.draft, chat=chat, **{**settings, **logprobs_json(out)}, **hypotheses,
+                              **comparison)))
         return 0
-    print(summary(out.stats) + (f"; {speedup_summary(out, baseline)}" if baseline else ""), file=sys.stderr)
+    print(summary(out.stats) + (f"; {speedup_summary(runs, baselines)}" if baselines else ""), file=sys.stderr)
     return 0
 
 

@@ -8,19 +8,38 @@
     out.tokens, out.text, out.stats
 """
 
+import importlib.util
+import os
 import warnings
 
 # Importing torch without numpy warns "Failed to initialize NumPy"; minispec never uses numpy (no
 # dependency of it), so on a fresh machine the warning would only puzzle. It must be filtered before
 # torch's first import: run.py imports minispec first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+# OpenMP's threads spin between parallel regions by default, which on a machine whose other processes hold
+# cores makes decoding 10-20x slower: waiting threads sleep instead, unless the user chose. Read when torch
+# loads its OpenMP runtime, so it is set before torch's first import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .api import Chunk, Generation, Settings, generate, load, stream  # noqa: E402
-from .decoding.sampling import Sampling  # noqa: E402
-from .models.checks import SettingError  # noqa: E402
-from .heads import load_draft_head  # noqa: E402
-from .loading.chat import chat_prompt  # noqa: E402
-from .loading.checkpoint import CheckpointError  # noqa: E402
+# Each public name and the module it lives in, imported on first use: `import minispec` alone loads no
+# torch, so that the command lines answer --help and a bad flag at once.
+PUBLIC = {"load": "api", "generate": "api", "stream": "api", "Generation": "api", "Chunk": "api",
+          "Settings": "settings", "Sampling": "decoding.sampling", "SettingError": "models.checks",
+          "load_draft_head": "heads", "chat_prompt": "loading.chat", "CheckpointError": "loading.checkpoint"}
+__all__ = list(PUBLIC)
 
-__all__ = ["load", "load_draft_head", "generate", "stream", "chat_prompt", "Generation", "Chunk", "Sampling", "Settings",
-           "SettingError", "CheckpointError"]
+
+def __getattr__(name):
+    """A public name (PEP 562), or a submodule (minispec.api), imported the first time it is asked for."""
+    if name in PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(PUBLIC))

@@ -3,28 +3,31 @@ at a time. They check the settings (`Settings`, once per call) and each prompt (
 models, size their caches, and hand the requests to the engine (minispec.decoding.engine), or to beam search.
 """
 
-import argparse
 import functools
 import inspect
 import secrets
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .decoding import beam, engine
+from .decoding import engine
 from .decoding.drafters import make_drafter
-from .decoding.policy import BEAM_GAMMA_MAX, GAMMA_MAX, make_policy
-from .decoding.sampling import TEMPERATURE, TOP_K, TOP_P, Sampling
+from .decoding.policy import BEAM_GAMMA_MAX, make_policy
+from .decoding.sampling import Sampling
 from .decoding.stopping import Stop
-from .decoding.tree import TREE_AUTO, TREE_MAX
+from .decoding.tree import TREE_AUTO
 from .loading.checkpoint import load_model
-from .models.checks import Check, SettingError, integer, is_integer, is_number, is_text
+from .models.checks import Check, SettingError, integer, is_integer, is_text
 from .loading.tokenizer import IncrementalDecoder
 from .loading.weights import DTYPES
 from .models.llama import Llama
+# Settings live in settings.py, free of torch for the command lines' flags; the server takes them, their
+# checks and the flags' argument types from here.
+from .settings import GAMMA_MAX, SETTING_CHECKS, Settings, gamma_setting, token_ids, tree_setting  # noqa: F401
 
 
 # minispec.load: load_model (its documentation and signature, as help() shows them), whose dtype may
@@ -50,6 +53,9 @@ class Generation:
     # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
     sequences: list = field(default_factory=list)
     scores: list = field(default_factory=list)
+    # With logprobs=k: a TokenLogprob for each token (its log-probability under the distribution it was
+    # drawn from, sampling.log_probs, and the k most likely tokens there), bit for bit plain decoding's.
+    logprobs: list | None = None
 
 
 def prompt_tensor(model, prompt):
@@ -84,9 +90,10 @@ def checked_prompt(model, prompt):
     return ids
 
 
-# A model's KV cache holds its requests' rows, so a model runs one generate() call at a time; `busy`
-# names the thread of the call under way, and this lock makes checking and marking atomic.
+# A model's KV cache holds its requests' rows, so a model runs one generate() call at a time: HOLDERS
+# names the thread of the call under way, by model, and this lock makes checking and marking atomic.
 _claiming = threading.Lock()
+HOLDERS = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -96,172 +103,23 @@ def exclusive(*models):
     garbage collected."""
     with _claiming:
         for model in models:
-            if model.busy == threading.get_ident():
+            if HOLDERS.get(model) == threading.get_ident():
                 raise RuntimeError(
                     f"{model.name} is still held by an unfinished call in this thread (a stream not read to its end: "
                     "finish it or call its close(); or an on_tokens callback): a model runs one request at a time"
                 )
-            if model.busy:
+            if model in HOLDERS:
                 raise RuntimeError(
                     f"{model.name} is already generating in another call: a model runs one request at a time "
                     "(its KV cache holds that request); load one copy of the model per thread"
                 )
         for model in models:
-            model.busy = threading.get_ident()
+            HOLDERS[model] = threading.get_ident()
     try:
         yield
     finally:
         for model in models:
-            model.busy = None
-
-
-# A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
-GAMMA_LIMIT = 64
-
-
-def setting(value, check, help=None, **flag):
-    """A Settings field: its default value, its check (a Check; None: checked where it is used), and
-    run.py's flag for it: its help (None: no flag) and argparse options (its default: the field's)."""
-    return field(default=value, metadata={"check": check, "help": help, "flag": flag})
-
-
-def gamma_setting(text):
-    """--gamma: "auto" or a number of guesses per step."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
-
-
-def tree_setting(text):
-    """--tree: "auto", "off" (None: chains) or the most guesses a step's tree holds."""
-    if text in ("auto", "off"):
-        return None if text == "off" else text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or an integer, got {text!r}") from None
-
-
-def token_ids(text):
-    """The command lines' token ids: '1,2,3' -> [1, 2, 3]."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def optional(test):
-    return lambda value: value is None or test(value)
-
-
-def is_word(value, *words):
-    return isinstance(value, str) and value in words
-
-
-def are_stops(value):
-    return is_text(value) or isinstance(value, (list, tuple)) and all(is_text(s) for s in value)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The settings of a generate() or stream() call (their keywords): the one list, each with its
-    default, its check and its help, from which run.py's flags and the server's fields are made.
-    Checked once, before any work: an invalid one raises SettingError naming it."""
-    draft: object = setting(None, None)  # a model or a drafter's name: run.py's --draft loads it
-    gamma: object = setting("auto", Check(lambda v: is_word(v, "auto") or integer(1, GAMMA_LIMIT)(v), "(draft "
-                                          f"tokens per step) must be 'auto' or an integer in [1, {GAMMA_LIMIT}]"),
-                            "draft tokens guessed per target call, or 'auto' (the default): chosen before each "
-                            f"step, 0 to {GAMMA_MAX}, from the pair's costs measured on this machine and its "
-                            "acceptance rate", type=gamma_setting)
-    max_new_tokens: int = setting(64, Check(integer(1), "must be an integer >= 1"),
-                                  "the most tokens generated (fewer where EOS or a stop comes first)", type=int)
-    temperature: float = setting(0.0, TEMPERATURE, "0 (the default) is greedy", type=float)
-    top_k: int = setting(0, TOP_K, "keep the k most likely tokens (0: all)", type=int)
-    top_p: float = setting(1.0, TOP_P, "nucleus sampling mass (1: all)", type=float)
-    seed: int | None = setting(None, Check(optional(integer(0, 2**63 - 1)), "must be an integer in [0, 2**63) or None"),
-                               "the seed of sampling's random draws (the command line's default: 0)", type=int,
-                               default=0)
-    lenience: float = setting(1.0, Check(lambda v: is_number(v) and 0 < v <= 1, "must be in (0, 1]"),
-                              "accept drafts more easily (paper A.5); 1 keeps the target's exact distribution",
-                              type=float)
-    ignore_eos: bool = setting(False, Check(lambda v: isinstance(v, bool), "must be True or False"),
-                               "always generate --max-new-tokens tokens", action="store_true")
-    beams: int = setting(1, Check(integer(1), "(the beam width w) must be an integer >= 1"),
-                         "beam search of this width w (1: no beam search); with --draft, speculative beam search "
-                         "(paper A.4) with the same result", type=int)
-    draft_beams: int | None = setting(None, Check(optional(integer(1)), "(the draft's beam width u) must be an "
-                                                  "integer >= 1 or None"),
-                                      "the draft's beam width u >= w in speculative beam search (default: --beams)",
-                                      type=int)
-    stop: object = setting(None, Check(optional(are_stops), "must be a string or a list of strings"),
-                           "end the output just before this text (repeat the flag for several)", action="append",
-                           metavar="TEXT")
-    stop_token_ids: object = setting(None, Check(optional(lambda v: isinstance(v, (list, tuple)) and all(
-                                         integer(0)(token) for token in v)), "must be a list of token ids"),
-                                     "comma-separated token ids that end the output as EOS does", type=token_ids,
-                                     metavar="IDS")
-    tree: object = setting("auto", Check(lambda v: v is None or is_word(v, "auto", "off") or integer(1, TREE_MAX)(v),
-                                         "(the most guesses a step's token tree holds) must be 'auto', 'off' or an "
-                                         f"integer in [1, {TREE_MAX}] (None: 'off')"),
-                           "verify a token tree of up to N guesses per target call instead of a chain (any --draft: "
-                           "ngram, lookup, a model, int8/int4 or a head folder); 'auto' (the default; with --gamma "
-                           "auto): a tree or a chain each step, whichever is expected to be faster; 'off': chains",
-                           type=tree_setting, metavar="off|auto|N")
-    on_states: object = setting(None, Check(optional(callable), "must be a function (i, tokens, states)"))
-    state_layers: object = setting(None, None)  # checked against the target (state_layers_of)
-
-    def __post_init__(self):
-        for spec in fields(self):
-            if spec.metadata["check"] is not None:
-                spec.metadata["check"](spec.name, getattr(self, spec.name))
-        if is_integer(self.tree) and not self.drafting:
-            raise SettingError("tree", f"token trees need a drafter ('ngram', 'lookup', a draft model, 'int8' / "
-                                       f"'int4' or a draft head), not {self.draft!r}")
-        if is_integer(self.tree) and (self.lenience != 1 or self.searching):
-            raise SettingError("tree", "token trees are verified exactly (lenience=1), without beams")
-        if self.searching and self.stop:
-            raise SettingError("stop", "beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
-                                       "use stop_token_ids")
-        if self.on_states is None and self.state_layers is not None:
-            raise SettingError("state_layers", "state_layers says which states on_states receives: give on_states too")
-        if self.on_states is not None and self.searching:
-            raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
-                                            "sequence of states)")
-
-    @classmethod
-    def of(cls, caller, settings):
-        """Settings from a call's keywords; one it does not know is named (a TypeError, as Python's)."""
-        unknown = next((name for name in settings if name not in SETTING_CHECKS), None)
-        if unknown is not None:
-            raise TypeError(f"{caller}() got an unknown setting {unknown!r}; the settings are "
-                            f"{', '.join(SETTING_CHECKS)}")
-        return cls(**settings)
-
-    @property
-    def sampling(self):
-        return Sampling(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def trees(self):
-        """A request's token trees: a node budget, "auto" (the policy's choice per step, where trees can
-        be verified: with a drafter, exactly, without beams), or None (chains)."""
-        if self.tree == "auto":
-            return "auto" if self.drafting and self.lenience == 1 and not self.searching else None
-        return None if self.tree == "off" else self.tree
-
-    @property
-    def drafting(self):
-        return self.draft is not None and not (isinstance(self.draft, str) and self.draft == "none")
-
-    @property
-    def searching(self):
-        return self.beams != 1 or self.draft_beams is not None
-
-
-SETTING_CHECKS = {spec.name: spec.metadata["check"] for spec in fields(Settings)}
+            HOLDERS.pop(model, None)
 
 
 @dataclass
@@ -282,6 +140,7 @@ class Request:
     tree: object  # Settings.trees
     on_states: object = None  # Settings'
     state_layers: tuple | None = None
+    logprobs: int | None = None  # Settings'
 
     @property
     def reads_states(self):
@@ -294,14 +153,16 @@ class Request:
     @classmethod
     def from_settings(cls, target, prompt, settings):
         drafter = policy = None
+        sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)
         if settings.drafting:
             policy = make_policy(settings.gamma, BEAM_GAMMA_MAX if settings.searching else GAMMA_MAX)
             with named("draft"):
                 drafter = make_drafter(settings.draft, target)
         draft_beams = settings.draft_beams
         if settings.searching:
+            from .decoding import beam  # read only by a call that asks for beams
             with named("beams" if settings.beams != 1 else "draft_beams"):
-                draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, settings.sampling,
+                draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, sampling,
                                                   settings.lenience)
         stop = settings.stop
         with named("stop"):
@@ -313,9 +174,10 @@ class Request:
         if settings.on_states is not None and drafter is not None and drafter.reads_states:
             raise SettingError("on_states", "on_states cannot be given with a draft head (the target's forwards "
                                             "return the head's states)")
-        return cls(target, prompt_tensor(target, prompt), drafter, policy, settings.sampling, stop,
+        return cls(target, prompt_tensor(target, prompt), drafter, policy, sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
-                   settings.trees, settings.on_states, state_layers_of(target, settings.state_layers))
+                   settings.trees, settings.on_states, state_layers_of(target, settings.state_layers),
+                   settings.logprobs)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
@@ -443,26 +305,28 @@ def tree_room(tree):
 @torch.inference_mode()
 def run(requests, rows):
     """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
-    request as (request index, new tokens, segments of the trace, generation): generation is None until
-    the request's last step, then its Generation."""
+    request as (request index, new tokens, their TokenLogprobs (None unless asked), segments of the
+    trace, generation): generation is None until the request's last step, then its Generation."""
     target = requests[0].target
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             for i, request in enumerate(requests):
                 generation = search(request)
-                yield i, generation.tokens, generation.trace, generation
+                yield i, generation.tokens, None, generation.trace, generation
             return
         size_caches(requests, rows)
-        for i, new_tokens, segments, result in engine.decode(target, requests, rows):
+        for i, new_tokens, logprobs, segments, result in engine.decode(target, requests, rows):
             generation = None
             if result is not None:
-                tokens, trace, stats = result
-                generation = Generation(tokens, final_text(target, requests[i].stop, tokens), stats, trace)
-            yield i, new_tokens, segments, generation
+                tokens, trace, stats, all_logprobs = result
+                generation = Generation(tokens, final_text(target, requests[i].stop, tokens), stats, trace,
+                                        logprobs=all_logprobs)
+            yield i, new_tokens, logprobs, segments, generation
 
 
 def search(request):
     """A request of (speculative) beam search; its result is known only at the end."""
+    from .decoding import beam  # read only by a call that asks for beams
     target, drafter = request.target, request.drafter
     start = time.perf_counter()
     draft = drafter.model if drafter else None
@@ -507,7 +371,7 @@ def with_settings(function):
 
 @with_settings
 def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
-    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", or
+    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
     "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields, as
     keywords; an invalid one raises SettingError (a ValueError) naming it in its `field`.
 
@@ -521,15 +385,20 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
-    chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "ngram" (the
-    most counted successors), draft models, "int8" / "int4" and draft heads (the continuations they
-    find most probable, grown as EAGLE-2 grows its tree). tree="auto" (the default) lets
+    chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "suffix" (the same,
+    over this process's earlier requests too), "ngram" (the most counted successors), draft models,
+    "int8" / "int4" and draft heads (the continuations they find most probable, grown as EAGLE-2 grows
+    its tree). tree="auto" (the default) lets
     gamma="auto"'s policy choose a tree or a chain each step, whichever it expects more tokens per
     second from (under a fixed gamma: chains, Algorithm 1 as written); "off" or None: chains.
     A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
     alone. They are decoded together (minispec.decoding.engine), plainly or speculatively, `batch_size` (default:
     all) at a time, a finished request's place going to the next; beam search runs them one after
     another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
+    logprobs=k: Generation.logprobs holds each token's log-probability and its k most likely
+    alternatives (speculative.TokenLogprob), read from the verifying forward: the same numbers as plain
+    decoding's. Sampled, of the distribution drawn from (after temperature, top_k and top_p); greedy, of
+    the model's own softmax.
     on_states(i, tokens, states) is called after each step with the tokens of prompt i the target's
     forward saw and kept (the prompt, then accepted tokens: all but the last output token, which no
     forward sees) and its hidden states at each [len(tokens), dim], computed by the same forwards (for
@@ -552,7 +421,7 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     Check(lambda v: v is None or integer(1)(v), "must be an integer >= 1")("batch_size", batch_size)
     check_lengths(requests)
     generations = [None] * len(requests)
-    for i, tokens, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
+    for i, tokens, _, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
         if on_tokens:
             on_tokens(i, tokens)
         generations[i] = generation or generations[i]
@@ -578,12 +447,13 @@ def is_batch(prompt):
 @dataclass
 class Chunk:
     """One step of a stream: the tokens it added, the text they added, and the step's segments as in
-    Generation.trace (its rejected guess included, for colouring). The last chunk also carries the
-    whole Generation, stats included."""
+    Generation.trace (its rejected guess included, for colouring), and with logprobs=k the tokens'
+    TokenLogprobs. The last chunk also carries the whole Generation, stats included."""
     tokens: list
     text: str
     segments: list
     generation: Generation | None = None
+    logprobs: list | None = None
 
 
 @with_settings
@@ -600,11 +470,11 @@ def stream(target, prompt, **settings):
 def chunks(request):
     text = TextStream(request)
     steps = run([request], 1)
-    for _, tokens, segments, generation in steps:
-        yield Chunk(tokens, text.push(tokens), segments)
+    for _, tokens, logprobs, segments, generation in steps:
+        yield Chunk(tokens, text.push(tokens), segments, logprobs=logprobs)
         if generation is not None:
             steps.close()  # the models are free again before the last chunk is handed out
-            yield Chunk([], text.rest(generation.text), [], generation)
+            yield Chunk([], text.rest(generation.text), [], generation, None if logprobs is None else [])
 
 
 class TextStream:

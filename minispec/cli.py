@@ -1,5 +1,6 @@
-"""What the command lines (run.py, minispec.tools.bench and minispec.serve) share: argument types, the flags
-that choose and load the models, and loading a target with the draft that --draft names."""
+"""What the command lines (run.py, minispec.tools.bench and minispec.serve) share: the flags that choose
+the models and the settings, and reading a prompts file. Free of torch, so that --help and a bad flag
+answer at once; minispec/loaders.py loads what the flags name."""
 
 import json
 import os
@@ -8,15 +9,8 @@ import stat
 import sys
 from dataclasses import fields
 
-import torch
-
-from .api import Settings
-from .decoding.drafters import MODEL_FREE, SELF_DRAFT_MODES
-from .models.checks import is_integer
-from .heads import is_head_dir, load_draft_head
-from .loading.checkpoint import load_model
-from .loading.weights import DTYPES
-from .models import quant
+from .models.checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES, is_integer
+from .settings import DTYPE_NAMES, Settings
 
 
 def add_setting_flags(parser):
@@ -54,20 +48,20 @@ def add_model_flags(parser, draft_default, tensor_parallel=False):
                              "Face hub id")
     parser.add_argument("--draft", default=draft_default,
                         help="a smaller model (as --target), a draft head's folder (python -m "
-                             "minispec.tools.train_heads), 'ngram', 'lookup', 'int8' or 'int4' (the target itself, "
-                             f"quantized), or 'none' (plain autoregressive decoding with the target); default "
-                             f"{draft_default}")
-    parser.add_argument("--quantize", choices=quant.MODES,
+                             "minispec.tools.train_heads), 'ngram', 'lookup', 'suffix' (lookup over earlier requests "
+                             "too), 'int8' or 'int4' (the target itself, quantized), or 'none' (plain autoregressive "
+                             f"decoding with the target); default {draft_default}")
+    parser.add_argument("--quantize", choices=QUANT_MODES,
                         help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
                              "tensors as they are)")
-    parser.add_argument("--draft-quantize", choices=quant.MODES, help="the same for a draft model")
-    parser.add_argument("--group-size", type=int, choices=quant.GROUP_SIZES, default=quant.DEFAULT_GROUP_SIZE,
+    parser.add_argument("--draft-quantize", choices=QUANT_MODES, help="the same for a draft model")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE,
                         help="columns per int4 scale")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="default: cuda where a GPU is, else cpu")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decode steps (CUDA graphs on cuda); the first run compiles")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, help="default: bfloat16 on cuda, float32 on cpu")
     if tensor_parallel:
         parser.add_argument("--tp", type=int, metavar="N",
                             help="shard the target over N processes (tensor parallelism), launched with torchrun "
@@ -75,38 +69,11 @@ def add_model_flags(parser, draft_default, tensor_parallel=False):
                                  "replicated on every rank")
 
 
-def load_models(args):
-    """(target, draft as generate() takes it), as add_model_flags' flags say; --threads is checked first."""
+def check_threads(args):
+    """--threads: at least one, and no more than the CPUs this process may run on."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if args.threads is not None and not 1 <= args.threads <= cpus:
         raise ValueError(f"--threads must be between 1 and this machine's {cpus} CPUs, got {args.threads}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    return load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype), args.compile,
-                                 args.quantize, args.draft_quantize, args.group_size, getattr(args, "tp", None))
-
-
-def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
-                          group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
-    """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup" and
-    "int8"/"int4" (the target's own quantized copy, sharded as the target is) as they are, or a model
-    loaded like the target (same device, dtype; whole on every rank when the target is sharded over
-    `tp` processes), quantized as `draft_quantize` says."""
-    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
-                        tp=tp)
-    return target, load_draft(draft, target, compile, draft_quantize, group_size)
-
-
-def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
-    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it)."""
-    if draft in (None, "none") or draft in MODEL_FREE or draft in SELF_DRAFT_MODES:
-        if draft_quantize is not None:
-            raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
-        return None if draft == "none" else draft
-    if is_head_dir(draft):  # a draft head trained for this target (minispec/heads)
-        return load_draft_head(draft, target, draft_quantize or "auto")
-    return load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
-                      group_size=group_size)
 
 
 def tp_rank(args):

@@ -16,7 +16,7 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference
 
 import minispec
-from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, theory, timing
+from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, theory, threads, timing
 from minispec.tools.bench import cli as bench_cli
 from minispec.tools.bench.prompts import read_prompts
 from minispec.decoding import drafters
@@ -546,6 +546,40 @@ def test_one_shot_runs_each_request_in_a_fresh_process(dirs, tmp_path, capsys, m
         assert set(row["configs"]) == {"auto", "2"} and all(c["identical"] for c in row["configs"].values())
         assert row["configs"]["auto"]["first_seconds"] > 0 and row["configs"]["auto"]["later_seconds"] > 0
     assert "| prompt | load s | plain s | γ = auto | γ = 2 | same output |" in table and "first " in table
+
+
+def test_threads_under_load_runs_the_default_and_each_setting_beside_a_busy_core(dirs, tmp_path, capsys, monkeypatch):
+    """--threads-under-load: while a process spins on one core, each request in a fresh process with the
+    default threads (OpenMP's wait policy left to minispec) and with 1..CPUs threads, taking turns."""
+    runs, busy = [], []
+    in_fresh_process = threads.in_fresh_process
+
+    def spy(spec, env):
+        busy.append(sum(1 for pid in os.listdir("/proc") if pid.isdigit() and spinning(pid)))
+        runs.append((spec["threads"], env.get("OMP_WAIT_POLICY")))
+        return in_fresh_process(spec, env)
+
+    monkeypatch.setattr(threads, "in_fresh_process", spy)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--threads-under-load",
+                              "--gamma", "2", "--repeats", "1", *PROMPT_FLAGS[:2])
+    cpus = len(os.sched_getaffinity(0))
+    assert runs == [(None, None)] + [(n, None) for n in range(1, cpus + 1)]
+    assert busy == [1] * len(runs)  # the spinning process, there for every run
+    assert not any(spinning(pid) for pid in os.listdir("/proc") if pid.isdigit())  # and gone after
+    assert set(result["tokens_per_second"]) == {"default", *map(str, range(1, cpus + 1))}
+    best = max(rate for name, rate in result["tokens_per_second"].items() if name != "default")
+    assert result["default_over_best"] == pytest.approx(result["tokens_per_second"]["default"] / best)
+    assert "| threads | tok/s | x best |" in table and "the goal of 0.8x" in table
+
+
+def spinning(pid):
+    """Whether process `pid` is the bench's spinning one (bench/threads.py)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return b"while True:" in file.read()
+    except OSError:
+        return False
 
 
 def fake_llama_cpp(directory, plain_ms=(500, 400, 600), decoded_s=2.0):

@@ -23,7 +23,7 @@ from conftest import save_reference, spread_init
 from test_speculative import assert_sampled_from, exact_joint
 
 import minispec
-from minispec.cli import load_draft
+from minispec.loaders import load_draft
 from minispec.heads import is_head_dir
 from minispec.loading.weights import save_safetensors
 from minispec.models.base import CachedLM

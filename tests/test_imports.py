@@ -6,6 +6,9 @@ function body (an import placed there to dodge it) is caught too. And what the p
 its modules is installed with it."""
 
 import ast
+import os
+import subprocess
+import sys
 from fnmatch import fnmatch
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -18,18 +21,25 @@ LAYERS = {  # by the top-level module or subpackage
     "models": 0,
     "native": 1,  # implements models/backend.py's interface; loading installs it
     "loading": 2,
+    "settings": 0,  # torch-free: the command lines check flags before loading torch
     "decoding": 3,
     "api": 4,
-    "__init__": 5, "cli": 5, "convert": 5, "heads": 5,
+    "__init__": 5, "cli": 5, "convert": 5, "heads": 5, "loaders": 5,
     "serve": 6,
     "tools": 7,  # the bench and head training: over the public API, apart from the engine
 }
 # What tools may import besides the package's front door (`import minispec`): the command lines' flags
 # and loaders, the forwards, drafters and weight formats the bench times one by one, and the heads'
 # modules and the target's layers training builds a head from.
-TOOL_API = {"api", "cli", "decoding.drafters", "heads.__init__", "heads.eagle", "heads.eagle3", "heads.medusa",
+TOOL_API = {"api", "cli", "loaders", "settings", "decoding.drafters", "heads.__init__", "heads.eagle", "heads.eagle3", "heads.medusa",
             "loading.chat", "loading.checkpoint", "loading.weights", "models.__init__", "models.base",
             "models.kernels", "models.llama", "models.quant"}
+# Modules the core reaches only when a call asks for what they do (a head, beam search, quantized or sharded
+# weights, a GGUF file, a built-in model, a chat template, the native kernels, an optional drafter), imported inside the function that needs them
+# so that a float model's generate never reads them. Families are imported by name (checkpoint.FAMILIES).
+LAZY = {"heads.__init__", "decoding.beam", "models.quant", "models.tp", "loading.parallel", "loading.gguf",
+        "loading.builtin", "loading.hub", "loading.chat", "native.__init__", "decoding.suffix"}
+CORE_LINES = 6000  # what `import minispec` and one float model's speculative generate read
 
 
 def module_name(file):
@@ -82,9 +92,38 @@ def test_every_module_has_a_layer():
     assert all(name.split(".")[0] in LAYERS for name in EDGES)
 
 
-def test_no_package_import_inside_a_function():
-    late = [(name, target) for name, imports in EDGES.items() for target, inside in imports if inside]
+def only_a_docstring(module):
+    body = ast.parse((PACKAGE / (module.replace(".", "/") + ".py")).read_text()).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
+
+
+def test_no_package_import_inside_a_function_but_the_optional_layers():
+    late = [(name, target) for name, imports in EDGES.items() for target, inside in imports
+            if inside and target not in LAZY and not only_a_docstring(target)]
     assert late == []
+
+
+CORE_SCRIPT = """
+import sys
+import minispec
+target, draft = minispec.load(sys.argv[1]), minispec.load(sys.argv[1])
+minispec.generate(target, "the cat", draft=draft, max_new_tokens=4)
+files = [m.__file__ for name, m in list(sys.modules.items()) if name.split(".")[0] == "minispec"]
+print(sum(sum(1 for _ in open(f)) for f in files if f and f.endswith(".py")))
+print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] == "minispec")))
+"""
+
+
+def test_the_core_stays_small(llama_with_tokenizer):
+    """What a newcomer must read to follow a float model's speculative generate, the native backend off:
+    the optional layers above stay unread."""
+    environment = {**os.environ, "MINISPEC_NATIVE": "0", "PYTHONPATH": str(PACKAGE.parent)}
+    result = subprocess.run([sys.executable, "-c", CORE_SCRIPT, str(llama_with_tokenizer)], env=environment,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines, modules = result.stdout.split("\n")[:2]
+    assert int(lines) <= CORE_LINES, f"{lines} lines in {modules}"
+    assert not {f"minispec.{name.removesuffix('.__init__')}" for name in LAZY} & set(modules.split())
 
 
 def test_imports_never_go_up_a_layer():

@@ -20,7 +20,7 @@ from torch import nn
 
 import minispec
 from minispec.tools.bench import memory
-from minispec.cli import load_target_and_draft
+from minispec.loaders import load_target_and_draft
 from minispec.decoding import drafters
 from minispec.loading import builtin
 from minispec.loading.chat import chat_prompt

@@ -7,6 +7,7 @@ import inspect
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,26 @@ def test_lookup_draft(gpt2_dir, capsys):
     assert lookup["stats"]["proposed"] > 0
 
 
+def test_compare_repeats_each_side_in_turn_and_reports_medians_and_spread(gpt2_dir, capsys, monkeypatch):
+    """--compare: after a short warm-up of each side, --repeats runs of each, taking turns; the speedup
+    is the ratio of their median tokens/s, and the summary gives each side's median and range."""
+    calls, generate = [], minispec.generate
+    monkeypatch.setattr(minispec, "generate", lambda target, prompt, draft=None, **settings: calls.append(
+        (draft, settings["max_new_tokens"])) or generate(target, prompt, draft=draft, **settings))
+    common = ["--target", gpt2_dir, *PROMPT_FLAG, "--draft", "lookup", "--max-new-tokens", "8", "--compare"]
+    out = run_json(capsys, *common, "--repeats", "3")
+    assert calls == [("lookup", 2), (None, 2)] + [("lookup", 8), (None, 8)] * 3
+    speeds, baselines = out["tokens_per_second"], out["baseline_tokens_per_second"]
+    assert len(speeds) == len(baselines) == 3 and speeds[0] == out["stats"]["tokens_per_second"]
+    assert out["speedup"] == pytest.approx(statistics.median(speeds) / statistics.median(baselines))
+    calls.clear()
+    assert run.main([*common, "--device", "cpu", "--repeats", "2"]) == 0
+    assert calls == [("lookup", 2), (None, 2), (None, 8), ("lookup", 8), (None, 8)]  # and the streamed first run
+    summary = capsys.readouterr().err
+    assert re.search(r"x the speed of decoding without the draft, median of 2 runs each: [\d.]+ tokens/s "
+                     r"\([\d.]+-[\d.]+\) against [\d.]+ tokens/s \([\d.]+-[\d.]+\), same output$", summary.strip())
+
+
 def test_compiled_run_gives_the_same_tokens(gpt2_dir, capsys):
     flags = ["--target", gpt2_dir, "--draft", gpt2_dir, *PROMPT_FLAG, "--max-new-tokens", "12", "--gamma", "3",
              "--ignore-eos", "--threads", "1"]
@@ -175,6 +196,7 @@ def test_show_under_a_tree_prints_the_rejected_candidates(gpt2_dir, capsys):
     (["--threads", "0"], "threads"),
     (["--threads", "100000"], "--threads must be between 1 and this machine's"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--compare", "--repeats", "0"], "--repeats must be >= 1"),
     (["--prompt", "a", "--prompt", "b", "--show"], "--show and --compare take one prompt"),
     (["--prompt", "a", "--prompt", "b", "--compare"], "--show and --compare take one prompt"),
     (["--prompt", "a\udcffb"], "--prompt is not UTF-8 text: byte 0xff at character 1"),
@@ -314,7 +336,7 @@ def test_show_ends_before_a_stop_string(llama_with_tokenizer, capsys):
 def test_chat_prompts_read_special_tokens_only_when_asked(llama_with_tokenizer, capsys, monkeypatch, flag):
     """The chat template's rendering itself is tests/test_chat.py's: here, that the flag reaches it."""
     calls = []
-    monkeypatch.setattr(run, "chat_prompt", lambda *args: calls.append(args) or [5, 6, 7])
+    monkeypatch.setattr(minispec, "chat_prompt", lambda *args: calls.append(args) or [5, 6, 7])
     assert run.main(["--target", str(llama_with_tokenizer), "--device", "cpu", "--prompt", "hi<|endoftext|>", "--chat",
                      "--max-new-tokens", "2", "--json", *flag]) == 0
     assert calls[0][1:] == ("hi<|endoftext|>", None, bool(flag))

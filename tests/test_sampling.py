@@ -5,7 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 import minispec.decoding.sampling
-from minispec.decoding.sampling import TEMPERATURE_MIN, Sampling, adjust, sample
+from minispec.decoding.sampling import Sampling, adjust, sample
+from minispec.settings import TEMPERATURE_MIN
 from minispec.models.checks import SettingError
 from minispec.decoding.speculative import accept_and_resample
 

@@ -160,9 +160,9 @@ def run_with_a_failing_rank(argv):
     """run.py's main, its target made to fail on rank 1 at its third forward: a fault mid-decoding."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import run
-    from minispec import cli
+    from minispec import loaders
 
-    load = cli.load_models
+    load = loaders.load_models
 
     def load_models(args):
         target, draft = load(args)

@@ -40,8 +40,6 @@ import torch
 
 from ..models.base import CachedLM
 from ..models.kernels import to_device
-from ..models.quant import MODES as SELF_DRAFT_MODES
-from ..models.quant import quantized_copy
 from .sampling import Sampling, adjust, sample
 from .tree import (DrawnGrowth, Growth, add_path, best_children, best_first, children_of, first_of, likeliest,
                    tree_or_chain)
@@ -69,17 +67,22 @@ class Proposal(NamedTuple):
 
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
+SELF_DRAFT_MODES = ("int8", "int4")  # models.quant's MODES
 SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
 
 def make_drafter(draft, target):
-    """A drafter for `draft`: a loaded model (minispec.load), "ngram", "lookup", or "int8" / "int4" (the
-    target itself, quantized: its own quantized weights and KV cache, built once per target)."""
+    """A drafter for `draft`: a loaded model (minispec.load), "ngram", "lookup", "suffix", or "int8" / "int4"
+    (the target itself, quantized: its own quantized weights and KV cache, built once per target)."""
+    if draft == "suffix":
+        from . import suffix  # an optional drafter: the core loads its module only when it is asked for
+        return suffix.SuffixDrafter(target)
     if isinstance(draft, str) and draft in MODEL_FREE:
         return MODEL_FREE[draft](target.vocab_size, target.device)
     if isinstance(draft, str) and draft in SELF_DRAFT_MODES:
         copies = SELF_DRAFTS.setdefault(target, {})
         if draft not in copies:
+            from ..models.quant import quantized_copy  # read only when a self-draft is asked for
             copies[draft] = quantized_copy(target, draft)
             for note in copies[draft].quantization["notes"]:  # layers the int4 kernel cannot take
                 print(f"minispec: draft {copies[draft].name}: {note}", file=sys.stderr)
@@ -92,9 +95,10 @@ def make_drafter(draft, target):
     if isinstance(draft, str):
         raise ValueError(f"draft={draft!r}: load a draft model once with minispec.load({draft!r}) and pass the "
                          "model (a path here would reload its weights on every call); or use 'ngram', 'lookup', "
-                         "'int8' or 'int4'")
+                         "'suffix', 'int8' or 'int4'")
     if not isinstance(draft, CachedLM):
-        raise ValueError(f"draft must be a minispec model (minispec.load), 'ngram', 'lookup', 'int8' or 'int4'; "
+        raise ValueError(f"draft must be a minispec model (minispec.load), 'ngram', 'lookup', 'suffix', 'int8' or "
+                         "'int4'; "
                          f"got {draft!r}")
     if draft is target:
         raise ValueError("the draft must be a separate model object (each needs its own KV cache); "
@@ -606,3 +610,4 @@ class LookupDrafter:
 
 
 MODEL_FREE = {"ngram": NgramDrafter, "lookup": LookupDrafter}
+MODEL_FREE_NAMES = (*MODEL_FREE, "suffix")  # suffix's drafter needs its target (decoding/suffix.py)

@@ -37,6 +37,8 @@ class Row:
         self.started = time.perf_counter()
         self.tokens, self.trace = [], []
         self.new_tokens, self.segments = [], []  # the last step's, for the caller
+        # speculative.TokenLogprob of each output token when the request asks (logprobs), else None
+        self.logprobs = self.new_logprobs = None if request.logprobs is None else []
         self.stats = {"seed": request.seed, "target_calls": 0}
         before = target.encoder_calls
         self.unseen = target.encode_row(slot, request.prompt_ids).view(-1)  # tokens its cache row has not seen
@@ -66,6 +68,9 @@ class Row:
             if step.overlap is not None:  # only the positions up to a stop count
                 self.overlap += step.overlap[:len(new_tokens)].sum()
         self.count(guesses, n, new_tokens, guesses[n:n + 1] if step.rejected is None else step.rejected)
+        if step.logprobs is not None:
+            self.new_logprobs = step.logprobs[:len(new_tokens)]
+            self.logprobs += self.new_logprobs
         if self.request.on_states is not None:  # the tokens of the output fed so far: not those after a stop
             fed = len(self.unseen) + len(new_tokens) - 1
             self.request.on_states(self.index, step.seen.tokens[:fed], step.seen.states[:fed])
@@ -85,12 +90,12 @@ class Row:
             return None
         return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
-    def advance_tree(self, nodes, parents, verdict, timing, seen=None):
+    def advance_tree(self, nodes, parents, verdict, timing, seen=None, logprobs=None):
         """Take a verified tree step (tree.py's TreeVerdict: the accepted path of node indices, the
         target's token t, and the path's last node's children, all rejected). The path's keys
         and values become a chain after the root in the target's cache row; then it is the step of a
         chain whose guesses are the path and the first rejected child (what the statistics count),
-        whose trace shows every rejected child."""
+        whose trace shows every rejected child. logprobs: Outcome's."""
         path, t, rejected = verdict
         root = self.length - len(nodes) - 1  # the root's slot: the last token fed before the nodes
         self.request.target.keep(self.slot, [root + 1 + j for j in path], root + 1)
@@ -98,7 +103,8 @@ class Row:
         self.length = root + 1 + len(guesses)  # as if the chain of `guesses` had been verified
         self.stats["tree_nodes"] = self.stats.get("tree_nodes", 0) + len(nodes)
         accepted = to_device(guesses[:len(path)] + [t], self.unseen.device)
-        return self.advance(Outcome(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes)))
+        return self.advance(Outcome(len(path), guesses, t, accepted, None, timing, seen, rejected, len(nodes),
+                                    logprobs))
 
     def count(self, guesses, n, new_tokens, rejected):
         """Count a step into the statistics, and its segments of the trace, coloured like the paper's
@@ -143,6 +149,8 @@ class Row:
             stats["alpha"] = overlap / verified if verified else 0.0
             stats["tokens_per_target_call"] = len(self.tokens) / max(stats["target_calls"], 1)
             stats.update(self.policy.finish())
+            if hasattr(self.drafter, "finish"):  # a drafter that learns from whole requests (decoding/suffix.py)
+                self.drafter.finish(self.tokens)
         return stats
 
 
@@ -165,8 +173,8 @@ def decode(target, requests, rows, cancelled=None):
     up to `free` (index, request) pairs, blocking while none is waiting if `wait` (the batch is empty),
     and returning none then only when no more will come. Between steps, rows for which
     cancelled(index) is true leave at once, without news. Yields every step's news of each row as
-    (request index, new tokens, segments of the trace, result): result is None until the request's
-    last step, then its (tokens, trace, stats)."""
+    (request index, new tokens, their TokenLogprobs (None unless asked), segments of the trace, result):
+    result is None until the request's last step, then its (tokens, trace, stats, logprobs)."""
     source = requests if hasattr(requests, "take") else Waiting(requests)
     batch = []  # batch[i] lives in cache row i, of the target and of a draft model
     while True:
@@ -181,8 +189,8 @@ def decode(target, requests, rows, cancelled=None):
             result = None
             if row in ended:
                 row.stats["batch_size"] = rows
-                result = row.tokens, row.trace, row.finish()
-            yield row.index, row.new_tokens, row.segments, result
+                result = row.tokens, row.trace, row.finish(), row.logprobs
+            yield row.index, row.new_tokens, row.new_logprobs, row.segments, result
         leave(batch, ended, cache_models(target, batch))
 
 

@@ -28,9 +28,9 @@ from .drafters import TREE_WIDTH
 from .profiles import PROBE_AFTER, PROBE_MAX, PairProfile
 from .rates import Rate, Seen, carried, count, shrunk
 from ..models.checks import is_integer
+from ..settings import GAMMA_MAX
 from .tree import TREE_AUTO, chain_length, depths
 
-GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses: the longest fixed γ it was measured against
 BEAM_GAMMA_MAX = 4  # fewer draft beam steps in speculative beam search, each verifying w + u·k rows
 # Per step of each kind (chain, tree, plain), so that their tokens per second follow the last ~30 such
 # steps: a step makes 1 to k + 1 tokens, and over fewer a short run of rejections would price a mode out.

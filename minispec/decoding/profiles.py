@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..loading.builtin import weights_dir
+from ..loading.weights import weights_dir
 from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA
 
 VERSION = 9  # of the files' contents: files of another version, whose costs were other kernels', are ignored

@@ -7,17 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The sampling settings are checked by the one check of a value from outside (models/checks.py).
-from ..models.checks import Check, integer, is_number
-
-
-# Below this a temperature is refused, not rounded to greedy: dividing logits by it overflows towards
-# 1e-38 (every token id 0), and well above that sampling is already greedy but for float ties.
-TEMPERATURE_MIN = 1e-5
-TEMPERATURE = Check(lambda v: is_number(v) and (v == 0 or v >= TEMPERATURE_MIN),
-                    f"must be a number >= 0 (0 = greedy; else at least {TEMPERATURE_MIN:g})")
-TOP_K = Check(integer(0), "must be an integer >= 0 (0 = off)")
-TOP_P = Check(lambda v: is_number(v) and 0 < v <= 1, "must be a number in (0, 1]")
+# The sampling settings' checks live with the other settings (torch-free, for the command lines' flags).
+from ..settings import TEMPERATURE, TOP_K, TOP_P
 
 
 @dataclass(frozen=True)
@@ -38,9 +29,25 @@ class Sampling:
 
 def adjust(logits, sampling):
     """float logits [..., vocab] -> the probabilities we actually sample from, [..., vocab] float32."""
-    logits = logits.float()
+    logits = processed(logits, sampling)
     if sampling.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return logits.softmax(-1)
+
+
+def log_probs(logits, sampling):
+    """float logits [..., vocab] -> the log-probabilities a token is reported with, [..., vocab] float32:
+    those of the distribution it is drawn from (vLLM's "processed logprobs"), save greedy's, whose
+    one-hot would say only 0 or -inf: there the model's own, the logits' log-softmax."""
+    return processed(logits, sampling).log_softmax(-1)
+
+
+def processed(logits, sampling):
+    """float logits [..., vocab] -> float32 logits as sampling adjusts them: divided by the temperature,
+    -inf where top-k or top-p drop a token (greedy: as they are)."""
+    logits = logits.float()
+    if sampling.greedy:
+        return logits
     logits = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -48,7 +55,7 @@ def adjust(logits, sampling):
     if sampling.top_p < 1:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < top_p_cutoff(probs, sampling.top_p), float("-inf"))
-    return logits.softmax(-1)
+    return logits
 
 
 # torch.sort is slow on a CPU (3 ms for one 49k-token row on 2 cores: 16 ms for the 9 rows of a γ = 8

@@ -26,7 +26,9 @@ a chain (tree.py): the target scores every node in the same forward, and the wal
 replaces n's test (walk, sample_walk -> TreeVerdict) runs on the host.
 """
 
+import math
 import time
+from array import array
 from typing import NamedTuple, Optional
 
 import torch
@@ -34,7 +36,7 @@ import torch
 from ..models.kernels import to_device
 from .costs import graphs_met
 from .drafters import Proposal, propose_all
-from .sampling import adjust, sample
+from .sampling import adjust, log_probs, sample
 from .tree import feed_parents, sample_walk, walk
 
 
@@ -70,6 +72,16 @@ class Outcome(NamedTuple):
     seen: Optional[Seen] = None
     rejected: Optional[list] = None  # what the trace shows as rejected (None: the chain's guess after n)
     nodes: int = 0  # a tree's guesses (0: a chain)
+    logprobs: Optional[list] = None  # a TokenLogprob for each of the n + 1 tokens, when the request asks
+
+
+class TokenLogprob(NamedTuple):
+    """An output token's log-probability (sampling.log_probs: under the distribution it was drawn from),
+    and the k most likely tokens there as (token, log-probability) pairs, best first: fewer where top-k
+    or top-p leave fewer that can be drawn (-inf is no alternative, nor a number JSON can write)."""
+    token: int
+    logprob: float
+    top: list
 
 
 class HostStep(NamedTuple):
@@ -78,6 +90,7 @@ class HostStep(NamedTuple):
     n: Optional[int]  # a chain's
     t: Optional[int]  # a chain's
     choices: Optional[list]  # a tree's: the target's argmax at its root and each node (sampled: empty)
+    logprobs: Optional[list]  # a TokenLogprob at each position scored (a chain's k + 1; a greedy tree's every node)
 
 
 def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
@@ -151,11 +164,13 @@ def step(target, rows):
         if x.parents is None:
             accepted = torch.cat([x.drafts[:got.n], verdict.t]) if len(x.drafts) else verdict.t
             done = row.advance(Outcome(got.n, got.guesses, got.t, accepted, verdict.overlap, timing,
-                                       seen(row, x.drafts, state, list(range(got.n)))))
+                                       seen(row, x.drafts, state, list(range(got.n))),
+                                       logprobs=None if got.logprobs is None else got.logprobs[:got.n + 1]))
         else:
             tree = walk(got.guesses, x.parents, got.choices) if row.sampling.greedy else \
                 sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q)
-            done = row.advance_tree(got.guesses, x.parents, tree, timing, seen(row, x.drafts, state, tree.path))
+            done = row.advance_tree(got.guesses, x.parents, tree, timing, seen(row, x.drafts, state, tree.path),
+                                    tree_logprobs(row, p, got, tree))
         if done:
             ended.append(row)
     return ended
@@ -163,22 +178,70 @@ def step(target, rows):
 
 def to_host(rows, logits, proposals, verdicts):
     """The step's one host sync: each row's guesses with a chain's n and t, or a tree's choices (the
-    target's argmax at its root and each node, which a greedy walk follows), in one transfer. HostSteps."""
-    parts = [[v.n, x.drafts, v.t] if v is not None else
-             [p.argmax(-1) if row.sampling.greedy else x.drafts[:0], x.drafts]
-             for row, p, x, v in zip(rows, logits, proposals, verdicts)]
-    host = torch.cat([part for row in parts for part in row]).tolist()
+    target's argmax at its root and each node, which a greedy walk follows), and the log-probabilities a
+    request asks for (scored), in one transfer. HostSteps."""
+    parts, asked = [], []
+    for row, p, x, v in zip(rows, logits, proposals, verdicts):
+        choices = p.argmax(-1) if v is None and row.sampling.greedy else x.drafts[:0]
+        ids = [v.n, x.drafts, v.t] if v is not None else [choices, x.drafts]
+        asked.append(row.request.logprobs is not None and (v is not None or row.sampling.greedy))
+        if asked[-1]:  # a sampled tree's tokens are known only after its walk (tree_logprobs)
+            ids.append(scored(p, row.sampling, choices if v is None else emitted(x.drafts, v), row.request.logprobs))
+        parts.append(ids)
+    host = torch.cat([part.view(-1) for row in parts for part in row]).tolist()
     out, start = [], 0
-    for row in parts:
+    for row, wanted, x in zip(parts, asked, proposals):
         lists = []
         for part in row:
-            lists.append(host[start:start + len(part)])
-            start += len(part)
-        if len(row) == 3:
-            out.append(HostStep(lists[1], lists[0][0], lists[2][0], None))
+            lists.append(host[start:start + part.numel()])
+            start += part.numel()
+        logprobs = unpack(lists.pop(), len(x.drafts) + 1) if wanted else None
+        if x.parents is None:
+            out.append(HostStep(lists[1], lists[0][0], lists[2][0], None, logprobs))
         else:
-            out.append(HostStep(lists[1], None, None, lists[0]))
+            out.append(HostStep(lists[1], None, None, lists[0], logprobs))
     return out
+
+
+def emitted(drafts, verdict):
+    """[k + 1]: the token a chain emits at each position if it gets there: its guess, and t after the n
+    accepted guesses."""
+    return torch.cat([drafts, verdict.t]).scatter(0, verdict.n, verdict.t)
+
+
+def scored(logits, sampling, tokens, k):
+    """[m, 2 + 2k] long, for the host transfer: at each row of logits [m, vocab], the token there
+    (tokens [m]), the log-probabilities (sampling.log_probs) of it and of the row's k most likely
+    tokens, as float32 bits, and those tokens."""
+    logprobs = log_probs(logits, sampling)
+    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    values = torch.cat([logprobs.gather(-1, tokens.view(-1, 1)), top.values], -1)
+    return torch.cat([tokens.view(-1, 1), values.view(torch.int32).long(), top.indices], -1)
+
+
+def unpack(host, m):
+    """scored()'s m rows, read on the host -> a TokenLogprob each."""
+    width = len(host) // m
+    k = (width - 2) // 2
+    out = []
+    for i in range(0, len(host), width):
+        row = host[i:i + width]
+        values = array("f", array("i", row[1:k + 2]).tobytes()).tolist()
+        top = [(token, value) for token, value in zip(row[k + 2:], values[1:]) if value != -math.inf]
+        out.append(TokenLogprob(row[0], values[0], top))
+    return out
+
+
+def tree_logprobs(row, logits, got, tree):
+    """A TokenLogprob for each token of a tree's accepted path and t, when the request asks: a greedy
+    tree's from its transfer; a sampled tree's read now, as its walk has read the device already."""
+    if row.request.logprobs is None:
+        return None
+    at = [0] + [1 + j for j in tree.path]  # the rows of logits that chose each token
+    if got.logprobs is not None:
+        return [got.logprobs[i] for i in at]
+    tokens = torch.tensor([got.guesses[j] for j in tree.path] + [tree.t], device=logits.device)
+    return unpack(scored(logits[at], row.sampling, tokens, row.request.logprobs).view(-1).tolist(), len(at))
 
 
 def verify(logits, drafts, q, sampling, lenience, generator):

@@ -36,7 +36,6 @@ import torch
 
 from .sampling import adjust, sample, sample_distinct
 
-TREE_MAX = 64  # the most guesses a step's tree may hold
 # tree="auto": the most guesses the policy weighs a step's tree at (policy.py). With the token before
 # them, about the widest forward that costs a CPU what a 1-token step does; offered more, the policy
 # expects too much of the extra nodes and picks wider trees that accept less than they cost.

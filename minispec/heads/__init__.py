@@ -13,9 +13,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..api import available_memory
-from ..loading import builtin
 from ..loading.checkpoint import check_shapes, cut_padding
-from ..loading.weights import CheckpointError, read_config, read_weights, save_safetensors, weight_files
+from ..loading.weights import CheckpointError, file_identity, read_config, read_weights, save_safetensors, weight_files
 from ..models import quant
 from ..models.base import CachedLM, pack_linears
 from ..models.checks import COUNT, check
@@ -99,8 +98,7 @@ def load_draft_head(path, target, quantize="auto"):
     minispec model: the head reads its states, embedding and output head), on the target's device.
     quantize, for an EAGLE head's weights (models.quant): "int8" or "int4"; None: as they are, in the
     target's dtype; "auto": int8 on a CPU or beside a quantized target, where a guess costs what the
-    head's bytes cost (SmolLM2's EAGLE-3 head on 2 cores: 0.096 of a float32 step, int8 0.045, and
-    decoding 7% faster at the same tokens a call), else as they are."""
+    head's bytes cost (int8 halves them at the same tokens a call), else as they are."""
     if quantize != "auto":
         quant.check_settings(quantize, quant.DEFAULT_GROUP_SIZE)
     directory = Path(path).expanduser()
@@ -134,7 +132,7 @@ def load_draft_head(path, target, quantize="auto"):
         if quantize is not None:
             quant.quantize_model(head, quantize, dtype=head.dtype)
         pack_linears(head)  # packed products for what stays float: row-invariant, and the one-call layer's
-    identities = "|".join(builtin.file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
+    identities = "|".join(file_identity(f) for f in sorted(directory.iterdir()) if f.is_file())
     # its quantization too: an int8 head's stored costs are not a float one's (decoding/profiles.py)
     head.fingerprint = hashlib.sha256(f"{identities}|{target.fingerprint}|{quantize}".encode()).hexdigest()[:20]
     head.name = directory.name

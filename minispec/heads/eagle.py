@@ -15,8 +15,8 @@ layer's cache keeps only pairs built from the target's real states: the pairs of
 back, and the accepted guesses come back at the next step with the states the target gave them.
 
 A reduced draft vocabulary (EAGLE-3's idea, in heads trained here): q over the N tokens the target
-says most often, zero elsewhere. The output head is most of a guess's cost (SmolLM2-135M: 49152 x 576
-of its weights against 3.5M in the layer); 8192 rows cut it sixfold, and a token outside them is one the
+says most often, zero elsewhere. The output head is most of a guess's cost (a small model's vocabulary
+times its width, against one layer's weights); 8192 rows of a 49k vocabulary cut it sixfold, and a token outside them is one the
 head would seldom have guessed. Exactness is untouched: the guesses are drawn from that q.
 
 Checkpoints: EAGLE-1/EAGLE-2 heads as their authors publish them (config.json: a Llama config with one
@@ -107,8 +107,8 @@ class EagleHead(Llama):
 def head_rows(target, ids=None):
     """The rows of the target's output head for token ids (all: None) [n, dim], as the target computes
     its logits. A head stored as a float matrix gives them as they are; any other (quantized, sharded)
-    gives its logits of the identity, which cost a forward of `dim` rows: a quarter of a second for
-    SmolLM2's head, which a one-shot run.py call would pay before its first guess."""
+    gives its logits of the identity, which cost a forward of `dim` rows, which a one-shot run.py call
+    would pay before its first guess."""
     head = target.head
     if type(head) in (Linear, Embedding) and head.weight.is_floating_point():
         return head.weight if ids is None else head.weight[ids]

@@ -13,7 +13,6 @@ A built-in name resolves, in order, to
 """
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from .gguf import COMPLETE, convert_gguf, staging, sweep_partials
 from .hub import download_from_hub
-from .weights import CheckpointError
+from .weights import CheckpointError, log, weights_dir
 
 
 @dataclass(frozen=True)
@@ -51,17 +50,23 @@ BUILTINS = {
 }
 
 
-def weights_dir():
-    if os.environ.get("MINISPEC_WEIGHTS"):
-        return Path(os.environ["MINISPEC_WEIGHTS"]).expanduser()
-    root = Path(__file__).resolve().parents[2]  # minispec/loading/builtin.py -> the checkout
-    if (root / "weights").is_dir() and (root / "pyproject.toml").is_file():  # a checkout
-        return root / "weights"
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "minispec"
-
-
-def log(message):
-    print(f"minispec: {message}", file=sys.stderr, flush=True)
+def resolve(name_or_path, keep_quantized=False, check=None):
+    """A local checkpoint directory for what is not one: a .gguf file (converted once into the weights
+    folder, its quantized tensors kept quantized if asked), a built-in name, or a hub id to fetch."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file {path} does not exist")
+        return import_gguf(path, keep_quantized=keep_quantized, check=check)
+    if path.exists():
+        raise CheckpointError(f"{path} is a file; a checkpoint is a directory with config.json and *.safetensors, "
+                              "or a .gguf file")
+    if str(name_or_path) in BUILTINS:
+        return resolve_builtin(str(name_or_path), check=check)
+    # Hub ids look like "name" or "owner/name"; anything else is a local path that is missing.
+    if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    return download_from_hub(str(name_or_path))
 
 
 def is_checkpoint(directory):
@@ -111,13 +116,6 @@ def made_from(folder):
         return (folder / COMPLETE).read_text()
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def file_identity(path):
-    """A short hash of a file's absolute path, size and modification time: another file, or this one
-    rewritten, gets another (but for one rewritten with the same size and time)."""
-    stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
 
 
 def size_mb(directory):

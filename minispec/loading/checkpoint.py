@@ -15,20 +15,18 @@ import ctypes
 import dataclasses
 import hashlib
 import importlib
+import os
 import re
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from ..models import quant, tp as tensor_parallel
+from ..models import backend
 from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
-from ..native import install as install_backend
-from . import builtin, parallel
-from .hub import download_from_hub
 from .tokenizer import load_tokenizer
-from .weights import CheckpointError, read_config, read_dtypes, read_weights, weight_files
+from .weights import CheckpointError, file_identity, log, read_config, read_dtypes, read_weights, weight_files
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
@@ -40,36 +38,20 @@ def family(model_type) -> Family:
 
 
 def resolve_checkpoint(name_or_path, keep_quantized=False):
-    """A local checkpoint directory for `name_or_path`: an existing directory, a .gguf file (converted
-    once into the weights folder, its quantized tensors kept quantized if asked), a built-in name
-    (minispec.loading.builtin), or a hub id to fetch."""
+    """A local checkpoint directory for `name_or_path`: an existing directory, else what loading.builtin
+    resolves (a .gguf file, a built-in name, a hub id)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise CheckpointError(f"GGUF file {path} does not exist")
-        return builtin.import_gguf(path, keep_quantized=keep_quantized, check=check_checkpoint)
-    if path.exists():
-        raise CheckpointError(f"{path} is a file; a checkpoint is a directory with config.json and *.safetensors, "
-                              "or a .gguf file")
-    if str(name_or_path) in builtin.BUILTINS:
-        return builtin.resolve_builtin(str(name_or_path), check=check_checkpoint)
-    # Hub ids look like "name" or "owner/name"; anything else is a local path that is missing.
-    if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    return download_from_hub(str(name_or_path))
+    from . import builtin  # conversions and downloads: read only when a load asks for one
+    return builtin.resolve(name_or_path, keep_quantized, check=check_checkpoint)
 
 
 def check_shapes(model, weights, source, stored=None):
     """The checkpoint's tensors (and its quantized weights, `stored`) against the model's."""
     expected = model.state_dict()
-    for name, parts in (stored or {}).items():
-        if f"{name}.weight" not in expected:
-            raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
-        problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
-        if problem:
-            raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
+    if stored:
+        check_stored(expected, stored, source)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"{source}: weights lack tensor(s) {', '.join(missing[:5])}")
@@ -84,6 +66,18 @@ def check_shapes(model, weights, source, stored=None):
             )
 
 
+def check_stored(expected, stored, source):
+    """The quantized weights (models.quant's stored forms) against the model's float shapes, which they
+    take out of `expected`."""
+    from ..models import quant  # only a checkpoint holding quantized weights reads their forms
+    for name, parts in stored.items():
+        if f"{name}.weight" not in expected:
+            raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
+        problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
+        if problem:
+            raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
+
+
 # The safetensors dtypes of float weights. Anything else (integers, bools, 8-bit floats) is quantized
 # weights or no weights at all, which a cast to float would turn into wrong numbers without a word.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -96,6 +90,9 @@ def holds_stored_weights(hf_config, dtypes, convert, config, source):
     loaded as float tensors labelled quant_method "gguf", which load as any float weights."""
     quantization = hf_config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if method is None and all(dtype in FLOAT_DTYPES for dtype in dtypes.values()):
+        return False
+    from ..models import quant  # the stored forms: read only for a checkpoint with other tensors
     ours = method == quant.QUANT_METHOD
     # minispec's own stored forms hold int8/uint8 tensors, which quant.check_stored checks; and only the
     # tensors the family's conversion keeps count (the original GPT-2 files hold uint8 attention masks).
@@ -179,7 +176,8 @@ def read_checkpoint(directory, world=None):
     tokenizer = load_tokenizer(directory, model_type)
     rows, config = config.vocab_size, to_tokenizer(config, tokenizer)
     if world is not None:
-        tensor_parallel.check_divisible(config, world)  # the same on every rank: each exits with it
+        from ..models import tp  # sharding: read only by a tensor-parallel load
+        tp.check_divisible(config, world)  # the same on every rank: each exits with it
     ours = holds_stored_weights(hf_config, dtypes, convert, config, directory)
     try:
         with torch.device("meta"):  # shapes without memory
@@ -194,7 +192,10 @@ def read_checkpoint(directory, world=None):
         weights = convert(weights, config)
     except ValueError as error:  # the family's key mapping found tensors it cannot place
         raise CheckpointError(f"{directory}: {error}") from error
-    stored = quant.take_stored(weights) if ours else {}
+    stored = {}
+    if ours:
+        from ..models import quant  # the stored forms, for a checkpoint that holds them
+        stored = quant.take_stored(weights)
     if config.vocab_size < rows:
         cut_padding(model, weights, stored, rows)
         model.checkpoint_rows = rows
@@ -240,18 +241,22 @@ def check_checkpoint(directory):
     read_checkpoint(directory)
 
 
-def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None,
-               group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
+def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None, group_size=None, tp=None):
     """Load a checkpoint into its minispec model, with tokenizer and special token ids attached.
     compile=True compiles the decode forward (see CachedLM.compile). quantize="int8" or "int4"
-    quantizes the weights (models.quant.quantize_model; int4 in groups of `group_size` columns); a GGUF
-    file is then imported with its quantized tensors kept as they are. tp=N: this process is one of N
-    ranks (launched by torchrun) over which the model is sharded (models/tp.py, loading/parallel.py);
-    every rank calls load_model alike, and on cuda each takes the GPU of its local rank."""
-    quant.check_settings(quantize, group_size)
-    install_backend(compile)  # the kernels every model of this load computes with
+    quantizes the weights (models.quant.quantize_model; int4 in groups of `group_size` columns, by
+    default quant.DEFAULT_GROUP_SIZE); a GGUF file is then imported with its quantized tensors kept as they
+    are. tp=N: this process is one of N ranks (launched by torchrun) over which the model is sharded
+    (models/tp.py, loading/parallel.py); every rank calls load_model alike, and on cuda each takes the GPU
+    of its local rank."""
+    if quantize is not None or group_size is not None:
+        from ..models import quant  # read only when a load quantizes
+        group_size = quant.DEFAULT_GROUP_SIZE if group_size is None else group_size
+        quant.check_settings(quantize, group_size)
+    install_backend(compile)
     world = None
     if tp is not None:  # before check_device: NCCL without GPUs gets its own message
+        from . import parallel  # sharding: read only by a tensor-parallel load
         world, device = parallel.launch(tp, device)
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
@@ -267,16 +272,10 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         parallel.join(device).shard(model, stored)
     if quantizing:
         try:
-            notes = quant.quantize_model(model, quantize, group_size, dtype, stored, device)
+            for note in quantize_loaded(model, quantize, group_size, dtype, stored, device):
+                log(f"{name_or_path}: {note}")
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
-        for note in notes:
-            builtin.log(f"{name_or_path}: {note}")
-        # What stays float (norms, biases) is views of the checkpoint file, which would keep all of it
-        # resident: 3.3x the int4 model's memory for SmolLM2. Copies in `dtype` let it go.
-        for parameter in model.parameters():
-            parameter.data = parameter.data.to(dtype, copy=True)
-        release_freed_memory()
     model = pack_linears(model.to(device=device).eval().requires_grad_(False))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     model.fingerprint = fingerprint(directory, quantize, group_size, tp)
@@ -284,19 +283,42 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     return model.compile() if compile else model
 
 
+def install_backend(compile):
+    """The kernels every model of this load computes with: minispec's native CPU kernels (minispec.native),
+    unless MINISPEC_NATIVE=0 keeps PyTorch's operations (and leaves the native package unread)."""
+    if os.environ.get("MINISPEC_NATIVE", "1") == "0":
+        backend.use(backend.PYTORCH)
+        return
+    from .. import native  # the layer above models that plugs into models/backend.py
+    native.install(compile)
+
+
+def quantize_loaded(model, quantize, group_size, dtype, stored, device):
+    """The loaded model's weights quantized (`quantize`), or its checkpoint's quantized weights (`stored`)
+    taken; the notes on layers kept otherwise."""
+    from ..models import quant  # read only when a load quantizes
+    notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device)
+    # What stays float (norms, biases) is views of the checkpoint file, which would keep all of it
+    # resident, several times the quantized model's memory. Copies in `dtype` let it go.
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype, copy=True)
+    release_freed_memory()
+    return notes
+
+
 def fingerprint(directory, quantize, group_size, tp=None):
-    """The checkpoint as it is on disk (each file's path, size and modification time: builtin.file_identity)
+    """The checkpoint as it is on disk (each file's path, size and modification time: weights.file_identity)
     and as it was quantized at load: what gamma="auto"'s stored costs are kept for (decoding.profiles)."""
     files = sorted(file for file in Path(directory).iterdir() if file.is_file())
-    identities = "|".join(builtin.file_identity(file) for file in files)
+    identities = "|".join(file_identity(file) for file in files)
     sharded = f"|tp{tp}" if tp is not None else ""  # a rank's costs are not a whole model's
     return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}{sharded}".encode()).hexdigest()[:20]
 
 
 def release_freed_memory():
     """Hand the float weights' freed memory back to the system. glibc keeps freed heap memory for reuse,
-    and quantizing leaves small tensors between the freed float temporaries, which then stays resident:
-    SmolLM2 int4 kept 360 MiB instead of 202. Other C libraries: nothing to do."""
+    and quantizing leaves small tensors between the freed float temporaries, which then stays resident
+    (nearly twice the quantized model's memory). Other C libraries: nothing to do."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

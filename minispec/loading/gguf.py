@@ -24,7 +24,7 @@ import struct
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -764,12 +764,16 @@ def staging(target):
     folder = os.open(target.parent, os.O_RDONLY)
     try:
         try_lock(folder, fcntl.LOCK_SH)  # waits only while another process sweeps
-        with sigterm_raises():
-            staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+        with sigterm_raises() as held:
+            staged = None
             try:
+                with held():
+                    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
                 yield staged
             finally:
-                shutil.rmtree(staged, ignore_errors=True)
+                with held():
+                    if staged:
+                        shutil.rmtree(staged, ignore_errors=True)
     finally:
         os.close(folder)  # and with it the lock
 
@@ -804,16 +808,31 @@ def try_lock(fd, operation):
 def sigterm_raises():
     """SIGTERM raises SystemExit in the body, so that its cleanup runs; by default it ends the process on
     the spot. Only where the default is in place (a program's own handler is its own policy), and in the
-    main thread, where Python runs handlers."""
+    main thread, where Python runs handlers. Yields `held`: a context that holds a SIGTERM arriving in it
+    (while a partial is made or removed, which it would cut in half) until its end."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
+        yield nullcontext
         return
+    holding, pending = [False], []
 
     def terminate(signum, frame):
+        if holding[0]:
+            pending.append(signum)
+            return
         raise SystemExit(128 + signum)  # the exit status of a process SIGTERM ended
+
+    @contextmanager
+    def held():
+        holding[0] = True
+        try:
+            yield
+        finally:
+            holding[0] = False
+            if pending:
+                raise SystemExit(128 + pending[0])
 
     signal.signal(signal.SIGTERM, terminate)
     try:
-        yield
+        yield held
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,9 +1,7 @@
 """The Hugging Face hub: fetch the files of a checkpoint that minispec reads, into the hub cache."""
 
+import sys
 from pathlib import Path
-
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from .weights import CheckpointError
 
@@ -16,7 +14,16 @@ HUB_FILES = [
 
 
 def download_from_hub(repo_id):
-    """Fetch only the files minispec needs; honours the hub cache, HF_HOME and HF_HUB_OFFLINE."""
+    """Fetch only the files minispec needs; honours the hub cache, HF_HOME and HF_HUB_OFFLINE. Its progress
+    bars are shown on a terminal only: in a log they are lines of redraws."""
+    # Imported here, not with the package: with its HTTP stack it costs every run ~0.15 s, and only a
+    # checkpoint given by its hub id needs it.
+    from huggingface_hub import snapshot_download, utils
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    quiet = not sys.stderr.isatty() and not utils.are_progress_bars_disabled()
+    if quiet:
+        utils.disable_progress_bars()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except LocalEntryNotFoundError as error:
@@ -27,3 +34,6 @@ def download_from_hub(repo_id):
         ) from error
     except (HfHubHTTPError, OSError) as error:
         raise CheckpointError(f"could not fetch '{repo_id}' from the Hugging Face hub: {error}") from error
+    finally:
+        if quiet:
+            utils.enable_progress_bars()

@@ -1,5 +1,6 @@
 """Checkpoint files, the bottom of the loading layer: reading a directory's config.json and
-safetensors weights, and writing safetensors files.
+safetensors weights, writing safetensors files, and the weights folder that conversions and stored
+costs are kept in.
 
 minispec writes safetensors itself (a few lines: the format is a length, a JSON header and the raw
 bytes), one tensor at a time from its own memory (a non-contiguous one through a copy of it alone);
@@ -7,7 +8,9 @@ reading goes through the package.
 """
 
 import ctypes
+import hashlib
 import json
+import os
 import struct
 import sys
 from contextlib import contextmanager
@@ -18,14 +21,35 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..models.checks import INDEX, TOKEN_IDS, check
+from ..settings import DTYPE_NAMES
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be found, read or matched to a model; the message says why."""
 
 
+def weights_dir():
+    if os.environ.get("MINISPEC_WEIGHTS"):
+        return Path(os.environ["MINISPEC_WEIGHTS"]).expanduser()
+    root = Path(__file__).resolve().parents[2]  # minispec/loading/builtin.py -> the checkout
+    if (root / "weights").is_dir() and (root / "pyproject.toml").is_file():  # a checkout
+        return root / "weights"
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "minispec"
+
+
+def log(message):
+    print(f"minispec: {message}", file=sys.stderr, flush=True)
+
+
+def file_identity(path):
+    """A short hash of a file's absolute path, size and modification time: another file, or this one
+    rewritten, gets another (but for one rewritten with the same size and time)."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+
+
 # The --dtype names the command lines accept.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def read_json(file):

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from . import backend
-from .kernels import can_pack, linear, pack_together, to_device, tree_layout, whole_blocks
+from .kernels import can_pack, native_attention, linear, pack_together, to_device, tree_layout, whole_blocks
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -208,7 +208,6 @@ class CachedLM(nn.Module):
         self.checkpoint_rows = None  # set by a loader that cut padding rows: the rows a head saved for it has
         self.compiled_forward = None  # set by compile()
         self.graphs = 0  # how many graphs the compiled forward has compiled (decode_rows)
-        self.busy = None  # the thread whose generate() call is using the model and its caches (api.exclusive)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
         self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
 
@@ -303,6 +302,8 @@ class CachedLM(nn.Module):
         mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
         # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # marked here, not where it is defined: marking imports the compiler, which the package's import must not
+        torch.compiler.assume_constant_result(native_attention)
         mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
         self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         self.graphs = 0

@@ -8,6 +8,12 @@ import math
 import reprlib
 from typing import Callable, NamedTuple
 
+# Weight-only quantization's modes and int4 group sizes (models/quant.py), here free of torch so that the
+# command lines offer them as flags before loading it.
+QUANT_MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32  # GGUF's Q4 group; 64 runs as fast here but is less accurate
+
 REQUIRED = object()  # check()'s default for the keys a mapping must have
 
 

@@ -81,12 +81,9 @@ def forget(key, entry):
         del _PACKED[key]
 
 
-# oneDNN takes a 1-row product through kernels of its own: on an AVX-512 EPYC (torch 2.13.0) they sum
-# in another order than those of 2+ rows once K >= 1152 (SmolLM2's down projection, any larger model's
-# layers), so a 1-token step and a k-token verify rounded a token differently. Products of 2 to 40
-# rows agree there, so every product takes at least PACKED_MIN_ROWS rows, the rest zeros. 4, not 2:
-# 2-row products read the weights slowest there (SmolLM2 float32: a 2-token forward 37 ms, a 1- or
-# 4-token one 31).
+# oneDNN takes a 1-row product through kernels of its own, which sum in another order than its products
+# of more rows, so a 1-token step and a k-token verify would round a token differently: every product
+# takes at least PACKED_MIN_ROWS rows, the rest zeros (4, not 2: 2-row products read the weights slowest).
 PACKED_MIN_ROWS = 4
 # On CPUs with AMX tiles oneDNN takes bfloat16 products of more than 32 rows through them, which sum in
 # another order than its products of 4 to 32 rows: longer products are cut into blocks of this many.
@@ -131,7 +128,7 @@ def onednn_product(rows, packed, bias):
 
 
 # An op of its own for torch.compile (opaque, with a fake for tracing); eager calls the function itself:
-# the dispatcher's round trip into a Python op cost ~30 µs a call, 10% of SmolLM2's float32 step.
+# the dispatcher's round trip into a Python op costs tens of µs a call, a tenth of a small model's step.
 packed_linear = torch.library.custom_op("minispec::packed_linear", mutates_args=())(packed_product)
 
 
@@ -191,8 +188,8 @@ def onednn_packs(dtype):
 # Rows of an elementwise activation are padded to a multiple of this many elements. Why: PyTorch's CPU
 # loops take two vectors at a time (2 x 16 float32, 2 x 32 bfloat16 on AVX-512) and the buffer's
 # remainder through a scalar loop whose silu and tanh-gelu differ in the last bit, so a row whose width
-# is not a multiple of that lands in the remainder at some row counts and not at others (seen with a
-# T5 d_ff of 48 on an AVX-512 EPYC). Real models' widths are multiples of 64: no padding, no cost.
+# is not a multiple of that lands in the remainder at some row counts and not at others. Real models'
+# widths are multiples of 64: no padding, no cost.
 ELEMENTWISE_ROW_MULTIPLE = 64
 
 
@@ -379,7 +376,7 @@ def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
                        None if compiling else layout.first_block)
 
 
-@torch.compiler.assume_constant_result  # decided once: compiled graphs hold whichever kernel eager runs
+# Decided once: compiled graphs hold whichever kernel eager runs (CachedLM.compile marks it so).
 def native_attention():
     """Whether attention over a CPU's cache runs the backend's own kernel."""
     return backend.current().attends()

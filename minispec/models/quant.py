@@ -29,11 +29,9 @@ from torch import nn
 
 from . import backend
 from .base import Embedding
+from .checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES as MODES
 from .kernels import linear
 
-MODES = ("int8", "int4")
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 32  # GGUF's Q4 group; 64 runs as fast here but is less accurate
 # Token embeddings and the output head, in both modes: int8 in groups of 32 columns. The head decides
 # every argmax: per-channel int8 there changed SmolLM2's greedy tokens where groups of 32 did not.
 HEAD_GROUP_SIZE = 32

@@ -22,11 +22,14 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from ..models import backend, kernels
 from ..models.backend import PyTorch
@@ -39,6 +42,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
+# A first build's time, before this machine has timed one: ~20 s on a quiet machine, ~75 s on two busy cores.
+FIRST_BUILD_SECONDS = (20, 80)
 
 
 def cache_dir():
@@ -89,15 +94,48 @@ def build(cxx, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
     os.close(fd)
+    last = build_seconds_file(path)
     try:
-        log.warning("minispec: building its CPU kernels (once per machine, about 20 s)")
-        done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True, timeout=BUILD_SECONDS)
-        if done.returncode != 0:
-            raise RuntimeError(first_error(done.stderr))
+        estimate = float(last.read_text()) if last.exists() else None
+    except ValueError:
+        estimate = None
+    try:
+        low, high = FIRST_BUILD_SECONDS
+        log.warning("minispec: building its CPU kernels, once per machine: %s",
+                    f"about {estimate:.0f} s, as the last build here" if estimate else f"{low}-{high} s")
+        start = time.monotonic()
+        code, errors = compile_showing_progress(build_command(cxx, partial), estimate or high)
+        if code != 0:
+            raise RuntimeError(first_error(errors))
         os.replace(partial, path)
+        last.write_text(f"{time.monotonic() - start:.1f}\n")
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def build_seconds_file(path):
+    """Where the last build on this machine left its time: the next build's estimate."""
+    return path.parent / "build-seconds"
+
+
+def compile_showing_progress(command, estimate):
+    """(exit status, stderr) of the compiler; on a terminal, a bar of its seconds against the estimate.
+    Past BUILD_SECONDS the compiler is killed (subprocess.TimeoutExpired)."""
+    bar = tqdm(total=round(estimate), desc="minispec: building CPU kernels", unit="s", leave=False,
+               disable=not sys.stderr.isatty(), bar_format="{desc}: {n:.0f} of about {total} s |{bar}|")
+    with bar, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as process:
+        start = time.monotonic()
+        while True:
+            try:
+                errors = process.communicate(timeout=1)[1]
+                return process.returncode, errors
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - start
+                if elapsed > BUILD_SECONDS:
+                    process.kill()
+                    raise
+                bar.update(min(elapsed, bar.total) - bar.n)
 
 
 def first_error(stderr):

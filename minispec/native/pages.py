@@ -4,10 +4,8 @@ asked to back with transparent huge pages (madvise(MADV_HUGEPAGE), which most di
 "madvise" setting honours only where asked).
 
 Why: a decode step streams every weight once, and with 4 KiB pages each 4 KiB read is also a walk of
-the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages. SmolLM2's int4 step
-(~100 MB of packed weights) took 11-16% less time with its buffers in huge pages, and 5-11% less again
-at 600-3000 cached positions with its KV caches there too; its float32 step 7-13% less,
-with flinear.cpp's packed copies there.
+the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages; weights, packed copies and
+KV caches in huge pages save most of those walks.
 """
 
 import ctypes

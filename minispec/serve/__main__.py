@@ -8,7 +8,8 @@ import os
 import sys
 
 from ..api import gamma_setting, tree_setting
-from ..cli import add_model_flags, load_models
+from ..cli import add_model_flags
+from ..loaders import load_models
 from .scheduler import Scheduler
 
 try:

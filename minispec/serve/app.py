@@ -97,7 +97,8 @@ class Handlers:
                                kind="rate_limit_error", code="rate_limit_exceeded") from None
         except ShuttingDown:
             raise server_error("the server is shutting down", 503) from None
-        reply = Reply(chat, self.model_name, self.draft_name, parsed.request.prompt_ids.shape[1])
+        reply = Reply(chat, self.model_name, self.draft_name, parsed.request.prompt_ids.shape[1],
+                      self.scheduler.target.tokenizer)
         if parsed.stream:
             return StreamingResponse(self.stream(job, events, reply, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -126,11 +127,11 @@ class Handlers:
             if reply.chat:
                 yield event_data({**reply.opening(), **usage})
             while (event := await events.get())[0] == "text":
-                yield event_data({**reply.piece(event[1]), **usage})
+                yield event_data({**reply.piece(*event[1:]), **usage})
             if event[0] == "end":
-                _, piece, outcome = event
-                if piece:
-                    yield event_data({**reply.piece(piece), **usage})
+                _, piece, outcome, logprobs = event
+                if piece or logprobs:
+                    yield event_data({**reply.piece(piece, logprobs), **usage})
                 yield event_data({**reply.ending(outcome), **usage})
                 if include_usage:
                     yield event_data(reply.usage_chunk(outcome))

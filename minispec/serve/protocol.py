@@ -28,6 +28,8 @@ def invalid(message, param=None, code=None):
 
 
 STRING = Check(is_text, "must be a string (of text: no lone surrogates)")
+CHOICE = Check(lambda v: isinstance(v, (str, dict)), "must be a string or an object")
+LOGPROBS = api.SETTING_CHECKS["logprobs"]
 PROMPT = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list of token ids")
 
 # The request's fields that are settings, as api.Settings' fields; each is checked by that field's check.
@@ -39,22 +41,30 @@ SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER
           **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
-    False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": INTEGER, "logprobs": INTEGER, "suffix": STRING},
+    False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": INTEGER, "logprobs": LOGPROBS, "suffix": STRING},
     True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": FLAG,
-           "top_logprobs": INTEGER},
+           "top_logprobs": LOGPROBS, "response_format": TABLE, "tools": LIST, "tool_choice": CHOICE,
+           "parallel_tool_calls": FLAG, "functions": LIST, "function_call": CHOICE, "store": FLAG, "metadata": TABLE,
+           "service_tier": STRING, "modalities": LIST},
 }  # by whether the request is a chat
-# Fields read only at their neutral value (or null), and why.
+# Fields read only at a neutral value (or null): the values, and why. (parallel_tool_calls and metadata
+# take any value: without tools and without storing they change nothing.)
 NEUTRAL = {
-    "n": (1, "one choice per request"),
-    "best_of": (1, "one choice per request"),
-    "echo": (False, "the prompt is not sent back"),
-    "suffix": ("", "no insertion"),
-    "presence_penalty": (0, "no penalties: they would change the target's distribution"),
-    "frequency_penalty": (0, "no penalties: they would change the target's distribution"),
-    "logit_bias": ({}, "no logit bias: it would change the target's distribution"),
-    # A speculative step keeps the target's probabilities only of the tokens it verifies, not of the tokens it emits.
-    "logprobs": (False, "minispec returns no log-probabilities"),
-    "top_logprobs": (0, "minispec returns no log-probabilities"),
+    "n": ((1,), "one choice per request"),
+    "best_of": ((1,), "one choice per request"),
+    "echo": ((False,), "the prompt is not sent back"),
+    "suffix": (("",), "no insertion"),
+    "presence_penalty": ((0,), "no penalties: they would change the target's distribution"),
+    "frequency_penalty": ((0,), "no penalties: they would change the target's distribution"),
+    "logit_bias": (({},), "no logit bias: it would change the target's distribution"),
+    "response_format": (({"type": "text"},), "text only: no JSON mode or schema"),
+    "tools": (([],), "no tool calls"),
+    "tool_choice": (("none", "auto"), "no tool calls"),
+    "functions": (([],), "no function calls"),
+    "function_call": (("none", "auto"), "no function calls"),
+    "store": ((False,), "replies are not stored"),
+    "service_tier": (("auto", "default"), "one service tier"),
+    "modalities": ((["text"],), "text output only"),
 }
 ROLES = ("system", "user", "assistant")
 
@@ -85,10 +95,12 @@ def parse(body, chat, scheduler, model_name):
     given = {SETTINGS[name]: value for name, value in body.items() if name in SETTINGS and value is not None}
     try:
         settings = api.Settings(**{"temperature": 1.0, **given, "max_new_tokens": max_tokens},  # OpenAI's temperature
-                                draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree)
+                                logprobs=logprobs_of(body, chat), draft=scheduler.draft, gamma=scheduler.gamma,
+                                tree=scheduler.tree)
         request = api.Request.from_settings(target, ids, settings)
     except SettingError as error:  # named by its request's field (none: the server's own settings)
         names = {"prompt": prompt_field, "max_new_tokens": max_field,
+                 "logprobs": "top_logprobs" if chat else "logprobs",
                  **{setting: name for name, setting in SETTINGS.items() if setting != "max_new_tokens"}}
         raise invalid(str(error), names.get(error.field)) from None
     return Parsed(request, bool(body.get("stream")), bool(options.get("include_usage")))
@@ -107,8 +119,21 @@ def check_fields(body, fields, prefix=""):
             raise invalid(str(error), error.field) from None
         if name in NEUTRAL:
             neutral, why = NEUTRAL[name]
-            if not (value == neutral and isinstance(value, bool) == isinstance(neutral, bool)):  # 0 is no False
+            # 0 is no False
+            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
                 raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
+
+
+def logprobs_of(body, chat):
+    """The logprobs setting a request asks for: a completion's logprobs=k, a chat's logprobs: true with
+    top_logprobs=k (0 when absent)."""
+    if not chat:
+        return body.get("logprobs")
+    if not body.get("logprobs"):
+        if body.get("top_logprobs"):
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return body.get("top_logprobs") or 0
 
 
 def prompt_ids(target, prompt):
@@ -180,10 +205,12 @@ class Reply:
     """The bodies and stream chunks of one request's reply, in the OpenAI shape; `speculative` is
     minispec's field: how the draft did (design.md, "What stats holds")."""
 
-    def __init__(self, chat, model_name, draft_name, prompt_tokens):
+    def __init__(self, chat, model_name, draft_name, prompt_tokens, tokenizer):
         self.chat, self.model_name, self.draft_name, self.prompt_tokens = chat, model_name, draft_name, prompt_tokens
+        self.tokenizer = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
+        self.offset = 0  # a completion's characters of token text so far: its logprobs' text_offset
 
     def head(self, kind):
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
@@ -191,19 +218,45 @@ class Reply:
     def whole(self, outcome):
         output = {"message": {"role": "assistant", "content": outcome.text}} if self.chat else {"text": outcome.text}
         return {**self.head("chat.completion" if self.chat else "text_completion"),
-                "choices": [{"index": 0, **output, "logprobs": None, "finish_reason": outcome.finish_reason}],
+                "choices": [{"index": 0, **output, "logprobs": self.logprobs(outcome.logprobs),
+                             "finish_reason": outcome.finish_reason}],
                 "usage": self.usage(outcome), "speculative": self.speculative(outcome)}
 
-    def chunk(self, output, finish_reason=None):
+    def chunk(self, output, finish_reason=None, logprobs=None):
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"),
-                "choices": [{"index": 0, **output, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, **output, "logprobs": self.logprobs(logprobs),
+                             "finish_reason": finish_reason}]}
+
+    def logprobs(self, entries):
+        """OpenAI's logprobs of a choice or chunk for these TokenLogprobs (None: not asked): a chat's
+        content list, or a completion's parallel lists, whose top_logprobs also hold the token itself."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**self.token(e.token, e.logprob),
+                                 "top_logprobs": [self.token(*pair) for pair in e.top]} for e in entries],
+                    "refusal": None}
+        texts = [self.tokenizer.decode([e.token]) for e in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.tokenizer.decode([token]): value for token, value in [*e.top, e[:2]]}
+                                 for e in entries], "text_offset": offsets}
+
+    def token(self, token, logprob):
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def opening(self):
         """A chat stream's first chunk: who speaks."""
         return self.chunk({"delta": {"role": "assistant", "content": ""}})
 
-    def piece(self, text):
-        return self.chunk({"delta": {"content": text}} if self.chat else {"text": text})
+    def piece(self, text, logprobs=None):
+        """A stream's chunk of text, with the log-probabilities of the tokens of its step (a step's
+        text may lag its tokens where it could begin a stop string)."""
+        return self.chunk({"delta": {"content": text}} if self.chat else {"text": text}, logprobs=logprobs)
 
     def ending(self, outcome):
         """A stream's last chunk of text: why it ended, and how the draft did."""

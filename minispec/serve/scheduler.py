@@ -5,7 +5,8 @@ goes; the others in the batch never notice (each row computes as it would alone)
 gets what minispec.generate gives it alone.
 
 Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: ("text",
-piece) per step, then ("end", piece, Outcome), or ("error", status, message)."""
+piece, logprobs) per step, then ("end", piece, Outcome, logprobs), or ("error", status, message);
+logprobs: the step's tokens' TokenLogprobs, None unless the request asks."""
 
 import ctypes
 import logging
@@ -37,6 +38,7 @@ class Outcome:
     completion_tokens: int
     finish_reason: str  # "stop" (EOS, a stop token or string) or "length" (max_tokens)
     stats: dict
+    logprobs: list | None = None  # every token's TokenLogprob, when the request asks
 
 
 class Job:
@@ -48,19 +50,19 @@ class Job:
         self.text = api.TextStream(request)
         self.cancelled = False  # its client went, or it failed: its row leaves at the next step
 
-    def advance(self, tokens, result):
+    def advance(self, tokens, logprobs, result):
         """A step's news, read before the engine's next step (the text pieces depend on that)."""
         piece = self.text.push(tokens)
         if result is None:
-            if piece:
-                self.deliver(("text", piece))
+            if piece or logprobs:
+                self.deliver(("text", piece, logprobs))
             return
-        tokens, _, stats = result
+        tokens, _, stats, all_logprobs = result
         stop = self.request.stop
         text = api.final_text(self.request.target, stop, tokens)
         stopped = stop.text_end is not None or tokens[-1] in stop.token_ids
         self.deliver(("end", piece + self.text.rest(text),
-                      Outcome(text, len(tokens), "stop" if stopped else "length", stats)))
+                      Outcome(text, len(tokens), "stop" if stopped else "length", stats, all_logprobs), logprobs))
 
     def fail(self, status, message):
         self.cancelled = True
@@ -159,8 +161,8 @@ class Scheduler:
         """Run the engine until the server stops (True), or until it fails (False): then the requests in
         its batch fail, their state unknown, and the others go on in a new batch."""
         try:
-            for index, tokens, _, result in engine.decode(self.target, self, self.rows, self.cancelled):
-                self.advance(index, tokens, result)
+            for index, tokens, logprobs, _, result in engine.decode(self.target, self, self.rows, self.cancelled):
+                self.advance(index, tokens, logprobs, result)
             return True
         except Exception:
             log.exception("decoding failed; failing the %d request(s) in the batch", len(self.running))
@@ -199,7 +201,7 @@ class Scheduler:
             del self.running[index]
         return gone
 
-    def advance(self, index, tokens, result):
+    def advance(self, index, tokens, logprobs, result):
         job = self.running[index]
         if result is not None:
             del self.running[index]
@@ -207,7 +209,7 @@ class Scheduler:
         if job.cancelled:
             return  # nobody waits for its news; its row leaves before the next step
         try:
-            job.advance(tokens, result)
+            job.advance(tokens, logprobs, result)
         except Exception:  # this request's own processing: it fails alone
             log.exception("request %d failed", index)
             self.forget(job)

@@ -18,5 +18,6 @@ checkpoints and prompts: its greedy/sampled `generate` and its assisted generati
 The package, by concern: cli.py (the command line), prompts.py (the built-in prompts, prompts files),
 benchmarks.py (the three benchmarks in one process), theory.py (Theorem 3.8 and section 3.5), timing.py (timing decoders and single forwards), memory.py
 (bytes read per step, bandwidth, peak memory), reference.py (the reference implementation's runners),
-oneshot.py (each request in a fresh process, as run.py runs it), report.py (the markdown tables).
+oneshot.py (each request in a fresh process, as run.py runs it), threads.py (the default threads against
+each --threads setting, one core busy), report.py (the markdown tables, progress bars).
 """

@@ -7,7 +7,7 @@ import time
 import torch
 
 from minispec import Sampling, chat_prompt, generate
-from minispec.cli import load_target_and_draft
+from minispec.loaders import load_target_and_draft
 from minispec.loading.weights import DTYPES
 
 from . import llamacpp

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from minispec.api import gamma_setting, token_ids, tree_setting
+from minispec.settings import gamma_setting, token_ids, tree_setting
 from minispec.loading.weights import DTYPES
 from minispec.models import quant
 
@@ -14,6 +14,7 @@ from .benchmarks import batch_benchmark, beam_benchmark, benchmark, sampling_of
 from . import llamacpp
 from .drafters import drafters_benchmark
 from .oneshot import one_shot_benchmark
+from .threads import threads_benchmark
 from .report import markdown_table
 
 
@@ -73,6 +74,10 @@ def parse_args(argv):
     parser.add_argument("--one-shot", action="store_true",
                         help="instead of the table above: every request in a fresh process, as run.py runs it, "
                              "plain against each --gamma (with --beams: beam search), per prompt")
+    parser.add_argument("--threads-under-load", action="store_true",
+                        help="instead of the table above: tokens/s with the default threads and with each --threads "
+                             "setting while another process keeps one core busy, each request in a fresh process "
+                             "(the first --gamma)")
     parser.add_argument("--llama-cpp", metavar="DIR",
                         help="also run llama.cpp's plain, speculative (a GGUF --draft) and prompt-lookup decoding "
                              "on the same GGUF --target and text prompts: its binaries in DIR (never a dependency)")
@@ -91,6 +96,9 @@ def parse_args(argv):
     if len(args.draft) > 1 and (args.batch_sizes or args.beams or args.one_shot):
         raise ValueError("several --draft values are a benchmark of their own: without --batch-sizes, --beams and "
                          "--one-shot")
+    if args.threads_under_load and (args.batch_sizes or args.beams or args.one_shot or len(args.draft) > 1):
+        raise ValueError("--threads-under-load is a benchmark of its own: one --draft, without --batch-sizes, "
+                         "--beams and --one-shot")
     if len(args.draft) == 1:
         args.draft = args.draft[0]
     if args.llama_cpp:
@@ -115,6 +123,8 @@ def main(argv=None):
         args = parse_args(argv)
         if args.one_shot:
             result, table = one_shot_benchmark(args)
+        elif args.threads_under_load:
+            result, table = threads_benchmark(args)
         elif args.batch_sizes:
             result, table = batch_benchmark(args)
         elif args.beams:

@@ -11,7 +11,7 @@ and speed over its chain's (its speedup column is over plain decoding, as the ch
 
 import torch
 
-from minispec.cli import load_draft, load_target_and_draft
+from minispec.loaders import load_draft, load_target_and_draft
 from minispec.loading.weights import DTYPES
 
 from .benchmarks import minispec_runner, sampling_of

@@ -17,13 +17,15 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from minispec import generate
-from minispec.cli import load_target_and_draft
+from minispec.loaders import load_target_and_draft
 from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
 from minispec.loading.weights import DTYPES
 
 from .prompts import prompt_ids_of, read_prompts
-from .report import yes_no
+from .report import progress, yes_no
 
 SETTINGS = ("target", "device", "dtype", "compile", "quantize", "draft_quantize", "group_size", "chat",
             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "beams", "draft_beams")
@@ -31,6 +33,8 @@ SETTINGS = ("target", "device", "dtype", "compile", "quantize", "draft_quantize"
 
 def run_request(spec):
     """In the fresh process: load, generate once; what the bench reads back."""
+    if spec.get("threads"):  # as run.py's --threads sets them (bench/threads.py)
+        torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
     target, draft = load_target_and_draft(spec["target"], spec["draft"] or "none", spec["device"],
                                           DTYPES.get(spec["dtype"]), spec["compile"], spec["quantize"],
@@ -63,7 +67,7 @@ def one_shot_benchmark(args):
     configs = {"plain": None, **{str(g): g for g in args.gamma}}
     prompts = read_prompts(args)
     runs = {(name, i): [] for name in configs for i in range(len(prompts))}
-    with tempfile.TemporaryDirectory() as profiles:
+    with tempfile.TemporaryDirectory() as profiles, progress(len(runs) * args.repeats, "one-shot") as bar:
         env = dict(os.environ, MINISPEC_PROFILES=profiles)
         for _ in range(args.repeats):
             for i, prompt in enumerate(prompts):
@@ -71,6 +75,7 @@ def one_shot_benchmark(args):
                     spec = {key: getattr(args, key) for key in SETTINGS}
                     spec.update(prompt=prompt, draft=None if gamma is None else args.draft, gamma=gamma)
                     runs[name, i].append(in_fresh_process(spec, env))
+                    bar.update(1)
     rows = []
     for i in range(len(prompts)):
         plain = runs["plain", i]

@@ -1,4 +1,13 @@
-"""The benchmarks' results as markdown tables."""
+"""The benchmarks' results as markdown tables, and their progress while they run."""
+
+import sys
+
+from tqdm import tqdm
+
+
+def progress(total, what):
+    """A bar of the runs done, on stderr where it is a terminal (in a log, only lines of redraws)."""
+    return tqdm(total=total, desc=f"bench: {what}", unit="run", leave=False, disable=not sys.stderr.isatty())
 
 
 def read(bandwidth):

@@ -13,6 +13,7 @@ from minispec.models.base import CachedLM
 from minispec.models.kernels import without_row_invariance
 
 from .memory import bandwidth
+from .report import progress
 
 STEP_SAMPLES = 25  # forwards timed per step-time median
 FORWARD_WIDTHS = (1, 2, 4, 8, 16)  # the target forwards timed besides the verifications: up to tree.TREE_AUTO + 1
@@ -50,6 +51,7 @@ def time_generation(runners, requests, repeats, device):
     phase), each round's, the warm-up pass's seconds (compiled: its graphs' compile time in them), and
     the outputs and stats of the last}."""
     warmup_seconds = {}
+    bar = progress(len(runners) * (repeats + 1), "passes")
     for name, run_one in runners.items():
         synchronize(device)
         start = time.perf_counter()
@@ -57,6 +59,7 @@ def time_generation(runners, requests, repeats, device):
             run_one(request)
         synchronize(device)
         warmup_seconds[name] = time.perf_counter() - start
+        bar.update(1)
     rates = {name: [] for name in runners}
     decode_rates = {name: [] for name in runners}
     request_seconds = {name: [[] for _ in requests] for name in runners}
@@ -78,6 +81,8 @@ def time_generation(runners, requests, repeats, device):
                 decode_seconds = seconds - sum(stats["prefill_seconds"] for _, stats in results)
                 decode_rates[name].append(decode_tokens / decode_seconds)
             last[name] = results
+            bar.update(1)
+    bar.close()
     return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
                    "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
                    "decode_tokens_per_second_repeats": decode_rates[name],

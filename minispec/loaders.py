@@ -1,0 +1,43 @@
+"""Loading what the command lines' flags (cli.py) name: a target, with the draft that --draft names."""
+
+import torch
+
+from .cli import check_threads
+from .decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
+from .heads import is_head_dir, load_draft_head
+from .loading.checkpoint import load_model
+from .loading.weights import DTYPES
+from .models import quant
+
+
+def load_models(args):
+    """(target, draft as generate() takes it), as add_model_flags' flags say; --threads is checked first."""
+    check_threads(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_target_and_draft(args.target, args.draft, device, DTYPES.get(args.dtype), args.compile,
+                                 args.quantize, args.draft_quantize, args.group_size, getattr(args, "tp", None))
+
+
+def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
+                          group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
+    """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup"/"suffix"
+    and "int8"/"int4" (the target's own quantized copy, sharded as the target is) as they are, or a model
+    loaded like the target (same device, dtype; whole on every rank when the target is sharded over
+    `tp` processes), quantized as `draft_quantize` says."""
+    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
+                        tp=tp)
+    return target, load_draft(draft, target, compile, draft_quantize, group_size)
+
+
+def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
+    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it)."""
+    if draft in (None, "none") or draft in MODEL_FREE_NAMES or draft in SELF_DRAFT_MODES:
+        if draft_quantize is not None:
+            raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
+        return None if draft == "none" else draft
+    if is_head_dir(draft):  # a draft head trained for this target (minispec/heads)
+        return load_draft_head(draft, target, draft_quantize or "auto")
+    return load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
+                      group_size=group_size)

@@ -1,0 +1,138 @@
+"""What a run costs before its first token: `import minispec` loads nothing until a name is used, the
+command line answers --help and a bad flag without torch, the core never imports the compiler (or the
+hub's HTTP stack) until asked, and OpenMP's threads wait passively unless the user chose."""
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import minispec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def in_fresh_python(code, **env):
+    """What `code` prints in a new interpreter, run from the repository root (this checkout's minispec)."""
+    environment = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    environment.update(PYTHONPATH=str(ROOT), **env)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+RUN = """
+import json, runpy, sys
+sys.argv = ["run.py", *{argv!r}]
+try:
+    runpy.run_path("run.py", run_name="__main__")
+except SystemExit as exit:
+    code = exit.code
+print(json.dumps({{"code": code, "torch": "torch" in sys.modules}}))
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["--target", "x"],  # no prompt: argparse's error
+    ["--target", "x", "--prompt-ids", "1", "--quantize", "int3"],
+    ["--target", "x", "--prompt-ids", "1", "--temperature", "-1"],  # Settings' check
+    ["--target", "x", "--prompt-ids", "1", "--threads", "100000"],
+    ["--target", "x", "--prompt-ids", "1", "--compare", "--repeats", "0"],
+])
+def test_help_and_bad_flags_answer_before_torch_is_imported(argv):
+    done = in_fresh_python(RUN.format(argv=argv))
+    assert done == {"code": 0 if argv == ["--help"] else 2, "torch": False}
+
+
+def test_import_minispec_loads_nothing_until_a_name_is_used():
+    loaded = in_fresh_python("import json, sys, minispec; print(json.dumps(sorted(sys.modules)))")
+    assert "torch" not in loaded and "minispec.api" not in loaded
+
+
+def test_the_core_never_imports_the_compiler_or_the_hub_until_asked():
+    code = ("import json, sys, minispec; minispec.generate, minispec.load, minispec.load_draft_head; "
+            "print(json.dumps(sorted(sys.modules)))")
+    loaded = in_fresh_python(code)
+    assert "torch" in loaded and "minispec.api" in loaded
+    assert [name for name in ("torch._dynamo", "torch._inductor", "huggingface_hub") if name in loaded] == []
+
+
+def test_public_names_come_from_import_and_dir():
+    for name in minispec.__all__:
+        assert getattr(minispec, name) is not None and name in dir(minispec)
+    from minispec import Settings, generate  # noqa: F401
+    assert minispec.api.generate is minispec.generate  # a submodule, as before the names were lazy
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        minispec.nothing  # noqa: B018
+
+
+def test_openmp_waits_passively_unless_the_user_chose():
+    code = "import json, os, minispec; print(json.dumps(os.environ.get('OMP_WAIT_POLICY')))"
+    assert in_fresh_python(code) == "PASSIVE"
+    assert in_fresh_python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_kernel_build_says_how_long_it_takes_and_shows_progress_on_a_terminal(monkeypatch, tmp_path, caplog):
+    """The first build here gives the usual range; later ones the last build's time. On a terminal a bar
+    counts its seconds; elsewhere (a log) the one line alone."""
+    from minispec import native
+
+    pause = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    monkeypatch.setattr(native, "build_command", lambda cxx, out: pause)
+    path = tmp_path / "kernels.so"
+    with caplog.at_level(logging.WARNING, logger="minispec"):
+        native.build("c++", path)
+    low, high = native.FIRST_BUILD_SECONDS
+    assert caplog.messages == [f"minispec: building its CPU kernels, once per machine: {low}-{high} s"]
+    took = float(native.build_seconds_file(path).read_text())
+    assert 1.5 <= took < 60 and path.exists()
+    caplog.clear()
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with caplog.at_level(logging.WARNING, logger="minispec"):
+        native.build("c++", path)
+    assert caplog.messages == [f"minispec: building its CPU kernels, once per machine: about {took:.0f} s, as the "
+                               "last build here"]
+    assert "minispec: building CPU kernels: 1 of about" in sys.stderr.getvalue()
+
+
+def test_compiling_marks_the_attention_kernels_choice_constant(monkeypatch):
+    """The mark that lets compiled graphs hold whichever attention kernel eager runs is set when a model
+    compiles (marking imports the compiler, which the package's import must not)."""
+    import torch
+
+    from minispec.models import kernels
+    from minispec.models.base import CachedLM
+
+    marked = []
+    monkeypatch.setattr(torch.compiler, "assume_constant_result", lambda function: marked.append(function) or function)
+    model = types.SimpleNamespace(forward=lambda tokens: tokens, device=torch.device("cpu"))
+    CachedLM.compile(model)
+    assert marked == [kernels.native_attention] and model.compiled_forward is not None
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_hubs_progress_bars_show_on_a_terminal_only(monkeypatch, tmp_path, terminal):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from huggingface_hub import utils
+
+    from minispec.loading import hub
+
+    seen = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **options: seen.append(
+        utils.are_progress_bars_disabled()) or str(tmp_path))
+    monkeypatch.setattr(sys, "stderr", Terminal() if terminal else io.StringIO())
+    assert hub.download_from_hub("someone/model") == tmp_path
+    assert seen == [not terminal] and not utils.are_progress_bars_disabled()  # as they were after
