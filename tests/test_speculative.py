@@ -4,7 +4,6 @@ drafter, exact sampling, cache truncation, T5 encoder reuse, statistics, and bad
 import itertools
 import math
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -429,7 +428,9 @@ def test_mismatched_vocabularies_fail_before_generating(models, tmp_path):
 
 def test_mismatched_tokenizers_fail_before_generating(models):
     target, draft = models["gpt2"]["target"], models["gpt2"]["independent"]
-    target.tokenizer, draft.tokenizer = SimpleNamespace(fingerprint="a1"), SimpleNamespace(fingerprint="b2")
+    from minispec.loading.tokenizer import Tokenizer
+
+    target.tokenizer, draft.tokenizer = (Tokenizer({0: token}, [], {}, None) for token in ("a", "b"))
     try:
         with pytest.raises(ValueError, match="different tokenizers"):
             minispec.generate(target, PROMPT, draft=draft)

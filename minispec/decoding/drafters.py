@@ -106,13 +106,17 @@ def make_drafter(draft, target):
 
 
 def check_same_vocabulary(target, draft):
+    """The same tokens under the same ids, scored by logits of one width. Rows a checkpoint pads its
+    embedding with are no difference: the loader cut each model's to its tokenizer's ids."""
+    if target.tokenizer and draft.tokenizer and target.tokenizer.fingerprint != draft.tokenizer.fingerprint:
+        i = target.tokenizer.first_difference(draft.tokenizer)
+        raise ValueError(f"target {target.name} and draft {draft.name} use different tokenizers: id {i} is "
+                         f"{target.tokenizer.describe(i)} in the target's, {draft.tokenizer.describe(i)} in the draft's")
     if target.vocab_size != draft.vocab_size:
         raise ValueError(
             f"target {target.name} and draft {draft.name} have different vocabularies "
             f"({target.vocab_size} vs {draft.vocab_size} tokens); speculative decoding needs the same one"
         )
-    if target.tokenizer and draft.tokenizer and target.tokenizer.fingerprint != draft.tokenizer.fingerprint:
-        raise ValueError(f"target {target.name} and draft {draft.name} use different tokenizers")
 
 
 class ModelDrafter:

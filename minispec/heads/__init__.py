@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..api import available_memory
-from ..loading.checkpoint import check_shapes
+from ..loading.checkpoint import check_shapes, cut_padding
 from ..loading.weights import CheckpointError, file_identity, read_config, read_weights, save_safetensors, weight_files
 from ..models import quant
 from ..models.base import CachedLM, pack_linears
@@ -105,6 +105,8 @@ def load_draft_head(path, target, quantize="auto"):
     if not directory.is_dir():
         raise CheckpointError(f"{path}: not a directory (a draft head is a folder with config.json and weights)")
     hf = read_config(directory)
+    if hf.get("vocab_size", 0) == target.checkpoint_rows:  # saved for the target's rows: cut as the target was
+        hf = {**hf, "vocab_size": target.vocab_size}
     kind = kind_of(hf, directory)
     if not any(directory.glob("*.safetensors")):
         pickles = [file.name for pattern in PICKLES for file in directory.glob(pattern)]
@@ -141,6 +143,8 @@ def load_weights(head, directory, assign=False):
     """The head folder's weights (published names) into `head`, in its target's dtype; `assign`: take
     the tensors themselves (a head built on the meta device), else copy into the head's own."""
     weights = KINDS[head.kind].convert_weights(read_weights(weight_files(directory)), head)
+    if head.target.checkpoint_rows:
+        cut_padding(head, weights, {}, head.target.checkpoint_rows)
     check_shapes(head, weights, directory)
     head.load_state_dict({k: v.to(head.target.dtype) if v.is_floating_point() else v for k, v in weights.items()},
                          assign=assign)

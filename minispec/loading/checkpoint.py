@@ -12,6 +12,7 @@ gives its own, as they are.
 """
 
 import ctypes
+import dataclasses
 import hashlib
 import importlib
 import os
@@ -150,6 +151,7 @@ class Checkpoint(NamedTuple):
     model: torch.nn.Module  # on the meta device, its special token ids attached
     weights: dict  # {name: tensor} in the model's names, checked against its shapes
     stored: dict  # quantized weights in models.quant's stored form, by layer name
+    tokenizer: object  # loading.tokenizer's, or None without tokenizer files
 
 
 def read_checkpoint(directory, world=None):
@@ -171,6 +173,8 @@ def read_checkpoint(directory, world=None):
         raise CheckpointError(f"{directory}/config.json lacks the key {error} for model_type {model_type}") from error
     except ValueError as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
+    tokenizer = load_tokenizer(directory, model_type)
+    rows, config = config.vocab_size, to_tokenizer(config, tokenizer)
     if world is not None:
         from ..models import tp  # sharding: read only by a tensor-parallel load
         tp.check_divisible(config, world)  # the same on every rank: each exits with it
@@ -192,8 +196,34 @@ def read_checkpoint(directory, world=None):
     if ours:
         from ..models import quant  # the stored forms, for a checkpoint that holds them
         stored = quant.take_stored(weights)
+    if config.vocab_size < rows:
+        cut_padding(model, weights, stored, rows)
+        model.checkpoint_rows = rows
     check_shapes(model, weights, directory, stored)
-    return Checkpoint(hf_config, model_type, model, weights, stored)
+    return Checkpoint(hf_config, model_type, model, weights, stored, tokenizer)
+
+
+def to_tokenizer(config, tokenizer):
+    """The config with vocab_size cut to the ids its tokenizer has, where the embedding has more rows
+    (padded to a round number): the model then never scores, so never outputs, an id without a token,
+    and models of one tokenizer score the same ids however their checkpoints pad."""
+    if tokenizer is None or not 0 < tokenizer.n_ids < config.vocab_size:
+        return config
+    return dataclasses.replace(config, vocab_size=tokenizer.n_ids)
+
+
+def cut_padding(model, weights, stored, rows):
+    """The checkpoint's tensors of `rows` rows that the model, cut to its tokenizer (to_tokenizer), holds
+    fewer of (the token embedding, the output head) as views of their first rows: no copy."""
+    expected = model.state_dict()
+    for name, tensor in weights.items():
+        shape = expected[name].shape if name in expected else tensor.shape
+        if tensor.dim() and tensor.shape[0] == rows and shape[0] < rows and shape[1:] == tensor.shape[1:]:
+            weights[name] = tensor[:shape[0]]
+    for name, parts in stored.items():
+        if f"{name}.weight" in expected:
+            kept = expected[f"{name}.weight"].shape[0]
+            stored[name] = {key: part[:kept] if part.shape[0] == rows else part for key, part in parts.items()}
 
 
 def check_finite(weights, source):
@@ -208,8 +238,7 @@ def check_finite(weights, source):
 def check_checkpoint(directory):
     """A folder that load_model would load: its weights, config and tokenizer read and checked (a
     conversion is checked so before it is kept)."""
-    checkpoint = read_checkpoint(directory)
-    load_tokenizer(directory, checkpoint.model_type)
+    read_checkpoint(directory)
 
 
 def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None, group_size=None, tp=None):
@@ -231,7 +260,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         world, device = parallel.launch(tp, device)
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
-    _, model_type, model, weights, stored = read_checkpoint(directory, world)
+    _, _, model, weights, stored, tokenizer = read_checkpoint(directory, world)
     dtype = dtype or default_dtype(device)
     quantizing = bool(quantize or stored)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
@@ -250,7 +279,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     model = pack_linears(model.to(device=device).eval().requires_grad_(False))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     model.fingerprint = fingerprint(directory, quantize, group_size, tp)
-    model.tokenizer = load_tokenizer(directory, model_type)
+    model.tokenizer = tokenizer
     return model.compile() if compile else model
 
 

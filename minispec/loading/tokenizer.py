@@ -185,7 +185,8 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.vocab_size = len(id_to_token)
-        mapping = json.dumps(sorted(id_to_token.items()), ensure_ascii=False).encode()
+        self.n_ids = max(id_to_token, default=-1) + 1  # the logits a model needs: ids past it have no token
+        mapping = json.dumps([sorted(id_to_token.items()), sorted(self.special_ids)], ensure_ascii=False).encode()
         self.fingerprint = hashlib.sha256(mapping).hexdigest()[:16]
         self.prefix, self.suffix = [], []  # ids that add_special_tokens puts around the text (BOS, EOS)
 
@@ -209,6 +210,18 @@ class Tokenizer:
             elif not (skip_special_tokens and i in self.special_ids):
                 run.append(i)
         return "".join(out)
+
+    def describe(self, i):
+        """Id i's token in words, for messages."""
+        content = self.id_to_token.get(i)
+        return "no token" if content is None else reprlib.repr(content) + " (special)" * (i in self.special_ids)
+
+    def first_difference(self, other):
+        """The first id whose token, or whose being special, is not `other`'s (None: the same tokenizer)."""
+        def entry(tokenizer, i):
+            return tokenizer.id_to_token.get(i), i in tokenizer.special_ids
+        ids = self.id_to_token.keys() | other.id_to_token.keys()
+        return min((i for i in ids if entry(self, i) != entry(other, i)), default=None)
 
     def check_ids(self, ids):
         ids = [int(i) for i in ids]

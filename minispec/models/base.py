@@ -62,7 +62,7 @@ def compiled_width(n):
 
 class Family(NamedTuple):
     """What a family module gives the loader (loading/checkpoint.py)."""
-    config: type  # from_hf(config.json's dict) -> the config; LAYER_STACKS
+    config: type  # from_hf(config.json's dict) -> the config, a dataclass with vocab_size; LAYER_STACKS
     model: type  # a CachedLM built from that config
     convert: object  # convert_hf_weights(state_dict, config) -> the model's own keys
 
@@ -205,6 +205,7 @@ class CachedLM(nn.Module):
         self.pad_token_id = None
         self.name = type(self).__name__
         self.fingerprint = None  # set by the loader: the checkpoint's files (minispec.decoding.profiles)
+        self.checkpoint_rows = None  # set by a loader that cut padding rows: the rows a head saved for it has
         self.compiled_forward = None  # set by compile()
         self.graphs = 0  # how many graphs the compiled forward has compiled (decode_rows)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
