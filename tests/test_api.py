@@ -14,6 +14,7 @@ from hypothesis import settings as budget
 from hypothesis import strategies as st
 
 import minispec
+from minispec.models.base import Feed
 from minispec import api
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
@@ -305,7 +306,7 @@ def test_on_states_gets_the_states_of_every_token_the_forwards_saw(target, same,
         tokens = torch.cat([tokens for tokens, _ in seen[i]])
         assert tokens.tolist() == prompt + generation.tokens[:-1]
         target.ensure_caches(1, len(tokens))
-        _, expected = target.decode_rows(tokens.view(1, -1), [0], eager=True, hidden=tuple(layers or ()) or True)
+        _, expected = target.decode_rows(Feed(tokens.view(1, -1), [0]), eager=True, hidden=tuple(layers or ()) or True)
         torch.testing.assert_close(torch.cat([states for _, states in seen[i]]), expected[0], rtol=1e-5, atol=1e-6)
     if "stop_token_ids" in settings:
         assert any(len(g.tokens) < 12 for g in out)

@@ -186,8 +186,8 @@ def test_prefill_seconds_separate_the_prompt_forward(dirs):
     """A prefill made 0.3 s slower shows up in prefill_seconds (up to the first step's tokens), and only there."""
     target = minispec.load(dirs["gpt2"])
     decode_rows = target.decode_rows
-    target.decode_rows = lambda tokens, lengths, *args, **kwargs: (
-        time.sleep(0.3 if not any(lengths) else 0), decode_rows(tokens, lengths, *args, **kwargs))[1]
+    target.decode_rows = lambda feed, *args, **kwargs: (
+        time.sleep(0.3 if not any(feed.lengths) else 0), decode_rows(feed, *args, **kwargs))[1]
     args = bench_cli.parse_args(["--target", "-", "--draft", "lookup", "--max-new-tokens", str(NEW_TOKENS)])
     for draft in (None, "lookup"):
         tokens, stats = benchmarks.minispec_runner(target, draft, 3, args)((PROMPTS[0], 0))

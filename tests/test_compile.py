@@ -7,6 +7,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 import minispec
+from minispec.models.base import Feed
 from minispec.decoding import drafters, policy
 from minispec import native
 from conftest import VOCAB, make_reference, noisy_copy, save_reference, spread_init
@@ -161,7 +162,7 @@ def test_compiled_trees_match_eager_and_never_recompile(checkpoint):
             for m in (model, eager):
                 m.setup_caches(1, 128)
                 m.prefill(torch.arange(length)[None] % 50)
-                logits.append(m.decode_rows(tokens, [length], parents=parents))
+                logits.append(m.decode_rows(Feed(tokens, [length], parents=parents)))
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert model.graphs == 1
 
@@ -180,8 +181,8 @@ def test_a_lone_chain_and_tree_of_one_width_share_a_graph_on_a_cpu(checkpoint):
     for parents in (None, [[-1, 0, 0, 1, 1]], None):
         for m in (model, eager):
             m.rollback(len(PROMPT))
-        torch.testing.assert_close(model.decode_rows(tokens, [len(PROMPT)], parents=parents),
-                                   eager.decode_rows(tokens, [len(PROMPT)], parents=parents), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.decode_rows(Feed(tokens, [len(PROMPT)], parents=parents)),
+                                   eager.decode_rows(Feed(tokens, [len(PROMPT)], parents=parents)), rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1 == model.graphs
 
 

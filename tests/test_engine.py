@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minispec
+from minispec.models.base import Feed
 from minispec import api
 from minispec.models import kernels
 from conftest import make_reference, noisy_copy, save_reference
@@ -135,8 +136,8 @@ def test_rows_at_their_own_positions_compute_as_they_would_alone(targets):
             target.prefill(torch.tensor([prompt]))
             alone.append(target.decode(torch.tensor([[7]]))[0, -1])
         for row, prompt in enumerate(PROMPTS):
-            target.decode_rows(torch.tensor([prompt]), [0], first_row=row, eager=True)
-        together = target.decode_rows(torch.full((len(PROMPTS), 1), 7), [len(p) for p in PROMPTS])[:, -1]
+            target.decode_rows(Feed(torch.tensor([prompt]), [0]), first_row=row, eager=True)
+        together = target.decode_rows(Feed(torch.full((len(PROMPTS), 1), 7), [len(p) for p in PROMPTS]))[:, -1]
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
 

@@ -23,6 +23,7 @@ from conftest import save_reference, spread_init
 from test_speculative import assert_sampled_from, exact_joint
 
 import minispec
+from minispec.models.base import Feed
 from minispec.loaders import load_draft
 from minispec.heads import is_head_dir
 from minispec.loading.weights import save_safetensors
@@ -133,13 +134,13 @@ def test_hidden_states_are_what_the_head_reads(reference_dirs, kind):
     start = model.encode_row(0, prompt).view(1, -1)
     tokens = torch.cat([start, torch.tensor([[7, 8, 9, 10]])], dim=1)
     with torch.inference_mode():
-        plain = model.decode_rows(tokens, [0], eager=True)
-        logits, hidden = model.decode_rows(tokens, [0], eager=True, hidden=True)
+        plain = model.decode_rows(Feed(tokens, [0]), eager=True)
+        logits, hidden = model.decode_rows(Feed(tokens, [0]), eager=True, hidden=True)
         assert torch.equal(plain, logits) and torch.equal(model.logits(hidden), logits)
         n = tokens.shape[1]
-        model.decode_rows(tokens[:, :n - 2], [0], eager=True)
+        model.decode_rows(Feed(tokens[:, :n - 2], [0]), eager=True)
         for j in range(n - 2, n):  # the last two tokens one at a time
-            _, alone = model.decode_rows(tokens[:, j:j + 1], [j], eager=True, hidden=True)
+            _, alone = model.decode_rows(Feed(tokens[:, j:j + 1], [j]), eager=True, hidden=True)
             assert torch.equal(alone[0, 0], hidden[0, j])
 
 
@@ -163,7 +164,7 @@ def test_published_eagle_layout_drafts_as_a_straightforward_reimplementation(ref
         expected_logits = reference.lm_head(expected)
     head.ensure_caches(1, 32)
     with torch.inference_mode():
-        logits, predicted = head.decode_rows(tokens[:, 1:], [0], eager=True, hidden=True, inputs=states[:, :-1])
+        logits, predicted = head.decode_rows(Feed(tokens[:, 1:], [0], inputs=states[:, :-1]), eager=True, hidden=True)
     torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
@@ -235,11 +236,10 @@ def test_published_eagle3_layout_drafts_as_a_straightforward_reimplementation(de
         fused = F.linear(wanted[:, :-1], weights["fc.weight"])
         expected, expected_logits = eagle3_reference(weights, config, F.embedding(tokens[:, 1:], embedding), fused)
     with torch.inference_mode():
-        logits, states = target.decode_rows(tokens, [0], eager=True, hidden=head.taps)
-        torch.testing.assert_close(logits, target.decode_rows(tokens, [0], eager=True), rtol=0, atol=0)
+        logits, states = target.decode_rows(Feed(tokens, [0]), eager=True, hidden=head.taps)
+        torch.testing.assert_close(logits, target.decode_rows(Feed(tokens, [0]), eager=True), rtol=0, atol=0)
         torch.testing.assert_close(states, wanted, rtol=1e-4, atol=1e-4)
-        logits, predicted = head.decode_rows(tokens[:, 1:], [0], eager=True, hidden=True,
-                                             inputs=head.fuse(states[:, :-1]))
+        logits, predicted = head.decode_rows(Feed(tokens[:, 1:], [0], inputs=head.fuse(states[:, :-1])), eager=True, hidden=True)
     torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
@@ -455,7 +455,7 @@ def test_an_eagle_heads_tree_holds_the_children_its_paths_give(gqa_heads, sampli
     head.ensure_caches(1, 64)
     with torch.inference_mode():
         drafter.start(torch.tensor([PROMPT]))
-        logits, states = target.decode_rows(torch.tensor([PROMPT]), [0], eager=True, hidden=True)
+        logits, states = target.decode_rows(Feed(torch.tensor([PROMPT]), [0]), eager=True, hidden=True)
         t = logits[0, -1].argmax().view(1)
         drafter.accept(t.tolist(), t, (torch.tensor(PROMPT), states[0]))  # as the engine's first step does
         drafted = drafted_tree(drafter, 4, 16, sampling)
@@ -464,8 +464,7 @@ def test_an_eagle_heads_tree_holds_the_children_its_paths_give(gqa_heads, sampli
         def logits_after(path):
             logits, state = drafter.next_logits, drafter.state
             for depth, token in enumerate(path):
-                out, predicted = head.decode_rows(torch.tensor([[token]]), [drafter.length + depth], hidden=True,
-                                                  inputs=state.view(1, 1, -1))
+                out, predicted = head.decode_rows(Feed(torch.tensor([[token]]), [drafter.length + depth], inputs=state.view(1, 1, -1)), hidden=True)
                 logits, state = out[0, -1], predicted[0, -1]
             return logits
         assert_same_tree(drafted, reference_tree(logits_after, 4, 16, sampling), sampling)
@@ -543,7 +542,7 @@ def test_an_eagle_head_keeps_the_pairs_of_a_step_that_drafted_nothing(gqa_heads)
         drafter.start(torch.tensor([PROMPT]))
         seen = torch.tensor(PROMPT)
         for length in (0, len(PROMPT)):  # the prompt's step, then a plain step drafting nothing
-            logits, states = target.decode_rows(seen.view(1, -1), [length], eager=True, hidden=True)
+            logits, states = target.decode_rows(Feed(seen.view(1, -1), [length]), eager=True, hidden=True)
             drafter.propose(0, minispec.Sampling(), None)
             t = logits[0, -1].argmax().view(1)
             drafter.accept(t.tolist(), t, (seen, states[0]))
@@ -760,14 +759,13 @@ def test_eagle3_training_time_test_unrolls_as_the_head_drafts(tmp_path):
     head.ensure_caches(1, 128)
     for row, chain in [(0, 4), (0, 20), (0, 36), (1, 9), (1, 25)]:
         inputs = head.fuse(tapped[row, :chain + 1])[None]
-        _, drafted = head.decode_rows(tokens[row, 1:chain + 2][None], [0], eager=True, hidden=True, inputs=inputs)
+        _, drafted = head.decode_rows(Feed(tokens[row, 1:chain + 2][None], [0], inputs=inputs), eager=True, hidden=True)
         state = drafted[0, -1]
         for j in range(3):
             kept = train.shifted(mask, 1 + j)
             at = int(kept.flatten()[:row * kept.shape[1] + chain].sum())  # the chain's row among the kept ones
             torch.testing.assert_close(unrolled[j][at], state, rtol=1e-4, atol=1e-5)
-            _, drafted = head.decode_rows(tokens[row, chain + 2 + j].view(1, 1), [chain + 1 + j], eager=True,
-                                          hidden=True, inputs=state.view(1, 1, -1))
+            _, drafted = head.decode_rows(Feed(tokens[row, chain + 2 + j].view(1, 1), [chain + 1 + j], inputs=state.view(1, 1, -1)), eager=True, hidden=True)
             state = drafted[0, -1]
 
 
@@ -927,7 +925,7 @@ def test_a_heads_layer_in_one_call_drafts_what_its_modules_draft(deep_target, tm
         width = hf["hidden_size"] * (1 if kind == "eagle" else len(head.taps))  # the target's state(s) read
         states = torch.randn(1, tokens.shape[1] - 1, width, generator=torch.Generator().manual_seed(0))
         inputs = states if kind == "eagle" else head.fuse(states)
-        return head.decode_rows(tokens[:, 1:], [0], eager=True, hidden=True, inputs=inputs)
+        return head.decode_rows(Feed(tokens[:, 1:], [0], inputs=inputs), eager=True, hidden=True)
     with torch.inference_mode():
         fused = draft()
         assert calls == [1]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import minispec
+from minispec.models.base import Feed
 from minispec import native
 from minispec.models import backend, kernels, quant
 from minispec.models.llama import Llama
@@ -375,10 +376,9 @@ def every_forward(model):
     prompt = torch.tensor([[5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]])
     model.ensure_caches(2, 64)
     out = [model.prefill(prompt), model.decode(torch.tensor([[7]])), model.decode(torch.tensor([[19, 44, 3]]))]
-    model.decode_rows(prompt[:, :5], [0], first_row=1)
-    out.append(model.decode_rows(torch.tensor([[61, 28], [90, 90]]), [16, 5], [2, 1]))
-    out.append(model.decode_rows(torch.tensor([[12, 55, 36, 71], [7, 19, 19, 19]]), [18, 6], [4, 2],
-                                 parents=[[-1, 0, 0, 1], [-1, 0]]))
+    model.decode_rows(Feed(prompt[:, :5], [0]), first_row=1)
+    out.append(model.decode_rows(Feed(torch.tensor([[61, 28], [90, 90]]), [16, 5], [2, 1])))
+    out.append(model.decode_rows(Feed(torch.tensor([[12, 55, 36, 71], [7, 19, 19, 19]]), [18, 6], [4, 2], parents=[[-1, 0, 0, 1], [-1, 0]])))
     return out
 
 

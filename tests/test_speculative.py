@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minispec
+from minispec.models.base import Feed
 from conftest import noisy_copy, save_reference, spread_init, target_and_drafts
 
 TARGETS = ["gpt2", "llama_gqa", "qwen2", "qwen3", "t5_v1_1"]
@@ -144,7 +145,7 @@ def test_cache_after_many_rejections_equals_fresh_forward(models):
     assert out.stats["accepted"] < out.stats["proposed"] // 2  # many rejections, many rollbacks
     sequence = torch.tensor([PROMPT + out.tokens])
     with torch.inference_mode():  # cache row 0 holds everything accepted but the last token
-        cached = target.decode_rows(sequence[:, -1:], [sequence.shape[1] - 1])[0, -1]
+        cached = target.decode_rows(Feed(sequence[:, -1:], [sequence.shape[1] - 1]))[0, -1]
         fresh = target.prefill(sequence)[0, -1]
     torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=0)
 

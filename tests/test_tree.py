@@ -1,4 +1,4 @@
-"""Token trees in the models (kernels.tree_layout, CachedLM.decode_rows(parents=...), CachedLM.keep):
+"""Token trees in the models (kernels.tree_layout, CachedLM.decode_rows(Feed(..., parents=...)), CachedLM.keep):
 every node of a tree verified in one forward computes bit for bit what a 1-token forward over its path
 computes, in every family and dtype, alone and in a batch; the accepted path kept as a chain continues
 as plain decoding would."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import minispec
+from minispec.models.base import Feed
 from test_rows import DTYPES, FAMILIES, PROMPT
 
 # A tree of 11 tokens: token 0 hangs from the cached prefix; parents index the same list.
@@ -45,7 +46,7 @@ def mismatched_tree_tokens(model):
     model.ensure_caches(2, 128)
     expected = along_paths(model, start, TOKENS, PARENTS)
     model.prefill(start)
-    logits = model.decode_rows(torch.tensor([TOKENS], device=model.device), [start.shape[1]], parents=[PARENTS])[0]
+    logits = model.decode_rows(Feed(torch.tensor([TOKENS], device=model.device), [start.shape[1]], parents=[PARENTS]))[0]
     return [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])]
 
 
@@ -71,7 +72,7 @@ def test_a_tree_across_a_block_boundary_computes_what_its_paths_compute(referenc
         model.ensure_caches(1, 128)
         expected = along_paths(model, start, TOKENS, PARENTS)
         model.prefill(start)
-        logits = model.decode_rows(torch.tensor([TOKENS]), [start.shape[1]], parents=[PARENTS])[0]
+        logits = model.decode_rows(Feed(torch.tensor([TOKENS]), [start.shape[1]], parents=[PARENTS]))[0]
         assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
 
 
@@ -88,8 +89,7 @@ def test_a_tree_fed_over_several_forwards_computes_what_its_paths_compute(refere
         model.prefill(start)
         logits = []
         for first, end in ((0, 3), (3, 5), (5, 11)):  # nodes of depths 0-1, 2, then 2-5
-            logits += model.decode_rows(torch.tensor([TOKENS[first:end]]), [start.shape[1] + first],
-                                        parents=[PARENTS[:end]])[0]
+            logits += model.decode_rows(Feed(torch.tensor([TOKENS[first:end]]), [start.shape[1] + first], parents=[PARENTS[:end]]))[0]
         assert [j for j in range(len(TOKENS)) if not torch.equal(logits[j], expected[j])] == []
 
 
@@ -102,9 +102,9 @@ def test_trees_in_a_batch_compute_as_they_would_alone(reference_dirs, attention)
         expected = along_paths(model, torch.tensor([PROMPT]), TOKENS, PARENTS)
         expected_short = along_paths(model, short, TOKENS[:6], PARENTS[:6])
         model.prefill(torch.tensor([PROMPT]))
-        model.decode_rows(short, [0], first_row=1)  # row 1 holds the short prompt
+        model.decode_rows(Feed(short, [0]), first_row=1)  # row 1 holds the short prompt
         tokens = torch.tensor([TOKENS, TOKENS[:6] + [TOKENS[5]] * 5])
-        logits = model.decode_rows(tokens, [len(PROMPT), 5], [11, 6], parents=[PARENTS, PARENTS[:6]])
+        logits = model.decode_rows(Feed(tokens, [len(PROMPT), 5], [11, 6], parents=[PARENTS, PARENTS[:6]]))
         assert all(torch.equal(logits[0, j], expected[j]) for j in range(11))
         assert all(torch.equal(logits[1, j], expected_short[j]) for j in range(6))
 
@@ -123,7 +123,7 @@ def test_a_kept_path_continues_as_plain_decoding(reference_dirs, kind):
         expected = model.decode(torch.tensor([[5]]))[0, 0]
         model.prefill(start)
         length = start.shape[1]
-        model.decode_rows(torch.tensor([TOKENS]), [length], parents=[PARENTS])
+        model.decode_rows(Feed(torch.tensor([TOKENS]), [length], parents=[PARENTS]))
         model.keep(0, [length + node for node in kept], length)
         model.length = length + len(kept)  # decode_rows leaves the length to its caller
         assert torch.equal(model.decode(torch.tensor([[5]]))[0, 0], expected)
@@ -149,7 +149,7 @@ def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, mon
         model.ensure_caches(1, 128)
         expected = along_paths(model, start, TOKENS, PARENTS)
         model.prefill(start)
-        logits = model.decode_rows(torch.tensor([TOKENS]), [len(PROMPT)], parents=[PARENTS])[0]
+        logits = model.decode_rows(Feed(torch.tensor([TOKENS]), [len(PROMPT)], parents=[PARENTS]))[0]
         assert any(not torch.equal(logits[j], expected[j]) for j in range(len(TOKENS)))
         assert all(torch.allclose(logits[j], expected[j], atol=1e-4) for j in range(len(TOKENS)))
 
@@ -506,9 +506,9 @@ def test_a_draft_model_keeps_the_accepted_nodes_it_computed(reference_dirs, kind
     draft = minispec.load(save_reference(noisy_copy(reference, seed=1, scale=0.01), tmp_path))
     fed, decode_rows = [], draft.decode_rows
 
-    def counted(self, tokens, lengths, widths=None, *args, **kwargs):
-        fed[-1] += tokens.numel() if widths is None else sum(widths)
-        return decode_rows(tokens, lengths, widths, *args, **kwargs)
+    def counted(self, feed, *args, **kwargs):
+        fed[-1] += feed.tokens.numel() if feed.widths is None else sum(feed.widths)
+        return decode_rows(feed, *args, **kwargs)
 
     monkeypatch.setattr(draft, "decode_rows", types.MethodType(counted, draft))
     settings = {"draft": draft, "gamma": 4, "tree": 16, "max_new_tokens": 32, "ignore_eos": True,

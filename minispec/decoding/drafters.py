@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..models.base import CachedLM
+from ..models.base import CachedLM, Feed
 from ..models.kernels import to_device
 from .sampling import Sampling, adjust, sample
 from .tree import DrawnGrowth, Growth, best_children, children_of, tree_or_chain
@@ -201,10 +201,10 @@ def feed(model, drafters, feeds, inputs=None):
     tokens, widths = model.padded(feeds)
     lengths = [d.length for d in drafters]
     if inputs is None:
-        logits, states = model.decode_rows(tokens, lengths, widths), None
+        logits, states = model.decode_rows(Feed(tokens, lengths, widths)), None
     else:  # a row's padding repeats its last token: the last column is every row's last token
-        logits, states = model.decode_rows(tokens, lengths, widths, logits_for=1, hidden=True,
-                                           inputs=model.padded(inputs)[0])
+        feed = Feed(tokens, lengths, widths, inputs=model.padded(inputs)[0])
+        logits, states = model.decode_rows(feed, logits_for=1, hidden=True)
     for i, (drafter, f) in enumerate(zip(drafters, feeds)):
         if f is not None:
             drafter.fed(len(f), logits[i, -1 if states is not None else len(f) - 1],
@@ -214,8 +214,8 @@ def feed(model, drafters, feeds, inputs=None):
 def catch_up(drafter):
     """A row's unseen tokens through the draft, alone, in one eager forward."""
     model, inputs = drafter.model, drafter.unseen_states
-    out = model.decode_rows(drafter.unseen.view(1, -1), [drafter.length], first_row=drafter.row, logits_for=1,
-                            eager=True, hidden=inputs is not None, inputs=None if inputs is None else inputs[None])
+    feed = Feed(drafter.unseen.view(1, -1), [drafter.length], inputs=None if inputs is None else inputs[None])
+    out = model.decode_rows(feed, first_row=drafter.row, logits_for=1, eager=True, hidden=inputs is not None)
     logits, states = out if inputs is not None else (out, None)
     drafter.fed(len(drafter.unseen), logits[0, -1], None if states is None else states[0, -1])
 
@@ -351,8 +351,8 @@ def draft_trees(model, drafters, asks):
                 if heads:
                     inputs[i] = torch.stack([tree.input_of(j) for j in nodes])
         tokens, widths = model.padded(feeds)
-        out = model.decode_rows(tokens, lengths, widths, parents=parents, hidden=heads,
-                                inputs=model.padded(inputs)[0] if heads else None)
+        feed = Feed(tokens, lengths, widths, parents=parents, inputs=model.padded(inputs)[0] if heads else None)
+        out = model.decode_rows(feed, hidden=heads)
         logits, states = out if heads else (out, None)
         scored = []
         for i, drafter in enumerate(drafters):

@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..models.base import Feed
 from ..models.kernels import to_device
 from .costs import graphs_met
 from .drafters import Proposal, propose_all
@@ -290,15 +291,15 @@ def score(target, rows, proposals):
     widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request
-            out = target.decode_rows(feeds[i].view(1, -1), [0], first_row=i, logits_for=len(drafts[i]) + 1,
-                                     eager=True, parents=None if parents[i] is None else [parents[i]], hidden=hidden)
+            feed = Feed(feeds[i].view(1, -1), [0], parents=None if parents[i] is None else [parents[i]])
+            out = target.decode_rows(feed, first_row=i, logits_for=len(drafts[i]) + 1, eager=True, hidden=hidden)
             logits[i], states[i] = (out[0][0], out[1][0]) if hidden else (out[0], None)
             row.length = len(feeds[i])
     if any(widths):
         tokens, _ = target.padded([feed if w else None for feed, w in zip(feeds, widths)])
-        out = target.decode_rows(tokens, [row.length for row in rows], widths,
-                                 parents=[p if w else [] for p, w in zip(parents, widths)] if trees else None,
-                                 hidden=hidden)
+        feed = Feed(tokens, [row.length for row in rows], widths,
+                    parents=[p if w else [] for p, w in zip(parents, widths)] if trees else None)
+        out = target.decode_rows(feed, hidden=hidden)
         out, fed_states = out if hidden else (out, None)
         for i, (row, w) in enumerate(zip(rows, widths)):
             if w:

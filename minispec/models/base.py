@@ -15,8 +15,8 @@ with its own length, which the caller holds:
 
     model.prepare_batch(rows, longest_prompt)   # T5: cross-attention memory for `rows` prompts
     start = model.encode_row(row, prompt)       # T5: the encoder's run, into that row of the memory
-    logits = model.decode_rows(tokens, lengths, widths)   # each row's tokens at its own positions
-    logits = model.decode_rows(tokens, lengths, widths, parents=parents)   # ... each row's a token tree
+    logits = model.decode_rows(Feed(tokens, lengths, widths))   # each row's tokens at its own positions
+    logits = model.decode_rows(Feed(tokens, lengths, widths, parents))   # ... each row's a token tree
     model.keep(row, slots, length)              # a tree's accepted path moved into place as a chain
     model.move_row(source, destination)         # a finished request's row taken by the last one
 
@@ -69,11 +69,12 @@ class Family(NamedTuple):
 
 class Feed(NamedTuple):
     """What one decode_rows forward feeds: tokens [rows, n], row i at its own cache length lengths[i]
-    (host ints), its first widths[i] tokens its own (the rest repeat its last); each row's token tree
-    (parents, None: chains) and a draft head's inputs [rows, n, ...], padded as the tokens are."""
+    (host ints), its first widths[i] tokens its own (the rest repeat its last; None: all its own); each
+    row's token tree (parents, None: chains) and a draft head's inputs [rows, n, ...], padded as the
+    tokens are."""
     tokens: torch.Tensor
     lengths: list
-    widths: list
+    widths: Optional[list] = None
     parents: Optional[list] = None
     inputs: Optional[torch.Tensor] = None
 
@@ -337,7 +338,7 @@ class CachedLM(nn.Module):
                 f"{self.cache_max_seq_len} positions"
             )
         if self.compiled_forward is not None and not eager and logits_for is None:
-            logits = self.decode_rows(tokens, [self.length])  # its graphs
+            logits = self.decode_rows(Feed(tokens, [self.length]))  # its graphs
         else:
             input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
             logits = self.eager_forward(tokens, input_pos, logits_for, None, lambda j: self.length + j)
@@ -369,9 +370,8 @@ class CachedLM(nn.Module):
         """The cache positions an eager forward attends over when no token lies at `end` or beyond."""
         return min(whole_blocks(end), self.cache_max_seq_len)
 
-    def decode_rows(self, tokens, lengths, widths=None, first_row=0, logits_for=None, eager=False, parents=None,
-                    hidden=False, inputs=None):
-        """Append tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length
+    def decode_rows(self, feed, first_row=0, logits_for=None, eager=False, hidden=False):
+        """Append a Feed's tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length
         lengths[i] (host ints, kept by the caller); returns logits [rows, n, vocab] (or of the last
         `logits_for` positions). Only the first widths[i] tokens of row i are its own (default: all):
         the rest repeat its last token at its last position, which recomputes that token exactly (each
@@ -379,26 +379,27 @@ class CachedLM(nn.Module):
         the end of its cache limits no other row. A row with nothing to feed (width 0) gets one
         placeholder at its length, past what it holds, which its next write there replaces; its logits
         mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once).
-        `parents`: the row's tokens form a tree (decoding/tree.py), token j of row i attached to token
+        `feed.parents`: the row's tokens form a tree (decoding/tree.py), token j of row i attached to token
         parents[i][j] (-1: to the row's cached tokens); each token is then at its depth's position, its
         keys and values in its slot, lengths[i] + j, and it attends to its ancestors only. A tree may
         continue one that earlier forwards wrote just before lengths[i]: then parents[i] lists that
         tree's nodes first, and the row's tokens are its last widths[i] (kernels.tree_layout).
         `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads (a tuple
         of layer indices: the states entering those layers, as forward's);
-        `inputs`: forward's, [rows, n, ...], padded as the tokens are. The rows' data travel as one Feed
-        (its slots, ends and tree layout); the compiled forward takes it through decode_compiled."""
-        rows, n = tokens.shape
-        feed = Feed(tokens, lengths, [n] * rows if widths is None else widths, parents, inputs)
+        `feed.inputs`: forward's, [rows, n, ...], padded as the tokens are. The compiled forward takes
+        the feed through decode_compiled."""
+        rows, n = feed.tokens.shape
+        if feed.widths is None:
+            feed = feed._replace(widths=[n] * rows)
         if feed.ends(n) > self.cache_max_seq_len or first_row + rows > self.cache_batch_size:
-            raise ValueError(f"{self.name}: writing {n} tokens at position {max(lengths)} of cache rows "
+            raise ValueError(f"{self.name}: writing {n} tokens at position {max(feed.lengths)} of cache rows "
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
         if self.compiled_forward is not None and first_row == 0 and not eager and logits_for is None:
             return self.decode_compiled(feed, hidden)
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
-            return self.eager_forward(tokens, feed.input_pos(), logits_for, feed.layout(self.keys_for(feed.ends(n))),
-                                      feed.ends, hidden, inputs)
+            return self.eager_forward(feed.tokens, feed.input_pos(), logits_for,
+                                      feed.layout(self.keys_for(feed.ends(n))), feed.ends, hidden, feed.inputs)
 
     def graph_feed(self, feed):
         """The feed as the compiled forward's graphs take it. On a CPU one graph serves every width above
