@@ -84,7 +84,7 @@ def test_every_module_has_a_layer():
 
 # Optional modules the core imports only inside the function that first needs them, so that a plain
 # `import minispec` never loads them.
-LAZY = {"decoding.suffix"}
+LAZY = {"decoding.suffix", "decoding.prefix"}
 
 
 def test_no_package_import_inside_a_function():

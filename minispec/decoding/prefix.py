@@ -69,7 +69,7 @@ class PrefixCache:
         tokens = request.prompt_ids.view(-1).tolist() + row.tokens[:-1]
         if request.reads_states or not usable(request.target):
             return
-        # A row that stopped keeps its last step's rejected guesses past the accepted tokens
+        # a row that stopped holds its last step's rejected guesses past its kept tokens: not stored
         self.store(request.target, row.slot, tokens[:row.length])
         model = drafter.model if drafter is not None else None
         if model is not None and usable(model):  # a draft's tree nodes lie past its length
