@@ -92,22 +92,27 @@ def test_the_budget_holds_and_the_least_recently_used_go(models):
     assert minispec.generate(target, prompts[1], prefix_cache=cache, **GREEDY).stats["cached_tokens"] == 0
 
 
-def test_a_hit_computes_only_the_rest_of_the_prompt(models, monkeypatch):
-    target = models[torch.float32][0]
-    computed = []
-    forward = target.forward
+@pytest.mark.parametrize("counted", ["target", "draft"])
+def test_a_hit_computes_only_the_rest_of_the_prompt(models, monkeypatch, counted):
+    """The target's positions computed, and a draft model's (its guesses are the same, so only its
+    prompt's forward shrinks)."""
+    target, draft = models[torch.float32]
+    model, computed = target if counted == "target" else draft, []
+    forward = model.forward
 
     def counting(tokens, *args, **kwargs):
         computed.append(tokens.shape[1])
         return forward(tokens, *args, **kwargs)
 
-    monkeypatch.setattr(target, "forward", counting)
+    monkeypatch.setattr(model, "forward", counting)
+    settings = {"max_new_tokens": 4, "draft": draft, "gamma": 3}
     cache, prompt = PrefixCache(), base_prompt(4 * BLOCK + 5)
     minispec.generate(target, prompt[:3 * BLOCK], prefix_cache=cache, max_new_tokens=1)
+    minispec.generate(target, prompt[:3 * BLOCK], prefix_cache=cache, **settings)  # the draft's blocks
     computed.clear()
-    cold = minispec.generate(target, prompt, max_new_tokens=1)
+    cold = minispec.generate(target, prompt, **settings)
     cold_positions, computed[:] = sum(computed), []
-    warm = minispec.generate(target, prompt, prefix_cache=cache, max_new_tokens=1)
+    warm = minispec.generate(target, prompt, prefix_cache=cache, **settings)
     assert warm.tokens == cold.tokens and warm.stats["cached_tokens"] == 3 * BLOCK
     assert sum(computed) == cold_positions - 3 * BLOCK
 
