@@ -303,7 +303,7 @@ def tree_room(tree):
 
 
 @torch.inference_mode()
-def run(requests, rows):
+def run(requests, rows, prefix_cache=None):
     """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
     request as (request index, new tokens, their TokenLogprobs (None unless asked), segments of the
     trace, generation): generation is None until the request's last step, then its Generation."""
@@ -315,7 +315,8 @@ def run(requests, rows):
                 yield i, generation.tokens, None, generation.trace, generation
             return
         size_caches(requests, rows)
-        for i, new_tokens, logprobs, segments, result in engine.decode(target, requests, rows):
+        for i, new_tokens, logprobs, segments, result in engine.decode(target, requests, rows,
+                                                                       prefixes=prefix_cache):
             generation = None
             if result is not None:
                 tokens, trace, stats, all_logprobs = result
@@ -370,7 +371,7 @@ def with_settings(function):
 
 
 @with_settings
-def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
+def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=None, **settings):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
     "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields, as
     keywords; an invalid one raises SettingError (a ValueError) naming it in its `field`.
@@ -405,6 +406,8 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
     training draft heads on them: minispec.heads). state_layers: which states: None, the last (what the
     output head reads); a list of layer indices, the residual states entering those layers side by side
     (the number of layers: the last layer's output before the final norm; Llama family).
+    prefix_cache: a minispec.decoding.prefix.PrefixCache (default None: off), whose stored keys and values
+    of earlier requests a prompt beginning with the same tokens reuses (stats["cached_tokens"]).
     """
     batched = is_batch(prompt)
     seed = settings.get("seed")
@@ -419,9 +422,10 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, **settings):
             requests.append(Request.from_settings(target, one, settings if seeds is None else
                                                   replace(settings, seed=seeds[i])))
     Check(lambda v: v is None or integer(1)(v), "must be an integer >= 1")("batch_size", batch_size)
+    Check(lambda v: v is None or hasattr(v, "admit"), "must be a PrefixCache or None")("prefix_cache", prefix_cache)
     check_lengths(requests)
     generations = [None] * len(requests)
-    for i, tokens, _, _, generation in run(requests, min(batch_size or len(requests), len(requests))):
+    for i, tokens, _, _, generation in run(requests, min(batch_size or len(requests), len(requests)), prefix_cache):
         if on_tokens:
             on_tokens(i, tokens)
         generations[i] = generation or generations[i]

@@ -29,7 +29,7 @@ class Row:
     """A request in the batch: its settings, its random stream, its output so far, its statistics, and
     its target cache row's length (the drafter keeps its own)."""
 
-    def __init__(self, index, request, slot, target, alone):
+    def __init__(self, index, request, slot, target, alone, prefixes=None):
         self.index, self.request, self.slot = index, request, slot
         self.sampling, self.lenience = request.sampling, request.lenience
         self.drafter, self.policy = request.drafter, request.policy
@@ -51,6 +51,8 @@ class Row:
             self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1),
                               verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
             self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
+        if prefixes is not None:  # the prompt's stored prefix copied into its cache rows (decoding/prefix.py)
+            prefixes.admit(self)
 
     def ask(self):
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
@@ -166,7 +168,7 @@ def add_segments(trace, segments):
 
 
 @torch.inference_mode()
-def decode(target, requests, rows, cancelled=None):
+def decode(target, requests, rows, cancelled=None, prefixes=None):
     """Decode checked requests (api.Request, all with the same kind of drafter, or none) at most `rows`
     at a time, the models' caches already sized for them. `requests` is a list, or a source of requests
     that arrive while others decode (the server's scheduler): an object whose take(free, wait) returns
@@ -174,14 +176,15 @@ def decode(target, requests, rows, cancelled=None):
     and returning none then only when no more will come. Between steps, rows for which
     cancelled(index) is true leave at once, without news. Yields every step's news of each row as
     (request index, new tokens, their TokenLogprobs (None unless asked), segments of the trace, result):
-    result is None until the request's last step, then its (tokens, trace, stats, logprobs)."""
+    result is None until the request's last step, then its (tokens, trace, stats, logprobs). `prefixes`:
+    a decoding/prefix.py PrefixCache, which ended requests fill and new ones reuse."""
     source = requests if hasattr(requests, "take") else Waiting(requests)
     batch = []  # batch[i] lives in cache row i, of the target and of a draft model
     while True:
         if cancelled is not None:
             leave(batch, [row for row in batch if cancelled(row.index)], cache_models(target, batch))
         for index, request in source.take(rows - len(batch), wait=not batch):
-            batch.append(Row(index, request, len(batch), target, alone=rows == 1))
+            batch.append(Row(index, request, len(batch), target, alone=rows == 1, prefixes=prefixes))
         if not batch:
             return
         ended = step(target, batch)
@@ -190,6 +193,8 @@ def decode(target, requests, rows, cancelled=None):
             if row in ended:
                 row.stats["batch_size"] = rows
                 result = row.tokens, row.trace, row.finish(), row.logprobs
+                if prefixes is not None:
+                    prefixes.finish(row)
             yield row.index, row.new_tokens, row.new_logprobs, row.segments, result
         leave(batch, ended, cache_models(target, batch))
 

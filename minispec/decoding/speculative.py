@@ -288,13 +288,14 @@ def score(target, rows, proposals):
     trees = any(x.parents is not None for x in proposals)  # then every row's feed is a tree
     parents = [feed_parents(len(row.unseen), x.parents, len(x.drafts)) if trees else None
                for row, x in zip(rows, proposals)]
-    widths = [len(feed) if row.length else 0 for row, feed in zip(rows, feeds)]  # rows that join: 0
+    # rows that join: 0 (their cache rows may hold a stored prefix of the prompt, decoding/prefix.py)
+    widths = [len(feed) if row.stats["target_calls"] else 0 for row, feed in zip(rows, feeds)]
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request
-            feed = Feed(feeds[i].view(1, -1), [0], parents=None if parents[i] is None else [parents[i]])
+            feed = Feed(feeds[i].view(1, -1), [row.length], parents=None if parents[i] is None else [parents[i]])
             out = target.decode_rows(feed, first_row=i, logits_for=len(drafts[i]) + 1, eager=True, hidden=hidden)
             logits[i], states[i] = (out[0][0], out[1][0]) if hidden else (out[0], None)
-            row.length = len(feeds[i])
+            row.length += len(feeds[i])
     if any(widths):
         tokens, _ = target.padded([feed if w else None for feed, w in zip(feeds, widths)])
         feed = Feed(tokens, [row.length for row in rows], widths,

@@ -38,6 +38,9 @@ def parse_args(argv=None):
                              "or the draft's when shorter); the caches hold --batch-size rows of this many")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a free row; more are refused with 429 (default 64)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=512,
+                        help="MiB of CPU memory for the keys and values of earlier requests' tokens, which a prompt "
+                             "beginning with them reuses (least recently used evicted; default 512, 0: off)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this "
                                                             "machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -70,6 +73,8 @@ def check_flags(args):
                         ("--max-model-len", 1 if args.max_model_len is None else args.max_model_len)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.prefix_cache_mb < math.inf:
+        raise ValueError(f"--prefix-cache-mb must be a number of MiB >= 0, got {args.prefix_cache_mb}")
     if not 0 <= args.shutdown_timeout < math.inf:
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
@@ -82,7 +87,7 @@ def main(argv=None):
         check_flags(args)  # bad flags fail before loading weights
         target, draft = load_models(args)
         scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue,
-                              args.tree)
+                              args.tree, args.prefix_cache_mb)
         app = build_app(scheduler, args.served_model_name or args.target, args.draft, args.api_key,
                         args.shutdown_timeout)
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug

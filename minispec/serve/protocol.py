@@ -269,7 +269,8 @@ class Reply:
 
     def usage(self, outcome):
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": self.prompt_tokens + outcome.completion_tokens}
+                "total_tokens": self.prompt_tokens + outcome.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": outcome.stats.get("cached_tokens", 0)}}
 
     def speculative(self, outcome):
         stats = outcome.stats

@@ -18,6 +18,7 @@ from itertools import count
 from .. import api
 from ..decoding import engine
 from ..decoding.drafters import make_drafter
+from ..decoding.prefix import PrefixCache
 
 MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 
@@ -72,12 +73,16 @@ class Job:
 class Scheduler:
     """Owns the target and draft: sizes their caches once, for `rows` requests of up to `max_length`
     positions, and decodes every request in one engine.decode loop on its own thread. submit() queues
-    a job (at most `max_waiting` wait for a row); cancel() ends one at the next step."""
+    a job (at most `max_waiting` wait for a row); cancel() ends one at the next step. A prompt reuses
+    the keys and values of earlier requests' tokens it begins with, up to `prefix_cache_mb` MiB of them
+    (decoding/prefix.py; 0: none)."""
 
-    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto"):
+    def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto",
+                 prefix_cache_mb=512):
         drafting = api.Settings(draft=draft, gamma=gamma, tree=tree).drafting  # checks gamma and tree
         self.target, self.draft, self.gamma, self.rows, self.max_waiting = target, draft, gamma, rows, max_waiting
         self.tree = tree
+        self.prefixes = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
         draft_model = make_drafter(draft, target).model if drafting else None  # builds an int8/int4 copy once
         self.models = [target] + ([draft_model] if draft_model is not None else [])
         self.max_length = checked_length(self.models, max_model_len)
@@ -161,7 +166,8 @@ class Scheduler:
         """Run the engine until the server stops (True), or until it fails (False): then the requests in
         its batch fail, their state unknown, and the others go on in a new batch."""
         try:
-            for index, tokens, logprobs, _, result in engine.decode(self.target, self, self.rows, self.cancelled):
+            for index, tokens, logprobs, _, result in engine.decode(self.target, self, self.rows, self.cancelled,
+                                                                    self.prefixes):
                 self.advance(index, tokens, logprobs, result)
             return True
         except Exception:

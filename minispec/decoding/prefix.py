@@ -1,0 +1,163 @@
+"""Prefix caching: a request whose prompt begins with tokens an earlier request computed (the same
+system prompt, the conversation so far) copies their keys and values instead of recomputing them.
+
+At a request's end its cache rows' keys and values (the target's, and a draft model's) are stored in
+whole blocks of BLOCK tokens, on the CPU, in a tree per model whose paths are the token sequences seen:
+a block's entries depend on every token before it, so a block is found by the blocks before it. At
+admission the longest stored path the prompt begins with (all but its last token: the first step needs
+its logits) is copied into the new request's rows, and only the rest of the prompt is computed. The
+forwards are row-invariant (a token's keys and values are the same however many tokens a forward
+feeds), so the output is what a cold run gives, token for token. Blocks past `budget_mb` go least
+recently used first.
+
+Skipped (the prompt computed as without a cache): encoder-decoder models (T5's cache depends on the
+encoder's input too), tensor-parallel shards, and requests whose forwards must return states for every
+prompt token (draft heads, on_states)."""
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+BLOCK = 16  # tokens per stored block: what a prompt shares is reused up to its last whole block
+
+
+class Node:
+    """A stored block: its tokens (the key among its parent's children) and the keys and values of its
+    positions, [layers, 2, heads, BLOCK, head_dim] on the CPU."""
+    __slots__ = ("parent", "tokens", "children", "kv")
+
+    def __init__(self, parent, tokens, kv):
+        self.parent, self.tokens, self.children, self.kv = parent, tokens, {}, kv
+
+    @property
+    def bytes(self):
+        return self.kv.numel() * self.kv.element_size() if self.kv is not None else 0
+
+
+class PrefixCache:
+    """Blocks of keys and values of the token sequences this process has decoded, within `budget_mb`
+    MiB (least recently used evicted). Pass it to generate(..., prefix_cache=) or engine.decode."""
+
+    def __init__(self, budget_mb=512):
+        if not isinstance(budget_mb, (int, float)) or budget_mb < 0:
+            raise ValueError(f"the prefix cache's budget must be a number of MiB >= 0, got {budget_mb!r}")
+        self.budget, self.bytes = int(budget_mb * 2**20), 0
+        self.roots = weakref.WeakKeyDictionary()  # model -> (its caches' layout, the root Node)
+        self.lru = OrderedDict()  # every stored Node, least recently used first
+        self.lock = threading.Lock()  # one cache may serve decoding threads of different models
+
+    def admit(self, row):
+        """A request joining the batch (engine.Row): its cache rows take the stored prefix of its prompt,
+        and only the rest is left unseen. Counts the reused tokens in stats["cached_tokens"]."""
+        request, drafter, cached = row.request, row.drafter, 0
+        prompt = request.prompt_ids.view(-1).tolist()[:-1]  # the last token is computed: its logits are needed
+        if not request.reads_states and usable(request.target):
+            cached = self.restore(request.target, row.slot, prompt)
+            row.length, row.unseen = cached, row.unseen[cached:]
+            model = drafter.model if drafter is not None else None
+            if model is not None and usable(model):
+                drafter.length = self.restore(model, drafter.row, prompt)
+                drafter.unseen = drafter.unseen[drafter.length:]
+        row.stats["cached_tokens"] = cached
+
+    def finish(self, row):
+        """A request that has ended, still in its cache rows: the blocks of its prompt and output that
+        each row holds for sure are stored (not its last token, which no forward saw)."""
+        request, drafter = row.request, row.drafter
+        tokens = request.prompt_ids.view(-1).tolist() + row.tokens[:-1]
+        if request.reads_states or not usable(request.target):
+            return
+        # a row that stopped holds its last step's rejected guesses past its kept tokens: not stored
+        self.store(request.target, row.slot, tokens[:row.length])
+        model = drafter.model if drafter is not None else None
+        if model is not None and usable(model):  # a draft's tree nodes lie past its length
+            self.store(model, drafter.row, tokens[:drafter.length])
+
+    def restore(self, model, row, tokens):
+        """Copy the longest stored prefix of `tokens` (whole blocks) into the model's cache row `row`;
+        returns its length."""
+        with self.lock:
+            node, chain = self.root(model), []
+            for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+                node = node.children.get(tuple(tokens[start:start + BLOCK]))
+                if node is None:
+                    break
+                chain.append(node)
+            for node in chain:  # parents before children: a child is never older than its parent
+                self.lru.move_to_end(node)
+            if not chain:
+                return 0
+            kv = torch.cat([node.kv for node in chain], dim=3).to(model.device)
+        length = len(chain) * BLOCK
+        for cache, layer in zip(model.kv_caches(), kv):
+            cache.k[row, :, :length] = layer[0]
+            cache.v[row, :, :length] = layer[1]
+        return length
+
+    def store(self, model, row, tokens):
+        """Store the whole blocks of `tokens`, whose keys and values the model's cache row `row` holds,
+        that are not stored yet."""
+        with self.lock:
+            node, blocks = self.root(model), len(tokens) // BLOCK
+            for done in range(blocks + 1):
+                child = node.children.get(tuple(tokens[done * BLOCK:(done + 1) * BLOCK])) if done < blocks else None
+                if child is None:
+                    break
+                node = child
+                self.lru.move_to_end(node)
+            if done == blocks:
+                return
+            start, caches = done * BLOCK, model.kv_caches()
+            kv = torch.stack([torch.stack([c.k[row, :, start:blocks * BLOCK], c.v[row, :, start:blocks * BLOCK]])
+                              for c in caches]).cpu()
+            for i, part in enumerate(kv.split(BLOCK, dim=3)):
+                part = part.clone()  # its own storage, freed when it is evicted
+                if not self.make_room(part.numel() * part.element_size(), node):
+                    return
+                key = tuple(tokens[start + i * BLOCK:start + (i + 1) * BLOCK])
+                node.children[key] = node = Node(node, key, part)
+                self.lru[node] = None
+                self.bytes += node.bytes
+
+    def root(self, model):
+        """The model's tree, emptied if its caches' dtype or shape changed since it was filled."""
+        caches = model.kv_caches()
+        layout = (caches[0].k.dtype, len(caches), tuple(caches[0].k.shape[1::2]))
+        known = self.roots.get(model)
+        if known is None or known[0] != layout:
+            if known is not None:
+                for child in list(known[1].children.values()):
+                    self.evict(child)
+            known = self.roots[model] = layout, Node(None, None, None)
+        return known[1]
+
+    def make_room(self, size, keep):
+        """Evict the least recently used blocks until `size` more bytes fit; False if that would evict
+        `keep` or a block before it (the path being extended), or the block exceeds the budget."""
+        path = set()
+        while keep is not None:
+            path.add(keep)
+            keep = keep.parent
+        while self.bytes + size > self.budget:
+            victim = next(iter(self.lru), None)
+            if victim is None or victim in path:
+                return False
+            self.evict(victim)
+        return True
+
+    def evict(self, node):
+        """Drop a block and the blocks after it."""
+        del node.parent.children[node.tokens]
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            stack += node.children.values()
+            self.bytes -= node.bytes
+            self.lru.pop(node, None)
+
+
+def usable(model):
+    """Whether the model's cache is a plain cache of keys and values per position of its token sequence."""
+    return not model.is_encoder_decoder and model.tp is None
