@@ -118,13 +118,18 @@ def make_reference(kind, seed=None):
     seed = SEEDS[kind] if seed is None else seed
     torch.manual_seed(seed)
     model = spread_init(MODEL_CLASSES[kind](TINY_CONFIGS[kind]()).eval(), seed, GAINS.get(kind, 3.0))
-    if kind.startswith("gemma"):  # norms scale by 1 + weight: the same scales around 1 as the others';
-        with torch.no_grad():  # embeddings scaled by sqrt(hidden): drawn smaller, or each token repeats itself
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.sub_(1.0)
-                elif "embed" in name:
-                    param.mul_(0.3)
+    return gemma_init(model) if kind.startswith("gemma") else model
+
+
+def gemma_init(model):
+    """spread_init's weights as Gemma reads them: its norms scale by 1 + weight (the same scales around 1
+    as the others'), its embeddings by sqrt(hidden) (drawn smaller, or each token predicts itself)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.sub_(1.0)
+            elif "embed" in name:
+                param.mul_(0.3)
     return model
 
 
