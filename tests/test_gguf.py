@@ -584,6 +584,45 @@ def test_qwen3_file_with_its_tokenizer(tmp_path):
         assert ours.encode(text, add_special_tokens=False) == expected_ids(original, text), text
 
 
+def test_gemma3_sentencepiece_vocabulary(tmp_path):
+    """A Gemma file's vocabulary (tokenizer.ggml.model 'llama': SentencePiece pieces ranked by position, no
+    merges, runs of spaces spelled as spaces, bytes as <0xNN> tokens): the converted tokenizer gives the
+    reference's ids for the file itself, and decodes them back to the text."""
+    control = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    user = ["\n", "\n\n", "  ", "   "]
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello", "or",
+              "\u2581w", "\u2581wor", "ld", "\u2581world", "lo", "\u2581wo"]
+    tokens = control + user + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = ([TokenType.CONTROL] * len(control) + [TokenType.USER_DEFINED] * len(user) + [TokenType.BYTE] * 256
+             + [TokenType.NORMAL] * len(pieces))
+
+    def write(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([-1000.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))])
+        writer.add_token_types(types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(False)
+
+    path = model_to_gguf(gemma3_reference(vocab_size=len(tokens)), tmp_path / "model.gguf", vocab=write)
+    out = convert_gguf(path, tmp_path / "converted", progress=False)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = load_tokenizer(out)
+    texts = ["hello world", "  hello\n\nworld", "héllo wörld 😀<start_of_turn>hello<end_of_turn>\n", "hello   world  ",
+             " lol dr. who"]
+    for text in texts:
+        ids = reference(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == reference.decode(ids) == "<bos>" + text
+    # merged pieces, a run of spaces and bytes outside the vocabulary were all on the way
+    assert {tokens.index("\u2581world"), tokens.index("  "), tokens.index("<0xC3>")} <= set(ours.encode("".join(texts)))
+
+
 @pytest.mark.parametrize("pre", list(ORIGINAL_PRE_TOKENIZERS))
 def test_tokenizer_matches_original(pre, tmp_path):
     original = train_tokenizer(pre)
