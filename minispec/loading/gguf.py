@@ -673,7 +673,8 @@ def tokenizer_files(metadata, vocab_size):
         return {}
     gemma = model == "llama" and meta(metadata, "general.architecture", TEXT) == "gemma3"
     if model == "llama" and not gemma:
-        raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are supported for gemma3 only")
+        raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet "
+                         "but for gemma3's")
     if model not in ("gpt2", "llama"):
         raise ValueError(f"unsupported GGUF tokenizer model {model!r}; minispec imports byte-level BPE ('gpt2')")
     pre = "gemma" if gemma else meta(metadata, "tokenizer.ggml.pre", TEXT, "default")

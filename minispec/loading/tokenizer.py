@@ -262,6 +262,7 @@ class ByteLevelBPE(Tokenizer):
     one-line error naming its key."""
 
     BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}  # SentencePiece-style's normalizer
     # SentencePiece-style: "▁" back to spaces, <0xNN> tokens to their bytes, the pieces joined
     BYTE_FALLBACK = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
                                                       {"type": "ByteFallback"}, {"type": "Fuse"}]}
@@ -274,6 +275,8 @@ class ByteLevelBPE(Tokenizer):
             if model.get(option):
                 raise UnsupportedTokenizer(f"BPE option {option} is not byte-level BPE")
         byte_fallback = check(model, "byte_fallback", FLAG, False, "model.")
+        if byte_fallback and spec.get("normalizer") != self.SPACES:  # e.g. Llama 2's (Metaspace): its tokenizer.model
+            raise UnsupportedTokenizer("BPE option byte_fallback is only read with the normalizer writing spaces as '\u2581'")
         vocab = check(model, "vocab", TABLE, where="model.")
         id_to_token = {i: token for token, i in vocab.items() if TOKEN_ID.test(i)}
         if len(id_to_token) < len(vocab):  # an id that is none, or one given to two tokens
@@ -298,9 +301,6 @@ class ByteLevelBPE(Tokenizer):
                  for n, token in enumerate(check(spec, "added_tokens", LIST, []))]
         normalizers = self.normalizers(spec.get("normalizer"), "normalizer")
         pre_tokenizers = self.pre_tokenizers(spec.get("pre_tokenizer"), "pre_tokenizer")
-        spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-        if byte_fallback and normalizers != [spaces]:
-            raise UnsupportedTokenizer("BPE with byte_fallback needs the normalizer that writes spaces as '\u2581'")
         if not byte_fallback and not any(step["type"] == "ByteLevel" for step in pre_tokenizers):
             raise UnsupportedTokenizer("BPE without a ByteLevel pre-tokenizer is not byte-level")
         rebuilt = {"added_tokens": added, "normalizer": {"type": "Sequence", "normalizers": normalizers},
