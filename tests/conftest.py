@@ -51,6 +51,15 @@ TINY_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
     ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(  # sliding layers (window 8) around a global one, two RoPE
+        # bases, linear scaling on the global one; untied head (a tied one repeats its input token)
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, query_pre_attn_scalar=24,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    ),
     "t5_v1_0": lambda: transformers.T5Config(  # ReLU feed-forward, tied head (output scaled by d_model^-0.5)
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
@@ -71,6 +80,7 @@ MODEL_CLASSES = {
     "llama_gqa": transformers.LlamaForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
     "t5_v1_0": transformers.T5ForConditionalGeneration,
     "t5_v1_1": transformers.T5ForConditionalGeneration,
 }
@@ -98,7 +108,7 @@ def spread_init(model, seed, gain=3.0):
 
 
 # Seeds whose greedy continuations vary (checked by the model tests' distinct-token asserts).
-SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "qwen3": 3, "t5_v1_0": 1, "t5_v1_1": 2}
+SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "qwen3": 3, "gemma3": 0, "t5_v1_0": 1, "t5_v1_1": 2}
 # T5 v1.1 at gain 3 has logits of ~30, where float32 rounding alone exceeds the 1e-4 tolerance.
 GAINS = {"t5_v1_1": 2.0}
 
@@ -107,8 +117,20 @@ def make_reference(kind, seed=None):
     """A tiny transformers model of `kind` (a key of TINY_CONFIGS) in eval mode, fp32."""
     seed = SEEDS[kind] if seed is None else seed
     torch.manual_seed(seed)
-    model = MODEL_CLASSES[kind](TINY_CONFIGS[kind]()).eval()
-    return spread_init(model, seed, GAINS.get(kind, 3.0))
+    model = spread_init(MODEL_CLASSES[kind](TINY_CONFIGS[kind]()).eval(), seed, GAINS.get(kind, 3.0))
+    return gemma_init(model) if kind.startswith("gemma") else model
+
+
+def gemma_init(model):
+    """spread_init's weights as Gemma reads them: its norms scale by 1 + weight (the same scales around 1
+    as the others'), its embeddings by sqrt(hidden) (drawn smaller, or each token predicts itself)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.sub_(1.0)
+            elif "embed" in name:
+                param.mul_(0.3)
+    return model
 
 
 def save_reference(model, directory):

@@ -20,7 +20,7 @@ def checkpoint(tmp_path_factory):
     return save_reference(make_reference("llama_gqa"), tmp_path_factory.mktemp("llama_gqa"))
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3", "gemma3"])
 def test_compiled_decoding_matches_eager_and_never_recompiles(checkpoint, tmp_path, kind):
     checkpoint = checkpoint if kind == "llama_gqa" else save_reference(make_reference(kind), tmp_path)
     eager_target, eager_draft = minispec.load(checkpoint), minispec.load(checkpoint)
@@ -258,7 +258,7 @@ class ReusedOutputs:
         return model
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3", "t5_v1_1"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3", "gemma3", "t5_v1_1"])
 @pytest.mark.parametrize("settings", [
     {"max_new_tokens": 24, "temperature": 1.0, "seed": 1},
     {"max_new_tokens": 24, "gamma": 4},

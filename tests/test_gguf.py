@@ -19,7 +19,7 @@ from gguf import GGUFValueType, GGUFWriter, TokenType, quants
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from conftest import TINY_CONFIGS, make_reference, spread_init
+from conftest import TINY_CONFIGS, gemma_init, make_reference, spread_init
 from minispec.loading import gguf as minigguf
 from minispec.loading.checkpoint import load_model
 from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
@@ -168,10 +168,12 @@ def llama3_rope_freqs(head_dim, theta, scaling):
 
 
 def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=(), metadata=()):
-    """Write a transformers llama/qwen2/qwen3 model like llama.cpp does; `vocab` adds tokenizer metadata,
+    """Write a transformers llama/qwen2/qwen3/gemma3 model like llama.cpp does; `vocab` adds tokenizer metadata,
     `metadata` ({key: (value, GGUFValueType)}) replaces or adds values last."""
-    config, arch = model.config, model.config.model_type
-    theta = config.rope_parameters["rope_theta"]
+    config, arch = model.config, model.config.model_type.removesuffix("_text")
+    gemma = arch == "gemma3"  # RoPE by layer type, the global layers' in the file
+    rope = config.rope_parameters["full_attention"] if gemma else config.rope_parameters
+    theta = rope["rope_theta"]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     tensors = {}
@@ -182,12 +184,14 @@ def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=(), metada
             weight = permute(weight, config.num_attention_heads)
         if arch == "llama" and "k_proj" in hf_name:
             weight = permute(weight, config.num_key_value_heads)
+        if gemma and hf_name.endswith("norm.weight"):  # stored as the 1 + w Gemma's norms scale by
+            weight = weight + 1
         array = weight.numpy()
         # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type.
         kind = qtype if weight.dim() == 2 else Q.F32
         data = quants.quantize(array, kind)
         tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = (data, None if kind == Q.F32 else kind)
-    if config.rope_parameters.get("rope_type") == "llama3":
+    if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = (llama3_rope_freqs(head_dim, theta, config.rope_parameters), None)
     tensors.update(extra_tensors)
 
@@ -201,9 +205,16 @@ def model_to_gguf(model, path, qtype=Q.F32, vocab=None, extra_tensors=(), metada
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_rope_freq_base(theta)
         writer.add_rope_dimension_count(head_dim)
-        if arch == "qwen3":  # llama.cpp writes Qwen3's head size, which need not be hidden_size / heads
+        if arch in ("qwen3", "gemma3"):  # llama.cpp writes their head size, which need not be hidden_size / heads
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
+        if gemma:
+            writer.add_sliding_window(config.sliding_window)
+            if config.final_logit_softcapping:
+                writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
         writer.add_file_type(int(qtype))
         if config.rope_parameters.get("rope_type") == "yarn":  # llama.cpp writes Qwen2's YaRN this way
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -250,6 +261,35 @@ def test_f32_model_matches_transformers(kind, tmp_path):
         assert torch.equal(imported.state_dict()[name], weight), name
     torch.testing.assert_close(reference_logits(imported, PROMPT), reference_logits(reference, PROMPT),
                                atol=1e-4, rtol=0)
+
+
+def gemma3_reference(**changes):
+    """A tiny Gemma 3 as llama.cpp's reads one: every 6th layer global, the sliding layers' RoPE base 10000,
+    queries scaled by head_dim^-0.5; with linear RoPE scaling on the global layers and soft-capped logits."""
+    config = {**TINY_CONFIGS["gemma3"]().to_dict(), "num_hidden_layers": 6, "layer_types": None, "sliding_window": 4,
+              "query_pre_attn_scalar": 16, "final_logit_softcapping": 5.0, "tie_word_embeddings": True,
+              "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **changes}
+    torch.manual_seed(0)
+    return gemma_init(spread_init(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**config)).eval(), 0))
+
+
+def test_gemma3_file_converts_to_the_reference(tmp_path):
+    """Its norms stored as 1 + w, the layer pattern and the sliding layers' RoPE base implied by the
+    architecture: the converted folder loads in minispec and in the reference with the reference's logits."""
+    reference = gemma3_reference()
+    out = convert_gguf(model_to_gguf(reference, tmp_path / "model.gguf"), tmp_path / "converted", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["layer_types"] == reference.config.layer_types
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and config["final_logit_softcapping"] == 5.0
+    tokens = PROMPT * 2  # past the window
+    model = load_model(out, dtype=torch.float32)
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+    torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
+    imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(reference_logits(imported, tokens), reference_logits(reference, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2", "qwen3"])
@@ -542,6 +582,45 @@ def test_qwen3_file_with_its_tokenizer(tmp_path):
     ours = load_tokenizer(out)
     for text in CORPUS:
         assert ours.encode(text, add_special_tokens=False) == expected_ids(original, text), text
+
+
+def test_gemma3_sentencepiece_vocabulary(tmp_path):
+    """A Gemma file's vocabulary (tokenizer.ggml.model 'llama': SentencePiece pieces ranked by position, no
+    merges, runs of spaces spelled as spaces, bytes as <0xNN> tokens): the converted tokenizer gives the
+    reference's ids for the file itself, and decodes them back to the text."""
+    control = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    user = ["\n", "\n\n", "  ", "   "]
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello", "or",
+              "\u2581w", "\u2581wor", "ld", "\u2581world", "lo", "\u2581wo"]
+    tokens = control + user + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = ([TokenType.CONTROL] * len(control) + [TokenType.USER_DEFINED] * len(user) + [TokenType.BYTE] * 256
+             + [TokenType.NORMAL] * len(pieces))
+
+    def write(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([-1000.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))])
+        writer.add_token_types(types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(False)
+
+    path = model_to_gguf(gemma3_reference(vocab_size=len(tokens)), tmp_path / "model.gguf", vocab=write)
+    out = convert_gguf(path, tmp_path / "converted", progress=False)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = load_tokenizer(out)
+    texts = ["hello world", "  hello\n\nworld", "héllo wörld 😀<start_of_turn>hello<end_of_turn>\n", "hello   world  ",
+             " lol dr. who"]
+    for text in texts:
+        ids = reference(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == reference.decode(ids) == "<bos>" + text
+    # merged pieces, a run of spaces and bytes outside the vocabulary were all on the way
+    assert {tokens.index("\u2581world"), tokens.index("  "), tokens.index("<0xC3>")} <= set(ours.encode("".join(texts)))
 
 
 @pytest.mark.parametrize("pre", list(ORIGINAL_PRE_TOKENIZERS))

@@ -11,7 +11,7 @@ import minispec
 from minispec.models import kernels
 from conftest import noisy_copy, save_reference
 
-FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "qwen3", "t5_v1_1"]
+FAMILIES = ["gpt2", "llama", "llama_gqa", "qwen2", "qwen3", "gemma3", "t5_v1_1"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54, 29, 88, 16, 70, 45, 9, 31, 66, 24, 81, 50, 38]
 CONTINUATION = [7, 19, 44, 3, 61, 28, 90, 12, 55, 36]
@@ -56,7 +56,7 @@ def test_every_row_computes_as_it_would_alone(reference_dirs, kind, dtype, threa
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "qwen3", "gemma3"])
 def test_quantized_rows_compute_as_they_would_alone(reference_dirs, kind, mode):
     model = minispec.load(reference_dirs[kind][1], quantize=mode)
     with torch.inference_mode():

@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minispec
 from minispec.models.base import Feed
-from conftest import noisy_copy, save_reference, spread_init, target_and_drafts
+from conftest import gemma_init, noisy_copy, save_reference, spread_init, target_and_drafts
 
-TARGETS = ["gpt2", "llama_gqa", "qwen2", "qwen3", "t5_v1_1"]
+TARGETS = ["gpt2", "llama_gqa", "qwen2", "qwen3", "gemma3", "t5_v1_1"]
 DRAFTS = ["same", "noisy", "independent", "ngram", "lookup"]
 GAMMAS = [1, 2, 3, 5, 8, "auto"]
 # 24 tokens: T5's encoder needs a long enough prompt for its tiny decoder's output to vary.
@@ -252,6 +252,19 @@ def qwen3_vocab16(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gemma3_vocab16(tmp_path_factory):
+    """vocab16's target and noisy copy as a Gemma 3 (a sliding layer of window 2 before a global one)."""
+    config = transformers.Gemma3TextConfig(vocab_size=SMALL_VOCAB, hidden_size=16, intermediate_size=32, head_dim=8,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                           max_position_embeddings=32, sliding_window=2, tie_word_embeddings=False,
+                                           layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    target = gemma_init(spread_init(transformers.Gemma3ForCausalLM(config).eval(), 0, gain=1.0))
+    return {name: minispec.load(save_reference(model, tmp_path_factory.mktemp(f"g3v16_{name}")))
+            for name, model in (("target", target), ("noisy", noisy_copy(target, seed=1, scale=0.2)))}
+
+
+@pytest.fixture(scope="module")
 def t5_vocab16(tmp_path_factory):
     """The same for an encoder-decoder: a tiny T5 target and a noisy copy of it as the draft. Gain 2
     (gain 1 makes this T5 nearly deterministic, and a noisy copy of it agrees almost always)."""
@@ -334,6 +347,7 @@ JOINT_CASES = {
     # top-p 0.5 keeps 4-5 of these flat distributions' 16 tokens (0.8 keeps 8-10: ~700 cells, too many)
     "model top-p": ("vocab16", "noisy", {"temperature": 1.0, "top_p": 0.5}, [1, 2, 3], 6000),
     "qwen3 model top-k": ("qwen3_vocab16", "noisy", {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 6000),
+    "gemma3 model top-k": ("gemma3_vocab16", "noisy", {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 6000),
     "t5 model top-k": ("t5_vocab16", "noisy", {"temperature": 1.0, "top_k": 3}, [3, 4, 5, 6, 7, 8, 9, 10], 3000),
     "ngram top-k": ("vocab16", "ngram", {"temperature": 1.0, "top_k": 3}, [1, 2, 3], 4000),
     # lookup guesses 12, 6: the target gives each ~0.43 (with 3, 1 after [1, 2, 3, 1, 2], 1 is never kept)

@@ -46,7 +46,7 @@ def tiny_t5_v1_1():
 def checkpoints(tmp_path_factory):
     """{"families": {kind: [target dir, noisy-copy draft dir]}, "quantizable": dir}, and the JSON file."""
     families = {}
-    for kind in ("llama", "llama_gqa", "qwen2", "qwen3", "gpt2", "t5_v1_0", "t5_v1_1"):
+    for kind in ("llama", "llama_gqa", "qwen2", "qwen3", "gemma3", "gpt2", "t5_v1_0", "t5_v1_1"):
         reference = tiny_t5_v1_1() if kind == "t5_v1_1" else make_reference(kind)
         families[kind] = [str(save_reference(reference, tmp_path_factory.mktemp(kind))),
                           str(save_reference(noisy_copy(reference, seed=1, scale=0.05),
@@ -74,7 +74,7 @@ def test_sharded_checks(checkpoints):
     _, path = checkpoints
     result = torchrun(ROOT / "tests" / "tp_worker.py", path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    kinds = ("llama", "llama_gqa", "qwen2", "qwen3", "gpt2", "t5_v1_0", "t5_v1_1")
+    kinds = ("llama", "llama_gqa", "qwen2", "qwen3", "gemma3", "gpt2", "t5_v1_0", "t5_v1_1")
     expected = [f"ok {kind}: parity, speculative = plain" for kind in kinds]
     expected += [f"ok {kind}: row invariance" for kind in kinds]
     expected += ["ok engine: batches, streaming, beam search, sampling", "ok sums in rank order",

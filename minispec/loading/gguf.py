@@ -337,7 +337,9 @@ def stored_form(tensor):
 # ---------------------------------------------------------------------------------------------
 # llama.cpp names and metadata -> Hugging Face config and weights
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture's name
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -360,6 +362,10 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's: norms before and after attention and the MLP (its ffn_norm comes before the MLP, Llama's after attention)
+GEMMA3_LAYER_NAMES = {**LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, stored as a tensor; becomes config, not a weight
 
 
@@ -368,13 +374,14 @@ def meta(metadata, key, kind, default=REQUIRED):
     return check(metadata, key, kind, default, "GGUF metadata ")
 
 
-def hf_name(name):
+def hf_name(name, model_type):
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
+    names = GEMMA3_LAYER_NAMES if model_type == "gemma3_text" else LAYER_NAMES
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if match and match[2] in LAYER_NAMES:
-        return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}"
-    raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2/qwen3 decoder tensors")
+    if match and match[2] in names:
+        return f"model.layers.{match[1]}.{names[match[2]]}"
+    raise ValueError(f"unexpected tensor {name!r}: minispec maps only {'/'.join(ARCHITECTURES)} decoder tensors")
 
 
 def hf_config(metadata, tensors):
@@ -419,11 +426,14 @@ def hf_config(metadata, tensors):
         "rope_theta": get("rope.freq_base", POSITIVE, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if head_dim != hidden // n_head or arch == "qwen3":  # Qwen3's absent head_dim reads as 128
+    if head_dim != hidden // n_head or arch in ("qwen3", "gemma3"):  # their absent head_dim reads as 128, 256
         config["head_dim"] = head_dim
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
+    if arch == "gemma3":
+        config.update(gemma3_config(get, config, head_dim))
     check_tensors(tensors, config, head_dim)
+    config["model_type"] = MODEL_TYPES.get(arch, arch)
     config["rope_scaling"] = rope_scaling(metadata, arch, tensors, head_dim)
     config.update(special_token_ids(metadata, config["vocab_size"]))
     return config
@@ -449,8 +459,10 @@ def check_tensors(tensors, config, head_dim):
         layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if bias and not qwen2:  # Qwen2's output projection has no bias
         layer["attn_output.bias"] = (hidden,)
-    if config["model_type"] == "qwen3":
+    if config["model_type"] in ("qwen3", "gemma3"):
         layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+    if config["model_type"] == "gemma3":  # norms after attention and after the MLP too
+        layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
     shapes = {f"blk.{i}.{kind}": shape for i in range(n_layers) for kind, shape in layer.items()}
     missing = [name for name in ["output_norm.weight", *shapes] if name not in tensors]
     if missing:
@@ -459,9 +471,21 @@ def check_tensors(tensors, config, head_dim):
                    "output_norm.weight": (hidden,), ROPE_FREQS: (head_dim // 2,)})
     for name, tensor in tensors.items():
         if name not in shapes:
-            raise ValueError(f"unexpected tensor {name!r}: minispec maps only llama/qwen2/qwen3 decoder tensors")
+            raise ValueError(f"unexpected tensor {name!r}: minispec maps only {'/'.join(ARCHITECTURES)} decoder tensors")
         if tensor.shape != shapes[name]:
             raise ValueError(f"GGUF tensor {name!r} has shape {tensor.shape}, but the metadata implies {shapes[name]}")
+
+
+def gemma3_config(get, config, head_dim):
+    """What llama.cpp's Gemma 3 reads beyond the metadata: every 6th layer global, the others sliding (when
+    the file gives a window) with RoPE base 10000; queries scaled by head_dim^-0.5, by (hidden / heads)^-0.5
+    for the 27B model (62 layers)."""
+    n_layers, window = config["num_hidden_layers"], get("attention.sliding_window", COUNT, None)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if n_layers == 62 else head_dim
+    types = ["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    softcap = get("final_logit_softcapping", POSITIVE, None)
+    return {"layer_types": types, "sliding_window": window or 4096, "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": scalar, **({"final_logit_softcapping": softcap} if softcap else {})}
 
 
 def token_ids(metadata, keys, vocab_size):
@@ -581,7 +605,7 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
             continue
-        target = hf_name(name)
+        target = hf_name(name, config["model_type"])
         kind = name.split(".")[-2]
         rows = partial(unpermute, n_head=heads[kind]) if config["model_type"] == "llama" and kind in heads else None
         if name in stored:
@@ -589,6 +613,8 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
             weights.update({f"{prefix}.{key}": rows(value) if rows else value for key, value in stored[name].items()})
         else:
             weight = rows(dequantize(tensor)) if rows else dequantize(tensor)
+            if config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+                weight = weight - 1  # llama.cpp stores Gemma's norm weights w as the 1 + w they scale by
             weights[target] = weight if dtype is None else weight.to(dtype)
         if progress and tensor.type in QUANT_TYPES:
             done += tensor.data.numel()
@@ -623,7 +649,20 @@ PRE_TOKENIZERS = {
                       "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]}),
     "qwen2": ({"type": "NFC"}, split_then_bytes(QWEN2_REGEX)),
     "llama-bpe": (None, split_then_bytes(LLAMA3_REGEX)),
+    # Gemma's SentencePiece vocabulary (tokenizer.ggml.model 'llama'): spaces as "▁", bytes outside it as <0xNN>
+    "gemma": ({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+              {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}),
 }
+GEMMA_DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                                  {"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+
+def merges_by_rank(tokens):
+    """BPE merges for a SentencePiece vocabulary that lists none (Gemma's): every split of a token into two
+    tokens, the earlier token's first and, within one, the longer left part first; the reference's order."""
+    vocab = set(tokens)
+    return [[token[:cut], token[cut:]] for token in tokens for cut in range(len(token) - 1, 0, -1)
+            if token[:cut] in vocab and token[cut:] in vocab]
 
 
 def tokenizer_files(metadata, vocab_size):
@@ -632,15 +671,20 @@ def tokenizer_files(metadata, vocab_size):
     model = meta(metadata, "tokenizer.ggml.model", TEXT, None)
     if model is None:
         return {}
-    if model == "llama":
-        raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet")
-    if model != "gpt2":
+    gemma = model == "llama" and meta(metadata, "general.architecture", TEXT) == "gemma3"
+    if model == "llama" and not gemma:
+        raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet "
+                         "but for gemma3's")
+    if model not in ("gpt2", "llama"):
         raise ValueError(f"unsupported GGUF tokenizer model {model!r}; minispec imports byte-level BPE ('gpt2')")
-    pre = meta(metadata, "tokenizer.ggml.pre", TEXT, "default")
+    pre = "gemma" if gemma else meta(metadata, "tokenizer.ggml.pre", TEXT, "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; minispec knows {', '.join(PRE_TOKENIZERS)}")
     normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
-    tokens = meta(metadata, "tokenizer.ggml.tokens", TEXTS)
+    spelled = meta(metadata, "tokenizer.ggml.tokens", TEXTS)
+    # Gemma: runs of whitespace with spaces are spelled with spaces in the file, with "▁"s by the tokenizer
+    # (its normalizer), as the reference reads them; they are then no added tokens.
+    tokens = ["\u2581" * len(t) if gemma and " " in t and not t.strip() else t for t in spelled]
     if len(tokens) > vocab_size:
         raise ValueError(f"GGUF metadata tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
                          f"has {vocab_size} rows")
@@ -650,7 +694,7 @@ def tokenizer_files(metadata, vocab_size):
     added = [
         {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": kind == CONTROL}
-        for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)
+        for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED) and tokens[i] == spelled[i]
     ]
     ids = token_ids(metadata, SPECIAL_TOKENS, len(tokens))
     bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None
@@ -663,12 +707,13 @@ def tokenizer_files(metadata, vocab_size):
         "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
         "post_processor": template_processor(tokens, bos, eos),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "decoder": GEMMA_DECODER if gemma else
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-            "vocab": {token: i for i, token in enumerate(tokens)},
-            "merges": meta(metadata, "tokenizer.ggml.merges", TEXTS, []),
+            "type": "BPE", "dropout": None, "unk_token": tokens[ids["unk_token"]] if gemma and "unk_token" in ids else None,
+            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": gemma, "byte_fallback": gemma,
+            "ignore_merges": False, "vocab": {token: i for i, token in enumerate(tokens)},
+            "merges": merges_by_rank(tokens) if gemma else meta(metadata, "tokenizer.ggml.merges", TEXTS, []),
         },
     }
     config = {

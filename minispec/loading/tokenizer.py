@@ -268,19 +268,28 @@ def check_regex(pattern):
 
 
 class ByteLevelBPE(Tokenizer):
-    """Byte-level BPE from a tokenizer.json, run by the `tokenizers` library. The file is checked and
-    rebuilt first, from the parts this module knows to be byte-level BPE, each with its defaults
-    written out (the library wants every field), so that a bad file is a one-line error naming its key."""
+    """Byte-level BPE from a tokenizer.json, run by the `tokenizers` library; or SentencePiece-style BPE
+    (Gemma's, as a GGUF import writes it): spaces written "▁" by a normalizer, a byte outside the vocabulary
+    as its <0xNN> token (byte_fallback). The file is checked and rebuilt first, from the parts this module
+    knows, each with its defaults written out (the library wants every field), so that a bad file is a
+    one-line error naming its key."""
 
     BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}  # SentencePiece-style's normalizer
+    # SentencePiece-style: "▁" back to spaces, <0xNN> tokens to their bytes, the pieces joined
+    BYTE_FALLBACK = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                                      {"type": "ByteFallback"}, {"type": "Fuse"}]}
 
     def __init__(self, spec, config, chat_template):
         model = check(TABLE("its top level", spec), "model", TABLE)
         if model.get("type") != "BPE":
             raise UnsupportedTokenizer(f"model type {model.get('type')!r} is not BPE")
-        for option in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"):
+        for option in ("continuing_subword_prefix", "end_of_word_suffix"):
             if model.get(option):
                 raise UnsupportedTokenizer(f"BPE option {option} is not byte-level BPE")
+        byte_fallback = check(model, "byte_fallback", FLAG, False, "model.")
+        if byte_fallback and spec.get("normalizer") != self.SPACES:  # e.g. Llama 2's (Metaspace): its tokenizer.model
+            raise UnsupportedTokenizer("BPE option byte_fallback is only read with the normalizer writing spaces as '\u2581'")
         vocab = check(model, "vocab", TABLE, where="model.")
         id_to_token = {i: token for token, i in vocab.items() if TOKEN_ID.test(i)}
         if len(id_to_token) < len(vocab):  # an id that is none, or one given to two tokens
@@ -299,16 +308,17 @@ class ByteLevelBPE(Tokenizer):
         # A symbol missing from the vocab becomes unk, or is dropped when unk is none (the library would
         # fail on each text that has one when unk is no token).
         bpe = {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": unk_token if unk_token in vocab else None,
-               "ignore_merges": check(model, "ignore_merges", FLAG, False, "model.")}
+               "ignore_merges": check(model, "ignore_merges", FLAG, False, "model."), "byte_fallback": byte_fallback,
+               "fuse_unk": check(model, "fuse_unk", FLAG, False, "model.")}
         added = [self.added_token(token, f"added_tokens[{n}]", id_to_token)
                  for n, token in enumerate(check(spec, "added_tokens", LIST, []))]
         normalizers = self.normalizers(spec.get("normalizer"), "normalizer")
         pre_tokenizers = self.pre_tokenizers(spec.get("pre_tokenizer"), "pre_tokenizer")
-        if not any(step["type"] == "ByteLevel" for step in pre_tokenizers):
+        if not byte_fallback and not any(step["type"] == "ByteLevel" for step in pre_tokenizers):
             raise UnsupportedTokenizer("BPE without a ByteLevel pre-tokenizer is not byte-level")
         rebuilt = {"added_tokens": added, "normalizer": {"type": "Sequence", "normalizers": normalizers},
                    "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_tokenizers},
-                   "decoder": self.BYTE_LEVEL, "model": bpe}
+                   "decoder": self.BYTE_FALLBACK if byte_fallback else self.BYTE_LEVEL, "model": bpe}
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(json.dumps(rebuilt))
         except Exception as error:  # what the checks above do not foresee; the library raises a plain Exception
@@ -338,6 +348,9 @@ class ByteLevelBPE(Tokenizer):
             return [n for k, s in enumerate(steps) for n in self.normalizers(s, f"{where}.normalizers[{k}]")]
         if kind in ("NFC", "NFD", "NFKC", "NFKD"):
             return [{"type": kind}]
+        if kind == "Replace":
+            pattern = check(check(spec, "pattern", TABLE, where=f"{where}."), "String", TEXT, where=f"{where}.pattern.")
+            return [{"type": kind, "pattern": {"String": pattern}, "content": check(spec, "content", TEXT, where=f"{where}.")}]
         raise UnsupportedTokenizer(f"normalizer {kind!r} is not supported")
 
     def pre_tokenizers(self, spec, where):

@@ -143,14 +143,14 @@ def t5_plan(model):
 
 
 # By class name: the model files import nothing but their base (tests/test_imports.py), this one none of them.
-PLANS = {"Llama": llama_plan, "GPT2": gpt2_plan, "T5": t5_plan}
+PLANS = {"Llama": llama_plan, "Gemma": llama_plan, "GPT2": gpt2_plan, "T5": t5_plan}  # Gemma: the same layout
 
 
 def split_sizes(config):
     """What the ranks split, by name: {what: (count, what it is)}: attention heads (key/value heads for
     grouped-query attention: each rank keeps whole groups) and MLP width."""
     family = type(config).__name__
-    if family == "LlamaConfig":
+    if family in ("LlamaConfig", "GemmaConfig"):
         heads = "key/value heads" if config.n_kv_heads != config.n_heads else "attention heads"
         return {"heads": (config.n_kv_heads, heads), "mlp": (config.intermediate_size, "MLP width")}
     if family == "GPT2Config":

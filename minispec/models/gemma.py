@@ -1,0 +1,323 @@
+"""Gemma 3 text models (Gemma3ForCausalLM, and the text half of Gemma 3's image-text checkpoints).
+
+A Llama-like decoder (see llama.py) with these differences, each as the reference computes it: RMSNorms
+scale by (1 + weight), multiplied in float32 before the cast back; a norm after attention and after the MLP
+as well as before each; per-head RMSNorm on q and k; sliding-window layers interleaved with global ones,
+each kind with its own RoPE base; token embeddings scaled by sqrt(hidden) in the model's dtype; a gated
+tanh-GELU MLP; attention scores scaled by query_pre_attn_scalar^-0.5; the head tied to the embedding.
+The static KV cache keeps every position and sliding layers mask what lies outside their window: exact.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import CachedLM, Embedding, Family, KVCache, Linear, compile_region
+from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
+from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
+
+# The reference's defaults (Gemma3TextConfig) for the keys a config.json may leave out.
+ABSENT = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+          "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True}
+THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")
+LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
+                    "must be a list of 'full_attention' and 'sliding_attention'")
+
+
+@dataclass
+class GemmaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_seq_len: int
+    norm_eps: float
+    rope_theta: float  # global layers'
+    rope_factor: float  # global layers' linear RoPE scaling: positions divided by it
+    local_rope_theta: float  # sliding layers'
+    query_scale: float  # query_pre_attn_scalar^-0.5
+    windows: tuple  # per layer: sliding-window size, or None for global attention
+    qkv_bias: bool = False
+    logit_softcap: float = 0.0  # final_logit_softcapping (0: none): logits = cap * tanh(logits / cap)
+    tie_word_embeddings: bool = True
+
+    LAYER_STACKS = {"num_hidden_layers": "layers"}
+
+    @classmethod
+    def from_hf(cls, hf):
+        if hf.get("model_type") == "gemma3":  # an image-text checkpoint: its text model's config
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **check(hf, "text_config", TABLE)}
+        hf = {**ABSENT, **{key: value for key, value in hf.items() if value is not None}}
+        activation = check(hf, "hidden_activation", TEXT, "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"gemma: hidden_activation {activation!r} is not supported (only 'gelu_pytorch_tanh')")
+        if check(hf, "attn_logit_softcapping", POSITIVE, None) is not None:
+            raise ValueError("gemma: attn_logit_softcapping is not supported (Gemma 2's attention)")
+        if check(hf, "use_bidirectional_attention", FLAG, False):
+            raise ValueError("gemma: use_bidirectional_attention is not supported (a decoder attends causally)")
+        n_layers, n_heads = check(hf, "num_hidden_layers", COUNT), check(hf, "num_attention_heads", COUNT)
+        n_kv_heads = check(hf, "num_key_value_heads", COUNT)
+        if n_heads % n_kv_heads:
+            raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
+        (theta, factor), local_theta = rope_settings(hf)
+        return cls(
+            vocab_size=check(hf, "vocab_size", COUNT),
+            dim=check(hf, "hidden_size", COUNT),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=check(hf, "head_dim", COUNT),
+            intermediate_size=check(hf, "intermediate_size", COUNT),
+            max_seq_len=check(hf, "max_position_embeddings", COUNT),
+            norm_eps=check(hf, "rms_norm_eps", POSITIVE),
+            rope_theta=float(theta),
+            rope_factor=float(factor),
+            local_rope_theta=float(local_theta),
+            query_scale=check(hf, "query_pre_attn_scalar", POSITIVE) ** -0.5,
+            windows=sliding_windows(hf, n_layers),
+            qkv_bias=check(hf, "attention_bias", FLAG, False),
+            logit_softcap=float(check(hf, "final_logit_softcapping", POSITIVE, 0.0)),
+            tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG),
+        )
+
+
+def sliding_windows(hf, n_layers):
+    """Each layer's window (None: global), from layer_types or else sliding_window_pattern (every
+    pattern-th layer global), as the reference reads them."""
+    layer_types = check(hf, "layer_types", LAYER_TYPES, None)
+    if layer_types is None:
+        pattern = check(hf, "sliding_window_pattern", COUNT, 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {n_layers}")
+    window = check(hf, "sliding_window", COUNT)
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def rope_settings(hf):
+    """((theta, linear factor) of the global layers, theta of the sliding ones). transformers >= 5 keeps
+    them in rope_parameters by layer type; older configs in rope_theta, rope_scaling (the global layers')
+    and rope_local_base_freq. A rope_scaling updates the global layers' parameters, as in the reference."""
+    parameters = check(hf, "rope_parameters", TABLE, {})
+    full = {**check(parameters, "full_attention", TABLE, {}, "rope_parameters."), **check(hf, "rope_scaling", TABLE, {})}
+    local = check(parameters, "sliding_attention", TABLE, {}, "rope_parameters.")
+    for kind, rope in (("full_attention", full), ("sliding_attention", local)):
+        rope_type = check(rope, "rope_type", TEXT, None) or check(rope, "type", TEXT, "default")
+        if rope_type not in ("default", "linear") or rope_type == "linear" and kind == "sliding_attention":
+            raise ValueError(f"gemma: {kind} rope_type {rope_type!r} is not supported (default; linear on global layers)")
+    factor = check(full, "factor", POSITIVE, 1.0) if (full.get("rope_type") or full.get("type")) == "linear" else 1.0
+    theta = check(full, "rope_theta", THETA, None) or check(hf, "rope_theta", THETA, 1_000_000.0)
+    local_theta = check(local, "rope_theta", THETA, None) or check(hf, "rope_local_base_freq", THETA, 10_000.0)
+    return (theta, factor), local_theta
+
+
+def rope_tables(theta, factor, head_dim, max_seq_len, device):
+    """cos and signed sin [max_seq_len, head_dim] in float32, as llama.py's rope_tables lays them out."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim) / factor
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, heads, head_dim] rotated by cos and signed sin [T or B x T, head_dim] (llama.py's apply_rope)."""
+    wide = x.float()
+    return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back (Llama's
+    casts the normed values first, then multiplies)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, window):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.window, self.scale = window, config.query_scale
+        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
+        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.qkv_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.kv_cache = None
+
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one new tensor, q and k normed
+        and rotated (llama.py's Attention.project)."""
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).view(B, T, -1, self.head_dim).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], 2)
+        qk = apply_rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), cos, sin)
+        return torch.cat([qk, v], dim=2)
+
+    def forward(self, qkv, input_pos, mask, layout):
+        B, T = qkv.shape[:2]
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        # the query heads sharing a K/V head as extra rows of that head (llama.py's Attention.forward)
+        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
+        y = attend_cache(q, k, v, mask, self.scale, layout=layout)
+        return self.wo(y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """w2(gelu_tanh(gate) * up), gate and up fused into w13."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w13 = Linear(config.dim, 2 * config.intermediate_size, bias=False)
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(elementwise(partial(F.gelu, approximate="tanh"), gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config, window):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, window)
+        self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+        self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    # compile regions around the cache write, as llama.py's TransformerBlock has them
+    def forward(self, x, input_pos, cos, sin, mask, layout):
+        return self.finish(x, self.attention(self.project(x, cos, sin), input_pos, mask, layout))
+
+    @compile_region
+    def project(self, x, cos, sin):
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    @compile_region
+    def finish(self, x, attended):
+        x = x + self.post_attention_norm(attended)
+        return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
+
+
+class Gemma(CachedLM):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
+
+    @property
+    def context_length(self):
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    @property
+    def head(self):
+        return self.tok_embeddings if self.output is None else self.output
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        c = self.config
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
+                                               c.head_dim, self.dtype, self.device)
+        for name, theta, factor in (("rope", c.rope_theta, c.rope_factor), ("local_rope", c.local_rope_theta, 1.0)):
+            cos, sin = rope_tables(theta, factor, c.head_dim, self.cache_max_seq_len, self.device)
+            self.register_buffer(f"{name}_cos", cos, persistent=False)
+            self.register_buffer(f"{name}_sin", sin, persistent=False)
+
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
+        """... and with `taps`, the residual states entering those layers too (llama.py's Llama.features)."""
+        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
+        causal = causal_mask(positions, keys or self.cache_max_seq_len)
+        key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
+        group = self.config.n_heads // self.config.n_kv_heads
+        masks = {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
+                 for w in set(self.config.windows)}
+        rope = {None: (self.rope_cos[positions], self.rope_sin[positions]),
+                "local": (self.local_rope_cos[positions], self.local_rope_sin[positions])}
+        x, tapped = self.embed_tokens(tokens), []
+        for i, layer in enumerate(self.layers):
+            if i in (taps or ()):
+                tapped.append(x)
+            window = layer.attention.window
+            x = layer(x, input_pos, *rope[None if window is None else "local"], masks[window], layout)
+        if len(self.layers) in (taps or ()):
+            tapped.append(x)
+        x = self.norm(x if last is None else x[:, x.shape[1] - last:])
+        return x if taps is None else (x, torch.cat(tapped, dim=-1))
+
+    def embed_tokens(self, tokens):
+        x = self.tok_embeddings(tokens)
+        return x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)  # the scale rounded to the dtype, as the reference
+
+    def logits(self, hidden):
+        logits = (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
+        cap = self.config.logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def query_rows_mask(mask, group):
+    """A boolean mask as Attention's rows read it: additive, repeated for the `group` query heads of a
+    K/V head, its rows as attend_cache reads them (llama.py's query_rows_mask)."""
+    return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
+
+
+def convert_hf_weights(weights, config):
+    """Hugging Face names -> ours, q/k/v and gate/up fused; an image-text checkpoint's vision tower and
+    projector left out. Unknown keys pass through, so the loader reports them as unexpected."""
+    renames = {
+        "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
+        ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
+        ".input_layernorm.": ".attention_norm.", ".post_attention_layernorm.": ".post_attention_norm.",
+        ".pre_feedforward_layernorm.": ".ffn_norm.", ".post_feedforward_layernorm.": ".post_ffn_norm.",
+        ".self_attn.q_norm.": ".attention.q_norm.", ".self_attn.k_norm.": ".attention.k_norm.",
+    }
+    out = {}
+    for name, tensor in weights.items():
+        # image-text checkpoints: model.language_model.* (transformers >= 5) or language_model.model.*
+        name = name.replace("model.language_model.", "model.").replace("language_model.", "")
+        if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                            "model.multi_modal_projector.")):
+            continue
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        out[name.removeprefix("model.")] = tensor
+    if config.tie_word_embeddings:
+        out.pop("output.weight", None)
+    for i in range(config.n_layers):
+        for kind in ("weight", "bias", "qweight", "scales", "offsets"):
+            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+            fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
+            fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
+    return out
+
+
+def fuse(weights, names, fused_name):
+    """Concatenate checkpoint tensors along dim 0 into one fused tensor (when all are present)."""
+    if all(name in weights for name in names):
+        parts = [weights.pop(name) for name in names]
+        if len({p.shape[1:] for p in parts}) > 1:
+            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+            raise ValueError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
+        weights[fused_name] = torch.cat(parts)
+
+
+FAMILY = Family(GemmaConfig, Gemma, convert_hf_weights)
