@@ -1,5 +1,6 @@
 """Mutation tests over real files' headers (issue 66): the tiny checkpoints' config.json, safetensors
-header and tokenizer.json, and a tiny GGUF's metadata and tensor infos, each changed by Hypothesis. Every
+header and tokenizer.json, and a tiny GGUF's metadata and tensor infos, each changed by Hypothesis; and
+embeddings padded past their tokenizer. Every
 case must load and generate (as the reference does, where it loads the same files cleanly) or end in one
 ValueError of one line: never another exception, never a hang, nothing left in the weights folder, no
 model or open file kept once the case is over.
@@ -29,6 +30,7 @@ import transformers
 from gguf import GGUFValueType as V  # test-only: the GGUF files' writer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 import minispec
 from conftest import make_reference, save_reference
@@ -476,3 +478,49 @@ def test_weights_that_are_not_numbers(kind, value, checkpoints, tmp_path, monkey
     with weights_folder(monkeypatch) as folder:
         result = outcome(source, folder)
     assert isinstance(result, Refused) and any(name in result for name in names), result
+
+
+# ---------------------------------------------------------------------------------------------
+# An embedding padded past its tokenizer (class 8), by any number of rows holding anything: the loader
+# cuts it to the tokenizer's ids, so it decodes exactly what the unpadded checkpoint decodes.
+
+PADDING_VALUES = st.sampled_from([0.0, 1.0, -1.0, 1e4, -1e4, 3e38])
+
+
+@pytest.fixture(scope="module")
+def unpadded(tmp_path_factory):
+    """A tiny llama whose 64 rows are its letters tokenizer's ids, its tensors, and its tokens (greedy
+    and sampled)."""
+    from test_vocab import IDS, PROMPT, letters_tokenizer
+
+    reference = make_reference("llama")
+    directory = save_reference(reference, tmp_path_factory.mktemp("unpadded"))
+    config = json.loads((directory / "config.json").read_text())
+    tensors = {name: tensor[:IDS].clone() if name in ("model.embed_tokens.weight", "lm_head.weight") else tensor
+               for name, tensor in reference.state_dict().items()}
+    (directory / "config.json").write_text(json.dumps({**config, "vocab_size": IDS}))
+    save_file(tensors, directory / "model.safetensors")
+    letters_tokenizer(directory, IDS)
+    model = minispec.load(directory)
+    tokens = [minispec.generate(model, PROMPT, max_new_tokens=8, ignore_eos=True, **sampling).tokens
+              for sampling in ({}, {"temperature": 1.0, "seed": 0})]
+    return directory, config, tensors, tokens
+
+
+@given(rows=st.integers(1, 200), value=PADDING_VALUES, noise=st.booleans())
+@SEARCH
+def test_padded_past_the_tokenizer_decodes_as_unpadded(rows, value, noise, unpadded, tmp_path):
+    from test_vocab import IDS, PROMPT
+
+    directory, config, tensors, expected = unpadded
+    padded = copy_of(directory, tmp_path)
+    generator = torch.Generator().manual_seed(rows)
+    grown = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        pad = torch.full((rows, tensors[name].shape[1]), value)
+        grown[name] = torch.cat([tensors[name], pad + torch.randn(pad.shape, generator=generator) if noise else pad])
+    (padded / "config.json").write_text(json.dumps({**config, "vocab_size": IDS + rows}))
+    save_file({**tensors, **grown}, padded / "model.safetensors")
+    model = minispec.load(padded)
+    for sampling, tokens in zip(({}, {"temperature": 1.0, "seed": 0}), expected):
+        assert minispec.generate(model, PROMPT, max_new_tokens=8, ignore_eos=True, **sampling).tokens == tokens
