@@ -150,7 +150,8 @@ class Settings:
             raise SettingError("state_layers", "state_layers says which states on_states receives: give on_states too")
         penalty = next((name for name in PENALTIES if getattr(self, name) != getattr(Settings, name)), None)
         if penalty is not None and self.searching:
-            raise SettingError(penalty, "penalties need decoding without beams")
+            raise SettingError(penalty, f"{penalty} needs decoding without beams (beam search scores the model's own "
+                                        "log-probabilities)")
         if self.logprobs is not None and self.searching:
             raise SettingError("logprobs", "logprobs needs decoding without beams (beam search reports its "
                                            "sequences' scores)")
