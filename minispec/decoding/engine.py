@@ -57,7 +57,8 @@ class Row:
     def ask(self):
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
         k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
-        return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget())
+        return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
+                   self.counts)
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
