@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import target_and_drafts
 from test_serve import CHAT, alone, checkpoints, client, expected  # noqa: F401 (fixtures)
-from test_speculative import assert_sampled_from, vocab16  # noqa: F401 (a fixture)
+from test_speculative import HostSyncs, assert_sampled_from, vocab16  # noqa: F401 (a fixture)
 
 import minispec
 from minispec.decoding.sampling import Sampling, adjust
@@ -79,6 +79,22 @@ def test_a_model_draft_is_penalized_alike(models):
                             ignore_eos=True, temperature=1.0, seed=0, **PENALTIES["all"])
     assert out.stats["accepted"] == out.stats["verified"] > NEW_TOKENS // 2
     assert out.stats["alpha"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("draft, settings", [("noisy", {"temperature": 0.8, **PENALTIES["all"]}),
+                                             ("lookup", {"tree": 8, **PENALTIES["all"]})])
+def test_one_host_sync_per_step_with_penalties(models, draft, settings):
+    """Penalties keep test_speculative's lean loop: one read of the device per step, a few per request."""
+    counts = []
+    for new_tokens in (8, NEW_TOKENS):
+        with HostSyncs() as syncs:
+            out = minispec.generate(models["target"], PROMPT, draft=models.get(draft, draft), gamma=3,
+                                    max_new_tokens=new_tokens, ignore_eos=True, min_p=0.05, **settings)
+        counts.append((out.stats["target_calls"], syncs.tolist, syncs.value_reads))
+    (short_steps, short_tolist, short_reads), (long_steps, long_tolist, long_reads) = counts
+    assert long_steps >= 10 and long_steps > short_steps
+    assert long_tolist - short_tolist == long_steps - short_steps
+    assert short_reads <= 3 and long_reads <= 3
 
 
 def test_greedy_logprobs_are_the_penalized_ones(models):
