@@ -26,7 +26,7 @@ class Sampling:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0 keeps all
     presence_penalty: float = 0.0  # subtracted from the logit of each token generated before
     frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated
-    repetition_penalty: float = 1.0  # divides a positive logit of a token seen before (prompt too), multiplies a negative one
+    repetition_penalty: float = 1.0  # divides a seen token's (prompt too) positive logit, multiplies a negative one
 
     def __post_init__(self):
         TEMPERATURE("temperature", self.temperature)
@@ -65,8 +65,8 @@ def penalize(logits, sampling, generated, prompt):
 
 
 def path_counts(generated, tokens, ancestors):
-    """[m + 1, vocab]: the counts generated [vocab] at a step's first position and after each of its m
-    guesses tokens [m], node i's path being ancestors [m, m] (1 where node j is i or precedes it)."""
+    """[m + 1, vocab]: the counts `generated` [vocab] at a step's first position and after each of its m
+    guesses `tokens` [m], node i's path being ancestors [m, m] (1 where node j is i or precedes it)."""
     one_hot = torch.zeros(len(tokens), generated.shape[-1], device=generated.device)
     one_hot.scatter_(1, tokens.view(-1, 1), 1.0)
     return generated + torch.cat([one_hot.new_zeros(1, one_hot.shape[1]), ancestors @ one_hot])
