@@ -294,8 +294,9 @@ def penalized(logits, sampling, counts, guesses):
     its vocabulary is not the target's: any q is exact)."""
     if logits.shape[-1] != counts.generated.shape[-1]:
         return logits
-    generated = counts.generated.index_put((torch.stack(guesses),), torch.ones(()), accumulate=True) if guesses \
-        else counts.generated
+    generated = counts.generated
+    if guesses:
+        generated = generated.index_put((torch.stack(guesses),), generated.new_ones(()), accumulate=True)
     return penalize(logits, sampling, generated, counts.prompt)
 
 

@@ -82,7 +82,8 @@ class Row:
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
         self.unseen = step.accepted[-1:]
         if self.counts is not None:
-            self.counts.generated.index_put_((step.accepted,), torch.ones(()), accumulate=True)
+            generated = self.counts.generated
+            generated.index_put_((step.accepted,), generated.new_ones(()), accumulate=True)
         if self.drafter:
             self.drafter.accept(new_tokens, step.accepted, step.seen)
         return len(self.tokens) >= self.request.max_new_tokens
