@@ -153,7 +153,8 @@ class Request:
     @classmethod
     def from_settings(cls, target, prompt, settings):
         drafter = policy = None
-        sampling = Sampling(settings.temperature, settings.top_k, settings.top_p)
+        sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, settings.min_p,
+                            settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty)
         if settings.drafting:
             policy = make_policy(settings.gamma, BEAM_GAMMA_MAX if settings.searching else GAMMA_MAX)
             with named("draft"):
@@ -398,8 +399,8 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
     logprobs=k: Generation.logprobs holds each token's log-probability and its k most likely
     alternatives (speculative.TokenLogprob), read from the verifying forward: the same numbers as plain
-    decoding's. Sampled, of the distribution drawn from (after temperature, top_k and top_p); greedy, of
-    the model's own softmax.
+    decoding's. Sampled, of the distribution drawn from (after penalties, temperature, top_k, top_p and
+    min_p); greedy, of the model's own softmax (penalized, with penalties).
     on_states(i, tokens, states) is called after each step with the tokens of prompt i the target's
     forward saw and kept (the prompt, then accepted tokens: all but the last output token, which no
     forward sees) and its hidden states at each [len(tokens), dim], computed by the same forwards (for

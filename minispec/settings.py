@@ -16,6 +16,10 @@ TEMPERATURE = Check(lambda v: is_number(v) and (v == 0 or v >= TEMPERATURE_MIN),
                     f"must be a number >= 0 (0 = greedy; else at least {TEMPERATURE_MIN:g})")
 TOP_K = Check(integer(0), "must be an integer >= 0 (0 = off)")
 TOP_P = Check(lambda v: is_number(v) and 0 < v <= 1, "must be a number in (0, 1]")
+MIN_P = Check(lambda v: is_number(v) and 0 <= v <= 1, "must be a number in [0, 1] (0 = off)")
+PENALTY = Check(lambda v: is_number(v) and -2 <= v <= 2, "must be a number in [-2, 2] (0 = off)")
+REPETITION_PENALTY = Check(lambda v: is_number(v) and v > 0, "must be a number > 0 (1 = off)")
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 # A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
@@ -85,6 +89,14 @@ class Settings:
     temperature: float = setting(0.0, TEMPERATURE, "0 (the default) is greedy", type=float)
     top_k: int = setting(0, TOP_K, "keep the k most likely tokens (0: all)", type=int)
     top_p: float = setting(1.0, TOP_P, "nucleus sampling mass (1: all)", type=float)
+    min_p: float = setting(0.0, MIN_P, "drop tokens less likely than this times the most likely one (0: off)",
+                           type=float)
+    presence_penalty: float = setting(0.0, PENALTY, "subtract this from the logit of every token generated before "
+                                      "(OpenAI's; 0: off)", type=float)
+    frequency_penalty: float = setting(0.0, PENALTY, "subtract this from a token's logit once per time it was "
+                                       "generated (OpenAI's; 0: off)", type=float)
+    repetition_penalty: float = setting(1.0, REPETITION_PENALTY, "divide the positive logits of tokens in the prompt "
+                                        "or output by this, multiply the negative ones (1: off)", type=float)
     seed: int | None = setting(None, Check(optional(integer(0, 2**63 - 1)), "must be an integer in [0, 2**63) or None"),
                                "the seed of sampling's random draws (the command line's default: 0)", type=int,
                                default=0)
@@ -136,6 +148,10 @@ class Settings:
                                        "use stop_token_ids")
         if self.on_states is None and self.state_layers is not None:
             raise SettingError("state_layers", "state_layers says which states on_states receives: give on_states too")
+        penalty = next((name for name in PENALTIES if getattr(self, name) != getattr(Settings, name)), None)
+        if penalty is not None and self.searching:
+            raise SettingError(penalty, f"{penalty} needs decoding without beams (beam search scores the model's own "
+                                        "log-probabilities)")
         if self.logprobs is not None and self.searching:
             raise SettingError("logprobs", "logprobs needs decoding without beams (beam search reports its "
                                            "sequences' scores)")

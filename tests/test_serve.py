@@ -407,7 +407,7 @@ BAD_REQUESTS = [  # (path, body, status, param, part of the message)
      "is not supported (text only"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "no tool calls"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "no tool calls"),
-    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty", "no penalties"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", "in [-2, 2]"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 1}}, 400, "logit_bias", "no logit bias"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", "n=2 is not supported"),
     ("/v1/chat/completions", {"messages": CHAT, "store": True}, 400, "store", "not stored"),

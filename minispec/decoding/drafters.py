@@ -38,7 +38,7 @@ import torch
 
 from ..models.base import CachedLM, Feed
 from ..models.kernels import to_device
-from .sampling import Sampling, adjust, sample
+from .sampling import Counts, Sampling, adjust, penalize, sample
 from .tree import DrawnGrowth, Growth, best_children, children_of, tree_or_chain
 
 
@@ -50,6 +50,7 @@ class Ask(NamedTuple):
     generator: Optional[torch.Generator]
     keep_guessing: Optional[Callable]  # keep_guessing(i, confidence): whether to go on after guess i
     tree: Optional[int] = None  # the most nodes of a token tree (None: a chain)
+    counts: Optional[Counts] = None  # a penalized row's (engine.Row), which a draft model's chain q is penalized by
 
 
 class Proposal(NamedTuple):
@@ -264,6 +265,8 @@ def draft_chains(model, drafters, going):
         for ask in going:
             drafter, sampling = ask.drafter, ask.sampling
             logits, guesses, q = drafter.next_logits, drafts[id(drafter)], qs[id(drafter)]
+            if ask.counts is not None:  # the target's penalties, so that its p and this q agree as often
+                logits = penalized(logits, sampling, ask.counts, guesses)
             if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
                 guesses.append(logits.argmax(-1))
             else:
@@ -284,6 +287,17 @@ def draft_chains(model, drafters, going):
                 ask.drafter.fed_guesses += 1
     return {key: Proposal(torch.stack(guesses), torch.stack(qs[key]) if qs[key] else None)
             for key, guesses in drafts.items()}
+
+
+def penalized(logits, sampling, counts, guesses):
+    """A draft's logits [vocab] penalized by a row's counts and this step's guesses so far (none where
+    its vocabulary is not the target's: any q is exact)."""
+    if logits.shape[-1] != counts.generated.shape[-1]:
+        return logits
+    generated = counts.generated
+    if guesses:
+        generated = generated.index_put((torch.stack(guesses),), generated.new_ones(()), accumulate=True)
+    return penalize(logits, sampling, generated, counts.prompt)
 
 
 # Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). GPUs afford

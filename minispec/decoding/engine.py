@@ -22,6 +22,7 @@ import torch
 
 from ..models.kernels import to_device
 from .drafters import Ask
+from .sampling import Counts
 from .speculative import Outcome, step
 
 
@@ -44,6 +45,7 @@ class Row:
         self.unseen = target.encode_row(slot, request.prompt_ids).view(-1)  # tokens its cache row has not seen
         self.stats["encoder_calls"] = target.encoder_calls - before
         self.length = 0  # positions its target cache row holds
+        self.counts = counts(target, request) if self.sampling.penalized else None
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
             # a batch's steps are shared: not timed
@@ -57,7 +59,8 @@ class Row:
     def ask(self):
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
         k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
-        return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget())
+        return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
+                   self.counts)
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
@@ -80,6 +83,9 @@ class Row:
             return True
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
         self.unseen = step.accepted[-1:]
+        if self.counts is not None:
+            generated = self.counts.generated
+            generated.index_put_((step.accepted,), generated.new_ones(()), accumulate=True)
         if self.drafter:
             self.drafter.accept(new_tokens, step.accepted, step.seen)
         return len(self.tokens) >= self.request.max_new_tokens
@@ -154,6 +160,15 @@ class Row:
             if hasattr(self.drafter, "finish"):  # a drafter that learns from whole requests (decoding/suffix.py)
                 self.drafter.finish(self.tokens)
         return stats
+
+
+def counts(target, request):
+    """A penalized request's Counts, on the device: nothing generated yet, and its prompt's tokens (an
+    encoder's prompt is not the decoder's: none)."""
+    prompt = torch.zeros(target.vocab_size, dtype=torch.bool, device=target.device)
+    if not target.is_encoder_decoder:
+        prompt[request.prompt_ids.view(-1).to(target.device)] = True
+    return Counts(torch.zeros(target.vocab_size, device=target.device), prompt)
 
 
 def add_segments(trace, segments):

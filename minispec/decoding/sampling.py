@@ -1,14 +1,21 @@
-"""Standardized sampling (paper section 2.2): argmax, temperature, top-k and top-p all become
+"""Standardized sampling (paper section 2.2): argmax, temperature, top-k, top-p and min-p all become
 "sample from an adjusted distribution". Speculative decoding applies the same adjustment to the
 draft's q and the target's p, and everything downstream only ever sees probabilities.
+
+Penalties (presence, frequency, repetition; as vLLM's) change the target's logits before that, by the
+tokens that precede each position: `penalize`, with a step's per-position counts (`path_counts`),
+which include the guesses before a position: those precede it if they are accepted, the only case in
+which its p is used. So penalized speculative decoding stays exact.
 """
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 # The sampling settings' checks live with the other settings (torch-free, for the command lines' flags).
-from ..settings import TEMPERATURE, TOP_K, TOP_P
+from ..settings import MIN_P, PENALTY, REPETITION_PENALTY, TEMPERATURE, TOP_K, TOP_P
 
 
 @dataclass(frozen=True)
@@ -16,15 +23,53 @@ class Sampling:
     temperature: float = 0.0  # 0 means greedy: the adjusted distribution is one-hot at the argmax
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0  # most likely first, keep tokens while the mass before them is < top_p; 1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0 keeps all
+    presence_penalty: float = 0.0  # subtracted from the logit of each token generated before
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated
+    repetition_penalty: float = 1.0  # divides a seen token's (prompt too) positive logit, multiplies a negative one
 
     def __post_init__(self):
         TEMPERATURE("temperature", self.temperature)
         TOP_K("top_k", self.top_k)
         TOP_P("top_p", self.top_p)
+        MIN_P("min_p", self.min_p)
+        PENALTY("presence_penalty", self.presence_penalty)
+        PENALTY("frequency_penalty", self.frequency_penalty)
+        REPETITION_PENALTY("repetition_penalty", self.repetition_penalty)
 
     @property
     def greedy(self):
         return self.temperature == 0
+
+    @property
+    def penalized(self):
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+class Counts(NamedTuple):
+    """A penalized row's tokens so far, on the device: how often each was generated ([vocab] float), and
+    which the prompt holds ([vocab] bool)."""
+    generated: torch.Tensor
+    prompt: torch.Tensor
+
+
+def penalize(logits, sampling, generated, prompt):
+    """float logits [..., vocab] -> float32 logits penalized as vLLM does (repetition, then frequency and
+    presence): generated [..., vocab], how often each token was generated before each row's position;
+    prompt [vocab] bool, the prompt's tokens, which only the repetition penalty reads."""
+    logits = logits.float()
+    if sampling.repetition_penalty != 1:
+        r = sampling.repetition_penalty
+        logits = torch.where((generated > 0) | prompt, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - sampling.frequency_penalty * generated - sampling.presence_penalty * (generated > 0).float()
+
+
+def path_counts(generated, tokens, ancestors):
+    """[m + 1, vocab]: the counts `generated` [vocab] at a step's first position and after each of its m
+    guesses `tokens` [m], node i's path being ancestors [m, m] (1 where node j is i or precedes it)."""
+    one_hot = torch.zeros(len(tokens), generated.shape[-1], device=generated.device)
+    one_hot.scatter_(1, tokens.view(-1, 1), 1.0)
+    return generated + torch.cat([one_hot.new_zeros(1, one_hot.shape[1]), ancestors @ one_hot])
 
 
 def adjust(logits, sampling):
@@ -44,7 +89,7 @@ def log_probs(logits, sampling):
 
 def processed(logits, sampling):
     """float logits [..., vocab] -> float32 logits as sampling adjusts them: divided by the temperature,
-    -inf where top-k or top-p drop a token (greedy: as they are)."""
+    -inf where top-k, top-p or min-p drop a token (greedy: as they are)."""
     logits = logits.float()
     if sampling.greedy:
         return logits
@@ -55,6 +100,9 @@ def processed(logits, sampling):
     if sampling.top_p < 1:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < top_p_cutoff(probs, sampling.top_p), float("-inf"))
+    if sampling.min_p > 0:  # the top token's probability is one at its logit: the ratio is exp(difference)
+        floor = logits.amax(-1, keepdim=True) + math.log(sampling.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 

@@ -37,8 +37,8 @@ from ..models.base import Feed
 from ..models.kernels import to_device
 from .costs import graphs_met
 from .drafters import Proposal, propose_all
-from .sampling import adjust, log_probs, sample
-from .tree import feed_parents, sample_walk, walk
+from .sampling import adjust, log_probs, path_counts, penalize, sample
+from .tree import ancestors, feed_parents, sample_walk, walk
 
 
 class ChainVerdict(NamedTuple):
@@ -151,6 +151,7 @@ def step(target, rows):
     drafted = time.perf_counter()
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
+    logits = [penalized(row, p, x) for row, p, x in zip(rows, logits, proposals)]
     # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
     # A tree is walked on the host instead (tree.py), so it brings its argmaxes there when greedy.
     verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator) if x.parents is None else None
@@ -175,6 +176,16 @@ def step(target, rows):
         if done:
             ended.append(row)
     return ended
+
+
+def penalized(row, logits, proposal):
+    """A row's logits [k+1, vocab] with its penalties (sampling.penalize): each position's counts include
+    the guesses on its path, which precede it if they are accepted, the only case its p decides."""
+    if row.counts is None:
+        return logits
+    k, parents = len(proposal.drafts), proposal.parents
+    paths = torch.ones(k, k, device=logits.device).tril() if parents is None else ancestors(parents, logits.device)
+    return penalize(logits, row.sampling, path_counts(row.counts.generated, proposal.drafts, paths), row.counts.prompt)
 
 
 def to_host(rows, logits, proposals, verdicts):

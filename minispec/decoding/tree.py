@@ -50,6 +50,16 @@ def feed_parents(unseen, parents, guesses):
     return list(range(-1, unseen - 1)) + [unseen - 1 if p < 0 else unseen + p for p in parents]
 
 
+def ancestors(parents, device):
+    """[m, m] float: 1 where node j is node i or on its path from the root (penalties' counts)."""
+    rows = []
+    for j, parent in enumerate(parents):
+        row = list(rows[parent]) if parent >= 0 else [0.0] * len(parents)
+        row[j] = 1.0
+        rows.append(row)
+    return torch.tensor(rows, device=device).view(len(parents), len(parents))
+
+
 class TreeVerdict(NamedTuple):
     """A tree's verification: the accepted path (node indices, root first), the target's token after it,
     and the tokens of the path's last node's children, all rejected, in order (none: it was a leaf)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .. import api
 from ..loading.chat import ChatTemplateError, chat_prompt
-from ..models.checks import FLAG, INTEGER, LIST, NUMBER, TABLE, Check, SettingError, is_integer, is_text
+from ..models.checks import FLAG, INTEGER, LIST, TABLE, Check, SettingError, is_integer, is_text
 
 
 class RequestError(Exception):
@@ -35,9 +35,10 @@ PROMPT = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list
 # The request's fields that are settings, as api.Settings' fields; each is checked by that field's check.
 SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
             "top_p": "top_p", "seed": "seed", "stop": "stop",
-            "top_k": "top_k", "ignore_eos": "ignore_eos"}  # the last two are minispec's (and vLLM's), not OpenAI's
-SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER, "user": STRING,
-          "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "logit_bias": TABLE,
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+            # the rest are minispec's (and vLLM's), not OpenAI's
+            "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
+SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER, "user": STRING, "logit_bias": TABLE,
           **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
@@ -54,8 +55,6 @@ NEUTRAL = {
     "best_of": ((1,), "one choice per request"),
     "echo": ((False,), "the prompt is not sent back"),
     "suffix": (("",), "no insertion"),
-    "presence_penalty": ((0,), "no penalties: they would change the target's distribution"),
-    "frequency_penalty": ((0,), "no penalties: they would change the target's distribution"),
     "logit_bias": (({},), "no logit bias: it would change the target's distribution"),
     "response_format": (({"type": "text"},), "text only: no JSON mode or schema"),
     "tools": (([],), "no tool calls"),
