@@ -411,6 +411,11 @@ VALUES = {
     "stop": st.one_of(st.text(max_size=2), st.lists(st.text(max_size=2), max_size=2), ODD),
     "stop_token_ids": st.one_of(st.lists(st.integers(-1, 100), max_size=3), ODD),
     "tree": st.one_of(st.sampled_from(["auto", "off"]), st.integers(-1, 5), ODD),
+    "logprobs": st.one_of(st.integers(-1, 25), ODD),
+    "min_p": st.one_of(st.floats(0, 1), ODD),
+    "presence_penalty": st.one_of(st.floats(-3, 3), ODD),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), ODD),
+    "repetition_penalty": st.one_of(st.floats(0, 3), ODD),
 }
 
 

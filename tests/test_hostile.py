@@ -5,6 +5,7 @@ nothing left behind in the weights folder (where a GGUF file's conversion would 
 corpus checks that none of them escapes as a traceback, a hang or a silent load."""
 
 import json
+import os
 import shutil
 import struct
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFValueType  # test-only: the GGUF files' writer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from conftest import make_reference, save_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,3 +207,32 @@ CONFIG_CASES = {
 def test_a_config_read_unlike_the_reference_ends_in_one_line(case, checkpoints, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(CASES, case, CONFIG_CASES[case])
     test_a_hostile_input_ends_in_one_line_naming_it(case, checkpoints, tmp_path, monkeypatch, capsys)
+
+
+# The command line's setting flags under any values (issue 66: the property search over the flags, as
+# test_api.py's over generate's settings): each run answers, or ends in one line with status 2.
+FLAG_VALUES = st.one_of(st.sampled_from(["nan", "inf", "-inf", "1e999", "5e-324", "-1", "0", "1", "2", "64", "65",
+                                         "auto", "off", "", " ", "x", "1,2", "-1,5", "96", "2**63", "0.5", "1e-300"]),
+                        st.integers(-3, 100).map(str), st.floats().map(repr), st.text(max_size=4))
+FLAGS = ["--gamma", "--tree", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed",
+         "--lenience", "--beams", "--draft-beams", "--stop", "--stop-token-ids", "--logprobs", "--presence-penalty",
+         "--frequency-penalty", "--repetition-penalty", "--draft", "--threads", "--batch-size"]
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+@given(value=st.one_of(st.integers(-3, 100).map(str), FLAG_VALUES),
+       others=st.lists(st.tuples(st.sampled_from(FLAGS), FLAG_VALUES), max_size=2))
+@settings(max_examples=int(os.environ.get("MINISPEC_HOSTILE_EXAMPLES", "15")), deadline=None, database=None,
+          derandomize=True, suppress_health_check=list(HealthCheck))
+def test_any_flag_values_answer_or_end_in_one_line(checkpoints, capsys, flag, value, others):
+    argv = ["--target", str(checkpoints["llama"]), "--device", "cpu", *PROMPT, "--max-new-tokens", "4"]
+    argv += [f"{name}={text}" for name, text in [(flag, value), *others]]  # "=": a value may start with "-"
+    try:
+        status = run.main(argv)
+    except SystemExit as exit:  # argparse's own refusals
+        status = exit.code
+    out, err = capsys.readouterr()
+    assert status in (0, 2, None), (argv, status, err[-300:])
+    assert "Traceback" not in err, (argv, err)
+    if status == 2:
+        assert "error: " in err.splitlines()[-1], (argv, err)
