@@ -79,7 +79,7 @@ def parse(body, chat, scheduler, model_name):
     check_fields(options, {"include_usage": FLAG}, "stream_options.")
     target = scheduler.target
     prompt_field = "messages" if chat else "prompt"
-    ids = chat_ids(target, body.get("messages")) if chat else prompt_ids(target, body.get("prompt"))
+    ids = chat_ids(target, body.get("messages")) if chat else prompt_ids(target, body.get("prompt"), scheduler.max_text)
     max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
     given = {SETTINGS[name]: value for name, value in body.items() if name in SETTINGS and value is not None}
@@ -111,7 +111,7 @@ def check_fields(body, fields, prefix=""):
                 raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
 
 
-def prompt_ids(target, prompt):
+def prompt_ids(target, prompt, max_text):
     """A completion's prompt: text, encoded with special tokens' text as plain text (a prompt from the
     network cannot write a special token by spelling it; send token ids for that), or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -119,6 +119,9 @@ def prompt_ids(target, prompt):
     if isinstance(prompt, str):
         if not is_text(prompt):
             raise invalid("prompt is not text: it holds a lone surrogate", "prompt")
+        if len(prompt) > max_text:  # refused untokenized: tokenizing it took tens of MiB, left resident fragmented
+            raise invalid(f"the prompt has {len(prompt)} characters: more than this server's context can hold "
+                          f"({max_text})", "prompt", "context_length_exceeded")
         return target.tokenizer.encode(prompt, split_special_tokens=True)
     if not (isinstance(prompt, list) and all(is_integer(token) for token in prompt)):
         raise invalid("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
