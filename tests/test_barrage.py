@@ -16,12 +16,15 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from test_serve import CHAT, CONTEXT, PROMPTS, ROOT, checkpoints, expected, up, wait_until  # noqa: F401
 
 import minispec
+from minispec.serve.protocol import RequestError, parse
+from minispec.serve.scheduler import text_bound
 
 REQUESTS = int(os.environ.get("MINISPEC_BARRAGE", "300"))
 CLIENTS = 6  # requests at once
@@ -230,3 +233,13 @@ def test_large_blocks_stay_out_of_the_heap_after_a_larger_one_is_freed():
         done = subprocess.run([sys.executable, "-c", MMAPPED, setting], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.stdout.strip() == mmapped, (setting, done.stdout, done.stderr[-2000:])
+
+
+def test_a_prompt_longer_than_the_context_can_spell_is_refused_untokenized(checkpoints):  # noqa: F811
+    """Tokenizing the barrage's 900,000-character prompt took tens of MiB, which stayed resident."""
+    target = minispec.load(checkpoints[0])
+    scheduler = SimpleNamespace(target=target, max_length=CONTEXT, max_text=text_bound(target.tokenizer, CONTEXT))
+    target.tokenizer.encode = lambda *args, **options: pytest.fail("the prompt was tokenized")
+    with pytest.raises(RequestError, match="more than this server's context can hold") as refused:
+        parse({"prompt": "y" * (scheduler.max_text + 1)}, False, scheduler, "model")
+    assert refused.value.body()["error"]["code"] == "context_length_exceeded"
