@@ -6,7 +6,6 @@ greedy text, none a 5xx, and the process's resident memory is back within 10% of
 
 A few hundred requests here; MINISPEC_BARRAGE=10000 runs that many (by hand)."""
 
-import ctypes
 import json
 import os
 import random
@@ -202,37 +201,6 @@ def settle(url):
     """Wait until the server has no request left (clients that went leave their rows at the next step)."""
     wait_until(lambda: httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "waiting": 0}, 60)
     time.sleep(0.5)
-
-
-# In a process of its own, with the server's fix_mmap_threshold or without: frees a 16 MiB block, then
-# prints how many mmapped blocks a 6 MiB one adds.
-MMAPPED = """
-import ctypes, sys
-from minispec.serve.__main__ import fix_mmap_threshold
-class Info(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
-                "fordblks keepcost".split()]
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-libc.mallinfo2.restype = Info
-if sys.argv[1] == "fixed":
-    fix_mmap_threshold()
-libc.free(libc.malloc(16 * 2**20))
-before = libc.mallinfo2().hblks
-libc.malloc(6 * 2**20)
-print(libc.mallinfo2().hblks - before)
-"""
-
-
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc's mallinfo2 (glibc >= 2.33)")
-def test_large_blocks_stay_out_of_the_heap_after_a_larger_one_is_freed():
-    """The server's mmap threshold stays where it set it: glibc's own climbs to a freed block's size, so
-    that the next large blocks come from the heap (the barrage's growth); with it they come from mmap."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for setting, mmapped in (("glibc's", "0"), ("fixed", "1")):
-        done = subprocess.run([sys.executable, "-c", MMAPPED, setting], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.stdout.strip() == mmapped, (setting, done.stdout, done.stderr[-2000:])
 
 
 def test_a_prompt_longer_than_the_context_can_spell_is_refused_untokenized(checkpoints):  # noqa: F811

@@ -2,7 +2,6 @@
 over one target (and its draft), with uvicorn."""
 
 import argparse
-import ctypes
 import logging
 import math
 import os
@@ -76,24 +75,8 @@ def check_flags(args):
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
 
 
-# glibc's mallopt parameter, and its value here: blocks this large come from mmap and go back when freed.
-# Not glibc's starting 128 KiB: a CPU step's activations stay in the heap, reused without page faults.
-M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 4 * 2**20
-
-
-def fix_mmap_threshold():
-    """glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB): after one large
-    request, the next ones' large buffers (a body, a long prompt's token list, the tokenizer's work) come
-    from the threads' heaps, where the small blocks allocated around them keep their pages resident, and
-    the server's memory grows with every barrage of them. A fixed threshold keeps them out of the heaps."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc's; None elsewhere
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-
-
 def main(argv=None):
     args = parse_args(argv)
-    fix_mmap_threshold()
     try:
         check_flags(args)  # bad flags fail before loading weights
         target, draft = load_models(args)
