@@ -15,12 +15,15 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from test_serve import CHAT, CONTEXT, PROMPTS, ROOT, checkpoints, expected, up, wait_until  # noqa: F401
 
 import minispec
+from minispec.serve.protocol import RequestError, parse
+from minispec.serve.scheduler import text_bound
 
 REQUESTS = int(os.environ.get("MINISPEC_BARRAGE", "300"))
 CLIENTS = 6  # requests at once
@@ -198,3 +201,26 @@ def settle(url):
     """Wait until the server has no request left (clients that went leave their rows at the next step)."""
     wait_until(lambda: httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "waiting": 0}, 60)
     time.sleep(0.5)
+
+
+def test_a_prompt_longer_than_the_context_can_spell_is_refused_untokenized(checkpoints):  # noqa: F811
+    """Tokenizing the barrage's 900,000-character prompt took tens of MiB, which stayed resident."""
+    target = minispec.load(checkpoints[0])
+    scheduler = SimpleNamespace(target=target, max_length=CONTEXT, max_text=text_bound(target.tokenizer, CONTEXT))
+    target.tokenizer.encode = lambda *args, **options: pytest.fail("the prompt was tokenized")
+    with pytest.raises(RequestError, match="more than this server's context can hold") as refused:
+        parse({"prompt": "y" * (scheduler.max_text + 1)}, False, scheduler, "model")
+    assert refused.value.body()["error"]["code"] == "context_length_exceeded"
+
+
+def test_messages_longer_than_the_context_can_spell_are_refused_unrendered(checkpoints):  # noqa: F811
+    """The same bound for a chat's messages, summed, before the template renders them."""
+    target = minispec.load(checkpoints[0])
+    scheduler = SimpleNamespace(target=target, max_length=CONTEXT, max_text=text_bound(target.tokenizer, CONTEXT))
+    target.tokenizer.encode = lambda *args, **options: pytest.fail("the messages were tokenized")
+    half = "y" * (scheduler.max_text // 2 + 1)
+    messages = [{"role": "user", "content": half}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": half}]
+    with pytest.raises(RequestError, match="the messages have .* more than this server's context can hold") as refused:
+        parse({"messages": messages}, True, scheduler, "model")
+    assert refused.value.body()["error"]["code"] == "context_length_exceeded"

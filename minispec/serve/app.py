@@ -153,13 +153,11 @@ class Handlers:
 
 
 def body_bound(scheduler):
-    """The largest body a request that fits the context can need: a token spells at most its longest
-    token's characters (4x for a normalizer that composes characters), a character takes at most 12 bytes
-    of JSON (an escaped surrogate pair), and 1 MiB for the other fields. Larger ones are refused unread,
-    never tokenized (which takes far more time and memory than the body itself)."""
-    tokenizer = scheduler.target.tokenizer
-    longest = max(map(len, tokenizer.id_to_token.values()))
-    return 48 * longest * scheduler.max_length + 2**20
+    """The largest body a request that fits the context can need: its text (scheduler.max_text
+    characters) at up to 12 bytes of JSON a character (an escaped surrogate pair), and 1 MiB for the
+    other fields. Larger ones are refused unread, never tokenized (which takes far more time and memory
+    than the body itself)."""
+    return 12 * scheduler.max_text + 2**20
 
 
 async def read_json(request, max_body):

@@ -88,7 +88,10 @@ def parse(body, chat, scheduler, model_name):
     check_fields(options, {"include_usage": FLAG}, "stream_options.")
     target = scheduler.target
     prompt_field = "messages" if chat else "prompt"
-    ids = chat_ids(target, body.get("messages")) if chat else prompt_ids(target, body.get("prompt"))
+    if chat:
+        ids = chat_ids(target, body.get("messages"), scheduler.max_text)
+    else:
+        ids = prompt_ids(target, body.get("prompt"), scheduler.max_text)
     max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
     given = {SETTINGS[name]: value for name, value in body.items() if name in SETTINGS and value is not None}
@@ -135,7 +138,7 @@ def logprobs_of(body, chat):
     return body.get("top_logprobs") or 0
 
 
-def prompt_ids(target, prompt):
+def prompt_ids(target, prompt, max_text):
     """A completion's prompt: text, encoded with special tokens' text as plain text (a prompt from the
     network cannot write a special token by spelling it; send token ids for that), or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -143,18 +146,25 @@ def prompt_ids(target, prompt):
     if isinstance(prompt, str):
         if not is_text(prompt):
             raise invalid("prompt is not text: it holds a lone surrogate", "prompt")
+        if len(prompt) > max_text:  # refused untokenized: tokenizing it took tens of MiB, left resident fragmented
+            raise invalid(f"the prompt has {len(prompt)} characters: more than this server's context can hold "
+                          f"({max_text})", "prompt", "context_length_exceeded")
         return target.tokenizer.encode(prompt, split_special_tokens=True)
     if not (isinstance(prompt, list) and all(is_integer(token) for token in prompt)):
         raise invalid("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
     return prompt
 
 
-def chat_ids(target, messages):
+def chat_ids(target, messages, max_text):
     """A chat's prompt in the target's chat template; the messages' text is plain text (their special
     tokens' text cannot end a turn and write another)."""
     if not messages:
         raise invalid("messages must be a list of at least one message", "messages")
     plain = [checked_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    characters = sum(len(message["content"]) for message in plain)
+    if characters > max_text:  # refused unrendered and untokenized, as a completion's prompt
+        raise invalid(f"the messages have {characters} characters: more than this server's context can hold "
+                      f"({max_text})", "messages", "context_length_exceeded")
     try:
         return chat_prompt(target.tokenizer, plain, special_tokens_in_content=False)
     except ChatTemplateError as error:  # the template's own error (it refuses these messages), or none

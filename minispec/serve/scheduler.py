@@ -86,6 +86,7 @@ class Scheduler:
         draft_model = make_drafter(draft, target).model if drafting else None  # builds an int8/int4 copy once
         self.models = [target] + ([draft_model] if draft_model is not None else [])
         self.max_length = checked_length(self.models, max_model_len)
+        self.max_text = text_bound(target.tokenizer, self.max_length)
         for model in self.models:
             api.check_memory(model, rows, self.max_length, remedy="lower --batch-size or --max-model-len")
             model.ensure_caches(rows, self.max_length)
@@ -220,6 +221,12 @@ class Scheduler:
             log.exception("request %d failed", index)
             self.forget(job)
             job.fail(500, "the server failed while processing this request (logged)")
+
+
+def text_bound(tokenizer, max_length):
+    """The most characters a text of `max_length` tokens can have: each token spells at most the longest
+    token's characters, 4x for a normalizer that composes characters (None: no tokenizer)."""
+    return None if tokenizer is None else 4 * max(map(len, tokenizer.id_to_token.values())) * max_length
 
 
 def checked_length(models, max_model_len):
