@@ -29,11 +29,12 @@ LAYERS = {  # by the top-level module or subpackage
     "tools": 7,  # the bench and head training: over the public API, apart from the engine
 }
 # What tools may import besides the package's front door (`import minispec`): the command lines' flags
-# and loaders, the forwards, drafters and weight formats the bench times one by one, and the heads'
-# modules and the target's layers training builds a head from.
-TOOL_API = {"api", "cli", "loaders", "settings", "decoding.drafters", "heads.__init__", "heads.eagle", "heads.eagle3", "heads.medusa",
-            "loading.chat", "loading.checkpoint", "loading.weights", "models.__init__", "models.base",
-            "models.kernels", "models.llama", "models.quant"}
+# and loaders, the forwards, drafters and weight formats the bench times one by one (the suffix drafter's
+# store, emptied before each timed pass), and the heads' modules and the target's layers training builds
+# a head from.
+TOOL_API = {"api", "cli", "loaders", "settings", "decoding.drafters", "decoding.suffix", "heads.__init__",
+            "heads.eagle", "heads.eagle3", "heads.medusa", "loading.chat", "loading.checkpoint", "loading.weights",
+            "models.__init__", "models.base", "models.kernels", "models.llama", "models.quant"}
 # Modules the core reaches only when a call asks for what they do (a head, beam search, quantized or sharded
 # weights, a GGUF file, a built-in model, a chat template, the native kernels, a model-free drafter),
 # imported inside the function that needs them so that a float model's generate never reads them.

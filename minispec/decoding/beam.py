@@ -42,8 +42,8 @@ def check_settings(w, u, target, drafter, sampling, lenience):
             raise ValueError("draft_beams (the draft's beam width) needs a draft model")
         return 0
     if not isinstance(drafter, ModelDrafter) or drafter.reads_states:
-        raise ValueError("speculative beam search needs a draft model: 'ngram', 'lookup' and draft heads guess "
-                         "one sequence, not a beam of them")
+        raise ValueError("speculative beam search needs a draft model: 'ngram', 'lookup', 'suffix' and draft "
+                         "heads guess one sequence, not a beam of them")
     u = w if u is None else u
     if not (is_integer(u) and u >= w):
         raise ValueError(f"draft_beams (the draft's beam width u) must be an integer >= beams ({w}), got {u!r}")

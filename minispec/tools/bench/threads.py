@@ -24,8 +24,9 @@ GOAL = 0.8  # the default's tokens/s against the best setting's
 def one_core_busy():
     """Another process spinning on this process's last CPU, for the duration."""
     cpu = max(os.sched_getaffinity(0))
-    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass"
-    process = subprocess.Popen([sys.executable, "-c", spin])
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint(flush=True)\nwhile True:\n    pass"
+    process = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+    process.stdout.readline()  # spinning from now on: the first run is timed beside it too
     try:
         yield cpu
     finally:
