@@ -480,6 +480,26 @@ def test_weights_that_are_not_numbers(kind, value, checkpoints, tmp_path, monkey
     assert isinstance(result, Refused) and any(name in result for name in names), result
 
 
+@given(kind=st.sampled_from(KINDS), data=st.data())
+@SEARCH
+def test_a_weight_anywhere_that_is_not_a_number_is_refused_naming_it(kind, data, checkpoints, tmp_path, monkeypatch,
+                                                                     nothing_kept):
+    """The same at any tensor, any position, in any float dtype the file may hold."""
+    from safetensors.torch import load_file
+
+    source = copy_of(checkpoints[kind], tmp_path)
+    weights = load_file(source / "model.safetensors")
+    name = data.draw(st.sampled_from(sorted(weights)), "tensor")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), "dtype")
+    tensor = weights[name].to(dtype)
+    tensor.view(-1)[data.draw(st.integers(0, tensor.numel() - 1), "position")] = data.draw(
+        st.sampled_from([math.nan, math.inf, -math.inf]), "value")
+    save_file({**weights, name: tensor}, source / "model.safetensors", metadata={"format": "pt"})
+    with weights_folder(monkeypatch) as folder:
+        result = outcome(source, folder)
+    assert isinstance(result, Refused) and name in result, (name, result)
+
+
 # ---------------------------------------------------------------------------------------------
 # An embedding padded past its tokenizer (class 8), by any number of rows holding anything: the loader
 # cuts it to the tokenizer's ids, so it decodes exactly what the unpadded checkpoint decodes.
