@@ -134,5 +134,11 @@ def test_the_hubs_progress_bars_show_on_a_terminal_only(monkeypatch, tmp_path, t
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **options: seen.append(
         utils.are_progress_bars_disabled()) or str(tmp_path))
     monkeypatch.setattr(sys, "stderr", Terminal() if terminal else io.StringIO())
-    assert hub.download_from_hub("someone/model") == tmp_path
-    assert seen == [not terminal] and not utils.are_progress_bars_disabled()  # as they were after
+    disabled = utils.are_progress_bars_disabled()  # other tests' libraries may have turned them off
+    utils.enable_progress_bars()
+    try:
+        assert hub.download_from_hub("someone/model") == tmp_path
+        assert seen == [not terminal] and not utils.are_progress_bars_disabled()  # as they were after
+    finally:
+        if disabled:
+            utils.disable_progress_bars()
