@@ -106,8 +106,8 @@ def processed(logits, sampling):
     return logits
 
 
-# torch.sort is slow on a CPU (3 ms for one 49k-token row on 2 cores: 16 ms for the 9 rows of a γ = 8
-# verification, a third of a SmolLM2-135M step), and top-p seldom keeps more than a few hundred tokens.
+# torch.sort is slow on a CPU (sorting a verification's rows of a large vocabulary can cost a third of a
+# small model's step), and top-p seldom keeps more than a few hundred tokens.
 # So on a CPU the cutoff is first looked for among each row's TOP_P_CANDIDATES most likely tokens, and
 # only the rows whose candidates fall short of top_p are sorted whole. Picking those rows reads values
 # on the host: free on a CPU, a sync on a GPU, where sorting is fast anyway, so GPUs always sort.

@@ -33,7 +33,7 @@ from .checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES as MODES
 from .kernels import linear
 
 # Token embeddings and the output head, in both modes: int8 in groups of 32 columns. The head decides
-# every argmax: per-channel int8 there changed SmolLM2's greedy tokens where groups of 32 did not.
+# every argmax: per-channel int8 there can change greedy tokens that groups of 32 keep.
 HEAD_GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
 
