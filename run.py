@@ -72,6 +72,8 @@ def parse_args(argv=None):
                              "and the spread (default 3)")
     add_setting_flags(parser)  # --max-new-tokens, --temperature, ...: one for each of minispec.Settings' fields
     parser.add_argument("--system", metavar="TEXT", help="a system prompt before --prompt in the chat template")
+    parser.add_argument("--chat-template-kwargs", type=template_variables, default={}, metavar="JSON",
+                        help="the chat template's own variables, as a JSON object: '{\"enable_thinking\": false}'")
     parser.add_argument("--special-tokens-in-prompt", action="store_true",
                         help="with --chat: read special tokens' text typed in --prompt and --system (<|im_end|>) as "
                              "those tokens, as the reference implementation does (default: plain text, so a "
@@ -194,8 +196,24 @@ def prompts_for(args, target):
             raise ValueError("--chat needs the prompts as text")
         return texts, False
     chat = chat_setting(args, target)
-    return [minispec.chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt) if chat else text
-            for text in texts], chat
+    return [minispec.chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt,
+                                 **args.chat_template_kwargs) if chat else text for text in texts], chat
+
+
+def template_variables(text):
+    """--chat-template-kwargs: a JSON object of the template's variables."""
+    try:
+        variables = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
+    if not isinstance(variables, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    from minispec.loading.chat import RESERVED  # with jinja2: read only when the flag is given
+
+    taken = next((name for name in variables if name in RESERVED), None)
+    if taken is not None:
+        raise argparse.ArgumentTypeError(f"{taken!r} is set by run.py, not a template variable to give")
+    return variables
 
 
 def chat_setting(args, target):
@@ -205,6 +223,9 @@ def chat_setting(args, target):
         raise ValueError(f"--chat: {target.name} has no tokenizer files")
     if args.system is not None and not chat:
         raise ValueError("--system needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
+    if args.chat_template_kwargs and not chat:
+        raise ValueError("--chat-template-kwargs needs a chat prompt (a checkpoint with a chat template, and not "
+                         "--no-chat)")
     return chat
 
 

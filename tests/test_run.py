@@ -403,3 +403,26 @@ def test_a_closed_pipe_ends_a_run_quietly(gpt2_dir):
     process.stdout.close()
     err = process.stderr.read()
     assert process.wait(timeout=120) == 128 + signal.SIGPIPE and err == b"", err.decode()[-500:]
+
+
+def test_chat_template_kwargs_reach_the_template(llama_with_tokenizer, tmp_path, capsys):
+    """--chat-template-kwargs: the template's own variables (Qwen3's enable_thinking), as chat_prompt takes
+    them; names chat_prompt sets itself, or text that is not a JSON object, end in one line."""
+    from test_chat import REAL
+
+    directory = tmp_path / "qwen3_chat"
+    directory.mkdir()
+    for file in Path(llama_with_tokenizer).iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    (directory / "chat_template.jinja").write_text(REAL["qwen3"], encoding="utf-8")
+    common = ["--target", str(directory), "--prompt", "the cat", "--max-new-tokens", "4", "--ignore-eos", "--json"]
+    assert run.main([*common, "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = minispec.load(directory)
+    ids = minispec.chat_prompt(model.tokenizer, "the cat", enable_thinking=False)
+    assert ids != minispec.chat_prompt(model.tokenizer, "the cat")  # the variable changes the prompt
+    assert out["tokens"] == minispec.generate(model, ids, max_new_tokens=4, ignore_eos=True).tokens
+    for bad, message in (('{"messages": []}', "'messages' is set by run.py"), ("[1]", "expected a JSON object")):
+        with pytest.raises(SystemExit) as exit:
+            run.main([*common, "--chat-template-kwargs", bad])
+        assert exit.value.code == 2 and message in capsys.readouterr().err

@@ -517,6 +517,28 @@ def test_chats_in_other_templates(checkpoints, tmp_path, name):
         assert refused.status_code == 200
 
 
+def test_chat_template_kwargs_reach_the_template(checkpoints, tmp_path):
+    """vLLM's chat_template_kwargs: the template's own variables (Qwen3's enable_thinking), as chat_prompt takes
+    them; what the server renders with is not a request's to set."""
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints[0], target)
+    (target / "chat_template.jinja").write_text(REAL["qwen3"], encoding="utf-8")
+    greedy = {"temperature": 0, "max_tokens": 6}
+    with serving((target, checkpoints[1])) as client:
+        thinking = client.post("/v1/chat/completions", json={"messages": CHAT[1:], **greedy})
+        plain = client.post("/v1/chat/completions", json={"messages": CHAT[1:], **greedy,
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+        taken = client.post("/v1/chat/completions", json={"messages": CHAT[1:], **greedy,
+                                                          "chat_template_kwargs": {"messages": []}})
+    model = minispec.load(target)
+    ids = minispec.chat_prompt(model.tokenizer, CHAT[1:], enable_thinking=False)
+    assert ids != minispec.chat_prompt(model.tokenizer, CHAT[1:])  # the variable changes the prompt
+    text = minispec.generate(model, ids, draft="lookup", gamma=3, max_new_tokens=6).text
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] == text
+    assert thinking.json()["choices"][0]["message"]["content"] == expected((model, None), CHAT[1:], max_new_tokens=6).text
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "chat_template_kwargs.messages"
+
+
 def test_unknown_paths_and_methods_and_the_models_list(client):
     missing, wrong = client.get("/v1/nothing"), client.get("/v1/completions")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"

@@ -80,6 +80,11 @@ def render(template, messages, add_generation_prompt=True, **variables):
         raise failure(error) from None
 
 
+# What chat_prompt renders a template with and its own arguments: not template variables a caller sets.
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "tokenizer", "conversation", "system",
+            "special_tokens_in_content")
+
+
 def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=False, **variables):
     """Token ids of a conversation ready for the assistant's answer. `conversation` is the user's text,
     or the messages so far ([{"role": "system" | "user" | "assistant", "content": ...}], as apps keep
@@ -90,6 +95,9 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
     token that ends a turn, so a user cannot write turns of their own (for messages without special
     tokens' text, the ids are the reference's). special_tokens_in_content=True reads special tokens in
     messages too, as the reference's apply_chat_template does."""
+    taken = next((name for name in variables if name in RESERVED), None)
+    if taken is not None:
+        raise ValueError(f"the chat template's variable {taken!r} is chat_prompt's to set")
     messages = [{"role": "system", "content": system}] if system is not None else []
     if isinstance(conversation, str):
         messages.append({"role": "user", "content": conversation})

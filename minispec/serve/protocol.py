@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from .. import api
-from ..loading.chat import ChatTemplateError, chat_prompt
+from ..loading.chat import RESERVED, ChatTemplateError, chat_prompt
 from ..models.checks import FLAG, INTEGER, LIST, TABLE, Check, SettingError, is_integer, is_text
 
 
@@ -46,7 +46,7 @@ FIELDS = {
     True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": FLAG,
            "top_logprobs": LOGPROBS, "response_format": TABLE, "tools": LIST, "tool_choice": CHOICE,
            "parallel_tool_calls": FLAG, "functions": LIST, "function_call": CHOICE, "store": FLAG, "metadata": TABLE,
-           "service_tier": STRING, "modalities": LIST},
+           "service_tier": STRING, "modalities": LIST, "chat_template_kwargs": TABLE},
 }  # by whether the request is a chat
 # Fields read only at a neutral value (or null): the values, and why. (parallel_tool_calls and metadata
 # take any value: without tools and without storing they change nothing.)
@@ -89,7 +89,7 @@ def parse(body, chat, scheduler, model_name):
     target = scheduler.target
     prompt_field = "messages" if chat else "prompt"
     if chat:
-        ids = chat_ids(target, body.get("messages"), scheduler.max_text)
+        ids = chat_ids(target, body.get("messages"), scheduler.max_text, body.get("chat_template_kwargs") or {})
     else:
         ids = prompt_ids(target, body.get("prompt"), scheduler.max_text)
     max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -155,9 +155,14 @@ def prompt_ids(target, prompt, max_text):
     return prompt
 
 
-def chat_ids(target, messages, max_text):
+def chat_ids(target, messages, max_text, variables):
     """A chat's prompt in the target's chat template; the messages' text is plain text (their special
-    tokens' text cannot end a turn and write another)."""
+    tokens' text cannot end a turn and write another). `variables`: chat_template_kwargs (vLLM's field),
+    the template's own variables, e.g. {"enable_thinking": false}."""
+    taken = next((name for name in variables if name in RESERVED), None)
+    if taken is not None:
+        raise invalid(f"chat_template_kwargs.{taken} is set by the server, not by a request",
+                      f"chat_template_kwargs.{taken}")
     if not messages:
         raise invalid("messages must be a list of at least one message", "messages")
     plain = [checked_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
@@ -166,7 +171,7 @@ def chat_ids(target, messages, max_text):
         raise invalid(f"the messages have {characters} characters: more than this server's context can hold "
                       f"({max_text})", "messages", "context_length_exceeded")
     try:
-        return chat_prompt(target.tokenizer, plain, special_tokens_in_content=False)
+        return chat_prompt(target.tokenizer, plain, special_tokens_in_content=False, **variables)
     except ChatTemplateError as error:  # the template's own error (it refuses these messages), or none
         raise invalid(f"{target.name}: {error}; send a rendered prompt to /v1/completions", "messages") from None
 
