@@ -522,3 +522,13 @@ class CachedLM(nn.Module):
     @property
     def dtype(self):
         return next(self.parameters()).dtype
+
+
+def fuse(weights, names, fused_name):
+    """Concatenate checkpoint tensors along dim 0 into one of our fused tensors (when all are present)."""
+    if all(name in weights for name in names):
+        parts = [weights.pop(name) for name in names]
+        if len({p.shape[1:] for p in parts}) > 1:
+            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
+            raise ValueError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
+        weights[fused_name] = torch.cat(parts)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, Family, KVCache, Linear, compile_region
+from .base import CachedLM, Embedding, Family, KVCache, Linear, compile_region, fuse
 from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
+from .kernels import attend_cache, causal_mask, elementwise, query_rows_mask
 
 # The reference's defaults (Gemma3TextConfig) for the keys a config.json may leave out.
 ABSENT = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
@@ -274,12 +274,6 @@ class Gemma(CachedLM):
         return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def query_rows_mask(mask, group):
-    """A boolean mask as Attention's rows read it: additive, repeated for the `group` query heads of a
-    K/V head, its rows as attend_cache reads them (llama.py's query_rows_mask)."""
-    return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
-
-
 def convert_hf_weights(weights, config):
     """Hugging Face names -> ours, q/k/v and gate/up fused; an image-text checkpoint's vision tower and
     projector left out. Unknown keys pass through, so the loader reports them as unexpected."""
@@ -308,16 +302,6 @@ def convert_hf_weights(weights, config):
             fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
             fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
     return out
-
-
-def fuse(weights, names, fused_name):
-    """Concatenate checkpoint tensors along dim 0 into one fused tensor (when all are present)."""
-    if all(name in weights for name in names):
-        parts = [weights.pop(name) for name in names]
-        if len({p.shape[1:] for p in parts}) > 1:
-            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
-            raise ValueError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
-        weights[fused_name] = torch.cat(parts)
 
 
 FAMILY = Family(GemmaConfig, Gemma, convert_hf_weights)

@@ -253,6 +253,13 @@ def additive(mask):
     return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def query_rows_mask(mask, group):
+    """A boolean mask [..., n, keys] as Attention's rows read it: additive, repeated for the `group`
+    query heads sharing a K/V head (extra query rows of that head, Attention.forward), its rows as
+    attend_cache reads them (rows_as_read)."""
+    return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
+
+
 # Attention over a KV cache is computed in one canonical order, so that a token's numbers do not depend on
 # where in the cache its keys sit. Why: a token tree (decoding/tree.py) writes a node's ancestors to cache
 # slots scattered among its siblings', while decoded alone the same path lies at consecutive positions.

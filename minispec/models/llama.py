@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import CachedLM, Family, Embedding, KVCache, Linear, RMSNorm, compile_region
+from .base import CachedLM, Embedding, Family, KVCache, Linear, RMSNorm, compile_region, fuse
 from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import additive, attend_cache, causal_mask, elementwise, rows_as_read
+from .kernels import attend_cache, causal_mask, elementwise, query_rows_mask
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -211,13 +211,6 @@ def apply_rope(x, cos, sin):
     return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
 
 
-def query_rows_mask(mask, group):
-    """A boolean mask [..., n, keys] as Attention's rows read it: additive, repeated for the `group`
-    query heads sharing a K/V head (extra query rows of that head, Attention.forward), its rows as
-    attend_cache reads them (rows_as_read)."""
-    return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
-
-
 class Attention(nn.Module):
     def __init__(self, config, window):
         super().__init__()
@@ -385,16 +378,6 @@ class Llama(CachedLM):
 
     def logits(self, hidden):
         return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
-
-
-def fuse(weights, names, fused_name):
-    """Concatenate checkpoint tensors along dim 0 into one of our fused tensors (when all are present)."""
-    if all(name in weights for name in names):
-        parts = [weights.pop(name) for name in names]
-        if len({p.shape[1:] for p in parts}) > 1:
-            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts))
-            raise ValueError(f"tensors {shapes} disagree in shape and cannot be fused into {fused_name}")
-        weights[fused_name] = torch.cat(parts)
 
 
 def convert_hf_weights(weights, config):

@@ -43,7 +43,8 @@ from minispec.cli import read_prompts_file
 from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
 from minispec.loading.chat import user_turn_start
 from minispec.loading.weights import DTYPES, save_safetensors
-from minispec.models.llama import LlamaConfig, query_rows_mask
+from minispec.models.kernels import query_rows_mask
+from minispec.models.llama import LlamaConfig
 
 # What the target answers when no prompts file is given: templates over subjects, none of them the
 # subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
