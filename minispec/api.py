@@ -25,9 +25,8 @@ from .models.checks import Check, SettingError, integer, is_integer, is_text
 from .loading.tokenizer import IncrementalDecoder
 from .loading.weights import DTYPES
 from .models.llama import Llama
-# Settings live in settings.py, free of torch for the command lines' flags; the server takes them, their
-# checks and the flags' argument types from here.
-from .settings import GAMMA_MAX, SETTING_CHECKS, Settings, gamma_setting, token_ids, tree_setting  # noqa: F401
+# Settings live in settings.py, free of torch for the command lines' flags.
+from .settings import GAMMA_MAX, Settings
 
 
 # minispec.load: load_model (its documentation and signature, as help() shows them), whose dtype may

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import minispec
 from minispec.models.base import Feed
 from minispec import api
+from minispec.settings import SETTING_CHECKS
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 
@@ -377,7 +378,7 @@ def test_settings_are_one_list_that_generate_and_stream_take(target):
     defaults = minispec.Settings()
     assert (defaults.gamma, defaults.max_new_tokens, defaults.temperature, defaults.top_k, defaults.top_p,
             defaults.tree) == ("auto", 64, 0.0, 0, 1.0, "auto")
-    out = minispec.generate(target, PROMPT, **{name: getattr(defaults, name) for name in api.SETTING_CHECKS})
+    out = minispec.generate(target, PROMPT, **{name: getattr(defaults, name) for name in SETTING_CHECKS})
     assert out.tokens == minispec.generate(target, PROMPT).tokens
 
 

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from ..api import gamma_setting, tree_setting
+from ..settings import gamma_setting, tree_setting
 from ..cli import add_model_flags
 from ..loaders import load_models
 from .scheduler import Scheduler

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .. import api
 from ..loading.chat import RESERVED, ChatTemplateError, chat_prompt
 from ..models.checks import FLAG, INTEGER, LIST, TABLE, Check, SettingError, is_integer, is_text
+from ..settings import SETTING_CHECKS
 
 
 class RequestError(Exception):
@@ -29,7 +30,7 @@ def invalid(message, param=None, code=None):
 
 STRING = Check(is_text, "must be a string (of text: no lone surrogates)")
 CHOICE = Check(lambda v: isinstance(v, (str, dict)), "must be a string or an object")
-LOGPROBS = api.SETTING_CHECKS["logprobs"]
+LOGPROBS = SETTING_CHECKS["logprobs"]
 PROMPT = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list of token ids")
 
 # The request's fields that are settings, as api.Settings' fields; each is checked by that field's check.
@@ -39,7 +40,7 @@ SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
             # the rest are minispec's (and vLLM's), not OpenAI's
             "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
 SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER, "user": STRING, "logit_bias": TABLE,
-          **{name: api.SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
+          **{name: SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
     False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": INTEGER, "logprobs": LOGPROBS, "suffix": STRING},
