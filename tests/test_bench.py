@@ -574,12 +574,16 @@ def test_threads_under_load_runs_the_default_and_each_setting_beside_a_busy_core
 
 
 def spinning(pid):
-    """Whether process `pid` is the bench's spinning one (bench/threads.py)."""
+    """Whether process `pid` is the bench's spinning one (bench/threads.py): a child of this test's process,
+    since other programs on a shared machine may run a `while True:` of their own."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as file:
-            return b"while True:" in file.read()
-    except OSError:
+            command = file.read()
+        with open(f"/proc/{pid}/stat") as file:
+            parent = int(file.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
         return False
+    return b"while True:" in command and parent == os.getpid()
 
 
 def fake_llama_cpp(directory, plain_ms=(500, 400, 600), decoded_s=2.0):
