@@ -1,5 +1,6 @@
 """python -m minispec.serve --target T [--draft D] [--host 127.0.0.1] [--port 8000] ...: the OpenAI API
-over one target (and its draft), with uvicorn."""
+over one target (and its draft), with uvicorn. On a target sharded over N processes:
+torchrun --nproc-per-node N -m minispec.serve --tp N ... (rank 0 serves, the others follow: group.py)."""
 
 import argparse
 import logging
@@ -8,7 +9,7 @@ import os
 import sys
 
 from ..settings import gamma_setting, tree_setting
-from ..cli import add_model_flags
+from ..cli import add_model_flags, tp_rank
 from ..loaders import load_models
 from .scheduler import Scheduler
 
@@ -25,7 +26,7 @@ except ImportError as missing:  # the optional extra is not installed
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minispec.serve",
                                      description="An OpenAI-compatible HTTP server, speculative by default.")
-    add_model_flags(parser, draft_default="lookup")
+    add_model_flags(parser, draft_default="lookup", tensor_parallel=True)
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
     parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N", default="auto",
@@ -51,6 +52,10 @@ def parse_args(argv=None):
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C, seconds the running requests may take to finish before they "
                              "are cancelled (default 30)")
+    parser.add_argument("--tp-timeout", type=float, default=30.0,
+                        help="with --tp: seconds a rank waits for the others in a collective; a rank that dies or "
+                             "stalls for longer fails every request (503) and the server exits, within twice this "
+                             "(default 30)")
     return parser.parse_args(argv)
 
 
@@ -77,6 +82,8 @@ def check_flags(args):
         raise ValueError(f"--prefix-cache-mb must be a number of MiB >= 0, got {args.prefix_cache_mb}")
     if not 0 <= args.shutdown_timeout < math.inf:
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+    if not 0 < args.tp_timeout < 1e6:
+        raise ValueError(f"--tp-timeout must be a number of seconds in (0, 1e6), got {args.tp_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
 
@@ -91,14 +98,25 @@ def main(argv=None):
         app = build_app(scheduler, args.served_model_name or args.target, args.draft, args.api_key,
                         args.shutdown_timeout)
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug
-        print(f"error: {error}", file=sys.stderr)
+        if not tp_rank(args):  # with --tp every rank refuses alike: rank 0 says so
+            print(f"error: {error}", file=sys.stderr)
         return 2
+    if target.tp is not None:
+        from . import group  # a tensor-parallel server only
+        if target.tp.rank:
+            return group.follow(scheduler.models, args.tp_timeout)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("minispec.serve").warning("listening on %s without --api-key: whoever reaches it can "
                                                     "use it", args.host)
     server = Server(app, scheduler, args.shutdown_timeout, host=args.host, port=args.port)
-    server.run()
+    leader = None
+    if target.tp is not None:
+        leader = group.Leader(scheduler, args.tp_timeout, on_failure=lambda _: setattr(server, "should_exit", True))
+    server.run()  # on SIGTERM, the scheduler's stop also stops the other ranks (group.Leader.stop)
+    if leader is not None and leader.failure is not None:
+        print(f"error: {leader.failure}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1  # uvicorn has logged why it could not start
 
 

@@ -95,8 +95,8 @@ class Handlers:
         except QueueFull:
             raise RequestError(429, f"{self.scheduler.max_waiting} requests are waiting already; retry later",
                                kind="rate_limit_error", code="rate_limit_exceeded") from None
-        except ShuttingDown:
-            raise server_error("the server is shutting down", 503) from None
+        except ShuttingDown as error:
+            raise server_error(str(error), 503) from None
         reply = Reply(chat, self.model_name, self.draft_name, parsed.request.prompt_ids.shape[1],
                       self.scheduler.target.tokenizer)
         if parsed.stream:

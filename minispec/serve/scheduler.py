@@ -30,7 +30,7 @@ class QueueFull(Exception):
 
 
 class ShuttingDown(Exception):
-    """The server is stopping: it takes no new requests."""
+    """The server is stopping: it takes no new requests (the message says why, when not asked to)."""
 
 
 @dataclass
@@ -97,6 +97,8 @@ class Scheduler:
         self.indices = count()
         self.changed = threading.Condition()  # guards `waiting`, `live` and `stopping`
         self.stopping = False
+        self.failure = None  # why the server stops on its own (a tensor-parallel group's fault), if it does
+        self.group = None  # group.Leader, on a tensor-parallel target
         self.thread = threading.Thread(target=self.serve, name="minispec-scheduler", daemon=True)
 
     def start(self):
@@ -106,7 +108,7 @@ class Scheduler:
         """Queue a job for the next free row (any thread)."""
         with self.changed:
             if self.stopping:
-                raise ShuttingDown
+                raise ShuttingDown(self.failure or "the server is shutting down")
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull
             self.waiting.append(job)
@@ -133,24 +135,30 @@ class Scheduler:
 
     def stop(self, timeout=None):
         """Take no more jobs, and fail (503) those not ended yet: when a server shuts down, its handlers
-        have had their grace period (uvicorn's). Then wait for the thread, at most `timeout` seconds."""
+        have had their grace period (uvicorn's). Then wait for the thread, at most `timeout` seconds, and
+        stop the tensor-parallel group's other ranks, if any."""
         self.close()
         if self.thread.is_alive():
             self.thread.join(timeout)
+        if self.group is not None:  # the other ranks of a tensor-parallel target stop too
+            self.group.stop()
 
-    def close(self):
-        """No new jobs, and every job not ended fails (503); take() returns none from now on."""
+    def close(self, failure=None):
+        """No new jobs, and every job not ended fails (503, with `failure` as the reason if given); take()
+        returns none from now on."""
         with self.changed:
             self.stopping = True
+            self.failure = self.failure or failure
             for job in self.live:
-                job.fail(503, "the server is shutting down")
+                job.fail(503, self.failure or "the server is shutting down")
             self.live.clear()
             self.waiting.clear()
             self.changed.notify()
 
     @property
     def load(self):
-        return {"running": len(self.running), "waiting": len(self.waiting)}
+        group = {} if self.group is None else {"tp": self.group.state}
+        return {"running": len(self.running), "waiting": len(self.waiting), **group}
 
     # --- the scheduler's thread ---------------------------------------------------------------------
     def serve(self):
@@ -170,6 +178,8 @@ class Scheduler:
             for index, tokens, logprobs, _, result in engine.decode(self.target, self, self.rows, self.cancelled,
                                                                     self.prefixes):
                 self.advance(index, tokens, logprobs, result)
+            return True
+        except ShuttingDown:  # the tensor-parallel group failed, and close() has failed every job
             return True
         except Exception:
             log.exception("decoding failed; failing the %d request(s) in the batch", len(self.running))
