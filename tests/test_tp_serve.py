@@ -98,7 +98,7 @@ def test_a_killed_rank_fails_requests_with_503_and_rank_0_exits_naming_it(checkp
         assert "rank 1 of 2 stopped responding" in message, message
         status = processes[0].wait(timeout=4 * timeout + 10)
         elapsed = time.monotonic() - killed
-        assert status == 1 and elapsed < 2 * timeout + 5, (status, elapsed)
+        assert status == 1 and elapsed < 2.5 * timeout + 5, (status, elapsed)  # the bound --tp-timeout states
         errors = [line for line in log(0).splitlines() if line.startswith("error: ")]
         assert errors == [f"error: {message}"], log(0)[-3000:]
 

@@ -54,8 +54,8 @@ def parse_args(argv=None):
                              "are cancelled (default 30)")
     parser.add_argument("--tp-timeout", type=float, default=30.0,
                         help="with --tp: seconds a rank waits for the others in a collective; a rank that dies or "
-                             "stalls for longer fails every request (503) and the server exits, within twice this "
-                             "(default 30)")
+                             "stalls for longer fails every request (503) and the server exits, within 2.5 times "
+                             "this and 5 s (default 30)")
     return parser.parse_args(argv)
 
 

@@ -9,9 +9,10 @@ nothing else crosses the group. Drafters run on rank 0 only: a draft model (repl
 there, model-free drafters there; a self-draft (--draft int8/int4) is sharded, so its calls are mirrored.
 
 Faults: every collective waits at most `timeout` seconds (--tp-timeout); an idle rank 0 sends a beat
-record every third of that, so a rank that dies or stalls is found within `timeout` whether or not
+record every third of that, so a rank that dies or stalls is found within 4/3 of `timeout` whether or not
 requests run. Each follower counts beats of its own in the group's store, so rank 0 can name the ranks
-that stopped. Rank 0 then fails every request (503), refuses new ones, and exits.
+that stopped. Rank 0 then fails every request (503), refuses new ones, and exits: within 2.5 `timeout`
+and 5 s (finding it, naming it, and a scheduler's call that may wait `timeout` more).
 """
 
 import logging
@@ -209,11 +210,12 @@ def follow(models, timeout):
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun's or a terminal's, sent to every rank: rank 0 decides
         signal.signal(sig, signal.SIG_IGN)
     bound_collectives(models, timeout)
-    threading.Thread(target=count_beats, args=(tp.rank,), name="minispec-tp-beat", daemon=True).start()
+    stopped = threading.Event()
+    threading.Thread(target=count_beats, args=(tp.rank, stopped), name="minispec-tp-beat", daemon=True).start()
     with torch.inference_mode():  # as the engine's calls on rank 0
         while True:
+            record = [None]
             try:
-                record = [None]
                 dist.broadcast_object_list(record, src=tp.first, group=tp.host_group)
                 call = record[0]
                 if call.method == "stop":
@@ -222,21 +224,21 @@ def follow(models, timeout):
                     getattr(models[call.model], call.method)(*moved(call.args, device), **moved(call.kwargs, device))
             except Exception as error:
                 if not collective_failed(error):  # failed alike on rank 0, which fails its batch and goes on
-                    log.exception("rank %d: %s failed", tp.rank, call.method)
+                    log.exception("rank %d: a call rank 0 mirrored failed", tp.rank)
                     continue
                 print(f"error: tp: rank {tp.rank} lost rank 0 or a peer: {first_line(error)}", file=sys.stderr,
                       flush=True)
                 os._exit(1)  # not a normal exit: the group's teardown would wait for ranks that are gone
+    stopped.set()  # before rank 0, which holds the store, ends
     parallel.leave()
     return 0
 
 
-def count_beats(rank):
+def count_beats(rank, stopped):
     """A follower's sign of life in the store, for rank 0 to read when a collective fails."""
     store = distributed_c10d._get_default_store()
     try:
-        while True:
+        while not stopped.wait(STORE_BEAT_SECONDS):
             store.add(beat_key(rank), 1)
-            time.sleep(STORE_BEAT_SECONDS)
     except Exception:  # the store has gone, with rank 0's launcher: the main loop's wait fails soon too
         return
