@@ -2,22 +2,29 @@
 processes on the CPU started here as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), on
 test_serve.py's tiny llama. Requests overlapping in a continuous batch, speculative with a draft model,
 streamed or not, get what one process gives them; SIGTERM to rank 0 stops both ranks; a rank killed
-mid-service fails the next request with 503 naming it, and rank 0 exits within the stated bound."""
+mid-service fails the next request with 503 naming it, and rank 0 exits within the stated bound.
+Replicas: the README's nginx example, as written, in front of two servers sharing a profiles folder."""
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
-from test_serve import PROMPTS, alone, checkpoints, expected, streamed, text_of, up, wait_until  # noqa: F401 (fixtures)
+import pytest
+from test_serve import (PROMPTS, alone, checkpoints, expected, make_app, streamed, text_of, up,  # noqa: F401 (fixtures)
+                        uvicorn_serving, wait_until)
 
+from minispec.decoding import profiles
 from minispec.serve import __main__ as serve_main
 
-ROOT = serve_main.__file__.rsplit("/minispec/", 1)[0]
+ROOT = Path(__file__).resolve().parents[1]
 STARTUP = 90  # seconds for both ranks to load and rank 0 to listen
 
 
@@ -32,7 +39,7 @@ def ranks(checkpoints, tmp_path, *flags):
     """Rank 0 and rank 1 of `python -m minispec.serve --tp 2` on the tiny target; yields the base URL,
     the two processes and a function reading their logs."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     command = [sys.executable, "-m", "minispec.serve", "--tp", "2", "--target", str(checkpoints[0]), "--device", "cpu",
                "--threads", "1", "--port", str(port), "--batch-size", "2", *map(str, flags)]
@@ -107,3 +114,40 @@ def test_a_bad_tp_timeout_is_refused_in_one_line(checkpoints, capsys):
     assert serve_main.main(["--target", str(checkpoints[0]), "--tp-timeout", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tp-timeout must be a number of seconds" in err, err
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+def test_the_readme_replicas_behind_nginx(checkpoints, alone, tmp_path, monkeypatch):
+    """The README's nginx configuration (its ports changed for free ones) in front of two servers that
+    share a profiles folder: requests, streamed ones too, reach both and get what one server gives; the
+    replica that serves second starts from the profile the first one wrote."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    readme = (ROOT / "README.md").read_text()
+    [config] = re.findall(r"```nginx\n(.*?)```", readme, re.S)
+    monkeypatch.setenv("MINISPEC_PROFILES", str(tmp_path / "profiles"))
+    loaded, load = [], profiles.load
+    monkeypatch.setattr(profiles, "load", lambda key, profile: loaded.append(load(key, profile)) or loaded[-1])
+    (a, a_scheduler), (b, b_scheduler) = (make_app(checkpoints, gamma="auto") for _ in range(2))
+    with uvicorn_serving(a, a_scheduler) as (first, _), uvicorn_serving(b, b_scheduler) as (second, _):
+        port = free_port()
+        for old, new in (("8000", port), ("8001", first.rsplit(":", 1)[1]), ("8002", second.rsplit(":", 1)[1])):
+            config = config.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
+        (tmp_path / "minispec-nginx.conf").write_text(config)
+        nginx = subprocess.Popen(["nginx", "-p", str(tmp_path), "-c", "minispec-nginx.conf", "-g",
+                                  f"daemon off; pid {tmp_path}/nginx.pid; error_log stderr;"], stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: up(url) or nginx.poll() is not None)
+            assert complete(url, PROMPTS[0], temperature=0, max_tokens=8).status_code == 200
+            body = {"prompt": PROMPTS[3], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            with ThreadPoolExecutor(4) as pool, httpx.Client(base_url=url, timeout=60) as client:
+                texts = [pool.submit(lambda p=p: complete(url, p).json()["choices"][0]["text"]) for p in PROMPTS[:3]]
+                events = pool.submit(streamed(client, "/v1/completions", body)).result()
+                texts = [text.result() for text in texts]
+        finally:
+            nginx.terminate()
+            stderr = nginx.communicate(timeout=30)[1].decode()
+    assert texts == [expected(alone, prompt, max_new_tokens=16, ignore_eos=True).text for prompt in PROMPTS[:3]], stderr
+    assert len(events) > 2 and text_of(events) == expected(alone, PROMPTS[3], max_new_tokens=16, ignore_eos=True).text
+    assert loaded == [False, True]  # one replica started cold, the other from its profile
