@@ -93,10 +93,15 @@ def test_two_ranks_serve_what_one_process_serves_and_stop_together_on_sigterm(ch
         assert "Traceback" not in log(0) + log(1), log(0) + log(1)
 
 
-def test_a_killed_rank_fails_requests_with_503_and_rank_0_exits_naming_it(checkpoints, tmp_path):
+def test_a_killed_rank_fails_requests_with_503_and_rank_0_exits_naming_it(checkpoints, alone, tmp_path):
+    """With a self-draft (the target's int8 copy, sharded too: its calls are mirrored as the target's)
+    the single process's text; then rank 1 killed: the next request fails (503) naming it, and rank 0
+    exits with that line within the bound --tp-timeout states."""
     timeout = 3
-    with ranks(checkpoints, tmp_path, "--draft", "lookup", "--tp-timeout", timeout) as (url, processes, log):
-        assert complete(url, PROMPTS[0]).status_code == 200
+    with ranks(checkpoints, tmp_path, "--draft", "int8", "--tp-timeout", timeout) as (url, processes, log):
+        reply = complete(url, PROMPTS[0]).json()
+        assert reply["speculative"]["draft"] == "int8" and reply["speculative"]["acceptance_rate"] > 0
+        assert reply["choices"][0]["text"] == expected(alone, PROMPTS[0], max_new_tokens=16, ignore_eos=True).text
         processes[1].kill()
         killed = time.monotonic()
         reply = complete(url, PROMPTS[1])
