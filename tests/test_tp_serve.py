@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,8 +45,9 @@ def ranks(checkpoints, tmp_path, *flags):
     command = [sys.executable, "-m", "minispec.serve", "--tp", "2", "--target", str(checkpoints[0]), "--device", "cpu",
                "--threads", "1", "--port", str(port), "--batch-size", "2", *map(str, flags)]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    files = [open(log, "w") for log in logs]
     processes = [subprocess.Popen(command, cwd=ROOT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                  stdout=subprocess.DEVNULL, stderr=open(log, "w")) for rank, log in enumerate(logs)]
+                                  stdout=subprocess.DEVNULL, stderr=file) for rank, file in enumerate(files)]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: up(url) or any(p.poll() is not None for p in processes), timeout=STARTUP)
@@ -54,9 +56,10 @@ def ranks(checkpoints, tmp_path, *flags):
     finally:
         for process in processes:
             if process.poll() is None:
-                os.kill(process.pid, signal.SIGCONT)
                 process.kill()
             process.wait()
+        for file in files:
+            file.close()
 
 
 def complete(url, prompt, **fields):
@@ -67,8 +70,6 @@ def complete(url, prompt, **fields):
 def test_two_ranks_serve_what_one_process_serves_and_stop_together_on_sigterm(checkpoints, alone, tmp_path):
     """A draft model (on rank 0), 4 requests over 2 rows (so some wait and join the batch later), one
     streamed, one a chat: each the single process's greedy text. Then SIGTERM to rank 0 ends both."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ranks(checkpoints, tmp_path, "--draft", checkpoints[1]) as (url, processes, log):
         assert httpx.get(url + "/health").json()["tp"] == {"ranks": 2, "state": "ok"}
         chat = [{"role": "user", "content": "the cat sat on the mat?"}]
@@ -126,8 +127,6 @@ def test_the_readme_replicas_behind_nginx(checkpoints, alone, tmp_path, monkeypa
     """The README's nginx configuration (its ports changed for free ones) in front of two servers that
     share a profiles folder: requests, streamed ones too, reach both and get what one server gives; the
     replica that serves second starts from the profile the first one wrote."""
-    from concurrent.futures import ThreadPoolExecutor
-
     readme = (ROOT / "README.md").read_text()
     [config] = re.findall(r"```nginx\n(.*?)```", readme, re.S)
     monkeypatch.setenv("MINISPEC_PROFILES", str(tmp_path / "profiles"))

@@ -30,7 +30,7 @@ class QueueFull(Exception):
 
 
 class ShuttingDown(Exception):
-    """The server is stopping: it takes no new requests (the message says why, when not asked to)."""
+    """The server is stopping: it takes no new requests. Its message says why."""
 
 
 @dataclass
