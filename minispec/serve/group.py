@@ -67,10 +67,9 @@ def sharded(models):
     return [model for model in models if model.tp is not None]
 
 
-def bound_collectives(models, timeout):
+def bound_collectives(tp, timeout):
     """Once every rank is ready (a barrier under the join's long timeout: loading a large checkpoint takes
-    a while), every collective of the models' group fails after `timeout` seconds without its peers."""
-    tp = sharded(models)[0].tp
+    a while), every collective of the group fails after `timeout` seconds without its peers."""
     dist.barrier(group=tp.host_group)
     for group in {tp.group, tp.host_group}:
         distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
@@ -113,7 +112,7 @@ class Leader:
             for name in MIRRORED:
                 setattr(model, name, self.mirror(index, getattr(model, name)))
         scheduler.group = self
-        bound_collectives(self.models, timeout)
+        bound_collectives(self.tp, timeout)
         threading.Thread(target=self.beat, name="minispec-tp-beat", daemon=True).start()
 
     @property
@@ -209,7 +208,7 @@ def follow(models, timeout):
     tp, device = models[0].tp, models[0].device
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun's or a terminal's, sent to every rank: rank 0 decides
         signal.signal(sig, signal.SIG_IGN)
-    bound_collectives(models, timeout)
+    bound_collectives(tp, timeout)
     stopped = threading.Event()
     threading.Thread(target=count_beats, args=(tp.rank, stopped), name="minispec-tp-beat", daemon=True).start()
     with torch.inference_mode():  # as the engine's calls on rank 0
