@@ -3,6 +3,7 @@
     python run.py                       # the demo: DEFAULT_ARGS below (fetches SmolLM2-135M-Instruct once)
     python run.py --target gpt2-large --draft gpt2 --prompt "Once upon a time" --show
     python run.py --target ./ckpt --draft lookup --prompt-ids 1,2,3 --json
+    python run.py --target ./ckpt --draft ./small,suffix --prompt-ids 1,2,3 --json   # both guess in one tree
     python run.py --target ./ckpt --draft ./small --beams 4 --draft-beams 8 --gamma 3 --prompt-ids 1,2,3 --json
 """
 

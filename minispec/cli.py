@@ -49,8 +49,9 @@ def add_model_flags(parser, draft_default, tensor_parallel=False):
     parser.add_argument("--draft", default=draft_default,
                         help="a smaller model (as --target), a draft head's folder (python -m "
                              "minispec.tools.train_heads), 'ngram', 'lookup', 'suffix' (lookup over earlier requests "
-                             "too), 'int8' or 'int4' (the target itself, quantized), or 'none' (plain autoregressive "
-                             f"decoding with the target); default {draft_default}")
+                             "too), 'int8' or 'int4' (the target itself, quantized), one of those and 'lookup' or 'suffix' "
+                             "joined by a comma (D,suffix: both guess in one token tree), or 'none' (plain "
+                             f"autoregressive decoding with the target); default {draft_default}")
     parser.add_argument("--quantize", choices=QUANT_MODES,
                         help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
                              "tensors as they are)")

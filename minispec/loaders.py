@@ -32,7 +32,11 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
 
 
 def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
-    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it)."""
+    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it; "D,suffix":
+    both, in one tree, decoding/mixed.py)."""
+    if isinstance(draft, str) and "," in draft:
+        return [load_draft(part, target, compile, None if part in MODEL_FREE_NAMES else draft_quantize, group_size)
+                for part in draft.split(",")]
     if draft in (None, "none") or draft in MODEL_FREE_NAMES or draft in SELF_DRAFT_MODES:
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")

@@ -51,6 +51,8 @@ class Ask(NamedTuple):
     keep_guessing: Optional[Callable]  # keep_guessing(i, confidence): whether to go on after guess i
     tree: Optional[int] = None  # the most nodes of a token tree (None: a chain)
     counts: Optional[Counts] = None  # a penalized row's (engine.Row), which a draft model's chain q is penalized by
+    depth: Optional[int] = None  # the deepest path any drafter may add (γ's most, and the tokens left to make)
+    room: Optional[int] = None  # the most nodes a tree may have (its target cache row's free slots)
 
 
 class Proposal(NamedTuple):
@@ -59,6 +61,7 @@ class Proposal(NamedTuple):
     drafts: torch.Tensor
     q: Optional[torch.Tensor]
     parents: Optional[list] = None
+    fixed: frozenset = frozenset()  # nodes that are fixed candidates although q is given (decoding/mixed.py)
 
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
@@ -68,7 +71,11 @@ SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
 def make_drafter(draft, target):
     """A drafter for `draft`: a loaded model (minispec.load), "ngram", "lookup", "suffix", or "int8" / "int4"
-    (the target itself, quantized: its own quantized weights and KV cache, built once per target)."""
+    (the target itself, quantized: its own quantized weights and KV cache, built once per target); a list
+    of two, a model and "lookup" or "suffix": their guesses in one tree (decoding/mixed.py)."""
+    if isinstance(draft, (list, tuple)):
+        from . import mixed  # an optional drafter: the core loads its module only when it is asked for
+        return mixed.MixedDrafter([make_drafter(part, target) for part in draft])
     if draft == "suffix":
         from . import suffix  # an optional drafter: the core loads its module only when it is asked for
         return suffix.SuffixDrafter(target)
@@ -417,6 +424,8 @@ def propose_all(asks):
     Draft-model rows guess together."""
     if isinstance(asks[0].drafter, ModelDrafter):
         return propose_together(asks)
+    if hasattr(asks[0].drafter, "propose_rows"):  # several drafters' guesses in one tree (mixed.py; no cycle)
+        return asks[0].drafter.propose_rows(asks, propose_all)
     return [Proposal(*ask.drafter.propose_tree(ask.k, ask.tree, ask.sampling)) if ask.tree and ask.k
             else Proposal(*ask.drafter.propose(ask.k, ask.sampling, ask.generator, ask.keep_guessing))
             for ask in asks]

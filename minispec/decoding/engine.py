@@ -58,9 +58,10 @@ class Row:
 
     def ask(self):
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
-        k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
+        left = self.request.max_new_tokens - len(self.tokens) - 1
+        k = min(self.policy.guesses(), left)
         return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
-                   self.counts)
+                   self.counts, min(self.policy.k_max, left), self.room())
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
@@ -94,9 +95,11 @@ class Row:
         """The most nodes this step's token tree may have: the request's `tree` (with "auto", the
         policy's choice for this step), or fewer where the cache row has less room left (None: a chain)."""
         tree = self.policy.tree_nodes if self.request.tree == "auto" else self.request.tree
-        if not tree:
-            return None
-        return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
+        return min(tree, self.room()) if tree else None
+
+    def room(self):
+        """The cache row's free slots: the most guesses a step may feed."""
+        return self.request.target.cache_max_seq_len - self.length - len(self.unseen)
 
     def advance_tree(self, nodes, parents, verdict, timing, seen=None, logprobs=None):
         """Take a verified tree step (tree.py's TreeVerdict: the accepted path of node indices, the

@@ -93,7 +93,7 @@ class Store(Texts):
 def matched(text, end, context):
     """How many of the context's last tokens end at text[end] (at most MATCH_MAX)."""
     n = 0
-    while n < MATCH_MAX and n <= end and text[end - n] == context[-1 - n]:
+    while n < min(MATCH_MAX, len(context)) and n <= end and text[end - n] == context[-1 - n]:
         n += 1
     return n
 

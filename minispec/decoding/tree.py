@@ -94,7 +94,7 @@ def walk(nodes, parents, choices):
         next((j for j in children if nodes[j] == choices[row]), None), choices[row]))
 
 
-def sample_walk(nodes, parents, p, generator, q=None):
+def sample_walk(nodes, parents, p, generator, q=None, fixed=frozenset()):
     """Sampled verification of a tree (SpecInfer's and Sequoia's recursive rejection). p [k + 1, vocab]:
     the target's distribution at the root, then at each node. q: None when each node's children are
     fixed candidates, distinct (lookup's, ngram's, Medusa's most probable); else q [k, vocab], the
@@ -104,18 +104,19 @@ def sample_walk(nodes, parents, p, generator, q=None):
     q'(x)), else p' becomes norm(max(p' - q', 0)) (Algorithm 1's residual, which is 0 at x) and x leaves
     q'; when none is accepted, t ~ p'. A fixed candidate is a draw from q' one-hot at it: accepted with
     p'(x), else x leaves p'. Each step is Algorithm 1's, whose residual the next draw targets, so the
-    token that comes out has probability p exactly. Returns a TreeVerdict; draws come from
-    `generator` in a fixed order (a row's as alone in a batch)."""
+    token that comes out has probability p exactly. `fixed`: nodes that are fixed candidates although q
+    is given, each after its parent's draws (another drafter's, decoding/mixed.py). Returns a TreeVerdict;
+    draws come from `generator` in a fixed order (a row's as alone in a batch)."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'
         drawn_from = None if q is None or not children else q[row] / q[row].sum()  # q' (a leaf: none)
         for j in children:
-            x = nodes[j]
-            q_x = 1.0 if q is None else drawn_from[x]
+            x, drawn = nodes[j], q is not None and j not in fixed
+            q_x = drawn_from[x] if drawn else 1.0
             r = torch.rand((), generator=generator, device=remaining.device)
             if r * q_x < remaining[x]:
                 return j, None
-            if q is None:
+            if not drawn:
                 remaining[x] = 0
             else:
                 remaining = (remaining - drawn_from).clamp(min=0)

@@ -1,0 +1,103 @@
+"""draft=[model, "suffix"]: a model's (or a head's) guesses and a cheap drafter's ("lookup", "suffix") in one
+token tree, verified in one target forward. The cheap drafter's guesses cost nothing but their verify
+positions; the model's cost its forwards. Each step:
+
+    the cheap chain: the cheap drafter's guesses, at most `depth` deep (γ's most), cut at the first one it
+    is less than HALF sure of (a 1-token lookup match is often chance)
+    none                      -> the model guesses alone, as the policy asks (its γ, chain or tree)
+    its first guess is sure   -> the cheap chain alone: the model skips the step's forwards
+    (confidence 1: lookup's full match, suffix's longest match that every occurrence continues)
+    else                      -> the model's guesses and the cheap chain, merged into one tree
+
+The policy prices the pair as it prices the model (its γ, chain or tree, from the model's profile).
+Exact: greedy, the walk accepts the longest path of the target's argmaxes (tree.walk), whoever drafted it.
+Sampled, a node's children are the model's draws from q, then the cheap chain's token where the model did
+not draw it (tree.add_path appends it after them); tree.sample_walk tries them in that order, each by the
+rule for how it was drawn: a draw with q (its ratio test, the residual p - q), the cheap token as a point
+mass (accepted with p', then dropped from p'). Each test is Algorithm 1's against the residual of the
+ones before, and the cheap token is fixed given what came before, so the token that comes out has p's
+distribution (the recursive rejection argument, candidate by candidate).
+"""
+
+import torch
+
+from ..models.kernels import to_device
+from .tree import add_path, tree_or_chain
+
+HALF = 0.5
+SURE = 1.0
+CHEAP = ("lookup", "suffix")  # deterministic guesses (q one-hot), previewed for free
+
+
+class MixedDrafter:
+    """A model drafter (ModelDrafter, a head, Medusa) and a cheap one, as one drafter (drafters.py's interface)."""
+
+    preview = None  # the model's guesses cannot be previewed: the policy sizes them by measured speed
+
+    def __init__(self, parts):
+        cheap = [part for part in parts if part.name in CHEAP]
+        if len(parts) != 2 or len(cheap) != 1 or any(isinstance(part, MixedDrafter) for part in parts):
+            raise ValueError("several drafters in one tree: give two, a model (or head, 'int8', 'int4', 'ngram') "
+                             f"and one of {', '.join(map(repr, CHEAP))}, e.g. draft=[model, 'suffix']")
+        self.cheap, self.main = cheap[0], next(part for part in parts if part is not cheap[0])
+        self.name, self.model = f"{self.main.name}+{self.cheap.name}", self.main.model
+        self.weights, self.reads_states = getattr(self.main, "weights", None), self.main.reads_states
+        self.chain = None  # the model's last chain, host ids (None: it drafted a tree, or nothing)
+
+    calls = property(lambda self: self.main.calls)
+    encoder_calls = property(lambda self: self.main.encoder_calls)
+    row = property(lambda self: self.main.row, lambda self, row: setattr(self.main, "row", row))
+
+    def start(self, prompt_ids, sampling, row=0):
+        self.main.start(prompt_ids, sampling, row)
+        self.cheap.start(prompt_ids, sampling, row)
+
+    def cheap_chain(self, depth):
+        """The step's cheap chain (host ids) and whether the model sits it out."""
+        guesses, sure = self.cheap.preview(depth) if depth > 0 else ([], [])
+        n = next((i for i, confidence in enumerate(sure) if confidence < HALF), len(sure))
+        return guesses[:n], n > 0 and sure[0] >= SURE
+
+    @staticmethod
+    def propose_rows(asks, propose_all):
+        """Every row's Proposal (asks: one per cache row, in row order): the model's, from one propose_all
+        over the rows (draft forwards shared), merged with each row's cheap chain."""
+        chains = [ask.drafter.cheap_chain(ask.depth or ask.k) for ask in asks]
+        inner = propose_all([ask._replace(drafter=ask.drafter.main, k=0 if alone else ask.k)
+                             for ask, (_, alone) in zip(asks, chains)])
+        return [ask.drafter.merge(proposal, chain, ask.room) for ask, proposal, (chain, _) in zip(asks, inner, chains)]
+
+    def merge(self, proposal, chain, room):
+        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room) nodes."""
+        self.chain = None
+        if not chain:
+            return proposal
+        tokens = proposal.drafts.tolist()
+        m = len(tokens)
+        self.chain = list(tokens) if proposal.parents is None else None
+        parents = list(range(-1, m - 1)) if proposal.parents is None else list(proposal.parents)
+        add_path(tokens, parents, chain, max(m, room if room is not None else m + len(chain)))
+        if len(tokens) == m:  # the model had drafted the chain already
+            return proposal
+        drafts = to_device(tokens, proposal.drafts.device)
+        if proposal.q is None:  # every candidate is fixed (greedy, or a Medusa tree)
+            return proposal._replace(drafts=drafts, parents=tree_or_chain(parents))
+        q = torch.cat([proposal.q, proposal.q.new_zeros(len(tokens) - m, proposal.q.shape[1])])
+        return proposal._replace(drafts=drafts, q=q, parents=parents, fixed=frozenset(range(m, len(tokens))))
+
+    def accept(self, tokens, tokens_on_device, seen=None):
+        main = self.main
+        if self.chain is not None and hasattr(main, "fed_guesses"):
+            # the draft's cache holds its chain's fed guesses: those the accepted path shares stay
+            agreed = next((i for i, (a, b) in enumerate(zip(tokens[:-1], self.chain)) if a != b),
+                          min(len(tokens) - 1, len(self.chain)))
+            agreed = min(agreed, main.fed_guesses)
+            main.length -= main.fed_guesses - agreed
+            main.fed_guesses = agreed
+        main.accept(tokens, tokens_on_device, seen)
+        self.cheap.accept(tokens, tokens_on_device, seen)
+
+    def finish(self, output):
+        if hasattr(self.cheap, "finish"):  # the suffix drafter's store learns the request
+            self.cheap.finish(output)
+
