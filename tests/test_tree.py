@@ -389,7 +389,7 @@ def path_tokens(tokens, parents, j):
 def drafted_tree(drafter, k, budget, sampling):
     """The tree the drafter proposes: tokens (a list), q and parents; sampled, its draws from a generator
     seeded 3."""
-    tokens, q, parents = propose_all([Ask(drafter, k, sampling, torch.Generator().manual_seed(3), None, budget)])[0]
+    tokens, q, parents = propose_all([Ask(drafter, k, sampling, torch.Generator().manual_seed(3), None, budget)])[0][:3]
     return tokens.tolist(), q, parents
 
 
