@@ -14,6 +14,7 @@ from conftest import target_and_drafts
 from minispec.decoding import mixed, speculative, suffix, tree
 from minispec.loaders import load_draft
 from test_heads import gqa_heads  # noqa: F401 (a fixture)
+from test_serve import alone, build_app, checkpoints, in_threads, post, Scheduler, TestClient  # noqa: F401 (fixtures)
 from test_speculative import assert_sampled_from, exact_joint, vocab16  # noqa: F401 (a fixture)
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54] * 2
@@ -139,3 +140,17 @@ def test_the_command_lines_take_it(models):
     assert drafted == ["int8", "lookup"]
     plain = minispec.generate(target, PROMPT, max_new_tokens=12, ignore_eos=True)
     assert minispec.generate(target, PROMPT, draft=drafted, max_new_tokens=12, ignore_eos=True).tokens == plain.tokens
+
+
+def test_a_server_drafting_with_both_gives_what_generate_gives_alone(checkpoints, alone):  # noqa: F811
+    """Concurrent greedy requests on two rows, the draft model and suffix in one tree: plain greedy's text."""
+    target, draft = minispec.load(checkpoints[0]), minispec.load(checkpoints[1])
+    scheduler = Scheduler(target, [draft, "suffix"], "auto", 2, None, 8, "auto")
+    prompts = ["one two three one two four one two five one two", "red blue green red blue black red blue"] * 2
+    with TestClient(build_app(scheduler, "tiny", "model,suffix", None, shutdown_timeout=30)) as client:
+        calls = [post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0})
+                 for prompt in prompts]
+        replies = [reply.json() for reply in in_threads(calls)]
+    for prompt, reply in zip(prompts, replies):
+        ids = alone[0].tokenizer.encode(prompt, split_special_tokens=True)
+        assert reply["choices"][0]["text"] == minispec.generate(alone[0], ids, max_new_tokens=16).text

@@ -29,6 +29,11 @@ SURE = 1.0
 CHEAP = ("lookup", "suffix")  # deterministic guesses (q one-hot), previewed for free
 
 
+def forwarded(name):
+    """The model drafter's attribute, read and set through the mixed one."""
+    return property(lambda self: getattr(self.main, name), lambda self, value: setattr(self.main, name, value))
+
+
 class MixedDrafter:
     """A model drafter (ModelDrafter, a head, Medusa) and a cheap one, as one drafter (drafters.py's interface)."""
 
@@ -44,9 +49,8 @@ class MixedDrafter:
         self.weights, self.reads_states = getattr(self.main, "weights", None), self.main.reads_states
         self.chain = None  # the model's last chain, host ids (None: it drafted a tree, or nothing)
 
-    calls = property(lambda self: self.main.calls)
-    encoder_calls = property(lambda self: self.main.encoder_calls)
-    row = property(lambda self: self.main.row, lambda self, row: setattr(self.main, "row", row))
+    calls, encoder_calls = forwarded("calls"), forwarded("encoder_calls")
+    row, length, unseen = forwarded("row"), forwarded("length"), forwarded("unseen")  # the engine's, the prefix cache's
 
     def start(self, prompt_ids, sampling, row=0):
         self.main.start(prompt_ids, sampling, row)
