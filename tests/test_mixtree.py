@@ -133,6 +133,16 @@ def test_bad_mixes_are_named(models):
     assert error.value.field == "draft"
 
 
+def test_the_mix_is_priced_apart_from_its_model(models):
+    """gamma="auto"'s profile of the model mixed with a cheap drafter is not the model's own, in this process
+    or stored."""
+    from minispec.decoding import drafters, policy, profiles
+    target, draft = models["target"], models["noisy"]
+    alone, mix = drafters.make_drafter(draft, target), drafters.make_drafter([draft, "suffix"], target)
+    assert policy.profile_for(target, mix, None, 8) is not policy.profile_for(target, alone, None, 8)
+    assert profiles.pair_key(target, mix, None, 8) != profiles.pair_key(target, alone, None, 8)
+
+
 def test_the_command_lines_take_it(models):
     """--draft D,lookup: both, D loaded as --draft D would be (here the target's int8 copy)."""
     target = models["target"]
