@@ -59,11 +59,10 @@ def speculative_summary(stats):
 
 
 def minispec_runner(target, draft, gamma, args, tree=None):
-    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate, verifying
-    token trees of up to `tree` guesses when there is a draft and a tree. Its prefill ends when the first
-    step's tokens reach on_tokens: the prompt's forward (and a T5 encoder's before it) costs about the
-    same with or without speculation, so the time after it, and the tokens after the first step's, are
-    the decode phase Theorem 3.8 is about. Those tokens are on the host, so the device work is done."""
+    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate. Its prefill
+    ends when the first step's tokens reach on_tokens (on the host: the device work is done): the
+    prompt's forward costs the same with or without speculation, and what follows is the decode phase
+    Theorem 3.8 is about."""
     settings = dict(decoding_settings(args), tree=tree if draft else None)
 
     def run_one(request):

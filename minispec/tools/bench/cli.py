@@ -90,7 +90,8 @@ def check(args):
         (args.llama_cpp and (args.prompt_ids or args.temperature != 0),
          "--llama-cpp compares greedy decoding of text prompts: without --prompt-ids and --temperature"),
         (isinstance(args.tree, int) and args.tree < 1, f"--tree must be >= 1, got {args.tree}"),
-        (min(args.repeats, args.max_new_tokens, args.seeds) < 1, "--repeats, --max-new-tokens and --seeds must be >= 1"),
+        (min(args.repeats, args.max_new_tokens, args.seeds) < 1,
+         "--repeats, --max-new-tokens and --seeds must be >= 1"),
     ]
     message = next((message for wrong, message in problems if wrong), None)
     if message is not None:

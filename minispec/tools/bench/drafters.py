@@ -1,12 +1,7 @@
 """Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter
-(the first --gamma), in interleaved rounds, so that drift hits all alike. Per drafter: the speedup over
-plain decoding, whether greedy output is plain's, tokens per target call, acceptance by guess position
-(how far into a step guesses survive: what a draft head is judged by) and a guess's cost as a fraction
-of a target step. With --tree N each drafter also runs with token trees of up to N guesses, in the
-same rounds, a row of its own beside its chain's: tree nodes per call, and its tokens per target call
-and speed over its chain's (its speedup column is over plain decoding, as the chain's).
-
-    python -m minispec.tools.bench --target smollm2-135m-instruct --draft lookup ngram int8 ./head --chat [--tree 16]
+(the first --gamma), in interleaved rounds. Per drafter: the speedup, whether greedy output is plain's,
+tokens per target call, acceptance by guess position (what a draft head is judged by) and a guess's
+cost against a target step. With --tree N each drafter also runs with trees, a row beside its chain's.
 """
 
 from argparse import Namespace

@@ -105,12 +105,13 @@ def one_shot_table(args, rows):
     lines = [f"target `{args.target}`, draft `{args.draft}`{search}, {args.max_new_tokens} new tokens, each request "
              f"in a fresh process, {args.repeats} rounds: seconds of the request (median; for auto, the first "
              "run and the median of the later ones) and x plain", ""]
-    return "\n".join(lines + md_table(["prompt", "load s", "plain s", *(f"γ = {name}" for name in names), "same output"],
-                                      ([row["prompt"], f"{row['load_seconds']:.2f}", f"{row['plain_seconds']:.2f}",
-                                        *(config_cell(name, row["configs"][name], row["plain_seconds"]) for name in names),
-                                        yes_no(None if args.temperature else
-                                               all(c["identical"] for c in row["configs"].values()))]
-                                       for row in rows)))
+
+    def cells(row):
+        same = None if args.temperature else all(c["identical"] for c in row["configs"].values())
+        return [row["prompt"], f"{row['load_seconds']:.2f}", f"{row['plain_seconds']:.2f}",
+                *(config_cell(name, row["configs"][name], row["plain_seconds"]) for name in names), yes_no(same)]
+    header = ["prompt", "load s", "plain s", *(f"γ = {name}" for name in names), "same output"]
+    return "\n".join(lines + md_table(header, map(cells, rows)))
 
 
 def config_cell(name, config, plain):
