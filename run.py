@@ -35,8 +35,8 @@ SHOW_HELP = (
 )
 
 
-# `python run.py` alone: SmolLM2-135M-Instruct summarizes a text, speculatively with the lookup drafter
-# (the answer copies phrases from the prompt, which lookup proposes; it beat ngram here), coloured, and timed against plain autoregressive decoding in the same run.
+# `python run.py` alone: the built-in model summarizes a text with the lookup drafter (the answer copies
+# phrases from the prompt, which lookup proposes), coloured, and timed against plain decoding.
 DEFAULT_PROMPT = (
     "Summarize this text in two sentences: The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars "
     "in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower "

@@ -18,8 +18,18 @@ from .theory import best_gamma, predicted_speedup, ratio_factors
 from .timing import row_invariance_price, step_times, time_generation
 
 
+REPORTED = ("target", "draft", "gamma", "tree", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "seeds",
+            "ignore_eos", "repeats", "chat", "compile", "quantize", "draft_quantize", "group_size")
+
+
 def sampling_of(args):
     return Sampling(args.temperature, args.top_k, args.top_p)
+
+
+def reported(args, target, prompts):
+    """The settings a benchmark's JSON and table report."""
+    return {**{key: getattr(args, key) for key in REPORTED}, "gammas": args.gamma, "device": str(target.device),
+            "dtype": dtype_name(target), "prompts": len(prompts)}
 
 
 def decoding_settings(args):
@@ -96,13 +106,7 @@ def benchmark(args):
                        fixed, sampling_of(args))
     greedy = args.temperature == 0
     result = {
-        "settings": {"target": args.target, "draft": args.draft, "gammas": args.gamma,
-                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                     "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
-                     "dtype": dtype_name(target), "compile": args.compile,
-                     "quantize": args.quantize, "draft_quantize": args.draft_quantize, "group_size": args.group_size,
-                     "prompts": len(prompts), "seeds": args.seeds},
+        "settings": reported(args, target, prompts),
         "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
                                               "decode_tokens_per_second", "request_seconds",
                                               "request_seconds_fastest", "warmup_seconds", "outputs")},

@@ -10,9 +10,9 @@ import torch
 
 from minispec.loaders import load_draft, load_models
 
-from .benchmarks import minispec_runner, sampling_of
+from .benchmarks import minispec_runner, reported, sampling_of
 from .prompts import prompt_ids_of, read_prompts
-from .report import dtype_name, md_table
+from .report import md_table
 from .timing import decode_steps, median_times, step_times, time_generation
 
 POSITIONS = 4  # acceptance is shown for the first guess positions
@@ -40,11 +40,8 @@ def drafters_benchmark(args):
         rows.append(chain)
         if (name, "tree") in timed:
             rows.append(against_chain(drafter_row(name, args.tree, timed[name, "tree"], plain, cost, args), chain))
-    settings = {key: getattr(args, key) for key in ("target", "draft", "gamma", "tree", "max_new_tokens", "temperature",
-                                                    "top_k", "top_p", "repeats", "chat", "quantize")}
-    result = {"settings": {**settings, "device": str(target.device), "dtype": dtype_name(target),
-                           "prompts": len(prompts)},
-              "plain_tokens_per_second": plain["tokens_per_second"], "rows": rows}
+    result = {"settings": reported(args, target, prompts), "plain_tokens_per_second": plain["tokens_per_second"],
+              "rows": rows}
     return result, drafters_table(result)
 
 
