@@ -2,11 +2,9 @@
 
     python -m minispec.tools.train_heads --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
 
-writes the head into DIR, where `--draft DIR` and `minispec.load_draft_head(DIR, target)` find it; run
-it again to resume. The target answers a set of prompts, its hidden states over each prompt and answer
-are kept from the very forwards that answer (generate's on_states), and the head learns to predict what
-the target does next from them, with the losses of its paper (the target's p renormalized over an EAGLE
-head's draft vocabulary, where its q lives):
+writes the head into DIR, where `--draft DIR` finds it. The target answers a set of prompts, its hidden
+states are kept from the forwards that answer (generate's on_states), and the head learns what the
+target does next from them, with its paper's loss (p renormalized over a head's draft vocabulary):
 
     EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
             over pairs (f_i + noise, x_{i+1}); the noise (EAGLE's uniform noise on the input states)
@@ -18,17 +16,14 @@ head's draft vocabulary, where its q lives):
             the head's own output head), and its training-time test: the same at the next guesses,
             drafted on the head's own states g' as decoding drafts them (weights 0.8^j)
 
-Only positions inside the answers are learnt. Everything lives in the output folder and a run resumes
-where an interrupted one stopped: the head (config.json, model.safetensors) after every epoch, and in
-its training/ folder the prompts and answers as token ids (data.safetensors), the optimizer's state
-and the epochs done.
+Only positions inside the answers are learnt. A run resumes where an interrupted one stopped: the head
+is saved after every epoch, and DIR/training/ keeps the answers' token ids, the optimizer and the epochs.
 """
 
 import argparse
 import json
 import math
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from minispec import CheckpointError, chat_prompt, generate, load
 from minispec.api import prompt_tensor
@@ -77,23 +73,17 @@ SUBJECTS = (
     "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
     "video game design", "composting", "the periodic table",
 )
-# The longest user message own_prompts keeps, in tokens (a typical chat request fits well within it), and
-# how many it tries for (some run past the limit or repeat and are dropped).
-PROMPT_TOKENS = 64
-OWN_PROMPTS = 1000
-# An EAGLE head's reduced draft vocabulary (eagle.py): a model's answers use few of its tokens, so the
-# most said ones cover nearly all of them at a fraction of the whole vocabulary's cost.
+PROMPT_TOKENS = 64  # the longest user message own_prompts keeps: a typical chat request fits well within it
+OWN_PROMPTS = 1000  # the messages own_prompts tries for (some run past the limit or repeat and are dropped)
+# An EAGLE head's reduced draft vocabulary: a model's answers use few of its tokens, so the most said ones
+# cover nearly all of them at a fraction of the whole vocabulary's cost.
 DRAFT_VOCAB = 8192
 PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
-# Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
-# from memorising.
-HELD_OUT = 20
-# Default epochs: a small target's head trains within about half an hour on a CPU; an EAGLE-3 epoch costs
-# about twice an EAGLE one (its training-time test's second step), so it gets half the epochs.
+HELD_OUT = 20  # every 20th answer is held out: its accuracy after each epoch tells learning from memorising
+# An EAGLE-3 epoch costs about twice an EAGLE one (its training-time test's second step): half the epochs.
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
-# EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
-# only). Two: a head trained on its first guess alone drafts its second far worse, at little cost to its
-# first.
+# EAGLE-3's training-time test: the guesses a head learns to draft on its own states. A head trained on
+# its first guess alone drafts its second far worse, so two.
 TTT_STEPS = 2
 
 
@@ -116,47 +106,51 @@ def own_prompts(target, count, generator, batch_size):
     start, tokenizer = user_turn_start(target.tokenizer), target.tokenizer
     ends = {*tokenizer.encode("<|im_end|>", add_special_tokens=False), tokenizer.eos_token_id}
     seeds = torch.randint(2**62, (count,), generator=generator).tolist()
-    messages, started = {}, time.perf_counter()
-    for first in range(0, count, 4 * batch_size):  # 4 batches a call: rows that end early make room for others
+    messages = {}
+    # 4 batches a call: rows that end early make room for others
+    for first in tqdm(range(0, count, 4 * batch_size), "the target writes prompts"):
         chunk = seeds[first:first + 4 * batch_size]
         for written in generate(target, [start] * len(chunk), max_new_tokens=PROMPT_TOKENS, temperature=1.0,
                                 top_k=50, seed=chunk, stop_token_ids=[*ends - {None}], batch_size=batch_size):
             text = tokenizer.decode(written.tokens[:-1]).strip()
             if written.tokens[-1] in ends and text:
                 messages.setdefault(text)
-        progress(first + len(chunk), count, started, "the target writes prompts")
     return list(messages)
-
-
-def progress(done, total, started, what):
-    """One line on stderr, rewritten in place."""
-    elapsed = time.perf_counter() - started
-    left = elapsed / done * (total - done) if done else 0
-    sys.stderr.write(f"\r{what}: {done}/{total} ({elapsed:.0f} s, about {left:.0f} s left)   ")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def answer(target, prompts, max_new_tokens, batch_size, chat, taps=None):
     """The target's greedy answers, and its states over them from the same forwards: per prompt
     answered with more than one token, (token ids of the prompt and the answer but its last token,
     which no forward sees; where the answer starts), and its states there as `record` gives them."""
-    sequences, records, started = [], [], time.perf_counter()
-    hidden = None if taps is None else [*taps, len(target.layers)]
-    for start in range(0, len(prompts), batch_size):
-        ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts[start:start + batch_size]]
-        seen = [[] for _ in ids]
-        generate(target, ids, max_new_tokens=max_new_tokens, batch_size=len(ids), state_layers=hidden,
-                 on_states=lambda i, tokens, states: seen[i].append((tokens.cpu(), states.cpu())))
-        for prompt, pieces in zip(ids, seen):
-            prompt = prompt_tensor(target, prompt).view(-1)  # the ids generate() decoded from
-            tokens = torch.cat([tokens for tokens, _ in pieces])
-            if len(tokens) > len(prompt):  # an answer of one token (EOS at once) has nothing to learn from
-                sequences.append((tokens, len(prompt)))
-                records.append(states_of(target, torch.cat([states for _, states in pieces]), taps))
-        progress(min(start + batch_size, len(prompts)), len(prompts), started, "the target answers")
+    ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts]
+    sequences, records = [], []
+    seen = forwards(target, ids, max_new_tokens, batch_size, taps, "the target answers")
+    for prompt, (tokens, states) in zip(ids, seen):
+        start = prompt_tensor(target, prompt).shape[-1]  # the ids generate() decoded from
+        if len(tokens) > start:  # an answer of one token (EOS at once) has nothing to learn from
+            sequences.append((tokens, start))
+            records.append(states)
     return sequences, records
+
+
+def record(target, sequences, taps=None, batch_size=16):
+    """The target's states over the sequences, as `answer` keeps them while the target answers (for a
+    resumed run, whose answers are kept but not their states): the forward over each that generate
+    makes for a single new token."""
+    prompts = [tokens.tolist() for tokens, _ in sequences]
+    return [states for _, states in forwards(target, prompts, 1, batch_size, taps, "recording the target's states")]
+
+
+def forwards(target, prompts, max_new_tokens, batch_size, taps, what):
+    """Per prompt, what the target's forwards saw as it generated: (token ids, states_of those)."""
+    hidden, out = None if taps is None else [*taps, len(target.layers)], []
+    for start in tqdm(range(0, len(prompts), batch_size), what):
+        seen = [[] for _ in prompts[start:start + batch_size]]
+        generate(target, prompts[start:start + batch_size], max_new_tokens=max_new_tokens, batch_size=len(seen),
+                 state_layers=hidden, on_states=lambda i, tokens, states: seen[i].append((tokens.cpu(), states.cpu())))
+        out += [(torch.cat([tokens for tokens, _ in pieces]),
+                 states_of(target, torch.cat([states for _, states in pieces]), taps)) for pieces in seen]
+    return out
 
 
 def states_of(target, states, taps):
@@ -180,22 +174,6 @@ def load_data(file):
     data = load_file(file)
     pieces = data["tokens"].split(data["lengths"].tolist())
     return list(zip(pieces, data["answer_starts"].tolist()))
-
-
-def record(target, sequences, taps=None):
-    """The target's states at every position of every sequence, as `answer` records them while the
-    target answers (for a resumed run, whose answers are kept but not their states), from the one
-    forward over a sequence that generate makes for a single new token: [length, dim], its last hidden
-    state; with taps (an EAGLE-3 head's layers), the states entering them first."""
-    records, started = [], time.perf_counter()
-    hidden = None if taps is None else [*taps, len(target.layers)]
-    for i, (tokens, _) in enumerate(sequences):
-        seen = []
-        generate(target, tokens.tolist(), max_new_tokens=1, state_layers=hidden,
-                 on_states=lambda _, tokens, states: seen.append(states.cpu()))
-        records.append(states_of(target, torch.cat(seen), taps))
-        progress(i + 1, len(sequences), started, "recording the target's states")
-    return records
 
 
 class Uncached(torch.nn.Module):
@@ -432,8 +410,7 @@ def new_head(kind, target, heads, draft_vocab=None):
         return new_eagle3(target, hf, draft_vocab)
     if draft_vocab is not None:
         hf["minispec_draft_vocab"] = len(draft_vocab)
-    config, bias = eagle.config_from_hf(hf, target)
-    module = eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)).to(target.dtype)
+    module = eagle.build(hf, target).to(target.dtype)
     with torch.no_grad():
         if draft_vocab is not None:
             module.draft_vocab.copy_(draft_vocab)
@@ -479,9 +456,9 @@ def new_eagle3(target, hf, draft_vocab):
 def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    batch_size: answers generated at once (the same answers at any size, rows being invariant). draft_vocab: an EAGLE head's q covers the target's that many most
-    said tokens (0: all of them). epochs: None for the kind's default (EPOCHS); 0 returns the untrained
-    head, saving nothing."""
+    batch_size: answers generated at once (the same at any size: rows are invariant). draft_vocab: an
+    EAGLE head's q covers the target's that many most said tokens (0: all). epochs: None for the kind's
+    default (EPOCHS); 0 returns the untrained head, saving nothing."""
     epochs = EPOCHS.get(kind) if epochs is None else epochs
     check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
@@ -506,7 +483,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
-    records = record(target, sequences, taps) if records is None else records
+    records = record(target, sequences, taps, batch_size) if records is None else records
     loss_of = {"eagle": eagle_loss, "eagle3": eagle3_loss, "medusa": medusa_loss}[kind]
     longest = max(len(s) for s, _ in sequences) + 32 + TTT_STEPS  # RoPE's positions: whole key blocks, unrolled steps
     held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
@@ -520,8 +497,8 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((first + step + 1) / warmup, 1) * 0.5 * (
         1 + math.cos(math.pi * min((first + step) / total, 1))))
     for epoch in range(done, epochs):
-        started, accuracies = time.perf_counter(), []
-        groups = batch_groups(sequences, learn, tokens_per_batch, generator)
+        accuracies = []
+        groups = tqdm(batch_groups(sequences, learn, tokens_per_batch, generator), f"epoch {epoch + 1}/{epochs}")
         with training(head, longest):
             for step, group in enumerate(groups):
                 batch = [tensor.to(target.device) for tensor in padded_batch(sequences, records, group)]
@@ -535,10 +512,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
                 optimizer.step()
                 schedule.step()
-                loss = loss.detach()
                 accuracies.append(float(accuracy))
-                progress(step + 1, len(groups), started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
-                         f"next-token accuracy {sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
+                groups.set_postfix_str(f"loss {loss.item():.3f}, next-token accuracy "
+                                       f"{sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
             if held:
                 with torch.no_grad(), bfloat16_products(target.device):
                     scores = [float(loss_of(head, *[t.to(target.device) for t in padded_batch(sequences, records, g)],
