@@ -241,9 +241,8 @@ def check_checkpoint(directory):
     """A folder that load_model would load: its weights, config and tokenizer read and checked (a
     conversion is checked so before it is kept). Quantized weights in their stored form are then
     rewritten in the layout the native kernels read (pack_stored)."""
-    if read_checkpoint(directory).stored and backend.current() is not backend.PYTORCH:
+    if read_checkpoint(directory).stored:
         pack_stored(directory)
-        read_checkpoint(directory)
 
 
 def pack_stored(directory):
@@ -252,7 +251,7 @@ def pack_stored(directory):
     the stored form's float32 scales made the file larger than the GGUF it came from."""
     model = load_model(directory)
     if any(hasattr(module, "native") and not module.native for module in model.modules()):
-        return  # a layer the kernels do not take keeps PyTorch's layout, which no load reads from a file
+        return  # no kernels here, or a layer they do not take: PyTorch's layout, which no load reads from a file
     tensors = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -264,6 +263,7 @@ def pack_stored(directory):
     save_safetensors(tensors, Path(directory) / "model.safetensors.partial", metadata={"format": "pt"})
     del model, tensors
     os.replace(Path(directory) / "model.safetensors.partial", Path(directory) / "model.safetensors")
+    read_checkpoint(directory)
 
 
 def unpacked_unless_taken(model, stored, device, tp):
