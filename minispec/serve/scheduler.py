@@ -202,6 +202,8 @@ class Scheduler:
         for job in jobs:
             index = next(self.indices)
             self.running[index] = job
+            if hasattr(job.request.policy, "width"):  # gamma="auto" prices its steps at the batch's width
+                job.request.policy.width = self.running.__len__
             taken.append((index, job.request))
         return taken
 
