@@ -5,9 +5,9 @@ they are, in minispec.models.quant's stored form (int8 or int4 values with their
 which dequantizes bit for bit to the same floats.
 
 The container (header, metadata, tensor infos, data offsets) is read by the `gguf` package, llama.cpp's
-own reader. Quantized types pack blocks of 32 or 256 values with fp16 scales; the unpackers below mirror
-ggml's reference (and the `gguf` package's) exactly, and also give the blocks' integer values and scales,
-which a kept quantized tensor is stored as.
+own reader, and dequantized by it (gguf.quants: ggml's reference in numpy). Quantized types pack blocks of
+32 or 256 values with fp16 scales; the unpackers below give the blocks' integer values and scales, which
+a kept quantized tensor is stored as, and which dequantize bit for bit to gguf's values.
 
     python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
-from ..models import quant
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
 from .weights import save_safetensors
@@ -185,8 +184,8 @@ def tensor_views(reader):
 # -> (q [n, block] integer values, scales [n, groups], offsets [n, groups] or None), meaning
 # value = q * scale + offset, in float32, multiply then add: ggml's reference computes its values in
 # exactly these operations (d * (q - 8) is q * d + (-8 d), both terms exact), so they match it bit for
-# bit. Dequantizing evaluates that (models.quant.dequantize); keeping the tensor quantized stores it
-# (models.quant's stored form, with 4-bit values packed two per byte).
+# bit. A tensor kept quantized is stored so (models.quant's stored form, 4-bit values two per byte),
+# which models.quant.dequantize evaluates.
 
 def _f16(blocks, start):  # the fp16 scale stored at byte `start` of every block, as [n, 1] fp32
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
@@ -308,9 +307,10 @@ def dequantize(tensor):
     if tensor.type in FLOAT_TYPES:
         return tensor.data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
     block, block_bytes = QUANT_TYPES[tensor.type][:2]
-    out = torch.empty(tensor.data.numel() // block_bytes, block)  # filled chunk by chunk
-    for i, (q, scales, offsets) in zip(range(0, len(out), CHUNK_BLOCKS), unpacked_blocks(tensor)):
-        out[i:i + len(q)] = quant.dequantize({"qweight": q.to(torch.int8), "scales": scales, "offsets": offsets})
+    blocks, kind = tensor.data.view(-1, block_bytes).numpy(), GGMLQuantizationType[tensor.type]
+    out = torch.empty(len(blocks), block)  # filled chunk by chunk
+    for i in range(0, len(out), CHUNK_BLOCKS):
+        out[i:i + CHUNK_BLOCKS] = torch.from_numpy(quants.dequantize(blocks[i:i + CHUNK_BLOCKS], kind))
     return out.view(tensor.shape)
 
 
