@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
+from .tokenizer import BYTE_FALLBACK, BYTE_LEVEL, SPACES
 from .weights import save_safetensors
 
 # ---------------------------------------------------------------------------------------------
@@ -634,7 +635,6 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
 
 def split_then_bytes(regex):
@@ -650,11 +650,8 @@ PRE_TOKENIZERS = {
     "qwen2": ({"type": "NFC"}, split_then_bytes(QWEN2_REGEX)),
     "llama-bpe": (None, split_then_bytes(LLAMA3_REGEX)),
     # Gemma's SentencePiece vocabulary (tokenizer.ggml.model 'llama'): spaces as "▁", bytes outside it as <0xNN>
-    "gemma": ({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
-              {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}),
+    "gemma": (SPACES, {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}),
 }
-GEMMA_DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-                                                  {"type": "ByteFallback"}, {"type": "Fuse"}]}
 
 
 def merges_by_rank(tokens):
@@ -707,7 +704,7 @@ def tokenizer_files(metadata, vocab_size):
         "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
         "post_processor": template_processor(tokens, bos, eos),
-        "decoder": GEMMA_DECODER if gemma else
+        "decoder": BYTE_FALLBACK if gemma else
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE", "dropout": None, "unk_token": tokens[ids["unk_token"]] if gemma and "unk_token" in ids else None,
