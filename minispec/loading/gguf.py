@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import struct
 import sys
 import tempfile
 import threading
@@ -45,23 +44,6 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 # Every value the header holds (a string, a number, an array item) is a few numpy objects in gguf's reader,
 # some 350 bytes: a file's count of them is bounded (700 MB), above a 262k-token vocabulary's 1.6 million.
 MAX_HEADER_VALUES = 1 << 21
-
-
-def shortest_float32(value):
-    """The shortest decimal that is the same float32, so an epsilon of 1e-6 reads back as 1e-6
-    rather than 9.999999974752427e-07."""
-    exact = struct.pack("<f", value)
-    return next((float(f"{value:.{digits}g}") for digits in range(1, 10) if same_float32(f"{value:.{digits}g}", exact)),
-                value)  # NaN payloads: as read
-
-
-def same_float32(decimal, exact):
-    """Whether the decimal reads back as the float32 `exact` (near float32's largest, a short decimal
-    rounds past it: not the same)."""
-    try:
-        return struct.pack("<f", float(decimal)) == exact
-    except OverflowError:
-        return False
 
 
 @dataclass
@@ -115,7 +97,9 @@ def metadata_value(name, field):
     if field.types[:2] == [GGUFValueType.ARRAY] * 2:  # as in llama.cpp; nesting recurses as deep as a file asks
         raise BadFile(f"corrupt GGUF file (an array of arrays in metadata {name!r})")
     value = field.contents()
-    return shortest_float32(value) if field.types == [GGUFValueType.FLOAT32] else value
+    # a float32 as the shortest decimal that is the same float32 (numpy prints that), so that an epsilon
+    # of 1e-6 reads back as 1e-6 rather than 9.999999974752427e-07
+    return float(str(np.float32(value))) if field.types == [GGUFValueType.FLOAT32] else value
 
 
 def read_gguf(path):
