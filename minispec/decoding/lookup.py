@@ -21,6 +21,9 @@ class TextDrafter:
 
     model, encoder_calls, reads_states, calls = None, 0, False, 0
 
+    def propose(self, k, sampling, generator, keep_guessing=None):
+        return to_device(self.preview(k)[0] if k else [], self.device), None
+
     def propose_tree(self, k, budget, sampling=None):
         tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
@@ -203,9 +206,6 @@ class LookupDrafter(TextDrafter):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""
         guesses, matched = self.continuation(k)
         return guesses, [matched / self.max_ngram] * len(guesses)
-
-    def propose(self, k, sampling, generator, keep_guessing=None):
-        return to_device(self.continuation(k)[0] if k else [], self.device), None
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.extend(tokens)

@@ -16,7 +16,6 @@ from collections import Counter, defaultdict, deque
 from itertools import islice
 from typing import NamedTuple
 
-from ..models.kernels import to_device
 from .lookup import TextDrafter, copy_after, trie_of
 from .sampling import Sampling
 from .tree import children_of, likeliest
@@ -92,9 +91,9 @@ class Store(Texts):
 
 
 def matched(text, end, context):
-    """How many of the context's last tokens end at text[end] (at most MATCH_MAX)."""
-    n = 0
-    while n < MATCH_MAX and n <= end and text[end - n] == context[-1 - n]:
+    """How many of the context's last tokens end at text[end] (at most MATCH_MAX, and the whole context)."""
+    n, most = 0, min(MATCH_MAX, len(context))
+    while n < most and n <= end and text[end - n] == context[-1 - n]:
         n += 1
     return n
 
@@ -141,9 +140,6 @@ class SuffixDrafter(TextDrafter):
             guesses.append(tokens[at])
             confidences.append(sure[at])
         return guesses, confidences
-
-    def propose(self, k, sampling, generator, keep_guessing=None):
-        return to_device(self.preview(k)[0] if k else [], self.device), None
 
     def preview_tree(self, k, budget):
         """The trie's `budget` likeliest nodes (tree.likeliest)."""
