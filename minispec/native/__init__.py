@@ -42,7 +42,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
-# A first build's time, before this machine has timed one: ~20 s on a quiet machine, ~75 s on two busy cores.
+# A first build's time (seconds), before this machine has timed one: a quiet machine's, a busy one's.
 FIRST_BUILD_SECONDS = (20, 80)
 
 
@@ -425,8 +425,8 @@ def install(compile=False):
     compiles its model)."""
     if backend.use(choose()) is NATIVE and compile and torch._inductor.config.cpp.vec_isa_ok is None:
         # Inductor finds the vector instructions it may use by building and loading test programs, in
-        # every process: 7 s with a cold cache, 1 s warm. These kernels, built for -march=native by the
-        # same toolchain, have answered that already; the CPU's flags still pick the set.
+        # every process, which takes seconds. These kernels, built for -march=native by the same
+        # toolchain, have answered that already; the CPU's flags still pick the set.
         torch._inductor.config.cpp.vec_isa_ok = True
 
 
