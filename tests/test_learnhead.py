@@ -24,9 +24,11 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny target heads are trained on in seconds, and four of its prompts: the repeated workload."""
-    target, prompts, _, _ = tiny_training_target(tmp_path_factory.mktemp("target"))
-    return target, prompts[:4]
+    """The tiny target heads are trained on in seconds, four of its prompts (the repeated workload), and
+    its folder."""
+    directory = tmp_path_factory.mktemp("target")
+    target, prompts, _, _ = tiny_training_target(directory)
+    return target, prompts[:4], directory
 
 
 def untrained_head(target, kind, directory):
@@ -71,7 +73,7 @@ def test_a_learning_head_drafts_better_as_it_serves_and_stays_exact(tiny, tmp_pa
     run is the same every time): the acceptance of the last window of 4 requests is far above the
     first's (0.2 -> about 0.7 for EAGLE, 0.55 for Medusa), every output is plain greedy's, the head's
     weights change only between steps, and the head saved at the end loads and drafts as it had learnt."""
-    target, prompts = tiny
+    target, prompts, _ = tiny
     learner = Learner(target, untrained_head(target, kind, tmp_path / "head"), tmp_path / "out", share=1.0,
                       passes=32, window=4)
     before = acceptance(target, learner.head, prompts)
@@ -116,7 +118,7 @@ def test_a_learning_head_drafts_better_as_it_serves_and_stays_exact(tiny, tmp_pa
 def test_a_head_served_without_a_learner_never_changes(tiny, tmp_path):
     """Off by default: a scheduler (or generate) drafting with a head leaves its weights as loaded, asks
     no states beyond the head's, and reports no learning."""
-    target, prompts = tiny
+    target, prompts, _ = tiny
     head = minispec.load_draft_head(untrained_head(target, "eagle", tmp_path / "head"), target, quantize=None)
     weights = {name: tensor.clone() for name, tensor in head.state_dict().items()}
     scheduler = Scheduler(target, head, 3, 2, 128, 64, "off", 0)
@@ -131,7 +133,7 @@ def test_a_head_served_without_a_learner_never_changes(tiny, tmp_path):
 def test_the_kept_states_stay_within_their_budget(tiny, tmp_path):
     """The kept sequences never take more than buffer_mb: the oldest go first, a request longer than
     the budget keeps its last tokens, one cancelled keeps what it had, and no state is kept twice."""
-    target, _ = tiny
+    target, _, _ = tiny
     per_token = 8 + 4 * target.hidden_size  # an int64 token and its float32 state
     learner = Learner(target, untrained_head(target, "eagle", tmp_path / "head"), tmp_path / "out",
                       buffer_mb=100 * per_token / 2**20)
@@ -149,12 +151,15 @@ def test_the_kept_states_stay_within_their_budget(tiny, tmp_path):
 
 def test_only_heads_that_can_learn_are_taken(tiny, tmp_path):
     """An EAGLE-3 head (its states give no distribution of the target's to learn) and a folder that is no
-    head are refused with one line; so is --learn-head with --draft-quantize (the head drafts in float)."""
-    target, _ = tiny
+    head are refused with one line, and so is a quantized target (the loss's labels are its float output
+    head's), and --learn-head with --draft-quantize (the head drafts in float)."""
+    target, _, directory = tiny
     with pytest.raises(ValueError, match="eagle3 head does not learn while serving"):
         Learner(target, untrained_head(target, "eagle3", tmp_path / "eagle3"), tmp_path / "out")
     with pytest.raises(ValueError, match="is not a head's folder"):
         Learner(target, tmp_path, tmp_path / "out")
+    with pytest.raises(ValueError, match="load it without --quantize"):
+        Learner(minispec.load(directory, quantize="int8"), tmp_path / "eagle3", tmp_path / "out")
     args = serve_main.parse_args(["--target", "t", "--draft", "d", "--learn-head", "o", "--draft-quantize", "int8"])
     with pytest.raises(ValueError, match="--learn-head drafts with the float head it trains"):
         serve_main.check_flags(args)

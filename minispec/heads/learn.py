@@ -39,6 +39,11 @@ class Learner:
     def __init__(self, target, source, out, share=0.25, buffer_mb=256, lr=1e-3, passes=4, window=100, seed=0):
         if not is_head_dir(source):
             raise ValueError(f"--learn-head trains a draft head: {source} is not a head's folder")
+        if target.quantization is not None or target.dtype == torch.float16 or target.tp is not None:
+            # the loss's labels come from the target's float output head; float16 gradients overflow; the
+            # ranks of a sharded target would draft with heads that differ
+            raise ValueError("--learn-head trains on a float32 or bfloat16 target, whole in one process: load it "
+                             "without --quantize, float16 or --tp")
         if not (0 < share <= 1 and buffer_mb > 0):
             raise ValueError(f"the learning head needs a share in (0, 1] and buffer_mb > 0, got {share}, {buffer_mb}")
         self.head = load_draft_head(source, target, quantize=None)  # float: its weights change as it learns
@@ -84,9 +89,10 @@ class Learner:
                          "steps", self.rates[-1], self.window, self.first, self.steps)
 
     def keep(self, tokens, states):
-        per_token = tokens.element_size() + states[0].numel() * states.element_size()
+        per_token = tokens.element_size() + states.shape[-1] * states.element_size()
         length = min(SEQUENCE, self.budget // per_token)
-        tokens, states = tokens[max(len(tokens) - length, 0):], states[max(len(states) - length, 0):]
+        # copies: a cut sequence's whole states would stay alive beside the budget's
+        tokens, states = tokens[max(len(tokens) - length, 0):].clone(), states[max(len(states) - length, 0):].clone()
         if len(tokens) < 2:
             return
         self.kept.append((tokens, states))
@@ -107,16 +113,15 @@ class Learner:
     def step(self):
         """One training step of the float copy on a random batch of the kept sequences, then its weights
         into the head that drafts."""
-        start, group, size = time.monotonic(), [], 0
+        start, picked, size = time.monotonic(), [], 0
         for i in torch.randperm(len(self.kept), generator=self.generator).tolist():
-            group.append(i)
+            picked.append(self.kept[i])
             size += len(self.kept[i][0])
             if size >= TOKENS_PER_BATCH:
                 break
-        device = self.head.target.device
+        device, every = self.head.target.device, range(len(picked))
         with torch.inference_mode(False), torch.enable_grad():  # the engine decodes in inference mode
-            batch = [t.to(device) for t in padded_batch([(t, 0) for t, _ in self.kept], [s for _, s in self.kept],
-                                                         group)]
+            batch = [t.to(device) for t in padded_batch([(t, 0) for t, _ in picked], [s for _, s in picked], every)]
             with training(self.student, batch[0].shape[1] + 32):
                 update(self.student, self.optimizer, LOSSES[self.head.kind], batch, self.generator)
             with torch.no_grad():
@@ -127,11 +132,14 @@ class Learner:
         self.seconds += time.monotonic() - start
 
     def report(self):
-        """For /health: the acceptance rate of each window of requests so far, and the training's budgets."""
-        return {"acceptance": [round(rate, 4) for rate in self.rates], "first_acceptance": self.first,
-                "window": self.window,
-                "training_steps": self.steps, "training_share": round(self.seconds / max(
-                    time.monotonic() - self.started, 1e-9), 4), "buffer_mb": round(self.bytes / 2**20, 3)}
+        """For /health: the acceptance rate of each window of requests so far (the last 100 windows, the
+        first's, and the current one's), and the training's share of the time and its buffer."""
+        rates, (requests, accepted, verified) = list(self.rates), self.counts  # read once: the scheduler writes them
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return {"acceptance": [round(rate, 4) for rate in rates], "first_acceptance": self.first, "window": self.window,
+                "this_window": {"requests": requests, "acceptance": round(accepted / max(verified, 1), 4)},
+                "training_steps": self.steps, "training_share": round(self.seconds / elapsed, 4),
+                "buffer_mb": round(self.bytes / 2**20, 3)}
 
     def save(self):
         """The head as it has learnt, into `out` (each file written whole, then renamed into place)."""
