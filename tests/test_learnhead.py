@@ -150,16 +150,17 @@ def test_the_kept_states_stay_within_their_budget(tiny, tmp_path):
 
 
 def test_only_heads_that_can_learn_are_taken(tiny, tmp_path):
-    """An EAGLE-3 head (its states give no distribution of the target's to learn) and a folder that is no
-    head are refused with one line, and so is a quantized target (the loss's labels are its float output
-    head's), and --learn-head with --draft-quantize (the head drafts in float)."""
+    """An EAGLE-3 head (its states give no distribution of the target's to learn) is refused with one line,
+    and so is a quantized target (the loss's labels are its float output head's); the server's flags:
+    a --draft that is no head's folder, and --draft-quantize (the head drafts in float), before loading."""
     target, _, directory = tiny
     with pytest.raises(ValueError, match="eagle3 head does not learn while serving"):
         Learner(target, untrained_head(target, "eagle3", tmp_path / "eagle3"), tmp_path / "out")
-    with pytest.raises(ValueError, match="is not a head's folder"):
-        Learner(target, tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="load it without --quantize"):
         Learner(minispec.load(directory, quantize="int8"), tmp_path / "eagle3", tmp_path / "out")
-    args = serve_main.parse_args(["--target", "t", "--draft", "d", "--learn-head", "o", "--draft-quantize", "int8"])
+    flags = ["--target", "t", "--learn-head", "o"]
+    with pytest.raises(ValueError, match="--draft lookup is not a head's folder"):
+        serve_main.check_flags(serve_main.parse_args(flags))
     with pytest.raises(ValueError, match="--learn-head drafts with the float head it trains"):
-        serve_main.check_flags(args)
+        serve_main.check_flags(serve_main.parse_args([*flags, "--draft", str(tmp_path / "eagle3"), "--draft-quantize",
+                                                      "int8"]))

@@ -19,7 +19,7 @@ from collections import deque
 import torch
 
 from ..loading.weights import read_config
-from . import is_head_dir, load_draft_head, save_draft_head
+from . import load_draft_head, save_draft_head
 from .training import eagle_loss, medusa_loss, padded_batch, training, update
 
 log = logging.getLogger("minispec.serve")
@@ -37,8 +37,6 @@ class Learner:
     (save). `head`: the float copy that drafts (the server's draft); `report()`: the progress so far."""
 
     def __init__(self, target, source, out, share=0.25, buffer_mb=256, lr=1e-3, passes=4, window=100, seed=0):
-        if not is_head_dir(source):
-            raise ValueError(f"--learn-head trains a draft head: {source} is not a head's folder")
         if target.quantization is not None or target.dtype == torch.float16 or target.tp is not None:
             # the loss's labels come from the target's float output head; float16 gradients overflow; the
             # ranks of a sharded target would draft with heads that differ

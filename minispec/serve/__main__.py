@@ -10,6 +10,7 @@ import sys
 
 from ..settings import gamma_setting, tree_setting
 from ..cli import add_model_flags, tp_rank
+from ..heads import is_head_dir
 from ..loaders import load_models
 from .scheduler import Scheduler
 
@@ -89,6 +90,8 @@ def check_flags(args):
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if not 0 < args.tp_timeout < 1e6:
         raise ValueError(f"--tp-timeout must be a number of seconds in (0, 1e6), got {args.tp_timeout}")
+    if args.learn_head is not None and not is_head_dir(args.draft):
+        raise ValueError(f"--learn-head trains a draft head: --draft {args.draft} is not a head's folder")
     if args.learn_head is not None and args.draft_quantize is not None:
         raise ValueError("--learn-head drafts with the float head it trains: drop --draft-quantize")
     if not 0 <= args.port <= 65535:
