@@ -37,6 +37,8 @@ from minispec import CheckpointError, chat_prompt, generate, load
 from minispec.api import prompt_tensor
 from minispec.cli import read_prompts_file
 from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss, medusa_loss, padded_batch,
+                                     soft_cross_entropy, target_probabilities, training, update)
 from minispec.loading.chat import user_turn_start
 from minispec.loading.weights import DTYPES, save_safetensors
 from minispec.models.kernels import query_rows_mask
@@ -78,7 +80,6 @@ OWN_PROMPTS = 1000  # the messages own_prompts tries for (some run past the limi
 # An EAGLE head's reduced draft vocabulary: a model's answers use few of its tokens, so the most said ones
 # cover nearly all of them at a fraction of the whole vocabulary's cost.
 DRAFT_VOCAB = 8192
-PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
 HELD_OUT = 20  # every 20th answer is held out: its accuracy after each epoch tells learning from memorising
 # An EAGLE-3 epoch costs about twice an EAGLE one (its training-time test's second step): half the epochs.
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
@@ -176,32 +177,6 @@ def load_data(file):
     return list(zip(pieces, data["answer_starts"].tolist()))
 
 
-class Uncached(torch.nn.Module):
-    """A KV cache that keeps nothing: a training forward attends over its own tokens only."""
-    first_row = 0
-
-    def update(self, input_pos, k, v):
-        return k.contiguous(), v.contiguous()  # as a cache's rows are
-
-
-@contextmanager
-def training(head, length):
-    """The head's forwards with gradients; an EAGLE head's over whole sequences of up to `length` tokens."""
-    layers = getattr(head, "layers", [])  # Medusa heads have no attention
-    if layers:
-        head.setup_caches(1, length)  # RoPE tables of `length` positions
-    caches = [layer.attention.kv_cache for layer in layers]
-    for layer in layers:
-        layer.attention.kv_cache = Uncached()
-    head.train().requires_grad_(True)
-    try:
-        yield
-    finally:
-        for layer, cache in zip(layers, caches):
-            layer.attention.kv_cache = cache
-        head.eval().requires_grad_(False)
-
-
 def batch_groups(sequences, indices, tokens_per_batch, generator=None):
     """The sequences at `indices` grouped into batches of about `tokens_per_batch` padded tokens,
     shuffled by `generator` (None: in order)."""
@@ -215,36 +190,6 @@ def batch_groups(sequences, indices, tokens_per_batch, generator=None):
     return groups + ([batch] if batch else [])
 
 
-def padded_batch(sequences, records, group):
-    """A group's sequences padded to a whole number of key blocks (attention reads keys in blocks of
-    32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
-    width = -(-max(len(sequences[i][0]) for i in group) // 32) * 32
-    tokens = torch.zeros(len(group), width, dtype=torch.long)
-    feats = torch.zeros(len(group), width, records[group[0]].shape[-1])
-    mask = torch.zeros(len(group), width, dtype=torch.bool)
-    for row, i in enumerate(group):
-        seq, start = sequences[i]
-        tokens[row, :len(seq)], feats[row, :len(seq)] = seq, records[i]
-        mask[row, start:len(seq)] = True
-    return tokens, feats, mask
-
-
-def output_head(target, x, rows=None):
-    """target.logits(x) with gradients: the float weight itself (the packed kernel has no backward);
-    rows: only those tokens' logits."""
-    weight = getattr(target.head, "weight", None)
-    if weight is None or not weight.is_floating_point():
-        raise ValueError(f"training a head needs {target.name} with float weights (load it without --quantize)")
-    return F.linear(x.to(weight.dtype), weight if rows is None else weight[rows]).float()
-
-
-def target_probabilities(target, states, rows=None):
-    """The target's distribution at its `states` (on token ids `rows` only, renormalized there), in
-    float32 also under training's bfloat16 autocast: the labels stay as the target computes them."""
-    with torch.no_grad(), torch.autocast(states.device.type, enabled=False):
-        return output_head(target, states, rows).softmax(-1)
-
-
 def most_said(sequences, vocab_size, size):
     """The `size` token ids the target said most often in its answers, sorted: a head's reduced draft
     vocabulary. Ties, and the tokens never said, go to the lower ids: a BPE vocabulary numbers its
@@ -253,47 +198,6 @@ def most_said(sequences, vocab_size, size):
     for tokens, start in sequences:
         counts += torch.bincount(tokens[start:], minlength=vocab_size)
     return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
-
-
-def soft_cross_entropy(logits, p):
-    """Cross-entropy of the head's `logits` against the target's probabilities `p` (the same tokens)."""
-    return -(p * logits.log_softmax(-1)).sum(-1)
-
-
-def predict_pairs(head, tokens, inputs, mask):
-    """An EAGLE head's states after the batch's pairs (inputs[:, i], x_{i+1}) at answer positions
-    [pairs, dim]; for each the answer's next token x_{i+2}, whether it has one (the last state of a
-    sequence has none), and the answer positions kept (mask[:, 1:])."""
-    width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
-    predicted = head.features(F.pad(tokens[:, 1:], (0, 1)), torch.arange(width), keys=width,
-                              inputs=F.pad(inputs, (0, 0, 0, 1)))[:, :-1]
-    keep = mask[:, 1:]
-    return predicted[keep], F.pad(tokens[:, 2:], (0, 1))[keep], F.pad(mask[:, 2:], (0, 1))[keep], keep
-
-
-def accuracy_of(head, logits, chosen, scored):
-    """How often the head's top token (logits over its draft vocabulary) is the answer's next token."""
-    said = logits.detach().argmax(-1)
-    said = said if head.draft_vocab is None else head.draft_vocab[said]
-    return (said == chosen)[scored].float().mean()
-
-
-def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
-    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only,
-    the target's p renormalized over the head's draft vocabulary (where its q lives). Accuracy: how
-    often the head's top token at f̂_{i+1} is the target's, which (greedy answers) is the answer's next
-    token x_{i+2}."""
-    inputs = states[:, :-1]
-    if noise:
-        inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * noise * 512 / inputs.shape[1]
-    predicted, chosen, scored, keep = predict_pairs(head, tokens, inputs, mask)
-    predicted, wanted = predicted.float(), states[:, 1:][keep]
-    regression = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
-    vocab = head.draft_vocab
-    p = target_probabilities(head.target, wanted, vocab)
-    logits = output_head(head.target, predicted, vocab)
-    classification = soft_cross_entropy(logits, p)
-    return regression.mean() + 0.1 * classification.mean(), accuracy_of(head, logits, chosen, scored)
 
 
 def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=None):
@@ -364,22 +268,6 @@ class Unrolled(torch.nn.Module):
         self.k.append(k.contiguous())
         self.v.append(v.contiguous())
         return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
-
-
-def medusa_loss(heads, tokens, states, mask, generator, noise=None):
-    """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j
-    (on the states as they are: no noise)."""
-    total, correct = 0.0, []
-    for j, module in enumerate(heads.heads):
-        shift = j + 1
-        keep = mask[:, :-shift] & mask[:, shift:]
-        if not keep.any():
-            continue
-        p = target_probabilities(heads.target, states[:, shift:][keep])
-        logits = module(states[:, :-shift][keep].to(heads.target.dtype)).float()
-        total = total + soft_cross_entropy(logits, p).mean() * 0.8 ** j  # Medusa's decay
-        correct.append((logits.argmax(-1) == p.argmax(-1)).float().mean())
-    return total, correct[0] if correct else torch.zeros(())
 
 
 def new_head(kind, target, heads, draft_vocab=None):
@@ -502,15 +390,10 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         with training(head, longest):
             for step, group in enumerate(groups):
                 batch = [tensor.to(target.device) for tensor in padded_batch(sequences, records, group)]
-                with bfloat16_products(target.device):  # one step each: autocast keeps its weight copies till it ends
-                    loss, accuracy = loss_of(head, *batch, generator)
+                loss, accuracy = update(head, optimizer, loss_of, batch, generator)
                 if not torch.isfinite(loss):  # the last finished epoch's head stays as it was saved
                     raise ValueError(f"training diverged at epoch {epoch + 1}, step {step + 1} (loss {loss.item()}); "
                                      f"{out} keeps the head of the last finished epoch: try a lower lr")
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-                optimizer.step()
                 schedule.step()
                 accuracies.append(float(accuracy))
                 groups.set_postfix_str(f"loss {loss.item():.3f}, next-token accuracy "
@@ -526,15 +409,6 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
         replace_whole(state / "progress.json", lambda file: file.write_text(progress_text))
     return head
-
-
-def bfloat16_products(device):
-    """Training's matrix products in bfloat16 (autocast; weights, optimizer and losses stay float32)
-    where the device computes bfloat16 natively, faster at the same losses. Elsewhere (emulated, slower)
-    as they are."""
-    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else \
-        device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
 
 
 def check_settings(target, kind, epochs, lr, heads, draft_vocab):
