@@ -36,8 +36,8 @@ SHOW_HELP = (
 )
 
 
-# `python run.py` alone: SmolLM2-135M-Instruct summarizes a text, speculatively with the lookup drafter
-# (the answer copies phrases from the prompt, which lookup proposes; it beat ngram here), coloured, and timed against plain autoregressive decoding in the same run.
+# `python run.py` alone: the built-in model summarizes a text with the lookup drafter (the answer copies
+# phrases from the prompt, which lookup proposes), coloured, and timed against plain decoding.
 DEFAULT_PROMPT = (
     "Summarize this text in two sentences: The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars "
     "in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
@@ -120,22 +120,13 @@ def rejected_text(ids, text):
 
 def render_pieces(pieces, colour):
     """Pieces coloured like Figure 1, or, without colour, each step's rejected guesses as [~text~]."""
-    out = []
-    for piece, kind in pieces:
-        if colour:
-            out.append(COLOURS[kind] + piece + RESET if piece else piece)
-        else:
-            out.append(f"[~{piece}~]" if kind == "rejected" else piece)
-    return "".join(out)
-
-
-def render_segments(segments, text, colour):
-    return render_pieces(segment_pieces(segments, text), colour)
+    return "".join((COLOURS[kind] + piece + RESET if piece else piece) if colour else
+                   f"[~{piece}~]" if kind == "rejected" else piece for piece, kind in pieces)
 
 
 def render_trace(trace, text, colour):
     """A whole Generation.trace, as --show prints it."""
-    return render_segments(trace, text, colour) + text.flush()
+    return render_pieces(segment_pieces(trace, text), colour) + text.flush()
 
 
 def until_stop(pieces, stops):
@@ -174,7 +165,7 @@ def print_stream(chunks, tokenizer, show, stops=None):
         return generation
     for chunk in chunks:
         if show:
-            piece = render_segments(chunk.segments, text, colour)
+            piece = render_pieces(segment_pieces(chunk.segments, text), colour)
         elif tokenizer:
             piece = chunk.text  # exactly the output's text, never past a stop string
         else:

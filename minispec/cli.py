@@ -13,10 +13,11 @@ from .models.checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES, is_inte
 from .settings import DTYPE_NAMES, Settings
 
 
-def add_setting_flags(parser):
-    """A flag for each setting with help, made from Settings' fields: --max-new-tokens sets max_new_tokens."""
+def add_setting_flags(parser, names=None):
+    """A flag for each setting with help (or each of `names`), made from Settings' fields: --max-new-tokens
+    sets max_new_tokens."""
     for spec in fields(Settings):
-        if spec.metadata["help"] is not None:
+        if spec.metadata["help"] is not None and (names is None or spec.name in names):
             parser.add_argument("--" + spec.name.replace("_", "-"), help=spec.metadata["help"],
                                 **{"default": spec.default, **spec.metadata["flag"]})
 
@@ -40,18 +41,19 @@ def exit_status(main):
         return 128 + signal.SIGPIPE
 
 
-def add_model_flags(parser, draft_default, tensor_parallel=False):
-    """The flags that say which models to load, and how (run.py's and the server's); load_models reads them.
-    tensor_parallel: also --tp (run.py's)."""
+def add_model_flags(parser, draft_default, tensor_parallel=False, **draft):
+    """The flags that say which models to load, and how (run.py's, the server's and the bench's);
+    load_models reads them. tensor_parallel: also --tp (run.py's); draft: --draft's own argparse options."""
     parser.add_argument("--target", required=True,
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
-    parser.add_argument("--draft", default=draft_default,
+    parser.add_argument("--draft", default=draft_default, **draft,
                         help="a smaller model (as --target), a draft head's folder (python -m "
                              "minispec.tools.train_heads), 'ngram', 'lookup', 'suffix' (lookup over earlier requests "
-                             "too), 'int8' or 'int4' (the target itself, quantized), one of those and 'lookup' or 'suffix' "
-                             "joined by a comma (D,suffix: both guess in one token tree), or 'none' (plain "
-                             f"autoregressive decoding with the target); default {draft_default}")
+                             "too), 'int8' or 'int4' (the target itself, quantized), one of those and 'lookup' or "
+                             "'suffix' joined by a comma (D,suffix: both guess in one token tree), or 'none' (plain "
+                             "autoregressive decoding with the target)" + (f"; default {draft_default}" if draft_default
+                                                                           else "; several: those drafters side by side"))
     parser.add_argument("--quantize", choices=QUANT_MODES,
                         help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
                              "tensors as they are)")

@@ -26,6 +26,7 @@ from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling,
 from minispec.loading.tokenizer import load_tokenizer
 from minispec import native
 from minispec.models import quant
+from minispec.models.llama import convert_hf_weights
 
 
 def write_gguf(path, arch, tensors, setup=lambda writer: None):
@@ -384,6 +385,42 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
     [kept_folder] = (tmp_path / "weights").glob("model-*-quantized")
     assert (kept_folder / "config.json").is_file()
     assert isinstance(quantized.layers[1].feed_forward.w13, quant.Int4Linear)  # the float one, quantized
+
+
+def mapped_from(tensor, file):
+    """Whether the tensor's memory lies in this process's mapping of `file`."""
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[0].split("-") for line in maps if line.split()[-1] == str(file.resolve())]
+    return any(int(start, 16) <= tensor.data_ptr() < int(end, 16) for start, end in spans)
+
+
+@pytest.mark.skipif(not native.available(), reason="the kernels' layout is kept where they build")
+def test_a_kept_quantized_conversion_holds_the_kernels_layout_and_loads_mapped(tmp_path, monkeypatch):
+    """A .gguf loaded with quantize= is converted once into the layout the native kernels read: no larger
+    than the file, loaded without repacking (its layers' tensors are the file's mapped memory), with the
+    same logits as the stored form packed at load; and its layers unpack to the stored form exactly,
+    which other devices and a model without these kernels load."""
+    reference = spread_init(make_reference("llama"), seed=0, gain=1.0)
+    path = model_to_gguf(reference, tmp_path / "model.gguf", qtype=Q.Q4_1)
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    model = load_model(path, quantize="int4")
+    [folder] = (tmp_path / "weights").glob("model-*-quantized")
+    converted = folder / "model.safetensors"
+    header = 8 + int.from_bytes(converted.read_bytes()[:8], "little")  # a tiny model's is most of its file
+    assert converted.stat().st_size - header <= sum(t.data.numel() * t.data.element_size()
+                                                    for t in read_gguf(path)[1].values())
+    wqkv = model.layers[0].attention.wqkv
+    assert wqkv.native and mapped_from(wqkv.weight, folder / "model.safetensors")
+    stored = convert_gguf(path, tmp_path / "stored", progress=False, keep_quantized=True)  # packed at load
+    assert torch.equal(logits_of(model, PROMPT), logits_of(load_model(stored), PROMPT))
+    expected = quant.take_stored(convert_hf_weights(load_file(stored / "model.safetensors"), model.config))
+    packed = quant.take_stored(load_file(folder / "model.safetensors"))
+    assert packed.keys() == expected.keys()
+    for name, parts in packed.items():
+        rows = model.get_submodule(name).out_features
+        assert torch.equal(quant.dequantize(native.unpack(parts, rows)), quant.dequantize(expected[name])), name
+    monkeypatch.setenv("MINISPEC_NATIVE", "0")  # PyTorch's kernels: the layout unpacked at load
+    assert torch.equal(logits_of(load_model(path, quantize="int4"), PROMPT), logits_of(load_model(stored), PROMPT))
 
 
 def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkeypatch):

@@ -33,15 +33,15 @@ LAYERS = {  # by the top-level module or subpackage
 # store, emptied before each timed pass), and the heads' modules and the target's layers training builds
 # a head from.
 TOOL_API = {"api", "cli", "loaders", "settings", "decoding.drafters", "decoding.suffix", "heads.__init__",
-            "heads.eagle", "heads.eagle3", "heads.medusa", "loading.chat", "loading.checkpoint", "loading.weights",
-            "models.__init__", "models.base", "models.kernels", "models.llama", "models.quant"}
+            "heads.eagle", "heads.eagle3", "heads.medusa", "heads.training", "loading.chat", "loading.checkpoint",
+            "loading.weights", "models.__init__", "models.base", "models.kernels", "models.llama", "models.quant"}
 # Modules the core reaches only when a call asks for what they do (a head, beam search, quantized or sharded
 # weights, a GGUF file, a built-in model, a chat template, the native kernels, a model-free drafter),
 # imported inside the function that needs them so that a float model's generate never reads them.
 # Families are imported by name (checkpoint.FAMILIES).
 LAZY = {"heads.__init__", "decoding.beam", "models.quant", "models.tp", "loading.parallel", "loading.gguf",
         "loading.builtin", "loading.hub", "loading.chat", "native.__init__", "decoding.lookup",
-        "decoding.suffix", "decoding.prefix", "serve.group", "decoding.mixed"}
+        "decoding.suffix", "decoding.prefix", "serve.group", "heads.learn", "decoding.mixed"}
 CORE_LINES = 6000  # what `import minispec` and one float model's speculative generate read
 
 

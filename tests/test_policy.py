@@ -218,6 +218,20 @@ def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
     assert chooser.t_draft == pytest.approx(0.5, rel=0.05)
 
 
+def test_a_wide_batch_prices_a_step_at_its_width_and_decodes_plain_where_guesses_do_not_pay():
+    """A CPU's forward is compute-bound at a batch's width: each position costs half a 1-token step. One
+    row gains from good guesses; 16 rows, whose one forward computes 16 positions per token each guesses,
+    gain nothing from them (a server's scheduler sets `width` to the rows of the next step)."""
+    compute_bound = [0.5 + 0.5 * w for w in range(1, 10)]
+    chooser = adaptive(0.8, compute_bound, 0.05)
+    assert chooser.guesses() > 0
+    chooser.width = lambda: 16
+    assert chooser.seconds(0) == pytest.approx(0.5 + 0.5 * 16)  # the line goes on straight past width 9
+    assert chooser.guesses() == 0
+    chooser.width = lambda: 1
+    assert chooser.guesses() > 0
+
+
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []

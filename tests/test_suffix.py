@@ -70,6 +70,13 @@ def test_guesses_are_the_most_frequent_continuation_of_the_longest_match():
     assert (tokens, parents) == ([4, 5], [-1, -1])
 
 
+def test_a_prompt_shorter_than_its_match_in_the_store():
+    """The whole prompt matches inside an earlier text, tokens before it too: the match is the prompt's
+    length, and the guesses what followed."""
+    drafter = drafter_over([[1, 2, 3, 4, 5]], [3, 4])
+    assert drafter.preview(2) == ([5], [2 / 16])
+
+
 def test_the_request_itself_is_searched_as_lookup_searches_it():
     drafter = drafter_over([], [1, 2, 3, 1, 2])
     assert drafter.preview(4)[0] == [3, 1, 2, 3]  # the copy runs on into its own guesses

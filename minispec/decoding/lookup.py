@@ -9,21 +9,66 @@ import torch
 
 from ..models.kernels import to_device
 from .sampling import Sampling, adjust, sample
-from .tree import add_path, best_first, first_of, likeliest, tree_or_chain
+from .tree import best_first, first_of, likeliest, tree_or_chain
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
 
-class NgramDrafter:
+class TextDrafter:
+    """What the drafters that read only the text share (suffix.py's too): no model and no cache, and
+    trees whose candidates are fixed, not drawn from q (verified as such: tree.sample_walk), so that a
+    tree is the same for any sampling and the step proposes the first nodes of the one it previewed."""
+
+    model, encoder_calls, reads_states, calls = None, 0, False, 0
+
+    def propose(self, k, sampling, generator, keep_guessing=None):
+        return to_device(self.preview(k)[0] if k else [], self.device), None
+
+    def propose_tree(self, k, budget, sampling=None):
+        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
+        return to_device(tokens, self.device), None, tree_or_chain(parents)
+
+    def previewed(self, tree, k, budget):
+        """Keep a preview_tree's tree for propose_tree, which takes its first nodes."""
+        self.previewed_tree = (len(self.context), k, budget, tree)
+        return tree
+
+
+def trie_of(paths, most):
+    """The trie of `paths`, (tokens, how long a match they follow) each, the longest matches first:
+    its tokens, parents, and how sure of each node a copying drafter is: the share of the paths through
+    its parent that go through it, times the longest match through it over `most`."""
+    tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
+    for path, matched in paths:
+        at = -1
+        for token in path:
+            if (at, token) not in nodes:
+                nodes[at, token] = len(tokens)
+                tokens.append(token)
+                parents.append(at)
+                visits.append(0)
+                longest.append(matched)
+            at = nodes[at, token]
+            visits[at] += 1
+    sure = [visits[j] / (len(paths) if parent < 0 else visits[parent]) * longest[j] / most
+            for j, parent in enumerate(parents)]
+    return tokens, parents, sure
+
+
+def copy_after(context, end, k):
+    """The k tokens after position `end`, continued past the context's end by its own guesses."""
+    period = len(context) - 1 - end  # the copy repeats what lies between match and suffix
+    return [context[end + 1 + i % period] for i in range(k)]
+
+
+class NgramDrafter(TextDrafter):
     """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
     far, falling back to unigram counts for an unseen previous token. q = normalized counts. It lives
     on the host (each guess picks the next row of counts), so it samples there with a generator of its
     own, seeded once per request from the caller's, and hands the device its guesses in one copy.
     With a token tree (tree.py) it offers each node's most counted successors at once."""
 
-    name, model = "ngram", None
-    encoder_calls, reads_states = 0, False
-    calls = 0
+    name = "ngram"
 
     def __init__(self, vocab_size, device):
         self.vocab_size, self.device = vocab_size, device
@@ -79,21 +124,12 @@ class NgramDrafter:
             ranked = self.ranked[key] = [(t, counts[t] / total) for t in sorted(counts, key=lambda t: (-counts[t], t))]
         return ranked
 
-    def propose_tree(self, k, budget, sampling=None):
-        """A tree of at most `budget` guesses, k deep (tree.best_first): the most probable continuations
-        under the counts first, each node's children its token's most counted successors. The same for
-        any sampling: the candidates are fixed, not drawn from q (verified as such: tree.sample_walk), so
-        no generator is used."""
-        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
-        return to_device(tokens, self.device), None, tree_or_chain(parents)
-
     def preview_tree(self, k, budget):
-        """propose_tree's tree as lists (tokens, parents), and each node's share of its parent's counts
-        (how sure the drafter is of it). Kept for propose_tree, which takes its first nodes."""
+        """A tree of at most `budget` guesses, k deep (tree.best_first): the most probable continuations
+        under the counts first, each node's children its token's most counted successors; as lists
+        (tokens, parents), and each node's share of its parent's counts (how sure the drafter is of it)."""
         self.count(self.context)
-        tree = best_first(self.context[-1], self.ranked_successors, k, budget)
-        self.previewed_tree = (len(self.context), k, budget, tree)
-        return tree
+        return self.previewed(best_first(self.context[-1], self.ranked_successors, k, budget), k, budget)
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
@@ -116,7 +152,7 @@ class NgramDrafter:
         self.context += tokens
 
 
-class LookupDrafter:
+class LookupDrafter(TextDrafter):
     """Paper 3.6's copy heuristic (prompt lookup): find the most recent earlier occurrence of the
     longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
     A copy that runs into the end of the context goes on copying its own guesses, as an overlapping
@@ -125,9 +161,7 @@ class LookupDrafter:
     An index of every n-gram's end positions makes a proposal O(max_ngram), however long the
     context. With a token tree (tree.py) it offers what followed several earlier occurrences at once."""
 
-    name, model = "lookup", None
-    encoder_calls, reads_states = 0, False
-    calls = 0
+    name = "lookup"
 
     def __init__(self, vocab_size, device, max_ngram=3):  # NgramDrafter's signature; no q, so no vocab_size
         self.device, self.max_ngram = device, max_ngram
@@ -144,10 +178,6 @@ class LookupDrafter:
             for n in range(1, min(self.max_ngram, end + 1) + 1):
                 self.ends[tuple(self.context[end + 1 - n:])].append(end)
 
-    def copy_from(self, end, k):
-        """The k tokens after position `end`, continued past the context's end by its own guesses."""
-        period = len(self.context) - 1 - end  # the copy repeats what lies between match and suffix
-        return [self.context[end + 1 + i % period] for i in range(k)]
 
     def continuation(self, k):
         """The k guesses, and the length of the match they copy from (0: none, no guesses)."""
@@ -155,49 +185,27 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
             ends = self.ends.get(tuple(self.context[-n:]), ())
             if len(ends) > 1:
-                return self.copy_from(ends[-2], k), n
+                return copy_after(self.context, ends[-2], k), n
         return [], 0
 
-    def propose_tree(self, k, budget, sampling=None):
-        """A tree of at most `budget` guesses, k deep: what followed earlier occurrences of the context's
-        suffix, sharing common prefixes (tree.py), its likeliest nodes first (tree.likeliest). The same
-        for any sampling."""
-        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
-        return to_device(tokens, self.device), None, tree_or_chain(parents)
-
     def preview_tree(self, k, budget):
-        """propose_tree's tree as lists (tokens, parents), and how sure the drafter is of each node: the
-        share of the occurrences through its parent that continue with it, times the longest match
-        through it over max_ngram. The trie holds what followed up to TREE_OCCURRENCES occurrences, the
-        longest suffixes and the latest occurrences first, more than fill the tree, so that its shares
-        are not those of its first few paths alone. Kept for propose_tree, which takes its first nodes."""
-        tokens, parents, visits, matched, done = [], [], [], [], set()
+        """A tree of at most `budget` guesses, k deep, as lists (tokens, parents), its likeliest nodes first
+        (tree.likeliest): the trie (trie_of) of what followed up to TREE_OCCURRENCES earlier occurrences of
+        the context's suffix, the longest suffixes and the latest occurrences first, more than fill the
+        tree, so that its shares are not those of its first few paths alone."""
+        paths = {}  # end -> (what followed, n): a longer suffix's occurrence ends where a shorter one's does
         earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
         for n, end in earlier:  # the latest end of the suffix is the suffix itself: skipped
-            if end in done:  # a longer suffix's occurrence ends where a shorter one's does
-                continue
-            done.add(end)
-            for node in add_path(tokens, parents, self.copy_from(end, k), k * TREE_OCCURRENCES):  # all of it
-                if node == len(visits):
-                    visits.append(0)
-                    matched.append(n)
-                visits[node] += 1
-            if len(done) >= TREE_OCCURRENCES:
+            paths.setdefault(end, (copy_after(self.context, end, k), n))
+            if len(paths) == TREE_OCCURRENCES:
                 break
-        sure = [visits[j] / (len(done) if parent < 0 else visits[parent]) * matched[j] / self.max_ngram
-                for j, parent in enumerate(parents)]
-        tree = likeliest(tokens, parents, sure, budget)
-        self.previewed_tree = (len(self.context), k, budget, tree)
-        return tree
+        return self.previewed(likeliest(*trie_of(list(paths.values()), self.max_ngram), budget), k, budget)
 
     def preview(self, k):
         """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""
         guesses, matched = self.continuation(k)
         return guesses, [matched / self.max_ngram] * len(guesses)
-
-    def propose(self, k, sampling, generator, keep_guessing=None):
-        return to_device(self.continuation(k)[0] if k else [], self.device), None
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.extend(tokens)

@@ -117,10 +117,12 @@ def stored_profile(profile):
 
 
 class AdaptiveGamma:
-    """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second."""
+    """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second, at the
+    batch's width: `width`, where a server's scheduler sets it, says how many rows the next step runs."""
 
     def __init__(self, k_max):
         self.k_max = k_max
+        self.width = lambda: 1
 
     def start(self, target, drafter, prompt_ids, beams=None, timed=True, tree=False):
         """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
@@ -173,8 +175,15 @@ class AdaptiveGamma:
             tokens.append(tokens[-1] + survive)
         return tokens
 
+    def verify_at(self, tokens):
+        """A verify of `tokens` a row at the batch's width: one target forward over rows × tokens positions.
+        Every row of a batch prices its guesses alike, so plain steps win once the batch's forward is
+        compute-bound and more positions cost about what they make."""
+        return self.verify(max(self.width(), 1) * tokens)
+
     def seconds(self, k):
-        return k * self.t_draft + self.verify(k + 1)
+        """T(k) at the batch's width: the draft's steps grow with the rows as the target's forward does."""
+        return k * self.t_draft * self.verify_at(1) / self.verify(1) + self.verify_at(k + 1)
 
     def guesses(self):
         self.tree_nodes = None
@@ -250,7 +259,7 @@ class AdaptiveGamma:
             return 0
         chain, depth = chain_length(parents), depths(parents)
         reach, expected = [], 1.0
-        best, self.planned, best_rate = 0, 1.0, 1.0 / self.verify(1)
+        best, self.planned, best_rate = 0, 1.0, 1.0 / self.verify_at(1)
         for j, (parent, confidence) in enumerate(zip(parents, sure)):
             nodes = j + 1
             if nodes > max(chain, TREE_AUTO):  # a chain may be k_max long, a tree TREE_AUTO nodes
@@ -258,7 +267,7 @@ class AdaptiveGamma:
             bins = self.profile.tree_confidence[depth[j] > 1]
             reach.append((1.0 if parent < 0 else reach[parent]) * self.survival(bins, confidence, depth[j] == 1))
             expected += reach[-1]
-            rate = expected / self.verify(nodes + 1)
+            rate = expected / self.verify_at(nodes + 1)
             if rate > best_rate:
                 best, self.planned, best_rate = nodes, expected, rate
         self.tree_nodes = best or None

@@ -16,9 +16,9 @@ from collections import Counter, defaultdict, deque
 from itertools import islice
 from typing import NamedTuple
 
-from ..models.kernels import to_device
+from .lookup import TextDrafter, copy_after, trie_of
 from .sampling import Sampling
-from .tree import children_of, first_of, likeliest, tree_or_chain
+from .tree import children_of, likeliest
 
 # The store's budget. A token costs its int, a list slot and an entry in the pair index, and a pair seen
 # for the first time a key and a list: ~250 bytes a token in all (~60 MiB at this budget) on varied text.
@@ -91,9 +91,9 @@ class Store(Texts):
 
 
 def matched(text, end, context):
-    """How many of the context's last tokens end at text[end] (at most MATCH_MAX)."""
-    n = 0
-    while n < min(MATCH_MAX, len(context)) and n <= end and text[end - n] == context[-1 - n]:
+    """How many of the context's last tokens end at text[end] (at most MATCH_MAX, and the whole context)."""
+    n, most = 0, min(MATCH_MAX, len(context))
+    while n < most and n <= end and text[end - n] == context[-1 - n]:
         n += 1
     return n
 
@@ -101,18 +101,13 @@ def matched(text, end, context):
 def copy_from(place, context, k):
     """Up to k tokens after a place; in the context itself a copy that runs into its end goes on copying
     its own guesses, as lookup's does."""
-    if place.text is context:
-        period = len(context) - 1 - place.end
-        return [context[place.end + 1 + i % period] for i in range(k)]
-    return place.text[place.end + 1:place.end + 1 + k]
+    return copy_after(context, place.end, k) if place.text is context else place.text[place.end + 1:place.end + 1 + k]
 
 
-class SuffixDrafter:
+class SuffixDrafter(TextDrafter):
     """The drafter of one request (LookupDrafter's interface), over its target's store and its own context."""
 
-    name, model = "suffix", None
-    encoder_calls, reads_states = 0, False
-    calls = 0
+    name = "suffix"
 
     def __init__(self, target):
         self.store, self.device = store_for(target), target.device
@@ -131,22 +126,9 @@ class SuffixDrafter:
         # (the suffix itself is no place: nothing follows it yet)
         places = self.own.places(self.context) + self.store.places(self.context)
         places = sorted(places, key=lambda place: -place.matched)[:OCCURRENCES]
-        tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
-        for place in places:
-            at = -1
-            for token in copy_from(place, self.context, k):
-                if (at, token) not in nodes:  # a new node: the longest match through it comes first
-                    nodes[at, token] = len(tokens)
-                    tokens.append(token)
-                    parents.append(at)
-                    visits.append(0)
-                    longest.append(place.matched)
-                at = nodes[at, token]
-                visits[at] += 1
-        sure = [visits[j] / (len(places) if parent < 0 else visits[parent]) * longest[j] / MATCH_MAX
-                for j, parent in enumerate(parents)]
-        self.counted = len(self.context), k, (tokens, parents, sure)
-        return tokens, parents, sure
+        trie = trie_of([(copy_from(place, self.context, k), place.matched) for place in places], MATCH_MAX)
+        self.counted = len(self.context), k, trie
+        return trie
 
     def preview(self, k):
         """The chain: from the root, each node's surest child (ties: the one counted first), and the
@@ -159,19 +141,9 @@ class SuffixDrafter:
             confidences.append(sure[at])
         return guesses, confidences
 
-    def propose(self, k, sampling, generator, keep_guessing=None):
-        return to_device(self.preview(k)[0] if k else [], self.device), None
-
     def preview_tree(self, k, budget):
-        """The trie's `budget` likeliest nodes (tree.likeliest), kept for propose_tree."""
-        tree = likeliest(*self.trie(k), budget)
-        self.previewed_tree = (len(self.context), k, budget, tree)
-        return tree
-
-    def propose_tree(self, k, budget, sampling=None):
-        """The previewed tree's first nodes (tree.first_of); the same for any sampling."""
-        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
-        return to_device(tokens, self.device), None, tree_or_chain(parents)
+        """The trie's `budget` likeliest nodes (tree.likeliest)."""
+        return self.previewed(likeliest(*self.trie(k), budget), k, budget)
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.own.extend(self.context, tokens)

@@ -1,8 +1,6 @@
-"""Draft heads: small trained modules on the target's own hidden states that guess for it
-(eagle.py: one decoder layer predicting the next state; eagle3.py: one layer over states from inside the
-target, with its own output head; medusa.py: K heads each guessing one position further). `load_draft_head(path, target)` reads a head directory, as its authors publish them or as
-`python -m minispec.tools.train_heads` writes them; the head drafts as `generate(..., draft=head)`.
-"""
+"""Draft heads: small trained modules on the target's own hidden states that guess for it (eagle.py,
+eagle3.py, medusa.py). `load_draft_head(path, target)` reads a head's folder, as its authors publish it or
+as `python -m minispec.tools.train_heads` writes it; the head drafts as `generate(..., draft=head)`."""
 
 import hashlib
 import json
@@ -28,15 +26,10 @@ def is_head_dir(path):
     """Whether `path` is a draft head's folder (config.json of a head kind, or EAGLE's fc in its
     weights) rather than a model checkpoint."""
     directory = Path(path).expanduser()
-    config = directory / "config.json"
-    if not config.is_file():
-        return False
     try:
-        hf = json.loads(config.read_text())
+        hf = read_config(directory)
     except (OSError, ValueError):
         return False  # the checkpoint loader says what is wrong with it
-    if not isinstance(hf, dict):
-        return False
     if "minispec_head" in hf or "medusa_num_heads" in hf:
         return True
     # EAGLE's authors publish a Llama config of one layer, beside weights with fc and no tokenizer. A
@@ -62,18 +55,6 @@ def kind_of(hf, directory):
         raise CheckpointError(f"{directory}/config.json: unknown head kind {kind!r} (minispec knows "
                               f"{', '.join(KINDS)})")
     return kind
-
-
-def build(kind, hf, target):
-    """The head module for config.json `hf`, on the meta device (shapes only)."""
-    with torch.device("meta"):
-        if kind == "eagle":
-            config, bias = eagle.config_from_hf(hf, target)
-            return eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target))
-        if kind == "eagle3":
-            return eagle3.build(hf, target)
-        n_heads, n_layers = medusa.config_from_hf(hf)
-        return medusa.MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers, target)
 
 
 def check_size(kind, hf, target):
@@ -117,7 +98,8 @@ def load_draft_head(path, target, quantize="auto"):
                 f"as s; s.save_file(torch.load('{pickles[0]}'), 'model.safetensors')\"")
     try:
         check_size(kind, hf, target)
-        head = build(kind, hf, target)
+        with torch.device("meta"):  # shapes only: the weights are assigned as they are read
+            head = KINDS[kind].build(hf, target)
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
     if quantize == "auto":

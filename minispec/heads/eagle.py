@@ -1,28 +1,19 @@
-"""EAGLE (Li, Wei, Zhang & Zhang, ICML 2024): the target drafts for itself at the feature level.
-
-The target's last hidden state f_i (what its output head reads at position i) predicts token i+1. One
-decoder layer of the target's own shape learns to predict the next state from it and the token that
-followed:
+"""EAGLE (Li, Wei, Zhang & Zhang, ICML 2024): the target drafts for itself at the feature level. One
+decoder layer of the target's shape predicts the target's next last hidden state f (what its output head
+reads) from the current one and the token that followed:
 
     f̂_{i+1} = Layer(fc([embed(x_{i+1}), f_i]))     embed: the target's own token embedding
     q_{i+2}  = softmax(target.logits(f̂_{i+1}))      the target's own output head
 
-Drafting after a step that ended in the target's token t: the pairs (f_i, x_{i+1}) whose states the
-target computed since the last step go through the layer (its own static KV cache, pair i at position
-i); the last pair's f̂ gives q for the first guess; then (f̂, guess) gives the next f̂, and so on, each
-guess drawn from its q (decoding/drafters.py's loop, shared with draft models). After verification the
-layer's cache keeps only pairs built from the target's real states: the pairs of its guesses are rolled
-back, and the accepted guesses come back at the next step with the states the target gave them.
+The pairs (f_i, x_{i+1}) the target computed since the last step go through the layer's own KV cache;
+each guess then feeds (f̂, guess) back (decoding/drafters.py's loop, shared with draft models). After
+verification the guesses' pairs are rolled back: accepted ones return with the target's real states.
+A reduced draft vocabulary (EAGLE-3's idea) puts q on the N tokens the target says most, cutting the
+output head, most of a guess's cost; guesses are drawn from that q, so output stays exact.
 
-A reduced draft vocabulary (EAGLE-3's idea, in heads trained here): q over the N tokens the target
-says most often, zero elsewhere. The output head is most of a guess's cost (a small model's vocabulary
-times its width, against one layer's weights); 8192 rows of a 49k vocabulary cut it sixfold, and a token outside them is one the
-head would seldom have guessed. Exactness is untouched: the guesses are drawn from that q.
-
-Checkpoints: EAGLE-1/EAGLE-2 heads as their authors publish them (config.json: a Llama config with one
-layer and `bias` for fc; safetensors with fc.weight, fc.bias and layers.0.* in Hugging Face names; layer
-0 has no input norm), and heads trained here (tools/train_heads.py writes the same layout, with
-`minispec_draft_vocab` in config.json and the tensor `draft_vocab` of target token ids when reduced).
+Checkpoints: EAGLE-1/2 heads as published (a one-layer Llama config with `bias` for fc; fc.* and
+layers.0.* in Hugging Face names, layer 0 without an input norm), and heads trained here (the same,
+with `minispec_draft_vocab` and the tensor `draft_vocab` when reduced).
 """
 
 import torch
@@ -32,7 +23,7 @@ from ..decoding.drafters import ModelDrafter
 from ..loading.weights import CheckpointError
 from ..models.base import CachedLM, Embedding, Linear
 from ..models.kernels import can_pack, pack
-from ..models.checks import FLAG, check
+from ..models.checks import FLAG, Check, check, integer
 from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
 
 
@@ -138,26 +129,24 @@ class EagleDrafter(ModelDrafter):
         self.next_logits = None
 
 
-def config_from_hf(hf, target):
-    """The head's LlamaConfig and fc's bias, checked against the target it drafts for (a ValueError,
-    which the loader prefixes with the folder)."""
+def llama_config(hf, target):
+    """The head's LlamaConfig, its vocabulary the target's (a ValueError, which the loader prefixes with
+    the folder)."""
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
-    if config.dim != target.hidden_size:
-        raise ValueError(f"an EAGLE head of hidden_size {config.dim} cannot draft for "
-                         f"{target.name}, whose hidden states have {target.hidden_size}")
     if config.vocab_size != target.vocab_size:
-        raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's "
-                         f"({target.vocab_size})")
-    return config, check(hf, "bias", FLAG, True)
+        raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's ({target.vocab_size})")
+    return config
 
 
-def draft_vocab_size(hf, target):
-    """config.json's reduced draft vocabulary size (None: the target's whole vocabulary)."""
-    size = hf.get("minispec_draft_vocab")
-    if size is not None and not (isinstance(size, int) and not isinstance(size, bool)
-                                 and 0 < size <= target.vocab_size):
-        raise ValueError(f"minispec_draft_vocab must be a token count in 1..{target.vocab_size}, got {size!r}")
-    return size
+def build(hf, target):
+    """The head for config.json `hf` (the loader builds it on the meta device), checked against `target`."""
+    config = llama_config(hf, target)
+    if config.dim != target.hidden_size:
+        raise ValueError(f"an EAGLE head of hidden_size {config.dim} cannot draft for {target.name}, whose "
+                         f"hidden states have {target.hidden_size}")
+    size = check(hf, "minispec_draft_vocab", Check(integer(1, target.vocab_size),
+                                                   f"must be a token count in 1..{target.vocab_size}"), None)
+    return EagleHead(config, check(hf, "bias", FLAG, True), target, size)
 
 
 def check_draft_vocab(head, source):

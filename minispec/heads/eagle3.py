@@ -1,24 +1,19 @@
 """EAGLE-3 (Li, Wei, Zhang & Zhang, 2025): EAGLE's one-layer draft, reading states from inside the target.
 
-EAGLE-1 (eagle.py) predicts the target's last state, which the target's own output head turns into
-tokens. EAGLE-3 drops that constraint: it reads the residual states entering three of the target's
-layers (low, middle, high: layers 2, L/2 and L-3 of L by default), fuses them into one state, and
-guesses tokens through an output head of its own over a reduced draft vocabulary:
+Where EAGLE-1 (eagle.py) predicts the target's last state for the target's own output head, EAGLE-3
+fuses the residual states entering three of the target's layers (2, L/2 and L-3 of L by default) and
+guesses through an output head of its own, over a reduced draft vocabulary:
 
     g_i      = fc([h_i^low, h_i^mid, h_i^high])                   the target's states, fused (3d -> d)
-    g'_{i+1} = g_i + Attn([norm(embed(x_{i+1})), norm(g_i)])      attention reads both, side by side
-               (+ the layer's MLP, as any Llama layer)
+    g'_{i+1} = g_i + Attn([norm(embed(x_{i+1})), norm(g_i)])      (+ the layer's MLP, as any Llama layer)
     q_{i+2}  = softmax(lm_head(norm(g'_{i+1})))                   over the draft vocabulary only
 
-The next guess reads g' where the target's fused states would be (the head's own prediction, not
-fused again), as EAGLE-1's reads f̂. A draft token d is the target's token d + d2t[d].
-
-Checkpoints as their authors publish them (EAGLE's eagle/model/cnets.py; vLLM and SGLang read the same):
-config.json a one-layer Llama config with `draft_vocab_size` (and `target_hidden_size` where the head is
-narrower than its target, `eagle_aux_hidden_state_layer_ids` where it reads other layers); safetensors
-with fc.weight, midlayer.* (q/k/v read twice the width; hidden_norm beside input_layernorm), norm.weight,
-lm_head.weight, d2t and t2d (the boolean inverse of d2t, not needed here), and the head's own
-embed_tokens.weight when it is narrower than the target.
+The next guess reads g' where fused states would be, as EAGLE-1's reads f̂. A draft token d is the
+target's token d + d2t[d]. Checkpoints as their authors publish them (vLLM and SGLang read the same): a
+one-layer Llama config with `draft_vocab_size` (and `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`
+where they differ from the defaults); fc.weight, midlayer.* (q/k/v twice as wide, hidden_norm beside
+input_layernorm), norm.weight, lm_head.weight, d2t, t2d (not needed here) and, in a head narrower than
+its target, its own embed_tokens.weight.
 """
 
 import torch
@@ -26,7 +21,7 @@ from torch import nn
 
 from ..models.base import CachedLM, Embedding, Linear, RMSNorm, compile_region
 from ..models.checks import COUNT, FLAG, TABLE, check
-from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weights
+from ..models.llama import Llama, TransformerBlock, convert_hf_weights
 from . import eagle
 from .eagle import EagleDrafter, EagleHead
 
@@ -157,9 +152,7 @@ def build(hf, target):
     """The head for config.json `hf` (on the current device: the loader builds it on meta); a ValueError
     where it cannot draft for `target`."""
     check_target(target)
-    config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
-    if config.vocab_size != target.vocab_size:
-        raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's ({target.vocab_size})")
+    config = eagle.llama_config(hf, target)
     wide = check(hf, "target_hidden_size", COUNT, config.dim)
     if wide != target.hidden_size:
         raise ValueError(f"an EAGLE-3 head for hidden states of {wide} cannot draft for {target.name}, whose "

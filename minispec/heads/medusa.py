@@ -1,16 +1,12 @@
 """Medusa (Cai et al. 2024), after blockwise parallel decoding (Stern, Shazeer & Uszkoreit 2018): K heads
-on the target's last hidden state, head j guessing the token j + 1 places past the one the target's
-own head predicts.
+on the target's last hidden state f_i, head j guessing the token j + 1 places past the target's own:
 
-    f_i: the target's state at the last token it has seen; target.logits(f_i) gave t = x_{i+1}
     q_j = softmax(W_j · ResBlock_j(f_i)),  ResBlock(x) = x + SiLU(linear(x))     guess j ~ q_j: x_{i+2+j}
 
-Every guess of a step comes from the one state, so drafting costs one small forward per guess and no
-cache. The guesses are drawn independently, each from its own q_j: Algorithm 1 needs nothing more.
-
-Checkpoints: Medusa-1 heads as their authors publish them (config.json with medusa_num_heads and
-medusa_num_layers; tensors `{head}.{layer}.linear.weight/bias` and `{head}.{medusa_num_layers}.weight`,
-or the same under `medusa_head.` in a Medusa-2 model's files), and heads trained here.
+Every guess comes from the one state: a small forward per guess and no cache; the guesses are drawn
+independently, each from its own q_j, which is all Algorithm 1 needs. Checkpoints: Medusa-1 heads as
+published (config.json with medusa_num_heads and medusa_num_layers; `{head}.{layer}.linear.*` and
+`{head}.{medusa_num_layers}.weight`, or the same under `medusa_head.` in a Medusa-2 model's files).
 """
 
 import torch
@@ -109,6 +105,10 @@ class MedusaDrafter:
 def config_from_hf(hf):
     """(heads, layers per head) from config.json."""
     return check(hf, "medusa_num_heads", COUNT), check(hf, "medusa_num_layers", COUNT, 1)
+
+
+def build(hf, target):
+    return MedusaHeads(target.hidden_size, target.vocab_size, *config_from_hf(hf), target)
 
 
 def convert_weights(weights, heads):

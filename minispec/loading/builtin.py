@@ -77,9 +77,9 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
     """The checkpoint converted from a GGUF file, converted on first use: weights/<name>/ for a built-in
     model; for a user's file weights/<file stem>-<its SHA-256, 16 digits>/ (-quantized at the end with
     its quantized tensors kept quantized). A conversion is found again only by the content it was made
-    from: the file is hashed on every load (`digest`, where the caller has hashed it: SHA-256 takes 1.5
-    to 3 s a GB on one busy core, 0.14 s for the built-in's 98 MB) and the conversion's mark of completion (gguf.COMPLETE) must hold that hash, so a
-    file rewritten in place, whatever its size and time, is converted again. A conversion is kept only
+    from: the file is hashed on every load (`digest`, where the caller has hashed it) and the conversion's
+    mark of completion (gguf.COMPLETE) must hold that hash, so a file rewritten in place, whatever its
+    size and time, is converted again. A conversion is kept only
     once `check` (checkpoint.check_checkpoint) has loaded it."""
     gguf_path = Path(gguf_path).expanduser()
     try:

@@ -26,7 +26,8 @@ from ..models import backend
 from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
 from .tokenizer import load_tokenizer
-from .weights import CheckpointError, file_identity, log, read_config, read_dtypes, read_weights, weight_files
+from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
+                      release_file_pages, save_safetensors, weight_files)
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
@@ -238,8 +239,44 @@ def check_finite(weights, source):
 
 def check_checkpoint(directory):
     """A folder that load_model would load: its weights, config and tokenizer read and checked (a
-    conversion is checked so before it is kept)."""
+    conversion is checked so before it is kept). Quantized weights in their stored form are then
+    rewritten in the layout the native kernels read (pack_stored)."""
+    if read_checkpoint(directory).stored:
+        pack_stored(directory)
+
+
+def pack_stored(directory):
+    """Rewrite a checkpoint's quantized weights in the kernels' layout (models.quant's packed form), the
+    form a load then maps from the file as it is: packing them at every load cost most of its time, and
+    the stored form's float32 scales made the file larger than the GGUF it came from."""
+    model = load_model(directory)
+    if any(hasattr(module, "native") and not module.native for module in model.modules()):
+        return  # no kernels here, or a layer they do not take: PyTorch's layout, which no load reads from a file
+    tensors = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, tensor in module.named_parameters(prefix=name, recurse=False):
+            tensors[key] = tensor
+        for key, tensor in module._buffers.items():
+            if tensor is not None and key not in module._non_persistent_buffers_set:
+                tensors[prefix + ("packed_" if getattr(module, "native", False) else "") + key] = tensor
+    save_safetensors(tensors, Path(directory) / "model.safetensors.partial", metadata={"format": "pt"})
+    del model, tensors
+    os.replace(Path(directory) / "model.safetensors.partial", Path(directory) / "model.safetensors")
     read_checkpoint(directory)
+
+
+def unpacked_unless_taken(model, stored, device, tp):
+    """The checkpoint's quantized weights, those in the kernels' layout unpacked to the stored form where
+    these kernels do not take them as they are (another device or backend, a sharded model)."""
+    shapes = {name: model.get_submodule(name).weight.shape for name in stored}
+    if all("packed_weight" not in parts or tp is None and backend.current().takes_quantized(
+            shapes[name][1], shapes[name][1] // parts["packed_scales"].shape[1], device)
+           for name, parts in stored.items()):
+        return stored
+    from .. import native  # the layout's reader: pure torch, also where the kernels do not build
+    return {name: native.unpack(parts, shapes[name][0]) if "packed_weight" in parts else parts
+            for name, parts in stored.items()}
 
 
 def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None, group_size=None, tp=None):
@@ -262,6 +299,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
     _, _, model, weights, stored, tokenizer = read_checkpoint(directory, world)
+    stored = unpacked_unless_taken(model, stored, device, tp)
     dtype = dtype or default_dtype(device)
     quantizing = bool(quantize or stored)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
@@ -269,6 +307,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     model.load_state_dict({k: v if quantizing else v.to(dtype) for k, v in weights.items()}, assign=True,
                           strict=not stored)
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
+    mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
         parallel.join(device).shard(model, stored)
     if quantizing:
@@ -277,7 +316,12 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
                 log(f"{name_or_path}: {note}")
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
-    model = pack_linears(model.to(device=device).eval().requires_grad_(False))
+    model = model.to(device=device).eval().requires_grad_(False)
+    if not mapped:  # what packing reads comes back as it reads it; what it does not (fused, cast) stays out
+        release_file_pages(weight_files(directory))
+    model = pack_linears(model)
+    if not mapped:
+        release_file_pages(weight_files(directory))
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     model.fingerprint = fingerprint(directory, quantize, group_size, tp)
     model.tokenizer = tokenizer

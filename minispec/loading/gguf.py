@@ -5,9 +5,9 @@ they are, in minispec.models.quant's stored form (int8 or int4 values with their
 which dequantizes bit for bit to the same floats.
 
 The container (header, metadata, tensor infos, data offsets) is read by the `gguf` package, llama.cpp's
-own reader. Quantized types pack blocks of 32 or 256 values with fp16 scales; the unpackers below mirror
-ggml's reference (and the `gguf` package's) exactly, and also give the blocks' integer values and scales,
-which a kept quantized tensor is stored as.
+own reader, and dequantized by it (gguf.quants: ggml's reference in numpy). Quantized types pack blocks of
+32 or 256 values with fp16 scales; the unpackers below give the blocks' integer values and scales, which
+a kept quantized tensor is stored as, and which dequantize bit for bit to gguf's values.
 
     python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import struct
 import sys
 import tempfile
 import threading
@@ -31,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
-from ..models import quant
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
+from .tokenizer import BYTE_FALLBACK, BYTE_LEVEL, SPACES
 from .weights import save_safetensors
 
 # ---------------------------------------------------------------------------------------------
@@ -45,23 +44,6 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 # Every value the header holds (a string, a number, an array item) is a few numpy objects in gguf's reader,
 # some 350 bytes: a file's count of them is bounded (700 MB), above a 262k-token vocabulary's 1.6 million.
 MAX_HEADER_VALUES = 1 << 21
-
-
-def shortest_float32(value):
-    """The shortest decimal that is the same float32, so an epsilon of 1e-6 reads back as 1e-6
-    rather than 9.999999974752427e-07."""
-    exact = struct.pack("<f", value)
-    return next((float(f"{value:.{digits}g}") for digits in range(1, 10) if same_float32(f"{value:.{digits}g}", exact)),
-                value)  # NaN payloads: as read
-
-
-def same_float32(decimal, exact):
-    """Whether the decimal reads back as the float32 `exact` (near float32's largest, a short decimal
-    rounds past it: not the same)."""
-    try:
-        return struct.pack("<f", float(decimal)) == exact
-    except OverflowError:
-        return False
 
 
 @dataclass
@@ -115,7 +97,9 @@ def metadata_value(name, field):
     if field.types[:2] == [GGUFValueType.ARRAY] * 2:  # as in llama.cpp; nesting recurses as deep as a file asks
         raise BadFile(f"corrupt GGUF file (an array of arrays in metadata {name!r})")
     value = field.contents()
-    return shortest_float32(value) if field.types == [GGUFValueType.FLOAT32] else value
+    # a float32 as the shortest decimal that is the same float32 (numpy prints that), so that an epsilon
+    # of 1e-6 reads back as 1e-6 rather than 9.999999974752427e-07
+    return float(str(np.float32(value))) if field.types == [GGUFValueType.FLOAT32] else value
 
 
 def read_gguf(path):
@@ -185,8 +169,8 @@ def tensor_views(reader):
 # -> (q [n, block] integer values, scales [n, groups], offsets [n, groups] or None), meaning
 # value = q * scale + offset, in float32, multiply then add: ggml's reference computes its values in
 # exactly these operations (d * (q - 8) is q * d + (-8 d), both terms exact), so they match it bit for
-# bit. Dequantizing evaluates that (models.quant.dequantize); keeping the tensor quantized stores it
-# (models.quant's stored form, with 4-bit values packed two per byte).
+# bit. A tensor kept quantized is stored so (models.quant's stored form, 4-bit values two per byte),
+# which models.quant.dequantize evaluates.
 
 def _f16(blocks, start):  # the fp16 scale stored at byte `start` of every block, as [n, 1] fp32
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
@@ -308,9 +292,10 @@ def dequantize(tensor):
     if tensor.type in FLOAT_TYPES:
         return tensor.data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
     block, block_bytes = QUANT_TYPES[tensor.type][:2]
-    out = torch.empty(tensor.data.numel() // block_bytes, block)  # filled chunk by chunk
-    for i, (q, scales, offsets) in zip(range(0, len(out), CHUNK_BLOCKS), unpacked_blocks(tensor)):
-        out[i:i + len(q)] = quant.dequantize({"qweight": q.to(torch.int8), "scales": scales, "offsets": offsets})
+    blocks, kind = tensor.data.view(-1, block_bytes).numpy(), GGMLQuantizationType[tensor.type]
+    out = torch.empty(len(blocks), block)  # filled chunk by chunk
+    for i in range(0, len(out), CHUNK_BLOCKS):
+        out[i:i + CHUNK_BLOCKS] = torch.from_numpy(quants.dequantize(blocks[i:i + CHUNK_BLOCKS], kind))
     return out.view(tensor.shape)
 
 
@@ -634,7 +619,6 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
 
 def split_then_bytes(regex):
@@ -650,11 +634,8 @@ PRE_TOKENIZERS = {
     "qwen2": ({"type": "NFC"}, split_then_bytes(QWEN2_REGEX)),
     "llama-bpe": (None, split_then_bytes(LLAMA3_REGEX)),
     # Gemma's SentencePiece vocabulary (tokenizer.ggml.model 'llama'): spaces as "▁", bytes outside it as <0xNN>
-    "gemma": ({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
-              {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}),
+    "gemma": (SPACES, {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}),
 }
-GEMMA_DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-                                                  {"type": "ByteFallback"}, {"type": "Fuse"}]}
 
 
 def merges_by_rank(tokens):
@@ -707,7 +688,7 @@ def tokenizer_files(metadata, vocab_size):
         "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
         "post_processor": template_processor(tokens, bos, eos),
-        "decoder": GEMMA_DECODER if gemma else
+        "decoder": BYTE_FALLBACK if gemma else
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE", "dropout": None, "unk_token": tokens[ids["unk_token"]] if gemma and "unk_token" in ids else None,

@@ -16,7 +16,7 @@ HUB_FILES = [
 def download_from_hub(repo_id):
     """Fetch only the files minispec needs; honours the hub cache, HF_HOME and HF_HUB_OFFLINE. Its progress
     bars are shown on a terminal only: in a log they are lines of redraws."""
-    # Imported here, not with the package: with its HTTP stack it costs every run ~0.15 s, and only a
+    # Imported here, not with the package: with its HTTP stack it slows every run's start, and only a
     # checkpoint given by its hub id needs it.
     from huggingface_hub import snapshot_download, utils
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

@@ -267,18 +267,61 @@ def check_regex(pattern):
     return pattern
 
 
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}  # SentencePiece-style's normalizer
+# SentencePiece-style: "▁" back to spaces, <0xNN> tokens to their bytes, the pieces joined
+BYTE_FALLBACK = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                                  {"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+
+def flattened(spec, where, key, step):
+    """The steps of a normalizer or pre-tokenizer (Sequences under `key` flattened, so that steps nested
+    deeper than the library's JSON reader goes still load), each as step(kind, spec, where) rebuilds it;
+    `where` is a step's path in the file, for messages."""
+    if spec is None:
+        return []
+    kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
+    if kind == "Sequence":
+        steps = check(spec, key, LIST, where=f"{where}.")
+        return [x for k, s in enumerate(steps) for x in flattened(s, f"{where}.{key}[{k}]", key, step)]
+    return step(kind, spec, where)
+
+
+def normalizer_step(kind, spec, where):
+    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+        return [{"type": kind}]
+    if kind == "Replace":
+        pattern = check(check(spec, "pattern", TABLE, where=f"{where}."), "String", TEXT, where=f"{where}.pattern.")
+        return [{"type": kind, "pattern": {"String": pattern}, "content": check(spec, "content", TEXT, where=f"{where}.")}]
+    raise UnsupportedTokenizer(f"normalizer {kind!r} is not supported")
+
+
+def pre_tokenizer_step(kind, spec, where):
+    if kind == "Split":
+        pattern = check(spec, "pattern", TABLE, where=f"{where}.")
+        behavior = check(spec, "behavior", TEXT, where=f"{where}.")
+        if behavior not in ("Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"):
+            raise UnsupportedTokenizer(f"Split behavior {behavior!r} is not supported")
+        if "Regex" in pattern:
+            pattern = {"Regex": check_regex(check(pattern, "Regex", TEXT, where=f"{where}.pattern."))}
+        else:
+            pattern = {"String": check(pattern, "String", TEXT, where=f"{where}.pattern.")}
+        return [{"type": kind, "pattern": pattern, "behavior": behavior,
+                 "invert": check(spec, "invert", FLAG, False, f"{where}.")}]
+    if kind == "Digits":
+        return [{"type": kind, "individual_digits": check(spec, "individual_digits", FLAG, False, f"{where}.")}]
+    if kind == "ByteLevel":
+        return [{**BYTE_LEVEL, "use_regex": check(spec, "use_regex", FLAG, True, f"{where}."),
+                 "add_prefix_space": check(spec, "add_prefix_space", FLAG, False, f"{where}.")}]
+    raise UnsupportedTokenizer(f"pre-tokenizer {kind!r} is not supported")
+
+
 class ByteLevelBPE(Tokenizer):
     """Byte-level BPE from a tokenizer.json, run by the `tokenizers` library; or SentencePiece-style BPE
     (Gemma's, as a GGUF import writes it): spaces written "▁" by a normalizer, a byte outside the vocabulary
     as its <0xNN> token (byte_fallback). The file is checked and rebuilt first, from the parts this module
     knows, each with its defaults written out (the library wants every field), so that a bad file is a
     one-line error naming its key."""
-
-    BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}  # SentencePiece-style's normalizer
-    # SentencePiece-style: "▁" back to spaces, <0xNN> tokens to their bytes, the pieces joined
-    BYTE_FALLBACK = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-                                                      {"type": "ByteFallback"}, {"type": "Fuse"}]}
 
     def __init__(self, spec, config, chat_template):
         model = check(TABLE("its top level", spec), "model", TABLE)
@@ -288,7 +331,7 @@ class ByteLevelBPE(Tokenizer):
             if model.get(option):
                 raise UnsupportedTokenizer(f"BPE option {option} is not byte-level BPE")
         byte_fallback = check(model, "byte_fallback", FLAG, False, "model.")
-        if byte_fallback and spec.get("normalizer") != self.SPACES:  # e.g. Llama 2's (Metaspace): its tokenizer.model
+        if byte_fallback and spec.get("normalizer") != SPACES:  # e.g. Llama 2's (Metaspace): its tokenizer.model
             raise UnsupportedTokenizer("BPE option byte_fallback is only read with the normalizer writing spaces as '\u2581'")
         vocab = check(model, "vocab", TABLE, where="model.")
         id_to_token = {i: token for token, i in vocab.items() if TOKEN_ID.test(i)}
@@ -312,13 +355,13 @@ class ByteLevelBPE(Tokenizer):
                "fuse_unk": check(model, "fuse_unk", FLAG, False, "model.")}
         added = [self.added_token(token, f"added_tokens[{n}]", id_to_token)
                  for n, token in enumerate(check(spec, "added_tokens", LIST, []))]
-        normalizers = self.normalizers(spec.get("normalizer"), "normalizer")
-        pre_tokenizers = self.pre_tokenizers(spec.get("pre_tokenizer"), "pre_tokenizer")
+        normalizers = flattened(spec.get("normalizer"), "normalizer", "normalizers", normalizer_step)
+        pre_tokenizers = flattened(spec.get("pre_tokenizer"), "pre_tokenizer", "pretokenizers", pre_tokenizer_step)
         if not byte_fallback and not any(step["type"] == "ByteLevel" for step in pre_tokenizers):
             raise UnsupportedTokenizer("BPE without a ByteLevel pre-tokenizer is not byte-level")
         rebuilt = {"added_tokens": added, "normalizer": {"type": "Sequence", "normalizers": normalizers},
                    "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_tokenizers},
-                   "decoder": self.BYTE_FALLBACK if byte_fallback else self.BYTE_LEVEL, "model": bpe}
+                   "decoder": BYTE_FALLBACK if byte_fallback else BYTE_LEVEL, "model": bpe}
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(json.dumps(rebuilt))
         except Exception as error:  # what the checks above do not foresee; the library raises a plain Exception
@@ -336,47 +379,6 @@ class ByteLevelBPE(Tokenizer):
             raise ValueError(f"{where} gives id {i} to {reprlib.repr(content)}, which is {reprlib.repr(id_to_token[i])}'s")
         flags = {flag: token.get(flag, False) for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}
         return {"id": i, "content": content, **flags}
-
-    # Sequences are flattened, so that steps nested deeper than the library's JSON reader goes still load;
-    # `where` is a step's path in the file, for messages.
-    def normalizers(self, spec, where):
-        if spec is None:
-            return []
-        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
-        if kind == "Sequence":
-            steps = check(spec, "normalizers", LIST, where=f"{where}.")
-            return [n for k, s in enumerate(steps) for n in self.normalizers(s, f"{where}.normalizers[{k}]")]
-        if kind in ("NFC", "NFD", "NFKC", "NFKD"):
-            return [{"type": kind}]
-        if kind == "Replace":
-            pattern = check(check(spec, "pattern", TABLE, where=f"{where}."), "String", TEXT, where=f"{where}.pattern.")
-            return [{"type": kind, "pattern": {"String": pattern}, "content": check(spec, "content", TEXT, where=f"{where}.")}]
-        raise UnsupportedTokenizer(f"normalizer {kind!r} is not supported")
-
-    def pre_tokenizers(self, spec, where):
-        if spec is None:
-            return []
-        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
-        if kind == "Sequence":
-            steps = check(spec, "pretokenizers", LIST, where=f"{where}.")
-            return [p for k, s in enumerate(steps) for p in self.pre_tokenizers(s, f"{where}.pretokenizers[{k}]")]
-        if kind == "Split":
-            pattern = check(spec, "pattern", TABLE, where=f"{where}.")
-            behavior = check(spec, "behavior", TEXT, where=f"{where}.")
-            if behavior not in ("Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"):
-                raise UnsupportedTokenizer(f"Split behavior {behavior!r} is not supported")
-            if "Regex" in pattern:
-                pattern = {"Regex": check_regex(check(pattern, "Regex", TEXT, where=f"{where}.pattern."))}
-            else:
-                pattern = {"String": check(pattern, "String", TEXT, where=f"{where}.pattern.")}
-            return [{"type": kind, "pattern": pattern, "behavior": behavior,
-                     "invert": check(spec, "invert", FLAG, False, f"{where}.")}]
-        if kind == "Digits":
-            return [{"type": kind, "individual_digits": check(spec, "individual_digits", FLAG, False, f"{where}.")}]
-        if kind == "ByteLevel":
-            return [{**self.BYTE_LEVEL, "use_regex": check(spec, "use_regex", FLAG, True, f"{where}."),
-                     "add_prefix_space": check(spec, "add_prefix_space", FLAG, False, f"{where}.")}]
-        raise UnsupportedTokenizer(f"pre-tokenizer {kind!r} is not supported")
 
     def template(self, spec, where):
         """(prefix ids, suffix ids) that the post-processor adds around a single sequence."""

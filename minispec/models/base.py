@@ -184,6 +184,10 @@ class Embedding(nn.Embedding):
 
     packed = False  # set by pack_linears when the embedding is also the head
 
+    def reset_parameters(self):
+        if not self.weight.is_meta:  # a load's model, whose weights the checkpoint's replace: normal_ on the
+            super().reset_parameters()  # meta device imports torch._dynamo, seconds of every load
+
     def unembed(self, x):
         return linear(x, self.weight, None, self.packed)
 

@@ -297,7 +297,6 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
     depth by depth); the tree starts after the row's cached tokens there. A row of fewer than n tokens
     is padded as decode_rows pads it: its last token repeated in its slot (none: a placeholder at its
     length)."""
-    rows = len(parents)
     blocks = cache_positions // KEY_BLOCK
     positions, first_block = [], []
     moved = []  # (row, token, position, slot) of each key read from another slot than its position's

@@ -10,7 +10,9 @@ A quantized weight [out N, in K] has two forms:
         minispec's own int8; GGUF files have groups of 32 (Q8_0) or 16 (Q6_K).
   int4: `qweight` uint8 [N, K / 2], values q in 0..15, column 2i in the low nibble of byte i and
         column 2i + 1 in the high one; `scales`, `offsets` [N, K / group]; w = q * scales + offsets.
-- packed, what the kernels read, built from the stored form on the device it runs on.
+- packed, what the kernels read, built from the stored form on the device it runs on. A conversion
+  keeps minispec/native's layout (`packed_weight`, `packed_scales`, `packed_offsets`, `packed_steps`:
+  native.pack's output), which a load on a CPU those kernels serve maps as it is, without repacking.
 
 Kernels. The backend's own where it has one that takes the layer (minispec/native's qlinear.cpp on x86
 CPUs: the input quantized to int8 in blocks of 32 and integer dot products, as llama.cpp does;
@@ -126,7 +128,8 @@ def common_form(parts_list):
     return out
 
 
-STORED_KEYS = ("qweight", "scales", "offsets")
+PACKED_KEYS = ("packed_weight", "packed_scales", "packed_offsets", "packed_steps")
+STORED_KEYS = ("qweight", "scales", "offsets", *PACKED_KEYS)
 QUANT_METHOD = "minispec"  # config.json's quantization_config.quant_method for checkpoints holding stored forms
 
 
@@ -142,6 +145,8 @@ def take_stored(weights):
 def check_stored(parts, shape):
     """A one-line reason why stored tensors {qweight, scales[, offsets]} are not a quantized weight of
     `shape` [N, K], or None."""
+    if "packed_weight" in parts:
+        return check_packed(parts, shape)
     qweight, scales, offsets = parts.get("qweight"), parts.get("scales"), parts.get("offsets")
     if qweight is None or scales is None:
         return f"has {' and '.join(sorted(parts))} but needs qweight and scales"
@@ -155,6 +160,19 @@ def check_stored(parts, shape):
         return f"scales {tuple(scales.shape)} do not divide a weight of shape {tuple(shape)} into groups"
     if offsets is not None and offsets.shape != scales.shape:
         return f"offsets {tuple(offsets.shape)} and scales {tuple(scales.shape)} differ in shape"
+    return None
+
+
+def check_packed(parts, shape):
+    """check_stored for a weight in the kernels' layout: [tiles of 16 rows, K / 32 blocks, 4 to 8
+    vectors, 64 bytes], scales [tiles, groups, 16]."""
+    weight, scales = parts["packed_weight"], parts.get("packed_scales")
+    rows, columns = shape
+    if scales is None or weight.dim() != 4 or scales.dim() != 3 or weight.shape[2] not in (4, 5, 6, 8):
+        return f"has {' and '.join(sorted(parts))}, not a packed weight and its scales"
+    if not 0 <= weight.shape[0] * 16 - rows < 16 or weight.shape[1] * 32 != columns or weight.shape[3] != 64 \
+            or scales.shape[0] != weight.shape[0] or scales.shape[1] == 0 or columns % scales.shape[1]:
+        return f"packed {tuple(weight.shape)}, scales {tuple(scales.shape)} do not make a weight of shape {tuple(shape)}"
     return None
 
 
@@ -179,8 +197,11 @@ class Int8Linear(nn.Module):
     scales (GGUF imports): on CPU one kernel call per group of columns, with the offsets' share added
     as the per-group sums of x times the offsets; on CUDA the dequantized weight inside the matmul."""
 
-    def __init__(self, parts, bias=None):
+    def __init__(self, parts, bias=None, shape=None):
         super().__init__()
+        if "packed_weight" in parts:  # the kernels' layout, as a conversion keeps it: taken as it is
+            self.take_packed(parts, bias, shape)
+            return
         self.out_features, self.in_features = parts["qweight"].shape
         qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
         self.on_cpu = qweight.device.type == "cpu"
@@ -199,6 +220,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight.clone(memory_format=copy))
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
         self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
+
+    def take_packed(self, parts, bias, shape):
+        """A weight of `shape` [N, K] in the layout the backend's kernel reads (PACKED_KEYS), as buffers."""
+        self.out_features, self.in_features = shape
+        self.group, self.bias, self.on_cpu, self.native = self.in_features // parts["packed_scales"].shape[1], bias, True, True
+        for name in ("weight", "scales", "offsets", "steps"):
+            self.register_buffer(name, parts.get(f"packed_{name}"))
 
     def register_packed(self, q, scales, offsets):
         """The buffers `weight`, `scales`, `offsets`, `steps` as the backend's kernel reads them."""
@@ -307,8 +335,8 @@ class Int8Embedding(Int8Linear):
     """A token embedding stored as int8 rows: a lookup dequantizes the rows it reads, and `unembed`, the
     output head tied to the embedding (GPT-2, tied Llamas), is the int8 matmul."""
 
-    def __init__(self, parts, dtype):
-        super().__init__(parts)
+    def __init__(self, parts, dtype, shape=None):
+        super().__init__(parts, shape=shape)
         self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
         self.output_dtype = dtype  # the model's: what a float embedding would return
 
@@ -345,16 +373,24 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)
+    mapped = False  # layers taken in the kernels' layout: views of the checkpoint file, left where they are
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, Embedding)):
             continue
         parts = stored.pop(name, None)
         if parts is None and mode is None:
             continue
+        if parts is not None and "packed_weight" in parts:
+            shape, mapped = module.weight.shape, True
+            model.set_submodule(name, Int8Embedding(parts, dtype, shape) if isinstance(module, Embedding) else
+                                Int8Linear(parts, module.bias, shape))
+            continue
         target = torch.device(device) if device is not None else module.weight.device
         if isinstance(module, Embedding):
             if parts is None:
                 parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim), dtype)
+            elif is_int4(parts) and backend.current().takes_quantized(module.embedding_dim, group_size_of(parts), target):
+                parts = {**parts, "qweight": unpack_int4(parts["qweight"])}  # the kernels' layout keeps int4 as it is
             elif is_int4(parts):
                 parts = widen_int4(parts)
             model.set_submodule(name, Int8Embedding(on(parts, target), dtype))
@@ -378,7 +414,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                          "or token embeddings of this model")
     notes = [f"kept int8 ({problem}): {', '.join(names)}" for problem, names in fallbacks.items()]
     model.quantization = {"mode": mode, "group_size": group_size, "notes": notes}
-    backend.current().in_huge_pages(model.modules())  # read every step: in huge pages where the backend has them
+    if not mapped:  # read every step: in huge pages where the backend has them (a copy, which a mapped file saves)
+        backend.current().in_huge_pages(model.modules())
     return notes
 
 

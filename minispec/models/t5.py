@@ -309,18 +309,22 @@ class T5(CachedLM):
         return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
                           device=prompt.device)
 
-    def encode(self, prompt):
+    def encode(self, prompt, row=None):
         """Run the encoder once over `prompt` [batch, len]; keep each decoder layer's cross-attention
-        keys/values; return the decoder's start token [batch, 1]."""
-        x = self.run_encoder(prompt)
-        # Pad to a power of two, and never shrink, so that later prompts reuse the same buffers (and graphs).
-        n, held = prompt.shape[1], 0 if self.memory_mask is None else self.memory_mask.shape[-1]
-        capacity = max(64, 1 << (n - 1).bit_length(), held)
+        keys/values (with `row`, one request's [1, len] into that row of a batch's memory, allocated by
+        prepare_batch, the others untouched); return the decoder's start token [batch, 1]."""
+        x, n = self.run_encoder(prompt), prompt.shape[1]
+        # Padded to a power of two, and never shrunk, so that later prompts reuse the same buffers (and graphs).
+        held = 0 if self.memory_mask is None else self.memory_mask.shape[-1]
+        capacity = held if row is not None else max(64, 1 << (n - 1).bit_length(), held)
         x = F.pad(x, (0, 0, 0, capacity - n))  # zero rows project to zero keys/values (no biases)
         for layer in self.decoder:
-            layer.cross_attn.remember(x)
-        in_prompt = torch.arange(capacity, device=prompt.device) < n
-        self.memory_mask = reuse_or_copy(self.memory_mask, in_prompt.view(1, 1, 1, capacity))
+            layer.cross_attn.remember(x, row)
+        in_prompt = (torch.arange(capacity, device=prompt.device) < n).view(1, 1, 1, capacity)
+        if row is None:
+            self.memory_mask = reuse_or_copy(self.memory_mask, in_prompt)
+        else:
+            self.memory_mask[row] = in_prompt[0]
         return self.start_tokens(prompt)
 
     def prepare_batch(self, rows, longest_prompt):
@@ -330,25 +334,15 @@ class T5(CachedLM):
         held = self.memory_mask
         if held is not None and held.shape[0] >= rows and held.shape[-1] >= capacity:
             return  # the memory already has room: each row is refilled by encode_row, and only those are read
-        for layer in self.decoder:
-            attn = layer.cross_attn
-            shape = (rows, attn.n_heads, capacity, self.config.d_kv)  # the layer's heads (fewer when sharded)
-            with torch.inference_mode(False):
-                attn.memory_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                attn.memory_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         with torch.inference_mode(False):
+            for layer in self.decoder:
+                attn = layer.cross_attn
+                shape = (rows, attn.n_heads, capacity, self.config.d_kv)  # the layer's heads (fewer when sharded)
+                attn.memory_k, attn.memory_v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
             self.memory_mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=self.device)
 
     def encode_row(self, row, prompt):
-        """One request's prompt [1, len] encoded into memory row `row` (the others untouched); returns
-        its decoder start token [1, 1]."""
-        x = self.run_encoder(prompt)
-        capacity = self.memory_mask.shape[-1]
-        x = F.pad(x, (0, 0, 0, capacity - prompt.shape[1]))
-        for layer in self.decoder:
-            layer.cross_attn.remember(x, row)
-        self.memory_mask[row] = (torch.arange(capacity, device=prompt.device) < prompt.shape[1]).view(1, 1, -1)
-        return self.start_tokens(prompt)
+        return self.encode(prompt, row)
 
     def move_row(self, source, destination):
         super().move_row(source, destination)

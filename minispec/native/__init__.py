@@ -42,7 +42,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
-# A first build's time, before this machine has timed one: ~20 s on a quiet machine, ~75 s on two busy cores.
+# A first build's time (seconds), before this machine has timed one: a quiet machine's, a busy one's.
 FIRST_BUILD_SECONDS = (20, 80)
 
 
@@ -279,17 +279,19 @@ def takes(in_features, group):
 
 
 def rows_of(tokens, qweight, scales, offsets, steps):
-    """The int8 weight rows (output columns) `tokens` of a packed int8 weight, and their scales and
-    offsets in float32: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
+    """The int8 weight rows (output columns) `tokens` of a packed weight (int4's values 0..15 as int8), and
+    their scales and offsets in float32: q [..., K], scales, offsets [..., G] (a token embedding's lookup)."""
     tiles, blocks, vectors = qweight.shape[:3]
     tile, column = tokens // TILE, tokens % TILE
     # [tile, block, k, c, j] at (tile, c) -> [..., block, k, j]: the inputs in order
     q = qweight.view(tiles, blocks, vectors, TILE, 4)[tile, :, :, column]
-    if vectors in (5, 6):  # 5- or 6-bit (pack): nibbles and top bits back together, less the stored bias
+    if vectors < 8:  # 4-, 5- or 6-bit (pack): the nibbles, and the top bits, back together less the stored bias
         width = vectors - 4
-        low = torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2)
-        top = torch.stack([(q[..., 4 + k * width // 8, :] >> k * width % 8) & ((1 << width) - 1) for k in range(8)], -2)
-        q = ((low | top << 4).to(torch.int16) - stored_bias(vectors, offsets)).to(torch.int8)
+        extra, q = q, torch.cat([q[..., :4, :] & 0x0F, q[..., :4, :] >> 4], -2).to(torch.int8)
+        if width:
+            top = torch.stack([(extra[..., 4 + k * width // 8, :] >> k * width % 8) & ((1 << width) - 1)
+                               for k in range(8)], -2)
+            q = ((q.to(torch.int16) | top << 4) - stored_bias(vectors, offsets)).to(torch.int8)
     q = q.flatten(-3)
 
     def values(table, which):
@@ -298,6 +300,19 @@ def rows_of(tokens, qweight, scales, offsets, steps):
         step = steps[tile, :, which, column].repeat_interleave(table.shape[1] // steps.shape[1], dim=-1)
         return table[tile, :, column].float() * step
     return q, values(scales, 0), None if offsets is None else values(offsets, 1)
+
+
+def unpack(packed, rows):
+    """The stored form (models/quant.py's) of a weight's first `rows` rows in the kernels' layout (pack's
+    output, as a conversion keeps it: {packed_weight, packed_scales, packed_offsets, packed_steps}), the
+    same numbers: for a load these kernels do not serve (another device, a sharded model, PyTorch's kernels)."""
+    weight = packed["packed_weight"]
+    q, scales, offsets = rows_of(torch.arange(rows), weight, packed["packed_scales"], packed.get("packed_offsets"),
+                                 packed.get("packed_steps"))
+    if weight.shape[2] == 4:  # int4: two values a byte, as quant.pack_int4 stores them
+        q = q.view(torch.uint8)
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return {"qweight": q, "scales": scales} | ({} if offsets is None else {"offsets": offsets})
 
 
 def qlinear(x, qweight, scales, offsets, steps, group):
@@ -410,8 +425,8 @@ def install(compile=False):
     compiles its model)."""
     if backend.use(choose()) is NATIVE and compile and torch._inductor.config.cpp.vec_isa_ok is None:
         # Inductor finds the vector instructions it may use by building and loading test programs, in
-        # every process: 7 s with a cold cache, 1 s warm. These kernels, built for -march=native by the
-        # same toolchain, have answered that already; the CPU's flags still pick the set.
+        # every process, which takes seconds. These kernels, built for -march=native by the same
+        # toolchain, have answered that already; the CPU's flags still pick the set.
         torch._inductor.config.cpp.vec_isa_ok = True
 
 

@@ -3,7 +3,7 @@
 //
 // Why: a decode step's attention is a handful of tiny products (a few query rows against a few hundred
 // keys), and attend_cache spells it in about twenty PyTorch operations a layer, each a few microseconds
-// of dispatch: on SmolLM2-135M a fifth of an eager step. Here it is one loop per query row.
+// of dispatch, more than their arithmetic. Here it is one loop per query row.
 //
 // The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
 // and values at the positions it reads, taken in position order, never on the cache slots holding them
@@ -265,8 +265,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 // caches: every layer's k and v [rows, H, S, d] (any dtype); the keys and values of cache row `row` at
 // slots (increasing, each at or after its destination) moved to positions length, length + 1, ...: a
-// token tree's accepted path laid out as a chain (CachedLM.keep). One call for every layer: as PyTorch
-// operations it was two per cache, 0.7 ms a step for SmolLM2's 60, a seventh of an int4 step.
+// token tree's accepted path laid out as a chain (CachedLM.keep). One call for every layer, where PyTorch
+// operations take two per cache.
 void keep(at::TensorList caches, int64_t row, at::IntArrayRef slots, int64_t length) {
   for (size_t i = 0; i < slots.size(); ++i)
     TORCH_CHECK(length + static_cast<int64_t>(i) <= slots[i] && (i == 0 || slots[i - 1] < slots[i]),

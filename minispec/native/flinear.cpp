@@ -2,14 +2,12 @@
 // verify, a tree, a batch), on a weight packed once by flinear_pack. Built at first use by minispec/native
 // and cached.
 //
-// Why not oneDNN, which float32 products took before: its packed matmul costs the same from 1 to 6 rows,
-// then a 7th row costs a quarter more (SmolLM2-135M's forward: 22.5 ms at 1-6 tokens, 28.4 at 7, 34.9 at
-// 12), which capped a verify at 5 guesses; and a call costs tens of microseconds around its arithmetic.
-// Here a weight tile is read from memory once for all rows: the rows go through it in blocks of up to
-// ROWS_AT_ONCE, each block's accumulators held in registers, and the tile (K x TILE floats, 72-192 KB at
-// SmolLM2's widths) stays in the core's L2 cache for the next block. A decode step is bound by reading
-// the weights, so more rows are free until the arithmetic catches up: SmolLM2's linear layers 18 ms at
-// 1-9 rows, 21 at 12, 28 at 16, against oneDNN's 24, 27, 31 and 35.
+// Why not oneDNN: its packed matmul costs a quarter more from its 7th row on, which caps a verify's
+// width, and a call costs tens of microseconds around its arithmetic. Here a weight tile is read from
+// memory once for all rows: the rows go through it in blocks of up to ROWS_AT_ONCE, each block's
+// accumulators held in registers, and the tile (K x TILE floats) stays in the core's L2 cache for the
+// next block. A decode step is bound by reading the weights, so more rows are free until the arithmetic
+// catches up.
 //
 // Row invariance (docs/design.md): every output is one chain of fused multiply-adds over k = 0..K-1 in
 // order, from zero, then + bias, whatever the row count, the row's place in its block, the number of

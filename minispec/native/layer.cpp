@@ -5,11 +5,9 @@
 // alone, which the modules use too. Built with them by minispec/native.
 //
 // Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
-// products, not the products: SmolLM2-135M kept int4 ran ~55 operations a layer around 5 kernel calls,
-// each a few microseconds of dispatch, and PyTorch's RMSNorm on a CPU is seven of them (~30 µs a call).
-// Here they are loops over a few hundred floats, and the
-// layers follow one another in C++: a call from Python costs ~20 µs of argument passing and dispatch,
-// 0.7 ms a step for 30 layers called one by one ("One call a forward").
+// products (dozens a layer, each a few microseconds of dispatch; RMSNorm alone is seven), not the
+// products. Here they are loops over a few hundred floats, and the layers follow one another in C++
+// rather than each paying a call from Python.
 //
 // The same numbers as the modules, bit for bit (tests/test_native.py): RMSNorm is this file's in both,
 // silu is PyTorch's, and the rest is the modules' arithmetic in their order, products and sums rounded

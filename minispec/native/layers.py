@@ -6,8 +6,7 @@ Reads the model's modules without nn.Module's __getattr__ (`_modules`, `_paramet
 checks run every eager step, and in a small model's step that lookup is felt.
 """
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -42,40 +41,20 @@ class LayerTensors(NamedTuple):
     features: list  # per linear layer its output width
 
 
-@dataclass
-class Laid:
-    """A layer's tensors as last laid out (kept on the layer), and what from: its linear layers'
-    sources, the tensors without packed float weights, the packed weights last taken, the tensors with
-    them."""
-    sources: list
-    base: Optional[LayerTensors]
-    packed: Optional[list] = None
-    tensors: Optional[LayerTensors] = None
-
-
 def layer_tensors(layer):
-    """The layer's LayerTensors, or None where it
-    cannot run as one call. Laid out again when a weight was replaced (quantized, moved) or unpacked
-    (without_row_invariance); a float weight's packed copy is taken each time from
-    kernels.packed_weight, which packs again a weight written since."""
+    """The layer's LayerTensors, or None where it cannot run as one call; a float weight's packed copy
+    is kernels.packed_weight's, which packs again a weight written since."""
     linears = linears_of(layer)
-    sources = [source_of(linear) for linear in linears]
-    laid = layer.__dict__.get("_laid")
-    if laid is None or any(a is not b or p != q for (a, p), (b, q) in zip(laid.sources, sources)):
-        laid = layer.__dict__["_laid"] = Laid(sources, unpacked_tensors(layer, linears))
-    if laid.base is None or 0 not in laid.base.groups:  # no float layer
-        return laid.base
-    groups = laid.base.groups
-    packed = [packed_weight(weight) if group == 0 else None for (weight, _), group in zip(sources, groups)]
-    if any(weight is None for weight, group in zip(packed, groups) if group == 0):
-        return None  # converted to what no packed kernel takes
-    if laid.packed is None or any(a is not b for a, b in zip(laid.packed, packed)):  # packed again
-        tensors = list(laid.base.tensors)
-        for i, weight in enumerate(packed):
-            if weight is not None:
-                tensors[i * len(LINEAR_TENSORS)] = weight
-        laid.packed, laid.tensors = packed, laid.base._replace(tensors=tensors)
-    return laid.tensors
+    laid = unpacked_tensors(layer, linears)
+    if laid is None:
+        return None
+    tensors = list(laid.tensors)
+    for i, (linear, group) in enumerate(zip(linears, laid.groups)):
+        if group == 0:
+            tensors[i * len(LINEAR_TENSORS)] = packed_weight(weight_of(linear))
+            if tensors[i * len(LINEAR_TENSORS)] is None:
+                return None  # converted to what no packed kernel takes
+    return laid._replace(tensors=tensors)
 
 
 def unpacked_tensors(layer, linears):

@@ -17,6 +17,8 @@ import torch
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor starts on a cache line (and on any element size)
 MADV_HUGEPAGE = 14  # linux/mman.h
+MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
+TRIM_BYTES = 1 << 20
 
 
 def advise_huge_pages(address, length):
@@ -72,5 +74,7 @@ def to_huge_pages(tensors, place):
         moved.copy_(tensor)  # pages are taken as they are first written: huge ones, as advised
         place(i, moved)
         del tensor  # freed now, unless something else holds it: a load's peak grows by a tensor, not a model
+        if size >= TRIM_BYTES and MALLOC_TRIM is not None:
+            MALLOC_TRIM(0)  # glibc keeps freed heap memory, which would make that a second copy of the model
         offset += size
     return total

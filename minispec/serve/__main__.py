@@ -10,6 +10,7 @@ import sys
 
 from ..settings import gamma_setting, tree_setting
 from ..cli import add_model_flags, tp_rank
+from ..heads import is_head_dir
 from ..loaders import load_models
 from .scheduler import Scheduler
 
@@ -42,6 +43,11 @@ def parse_args(argv=None):
     parser.add_argument("--prefix-cache-mb", type=float, default=512,
                         help="MiB of CPU memory for the keys and values of earlier requests' tokens, which a prompt "
                              "beginning with them reuses (least recently used evicted; default 512, 0: off)")
+    parser.add_argument("--learn-head", metavar="DIR",
+                        help="keep training the draft head (--draft, a head's folder) on the states the target "
+                             "computes for the requests: between steps while training has taken at most a quarter of "
+                             "the time, and while idle; the latest 256 MiB of states kept; the head drafts in float "
+                             "and is saved into DIR (a head's folder) when the server stops")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this "
                                                             "machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -84,6 +90,10 @@ def check_flags(args):
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if not 0 < args.tp_timeout < 1e6:
         raise ValueError(f"--tp-timeout must be a number of seconds in (0, 1e6), got {args.tp_timeout}")
+    if args.learn_head is not None and not is_head_dir(args.draft):
+        raise ValueError(f"--learn-head trains a draft head: --draft {args.draft} is not a head's folder")
+    if args.learn_head is not None and args.draft_quantize is not None:
+        raise ValueError("--learn-head drafts with the float head it trains: drop --draft-quantize")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
 
@@ -93,8 +103,13 @@ def main(argv=None):
     try:
         check_flags(args)  # bad flags fail before loading weights
         target, draft = load_models(args)
+        learner = None
+        if args.learn_head is not None:
+            from ..heads.learn import Learner  # only a server whose head learns reads the trainer
+            learner = Learner(target, args.draft, args.learn_head)
+            draft = learner.head  # its own float copy of the head
         scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue,
-                              args.tree, args.prefix_cache_mb)
+                              args.tree, args.prefix_cache_mb, learner)
         app = build_app(scheduler, args.served_model_name or args.target, args.draft, args.api_key,
                         args.shutdown_timeout)
     except ValueError as error:  # includes CheckpointError: a problem with the input, not a bug

@@ -75,13 +75,14 @@ class Scheduler:
     positions, and decodes every request in one engine.decode loop on its own thread. submit() queues
     a job (at most `max_waiting` wait for a row); cancel() ends one at the next step. A prompt reuses
     the keys and values of earlier requests' tokens it begins with, up to `prefix_cache_mb` MiB of them
-    (decoding/prefix.py; 0: none)."""
+    (decoding/prefix.py; 0: none). `learner`: a heads/learn.py Learner, whose head is `draft`, trained
+    between steps on the requests' states and saved when the thread ends (None: the head stays as it is)."""
 
     def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto",
-                 prefix_cache_mb=512):
+                 prefix_cache_mb=512, learner=None):
         drafting = api.Settings(draft=draft, gamma=gamma, tree=tree).drafting  # checks gamma and tree
         self.target, self.draft, self.gamma, self.rows, self.max_waiting = target, draft, gamma, rows, max_waiting
-        self.tree = tree
+        self.tree, self.learner = tree, learner
         self.prefixes = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
         draft_model = make_drafter(draft, target).model if drafting else None  # builds an int8/int4 copy once
         self.models = [target] + ([draft_model] if draft_model is not None else [])
@@ -158,7 +159,8 @@ class Scheduler:
     @property
     def load(self):
         group = {} if self.group is None else {"tp": self.group.state}
-        return {"running": len(self.running), "waiting": len(self.waiting), **group}
+        learning = {} if self.learner is None else {"learning": self.learner.report()}
+        return {"running": len(self.running), "waiting": len(self.waiting), **group, **learning}
 
     # --- the scheduler's thread ---------------------------------------------------------------------
     def serve(self):
@@ -170,6 +172,8 @@ class Scheduler:
             log.exception("the scheduler failed")
         finally:  # however the thread ends, no request is left waiting for it
             self.close()
+            if self.learner is not None:  # on this thread: no training step is under way
+                self.learner.save()
 
     def decode_until_stopped(self):
         """Run the engine until the server stops (True), or until it fails (False): then the requests in
@@ -191,7 +195,9 @@ class Scheduler:
 
     def take(self, free, wait):
         """engine.decode's source: up to `free` waiting jobs as (index, request); while the batch is
-        empty (`wait`), blocks until one comes or the server stops."""
+        empty (`wait`), blocks until one comes or the server stops. A learning head trains here, between steps."""
+        if self.learner is not None:
+            self.learner.between_steps(idle=lambda: wait and not self.waiting and not self.stopping)
         with self.changed:
             if wait and not self.waiting and MALLOC_TRIM is not None:
                 MALLOC_TRIM(0)  # idle: the pages the batch's requests freed go back to the system
@@ -202,6 +208,10 @@ class Scheduler:
         for job in jobs:
             index = next(self.indices)
             self.running[index] = job
+            if hasattr(job.request.policy, "width"):  # gamma="auto" prices its steps at the batch's width
+                job.request.policy.width = self.running.__len__
+            if self.learner is not None:  # the head's states at the request's tokens, which the target computes
+                job.request.on_states = self.learner.record
             taken.append((index, job.request))
         return taken
 
@@ -216,6 +226,8 @@ class Scheduler:
         gone = job.cancelled  # read once: a handler may set it meanwhile
         if gone:
             del self.running[index]
+            if self.learner is not None:
+                self.learner.finish(index)
         return gone
 
     def advance(self, index, tokens, logprobs, result):
@@ -223,6 +235,8 @@ class Scheduler:
         if result is not None:
             del self.running[index]
             self.forget(job)
+            if self.learner is not None:
+                self.learner.finish(index, result[2])
         if job.cancelled:
             return  # nobody waits for its news; its row leaves before the next step
         try:

@@ -2,11 +2,9 @@
 
     python -m minispec.tools.train_heads --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
 
-writes the head into DIR, where `--draft DIR` and `minispec.load_draft_head(DIR, target)` find it; run
-it again to resume. The target answers a set of prompts, its hidden states over each prompt and answer
-are kept from the very forwards that answer (generate's on_states), and the head learns to predict what
-the target does next from them, with the losses of its paper (the target's p renormalized over an EAGLE
-head's draft vocabulary, where its q lives):
+writes the head into DIR, where `--draft DIR` finds it. The target answers a set of prompts, its hidden
+states are kept from the forwards that answer (generate's on_states), and the head learns what the
+target does next from them, with its paper's loss (p renormalized over a head's draft vocabulary):
 
     EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
             over pairs (f_i + noise, x_{i+1}); the noise (EAGLE's uniform noise on the input states)
@@ -18,17 +16,14 @@ head's draft vocabulary, where its q lives):
             the head's own output head), and its training-time test: the same at the next guesses,
             drafted on the head's own states g' as decoding drafts them (weights 0.8^j)
 
-Only positions inside the answers are learnt. Everything lives in the output folder and a run resumes
-where an interrupted one stopped: the head (config.json, model.safetensors) after every epoch, and in
-its training/ folder the prompts and answers as token ids (data.safetensors), the optimizer's state
-and the epochs done.
+Only positions inside the answers are learnt. A run resumes where an interrupted one stopped: the head
+is saved after every epoch, and DIR/training/ keeps the answers' token ids, the optimizer and the epochs.
 """
 
 import argparse
 import json
 import math
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,11 +31,14 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from minispec import CheckpointError, chat_prompt, generate, load
 from minispec.api import prompt_tensor
 from minispec.cli import read_prompts_file
 from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss, medusa_loss, padded_batch,
+                                     soft_cross_entropy, target_probabilities, training, update)
 from minispec.loading.chat import user_turn_start
 from minispec.loading.weights import DTYPES, save_safetensors
 from minispec.models.kernels import query_rows_mask
@@ -77,23 +75,16 @@ SUBJECTS = (
     "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
     "video game design", "composting", "the periodic table",
 )
-# The longest user message own_prompts keeps, in tokens (a typical chat request fits well within it), and
-# how many it tries for (some run past the limit or repeat and are dropped).
-PROMPT_TOKENS = 64
-OWN_PROMPTS = 1000
-# An EAGLE head's reduced draft vocabulary (eagle.py): a model's answers use few of its tokens, so the
-# most said ones cover nearly all of them at a fraction of the whole vocabulary's cost.
+PROMPT_TOKENS = 64  # the longest user message own_prompts keeps: a typical chat request fits well within it
+OWN_PROMPTS = 1000  # the messages own_prompts tries for (some run past the limit or repeat and are dropped)
+# An EAGLE head's reduced draft vocabulary: a model's answers use few of its tokens, so the most said ones
+# cover nearly all of them at a fraction of the whole vocabulary's cost.
 DRAFT_VOCAB = 8192
-PAIR_NOISE = 0.2  # EAGLE-1's uniform noise on the input states: (U - 0.5) · 0.2 · 512 / length
-# Every 20th answer is held out of training: its accuracy, printed after each epoch, tells learning
-# from memorising.
-HELD_OUT = 20
-# Default epochs: a small target's head trains within about half an hour on a CPU; an EAGLE-3 epoch costs
-# about twice an EAGLE one (its training-time test's second step), so it gets half the epochs.
+HELD_OUT = 20  # every 20th answer is held out: its accuracy after each epoch tells learning from memorising
+# An EAGLE-3 epoch costs about twice an EAGLE one (its training-time test's second step): half the epochs.
 EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
-# EAGLE-3's training-time test: the guesses a head is trained to draft on its own states (1: the first
-# only). Two: a head trained on its first guess alone drafts its second far worse, at little cost to its
-# first.
+# EAGLE-3's training-time test: the guesses a head learns to draft on its own states. A head trained on
+# its first guess alone drafts its second far worse, so two.
 TTT_STEPS = 2
 
 
@@ -116,47 +107,51 @@ def own_prompts(target, count, generator, batch_size):
     start, tokenizer = user_turn_start(target.tokenizer), target.tokenizer
     ends = {*tokenizer.encode("<|im_end|>", add_special_tokens=False), tokenizer.eos_token_id}
     seeds = torch.randint(2**62, (count,), generator=generator).tolist()
-    messages, started = {}, time.perf_counter()
-    for first in range(0, count, 4 * batch_size):  # 4 batches a call: rows that end early make room for others
+    messages = {}
+    # 4 batches a call: rows that end early make room for others
+    for first in tqdm(range(0, count, 4 * batch_size), "the target writes prompts"):
         chunk = seeds[first:first + 4 * batch_size]
         for written in generate(target, [start] * len(chunk), max_new_tokens=PROMPT_TOKENS, temperature=1.0,
                                 top_k=50, seed=chunk, stop_token_ids=[*ends - {None}], batch_size=batch_size):
             text = tokenizer.decode(written.tokens[:-1]).strip()
             if written.tokens[-1] in ends and text:
                 messages.setdefault(text)
-        progress(first + len(chunk), count, started, "the target writes prompts")
     return list(messages)
-
-
-def progress(done, total, started, what):
-    """One line on stderr, rewritten in place."""
-    elapsed = time.perf_counter() - started
-    left = elapsed / done * (total - done) if done else 0
-    sys.stderr.write(f"\r{what}: {done}/{total} ({elapsed:.0f} s, about {left:.0f} s left)   ")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def answer(target, prompts, max_new_tokens, batch_size, chat, taps=None):
     """The target's greedy answers, and its states over them from the same forwards: per prompt
     answered with more than one token, (token ids of the prompt and the answer but its last token,
     which no forward sees; where the answer starts), and its states there as `record` gives them."""
-    sequences, records, started = [], [], time.perf_counter()
-    hidden = None if taps is None else [*taps, len(target.layers)]
-    for start in range(0, len(prompts), batch_size):
-        ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts[start:start + batch_size]]
-        seen = [[] for _ in ids]
-        generate(target, ids, max_new_tokens=max_new_tokens, batch_size=len(ids), state_layers=hidden,
-                 on_states=lambda i, tokens, states: seen[i].append((tokens.cpu(), states.cpu())))
-        for prompt, pieces in zip(ids, seen):
-            prompt = prompt_tensor(target, prompt).view(-1)  # the ids generate() decoded from
-            tokens = torch.cat([tokens for tokens, _ in pieces])
-            if len(tokens) > len(prompt):  # an answer of one token (EOS at once) has nothing to learn from
-                sequences.append((tokens, len(prompt)))
-                records.append(states_of(target, torch.cat([states for _, states in pieces]), taps))
-        progress(min(start + batch_size, len(prompts)), len(prompts), started, "the target answers")
+    ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts]
+    sequences, records = [], []
+    seen = forwards(target, ids, max_new_tokens, batch_size, taps, "the target answers")
+    for prompt, (tokens, states) in zip(ids, seen):
+        start = prompt_tensor(target, prompt).shape[-1]  # the ids generate() decoded from
+        if len(tokens) > start:  # an answer of one token (EOS at once) has nothing to learn from
+            sequences.append((tokens, start))
+            records.append(states)
     return sequences, records
+
+
+def record(target, sequences, taps=None, batch_size=16):
+    """The target's states over the sequences, as `answer` keeps them while the target answers (for a
+    resumed run, whose answers are kept but not their states): the forward over each that generate
+    makes for a single new token."""
+    prompts = [tokens.tolist() for tokens, _ in sequences]
+    return [states for _, states in forwards(target, prompts, 1, batch_size, taps, "recording the target's states")]
+
+
+def forwards(target, prompts, max_new_tokens, batch_size, taps, what):
+    """Per prompt, what the target's forwards saw as it generated: (token ids, states_of those)."""
+    hidden, out = None if taps is None else [*taps, len(target.layers)], []
+    for start in tqdm(range(0, len(prompts), batch_size), what):
+        seen = [[] for _ in prompts[start:start + batch_size]]
+        generate(target, prompts[start:start + batch_size], max_new_tokens=max_new_tokens, batch_size=len(seen),
+                 state_layers=hidden, on_states=lambda i, tokens, states: seen[i].append((tokens.cpu(), states.cpu())))
+        out += [(torch.cat([tokens for tokens, _ in pieces]),
+                 states_of(target, torch.cat([states for _, states in pieces]), taps)) for pieces in seen]
+    return out
 
 
 def states_of(target, states, taps):
@@ -182,48 +177,6 @@ def load_data(file):
     return list(zip(pieces, data["answer_starts"].tolist()))
 
 
-def record(target, sequences, taps=None):
-    """The target's states at every position of every sequence, as `answer` records them while the
-    target answers (for a resumed run, whose answers are kept but not their states), from the one
-    forward over a sequence that generate makes for a single new token: [length, dim], its last hidden
-    state; with taps (an EAGLE-3 head's layers), the states entering them first."""
-    records, started = [], time.perf_counter()
-    hidden = None if taps is None else [*taps, len(target.layers)]
-    for i, (tokens, _) in enumerate(sequences):
-        seen = []
-        generate(target, tokens.tolist(), max_new_tokens=1, state_layers=hidden,
-                 on_states=lambda _, tokens, states: seen.append(states.cpu()))
-        records.append(states_of(target, torch.cat(seen), taps))
-        progress(i + 1, len(sequences), started, "recording the target's states")
-    return records
-
-
-class Uncached(torch.nn.Module):
-    """A KV cache that keeps nothing: a training forward attends over its own tokens only."""
-    first_row = 0
-
-    def update(self, input_pos, k, v):
-        return k.contiguous(), v.contiguous()  # as a cache's rows are
-
-
-@contextmanager
-def training(head, length):
-    """The head's forwards with gradients; an EAGLE head's over whole sequences of up to `length` tokens."""
-    layers = getattr(head, "layers", [])  # Medusa heads have no attention
-    if layers:
-        head.setup_caches(1, length)  # RoPE tables of `length` positions
-    caches = [layer.attention.kv_cache for layer in layers]
-    for layer in layers:
-        layer.attention.kv_cache = Uncached()
-    head.train().requires_grad_(True)
-    try:
-        yield
-    finally:
-        for layer, cache in zip(layers, caches):
-            layer.attention.kv_cache = cache
-        head.eval().requires_grad_(False)
-
-
 def batch_groups(sequences, indices, tokens_per_batch, generator=None):
     """The sequences at `indices` grouped into batches of about `tokens_per_batch` padded tokens,
     shuffled by `generator` (None: in order)."""
@@ -237,36 +190,6 @@ def batch_groups(sequences, indices, tokens_per_batch, generator=None):
     return groups + ([batch] if batch else [])
 
 
-def padded_batch(sequences, records, group):
-    """A group's sequences padded to a whole number of key blocks (attention reads keys in blocks of
-    32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
-    width = -(-max(len(sequences[i][0]) for i in group) // 32) * 32
-    tokens = torch.zeros(len(group), width, dtype=torch.long)
-    feats = torch.zeros(len(group), width, records[group[0]].shape[-1])
-    mask = torch.zeros(len(group), width, dtype=torch.bool)
-    for row, i in enumerate(group):
-        seq, start = sequences[i]
-        tokens[row, :len(seq)], feats[row, :len(seq)] = seq, records[i]
-        mask[row, start:len(seq)] = True
-    return tokens, feats, mask
-
-
-def output_head(target, x, rows=None):
-    """target.logits(x) with gradients: the float weight itself (the packed kernel has no backward);
-    rows: only those tokens' logits."""
-    weight = getattr(target.head, "weight", None)
-    if weight is None or not weight.is_floating_point():
-        raise ValueError(f"training a head needs {target.name} with float weights (load it without --quantize)")
-    return F.linear(x.to(weight.dtype), weight if rows is None else weight[rows]).float()
-
-
-def target_probabilities(target, states, rows=None):
-    """The target's distribution at its `states` (on token ids `rows` only, renormalized there), in
-    float32 also under training's bfloat16 autocast: the labels stay as the target computes them."""
-    with torch.no_grad(), torch.autocast(states.device.type, enabled=False):
-        return output_head(target, states, rows).softmax(-1)
-
-
 def most_said(sequences, vocab_size, size):
     """The `size` token ids the target said most often in its answers, sorted: a head's reduced draft
     vocabulary. Ties, and the tokens never said, go to the lower ids: a BPE vocabulary numbers its
@@ -275,47 +198,6 @@ def most_said(sequences, vocab_size, size):
     for tokens, start in sequences:
         counts += torch.bincount(tokens[start:], minlength=vocab_size)
     return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
-
-
-def soft_cross_entropy(logits, p):
-    """Cross-entropy of the head's `logits` against the target's probabilities `p` (the same tokens)."""
-    return -(p * logits.log_softmax(-1)).sum(-1)
-
-
-def predict_pairs(head, tokens, inputs, mask):
-    """An EAGLE head's states after the batch's pairs (inputs[:, i], x_{i+1}) at answer positions
-    [pairs, dim]; for each the answer's next token x_{i+2}, whether it has one (the last state of a
-    sequence has none), and the answer positions kept (mask[:, 1:])."""
-    width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
-    predicted = head.features(F.pad(tokens[:, 1:], (0, 1)), torch.arange(width), keys=width,
-                              inputs=F.pad(inputs, (0, 0, 0, 1)))[:, :-1]
-    keep = mask[:, 1:]
-    return predicted[keep], F.pad(tokens[:, 2:], (0, 1))[keep], F.pad(mask[:, 2:], (0, 1))[keep], keep
-
-
-def accuracy_of(head, logits, chosen, scored):
-    """How often the head's top token (logits over its draft vocabulary) is the answer's next token."""
-    said = logits.detach().argmax(-1)
-    said = said if head.draft_vocab is None else head.draft_vocab[said]
-    return (said == chosen)[scored].float().mean()
-
-
-def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
-    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only,
-    the target's p renormalized over the head's draft vocabulary (where its q lives). Accuracy: how
-    often the head's top token at f̂_{i+1} is the target's, which (greedy answers) is the answer's next
-    token x_{i+2}."""
-    inputs = states[:, :-1]
-    if noise:
-        inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * noise * 512 / inputs.shape[1]
-    predicted, chosen, scored, keep = predict_pairs(head, tokens, inputs, mask)
-    predicted, wanted = predicted.float(), states[:, 1:][keep]
-    regression = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
-    vocab = head.draft_vocab
-    p = target_probabilities(head.target, wanted, vocab)
-    logits = output_head(head.target, predicted, vocab)
-    classification = soft_cross_entropy(logits, p)
-    return regression.mean() + 0.1 * classification.mean(), accuracy_of(head, logits, chosen, scored)
 
 
 def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=None):
@@ -388,22 +270,6 @@ class Unrolled(torch.nn.Module):
         return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
 
 
-def medusa_loss(heads, tokens, states, mask, generator, noise=None):
-    """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j
-    (on the states as they are: no noise)."""
-    total, correct = 0.0, []
-    for j, module in enumerate(heads.heads):
-        shift = j + 1
-        keep = mask[:, :-shift] & mask[:, shift:]
-        if not keep.any():
-            continue
-        p = target_probabilities(heads.target, states[:, shift:][keep])
-        logits = module(states[:, :-shift][keep].to(heads.target.dtype)).float()
-        total = total + soft_cross_entropy(logits, p).mean() * 0.8 ** j  # Medusa's decay
-        correct.append((logits.argmax(-1) == p.argmax(-1)).float().mean())
-    return total, correct[0] if correct else torch.zeros(())
-
-
 def new_head(kind, target, heads, draft_vocab=None):
     """A fresh head for `target` and its config.json: an EAGLE layer starts as the target's last layer
     (a Llama target's) and fc as the identity on the state, its q on the token ids `draft_vocab` (None:
@@ -432,8 +298,7 @@ def new_head(kind, target, heads, draft_vocab=None):
         return new_eagle3(target, hf, draft_vocab)
     if draft_vocab is not None:
         hf["minispec_draft_vocab"] = len(draft_vocab)
-    config, bias = eagle.config_from_hf(hf, target)
-    module = eagle.EagleHead(config, bias, target, eagle.draft_vocab_size(hf, target)).to(target.dtype)
+    module = eagle.build(hf, target).to(target.dtype)
     with torch.no_grad():
         if draft_vocab is not None:
             module.draft_vocab.copy_(draft_vocab)
@@ -479,9 +344,9 @@ def new_eagle3(target, hf, draft_vocab):
 def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    batch_size: answers generated at once (the same answers at any size, rows being invariant). draft_vocab: an EAGLE head's q covers the target's that many most
-    said tokens (0: all of them). epochs: None for the kind's default (EPOCHS); 0 returns the untrained
-    head, saving nothing."""
+    batch_size: answers generated at once (the same at any size: rows are invariant). draft_vocab: an
+    EAGLE head's q covers the target's that many most said tokens (0: all). epochs: None for the kind's
+    default (EPOCHS); 0 returns the untrained head, saving nothing."""
     epochs = EPOCHS.get(kind) if epochs is None else epochs
     check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
@@ -506,7 +371,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
     done = resume(out, head, optimizer)
-    records = record(target, sequences, taps) if records is None else records
+    records = record(target, sequences, taps, batch_size) if records is None else records
     loss_of = {"eagle": eagle_loss, "eagle3": eagle3_loss, "medusa": medusa_loss}[kind]
     longest = max(len(s) for s, _ in sequences) + 32 + TTT_STEPS  # RoPE's positions: whole key blocks, unrolled steps
     held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
@@ -520,25 +385,19 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((first + step + 1) / warmup, 1) * 0.5 * (
         1 + math.cos(math.pi * min((first + step) / total, 1))))
     for epoch in range(done, epochs):
-        started, accuracies = time.perf_counter(), []
-        groups = batch_groups(sequences, learn, tokens_per_batch, generator)
+        accuracies = []
+        groups = tqdm(batch_groups(sequences, learn, tokens_per_batch, generator), f"epoch {epoch + 1}/{epochs}")
         with training(head, longest):
             for step, group in enumerate(groups):
                 batch = [tensor.to(target.device) for tensor in padded_batch(sequences, records, group)]
-                with bfloat16_products(target.device):  # one step each: autocast keeps its weight copies till it ends
-                    loss, accuracy = loss_of(head, *batch, generator)
+                loss, accuracy = update(head, optimizer, loss_of, batch, generator)
                 if not torch.isfinite(loss):  # the last finished epoch's head stays as it was saved
                     raise ValueError(f"training diverged at epoch {epoch + 1}, step {step + 1} (loss {loss.item()}); "
                                      f"{out} keeps the head of the last finished epoch: try a lower lr")
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-                optimizer.step()
                 schedule.step()
-                loss = loss.detach()
                 accuracies.append(float(accuracy))
-                progress(step + 1, len(groups), started, f"epoch {epoch + 1}/{epochs}, loss {loss.item():.3f}, "
-                         f"next-token accuracy {sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
+                groups.set_postfix_str(f"loss {loss.item():.3f}, next-token accuracy "
+                                       f"{sum(accuracies[-20:]) / len(accuracies[-20:]):.2f}")
             if held:
                 with torch.no_grad(), bfloat16_products(target.device):
                     scores = [float(loss_of(head, *[t.to(target.device) for t in padded_batch(sequences, records, g)],
@@ -550,15 +409,6 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
         replace_whole(state / "progress.json", lambda file: file.write_text(progress_text))
     return head
-
-
-def bfloat16_products(device):
-    """Training's matrix products in bfloat16 (autocast; weights, optimizer and losses stay float32)
-    where the device computes bfloat16 natively, faster at the same losses. Elsewhere (emulated, slower)
-    as they are."""
-    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else \
-        device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
 
 
 def check_settings(target, kind, epochs, lr, heads, draft_vocab):

@@ -7,19 +7,35 @@ import time
 import torch
 
 from minispec import Sampling, chat_prompt, generate
-from minispec.loaders import load_target_and_draft
-from minispec.loading.weights import DTYPES
+from minispec.loaders import load_models
 
 from . import llamacpp
 from .prompts import prompt_ids_of, read_prompts
 from .memory import bandwidth, memory_growth
 from .reference import reference_runners
-from .report import yes_no
+from .report import dtype_name, md_table, yes_no
 from .theory import best_gamma, predicted_speedup, ratio_factors
-from .timing import row_invariance_price, step_times, synchronize, time_generation
+from .timing import row_invariance_price, step_times, time_generation
+
+
+REPORTED = ("target", "draft", "gamma", "tree", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "seeds",
+            "ignore_eos", "repeats", "chat", "compile", "quantize", "draft_quantize", "group_size")
+
 
 def sampling_of(args):
     return Sampling(args.temperature, args.top_k, args.top_p)
+
+
+def reported(args, target, prompts):
+    """The settings a benchmark's JSON and table report."""
+    return {**{key: getattr(args, key) for key in REPORTED}, "gammas": args.gamma, "device": str(target.device),
+            "dtype": dtype_name(target), "prompts": len(prompts)}
+
+
+def decoding_settings(args):
+    """The flags' settings that every decoder of a benchmark shares."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, ignore_eos=args.ignore_eos)
 
 
 def policy_summary(stats):
@@ -53,13 +69,11 @@ def speculative_summary(stats):
 
 
 def minispec_runner(target, draft, gamma, args, tree=None):
-    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate, verifying
-    token trees of up to `tree` guesses when there is a draft and a tree. Its prefill ends when the first
-    step's tokens reach on_tokens: the prompt's forward (and a T5 encoder's before it) costs about the
-    same with or without speculation, so the time after it, and the tokens after the first step's, are
-    the decode phase Theorem 3.8 is about. Those tokens are on the host, so the device work is done."""
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, ignore_eos=args.ignore_eos, tree=tree if draft else None)
+    """run_one for time_generation: one (prompt ids, seed) request through minispec.generate. Its prefill
+    ends when the first step's tokens reach on_tokens (on the host: the device work is done): the
+    prompt's forward costs the same with or without speculation, and what follows is the decode phase
+    Theorem 3.8 is about."""
+    settings = dict(decoding_settings(args), tree=tree if draft else None)
 
     def run_one(request):
         prompt, seed = request
@@ -72,8 +86,7 @@ def minispec_runner(target, draft, gamma, args, tree=None):
 
 
 def benchmark(args):
-    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
-                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    target, draft = load_models(args)
     device = target.device
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     runners = {("minispec", None): minispec_runner(target, None, 1, args)}
@@ -93,13 +106,7 @@ def benchmark(args):
                        fixed, sampling_of(args))
     greedy = args.temperature == 0
     result = {
-        "settings": {"target": args.target, "draft": args.draft, "gammas": args.gamma,
-                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                     "ignore_eos": args.ignore_eos, "repeats": args.repeats, "device": str(device),
-                     "dtype": str(target.dtype).removeprefix("torch."), "compile": args.compile,
-                     "quantize": args.quantize, "draft_quantize": args.draft_quantize, "group_size": args.group_size,
-                     "prompts": len(prompts), "seeds": args.seeds},
+        "settings": reported(args, target, prompts),
         "autoregressive": {k: ar[k] for k in ("tokens_per_second", "tokens_per_second_repeats",
                                               "decode_tokens_per_second", "request_seconds",
                                               "request_seconds_fastest", "warmup_seconds", "outputs")},
@@ -192,38 +199,33 @@ def peer(timed, result):
 
 def batch_benchmark(args):
     """Total new tokens per second of B requests at once, plain and speculative, for each B: the median
-    of --repeats runs, taken in turn (B, plain / speculative) so that drift hits all alike."""
-    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
-                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    of --repeats rounds, taken in turn so that drift hits all alike."""
+    target, draft = load_models(args)
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed)
-    runs = {(b, name): [] for b in args.batch_sizes for name in ("plain", "speculative")}
-    outputs = {}
-    for repeat in range(args.repeats + 1):  # the first pass warms up (allocation, calibration)
-        for b in args.batch_sizes:
-            batch = [prompts[i % len(prompts)] for i in range(b)]
-            for name, extra in (("plain", {}), ("speculative", {"draft": draft, "gamma": args.gamma[0]})):
-                start = time.perf_counter()
-                outs = generate(target, batch, batch_size=b, **settings, **extra)
-                seconds = time.perf_counter() - start
-                outputs[b, name] = [out.tokens for out in outs]
-                if repeat:
-                    runs[b, name].append(sum(len(t) for t in outputs[b, name]) / seconds)
-    base = statistics.median(runs[min(args.batch_sizes), "plain"])
-    rows = [{"batch": b, "plain_tokens_per_second": statistics.median(runs[b, "plain"]),
-             "speculative_tokens_per_second": statistics.median(runs[b, "speculative"]),
-             "identical": outputs[b, "plain"] == outputs[b, "speculative"] if args.temperature == 0 else None}
-            for b in args.batch_sizes]
+
+    def runner(b, extra):
+        def run_one(_):
+            outs = generate(target, [prompts[i % len(prompts)] for i in range(b)], batch_size=b, seed=args.seed,
+                            **decoding_settings(args), **extra)
+            return [t for out in outs for t in out.tokens], {"rows": [out.tokens for out in outs]}
+        return run_one
+
+    runs = {(b, name): runner(b, extra) for b in args.batch_sizes
+            for name, extra in (("plain", {}), ("speculative", {"draft": draft, "gamma": args.gamma[0]}))}
+    timed = time_generation(runs, [None], args.repeats, target.device)
+    rows = [{"batch": b, "plain_tokens_per_second": timed[b, "plain"]["tokens_per_second"],
+             "speculative_tokens_per_second": timed[b, "speculative"]["tokens_per_second"],
+             "identical": timed[b, "plain"]["stats"] == timed[b, "speculative"]["stats"] if args.temperature == 0
+             else None} for b in args.batch_sizes]
+    base = timed[min(args.batch_sizes), "plain"]["tokens_per_second"]
     lines = [f"target `{args.target}`, draft `{args.draft}` (gamma {args.gamma[0]}) on {target.device} "
-             f"({str(target.dtype).removeprefix('torch.')}), {args.max_new_tokens} new tokens a request, "
-             f"median of {args.repeats}", "",
-             "| batch | plain tok/s | x batch " + str(min(args.batch_sizes)) + " | speculative tok/s | "
-             "x plain | same outputs |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        plain, spec = row["plain_tokens_per_second"], row["speculative_tokens_per_second"]
-        lines.append(f"| {row['batch']} | {plain:.1f} | {plain / base:.2f}x | {spec:.1f} | {spec / plain:.2f}x | "
-                     f"{yes_no(row['identical'])} |")
+             f"({dtype_name(target)}), {args.max_new_tokens} new tokens a request, median of {args.repeats}", ""]
+    lines += md_table(["batch", "plain tok/s", f"x batch {min(args.batch_sizes)}", "speculative tok/s", "x plain",
+                       "same outputs"], ([r["batch"], f"{r['plain_tokens_per_second']:.1f}",
+                                          f"{r['plain_tokens_per_second'] / base:.2f}x",
+                                          f"{r['speculative_tokens_per_second']:.1f}",
+                                          f"{r['speculative_tokens_per_second'] / r['plain_tokens_per_second']:.2f}x",
+                                          yes_no(r["identical"])] for r in rows))
     return {"settings": vars(args), "batches": rows}, "\n".join(lines)
 
 
@@ -231,45 +233,34 @@ def beam_benchmark(args):
     """Beam search, plain against speculative at each --gamma, per prompt: seconds per request, median
     and fastest of --repeats rounds taken in turn. On a shared machine other work only ever slows a run
     down, so the fastest is the better estimate of what each costs; the median shows the spread."""
-    target, draft = load_target_and_draft(args.target, args.draft, args.device, DTYPES.get(args.dtype),
-                                          args.compile, args.quantize, args.draft_quantize, args.group_size)
+    target, draft = load_models(args)
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
-    settings = dict(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, beams=args.beams)
-    runs = {"plain": {}, **{g: dict(draft=draft, draft_beams=args.draft_beams, gamma=g) for g in args.gamma}}
-    seconds = {(name, i): [] for name in runs for i in range(len(prompts))}
-    last = {}
-    for repeat in range(args.repeats + 1):  # the first pass warms up (allocation, calibration)
-        for i, prompt in enumerate(prompts):
-            for name, extra in runs.items():
-                synchronize(target.device)
-                start = time.perf_counter()
-                out = generate(target, prompt, **settings, **extra)
-                synchronize(target.device)
-                if repeat:
-                    seconds[name, i].append(time.perf_counter() - start)
-                last[name, i] = out
-    rows = []
-    for i in range(len(prompts)):
-        plain = seconds["plain", i]
-        for name in runs:
-            if name == "plain":
-                continue
-            stats = last[name, i].stats
-            rows.append({"prompt": i + 1, "gamma": name, "plain_seconds": statistics.median(plain),
-                         "seconds": statistics.median(seconds[name, i]),
-                         "speedup_median": statistics.median(plain) / statistics.median(seconds[name, i]),
-                         "speedup_fastest": min(plain) / min(seconds[name, i]),
-                         "target_calls": stats["target_calls"],
-                         "plain_target_calls": last["plain", i].stats["target_calls"],
-                         "guesses_histogram": stats.get("guesses_histogram"),
-                         "identical": last[name, i].tokens == last["plain", i].tokens})
+
+    def runner(**extra):
+        def run_one(prompt):
+            out = generate(target, prompt, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+                           beams=args.beams, **extra)
+            return out.tokens, out.stats
+        return run_one
+
+    runs = {"plain": runner(), **{g: runner(draft=draft, draft_beams=args.draft_beams, gamma=g) for g in args.gamma}}
+    timed = time_generation(runs, prompts, args.repeats, target.device)
+    plain = timed.pop("plain")
+    rows = [{"prompt": i + 1, "gamma": gamma, "plain_seconds": plain["request_seconds"][i],
+             "seconds": spec["request_seconds"][i],
+             "speedup_median": plain["request_seconds"][i] / spec["request_seconds"][i],
+             "speedup_fastest": plain["request_seconds_fastest"][i] / spec["request_seconds_fastest"][i],
+             "target_calls": spec["stats"][i]["target_calls"], "plain_target_calls": plain["stats"][i]["target_calls"],
+             "guesses_histogram": spec["stats"][i].get("guesses_histogram"),
+             "identical": spec["outputs"][i] == plain["outputs"][i]}
+            for i in range(len(prompts)) for gamma, spec in timed.items()]
     lines = [f"target `{args.target}`, draft `{args.draft}` (draft beams {args.draft_beams or args.beams}) on "
-             f"{target.device} ({str(target.dtype).removeprefix('torch.')}), beam search of width {args.beams}, "
-             f"{args.max_new_tokens} new tokens, {args.repeats} rounds", "",
-             "| prompt | γ | plain s | speculative s | x plain (median) | x plain (fastest) | target calls "
-             "(plain) | guesses per step | same result |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['prompt']} | {r['gamma']} | {r['plain_seconds']:.2f} | {r['seconds']:.2f} | "
-                     f"{r['speedup_median']:.2f}x | {r['speedup_fastest']:.2f}x | {r['target_calls']} "
-                     f"({r['plain_target_calls']}) | {r['guesses_histogram'] or '-'} | {yes_no(r['identical'])} |")
+             f"{target.device} ({dtype_name(target)}), beam search of width {args.beams}, "
+             f"{args.max_new_tokens} new tokens, {args.repeats} rounds", ""]
+    lines += md_table(["prompt", "γ", "plain s", "speculative s", "x plain (median)", "x plain (fastest)",
+                       "target calls (plain)", "guesses per step", "same result"],
+                      ([r["prompt"], r["gamma"], f"{r['plain_seconds']:.2f}", f"{r['seconds']:.2f}",
+                        f"{r['speedup_median']:.2f}x", f"{r['speedup_fastest']:.2f}x",
+                        f"{r['target_calls']} ({r['plain_target_calls']})", r["guesses_histogram"] or "-",
+                        yes_no(r["identical"])] for r in rows))
     return {"settings": vars(args), "beams": rows}, "\n".join(lines)

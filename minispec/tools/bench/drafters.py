@@ -1,29 +1,25 @@
 """Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter
-(the first --gamma), in interleaved rounds, so that drift hits all alike. Per drafter: the speedup over
-plain decoding, whether greedy output is plain's, tokens per target call, acceptance by guess position
-(how far into a step guesses survive: what a draft head is judged by) and a guess's cost as a fraction
-of a target step. With --tree N each drafter also runs with token trees of up to N guesses, in the
-same rounds, a row of its own beside its chain's: tree nodes per call, and its tokens per target call
-and speed over its chain's (its speedup column is over plain decoding, as the chain's).
-
-    python -m minispec.tools.bench --target smollm2-135m-instruct --draft lookup ngram int8 ./head --chat [--tree 16]
+(the first --gamma), in interleaved rounds. Per drafter: the speedup, whether greedy output is plain's,
+tokens per target call, acceptance by guess position (what a draft head is judged by) and a guess's
+cost against a target step. With --tree N each drafter also runs with trees, a row beside its chain's.
 """
+
+from argparse import Namespace
 
 import torch
 
-from minispec.loaders import load_draft, load_target_and_draft
-from minispec.loading.weights import DTYPES
+from minispec.loaders import load_draft, load_models
 
-from .benchmarks import minispec_runner, sampling_of
+from .benchmarks import minispec_runner, reported, sampling_of
 from .prompts import prompt_ids_of, read_prompts
+from .report import md_table
 from .timing import decode_steps, median_times, step_times, time_generation
 
 POSITIONS = 4  # acceptance is shown for the first guess positions
 
 
 def drafters_benchmark(args):
-    target, _ = load_target_and_draft(args.target, "none", args.device, DTYPES.get(args.dtype), args.compile,
-                                      args.quantize, None, args.group_size)
+    target, _ = load_models(Namespace(**{**vars(args), "draft": "none", "draft_quantize": None}))
     drafts = {name: load_draft(name, target, args.compile, args.draft_quantize, args.group_size) for name in args.draft}
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     gamma = args.gamma[0]
@@ -44,11 +40,8 @@ def drafters_benchmark(args):
         rows.append(chain)
         if (name, "tree") in timed:
             rows.append(against_chain(drafter_row(name, args.tree, timed[name, "tree"], plain, cost, args), chain))
-    settings = {key: getattr(args, key) for key in ("target", "draft", "gamma", "tree", "max_new_tokens", "temperature",
-                                                    "top_k", "top_p", "repeats", "chat", "quantize")}
-    result = {"settings": {**settings, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
-                           "prompts": len(prompts)},
-              "plain_tokens_per_second": plain["tokens_per_second"], "rows": rows}
+    result = {"settings": reported(args, target, prompts), "plain_tokens_per_second": plain["tokens_per_second"],
+              "rows": rows}
     return result, drafters_table(result)
 
 
@@ -101,18 +94,7 @@ def drafters_table(result):
     header = ["draft", "tok/s", "speedup", "same as plain", "tok/call", "guesses/call", "accept",
               *(f"accept @{i + 1}" for i in range(POSITIONS)), "guess cost"]
     header += ["tree nodes/call", "tok/call vs chain", "speed vs chain"] if s["tree"] else []
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in result["rows"]:
-        by_position = r["acceptance_by_position"] + [None] * POSITIONS
-        same = "-" if r["identical_to_plain"] is None else "yes" if r["identical_to_plain"] else "NO"
-        cells = [f"`{r['draft']}`" + (" tree" if r["tree"] else ""), f"{r['tokens_per_second']:.1f}",
-                 f"{r['speedup']:.2f}x", same, f"{r['tokens_per_target_call']:.2f}", f"{r['mean_guesses']:.2f}",
-                 f"{r['acceptance_rate']:.2f}",
-                 *("-" if rate is None else f"{rate:.2f}" for rate in by_position[:POSITIONS]),
-                 f"{r['guess_cost']:.3f}"]
-        if s["tree"]:
-            cells += tree_cells(r)
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += md_table(header, (drafter_cells(r, s["tree"]) for r in result["rows"]))
     lines += ["", "guess cost: one guess's seconds over a 1-token target step's (a draft model's or head's "
               "forward; lookup's and ngram's proposal)"]
     if s["tree"]:
@@ -121,9 +103,15 @@ def drafters_table(result):
     return "\n".join(lines)
 
 
-def tree_cells(row):
-    """A row's tree columns: nodes per target call, tokens per target call and speed over its chain's."""
-    if not row["tree"]:
-        return ["-", "-", "-"]
-    return [f"{row['tree_nodes_per_call']:.2f}", f"{row['tokens_per_target_call_vs_chain']:.2f}x",
-            f"{row['speed_vs_chain']:.2f}x"]
+def drafter_cells(r, tree):
+    """A drafter's row of the table; with --tree, its tree columns ("-" on a chain's row)."""
+    same = "-" if r["identical_to_plain"] is None else "yes" if r["identical_to_plain"] else "NO"
+    by_position = (r["acceptance_by_position"] + [None] * POSITIONS)[:POSITIONS]
+    cells = [f"`{r['draft']}`" + (" tree" if r["tree"] else ""), f"{r['tokens_per_second']:.1f}",
+             f"{r['speedup']:.2f}x", same, f"{r['tokens_per_target_call']:.2f}", f"{r['mean_guesses']:.2f}",
+             f"{r['acceptance_rate']:.2f}", *("-" if rate is None else f"{rate:.2f}" for rate in by_position),
+             f"{r['guess_cost']:.3f}"]
+    if not tree:
+        return cells
+    return cells + ([f"{r['tree_nodes_per_call']:.2f}", f"{r['tokens_per_target_call_vs_chain']:.2f}x",
+                     f"{r['speed_vs_chain']:.2f}x"] if r["tree"] else ["-", "-", "-"])

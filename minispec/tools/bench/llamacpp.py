@@ -1,8 +1,7 @@
 """llama.cpp as a peer in the bench (`--llama-cpp DIR`): its plain, speculative and prompt-lookup decoding
-of the same GGUF files, prompts, number of new tokens and threads, in the same rounds as minispec's own
-decoders (a request of each in turn, so that a machine's drift hits both alike). Never a dependency:
-DIR holds llama.cpp binaries a user built (docs/results.md has the recipe). Each mode's figure is its decode phase (the
-prompt's forward left out), as llama.cpp reports it, so it is compared with minispec's decode tokens/s."""
+of the same GGUF files, prompts, new tokens and threads, in the same rounds as minispec's decoders.
+Never a dependency: DIR holds binaries a user built (docs/results.md has the recipe). Each mode's figure
+is its decode phase as llama.cpp reports it, compared with minispec's decode tokens/s."""
 
 import re
 import subprocess
@@ -59,12 +58,10 @@ def decode_rate(program, arguments, mode):
 
 
 def peer_runners(directory, target, draft, texts, max_new_tokens, threads, seed):
-    """{mode: run_one} for bench/timing.py's time_generation, which runs them in turn with minispec's
-    own runners, request by request and round by round, so that a drifting machine slows both alike:
-    run_one((prompt ids, seed)) runs llama.cpp's program for that mode on texts[tuple(prompt ids)]
-    (greedy, EOS ignored) and returns (a placeholder per new token, stats whose "prefill_seconds"
-    leave llama.cpp's own decode time: all but the decode phase it reports, its process start and model
-    load included). Speculative only with a draft GGUF file."""
+    """{mode: run_one} for time_generation, beside minispec's own runners: run_one((prompt ids, seed))
+    runs that mode's program on texts[tuple(prompt ids)] (greedy, EOS ignored) and returns a placeholder
+    per new token, all but the decode time it reports counted as prefill (its process start and load
+    included). Speculative only with a draft GGUF file."""
     programs = find_programs(directory)
     target, draft = check_files(target, draft)
     common = ["-m", target, "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "--ignore-eos",

@@ -1,6 +1,6 @@
 """Memory: the bytes a decode step reads and the bandwidth that achieves, against the device's measured
-read bandwidth (the limit a step that reads its weights once can reach) and a GPU's datasheet peak; and
-the peak tensor memory of a generation, which must not grow with its length."""
+read bandwidth and a GPU's datasheet peak; the peak tensor memory of a generation, which must not grow
+with its length."""
 
 import functools
 import re
@@ -31,11 +31,9 @@ PEAK_BANDWIDTH = [
 
 
 def decode_bytes(model, length):
-    """Bytes one decode step must read: every decoder weight once, as stored (a quantized layer's int8
-    or packed int4 weight and its scales; an encoder-decoder's encoder runs once per request, not per
-    token), but of an embedding table only the looked-up row, unless the table is also the output head
-    (tied); plus the self-attention keys and values of `length` positions (of the one cache row a
-    request decodes in, however many rows the caches hold)."""
+    """Bytes one decode step must read: every decoder weight once, as stored (not an encoder's: it runs
+    once per request), of an untied embedding table only the looked-up row, and one cache row's keys
+    and values over `length` positions."""
     weights = 0
     modules = dict(model.named_modules())
     for name, tensor in model.state_dict().items():  # parameters and persistent buffers: the weights
@@ -80,9 +78,8 @@ def read_bandwidth(device):
 
 
 def bandwidth(model, position, step_seconds):
-    """The bytes the model's decode step reads, the bandwidth it achieves and the fraction that is of
-    the device's measured read bandwidth (`read_bandwidth`) and, on a GPU with a known datasheet, of
-    its peak."""
+    """The bytes the model's decode step reads and the bandwidth it achieves, against the device's
+    measured read bandwidth and, on a GPU with a known datasheet, its peak."""
     cuda = model.device.type == "cuda"
     device_name = torch.cuda.get_device_name(model.device) if cuda else str(model.device)
     size = decode_bytes(model, position)
@@ -95,12 +92,10 @@ def bandwidth(model, position, step_seconds):
 
 
 def tensor_memory(device, fn):
-    """(peak, kept): bytes of the tensors fn() allocates on `device`, the most alive at once while it
-    runs and those still alive when it returns, both counted from what was alive when it began (so a
-    tensor from before that it frees counts as minus its size). CUDA: the caching allocator's counters.
-    CPU: every allocation and free, from torch.profiler's memory events in time order; the process's
-    resident set would hide a decoding loop that keeps a few kilobytes per step under the weights, the
-    allocator's slack and Python's own memory."""
+    """(peak, kept): bytes of tensors fn() allocates on `device`, the most alive at once while it runs
+    and those alive when it returns, counted from when it began (a tensor from before that it frees
+    counts as minus its size). CPU: torch.profiler's allocation events in time order, since the
+    process's resident set would hide a loop that keeps a few kilobytes a step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -122,9 +117,8 @@ def tensor_memory(device, fn):
 
 
 def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
-    """Tensor memory of a short and a long generation on the same preallocated caches: a lean decoding
-    loop allocates nothing that grows with the number of steps, so the two peaks differ only by what
-    attention over a longer context needs (eager forwards read the cache up to their last token), and
+    """Tensor memory of a short and a long generation on the same caches: a lean loop allocates nothing
+    that grows with its steps, so the peaks differ only by attention over the longer context, and
     after either it keeps nothing but what the next request replaces."""
     def run(n):
         return lambda: generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)

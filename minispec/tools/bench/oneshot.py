@@ -1,12 +1,15 @@
-"""One-shot runs, as users of run.py make them: every request in a fresh process, so that nothing a
-process learnt or allocated helps the next but what it left on disk (gamma="auto"'s costs, kept per
-pair: decoding/profiles.py). Plain decoding, each --gamma (auto, fixed γ) and each prompt take turns,
-round after round. The auto runs share a profiles folder made empty for the bench, so its first round
-is a first run on this machine and the later ones are later runs. A request's time is its generate
-call's; the process start and loading the models (a self-draft's quantized copy included) are left
-out, the loading reported apart.
+"""Requests each in a fresh process, as users of run.py make them, so that nothing a process learnt
+or allocated helps the next but what it left on disk (gamma="auto"'s costs: decoding/profiles.py).
 
-    python -m minispec.tools.bench --one-shot --target T --draft D --gamma auto 3 [--beams 4 --draft-beams 8]
+--one-shot: plain decoding, each --gamma and each prompt take turns, round after round. The auto runs
+share a profiles folder made empty for the bench, so its first round is a first run on this machine
+and the later ones are later runs. A request's time is its generate call's; loading the models (a
+self-draft's quantized copy included) is reported apart.
+
+--threads-under-load: tokens/s with the default number of threads and with each --threads setting,
+while another process keeps one core busy (OpenMP reads its wait policy, and torch sizes its thread
+pool, when a process starts). The goal: the default at least GOAL of the best setting, where OpenMP's
+spinning threads once made it 10-20x slower.
 """
 
 import json
@@ -16,29 +19,27 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import torch
+from argparse import Namespace
+from contextlib import contextmanager
 
 from minispec import generate
-from minispec.loaders import load_target_and_draft
+from minispec.loaders import load_models
 from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
-from minispec.loading.weights import DTYPES
 
+from .benchmarks import decoding_settings
 from .prompts import prompt_ids_of, read_prompts
-from .report import progress, yes_no
+from .report import md_table, progress, yes_no
 
-SETTINGS = ("target", "device", "dtype", "compile", "quantize", "draft_quantize", "group_size", "chat",
+SETTINGS = ("target", "device", "dtype", "compile", "quantize", "draft_quantize", "group_size", "threads", "chat",
             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "beams", "draft_beams")
+GOAL = 0.8  # --threads-under-load: the default's tokens/s against the best setting's
 
 
 def run_request(spec):
     """In the fresh process: load, generate once; what the bench reads back."""
-    if spec.get("threads"):  # as run.py's --threads sets them (bench/threads.py)
-        torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
-    target, draft = load_target_and_draft(spec["target"], spec["draft"] or "none", spec["device"],
-                                          DTYPES.get(spec["dtype"]), spec["compile"], spec["quantize"],
-                                          spec["draft_quantize"] if spec["draft"] else None, spec["group_size"])
+    target, draft = load_models(Namespace(**{**spec, "draft": spec["draft"] or "none",
+                                             "draft_quantize": spec["draft_quantize"] if spec["draft"] else None}))
     if draft in SELF_DRAFT_MODES:  # the target's quantized copy is made once per target: part of loading
         make_drafter(draft, target)
     loaded = time.perf_counter() - start
@@ -46,11 +47,13 @@ def run_request(spec):
         if spec["beams"] else {}
     start = time.perf_counter()
     out = generate(target, prompt_ids_of(target, spec["prompt"], spec["chat"]), draft=draft,
-                   gamma=spec["gamma"] or "auto", max_new_tokens=spec["max_new_tokens"],
-                   temperature=spec["temperature"], top_k=spec["top_k"], top_p=spec["top_p"], seed=spec["seed"],
-                   ignore_eos=spec["ignore_eos"], **search)
+                   gamma=spec["gamma"] or "auto", seed=spec["seed"], **decoding_settings(Namespace(**spec)), **search)
     return {"load_seconds": loaded, "seconds": time.perf_counter() - start, "tokens": out.tokens,
             "guesses_histogram": out.stats.get("guesses_histogram")}
+
+
+def request_spec(args, prompt, **spec):
+    return {**{key: getattr(args, key) for key in SETTINGS}, "prompt": prompt, **spec}
 
 
 def in_fresh_process(spec, env):
@@ -72,8 +75,7 @@ def one_shot_benchmark(args):
         for _ in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 for name, gamma in configs.items():
-                    spec = {key: getattr(args, key) for key in SETTINGS}
-                    spec.update(prompt=prompt, draft=None if gamma is None else args.draft, gamma=gamma)
+                    spec = request_spec(args, prompt, draft=None if gamma is None else args.draft, gamma=gamma)
                     runs[name, i].append(in_fresh_process(spec, env))
                     bar.update(1)
     rows = []
@@ -102,22 +104,64 @@ def one_shot_table(args, rows):
     search = f", beam search of width {args.beams}" if args.beams else ""
     lines = [f"target `{args.target}`, draft `{args.draft}`{search}, {args.max_new_tokens} new tokens, each request "
              f"in a fresh process, {args.repeats} rounds: seconds of the request (median; for auto, the first "
-             "run and the median of the later ones) and x plain", "",
-             "| prompt | load s | plain s | " + " | ".join(f"γ = {name}" for name in names) + " | same output |",
-             "|" + "---|" * (4 + len(names))]
-    for row in rows:
-        cells = []
-        for name in names:
-            config, plain = row["configs"][name], row["plain_seconds"]
-            if name == "auto" and config["later_seconds"] is not None:
-                cells.append(f"first {config['first_seconds']:.2f} ({plain / config['first_seconds']:.2f}x), "
-                             f"later {config['later_seconds']:.2f} ({plain / config['later_seconds']:.2f}x)")
-            else:
-                cells.append(f"{config['seconds']:.2f} ({plain / config['seconds']:.2f}x)")
-        same = yes_no(None if args.temperature else all(c["identical"] for c in row["configs"].values()))
-        lines.append(f"| {row['prompt']} | {row['load_seconds']:.2f} | {row['plain_seconds']:.2f} | "
-                     + " | ".join(cells) + f" | {same} |")
-    return "\n".join(lines)
+             "run and the median of the later ones) and x plain", ""]
+
+    def cells(row):
+        same = None if args.temperature else all(c["identical"] for c in row["configs"].values())
+        return [row["prompt"], f"{row['load_seconds']:.2f}", f"{row['plain_seconds']:.2f}",
+                *(config_cell(name, row["configs"][name], row["plain_seconds"]) for name in names), yes_no(same)]
+    header = ["prompt", "load s", "plain s", *(f"γ = {name}" for name in names), "same output"]
+    return "\n".join(lines + md_table(header, map(cells, rows)))
+
+
+def config_cell(name, config, plain):
+    if name == "auto" and config["later_seconds"] is not None:
+        return (f"first {config['first_seconds']:.2f} ({plain / config['first_seconds']:.2f}x), "
+                f"later {config['later_seconds']:.2f} ({plain / config['later_seconds']:.2f}x)")
+    return f"{config['seconds']:.2f} ({plain / config['seconds']:.2f}x)"
+
+
+@contextmanager
+def one_core_busy():
+    """Another process spinning on this process's last CPU, for the duration."""
+    cpu = max(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint(flush=True)\nwhile True:\n    pass"
+    process = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+    process.stdout.readline()  # spinning from now on: the first run is timed beside it too
+    try:
+        yield cpu
+    finally:
+        process.kill()
+        process.wait()
+
+
+def threads_benchmark(args):
+    """Tokens/s of the default and of each --threads setting, one core busy, per round; medians."""
+    cpus = len(os.sched_getaffinity(0))
+    settings = {"default": None, **{str(n): n for n in range(1, cpus + 1)}}
+    prompts = read_prompts(args)
+    rates = {name: [] for name in settings}
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)  # the default as a user gets it: minispec's choice
+    with one_core_busy(), progress(args.repeats * len(settings) * len(prompts), "threads") as bar:
+        for _ in range(args.repeats):
+            for name, threads in settings.items():
+                done = [in_fresh_process(request_spec(args, prompt, draft=args.draft, gamma=args.gamma[0],
+                                                      threads=threads), env) for prompt in prompts]
+                bar.update(len(prompts))
+                rates[name].append(sum(len(d["tokens"]) for d in done) / sum(d["seconds"] for d in done))
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    best = max(medians[str(n)] for n in range(1, cpus + 1))
+    result = {"settings": vars(args), "cpus": cpus, "tokens_per_second": medians, "repeats": rates,
+              "default_over_best": medians["default"] / best, "goal": GOAL}
+    lines = [f"target `{args.target}`, draft `{args.draft}`, γ = {args.gamma[0]}, {args.max_new_tokens} new tokens, "
+             f"one of {cpus} CPUs held by a spinning process, each request in a fresh process, median of "
+             f"{args.repeats} rounds", ""]
+    lines += md_table(["threads", "tok/s", "x best"], ([name, f"{rate:.1f}", f"{rate / best:.2f}"]
+                                                      for name, rate in medians.items()))
+    verdict = "meets" if result["default_over_best"] >= GOAL else "misses"
+    lines += ["", f"default: {result['default_over_best']:.2f}x the best setting ({verdict} the goal of {GOAL}x)"]
+    return result, "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,16 @@ def progress(total, what):
     return tqdm(total=total, desc=f"bench: {what}", unit="run", leave=False, disable=not sys.stderr.isatty())
 
 
+def md_table(header, rows):
+    """A markdown table's lines: the header, its rule, a line for each row of cells."""
+    lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in (header, *rows)]
+    return [lines[0], "|" + "---|" * len(header), *lines[1:]]
+
+
+def dtype_name(model):
+    return str(model.dtype).removeprefix("torch.")
+
+
 def read(bandwidth):
     """A step's bytes and bandwidth against the device's measured read bandwidth (and datasheet peak)."""
     peak = f", {bandwidth['fraction_of_peak']:.0%} of {bandwidth['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" \
@@ -75,23 +85,8 @@ def markdown_table(result):
                   f"identical to minispec: {yes_no(ref_ar['identical'])}", ""]
     header = ["γ", "AR tok/s", "spec tok/s", "speedup", "decode speedup", "α", "accept", "tok/call", "c",
               "verify cost", "predicted", "meas/pred", "best γ", "pred. at best γ"]
-    if reference:
-        header += ["ref assisted tok/s", "ref speedup", "ref identical"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in result["rows"]:
-        gamma = f"auto (mean {r['mean_guesses']:.1f})" if r["gamma"] == "auto" else r["gamma"]
-        verify_cost = f"{r['verify_cost_ratio']:.2f}" if "verify_cost_ratio" in r else "-"
-        cells = [gamma, f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
-                 f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}",
-                 f"{r['acceptance_rate']:.2f}",
-                 f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}", verify_cost,
-                 f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
-                 f"{r['best_gamma_predicted_speedup']:.2f}x"]
-        if reference:
-            a = assisted.get(r["gamma"])
-            cells += [f"{a['tokens_per_second']:.1f}", f"{a['speedup']:.2f}x", yes_no(a["identical"])] if a \
-                else ["-", "-", "-"]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    header += ["ref assisted tok/s", "ref speedup", "ref identical"] if reference else []
+    lines += md_table(header, (row_cells(result, r, assisted if reference else None) for r in result["rows"]))
     fixed = [r for r in result["rows"] if r["gamma"] != "auto"]
     if fixed:
         lines += ["", "meas/pred = (tok/call after the prompt's forward ÷ i.i.d. expectation) × ((1 + γc) ÷ "
@@ -107,14 +102,29 @@ def markdown_table(result):
                       f"its prediction is section 3.5's best fixed γ; acceptance by the drafter's confidence "
                       f"(0-0.2, ..., 0.8-1): " + ", ".join("-" if rate is None else f"{rate:.2f}"
                                                            for rate in r["acceptance_by_confidence"])]
-    lines += ["", "speedup per prompt (end to end; median of the repeats / fastest against fastest):", "",
-              "| prompt | AR tok/s | " + " | ".join(f"γ = {r['gamma']}" for r in result["rows"]) + " |",
-              "|" + "---|" * (2 + len(result["rows"]))]
-    for i, tokens in enumerate(result["autoregressive"]["outputs"]):
-        rate = len(tokens) / result["autoregressive"]["request_seconds"][i]
-        cells = (f"{r['per_prompt_speedup'][i]:.2f}x / {r['per_prompt_speedup_fastest'][i]:.2f}x" for r in result["rows"])
-        lines.append(f"| prompt {i + 1} | {rate:.1f} | " + " | ".join(cells) + " |")
+    ar = result["autoregressive"]
+    lines += ["", "speedup per prompt (end to end; median of the repeats / fastest against fastest):", ""]
+    lines += md_table(["prompt", "AR tok/s", *(f"γ = {r['gamma']}" for r in result["rows"])], (
+        [f"prompt {i + 1}", f"{len(tokens) / ar['request_seconds'][i]:.1f}",
+         *(f"{r['per_prompt_speedup'][i]:.2f}x / {r['per_prompt_speedup_fastest'][i]:.2f}x" for r in result["rows"])]
+        for i, tokens in enumerate(ar["outputs"])))
     return "\n".join(lines)
+
+
+def row_cells(result, r, assisted):
+    """A γ's row of the main table; `assisted`: the reference's assisted rows by γ, where compared."""
+    gamma = f"auto (mean {r['mean_guesses']:.1f})" if r["gamma"] == "auto" else r["gamma"]
+    cells = [gamma, f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
+             f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}", f"{r['acceptance_rate']:.2f}",
+             f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}",
+             f"{r['verify_cost_ratio']:.2f}" if "verify_cost_ratio" in r else "-",
+             f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
+             f"{r['best_gamma_predicted_speedup']:.2f}x"]
+    if assisted is None:
+        return cells
+    a = assisted.get(r["gamma"])
+    return cells + ([f"{a['tokens_per_second']:.1f}", f"{a['speedup']:.2f}x", yes_no(a["identical"])] if a
+                    else ["-", "-", "-"])
 
 
 def top_k_p(settings):

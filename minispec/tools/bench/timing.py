@@ -43,14 +43,11 @@ def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
 
 
 def time_generation(runners, requests, repeats, device):
-    """Time several decoders side by side: one warm-up pass over the requests each, then `repeats`
-    rounds in which every runner makes one timed pass in turn, so machine drift hits all alike.
-
-    runners: {name: run_one}, run_one(request) -> (generated ids, stats dict); stats may hold
-    "prefill_seconds" and "first_call_tokens" (the tokens out of the prefill). Returns {name: median
-    tokens/s over the rounds (and, where prefill times are known, median tokens/s of the decode
-    phase), each round's, the warm-up pass's seconds (compiled: its graphs' compile time in them), and
-    the outputs and stats of the last}."""
+    """Decoders side by side: a warm-up pass over the requests each, then `repeats` rounds in which
+    every runner makes one timed pass in turn, so that machine drift hits all alike. run_one(request)
+    -> (generated ids, stats), whose "prefill_seconds" and "first_call_tokens" (where given) set the
+    decode phase apart. Returns {name: median tokens/s (and of the decode phase), each round's, each
+    request's median and fastest seconds, the warm-up's seconds, the last round's outputs and stats}."""
     warmup_seconds = {}
     bar = progress(len(runners) * (repeats + 1), "passes")
     for name, run_one in runners.items():
@@ -111,13 +108,9 @@ def decode_steps(model, prefix, widths):
 
 @torch.inference_mode()
 def step_times(target, draft, prompt_ids, generated, gammas, sampling):
-    """Median seconds of the forwards Theorem 3.8 is about, with prompt + `generated` in the caches:
-    a 1-token target decode (one autoregressive step), a (γ+1)-token one (one verification) and one
-    draft step. A model drafter's step is a 1-token decode; a model-free drafter's is its time to
-    propose γ guesses, divided by γ. The target's forward is also timed at each of FORWARD_WIDTHS
-    tokens (a tree's or a chain's verification). Returns {"position", "target_step_s", "verify_step_s":
-    {γ: s}, "forward_s": {width: s}, "draft_step_s": {γ: s}, "draft_bandwidth": a draft model's bytes per
-    step and bytes/s, or None}."""
+    """Median seconds of the forwards Theorem 3.8 is about, with prompt + `generated` in the caches: a
+    1-token target step, a (γ+1)-token verification (and every width of FORWARD_WIDTHS), and a draft
+    step: a model's 1-token decode, or a model-free drafter's proposal of γ guesses over γ."""
     if draft in SELF_DRAFT_MODES:  # the target's quantized copy: a model drafter
         draft = make_drafter(draft, target).model
     device = target.device
