@@ -143,8 +143,6 @@ class Settings:
                                        f"'int8' / 'int4' or a draft head), not {self.draft!r}")
         if is_integer(self.tree) and (self.lenience != 1 or self.searching):
             raise SettingError("tree", "token trees are verified exactly (lenience=1), without beams")
-        if isinstance(self.draft, (list, tuple)) and self.searching:
-            raise SettingError("draft", "several drafters in one tree need decoding without beams")
         if self.searching and self.stop:
             raise SettingError("stop", "beam search cannot stop at stop strings (its hypotheses end in stop tokens); "
                                        "use stop_token_ids")

@@ -71,10 +71,9 @@ SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
 def make_drafter(draft, target):
     """A drafter for `draft`: a loaded model (minispec.load), "ngram", "lookup", "suffix", or "int8" / "int4"
-    (the target itself, quantized: its own quantized weights and KV cache, built once per target); a list
-    of two, a model and "lookup" or "suffix": their guesses in one tree (decoding/mixed.py)."""
+    (the target itself, quantized: its own quantized weights and KV cache, built once per target)."""
     if isinstance(draft, (list, tuple)):
-        from . import mixed  # an optional drafter: the core loads its module only when it is asked for
+        from . import mixed  # [model, "suffix"]: both in one tree, an optional drafter read when asked for
         return mixed.MixedDrafter([make_drafter(part, target) for part in draft])
     if draft == "suffix":
         from . import suffix  # an optional drafter: the core loads its module only when it is asked for

@@ -59,9 +59,9 @@ class Row:
     def ask(self):
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
         left = self.request.max_new_tokens - len(self.tokens) - 1
-        k = min(self.policy.guesses(), left)
-        return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
-                   self.counts, min(self.policy.k_max, left), self.room())
+        room = self.request.target.cache_max_seq_len - self.length - len(self.unseen)  # for a tree's nodes
+        return Ask(self.drafter, min(self.policy.guesses(), left), self.sampling, self.generator,
+                   self.policy.keep_guessing, self.tree_budget(), self.counts, min(self.policy.k_max, left), room)
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
@@ -95,11 +95,9 @@ class Row:
         """The most nodes this step's token tree may have: the request's `tree` (with "auto", the
         policy's choice for this step), or fewer where the cache row has less room left (None: a chain)."""
         tree = self.policy.tree_nodes if self.request.tree == "auto" else self.request.tree
-        return min(tree, self.room()) if tree else None
-
-    def room(self):
-        """The cache row's free slots: the most guesses a step may feed."""
-        return self.request.target.cache_max_seq_len - self.length - len(self.unseen)
+        if not tree:
+            return None
+        return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
     def advance_tree(self, nodes, parents, verdict, timing, seen=None, logprobs=None):
         """Take a verified tree step (tree.py's TreeVerdict: the accepted path of node indices, the

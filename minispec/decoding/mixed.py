@@ -9,7 +9,8 @@ positions; the model's cost its forwards. Each step:
     (confidence 1: lookup's full match, suffix's longest match that every occurrence continues)
     else                      -> the model's guesses and the cheap chain, merged into one tree
 
-The policy prices the pair as it prices the model (its γ, chain or tree, from the model's profile).
+The policy sizes the model's part as it sizes a model's guesses (its γ, chain or tree), from a profile of the
+mix's own (`mixed_with`), which learns the rates and costs of the mixed steps.
 Exact: greedy, the walk accepts the longest path of the target's argmaxes (tree.walk), whoever drafted it.
 Sampled, a node's children are the model's draws from q, then the cheap chain's token where the model did
 not draw it (tree.add_path appends it after them); tree.sample_walk tries them in that order, each by the
@@ -48,6 +49,7 @@ class MixedDrafter:
         self.name, self.model = f"{self.main.name}+{self.cheap.name}", self.main.model
         self.weights, self.reads_states = getattr(self.main, "weights", None), self.main.reads_states
         self.chain = None  # the model's last chain, host ids (None: it drafted a tree, or nothing)
+        self.mixed_with = (self.cheap.name,)  # gamma="auto" prices the mix apart from the model (policy, profiles)
 
     calls, encoder_calls = forwarded("calls"), forwarded("encoder_calls")
     row, length, unseen = forwarded("row"), forwarded("length"), forwarded("unseen")  # the engine's, the prefix cache's

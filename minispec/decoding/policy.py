@@ -92,8 +92,7 @@ def profile_for(target, drafter, beams, k_max):
     """The pair's profile: as this process left it, else as the last process here did, else new."""
     # what drafts: a draft model, a model-free drafter's own weights (Medusa heads), or its name alone
     owner = drafter.model if drafter.model is not None else getattr(drafter, "weights", None)
-    key = (drafter.name if owner is None else id(owner), beams)
-    key += (drafter.cheap.name,) if hasattr(drafter, "cheap") else ()  # mixed with lookup (mixed.py): another pair
+    key = (drafter.name if owner is None else id(owner), beams) + getattr(drafter, "mixed_with", ())  # mixed.py
     pairs = PROFILES.setdefault(target, {})
     profile = pairs.get(key)
     if profile is None or (owner is not None and profile.model() is not owner):

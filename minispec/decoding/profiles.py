@@ -74,10 +74,9 @@ def pair_key(target, drafter, beams, k_max):
     if target.fingerprint is None or any(m is not None and m.fingerprint is None for m in (draft, weights)):
         return None
     drafted_by = drafter.name if weights is None else f"{drafter.name} {weights.fingerprint}"
-    mixed = {"with": drafter.cheap.name} if hasattr(drafter, "cheap") else {}  # decoding/mixed.py: another pair
-    return {"version": VERSION, "target": identity(target),
-            "draft": identity(draft) if draft is not None else drafted_by, "beams": beams, "k_max": k_max,
-            "threads": torch.get_num_threads(), "torch": torch.__version__, **mixed}
+    return {"version": VERSION, "target": identity(target), "beams": beams, "k_max": k_max,
+            "draft": identity(draft) if draft is not None else drafted_by, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, **({"with": drafter.mixed_with} if hasattr(drafter, "mixed_with") else {})}
 
 
 def path_of(key):

@@ -104,9 +104,8 @@ def sample_walk(nodes, parents, p, generator, q=None, fixed=frozenset()):
     q'(x)), else p' becomes norm(max(p' - q', 0)) (Algorithm 1's residual, which is 0 at x) and x leaves
     q'; when none is accepted, t ~ p'. A fixed candidate is a draw from q' one-hot at it: accepted with
     p'(x), else x leaves p'. Each step is Algorithm 1's, whose residual the next draw targets, so the
-    token that comes out has probability p exactly. `fixed`: nodes that are fixed candidates although q
-    is given, each after its parent's draws (another drafter's, decoding/mixed.py). Returns a TreeVerdict;
-    draws come from `generator` in a fixed order (a row's as alone in a batch)."""
+    token that comes out has probability p exactly. `fixed`: fixed candidates though q is given (mixed.py's).
+    Returns a TreeVerdict; draws come from `generator` in a fixed order (a row's as alone in a batch)."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'
         drawn_from = None if q is None or not children else q[row] / q[row].sum()  # q' (a leaf: none)
