@@ -8,13 +8,16 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chisquare
+from starlette.testclient import TestClient
 
 import minispec
 from conftest import target_and_drafts
-from minispec.decoding import mixed, speculative, suffix, tree
+from minispec.decoding import drafters, mixed, policy, profiles, speculative, suffix, tree
 from minispec.loaders import load_draft
+from minispec.serve.app import build_app
+from minispec.serve.scheduler import Scheduler
 from test_heads import gqa_heads  # noqa: F401 (a fixture)
-from test_serve import alone, build_app, checkpoints, in_threads, post, Scheduler, TestClient  # noqa: F401 (fixtures)
+from test_serve import alone, checkpoints, in_threads, post  # noqa: F401 (fixtures)
 from test_speculative import assert_sampled_from, exact_joint, vocab16  # noqa: F401 (a fixture)
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54] * 2
@@ -124,7 +127,8 @@ def test_sampled_output_has_the_targets_distribution(vocab16, tree_setting, monk
 
 def test_bad_mixes_are_named(models):
     target, draft = models["target"], models["noisy"]
-    for bad in ([draft], [draft, draft], ["lookup", "suffix"], [draft, "lookup", "suffix"], [[draft, "lookup"], "suffix"]):
+    bad_mixes = [[draft], [draft, draft], ["lookup", "suffix"], [draft, "lookup", "suffix"], [[draft, "lookup"], "suffix"]]
+    for bad in bad_mixes:
         with pytest.raises(ValueError, match="several drafters in one tree: give two") as error:
             minispec.generate(target, PROMPT, draft=bad, max_new_tokens=2)
         assert error.value.field == "draft"
@@ -136,11 +140,10 @@ def test_bad_mixes_are_named(models):
 def test_the_mix_is_priced_apart_from_its_model(models):
     """gamma="auto"'s profile of the model mixed with a cheap drafter is not the model's own, in this process
     or stored."""
-    from minispec.decoding import drafters, policy, profiles
     target, draft = models["target"], models["noisy"]
-    alone, mix = drafters.make_drafter(draft, target), drafters.make_drafter([draft, "suffix"], target)
-    assert policy.profile_for(target, mix, None, 8) is not policy.profile_for(target, alone, None, 8)
-    assert profiles.pair_key(target, mix, None, 8) != profiles.pair_key(target, alone, None, 8)
+    own, mix = drafters.make_drafter(draft, target), drafters.make_drafter([draft, "suffix"], target)
+    assert policy.profile_for(target, mix, None, 8) is not policy.profile_for(target, own, None, 8)
+    assert profiles.pair_key(target, mix, None, 8) != profiles.pair_key(target, own, None, 8)
 
 
 def test_the_command_lines_take_it(models):
