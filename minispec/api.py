@@ -140,6 +140,7 @@ class Request:
     on_states: object = None  # Settings'
     state_layers: tuple | None = None
     logprobs: int | None = None  # Settings'
+    coupling: str = "gumbel"  # Settings'
 
     @property
     def reads_states(self):
@@ -177,7 +178,7 @@ class Request:
         return cls(target, prompt_tensor(target, prompt), drafter, policy, sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
                    settings.trees, settings.on_states, state_layers_of(target, settings.state_layers),
-                   settings.logprobs)
+                   settings.logprobs, settings.coupling)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""

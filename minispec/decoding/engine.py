@@ -22,7 +22,7 @@ import torch
 
 from ..models.kernels import to_device
 from .drafters import Ask
-from .sampling import Counts
+from .sampling import Counts, Noise
 from .speculative import Outcome, step
 
 
@@ -35,6 +35,9 @@ class Row:
         self.sampling, self.lenience = request.sampling, request.lenience
         self.drafter, self.policy = request.drafter, request.policy
         self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
+        # coupling "gumbel": each position's draws from the seed and the position (speculative.py)
+        coupled = request.coupling == "gumbel" and not self.sampling.greedy and self.lenience == 1
+        self.noise = Noise(request.seed, target.vocab_size, target.device) if coupled else None
         self.started = time.perf_counter()
         self.tokens, self.trace = [], []
         self.new_tokens, self.segments = [], []  # the last step's, for the caller
@@ -60,7 +63,7 @@ class Row:
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
         k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
         return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
-                   self.counts)
+                   self.counts, self.noise)
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
@@ -73,6 +76,8 @@ class Row:
             if step.overlap is not None:  # only the positions up to a stop count
                 self.overlap += step.overlap[:len(new_tokens)].sum()
         self.count(guesses, n, new_tokens, guesses[n:n + 1] if step.rejected is None else step.rejected)
+        if self.noise is not None:
+            self.noise.begin(len(self.tokens))
         if step.logprobs is not None:
             self.new_logprobs = step.logprobs[:len(new_tokens)]
             self.logprobs += self.new_logprobs
