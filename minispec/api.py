@@ -17,7 +17,7 @@ import torch
 from .decoding import engine
 from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, make_policy
-from .decoding.sampling import Sampling
+from .decoding.sampling import Sampling, mix
 from .decoding.stopping import Stop
 from .decoding.tree import TREE_AUTO
 from .loading.checkpoint import load_model
@@ -409,6 +409,10 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     (the number of layers: the last layer's output before the final norm; Llama family).
     prefix_cache: a minispec.decoding.prefix.PrefixCache (default None: off), whose stored keys and values
     of earlier requests a prompt beginning with the same tokens reuses (stats["cached_tokens"]).
+    n > 1: a list of n Generations of the prompt (with a list of prompts, a list of such lists), decoded
+    together as rows of one batch, the prompt's forward shared; answer j's seed is answers(seed)[j]
+    (stats["seed"], which reproduces it alone). Greedy, the n answers are the same. on_tokens' i then
+    counts answers: prompt i's answer j is i * n + j.
     """
     batched = is_batch(prompt)
     seed = settings.get("seed")
@@ -417,11 +421,12 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
         raise SettingError("seed", f"seed: a list of seeds needs one per prompt, got {len(seeds)} for {len(prompt)} "
                                    "prompts")
     settings = Settings.of("generate", {**settings, "seed": None} if seeds is not None else settings)
-    requests = []
+    requests, n = [], settings.n
     for i, one in enumerate(prompt if batched else [prompt]):
         with naming_prompt(i if batched else None):
-            requests.append(Request.from_settings(target, one, settings if seeds is None else
-                                                  replace(settings, seed=seeds[i])))
+            first = settings if seeds is None else replace(settings, seed=seeds[i])
+            requests += [Request.from_settings(target, one, replace(first, seed=seed))
+                         for seed in answers(first.seed, n)]
     Check(lambda v: v is None or integer(1)(v), "must be an integer >= 1")("batch_size", batch_size)
     Check(lambda v: v is None or hasattr(v, "admit"), "must be a PrefixCache or None")("prefix_cache", prefix_cache)
     check_lengths(requests)
@@ -430,7 +435,15 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
         if on_tokens:
             on_tokens(i, tokens)
         generations[i] = generation or generations[i]
+    if n > 1:
+        generations = [generations[i:i + n] for i in range(0, len(generations), n)]
     return generations if batched else generations[0]
+
+
+def answers(seed, n):
+    """The seeds of a prompt's n answers: the seed itself first (n = 1 draws as before), then seeds
+    mixed from it and the answer's number (None: each draws its own)."""
+    return [seed if j == 0 or seed is None else mix(seed, j) % 2**63 for j in range(n)]
 
 
 @contextmanager
@@ -467,7 +480,10 @@ def stream(target, prompt, **settings):
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
     never text past a stop string (text that may begin one is held back until the next step tells).
     Settings are checked here, before the first chunk is asked for."""
-    request = Request.from_settings(target, prompt, Settings.of("stream", settings))
+    settings = Settings.of("stream", settings)
+    if settings.n != 1:
+        raise SettingError("n", "stream() streams one answer: n must be 1 (generate() returns n answers)")
+    request = Request.from_settings(target, prompt, settings)
     check_lengths([request])
     return chunks(request)
 
