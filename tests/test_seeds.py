@@ -32,12 +32,23 @@ WAYS = {
     "lookup tree": {"draft": "lookup", "gamma": 3, "tree": 6},
     "ngram tree": {"draft": "ngram", "gamma": 2, "tree": 5},
     "int8 self-draft": {"draft": "int8", "gamma": 2},
+    "medusa heads": {"draft": "medusa", "gamma": 3, "tree": "off"},
+    "eagle head tree": {"draft": "eagle", "gamma": 3, "tree": 5},
 }
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return target_and_drafts("llama_gqa", tmp_path_factory)
+    """The tiny GQA llama, its drafts (conftest), and random Medusa and EAGLE heads for it (test_heads)."""
+    from test_heads import write_eagle, write_medusa
+
+    models = target_and_drafts("llama_gqa", tmp_path_factory)
+    target = models["target"]
+    medusa, _ = write_medusa(tmp_path_factory.mktemp("medusa"), target.hidden_size, target.vocab_size)
+    hf = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "intermediate_size": 96,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
+    eagle, _, _ = write_eagle(tmp_path_factory.mktemp("eagle"), hf)
+    return {**models, "medusa": minispec.load_draft_head(medusa, target), "eagle": minispec.load_draft_head(eagle, target)}
 
 
 def decoded(models, prompt, way, **settings):

@@ -419,8 +419,15 @@ def propose_all(asks):
     if isinstance(asks[0].drafter, ModelDrafter):
         return propose_together(asks)
     return [Proposal(*ask.drafter.propose_tree(ask.k, ask.tree, ask.sampling)) if ask.tree and ask.k
-            else Proposal(*ask.drafter.propose(ask.k, ask.sampling, ask.generator, ask.keep_guessing))
+            else Proposal(*ask.drafter.propose(ask.k, ask.sampling, generator_of(ask), ask.keep_guessing))
             for ask in asks]
+
+
+def generator_of(ask):
+    """What a model-free drafter draws with: a coupled row's Noise where its guesses are draws at the
+    step's first positions, one per row of q (`positional`: Medusa's heads), so that it guesses under the
+    target's noise; else the row's generator (its guesses are exact either way)."""
+    return ask.noise if ask.noise is not None and getattr(ask.drafter, "positional", False) else ask.generator
 
 
 def confidence(logits, qs, guess, sampling):

@@ -169,7 +169,7 @@ def step(target, rows):
     logits, states = score(target, rows, proposals)
     logits = [penalized(row, p, x) for row, p, x in zip(rows, logits, proposals)]
     # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
-    # A tree is walked on the host instead (tree.py), so it brings its argmaxes there when greedy.
+    # A tree is walked on the host instead (tree.py), so it brings its choices there (tree_choices).
     verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
                 else None
                 for row, p, x in zip(rows, logits, proposals)]
@@ -235,7 +235,8 @@ def to_host(rows, logits, proposals, verdicts):
 
 def tree_choices(row, logits, parents):
     """The target's token at a tree's root and each node, which a walk follows: its argmax when greedy;
-    coupled, its draw under the noise of the node's position (a node at depth d scores position d + 1)."""
+    coupled, its draw under the noise of the position there (the row of a node at depth d draws the
+    step's token d; the root's, token 0)."""
     if row.sampling.greedy:
         return logits.argmax(-1)
     return sample(adjust(logits, row.sampling), row.noise, at=[0] + depths(parents))
