@@ -17,7 +17,7 @@ import torch
 from .decoding import engine
 from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, make_policy
-from .decoding.sampling import Sampling, mix
+from .decoding.sampling import Sampling
 from .decoding.stopping import Stop
 from .decoding.tree import TREE_AUTO
 from .loading.checkpoint import load_model
@@ -384,6 +384,8 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
     seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call. With a
     list of prompts, seed may be a list too: one seed per prompt (the same seed draws alike for alike prompts).
+    coupling="gumbel" (the default): a seed's tokens are the same with any draft, gamma, tree or batch, or
+    none; "rejection": Algorithm 1's test, whose draws depend on each step (minispec.decoding.speculative).
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
@@ -409,10 +411,9 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     (the number of layers: the last layer's output before the final norm; Llama family).
     prefix_cache: a minispec.decoding.prefix.PrefixCache (default None: off), whose stored keys and values
     of earlier requests a prompt beginning with the same tokens reuses (stats["cached_tokens"]).
-    n > 1: a list of n Generations of the prompt (with a list of prompts, a list of such lists), decoded
-    together as rows of one batch, the prompt's forward shared; answer j's seed is answers(seed)[j]
-    (stats["seed"], which reproduces it alone). Greedy, the n answers are the same. on_tokens' i then
-    counts answers: prompt i's answer j is i * n + j.
+    n > 1: a list of n Generations of the prompt (of a list of prompts: a list of such lists), rows of one
+    batch sharing the prompt's forward, each with its own seed (stats["seed"]: answers(seed, n)); on_tokens'
+    i counts answers (prompt i's answer j is i * n + j).
     """
     batched = is_batch(prompt)
     seed = settings.get("seed")
@@ -441,9 +442,8 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
 
 
 def answers(seed, n):
-    """The seeds of a prompt's n answers: the seed itself first (n = 1 draws as before), then seeds
-    mixed from it and the answer's number (None: each draws its own)."""
-    return [seed if j == 0 or seed is None else mix(seed, j) % 2**63 for j in range(n)]
+    """The seeds of a prompt's n answers: the seed, then seeds mixed from it (None: each draws its own)."""
+    return [seed if j == 0 or seed is None else (seed * 0x9E3779B97F4A7C15 + j) % 2**63 for j in range(n)]
 
 
 @contextmanager

@@ -101,11 +101,9 @@ class Settings:
     seed: int | None = setting(None, Check(optional(integer(0, 2**63 - 1)), "must be an integer in [0, 2**63) or None"),
                                "the seed of sampling's random draws (the command line's default: 0)", type=int,
                                default=0)
-    coupling: str = setting("gumbel", Check(lambda v: is_word(v, "gumbel", "rejection"),
-                                            "must be 'gumbel' or 'rejection'"),
-                            "how sampled guesses are verified (both exact): 'gumbel' (the default) draws each "
-                            "position's token from the seed and the position alone, so a seed gives the same "
-                            "output with any draft, gamma, tree or batch; 'rejection': Algorithm 1's test",
+    coupling: str = setting("gumbel", Check(lambda v: is_word(v, "gumbel", "rejection"), "must be 'gumbel' or "
+                            "'rejection'"), "sampled verification, both exact: 'gumbel' (the default): a seed gives the "
+                            "same output with any draft, gamma, tree or batch; 'rejection': Algorithm 1's test",
                             choices=("gumbel", "rejection"))
     lenience: float = setting(1.0, Check(lambda v: is_number(v) and 0 < v <= 1, "must be in (0, 1]"),
                               "accept drafts more easily (paper A.5); 1 keeps the target's exact distribution",

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import minispec
-from minispec.decoding.sampling import Noise, sample
+from minispec.decoding.noise import Noise
+from minispec.decoding.sampling import sample
 from conftest import target_and_drafts
 from test_speculative import assert_sampled_from, exact_joint, step_outcomes, vocab16  # noqa: F401 (a fixture)
 

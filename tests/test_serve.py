@@ -483,7 +483,8 @@ OPENAI_DEFAULTS = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "log
 CHAT_DEFAULTS = {**OPENAI_DEFAULTS, "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
                  "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": [],
                  "function_call": "auto", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
-                 "modalities": ["text"]}
+                 "modalities": ["text"], "verbosity": "medium", "prompt_cache_key": "k", "safety_identifier": "s",
+                 "prediction": {"type": "content", "content": "the"}}
 COMPLETION_DEFAULTS = {**OPENAI_DEFAULTS, "best_of": 1, "echo": False, "suffix": "", "logprobs": None}
 
 

@@ -38,7 +38,7 @@ import torch
 
 from ..models.base import CachedLM, Feed
 from ..models.kernels import to_device
-from .sampling import Counts, Noise, Sampling, adjust, penalize, sample
+from .sampling import Counts, Sampling, adjust, penalize, sample
 from .tree import DrawnGrowth, Growth, best_children, children_of, tree_or_chain
 
 
@@ -51,7 +51,7 @@ class Ask(NamedTuple):
     keep_guessing: Optional[Callable]  # keep_guessing(i, confidence): whether to go on after guess i
     tree: Optional[int] = None  # the most nodes of a token tree (None: a chain)
     counts: Optional[Counts] = None  # a penalized row's (engine.Row), which a draft model's chain q is penalized by
-    noise: Optional[Noise] = None  # a coupled row's (speculative.py): a draft model guesses under the target's noise
+    noise: object = None  # a coupled row's noise.Noise: a draft model guesses under the target's noise
 
 
 class Proposal(NamedTuple):
@@ -424,9 +424,8 @@ def propose_all(asks):
 
 
 def generator_of(ask):
-    """What a model-free drafter draws with: a coupled row's Noise where its guesses are draws at the
-    step's first positions, one per row of q (`positional`: Medusa's heads), so that it guesses under the
-    target's noise; else the row's generator (its guesses are exact either way)."""
+    """A coupled row's Noise for a drafter whose guesses are draws at the step's first positions
+    (`positional`: Medusa's heads), to guess under the target's noise; else the row's generator."""
     return ask.noise if ask.noise is not None and getattr(ask.drafter, "positional", False) else ask.generator
 
 

@@ -20,10 +20,9 @@ from collections import deque
 
 import torch
 
-from ..models.base import Feed
 from ..models.kernels import to_device
 from .drafters import Ask
-from .sampling import Counts, Noise
+from .sampling import Counts
 from .speculative import Outcome, step
 
 
@@ -36,9 +35,10 @@ class Row:
         self.sampling, self.lenience = request.sampling, request.lenience
         self.drafter, self.policy = request.drafter, request.policy
         self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
-        # coupling "gumbel": each position's draws from the seed and the position (speculative.py)
-        coupled = request.coupling == "gumbel" and not self.sampling.greedy and self.lenience == 1
-        self.noise = Noise(request.seed, target.vocab_size, target.device) if coupled else None
+        self.noise = None  # coupling "gumbel": each position's draws from the seed and the position alone
+        if request.coupling == "gumbel" and not self.sampling.greedy and self.lenience == 1:
+            from .noise import Noise  # read by sampled requests only: greedy ones draw nothing
+            self.noise = Noise(request.seed, target.vocab_size, target.device)
         self.started = time.perf_counter()
         self.tokens, self.trace = [], []
         self.new_tokens, self.segments = [], []  # the last step's, for the caller
@@ -206,7 +206,9 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
             leave(batch, [row for row in batch if cancelled(row.index)], cache_models(target, batch))
         for index, request in source.take(rows - len(batch), wait=not batch):
             batch.append(Row(index, request, len(batch), target, alone=rows == 1, prefixes=prefixes))
-            share_prompt(target, batch)
+            if len(batch) > 1:
+                from .prefix import share_prompt  # rows that may share a prompt's forward: read only then
+                share_prompt(target, batch)
         if not batch:
             return
         ended = step(target, batch)
@@ -219,29 +221,6 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
                     prefixes.finish(row)
             yield row.index, row.new_tokens, row.new_logprobs, row.segments, result
         leave(batch, ended, cache_models(target, batch))
-
-
-def share_prompt(target, batch):
-    """The newest row, when a row that has not stepped yet holds the same prompt (a prompt's n answers):
-    the prompt but its last token goes through the target once, in that row's cache row, and the new row
-    copies its keys and values; each row computes the last token itself, whose logits start its own
-    answer. (A token's keys and values are the same however many tokens a forward feeds.)"""
-    row = batch[-1]
-    if row.request.reads_states or len(row.unseen) < 2:  # states of every prompt token wanted; T5's one token
-        return
-    prompt = row.request.prompt_ids
-    first = next((other for other in batch[:-1] if not other.stats["target_calls"] and other.length >= row.length
-                  and other.length + len(other.unseen) == row.length + len(row.unseen)
-                  and torch.equal(other.request.prompt_ids, prompt)), None)
-    if first is None:
-        return
-    if len(first.unseen) > 1:
-        shared = first.unseen[:-1]
-        target.decode_rows(Feed(shared.view(1, -1), [first.length]), first_row=first.slot, logits_for=1, eager=True)
-        first.length, first.unseen = first.length + len(shared), first.unseen[-1:]
-    target.move_row(first.slot, row.slot)
-    row.length, row.unseen = first.length, first.unseen
-    row.stats["shared_tokens"] = first.length
 
 
 class Waiting:

@@ -6,10 +6,6 @@ Penalties (presence, frequency, repetition; as vLLM's) change the target's logit
 tokens that precede each position: `penalize`, with a step's per-position counts (`path_counts`),
 which include the guesses before a position: those precede it if they are accepted, the only case in
 which its p is used. So penalized speculative decoding stays exact.
-
-A seeded request draws each output position's token from randomness of its own (`Noise`, keyed by the
-seed and the position), so that its output does not depend on how many draws came before: not on the
-drafter, γ, a tree or the batch (speculative.py, coupling "gumbel").
 """
 
 import math
@@ -149,9 +145,8 @@ def sample(probs, generator=None, at=0):
 
     argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential race, which is Gumbel-max:
     argmax(log p + G) with G = -log E); zero-probability tokens can never win, and a one-hot p always
-    returns its argmax. generator: a torch.Generator, or a row's Noise, whose races are those of the
-    step's positions `at` (an offset for the first row of probs, the next rows following; or a list,
-    one per row).
+    returns its argmax. generator: a torch.Generator, or a row's noise.Noise, whose races are those of
+    the step's positions `at` (an offset for the first row of probs, the next rows following; or a list).
     """
     return (probs / race(probs, generator, at)).argmax(-1)
 
@@ -167,7 +162,7 @@ def sample_distinct(probs, m, generator=None, at=0):
 
 def race(probs, generator, at=0):
     """E ~ Exponential(1) for each entry of probs (from a Noise: its races at `at`, as sample's)."""
-    if isinstance(generator, Noise):
+    if hasattr(generator, "races"):
         rows = probs[..., 0].numel()
         return generator.races(range(at, at + rows) if isinstance(at, int) else at).view(probs.shape)
     return exponential(torch.rand(probs.shape, generator=generator, device=probs.device))
@@ -177,33 +172,3 @@ def exponential(uniform):
     """-log(U) with U ~ Uniform(0, 1): the same draw as Tensor.exponential_(), several times faster on
     CPU. U < 1 keeps E > 0, and the clamp keeps log finite."""
     return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
-
-
-class Noise:
-    """A seeded row's randomness by position: the race [vocab] at output position t comes from a
-    generator seeded by (seed, t) alone, so the token drawn there is a function of the seed, t and the
-    distribution only, whoever draws it (the target, or a draft proposing under the same noise) and
-    however many draws other positions took. `start` is the position of the step's first token (the
-    engine's row sets it); a step's races are kept from its drafting to its verification."""
-
-    def __init__(self, seed, vocab_size, device):
-        self.seed, self.vocab_size, self.device = seed, vocab_size, device
-        self.start, self.kept = 0, {}
-
-    def begin(self, start):
-        """A new step, whose first token is output position `start`."""
-        self.start, self.kept = start, {t: race for t, race in self.kept.items() if t >= start}
-
-    def races(self, offsets):
-        """[len(offsets), vocab]: the races at positions start + offset."""
-        for t in (self.start + i for i in offsets):
-            if t not in self.kept:
-                generator = torch.Generator(self.device).manual_seed(mix(self.seed, t))
-                self.kept[t] = exponential(torch.rand(self.vocab_size, generator=generator, device=self.device))
-        return torch.stack([self.kept[self.start + i] for i in offsets])
-
-
-def mix(seed, t):
-    """A generator's seed for position t of `seed` (splitmix64's constants): neighbouring seeds and
-    positions get unrelated streams."""
-    return ((seed + 1) * 0x9E3779B97F4A7C15 ^ (t + 1) * 0xBF58476D1CE4E5B9) % 2**64

@@ -18,16 +18,12 @@ accepted iff it is the target's argmax, so the output equals target-only greedy 
 the vocabulary (a test checks it against `accept_and_resample` on one-hot p and q).
 Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l = 1 is exact.
 
-Two couplings of the draft's guesses with the target's sample (Settings.coupling), both exact:
-"rejection" is Algorithm 1 as above, each step drawing as many random numbers as its guesses and
-rejections take. "gumbel" (the default) draws each output position's randomness from the seed and
-the position alone (sampling.Noise): the target's token at position t is argmax(p_t / E_t) (Gumbel-max),
-the draft guesses argmax(q_t / E_t) under the same E_t, and a guess is accepted iff it is the target's
-own draw there: verifying is greedy verification of those draws. Every emitted token is the target's
-draw, so the output depends on the seed, the prompt and the sampling settings only: not on the drafter,
-γ, a tree, the batch, or whether there is a draft at all. A tree's node at depth d meets the noise of
-position start + d, which its siblings share: only one path is kept, so each position's noise decides
-one token. Lenience < 1 always verifies by rejection.
+Two exact couplings of guesses and target (Settings.coupling): "rejection" is Algorithm 1 above, its
+draws depending on how each step went. "gumbel" (the default) takes each output position's randomness
+from the seed and the position alone (noise.py): the target's token at t is argmax(p_t / E_t) (Gumbel-max),
+a draft guesses argmax(q_t / E_t), and a guess is accepted iff it is the target's draw, so the output is
+the same with any drafter, γ, tree or batch, or none. A tree node at depth d meets position d's noise,
+shared with its siblings: one path is kept, so each noise decides one token. Lenience < 1 uses rejection.
 
 Requests are decoded together, each in a row of the static KV caches (minispec.decoding.engine; a lone request
 is a batch of one), and `step` is the loop body above for every row at once. After each step both
@@ -235,8 +231,7 @@ def to_host(rows, logits, proposals, verdicts):
 
 def tree_choices(row, logits, parents):
     """The target's token at a tree's root and each node, which a walk follows: its argmax when greedy;
-    coupled, its draw under the noise of the position there (the row of a node at depth d draws the
-    step's token d; the root's, token 0)."""
+    coupled, its draw under the noise of the position there (a node at depth d draws the step's token d)."""
     if row.sampling.greedy:
         return logits.argmax(-1)
     return sample(adjust(logits, row.sampling), row.noise, at=[0] + depths(parents))
@@ -285,9 +280,9 @@ def tree_logprobs(row, logits, got, tree):
 
 def verify(logits, drafts, q, sampling, lenience, generator, noise=None):
     """One row's verification: logits [k+1, vocab] of the target at its k guesses `drafts` and one
-    beyond, q [k, vocab] (None: one-hot at the guesses); noise: the row's sampling.Noise when coupled
-    by it. A ChainVerdict, its overlap zero past the verified positions (None where p and q are
-    one-hot: 1 at an accepted guess, 0 at a rejected one)."""
+    beyond, q [k, vocab] (None: one-hot at the guesses); noise: a coupled row's. A ChainVerdict, its
+    overlap zero past the verified positions (None where p and q are one-hot: 1 at an accepted guess, 0
+    at a rejected one)."""
     k = drafts.shape[0]
     if k == 0 and noise is None:  # no guesses: the target's own token, drawn as plain decoding draws it
         last = logits[-1]
