@@ -25,6 +25,7 @@ PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
 GAMMA_LIMIT = 64
 LOGPROBS_MAX = 20  # the most alternatives a token's log-probabilities list (OpenAI's bound)
+N_MAX = 32  # the most answers of one prompt (n; the server's best_of): each is a cache row
 
 
 def setting(value, check, help=None, **flag):
@@ -100,6 +101,10 @@ class Settings:
     seed: int | None = setting(None, Check(optional(integer(0, 2**63 - 1)), "must be an integer in [0, 2**63) or None"),
                                "the seed of sampling's random draws (the command line's default: 0)", type=int,
                                default=0)
+    coupling: str = setting("gumbel", Check(lambda v: is_word(v, "gumbel", "rejection"), "must be 'gumbel' or "
+                            "'rejection'"), "sampled verification, both exact: 'gumbel' (the default): a seed gives the "
+                            "same output with any draft, gamma, tree or batch; 'rejection': Algorithm 1's test",
+                            choices=("gumbel", "rejection"))
     lenience: float = setting(1.0, Check(lambda v: is_number(v) and 0 < v <= 1, "must be in (0, 1]"),
                               "accept drafts more easily (paper A.5); 1 keeps the target's exact distribution",
                               type=float)
@@ -127,6 +132,9 @@ class Settings:
                            "--gamma auto): a tree or a chain each step, whichever is expected to be faster; 'off': "
                            "chains",
                            type=tree_setting, metavar="off|auto|N")
+    n: int = setting(1, Check(integer(1, N_MAX), f"(answers of each prompt) must be an integer in [1, {N_MAX}]"),
+                     "this many sampled answers of the prompt, decoded together, each with its own seed (--json)",
+                     type=int)
     logprobs: int | None = setting(None, Check(optional(integer(0, LOGPROBS_MAX)), "must be None or an integer in "
                                                f"[0, {LOGPROBS_MAX}] (the alternatives listed per token)"),
                                    "report each token's log-probability and its N most likely alternatives (--json)",
@@ -155,6 +163,8 @@ class Settings:
         if self.logprobs is not None and self.searching:
             raise SettingError("logprobs", "logprobs needs decoding without beams (beam search reports its "
                                            "sequences' scores)")
+        if self.n != 1 and self.searching:
+            raise SettingError("n", "n needs decoding without beams (beam search returns its hypotheses: sequences)")
         if self.on_states is not None and self.searching:
             raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
                                             "sequence of states)")

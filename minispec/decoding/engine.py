@@ -35,6 +35,10 @@ class Row:
         self.sampling, self.lenience = request.sampling, request.lenience
         self.drafter, self.policy = request.drafter, request.policy
         self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
+        self.noise = None  # coupling "gumbel": each position's draws from the seed and the position alone
+        if request.coupling == "gumbel" and not self.sampling.greedy and self.lenience == 1:
+            from .noise import Noise  # read by sampled requests only: greedy ones draw nothing
+            self.noise = Noise(request.seed, target.vocab_size, target.device)
         self.started = time.perf_counter()
         self.tokens, self.trace = [], []
         self.new_tokens, self.segments = [], []  # the last step's, for the caller
@@ -60,7 +64,7 @@ class Row:
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
         k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
         return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
-                   self.counts)
+                   self.counts, self.noise)
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
@@ -73,6 +77,8 @@ class Row:
             if step.overlap is not None:  # only the positions up to a stop count
                 self.overlap += step.overlap[:len(new_tokens)].sum()
         self.count(guesses, n, new_tokens, guesses[n:n + 1] if step.rejected is None else step.rejected)
+        if self.noise is not None:
+            self.noise.begin(len(self.tokens))
         if step.logprobs is not None:
             self.new_logprobs = step.logprobs[:len(new_tokens)]
             self.logprobs += self.new_logprobs
@@ -200,6 +206,9 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
             leave(batch, [row for row in batch if cancelled(row.index)], cache_models(target, batch))
         for index, request in source.take(rows - len(batch), wait=not batch):
             batch.append(Row(index, request, len(batch), target, alone=rows == 1, prefixes=prefixes))
+            if len(batch) > 1:
+                from .prefix import share_prompt  # rows that may share a prompt's forward: read only then
+                share_prompt(target, batch)
         if not batch:
             return
         ended = step(target, batch)
