@@ -42,9 +42,8 @@ def grammar_text(spec):
     if kind == "json_schema":
         spec = {"json_schema": spec.get("json_schema", {}).get("schema", {})}  # OpenAI's: no schema is any JSON
     (kind, value), = spec.items()
-    from llguidance import grammar_from
     try:
-        return grammar_from("json_schema" if kind == "json_schema" else kind,
+        return engine().grammar_from("json_schema" if kind == "json_schema" else kind,
                             value if isinstance(value, str) else json.dumps(value))
     except (ValueError, TypeError) as error:
         raise SettingError("grammar", f"grammar: {one_line(error)}") from None
