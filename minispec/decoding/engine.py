@@ -68,8 +68,6 @@ class Row:
     def forced(self):
         """The tokens the grammar forces next, this step's guesses (host ids; none without a grammar)."""
         most = self.request.max_new_tokens - len(self.tokens) - 1
-        if self.drafter:  # the statistics count up to k_max guesses a step
-            most = min(most, self.policy.k_max)
         self.forcing = [] if self.grammar is None else self.grammar.forced(most)
         return self.forcing
 
@@ -136,7 +134,7 @@ class Row:
         if not stats["target_calls"]:
             stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
         stats["target_calls"] += 1
-        if self.drafter:
+        if self.drafter and not self.forcing:  # the drafter's: forced guesses are the grammar's
             # Only what was emitted counts: a stop among the accepted guesses cuts off those after it.
             emitted = min(n, len(new_tokens))
             stats["proposed"] += k

@@ -20,8 +20,9 @@ import torch
 
 from ..models.checks import SettingError
 
-TOKENIZERS = weakref.WeakKeyDictionary()  # target -> its tokenizer as llguidance's (built once: ~0.3 s)
+TOKENIZERS = weakref.WeakKeyDictionary()  # target -> its tokenizer as llguidance's, built once (it reads every token)
 BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte token
+ALLOWED = bytes.maketrans(bytes(range(256)), bytes(1) + bytes([1]) * 255)  # compute_logit_bias' 0 or 200 -> 0 or 1
 
 
 def engine():
@@ -37,14 +38,11 @@ def grammar_text(spec):
     kind = spec.get("type")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return engine().LLMatcher.grammar_from_json_schema('{"type": "object"}')
-    if kind == "json_schema":
-        spec = {"json_schema": spec.get("json_schema", {}).get("schema", {})}  # OpenAI's: no schema is any JSON
+    if kind is not None:  # OpenAI's response_format: json_object is any object, a json_schema without schema any JSON
+        spec = {"json_schema": {"type": "object"} if kind == "json_object" else spec["json_schema"].get("schema", {})}
     (kind, value), = spec.items()
     try:
-        return engine().grammar_from("json_schema" if kind == "json_schema" else kind,
-                            value if isinstance(value, str) else json.dumps(value))
+        return engine().grammar_from(kind, value if isinstance(value, str) else json.dumps(value))
     except (ValueError, TypeError) as error:
         raise SettingError("grammar", f"grammar: {one_line(error)}") from None
 
@@ -54,12 +52,13 @@ def compile_grammar(spec, target):
     text = grammar_text(spec) if spec is not None else None
     if text is None:
         return None
-    if target.tokenizer is None or target.tokenizer.eos_token_id is None:
-        raise SettingError("grammar", f"a grammar needs the model's tokenizer and its EOS token; {target.name} has none")
+    if target.tokenizer is None or not target.eos_token_ids:
+        raise SettingError("grammar", f"a grammar needs the model's tokenizer and an EOS token; {target.name} lacks one")
     llguidance = engine()
     if target not in TOKENIZERS:  # the grammar ends at any of the target's EOS tokens
-        TOKENIZERS[target] = llguidance.LLTokenizer(wrapped(llguidance, target.tokenizer, target.vocab_size),
-                                                    n_vocab=target.vocab_size, eos_token=list(target.eos_token_ids))
+        source = wrapped(target.tokenizer, target.vocab_size, target.eos_token_ids[0])
+        TOKENIZERS[target] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), n_vocab=target.vocab_size,
+                                                    eos_token=list(target.eos_token_ids))
     matcher = llguidance.LLMatcher(TOKENIZERS[target], text, log_level=0)
     if matcher.is_error():
         raise SettingError("grammar", f"grammar: {one_line(matcher.get_error())}")
@@ -70,25 +69,28 @@ def one_line(error):
     return " ".join(str(error).split())
 
 
-def wrapped(llguidance, tokenizer, vocab_size):
-    """minispec's tokenizer as llguidance reads one: each id's bytes, its special ids, EOS, and encode."""
+def wrapped(tokenizer, vocab_size, eos):
+    """minispec's tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes, the special ids,
+    EOS, and encoding text."""
     byte_level = getattr(tokenizer, "tokenizer", None) is not None and '"ByteLevel"' in tokenizer.tokenizer.to_str()
-    table = {c: b for b, c in byte_level_alphabet().items()}
-    tokens = [b""] * vocab_size
+    table = byte_level_table()
+    byte_strings = [b""] * vocab_size
     for i, token in tokenizer.id_to_token.items():
         if i < vocab_size:
-            tokens[i] = token_bytes(token, i in tokenizer.special_ids, i in tokenizer.added, byte_level, table)
+            byte_strings[i] = token_bytes(token, i in tokenizer.special_ids, i in tokenizer.added, byte_level, table)
 
-    class Source:  # what llguidance's TokenizerWrapper reads
-        eos_token_id, bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    class Source:
+        eos_token_id, bos_token_id, tokens = eos, tokenizer.bos_token_id, byte_strings
         special_token_ids = sorted(i for i in tokenizer.special_ids if i < vocab_size)
 
         def __call__(self, text):
-            return tokenizer.encode(text, add_special_tokens=False)
+            if byte_level:
+                return tokenizer.encode(text, add_special_tokens=False)
+            # SentencePiece puts a space before a text's first piece; after a newline (cut off again) it puts none
+            newline, ids = (tokenizer.encode(t, add_special_tokens=False) for t in ("\n", "\n" + text))
+            return ids[len(newline):] if ids[:len(newline)] == newline else ids
 
-    source = Source()
-    source.tokens = tokens
-    return llguidance.TokenizerWrapper(source)
+    return Source()
 
 
 def token_bytes(token, special, added, byte_level, table):
@@ -104,11 +106,11 @@ def token_bytes(token, special, added, byte_level, table):
     return bytes([int(byte[1], 16)]) if byte else token.replace("\u2581", " ").encode()
 
 
-def byte_level_alphabet():
-    """GPT-2's byte -> character table of byte-level BPE, whose tokens are written in these characters."""
+def byte_level_table():
+    """GPT-2's characters of byte-level BPE, in which its tokens are written, -> the bytes they stand for."""
     printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 class Matcher:
@@ -122,32 +124,31 @@ class Matcher:
         return Matcher(self.matcher.deep_copy(), self.vocab_size)
 
     def allowed(self):
-        """[vocab] bool: the tokens the grammar allows next."""
-        bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
-        return bias[:self.vocab_size] != 0
+        """The tokens the grammar allows next: a byte each, 1 or 0."""
+        return self.matcher.compute_logit_bias()[:self.vocab_size].translate(ALLOWED)
 
     def mask(self, logits, guesses, parents):
         """logits [m+1, vocab] at a step's root and its m guesses (a chain's, or a tree's nodes hanging
         from `parents`) -> -inf where the grammar forbids a token after that position's path; a position
         whose path it forbids is never reached, and is left as it is."""
-        guesses = guesses.tolist()
-        allowed = torch.ones(logits.shape, dtype=torch.bool)
-        for i, path in enumerate(paths(guesses, parents)):
-            if self.matcher.validate_tokens(path) == len(path):
-                self.matcher.consume_tokens(path)
-                allowed[i] = self.allowed()
-                self.matcher.rollback(len(path))
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        rows = []
+        for path in paths(guesses.tolist(), parents):
+            rows.append(self.allowed_after(path) or b"\1" * self.vocab_size)
+        return masked(logits, rows)
 
     def mask_after(self, logits, guesses):
         """A draft's logits [vocab] for its next guess after `guesses` (device tokens) this step."""
-        path = [int(x) for x in guesses]
+        allowed = self.allowed_after([int(x) for x in guesses])
+        return logits if allowed is None else masked(logits, [allowed])[0]
+
+    def allowed_after(self, path):
+        """allowed() after the tokens of `path`, or None where the grammar forbids them."""
         if self.matcher.validate_tokens(path) < len(path):
-            return logits
+            return None
         self.matcher.consume_tokens(path)
-        allowed = self.allowed().to(logits.device)
+        allowed = self.allowed()
         self.matcher.rollback(len(path))
-        return logits.masked_fill(~allowed, float("-inf"))
+        return allowed
 
     def forced(self, most):
         """Up to `most` tokens the grammar forces next (guesses that need no drafter)."""
@@ -156,6 +157,12 @@ class Matcher:
     def advance(self, tokens):
         if not self.matcher.consume_tokens(tokens):
             raise RuntimeError(f"the grammar refused emitted tokens {tokens}: {self.matcher.get_error()}")
+
+
+def masked(logits, rows):
+    """logits [m, vocab] -> -inf where rows (m allowed() bytes objects) hold 0."""
+    allowed = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.bool).view(len(rows), -1)
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))
 
 
 def paths(guesses, parents):
