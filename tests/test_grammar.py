@@ -29,15 +29,15 @@ REGEX = "[0-9]{3}-[a-z]{2,8}"
 NEW_TOKENS = 80
 DRAFTS = {"none": {}, "lookup": {"draft": "lookup"}, "ngram": {"draft": "ngram"}, "suffix": {"draft": "suffix"},
           "model": {"draft": "model"}, "int8": {"draft": "int8"}, "lookup tree": {"draft": "lookup", "tree": 8},
-          "model tree": {"draft": "model", "tree": 8}}
+          "model tree": {"draft": "model", "tree": 8}, "model auto": {"draft": "model", "gamma": "auto"}}
 
 
 def run(alone, prompt, options, **settings):
     target, draft = alone
-    options = dict(options)
+    options = {"gamma": 3, **options}
     if options.get("draft") == "model":
         options["draft"] = draft
-    return minispec.generate(target, prompt, gamma=3, max_new_tokens=NEW_TOKENS, **options, **settings)
+    return minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS, **options, **settings)
 
 
 def assert_schema(text):
@@ -91,16 +91,32 @@ def test_greedy_speculative_is_plain_constrained_greedy(alone, draft):
         assert out.tokens == plain.tokens and out.text == plain.text
 
 
-def test_a_batch_constrains_each_row_by_its_own_grammar(alone):
-    prompts = ["the cat sat", "a dog ran", "the mat"]
-    grammars = [{"json_schema": SCHEMA}, {"regex": REGEX}, None]
-    alone_outs = [run(alone, p, {"draft": "model"}, grammar=g) for p, g in zip(prompts, grammars)]
-    for prompt, grammar, out in zip(prompts, grammars, alone_outs):
-        assert run(alone, prompt, {}, grammar=grammar).tokens == out.tokens
-    target, draft = alone
-    outs = minispec.generate(target, prompts[:2], draft=draft, gamma=3, max_new_tokens=NEW_TOKENS,
-                             grammar={"json_schema": SCHEMA})
-    assert [o.tokens for o in outs] == [alone_outs[0].tokens, run(alone, prompts[1], {}, grammar=grammars[0]).tokens]
+@pytest.mark.parametrize("draft", ["model", "lookup tree"])
+def test_logprobs_and_stream_are_plain_decodings(alone, draft):
+    """A constrained request's log-probabilities are those of the masked distribution it draws from, as
+    plain decoding reports them, and stream() gives generate()'s text."""
+    grammar = {"json_schema": SCHEMA}
+    plain = run(alone, "the cat sat", {}, grammar=grammar, logprobs=2)
+    out = run(alone, "the cat sat", DRAFTS[draft], grammar=grammar, logprobs=2)
+    assert out.tokens == plain.tokens and out.logprobs == plain.logprobs
+    assert all(len(entry.top) <= 2 and entry.logprob <= 0 for entry in out.logprobs)
+    target, draft_model = alone
+    options = {**DRAFTS[draft], "draft": draft_model if draft == "model" else "lookup"}
+    chunks = list(minispec.stream(target, "the cat sat", max_new_tokens=NEW_TOKENS, gamma=3, grammar=grammar,
+                                  **options))
+    assert "".join(chunk.text for chunk in chunks) == plain.text
+
+
+@pytest.mark.parametrize("draft", ["none", "model", "lookup tree"])
+def test_each_row_of_a_batch_has_its_own_matcher(alone, draft):
+    prompts = ["the cat sat", "a dog ran", "the mat", "on the mat the cat"]
+    target, draft_model = alone
+    options = {"gamma": 3, **DRAFTS[draft], **({"draft": draft_model} if draft == "model" else {})}
+    outs = minispec.generate(target, prompts, max_new_tokens=NEW_TOKENS, grammar={"json_schema": SCHEMA},
+                             batch_size=3, **options)
+    for prompt, out in zip(prompts, outs):
+        assert out.tokens == run(alone, prompt, {}, grammar={"json_schema": SCHEMA}).tokens
+        assert_schema(out.text)
 
 
 def test_forced_tokens_are_free_guesses(alone):
@@ -208,6 +224,9 @@ def test_the_server_takes_response_format_through_the_openai_client(client, alon
     assert_schema(chat.choices[0].message.content)
     assert chat.choices[0].message.content == expected(alone, CHAT, max_new_tokens=NEW_TOKENS,
                                                        grammar=response_format).text
+    stream = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
+                                         response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
     anything = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
                                            response_format={"type": "json_object"})
     # any JSON object: a random model seldom closes one, so it is compared with generate()'s
@@ -226,3 +245,8 @@ def test_the_server_takes_response_format_through_the_openai_client(client, alon
     body = error.value.body
     assert body["param"] == "response_format" and "Invalid type: nonsense" in body["message"]
     assert "\n" not in body["message"]
+    both = client.post("/v1/completions", json={"prompt": "x", "guided_json": SCHEMA, "guided_regex": REGEX})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "guided_regex"
+    vllm = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": NEW_TOKENS, "temperature": 0,
+                                                "guided_json": SCHEMA})
+    assert_schema(vllm.json()["choices"][0]["text"])
