@@ -14,7 +14,7 @@ import torch
 import transformers
 from conftest import save_reference, spread_init
 from test_serve import CHAT, alone, checkpoints, client, expected  # noqa: F401 (fixtures)
-from test_speculative import assert_sampled_from
+from test_speculative import assert_sampled_from, vocab16  # noqa: F401 (a fixture)
 
 import minispec
 
@@ -207,6 +207,11 @@ def test_a_grammar_without_beams_and_with_eos(alone):
     for settings in ({"beams": 2}, {"ignore_eos": True}):
         with pytest.raises(minispec.SettingError, match="a grammar needs decoding without beams"):
             minispec.generate(alone[0], "x", grammar={"regex": "a"}, **settings)
+
+
+def test_a_model_without_a_tokenizer_is_refused(vocab16):  # noqa: F811
+    with pytest.raises(minispec.SettingError, match="a grammar needs a tokenizer and an EOS token"):
+        minispec.generate(vocab16["target"], [1, 2], grammar={"regex": "a"})
 
 
 def test_without_llguidance_the_error_names_the_extra(alone, monkeypatch):

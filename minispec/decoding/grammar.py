@@ -53,7 +53,7 @@ def compile_grammar(spec, target):
     if text is None:
         return None
     if target.tokenizer is None or not target.eos_token_ids:
-        raise SettingError("grammar", f"a grammar needs the model's tokenizer and an EOS token; {target.name} lacks one")
+        raise SettingError("grammar", f"a grammar needs a tokenizer and an EOS token; {target.name} lacks one")
     llguidance = engine()
     if target not in TOKENIZERS:  # the grammar ends at any of the target's EOS tokens
         source = wrapped(target.tokenizer, target.vocab_size, target.eos_token_ids[0])

@@ -41,10 +41,12 @@ SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
             "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
 # A request's grammar (Settings.grammar): OpenAI's response_format, or one of vLLM's fields for one kind.
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
+GRAMMAR_FIELDS = {"response_format": Check(lambda v: is_grammar(v) and "type" in v, "must be {'type': 'text' | "
+                                           "'json_object' | 'json_schema', 'json_schema': {'schema': SCHEMA}}"),
+                  "guided_json": Check(lambda v: isinstance(v, (dict, str)), "must be an object or a string"),
+                  "guided_regex": STRING, "guided_grammar": STRING}
 SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER, "user": STRING, "logit_bias": TABLE,
-          "response_format": Check(lambda v: is_grammar(v) and "type" in v, "must be {'type': 'text' | 'json_object' | "
-                                   "'json_schema', 'json_schema': {'schema': SCHEMA}}"), "guided_json": Check(lambda v: isinstance(v, (dict, str)), "must be an object or "
-                                                         "a string"), "guided_regex": STRING, "guided_grammar": STRING,
+          **GRAMMAR_FIELDS,
           **{name: SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
@@ -134,7 +136,7 @@ def check_fields(body, fields, prefix=""):
 
 def grammar_of(body):
     """(the field, Settings.grammar) a request asks for: response_format or a guided_* field (one at most)."""
-    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None]
     if len(given) > 1:
         raise invalid(f"give one of {' and '.join(given)}: each constrains the output", given[1])
     if not given:
