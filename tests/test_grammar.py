@@ -128,6 +128,22 @@ def test_forced_tokens_are_free_guesses(alone):
     assert run(alone, "x", {"draft": "lookup"}, grammar=grammar).tokens == out.tokens
 
 
+@pytest.mark.parametrize("draft", ["lookup", "ngram", "suffix"])
+def test_a_guess_the_grammar_forbids_is_never_verified(alone, draft):
+    """The chain is cut before it: every rejected guess of the trace is one the grammar allowed there."""
+    from minispec.decoding.grammar import compile_grammar
+    grammar = {"regex": REGEX}
+    prompt = " ".join([run(alone, "the cat", {}, grammar=grammar).text] * 3)  # guesses that run past its end
+    out = run(alone, prompt, {"draft": draft}, grammar=grammar)
+    matcher = compile_grammar(grammar, alone[0]).matcher
+    for tokens, kind in out.trace:
+        if kind == "rejected":
+            assert all(matcher.validate_tokens([token]) == 1 for token in tokens)
+        elif tokens[-1] not in alone[0].eos_token_ids:
+            assert matcher.consume_tokens(tokens)
+    assert out.stats["proposed"] > 0 and re.fullmatch(REGEX, out.text)
+
+
 # The χ² test's tiny vocabulary: the letters a..o and EOS (id 15), one token each.
 LETTERS = "abcdefghijklmno"
 CHI_REGEX = "[a-d]e[a-d][a-d]"  # 64 outputs; 'e' is forced, and then only EOS is allowed

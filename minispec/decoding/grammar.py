@@ -6,10 +6,11 @@ At every position a step scores, the target's logits of the tokens the grammar f
 position's path (the accepted prefix and the guesses before it) become -inf, before the usual
 sampling: plain decoding's distribution, constrained. A guess the grammar forbids then has p = 0 and
 Algorithm 1 rejects it, so the positions after it are never reached and are left unmasked (their p
-is never read, and is never all -inf: no NaN). The matcher advances over the emitted tokens only, so
-its state follows the caches' rollback. A draft model's q is masked alike (drafters.py), so that its
-guesses are ones the target can accept; any q keeps the target's distribution. Where the grammar
-forces the next tokens, they are the step's guesses, at no draft forward.
+is never read, and is never all -inf: no NaN); a chain is cut before such a guess, unverified. The
+matcher advances over the emitted tokens only, so its state follows the caches' rollback. A draft
+model's chain q is masked alike (drafters.py), so that its guesses are ones the target can accept; any
+q keeps the target's distribution. Where the grammar forces the next tokens, they are the step's
+guesses, at no draft forward.
 """
 
 import json
@@ -149,6 +150,10 @@ class Matcher:
         allowed = self.allowed()
         self.matcher.rollback(len(path))
         return allowed
+
+    def valid(self, guesses):
+        """How many of a chain's guesses (device tokens) the grammar allows, one after another."""
+        return self.matcher.validate_tokens(guesses.tolist())
 
     def forced(self, most):
         """Up to `most` tokens the grammar forces next (guesses that need no drafter)."""

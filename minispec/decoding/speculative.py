@@ -150,7 +150,7 @@ def step(target, rows):
         proposals = [Proposal(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
     else:
         proposals = propose_all([row.ask() for row in rows])
-    proposals = [Proposal(to_device(f, target.device), None) if f else x for f, x in zip(forced, proposals)]
+    proposals = [grammatical(row, f, x) for row, f, x in zip(rows, forced, proposals)]
     drafted = time.perf_counter()
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
@@ -189,6 +189,17 @@ def penalized(row, logits, proposal):
     k, parents = len(proposal.drafts), proposal.parents
     paths = torch.ones(k, k, device=logits.device).tril() if parents is None else ancestors(parents, logits.device)
     return penalize(logits, row.sampling, path_counts(row.counts.generated, proposal.drafts, paths), row.counts.prompt)
+
+
+def grammatical(row, forced, proposal):
+    """A row's Proposal under its grammar: the tokens it forces (no drafter was asked), or a chain cut
+    before its first guess the grammar forbids, which the target would reject: it costs no verification."""
+    if forced:
+        return Proposal(to_device(forced, proposal.drafts.device), None)
+    if row.grammar is None or proposal.parents is not None:
+        return proposal
+    n = row.grammar.valid(proposal.drafts)
+    return Proposal(proposal.drafts[:n], None if proposal.q is None else proposal.q[:n])
 
 
 def constrained(row, logits, proposal):
