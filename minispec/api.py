@@ -141,6 +141,7 @@ class Request:
     state_layers: tuple | None = None
     logprobs: int | None = None  # Settings'
     coupling: str = "gumbel"  # Settings'
+    grammar: object = None  # Settings' compiled: a decoding/grammar.py Matcher, or None
 
     @property
     def reads_states(self):
@@ -175,10 +176,14 @@ class Request:
         if settings.on_states is not None and drafter is not None and drafter.reads_states:
             raise SettingError("on_states", "on_states cannot be given with a draft head (the target's forwards "
                                             "return the head's states)")
+        grammar = None
+        if settings.grammar is not None:
+            from .decoding.grammar import compile_grammar  # the optional grammar engine: read only when asked for
+            grammar = compile_grammar(settings.grammar, target)
         return cls(target, prompt_tensor(target, prompt), drafter, policy, sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
                    settings.trees, settings.on_states, state_layers_of(target, settings.state_layers),
-                   settings.logprobs, settings.coupling)
+                   settings.logprobs, settings.coupling, grammar)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""

@@ -2,6 +2,7 @@
 fields are made. Free of torch, so that the command lines build and check their flags before loading it."""
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 
 from .models.checks import Check, SettingError, integer, is_integer, is_number, is_text
@@ -60,6 +61,29 @@ def token_ids(text):
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+GRAMMARS = ("json_schema", "regex", "grammar")  # Settings.grammar's kinds beside OpenAI's response_format
+
+
+def is_grammar(value):
+    """{kind: text} of a GRAMMARS kind (a JSON Schema also as an object), or OpenAI's response_format."""
+    if not isinstance(value, dict) or len(value) != 1 and "type" not in value:
+        return False
+    if "type" in value:
+        kind = value["type"]
+        return kind in ("text", "json_object") and len(value) == 1 or kind == "json_schema" and set(value) <= {
+            "type", "json_schema"} and isinstance(value.get("json_schema"), dict)
+    (kind, text), = value.items()
+    return kind in GRAMMARS and (is_text(text) or kind == "json_schema" and isinstance(text, dict))
+
+
+def grammar_setting(text):
+    """--grammar: a JSON object, as Settings.grammar takes it."""
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({error})") from None
 
 
 def optional(test):
@@ -139,6 +163,12 @@ class Settings:
                                                f"[0, {LOGPROBS_MAX}] (the alternatives listed per token)"),
                                    "report each token's log-probability and its N most likely alternatives (--json)",
                                    type=int, metavar="N")
+    grammar: object = setting(None, Check(optional(is_grammar), "must be None, {kind: text} with kind one of "
+                                          f"{', '.join(GRAMMARS)} (a JSON Schema also as an object), or OpenAI's "
+                                          "response_format ({'type': 'text' | 'json_object' | 'json_schema', ...})"),
+                              "constrain the output: a JSON object {\"json_schema\": SCHEMA}, {\"regex\": \"...\"}, "
+                              "{\"grammar\": \"Lark or GBNF\"} or OpenAI's response_format (needs minispec[grammar])",
+                              type=grammar_setting, metavar="JSON")
     on_states: object = setting(None, Check(optional(callable), "must be a function (i, tokens, states)"))
     state_layers: object = setting(None, None)  # checked against the target (state_layers_of)
 
@@ -165,6 +195,8 @@ class Settings:
                                            "sequences' scores)")
         if self.n != 1 and self.searching:
             raise SettingError("n", "n needs decoding without beams (beam search returns its hypotheses: sequences)")
+        if self.grammar is not None and (self.searching or self.ignore_eos):
+            raise SettingError("grammar", "a grammar needs decoding without beams, ending at EOS (not ignore_eos)")
         if self.on_states is not None and self.searching:
             raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
                                             "sequence of states)")

@@ -403,8 +403,8 @@ BAD_REQUESTS = [  # (path, body, status, param, part of the message)
      "top_logprobs must be None or an integer in [0, 20]"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     # features not built yet refuse their non-default values in one line naming the field (issue 64)
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "is not supported (text only"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format",
+     "response_format must be {'type': 'text' | 'json_object'"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "no tool calls"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "no tool calls"),
     ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", "in [-2, 2]"),

@@ -52,6 +52,7 @@ class Ask(NamedTuple):
     tree: Optional[int] = None  # the most nodes of a token tree (None: a chain)
     counts: Optional[Counts] = None  # a penalized row's (engine.Row), which a draft model's chain q is penalized by
     noise: object = None  # a coupled row's noise.Noise: a draft model guesses under the target's noise
+    grammar: Optional[object] = None  # a constrained row's grammar.Matcher, which a draft model's chain q is masked by
 
 
 class Proposal(NamedTuple):
@@ -268,6 +269,8 @@ def draft_chains(model, drafters, going):
             logits, guesses, q = drafter.next_logits, drafts[id(drafter)], qs[id(drafter)]
             if ask.counts is not None:  # the target's penalties, so that its p and this q agree as often
                 logits = penalized(logits, sampling, ask.counts, guesses)
+            if ask.grammar is not None:  # the target's grammar, so that every guess is one it can accept
+                logits = ask.grammar.mask_after(logits, guesses)
             if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
                 guesses.append(logits.argmax(-1))
             else:

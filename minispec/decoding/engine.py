@@ -50,6 +50,8 @@ class Row:
         self.stats["encoder_calls"] = target.encoder_calls - before
         self.length = 0  # positions its target cache row holds
         self.counts = counts(target, request) if self.sampling.penalized else None
+        self.grammar = None if request.grammar is None else request.grammar.copy()  # decoding/grammar.py
+        self.forcing = []  # this step's guesses forced by the grammar
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
             # a batch's steps are shared: not timed
@@ -61,16 +63,23 @@ class Row:
             prefixes.admit(self)
 
     def ask(self):
-        """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
-        k = min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
+        """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens
+        (nothing when the grammar forces this step's guesses)."""
+        k = 0 if self.forcing else min(self.policy.guesses(), self.request.max_new_tokens - len(self.tokens) - 1)
         return Ask(self.drafter, k, self.sampling, self.generator, self.policy.keep_guessing, self.tree_budget(),
-                   self.counts, self.noise)
+                   self.counts, self.noise, self.grammar)
+
+    def forced(self):
+        """The tokens the grammar forces next, this step's guesses (host ids; none without a grammar)."""
+        most = self.request.max_new_tokens - len(self.tokens) - 1
+        self.forcing = [] if self.grammar is None else self.grammar.forced(most)
+        return self.forcing
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
         n, guesses, k = step.n, step.guesses, len(step.guesses)
         new_tokens, stopped = self.request.stop.cut(guesses[:n] + [step.t])
-        if self.drafter:
+        if self.drafter and not self.forcing:  # forced guesses are no drafter's
             draft_seconds, step_seconds = step.timing or (None, None)
             fresh = not self.stats["target_calls"]  # the prompt's forward also verified the first guesses
             self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds, step.nodes)
@@ -87,6 +96,8 @@ class Row:
             self.request.on_states(self.index, step.seen.tokens[:fed], step.seen.states[:fed])
         if stopped:
             return True
+        if self.grammar is not None:
+            self.grammar.advance(new_tokens)
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
         self.unseen = step.accepted[-1:]
         if self.counts is not None:
@@ -129,7 +140,7 @@ class Row:
         if not stats["target_calls"]:
             stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
         stats["target_calls"] += 1
-        if self.drafter:
+        if self.drafter and not self.forcing:  # the drafter's: forced guesses are the grammar's
             # Only what was emitted counts: a stop among the accepted guesses cuts off those after it.
             emitted = min(n, len(new_tokens))
             stats["proposed"] += k

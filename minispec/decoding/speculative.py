@@ -156,14 +156,17 @@ def step(target, rows):
     models = [target] + [getattr(row.drafter, "model", None) for row in rows]  # whose graphs a step may compile
     started, graphs = time.perf_counter(), graphs_met(*models)
     # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
+    # Tokens a row's grammar forces are its guesses, without asking its drafter (decoding/grammar.py).
+    forced = [row.forced() for row in rows]
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
         proposals = [Proposal(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
     else:
         proposals = propose_all([row.ask() for row in rows])
+    proposals = [grammatical(row, f, x) for row, f, x in zip(rows, forced, proposals)]
     drafted = time.perf_counter()
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
-    logits = [penalized(row, p, x) for row, p, x in zip(rows, logits, proposals)]
+    logits = [constrained(row, penalized(row, p, x), x) for row, p, x in zip(rows, logits, proposals)]
     # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
     # A tree is walked on the host instead (tree.py), so it brings its choices there (tree_choices).
     verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
@@ -199,6 +202,22 @@ def penalized(row, logits, proposal):
     k, parents = len(proposal.drafts), proposal.parents
     paths = torch.ones(k, k, device=logits.device).tril() if parents is None else ancestors(parents, logits.device)
     return penalize(logits, row.sampling, path_counts(row.counts.generated, proposal.drafts, paths), row.counts.prompt)
+
+
+def grammatical(row, forced, proposal):
+    """A row's Proposal under its grammar: the tokens it forces (no drafter was asked), or a chain cut
+    before its first guess the grammar forbids, which the target would reject: it costs no verification."""
+    if forced:
+        return Proposal(to_device(forced, proposal.drafts.device), None)
+    if row.grammar is None or proposal.parents is not None:
+        return proposal
+    n = row.grammar.valid(proposal.drafts)
+    return Proposal(proposal.drafts[:n], None if proposal.q is None else proposal.q[:n])
+
+
+def constrained(row, logits, proposal):
+    """A row's logits [k+1, vocab] masked by its grammar at each position, after the guesses on its path."""
+    return logits if row.grammar is None else row.grammar.mask(logits, proposal.drafts, proposal.parents)
 
 
 def to_host(rows, logits, proposals, verdicts):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from .. import api
 from ..loading.chat import RESERVED, ChatTemplateError, chat_prompt
 from ..models.checks import FLAG, LIST, TABLE, Check, SettingError, is_integer, is_text
-from ..settings import SETTING_CHECKS
+from ..settings import SETTING_CHECKS, is_grammar
 
 
 class RequestError(Exception):
@@ -41,13 +41,20 @@ SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
             # the rest are minispec's (and vLLM's), not OpenAI's
             "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
+# A request's grammar (Settings.grammar): OpenAI's response_format, or one of vLLM's fields for one kind.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
+GRAMMAR_FIELDS = {"response_format": Check(lambda v: is_grammar(v) and "type" in v, "must be {'type': 'text' | "
+                                           "'json_object' | 'json_schema', 'json_schema': {'schema': SCHEMA}}"),
+                  "guided_json": Check(lambda v: isinstance(v, (dict, str)), "must be an object or a string"),
+                  "guided_regex": STRING, "guided_grammar": STRING}
 SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": ANSWERS, "user": STRING, "logit_bias": TABLE,
+          **GRAMMAR_FIELDS,
           **{name: SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
     False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": ANSWERS, "logprobs": LOGPROBS, "suffix": STRING},
     True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": FLAG,
-           "top_logprobs": LOGPROBS, "response_format": TABLE, "tools": LIST, "tool_choice": CHOICE,
+           "top_logprobs": LOGPROBS, "tools": LIST, "tool_choice": CHOICE,
            "parallel_tool_calls": FLAG, "functions": LIST, "function_call": CHOICE, "store": FLAG, "metadata": TABLE,
            "service_tier": STRING, "modalities": LIST, "chat_template_kwargs": TABLE, "audio": TABLE,
            "moderation": ANY, "prediction": TABLE, "prompt_cache_key": STRING, "prompt_cache_options": TABLE,
@@ -60,7 +67,6 @@ NEUTRAL = {
     "echo": ((False,), "the prompt is not sent back"),
     "suffix": (("",), "no insertion"),
     "logit_bias": (({},), "no logit bias: it would change the target's distribution"),
-    "response_format": (({"type": "text"},), "text only: no JSON mode or schema"),
     "tools": (([],), "no tool calls"),
     "tool_choice": (("none", "auto"), "no tool calls"),
     "functions": (([],), "no function calls"),
@@ -112,14 +118,15 @@ def parse(body, chat, scheduler, model_name):
     if best_of > n and body.get("stream"):
         raise invalid("best_of > n cannot be streamed: the best answers are known at the end", "best_of")
     logprobs = logprobs_of(body, chat)
+    grammar_field, grammar = grammar_of(body)
     try:
         settings = api.Settings(**{"temperature": 1.0, **given, "max_new_tokens": max_tokens},  # OpenAI's temperature
-                                logprobs=0 if logprobs is None and best_of > n else logprobs, draft=scheduler.draft,
-                                gamma=scheduler.gamma, tree=scheduler.tree)
+                                logprobs=0 if logprobs is None and best_of > n else logprobs, grammar=grammar,
+                                draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree)
         requests = [api.Request.from_settings(target, ids, replace(settings, seed=seed))
                     for seed in api.answers(settings.seed, best_of)]
     except SettingError as error:  # named by its request's field (none: the server's own settings)
-        names = {"prompt": prompt_field, "max_new_tokens": max_field,
+        names = {"prompt": prompt_field, "max_new_tokens": max_field, "grammar": grammar_field,
                  "logprobs": "top_logprobs" if chat else "logprobs",
                  **{setting: name for name, setting in SETTINGS.items() if setting != "max_new_tokens"}}
         raise invalid(str(error), names.get(error.field)) from None
@@ -148,6 +155,17 @@ def check_fields(body, fields, prefix=""):
             # 0 is no False
             if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
                 raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
+
+
+def grammar_of(body):
+    """(the field, Settings.grammar) a request asks for: response_format or a guided_* field (one at most)."""
+    given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise invalid(f"give one of {' and '.join(given)}: each constrains the output", given[1])
+    if not given:
+        return "response_format", None
+    value = body[given[0]]
+    return given[0], value if given[0] == "response_format" else {GUIDED[given[0]]: value}
 
 
 def logprobs_of(body, chat):
