@@ -260,6 +260,8 @@ def print_batch(args, target, prompts, draft, settings, chat):
     """Several prompts: decoded together (minispec.generate with a list), each output printed in turn."""
     start = time.perf_counter()
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
+    if settings["n"] > 1:  # each prompt's n answers, in turn
+        outs = [out for answers in outs for out in answers]
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats, **logprobs_json(out))
@@ -335,7 +337,7 @@ def main(argv=None):
         from minispec.loading import parallel
         target, draft = load_models(args)
         prompts, chat = prompts_for(args, target)
-        if len(prompts) > 1:
+        if len(prompts) > 1 or settings["n"] > 1:
             code = print_batch(args, target, prompts, draft, settings, chat)
             parallel.leave()
             return code

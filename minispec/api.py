@@ -140,6 +140,8 @@ class Request:
     on_states: object = None  # Settings'
     state_layers: tuple | None = None
     logprobs: int | None = None  # Settings'
+    coupling: str = "gumbel"  # Settings'
+    grammar: object = None  # Settings' compiled: a decoding/grammar.py Matcher, or None
 
     @property
     def reads_states(self):
@@ -174,10 +176,14 @@ class Request:
         if settings.on_states is not None and drafter is not None and drafter.reads_states:
             raise SettingError("on_states", "on_states cannot be given with a draft head (the target's forwards "
                                             "return the head's states)")
+        grammar = None
+        if settings.grammar is not None:
+            from .decoding.grammar import compile_grammar  # the optional grammar engine: read only when asked for
+            grammar = compile_grammar(settings.grammar, target)
         return cls(target, prompt_tensor(target, prompt), drafter, policy, sampling, stop,
                    settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
                    settings.trees, settings.on_states, state_layers_of(target, settings.state_layers),
-                   settings.logprobs)
+                   settings.logprobs, settings.coupling, grammar)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
@@ -383,6 +389,8 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
     seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call. With a
     list of prompts, seed may be a list too: one seed per prompt (the same seed draws alike for alike prompts).
+    coupling="gumbel" (the default): a seed's tokens are the same with any draft, gamma, tree or batch, or
+    none; "rejection": Algorithm 1's test, whose draws depend on each step (minispec.decoding.speculative).
     stop: a string or strings that end the output (which ends just before the first one);
     stop_token_ids: tokens that end it as EOS does (kept as its last token).
     tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
@@ -408,6 +416,9 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     (the number of layers: the last layer's output before the final norm; Llama family).
     prefix_cache: a minispec.decoding.prefix.PrefixCache (default None: off), whose stored keys and values
     of earlier requests a prompt beginning with the same tokens reuses (stats["cached_tokens"]).
+    n > 1: a list of n Generations of the prompt (of a list of prompts: a list of such lists), rows of one
+    batch sharing the prompt's forward, each with its own seed (stats["seed"]: answers(seed, n)); on_tokens'
+    i counts answers (prompt i's answer j is i * n + j).
     """
     batched = is_batch(prompt)
     seed = settings.get("seed")
@@ -416,11 +427,12 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
         raise SettingError("seed", f"seed: a list of seeds needs one per prompt, got {len(seeds)} for {len(prompt)} "
                                    "prompts")
     settings = Settings.of("generate", {**settings, "seed": None} if seeds is not None else settings)
-    requests = []
+    requests, n = [], settings.n
     for i, one in enumerate(prompt if batched else [prompt]):
         with naming_prompt(i if batched else None):
-            requests.append(Request.from_settings(target, one, settings if seeds is None else
-                                                  replace(settings, seed=seeds[i])))
+            first = settings if seeds is None else replace(settings, seed=seeds[i])
+            requests += [Request.from_settings(target, one, replace(first, seed=seed))
+                         for seed in answers(first.seed, n)]
     Check(lambda v: v is None or integer(1)(v), "must be an integer >= 1")("batch_size", batch_size)
     Check(lambda v: v is None or hasattr(v, "admit"), "must be a PrefixCache or None")("prefix_cache", prefix_cache)
     check_lengths(requests)
@@ -429,7 +441,14 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
         if on_tokens:
             on_tokens(i, tokens)
         generations[i] = generation or generations[i]
+    if n > 1:
+        generations = [generations[i:i + n] for i in range(0, len(generations), n)]
     return generations if batched else generations[0]
+
+
+def answers(seed, n):
+    """The seeds of a prompt's n answers: the seed, then seeds mixed from it (None: each draws its own)."""
+    return [seed if j == 0 or seed is None else (seed * 0x9E3779B97F4A7C15 + j) % 2**63 for j in range(n)]
 
 
 @contextmanager
@@ -466,7 +485,10 @@ def stream(target, prompt, **settings):
     step is verified. Chunks' texts join to the Generation's text, never a broken character, and
     never text past a stop string (text that may begin one is held back until the next step tells).
     Settings are checked here, before the first chunk is asked for."""
-    request = Request.from_settings(target, prompt, Settings.of("stream", settings))
+    settings = Settings.of("stream", settings)
+    if settings.n != 1:
+        raise SettingError("n", "stream() streams one answer: n must be 1 (generate() returns n answers)")
+    request = Request.from_settings(target, prompt, settings)
     check_lengths([request])
     return chunks(request)
 

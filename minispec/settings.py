@@ -2,6 +2,7 @@
 fields are made. Free of torch, so that the command lines build and check their flags before loading it."""
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 
 from .models.checks import Check, SettingError, integer, is_integer, is_number, is_text
@@ -25,6 +26,7 @@ PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
 GAMMA_LIMIT = 64
 LOGPROBS_MAX = 20  # the most alternatives a token's log-probabilities list (OpenAI's bound)
+N_MAX = 32  # the most answers of one prompt (n; the server's best_of): each is a cache row
 
 
 def setting(value, check, help=None, **flag):
@@ -59,6 +61,29 @@ def token_ids(text):
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+GRAMMARS = ("json_schema", "regex", "grammar")  # Settings.grammar's kinds beside OpenAI's response_format
+
+
+def is_grammar(value):
+    """{kind: text} of a GRAMMARS kind (a JSON Schema also as an object), or OpenAI's response_format."""
+    if not isinstance(value, dict) or len(value) != 1 and "type" not in value:
+        return False
+    if "type" in value:
+        kind = value["type"]
+        return kind in ("text", "json_object") and len(value) == 1 or kind == "json_schema" and set(value) <= {
+            "type", "json_schema"} and isinstance(value.get("json_schema"), dict)
+    (kind, text), = value.items()
+    return kind in GRAMMARS and (is_text(text) or kind == "json_schema" and isinstance(text, dict))
+
+
+def grammar_setting(text):
+    """--grammar: a JSON object, as Settings.grammar takes it."""
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({error})") from None
 
 
 def optional(test):
@@ -100,6 +125,10 @@ class Settings:
     seed: int | None = setting(None, Check(optional(integer(0, 2**63 - 1)), "must be an integer in [0, 2**63) or None"),
                                "the seed of sampling's random draws (the command line's default: 0)", type=int,
                                default=0)
+    coupling: str = setting("gumbel", Check(lambda v: is_word(v, "gumbel", "rejection"), "must be 'gumbel' or "
+                            "'rejection'"), "sampled verification, both exact: 'gumbel' (the default): a seed gives the "
+                            "same output with any draft, gamma, tree or batch; 'rejection': Algorithm 1's test",
+                            choices=("gumbel", "rejection"))
     lenience: float = setting(1.0, Check(lambda v: is_number(v) and 0 < v <= 1, "must be in (0, 1]"),
                               "accept drafts more easily (paper A.5); 1 keeps the target's exact distribution",
                               type=float)
@@ -127,10 +156,19 @@ class Settings:
                            "--gamma auto): a tree or a chain each step, whichever is expected to be faster; 'off': "
                            "chains",
                            type=tree_setting, metavar="off|auto|N")
+    n: int = setting(1, Check(integer(1, N_MAX), f"(answers of each prompt) must be an integer in [1, {N_MAX}]"),
+                     "this many sampled answers of the prompt, decoded together, each with its own seed (--json)",
+                     type=int)
     logprobs: int | None = setting(None, Check(optional(integer(0, LOGPROBS_MAX)), "must be None or an integer in "
                                                f"[0, {LOGPROBS_MAX}] (the alternatives listed per token)"),
                                    "report each token's log-probability and its N most likely alternatives (--json)",
                                    type=int, metavar="N")
+    grammar: object = setting(None, Check(optional(is_grammar), "must be None, {kind: text} with kind one of "
+                                          f"{', '.join(GRAMMARS)} (a JSON Schema also as an object), or OpenAI's "
+                                          "response_format ({'type': 'text' | 'json_object' | 'json_schema', ...})"),
+                              "constrain the output: a JSON object {\"json_schema\": SCHEMA}, {\"regex\": \"...\"}, "
+                              "{\"grammar\": \"Lark or GBNF\"} or OpenAI's response_format (needs minispec[grammar])",
+                              type=grammar_setting, metavar="JSON")
     on_states: object = setting(None, Check(optional(callable), "must be a function (i, tokens, states)"))
     state_layers: object = setting(None, None)  # checked against the target (state_layers_of)
 
@@ -155,6 +193,10 @@ class Settings:
         if self.logprobs is not None and self.searching:
             raise SettingError("logprobs", "logprobs needs decoding without beams (beam search reports its "
                                            "sequences' scores)")
+        if self.n != 1 and self.searching:
+            raise SettingError("n", "n needs decoding without beams (beam search returns its hypotheses: sequences)")
+        if self.grammar is not None and (self.searching or self.ignore_eos):
+            raise SettingError("grammar", "a grammar needs decoding without beams, ending at EOS (not ignore_eos)")
         if self.on_states is not None and self.searching:
             raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
                                             "sequence of states)")

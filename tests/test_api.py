@@ -417,6 +417,8 @@ VALUES = {
     "presence_penalty": st.one_of(st.floats(-3, 3), ODD),
     "frequency_penalty": st.one_of(st.floats(-3, 3), ODD),
     "repetition_penalty": st.one_of(st.floats(0, 3), ODD),
+    "n": st.one_of(st.integers(-1, 34), ODD),
+    "coupling": st.one_of(st.sampled_from(["gumbel", "rejection"]), ODD),
 }
 
 
@@ -429,8 +431,9 @@ def test_every_setting_is_accepted_or_refused_naming_its_field(target, values):
     except minispec.SettingError as error:
         assert error.field in values, (error.field, str(error))
         return
-    assert 1 <= len(out.tokens) <= values.get("max_new_tokens", 64)
-    assert all(0 <= token < target.vocab_size for token in out.tokens)
+    for one in out if isinstance(out, list) else [out]:  # n > 1: n answers
+        assert 1 <= len(one.tokens) <= values.get("max_new_tokens", 64)
+        assert all(0 <= token < target.vocab_size for token in one.tokens)
 
 
 def test_state_layers_are_refused_outside_the_llama_family(reference_dirs):

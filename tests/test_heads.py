@@ -406,7 +406,8 @@ def test_sampled_tokens_have_the_targets_joint_distribution(vocab16_heads, kind)
     """Four tokens of many requests, each with its own seed, against the target's exact joint: the first
     comes from the prompt's forward (no states yet), the next three from steps verifying the head's two
     guesses, drawn from its q (chi-square at p > 0.001, test_speculative.assert_sampled_from); a reduced
-    head's q is zero on the tokens outside its draft vocabulary."""
+    head's q is zero on the tokens outside its draft vocabulary. Algorithm 1's verification
+    (coupling="rejection"; test_seeds.py runs heads under the default)."""
     target, heads = vocab16_heads
     # top 4 for EAGLE-3: its random q cut to its own top 3 seldom meets the target's (0.06 accepted; 0.14 at 4)
     sampling, prompt, draws = {"temperature": 1.0, "top_k": 4 if kind == "eagle3" else 3}, [1, 2, 3], 2000
@@ -414,7 +415,7 @@ def test_sampled_tokens_have_the_targets_joint_distribution(vocab16_heads, kind)
     counts, accepted, verified = Counter(), 0, 0
     for seed in range(draws):
         out = minispec.generate(target, prompt, draft=heads[kind], gamma=2, max_new_tokens=4, seed=seed,
-                                ignore_eos=True, **sampling)
+                                ignore_eos=True, coupling="rejection", **sampling)
         counts[tuple(out.tokens)] += 1
         accepted, verified = accepted + out.stats["accepted"], verified + out.stats["verified"]
     print(f"{kind}: acceptance rate {accepted / verified:.3f}")

@@ -216,7 +216,7 @@ FLAG_VALUES = st.one_of(st.sampled_from(["nan", "inf", "-inf", "1e999", "5e-324"
                         st.integers(-3, 100).map(str), st.floats().map(repr), st.text(max_size=4))
 FLAGS = ["--gamma", "--tree", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed",
          "--lenience", "--beams", "--draft-beams", "--stop", "--stop-token-ids", "--logprobs", "--presence-penalty",
-         "--frequency-penalty", "--repetition-penalty", "--draft", "--threads", "--batch-size"]
+         "--frequency-penalty", "--repetition-penalty", "--draft", "--threads", "--batch-size", "--n", "--coupling"]
 
 
 @pytest.mark.parametrize("flag", FLAGS)

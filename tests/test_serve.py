@@ -368,7 +368,7 @@ BAD_REQUESTS = [  # (path, body, status, param, part of the message)
     ("/v1/completions", "[1, 2]", 400, None, "JSON object"),
     ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, None, "NaN"),
     ("/v1/completions", "[" * 100_000, 400, None, "not valid JSON"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n=2 is not supported"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n (answers of each prompt) must be an integer in"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be a number >= 0"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p must be"),
@@ -403,13 +403,16 @@ BAD_REQUESTS = [  # (path, body, status, param, part of the message)
      "top_logprobs must be None or an integer in [0, 20]"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     # features not built yet refuse their non-default values in one line naming the field (issue 64)
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "is not supported (text only"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format",
+     "response_format must be {'type': 'text' | 'json_object'"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "no tool calls"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "no tool calls"),
     ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", "in [-2, 2]"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 1}}, 400, "logit_bias", "no logit bias"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", "n=2 is not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 33}, 400, "n", "n (answers of each prompt) must be an integer in"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of", "best_of (2) must be at least n (3)"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of", "cannot be streamed"),
+    ("/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "x"}}, 400, "audio", "text output only"),
     ("/v1/chat/completions", {"messages": CHAT, "store": True}, 400, "store", "not stored"),
     ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt", "unrecognized"),
     # numbers at their edges and text that is not text (issue 66): refused with a 400, never a 500
@@ -480,7 +483,8 @@ OPENAI_DEFAULTS = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "log
 CHAT_DEFAULTS = {**OPENAI_DEFAULTS, "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
                  "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": [],
                  "function_call": "auto", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
-                 "modalities": ["text"]}
+                 "modalities": ["text"], "verbosity": "medium", "prompt_cache_key": "k", "safety_identifier": "s",
+                 "prediction": {"type": "content", "content": "the"}}
 COMPLETION_DEFAULTS = {**OPENAI_DEFAULTS, "best_of": 1, "echo": False, "suffix": "", "logprobs": None}
 
 
@@ -624,8 +628,8 @@ def test_the_openai_client_over_http(checkpoints, alone):
                            client.completions.create(model="tiny", prompt=PROMPTS[0], stream=True, **greedy))
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
-        with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-            client.completions.create(model="tiny", prompt="x", n=2)
+        with pytest.raises(openai.BadRequestError, match="must be an integer in"):
+            client.completions.create(model="tiny", prompt="x", n=33)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     chat_out, completion_out = expected(alone, CHAT, max_new_tokens=16), expected(alone, PROMPTS[0], max_new_tokens=16)

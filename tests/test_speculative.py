@@ -108,7 +108,8 @@ def test_alpha_matches_acceptance_rate(models):
     totals = {"accepted": 0, "verified": 0, "alpha": 0.0}
     for seed in range(12):
         out = minispec.generate(models["llama_gqa"]["target"], PROMPT, draft=models["llama_gqa"]["noisy"],
-                                gamma=4, max_new_tokens=80, temperature=1.0, seed=seed, ignore_eos=True)
+                                gamma=4, max_new_tokens=80, temperature=1.0, seed=seed, ignore_eos=True,
+                                coupling="rejection")
         totals["accepted"] += out.stats["accepted"]
         totals["verified"] += out.stats["verified"]
         totals["alpha"] += out.stats["alpha"] * out.stats["verified"]
@@ -368,7 +369,8 @@ def test_joint_distribution_of_three_tokens_is_the_targets(request, case):
     exact joint p(t1) p(t2 | t1) p(t3 | t1, t2). γ = 2, so a request's steps between them see a first
     guess rejected, a rejection after an acceptance (the residual at p_2, caches rolled back mid-step)
     and full acceptance (the bonus token from p_3): each happens in many requests. Model drafts are
-    accepted 0.3-0.8 of the time; ngram guesses with its counts' q, lookup deterministically (12, 6 first)."""
+    accepted 0.3-0.8 of the time; ngram guesses with its counts' q, lookup deterministically (12, 6 first).
+    Algorithm 1's verification (coupling="rejection"); test_seeds.py tests the default coupling so."""
     fixture, draft, settings, prompt, draws = JOINT_CASES[case]
     gamma = "auto" if case.endswith("auto") else 2
     if gamma == "auto":
@@ -380,7 +382,7 @@ def test_joint_distribution_of_three_tokens_is_the_targets(request, case):
     guesses = Counter()  # steps by their number of guesses (gamma="auto")
     for seed in range(draws):
         out = minispec.generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=3, seed=seed,
-                                ignore_eos=True, **settings)
+                                ignore_eos=True, coupling="rejection", **settings)
         counts[tuple(out.tokens)] += 1
         guesses.update(dict(enumerate(out.stats.get("guesses_histogram", []))))
         outcomes.update(name for name, seen in step_outcomes(out.trace).items() if seen)

@@ -51,6 +51,8 @@ class Ask(NamedTuple):
     keep_guessing: Optional[Callable]  # keep_guessing(i, confidence): whether to go on after guess i
     tree: Optional[int] = None  # the most nodes of a token tree (None: a chain)
     counts: Optional[Counts] = None  # a penalized row's (engine.Row), which a draft model's chain q is penalized by
+    noise: object = None  # a coupled row's noise.Noise: a draft model guesses under the target's noise
+    grammar: Optional[object] = None  # a constrained row's grammar.Matcher, which a draft model's chain q is masked by
     depth: Optional[int] = None  # the deepest path any drafter may add (γ's most, and the tokens left to make)
     room: Optional[int] = None  # the most nodes a tree may have (its target cache row's free slots)
 
@@ -273,11 +275,13 @@ def draft_chains(model, drafters, going):
             logits, guesses, q = drafter.next_logits, drafts[id(drafter)], qs[id(drafter)]
             if ask.counts is not None:  # the target's penalties, so that its p and this q agree as often
                 logits = penalized(logits, sampling, ask.counts, guesses)
+            if ask.grammar is not None:  # the target's grammar, so that every guess is one it can accept
+                logits = ask.grammar.mask_after(logits, guesses)
             if sampling.greedy:  # q is one-hot at the argmax, and so is every sample from it
                 guesses.append(logits.argmax(-1))
             else:
                 q.append(adjust(logits, sampling))
-                guesses.append(sample(q[-1], ask.generator))
+                guesses.append(sample(q[-1], ask.noise or ask.generator, at=len(guesses)))
             # How sure the draft is of its guess: q(x), or the probability of its argmax when greedy.
             keep = ask.keep_guessing
             if keep and not keep(len(guesses), confidence(logits, q, guesses[-1], sampling)):
@@ -319,7 +323,7 @@ class DraftTree:
 
     def __init__(self, ask):
         drafter, sampling, budget = ask.drafter, ask.sampling, ask.tree
-        self.drafter, self.sampling, self.generator = drafter, sampling, ask.generator
+        self.drafter, self.sampling, self.generator = drafter, sampling, ask.noise or ask.generator
         self.depth = min(ask.k, budget)  # a node deeper than the budget would need more ancestors than it allows
         width = min(TREE_WIDTH, budget)
         self.growth = Growth(budget, width) if sampling.greedy else DrawnGrowth(budget, width, self.depth)
@@ -426,8 +430,14 @@ def propose_all(asks):
     if hasattr(asks[0].drafter, "propose_rows"):  # several drafters' guesses in one tree (mixed.py; no cycle)
         return asks[0].drafter.propose_rows(asks, propose_all)
     return [Proposal(*ask.drafter.propose_tree(ask.k, ask.tree, ask.sampling)) if ask.tree and ask.k
-            else Proposal(*ask.drafter.propose(ask.k, ask.sampling, ask.generator, ask.keep_guessing))
+            else Proposal(*ask.drafter.propose(ask.k, ask.sampling, generator_of(ask), ask.keep_guessing))
             for ask in asks]
+
+
+def generator_of(ask):
+    """A coupled row's Noise for a drafter whose guesses are draws at the step's first positions
+    (`positional`: Medusa's heads), to guess under the target's noise; else the row's generator."""
+    return ask.noise if ask.noise is not None and getattr(ask.drafter, "positional", False) else ask.generator
 
 
 def confidence(logits, qs, guess, sampling):

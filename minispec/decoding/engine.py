@@ -35,6 +35,10 @@ class Row:
         self.sampling, self.lenience = request.sampling, request.lenience
         self.drafter, self.policy = request.drafter, request.policy
         self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
+        self.noise = None  # coupling "gumbel": each position's draws from the seed and the position alone
+        if request.coupling == "gumbel" and not self.sampling.greedy and self.lenience == 1:
+            from .noise import Noise  # read by sampled requests only: greedy ones draw nothing
+            self.noise = Noise(request.seed, target.vocab_size, target.device)
         self.started = time.perf_counter()
         self.tokens, self.trace = [], []
         self.new_tokens, self.segments = [], []  # the last step's, for the caller
@@ -46,6 +50,8 @@ class Row:
         self.stats["encoder_calls"] = target.encoder_calls - before
         self.length = 0  # positions its target cache row holds
         self.counts = counts(target, request) if self.sampling.penalized else None
+        self.grammar = None if request.grammar is None else request.grammar.copy()  # decoding/grammar.py
+        self.forcing = []  # this step's guesses forced by the grammar
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
             # a batch's steps are shared: not timed
@@ -57,23 +63,33 @@ class Row:
             prefixes.admit(self)
 
     def ask(self):
-        """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens."""
+        """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens
+        (nothing when the grammar forces this step's guesses)."""
         left = self.request.max_new_tokens - len(self.tokens) - 1
         room = self.request.target.cache_max_seq_len - self.length - len(self.unseen)  # for a tree's nodes
-        return Ask(self.drafter, min(self.policy.guesses(), left), self.sampling, self.generator,
-                   self.policy.keep_guessing, self.tree_budget(), self.counts, min(self.policy.k_max, left), room)
+        return Ask(self.drafter, 0 if self.forcing else min(self.policy.guesses(), left), self.sampling, self.generator,
+                   self.policy.keep_guessing, self.tree_budget(), self.counts, self.noise, self.grammar,
+                   0 if self.forcing else min(self.policy.k_max, left), room)
+
+    def forced(self):
+        """The tokens the grammar forces next, this step's guesses (host ids; none without a grammar)."""
+        most = self.request.max_new_tokens - len(self.tokens) - 1
+        self.forcing = [] if self.grammar is None else self.grammar.forced(most)
+        return self.forcing
 
     def advance(self, step):
         """Take a verified step (an Outcome), cut at a stop. Returns whether the request has ended."""
         n, guesses, k = step.n, step.guesses, len(step.guesses)
         new_tokens, stopped = self.request.stop.cut(guesses[:n] + [step.t])
-        if self.drafter:
+        if self.drafter and not self.forcing:  # forced guesses are no drafter's
             draft_seconds, step_seconds = step.timing or (None, None)
             fresh = not self.stats["target_calls"]  # the prompt's forward also verified the first guesses
             self.policy.observe(k, n, new_tokens, draft_seconds, None if fresh else step_seconds, step.nodes)
             if step.overlap is not None:  # only the positions up to a stop count
                 self.overlap += step.overlap[:len(new_tokens)].sum()
         self.count(guesses, n, new_tokens, guesses[n:n + 1] if step.rejected is None else step.rejected)
+        if self.noise is not None:
+            self.noise.begin(len(self.tokens))
         if step.logprobs is not None:
             self.new_logprobs = step.logprobs[:len(new_tokens)]
             self.logprobs += self.new_logprobs
@@ -82,6 +98,8 @@ class Row:
             self.request.on_states(self.index, step.seen.tokens[:fed], step.seen.states[:fed])
         if stopped:
             return True
+        if self.grammar is not None:
+            self.grammar.advance(new_tokens)
         self.length -= k - n  # the rejected guesses leave the cache row; t is fed next
         self.unseen = step.accepted[-1:]
         if self.counts is not None:
@@ -124,7 +142,7 @@ class Row:
         if not stats["target_calls"]:
             stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
         stats["target_calls"] += 1
-        if self.drafter:
+        if self.drafter and not self.forcing:  # the drafter's: forced guesses are the grammar's
             # Only what was emitted counts: a stop among the accepted guesses cuts off those after it.
             emitted = min(n, len(new_tokens))
             stats["proposed"] += k
@@ -201,6 +219,9 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
             leave(batch, [row for row in batch if cancelled(row.index)], cache_models(target, batch))
         for index, request in source.take(rows - len(batch), wait=not batch):
             batch.append(Row(index, request, len(batch), target, alone=rows == 1, prefixes=prefixes))
+            if len(batch) > 1:
+                from .prefix import share_prompt  # rows that may share a prompt's forward: read only then
+                share_prompt(target, batch)
         if not batch:
             return
         ended = step(target, batch)

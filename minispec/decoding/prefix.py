@@ -10,6 +10,9 @@ forwards are row-invariant (a token's keys and values are the same however many 
 feeds), so the output is what a cold run gives, token for token. Blocks past `budget_mb` go least
 recently used first.
 
+Rows of one prompt that join together (its n answers) share its forward the same way, without a cache
+(share_prompt).
+
 Skipped (the prompt computed as without a cache): encoder-decoder models (T5's cache depends on the
 encoder's input too), tensor-parallel shards, and requests whose forwards must return states for every
 prompt token (draft heads, on_states)."""
@@ -19,6 +22,8 @@ import weakref
 from collections import OrderedDict
 
 import torch
+
+from ..models.base import Feed
 
 BLOCK = 16  # tokens per stored block: what a prompt shares is reused up to its last whole block
 
@@ -161,3 +166,26 @@ class PrefixCache:
 def usable(model):
     """Whether the model's cache is a plain cache of keys and values per position of its token sequence."""
     return not model.is_encoder_decoder and model.tp is None
+
+
+def share_prompt(target, batch):
+    """The newest row, when a row that has not stepped yet holds the same prompt (a prompt's n answers):
+    the prompt but its last token goes through the target once, in that row's cache row, and the new row
+    copies its keys and values; each row computes the last token itself, whose logits start its own
+    answer. (A token's keys and values are the same however many tokens a forward feeds.)"""
+    row = batch[-1]
+    if row.request.reads_states or len(row.unseen) < 2:  # states of every prompt token wanted; T5's one token
+        return
+    prompt = row.request.prompt_ids
+    first = next((other for other in batch[:-1] if not other.stats["target_calls"] and other.length >= row.length
+                  and other.length + len(other.unseen) == row.length + len(row.unseen)
+                  and torch.equal(other.request.prompt_ids, prompt)), None)
+    if first is None:
+        return
+    if len(first.unseen) > 1:
+        shared = first.unseen[:-1]
+        target.decode_rows(Feed(shared.view(1, -1), [first.length]), first_row=first.slot, logits_for=1, eager=True)
+        first.length, first.unseen = first.length + len(shared), first.unseen[-1:]
+    target.move_row(first.slot, row.slot)
+    row.length, row.unseen = first.length, first.unseen
+    row.stats["shared_tokens"] = first.length

@@ -140,27 +140,35 @@ def kept_minimum(ordered, mass, top_p):
     return ordered.masked_fill(mass - ordered >= top_p, float("inf")).amin(-1, keepdim=True)
 
 
-def sample(probs, generator=None):
+def sample(probs, generator=None, at=0):
     """One token per row of probs [..., vocab] -> [...] long, without a host sync.
 
-    argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential race); zero-probability
-    tokens can never win, and a one-hot p always returns its argmax.
+    argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential race, which is Gumbel-max:
+    argmax(log p + G) with G = -log E); zero-probability tokens can never win, and a one-hot p always
+    returns its argmax. generator: a torch.Generator, or a row's noise.Noise, whose races are those of
+    the step's positions `at` (an offset for the first row of probs, the next rows following; or a list).
     """
-    return (probs / race(probs, generator)).argmax(-1)
+    return (probs / race(probs, generator, at)).argmax(-1)
 
 
-def sample_distinct(probs, m, generator=None):
+def sample_distinct(probs, m, generator=None, at=0):
     """m tokens drawn from probs [vocab] one after another without replacement (each from p with the
     ones before it removed, renormalized), in the order drawn: the race's first m finishers are such
     draws. Fewer where p has fewer tokens."""
-    keys = probs / race(probs, generator)
+    keys = probs / race(probs, generator, at)
     drawn = keys.topk(min(m, probs.shape[-1])).indices
     return drawn[probs[drawn] > 0]
 
 
-def race(probs, generator):
-    """E ~ Exponential(1) for each entry of probs."""
-    # E = -log(U) with U ~ Uniform(0, 1): the same draw as Tensor.exponential_(), several times faster
-    # on CPU. U < 1 keeps E > 0, and the clamp keeps log finite.
-    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
+def race(probs, generator, at=0):
+    """E ~ Exponential(1) for each entry of probs (from a Noise: its races at `at`, as sample's)."""
+    if hasattr(generator, "races"):
+        rows = probs[..., 0].numel()
+        return generator.races(range(at, at + rows) if isinstance(at, int) else at).view(probs.shape)
+    return exponential(torch.rand(probs.shape, generator=generator, device=probs.device))
+
+
+def exponential(uniform):
+    """-log(U) with U ~ Uniform(0, 1): the same draw as Tensor.exponential_(), several times faster on
+    CPU. U < 1 keeps E > 0, and the clamp keeps log finite."""
     return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()

@@ -18,6 +18,13 @@ accepted iff it is the target's argmax, so the output equals target-only greedy 
 the vocabulary (a test checks it against `accept_and_resample` on one-hot p and q).
 Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l = 1 is exact.
 
+Two exact couplings of guesses and target (Settings.coupling): "rejection" is Algorithm 1 above, its
+draws depending on how each step went. "gumbel" (the default) takes each output position's randomness
+from the seed and the position alone (noise.py): the target's token at t is argmax(p_t / E_t) (Gumbel-max),
+a draft guesses argmax(q_t / E_t), and a guess is accepted iff it is the target's draw, so the output is
+the same with any drafter, γ, tree or batch, or none. A tree node at depth d meets position d's noise,
+shared with its siblings: one path is kept, so each noise decides one token. Lenience < 1 uses rejection.
+
 Requests are decoded together, each in a row of the static KV caches (minispec.decoding.engine; a lone request
 is a batch of one), and `step` is the loop body above for every row at once. After each step both
 models' cache rows are rolled back to the accepted sequence by moving their length pointers (the
@@ -38,7 +45,7 @@ from ..models.kernels import to_device
 from .costs import graphs_met
 from .drafters import Proposal, propose_all
 from .sampling import adjust, log_probs, path_counts, penalize, sample
-from .tree import ancestors, feed_parents, sample_walk, walk
+from .tree import ancestors, depths, feed_parents, sample_walk, walk
 
 
 class ChainVerdict(NamedTuple):
@@ -90,7 +97,7 @@ class HostStep(NamedTuple):
     guesses: list  # a chain's guesses, or a tree's nodes
     n: Optional[int]  # a chain's
     t: Optional[int]  # a chain's
-    choices: Optional[list]  # a tree's: the target's argmax at its root and each node (sampled: empty)
+    choices: Optional[list]  # a tree's: the target's token at its root and each node (tree_choices; else None)
     logprobs: Optional[list]  # a TokenLogprob at each position scored (a chain's k + 1; a greedy tree's every node)
 
 
@@ -130,9 +137,14 @@ def accept_greedy(logits, drafts):
     """accept_and_resample at temperature 0 and lenience 1, in a handful of operations. p and q are
     one-hot there, so a guess is accepted iff it is the target's argmax, and after a rejection
     norm(max(0, p - q)) is p itself: t is the target's argmax right after the accepted guesses."""
-    best = logits.argmax(-1)
-    n = (drafts == best[:-1]).long().cumprod(0).sum().view(1)
-    return n, best[n]
+    return accept_choices(logits.argmax(-1), drafts)
+
+
+def accept_choices(choices, drafts):
+    """n, t ([1] each) when the target's token at each position is known, choices [k + 1]: the guesses
+    equal to it are accepted, and t is its token after them."""
+    n = (drafts == choices[:-1]).long().cumprod(0).sum().view(1)
+    return n, choices[n]
 
 
 @torch.inference_mode()
@@ -144,17 +156,21 @@ def step(target, rows):
     models = [target] + [getattr(row.drafter, "model", None) for row in rows]  # whose graphs a step may compile
     started, graphs = time.perf_counter(), graphs_met(*models)
     # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
+    # Tokens a row's grammar forces are its guesses, without asking its drafter (decoding/grammar.py).
+    forced = [row.forced() for row in rows]
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
         proposals = [Proposal(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
     else:
         proposals = propose_all([row.ask() for row in rows])
+    proposals = [grammatical(row, f, x) for row, f, x in zip(rows, forced, proposals)]
     drafted = time.perf_counter()
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
-    logits = [penalized(row, p, x) for row, p, x in zip(rows, logits, proposals)]
+    logits = [constrained(row, penalized(row, p, x), x) for row, p, x in zip(rows, logits, proposals)]
     # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
-    # A tree is walked on the host instead (tree.py), so it brings its argmaxes there when greedy.
-    verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator) if x.parents is None else None
+    # A tree is walked on the host instead (tree.py), so it brings its choices there (tree_choices).
+    verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
+                else None
                 for row, p, x in zip(rows, logits, proposals)]
     host = to_host(rows, logits, proposals, verdicts)
     # A step's time is the row's only when the forwards were its own, and none compiled a graph first.
@@ -169,7 +185,7 @@ def step(target, rows):
                                        seen(row, x.drafts, state, list(range(got.n))),
                                        logprobs=None if got.logprobs is None else got.logprobs[:got.n + 1]))
         else:
-            tree = walk(got.guesses, x.parents, got.choices) if row.sampling.greedy else \
+            tree = walk(got.guesses, x.parents, got.choices) if got.choices is not None else \
                 sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q, x.fixed)
             done = row.advance_tree(got.guesses, x.parents, tree, timing, seen(row, x.drafts, state, tree.path),
                                     tree_logprobs(row, p, got, tree))
@@ -188,21 +204,38 @@ def penalized(row, logits, proposal):
     return penalize(logits, row.sampling, path_counts(row.counts.generated, proposal.drafts, paths), row.counts.prompt)
 
 
+def grammatical(row, forced, proposal):
+    """A row's Proposal under its grammar: the tokens it forces (no drafter was asked), or a chain cut
+    before its first guess the grammar forbids, which the target would reject: it costs no verification."""
+    if forced:
+        return Proposal(to_device(forced, proposal.drafts.device), None)
+    if row.grammar is None or proposal.parents is not None:
+        return proposal
+    n = row.grammar.valid(proposal.drafts)
+    return Proposal(proposal.drafts[:n], None if proposal.q is None else proposal.q[:n])
+
+
+def constrained(row, logits, proposal):
+    """A row's logits [k+1, vocab] masked by its grammar at each position, after the guesses on its path."""
+    return logits if row.grammar is None else row.grammar.mask(logits, proposal.drafts, proposal.parents)
+
+
 def to_host(rows, logits, proposals, verdicts):
     """The step's one host sync: each row's guesses with a chain's n and t, or a tree's choices (the
     target's argmax at its root and each node, which a greedy walk follows), and the log-probabilities a
     request asks for (scored), in one transfer. HostSteps."""
-    parts, asked = [], []
+    parts, asked, walked = [], [], []
     for row, p, x, v in zip(rows, logits, proposals, verdicts):
-        choices = p.argmax(-1) if v is None and row.sampling.greedy else x.drafts[:0]
+        walked.append(v is None and (row.sampling.greedy or row.noise is not None))
+        choices = tree_choices(row, p, x.parents) if walked[-1] else x.drafts[:0]
         ids = [v.n, x.drafts, v.t] if v is not None else [choices, x.drafts]
-        asked.append(row.request.logprobs is not None and (v is not None or row.sampling.greedy))
+        asked.append(row.request.logprobs is not None and (v is not None or walked[-1]))
         if asked[-1]:  # a sampled tree's tokens are known only after its walk (tree_logprobs)
             ids.append(scored(p, row.sampling, choices if v is None else emitted(x.drafts, v), row.request.logprobs))
         parts.append(ids)
     host = torch.cat([part.view(-1) for row in parts for part in row]).tolist()
     out, start = [], 0
-    for row, wanted, x in zip(parts, asked, proposals):
+    for row, wanted, x, known in zip(parts, asked, proposals, walked):
         lists = []
         for part in row:
             lists.append(host[start:start + part.numel()])
@@ -211,8 +244,16 @@ def to_host(rows, logits, proposals, verdicts):
         if x.parents is None:
             out.append(HostStep(lists[1], lists[0][0], lists[2][0], None, logprobs))
         else:
-            out.append(HostStep(lists[1], None, None, lists[0], logprobs))
+            out.append(HostStep(lists[1], None, None, lists[0] if known else None, logprobs))
     return out
+
+
+def tree_choices(row, logits, parents):
+    """The target's token at a tree's root and each node, which a walk follows: its argmax when greedy;
+    coupled, its draw under the noise of the position there (a node at depth d draws the step's token d)."""
+    if row.sampling.greedy:
+        return logits.argmax(-1)
+    return sample(adjust(logits, row.sampling), row.noise, at=[0] + depths(parents))
 
 
 def emitted(drafts, verdict):
@@ -256,12 +297,13 @@ def tree_logprobs(row, logits, got, tree):
     return unpack(scored(logits[at], row.sampling, tokens, row.request.logprobs).view(-1).tolist(), len(at))
 
 
-def verify(logits, drafts, q, sampling, lenience, generator):
+def verify(logits, drafts, q, sampling, lenience, generator, noise=None):
     """One row's verification: logits [k+1, vocab] of the target at its k guesses `drafts` and one
-    beyond, q [k, vocab] (None: one-hot at the guesses). A ChainVerdict, its overlap zero past the
-    verified positions (None where p and q are one-hot: 1 at an accepted guess, 0 at a rejected one)."""
+    beyond, q [k, vocab] (None: one-hot at the guesses); noise: a coupled row's. A ChainVerdict, its
+    overlap zero past the verified positions (None where p and q are one-hot: 1 at an accepted guess, 0
+    at a rejected one)."""
     k = drafts.shape[0]
-    if k == 0:  # no guesses: the target's own token, drawn as plain decoding draws it
+    if k == 0 and noise is None:  # no guesses: the target's own token, drawn as plain decoding draws it
         last = logits[-1]
         t = last.argmax(-1) if sampling.greedy else sample(adjust(last, sampling), generator)
         return ChainVerdict(torch.zeros(1, dtype=torch.long, device=logits.device), t.view(1), None)
@@ -269,8 +311,11 @@ def verify(logits, drafts, q, sampling, lenience, generator):
         return ChainVerdict(*accept_greedy(logits, drafts), None)
     p = adjust(logits, sampling)
     q = one_hot(drafts, p.shape[-1]) if q is None else q
-    greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
-    n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
+    if noise is not None:  # the target's own draw at each position; the guesses equal to them are accepted
+        n, t = accept_choices(sample(p, noise), drafts)
+    else:
+        greedy_p = logits.float().softmax(-1) if sampling.greedy else None  # greedy lenience
+        n, t = accept_and_resample(p, q, drafts, lenience, generator, greedy_p)
     verified = torch.arange(k, device=p.device) <= n  # positions whose acceptance test ran
     return ChainVerdict(n, t, torch.minimum(p[:k], q).sum(-1) * verified)
 

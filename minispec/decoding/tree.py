@@ -325,7 +325,7 @@ class DrawnGrowth(Growth):
 
     def __init__(self, budget, width, depth):
         super().__init__(budget, width)
-        self.depths_left = depth  # depths still to draw, the next one included
+        self.depths_left = self.depth = depth  # depths still to draw, the next one included; all of them
         self.q = {}  # node (-1: the root) -> the q its children were drawn from
 
     def room(self):
@@ -338,8 +338,9 @@ class DrawnGrowth(Growth):
 
     def draw(self, nodes, qs, generator):
         """The next depth: children for each of `nodes` (expanded, -1: the root), drawn from its q in
-        qs [len(nodes), vocab] with `generator`, in order."""
-        room = self.room()
+        qs [len(nodes), vocab] with `generator` (a coupled row's Noise: the race of the depth's position,
+        so that each node's first child is the draw a chain would guess there), in order."""
+        room, at = self.room(), self.depth - self.depths_left  # at: the drawn tokens' offset in the step
         self.depths_left -= 1
         if not room:
             return
@@ -351,7 +352,7 @@ class DrawnGrowth(Growth):
         counts = Counter(n for _, _, n in (first + [slot for slot in slots if slot not in first])[:room])
         for n, node in enumerate(nodes):
             if counts[n]:
-                drawn = sample_distinct(qs[n], counts[n], generator)
+                drawn = sample_distinct(qs[n], counts[n], generator, at)
                 self.q[node] = qs[n]
                 self.add(node, drawn.tolist(), qs[n][drawn].log().tolist())
 

@@ -60,6 +60,7 @@ class MedusaDrafter:
     name, model, preview = "medusa", None, None
     reads_states = True
     encoder_calls = 0
+    positional = True  # its guesses are draws at the step's first positions, one per head (drafters.generator_of)
 
     def __init__(self, heads):
         self.heads = self.weights = heads  # weights: what gamma="auto" keeps its costs under (policy.py)

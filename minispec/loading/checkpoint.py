@@ -27,7 +27,7 @@ from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
 from .tokenizer import load_tokenizer
 from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
-                      release_file_pages, save_safetensors, weight_files)
+                      release_file_pages, weight_files)
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
@@ -242,41 +242,9 @@ def check_checkpoint(directory):
     conversion is checked so before it is kept). Quantized weights in their stored form are then
     rewritten in the layout the native kernels read (pack_stored)."""
     if read_checkpoint(directory).stored:
-        pack_stored(directory)
-
-
-def pack_stored(directory):
-    """Rewrite a checkpoint's quantized weights in the kernels' layout (models.quant's packed form), the
-    form a load then maps from the file as it is: packing them at every load cost most of its time, and
-    the stored form's float32 scales made the file larger than the GGUF it came from."""
-    model = load_model(directory)
-    if any(hasattr(module, "native") and not module.native for module in model.modules()):
-        return  # no kernels here, or a layer they do not take: PyTorch's layout, which no load reads from a file
-    tensors = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        for key, tensor in module.named_parameters(prefix=name, recurse=False):
-            tensors[key] = tensor
-        for key, tensor in module._buffers.items():
-            if tensor is not None and key not in module._non_persistent_buffers_set:
-                tensors[prefix + ("packed_" if getattr(module, "native", False) else "") + key] = tensor
-    save_safetensors(tensors, Path(directory) / "model.safetensors.partial", metadata={"format": "pt"})
-    del model, tensors
-    os.replace(Path(directory) / "model.safetensors.partial", Path(directory) / "model.safetensors")
-    read_checkpoint(directory)
-
-
-def unpacked_unless_taken(model, stored, device, tp):
-    """The checkpoint's quantized weights, those in the kernels' layout unpacked to the stored form where
-    these kernels do not take them as they are (another device or backend, a sharded model)."""
-    shapes = {name: model.get_submodule(name).weight.shape for name in stored}
-    if all("packed_weight" not in parts or tp is None and backend.current().takes_quantized(
-            shapes[name][1], shapes[name][1] // parts["packed_scales"].shape[1], device)
-           for name, parts in stored.items()):
-        return stored
-    from .. import native  # the layout's reader: pure torch, also where the kernels do not build
-    return {name: native.unpack(parts, shapes[name][0]) if "packed_weight" in parts else parts
-            for name, parts in stored.items()}
+        from .packed import pack_stored  # quantized checkpoints only
+        pack_stored(directory, load_model(directory))
+        read_checkpoint(directory)
 
 
 def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None, group_size=None, tp=None):
@@ -299,7 +267,9 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
     _, _, model, weights, stored, tokenizer = read_checkpoint(directory, world)
-    stored = unpacked_unless_taken(model, stored, device, tp)
+    if stored:
+        from .packed import unpacked_unless_taken  # quantized checkpoints only
+        stored = unpacked_unless_taken(model, stored, device, tp)
     dtype = dtype or default_dtype(device)
     quantizing = bool(quantize or stored)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):

@@ -9,6 +9,7 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -17,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .protocol import Reply, RequestError, parse
+from .protocol import Reply, RequestError, best, parse
 from .scheduler import MALLOC_TRIM, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
@@ -83,65 +84,91 @@ class Handlers:
             release_memory(size)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
-        def deliver(event):  # on the scheduler's thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop has closed: nobody waits any more
-                pass
+        def delivery(i):
+            def deliver(event):  # on the scheduler's thread: the event, with the answer it is of
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, event))
+                except RuntimeError:  # the event loop has closed: nobody waits any more
+                    pass
+            return deliver
 
-        job = Job(parsed.request, deliver)
+        jobs = [Job(one, delivery(i)) for i, one in enumerate(parsed.requests)]
         try:
-            self.scheduler.submit(job)
+            for job in jobs:
+                self.scheduler.submit(job)
         except QueueFull:
+            self.cancel(jobs)
             raise RequestError(429, f"{self.scheduler.max_waiting} requests are waiting already; retry later",
                                kind="rate_limit_error", code="rate_limit_exceeded") from None
         except ShuttingDown as error:
+            self.cancel(jobs)
             raise server_error(str(error), 503) from None
-        reply = Reply(chat, self.model_name, self.draft_name, parsed.request.prompt_ids.shape[1],
+        reply = Reply(chat, self.model_name, self.draft_name, parsed.requests[0].prompt_ids.shape[1],
                       self.scheduler.target.tokenizer)
         if parsed.stream:
-            return StreamingResponse(self.stream(job, events, reply, parsed.include_usage),
+            return StreamingResponse(self.stream(jobs, events, reply, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self.whole(request, job, events, reply)
+        return await self.whole(request, jobs, events, reply, parsed)
 
-    async def whole(self, request, job, events, reply):
-        """The reply in one body, once the job ends; a client that goes first cancels it."""
+    def cancel(self, jobs):
+        for job in jobs:
+            self.scheduler.cancel(job)  # nothing happens to a job that has ended
+
+    async def whole(self, request, jobs, events, reply, parsed):
+        """The reply in one body, once every answer ends (best_of: the n best of them); a client that
+        goes first cancels them."""
         watcher = asyncio.create_task(report_disconnect(request, events))
+        outcomes = {}
         try:
-            while (event := await events.get())[0] == "text":
-                pass
+            while len(outcomes) < len(jobs):
+                i, event = await events.get()
+                if event[0] == "end":
+                    outcomes[i] = event[2]
+                elif event[0] != "text":
+                    break
         finally:  # also when this handler is cancelled (a shutdown's grace period is over)
             watcher.cancel()
-            self.scheduler.cancel(job)  # nothing happens to a job that has ended
-        if event[0] == "end":
-            return JSONResponse(reply.whole(event[2]))
+            self.cancel(jobs)
+        if len(outcomes) == len(jobs):
+            outcomes = [outcomes[i] for i in range(len(jobs))]
+            chosen = best(outcomes, parsed.n) if len(jobs) > parsed.n else outcomes
+            if not parsed.logprobs:  # asked for ranking only
+                chosen = [replace(outcome, logprobs=None) for outcome in chosen]
+            return JSONResponse(reply.whole(chosen, outcomes))
         if event[0] == "error":
             return error_response(server_error(event[2], event[1]))
         return Response(status_code=499)  # the client went: nobody reads this
 
-    async def stream(self, job, events, reply, include_usage):
-        """Server-sent events: a chunk per step that adds text, the ending, usage if asked, [DONE]. When
-        the client goes, Starlette cancels this generator, and so the job."""
+    async def stream(self, jobs, events, reply, include_usage):
+        """Server-sent events: a chunk per step that adds text, tagged by its answer's index, each answer's
+        ending, usage if asked, [DONE]. When the client goes, Starlette cancels this generator, and so the
+        jobs."""
         usage = {"usage": None} if include_usage else {}  # as OpenAI: every chunk has it, the last one filled
+        outcomes = []
         try:
             if reply.chat:
-                yield event_data({**reply.opening(), **usage})
-            while (event := await events.get())[0] == "text":
-                yield event_data({**reply.piece(*event[1:]), **usage})
-            if event[0] == "end":
-                _, piece, outcome, logprobs = event
-                if piece or logprobs:
-                    yield event_data({**reply.piece(piece, logprobs), **usage})
-                yield event_data({**reply.ending(outcome), **usage})
-                if include_usage:
-                    yield event_data(reply.usage_chunk(outcome))
-            else:
-                yield event_data(server_error(event[2], event[1]).body())
+                for i in range(len(jobs)):
+                    yield event_data({**reply.opening(i), **usage})
+            while len(outcomes) < len(jobs):
+                i, event = await events.get()
+                if event[0] == "text":
+                    yield event_data({**reply.piece(*event[1:], index=i), **usage})
+                elif event[0] == "end":
+                    _, piece, outcome, logprobs = event
+                    if piece or logprobs:
+                        yield event_data({**reply.piece(piece, logprobs, index=i), **usage})
+                    yield event_data({**reply.ending(outcome, i), **usage})
+                    outcomes.append(outcome)
+                else:
+                    yield event_data(server_error(event[2], event[1]).body())
+                    break
+            if include_usage and len(outcomes) == len(jobs):
+                yield event_data(reply.usage_chunk(outcomes))
         except Exception as error:  # a bug met by this request, after its headers were sent
             log.exception("streaming a reply failed")
             yield event_data(failure(error).body())
         finally:
-            self.scheduler.cancel(job)
+            self.cancel(jobs)
         yield "data: [DONE]\n\n"
 
     async def models(self, request):
@@ -194,11 +221,11 @@ def refuse_constant(name):
 
 
 async def report_disconnect(request, events):
-    """Put ("gone",) among the events when the client disconnects. (Once the body is read, an ASGI
+    """Put (None, ("gone",)) among the events when the client disconnects. (Once the body is read, an ASGI
     server's receive() answers only that, when the client goes or the response is complete.)"""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    events.put_nowait(("gone",))
+    events.put_nowait((None, ("gone",)))
 
 
 def check_key(request, api_key):

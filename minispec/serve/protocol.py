@@ -5,12 +5,12 @@ stream chunks of the reply."""
 import reprlib
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import api
 from ..loading.chat import RESERVED, ChatTemplateError, chat_prompt
-from ..models.checks import FLAG, INTEGER, LIST, TABLE, Check, SettingError, is_integer, is_text
-from ..settings import SETTING_CHECKS
+from ..models.checks import FLAG, LIST, TABLE, Check, SettingError, is_integer, is_text
+from ..settings import SETTING_CHECKS, is_grammar
 
 
 class RequestError(Exception):
@@ -32,6 +32,8 @@ STRING = Check(is_text, "must be a string (of text: no lone surrogates)")
 CHOICE = Check(lambda v: isinstance(v, (str, dict)), "must be a string or an object")
 LOGPROBS = SETTING_CHECKS["logprobs"]
 PROMPT = Check(lambda v: isinstance(v, (str, list)), "must be a string or a list of token ids")
+ANSWERS = SETTING_CHECKS["n"]
+ANY = Check(lambda v: True, "")
 
 # The request's fields that are settings, as api.Settings' fields; each is checked by that field's check.
 SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
@@ -39,25 +41,32 @@ SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
             # the rest are minispec's (and vLLM's), not OpenAI's
             "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
-SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": INTEGER, "user": STRING, "logit_bias": TABLE,
+# A request's grammar (Settings.grammar): OpenAI's response_format, or one of vLLM's fields for one kind.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
+GRAMMAR_FIELDS = {"response_format": Check(lambda v: is_grammar(v) and "type" in v, "must be {'type': 'text' | "
+                                           "'json_object' | 'json_schema', 'json_schema': {'schema': SCHEMA}}"),
+                  "guided_json": Check(lambda v: isinstance(v, (dict, str)), "must be an object or a string"),
+                  "guided_regex": STRING, "guided_grammar": STRING}
+SHARED = {"model": STRING, "stream": FLAG, "stream_options": TABLE, "n": ANSWERS, "user": STRING, "logit_bias": TABLE,
+          **GRAMMAR_FIELDS,
           **{name: SETTING_CHECKS[setting] for name, setting in SETTINGS.items()
              if name != "max_completion_tokens"}}
 FIELDS = {
-    False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": INTEGER, "logprobs": LOGPROBS, "suffix": STRING},
+    False: {**SHARED, "prompt": PROMPT, "echo": FLAG, "best_of": ANSWERS, "logprobs": LOGPROBS, "suffix": STRING},
     True: {**SHARED, "messages": LIST, "max_completion_tokens": SHARED["max_tokens"], "logprobs": FLAG,
-           "top_logprobs": LOGPROBS, "response_format": TABLE, "tools": LIST, "tool_choice": CHOICE,
+           "top_logprobs": LOGPROBS, "tools": LIST, "tool_choice": CHOICE,
            "parallel_tool_calls": FLAG, "functions": LIST, "function_call": CHOICE, "store": FLAG, "metadata": TABLE,
-           "service_tier": STRING, "modalities": LIST, "chat_template_kwargs": TABLE},
+           "service_tier": STRING, "modalities": LIST, "chat_template_kwargs": TABLE, "audio": TABLE,
+           "moderation": ANY, "prediction": TABLE, "prompt_cache_key": STRING, "prompt_cache_options": TABLE,
+           "prompt_cache_retention": STRING, "reasoning_effort": STRING, "safety_identifier": STRING,
+           "verbosity": STRING, "web_search_options": TABLE},
 }  # by whether the request is a chat
-# Fields read only at a neutral value (or null): the values, and why. (parallel_tool_calls and metadata
-# take any value: without tools and without storing they change nothing.)
+# Fields read only at a neutral value (or null): the values, and why. (parallel_tool_calls, metadata,
+# prediction, safety_identifier and the prompt_cache ones take any value: they change no output here.)
 NEUTRAL = {
-    "n": ((1,), "one choice per request"),
-    "best_of": ((1,), "one choice per request"),
     "echo": ((False,), "the prompt is not sent back"),
     "suffix": (("",), "no insertion"),
     "logit_bias": (({},), "no logit bias: it would change the target's distribution"),
-    "response_format": (({"type": "text"},), "text only: no JSON mode or schema"),
     "tools": (([],), "no tool calls"),
     "tool_choice": (("none", "auto"), "no tool calls"),
     "functions": (([],), "no function calls"),
@@ -65,15 +74,22 @@ NEUTRAL = {
     "store": ((False,), "replies are not stored"),
     "service_tier": (("auto", "default"), "one service tier"),
     "modalities": ((["text"],), "text output only"),
+    "audio": ((), "text output only"),
+    "moderation": ((), "no moderation"),
+    "reasoning_effort": ((), "the model reasons as its template says"),
+    "verbosity": (("medium",), "the model's own verbosity"),
+    "web_search_options": ((), "no web search"),
 }
 ROLES = ("system", "user", "assistant")
 
 
 @dataclass
 class Parsed:
-    request: object  # api.Request
+    requests: list  # api.Requests: best_of (or n) answers of the prompt, each with its own seed
+    n: int  # the choices returned: the n of the requests' answers with the highest total log-probability
     stream: bool
     include_usage: bool
+    logprobs: bool  # whether the reply shows them (best_of asks for them to rank the answers)
 
 
 def parse(body, chat, scheduler, model_name):
@@ -96,17 +112,31 @@ def parse(body, chat, scheduler, model_name):
     max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = new_tokens(target, ids, body.get(max_field), scheduler.max_length, prompt_field, max_field)
     given = {SETTINGS[name]: value for name, value in body.items() if name in SETTINGS and value is not None}
+    n, best_of = body.get("n") or 1, body.get("best_of") or body.get("n") or 1
+    if best_of < n:
+        raise invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and body.get("stream"):
+        raise invalid("best_of > n cannot be streamed: the best answers are known at the end", "best_of")
+    logprobs = logprobs_of(body, chat)
+    grammar_field, grammar = grammar_of(body)
     try:
         settings = api.Settings(**{"temperature": 1.0, **given, "max_new_tokens": max_tokens},  # OpenAI's temperature
-                                logprobs=logprobs_of(body, chat), draft=scheduler.draft, gamma=scheduler.gamma,
-                                tree=scheduler.tree)
-        request = api.Request.from_settings(target, ids, settings)
+                                logprobs=0 if logprobs is None and best_of > n else logprobs, grammar=grammar,
+                                draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree)
+        requests = [api.Request.from_settings(target, ids, replace(settings, seed=seed))
+                    for seed in api.answers(settings.seed, best_of)]
     except SettingError as error:  # named by its request's field (none: the server's own settings)
-        names = {"prompt": prompt_field, "max_new_tokens": max_field,
+        names = {"prompt": prompt_field, "max_new_tokens": max_field, "grammar": grammar_field,
                  "logprobs": "top_logprobs" if chat else "logprobs",
                  **{setting: name for name, setting in SETTINGS.items() if setting != "max_new_tokens"}}
         raise invalid(str(error), names.get(error.field)) from None
-    return Parsed(request, bool(body.get("stream")), bool(options.get("include_usage")))
+    return Parsed(requests, n, bool(body.get("stream")), bool(options.get("include_usage")), logprobs is not None)
+
+
+def best(outcomes, n):
+    """The n outcomes (scheduler.Outcome) of the highest total log-probability, best first, as best_of
+    ranks them."""
+    return sorted(outcomes, key=lambda outcome: -sum(entry.logprob for entry in outcome.logprobs))[:n]
 
 
 def check_fields(body, fields, prefix=""):
@@ -125,6 +155,17 @@ def check_fields(body, fields, prefix=""):
             # 0 is no False
             if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
                 raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
+
+
+def grammar_of(body):
+    """(the field, Settings.grammar) a request asks for: response_format or a guided_* field (one at most)."""
+    given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise invalid(f"give one of {' and '.join(given)}: each constrains the output", given[1])
+    if not given:
+        return "response_format", None
+    value = body[given[0]]
+    return given[0], value if given[0] == "response_format" else {GUIDED[given[0]]: value}
 
 
 def logprobs_of(body, chat):
@@ -225,24 +266,27 @@ class Reply:
         self.tokenizer = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.offset = 0  # a completion's characters of token text so far: its logprobs' text_offset
+        self.offsets = {}  # by choice: a completion's characters of token text so far, its logprobs' text_offset
 
     def head(self, kind):
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
-    def whole(self, outcome):
-        output = {"message": {"role": "assistant", "content": outcome.text}} if self.chat else {"text": outcome.text}
-        return {**self.head("chat.completion" if self.chat else "text_completion"),
-                "choices": [{"index": 0, **output, "logprobs": self.logprobs(outcome.logprobs),
-                             "finish_reason": outcome.finish_reason}],
-                "usage": self.usage(outcome), "speculative": self.speculative(outcome)}
+    def whole(self, chosen, outcomes):
+        """The body: the chosen outcomes as choices; usage counts all of them (best_of's others too)."""
+        choices = []
+        for i, outcome in enumerate(chosen):
+            output = {"message": {"role": "assistant", "content": outcome.text}} if self.chat else {"text": outcome.text}
+            choices.append({"index": i, **output, "logprobs": self.logprobs(outcome.logprobs, i),
+                            "finish_reason": outcome.finish_reason})
+        return {**self.head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": self.usage(outcomes), "speculative": self.speculative(chosen[0])}
 
-    def chunk(self, output, finish_reason=None, logprobs=None):
+    def chunk(self, output, finish_reason=None, logprobs=None, index=0):
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"),
-                "choices": [{"index": 0, **output, "logprobs": self.logprobs(logprobs),
+                "choices": [{"index": index, **output, "logprobs": self.logprobs(logprobs, index),
                              "finish_reason": finish_reason}]}
 
-    def logprobs(self, entries):
+    def logprobs(self, entries, index=0):
         """OpenAI's logprobs of a choice or chunk for these TokenLogprobs (None: not asked): a chat's
         content list, or a completion's parallel lists, whose top_logprobs also hold the token itself."""
         if entries is None:
@@ -254,8 +298,8 @@ class Reply:
         texts = [self.tokenizer.decode([e.token]) for e in entries]
         offsets = []
         for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
+            offsets.append(self.offsets.get(index, 0))
+            self.offsets[index] = offsets[-1] + len(text)
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self.tokenizer.decode([token]): value for token, value in [*e.top, e[:2]]}
                                  for e in entries], "text_offset": offsets}
@@ -264,28 +308,30 @@ class Reply:
         text = self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def opening(self):
-        """A chat stream's first chunk: who speaks."""
-        return self.chunk({"delta": {"role": "assistant", "content": ""}})
+    def opening(self, index=0):
+        """A chat stream's first chunk of a choice: who speaks."""
+        return self.chunk({"delta": {"role": "assistant", "content": ""}}, index=index)
 
-    def piece(self, text, logprobs=None):
+    def piece(self, text, logprobs=None, index=0):
         """A stream's chunk of text, with the log-probabilities of the tokens of its step (a step's
         text may lag its tokens where it could begin a stop string)."""
-        return self.chunk({"delta": {"content": text}} if self.chat else {"text": text}, logprobs=logprobs)
+        return self.chunk({"delta": {"content": text}} if self.chat else {"text": text}, logprobs=logprobs, index=index)
 
-    def ending(self, outcome):
-        """A stream's last chunk of text: why it ended, and how the draft did."""
-        chunk = self.chunk({"delta": {}} if self.chat else {"text": ""}, outcome.finish_reason)
+    def ending(self, outcome, index=0):
+        """A stream's last chunk of a choice's text: why it ended, and how the draft did."""
+        chunk = self.chunk({"delta": {}} if self.chat else {"text": ""}, outcome.finish_reason, index=index)
         return {**chunk, "speculative": self.speculative(outcome)}
 
-    def usage_chunk(self, outcome):
+    def usage_chunk(self, outcomes):
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(outcome)}
+                "usage": self.usage(outcomes)}
 
-    def usage(self, outcome):
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": self.prompt_tokens + outcome.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": outcome.stats.get("cached_tokens", 0)}}
+    def usage(self, outcomes):
+        """Of every answer decoded (the prompt once: its forward is shared)."""
+        completion = sum(outcome.completion_tokens for outcome in outcomes)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": outcomes[0].stats.get("cached_tokens", 0)}}
 
     def speculative(self, outcome):
         stats = outcome.stats

@@ -1,0 +1,180 @@
+"""Structured output: the target constrained by a grammar (Settings.grammar: a JSON Schema, a regular
+expression, a Lark or GBNF grammar, or OpenAI's response_format), through llguidance (the optional extra
+minispec[grammar]; read only by requests that give a grammar).
+
+At every position a step scores, the target's logits of the tokens the grammar forbids after that
+position's path (the accepted prefix and the guesses before it) become -inf, before the usual
+sampling: plain decoding's distribution, constrained. A guess the grammar forbids then has p = 0 and
+Algorithm 1 rejects it, so the positions after it are never reached and are left unmasked (their p
+is never read, and is never all -inf: no NaN); a chain is cut before such a guess, unverified. The
+matcher advances over the emitted tokens only, so its state follows the caches' rollback. A draft
+model's chain q is masked alike (drafters.py), so that its guesses are ones the target can accept; any
+q keeps the target's distribution. Where the grammar forces the next tokens, they are the step's
+guesses, at no draft forward.
+"""
+
+import json
+import re
+import weakref
+
+import torch
+
+from ..models.checks import SettingError
+
+TOKENIZERS = weakref.WeakKeyDictionary()  # target -> its tokenizer as llguidance's, built once (it reads every token)
+BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte token
+ALLOWED = bytes.maketrans(bytes(range(256)), bytes(1) + bytes([1]) * 255)  # compute_logit_bias' 0 or 200 -> 0 or 1
+
+
+def engine():
+    try:
+        import llguidance  # the grammar engine: an optional extra, read only when a request has a grammar
+    except ImportError:
+        raise SettingError("grammar", "grammars need the llguidance package: pip install 'minispec[grammar]'") from None
+    return llguidance
+
+
+def grammar_text(spec):
+    """Settings.grammar (its form already checked) -> the llguidance grammar, or None (plain text)."""
+    kind = spec.get("type")
+    if kind == "text":
+        return None
+    if kind is not None:  # OpenAI's response_format: json_object is any object, a json_schema without schema any JSON
+        spec = {"json_schema": {"type": "object"} if kind == "json_object" else spec["json_schema"].get("schema", {})}
+    (kind, value), = spec.items()
+    try:
+        return engine().grammar_from(kind, value if isinstance(value, str) else json.dumps(value))
+    except (ValueError, TypeError) as error:
+        raise SettingError("grammar", f"grammar: {one_line(error)}") from None
+
+
+def compile_grammar(spec, target):
+    """A request's grammar checked against the target: its Matcher, fresh; None for plain text."""
+    text = grammar_text(spec) if spec is not None else None
+    if text is None:
+        return None
+    if target.tokenizer is None or not target.eos_token_ids:
+        raise SettingError("grammar", f"a grammar needs a tokenizer and an EOS token; {target.name} lacks one")
+    llguidance = engine()
+    if target not in TOKENIZERS:  # the grammar ends at any of the target's EOS tokens
+        source = wrapped(target.tokenizer, target.vocab_size, target.eos_token_ids[0])
+        TOKENIZERS[target] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), n_vocab=target.vocab_size,
+                                                    eos_token=list(target.eos_token_ids))
+    matcher = llguidance.LLMatcher(TOKENIZERS[target], text, log_level=0)
+    if matcher.is_error():
+        raise SettingError("grammar", f"grammar: {one_line(matcher.get_error())}")
+    return Matcher(matcher, target.vocab_size)
+
+
+def one_line(error):
+    return " ".join(str(error).split())
+
+
+def wrapped(tokenizer, vocab_size, eos):
+    """minispec's tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes, the special ids,
+    EOS, and encoding text."""
+    byte_level = getattr(tokenizer, "tokenizer", None) is not None and '"ByteLevel"' in tokenizer.tokenizer.to_str()
+    table = byte_level_table()
+    byte_strings = [b""] * vocab_size
+    for i, token in tokenizer.id_to_token.items():
+        if i < vocab_size:
+            byte_strings[i] = token_bytes(token, i in tokenizer.special_ids, i in tokenizer.added, byte_level, table)
+
+    class Source:
+        eos_token_id, bos_token_id, tokens = eos, tokenizer.bos_token_id, byte_strings
+        special_token_ids = sorted(i for i in tokenizer.special_ids if i < vocab_size)
+
+        def __call__(self, text):
+            if byte_level:
+                return tokenizer.encode(text, add_special_tokens=False)
+            # SentencePiece puts a space before a text's first piece; after a newline (cut off again) it puts none
+            newline, ids = (tokenizer.encode(t, add_special_tokens=False) for t in ("\n", "\n" + text))
+            return ids[len(newline):] if ids[:len(newline)] == newline else ids
+
+    return Source()
+
+
+def token_bytes(token, special, added, byte_level, table):
+    """A token's bytes: a byte-level token's characters read back as bytes, a SentencePiece piece as text
+    ("\u2581" a space, <0xNN> its byte); special tokens marked with a leading 0xFF, as llguidance reads them."""
+    if special:
+        return b"\xff" + token.encode()
+    if added:
+        return token.encode()
+    if byte_level and all(c in table for c in token):
+        return bytes(table[c] for c in token)
+    byte = BYTE.fullmatch(token)
+    return bytes([int(byte[1], 16)]) if byte else token.replace("\u2581", " ").encode()
+
+
+def byte_level_table():
+    """GPT-2's characters of byte-level BPE, in which its tokens are written, -> the bytes they stand for."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+class Matcher:
+    """A row's grammar state: after the tokens it emitted so far."""
+
+    def __init__(self, matcher, vocab_size):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def copy(self):
+        """A row's own matcher: a request's may be decoded more than once."""
+        return Matcher(self.matcher.deep_copy(), self.vocab_size)
+
+    def allowed(self):
+        """The tokens the grammar allows next: a byte each, 1 or 0."""
+        return self.matcher.compute_logit_bias()[:self.vocab_size].translate(ALLOWED)
+
+    def mask(self, logits, guesses, parents):
+        """logits [m+1, vocab] at a step's root and its m guesses (a chain's, or a tree's nodes hanging
+        from `parents`) -> -inf where the grammar forbids a token after that position's path; a position
+        whose path it forbids is never reached, and is left as it is."""
+        rows = []
+        for path in paths(guesses.tolist(), parents):
+            rows.append(self.allowed_after(path) or b"\1" * self.vocab_size)
+        return masked(logits, rows)
+
+    def mask_after(self, logits, guesses):
+        """A draft's logits [vocab] for its next guess after `guesses` (device tokens) this step."""
+        allowed = self.allowed_after([int(x) for x in guesses])
+        return logits if allowed is None else masked(logits, [allowed])[0]
+
+    def allowed_after(self, path):
+        """allowed() after the tokens of `path`, or None where the grammar forbids them."""
+        if self.matcher.validate_tokens(path) < len(path):
+            return None
+        self.matcher.consume_tokens(path)
+        allowed = self.allowed()
+        self.matcher.rollback(len(path))
+        return allowed
+
+    def valid(self, guesses):
+        """How many of a chain's guesses (device tokens) the grammar allows, one after another."""
+        return self.matcher.validate_tokens(guesses.tolist())
+
+    def forced(self, most):
+        """Up to `most` tokens the grammar forces next (guesses that need no drafter)."""
+        return self.matcher.compute_ff_tokens()[:most] if most > 0 else []
+
+    def advance(self, tokens):
+        if not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the grammar refused emitted tokens {tokens}: {self.matcher.get_error()}")
+
+
+def masked(logits, rows):
+    """logits [m, vocab] -> -inf where rows (m allowed() bytes objects) hold 0."""
+    allowed = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.bool).view(len(rows), -1)
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))
+
+
+def paths(guesses, parents):
+    """The guesses before each position of a step: none at its root, then each guess's path to it."""
+    if parents is None:
+        return [guesses[:i] for i in range(len(guesses) + 1)]
+    out = [[]]
+    for j, parent in enumerate(parents):
+        out.append((out[parent + 1] if parent >= 0 else []) + [guesses[j]])
+    return out

@@ -1,0 +1,38 @@
+"""Quantized checkpoints in the native kernels' layout: a conversion rewritten once in it (pack_stored),
+so that a load maps it from the file as it is, and unpacked again where the kernels do not take it."""
+import os
+from pathlib import Path
+
+from ..models import backend
+from .weights import save_safetensors
+
+
+def pack_stored(directory, model):
+    """Rewrite a checkpoint's quantized weights in the kernels' layout (models.quant's packed form), the
+    form a load then maps from the file as it is: packing them at every load cost most of its time, and
+    the stored form's float32 scales made the file larger than the GGUF it came from."""
+    if any(hasattr(module, "native") and not module.native for module in model.modules()):
+        return  # no kernels here, or a layer they do not take: PyTorch's layout, which no load reads from a file
+    tensors = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, tensor in module.named_parameters(prefix=name, recurse=False):
+            tensors[key] = tensor
+        for key, tensor in module._buffers.items():
+            if tensor is not None and key not in module._non_persistent_buffers_set:
+                tensors[prefix + ("packed_" if getattr(module, "native", False) else "") + key] = tensor
+    save_safetensors(tensors, Path(directory) / "model.safetensors.partial", metadata={"format": "pt"})
+    os.replace(Path(directory) / "model.safetensors.partial", Path(directory) / "model.safetensors")
+
+
+def unpacked_unless_taken(model, stored, device, tp):
+    """The checkpoint's quantized weights, those in the kernels' layout unpacked to the stored form where
+    these kernels do not take them as they are (another device or backend, a sharded model)."""
+    shapes = {name: model.get_submodule(name).weight.shape for name in stored}
+    if all("packed_weight" not in parts or tp is None and backend.current().takes_quantized(
+            shapes[name][1], shapes[name][1] // parts["packed_scales"].shape[1], device)
+           for name, parts in stored.items()):
+        return stored
+    from .. import native  # the layout's reader: pure torch, also where the kernels do not build
+    return {name: native.unpack(parts, shapes[name][0]) if "packed_weight" in parts else parts
+            for name, parts in stored.items()}
