@@ -101,12 +101,13 @@ def test_the_draft_cache_follows_the_accepted_text_whoever_guessed_it(models, mo
     assert same.stats["tokens_per_target_call"] >= 3.5
 
 
-@pytest.mark.parametrize("tree_setting", ["off", 8])
-def test_sampled_output_has_the_targets_distribution(vocab16, tree_setting, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("coupling, tree_setting", [("rejection", "off"), ("rejection", 8), ("gumbel", 8)])
+def test_sampled_output_has_the_targets_distribution(vocab16, coupling, tree_setting, monkeypatch):  # noqa: F811
     """The first three tokens of many requests against the target's exact joint: the noisy draft's draws
-    and lookup's copy of what followed "6 8" merged at their nodes (and "6 8 12": lookup's chain alone)."""
+    and lookup's copy of what followed "6 8" merged at their nodes (and "6 8 12": lookup's chain alone);
+    under the rejection coupling verified by the mixed candidate rule, under the Gumbel one by the walk."""
     target, draws = vocab16["target"], 1200
-    sampling = {"temperature": 1.0, "top_k": 3}
+    sampling = {"temperature": 1.0, "top_k": 3, "coupling": coupling}
     walks = Counter()
     sample_walk = speculative.sample_walk
 
@@ -115,14 +116,14 @@ def test_sampled_output_has_the_targets_distribution(vocab16, tree_setting, monk
         return sample_walk(*args)
     monkeypatch.setattr(speculative, "sample_walk", counted)
     for prompt in [[6, 8, 12, 6, 8]] + ([[6, 8, 12, 5, 6, 8, 12]] if tree_setting == "off" else []):
-        joint = exact_joint(target, prompt, minispec.Sampling(**sampling), length=3)
+        joint = exact_joint(target, prompt, minispec.Sampling(temperature=1.0, top_k=3), length=3)
         counts = Counter()
         for seed in range(draws):
             out = minispec.generate(target, prompt, draft=[vocab16["noisy"], "lookup"], gamma=2, max_new_tokens=3,
                                     seed=seed, ignore_eos=True, tree=tree_setting, **sampling)
             counts[tuple(out.tokens)] += 1
         assert_sampled_from(counts, joint, draws)
-    assert walks[True] >= draws // 4  # trees holding both kinds of candidate
+    assert walks[True] >= draws // 4 if coupling == "rejection" else not walks  # trees holding both kinds
 
 
 def test_bad_mixes_are_named(models):
