@@ -17,7 +17,8 @@ not draw it (tree.add_path appends it after them); tree.sample_walk tries them i
 rule for how it was drawn: a draw with q (its ratio test, the residual p - q), the cheap token as a point
 mass (accepted with p', then dropped from p'). Each test is Algorithm 1's against the residual of the
 ones before, and the cheap token is fixed given what came before, so the token that comes out has p's
-distribution (the recursive rejection argument, candidate by candidate).
+distribution (the recursive rejection argument, candidate by candidate). Under coupling="gumbel" the walk
+accepts a node iff it is the target's own draw there, which any set of candidates leaves exact.
 """
 
 import torch
