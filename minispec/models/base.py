@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from . import backend
-from .kernels import can_pack, native_attention, linear, pack_together, to_device, tree_layout, whole_blocks
+from .kernels import (can_pack, causal_mask, native_attention, linear, pack_together, query_rows_mask, to_device,
+                      tree_layout, whole_blocks)
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -522,6 +523,54 @@ class CachedLM(nn.Module):
     @property
     def dtype(self):
         return next(self.parameters()).dtype
+
+
+class Decoder(CachedLM):
+    """What the decoder-only families with grouped-query attention share (Llama, Gemma): a token embedding,
+    a block per entry of config.windows (its sliding window, None: full attention), a final norm, and a
+    head that is the embedding itself when the config ties them. config: vocab_size, dim, n_heads,
+    n_kv_heads, head_dim, max_seq_len, norm_eps, windows, tie_word_embeddings."""
+
+    def __init__(self, config, block, norm):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(block(config, window) for window in config.windows)
+        self.norm = norm(config.dim, config.norm_eps)
+        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
+        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
+
+    @property
+    def context_length(self):
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    @property
+    def head(self):
+        return self.tok_embeddings if self.output is None else self.output
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        for layer in self.layers:
+            # the layer's own head count: fewer than the config's when sharded (models/tp.py)
+            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
+                                               self.config.head_dim, self.dtype, self.device)
+
+    def window_masks(self, positions, keys):
+        """{window: mask} for the layers' windows over `keys` cache positions, as Attention reads them
+        (query_rows_mask): a query at position p reads keys up to p, and with a window only those after
+        p - window."""
+        causal = causal_mask(positions, keys)
+        key_pos = torch.arange(keys, device=positions.device)
+        group = self.config.n_heads // self.config.n_kv_heads
+        return {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
+                for w in set(self.config.windows)}
+
+    def logits(self, hidden):
+        return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
 def fuse(weights, names, fused_name):

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, Family, KVCache, Linear, compile_region, fuse
+from .base import Decoder, Family, Linear, compile_region, fuse
 from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import attend_cache, causal_mask, elementwise, query_rows_mask
+from .kernels import attend_cache, elementwise
 
 # The reference's defaults (Gemma3TextConfig, Gemma2Config) for the keys a config.json may leave out.
 GEMMA3 = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
@@ -225,33 +225,13 @@ class TransformerBlock(nn.Module):
         return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
 
 
-class Gemma(CachedLM):
+class Gemma(Decoder):
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
-
-    @property
-    def context_length(self):
-        return self.config.max_seq_len
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    @property
-    def head(self):
-        return self.tok_embeddings if self.output is None else self.output
+        super().__init__(config, TransformerBlock, RMSNorm)
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
         c = self.config
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
-                                               c.head_dim, self.dtype, self.device)
         for name, theta, factor in (("rope", c.rope_theta, c.rope_factor), ("local_rope", c.local_rope_theta, 1.0)):
             cos, sin = rope_tables(theta, factor, c.head_dim, self.cache_max_seq_len, self.device)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
@@ -260,11 +240,7 @@ class Gemma(CachedLM):
     def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
         """... and with `taps`, the residual states entering those layers too (llama.py's Llama.features)."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        causal = causal_mask(positions, keys or self.cache_max_seq_len)
-        key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
-        group = self.config.n_heads // self.config.n_kv_heads
-        masks = {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
-                 for w in set(self.config.windows)}
+        masks = self.window_masks(positions, keys or self.cache_max_seq_len)
         rope = {None: (self.rope_cos[positions], self.rope_sin[positions]),
                 "local": (self.local_rope_cos[positions], self.local_rope_sin[positions])}
         x, tapped = self.embed_tokens(tokens), []
@@ -283,7 +259,7 @@ class Gemma(CachedLM):
         return x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)  # the scale rounded to the dtype, as the reference
 
     def logits(self, hidden):
-        logits = (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
+        logits = super().logits(hidden)
         cap = self.config.logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 

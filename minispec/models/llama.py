@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import CachedLM, Embedding, Family, KVCache, Linear, RMSNorm, compile_region, fuse
+from .base import Decoder, Family, Linear, RMSNorm, compile_region, fuse
 from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import attend_cache, causal_mask, elementwise, query_rows_mask
+from .kernels import attend_cache, elementwise
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -301,36 +301,13 @@ class TransformerBlock(nn.Module):
         return LayerNorms(None if isinstance(self.attention_norm, nn.Identity) else self.attention_norm, self.ffn_norm)
 
 
-class Llama(CachedLM):
+class Llama(Decoder):
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
-        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
-
-    @property
-    def context_length(self):
-        return self.config.max_seq_len
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    @property
-    def head(self):
-        return self.tok_embeddings if self.output is None else self.output
+        super().__init__(config, TransformerBlock, RMSNorm)
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
-        c = self.config
-        for layer in self.layers:
-            # the layer's own head count: fewer than the config's when sharded (models/tp.py)
-            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
-                                               c.head_dim, self.dtype, self.device)
-        cos, sin = rope_tables(c, self.cache_max_seq_len, self.device)
+        cos, sin = rope_tables(self.config, self.cache_max_seq_len, self.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -346,13 +323,7 @@ class Llama(CachedLM):
         """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
         entering each layer listed in `taps` is appended to `tapped` (index n_layers: the last one's output)."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        causal = causal_mask(positions, keys or self.cache_max_seq_len)
-        # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
-        key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
-        masks = {w: causal if w is None else causal & (key_pos > positions[..., None] - w)
-                 for w in set(self.config.windows)}
-        group = self.config.n_heads // self.config.n_kv_heads
-        masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
+        masks = self.window_masks(positions, keys or self.cache_max_seq_len)  # Mistral's windows too
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         fused = self.fused_layers(x)
         if fused is not None:
@@ -375,9 +346,6 @@ class Llama(CachedLM):
 
     def embed_tokens(self, tokens):
         return self.tok_embeddings(tokens)
-
-    def logits(self, hidden):
-        return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
 def convert_hf_weights(weights, config):
