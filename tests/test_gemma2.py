@@ -137,3 +137,51 @@ def test_sampled_joint_distribution_is_the_targets(tmp_path_factory):
     counts = Counter(tuple(generate(target, prompt, draft=draft, gamma=2, max_new_tokens=3, seed=seed,
                                     ignore_eos=True, **settings).tokens) for seed in range(draws))
     assert_sampled_from(counts, joint, draws)
+
+
+def test_gguf_file_converts_to_the_reference(tmp_path):
+    """A Gemma 2 file as llama.cpp writes one (norms stored as 1 + w, its caps and window in the metadata),
+    the even layers sliding as llama.cpp reads them: the converted folder loads in minispec and in the
+    reference with the reference's logits. Without the caps in the file, llama.cpp's defaults (50, 30)."""
+    from gguf import GGUFValueType
+    from test_gguf import PROMPT, model_to_gguf
+
+    from minispec.loading.gguf import convert_gguf
+
+    reference = make_gemma2(num_hidden_layers=4, sliding_window=4, query_pre_attn_scalar=16, layer_types=None,
+                            tie_word_embeddings=True)  # llama.cpp writes no output tensor for Gemma 2
+    stored = copy.deepcopy(reference)
+    with torch.no_grad():
+        for name, weight in stored.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.add_(1.0)
+    c, f32 = reference.config, GGUFValueType.FLOAT32
+    metadata = {"gemma2.attention.sliding_window": (4, GGUFValueType.UINT32),
+                "gemma2.attention.key_length": (16, GGUFValueType.UINT32),
+                "gemma2.attention.value_length": (16, GGUFValueType.UINT32),
+                "gemma2.attn_logit_softcapping": (c.attn_logit_softcapping, f32),
+                "gemma2.final_logit_softcapping": (c.final_logit_softcapping, f32)}
+    out = convert_gguf(model_to_gguf(stored, tmp_path / "model.gguf", metadata=metadata), tmp_path / "converted",
+                       progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma2" and config["layer_types"] == reference.config.layer_types
+    tokens = PROMPT * 2  # past the window
+    model = load_model(out, dtype=torch.float32)
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+    expected = reference_logits(reference, tokens).exact
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    imported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(reference_logits(imported, tokens).exact, expected, atol=1e-4, rtol=0)
+    del metadata["gemma2.attn_logit_softcapping"], metadata["gemma2.final_logit_softcapping"]
+    out = convert_gguf(model_to_gguf(stored, tmp_path / "default.gguf", metadata=metadata), tmp_path / "default",
+                       progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+
+
+def make_gemma2(**changes):
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**{**TINY_CONFIGS["gemma2"]().to_dict(), **changes})
+    return gemma_init(spread_init(transformers.Gemma2ForCausalLM(config).eval(), 0))
