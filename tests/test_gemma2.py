@@ -1,18 +1,24 @@
 """Gemma 2 text models against the reference implementation (Gemma2ForCausalLM): soft-capped attention scores
 and logits, even layers sliding, one RoPE base, no q/k norm. Prefill, cached decoding and rollback past the
 window; greedy generation in float32, bfloat16 and float16; the reference's defaults and a null cap;
-speculative greedy output equal to plain greedy, and the sampled joint distribution the target's."""
+speculative greedy output equal to plain greedy (chains, trees, int8/int4 self-drafts, batches, two
+tensor-parallel ranks, compiled), row invariance, the sampled joint distribution the target's, and a GGUF
+file converted."""
 
 import copy
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from conftest import TINY_CONFIGS, gemma_init, noisy_copy, save_reference, spread_init, target_and_drafts
+from test_compile import test_compiled_decoding_matches_eager_and_never_recompiles as compiled_check
 from test_llama import assert_logits_close, random_tokens, reference_logits
+from test_rows import mismatched_rows
 from test_speculative import SMALL_VOCAB, assert_sampled_from, exact_joint
+from test_tp import torchrun
 
 import minispec
 from minispec import generate
@@ -117,8 +123,41 @@ def test_speculative_greedy_equals_plain_greedy(models):
         for gamma in (1, 3, 5, "auto"):
             out = generate(target, prompt, draft=models[name], gamma=gamma, max_new_tokens=40, ignore_eos=True)
             assert out.tokens == baseline, (name, gamma)
-    tree = generate(target, prompt, draft="lookup", tree=8, max_new_tokens=40, ignore_eos=True)
-    assert tree.tokens == baseline
+    for draft, tree in (("lookup", 8), (models["noisy"], 4), ("int8", None), ("int4", None)):  # trees, self-drafts
+        out = generate(target, prompt, draft=draft, tree=tree, max_new_tokens=40, ignore_eos=True)
+        assert out.tokens == baseline, (draft, tree)
+    prompts = [prompt, random_tokens(5, seed=6), random_tokens(9, seed=7)]  # batched: each as it would alone
+    alone = [generate(target, p, max_new_tokens=20, ignore_eos=True).tokens for p in prompts]
+    together = generate(target, prompts, draft=models["noisy"], batch_size=2, max_new_tokens=20, ignore_eos=True)
+    assert [out.tokens for out in together] == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_every_row_computes_as_it_would_alone(reference_dirs, dtype):
+    """Soft-capped attention takes PyTorch's path, which keeps row invariance: batch rows and verify
+    widths compute each token's logits bit for bit as a 1-token forward."""
+    model = minispec.load(reference_dirs["gemma2"][1], dtype=dtype)
+    with torch.inference_mode():
+        assert mismatched_rows(model) == []
+
+
+def test_compiled_decoding_matches_eager(tmp_path):
+    compiled_check(None, tmp_path, "gemma2")  # test_compile's, on a Gemma 2: no recompiles either
+
+
+def test_tensor_parallel_parity_and_speculative_greedy(reference_dirs, tmp_path):
+    """Two ranks (torchrun): sharded logits and greedy tokens as one process's, speculative = plain, row
+    invariance per rank (tp_worker's checks of a family)."""
+    reference, target = reference_dirs["gemma2"]
+    draft = save_reference(noisy_copy(reference, seed=1, scale=0.05), tmp_path / "draft")
+    script = tmp_path / "worker.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport tp_worker\n"
+                      f"tp_worker.check_family('gemma2', {str(target)!r}, {str(draft)!r})\n"
+                      "tp_worker.dist.barrier()\ntp_worker.dist.destroy_process_group()\n")
+    result = torchrun(script)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    for line in ("ok gemma2: parity, speculative = plain", "ok gemma2: row invariance"):
+        assert result.stdout.count(line) == 2, (line, result.stdout)  # once per rank
 
 
 def test_sampled_joint_distribution_is_the_targets(tmp_path_factory):
