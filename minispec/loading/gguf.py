@@ -362,7 +362,7 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 2's and 3's: norms before and after attention and the MLP (ffn_norm comes before the MLP, Llama's after attention)
+# Gemma 2 and 3: norms before and after attention and the MLP (ffn_norm comes before the MLP, Llama's after attention)
 GEMMA3_LAYER_NAMES = {**LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                       "post_attention_norm.weight": "post_attention_layernorm.weight",
                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Decoder, Family, Linear, compile_region, fuse
+from .base import Attention, Decoder, Family, Linear, compile_region, fuse
 from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import attend_cache, elementwise
+from .kernels import elementwise
 
 # The reference's defaults (Gemma3TextConfig, Gemma2Config) for the keys a config.json may leave out.
 GEMMA3 = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
@@ -139,12 +139,6 @@ def rope_tables(theta, factor, head_dim, max_seq_len, device):
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-def apply_rope(x, cos, sin):
-    """x [B, T, heads, head_dim] rotated by cos and signed sin [T or B x T, head_dim] (llama.py's apply_rope)."""
-    wide = x.float()
-    return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
-
-
 class RMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back (Llama's
     casts the normed values first, then multiplies)."""
@@ -157,35 +151,6 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         wide = x.float()
         return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, config, window):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.window, self.scale, self.softcap = window, config.query_scale, config.attention_softcap
-        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
-        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.qkv_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.kv_cache = None
-
-    def project(self, x, cos, sin):
-        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one new tensor, q and k normed
-        and rotated (llama.py's Attention.project)."""
-        B, T, _ = x.shape
-        q, k, v = self.wqkv(x).view(B, T, -1, self.head_dim).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], 2)
-        qk = torch.cat([q, k] if self.q_norm is None else [self.q_norm(q), self.k_norm(k)], dim=2)
-        return torch.cat([apply_rope(qk, cos, sin), v], dim=2)
-
-    def forward(self, qkv, input_pos, mask, layout):
-        B, T = qkv.shape[:2]
-        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
-        k, v = self.kv_cache.update(input_pos, k, v)
-        # the query heads sharing a K/V head as extra rows of that head (llama.py's Attention.forward)
-        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
-        y = attend_cache(q, k, v, mask, self.scale, layout=layout, softcap=self.softcap)
-        return self.wo(y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -205,7 +170,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, config, window):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, window)
+        self.attention = Attention(config, window, RMSNorm, config.qkv_bias, config.query_scale,
+                                   config.attention_softcap)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
