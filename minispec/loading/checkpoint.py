@@ -31,8 +31,8 @@ from .weights import (CheckpointError, file_identity, log, read_config, read_dty
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
-FAMILIES = {"gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama", "mistral": "llama",
-            "qwen2": "llama", "qwen3": "llama", "t5": "t5"}
+FAMILIES = {"gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama",
+            "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "t5": "t5"}
 
 
 def family(model_type) -> Family:

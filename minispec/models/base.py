@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from . import backend
-from .kernels import can_pack, native_attention, linear, pack_together, to_device, tree_layout, whole_blocks
+from .kernels import (attend_cache, can_pack, causal_mask, native_attention, linear, pack_together, query_rows_mask,
+                      to_device, tree_layout, whole_blocks)
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -190,6 +191,58 @@ class Embedding(nn.Embedding):
 
     def unembed(self, x):
         return linear(x, self.weight, None, self.packed)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x [B, T, heads, head_dim] by its positions' angles, cos and signed sin [T or B x T,
+    head_dim] (rope_tables); the pairs are (i, i + head_dim/2): x1·cos - x2·sin, x2·cos + x1·sin. The
+    halves swapped by one roll times the signed sines are rotate_half's (-x2, x1) times the sines, bit
+    for bit, in two operations fewer: an eager step of a small model is mostly such small operations."""
+    wide = x.float()
+    return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention of a Llama or Gemma layer over its KVCache: q, k and v from one fused
+    projection, each q and k head RMS-normed by `norm` first where the config has qk_norm, and rotated;
+    scores scaled by `scale` (None: head_dim^-0.5) and soft-capped by `softcap` (0: not)."""
+
+    def __init__(self, config, window, norm, out_bias, scale=None, softcap=0.0):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.window, self.scale, self.softcap = window, scale, softcap
+        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
+        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=out_bias)
+        self.q_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.kv_cache = None
+
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one tensor, q and k rotated
+        (their heads in one call: the same per-element arithmetic as one call each). One new tensor: a
+        compile region's outputs come out wrong when they are views of its other tensors (TransformerBlock)."""
+        B, T, _ = x.shape
+        kv_size = self.n_kv_heads * self.head_dim
+        qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
+        qk = qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        qk = apply_rope(qk, cos, sin)
+        return torch.cat([qk, v.view(B, T, self.n_kv_heads, self.head_dim)], dim=2)
+
+    def forward(self, qkv, input_pos, mask, layout):
+        """The attention of `project`'s q, k, v (the layer's keys and values written to its cache)."""
+        B, T = qkv.shape[:2]
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
+        # (consecutive heads) become extra query rows of that head, each block of T rows with the same
+        # mask (repeated so by query_rows_mask).
+        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
+        y = attend_cache(q, k, v, mask, self.scale, layout, self.softcap)
+        y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
+        return self.wo(y)
 
 
 class CachedLM(nn.Module):
@@ -526,6 +579,54 @@ class CachedLM(nn.Module):
     @property
     def dtype(self):
         return next(self.parameters()).dtype
+
+
+class Decoder(CachedLM):
+    """What the decoder-only families with grouped-query attention share (Llama, Gemma): a token embedding,
+    a block per entry of config.windows (its sliding window, None: full attention), a final norm, and a
+    head that is the embedding itself when the config ties them. config: vocab_size, dim, n_heads,
+    n_kv_heads, head_dim, max_seq_len, norm_eps, windows, tie_word_embeddings."""
+
+    def __init__(self, config, block, norm):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(block(config, window) for window in config.windows)
+        self.norm = norm(config.dim, config.norm_eps)
+        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
+        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
+
+    @property
+    def context_length(self):
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    @property
+    def head(self):
+        return self.tok_embeddings if self.output is None else self.output
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        for layer in self.layers:
+            # the layer's own head count: fewer than the config's when sharded (models/tp.py)
+            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
+                                               self.config.head_dim, self.dtype, self.device)
+
+    def window_masks(self, positions, keys):
+        """{window: mask} for the layers' windows over `keys` cache positions, as Attention reads them
+        (query_rows_mask): a query at position p reads keys up to p, and with a window only those after
+        p - window."""
+        causal = causal_mask(positions, keys)
+        key_pos = torch.arange(keys, device=positions.device)
+        group = self.config.n_heads // self.config.n_kv_heads
+        return {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
+                for w in set(self.config.windows)}
+
+    def logits(self, hidden):
+        return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
 def fuse(weights, names, fused_name):
