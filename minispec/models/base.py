@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from . import backend
-from .kernels import (attend_cache, can_pack, causal_mask, native_attention, linear, pack_together, query_rows_mask,
+from .kernels import (attend_cache, can_pack, causal_mask, linear, pack_together, query_rows_mask,
                       to_device, tree_layout, whole_blocks)
 
 
@@ -51,14 +51,6 @@ PREFILL_CHUNK = 128
 # families' TransformerBlock / Block); outside compiled code it calls the function. PyTorch before
 # nested compile regions existed compiles every layer's copy instead, which only takes longer.
 compile_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
-
-
-def compiled_width(n):
-    """On a GPU, the token width of the compiled graph that decodes n tokens: the next power of two. A
-    graph per width met (gamma="auto" meets every width up to 17, trees more) would be captured in the
-    middle of requests; padded rows repeat the last token (decode_rows), which costs less. (A CPU
-    compiles one graph for every width above 1 instead: CachedLM.decode_rows.)"""
-    return 1 << (n - 1).bit_length()
 
 
 class Family(NamedTuple):
@@ -96,11 +88,6 @@ class Feed(NamedTuple):
         if self.parents is None:
             return None
         return tree_layout(self.lengths, self.parents, self.widths, self.tokens.shape[1], positions, self.tokens.device)
-
-
-def graphs_compiled():
-    """How many graphs torch.compile has made in this process (dynamo's count)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class KVCache(nn.Module):
@@ -351,21 +338,9 @@ class CachedLM(nn.Module):
         return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.kv_caches())
 
     def compile(self, mode=None):
-        """torch.compile the decode forward: static shapes (the caches are preallocated) but for the token
-        width, one graph for 1 token (plain decoding) and one for any more on a CPU (decode_rows), a graph
-        per width bucket on a GPU (`compiled_width`: γ+1 rounded up for a verify), each compiled on first
-        use; the families mark each layer's parts as compile regions, traced and compiled once for all
-        the layers of a graph.
-        Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
-        mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
-        # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # marked here, not where it is defined: marking imports the compiler, which the package's import must not
-        torch.compiler.assume_constant_result(native_attention)
-        mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
-        self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
-        self.graphs = 0
-        return self
+        """torch.compile the decode forward (models/compiled.py)."""
+        from .compiled import compile_model  # the compiler's part: read only by a compiled load
+        return compile_model(self, mode)
 
     def encode(self, prompt):
         """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
@@ -444,7 +419,7 @@ class CachedLM(nn.Module):
         `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads (a tuple
         of layer indices: the states entering those layers, as forward's);
         `feed.inputs`: forward's, [rows, n, ...], padded as the tokens are. The compiled forward takes
-        the feed through decode_compiled."""
+        the feed through compiled.decode_compiled."""
         rows, n = feed.tokens.shape
         if feed.widths is None:
             feed = feed._replace(widths=[n] * rows)
@@ -453,54 +428,11 @@ class CachedLM(nn.Module):
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
         if self.compiled_forward is not None and first_row == 0 and not eager and logits_for is None:
-            return self.decode_compiled(feed, hidden)
+            from .compiled import decode_compiled  # read only by a compiled model
+            return decode_compiled(self, feed, hidden)
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
             return self.eager_forward(feed.tokens, feed.input_pos(), logits_for,
                                       feed.layout(self.keys_for(feed.ends(n))), feed.ends, hidden, feed.inputs)
-
-    def graph_feed(self, feed):
-        """The feed as the compiled forward's graphs take it. On a CPU one graph serves every width above
-        1, its token dimension symbolic, since a graph per power of two of widths is slow to compile and
-        feeds the padding's arithmetic too; there a lone request's chain goes as the tree it is, so that
-        one graph serves its chains and trees (the tree path costs a CPU what a chain's does). On a GPU a
-        graph per width bucket, not per width (compiled_width): the rest padded as decode_rows pads a row."""
-        rows, n = feed.tokens.shape
-        if n > 1 and self.device.type == "cpu":
-            if feed.parents is None and rows == 1:
-                return feed._replace(parents=[list(range(-1, feed.widths[0] - 1))])
-            return feed
-        width = compiled_width(n)
-        if width == n:
-            return feed
-        tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, width - n, *x.shape[2:])], 1)
-                          for x in (feed.tokens, feed.inputs))
-        return feed._replace(tokens=tokens, inputs=inputs)
-
-    def decode_compiled(self, feed, hidden):
-        """decode_rows through the compiled forward, from cache row 0."""
-        fed = feed.tokens.shape[1]
-        feed = self.graph_feed(feed)
-        input_pos, layout = feed.input_pos(), feed.layout(self.cache_max_seq_len)
-        # graphs guard on strides; a slice of a longer tensor has odd ones
-        tokens, inputs = feed.tokens.clone(memory_format=torch.contiguous_format), feed.inputs
-        # On a CPU the width is symbolic (a width 1 stays a graph of its own: dynamo specializes 1).
-        if fed > 1 and self.device.type == "cpu":
-            widthwise = [(tokens, 1), (input_pos, -1), (inputs, 1)]
-            if layout is not None:
-                widthwise += [(layout.positions, 1), (layout.window, 1)]
-            for tensor, dim in widthwise:
-                if tensor is not None:
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
-        before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
-        if hidden or inputs is not None:
-            out = self.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
-            out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-        elif layout is None:
-            out = self.compiled_forward(tokens, input_pos)[:, :fed]
-        else:
-            out = self.compiled_forward(tokens, input_pos, None, layout)[:, :fed]
-        self.graphs += graphs_compiled() - before
-        return out
 
     @staticmethod
     def padded(feeds):
