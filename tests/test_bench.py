@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import make_reference, noisy_copy, save_reference, spread_init
-from test_serve import checkpoints  # noqa: F401 (a fixture)
 
 import minispec
 from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, served, theory, timing, workloads
@@ -693,20 +692,32 @@ def test_llama_cpp_peer_against_minispec(dirs, tmp_path):
 
 # --- the server's benchmarks (served.py): a server per configuration ----------------------------------
 @pytest.fixture(scope="module")
-def served_dirs(checkpoints, tmp_path_factory):
-    """test_serve.py's tiny llama and its tokenizer, with room for the workloads' prompts (4096 positions)."""
+def served_dirs(tmp_path_factory):
+    """A tiny llama whose byte-level BPE tokenizer (ChatML's special tokens, SmolLM2's chat template, as
+    test_serve.py's) is trained on the workloads' own text, so that their prompts are a few hundred
+    tokens; and a draft: its noisy copy."""
     import transformers
+    from test_chat import SMOLLM2
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    source = checkpoints[0]
-    target, draft = tmp_path_factory.mktemp("served_target"), tmp_path_factory.mktemp("served_draft")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    config = transformers.AutoConfig.from_pretrained(source)
-    config.max_position_embeddings = 4096
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([m["content"] for messages in workloads.WORKLOADS.values() for i in range(6)
+                                   for m in messages(i, ["done"] * i)], trainer)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>")
+    hf_tokenizer.chat_template = SMOLLM2
+    config = transformers.LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, bos_token_id=0, eos_token_id=2)
     model = spread_init(transformers.LlamaForCausalLM(config).eval(), seed=0, gain=2.0)
-    for directory, weights in ((target, model), (draft, noisy_copy(model, seed=1, scale=0.05))):
-        tokenizer.save_pretrained(directory)
+    dirs = tmp_path_factory.mktemp("served_target"), tmp_path_factory.mktemp("served_draft")
+    for directory, weights in zip(dirs, (model, noisy_copy(model, seed=1, scale=0.05))):
+        hf_tokenizer.save_pretrained(directory)
         save_reference(weights, directory)
-    return str(target), str(draft)
+    return tuple(map(str, dirs))
 
 
 def in_process(counted=None):

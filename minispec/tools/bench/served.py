@@ -90,7 +90,7 @@ def health(address):
         connection = http.client.HTTPConnection(address, timeout=5)
         connection.request("GET", "/health")
         return json.loads(connection.getresponse().read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
@@ -141,7 +141,8 @@ def tp_serve_benchmark(args):
         flags = server_flags(args, args.draft, f"--batch-size={max(args.clients)}")
         flags = [f for f in flags if not f.startswith("--threads=")] + [f"--threads={max(threads // ranks, 1)}"]
         with serving(flags, ranks) as address:
-            stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})  # the first call's setup
+            hello = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+            stream(address, "/v1/completions", hello)  # the first call's setup is not the benchmark's
             runs += [clients_run(address, args, prompts, ranks, clients) for clients in args.clients]
     for run in runs:
         alone = next(r for r in runs if r["processes"] == 1 and r["clients"] == run["clients"])

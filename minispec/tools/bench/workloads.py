@@ -151,7 +151,7 @@ def workload_run(args, name, draft, cache):
     """One server for `draft` with the prefix cache on or off, the workload's requests one after another."""
     answers = []
     with serving(server_flags(args, draft, *([] if cache else ["--prefix-cache-mb=0"]))) as address:
-        hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0}
         stream(address, "/v1/chat/completions", hello)  # the first call's setup is not the workload's
         for i in range(args.requests):
             body = {"messages": WORKLOADS[name](i, [a.text for a in answers]), **sampling_fields(args)}
