@@ -65,7 +65,7 @@ def edited_functions(edits):
                  for (verb, expr), noun in zip(WHAT, MODULES)]
     change = None
     for k in range(edits + 1):
-        f = functions[k % len(functions)]
+        f = functions[(3 * k + 5) % len(functions)]  # all over the file, its end first
         kind = (k + k // len(functions)) % 4
         change = [f"Rename the function {f['name']} to {f['name']}_all.",
                   f"In {f['name']}, change the default limit from {f['limit']} to {f['limit'] + 5}.",
@@ -90,9 +90,9 @@ def render(functions):
 
 
 def code(i, answers):
-    functions, change = edited_functions(i)
-    return [{"role": "user", "content": f"{change} Answer with the whole updated file and nothing else.\n\n"
-                                        f"```python\n{render(functions)}```"}]
+    functions, change = edited_functions(i)  # the file first, as editors send it: its unchanged start is a prefix
+    return [{"role": "user", "content": f"```python\n{render(functions)}```\n\n{change} Answer with the whole "
+                                        "updated file and nothing else."}]
 
 
 CITIES = ["Lyon", "Porto", "Leeds", "Graz", "Turku", "Gdansk", "Bilbao", "Utrecht", "Brno", "Cork", "Malmo", "Bari"]
