@@ -379,46 +379,22 @@ def with_settings(function):
 @with_settings
 def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=None, **settings):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
-    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields, as
-    keywords; an invalid one raises SettingError (a ValueError) naming it in its `field`.
+    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields as keywords,
+    each with its meaning there; an invalid one raises SettingError (a ValueError) naming its `field`.
 
-    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output
-    has exactly the target's distribution (lenience < 1 trades that exactness for speed, paper A.5).
-    gamma: guesses per step, or "auto": chosen before each step (minispec.decoding.policy).
-    beams > 1 (or draft_beams) runs beam search of width `beams`, speculatively with a draft model whose
-    own beam search has width `draft_beams` (default: beams; paper A.4); the result is the target's.
-    seed=None draws fresh randomness; stats["seed"] is the seed used, which reproduces the call. With a
-    list of prompts, seed may be a list too: one seed per prompt (the same seed draws alike for alike prompts).
-    coupling="gumbel" (the default): a seed's tokens are the same with any draft, gamma, tree or batch, or
-    none; "rejection": Algorithm 1's test, whose draws depend on each step (minispec.decoding.speculative).
-    stop: a string or strings that end the output (which ends just before the first one);
-    stop_token_ids: tokens that end it as EOS does (kept as its last token).
-    tree: each step verifies a token tree of up to `tree` guesses in one target forward instead of a
-    chain (minispec.decoding.tree); drafted by "lookup" (what followed earlier matches), "suffix" (the same,
-    over this process's earlier requests too), "ngram" (the most counted successors), draft models,
-    "int8" / "int4" and draft heads (the continuations they find most probable, grown as EAGLE-2 grows
-    its tree). tree="auto" (the default) lets
-    gamma="auto"'s policy choose a tree or a chain each step, whichever it expects more tokens per
-    second from (under a fixed gamma: chains, Algorithm 1 as written); "off" or None: chains.
-    A list of prompts (texts, or lists of ids) returns a list of Generations, each what its prompt gives
-    alone. They are decoded together (minispec.decoding.engine), plainly or speculatively, `batch_size` (default:
-    all) at a time, a finished request's place going to the next; beam search runs them one after
-    another. on_tokens(i, tokens) is called with each step's new tokens of prompt i.
-    logprobs=k: Generation.logprobs holds each token's log-probability and its k most likely
-    alternatives (speculative.TokenLogprob), read from the verifying forward: the same numbers as plain
-    decoding's. Sampled, of the distribution drawn from (after penalties, temperature, top_k, top_p and
-    min_p); greedy, of the model's own softmax (penalized, with penalties).
-    on_states(i, tokens, states) is called after each step with the tokens of prompt i the target's
-    forward saw and kept (the prompt, then accepted tokens: all but the last output token, which no
-    forward sees) and its hidden states at each [len(tokens), dim], computed by the same forwards (for
-    training draft heads on them: minispec.heads). state_layers: which states: None, the last (what the
-    output head reads); a list of layer indices, the residual states entering those layers side by side
-    (the number of layers: the last layer's output before the final norm; Llama family).
-    prefix_cache: a minispec.decoding.prefix.PrefixCache (default None: off), whose stored keys and values
-    of earlier requests a prompt beginning with the same tokens reuses (stats["cached_tokens"]).
-    n > 1: a list of n Generations of the prompt (of a list of prompts: a list of such lists), rows of one
-    batch sharing the prompt's forward, each with its own seed (stats["seed"]: answers(seed, n)); on_tokens'
-    i counts answers (prompt i's answer j is i * n + j).
+    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output has
+    exactly the target's distribution (lenience < 1 trades that for speed, paper A.5). stats["seed"] is
+    the seed used, which reproduces the call (coupling="gumbel": with any draft, gamma, tree or batch).
+    A list of prompts returns a list of Generations, each what its prompt gives alone, decoded together
+    (decoding/engine.py) `batch_size` (default: all) at a time; seed may then be a list, one per prompt.
+    n > 1: a list of n Generations of the prompt, rows of one batch sharing the prompt's forward, each
+    with its own seed (answers(seed, n)). on_tokens(i, tokens) is called with each step's new tokens of
+    prompt i (of answer i * n + j with n answers). logprobs=k: Generation.logprobs holds each token's
+    log-probability and its k most likely alternatives, read from the verifying forward: plain decoding's
+    numbers. on_states(i, tokens, states) receives the target's hidden states at the tokens its forwards
+    kept (for training draft heads: minispec.heads); state_layers picks the layers (Llama family).
+    prefix_cache: a decoding.prefix.PrefixCache whose keys and values of earlier requests a prompt
+    beginning with the same tokens reuses (stats["cached_tokens"]).
     """
     batched = is_batch(prompt)
     seed = settings.get("seed")

@@ -60,6 +60,13 @@ TINY_CONFIGS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     ),
+    "gemma2": lambda: transformers.Gemma2Config(  # even layers sliding (window 8), soft-capped attention and
+        # logits (caps low enough to bite), no q/k norm, one RoPE base
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, query_pre_attn_scalar=24,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    ),
     "t5_v1_0": lambda: transformers.T5Config(  # ReLU feed-forward, tied head (output scaled by d_model^-0.5)
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
@@ -81,6 +88,7 @@ MODEL_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
     "t5_v1_0": transformers.T5ForConditionalGeneration,
     "t5_v1_1": transformers.T5ForConditionalGeneration,
 }
@@ -108,7 +116,7 @@ def spread_init(model, seed, gain=3.0):
 
 
 # Seeds whose greedy continuations vary (checked by the model tests' distinct-token asserts).
-SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "qwen3": 3, "gemma3": 0, "t5_v1_0": 1, "t5_v1_1": 2}
+SEEDS = {"gpt2": 0, "llama": 0, "llama_gqa": 0, "qwen2": 0, "qwen3": 3, "gemma3": 0, "gemma2": 2, "t5_v1_0": 1, "t5_v1_1": 2}
 # T5 v1.1 at gain 3 has logits of ~30, where float32 rounding alone exceeds the 1e-4 tolerance.
 GAINS = {"t5_v1_1": 2.0}
 

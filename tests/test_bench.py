@@ -1,5 +1,6 @@
 """The benchmark (python -m minispec.tools.bench): Theorem 3.8 and section 3.5 against hand-computed values,
-the JSON/markdown report on tiny checkpoints, the reference comparison, and clean errors.
+the JSON/markdown report on tiny checkpoints, the reference comparison, and clean errors; the server's
+benchmarks (--workloads, --tp-serve) on servers in this process.
 
 The tiny checkpoints have no tokenizer files, so prompts are given as token ids."""
 
@@ -10,13 +11,14 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import make_reference, noisy_copy, save_reference
+from conftest import make_reference, noisy_copy, save_reference, spread_init
 
 import minispec
-from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, theory, timing
+from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, served, theory, timing, workloads
 from minispec.tools.bench import cli as bench_cli
 from minispec.tools.bench.prompts import read_prompts
 from minispec.decoding import drafters
@@ -484,6 +486,10 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--llama-cpp", "/nonexistent", "--prompt-ids", "1,2"], "--llama-cpp compares greedy decoding of text prompts"),
     (["--llama-cpp", "/nonexistent"], "--llama-cpp needs --target as a GGUF file"),
     (["--llama-cpp", "/nonexistent", "--draft", "lookup", "ngram"], "--llama-cpp goes with the main table"),
+    (["--workloads", "--requests", "1"], "--workloads needs --requests >= 2"),
+    (["--workloads", "agent", "--one-shot"], "--workloads and --tp-serve are benchmarks of their own"),
+    (["--tp-serve", "1"], "--tp-serve must be >= 2"),
+    (["--tp-serve", "2", "--clients", "0"], "--requests and --clients must be >= 1"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]
@@ -685,3 +691,150 @@ def test_llama_cpp_peer_against_minispec(dirs, tmp_path):
     line = report.peer_line(peer)
     assert line == (f"llama.cpp, {peer['threads']} threads, decode phase: plain 30.0 tok/s, lookup 32.0 tok/s; "
                     "minispec's plain 0.50x its plain, minispec's best mode 1.50x its best")
+
+
+# --- the server's benchmarks (served.py): a server per configuration ----------------------------------
+@pytest.fixture(scope="module")
+def served_dirs(tmp_path_factory):
+    """A tiny llama whose byte-level BPE tokenizer (ChatML's special tokens, SmolLM2's chat template, as
+    test_serve.py's) is trained on the workloads' own text, so that their prompts are a few hundred
+    tokens; and a draft: its noisy copy."""
+    import transformers
+    from test_chat import SMOLLM2
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([m["content"] for messages in workloads.WORKLOADS.values() for i in range(6)
+                                   for m in messages(i, ["done"] * i)], trainer)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>")
+    hf_tokenizer.chat_template = SMOLLM2
+    config = transformers.LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, bos_token_id=0, eos_token_id=2)
+    model = spread_init(transformers.LlamaForCausalLM(config).eval(), seed=0, gain=2.0)
+    dirs = tmp_path_factory.mktemp("served_target"), tmp_path_factory.mktemp("served_draft")
+    for directory, weights in zip(dirs, (model, noisy_copy(model, seed=1, scale=0.05))):
+        hf_tokenizer.save_pretrained(directory)
+        save_reference(weights, directory)
+    return tuple(map(str, dirs))
+
+
+def in_process(counted=None):
+    """served.serving's stand-in: the server's app (as python -m minispec.serve builds it) on a thread of
+    this process, one rank whatever `ranks` says; with `counted`, its /health reports that group's state."""
+    from test_serve import uvicorn_serving
+
+    from minispec.loaders import load_models
+    from minispec.serve import __main__ as serve_main
+    from minispec.serve.app import build_app
+    from minispec.serve.scheduler import Scheduler
+
+    @contextmanager
+    def serving(flags, ranks=1):
+        args = serve_main.parse_args(flags)
+        target, draft = load_models(args)
+        scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue,
+                              args.tree, args.prefix_cache_mb)
+        scheduler.group = counted if ranks > 1 else None
+        with uvicorn_serving(build_app(scheduler, args.target, args.draft), scheduler) as (url, _):
+            yield url.removeprefix("http://")
+    return serving
+
+
+def test_workloads_serve_each_drafter_with_and_without_the_prefix_cache(served_dirs, tmp_path, capsys, monkeypatch):
+    """--workloads: every workload on a server per drafter (none, lookup, suffix, a draft model) and
+    prefix-cache setting; at temperature 0 every server answers every request alike; the prefix cache
+    holds the agent's resent conversation when on, nothing when off; the table names each comparison."""
+    starts = []
+    fake = in_process()
+    monkeypatch.setattr(workloads, "serving", lambda flags: starts.append(flags) or fake(flags))
+    result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "suffix", served_dirs[1],
+                              "--workloads", "--requests", "2", "--threads", "1")
+    drafts = ["none", "lookup", "suffix", served_dirs[1]]
+    assert len(starts) == 4 * 4 * 2 and sum("--prefix-cache-mb=0" in flags for flags in starts) == 4 * 4
+    assert list(result["workloads"]) == ["agent", "code", "summary", "chat"]
+    for name, w in result["workloads"].items():
+        runs = w["runs"]
+        assert [(r["draft"], r["prefix_cache"]) for r in runs] == [(d, c) for c in (True, False) for d in drafts]
+        plain = runs[0]
+        for r in runs:
+            assert len(r["requests"]) == len(r["texts"]) == 2 and all(r["texts"])
+            assert r["texts"] == plain["texts"] and r["identical_to_plain"] is True, (name, r["draft"])
+            assert r["seconds"] == pytest.approx(sum(h["seconds"] for h in r["halves"]))
+            assert 0 < r["mean_ttft"] and all(q["ttft"] <= q["seconds"] for q in r["requests"])
+            assert (r["ttft_cut"] is None) == (not r["prefix_cache"]) and finite_numbers(r)
+            assert r["vs_plain"] == pytest.approx(plain["seconds"] / r["seconds"])
+            assert (r["acceptance_rate"] is None) == (r["draft"] == "none")
+            if not r["prefix_cache"]:
+                assert r["cached_share"] == 0
+            elif name in ("agent", "code"):  # turn 2 resends turn 1's conversation, or the file's start
+                cached = [q["prompt_tokens_details"]["cached_tokens"] for q in r["requests"]]
+                assert r["cached_share"] > 0.3 and cached[1] > cached[0] + 100, cached
+        assert w["best"]["draft"] in drafts[1:] and w["ttft_cut"] == runs[0]["ttft_cut"]
+    assert ("| workload | draft | prefix cache | s | x plain | x lookup | x plain 1st / 2nd half | mean TTFT ms | "
+            "TTFT cut | tok/call 1st / 2nd half | accept | cached | same as plain |") in table
+    assert re.search(r"^- agent: best `.+` [\d.]+x plain \(goal ≥ 3.0x: (meets|misses)\); the prefix cache cuts "
+                     r"plain's mean TTFT [\d.]+x \(goal ≥ 3.0x: (meets|misses)\)$", table, re.M)
+
+
+def test_workloads_are_deterministic_and_repeat_themselves():
+    """The same requests every time; the agent's conversation grows by each answer and tool result; each
+    code edit resends the file as the edit before it left it; summaries share sources; chats never repeat."""
+    agent = [workloads.agent(i, ["A"] * i) for i in range(3)]
+    assert agent == [workloads.agent(i, ["A"] * i) for i in range(3)]
+    assert [len(m) for m in agent] == [2, 4, 6] and agent[2][:4] == agent[1] and agent[2][2]["content"] == "A"
+    first, second = (workloads.code(i, [])[0]["content"] for i in range(2))
+    assert first.endswith("Rename the function clean_names to clean_names_all. Answer with the whole updated file "
+                          "and nothing else.") and "def clean_names(" in first
+    assert "def clean_names_all(" in second and "In parse_dates, change the default limit from 10 to 15." in second
+    assert second[:second.index("def clean_names")] == first[:first.index("def clean_names")]
+    summaries = [workloads.summary(i, [])[0]["content"] for i in range(2)]
+    assert workloads.source(1) in summaries[0] and workloads.source(1) in summaries[1]
+    chats = [workloads.chat(i, [])[0]["content"] for i in range(32)]
+    assert len(set(chats)) == 32
+
+
+class Counted:
+    """A tensor-parallel group's /health state whose broadcasts grow by the same traffic at each look."""
+
+    def __init__(self):
+        self.looks = 0
+
+    @property
+    def state(self):
+        self.looks += 1
+        return {"ranks": 2, "state": "ok", "broadcasts": {"calls": 5 * self.looks, "forwards": 2 * self.looks,
+                                                          "seconds": 0.01 * self.looks}}
+
+    def stop(self):
+        pass
+
+
+def test_tp_serve_compares_the_sharded_server_with_one_process(served_dirs, tmp_path, capsys, monkeypatch):
+    """--tp-serve: one process, then N (here a stand-in whose /health counts broadcasts), for each
+    --clients count: tokens/s, latency percentiles, broadcast time per forward, same greedy output."""
+    starts = []
+    fake = in_process(Counted())
+    monkeypatch.setattr(served, "serving", lambda flags, ranks: starts.append((flags, ranks)) or fake(flags, ranks))
+    result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "lookup", "--tp-serve", "2",
+                              "--clients", "1", "3", "--requests", "2", "--threads", "2")
+    assert [ranks for _, ranks in starts] == [1, 2]
+    assert "--threads=2" in starts[0][0] and "--threads=1" in starts[1][0] and "--batch-size=3" in starts[0][0]
+    runs = result["runs"]
+    assert [(r["processes"], r["clients"], r["requests"]) for r in runs] == [(1, 1, 2), (1, 3, 6), (2, 1, 2), (2, 3, 6)]
+    for r in runs:
+        assert r["tokens_per_second"] > 0 and 0 < r["p50_seconds"] <= r["p99_seconds"] and r["identical_to_one_process"]
+        assert ("broadcasts" in r) == (r["processes"] == 2)
+    assert runs[2]["broadcasts"] == {"calls": 5, "forwards": 2, "seconds": pytest.approx(0.01)}
+    assert runs[2]["broadcast_ms_per_forward"] == pytest.approx(5.0)
+    assert ("| processes | clients | requests | tok/s | p50 s | p99 s | broadcast ms/forward | broadcast share | "
+            "same as 1 process |") in table
+
+
+def test_served_percentile_is_the_nearest_rank():
+    assert served.percentile([3, 1, 2, 4], 50) == 2 and served.percentile([3, 1, 2, 4], 99) == 4
+    assert served.percentile(list(range(1, 201)), 99) == 198

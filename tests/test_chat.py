@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 import minispec
 from minispec.loading.chat import ChatTemplateError, chat_prompt, render, user_turn_start
-from minispec.loading.tokenizer import load_tokenizer
+from minispec.loading.checkpoint import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

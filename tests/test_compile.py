@@ -192,7 +192,7 @@ def test_auto_trees_fit_the_widest_chain_graph():
     on a GPU, a graph per power of two of widths, trees capture no wider graph."""
     from minispec.decoding.policy import GAMMA_MAX
     from minispec.decoding.tree import TREE_AUTO
-    from minispec.models.base import compiled_width
+    from minispec.models.compiled import compiled_width
 
     assert compiled_width(TREE_AUTO + 1) <= compiled_width(GAMMA_MAX + 1)
 

@@ -134,7 +134,7 @@ BASE = dict(model_type="gemma3_text", vocab_size=96, hidden_size=32, intermediat
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive finite number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "full_attention rope_type 'yarn' is not supported"),
@@ -151,8 +151,8 @@ def test_refused_at_load_with_the_file_named(reference_dirs, tmp_path):
     _, directory = reference_dirs["gemma3"]
     config = json.loads((directory / "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 50.0}))
-    with pytest.raises(CheckpointError, match="config.json: gemma: attn_logit_softcapping is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
+    with pytest.raises(CheckpointError, match="config.json: gemma: use_bidirectional_attention is not supported"):
         load_model(tmp_path)
 
 

@@ -23,7 +23,7 @@ from conftest import TINY_CONFIGS, gemma_init, make_reference, spread_init
 from minispec.loading import gguf as minigguf
 from minispec.loading.checkpoint import load_model
 from minispec.loading.gguf import convert_gguf, dequantize, llama3_rope_scaling, read_gguf, stored_form
-from minispec.loading.tokenizer import load_tokenizer
+from minispec.loading.checkpoint import load_tokenizer
 from minispec import native
 from minispec.models import quant
 from minispec.models.llama import convert_hf_weights

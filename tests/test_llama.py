@@ -12,7 +12,8 @@ from conftest import TINY_CONFIGS, save_reference, spread_init
 
 from minispec import generate
 from minispec.loading.checkpoint import CheckpointError, load_model
-from minispec.models.llama import LlamaConfig, apply_rope, rope_tables
+from minispec.models.base import apply_rope
+from minispec.models.llama import LlamaConfig, rope_tables
 
 KINDS = ["llama", "llama_gqa", "qwen2", "qwen3"]
 # Our float32 logits are compared with the reference's computed in float64 (the exact values, up to

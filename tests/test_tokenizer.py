@@ -14,7 +14,9 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from minispec.loading.tokenizer import ByteLevelBPE, IncrementalDecoder, SentencePieceTokenizer, load_tokenizer
+from minispec.loading.checkpoint import load_tokenizer
+from minispec.loading.spm import SentencePieceTokenizer
+from minispec.loading.tokenizer import ByteLevelBPE, IncrementalDecoder
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

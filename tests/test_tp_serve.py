@@ -71,7 +71,8 @@ def test_two_ranks_serve_what_one_process_serves_and_stop_together_on_sigterm(ch
     """A draft model (on rank 0), 4 requests over 2 rows (so some wait and join the batch later), one
     streamed, one a chat: each the single process's greedy text. Then SIGTERM to rank 0 ends both."""
     with ranks(checkpoints, tmp_path, "--draft", checkpoints[1]) as (url, processes, log):
-        assert httpx.get(url + "/health").json()["tp"] == {"ranks": 2, "state": "ok"}
+        group = httpx.get(url + "/health").json()["tp"]
+        assert (group["ranks"], group["state"]) == (2, "ok")
         chat = [{"role": "user", "content": "the cat sat on the mat?"}]
 
         body = {"prompt": PROMPTS[3], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -88,6 +89,9 @@ def test_two_ranks_serve_what_one_process_serves_and_stop_together_on_sigterm(ch
         assert text_of(events) == expected(alone, PROMPTS[3], draft="model", max_new_tokens=16, ignore_eos=True).text
         assert answer["choices"][0]["message"]["content"] == expected(alone, chat, draft="model", max_new_tokens=16,
                                                                       ignore_eos=True).text
+        after = httpx.get(url + "/health").json()["tp"]["broadcasts"]  # rank 0's mirrored calls, counted
+        assert after["forwards"] - group["broadcasts"]["forwards"] >= 5 and after["calls"] > after["forwards"]
+        assert after["seconds"] > group["broadcasts"]["seconds"]
         processes[0].send_signal(signal.SIGTERM)
         statuses = [process.wait(timeout=30) for process in processes]
         assert statuses[0] in (0, -signal.SIGTERM) and statuses[1] == 0, (statuses, log(0)[-3000:], log(1)[-3000:])

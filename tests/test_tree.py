@@ -131,9 +131,9 @@ def test_a_kept_path_continues_as_plain_decoding(reference_dirs, kind):
 
 def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, monkeypatch):
     """Plain SDPA over the cache, keys in their slots: some tree token's numbers differ from its path's."""
-    from minispec.models import kernels, llama
+    from minispec.models import base, kernels, llama
 
-    def sdpa(q, k, v, mask, scale=None, layout=None):
+    def sdpa(q, k, v, mask, scale=None, layout=None, softcap=0.0):
         positions, mask = mask.shape[-1], mask == 0  # additive -> boolean
         if layout is not None:  # the keys read from their slots: each position's mask moved to its slot
             keys = kernels.tree_keys(layout, positions)
@@ -141,7 +141,7 @@ def test_the_tree_test_fails_without_the_canonical_key_order(reference_dirs, mon
             mask = torch.zeros(slots.shape, dtype=torch.int).scatter_reduce(-1, slots, mask.view(slots.shape).int(),
                                                                             "amax") > 0
         return kernels.attend(q, k[:, :, :positions], v[:, :, :positions], mask, scale)
-    monkeypatch.setattr(llama, "attend_cache", sdpa)
+    monkeypatch.setattr(base, "attend_cache", sdpa)  # the Attention of Llama's layers
     monkeypatch.setattr(llama.Llama, "fused_layers", lambda self, x: None)  # the modules' attention is planted
     model = minispec.load(reference_dirs["llama_gqa"][1])
     with torch.inference_mode():

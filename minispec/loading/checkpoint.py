@@ -25,14 +25,15 @@ import torch
 from ..models import backend
 from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
-from .tokenizer import load_tokenizer
+from .tokenizer import ByteLevelBPE, UnsupportedTokenizer, read_chat_template, read_json
+from .tokenizer import read_config as read_tokenizer_config
 from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
                       release_file_pages, weight_files)
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
-FAMILIES = {"gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama", "mistral": "llama",
-            "qwen2": "llama", "qwen3": "llama", "t5": "t5"}
+FAMILIES = {"gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama",
+            "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "t5": "t5"}
 
 
 def family(model_type) -> Family:
@@ -145,6 +146,37 @@ def check_device(device):
 
 def default_dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_tokenizer(directory, model_type=""):
+    """The tokenizer of a checkpoint directory, or None when it has no tokenizer files. `model_type`
+    (config.json's) tells a T5 SentencePiece model from others when the file names do not.
+
+    tokenizer.json is used when it describes a byte-level BPE; otherwise (e.g. a SentencePiece-style
+    BPE or Unigram tokenizer.json) the SentencePiece model next to it, tokenizer.model or spiece.model.
+    A malformed file is a ValueError naming it and the key.
+    """
+    directory = Path(directory)
+    config = read_tokenizer_config(directory)
+    chat_template = read_chat_template(directory, config)
+    sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)
+    spec_file = directory / "tokenizer.json"
+    if spec_file.is_file():
+        spec = read_json(spec_file)
+        try:
+            return ByteLevelBPE(spec, config, chat_template)
+        except UnsupportedTokenizer as error:
+            if sentencepiece_file is None:
+                raise UnsupportedTokenizer(f"{spec_file}: {error}") from error
+        except ValueError as error:
+            raise ValueError(f"{spec_file}: {error}") from error
+        except RecursionError as error:
+            raise ValueError(f"{spec_file}: nested too deeply") from error
+    if sentencepiece_file is not None:
+        t5 = sentencepiece_file.name == "spiece.model" or "T5" in str(config.get("tokenizer_class")) or "t5" in model_type
+        from .spm import SentencePieceTokenizer  # SentencePiece checkpoints only
+        return SentencePieceTokenizer(sentencepiece_file, config, chat_template, t5)
+    return None
 
 
 class Checkpoint(NamedTuple):

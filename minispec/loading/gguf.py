@@ -323,7 +323,7 @@ def stored_form(tensor):
 # llama.cpp names and metadata -> Hugging Face config and weights
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture's name
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -347,7 +347,7 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 3's: norms before and after attention and the MLP (its ffn_norm comes before the MLP, Llama's after attention)
+# Gemma 2 and 3: norms before and after attention and the MLP (ffn_norm comes before the MLP, Llama's after attention)
 GEMMA3_LAYER_NAMES = {**LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                       "post_attention_norm.weight": "post_attention_layernorm.weight",
                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
@@ -362,7 +362,7 @@ def meta(metadata, key, kind, default=REQUIRED):
 def hf_name(name, model_type):
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    names = GEMMA3_LAYER_NAMES if model_type == "gemma3_text" else LAYER_NAMES
+    names = GEMMA3_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else LAYER_NAMES
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
     if match and match[2] in names:
         return f"model.layers.{match[1]}.{names[match[2]]}"
@@ -411,12 +411,12 @@ def hf_config(metadata, tensors):
         "rope_theta": get("rope.freq_base", POSITIVE, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if head_dim != hidden // n_head or arch in ("qwen3", "gemma3"):  # their absent head_dim reads as 128, 256
+    if head_dim != hidden // n_head or arch in ("qwen3", "gemma2", "gemma3"):  # an absent one reads as 128, 256
         config["head_dim"] = head_dim
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
-    if arch == "gemma3":
-        config.update(gemma3_config(get, config, head_dim))
+    if arch in ("gemma2", "gemma3"):
+        config.update(gemma_config(get, config, head_dim, arch))
     check_tensors(tensors, config, head_dim)
     config["model_type"] = MODEL_TYPES.get(arch, arch)
     config["rope_scaling"] = rope_scaling(metadata, arch, tensors, head_dim)
@@ -446,7 +446,7 @@ def check_tensors(tensors, config, head_dim):
         layer["attn_output.bias"] = (hidden,)
     if config["model_type"] in ("qwen3", "gemma3"):
         layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
-    if config["model_type"] == "gemma3":  # norms after attention and after the MLP too
+    if config["model_type"] in ("gemma2", "gemma3"):  # norms after attention and after the MLP too
         layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
     shapes = {f"blk.{i}.{kind}": shape for i in range(n_layers) for kind, shape in layer.items()}
     missing = [name for name in ["output_norm.weight", *shapes] if name not in tensors]
@@ -461,12 +461,20 @@ def check_tensors(tensors, config, head_dim):
             raise ValueError(f"GGUF tensor {name!r} has shape {tensor.shape}, but the metadata implies {shapes[name]}")
 
 
-def gemma3_config(get, config, head_dim):
-    """What llama.cpp's Gemma 3 reads beyond the metadata: every 6th layer global, the others sliding (when
-    the file gives a window) with RoPE base 10000; queries scaled by head_dim^-0.5, by (hidden / heads)^-0.5
-    for the 27B model (62 layers)."""
+def gemma_config(get, config, head_dim, arch):
+    """What llama.cpp's Gemma 2 and 3 read beyond the metadata: queries scaled by head_dim^-0.5, by
+    (hidden / heads)^-0.5 for the 27B models (46 and 62 layers). Gemma 2: the even layers sliding (window
+    4096 unless the file gives one), attention scores and logits soft-capped (by 50 and 30 unless it gives
+    caps). Gemma 3: every 6th layer global, the others sliding (when the file gives a window) with RoPE
+    base 10000."""
     n_layers, window = config["num_hidden_layers"], get("attention.sliding_window", COUNT, None)
-    scalar = config["hidden_size"] // config["num_attention_heads"] if n_layers == 62 else head_dim
+    big = 46 if arch == "gemma2" else 62  # the 27B model's layers
+    scalar = config["hidden_size"] // config["num_attention_heads"] if n_layers == big else head_dim
+    if arch == "gemma2":
+        return {"layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(n_layers)],
+                "sliding_window": window or 4096, "query_pre_attn_scalar": scalar,
+                "attn_logit_softcapping": get("attn_logit_softcapping", POSITIVE, 50.0),
+                "final_logit_softcapping": get("final_logit_softcapping", POSITIVE, 30.0)}
     types = ["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n_layers)]
     softcap = get("final_logit_softcapping", POSITIVE, None)
     return {"layer_types": types, "sliding_window": window or 4096, "rope_local_base_freq": 10000.0,
@@ -598,7 +606,7 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
             weights.update({f"{prefix}.{key}": rows(value) if rows else value for key, value in stored[name].items()})
         else:
             weight = rows(dequantize(tensor)) if rows else dequantize(tensor)
-            if config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+            if config["model_type"] in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's norm weights w as the 1 + w they scale by
             weights[target] = weight if dtype is None else weight.to(dtype)
         if progress and tensor.type in QUANT_TYPES:
@@ -652,10 +660,10 @@ def tokenizer_files(metadata, vocab_size):
     model = meta(metadata, "tokenizer.ggml.model", TEXT, None)
     if model is None:
         return {}
-    gemma = model == "llama" and meta(metadata, "general.architecture", TEXT) == "gemma3"
+    gemma = model == "llama" and meta(metadata, "general.architecture", TEXT) in ("gemma2", "gemma3")
     if model == "llama" and not gemma:
         raise ValueError("GGUF SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet "
-                         "but for gemma3's")
+                         "but for gemma2's and gemma3's")
     if model not in ("gpt2", "llama"):
         raise ValueError(f"unsupported GGUF tokenizer model {model!r}; minispec imports byte-level BPE ('gpt2')")
     pre = "gemma" if gemma else meta(metadata, "tokenizer.ggml.pre", TEXT, "default")

@@ -1,6 +1,6 @@
 """Tokenizers: byte-level BPE read from tokenizer.json (GPT-2, SmolLM, Qwen2, Llama 3), run by the
 `tokenizers` library, which the reference itself runs; and SentencePiece models (Llama 1/2, Mistral, T5)
-run by the sentencepiece library, with the Hugging Face conventions around them: added/special tokens
+run by the sentencepiece library (loading/spm.py), with the Hugging Face conventions around them: added/special tokens
 are cut out of the text first (longest match first), each stretch of text between them encoded on its
 own as Llama's "legacy" tokenizer does, and BOS/EOS added as the family's convention and
 tokenizer_config.json say. (Converting a SentencePiece model for `tokenizers`, as transformers does,
@@ -12,7 +12,6 @@ import json
 import re
 import reprlib
 import threading
-from pathlib import Path
 
 import tokenizers
 
@@ -22,36 +21,6 @@ from ..models.checks import FLAG, LIST, TABLE, TEXT, Check, check, integer
 class UnsupportedTokenizer(ValueError):
     """A tokenizer.json that is no byte-level BPE this module knows (the message names the part), or a
     hostile one."""
-
-
-def load_tokenizer(directory, model_type=""):
-    """The tokenizer of a checkpoint directory, or None when it has no tokenizer files. `model_type`
-    (config.json's) tells a T5 SentencePiece model from others when the file names do not.
-
-    tokenizer.json is used when it describes a byte-level BPE; otherwise (e.g. a SentencePiece-style
-    BPE or Unigram tokenizer.json) the SentencePiece model next to it, tokenizer.model or spiece.model.
-    A malformed file is a ValueError naming it and the key.
-    """
-    directory = Path(directory)
-    config = read_config(directory)
-    chat_template = read_chat_template(directory, config)
-    sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)
-    spec_file = directory / "tokenizer.json"
-    if spec_file.is_file():
-        spec = read_json(spec_file)
-        try:
-            return ByteLevelBPE(spec, config, chat_template)
-        except UnsupportedTokenizer as error:
-            if sentencepiece_file is None:
-                raise UnsupportedTokenizer(f"{spec_file}: {error}") from error
-        except ValueError as error:
-            raise ValueError(f"{spec_file}: {error}") from error
-        except RecursionError as error:
-            raise ValueError(f"{spec_file}: nested too deeply") from error
-    if sentencepiece_file is not None:
-        t5 = sentencepiece_file.name == "spiece.model" or "T5" in str(config.get("tokenizer_class")) or "t5" in model_type
-        return SentencePieceTokenizer(sentencepiece_file, config, chat_template, t5)
-    return None
 
 
 def read_json(path):
@@ -416,52 +385,6 @@ class ByteLevelBPE(Tokenizer):
     def decode_run(self, ids):
         with self.lock:
             return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-
-class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model (tokenizer.model, spiece.model) with the Hugging Face conventions:
-    Llama-style models add BOS, T5 appends EOS; added tokens (tokenizer_config.json's
-    added_tokens_decoder, T5's <extra_id_N>, and the model's control symbols) are cut out of the text
-    first, each stretch of text between them encoded on its own as Llama's "legacy" tokenizer does."""
-
-    def __init__(self, model_file, config, chat_template, t5):
-        import sentencepiece
-
-        self.sp = sentencepiece.SentencePieceProcessor()
-        try:
-            self.sp.Load(str(model_file))
-        except (OSError, RuntimeError) as error:
-            raise ValueError(f"{model_file} is not a valid SentencePiece model: {error}") from error
-        size = self.sp.get_piece_size()
-        id_to_token = {i: self.sp.id_to_piece(i) for i in range(size)}
-        added = {i: {"id": i, "content": id_to_token[i], "special": True}
-                 for i in range(size) if self.sp.is_control(i) or self.sp.is_unknown(i)}
-        for i, token in config.get("added_tokens_decoder", {}).items():
-            added[int(i)] = dict(token, id=int(i))
-        extra_ids = config.get("extra_ids", 100 if t5 else 0)  # T5's sentinels, after the model's pieces
-        contents = {t["content"] for t in added.values()}
-        for n in range(extra_ids):
-            if f"<extra_id_{n}>" not in contents:
-                added[size + extra_ids - 1 - n] = {"id": size + extra_ids - 1 - n, "content": f"<extra_id_{n}>", "special": True}
-        id_to_token |= {i: t["content"] for i, t in added.items()}
-        super().__init__(id_to_token, list(added.values()), config, chat_template)
-        self.literal_ids = set(self.added)
-        self.matchers = added_token_matchers(list(added.values()))
-        own = {"bos_token_id": self.sp.bos_id(), "eos_token_id": self.sp.eos_id(), "pad_token_id": self.sp.pad_id()}
-        for name, i in own.items():  # the model's own ids where the config names none
-            if getattr(self, name) is None and i >= 0:
-                setattr(self, name, i)
-        add_bos, add_eos = config.get("add_bos_token", not t5), config.get("add_eos_token", t5)
-        self.prefix = [self.bos_token_id] if add_bos and self.bos_token_id is not None else []
-        self.suffix = [self.eos_token_id] if add_eos and self.eos_token_id is not None else []
-
-    def encode_text(self, text, split_special_tokens):
-        # SentencePiece reads no special token's text as that token: split_special_tokens needs nothing more.
-        return [i for piece, token_id in split_added(text, *self.matchers[split_special_tokens])
-                for i in ([token_id] if token_id is not None else self.sp.encode(piece))]
-
-    def decode_run(self, ids):
-        return self.sp.decode(ids)  # dropping the space of the run's first piece, as SentencePiece does
 
 
 class IncrementalDecoder:

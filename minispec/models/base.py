@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from . import backend
-from .kernels import can_pack, native_attention, linear, pack_together, to_device, tree_layout, whole_blocks
+from .kernels import (attend_cache, can_pack, causal_mask, linear, pack_together, query_rows_mask,
+                      to_device, tree_layout, whole_blocks)
 
 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
@@ -50,14 +51,6 @@ PREFILL_CHUNK = 128
 # families' TransformerBlock / Block); outside compiled code it calls the function. PyTorch before
 # nested compile regions existed compiles every layer's copy instead, which only takes longer.
 compile_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
-
-
-def compiled_width(n):
-    """On a GPU, the token width of the compiled graph that decodes n tokens: the next power of two. A
-    graph per width met (gamma="auto" meets every width up to 17, trees more) would be captured in the
-    middle of requests; padded rows repeat the last token (decode_rows), which costs less. (A CPU
-    compiles one graph for every width above 1 instead: CachedLM.decode_rows.)"""
-    return 1 << (n - 1).bit_length()
 
 
 class Family(NamedTuple):
@@ -95,11 +88,6 @@ class Feed(NamedTuple):
         if self.parents is None:
             return None
         return tree_layout(self.lengths, self.parents, self.widths, self.tokens.shape[1], positions, self.tokens.device)
-
-
-def graphs_compiled():
-    """How many graphs torch.compile has made in this process (dynamo's count)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class KVCache(nn.Module):
@@ -190,6 +178,58 @@ class Embedding(nn.Embedding):
 
     def unembed(self, x):
         return linear(x, self.weight, None, self.packed)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x [B, T, heads, head_dim] by its positions' angles, cos and signed sin [T or B x T,
+    head_dim] (rope_tables); the pairs are (i, i + head_dim/2): x1·cos - x2·sin, x2·cos + x1·sin. The
+    halves swapped by one roll times the signed sines are rotate_half's (-x2, x1) times the sines, bit
+    for bit, in two operations fewer: an eager step of a small model is mostly such small operations."""
+    wide = x.float()
+    return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention of a Llama or Gemma layer over its KVCache: q, k and v from one fused
+    projection, each q and k head RMS-normed by `norm` first where the config has qk_norm, and rotated;
+    scores scaled by `scale` (None: head_dim^-0.5) and soft-capped by `softcap` (0: not)."""
+
+    def __init__(self, config, window, norm, out_bias, scale=None, softcap=0.0):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.window, self.scale, self.softcap = window, scale, softcap
+        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
+        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=out_bias)
+        self.q_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.kv_cache = None
+
+    def project(self, x, cos, sin):
+        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one tensor, q and k rotated
+        (their heads in one call: the same per-element arithmetic as one call each). One new tensor: a
+        compile region's outputs come out wrong when they are views of its other tensors (TransformerBlock)."""
+        B, T, _ = x.shape
+        kv_size = self.n_kv_heads * self.head_dim
+        qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
+        qk = qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        qk = apply_rope(qk, cos, sin)
+        return torch.cat([qk, v.view(B, T, self.n_kv_heads, self.head_dim)], dim=2)
+
+    def forward(self, qkv, input_pos, mask, layout):
+        """The attention of `project`'s q, k, v (the layer's keys and values written to its cache)."""
+        B, T = qkv.shape[:2]
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
+        # (consecutive heads) become extra query rows of that head, each block of T rows with the same
+        # mask (repeated so by query_rows_mask).
+        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
+        y = attend_cache(q, k, v, mask, self.scale, layout, self.softcap)
+        y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
+        return self.wo(y)
 
 
 class CachedLM(nn.Module):
@@ -298,21 +338,9 @@ class CachedLM(nn.Module):
         return sum(2 * m.k.shape[1] * m.k.shape[3] * m.k.element_size() for m in self.kv_caches())
 
     def compile(self, mode=None):
-        """torch.compile the decode forward: static shapes (the caches are preallocated) but for the token
-        width, one graph for 1 token (plain decoding) and one for any more on a CPU (decode_rows), a graph
-        per width bucket on a GPU (`compiled_width`: γ+1 rounded up for a verify), each compiled on first
-        use; the families mark each layer's parts as compile regions, traced and compiled once for all
-        the layers of a graph.
-        Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
-        mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
-        # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # marked here, not where it is defined: marking imports the compiler, which the package's import must not
-        torch.compiler.assume_constant_result(native_attention)
-        mode = mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
-        self.compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
-        self.graphs = 0
-        return self
+        """torch.compile the decode forward (models/compiled.py)."""
+        from .compiled import compile_model  # the compiler's part: read only by a compiled load
+        return compile_model(self, mode)
 
     def encode(self, prompt):
         """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
@@ -391,7 +419,7 @@ class CachedLM(nn.Module):
         `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads (a tuple
         of layer indices: the states entering those layers, as forward's);
         `feed.inputs`: forward's, [rows, n, ...], padded as the tokens are. The compiled forward takes
-        the feed through decode_compiled."""
+        the feed through compiled.decode_compiled."""
         rows, n = feed.tokens.shape
         if feed.widths is None:
             feed = feed._replace(widths=[n] * rows)
@@ -400,54 +428,11 @@ class CachedLM(nn.Module):
                              f"{first_row}..{first_row + rows - 1} overflows the KV cache of "
                              f"{self.cache_batch_size} rows x {self.cache_max_seq_len} positions")
         if self.compiled_forward is not None and first_row == 0 and not eager and logits_for is None:
-            return self.decode_compiled(feed, hidden)
+            from .compiled import decode_compiled  # read only by a compiled model
+            return decode_compiled(self, feed, hidden)
         with self.rows_from(first_row) if first_row else nullcontext():  # eager: a graph would guard on the row
             return self.eager_forward(feed.tokens, feed.input_pos(), logits_for,
                                       feed.layout(self.keys_for(feed.ends(n))), feed.ends, hidden, feed.inputs)
-
-    def graph_feed(self, feed):
-        """The feed as the compiled forward's graphs take it. On a CPU one graph serves every width above
-        1, its token dimension symbolic, since a graph per power of two of widths is slow to compile and
-        feeds the padding's arithmetic too; there a lone request's chain goes as the tree it is, so that
-        one graph serves its chains and trees (the tree path costs a CPU what a chain's does). On a GPU a
-        graph per width bucket, not per width (compiled_width): the rest padded as decode_rows pads a row."""
-        rows, n = feed.tokens.shape
-        if n > 1 and self.device.type == "cpu":
-            if feed.parents is None and rows == 1:
-                return feed._replace(parents=[list(range(-1, feed.widths[0] - 1))])
-            return feed
-        width = compiled_width(n)
-        if width == n:
-            return feed
-        tokens, inputs = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, width - n, *x.shape[2:])], 1)
-                          for x in (feed.tokens, feed.inputs))
-        return feed._replace(tokens=tokens, inputs=inputs)
-
-    def decode_compiled(self, feed, hidden):
-        """decode_rows through the compiled forward, from cache row 0."""
-        fed = feed.tokens.shape[1]
-        feed = self.graph_feed(feed)
-        input_pos, layout = feed.input_pos(), feed.layout(self.cache_max_seq_len)
-        # graphs guard on strides; a slice of a longer tensor has odd ones
-        tokens, inputs = feed.tokens.clone(memory_format=torch.contiguous_format), feed.inputs
-        # On a CPU the width is symbolic (a width 1 stays a graph of its own: dynamo specializes 1).
-        if fed > 1 and self.device.type == "cpu":
-            widthwise = [(tokens, 1), (input_pos, -1), (inputs, 1)]
-            if layout is not None:
-                widthwise += [(layout.positions, 1), (layout.window, 1)]
-            for tensor, dim in widthwise:
-                if tensor is not None:
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
-        before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
-        if hidden or inputs is not None:
-            out = self.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
-            out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-        elif layout is None:
-            out = self.compiled_forward(tokens, input_pos)[:, :fed]
-        else:
-            out = self.compiled_forward(tokens, input_pos, None, layout)[:, :fed]
-        self.graphs += graphs_compiled() - before
-        return out
 
     @staticmethod
     def padded(feeds):
@@ -526,6 +511,54 @@ class CachedLM(nn.Module):
     @property
     def dtype(self):
         return next(self.parameters()).dtype
+
+
+class Decoder(CachedLM):
+    """What the decoder-only families with grouped-query attention share (Llama, Gemma): a token embedding,
+    a block per entry of config.windows (its sliding window, None: full attention), a final norm, and a
+    head that is the embedding itself when the config ties them. config: vocab_size, dim, n_heads,
+    n_kv_heads, head_dim, max_seq_len, norm_eps, windows, tie_word_embeddings."""
+
+    def __init__(self, config, block, norm):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(block(config, window) for window in config.windows)
+        self.norm = norm(config.dim, config.norm_eps)
+        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
+        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
+
+    @property
+    def context_length(self):
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    @property
+    def head(self):
+        return self.tok_embeddings if self.output is None else self.output
+
+    def setup_caches(self, batch_size, max_seq_len):
+        super().setup_caches(batch_size, max_seq_len)
+        for layer in self.layers:
+            # the layer's own head count: fewer than the config's when sharded (models/tp.py)
+            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
+                                               self.config.head_dim, self.dtype, self.device)
+
+    def window_masks(self, positions, keys):
+        """{window: mask} for the layers' windows over `keys` cache positions, as Attention reads them
+        (query_rows_mask): a query at position p reads keys up to p, and with a window only those after
+        p - window."""
+        causal = causal_mask(positions, keys)
+        key_pos = torch.arange(keys, device=positions.device)
+        group = self.config.n_heads // self.config.n_kv_heads
+        return {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
+                for w in set(self.config.windows)}
+
+    def logits(self, hidden):
+        return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
 def fuse(weights, names, fused_name):

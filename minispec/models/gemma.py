@@ -1,10 +1,12 @@
-"""Gemma 3 text models (Gemma3ForCausalLM, and the text half of Gemma 3's image-text checkpoints).
+"""Gemma 2 and Gemma 3 text models (Gemma2ForCausalLM, Gemma3ForCausalLM, and the text half of Gemma 3's
+image-text checkpoints).
 
 A Llama-like decoder (see llama.py) with these differences, each as the reference computes it: RMSNorms
 scale by (1 + weight), multiplied in float32 before the cast back; a norm after attention and after the MLP
-as well as before each; per-head RMSNorm on q and k; sliding-window layers interleaved with global ones,
-each kind with its own RoPE base; token embeddings scaled by sqrt(hidden) in the model's dtype; a gated
-tanh-GELU MLP; attention scores scaled by query_pre_attn_scalar^-0.5; the head tied to the embedding.
+as well as before each; sliding-window layers interleaved with global ones; token embeddings scaled by
+sqrt(hidden) in the model's dtype; a gated tanh-GELU MLP; attention scores scaled by
+query_pre_attn_scalar^-0.5; the head tied to the embedding. Gemma 3 adds per-head RMSNorm on q and k and a
+RoPE base per kind of layer; Gemma 2 soft-caps attention scores and logits (cap * tanh(x / cap)).
 The static KV cache keeps every position and sliding layers mask what lies outside their window: exact.
 """
 
@@ -15,13 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CachedLM, Embedding, Family, KVCache, Linear, compile_region, fuse
+from .base import Attention, Decoder, Family, Linear, compile_region, fuse
 from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import attend_cache, causal_mask, elementwise, query_rows_mask
+from .kernels import elementwise
 
-# The reference's defaults (Gemma3TextConfig) for the keys a config.json may leave out.
-ABSENT = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+# The reference's defaults (Gemma3TextConfig, Gemma2Config) for the keys a config.json may leave out.
+GEMMA3 = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
           "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True}
+ABSENT = {"gemma3": GEMMA3, "gemma2": {**GEMMA3, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+                                      "sliding_window_pattern": 2, "attn_logit_softcapping": 50.0,
+                                      "final_logit_softcapping": 30.0}}
+SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # null: no capping, not the default
 THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")
 LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
                     "must be a list of 'full_attention' and 'sliding_attention'")
@@ -45,6 +51,8 @@ class GemmaConfig:
     windows: tuple  # per layer: sliding-window size, or None for global attention
     qkv_bias: bool = False
     logit_softcap: float = 0.0  # final_logit_softcapping (0: none): logits = cap * tanh(logits / cap)
+    attention_softcap: float = 0.0  # attn_logit_softcapping (0: none): the same on attention scores
+    qk_norm: bool = True  # Gemma 3's per-head q and k RMSNorm (Gemma 2 has none)
     tie_word_embeddings: bool = True
 
     LAYER_STACKS = {"num_hidden_layers": "layers"}
@@ -53,12 +61,12 @@ class GemmaConfig:
     def from_hf(cls, hf):
         if hf.get("model_type") == "gemma3":  # an image-text checkpoint: its text model's config
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **check(hf, "text_config", TABLE)}
-        hf = {**ABSENT, **{key: value for key, value in hf.items() if value is not None}}
+        gemma2 = hf.get("model_type") == "gemma2"
+        hf = {**ABSENT["gemma2" if gemma2 else "gemma3"],
+              **{key: value for key, value in hf.items() if value is not None or key in SOFTCAPS}}
         activation = check(hf, "hidden_activation", TEXT, "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":
             raise ValueError(f"gemma: hidden_activation {activation!r} is not supported (only 'gelu_pytorch_tanh')")
-        if check(hf, "attn_logit_softcapping", POSITIVE, None) is not None:
-            raise ValueError("gemma: attn_logit_softcapping is not supported (Gemma 2's attention)")
         if check(hf, "use_bidirectional_attention", FLAG, False):
             raise ValueError("gemma: use_bidirectional_attention is not supported (a decoder attends causally)")
         n_layers, n_heads = check(hf, "num_hidden_layers", COUNT), check(hf, "num_attention_heads", COUNT)
@@ -66,6 +74,8 @@ class GemmaConfig:
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
         (theta, factor), local_theta = rope_settings(hf)
+        if gemma2 and factor != 1.0:
+            raise ValueError("gemma: Gemma 2 with rope scaling is not supported (only default RoPE)")
         return cls(
             vocab_size=check(hf, "vocab_size", COUNT),
             dim=check(hf, "hidden_size", COUNT),
@@ -78,11 +88,13 @@ class GemmaConfig:
             norm_eps=check(hf, "rms_norm_eps", POSITIVE),
             rope_theta=float(theta),
             rope_factor=float(factor),
-            local_rope_theta=float(local_theta),
+            local_rope_theta=float(theta if gemma2 else local_theta),  # Gemma 2: one RoPE base
             query_scale=check(hf, "query_pre_attn_scalar", POSITIVE) ** -0.5,
             windows=sliding_windows(hf, n_layers),
             qkv_bias=check(hf, "attention_bias", FLAG, False),
             logit_softcap=float(check(hf, "final_logit_softcapping", POSITIVE, 0.0)),
+            attention_softcap=float(check(hf, "attn_logit_softcapping", POSITIVE, 0.0)),
+            qk_norm=not gemma2,
             tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG),
         )
 
@@ -102,9 +114,11 @@ def sliding_windows(hf, n_layers):
 
 def rope_settings(hf):
     """((theta, linear factor) of the global layers, theta of the sliding ones). transformers >= 5 keeps
-    them in rope_parameters by layer type; older configs in rope_theta, rope_scaling (the global layers')
-    and rope_local_base_freq. A rope_scaling updates the global layers' parameters, as in the reference."""
+    them in rope_parameters by layer type (Gemma 2's: one for all); older configs in rope_theta,
+    rope_scaling (the global layers') and rope_local_base_freq. A rope_scaling updates the global layers' parameters, as in the reference."""
     parameters = check(hf, "rope_parameters", TABLE, {})
+    if "full_attention" not in parameters and "sliding_attention" not in parameters:  # Gemma 2's: every layer's
+        parameters = {"full_attention": parameters, "sliding_attention": parameters}
     full = {**check(parameters, "full_attention", TABLE, {}, "rope_parameters."), **check(hf, "rope_scaling", TABLE, {})}
     local = check(parameters, "sliding_attention", TABLE, {}, "rope_parameters.")
     for kind, rope in (("full_attention", full), ("sliding_attention", local)):
@@ -125,12 +139,6 @@ def rope_tables(theta, factor, head_dim, max_seq_len, device):
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-def apply_rope(x, cos, sin):
-    """x [B, T, heads, head_dim] rotated by cos and signed sin [T or B x T, head_dim] (llama.py's apply_rope)."""
-    wide = x.float()
-    return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
-
-
 class RMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back (Llama's
     casts the normed values first, then multiplies)."""
@@ -143,35 +151,6 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         wide = x.float()
         return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, config, window):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.window, self.scale = window, config.query_scale
-        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
-        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.qkv_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
-        self.kv_cache = None
-
-    def project(self, x, cos, sin):
-        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one new tensor, q and k normed
-        and rotated (llama.py's Attention.project)."""
-        B, T, _ = x.shape
-        q, k, v = self.wqkv(x).view(B, T, -1, self.head_dim).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], 2)
-        qk = apply_rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), cos, sin)
-        return torch.cat([qk, v], dim=2)
-
-    def forward(self, qkv, input_pos, mask, layout):
-        B, T = qkv.shape[:2]
-        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
-        k, v = self.kv_cache.update(input_pos, k, v)
-        # the query heads sharing a K/V head as extra rows of that head (llama.py's Attention.forward)
-        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
-        y = attend_cache(q, k, v, mask, self.scale, layout=layout)
-        return self.wo(y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -191,7 +170,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, config, window):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, window)
+        self.attention = Attention(config, window, RMSNorm, config.qkv_bias, config.query_scale,
+                                   config.attention_softcap)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
@@ -211,33 +191,13 @@ class TransformerBlock(nn.Module):
         return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
 
 
-class Gemma(CachedLM):
+class Gemma(Decoder):
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
-
-    @property
-    def context_length(self):
-        return self.config.max_seq_len
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    @property
-    def head(self):
-        return self.tok_embeddings if self.output is None else self.output
+        super().__init__(config, TransformerBlock, RMSNorm)
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
         c = self.config
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
-                                               c.head_dim, self.dtype, self.device)
         for name, theta, factor in (("rope", c.rope_theta, c.rope_factor), ("local_rope", c.local_rope_theta, 1.0)):
             cos, sin = rope_tables(theta, factor, c.head_dim, self.cache_max_seq_len, self.device)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
@@ -246,11 +206,7 @@ class Gemma(CachedLM):
     def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
         """... and with `taps`, the residual states entering those layers too (llama.py's Llama.features)."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        causal = causal_mask(positions, keys or self.cache_max_seq_len)
-        key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
-        group = self.config.n_heads // self.config.n_kv_heads
-        masks = {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
-                 for w in set(self.config.windows)}
+        masks = self.window_masks(positions, keys or self.cache_max_seq_len)
         rope = {None: (self.rope_cos[positions], self.rope_sin[positions]),
                 "local": (self.local_rope_cos[positions], self.local_rope_sin[positions])}
         x, tapped = self.embed_tokens(tokens), []
@@ -269,7 +225,7 @@ class Gemma(CachedLM):
         return x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)  # the scale rounded to the dtype, as the reference
 
     def logits(self, hidden):
-        logits = (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
+        logits = super().logits(hidden)
         cap = self.config.logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 

@@ -388,15 +388,17 @@ def native_attention():
     return backend.current().attends()
 
 
-def attend_cache(q, k, v, mask, scale=None, layout=None):
+def attend_cache(q, k, v, mask, scale=None, layout=None, softcap=0.0):
     """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] (S a multiple of KEY_BLOCK), in
     the canonical order above; mask: additive float32 [..., rows or 1, S'] (`additive`, its rows padded
     or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A
     row's numbers are those of the same query alone, whatever the other rows and however many. With a
     `layout` (trees), rows are read in groups of the layout's tokens (grouped-query heads: group-major).
     On CPUs a backend's own kernel computes it in one call (the same canonical order, its own rounding),
-    except where gradients flow (training a draft head): it has no backward."""
-    if q.device.type == "cpu" and native_attention() and not (torch.is_grad_enabled() and q.requires_grad):
+    except where gradients flow (training a draft head): it has no backward. `softcap` (Gemma 2): scores
+    become softcap * tanh(scores / softcap) before the mask, which the backend's kernel does not do."""
+    own = not softcap and not (torch.is_grad_enabled() and q.requires_grad)
+    if q.device.type == "cpu" and native_attention() and own:
         return backend_attend(q, k, v, mask, scale, layout)
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
@@ -419,6 +421,8 @@ def attend_cache(q, k, v, mask, scale=None, layout=None):
     # Out of place: the same numbers, and gradients can flow (training a draft head, tools/train_heads.py).
     if scale != 1.0:
         scores = scores * (scale if scale is not None else d ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + mask
     weights = (scores - scores.amax(-1, keepdim=True)).exp().view(b * h, rows + pad, S // KEY_BLOCK, KEY_BLOCK)
     values = v.float()

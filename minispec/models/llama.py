@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import CachedLM, Embedding, Family, KVCache, Linear, RMSNorm, compile_region, fuse
+from .base import Attention, Decoder, Family, Linear, RMSNorm, compile_region, fuse
 from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
-from .kernels import attend_cache, causal_mask, elementwise, query_rows_mask
+from .kernels import elementwise
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -202,54 +202,6 @@ def rope_tables(config, max_seq_len, device):
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-def apply_rope(x, cos, sin):
-    """Rotate x [B, T, heads, head_dim] by its positions' angles, cos and signed sin [T or B x T,
-    head_dim] (rope_tables); the pairs are (i, i + head_dim/2): x1·cos - x2·sin, x2·cos + x1·sin. The
-    halves swapped by one roll times the signed sines are rotate_half's (-x2, x1) times the sines, bit
-    for bit, in two operations fewer: an eager step of a small model is mostly such small operations."""
-    wide = x.float()
-    return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, config, window):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.window = window
-        self.wqkv = Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
-        self.wo = Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.kv_cache = None
-
-    def project(self, x, cos, sin):
-        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one tensor, q and k rotated
-        (their heads in one call: the same per-element arithmetic as one call each). One new tensor: a
-        compile region's outputs come out wrong when they are views of its other tensors (TransformerBlock)."""
-        B, T, _ = x.shape
-        kv_size = self.n_kv_heads * self.head_dim
-        qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
-        qk = qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = apply_rope(qk, cos, sin)
-        return torch.cat([qk, v.view(B, T, self.n_kv_heads, self.head_dim)], dim=2)
-
-    def forward(self, qkv, input_pos, mask, layout):
-        """The attention of `project`'s q, k, v (the layer's keys and values written to its cache)."""
-        B, T = qkv.shape[:2]
-        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
-        k, v = self.kv_cache.update(input_pos, k, v)
-        # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
-        # (consecutive heads) become extra query rows of that head, each block of T rows with the same
-        # mask (repeated so by Llama.forward).
-        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
-        y = attend_cache(q, k, v, mask, layout=layout)
-        y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
-        return self.wo(y)
-
-
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(gate) * up), with gate and up fused into w13."""
 
@@ -275,7 +227,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config, window):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, window)
+        self.attention = Attention(config, window, RMSNorm, config.out_bias)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
@@ -301,36 +253,13 @@ class TransformerBlock(nn.Module):
         return LayerNorms(None if isinstance(self.attention_norm, nn.Identity) else self.attention_norm, self.ffn_norm)
 
 
-class Llama(CachedLM):
+class Llama(Decoder):
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, window) for window in config.windows)
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
-        self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
-
-    @property
-    def context_length(self):
-        return self.config.max_seq_len
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    @property
-    def head(self):
-        return self.tok_embeddings if self.output is None else self.output
+        super().__init__(config, TransformerBlock, RMSNorm)
 
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
-        c = self.config
-        for layer in self.layers:
-            # the layer's own head count: fewer than the config's when sharded (models/tp.py)
-            layer.attention.kv_cache = KVCache(batch_size, layer.attention.n_kv_heads, self.cache_max_seq_len,
-                                               c.head_dim, self.dtype, self.device)
-        cos, sin = rope_tables(c, self.cache_max_seq_len, self.device)
+        cos, sin = rope_tables(self.config, self.cache_max_seq_len, self.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -346,13 +275,7 @@ class Llama(CachedLM):
         """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
         entering each layer listed in `taps` is appended to `tapped` (index n_layers: the last one's output)."""
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        causal = causal_mask(positions, keys or self.cache_max_seq_len)
-        # Sliding window (Mistral): a query at position p also may not read keys at or before p - window.
-        key_pos = torch.arange(keys or self.cache_max_seq_len, device=input_pos.device)
-        masks = {w: causal if w is None else causal & (key_pos > positions[..., None] - w)
-                 for w in set(self.config.windows)}
-        group = self.config.n_heads // self.config.n_kv_heads
-        masks = {w: query_rows_mask(mask, group) for w, mask in masks.items()}
+        masks = self.window_masks(positions, keys or self.cache_max_seq_len)  # Mistral's windows too
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         fused = self.fused_layers(x)
         if fused is not None:
@@ -375,9 +298,6 @@ class Llama(CachedLM):
 
     def embed_tokens(self, tokens):
         return self.tok_embeddings(tokens)
-
-    def logits(self, hidden):
-        return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
 def convert_hf_weights(weights, config):

@@ -37,6 +37,7 @@ log = logging.getLogger("minispec.serve")
 # The calls on a model that run its forwards or change its caches: everything its shards must follow.
 MIRRORED = ("prefill", "decode", "decode_rows", "rollback", "move_row", "keep", "encode_row", "prepare_batch",
             "ensure_caches")
+FORWARDS = ("prefill", "decode", "decode_rows", "encode_row")  # the mirrored calls that run a sharded forward
 STORE_BEAT_SECONDS = 0.5  # how often a follower counts itself alive in the store
 
 
@@ -106,6 +107,7 @@ class Leader:
         self.sent = time.monotonic()
         self.failure = None  # the fault's message, once the group has failed
         self.stopped = False  # the followers have been told to stop
+        self.broadcasts = {"calls": 0, "forwards": 0, "seconds": 0.0}  # the calls mirrored, for /health
         deciding = Deciding(self.tp)
         for index, model in enumerate(self.models):
             model.tp = deciding
@@ -117,7 +119,8 @@ class Leader:
 
     @property
     def state(self):
-        return {"ranks": self.tp.world, "state": "ok" if self.failure is None else f"failed: {self.failure}"}
+        return {"ranks": self.tp.world, "state": "ok" if self.failure is None else f"failed: {self.failure}",
+                "broadcasts": dict(self.broadcasts)}
 
     def mirror(self, index, method):
         def call(*args, **kwargs):
@@ -140,8 +143,13 @@ class Leader:
     def send(self, record):
         if self.failure is not None:
             raise ShuttingDown(self.failure)
+        start = time.monotonic()
         dist.broadcast_object_list([record], src=self.tp.first, group=self.tp.host_group)
         self.sent = time.monotonic()
+        if record.method not in ("beat", "stop"):
+            self.broadcasts["calls"] += 1
+            self.broadcasts["forwards"] += record.method in FORWARDS
+            self.broadcasts["seconds"] += self.sent - start
 
     def beat(self):
         """While no call has gone for a third of the timeout, a beat: the followers' wait stays bounded,

@@ -12,10 +12,13 @@ from .benchmarks import batch_benchmark, beam_benchmark, benchmark
 from .drafters import drafters_benchmark
 from .oneshot import one_shot_benchmark, threads_benchmark
 from .report import markdown_table
+from .served import tp_serve_benchmark
+from .workloads import WORKLOADS, workloads_benchmark
 
 # The benchmarks that replace the main table, each with its own table: the first flag given picks one.
 OWN_TABLES = {"one_shot": one_shot_benchmark, "threads_under_load": threads_benchmark,
-              "batch_sizes": batch_benchmark, "beams": beam_benchmark}
+              "batch_sizes": batch_benchmark, "beams": beam_benchmark, "workloads": workloads_benchmark,
+              "tp_serve": tp_serve_benchmark}
 
 
 def parse_args(argv):
@@ -65,6 +68,17 @@ def parse_args(argv):
     parser.add_argument("--one-shot", action="store_true",
                         help="instead of the main table: every request in a fresh process, as run.py runs it, "
                              "plain against each --gamma (with --beams: beam search), per prompt")
+    parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS),
+                        help="instead of the main table: the server (a process per workload, --draft value and "
+                             "prefix-cache setting) on generated traffic: an agent loop, edits of one file, summaries "
+                             "quoting sources, novel chat (all four when none is named); --draft's values beside "
+                             "'none' and 'lookup'")
+    parser.add_argument("--tp-serve", type=int, metavar="N",
+                        help="instead of the main table: the server over N processes (--tp N) against one process, "
+                             "for each --clients count")
+    parser.add_argument("--requests", type=int, default=8,
+                        help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="--tp-serve: concurrent clients")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     check(args)
@@ -73,9 +87,17 @@ def parse_args(argv):
 
 def check(args):
     """A ValueError naming the flags that cannot go together or are out of range, before loading weights."""
-    own, several = args.batch_sizes or args.beams or args.one_shot, len(args.draft) > 1
-    alone = "without --batch-sizes, --beams and --one-shot"
+    served = args.workloads is not None or args.tp_serve
+    own, several = args.batch_sizes or args.beams or args.one_shot or served, len(args.draft) > 1
+    alone = "without --batch-sizes, --beams, --one-shot, --workloads and --tp-serve"
     problems = [
+        (served and (args.batch_sizes or args.beams or args.one_shot or args.threads_under_load
+                     or (args.workloads is not None and args.tp_serve)),
+         "--workloads and --tp-serve are benchmarks of their own: without the other benchmarks' flags"),
+        (args.tp_serve is not None and args.tp_serve < 2, f"--tp-serve must be >= 2, got {args.tp_serve}"),
+        (args.workloads is not None and args.requests < 2, f"--workloads needs --requests >= 2 (two halves), got "
+                                                            f"{args.requests}"),
+        (min(args.requests, *args.clients) < 1, "--requests and --clients must be >= 1"),
         (args.memory_tokens and args.memory_tokens <= 16, f"--memory-tokens must be more than 16, got "
                                                           f"{args.memory_tokens}"),
         (any(g != "auto" and g < 1 for g in args.gamma), f"--gamma values must be >= 1 or 'auto', got {args.gamma}"),
@@ -83,7 +105,7 @@ def check(args):
         (args.batch_sizes and (args.beams or args.one_shot), "--batch-sizes is a benchmark of its own: "
                                                              "without --beams and --one-shot"),
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
-        (several and own, f"several --draft values are a benchmark of their own: {alone}"),
+        (several and own and args.workloads is None, f"several --draft values are a benchmark of their own: {alone}"),
         (args.threads_under_load and (own or several), f"--threads-under-load is a benchmark of its own: one --draft, "
                                                        f"{alone}"),
         (args.llama_cpp and (own or several), f"--llama-cpp goes with the main table: one --draft, {alone}"),
@@ -96,7 +118,7 @@ def check(args):
     message = next((message for wrong, message in problems if wrong), None)
     if message is not None:
         raise ValueError(message)
-    args.draft = args.draft if several else args.draft[0]
+    args.draft = args.draft if several or args.workloads is not None else args.draft[0]
     if args.llama_cpp:
         llamacpp.check_files(args.target, args.draft)
         llamacpp.find_programs(args.llama_cpp)
@@ -106,11 +128,11 @@ def check(args):
 def main(argv=None):
     try:
         args = parse_args(argv)
-        own = next((name for name in OWN_TABLES if getattr(args, name)), None)
-        if isinstance(args.draft, list):
-            result, table = drafters_benchmark(args)
-        elif own is not None:
+        own = next((name for name in OWN_TABLES if getattr(args, name) not in (None, False)), None)  # []: --workloads
+        if own is not None:
             result, table = OWN_TABLES[own](args)
+        elif isinstance(args.draft, list):
+            result, table = drafters_benchmark(args)
         else:
             result = benchmark(args)
             table = markdown_table(result)

@@ -1,0 +1,220 @@
+"""--workloads: traffic that repeats itself, served. One server process (served.py) per workload,
+drafter and prefix-cache setting (on as shipped, off: --prefix-cache-mb 0) takes the workload's
+--requests one after another, streamed: request time end to end (prefill included), time to first
+text, tokens per target call and acceptance, each drafter against plain decoding (--draft none, prefix
+cache on) and against lookup, and over the traffic's first half against its second (where a drafter
+that learns from earlier requests gains). The workloads are built here, with no network:
+
+agent    an agent loop: one tool-call format; each turn resends the conversation, the model's last
+         answer (a tool call: at most AGENT_TOKENS tokens) and the tool's result appended
+code     repeated edits of one file: the file as it now is, resent with a change to make and re-emit
+summary  summaries that quote their sources, which overlap from one request to the next
+chat     ordinary chat: a new question each time
+"""
+
+import statistics
+
+from .report import md_table, progress, yes_no
+from .served import sampling_fields, server_flags, serving, stream
+
+GOALS = {"agent": {"vs_plain": 3.0, "ttft_cut": 3.0}, "code": {"vs_plain": 2.5}, "chat": {"vs_plain": 0.98}}
+# An agent's answer is a tool call, one line: longer answers would only fill the context, turn after turn.
+AGENT_TOKENS = 128
+
+# --- the workloads: messages(i, answers) -> request i's chat; answers: the texts of the requests before --
+AGENT_SYSTEM = ("You are a coding agent in a Python repository. Each turn, call exactly one tool, answering with "
+                'one line:\n<tool_call>{"name": TOOL, "arguments": {...}}</tool_call>\nTools: run_tests {"path"}, '
+                'search {"pattern"}, read_file {"path"}, edit_file {"path", "old", "new"}.\nWhen the task is done, '
+                "answer DONE and one sentence saying what you changed.")
+AGENT_TASK = "tests/test_dates.py::test_parse_iso fails since the last commit. Find the cause and fix it."
+MODULES = ["dates", "prices", "config", "records", "words", "names", "batches", "stats"]
+
+
+def tool_result(j):
+    """The tool's answer to the agent's j-th call: tests, a search, a file, an edit, in turn."""
+    module = MODULES[j % len(MODULES)]
+    if j % 4 == 0:
+        return (f"============ FAILURES ============\n___ test_parse_iso ___\n    def test_parse_iso():\n"
+                f">       assert parse_date('2024-0{j % 9 + 1}-15') == date(2024, {j % 9 + 1}, 15)\n"
+                f"E       AssertionError\nsrc/app/{module}.py:{12 + j}: AssertionError\n"
+                f"1 failed, {40 + j} passed in 0.{j + 3}s")
+    if j % 4 == 1:
+        return "\n".join(f"src/app/{m}.py:{7 + 3 * k}: from app.{module} import parse_{m}"
+                         for k, m in enumerate(MODULES[:4 + j % 4]))
+    if j % 4 == 2:
+        return render(edited_functions(j % 6)[0])
+    return f"Edited src/app/{module}.py: 1 replacement, line {12 + j}."
+
+
+def agent(i, answers):
+    messages = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": AGENT_TASK}]
+    for j, answer in enumerate(answers):
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": f"<tool_result>\n{tool_result(j)}\n</tool_result>"}]
+    return messages
+
+
+WHAT = [("parse", "item.strip().split('-')"), ("format", "f'{item:.2f}'"), ("load", "dict(item)"),
+        ("merge", "item | {'seen': True}"), ("count", "len(item.split())"), ("clean", "item.strip().title()"),
+        ("split", "item[:limit]"), ("measure", "abs(item) ** 0.5")]
+
+
+def edited_functions(edits):
+    """The file's functions after its first `edits` edits, and the change request of the next one."""
+    functions = [{"name": f"{verb}_{noun}", "limit": 10, "hints": False, "var": "result", "expr": expr}
+                 for (verb, expr), noun in zip(WHAT, MODULES)]
+    change = None
+    for k in range(edits + 1):
+        f = functions[(3 * k + 5) % len(functions)]  # all over the file, its end first
+        kind = (k + k // len(functions)) % 4
+        change = [f"Rename the function {f['name']} to {f['name']}_all.",
+                  f"In {f['name']}, change the default limit from {f['limit']} to {f['limit'] + 5}.",
+                  f"Add type hints to the signature of {f['name']}.",
+                  f"In {f['name']}, rename the variable {f['var']} to {f['var']}s."][kind]
+        if k < edits:
+            key, value = [("name", f["name"] + "_all"), ("limit", f["limit"] + 5), ("hints", True),
+                          ("var", f["var"] + "s")][kind]
+            f[key] = value
+    return functions, change
+
+
+def render(functions):
+    lines = []
+    for f in functions:
+        signature = (f"(items: list, limit: int = {f['limit']}) -> list" if f["hints"] else
+                     f"(items, limit={f['limit']})")
+        lines += [f"def {f['name']}{signature}:", f'    """The first `limit` items, each as {f["expr"]}."""',
+                  f"    {f['var']} = []", "    for index, item in enumerate(items):", "        if index >= limit:",
+                  "            break", f"        {f['var']}.append({f['expr']})", f"    return {f['var']}", "", ""]
+    return "\n".join(lines).strip() + "\n"
+
+
+def code(i, answers):
+    functions, change = edited_functions(i)  # the file first, as editors send it: its unchanged start is a prefix
+    return [{"role": "user", "content": f"```python\n{render(functions)}```\n\n{change} Answer with the whole "
+                                        "updated file and nothing else."}]
+
+
+CITIES = ["Lyon", "Porto", "Leeds", "Graz", "Turku", "Gdansk", "Bilbao", "Utrecht", "Brno", "Cork", "Malmo", "Bari"]
+PLANS = [("night bus", "run every thirty minutes after midnight"), ("bike lane", "connect the stations to the "
+         "university"), ("library", "stay open until ten in the evening"), ("housing", "renovate two thousand flats"),
+         ("harbour", "move freight traffic out of the centre"), ("school meal", "serve local produce every day")]
+
+
+def source(k):
+    city, (plan, goal) = CITIES[k % len(CITIES)], PLANS[k % len(PLANS)]
+    return (f"Source {k + 1}: {city} approves the {plan} plan\nThe council of {city} approved the {plan} plan on "
+            f"Tuesday by {20 + k} votes to {k + 3}. The plan costs {k + 2} million euros a year and will {goal} "
+            f"from {2025 + k % 3}. Critics said the money would be better spent on {PLANS[(k + 1) % len(PLANS)][0]} "
+            f"services, and asked for a review after {k % 4 + 2} years.")
+
+
+def summary(i, answers):
+    sources = "\n\n".join(source((i + k) % len(CITIES)) for k in range(3))  # two shared with the request before
+    return [{"role": "user", "content": "Summarize these sources in four sentences, quoting the key sentence of "
+                                        f"each one verbatim in double quotes.\n\n{sources}"}]
+
+
+TOPICS = ["tides", "compound interest", "photosynthesis", "jet lag", "sourdough starters", "the Roman calendar",
+          "noise-cancelling headphones", "glaciers", "vaccines", "chess openings", "solar eclipses", "coffee roasting",
+          "bird migration", "credit scores", "volcanoes", "the printing press"]
+ASKS = ["How would you explain {} to a ten-year-old?", "What are three common misconceptions about {}?",
+        "Write a short poem about {}.", "What should a beginner read first to learn about {}?",
+        "Give me a two-paragraph history of {}.", "What is the most surprising fact about {}?"]
+
+
+def chat(i, answers):
+    return [{"role": "user", "content": ASKS[(i + i // len(TOPICS)) % len(ASKS)].format(TOPICS[i % len(TOPICS)])}]
+
+
+WORKLOADS = {"agent": agent, "code": code, "summary": summary, "chat": chat}
+
+
+# --- the benchmark ------------------------------------------------------------------------------------
+def workloads_benchmark(args):
+    names = args.workloads or list(WORKLOADS)
+    drafts = list(dict.fromkeys(["none", "lookup", *args.draft]))  # the baselines first
+    results = {}
+    with progress(len(names) * len(drafts) * 2, "workloads") as bar:
+        for name in names:
+            runs = []
+            for cache in (True, False):
+                for draft in drafts:
+                    runs.append(workload_run(args, name, draft, cache))
+                    bar.update(1)
+            results[name] = compared(name, runs, args.temperature)
+    result = {"settings": vars(args), "workloads": results}
+    return result, workloads_table(args, results)
+
+
+def workload_run(args, name, draft, cache):
+    """One server for `draft` with the prefix cache on or off, the workload's requests one after another."""
+    answers = []
+    with serving(server_flags(args, draft, *([] if cache else ["--prefix-cache-mb=0"]))) as address:
+        hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0}
+        stream(address, "/v1/chat/completions", hello)  # the first call's setup is not the workload's
+        for i in range(args.requests):
+            body = {"messages": WORKLOADS[name](i, [a.text for a in answers]), **sampling_fields(args)}
+            if name == "agent":
+                body["max_tokens"] = min(body["max_tokens"], AGENT_TOKENS)
+            answers.append(stream(address, "/v1/chat/completions", body))
+    half = len(answers) // 2
+    return {"draft": draft, "prefix_cache": cache, **totals(answers), "halves": [totals(answers[:half]),
+                                                                              totals(answers[half:])],
+            "requests": [{"seconds": a.seconds, "ttft": a.ttft, **a.usage, **a.speculative} for a in answers],
+            "texts": [a.text for a in answers]}
+
+
+def totals(answers):
+    calls = sum(a.speculative.get("target_calls", 0) for a in answers)
+    rates = [(a.speculative["acceptance_rate"], a.speculative["target_calls"]) for a in answers
+             if "acceptance_rate" in a.speculative]
+    prompt = sum(a.usage["prompt_tokens"] for a in answers)
+    return {"seconds": sum(a.seconds for a in answers), "mean_ttft": statistics.fmean(a.ttft for a in answers),
+            "tokens_per_call": sum(a.usage["completion_tokens"] for a in answers) / max(calls, 1),
+            "acceptance_rate": sum(r * n for r, n in rates) / max(sum(n for _, n in rates), 1) if rates else None,
+            "cached_share": sum(a.usage["prompt_tokens_details"]["cached_tokens"] for a in answers) / max(prompt, 1)}
+
+
+def compared(name, runs, temperature):
+    """Each run against plain (none, prefix cache on) and lookup (the same cache), and its own cache off."""
+    def find(draft, cache):
+        return next(r for r in runs if r["draft"] == draft and r["prefix_cache"] == cache)
+    plain = find("none", True)
+    for r in runs:
+        lookup, other = find("lookup", r["prefix_cache"]), find(r["draft"], not r["prefix_cache"])
+        r.update(vs_plain=plain["seconds"] / r["seconds"], vs_lookup=lookup["seconds"] / r["seconds"],
+                 halves_vs_plain=[p["seconds"] / h["seconds"] for p, h in zip(plain["halves"], r["halves"])],
+                 ttft_cut=other["mean_ttft"] / r["mean_ttft"] if r["prefix_cache"] else None,
+                 identical_to_plain=r["texts"] == plain["texts"] if temperature == 0 else None)
+    best = max((r for r in runs if r["prefix_cache"] and r["draft"] != "none"), key=lambda r: r["vs_plain"])
+    return {"runs": runs, "best": {"draft": best["draft"], "vs_plain": best["vs_plain"]},
+            "ttft_cut": plain["ttft_cut"], "goals": GOALS.get(name, {})}
+
+
+def workloads_table(args, results):
+    lines = [f"target `{args.target}`, {args.requests} requests a workload one after another, up to "
+             f"{args.max_new_tokens} new tokens each, temperature {args.temperature}; one server process per row", ""]
+    header = ["workload", "draft", "prefix cache", "s", "x plain", "x lookup", "x plain 1st / 2nd half",
+              "mean TTFT ms", "TTFT cut", "tok/call 1st / 2nd half", "accept", "cached", "same as plain"]
+    rows = ([name, f"`{r['draft']}`", "on" if r["prefix_cache"] else "off", f"{r['seconds']:.2f}",
+             f"{r['vs_plain']:.2f}x", f"{r['vs_lookup']:.2f}x",
+             " / ".join(f"{x:.2f}x" for x in r["halves_vs_plain"]), f"{r['mean_ttft'] * 1e3:.0f}",
+             "-" if r["ttft_cut"] is None else f"{r['ttft_cut']:.2f}x",
+             " / ".join(f"{h['tokens_per_call']:.2f}" for h in r["halves"]),
+             "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}", f"{r['cached_share']:.0%}",
+             yes_no(r["identical_to_plain"])] for name, w in results.items() for r in w["runs"])
+    lines += md_table(header, rows)
+    lines += ["", "x plain: against `none` with the prefix cache on (the server as shipped, without speculation); "
+              "x lookup: against `lookup` with the same prefix cache; TTFT cut: mean TTFT without the prefix cache "
+              "over with it; cached: the prompts' tokens the prefix cache held", ""]
+    for name, w in results.items():
+        best, cut = w["best"]["vs_plain"], w["ttft_cut"]
+        lines.append(f"- {name}: best `{w['best']['draft']}` {best:.2f}x plain{goal(w, 'vs_plain', best)}; the prefix "
+                     f"cache cuts plain's mean TTFT {cut:.2f}x{goal(w, 'ttft_cut', cut)}")
+    return "\n".join(lines)
+
+
+def goal(workload, key, value):
+    target = workload["goals"].get(key)
+    return "" if target is None else f" (goal ≥ {target}x: {'meets' if value >= target else 'misses'})"
