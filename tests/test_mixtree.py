@@ -1,6 +1,6 @@
 """Several drafters in one tree (decoding/mixed.py): a model's or a head's guesses and a cheap drafter's
 (lookup, suffix) verified together. Greedy output is plain greedy's, sampled output the target's
-distribution (the mixed candidate rule, tree.sample_walk with `fixed`, and whole requests), and the
+distribution (the mixed candidate rule, tree.sample_walk past q's rows, and whole requests), and the
 draft model's cache follows the accepted text whichever drafter's guesses were accepted."""
 
 from collections import Counter
@@ -38,7 +38,7 @@ def test_a_fixed_candidate_after_a_nodes_draws_keeps_the_targets_distribution():
     for _ in range(draws):
         drawn = int(torch.multinomial(q[0], 1, generator=generator))
         nodes = [drawn] + ([fixed_token] if drawn != fixed_token else [])
-        verdict = tree.sample_walk(nodes, [-1] * len(nodes), p, generator, q, frozenset(range(1, len(nodes))))
+        verdict = tree.sample_walk(nodes, [-1] * len(nodes), p, generator, q)  # q: the root's row; node 1 lies past it
         counts[nodes[verdict.path[0]] if verdict.path else verdict.t] += 1
     observed = [counts[t] for t in range(4)]
     assert chisquare(observed, (p[0] * draws).tolist()).pvalue > 0.001, observed
@@ -76,10 +76,10 @@ def test_the_draft_cache_follows_the_accepted_text_whoever_guessed_it(models, mo
     guessed, left_chain = [], []
     merge, accept = mixed.MixedDrafter.merge, mixed.MixedDrafter.accept
 
-    def recorded_merge(self, proposal, chain, room):
+    def recorded_merge(self, proposal, chain):
         if len(proposal.drafts) and proposal.parents is None:
             guessed.append((list(self.cheap.context), int(proposal.drafts[0])))
-        return merge(self, proposal, chain, room)
+        return merge(self, proposal, chain)
 
     def recorded_accept(self, tokens, tokens_on_device, seen=None):
         if self.chain is not None:
@@ -111,9 +111,9 @@ def test_sampled_output_has_the_targets_distribution(vocab16, coupling, tree_set
     walks = Counter()
     sample_walk = speculative.sample_walk
 
-    def counted(*args):
-        walks[bool(args[-1])] += 1
-        return sample_walk(*args)
+    def counted(nodes, parents, p, generator, q=None):  # nodes past q's rows: the cheap drafter's
+        walks[q is not None and len(nodes) > len(q)] += 1
+        return sample_walk(nodes, parents, p, generator, q)
     monkeypatch.setattr(speculative, "sample_walk", counted)
     for prompt in [[6, 8, 12, 6, 8]] + ([[6, 8, 12, 5, 6, 8, 12]] if tree_setting == "off" else []):
         joint = exact_joint(target, prompt, minispec.Sampling(temperature=1.0, top_k=3), length=3)

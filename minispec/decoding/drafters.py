@@ -54,7 +54,6 @@ class Ask(NamedTuple):
     noise: object = None  # a coupled row's noise.Noise: a draft model guesses under the target's noise
     grammar: Optional[object] = None  # a constrained row's grammar.Matcher, which a draft model's chain q is masked by
     depth: Optional[int] = None  # the deepest path any drafter may add (γ's most, and the tokens left to make)
-    room: Optional[int] = None  # the most nodes a tree may have (its target cache row's free slots)
 
 
 class Proposal(NamedTuple):
@@ -63,7 +62,6 @@ class Proposal(NamedTuple):
     drafts: torch.Tensor
     q: Optional[torch.Tensor]
     parents: Optional[list] = None
-    fixed: frozenset = frozenset()  # nodes that are fixed candidates although q is given (decoding/mixed.py)
 
 
 # draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
@@ -76,7 +74,7 @@ def make_drafter(draft, target):
     (the target itself, quantized: its own quantized weights and KV cache, built once per target)."""
     if isinstance(draft, (list, tuple)):
         from . import mixed  # [model, "suffix"]: both in one tree, an optional drafter read when asked for
-        return mixed.MixedDrafter([make_drafter(part, target) for part in draft])
+        return mixed.MixedDrafter([make_drafter(part, target) for part in draft], target)
     if draft == "suffix":
         from . import suffix  # an optional drafter: the core loads its module only when it is asked for
         return suffix.SuffixDrafter(target)
@@ -102,8 +100,7 @@ def make_drafter(draft, target):
                          "'suffix', 'int8' or 'int4'")
     if not isinstance(draft, CachedLM):
         raise ValueError(f"draft must be a minispec model (minispec.load), 'ngram', 'lookup', 'suffix', 'int8' or "
-                         "'int4'; "
-                         f"got {draft!r}")
+                         f"'int4' (or a list: [model, 'suffix']); got {draft!r}")
     if draft is target:
         raise ValueError("the draft must be a separate model object (each needs its own KV cache); "
                          "load the checkpoint twice to draft with the target's weights")
@@ -122,10 +119,8 @@ def check_same_vocabulary(target, draft):
         raise ValueError(f"target {target.name} and draft {draft.name} use different tokenizers: id {i} is "
                          f"{target.tokenizer.describe(i)} in the target's, {draft.tokenizer.describe(i)} in the draft's")
     if target.vocab_size != draft.vocab_size:
-        raise ValueError(
-            f"target {target.name} and draft {draft.name} have different vocabularies "
-            f"({target.vocab_size} vs {draft.vocab_size} tokens); speculative decoding needs the same one"
-        )
+        raise ValueError(f"target {target.name} and draft {draft.name} have different vocabularies "
+                         f"({target.vocab_size} vs {draft.vocab_size} tokens): speculative decoding needs the same one")
 
 
 class ModelDrafter:

@@ -65,11 +65,9 @@ class Row:
     def ask(self):
         """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens
         (nothing when the grammar forces this step's guesses)."""
-        left = self.request.max_new_tokens - len(self.tokens) - 1
-        room = self.request.target.cache_max_seq_len - self.length - len(self.unseen)  # for a tree's nodes
-        return Ask(self.drafter, 0 if self.forcing else min(self.policy.guesses(), left), self.sampling, self.generator,
-                   self.policy.keep_guessing, self.tree_budget(), self.counts, self.noise, self.grammar,
-                   0 if self.forcing else min(self.policy.k_max, left), room)
+        most = 0 if self.forcing else min(self.policy.k_max, self.request.max_new_tokens - len(self.tokens) - 1)
+        return Ask(self.drafter, 0 if self.forcing else min(self.policy.guesses(), most), self.sampling, self.generator,
+                   self.policy.keep_guessing, self.tree_budget(), self.counts, self.noise, self.grammar, most)
 
     def forced(self):
         """The tokens the grammar forces next, this step's guesses (host ids; none without a grammar)."""

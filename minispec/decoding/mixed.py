@@ -21,8 +21,6 @@ distribution (the recursive rejection argument, candidate by candidate). Under c
 accepts a node iff it is the target's own draw there, which any set of candidates leaves exact.
 """
 
-import torch
-
 from ..models.kernels import to_device
 from .tree import add_path, tree_or_chain
 
@@ -41,7 +39,7 @@ class MixedDrafter:
 
     preview = None  # the model's guesses cannot be previewed: the policy sizes them by measured speed
 
-    def __init__(self, parts):
+    def __init__(self, parts, target):
         cheap = [part for part in parts if part.name in CHEAP]
         if len(parts) != 2 or len(cheap) != 1 or any(isinstance(part, MixedDrafter) for part in parts):
             raise ValueError("several drafters in one tree: give two, a model (or head, 'int8', 'int4', 'ngram') "
@@ -50,6 +48,7 @@ class MixedDrafter:
         self.name, self.model = f"{self.main.name}+{self.cheap.name}", self.main.model
         self.weights, self.reads_states = getattr(self.main, "weights", None), self.main.reads_states
         self.chain = None  # the model's last chain, host ids (None: it drafted a tree, or nothing)
+        self.target = target
         self.mixed_with = (self.cheap.name,)  # gamma="auto" prices the mix apart from the model (policy, profiles)
 
     calls, encoder_calls = forwarded("calls"), forwarded("encoder_calls")
@@ -58,6 +57,13 @@ class MixedDrafter:
     def start(self, prompt_ids, sampling, row=0):
         self.main.start(prompt_ids, sampling, row)
         self.cheap.start(prompt_ids, sampling, row)
+        # prompt tokens the target's cache row does not hold (an encoder's: its decoder starts from one token)
+        self.encoded = prompt_ids.shape[-1] - 1 if self.target.is_encoder_decoder else 0
+
+    def room(self):
+        """The target cache row's free slots: the most nodes a step may verify (the cheap drafter's context is
+        the prompt and the output so far)."""
+        return self.target.cache_max_seq_len - (len(self.cheap.context) - self.encoded)
 
     def cheap_chain(self, depth):
         """The step's cheap chain (host ids) and whether the model sits it out."""
@@ -72,10 +78,11 @@ class MixedDrafter:
         chains = [ask.drafter.cheap_chain(ask.depth or ask.k) for ask in asks]
         inner = propose_all([ask._replace(drafter=ask.drafter.main, k=0 if alone else ask.k)
                              for ask, (_, alone) in zip(asks, chains)])
-        return [ask.drafter.merge(proposal, chain, ask.room) for ask, proposal, (chain, _) in zip(asks, inner, chains)]
+        return [ask.drafter.merge(proposal, chain) for ask, proposal, (chain, _) in zip(asks, inner, chains)]
 
-    def merge(self, proposal, chain, room):
-        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room) nodes."""
+    def merge(self, proposal, chain):
+        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room) nodes; q, when
+        given, stays the model's nodes' (tree.sample_walk: the nodes past its rows are fixed candidates)."""
         self.chain = None
         if not chain:
             return proposal
@@ -83,14 +90,11 @@ class MixedDrafter:
         m = len(tokens)
         self.chain = list(tokens) if proposal.parents is None else None
         parents = list(range(-1, m - 1)) if proposal.parents is None else list(proposal.parents)
-        add_path(tokens, parents, chain, max(m, room if room is not None else m + len(chain)))
+        add_path(tokens, parents, chain, max(m, self.room()))
         if len(tokens) == m:  # the model had drafted the chain already
             return proposal
-        drafts = to_device(tokens, proposal.drafts.device)
-        if proposal.q is None:  # every candidate is fixed (greedy, or a Medusa tree)
-            return proposal._replace(drafts=drafts, parents=tree_or_chain(parents))
-        q = torch.cat([proposal.q, proposal.q.new_zeros(len(tokens) - m, proposal.q.shape[1])])
-        return proposal._replace(drafts=drafts, q=q, parents=parents, fixed=frozenset(range(m, len(tokens))))
+        drafts = to_device(tokens, proposal.drafts.device)  # with q, a tree even if a chain: the model's rows
+        return proposal._replace(drafts=drafts, parents=tree_or_chain(parents) if proposal.q is None else parents)
 
     def accept(self, tokens, tokens_on_device, seen=None):
         main = self.main

@@ -186,7 +186,7 @@ def step(target, rows):
                                        logprobs=None if got.logprobs is None else got.logprobs[:got.n + 1]))
         else:
             tree = walk(got.guesses, x.parents, got.choices) if got.choices is not None else \
-                sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q, x.fixed)
+                sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q)
             done = row.advance_tree(got.guesses, x.parents, tree, timing, seen(row, x.drafts, state, tree.path),
                                     tree_logprobs(row, p, got, tree))
         if done:

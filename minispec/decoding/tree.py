@@ -94,7 +94,7 @@ def walk(nodes, parents, choices):
         next((j for j in children if nodes[j] == choices[row]), None), choices[row]))
 
 
-def sample_walk(nodes, parents, p, generator, q=None, fixed=frozenset()):
+def sample_walk(nodes, parents, p, generator, q=None):
     """Sampled verification of a tree (SpecInfer's and Sequoia's recursive rejection). p [k + 1, vocab]:
     the target's distribution at the root, then at each node. q: None when each node's children are
     fixed candidates, distinct (lookup's, ngram's, Medusa's most probable); else q [k, vocab], the
@@ -104,13 +104,13 @@ def sample_walk(nodes, parents, p, generator, q=None, fixed=frozenset()):
     q'(x)), else p' becomes norm(max(p' - q', 0)) (Algorithm 1's residual, which is 0 at x) and x leaves
     q'; when none is accepted, t ~ p'. A fixed candidate is a draw from q' one-hot at it: accepted with
     p'(x), else x leaves p'. Each step is Algorithm 1's, whose residual the next draw targets, so the
-    token that comes out has probability p exactly. `fixed`: fixed candidates though q is given (mixed.py's).
+    token that comes out has probability p exactly; nodes past q's rows are fixed candidates (mixed.py's).
     Returns a TreeVerdict; draws come from `generator` in a fixed order (a row's as alone in a batch)."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'
-        drawn_from = None if q is None or not children else q[row] / q[row].sum()  # q' (a leaf: none)
+        drawn_from = None if q is None or row >= len(q) or not children else q[row] / q[row].sum()  # q' (leaf: none)
         for j in children:
-            x, drawn = nodes[j], q is not None and j not in fixed
+            x, drawn = nodes[j], q is not None and j < len(q)
             q_x = drawn_from[x] if drawn else 1.0
             r = torch.rand((), generator=generator, device=remaining.device)
             if r * q_x < remaining[x]:
