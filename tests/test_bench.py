@@ -487,7 +487,8 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--llama-cpp", "/nonexistent"], "--llama-cpp needs --target as a GGUF file"),
     (["--llama-cpp", "/nonexistent", "--draft", "lookup", "ngram"], "--llama-cpp goes with the main table"),
     (["--workloads", "--requests", "1"], "--workloads needs --requests >= 2"),
-    (["--workloads", "agent", "--one-shot"], "--workloads and --tp-serve are benchmarks of their own"),
+    (["--workloads", "agent", "--one-shot"], "--workloads, --tp-serve and --serve-load are benchmarks of their own"),
+    (["--serve-load", "--tp-serve", "2"], "--workloads, --tp-serve and --serve-load are benchmarks of their own"),
     (["--tp-serve", "1"], "--tp-serve must be >= 2"),
     (["--tp-serve", "2", "--clients", "0"], "--requests and --clients must be >= 1"),
 ])
@@ -833,6 +834,24 @@ def test_tp_serve_compares_the_sharded_server_with_one_process(served_dirs, tmp_
     assert runs[2]["broadcast_ms_per_forward"] == pytest.approx(5.0)
     assert ("| processes | clients | requests | tok/s | p50 s | p99 s | broadcast ms/forward | broadcast share | "
             "same as 1 process |") in table
+
+
+def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(served_dirs, tmp_path, capsys, monkeypatch):
+    """--serve-load: the server with --draft, then with --draft none, each with a batch as wide as the most
+    clients, for each --clients count: tokens/s of both, their ratio, same greedy output."""
+    starts = []
+    fake = in_process()
+    monkeypatch.setattr(served, "serving", lambda flags, ranks=1: starts.append(flags) or fake(flags, ranks))
+    result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "lookup", "--serve-load",
+                              "--clients", "1", "3", "--requests", "2")
+    assert ["--draft=lookup" in starts[0], "--draft=none" in starts[1]] == [True, True] and len(starts) == 2
+    assert all("--batch-size=3" in flags for flags in starts)
+    assert [(r["draft"], r["clients"], r["requests"]) for r in result["runs"]] == [
+        ("lookup", 1, 2), ("lookup", 3, 6), ("none", 1, 2), ("none", 3, 6)]
+    for row in result["rows"]:
+        assert row["ratio"] == pytest.approx(row["speculative"] / row["plain"]) and row["identical"]
+    assert [row["clients"] for row in result["rows"]] == [1, 3]
+    assert "| clients | lookup tok/s | none tok/s | x plain | same output |" in table and "0.98x plain" in table
 
 
 def test_served_percentile_is_the_nearest_rank():

@@ -12,13 +12,13 @@ from .benchmarks import batch_benchmark, beam_benchmark, benchmark
 from .drafters import drafters_benchmark
 from .oneshot import one_shot_benchmark, threads_benchmark
 from .report import markdown_table
-from .served import tp_serve_benchmark
+from .served import serve_load_benchmark, tp_serve_benchmark
 from .workloads import WORKLOADS, workloads_benchmark
 
 # The benchmarks that replace the main table, each with its own table: the first flag given picks one.
 OWN_TABLES = {"one_shot": one_shot_benchmark, "threads_under_load": threads_benchmark,
               "batch_sizes": batch_benchmark, "beams": beam_benchmark, "workloads": workloads_benchmark,
-              "tp_serve": tp_serve_benchmark}
+              "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark}
 
 
 def parse_args(argv):
@@ -76,9 +76,12 @@ def parse_args(argv):
     parser.add_argument("--tp-serve", type=int, metavar="N",
                         help="instead of the main table: the server over N processes (--tp N) against one process, "
                              "for each --clients count")
+    parser.add_argument("--serve-load", action="store_true",
+                        help="instead of the main table: the server with --draft against --draft none, for each "
+                             "--clients count")
     parser.add_argument("--requests", type=int, default=8,
                         help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="--tp-serve: concurrent clients")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="--tp-serve, --serve-load: concurrent clients")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     check(args)
@@ -87,13 +90,13 @@ def parse_args(argv):
 
 def check(args):
     """A ValueError naming the flags that cannot go together or are out of range, before loading weights."""
-    served = args.workloads is not None or args.tp_serve
+    served = args.workloads is not None or args.tp_serve or args.serve_load
     own, several = args.batch_sizes or args.beams or args.one_shot or served, len(args.draft) > 1
     alone = "without --batch-sizes, --beams, --one-shot, --workloads and --tp-serve"
     problems = [
         (served and (args.batch_sizes or args.beams or args.one_shot or args.threads_under_load
-                     or (args.workloads is not None and args.tp_serve)),
-         "--workloads and --tp-serve are benchmarks of their own: without the other benchmarks' flags"),
+                     or sum((args.workloads is not None, bool(args.tp_serve), args.serve_load)) > 1),
+         "--workloads, --tp-serve and --serve-load are benchmarks of their own: without the other benchmarks' flags"),
         (args.tp_serve is not None and args.tp_serve < 2, f"--tp-serve must be >= 2, got {args.tp_serve}"),
         (args.workloads is not None and args.requests < 2, f"--workloads needs --requests >= 2 (two halves), got "
                                                             f"{args.requests}"),

@@ -4,6 +4,8 @@ server process of its own, talked to over HTTP.
 --tp-serve N: the target sharded over N processes (`--tp N`, gloo on the CPU) against one process, with
 1 and 8 (--clients) concurrent clients each sending --requests requests of the bench's prompts: tokens/s,
 p50/p99 request latency, and rank 0's seconds in broadcasting the calls its shards mirror (/health).
+--serve-load: the server with --draft against the same server with --draft none, for each --clients count:
+whether speculation keeps paying as the batch fills (the goal: at least GOAL_UNDER_LOAD of plain at every width).
 """
 
 import http.client
@@ -24,6 +26,7 @@ from .prompts import read_prompts
 from .report import md_table, yes_no
 
 STARTUP_SECONDS = 600  # loading a large checkpoint (and its quantized copy) takes a while
+GOAL_UNDER_LOAD = 0.98  # of the plain server's tokens/s, at every number of clients
 MODEL_FLAGS = ("target", "device", "dtype", "quantize", "draft_quantize", "group_size", "threads")
 
 
@@ -149,6 +152,29 @@ def tp_serve_benchmark(args):
         run["identical_to_one_process"] = run["texts"] == alone["texts"] if args.temperature == 0 else None
     result = {"settings": {**vars(args), "prompts": len(prompts)}, "runs": runs}
     return result, tp_serve_table(args, runs)
+
+
+def serve_load_benchmark(args):
+    """Tokens/s of the server with --draft and with --draft none (a batch as wide as the most --clients), per
+    --clients count."""
+    prompts, runs = read_prompts(args), []
+    for draft in (args.draft, "none"):
+        with serving(server_flags(args, draft, f"--batch-size={max(args.clients)}")) as address:
+            stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # setup
+            runs += [dict(clients_run(address, args, prompts, 1, clients), draft=draft) for clients in args.clients]
+    rows = []
+    for clients in args.clients:
+        spec, plain = (next(r for r in runs if r["clients"] == clients and r["draft"] == d) for d in (args.draft, "none"))
+        rows.append({"clients": clients, "speculative": spec["tokens_per_second"], "plain": plain["tokens_per_second"],
+                     "ratio": spec["tokens_per_second"] / plain["tokens_per_second"],
+                     "identical": spec["texts"] == plain["texts"] if args.temperature == 0 else None})
+    lines = [f"target `{args.target}`, the server with --draft {args.draft} against --draft none, --batch-size "
+             f"{max(args.clients)}, {args.max_new_tokens} new tokens a request, --requests {args.requests} per client", ""]
+    lines += md_table(["clients", f"{args.draft} tok/s", "none tok/s", "x plain", "same output"],
+                      ([r["clients"], f"{r['speculative']:.1f}", f"{r['plain']:.1f}", f"{r['ratio']:.2f}x",
+                        yes_no(r["identical"])] for r in rows))
+    lines += ["", f"the goal: at least {GOAL_UNDER_LOAD}x plain at every number of clients"]
+    return {"settings": {**vars(args), "prompts": len(prompts)}, "rows": rows, "runs": runs}, "\n".join(lines)
 
 
 def clients_run(address, args, prompts, ranks, clients):
