@@ -37,7 +37,7 @@ BAD_BODIES = [
     {"prompt": "x", "max_tokens": -5}, {"prompt": "x", "max_tokens": 10**30}, {"prompt": "x", "max_tokens": "8"},
     {"prompt": "x", "temperature": "hot"}, {"prompt": "x", "top_p": 7}, {"prompt": "x", "top_k": "many"},
     {"prompt": "x", "seed": 2**200}, {"prompt": "x", "n": 10**9}, {"prompt": "y" * 900000},
-    {"prompt": "x", "stream": 1}, {"prompt": "x", "logit_bias": {"5": 1e300}}, {"prompt": "x", "best_of": 3},
+    {"prompt": "x", "stream": 1}, {"prompt": "x", "logit_bias": {"5": 1e300}}, {"prompt": "x", "best_of": 10**9},
     {"prompt": "x", "model": "y" * 10**6}, {"prompt": "x", "nonsense" * 1000: 1}, {"messages": "hello"},
     {"messages": [{"role": "user"}]}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
     {"messages": [{"role": "user", "content": HUGE}]}, {"prompt": HUGE},
