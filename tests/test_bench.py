@@ -18,7 +18,7 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference, spread_init
 
 import minispec
-from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, served, theory, timing, workloads
+from minispec.tools.bench import benchmarks, features, llamacpp, memory, oneshot, report, served, theory, timing, workloads
 from minispec.tools.bench import cli as bench_cli
 from minispec.tools.bench.prompts import read_prompts
 from minispec.decoding import drafters
@@ -489,6 +489,7 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--workloads", "--requests", "1"], "--workloads needs --requests >= 2"),
     (["--workloads", "agent", "--one-shot"], "--workloads, --tp-serve and --serve-load are benchmarks of their own"),
     (["--serve-load", "--tp-serve", "2"], "--workloads, --tp-serve and --serve-load are benchmarks of their own"),
+    (["--features", "--beams", "2"], "--features is a benchmark of its own"),
     (["--tp-serve", "1"], "--tp-serve must be >= 2"),
     (["--tp-serve", "2", "--clients", "0"], "--requests and --clients must be >= 1"),
 ])
@@ -852,6 +853,22 @@ def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(ser
         assert row["ratio"] == pytest.approx(row["speculative"] / row["plain"]) and row["identical"]
     assert [row["clients"] for row in result["rows"]] == [1, 3]
     assert "| clients | lookup tok/s | none tok/s | x plain | same output |" in table and "0.98x plain" in table
+
+
+def test_features_price_each_feature_plain_and_speculative_against_the_request_without_it(served_dirs, tmp_path,
+                                                                                           capsys):
+    """--features: every feature of a request (logprobs, penalties, a JSON schema, n, the couplings) timed plain
+    and with the draft; each against the same request without it; greedy ones the same output either way."""
+    pytest.importorskip("llguidance")
+    result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "lookup", "--features",
+                              "--repeats", "1", "--gamma", "2", "--prompts", "partial")
+    rows = {row["feature"]: row for row in result["features"]}
+    assert list(rows) == list(features.FEATURES)
+    assert rows["none"]["plain_cost"] == rows["none"]["speculative_cost"] == 1.0
+    for name, row in rows.items():
+        assert row["plain"] > 0 and row["speculative"] > 0
+        assert row["identical"] is (None if "temperature" in features.FEATURES[name] else True), name
+    assert "| feature | plain tok/s | x without it | speculative tok/s | x without it | x plain | same output |" in table
 
 
 def test_served_percentile_is_the_nearest_rank():

@@ -10,6 +10,7 @@ from minispec.settings import Settings, gamma_setting, token_ids
 from . import llamacpp
 from .benchmarks import batch_benchmark, beam_benchmark, benchmark
 from .drafters import drafters_benchmark
+from .features import features_benchmark
 from .oneshot import one_shot_benchmark, threads_benchmark
 from .report import markdown_table
 from .served import serve_load_benchmark, tp_serve_benchmark
@@ -18,7 +19,8 @@ from .workloads import WORKLOADS, workloads_benchmark
 # The benchmarks that replace the main table, each with its own table: the first flag given picks one.
 OWN_TABLES = {"one_shot": one_shot_benchmark, "threads_under_load": threads_benchmark,
               "batch_sizes": batch_benchmark, "beams": beam_benchmark, "workloads": workloads_benchmark,
-              "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark}
+              "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark,
+              "features": features_benchmark}
 
 
 def parse_args(argv):
@@ -65,6 +67,9 @@ def parse_args(argv):
                         help="instead of the main table: tokens/s with the default threads and with each --threads "
                              "setting while another process keeps one core busy, each request in a fresh process "
                              "(the first --gamma)")
+    parser.add_argument("--features", action="store_true",
+                        help="instead of the main table: each feature (logprobs, penalties, a JSON schema, n, the "
+                             "couplings) plain and with --draft, against the same request without it")
     parser.add_argument("--one-shot", action="store_true",
                         help="instead of the main table: every request in a fresh process, as run.py runs it, "
                              "plain against each --gamma (with --beams: beam search), per prompt")
@@ -91,8 +96,8 @@ def parse_args(argv):
 def check(args):
     """A ValueError naming the flags that cannot go together or are out of range, before loading weights."""
     served = args.workloads is not None or args.tp_serve or args.serve_load
-    own, several = args.batch_sizes or args.beams or args.one_shot or served, len(args.draft) > 1
-    alone = "without --batch-sizes, --beams, --one-shot, --workloads and --tp-serve"
+    own, several = args.batch_sizes or args.beams or args.one_shot or args.features or served, len(args.draft) > 1
+    alone = "without --batch-sizes, --beams, --one-shot, --features, --workloads and --tp-serve"
     problems = [
         (served and (args.batch_sizes or args.beams or args.one_shot or args.threads_under_load
                      or sum((args.workloads is not None, bool(args.tp_serve), args.serve_load)) > 1),
@@ -107,6 +112,8 @@ def check(args):
         (args.beams is not None and args.beams < 1, f"--beams must be >= 1, got {args.beams}"),
         (args.batch_sizes and (args.beams or args.one_shot), "--batch-sizes is a benchmark of its own: "
                                                              "without --beams and --one-shot"),
+        (args.features and (args.batch_sizes or args.beams or args.one_shot or served or args.threads_under_load),
+         "--features is a benchmark of its own: without the other benchmarks' flags"),
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
         (several and own and args.workloads is None, f"several --draft values are a benchmark of their own: {alone}"),
         (args.threads_under_load and (own or several), f"--threads-under-load is a benchmark of its own: one --draft, "
