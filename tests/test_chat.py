@@ -1,6 +1,6 @@
 """Chat templates: minispec's rendering (jinja2's sandbox) against the reference's (transformers'
 apply_chat_template) on the real templates of Llama 3.1 and 3.2, Mistral v0.3, Gemma 2 and 3, Phi-3,
-Phi-4-mini, Qwen2.5, Qwen3, SmolLM2 and SmolLM3 (tests/fixtures/chat_templates) and on variants; the
+Phi-3.5-mini, Phi-4-mini, Qwen2.5, Qwen3, SmolLM2 and SmolLM3 (tests/fixtures/chat_templates) and on variants; the
 ids of chat prompts; templates that fail or try to leave the sandbox; where templates are read from;
 and a Llama 3 checkpoint's chat through minispec.chat_prompt, minispec.generate and run.py."""
 
@@ -154,7 +154,7 @@ def test_the_real_templates_are_told_apart():
     """What the parity above covers: each real template renders its own markers, the refusals are few."""
     markers = {"llama-3.1": "<|start_header_id|>user<|end_header_id|>\n\n", "llama-3.2": "Today Date: ",
                "mistral-v0.3": "[INST] ", "gemma-2": "<start_of_turn>user\n", "gemma-3": "<start_of_turn>model\n",
-               "phi-3": "<|user|>\n", "phi-4-mini": "<|user|>", "qwen2.5": "You are Qwen", "qwen3": "<|im_start|>user\n",
+               "phi-3": "<|user|>\n", "phi-3.5-mini": "<|user|>\n", "phi-4-mini": "<|user|>", "qwen2.5": "You are Qwen", "qwen3": "<|im_start|>user\n",
                "smollm2": "named SmolLM", "smollm3": "Reasoning Mode: /think"}
     assert sorted(markers) == sorted(REAL)
     for name, marker in markers.items():
@@ -162,6 +162,9 @@ def test_the_real_templates_are_told_apart():
     no_thinking = render(REAL["qwen3"], CONVERSATIONS[0], enable_thinking=False)
     assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert "Reasoning Mode: /no_think" in render(REAL["smollm3"], CONVERSATIONS[0], enable_thinking=False)
+    empty_system = [{"role": "system", "content": ""}, *CONVERSATIONS[0]]
+    assert "<|system|>" in render(REAL["phi-3"], empty_system)
+    assert "<|system|>" not in render(REAL["phi-3.5-mini"], empty_system)
     with pytest.raises(ChatTemplateError, match="System role not supported"):
         render(REAL["gemma-2"], CONVERSATIONS[1], bos_token="<bos>")
 
