@@ -154,7 +154,8 @@ def test_the_real_templates_are_told_apart():
     """What the parity above covers: each real template renders its own markers, the refusals are few."""
     markers = {"llama-3.1": "<|start_header_id|>user<|end_header_id|>\n\n", "llama-3.2": "Today Date: ",
                "mistral-v0.3": "[INST] ", "gemma-2": "<start_of_turn>user\n", "gemma-3": "<start_of_turn>model\n",
-               "phi-3": "<|user|>\n", "phi-3.5-mini": "<|user|>\n", "phi-4-mini": "<|user|>", "qwen2.5": "You are Qwen", "qwen3": "<|im_start|>user\n",
+               "phi-3": "<|user|>\n", "phi-3.5-mini": "<|user|>\n", "phi-4-mini": "<|user|>", "qwen2.5": "You are Qwen",
+               "qwen3": "<|im_start|>user\n",
                "smollm2": "named SmolLM", "smollm3": "Reasoning Mode: /think"}
     assert sorted(markers) == sorted(REAL)
     for name, marker in markers.items():
