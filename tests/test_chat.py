@@ -6,6 +6,7 @@ and a Llama 3 checkpoint's chat through minispec.chat_prompt, minispec.generate 
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -385,3 +386,26 @@ def test_a_llama3_chat_through_the_api_and_run(llama3_checkpoint, capsys):
     assert run.main(["--target", str(llama3_checkpoint), "--device", "cpu", "--prompt", "the cat sat?", "--system",
                      "Be brief.", "--max-new-tokens", "6", "--ignore-eos", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == output.tokens
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_run_chats_in_every_real_template(llama3_checkpoint, tmp_path, capsys, name):
+    """run.py --chat with each real template: the reference's prompt ids, decoded as generate decodes them;
+    a template that refuses the messages (Gemma 2: no system role) ends in one line naming its error."""
+    directory = tmp_path / name
+    shutil.copytree(llama3_checkpoint, directory)
+    (directory / "chat_template.jinja").write_text(REAL[name], encoding="utf-8")
+    args = ["--target", str(directory), "--prompt", "the cat sat?", "--max-new-tokens", "4", "--ignore-eos",
+            "--json", "--chat"]
+    if name == "gemma-2":
+        assert run.main([*args, "--system", "Be brief."]) == 2
+        assert capsys.readouterr().err == "error: the chat template failed (TemplateError): System role not supported\n"
+    else:
+        args += ["--system", "Be brief."]
+    messages = [{"role": "system", "content": "Be brief."}] * (name != "gemma-2") + [
+        {"role": "user", "content": "the cat sat?"}]
+    reference = AutoTokenizer.from_pretrained(directory)
+    ids = list(reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert run.main(args) == 0
+    expected = minispec.generate(minispec.load(directory), ids, max_new_tokens=4, ignore_eos=True).tokens
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == expected

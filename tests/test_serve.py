@@ -502,7 +502,7 @@ def test_every_openai_field_is_taken_at_its_default_and_at_null(client, chat):
         assert reply.json()["choices"][0] == plain
 
 
-@pytest.mark.parametrize("name", ["llama-3.2", "gemma-2"])
+@pytest.mark.parametrize("name", sorted(REAL))
 def test_chats_in_other_templates(checkpoints, tmp_path, name):
     """Any template: the checkpoint's, rendered; one that refuses the messages (Gemma 2: no system role) is
     a bad request naming the template's error."""
@@ -510,10 +510,11 @@ def test_chats_in_other_templates(checkpoints, tmp_path, name):
     shutil.copytree(checkpoints[0], target)
     (target / "chat_template.jinja").write_text(REAL[name], encoding="utf-8")
     greedy = {"temperature": 0, "max_tokens": 6}
+    chat = CHAT if name == "smollm3" else CHAT[1:]  # SmolLM3's default system prompt outgrows the tiny context
     with serving((target, checkpoints[1])) as client:
-        reply = client.post("/v1/chat/completions", json={"messages": CHAT[1:], **greedy})
+        reply = client.post("/v1/chat/completions", json={"messages": chat, **greedy})
         refused = client.post("/v1/chat/completions", json={"messages": CHAT, **greedy})
-    text = expected((minispec.load(target), None), CHAT[1:], max_new_tokens=6).text
+    text = expected((minispec.load(target), None), chat, max_new_tokens=6).text
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == text
     if name == "gemma-2":
         assert refused.status_code == 400 and "System role not supported" in refused.json()["error"]["message"]
