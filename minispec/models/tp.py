@@ -99,26 +99,22 @@ def gpt2_plan(model):
 
 
 def t5_plan(model):
-    c = model.config
     yield "table", "encoder_position_bias", None  # [buckets, heads]
     yield "table", "decoder_position_bias", None
-    stacks = [("encoder", layer, ("attn",)) for layer in model.encoder]
-    stacks += [("decoder", layer, ("self_attn", "cross_attn")) for layer in model.decoder]
-    counts = {"encoder": 0, "decoder": 0}
-    for stack, layer, attentions in stacks:
-        p = f"{stack}.{counts[stack]}"
-        counts[stack] += 1
-        for name in attentions:
-            attention = getattr(layer, name)
-            yield "heads", attention, ("n_heads",)
-            for projection in "qkv":
-                yield "rows", f"{p}.{name}.{projection}", None
-            yield "columns", f"{p}.{name}.o", None
-            yield "sum", attention, None
-        for projection in ("wi_0", "wi_1") if c.gated else ("wi",):
-            yield "rows", f"{p}.ffn.{projection}", None
-        yield "columns", f"{p}.ffn.wo", None
-        yield "sum", layer.ffn, None
+    for stack in ("encoder", "decoder"):
+        for i, layer in enumerate(getattr(model, stack)):
+            p = f"{stack}.{i}"
+            for name in ("self_attn", "cross_attn") if stack == "decoder" else ("self_attn",):
+                attention = getattr(layer, name)
+                yield "heads", attention, ("n_heads",)
+                for projection in "qkv":
+                    yield "rows", f"{p}.{name}.{projection}", None
+                yield "columns", f"{p}.{name}.o", None
+                yield "sum", attention, None
+            for projection in ("wi_0", "wi_1") if model.config.gated else ("wi",):
+                yield "rows", f"{p}.ffn.{projection}", None
+            yield "columns", f"{p}.ffn.wo", None
+            yield "sum", layer.ffn, None
 
 
 # By class name: the model files import nothing but their base, this one none of them.
