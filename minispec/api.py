@@ -238,25 +238,21 @@ def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, t
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
     held = 0 if fits else per_position * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
-    if not rows * per_row + working:
-        return
-    free = available_memory(model.device)
-    if tp is not None:
+    total = rows * per_row + working
+    free = available_memory(model.device) if total else None
+    if tp is not None and total:
         free = tp.smallest(-1 if free is None else free)
         free = None if free < 0 else free
-    if free is None or rows * per_row + working <= free + held:
+    if free is None or total <= free + held:
         return
-    need = (f"{(rows * per_row + working) / 2**30:.1f} GiB of KV cache and working memory "
-            f"({per_row / 2**20:.0f} MiB of cache per row of {max_seq_len} positions)")
+    need = (f"{total / 2**30:.1f} GiB of KV cache and working memory ({per_row / 2**20:.0f} MiB of cache per row "
+            f"of {max_seq_len} positions), more than the {free / 2**30:.1f} GiB free")
     if remedy is not None:
-        raise ValueError(f"{model.name}: {rows} cache rows need {need}, more than the {free / 2**30:.1f} GiB free; "
-                         f"at most {free // per_row} fit: {remedy}")
-    free_text = f"more than the {free / 2**30:.1f} GiB free"
+        raise ValueError(f"{model.name}: {rows} cache rows need {need}; at most {free // per_row} fit: {remedy}")
     if requests > 1:
-        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}, {free_text}; at most "
-                                         f"{free // per_row} fit: pass batch_size=")
-    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}, {free_text}; ask for fewer new "
-                                "tokens or beams")
+        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}; at most {free // per_row} fit: "
+                                         "pass batch_size=")
+    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}; ask for fewer new tokens or beams")
 
 
 def available_memory(device):
