@@ -121,22 +121,20 @@ def t5_plan(model):
 PLANS = {"Llama": llama_plan, "Gemma": llama_plan, "GPT2": gpt2_plan, "T5": t5_plan}  # Gemma: the same layout
 
 
-def split_sizes(config):
-    """What the ranks split: {what: (count, its name)}: (key/value) heads and MLP width."""
+def check_divisible(config, world):
+    """A ValueError, before anything is loaded, when `world` ranks cannot split the model's (key/value)
+    heads and MLP width evenly."""
     family = type(config).__name__
     if family in ("LlamaConfig", "GemmaConfig"):
         heads = "key/value heads" if config.n_kv_heads != config.n_heads else "attention heads"
-        return {"heads": (config.n_kv_heads, heads), "mlp": (config.intermediate_size, "MLP width")}
-    if family == "GPT2Config":
-        return {"heads": (config.n_head, "attention heads"), "mlp": (config.n_inner, "MLP width")}
-    if family == "T5Config":
-        return {"heads": (config.num_heads, "attention heads"), "mlp": (config.d_ff, "feed-forward width")}
-    raise ValueError(f"tensor parallelism does not know the model config {family}")
-
-
-def check_divisible(config, world):
-    """A ValueError, before anything is loaded, when `world` ranks cannot split the model evenly."""
-    for count, what in split_sizes(config).values():
+        splits = [(config.n_kv_heads, heads), (config.intermediate_size, "MLP width")]
+    elif family == "GPT2Config":
+        splits = [(config.n_head, "attention heads"), (config.n_inner, "MLP width")]
+    elif family == "T5Config":
+        splits = [(config.num_heads, "attention heads"), (config.d_ff, "feed-forward width")]
+    else:
+        raise ValueError(f"tensor parallelism does not know the model config {family}")
+    for count, what in splits:
         if count % world:
             raise ValueError(f"tp={world} does not divide the target's {count} {what}; use a tp that does")
 
