@@ -150,8 +150,7 @@ class Request:
     @classmethod
     def from_settings(cls, target, prompt, settings):
         drafter = policy = None
-        sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, settings.min_p,
-                            settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty)
+        sampling = Sampling(**{spec.name: getattr(settings, spec.name) for spec in fields(Sampling)})
         if settings.drafting:
             policy = make_policy(settings.gamma, BEAM_GAMMA_MAX if settings.searching else GAMMA_MAX)
             with named("draft"):
@@ -162,10 +161,9 @@ class Request:
             with named("beams" if settings.beams != 1 else "draft_beams"):
                 draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, sampling,
                                                   settings.lenience)
-        stop = settings.stop
+        texts = [settings.stop] if isinstance(settings.stop, str) else settings.stop or ()
         with named("stop"):
-            stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids),
-                        [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
+            stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids), texts, target.tokenizer)
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
         if settings.seed is None and target.tp is not None:  # ranks draw alike only from one seed: rank 0's
             seed = target.tp.from_first(seed)[0]
