@@ -71,14 +71,6 @@ def is_grammar(value):
     return kind in GRAMMARS and (is_text(text) or kind == "json_schema" and isinstance(text, dict))
 
 
-def grammar_setting(text):
-    """--grammar: a JSON object, as Settings.grammar takes it."""
-    try:
-        return json.loads(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({error})") from None
-
-
 def optional(test):
     return lambda value: value is None or test(value)
 
