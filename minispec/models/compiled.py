@@ -64,12 +64,7 @@ def decode_compiled(model, feed, hidden):
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
     before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
-    if hidden or inputs is not None:
-        out = model.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
-        out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-    elif layout is None:
-        out = model.compiled_forward(tokens, input_pos)[:, :fed]
-    else:
-        out = model.compiled_forward(tokens, input_pos, None, layout)[:, :fed]
+    out = model.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
+    out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
     model.graphs += graphs_compiled() - before
     return out
