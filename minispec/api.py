@@ -99,15 +99,12 @@ def exclusive(*models):
     with _claiming:
         for model in models:
             if HOLDERS.get(model) == threading.get_ident():
-                raise RuntimeError(
-                    f"{model.name} is still held by an unfinished call in this thread (a stream not read to its end: "
-                    "finish it or call its close(); or an on_tokens callback): a model runs one request at a time"
-                )
+                raise RuntimeError(f"{model.name} is still held by an unfinished call in this thread (a stream not "
+                                   "read to its end: finish it or call its close(); or an on_tokens callback): a "
+                                   "model runs one request at a time")
             if model in HOLDERS:
-                raise RuntimeError(
-                    f"{model.name} is already generating in another call: a model runs one request at a time "
-                    "(its KV cache holds that request); load one copy of the model per thread"
-                )
+                raise RuntimeError(f"{model.name} is already generating in another call: a model runs one request "
+                                   "at a time (its KV cache holds that request); load one copy of the model per thread")
         for model in models:
             HOLDERS[model] = threading.get_ident()
     try:
@@ -219,12 +216,11 @@ def check_fits(model, prefix_length, max_new_tokens, role="target"):
     context = model.context_length
     if context is not None and prefix_length > context:
         raise SettingError("prompt", f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
-                         f"context of {context}")
+                                     f"context of {context}")
     if context is not None and prefix_length + max_new_tokens > context:
-        raise SettingError(
-            "max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
-            f"{model.name}'s context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
-        )
+        raise SettingError("max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) "
+                                             f"exceeds the {role} {model.name}'s context of {context} tokens; lower "
+                                             f"max_new_tokens to at most {context - prefix_length}")
 
 
 def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
