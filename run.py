@@ -129,10 +129,10 @@ def render_trace(trace, text, colour):
 def until_stop(pieces, stops):
     """The pieces up to where the output's first stop string begins."""
     output = "".join(piece for piece, kind in pieces if kind != "rejected")
-    found = [i for i in (output.find(stop) for stop in stops) if i >= 0]
-    if not found:
+    end = min((i for i in (output.find(stop) for stop in stops) if i >= 0), default=None)
+    if end is None:
         return pieces
-    end, kept, length = min(found), [], 0
+    kept, length = [], 0
     for piece, kind in pieces:
         if length >= end:
             break
