@@ -279,17 +279,12 @@ def size_caches(requests, rows):
     for model in models_of(requests[0]):
         # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
         # the context (near its end the engine offers smaller trees)
-        longest = max(request.decoder_length(model) + request.max_new_tokens + tree_room(request.tree)
-                      for request in requests)
+        longest = max(request.decoder_length(model) + request.max_new_tokens
+                      + (TREE_AUTO if request.tree == "auto" else request.tree or 0) for request in requests)
         longest = min(longest, model.context_length or longest)
         check_memory(model, rows, longest, len(requests), tp=requests[0].target.tp)
         model.ensure_caches(rows, longest)
         model.prepare_batch(rows, max(request.prompt_ids.shape[1] for request in requests))
-
-
-def tree_room(tree):
-    """The most cache slots a step's token tree takes past a row's tokens."""
-    return TREE_AUTO if tree == "auto" else tree or 0
 
 
 @torch.inference_mode()
