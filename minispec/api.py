@@ -25,7 +25,6 @@ from .models.checks import Check, SettingError, integer, is_integer, is_text
 from .loading.tokenizer import IncrementalDecoder
 from .loading.weights import DTYPES
 from .models.llama import Llama
-# Settings live in settings.py, free of torch for the command lines' flags.
 from .settings import GAMMA_MAX, Settings
 
 
