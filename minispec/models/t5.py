@@ -216,8 +216,7 @@ class T5(CachedLM):
         self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         # Always its own parameter: convert_hf_weights fills it from the embedding when the checkpoint is tied.
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
-        # Boolean [1, 1, 1, capacity]: which cross-attention memory positions hold the prompt. A tensor,
-        # not the prompt length as an int, which a compiled graph would specialize on.
+        # Boolean [1, 1, 1, capacity]: the memory positions that hold the prompt (an int would specialize graphs).
         self.register_buffer("memory_mask", None, persistent=False)
 
     context_length = None  # relative positions: no hard limit
