@@ -14,12 +14,11 @@ import statistics
 import sys
 import time
 
-# What the flags need, none of it torch: --help and a bad flag answer at once. What decodes is imported
-# once the flags are good (load_models, and in the functions that use it).
+# What the flags need, none of it torch, so that --help and a bad flag answer at once.
 import minispec
 from minispec.cli import (add_model_flags, add_setting_flags, check_threads, exit_status, read_prompts_file,
                           settings_of, tp_rank)
-from minispec.settings import token_ids
+from minispec.settings import flag_type, token_ids
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
 # the target's own tokens blue.
@@ -27,13 +26,6 @@ COLOURS = {"accepted": "\033[32m", "rejected": "\033[31;9m", "corrected": "\033[
 RESET = "\033[0m"
 # A token tree's rejected candidates shown at a step, as alternatives a|b|c: more would bury the output.
 SHOWN_CANDIDATES = 3
-
-SHOW_HELP = (
-    "print the output coloured like Figure 1 of the paper: accepted draft tokens green, rejected drafts "
-    "red and struck through, the target's tokens blue; with --tree, the candidates rejected where the "
-    "accepted path ends, as a|b|c. When stdout is not a terminal the text is plain and each rejected draft "
-    "appears as [~text~] (a tree's as [~a|b|c~]) before the token that replaced it."
-)
 
 
 # `python run.py` alone: the built-in model summarizes a text with the lookup drafter (the answer copies
@@ -81,7 +73,12 @@ def parse_args(argv=None):
                              "prompt cannot end its turn and write others')")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats, settings")
-    output.add_argument("--show", action="store_true", help=SHOW_HELP)
+    output.add_argument("--show", action="store_true",
+                        help="print the output coloured like Figure 1 of the paper: accepted draft tokens green, "
+                             "rejected drafts red and struck through, the target's tokens blue; with --tree, the "
+                             "candidates rejected where the accepted path ends, as a|b|c. When stdout is not a "
+                             "terminal the text is plain and each rejected draft appears as [~text~] (a tree's as "
+                             "[~a|b|c~]) before the token that replaced it.")
     return parser.parse_args(argv)
 
 
@@ -132,10 +129,10 @@ def render_trace(trace, text, colour):
 def until_stop(pieces, stops):
     """The pieces up to where the output's first stop string begins."""
     output = "".join(piece for piece, kind in pieces if kind != "rejected")
-    found = [i for i in (output.find(stop) for stop in stops) if i >= 0]
-    if not found:
+    end = min((i for i in (output.find(stop) for stop in stops) if i >= 0), default=None)
+    if end is None:
         return pieces
-    end, kept, length = min(found), [], 0
+    kept, length = [], 0
     for piece, kind in pieces:
         if length >= end:
             break
@@ -194,10 +191,7 @@ def prompts_for(args, target):
 
 def template_variables(text):
     """--chat-template-kwargs: a JSON object of the template's variables."""
-    try:
-        variables = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
+    variables = flag_type(json.loads, "a JSON object")(text)
     if not isinstance(variables, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     from minispec.loading.chat import RESERVED  # with jinja2: read only when the flag is given
@@ -213,11 +207,9 @@ def chat_setting(args, target):
     chat = args.chat if args.chat is not None else bool(tokenizer and tokenizer.chat_template)
     if chat and tokenizer is None:
         raise ValueError(f"--chat: {target.name} has no tokenizer files")
-    if args.system is not None and not chat:
-        raise ValueError("--system needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
-    if args.chat_template_kwargs and not chat:
-        raise ValueError("--chat-template-kwargs needs a chat prompt (a checkpoint with a chat template, and not "
-                         "--no-chat)")
+    for flag, given in (("--system", args.system is not None), ("--chat-template-kwargs", args.chat_template_kwargs)):
+        if given and not chat:
+            raise ValueError(f"{flag} needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
     return chat
 
 
@@ -256,7 +248,7 @@ def speedup_summary(runs, baselines):
             f"each: {spread(runs)} against {spread(baselines)}, {'same' if same else 'different'} output")
 
 
-def print_batch(args, target, prompts, draft, settings, chat):
+def print_batch(args, target, prompts, draft, settings):
     """Several prompts: decoded together (minispec.generate with a list), each output printed in turn."""
     start = time.perf_counter()
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
@@ -266,13 +258,12 @@ def print_batch(args, target, prompts, draft, settings, chat):
     if args.json:
         print(json.dumps([dict(tokens=out.tokens, text=out.text, stats=out.stats, **logprobs_json(out))
                           for out in outs]))
-        return 0
+        return
     for i, out in enumerate(outs):
         print(f"[{i}] " + (out.text if out.text is not None else " ".join(map(str, out.tokens))))
     total = sum(len(out.tokens) for out in outs)
     print(f"{len(outs)} prompts, {total} new tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s in all)",
           file=sys.stderr)
-    return 0
 
 
 def logprobs_json(out):
@@ -338,9 +329,9 @@ def main(argv=None):
         target, draft = load_models(args)
         prompts, chat = prompts_for(args, target)
         if len(prompts) > 1 or settings["n"] > 1:
-            code = print_batch(args, target, prompts, draft, settings, chat)
+            print_batch(args, target, prompts, draft, settings)
             parallel.leave()
-            return code
+            return 0
         prompt = prompts[0]
         if args.compare or args.compile:  # first-call costs (allocation, compilation) out of the timings
             short = {"max_new_tokens": 2} if not args.compile else {}

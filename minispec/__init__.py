@@ -12,13 +12,10 @@ import importlib.util
 import os
 import warnings
 
-# Importing torch without numpy warns "Failed to initialize NumPy"; minispec never uses numpy (no
-# dependency of it), so on a fresh machine the warning would only puzzle. It must be filtered before
-# torch's first import: run.py imports minispec first.
+# Both before torch's first import. minispec never uses numpy, so torch's warning without it would only puzzle.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-# OpenMP's threads spin between parallel regions by default, which on a machine whose other processes hold
-# cores makes decoding 10-20x slower: waiting threads sleep instead, unless the user chose. Read when torch
-# loads its OpenMP runtime, so it is set before torch's first import.
+# OpenMP's threads spin between parallel regions, which slows decoding badly where other processes hold
+# cores: waiting threads sleep instead, unless the user chose.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Each public name and the module it lives in, imported on first use: `import minispec` alone loads no

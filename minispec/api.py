@@ -25,7 +25,6 @@ from .models.checks import Check, SettingError, integer, is_integer, is_text
 from .loading.tokenizer import IncrementalDecoder
 from .loading.weights import DTYPES
 from .models.llama import Llama
-# Settings live in settings.py, free of torch for the command lines' flags.
 from .settings import GAMMA_MAX, Settings
 
 
@@ -58,35 +57,32 @@ class Generation:
 
 
 def prompt_tensor(model, prompt):
-    """A prompt given as text, a list of ids or a 1-D tensor of them -> LongTensor [1, n] on the model's
-    device."""
+    """A prompt given as text, a list of ids or a 1-D tensor of them -> LongTensor [1, n] on the model's device."""
     with named("prompt"):
-        return checked_prompt(model, prompt)
-
-
-def checked_prompt(model, prompt):
-    if isinstance(prompt, str):
-        if model.tokenizer is None:
-            raise ValueError(f"{model.name} has no tokenizer files; pass the prompt as token ids")
-        if not is_text(prompt):
-            raise ValueError("the prompt is not text: it holds a lone surrogate (undecodable bytes)")
-        prompt = model.tokenizer.encode(prompt)
-    elif isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-            raise ValueError(f"a prompt tensor must be 1-D token ids of an integer dtype, got shape "
-                             f"{tuple(prompt.shape)} and {prompt.dtype} (a batch is a list of prompts)")
-    elif isinstance(prompt, (list, tuple)):
-        wrong = next((token for token in prompt if not is_integer(token)), None)
-        if wrong is not None:
-            raise ValueError(f"prompt token ids must be integers, got {wrong!r}")
-    else:
-        raise ValueError(f"a prompt is a text, a list of token ids or a 1-D tensor of them, got {type(prompt).__name__}")
-    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).reshape(1, -1)
-    if ids.numel() == 0:
-        raise ValueError("the prompt is empty")
-    if ids.min() < 0 or ids.max() >= model.vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {model.vocab_size}) for {model.name}")
-    return ids
+        if isinstance(prompt, str):
+            if model.tokenizer is None:
+                raise ValueError(f"{model.name} has no tokenizer files; pass the prompt as token ids")
+            if not is_text(prompt):
+                raise ValueError("the prompt is not text: it holds a lone surrogate (undecodable bytes)")
+            prompt = model.tokenizer.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            dtype = prompt.dtype
+            if prompt.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                raise ValueError(f"a prompt tensor must be 1-D token ids of an integer dtype, got shape "
+                                 f"{tuple(prompt.shape)} and {prompt.dtype} (a batch is a list of prompts)")
+        elif isinstance(prompt, (list, tuple)):
+            wrong = next((token for token in prompt if not is_integer(token)), None)
+            if wrong is not None:
+                raise ValueError(f"prompt token ids must be integers, got {wrong!r}")
+        else:
+            raise ValueError("a prompt is a text, a list of token ids or a 1-D tensor of them, got "
+                             f"{type(prompt).__name__}")
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).reshape(1, -1)
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty")
+        if ids.min() < 0 or ids.max() >= model.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {model.vocab_size}) for {model.name}")
+        return ids
 
 
 # A model's KV cache holds its requests' rows, so a model runs one generate() call at a time: HOLDERS
@@ -97,21 +93,17 @@ HOLDERS = weakref.WeakKeyDictionary()
 
 @contextmanager
 def exclusive(*models):
-    """Claim the models for one call, or fail at once if another call has one. A call claims its
-    models before it touches their caches, and a stream releases them when it ends, is closed, or is
-    garbage collected."""
+    """Claim the models for one call, before it touches their caches, or fail at once if another call
+    has one; a stream releases them when it ends, is closed, or is garbage collected."""
     with _claiming:
         for model in models:
             if HOLDERS.get(model) == threading.get_ident():
-                raise RuntimeError(
-                    f"{model.name} is still held by an unfinished call in this thread (a stream not read to its end: "
-                    "finish it or call its close(); or an on_tokens callback): a model runs one request at a time"
-                )
+                raise RuntimeError(f"{model.name} is still held by an unfinished call in this thread (a stream not "
+                                   "read to its end: finish it or call its close(); or an on_tokens callback): a "
+                                   "model runs one request at a time")
             if model in HOLDERS:
-                raise RuntimeError(
-                    f"{model.name} is already generating in another call: a model runs one request at a time "
-                    "(its KV cache holds that request); load one copy of the model per thread"
-                )
+                raise RuntimeError(f"{model.name} is already generating in another call: a model runs one request "
+                                   "at a time (its KV cache holds that request); load one copy of the model per thread")
         for model in models:
             HOLDERS[model] = threading.get_ident()
     try:
@@ -154,8 +146,7 @@ class Request:
     @classmethod
     def from_settings(cls, target, prompt, settings):
         drafter = policy = None
-        sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, settings.min_p,
-                            settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty)
+        sampling = Sampling(**{spec.name: getattr(settings, spec.name) for spec in fields(Sampling)})
         if settings.drafting:
             policy = make_policy(settings.gamma, BEAM_GAMMA_MAX if settings.searching else GAMMA_MAX)
             with named("draft"):
@@ -166,10 +157,9 @@ class Request:
             with named("beams" if settings.beams != 1 else "draft_beams"):
                 draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, sampling,
                                                   settings.lenience)
-        stop = settings.stop
+        texts = [settings.stop] if isinstance(settings.stop, str) else settings.stop or ()
         with named("stop"):
-            stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids),
-                        [stop] if isinstance(stop, str) else stop or (), target.tokenizer)
+            stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids), texts, target.tokenizer)
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
         if settings.seed is None and target.tp is not None:  # ranks draw alike only from one seed: rank 0's
             seed = target.tp.from_first(seed)[0]
@@ -225,44 +215,37 @@ def check_fits(model, prefix_length, max_new_tokens, role="target"):
     context = model.context_length
     if context is not None and prefix_length > context:
         raise SettingError("prompt", f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
-                         f"context of {context}")
+                                     f"context of {context}")
     if context is not None and prefix_length + max_new_tokens > context:
-        raise SettingError(
-            "max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {role} "
-            f"{model.name}'s context of {context} tokens; lower max_new_tokens to at most {context - prefix_length}"
-        )
+        raise SettingError("max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) "
+                                             f"exceeds the {role} {model.name}'s context of {context} tokens; lower "
+                                             f"max_new_tokens to at most {context - prefix_length}")
 
 
 def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
     """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
-    `working` bytes of temporaries beside them) do not fit in free memory (beyond what the model's
-    caches take already). `remedy`: what the error tells to do, where the rows are not requests' (the
-    server's flags). tp: the target's tensor-parallel group, if sharded: the least memory free on any
-    rank then decides, so that every rank stops, or none. setting: what the error names (SettingError),
-    where the rows are requests'."""
+    `working` bytes beside them) do not fit in free memory. `remedy`: what the error tells to do where
+    the rows are not requests' (the server's flags), else `setting` is named; with `tp` the least memory
+    free on any rank decides, so that every rank stops, or none."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
     held = 0 if fits else per_position * model.cache_batch_size * model.cache_max_seq_len  # freed on reallocating
-    if not rows * per_row + working:
-        return
-    free = available_memory(model.device)
-    if tp is not None:
+    total = rows * per_row + working
+    free = available_memory(model.device) if total else None
+    if tp is not None and total:
         free = tp.smallest(-1 if free is None else free)
         free = None if free < 0 else free
-    if free is None or rows * per_row + working <= free + held:
+    if free is None or total <= free + held:
         return
-    need = (f"{(rows * per_row + working) / 2**30:.1f} GiB of KV cache and working memory "
-            f"({per_row / 2**20:.0f} MiB of cache per row of {max_seq_len} positions)")
+    need = (f"{total / 2**30:.1f} GiB of KV cache and working memory ({per_row / 2**20:.0f} MiB of cache per row "
+            f"of {max_seq_len} positions), more than the {free / 2**30:.1f} GiB free")
     if remedy is not None:
-        raise ValueError(f"{model.name}: {rows} cache rows need {need}, more than the {free / 2**30:.1f} GiB free; "
-                         f"at most {free // per_row} fit: {remedy}")
-    free_text = f"more than the {free / 2**30:.1f} GiB free"
+        raise ValueError(f"{model.name}: {rows} cache rows need {need}; at most {free // per_row} fit: {remedy}")
     if requests > 1:
-        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}, {free_text}; at most "
-                                         f"{free // per_row} fit: pass batch_size=")
-    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}, {free_text}; ask for fewer new "
-                                "tokens or beams")
+        raise SettingError("batch_size", f"a batch of {rows} requests needs {need}; at most {free // per_row} fit: "
+                                         "pass batch_size=")
+    raise SettingError(setting, f"{model.name}: {rows} cache row(s) need {need}; ask for fewer new tokens or beams")
 
 
 def available_memory(device):
@@ -295,17 +278,12 @@ def size_caches(requests, rows):
     for model in models_of(requests[0]):
         # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
         # the context (near its end the engine offers smaller trees)
-        longest = max(request.decoder_length(model) + request.max_new_tokens + tree_room(request.tree)
-                      for request in requests)
+        longest = max(request.decoder_length(model) + request.max_new_tokens
+                      + (TREE_AUTO if request.tree == "auto" else request.tree or 0) for request in requests)
         longest = min(longest, model.context_length or longest)
         check_memory(model, rows, longest, len(requests), tp=requests[0].target.tp)
         model.ensure_caches(rows, longest)
         model.prepare_batch(rows, max(request.prompt_ids.shape[1] for request in requests))
-
-
-def tree_room(tree):
-    """The most cache slots a step's token tree takes past a row's tokens."""
-    return TREE_AUTO if tree == "auto" else tree or 0
 
 
 @torch.inference_mode()
@@ -379,22 +357,17 @@ def with_settings(function):
 @with_settings
 def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=None, **settings):
     """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
-    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields as keywords,
-    each with its meaning there; an invalid one raises SettingError (a ValueError) naming its `field`.
+    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields as keywords;
+    an invalid one raises SettingError (a ValueError) naming its `field`.
 
-    Greedy (temperature 0) output is token-identical to target-only greedy decoding; sampled output has
-    exactly the target's distribution (lenience < 1 trades that for speed, paper A.5). stats["seed"] is
-    the seed used, which reproduces the call (coupling="gumbel": with any draft, gamma, tree or batch).
-    A list of prompts returns a list of Generations, each what its prompt gives alone, decoded together
-    (decoding/engine.py) `batch_size` (default: all) at a time; seed may then be a list, one per prompt.
-    n > 1: a list of n Generations of the prompt, rows of one batch sharing the prompt's forward, each
-    with its own seed (answers(seed, n)). on_tokens(i, tokens) is called with each step's new tokens of
-    prompt i (of answer i * n + j with n answers). logprobs=k: Generation.logprobs holds each token's
-    log-probability and its k most likely alternatives, read from the verifying forward: plain decoding's
-    numbers. on_states(i, tokens, states) receives the target's hidden states at the tokens its forwards
-    kept (for training draft heads: minispec.heads); state_layers picks the layers (Llama family).
-    prefix_cache: a decoding.prefix.PrefixCache whose keys and values of earlier requests a prompt
-    beginning with the same tokens reuses (stats["cached_tokens"]).
+    Greedy output is token-identical to target-only greedy decoding; sampled output has exactly the
+    target's distribution (unless lenience < 1). stats["seed"] reproduces the call. A list of prompts
+    returns a list of Generations, each what its prompt gives alone, decoded `batch_size` (default: all)
+    at a time; seed may then be a list, one per prompt. n > 1: a list of n Generations of the prompt.
+    on_tokens(i, tokens) gets each step's new tokens of prompt i (answer i * n + j with n answers).
+    on_states(i, tokens, states) gets the target's hidden states (for training draft heads).
+    prefix_cache: a decoding.prefix.PrefixCache, whose earlier prompts' keys and values a prompt that
+    begins alike reuses (stats["cached_tokens"]).
     """
     batched = is_batch(prompt)
     seed = settings.get("seed")
@@ -440,7 +413,8 @@ def naming_prompt(i):
 
 def is_batch(prompt):
     """A list of texts, token lists or tensors is a batch; any other list is one prompt's ids."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple,
+                                                                                       torch.Tensor))
 
 
 @dataclass
@@ -458,9 +432,7 @@ class Chunk:
 @with_settings
 def stream(target, prompt, **settings):
     """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
-    step is verified. Chunks' texts join to the Generation's text, never a broken character, and
-    never text past a stop string (text that may begin one is held back until the next step tells).
-    Settings are checked here, before the first chunk is asked for."""
+    step is verified (TextStream's text). Settings are checked here, before the first chunk is asked for."""
     settings = Settings.of("stream", settings)
     if settings.n != 1:
         raise SettingError("n", "stream() streams one answer: n must be 1 (generate() returns n answers)")
@@ -481,9 +453,9 @@ def chunks(request):
 
 class TextStream:
     """A request's output text a step at a time (stream's, and the server's): pieces that join to the
-    Generation's text, never a broken character, and never text past a stop string: text that may
-    begin one is held back until the next step tells. Push each step's tokens right after the engine
-    yields them, before its next step: the request's Stop has read exactly those."""
+    Generation's text, never a broken character, and never text past a stop string (text that may
+    begin one is held back until the next step tells). Push each step's tokens before the engine's next
+    step: the request's Stop has read exactly those then."""
 
     def __init__(self, request):
         tokenizer = request.target.tokenizer

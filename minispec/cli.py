@@ -14,8 +14,7 @@ from .settings import DTYPE_NAMES, Settings
 
 
 def add_setting_flags(parser, names=None):
-    """A flag for each setting with help (or each of `names`), made from Settings' fields: --max-new-tokens
-    sets max_new_tokens."""
+    """A flag for each of Settings' fields with help (or each of `names`): --max-new-tokens sets max_new_tokens."""
     for spec in fields(Settings):
         if spec.metadata["help"] is not None and (names is None or spec.name in names):
             parser.add_argument("--" + spec.name.replace("_", "-"), help=spec.metadata["help"],
@@ -42,8 +41,8 @@ def exit_status(main):
 
 
 def add_model_flags(parser, draft_default, tensor_parallel=False, **draft):
-    """The flags that say which models to load, and how (run.py's, the server's and the bench's);
-    load_models reads them. tensor_parallel: also --tp (run.py's); draft: --draft's own argparse options."""
+    """The flags that say which models to load, and how (loaders.load_models reads them); tensor_parallel:
+    also --tp; draft: --draft's own argparse options."""
     parser.add_argument("--target", required=True,
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
@@ -91,8 +90,8 @@ PROMPTS_MAX = 10_000
 
 
 def read_prompts_file(path, flag):
-    """A prompts file, as both command lines read it (`flag` names their option in errors): JSON lines
-    when every line parses as a string or a list of token ids, else one text prompt a line."""
+    """A prompts file (`flag` names the option in errors): JSON lines when every line parses as a string or
+    a list of token ids, else one text prompt a line."""
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)  # before opening: a FIFO's open would wait for a writer
         if regular:

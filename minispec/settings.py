@@ -21,12 +21,14 @@ MIN_P = Check(lambda v: is_number(v) and 0 <= v <= 1, "must be a number in [0, 1
 PENALTY = Check(lambda v: is_number(v) and -2 <= v <= 2, "must be a number in [-2, 2] (0 = off)")
 REPETITION_PENALTY = Check(lambda v: is_number(v) and v > 0, "must be a number > 0 (1 = off)")
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-# A fixed γ's bound: a step verifies γ + 1 positions in one forward, and no acceptance rate pays for more.
-GAMMA_LIMIT = 64
+GAMMA_LIMIT = 64  # a fixed γ's bound: a step verifies γ + 1 positions in one forward; no acceptance pays more
 LOGPROBS_MAX = 20  # the most alternatives a token's log-probabilities list (OpenAI's bound)
 N_MAX = 32  # the most answers of one prompt (n; the server's best_of): each is a cache row
+# The settings beam search cannot honour (at other than their defaults), and why.
+NO_BEAMS = {**{name: "beam search scores the model's own log-probabilities" for name in PENALTIES},
+            "logprobs": "beam search reports its sequences' scores",
+            "n": "beam search returns its hypotheses: sequences",
+            "on_states": "beam search keeps no one sequence of states"}
 
 
 def setting(value, check, help=None, **flag):
@@ -35,32 +37,23 @@ def setting(value, check, help=None, **flag):
     return field(default=value, metadata={"check": check, "help": help, "flag": flag})
 
 
-def gamma_setting(text):
-    """--gamma: "auto" or a number of guesses per step."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+def flag_type(parse, expected, explain=False):
+    """An argparse type: parse(text), or argparse's one-line error saying what was expected."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as error:
+            why = f" ({error})" if explain else ""
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}{why}") from None
+    return convert
 
 
-def tree_setting(text):
-    """--tree: "auto", "off" (None: chains) or the most guesses a step's tree holds."""
-    if text in ("auto", "off"):
-        return None if text == "off" else text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or an integer, got {text!r}") from None
-
-
-def token_ids(text):
-    """The command lines' token ids: '1,2,3' -> [1, 2, 3]."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+# --gamma: "auto" or a number of guesses per step; --tree: "auto", "off" (None: chains) or a node budget
+gamma_setting = flag_type(lambda text: text if text == "auto" else int(text), "'auto' or an integer")
+tree_setting = flag_type(lambda text: None if text == "off" else text if text == "auto" else int(text),
+                         "'auto', 'off' or an integer")
+token_ids = flag_type(lambda text: [int(x) for x in text.split(",") if x.strip()], "comma-separated integers")
+grammar_setting = flag_type(json.loads, "a JSON object", explain=True)  # --grammar, as Settings.grammar takes it
 
 
 GRAMMARS = ("json_schema", "regex", "grammar")  # Settings.grammar's kinds beside OpenAI's response_format
@@ -78,24 +71,12 @@ def is_grammar(value):
     return kind in GRAMMARS and (is_text(text) or kind == "json_schema" and isinstance(text, dict))
 
 
-def grammar_setting(text):
-    """--grammar: a JSON object, as Settings.grammar takes it."""
-    try:
-        return json.loads(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({error})") from None
-
-
 def optional(test):
     return lambda value: value is None or test(value)
 
 
 def is_word(value, *words):
     return isinstance(value, str) and value in words
-
-
-def are_stops(value):
-    return is_text(value) or isinstance(value, (list, tuple)) and all(is_text(s) for s in value)
 
 
 @dataclass(frozen=True)
@@ -126,8 +107,8 @@ class Settings:
                                "the seed of sampling's random draws (the command line's default: 0)", type=int,
                                default=0)
     coupling: str = setting("gumbel", Check(lambda v: is_word(v, "gumbel", "rejection"), "must be 'gumbel' or "
-                            "'rejection'"), "sampled verification, both exact: 'gumbel' (the default): a seed gives the "
-                            "same output with any draft, gamma, tree or batch; 'rejection': Algorithm 1's test",
+                            "'rejection'"), "sampled verification, both exact: 'gumbel' (the default): a seed gives "
+                            "the same output with any draft, gamma, tree or batch; 'rejection': Algorithm 1's test",
                             choices=("gumbel", "rejection"))
     lenience: float = setting(1.0, Check(lambda v: is_number(v) and 0 < v <= 1, "must be in (0, 1]"),
                               "accept drafts more easily (paper A.5); 1 keeps the target's exact distribution",
@@ -141,7 +122,8 @@ class Settings:
                                                   "integer >= 1 or None"),
                                       "the draft's beam width u >= w in speculative beam search (default: --beams)",
                                       type=int)
-    stop: object = setting(None, Check(optional(are_stops), "must be a string or a list of strings"),
+    stop: object = setting(None, Check(optional(lambda v: is_text(v) or isinstance(v, (list, tuple)) and all(
+                               is_text(s) for s in v)), "must be a string or a list of strings"),
                            "end the output just before this text (repeat the flag for several)", action="append",
                            metavar="TEXT")
     stop_token_ids: object = setting(None, Check(optional(lambda v: isinstance(v, (list, tuple)) and all(
@@ -186,20 +168,11 @@ class Settings:
                                        "use stop_token_ids")
         if self.on_states is None and self.state_layers is not None:
             raise SettingError("state_layers", "state_layers says which states on_states receives: give on_states too")
-        penalty = next((name for name in PENALTIES if getattr(self, name) != getattr(Settings, name)), None)
-        if penalty is not None and self.searching:
-            raise SettingError(penalty, f"{penalty} needs decoding without beams (beam search scores the model's own "
-                                        "log-probabilities)")
-        if self.logprobs is not None and self.searching:
-            raise SettingError("logprobs", "logprobs needs decoding without beams (beam search reports its "
-                                           "sequences' scores)")
-        if self.n != 1 and self.searching:
-            raise SettingError("n", "n needs decoding without beams (beam search returns its hypotheses: sequences)")
         if self.grammar is not None and (self.searching or self.ignore_eos):
             raise SettingError("grammar", "a grammar needs decoding without beams, ending at EOS (not ignore_eos)")
-        if self.on_states is not None and self.searching:
-            raise SettingError("on_states", "on_states needs decoding without beams (beam search keeps no one "
-                                            "sequence of states)")
+        given = next((name for name in NO_BEAMS if getattr(self, name) != getattr(Settings, name)), None)
+        if given is not None and self.searching:
+            raise SettingError(given, f"{given} needs decoding without beams ({NO_BEAMS[given]})")
 
     @classmethod
     def of(cls, caller, settings):

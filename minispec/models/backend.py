@@ -1,19 +1,14 @@
 """The one interface through which the models reach kernels that are not PyTorch's own operations.
-
-A backend is chosen once, at load (loading/checkpoint.py): this module's `PyTorch`, whose every hook
-answers "not here" so that the models compute with PyTorch's operations (kernels.py), or minispec's
-native CPU kernels (minispec/native), a subclass that takes the operations it has kernels for. The
-models never ask which one runs: they call `current()`'s hooks and compute as PyTorch does where a
-hook declines.
-"""
+A backend is chosen once, at load: `PyTorch`, whose every hook declines, or minispec's native CPU
+kernels (minispec/native), a subclass. The models call `current()`'s hooks and compute with PyTorch's
+operations wherever a hook declines."""
 
 
 class PyTorch:
     """PyTorch's operations everywhere: no kernel of a backend's own, no huge pages, no fused layers."""
 
     def float_kernel(self, dtype):
-        """Whether CPU products of this dtype run the backend's own float kernel (float_pack,
-        float_product) rather than oneDNN's."""
+        """Whether CPU products of this dtype run the backend's float kernel (float_pack, float_product)."""
         return False
 
     def float_pack(self, weight):
@@ -34,8 +29,7 @@ class PyTorch:
         raise NotImplementedError
 
     def rms_norm(self, x, weight, eps):
-        """RMSNorm of x by weight in one call, each row alone; None where the backend has no kernel for
-        these tensors (the module then computes PyTorch's formula)."""
+        """RMSNorm of x by weight, each row alone; None where the backend has no kernel for these tensors."""
         return None
 
     def keep(self, caches, row, slots, length):
@@ -61,8 +55,7 @@ class PyTorch:
         raise NotImplementedError
 
     def fused_llama(self, model, x):
-        """A function computing all of a Llama model's layers in one call for this forward (Llama.blocks
-        calls it), or None: the modules compute them."""
+        """A function computing all of a Llama model's layers in one call for this forward, or None."""
         return None
 
     def in_huge_pages(self, modules):

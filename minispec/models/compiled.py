@@ -6,10 +6,8 @@ from .kernels import native_attention
 
 
 def compiled_width(n):
-    """On a GPU, the token width of the compiled graph that decodes n tokens: the next power of two. A
-    graph per width met (gamma="auto" meets every width up to 17, trees more) would be captured in the
-    middle of requests; padded rows repeat the last token (decode_rows), which costs less. (A CPU
-    compiles one graph for every width above 1 instead: CachedLM.decode_rows.)"""
+    """On a GPU, the token width of the graph that decodes n tokens: the next power of two, since a graph
+    per width would be captured in the middle of requests, and padding costs less."""
     return 1 << (n - 1).bit_length()
 
 
@@ -19,13 +17,9 @@ def graphs_compiled():
 
 
 def compile_model(model, mode=None):
-    """torch.compile the decode forward: static shapes (the caches are preallocated) but for the token
-    width, one graph for 1 token (plain decoding) and one for any more on a CPU (decode_rows), a graph
-    per width bucket on a GPU (`compiled_width`: γ+1 rounded up for a verify), each compiled on first
-    use; the families mark each layer's parts as compile regions, traced and compiled once for all
-    the layers of a graph.
-    Prefill stays eager, as prompt lengths change from request to request. On CUDA the default
-    mode captures CUDA graphs, which removes the per-kernel launch overhead of small decode steps."""
+    """torch.compile the decode forward (prefill stays eager: prompt lengths vary): static shapes but for
+    the token width (graph_feed), each graph compiled on first use; on CUDA the default mode captures
+    CUDA graphs, removing small steps' launch overhead."""
     # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # marked here, not where it is defined: marking imports the compiler, which the package's import must not
@@ -37,11 +31,10 @@ def compile_model(model, mode=None):
 
 
 def graph_feed(model, feed):
-    """The feed as the compiled forward's graphs take it. On a CPU one graph serves every width above
-    1, its token dimension symbolic, since a graph per power of two of widths is slow to compile and
-    feeds the padding's arithmetic too; there a lone request's chain goes as the tree it is, so that
-    one graph serves its chains and trees (the tree path costs a CPU what a chain's does). On a GPU a
-    graph per width bucket, not per width (compiled_width): the rest padded as decode_rows pads a row."""
+    """The feed as the compiled graphs take it. On a CPU one graph serves every width above 1, its token
+    dimension symbolic (a graph per width bucket is slow to compile), and a lone request's chain goes as
+    the tree it is, so that one graph serves both. On a GPU a graph per compiled_width, the rest padded
+    with the last token."""
     rows, n = feed.tokens.shape
     if n > 1 and model.device.type == "cpu":
         if feed.parents is None and rows == 1:
@@ -71,12 +64,7 @@ def decode_compiled(model, feed, hidden):
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
     before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
-    if hidden or inputs is not None:
-        out = model.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
-        out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-    elif layout is None:
-        out = model.compiled_forward(tokens, input_pos)[:, :fed]
-    else:
-        out = model.compiled_forward(tokens, input_pos, None, layout)[:, :fed]
+    out = model.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
+    out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
     model.graphs += graphs_compiled() - before
     return out

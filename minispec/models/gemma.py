@@ -1,13 +1,8 @@
-"""Gemma 2 and Gemma 3 text models (Gemma2ForCausalLM, Gemma3ForCausalLM, and the text half of Gemma 3's
-image-text checkpoints).
-
-A Llama-like decoder (see llama.py) with these differences, each as the reference computes it: RMSNorms
-scale by (1 + weight), multiplied in float32 before the cast back; a norm after attention and after the MLP
-as well as before each; sliding-window layers interleaved with global ones; token embeddings scaled by
-sqrt(hidden) in the model's dtype; a gated tanh-GELU MLP; attention scores scaled by
-query_pre_attn_scalar^-0.5; the head tied to the embedding. Gemma 3 adds per-head RMSNorm on q and k and a
-RoPE base per kind of layer; Gemma 2 soft-caps attention scores and logits (cap * tanh(x / cap)).
-The static KV cache keeps every position and sliding layers mask what lies outside their window: exact.
+"""Gemma 2 and Gemma 3 text models (also the text half of Gemma 3's image-text checkpoints): a Llama-like
+decoder whose RMSNorms scale by (1 + weight) in float32, with norms after attention and the MLP too,
+sliding-window layers among global ones, embeddings scaled by sqrt(hidden), a gated tanh-GELU MLP,
+scores scaled by query_pre_attn_scalar^-0.5 and a tied head. Gemma 3 adds q/k norms and a RoPE base per
+kind of layer; Gemma 2 soft-caps scores and logits (cap * tanh(x / cap)).
 """
 
 from dataclasses import dataclass
@@ -77,26 +72,17 @@ class GemmaConfig:
         if gemma2 and factor != 1.0:
             raise ValueError("gemma: Gemma 2 with rope scaling is not supported (only default RoPE)")
         return cls(
-            vocab_size=check(hf, "vocab_size", COUNT),
-            dim=check(hf, "hidden_size", COUNT),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=check(hf, "head_dim", COUNT),
+            vocab_size=check(hf, "vocab_size", COUNT), dim=check(hf, "hidden_size", COUNT), n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=check(hf, "head_dim", COUNT),
             intermediate_size=check(hf, "intermediate_size", COUNT),
-            max_seq_len=check(hf, "max_position_embeddings", COUNT),
-            norm_eps=check(hf, "rms_norm_eps", POSITIVE),
-            rope_theta=float(theta),
-            rope_factor=float(factor),
+            max_seq_len=check(hf, "max_position_embeddings", COUNT), norm_eps=check(hf, "rms_norm_eps", POSITIVE),
+            rope_theta=float(theta), rope_factor=float(factor),
             local_rope_theta=float(theta if gemma2 else local_theta),  # Gemma 2: one RoPE base
-            query_scale=check(hf, "query_pre_attn_scalar", POSITIVE) ** -0.5,
-            windows=sliding_windows(hf, n_layers),
+            query_scale=check(hf, "query_pre_attn_scalar", POSITIVE) ** -0.5, windows=sliding_windows(hf, n_layers),
             qkv_bias=check(hf, "attention_bias", FLAG, False),
             logit_softcap=float(check(hf, "final_logit_softcapping", POSITIVE, 0.0)),
             attention_softcap=float(check(hf, "attn_logit_softcapping", POSITIVE, 0.0)),
-            qk_norm=not gemma2,
-            tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG),
-        )
+            qk_norm=not gemma2, tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG))
 
 
 def sliding_windows(hf, n_layers):
@@ -113,18 +99,20 @@ def sliding_windows(hf, n_layers):
 
 
 def rope_settings(hf):
-    """((theta, linear factor) of the global layers, theta of the sliding ones). transformers >= 5 keeps
-    them in rope_parameters by layer type (Gemma 2's: one for all); older configs in rope_theta,
-    rope_scaling (the global layers') and rope_local_base_freq. A rope_scaling updates the global layers' parameters, as in the reference."""
+    """((theta, linear factor) of the global layers, theta of the sliding ones), from rope_parameters by
+    layer type (transformers >= 5; Gemma 2's: one for all), updated by rope_scaling, or from older
+    configs' rope_theta, rope_scaling and rope_local_base_freq."""
     parameters = check(hf, "rope_parameters", TABLE, {})
     if "full_attention" not in parameters and "sliding_attention" not in parameters:  # Gemma 2's: every layer's
         parameters = {"full_attention": parameters, "sliding_attention": parameters}
-    full = {**check(parameters, "full_attention", TABLE, {}, "rope_parameters."), **check(hf, "rope_scaling", TABLE, {})}
+    full = {**check(parameters, "full_attention", TABLE, {}, "rope_parameters."),
+            **check(hf, "rope_scaling", TABLE, {})}
     local = check(parameters, "sliding_attention", TABLE, {}, "rope_parameters.")
     for kind, rope in (("full_attention", full), ("sliding_attention", local)):
         rope_type = check(rope, "rope_type", TEXT, None) or check(rope, "type", TEXT, "default")
         if rope_type not in ("default", "linear") or rope_type == "linear" and kind == "sliding_attention":
-            raise ValueError(f"gemma: {kind} rope_type {rope_type!r} is not supported (default; linear on global layers)")
+            raise ValueError(f"gemma: {kind} rope_type {rope_type!r} is not supported (default; linear on global "
+                             "layers)")
     factor = check(full, "factor", POSITIVE, 1.0) if (full.get("rope_type") or full.get("type")) == "linear" else 1.0
     theta = check(full, "rope_theta", THETA, None) or check(hf, "rope_theta", THETA, 1_000_000.0)
     local_theta = check(local, "rope_theta", THETA, None) or check(hf, "rope_local_base_freq", THETA, 10_000.0)
@@ -140,8 +128,7 @@ def rope_tables(theta, factor, head_dim, max_seq_len, device):
 
 
 class RMSNorm(nn.Module):
-    """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back (Llama's
-    casts the normed values first, then multiplies)."""
+    """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -150,7 +137,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         wide = x.float()
-        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
 class FeedForward(nn.Module):
@@ -222,7 +210,7 @@ class Gemma(Decoder):
 
     def embed_tokens(self, tokens):
         x = self.tok_embeddings(tokens)
-        return x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)  # the scale rounded to the dtype, as the reference
+        return x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)  # rounded to the dtype, as the reference
 
     def logits(self, hidden):
         logits = super().logits(hidden)

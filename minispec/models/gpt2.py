@@ -32,30 +32,21 @@ class GPT2Config:
     def from_hf(cls, hf):
         activation = check(hf, "activation_function", TEXT, "gelu_new")
         if activation not in GELU_APPROXIMATION:
-            raise ValueError(
-                f"GPT-2 activation_function {activation!r} is not supported; "
-                f"minispec supports {', '.join(GELU_APPROXIMATION)}"
-            )
+            raise ValueError(f"GPT-2 activation_function {activation!r} is not supported; "
+                             f"minispec supports {', '.join(GELU_APPROXIMATION)}")
         # These variants change the attention math; refuse them rather than compute something else.
         if check(hf, "scale_attn_by_inverse_layer_idx", FLAG, False) or not check(hf, "scale_attn_weights", FLAG, True):
-            raise ValueError(
-                "GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are not supported"
-            )
+            raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights "
+                             "are not supported")
         if not check(hf, "tie_word_embeddings", FLAG, True):
             raise ValueError("GPT-2 with an untied lm_head (tie_word_embeddings=false) is not supported")
         n_embd, n_head = check(hf, "n_embd", COUNT), check(hf, "n_head", COUNT)
         if n_embd % n_head:  # heads split the width evenly
             raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
-        return cls(
-            n_embd=n_embd,
-            n_layer=check(hf, "n_layer", COUNT),
-            n_head=n_head,
-            n_positions=check(hf, "n_positions", COUNT),
-            vocab_size=check(hf, "vocab_size", COUNT),
-            layer_norm_epsilon=check(hf, "layer_norm_epsilon", POSITIVE, 1e-5),
-            activation_function=activation,
-            n_inner=check(hf, "n_inner", COUNT, 4 * n_embd),
-        )
+        return cls(n_embd=n_embd, n_layer=check(hf, "n_layer", COUNT), n_head=n_head,
+                   n_positions=check(hf, "n_positions", COUNT), vocab_size=check(hf, "vocab_size", COUNT),
+                   layer_norm_epsilon=check(hf, "layer_norm_epsilon", POSITIVE, 1e-5),
+                   activation_function=activation, n_inner=check(hf, "n_inner", COUNT, 4 * n_embd))
 
 
 class Attention(nn.Module):
@@ -95,8 +86,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    # Compiled, the halves around the cache write and attention are compiled once for every layer, as
-    # Llama's are (models/llama.py, TransformerBlock).
+    # compile regions around the cache write, as llama.py's TransformerBlock has them
     def forward(self, x, input_pos, mask, layout):
         x = x + self.attn(self.project(x), input_pos, mask, layout)
         return self.finish(x)
@@ -134,9 +124,8 @@ class GPT2(CachedLM):
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
         for block in self.h:  # the block's own head count: fewer than the config's when sharded (models/tp.py)
-            block.attn.kv_cache = KVCache(
-                batch_size, block.attn.n_head, self.cache_max_seq_len, block.attn.head_dim, self.dtype, self.device
-            )
+            block.attn.kv_cache = KVCache(batch_size, block.attn.n_head, self.cache_max_seq_len, block.attn.head_dim,
+                                          self.dtype, self.device)
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None):
         positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths

@@ -1,14 +1,10 @@
 """T5 (Raffel et al. 2020) and T5 v1.1 / Flan-T5: an encoder-decoder with RMS LayerNorm, no 1/sqrt(d)
-attention scaling and learned relative position buckets instead of absolute positions.
+attention scaling and learned relative position buckets. v1.0: a ReLU feed-forward and a tied head
+(decoder output scaled by d_model^-0.5); v1.1: a gated GELU feed-forward and an untied, unscaled head.
 
-v1.0 uses a ReLU feed-forward and a head tied to the embedding (decoder output scaled by d_model^-0.5);
-v1.1 a gated GELU feed-forward and an untied, unscaled head.
-
-The encoder runs once per request in `encode`, which also projects every decoder layer's
-cross-attention keys/values from its output; `forward` is the decoder alone, so decode steps only
-touch the decoder's self-attention KV caches. Those keys/values live in buffers padded to a power-of-two
-capacity (at least 64 positions), with a mask over the prompt's positions: a compiled decoder then sees
-the same shapes whatever the prompt's length, and does not recompile from request to request.
+`encode` runs the encoder once per request and projects every decoder layer's cross-attention keys and
+values, into buffers padded to a power-of-two capacity with a mask over the prompt, so that a compiled
+decoder (`forward`) sees the same shapes whatever the prompt's length.
 """
 
 import math
@@ -22,12 +18,7 @@ from .base import CachedLM, Family, Embedding, KVCache, Linear, RMSNorm
 from .checks import COUNT, FLAG, INDEX, POSITIVE, TEXT, check
 from .kernels import attend, attend_cache, causal_mask, elementwise, padded_rows
 
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 # config.json keys taken as they are, and what each must be
 SIZE_KEYS = {
@@ -64,10 +55,8 @@ class T5Config:
         # "gated-gelu" means the tanh approximation, as in the reference (its backwards-compatibility rule).
         activation = "gelu_new" if proj == "gated-gelu" else parts[-1]
         if activation not in ACTIVATIONS or len(parts) > 2 or (len(parts) == 2 and not gated):
-            raise ValueError(
-                f"T5 feed_forward_proj {proj!r} is not supported; use '<act>' or 'gated-<act>' with act one of "
-                f"{', '.join(ACTIVATIONS)}"
-            )
+            raise ValueError(f"T5 feed_forward_proj {proj!r} is not supported; use '<act>' or 'gated-<act>' with act "
+                             f"one of {', '.join(ACTIVATIONS)}")
         # Configs written by transformers >= 5 say scale_decoder_outputs; older ones imply it by a tied head.
         scale = check(hf, "scale_decoder_outputs", FLAG, check(hf, "tie_word_embeddings", FLAG, True))
         # absent or null keys: the reference's defaults
@@ -84,14 +73,9 @@ class T5Config:
         start = next((check(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
         if start >= vocab_size:
             raise ValueError(f"decoder_start_token_id {start} is outside the vocabulary of {vocab_size} tokens")
-        return cls(
-            **sizes,
-            num_decoder_layers=check(hf, "num_decoder_layers", COUNT, sizes.get("num_layers", cls.num_layers)),
-            activation=activation,
-            gated=gated,
-            scale_decoder_outputs=scale,
-            decoder_start_token_id=start,
-        )
+        layers = check(hf, "num_decoder_layers", COUNT, sizes.get("num_layers", cls.num_layers))
+        return cls(**sizes, num_decoder_layers=layers, activation=activation, gated=gated,
+                   scale_decoder_outputs=scale, decoder_start_token_id=start)
 
 
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
@@ -112,17 +96,17 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
     return buckets + torch.where(distance < max_exact, distance, large)
 
 
-class Attention(nn.Module):
-    """Multi-head attention without 1/sqrt(d) scaling (T5 folds it into the initialization)."""
+class SelfAttention(nn.Module):
+    """Multi-head attention without 1/sqrt(d) scaling (T5 folds it into the initialization): the
+    encoder's (no cache) or the decoder's (writes to `kv_cache` at input_pos) self-attention."""
 
     def __init__(self, config):
         super().__init__()
         self.n_heads, self.d_kv = config.num_heads, config.d_kv
         inner = config.num_heads * config.d_kv
-        self.q = Linear(config.d_model, inner, bias=False)
-        self.k = Linear(config.d_model, inner, bias=False)
-        self.v = Linear(config.d_model, inner, bias=False)
+        self.q, self.k, self.v = (Linear(config.d_model, inner, bias=False) for _ in "qkv")
         self.o = Linear(inner, config.d_model, bias=False)
+        self.kv_cache = None  # decoder only: set by T5.setup_caches
 
     def heads(self, x):
         """[batch, len, n_heads * d_kv] -> [batch, n_heads, len, d_kv]"""
@@ -131,14 +115,6 @@ class Attention(nn.Module):
     def output(self, y):
         """The heads' outputs y [b, h, t, d] -> [b, t, d_model]."""
         return self.o(y.transpose(1, 2).reshape(y.shape[0], y.shape[2], -1))
-
-
-class SelfAttention(Attention):
-    """The encoder's (no cache) or the decoder's (writes to `kv_cache` at input_pos) self-attention."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.kv_cache = None  # decoder only: set by T5.setup_caches
 
     def forward(self, x, mask, input_pos=None, layout=None):
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
@@ -158,7 +134,7 @@ def reuse_or_copy(buffer, value):
         return value.clone(memory_format=torch.contiguous_format)
 
 
-class CrossAttention(Attention):
+class CrossAttention(SelfAttention):
     """Decoder attention over the encoder output, whose keys/values `remember` computes once per request."""
 
     def __init__(self, config):
@@ -172,12 +148,11 @@ class CrossAttention(Attention):
     def remember(self, encoder_out, row=None):
         """encoder_out [batch, capacity, d_model], zero-padded past the prompt; with `row`, one request's
         [1, capacity, d_model] into that row of a batch's memory (allocated by T5.prepare_batch)."""
+        k, v = self.heads(self.k(encoder_out)), self.heads(self.v(encoder_out))
         if row is not None:
-            self.memory_k[row] = self.heads(self.k(encoder_out))[0]
-            self.memory_v[row] = self.heads(self.v(encoder_out))[0]
-            return
-        self.memory_k = reuse_or_copy(self.memory_k, self.heads(self.k(encoder_out)))
-        self.memory_v = reuse_or_copy(self.memory_v, self.heads(self.v(encoder_out)))
+            self.memory_k[row], self.memory_v[row] = k[0], v[0]
+        else:
+            self.memory_k, self.memory_v = reuse_or_copy(self.memory_k, k), reuse_or_copy(self.memory_v, v)
 
     def forward(self, x, memory_mask):
         rows = x.shape[0]
@@ -207,32 +182,21 @@ class FeedForward(nn.Module):
         return self.wo(elementwise(self.act, self.wi(x)))
 
 
-class EncoderLayer(nn.Module):
-    def __init__(self, config):
+class Layer(nn.Module):
+    """An encoder layer, or with `cross` a decoder layer (cross-attention between the two halves)."""
+
+    def __init__(self, config, cross=False):
         super().__init__()
-        self.attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
-        self.attn = SelfAttention(config)
-        self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
-        self.ffn = FeedForward(config)
+        d, eps = config.d_model, config.layer_norm_epsilon
+        self.self_attn_norm, self.self_attn = RMSNorm(d, eps), SelfAttention(config)
+        if cross:
+            self.cross_attn_norm, self.cross_attn = RMSNorm(d, eps), CrossAttention(config)
+        self.ffn_norm, self.ffn = RMSNorm(d, eps), FeedForward(config)
 
-    def forward(self, x, bias):
-        x = x + self.attn(self.attn_norm(x), bias)
-        return x + self.ffn(self.ffn_norm(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.self_attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
-        self.self_attn = SelfAttention(config)
-        self.cross_attn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
-        self.cross_attn = CrossAttention(config)
-        self.ffn_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
-        self.ffn = FeedForward(config)
-
-    def forward(self, x, input_pos, mask, memory_mask, layout):
+    def forward(self, x, mask, input_pos=None, memory_mask=None, layout=None):
         x = x + self.self_attn(self.self_attn_norm(x), mask, input_pos, layout)
-        x = x + self.cross_attn(self.cross_attn_norm(x), memory_mask)
+        if memory_mask is not None:
+            x = x + self.cross_attn(self.cross_attn_norm(x), memory_mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -245,20 +209,17 @@ class T5(CachedLM):
         self.embed = Embedding(config.vocab_size, config.d_model)  # shared by encoder, decoder (and tied head)
         # One relative position bias table per stack (the reference keeps it in the stack's first layer).
         self.encoder_position_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
-        self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.encoder = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.encoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         self.decoder_position_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
-        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
+        self.decoder = nn.ModuleList(Layer(config, cross=True) for _ in range(config.num_decoder_layers))
         self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         # Always its own parameter: convert_hf_weights fills it from the embedding when the checkpoint is tied.
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
-        # Boolean [1, 1, 1, capacity]: which cross-attention memory positions hold the prompt. A tensor,
-        # not the prompt length as an int, which a compiled graph would specialize on.
+        # Boolean [1, 1, 1, capacity]: the memory positions that hold the prompt (an int would specialize graphs).
         self.register_buffer("memory_mask", None, persistent=False)
 
-    @property
-    def context_length(self):
-        return None  # relative positions: no hard limit
+    context_length = None  # relative positions: no hard limit
 
     @property
     def vocab_size(self):
@@ -277,17 +238,15 @@ class T5(CachedLM):
     def setup_caches(self, batch_size, max_seq_len):
         super().setup_caches(batch_size, max_seq_len)
         for layer in self.decoder:
-            layer.self_attn.kv_cache = KVCache(
-                batch_size, layer.self_attn.n_heads, self.cache_max_seq_len, self.config.d_kv, self.dtype, self.device
-            )
+            layer.self_attn.kv_cache = KVCache(batch_size, layer.self_attn.n_heads, self.cache_max_seq_len,
+                                               self.config.d_kv, self.dtype, self.device)
 
     def position_bias(self, table, query_pos, key_pos, bidirectional):
         """Additive attention bias [1 or rows, heads, n, len(key_pos)] for query_pos [n] or [rows, n],
         shared by all layers of a stack."""
-        buckets = relative_position_bucket(
-            key_pos - query_pos[..., None], bidirectional,
-            self.config.relative_attention_num_buckets, self.config.relative_attention_max_distance,
-        )
+        c = self.config
+        buckets = relative_position_bucket(key_pos - query_pos[..., None], bidirectional,
+                                           c.relative_attention_num_buckets, c.relative_attention_max_distance)
         bias = table(buckets).movedim(-1, -3)
         return bias if query_pos.dim() == 2 else bias.unsqueeze(0)
 
@@ -305,10 +264,6 @@ class T5(CachedLM):
         self.encoder_calls += 1
         return self.encoder_norm(x)
 
-    def start_tokens(self, prompt):
-        return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
-                          device=prompt.device)
-
     def encode(self, prompt, row=None):
         """Run the encoder once over `prompt` [batch, len]; keep each decoder layer's cross-attention
         keys/values (with `row`, one request's [1, len] into that row of a batch's memory, allocated by
@@ -325,7 +280,7 @@ class T5(CachedLM):
             self.memory_mask = reuse_or_copy(self.memory_mask, in_prompt)
         else:
             self.memory_mask[row] = in_prompt[0]
-        return self.start_tokens(prompt)
+        return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, device=prompt.device)
 
     def prepare_batch(self, rows, longest_prompt):
         """Batched requests: cross-attention memory for `rows` prompts of up to `longest_prompt` tokens,
@@ -356,10 +311,8 @@ class T5(CachedLM):
         if self.encoder_batch_size == 0:
             raise ValueError(f"{self.name}: call encode(prompt) before decoding")
         if self.encoder_batch_size != 1 and self.encoder_batch_size < tokens.shape[0]:
-            raise ValueError(
-                f"{self.name}: a decoder batch of {tokens.shape[0]} cannot attend to an encoded batch of "
-                f"{self.encoder_batch_size} (it must be 1, or hold a row for each)"
-            )
+            raise ValueError(f"{self.name}: a decoder batch of {tokens.shape[0]} cannot attend to an encoded batch "
+                             f"of {self.encoder_batch_size} (it must be 1, or hold a row for each)")
         key_pos = torch.arange(keys or self.cache_max_seq_len, device=tokens.device)
         positions = input_pos if layout is None else layout.positions
         bias = self.position_bias(self.decoder_position_bias, positions, key_pos, bidirectional=False)
@@ -367,7 +320,7 @@ class T5(CachedLM):
         mask = padded_rows(bias.masked_fill(~(causal if causal.dim() == 2 else causal.unsqueeze(1)), float("-inf")))
         x = self.embed(tokens)
         for layer in self.decoder:
-            x = layer(x, input_pos, mask, self.memory_mask, layout)
+            x = layer(x, mask, input_pos, self.memory_mask, layout)
         x = self.decoder_norm(x if last is None else x[:, x.shape[1] - last:])
         return x * self.config.d_model**-0.5 if self.config.scale_decoder_outputs else x
 
@@ -386,52 +339,34 @@ class T5(CachedLM):
                 attn.memory_v.copy_(attn.memory_v.index_select(0, beam_idx))
 
 
-# HF name (after "encoder.block.N." / "decoder.block.N.") -> ours (after "encoder.N." / "decoder.N.").
-ENCODER_LAYER_KEYS = {
-    "layer.0.SelfAttention": "attn",
-    "layer.0.layer_norm": "attn_norm",
-    "layer.1.DenseReluDense": "ffn",
-    "layer.1.layer_norm": "ffn_norm",
-}
-DECODER_LAYER_KEYS = {
-    "layer.0.SelfAttention": "self_attn",
-    "layer.0.layer_norm": "self_attn_norm",
-    "layer.1.EncDecAttention": "cross_attn",
-    "layer.1.layer_norm": "cross_attn_norm",
-    "layer.2.DenseReluDense": "ffn",
-    "layer.2.layer_norm": "ffn_norm",
-}
-RENAMED = {
-    "shared.weight": "embed.weight",
-    "encoder.final_layer_norm.weight": "encoder_norm.weight",
-    "decoder.final_layer_norm.weight": "decoder_norm.weight",
-    "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "encoder_position_bias.weight",
-    "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "decoder_position_bias.weight",
-}
-DROPPED = (
-    "encoder.embed_tokens.weight",  # copies of shared.weight in some checkpoints
-    "decoder.embed_tokens.weight",
-    "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",  # unused: no bias in cross-attention
-)
+# The sublayers of HF's "{stack}.block.N.layer.{i}", in order, and HF's names of their modules (each with a
+# layer_norm); the stacks' tables of relative positions sit in block 0.
+SUBLAYERS = {"encoder": ("self_attn", "ffn"), "decoder": ("self_attn", "cross_attn", "ffn")}
+HF_MODULES = {"self_attn": "SelfAttention", "cross_attn": "EncDecAttention", "ffn": "DenseReluDense"}
+RENAMED = {"shared.weight": "embed.weight", "encoder.final_layer_norm.weight": "encoder_norm.weight",
+           "decoder.final_layer_norm.weight": "decoder_norm.weight",
+           "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "encoder_position_bias.weight",
+           "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "decoder_position_bias.weight"}
+DROPPED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",  # copies of shared.weight
+           "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")  # cross-attention has no bias
+
+
+def layer_key(name):
+    """HF's "{stack}.block.N.layer.{i}.{module}..." -> ours, "{stack}.N.{sublayer}..."; others unchanged."""
+    stack, _, rest = name.partition(".block.")
+    layer, _, rest = rest.partition(".")
+    for i, kind in enumerate(SUBLAYERS.get(stack, ())):
+        for hf, ours in ((HF_MODULES[kind], kind), ("layer_norm", f"{kind}_norm")):
+            prefix = f"layer.{i}.{hf}."
+            if rest.startswith(prefix):
+                return f"{stack}.{layer}.{ours}.{rest[len(prefix):]}"
+    return name
 
 
 def convert_hf_weights(weights, config):
     """HF T5 keys -> ours. Unknown keys pass through unchanged so the loader names them."""
-    out = {}
-    for name, tensor in weights.items():
-        if name in DROPPED:
-            continue
-        if name in RENAMED:
-            out[RENAMED[name]] = tensor
-            continue
-        stack, _, rest = name.partition(".block.")
-        layer, _, rest = rest.partition(".")
-        table = ENCODER_LAYER_KEYS if stack == "encoder" else DECODER_LAYER_KEYS
-        for hf_prefix, ours in table.items():
-            if stack in ("encoder", "decoder") and rest.startswith(hf_prefix + "."):
-                name = f"{stack}.{layer}.{ours}{rest[len(hf_prefix):]}"
-                break
-        out[name] = tensor
+    out = {RENAMED[name] if name in RENAMED else layer_key(name): tensor for name, tensor in weights.items()
+           if name not in DROPPED}
     if "lm_head.weight" not in out and "embed.weight" in out:  # tied checkpoints store the head once
         out["lm_head.weight"] = out["embed.weight"]
     return out

@@ -1,29 +1,17 @@
 """Tensor parallelism (Megatron-LM's, as gpt-fast's tp.py does it): a model built and loaded whole is
-sharded in place over the ranks of a torch.distributed process group, each rank keeping a slice.
+sharded in place over the ranks of a torch.distributed process group.
 
-- Attention by heads: rank r keeps heads [r·h/N, (r+1)·h/N) of q, k and v (the rows of the fused
-  projections; whole grouped-query groups: key/value heads are split, each with its query heads), its
-  KV cache holds only those heads, and the output projection keeps the matching input columns.
-- MLPs by width: the up (and gate) projections keep rows, the down projection the matching columns.
-- Each projection that keeps input columns (the attention's output projection, the MLP's down
-  projection: Megatron's "row-parallel" layers) then computes a partial sum of the full output; the module it ends (Attention, FeedForward) sums the partials
-  over the ranks with one collective, through torch.distributed's functional collectives so that a
-  compiled forward holds it in its graph. The hook sits on the module the projection ends, not on the
-  projection itself, because quantizing (models/quant.py) replaces the projections after sharding.
-  Their biases stay on rank 0 only: added once, the sum is right.
-- Everything else is replicated: embeddings, norms, the output head, RoPE tables (T5's relative
-  position tables are split by heads with the attention). Every rank then holds the same residual
-  stream after each sum and computes the same logits, bit for bit, so with the same seeds it draws the
-  same random numbers and takes the same decisions (docs/design.md, "Tensor parallelism").
+- Attention by heads (whole grouped-query groups), with the KV cache; MLPs by width. A projection that
+  keeps input columns (attention output, MLP down: "row-parallel") computes a partial sum, which the
+  module it ends sums over the ranks through functional collectives, so that a compiled forward holds
+  it; the hook sits on that module because quantizing replaces the projections after sharding. Those
+  projections' biases stay on rank 0, added once.
+- Everything else is replicated, so every rank holds the same residual stream and logits, bit for bit,
+  and with the same seeds takes the same decisions.
+- Each element's sum depends on its partials only, never on the forward's rows (row invariance): an
+  all-reduce of 2 ranks gives that; with more, the partials are gathered and added in rank order.
 
-The sum is exact in the sense the engine needs (row invariance, docs/design.md): an element's sum
-depends on its partials only, never on how many rows the forward has. With 2 ranks an all-reduce gives
-that (a + b = b + a, whatever the algorithm); with more, all-reduce algorithms add the partials in an
-order that depends on how the tensor is split into chunks, i.e. on its size, so the partials are
-gathered and added in rank order instead.
-
-Shard before quantizing: `shard` slices float weights and the stored (quantized) weights a checkpoint
-holds, which quant.quantize_model then turns into quantized layers of the rank's shapes.
+Shard before quantizing: `shard` slices float weights and a checkpoint's stored quantized weights.
 """
 
 import torch
@@ -32,15 +20,12 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 
-# Up to this many ranks an all-reduce's sums are exact as the engine needs them (module docstring);
-# beyond, the partials are gathered and added in rank order.
-ALL_REDUCE_MAX_RANKS = 2
+ALL_REDUCE_MAX_RANKS = 2  # beyond, an all-reduce's order of adding depends on the tensor's size
 
 
 class TensorParallel:
-    """A model's place in its tensor-parallel group: this rank, the number of ranks, the group its
-    forwards sum over, and a group for values on the host (gloo: no device sync), the same group when
-    the model runs on the CPU."""
+    """A model's place in its tensor-parallel group: its rank, the number of ranks, the group its forwards
+    sum over, and a group for values on the host (gloo: no device sync; the same group on a CPU)."""
 
     def __init__(self, group, host_group=None):
         self.group, self.host_group = group, host_group or group
@@ -48,8 +33,7 @@ class TensorParallel:
         self.first = dist.get_global_rank(group, 0)  # rank 0 of the group, as torch.distributed numbers it
 
     def sum(self, partial):
-        """The sum over the ranks of each rank's `partial`, the same on every rank, and each element's
-        the same whatever the tensor's size (module docstring)."""
+        """The sum over the ranks of each rank's `partial`, the same on every rank whatever its size."""
         if self.world <= ALL_REDUCE_MAX_RANKS:
             return funcol.all_reduce(partial, "sum", self.group)
         parts = funcol.all_gather_single(partial.unsqueeze(0), 0, self.group)
@@ -59,8 +43,8 @@ class TensorParallel:
         return total
 
     def from_first(self, *values):
-        """Rank 0's values (any picklable objects) as a list, on every rank: what the host decides from
-        values that differ from rank to rank (a profile file, a fresh seed) is then decided alike."""
+        """Rank 0's values (picklable) as a list, on every rank, so that what the host decides from values
+        that differ by rank (a profile file, a fresh seed) is decided alike."""
         values = list(values)
         dist.broadcast_object_list(values, src=self.first, group=self.host_group)
         return values
@@ -72,7 +56,6 @@ class TensorParallel:
         return tensor.tolist()
 
     def shard(self, model, stored=None):
-        """`shard(model, self, stored)`: the model's slices for this rank, its sums registered."""
         return shard(model, self, stored)
 
     def smallest(self, value):
@@ -82,14 +65,10 @@ class TensorParallel:
         return int(tensor)
 
 
-# --- what a family shards ------------------------------------------------------------------------------
-# A family's plan yields (kind, what, detail):
-#   ("heads", an attention module, its head-count attributes): divided by the number of ranks;
-#   ("rows" or "columns", a projection's name, the sizes of its fused parts (q/k/v, gate/up) or None):
-#       its weight sliced along output features ("rows", the bias sliced too) or input features
-#       ("columns", the bias on rank 0 only), each fused part sliced alone;
-#   ("table", a per-head embedding's name, None): T5's relative position table, the rank's heads' columns;
-#   ("sum", a module, None): its output summed over the ranks.
+# A family's plan yields (kind, what, detail): ("heads", an attention, its head-count attributes) divided by
+# the ranks; ("rows" or "columns", a projection's name, its fused parts' sizes or None): its weight sliced
+# along output or input features, each fused part alone; ("table", T5's relative position table's name,
+# None): its heads' columns; ("sum", a module, None): its output summed over the ranks.
 
 
 def llama_plan(model):
@@ -120,60 +99,51 @@ def gpt2_plan(model):
 
 
 def t5_plan(model):
-    c = model.config
     yield "table", "encoder_position_bias", None  # [buckets, heads]
     yield "table", "decoder_position_bias", None
-    stacks = [("encoder", layer, ("attn",)) for layer in model.encoder]
-    stacks += [("decoder", layer, ("self_attn", "cross_attn")) for layer in model.decoder]
-    counts = {"encoder": 0, "decoder": 0}
-    for stack, layer, attentions in stacks:
-        p = f"{stack}.{counts[stack]}"
-        counts[stack] += 1
-        for name in attentions:
-            attention = getattr(layer, name)
-            yield "heads", attention, ("n_heads",)
-            for projection in "qkv":
-                yield "rows", f"{p}.{name}.{projection}", None
-            yield "columns", f"{p}.{name}.o", None
-            yield "sum", attention, None
-        for projection in ("wi_0", "wi_1") if c.gated else ("wi",):
-            yield "rows", f"{p}.ffn.{projection}", None
-        yield "columns", f"{p}.ffn.wo", None
-        yield "sum", layer.ffn, None
+    for stack in ("encoder", "decoder"):
+        for i, layer in enumerate(getattr(model, stack)):
+            p = f"{stack}.{i}"
+            for name in ("self_attn", "cross_attn") if stack == "decoder" else ("self_attn",):
+                attention = getattr(layer, name)
+                yield "heads", attention, ("n_heads",)
+                for projection in "qkv":
+                    yield "rows", f"{p}.{name}.{projection}", None
+                yield "columns", f"{p}.{name}.o", None
+                yield "sum", attention, None
+            for projection in ("wi_0", "wi_1") if model.config.gated else ("wi",):
+                yield "rows", f"{p}.ffn.{projection}", None
+            yield "columns", f"{p}.ffn.wo", None
+            yield "sum", layer.ffn, None
 
 
-# By class name: the model files import nothing but their base (tests/test_imports.py), this one none of them.
+# By class name: the model files import nothing but their base, this one none of them.
 PLANS = {"Llama": llama_plan, "Gemma": llama_plan, "GPT2": gpt2_plan, "T5": t5_plan}  # Gemma: the same layout
 
 
-def split_sizes(config):
-    """What the ranks split, by name: {what: (count, what it is)}: attention heads (key/value heads for
-    grouped-query attention: each rank keeps whole groups) and MLP width."""
+def check_divisible(config, world):
+    """A ValueError, before anything is loaded, when `world` ranks cannot split the model's (key/value)
+    heads and MLP width evenly."""
     family = type(config).__name__
     if family in ("LlamaConfig", "GemmaConfig"):
         heads = "key/value heads" if config.n_kv_heads != config.n_heads else "attention heads"
-        return {"heads": (config.n_kv_heads, heads), "mlp": (config.intermediate_size, "MLP width")}
-    if family == "GPT2Config":
-        return {"heads": (config.n_head, "attention heads"), "mlp": (config.n_inner, "MLP width")}
-    if family == "T5Config":
-        return {"heads": (config.num_heads, "attention heads"), "mlp": (config.d_ff, "feed-forward width")}
-    raise ValueError(f"tensor parallelism does not know the model config {family}")
-
-
-def check_divisible(config, world):
-    """A ValueError, before anything is loaded, when `world` ranks cannot split the model evenly."""
-    for count, what in split_sizes(config).values():
+        splits = [(config.n_kv_heads, heads), (config.intermediate_size, "MLP width")]
+    elif family == "GPT2Config":
+        splits = [(config.n_head, "attention heads"), (config.n_inner, "MLP width")]
+    elif family == "T5Config":
+        splits = [(config.num_heads, "attention heads"), (config.d_ff, "feed-forward width")]
+    else:
+        raise ValueError(f"tensor parallelism does not know the model config {family}")
+    for count, what in splits:
         if count % world:
             raise ValueError(f"tp={world} does not divide the target's {count} {what}; use a tp that does")
 
 
-# --- slicing ---------------------------------------------------------------------------------------------
 def take(tensor, dim, parts, rank, world):
     """Rank `rank`'s slice of each part (sizes `parts` along `dim`, None: one part) of `tensor`, as a
     new contiguous tensor (never a view: the whole tensor, or the checkpoint file it maps, can go)."""
-    parts = parts or [tensor.shape[dim]]
     slices = []
-    for part in tensor.split(parts, dim):
+    for part in tensor.split(parts or [tensor.shape[dim]], dim):
         size = part.shape[dim] // world
         slices.append(part.narrow(dim, rank * size, size))
     return torch.cat(slices, dim).clone(memory_format=torch.contiguous_format)
@@ -196,10 +166,9 @@ def take_stored(parts, dim, sizes, rank, world, name):
 
 
 def shard(model, tp, stored=None):
-    """Shard `model` (a minispec Llama, GPT2 or T5, loaded whole; its weights may still be on the meta
-    device) in place for rank tp.rank of tp.world; `stored`: {module name: stored quantized tensors}
-    the checkpoint holds (quant.take_stored), replaced by the rank's slices. Register the sums and set
-    model.tp. Returns the model."""
+    """Shard `model` (loaded whole, maybe still on the meta device) in place for rank tp.rank, its sums
+    registered and model.tp set; `stored`: {module name: a checkpoint's stored quantized tensors},
+    replaced by the rank's slices."""
     plan = PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"tensor parallelism does not know the model {type(model).__name__}")

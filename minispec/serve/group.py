@@ -1,18 +1,13 @@
 """The server on a tensor-parallel target (`torchrun --nproc-per-node N -m minispec.serve --tp N`): rank 0
-runs the HTTP side, the scheduler and every drafter; the other ranks only hold their shards and run, in
-lockstep, the calls rank 0 makes on the sharded models.
+runs the HTTP side, the scheduler and every drafter (a self-draft, --draft int8/int4, is sharded too);
+the other ranks hold their shards and run, in lockstep, each call rank 0 makes on the sharded models
+(MIRRORED), which rank 0 broadcasts as a Call record before running it. What rank 0 decides on the host
+(admissions, drafts, verdicts, random draws) it decides alone, so nothing else crosses the group.
 
-Each such call on rank 0 (a forward, a rollback, a row moved...: MIRRORED) is first broadcast as a Call
-record, then run; a follower receives it and runs the same call on its shards, which join rank 0's sums.
-Whatever rank 0 decides on the host (admissions, drafts, verdicts, random draws) it decides alone, so
-nothing else crosses the group. Drafters run on rank 0 only: a draft model (replicated) or a draft head
-there, model-free drafters there; a self-draft (--draft int8/int4) is sharded, so its calls are mirrored.
-
-Faults: every collective waits at most `timeout` seconds (--tp-timeout); an idle rank 0 sends a beat
-record every third of that, so a rank that dies or stalls is found within 4/3 of `timeout` whether or not
-requests run. Each follower counts beats of its own in the group's store, so rank 0 can name the ranks
-that stopped. Rank 0 then fails every request (503), refuses new ones, and exits: within 2.5 `timeout`
-and 5 s (finding it, naming it, and a scheduler's call that may wait `timeout` more).
+Faults: every collective waits at most `timeout` seconds (--tp-timeout), and an idle rank 0 beats every
+third of that, so a dead or stalled rank is found within 4/3 `timeout`; followers count beats of their
+own in the group's store, so that rank 0 can name the lost ranks. Rank 0 then fails every request (503)
+and exits.
 """
 
 import logging
@@ -52,7 +47,7 @@ class Call(NamedTuple):
 
 class Deciding(TensorParallel):
     """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with
-    the other ranks (seeds, profiles, timings), since they do not run the engine."""
+    the other ranks (seeds, profiles, timings): they do not run the engine."""
 
     def __init__(self, tp):
         self.__dict__.update(tp.__dict__)
@@ -69,8 +64,7 @@ def sharded(models):
 
 
 def bound_collectives(tp, timeout):
-    """Once every rank is ready (a barrier under the join's long timeout: loading a large checkpoint takes
-    a while), every collective of the group fails after `timeout` seconds without its peers."""
+    """Once every rank is ready (loading may take long), every collective fails after `timeout` seconds."""
     dist.barrier(group=tp.host_group)
     for group in {tp.group, tp.host_group}:
         distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
@@ -95,8 +89,7 @@ def beat_key(rank):
 
 class Leader:
     """Rank 0: mirrors the scheduler's calls on its sharded models to the other ranks, beats while idle,
-    and on a fault closes the scheduler (every request 503, naming the lost ranks) and calls
-    `on_failure(message)`."""
+    and on a fault closes the scheduler and calls `on_failure(message)`."""
 
     def __init__(self, scheduler, timeout, on_failure=None):
         self.scheduler, self.timeout, self.on_failure = scheduler, timeout, on_failure
@@ -152,8 +145,7 @@ class Leader:
             self.broadcasts["seconds"] += self.sent - start
 
     def beat(self):
-        """While no call has gone for a third of the timeout, a beat: the followers' wait stays bounded,
-        and a follower that has gone is found while no request runs."""
+        """A beat whenever no call has gone for a third of the timeout, so that a lost follower is found idle too."""
         while self.failure is None and not self.stopped:
             time.sleep(self.timeout / 3)
             with self.lock:
@@ -174,8 +166,8 @@ class Leader:
             self.on_failure(self.failure)
 
     def stop(self):
-        """The server has stopped: so do the followers, and every rank leaves the group. (After a fault,
-        or while the scheduler's thread is still in a call, nothing: the followers' wait ends them.)"""
+        """The server has stopped: so do the followers (after a fault, or while the scheduler is still in a
+        call, their wait ends them)."""
         if self.failure is None and self.lock.acquire(timeout=self.timeout):
             try:
                 self.send(Call("stop"))
