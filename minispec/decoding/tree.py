@@ -240,9 +240,10 @@ class Growth:
         spine = [node for node in self.newest if node in self.spine]
         others = sorted((node for node in self.newest if node in hopeful), key=self.rank)
         self.newest = []
-        return (spine + others)[:self.expansions()]
+        return (spine + others)[:self.room()]
 
-    def expansions(self):
+    def room(self):
+        """How many nodes the next depth expands (a drawn tree: how many it may add)."""
         return self.width
 
     def chosen(self):
@@ -270,11 +271,7 @@ class DrawnGrowth(Growth):
         self.q = {}  # node (-1: the root) -> the q its children were drawn from
 
     def room(self):
-        """How many nodes the next depth may add."""
         return max(min(self.width, self.budget - len(self.tokens) - (self.depths_left - 1)), 0)
-
-    def expansions(self):
-        return self.room()
 
     def draw(self, nodes, qs, generator):
         """The next depth: children for each of `nodes` (-1: the root) drawn from its row of qs with
