@@ -69,14 +69,7 @@ class PrefixCache:
     def restore(self, model, row, tokens):
         """Copy the longest stored prefix of `tokens` into the model's cache row `row`; its length."""
         with self.lock:
-            node, chain = self.root(model), []
-            for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-                node = node.children.get(tuple(tokens[start:start + BLOCK]))
-                if node is None:
-                    break
-                chain.append(node)
-            for node in chain:  # parents before children: a child is never older than its parent
-                self.lru.move_to_end(node)
+            chain = self.stored(model, tokens)
             if not chain:
                 return 0
             kv = torch.cat([node.kv for node in chain], dim=3).to(model.device)
@@ -86,19 +79,24 @@ class PrefixCache:
             cache.v[row, :, :length] = layer[1]
         return length
 
+    def stored(self, model, tokens):
+        """The stored blocks `tokens` begins with, marked as used (parents first: never older than a child)."""
+        node, chain = self.root(model), []
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            node = node.children.get(tuple(tokens[start:start + BLOCK]))
+            if node is None:
+                break
+            chain.append(node)
+            self.lru.move_to_end(node)
+        return chain
+
     def store(self, model, row, tokens):
         """Store the whole blocks of `tokens` (held in cache row `row`) not stored yet."""
         with self.lock:
-            node, blocks = self.root(model), len(tokens) // BLOCK
-            for done in range(blocks + 1):
-                child = node.children.get(tuple(tokens[done * BLOCK:(done + 1) * BLOCK])) if done < blocks else None
-                if child is None:
-                    break
-                node = child
-                self.lru.move_to_end(node)
-            if done == blocks:
+            chain, blocks = self.stored(model, tokens), len(tokens) // BLOCK
+            if len(chain) == blocks:
                 return
-            start, caches = done * BLOCK, model.kv_caches()
+            node, start, caches = chain[-1] if chain else self.root(model), len(chain) * BLOCK, model.kv_caches()
             kv = torch.stack([torch.stack([c.k[row, :, start:blocks * BLOCK], c.v[row, :, start:blocks * BLOCK]])
                               for c in caches]).cpu()
             for i, part in enumerate(kv.split(BLOCK, dim=3)):
