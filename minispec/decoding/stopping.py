@@ -11,7 +11,7 @@ from ..loading.tokenizer import IncrementalDecoder
 class Stop:
     def __init__(self, token_ids, strings=(), tokenizer=None):
         self.token_ids = set(token_ids)
-        self.strings = [s for s in strings]
+        self.strings = list(strings)
         if any(not isinstance(s, str) or not s for s in self.strings):
             raise ValueError(f"stop strings must be non-empty strings, got {reprlib.repr(strings)}")
         if self.strings and tokenizer is None:
@@ -25,9 +25,7 @@ class Stop:
     def cut(self, tokens):
         """A step's new tokens up to the first stop, and whether the request stops there."""
         for i, token in enumerate(tokens):
-            if token in self.token_ids:
-                return tokens[: i + 1], True
-            if self.text is not None and self.completes_a_string(token):
+            if token in self.token_ids or self.text is not None and self.completes_a_string(token):
                 return tokens[: i + 1], True
         return tokens, False
 
