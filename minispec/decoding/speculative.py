@@ -24,6 +24,7 @@ guess a tree (tree.py), which the target scores in the same forward and the host
 import math
 import time
 from array import array
+from itertools import islice
 from typing import NamedTuple, Optional
 
 import torch
@@ -209,13 +210,9 @@ def to_host(rows, logits, proposals, verdicts):
         if asked[-1]:  # a sampled tree's tokens are known only after its walk (tree_logprobs)
             ids.append(scored(p, row.sampling, choices if v is None else emitted(x.drafts, v), row.request.logprobs))
         parts.append(ids)
-    host = torch.cat([part.view(-1) for row in parts for part in row]).tolist()
-    out, start = [], 0
+    host, out = iter(torch.cat([part.view(-1) for row in parts for part in row]).tolist()), []
     for row, wanted, x, known in zip(parts, asked, proposals, walked):
-        lists = []
-        for part in row:
-            lists.append(host[start:start + part.numel()])
-            start += part.numel()
+        lists = [list(islice(host, part.numel())) for part in row]
         logprobs = unpack(lists.pop(), len(x.drafts) + 1) if wanted else None
         if x.parents is None:
             out.append(HostStep(lists[1], lists[0][0], lists[2][0], None, logprobs))
