@@ -121,9 +121,7 @@ class Matcher:
     def mask(self, logits, guesses, parents):
         """logits [m+1, vocab] at a step's root and guesses, -inf where the grammar forbids a token after that
         position's path (a position whose path it forbids is left as it is)."""
-        rows = []
-        for path in paths(guesses.tolist(), parents):
-            rows.append(self.allowed_after(path) or b"\1" * self.vocab_size)
+        rows = [self.allowed_after(path) or b"\1" * self.vocab_size for path in paths(guesses.tolist(), parents)]
         return masked(logits, rows)
 
     def mask_after(self, logits, guesses):
@@ -161,9 +159,7 @@ def masked(logits, rows):
 
 def paths(guesses, parents):
     """The guesses before each position of a step: none at its root, then each guess's path."""
-    if parents is None:
-        return [guesses[:i] for i in range(len(guesses) + 1)]
     out = [[]]
-    for j, parent in enumerate(parents):
-        out.append((out[parent + 1] if parent >= 0 else []) + [guesses[j]])
+    for j, parent in enumerate(range(-1, len(guesses) - 1) if parents is None else parents):
+        out.append(out[parent + 1] + [guesses[j]])  # out[0]: the root's
     return out
