@@ -132,9 +132,7 @@ class NgramDrafter(TextDrafter):
             previous = int(sample(q, self.generator))
             drafts.append(previous)
             qs.append(q)
-        if not drafts:
-            return torch.zeros(0, dtype=torch.long, device=self.device), None
-        return to_device(drafts, self.device), torch.stack(qs).to(self.device)
+        return to_device(drafts, self.device), torch.stack(qs).to(self.device) if qs else None
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.context += tokens
