@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..models.base import CachedLM, Embedding, Linear, RMSNorm, compile_region
-from ..models.checks import COUNT, FLAG, TABLE, check
+from ..models.checks import COUNT, FLAG, TABLE, Check, check, integer
 from ..models.llama import Llama, TransformerBlock, convert_hf_weights
 from . import eagle
 from .eagle import EagleDrafter, EagleHead
@@ -121,11 +121,9 @@ def taps_from_hf(hf, target):
             raise ValueError(f"EAGLE-3 reads the states entering layers 2, L/2 and L-3, which are not three "
                              f"layers of {target.name}'s {n_layers}: name them in eagle_aux_hidden_state_layer_ids")
         return taps
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-            and len(set(ids)) == len(ids) and all(0 <= i < n_layers for i in ids)):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be distinct layer indices of {target.name} "
-                         f"(0..{n_layers - 1}), got {ids!r}")
-    return tuple(sorted(ids))
+    layers = Check(lambda v: isinstance(v, list) and v and all(map(integer(0, n_layers - 1), v))
+                   and len(set(v)) == len(v), f"must be distinct layer indices of {target.name} (0..{n_layers - 1})")
+    return tuple(sorted(layers("eagle_aux_hidden_state_layer_ids", ids)))
 
 
 def check_target(target):
