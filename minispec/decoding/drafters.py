@@ -294,10 +294,9 @@ class DraftTree:
 
 
 def draft_trees(model, drafters, asks):
-    """EAGLE-2's dynamic draft tree for each Ask: from the root's best children, one draft forward per
-    depth over every row's expanded nodes, each attending to its own path past the row's length (so the
-    cache row is as before). Greedy, a node's candidates are its best children (q None); sampled, draws
-    from q (DrawnGrowth). accept keeps the accepted path's fed nodes (keep_path). {id(drafter): Proposal}."""
+    """EAGLE-2's dynamic draft tree for each Ask: one draft forward a depth over every row's expanded nodes,
+    each attending to its own path past the row's length; a node's best children (greedy, q None) or draws
+    from q (DrawnGrowth). {id(drafter): Proposal}."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])

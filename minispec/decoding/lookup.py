@@ -140,8 +140,7 @@ class NgramDrafter(TextDrafter):
 
 class LookupDrafter(TextDrafter):
     """Paper 3.6's copy heuristic (prompt lookup): what followed the latest earlier occurrence of the
-    context's longest suffix (up to `max_ngram` tokens), copied on past the context's end as LZ77 does.
-    Deterministic (q None); an index of n-gram ends makes a proposal O(max_ngram)."""
+    context's longest suffix (up to `max_ngram` tokens), copied on past the context's end as LZ77 does."""
 
     name = "lookup"
 

@@ -1,9 +1,7 @@
 """draft=[model, "suffix"]: a model's (or head's) guesses and a cheap drafter's ("lookup", "suffix") in one
-token tree. Each step the cheap chain is its guesses up to the first it is less than HALF sure of: none,
-the model guesses alone; a first guess fully sure, the cheap chain alone (no draft forwards); else both,
-merged into one tree. The policy prices the mix apart (`mixed_with`). Exact: greedy walks the target's
-argmaxes; sampled, a node's children are the model's draws from q, then the cheap token as a fixed
-candidate after them (tree.sample_walk tests each against the residual of the ones before).
+token tree. The cheap chain runs up to its first guess less than HALF sure: none, the model guesses alone;
+a sure first guess, the cheap chain alone; else both in one tree, the cheap tokens fixed candidates after
+the model's draws (tree.sample_walk keeps that exact). The policy prices the mix apart (`mixed_with`).
 """
 
 from ..models.kernels import to_device

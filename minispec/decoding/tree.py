@@ -72,12 +72,10 @@ def walk(nodes, parents, choices):
 
 
 def sample_walk(nodes, parents, p, generator, q=None):
-    """Sampled verification (SpecInfer's recursive rejection): at each node the children are tried in
-    order, each by Algorithm 1's test against the residual of the ones before, so the token that comes
-    out has p's distribution. p [k + 1, vocab]: the target's at the root and each node; q: None for fixed
-    candidates (each accepted with p'(x), then removed from p'), else the drafter's at the root and each
-    node, whose children were drawn from it without replacement (DrawnGrowth); nodes past q's rows are
-    fixed candidates (mixed.py's). Draws come from `generator` in a fixed order."""
+    """Sampled verification (SpecInfer's recursive rejection): a node's children are tried in order, each by
+    Algorithm 1's test against the residual of the ones before, so the token out has p's distribution. q:
+    None, or the drafter's at the root and each node (children drawn from it, DrawnGrowth); a child past
+    q's rows, or any without q, is a fixed candidate (accepted with p'(x), else removed from p')."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'
         drawn_from = None if q is None or row >= len(q) or not children else q[row] / q[row].sum()  # q' (leaf: none)
@@ -194,12 +192,9 @@ def best_children(logits, sampling, width):
 
 
 class Growth:
-    """A tree grown depth by depth (EAGLE-2's dynamic draft tree), a node scored by its path's
-    log-probability. The spine, the drafter's own greedy chain, always stays in the tree, so that a tree
-    accepts no less than the chain (EAGLE-2's best nodes overall would trade deep guesses for shallow
-    ones); the rest of the `budget` goes to the best other nodes. Each depth expands the newest spine
-    node and the best new others that can still make the tree, `width` in all. Nodes rank by score, ties
-    by index, so a child never ranks before its parent: the best nodes in rank order are topological."""
+    """A tree grown depth by depth (EAGLE-2's dynamic draft tree), a node scored by its path's log-probability.
+    The spine, the drafter's greedy chain, always stays, so a tree accepts no less than the chain; the rest
+    of the `budget` goes to the best other nodes, ranked by score then index (so parents come first)."""
 
     def __init__(self, budget, width):
         self.budget, self.width = budget, width
@@ -258,12 +253,9 @@ class Growth:
 
 
 class DrawnGrowth(Growth):
-    """A tree whose children are draws from q without replacement (sampled decoding, sample_walk with q).
-    That is exact only if how many children a node gets is settled before they are drawn, so each
-    depth's `width` slots are shared out first (one kept per depth below, for the spine), by the node's
-    score plus the log of q's i-th largest probability for its i-th draw; every drawn node stays, in
-    the order drawn. A first child is accepted as often as a chain's guess, far more than top-k
-    candidates of a sampled q would be."""
+    """A tree whose children are draws from q without replacement (sampled decoding). Exact only if how many
+    children a node gets is settled before they are drawn, so each depth's slots are shared out first, by
+    score plus the log of q's i-th largest probability for an i-th draw; every drawn node stays, in order."""
 
     def __init__(self, budget, width, depth):
         super().__init__(budget, width)

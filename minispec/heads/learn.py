@@ -1,9 +1,6 @@
-"""A draft head that keeps learning while the server uses it (online distillation, Liu et al. 2024). The
-Learner keeps the target's states of recent requests (within `buffer_mb`) and trains a float copy of the
-head on them with the offline trainer's loss between the engine's steps (at most `share` of the time, more
-while idle), copying its weights into the drafting head after each step: a step's guesses and q come from
-one set of weights, so verification stays exact. It logs and reports acceptance per `window` requests and
-saves the head in its folder format when the server stops."""
+"""A draft head that keeps learning while the server uses it (online distillation, Liu et al. 2024): a float
+copy trains on the target's states of recent requests between the engine's steps, its weights copied into
+the drafting head after each step, so a step's guesses and q come from one set of weights (exact)."""
 
 import logging
 import time
