@@ -21,14 +21,11 @@ import torch.nn.functional as F
 
 from .costs import graphs_met, reads_on_host
 from .drafters import ModelDrafter
-from ..models.checks import is_integer
 from .sampling import Sampling
 
 
 def check_settings(w, u, target, drafter, sampling, lenience):
-    """Clear errors for what beam search cannot do. Returns the draft's width u (0 without a draft)."""
-    if not (is_integer(w) and w >= 1):
-        raise ValueError(f"beams (the beam width w) must be an integer >= 1, got {w!r}")
+    """Clear errors for what beam search cannot do (Settings checked each value). The draft's width u (0: none)."""
     if sampling != Sampling() or lenience != 1:
         raise ValueError("beam search is deterministic: it cannot be combined with sampling "
                          "(temperature, top_k, top_p) or lenience")
@@ -40,7 +37,7 @@ def check_settings(w, u, target, drafter, sampling, lenience):
         raise ValueError("speculative beam search needs a draft model: 'ngram', 'lookup', 'suffix' and draft "
                          "heads guess one sequence, not a beam of them")
     u = w if u is None else u
-    if not (is_integer(u) and u >= w):
+    if u < w:
         raise ValueError(f"draft_beams (the draft's beam width u) must be an integer >= beams ({w}), got {u!r}")
     return u
 
