@@ -165,7 +165,7 @@ class LookupDrafter(TextDrafter):
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
             ends = self.ends.get(tuple(self.context[-n:]), ())
             if len(ends) > 1:
-                return copy_after(self.context, ends[-2], k), n
+                return copy_after(self.context, ends[-2], k), n  # ends[-1] is the suffix itself
         return [], 0
 
     def preview_tree(self, k, budget):
