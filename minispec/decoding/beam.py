@@ -1,12 +1,8 @@
 """Beam search, and speculative beam search (Leviathan et al. 2023, Appendix A.4) with identical results.
 
-Beam search keeps w running hypotheses ranked by their sums of log-probabilities. It follows the
-reference implementation (transformers) with length_penalty=1.0, early_stopping=True, do_sample=False:
-each step ranks every one-token extension of the running beams; those among the best w that end in EOS
-(or reach max_new_tokens) join a pool of finished hypotheses scored by sum / length, and the best w
-that do not become the next running beams. The search stops once the pool holds w hypotheses, or at
-max_new_tokens. Beams live in the batch dimension of the static KV cache.
-
+Beam search follows transformers' (length_penalty=1.0, early_stopping=True, do_sample=False): the best w
+extensions of the running beams that end (EOS, max_new_tokens) join a pool scored by sum / length, the
+others run on, until the pool holds w. Beams live in the batch dimension of the static KV cache.
 Speculative beam search, one iteration (one target forward):
 
     H_1..H_k = draft beam search of width u >= w for k <= γ steps, from the target's beams B_0
@@ -14,8 +10,7 @@ Speculative beam search, one iteration (one target forward):
     for j = 1, 2, ...:  B_j = the target's beam step from its logits at B_{j-1}
                         continue while B_j ⊆ H_j  (top_w(M_p) ⊆ top_u(M_q): B_j's logits are known)
 
-Every step is `beam_step` on the target's own logits, so the result is target-only beam search; the
-step where B_j ⊄ H_j is still a valid target step, so each target forward advances at least one step.
+Every step is `beam_step` on the target's own logits, so the result is target-only beam search.
 """
 
 import time
@@ -26,14 +21,11 @@ import torch.nn.functional as F
 
 from .costs import graphs_met, reads_on_host
 from .drafters import ModelDrafter
-from ..models.checks import is_integer
 from .sampling import Sampling
 
 
 def check_settings(w, u, target, drafter, sampling, lenience):
-    """Clear errors for what beam search cannot do. Returns the draft's width u (0 without a draft)."""
-    if not (is_integer(w) and w >= 1):
-        raise ValueError(f"beams (the beam width w) must be an integer >= 1, got {w!r}")
+    """Clear errors for what beam search cannot do (Settings checked each value). The draft's width u (0: none)."""
     if sampling != Sampling() or lenience != 1:
         raise ValueError("beam search is deterministic: it cannot be combined with sampling "
                          "(temperature, top_k, top_p) or lenience")
@@ -45,15 +37,14 @@ def check_settings(w, u, target, drafter, sampling, lenience):
         raise ValueError("speculative beam search needs a draft model: 'ngram', 'lookup', 'suffix' and draft "
                          "heads guess one sequence, not a beam of them")
     u = w if u is None else u
-    if not (is_integer(u) and u >= w):
+    if u < w:
         raise ValueError(f"draft_beams (the draft's beam width u) must be an integer >= beams ({w}), got {u!r}")
     return u
 
 
 def working_bytes(rows, length, vocab):
-    """Beam search's largest temporaries besides the KV cache, for `rows` hypotheses of up to `length`
-    positions: PrefixCache.logits compares every new row with every cached one (bool, int32 and their
-    cumulative product: 9 bytes per pair and position), and a step ranks rows × vocab float32 sums."""
+    """Beam search's largest temporaries besides the KV cache: PrefixCache.logits' row comparisons (9 bytes
+    per pair and position) and a step's rows × vocab float32 sums."""
     return rows * rows * length * 9 + rows * vocab * 12
 
 
@@ -75,8 +66,7 @@ def beam_step(beams, logits, stop_ids, max_new_tokens):
     """One step of beam search from float32 logits [w, vocab] at the running beams -> (beams, done)."""
     w, vocab = logits.shape
     total = (logits.float().log_softmax(-1) + beams.scores[:, None]).view(-1)
-    # Each beam has len(stop_ids) EOS extensions, so the best (1 + len(stop_ids))·w extensions always
-    # include w that go on running.
+    # each beam has len(stop_ids) EOS extensions: the best (1 + len(stop_ids))·w hold w that run on
     top, index = total.topk((1 + len(stop_ids)) * w)
     tokens = torch.cat([beams.tokens[index // vocab], (index % vocab)[:, None]], 1)
     length = tokens.shape[1]
@@ -91,10 +81,8 @@ def beam_step(beams, logits, stop_ids, max_new_tokens):
 
 
 class PrefixCache:
-    """A model's static KV cache whose batch rows hold known token sequences. Scoring new sequences
-    reuses, for each one, the row holding its longest prefix: reorder the rows (an index_select on the
-    batch dimension), roll back to the shortest such prefix, and feed only the rest. This is also how
-    the caches return to the accepted beams after a speculative iteration."""
+    """A model's static KV cache whose batch rows hold known sequences: new ones reuse the row holding their
+    longest prefix (reordered, rolled back) and feed only the rest."""
 
     def __init__(self, model, prefix, batch_size, max_new_tokens):
         self.model, self.prefix = model, prefix  # prefix [1, p]: what the decoder starts from (model.encode)
@@ -104,8 +92,7 @@ class PrefixCache:
         self.cached_ids = prefix.new_zeros(batch_size, 0)  # the ids at each row's cached positions
 
     def grow(self, batch_size):
-        """Room for `batch_size` rows. Caches that must be allocated anew start empty: the next
-        logits() refill them."""
+        """Room for `batch_size` rows; caches allocated anew start empty."""
         before = self.model.cache_batch_size, self.model.cache_max_seq_len
         self.model.ensure_caches(batch_size, self.length)
         if (self.model.cache_batch_size, self.model.cache_max_seq_len) != before:
@@ -113,8 +100,7 @@ class PrefixCache:
             self.cached_ids = self.cached_ids[:, :0]
 
     def logits(self, tokens, first):
-        """Generated ids [batch_size, n] -> logits [batch_size, n + 1 - first, vocab] predicting the
-        tokens that follow tokens[:, :i], for i = first..n."""
+        """Generated ids [b, n] -> logits [b, n + 1 - first, vocab] after tokens[:, :i], i = first..n."""
         seqs = torch.cat([self.prefix.expand(len(tokens), -1), tokens], 1)
         start = self.prefix.shape[1] + first - 1  # the position whose logits predict generated token `first`
         m = min(self.cached_ids.shape[1], start)
@@ -143,9 +129,8 @@ def beam_search(model, prefix, w, max_new_tokens, stop_ids):
 
 
 def draft_beam_search(cache, beams, u, k, stop_ids):
-    """The draft's beam search of width u for k steps, starting from the target's beams and scores.
-    Returns the hypotheses it keeps after each step, [u, n + j] for j = 1..k. None ends in EOS: the
-    target's running beams never do."""
+    """The draft's beam search of width u for k steps from the target's beams: the kept hypotheses after
+    each step (none ends in EOS, as the target's running beams never do)."""
     tokens, scores, kept = beams.tokens, beams.scores, []
     pad = torch.arange(u, device=tokens.device)
     for _ in range(k):
@@ -159,10 +144,8 @@ def draft_beam_search(cache, beams, u, k, stop_ids):
 
 
 def trie_rows(roots, kept, batch_size):
-    """Lay out the trie of hypotheses (the target's beams, then the draft's kept ones, one level per
-    step) as batch rows for one forward: a row per leaf holding its whole path (padded to full depth),
-    so the row's logits cover every node on the path; rows share their ancestors. Returns the rows
-    [batch_size, n + k] and, for each depth j, the row holding each node of that depth."""
+    """The trie of hypotheses (the target's beams, then the draft's kept ones) as batch rows for one forward,
+    a row per leaf holding its whole path; and for each depth the row holding each node."""
     levels = [roots] + kept
     depth = len(kept)
     rows, where = [levels[-1]], [torch.arange(len(levels[-1]), device=roots.device)]
@@ -182,16 +165,15 @@ def trie_rows(roots, kept, batch_size):
 
 @torch.inference_mode()
 def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
-    """Beam search of width w with the target, guessed by the draft with width u for as many steps per
-    target forward as `policy` (minispec.decoding.policy) says, 0 being a plain beam step. Returns (finished,
-    stats), finished exactly as beam_search's."""
+    """Beam search of width w, guessed by the draft with width u for as many steps a target forward as
+    `policy` says. (finished, stats), finished exactly as beam_search's."""
     draft = drafter.model
 
     def draft_cache():
         return PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
 
-    # Rows for every leaf, and the draft's cache, only once the policy first guesses: with "auto" on a
-    # CPU, whose wide forwards cost, a request may never guess, and should cost what plain beam search does.
+    # the draft's cache and wide rows only once the policy guesses: a request that never does costs what
+    # plain beam search does
     verify = PrefixCache(target, prefix, w, max_new_tokens)
     guess = None if reads_on_host(drafter) else draft_cache()  # on a GPU the policy times a draft step first
     policy.start(target, drafter, prompt_ids, beams=(w, u))
@@ -235,8 +217,7 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
 
 
 def search(target, prefix, drafter, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
-    """generate()'s beam search, speculative with a draft model (u from check_settings) and `policy`.
-    Returns (sequences, scores, stats): the w final hypotheses, best first, and their sum / length scores."""
+    """generate()'s beam search: (sequences, scores, stats), the w final hypotheses best first."""
     if drafter is None:
         finished, stats = beam_search(target, prefix, w, max_new_tokens, stop_ids)
     else:

@@ -1,33 +1,15 @@
-"""Drafters: whatever proposes the γ guesses of Algorithm 1. All share one small interface:
+"""Drafters: whatever proposes the γ guesses of Algorithm 1, through one small interface:
 
-    drafter.start(prompt_ids, sampling, row)               a new request (row: its cache row in a batch)
-    drafts, q = drafter.propose(k, sampling, rng, keep_guessing)
-                                                           <= k guesses [k'] and their q [k', vocab],
-                                                           or None for deterministic guesses (q one-hot);
-                                                           keep_guessing(i, confidence), when given, is
-                                                           asked after each guess whether to go on
-    drafter.accept(tokens, tokens_on_device, seen)         the target kept these tokens (accepted guesses
-                                                           and its own next token); roll back the rest.
-                                                           seen: None, or for drafters that read the
-                                                           target's states (reads_states: draft heads)
-                                                           the tokens its forwards saw and kept since the
-                                                           last accept, and its hidden state at each
-    drafter.calls, drafter.encoder_calls                   this request's, for statistics
-    drafter.name, drafter.model                            what drafts: "model" and the model, or the
-                                                           model-free drafter's name and None
-    drafter.weights (optional)                             a model-free drafter's trained weights (Medusa
-                                                           heads, with their fingerprint): gamma="auto"
-                                                           keeps their costs apart from other heads'
-    drafter.preview                                        None, or preview(k): the next k guesses as
-                                                           propose would make them, without making them,
-                                                           and how sure the drafter is of each (0..1)
-                                                           (for deterministic guesses that cost nothing;
-                                                           set by start)
+    start(prompt_ids, sampling, row)                 a new request, in cache row `row`
+    propose(k, sampling, rng, keep_guessing)         <= k guesses and their q [k', vocab] (None: one-hot);
+                                                     keep_guessing(i, confidence) may stop it early
+    accept(tokens, tokens_on_device, seen)           the tokens the target kept; `seen`: for drafters that
+                                                     read the target's states (reads_states), Seen
+    calls, encoder_calls, name, model, preview       statistics; what drafts; preview(k): the next guesses
+                                                     and how sure of each, free (or None)
+    weights (optional)                               trained weights whose costs gamma="auto" keeps apart
 
-Any q is fine for exactness: Algorithm 1 corrects whatever the drafter proposes, as long as each
-guess is really drawn from the q it reports. Deterministic guesses (lookup, greedy drafting) report
-q = None rather than building a one-hot [k, vocab] tensor each step: greedy verification never reads
-it, and the sampled path builds it only when it needs it.
+Any q keeps the output exact, as long as each guess is drawn from the q reported.
 """
 
 import sys
@@ -70,8 +52,8 @@ SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
 
 
 def make_drafter(draft, target):
-    """A drafter for `draft`: a loaded model (minispec.load), "ngram", "lookup", "suffix", or "int8" / "int4"
-    (the target itself, quantized: its own quantized weights and KV cache, built once per target)."""
+    """A drafter for `draft`: a loaded model, a draft head, "ngram", "lookup", "suffix", "int8" / "int4" (the
+    target quantized, built once per target), or a list of two (mixed.py)."""
     if isinstance(draft, (list, tuple)):
         from . import mixed  # [model, "suffix"]: both in one tree, an optional drafter read when asked for
         return mixed.MixedDrafter([make_drafter(part, target) for part in draft], target)
@@ -112,8 +94,7 @@ def make_drafter(draft, target):
 
 
 def check_same_vocabulary(target, draft):
-    """The same tokens under the same ids, scored by logits of one width. Rows a checkpoint pads its
-    embedding with are no difference: the loader cut each model's to its tokenizer's ids."""
+    """The same tokens under the same ids, scored by logits of one width."""
     if target.tokenizer and draft.tokenizer and target.tokenizer.fingerprint != draft.tokenizer.fingerprint:
         i = target.tokenizer.first_difference(draft.tokenizer)
         raise ValueError(f"target {target.name} and draft {draft.name} use different tokenizers: id {i} is "
@@ -124,14 +105,11 @@ def check_same_vocabulary(target, draft):
 
 
 class ModelDrafter:
-    """A smaller language model M_q (any family, same vocabulary) guessing for one request, in its own
-    row of the draft model's static KV cache (`row`, which the engine moves when rows leave a batch).
-    The rows of a batch guess together: `propose_together` feeds all of them in each draft forward.
-    A draft head (heads/eagle.py) drafts through the same loop, reading states beside its tokens."""
+    """A smaller model M_q guessing for one request in row `row` of its KV cache; a batch's rows guess
+    together (propose_together), and EAGLE heads draft through the same loop."""
 
     name, preview = "model", None
-    # a draft head: its forwards read `inputs` beside the tokens (unseen_states, state), and the target's
-    # forwards return states for it: True, its last ones; a tuple of layers, those entering them (EAGLE-3)
+    # a draft head's: the target's states it reads (True: the last; a tuple of layers: those entering them)
     reads_states = False
 
     def __init__(self, model):
@@ -139,13 +117,11 @@ class ModelDrafter:
         self.calls = self.encoder_calls = 0
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
-        """A new request in cache row `row` (the caches are allocated by the caller)."""
         before = self.model.encoder_calls
         prefix = self.model.encode_row(row, prompt_ids.to(self.model.device))
         self.encoder_calls = self.model.encoder_calls - before
         self.row, self.length, self.calls = row, 0, 0  # positions its cache row holds
-        # The prompt waits like any unseen tokens: its forward, which also gives q for the first guess,
-        # runs at the first proposal, and never when the policy guesses nothing all along.
+        # the prompt waits like any unseen tokens: its forward runs at the first proposal, if any
         self.unseen = prefix.view(-1)  # accepted tokens the cache has not seen yet, on the device
         self.next_logits = None
         self.unseen_states = self.state = None  # a draft head's: inputs beside `unseen`, and for the next guess
@@ -156,16 +132,13 @@ class ModelDrafter:
         return propose_together([Ask(self, k, sampling, generator, keep_guessing)])[0][:2]
 
     def fed(self, n, logits, state):
-        """n tokens went through the draft: `logits` for the next guess, and a head's `state` (else None)
-        beside it for the next input."""
+        """n tokens went through the draft: the logits and (a head's) state for the next guess."""
         self.next_logits, self.state = logits, state
         self.length += n
         self.calls += 1
 
     def accept(self, tokens, tokens_on_device, seen=None):
-        # tokens = the n accepted guesses + the target's token. The cache keeps the guesses it has
-        # seen that were accepted; the rest of `tokens` is fed at the next proposal, after any tokens
-        # still waiting from steps that proposed nothing.
+        # the cache keeps the accepted guesses it has seen; the rest is fed at the next proposal
         keep = min(len(tokens) - 1, self.fed_guesses)
         self.length -= self.fed_guesses - keep
         keep += self.keep_path(tokens[:-1])
@@ -174,10 +147,8 @@ class ModelDrafter:
         self.next_logits = None  # known only after the unseen tokens go through the model
 
     def keep_path(self, accepted):
-        """After a tree: the accepted guesses whose keys and values the draft computed while growing it
-        (the path's expanded nodes, all but perhaps its last) are moved into place after the row's length,
-        as the target's are, instead of going through the draft again. They are a chain's bit for bit:
-        each node attended to its own path at its depth's position. Returns how many were kept."""
+        """After a tree: the accepted path's fed nodes move into place after the row's length instead of
+        going through the draft again (each attended to its path at its depth's position). How many."""
         if self.tree is None:
             return 0
         tokens, parents, slots = self.tree
@@ -192,16 +163,13 @@ class ModelDrafter:
         return len(kept)
 
 
-# Catching up on more unseen tokens than this (after plain steps, or the prompt) runs as a row's own
-# eager forward: one or two follow a step with guesses, and a compiled draft would compile a graph
-# for every other width (and the rows of a batch would all be padded to the longest).
+# More unseen tokens than this (the prompt, plain steps) go through a row's own eager forward: a compiled
+# draft would compile a graph for every other width, and pad a batch's rows to the longest.
 CATCH_UP_TOGETHER = 2
 
 
 def feed(model, drafters, feeds, inputs=None):
-    """One draft forward over the cache rows 0..len(drafters)-1: feeds[i] (device ids, or None) at row
-    i's length, a draft head's inputs[i] beside them; sets the fed rows' logits for their next guess
-    (and a head's state for its next input)."""
+    """One draft forward of feeds[i] (or None) at each row's length, a head's inputs[i] beside them."""
     tokens, widths = model.padded(feeds)
     lengths = [d.length for d in drafters]
     if inputs is None:
@@ -225,11 +193,8 @@ def catch_up(drafter):
 
 
 def propose_together(asks):
-    """Each row's Proposal (asks: one per cache row, in row order, of ModelDrafters), as
-    ModelDrafter.propose makes it alone: a chain (q None when greedy), or with a tree budget a tree at
-    most k deep (draft_trees; parents None when it is a chain). The draft forwards of all rows are
-    shared, and each row draws from its own generator in the same order, so a row guesses what it would
-    guess alone."""
+    """Each row's Proposal (asks: one per cache row, in order), a chain or with a tree budget a tree, from
+    draft forwards all rows share; each row draws from its own generator, so it guesses what it would alone."""
     drafters = [ask.drafter for ask in asks]
     model = drafters[0].model
     for drafter in drafters:
@@ -244,8 +209,7 @@ def propose_together(asks):
 
 
 def catch_up_all(model, drafters, waiting):
-    """The tokens accepted since each of the `waiting` rows' last proposal through the draft: a few
-    in one forward of all rows, more in a row's own (CATCH_UP_TOGETHER)."""
+    """The `waiting` rows' unseen tokens through the draft: a few in one shared forward, more alone."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     waiting = [d for d in waiting if d.unseen is not None]
     for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
@@ -259,8 +223,7 @@ def catch_up_all(model, drafters, waiting):
 
 
 def draft_chains(model, drafters, going):
-    """Algorithm 1's guesses for the rows of `going` (Asks for chains): {id(drafter): Proposal}, each
-    guess drawn from q, fed for the next."""
+    """Algorithm 1's chains for the Asks `going`: {id(drafter): Proposal}, each guess drawn from q."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     drafts, qs = {id(ask.drafter): [] for ask in going}, {id(ask.drafter): [] for ask in going}
     while going:
@@ -277,7 +240,6 @@ def draft_chains(model, drafters, going):
             else:
                 q.append(adjust(logits, sampling))
                 guesses.append(sample(q[-1], ask.noise or ask.generator, at=len(guesses)))
-            # How sure the draft is of its guess: q(x), or the probability of its argmax when greedy.
             keep = ask.keep_guessing
             if keep and not keep(len(guesses), confidence(logits, q, guesses[-1], sampling)):
                 continue
@@ -295,8 +257,7 @@ def draft_chains(model, drafters, going):
 
 
 def penalized(logits, sampling, counts, guesses):
-    """A draft's logits [vocab] penalized by a row's counts and this step's guesses so far (none where
-    its vocabulary is not the target's: any q is exact)."""
+    """A draft's logits penalized as the target's are, its guesses so far counted (where vocabularies match)."""
     if logits.shape[-1] != counts.generated.shape[-1]:
         return logits
     generated = counts.generated
@@ -305,16 +266,14 @@ def penalized(logits, sampling, counts, guesses):
     return penalize(logits, sampling, generated, counts.prompt)
 
 
-# Children per node, and nodes expanded per depth, of a draft model's tree (1: the chain). GPUs afford
-# wider (a forward of 10 tokens costs what one of 1 does); on a CPU every fed token costs, and past a
-# few children per node the tokens a target call gains stop paying for the wider draft forwards.
+# Children per node, and nodes expanded per depth, of a draft model's tree: on a CPU every fed token costs,
+# and wider trees stop paying for their draft forwards.
 TREE_WIDTH = 4
 
 
 class DraftTree:
-    """One row's tree while the draft grows it (tree.Growth), and the nodes its forwards have fed, in the
-    order of their cache slots after the row's length, with their parents among them and (a draft
-    head) the state each predicted, which its children read."""
+    """One row's tree while the draft grows it, and its fed nodes in the order of their cache slots past the
+    row's length, with their parents there and (a head) each one's predicted state."""
 
     def __init__(self, ask):
         drafter, sampling, budget = ask.drafter, ask.sampling, ask.tree
@@ -327,27 +286,17 @@ class DraftTree:
         self.room = drafter.model.cache_max_seq_len - drafter.length
 
     def slot_of(self, node):
-        """Where a node sits among the fed ones (-1: the root)."""
         return -1 if node < 0 else self.fed.index(node)
 
     def input_of(self, node):
-        """A draft head's input beside a node: its parent's predicted state (the root's: the drafter's)."""
         parent = self.growth.parents[node]
         return self.drafter.state if parent < 0 else self.states[parent]
 
 
 def draft_trees(model, drafters, asks):
-    """EAGLE-2's dynamic draft tree for each row of `asks` (Asks with a tree budget): the root's best
-    children (tree.best_children), then depth by depth one draft forward over
-    every row's expanded nodes (tree.Growth), each attending to its own path (decode_rows' parents,
-    continuing the tree the forwards before wrote past the row's length) at its depth's position; a draft
-    head's node reads its parent's predicted state beside its token. A row's tree is the draft's chain
-    and its best other nodes, `budget` in all, at most k deep (keep_guessing is a chain's):
-    {id(drafter): Proposal}. Greedy, the candidates are each node's most probable children
-    and q is None (fixed candidates, tree.sample_walk); sampled, they are draws from q, q [k, vocab]
-    the root's and each node's (tree.DrawnGrowth), and the row's generator draws them. The nodes' slots
-    lie past the row's length, so its cache row is as before the tree; accept moves the accepted path's
-    fed nodes into place (ModelDrafter.keep_path) and feeds the rest of the kept tokens."""
+    """EAGLE-2's dynamic draft tree for each Ask: one draft forward a depth over every row's expanded nodes,
+    each attending to its own path past the row's length; a node's best children (greedy, q None) or draws
+    from q (DrawnGrowth). {id(drafter): Proposal}."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
@@ -394,9 +343,8 @@ def draft_trees(model, drafters, asks):
 
 
 def add_children(trees, scored):
-    """scored: (tree, node, the draft's logits after it) for expanded nodes (-1: a root), a depth's. When
-    greedy, each node's best children go into its tree, all brought to the host at once; when sampled,
-    each tree draws its depth's children from q (tree.DrawnGrowth)."""
+    """Children for a depth's expanded nodes, scored: (tree, node, logits after it): the best ones when
+    greedy, in one host transfer; draws from q when sampled."""
     drawing = {}  # tree -> its expanded nodes and the logits after each
     for tree, node, logits in scored:
         if not tree.sampling.greedy:
@@ -418,8 +366,7 @@ def add_children(trees, scored):
 
 
 def propose_all(asks):
-    """Every row's Proposal: asks are one Ask per cache row, in row order, all of one kind of drafter.
-    Draft-model rows guess together."""
+    """Every row's Proposal (one Ask per cache row, all of one kind of drafter)."""
     if isinstance(asks[0].drafter, ModelDrafter):
         return propose_together(asks)
     if hasattr(asks[0].drafter, "propose_rows"):  # several drafters' guesses in one tree (mixed.py; no cycle)
@@ -430,8 +377,7 @@ def propose_all(asks):
 
 
 def generator_of(ask):
-    """A coupled row's Noise for a drafter whose guesses are draws at the step's first positions
-    (`positional`: Medusa's heads), to guess under the target's noise; else the row's generator."""
+    """A coupled row's Noise for a `positional` drafter (Medusa's heads), else the row's generator."""
     return ask.noise if ask.noise is not None and getattr(ask.drafter, "positional", False) else ask.generator
 
 

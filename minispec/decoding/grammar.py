@@ -1,16 +1,8 @@
-"""Structured output: the target constrained by a grammar (Settings.grammar: a JSON Schema, a regular
-expression, a Lark or GBNF grammar, or OpenAI's response_format), through llguidance (the optional extra
-minispec[grammar]; read only by requests that give a grammar).
-
-At every position a step scores, the target's logits of the tokens the grammar forbids after that
-position's path (the accepted prefix and the guesses before it) become -inf, before the usual
-sampling: plain decoding's distribution, constrained. A guess the grammar forbids then has p = 0 and
-Algorithm 1 rejects it, so the positions after it are never reached and are left unmasked (their p
-is never read, and is never all -inf: no NaN); a chain is cut before such a guess, unverified. The
-matcher advances over the emitted tokens only, so its state follows the caches' rollback. A draft
-model's chain q is masked alike (drafters.py), so that its guesses are ones the target can accept; any
-q keeps the target's distribution. Where the grammar forces the next tokens, they are the step's
-guesses, at no draft forward.
+"""Structured output (Settings.grammar: a JSON Schema, a regular expression, a Lark or GBNF grammar, or
+OpenAI's response_format) through llguidance, the optional extra minispec[grammar]. At every position a
+step scores, the tokens the grammar forbids after that position's path get -inf logits: a forbidden guess
+has p = 0 and is rejected, so positions after it are never read. A draft model's q is masked alike, and
+tokens the grammar forces are the step's guesses.
 """
 
 import json
@@ -35,7 +27,7 @@ def engine():
 
 
 def grammar_text(spec):
-    """Settings.grammar (its form already checked) -> the llguidance grammar, or None (plain text)."""
+    """Settings.grammar -> the llguidance grammar, or None (plain text)."""
     kind = spec.get("type")
     if kind == "text":
         return None
@@ -49,7 +41,7 @@ def grammar_text(spec):
 
 
 def compile_grammar(spec, target):
-    """A request's grammar checked against the target: its Matcher, fresh; None for plain text."""
+    """A request's grammar checked against the target: a fresh Matcher, or None for plain text."""
     text = grammar_text(spec) if spec is not None else None
     if text is None:
         return None
@@ -71,8 +63,7 @@ def one_line(error):
 
 
 def wrapped(tokenizer, vocab_size, eos):
-    """minispec's tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes, the special ids,
-    EOS, and encoding text."""
+    """minispec's tokenizer as llguidance's TokenizerWrapper reads one."""
     byte_level = getattr(tokenizer, "tokenizer", None) is not None and '"ByteLevel"' in tokenizer.tokenizer.to_str()
     table = byte_level_table()
     byte_strings = [b""] * vocab_size
@@ -95,8 +86,7 @@ def wrapped(tokenizer, vocab_size, eos):
 
 
 def token_bytes(token, special, added, byte_level, table):
-    """A token's bytes: a byte-level token's characters read back as bytes, a SentencePiece piece as text
-    ("\u2581" a space, <0xNN> its byte); special tokens marked with a leading 0xFF, as llguidance reads them."""
+    """A token's bytes, special tokens marked with a leading 0xFF as llguidance reads them."""
     if special:
         return b"\xff" + token.encode()
     if added:
@@ -108,7 +98,7 @@ def token_bytes(token, special, added, byte_level, table):
 
 
 def byte_level_table():
-    """GPT-2's characters of byte-level BPE, in which its tokens are written, -> the bytes they stand for."""
+    """Byte-level BPE's characters -> the bytes they stand for."""
     printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
@@ -129,16 +119,13 @@ class Matcher:
         return self.matcher.compute_logit_bias()[:self.vocab_size].translate(ALLOWED)
 
     def mask(self, logits, guesses, parents):
-        """logits [m+1, vocab] at a step's root and its m guesses (a chain's, or a tree's nodes hanging
-        from `parents`) -> -inf where the grammar forbids a token after that position's path; a position
-        whose path it forbids is never reached, and is left as it is."""
-        rows = []
-        for path in paths(guesses.tolist(), parents):
-            rows.append(self.allowed_after(path) or b"\1" * self.vocab_size)
+        """logits [m+1, vocab] at a step's root and guesses, -inf where the grammar forbids a token after that
+        position's path (a position whose path it forbids is left as it is)."""
+        rows = [self.allowed_after(path) or b"\1" * self.vocab_size for path in paths(guesses.tolist(), parents)]
         return masked(logits, rows)
 
     def mask_after(self, logits, guesses):
-        """A draft's logits [vocab] for its next guess after `guesses` (device tokens) this step."""
+        """A draft's logits for its next guess after `guesses` this step."""
         allowed = self.allowed_after([int(x) for x in guesses])
         return logits if allowed is None else masked(logits, [allowed])[0]
 
@@ -165,16 +152,14 @@ class Matcher:
 
 
 def masked(logits, rows):
-    """logits [m, vocab] -> -inf where rows (m allowed() bytes objects) hold 0."""
+    """logits [m, vocab] -> -inf where rows (allowed() bytes) hold 0."""
     allowed = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.bool).view(len(rows), -1)
     return torch.where(allowed.to(logits.device), logits, float("-inf"))
 
 
 def paths(guesses, parents):
-    """The guesses before each position of a step: none at its root, then each guess's path to it."""
-    if parents is None:
-        return [guesses[:i] for i in range(len(guesses) + 1)]
+    """The guesses before each position of a step: none at its root, then each guess's path."""
     out = [[]]
-    for j, parent in enumerate(parents):
-        out.append((out[parent + 1] if parent >= 0 else []) + [guesses[j]])
+    for j, parent in enumerate(range(-1, len(guesses) - 1) if parents is None else parents):
+        out.append(out[parent + 1] + [guesses[j]])  # out[0]: the root's
     return out

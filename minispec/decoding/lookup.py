@@ -15,9 +15,8 @@ TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (Look
 
 
 class TextDrafter:
-    """What the drafters that read only the text share (suffix.py's too): no model and no cache, and
-    trees whose candidates are fixed, not drawn from q (verified as such: tree.sample_walk), so that a
-    tree is the same for any sampling and the step proposes the first nodes of the one it previewed."""
+    """What the drafters that read only the text share (suffix.py's too): no model or cache, and trees of
+    fixed candidates, so a step proposes the first nodes of the tree it previewed."""
 
     model, encoder_calls, reads_states, calls = None, 0, False, 0
 
@@ -35,9 +34,8 @@ class TextDrafter:
 
 
 def trie_of(paths, most):
-    """The trie of `paths`, (tokens, how long a match they follow) each, the longest matches first:
-    its tokens, parents, and how sure of each node a copying drafter is: the share of the paths through
-    its parent that go through it, times the longest match through it over `most`."""
+    """The trie of `paths` ((tokens, match length) each, longest first): tokens, parents, and how sure of each
+    node a copying drafter is (its share of its parent's paths, times its longest match over `most`)."""
     tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
     for path, matched in paths:
         at = -1
@@ -62,11 +60,8 @@ def copy_after(context, end, k):
 
 
 class NgramDrafter(TextDrafter):
-    """Paper 3.6's simplest M_q: a bigram model counted from the prompt and everything generated so
-    far, falling back to unigram counts for an unseen previous token. q = normalized counts. It lives
-    on the host (each guess picks the next row of counts), so it samples there with a generator of its
-    own, seeded once per request from the caller's, and hands the device its guesses in one copy.
-    With a token tree (tree.py) it offers each node's most counted successors at once."""
+    """Paper 3.6's simplest M_q: bigram counts of the context (unigrams for an unseen token), q their
+    normalization, sampled on the host with its own generator seeded from the caller's."""
 
     name = "ngram"
 
@@ -80,8 +75,7 @@ class NgramDrafter(TextDrafter):
         self.counted = 0  # context tokens already counted
         self.ranked = {}  # token (None: the unigrams) -> ranked_successors, until its counts change
         self.generator = None
-        # Greedy guesses are a walk over the counts on the host, free to preview; sampled ones are
-        # random, and how often a sample survives is not what its preview would show.
+        # greedy guesses are free to preview; a sample's preview would not show how often it survives
         self.preview = self.greedy_continuation if sampling.greedy else None
 
     def count(self, context):
@@ -100,9 +94,7 @@ class NgramDrafter(TextDrafter):
         return row
 
     def greedy_continuation(self, k):
-        """Greedy's k guesses: each the most counted successor of the one before, the smallest id among
-        ties (as argmax over q's row would pick), and its share of the counts (how sure the drafter is).
-        q is one-hot at each guess, so it is reported as None."""
+        """Greedy's k guesses, each the most counted successor (ties: the smallest id, as argmax), and its share."""
         self.count(self.context)
         guesses, shares, previous = [], [], self.context[-1]
         for _ in range(k):
@@ -113,9 +105,7 @@ class NgramDrafter(TextDrafter):
         return guesses, shares
 
     def ranked_successors(self, token):
-        """The tokens counted after `token` and their shares of its counts, most counted first (ties:
-        the smallest id, as greedy_continuation picks). Kept until its counts change: a tree step ranks
-        a frequent token's hundreds of successors (a tenth of a quantized step's time) otherwise."""
+        """The tokens counted after `token` and their shares, most counted first; kept until the counts change."""
         key = token if token in self.bigrams else None
         ranked = self.ranked.get(key)
         if ranked is None:
@@ -125,9 +115,7 @@ class NgramDrafter(TextDrafter):
         return ranked
 
     def preview_tree(self, k, budget):
-        """A tree of at most `budget` guesses, k deep (tree.best_first): the most probable continuations
-        under the counts first, each node's children its token's most counted successors; as lists
-        (tokens, parents), and each node's share of its parent's counts (how sure the drafter is of it)."""
+        """A tree of at most `budget` guesses, k deep, most probable under the counts first (tree.best_first)."""
         self.count(self.context)
         return self.previewed(best_first(self.context[-1], self.ranked_successors, k, budget), k, budget)
 
@@ -144,22 +132,15 @@ class NgramDrafter(TextDrafter):
             previous = int(sample(q, self.generator))
             drafts.append(previous)
             qs.append(q)
-        if not drafts:
-            return torch.zeros(0, dtype=torch.long, device=self.device), None
-        return to_device(drafts, self.device), torch.stack(qs).to(self.device)
+        return to_device(drafts, self.device), torch.stack(qs).to(self.device) if qs else None
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.context += tokens
 
 
 class LookupDrafter(TextDrafter):
-    """Paper 3.6's copy heuristic (prompt lookup): find the most recent earlier occurrence of the
-    longest suffix of the context (up to `max_ngram` tokens) and propose the tokens that followed it.
-    A copy that runs into the end of the context goes on copying its own guesses, as an overlapping
-    LZ77 copy does, so text that repeats with a period shorter than k still yields k guesses.
-    The guesses are deterministic (q one-hot, reported as None); no match means no guesses this step.
-    An index of every n-gram's end positions makes a proposal O(max_ngram), however long the
-    context. With a token tree (tree.py) it offers what followed several earlier occurrences at once."""
+    """Paper 3.6's copy heuristic (prompt lookup): what followed the latest earlier occurrence of the
+    context's longest suffix (up to `max_ngram` tokens), copied on past the context's end as LZ77 does."""
 
     name = "lookup"
 
@@ -180,19 +161,16 @@ class LookupDrafter(TextDrafter):
 
 
     def continuation(self, k):
-        """The k guesses, and the length of the match they copy from (0: none, no guesses)."""
-        # The suffix's latest occurrence is the suffix itself; copy what followed the one before it.
+        """The k guesses, and the length of the match they copy (0: none)."""
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
             ends = self.ends.get(tuple(self.context[-n:]), ())
             if len(ends) > 1:
-                return copy_after(self.context, ends[-2], k), n
+                return copy_after(self.context, ends[-2], k), n  # ends[-1] is the suffix itself
         return [], 0
 
     def preview_tree(self, k, budget):
-        """A tree of at most `budget` guesses, k deep, as lists (tokens, parents), its likeliest nodes first
-        (tree.likeliest): the trie (trie_of) of what followed up to TREE_OCCURRENCES earlier occurrences of
-        the context's suffix, the longest suffixes and the latest occurrences first, more than fill the
-        tree, so that its shares are not those of its first few paths alone."""
+        """A tree of at most `budget` guesses, k deep, likeliest first: the trie of what followed up to
+        TREE_OCCURRENCES earlier occurrences of the suffix, longest suffixes and latest first."""
         paths = {}  # end -> (what followed, n): a longer suffix's occurrence ends where a shorter one's does
         earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))
@@ -203,7 +181,7 @@ class LookupDrafter(TextDrafter):
         return self.previewed(likeliest(*trie_of(list(paths.values()), self.max_ngram), budget), k, budget)
 
     def preview(self, k):
-        """The guesses; the longer the match they copy from, the surer (a 1-token match is often chance)."""
+        """The guesses, the surer the longer the match they copy."""
         guesses, matched = self.continuation(k)
         return guesses, [matched / self.max_ngram] * len(guesses)
 

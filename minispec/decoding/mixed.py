@@ -1,24 +1,7 @@
-"""draft=[model, "suffix"]: a model's (or a head's) guesses and a cheap drafter's ("lookup", "suffix") in one
-token tree, verified in one target forward. The cheap drafter's guesses cost nothing but their verify
-positions; the model's cost its forwards. Each step:
-
-    the cheap chain: the cheap drafter's guesses, at most `depth` deep (γ's most), cut at the first one it
-    is less than HALF sure of (a 1-token lookup match is often chance)
-    none                      -> the model guesses alone, as the policy asks (its γ, chain or tree)
-    its first guess is sure   -> the cheap chain alone: the model skips the step's forwards
-    (confidence 1: lookup's full match, suffix's longest match that every occurrence continues)
-    else                      -> the model's guesses and the cheap chain, merged into one tree
-
-The policy sizes the model's part as it sizes a model's guesses (its γ, chain or tree), from a profile of the
-mix's own (`mixed_with`), which learns the rates and costs of the mixed steps.
-Exact: greedy, the walk accepts the longest path of the target's argmaxes (tree.walk), whoever drafted it.
-Sampled, a node's children are the model's draws from q, then the cheap chain's token where the model did
-not draw it (tree.add_path appends it after them); tree.sample_walk tries them in that order, each by the
-rule for how it was drawn: a draw with q (its ratio test, the residual p - q), the cheap token as a point
-mass (accepted with p', then dropped from p'). Each test is Algorithm 1's against the residual of the
-ones before, and the cheap token is fixed given what came before, so the token that comes out has p's
-distribution (the recursive rejection argument, candidate by candidate). Under coupling="gumbel" the walk
-accepts a node iff it is the target's own draw there, which any set of candidates leaves exact.
+"""draft=[model, "suffix"]: a model's (or head's) guesses and a cheap drafter's ("lookup", "suffix") in one
+token tree. The cheap chain runs up to its first guess less than HALF sure: none, the model guesses alone;
+a sure first guess, the cheap chain alone; else both in one tree, the cheap tokens fixed candidates after
+the model's draws (tree.sample_walk keeps that exact). The policy prices the mix apart (`mixed_with`).
 """
 
 from ..models.kernels import to_device
@@ -61,8 +44,7 @@ class MixedDrafter:
         self.encoded = prompt_ids.shape[-1] - 1 if self.target.is_encoder_decoder else 0
 
     def room(self):
-        """The target cache row's free slots: the most nodes a step may verify (the cheap drafter's context is
-        the prompt and the output so far)."""
+        """The target cache row's free slots: the most nodes a step may verify."""
         return self.target.cache_max_seq_len - (len(self.cheap.context) - self.encoded)
 
     def cheap_chain(self, depth):
@@ -73,16 +55,15 @@ class MixedDrafter:
 
     @staticmethod
     def propose_rows(asks, propose_all):
-        """Every row's Proposal (asks: one per cache row, in row order): the model's, from one propose_all
-        over the rows (draft forwards shared), merged with each row's cheap chain."""
+        """Every row's Proposal: the model's from one propose_all over the rows, merged with each cheap chain."""
         chains = [ask.drafter.cheap_chain(ask.depth or ask.k) for ask in asks]
         inner = propose_all([ask._replace(drafter=ask.drafter.main, k=0 if alone else ask.k)
                              for ask, (_, alone) in zip(asks, chains)])
         return [ask.drafter.merge(proposal, chain) for ask, proposal, (chain, _) in zip(asks, inner, chains)]
 
     def merge(self, proposal, chain):
-        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room) nodes; q, when
-        given, stays the model's nodes' (tree.sample_walk: the nodes past its rows are fixed candidates)."""
+        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room); q stays the
+        model's nodes'."""
         self.chain = None
         if not chain:
             return proposal

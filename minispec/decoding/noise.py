@@ -8,11 +8,8 @@ from .sampling import exponential
 
 
 class Noise:
-    """A seeded row's randomness by position: the race [vocab] at output position t comes from a
-    generator seeded by (seed, t) alone, so the token drawn there is a function of the seed, t and the
-    distribution only, whoever draws it (the target, or a draft proposing under the same noise) and
-    however many draws other positions took. `start` is the position of the step's first token (the
-    engine's row sets it); a step's races are kept from its drafting to its verification."""
+    """A seeded row's races by position: the one at output position t comes from (seed, t) alone, whoever
+    draws there. `start`: the step's first position; a step's races are kept until its verification."""
 
     def __init__(self, seed, vocab_size, device):
         self.seed, self.vocab_size, self.device = seed, vocab_size, device
@@ -32,6 +29,5 @@ class Noise:
 
 
 def mix(seed, t):
-    """A generator's seed for position t of `seed` (splitmix64's constants): neighbouring seeds and
-    positions get unrelated streams."""
+    """A generator's seed for position t of `seed` (splitmix64's constants)."""
     return ((seed + 1) * 0x9E3779B97F4A7C15 ^ (t + 1) * 0xBF58476D1CE4E5B9) % 2**64

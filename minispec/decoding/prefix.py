@@ -1,21 +1,9 @@
-"""Prefix caching: a request whose prompt begins with tokens an earlier request computed (the same
-system prompt, the conversation so far) copies their keys and values instead of recomputing them.
-
-At a request's end its cache rows' keys and values (the target's, and a draft model's) are stored in
-whole blocks of BLOCK tokens, on the CPU, in a tree per model whose paths are the token sequences seen:
-a block's entries depend on every token before it, so a block is found by the blocks before it. At
-admission the longest stored path the prompt begins with (all but its last token: the first step needs
-its logits) is copied into the new request's rows, and only the rest of the prompt is computed. The
-forwards are row-invariant (a token's keys and values are the same however many tokens a forward
-feeds), so the output is what a cold run gives, token for token. Blocks past `budget_mb` go least
-recently used first.
-
-Rows of one prompt that join together (its n answers) share its forward the same way, without a cache
-(share_prompt).
-
-Skipped (the prompt computed as without a cache): encoder-decoder models (T5's cache depends on the
-encoder's input too), tensor-parallel shards, and requests whose forwards must return states for every
-prompt token (draft heads, on_states)."""
+"""Prefix caching: a request whose prompt begins with tokens an earlier request computed copies their
+keys and values instead of recomputing them. They are stored on the CPU in whole blocks of BLOCK tokens,
+in a tree per model whose paths are the token sequences seen, least recently used evicted past the budget.
+The forwards are row-invariant, so the output is a cold run's token for token. Rows of one prompt that
+join together share its forward (share_prompt). Skipped: encoder-decoder models, tensor-parallel shards,
+and requests that read the states of every prompt token."""
 
 import threading
 import weakref
@@ -29,8 +17,7 @@ BLOCK = 16  # tokens per stored block: what a prompt shares is reused up to its 
 
 
 class Node:
-    """A stored block: its tokens (the key among its parent's children) and the keys and values of its
-    positions, [layers, 2, heads, BLOCK, head_dim] on the CPU."""
+    """A stored block: its tokens and their keys and values [layers, 2, heads, BLOCK, head_dim] on the CPU."""
     __slots__ = ("parent", "tokens", "children", "kv")
 
     def __init__(self, parent, tokens, kv):
@@ -42,8 +29,8 @@ class Node:
 
 
 class PrefixCache:
-    """Blocks of keys and values of the token sequences this process has decoded, within `budget_mb`
-    MiB (least recently used evicted). Pass it to generate(..., prefix_cache=) or engine.decode."""
+    """Blocks of keys and values of the sequences decoded, within `budget_mb` MiB (least recently used
+    evicted). Pass it to generate(..., prefix_cache=) or engine.decode."""
 
     def __init__(self, budget_mb=512):
         if not isinstance(budget_mb, (int, float)) or budget_mb < 0:
@@ -54,8 +41,8 @@ class PrefixCache:
         self.lock = threading.Lock()  # one cache may serve decoding threads of different models
 
     def admit(self, row):
-        """A request joining the batch (engine.Row): its cache rows take the stored prefix of its prompt,
-        and only the rest is left unseen. Counts the reused tokens in stats["cached_tokens"]."""
+        """A request joining the batch: its cache rows take the stored prefix of its prompt (but its last
+        token, whose logits are needed); counted in stats["cached_tokens"]."""
         request, drafter, cached = row.request, row.drafter, 0
         prompt = request.prompt_ids.view(-1).tolist()[:-1]  # the last token is computed: its logits are needed
         if not request.reads_states and usable(request.target):
@@ -68,8 +55,7 @@ class PrefixCache:
         row.stats["cached_tokens"] = cached
 
     def finish(self, row):
-        """A request that has ended, still in its cache rows: the blocks of its prompt and output that
-        each row holds for sure are stored (not its last token, which no forward saw)."""
+        """An ended request's blocks that each cache row holds for sure are stored."""
         request, drafter = row.request, row.drafter
         tokens = request.prompt_ids.view(-1).tolist() + row.tokens[:-1]
         if request.reads_states or not usable(request.target):
@@ -81,17 +67,9 @@ class PrefixCache:
             self.store(model, drafter.row, tokens[:drafter.length])
 
     def restore(self, model, row, tokens):
-        """Copy the longest stored prefix of `tokens` (whole blocks) into the model's cache row `row`;
-        returns its length."""
+        """Copy the longest stored prefix of `tokens` into the model's cache row `row`; its length."""
         with self.lock:
-            node, chain = self.root(model), []
-            for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-                node = node.children.get(tuple(tokens[start:start + BLOCK]))
-                if node is None:
-                    break
-                chain.append(node)
-            for node in chain:  # parents before children: a child is never older than its parent
-                self.lru.move_to_end(node)
+            chain = self.stored(model, tokens)
             if not chain:
                 return 0
             kv = torch.cat([node.kv for node in chain], dim=3).to(model.device)
@@ -101,20 +79,24 @@ class PrefixCache:
             cache.v[row, :, :length] = layer[1]
         return length
 
+    def stored(self, model, tokens):
+        """The stored blocks `tokens` begins with, marked as used (parents first: never older than a child)."""
+        node, chain = self.root(model), []
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            node = node.children.get(tuple(tokens[start:start + BLOCK]))
+            if node is None:
+                break
+            chain.append(node)
+            self.lru.move_to_end(node)
+        return chain
+
     def store(self, model, row, tokens):
-        """Store the whole blocks of `tokens`, whose keys and values the model's cache row `row` holds,
-        that are not stored yet."""
+        """Store the whole blocks of `tokens` (held in cache row `row`) not stored yet."""
         with self.lock:
-            node, blocks = self.root(model), len(tokens) // BLOCK
-            for done in range(blocks + 1):
-                child = node.children.get(tuple(tokens[done * BLOCK:(done + 1) * BLOCK])) if done < blocks else None
-                if child is None:
-                    break
-                node = child
-                self.lru.move_to_end(node)
-            if done == blocks:
+            chain, blocks = self.stored(model, tokens), len(tokens) // BLOCK
+            if len(chain) == blocks:
                 return
-            start, caches = done * BLOCK, model.kv_caches()
+            node, start, caches = chain[-1] if chain else self.root(model), len(chain) * BLOCK, model.kv_caches()
             kv = torch.stack([torch.stack([c.k[row, :, start:blocks * BLOCK], c.v[row, :, start:blocks * BLOCK]])
                               for c in caches]).cpu()
             for i, part in enumerate(kv.split(BLOCK, dim=3)):
@@ -139,8 +121,8 @@ class PrefixCache:
         return known[1]
 
     def make_room(self, size, keep):
-        """Evict the least recently used blocks until `size` more bytes fit; False if that would evict
-        `keep` or a block before it (the path being extended), or the block exceeds the budget."""
+        """Evict the least recently used blocks until `size` more bytes fit; False where that would evict
+        the path being extended (`keep` and before)."""
         path = set()
         while keep is not None:
             path.add(keep)
@@ -164,15 +146,13 @@ class PrefixCache:
 
 
 def usable(model):
-    """Whether the model's cache is a plain cache of keys and values per position of its token sequence."""
+    """Whether the model's cache holds plain keys and values per position of its tokens."""
     return not model.is_encoder_decoder and model.tp is None
 
 
 def share_prompt(target, batch):
-    """The newest row, when a row that has not stepped yet holds the same prompt (a prompt's n answers):
-    the prompt but its last token goes through the target once, in that row's cache row, and the new row
-    copies its keys and values; each row computes the last token itself, whose logits start its own
-    answer. (A token's keys and values are the same however many tokens a forward feeds.)"""
+    """The newest row, when a row that has not stepped holds the same prompt (n answers), copies its keys
+    and values after the prompt but its last token goes through once."""
     row = batch[-1]
     if row.request.reads_states or len(row.unseen) < 2:  # states of every prompt token wanted; T5's one token
         return

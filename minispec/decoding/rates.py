@@ -1,7 +1,6 @@
-"""The chances that guesses survive verification, as gamma="auto" estimates them (policy.py): a that a
-step's first guess survives and b that a guess survives given the one before did (Theorem 3.8's α is
-a = b; two rates, because guesses come in runs), and a rate per bin of the drafter's confidence in a
-guess, shrunk towards a (or b) while its bin has seen few.
+"""The chances that guesses survive verification, as gamma="auto" estimates them (policy.py): a, that a
+step's first guess survives, b, that a guess survives after an accepted one (guesses come in runs), and a
+rate per bin of the drafter's confidence, shrunk towards a (or b) while its bin has seen few.
 """
 
 from typing import NamedTuple
@@ -26,7 +25,7 @@ class Rate:
         self.verified = self.verified * decay + verified
 
     def move_towards(self, rate):
-        """A step without evidence: the rate moves a tenth (1 − DECAY) of the way to `rate`."""
+        """A step without evidence: a tenth (1 − DECAY) of the way to `rate`."""
         self.accepted += (1 - DECAY) * (rate * self.verified - self.accepted)
 
     @property
@@ -43,7 +42,7 @@ class Seen(NamedTuple):
 
 
 def carried(accepted, verified, prior):
-    """A pair's rate after a request that saw `accepted` of `verified`, from `prior` (HISTORY_WEIGHT)."""
+    """A pair's rate after a request that saw `accepted` of `verified`, from `prior`."""
     return (accepted + prior * HISTORY_WEIGHT) / (verified + HISTORY_WEIGHT)
 
 

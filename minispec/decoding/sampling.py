@@ -1,11 +1,7 @@
-"""Standardized sampling (paper section 2.2): argmax, temperature, top-k, top-p and min-p all become
-"sample from an adjusted distribution". Speculative decoding applies the same adjustment to the
-draft's q and the target's p, and everything downstream only ever sees probabilities.
-
-Penalties (presence, frequency, repetition; as vLLM's) change the target's logits before that, by the
-tokens that precede each position: `penalize`, with a step's per-position counts (`path_counts`),
-which include the guesses before a position: those precede it if they are accepted, the only case in
-which its p is used. So penalized speculative decoding stays exact.
+"""Standardized sampling (paper section 2.2): argmax, temperature, top-k, top-p and min-p become "sample
+from an adjusted distribution", applied alike to the draft's q and the target's p. Penalties change the
+target's logits first, each position counting the guesses before it (`path_counts`), which precede it
+whenever its p is used, so penalized speculative decoding stays exact.
 """
 
 import math
@@ -14,7 +10,6 @@ from typing import NamedTuple
 
 import torch
 
-# The sampling settings' checks live with the other settings (torch-free, for the command lines' flags).
 from ..settings import MIN_P, PENALTY, REPETITION_PENALTY, TEMPERATURE, TOP_K, TOP_P
 
 
@@ -47,16 +42,14 @@ class Sampling:
 
 
 class Counts(NamedTuple):
-    """A penalized row's tokens so far, on the device: how often each was generated ([vocab] float), and
-    which the prompt holds ([vocab] bool)."""
+    """A penalized row's counts of each generated token ([vocab] float) and its prompt's tokens ([vocab] bool)."""
     generated: torch.Tensor
     prompt: torch.Tensor
 
 
 def penalize(logits, sampling, generated, prompt):
-    """float logits [..., vocab] -> float32 logits penalized as vLLM does (repetition, then frequency and
-    presence): generated [..., vocab], how often each token was generated before each row's position;
-    prompt [vocab] bool, the prompt's tokens, which only the repetition penalty reads."""
+    """logits penalized as vLLM does (repetition, then frequency and presence) by generated [..., vocab]
+    counts and the prompt's tokens."""
     logits = logits.float()
     if sampling.repetition_penalty != 1:
         r = sampling.repetition_penalty
@@ -65,8 +58,7 @@ def penalize(logits, sampling, generated, prompt):
 
 
 def path_counts(generated, tokens, ancestors):
-    """[m + 1, vocab]: the counts `generated` [vocab] at a step's first position and after each of its m
-    guesses `tokens` [m], node i's path being ancestors [m, m] (1 where node j is i or precedes it)."""
+    """[m + 1, vocab]: `generated` at a step's root and after each guess on its path (ancestors [m, m])."""
     one_hot = torch.zeros(len(tokens), generated.shape[-1], device=generated.device)
     one_hot.scatter_(1, tokens.view(-1, 1), 1.0)
     return generated + torch.cat([one_hot.new_zeros(1, one_hot.shape[1]), ancestors @ one_hot])
@@ -81,15 +73,13 @@ def adjust(logits, sampling):
 
 
 def log_probs(logits, sampling):
-    """float logits [..., vocab] -> the log-probabilities a token is reported with, [..., vocab] float32:
-    those of the distribution it is drawn from (vLLM's "processed logprobs"), save greedy's, whose
-    one-hot would say only 0 or -inf: there the model's own, the logits' log-softmax."""
+    """The log-probabilities a token is reported with: of the distribution it is drawn from, but greedy's
+    the logits' own log-softmax."""
     return processed(logits, sampling).log_softmax(-1)
 
 
 def processed(logits, sampling):
-    """float logits [..., vocab] -> float32 logits as sampling adjusts them: divided by the temperature,
-    -inf where top-k, top-p or min-p drop a token (greedy: as they are)."""
+    """float32 logits divided by the temperature, -inf where top-k, top-p or min-p drop a token."""
     logits = logits.float()
     if sampling.greedy:
         return logits
@@ -106,17 +96,13 @@ def processed(logits, sampling):
     return logits
 
 
-# torch.sort is slow on a CPU (sorting a verification's rows of a large vocabulary can cost a third of a
-# small model's step), and top-p seldom keeps more than a few hundred tokens.
-# So on a CPU the cutoff is first looked for among each row's TOP_P_CANDIDATES most likely tokens, and
-# only the rows whose candidates fall short of top_p are sorted whole. Picking those rows reads values
-# on the host: free on a CPU, a sync on a GPU, where sorting is fast anyway, so GPUs always sort.
+# torch.sort is slow on a CPU and top-p seldom keeps more than a few hundred tokens: a CPU looks for the
+# cutoff among the most likely first, sorting whole only the rows that fall short (a host read, so GPUs sort).
 TOP_P_CANDIDATES = 256
 
 
 def top_p_cutoff(probs, top_p):
-    """[..., 1]: the smallest probability top-p keeps. Most likely first, a token is kept while the
-    mass before it is < top_p, so at least one is; tokens tied with the last kept one are kept too."""
+    """[..., 1]: the smallest probability top-p keeps (ties with it kept too)."""
     rows = probs.reshape(-1, probs.shape[-1])
     if probs.device.type == "cpu" and TOP_P_CANDIDATES and TOP_P_CANDIDATES < probs.shape[-1]:
         top = rows.topk(TOP_P_CANDIDATES, dim=-1).values
@@ -141,20 +127,14 @@ def kept_minimum(ordered, mass, top_p):
 
 
 def sample(probs, generator=None, at=0):
-    """One token per row of probs [..., vocab] -> [...] long, without a host sync.
-
-    argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential race, which is Gumbel-max:
-    argmax(log p + G) with G = -log E); zero-probability tokens can never win, and a one-hot p always
-    returns its argmax. generator: a torch.Generator, or a row's noise.Noise, whose races are those of
-    the step's positions `at` (an offset for the first row of probs, the next rows following; or a list).
-    """
+    """One token per row of probs [..., vocab], without a host sync: argmax(p / E), E ~ Exponential(1), the
+    exponential race (Gumbel-max). generator: a torch.Generator, or a Noise, whose races are those of the
+    step's positions `at` (the first row's offset, or a list)."""
     return (probs / race(probs, generator, at)).argmax(-1)
 
 
 def sample_distinct(probs, m, generator=None, at=0):
-    """m tokens drawn from probs [vocab] one after another without replacement (each from p with the
-    ones before it removed, renormalized), in the order drawn: the race's first m finishers are such
-    draws. Fewer where p has fewer tokens."""
+    """m tokens drawn from probs [vocab] without replacement, in order: the race's first m finishers."""
     keys = probs / race(probs, generator, at)
     drawn = keys.topk(min(m, probs.shape[-1])).indices
     return drawn[probs[drawn] > 0]
@@ -169,6 +149,5 @@ def race(probs, generator, at=0):
 
 
 def exponential(uniform):
-    """-log(U) with U ~ Uniform(0, 1): the same draw as Tensor.exponential_(), several times faster on
-    CPU. U < 1 keeps E > 0, and the clamp keeps log finite."""
+    """-log(U): Tensor.exponential_()'s draw, several times faster on a CPU; clamped to stay finite."""
     return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()

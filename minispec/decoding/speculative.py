@@ -11,31 +11,20 @@
     Return one token from M_p, and n tokens from M_q          Row.advance (engine.py) takes the Outcome
         t ~ p'(x),  prefix + [x_1..x_n, t]
 
-This yields between 1 and γ+1 tokens per target forward, and the tokens have exactly the target's
-distribution (Appendix A.1). Greedy decoding is the same algorithm with one-hot p and q: a guess is
-accepted iff it is the target's argmax, so the output equals target-only greedy token for token.
-`accept_greedy` computes exactly that with a comparison, a few device operations instead of ~30 over
-the vocabulary (a test checks it against `accept_and_resample` on one-hot p and q).
-Lenience l (Appendix A.5) accepts with probability min(1, p / (l·q)) instead; l = 1 is exact.
-
-Two exact couplings of guesses and target (Settings.coupling): "rejection" is Algorithm 1 above, its
-draws depending on how each step went. "gumbel" (the default) takes each output position's randomness
-from the seed and the position alone (noise.py): the target's token at t is argmax(p_t / E_t) (Gumbel-max),
-a draft guesses argmax(q_t / E_t), and a guess is accepted iff it is the target's draw, so the output is
-the same with any drafter, γ, tree or batch, or none. A tree node at depth d meets position d's noise,
-shared with its siblings: one path is kept, so each noise decides one token. Lenience < 1 uses rejection.
-
-Requests are decoded together, each in a row of the static KV caches (minispec.decoding.engine; a lone request
-is a batch of one), and `step` is the loop body above for every row at once. After each step both
-models' cache rows are rolled back to the accepted sequence by moving their length pointers (the
-target's row always holds every accepted token but the last). A row may guess a token tree instead of
-a chain (tree.py): the target scores every node in the same forward, and the walk down the tree that
-replaces n's test (walk, sample_walk -> TreeVerdict) runs on the host.
+This yields 1 to γ+1 tokens per target forward, with exactly the target's distribution (Appendix A.1).
+Greedy is the same algorithm with one-hot p and q: the output equals target-only greedy token for token
+(`accept_greedy` compares argmaxes). Lenience l (Appendix A.5) accepts with min(1, p / (l·q)); l = 1 is exact.
+Coupling "gumbel" (the default) draws each output position from the seed and the position alone (noise.py),
+the target's token argmax(p / E) and a guess accepted iff it equals it, so the output is the same with any
+drafter, γ, tree or batch. `step` runs the loop body for every row of a batch at once (engine.py), each in
+its own rows of the static KV caches, rolled back after each step by moving length pointers; a row may
+guess a tree (tree.py), which the target scores in the same forward and the host walks.
 """
 
 import math
 import time
 from array import array
+from itertools import islice
 from typing import NamedTuple, Optional
 
 import torch
@@ -49,16 +38,15 @@ from .tree import ancestors, depths, feed_parents, sample_walk, walk
 
 
 class ChainVerdict(NamedTuple):
-    """A chain's verification, on the device: n accepted guesses and the token t after them ([1] each),
-    and Σ_x min(p, q) at each verified guess position (None where p and q are one-hot)."""
+    """A chain's verification on the device: n and t ([1] each), and Σ_x min(p, q) at each verified
+    position (None where p and q are one-hot)."""
     n: torch.Tensor
     t: torch.Tensor
     overlap: Optional[torch.Tensor]
 
 
 class Seen(NamedTuple):
-    """For a draft head or a request's on_states: the tokens the target saw and keeps, and its hidden
-    state at each."""
+    """The tokens the target saw and keeps, and its hidden state at each."""
     tokens: torch.Tensor
     states: torch.Tensor
 
@@ -84,9 +72,8 @@ class Outcome(NamedTuple):
 
 
 class TokenLogprob(NamedTuple):
-    """An output token's log-probability (sampling.log_probs: under the distribution it was drawn from),
-    and the k most likely tokens there as (token, log-probability) pairs, best first: fewer where top-k
-    or top-p leave fewer that can be drawn (-inf is no alternative, nor a number JSON can write)."""
+    """An output token's log-probability (sampling.log_probs) and the k most likely (token,
+    log-probability) pairs there, best first, without -inf ones."""
     token: int
     logprob: float
     top: list
@@ -102,13 +89,9 @@ class HostStep(NamedTuple):
 
 
 def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
-    """Algorithm 1's verification, on the device, without a host sync.
-
-    p [k+1, V]: the target's adjusted distributions at the k draft positions and one beyond;
-    q [k, V]: the drafter's; drafts [k]. Returns (n, t), both of shape [1]: how many drafts are
-    accepted, and the token that follows them. `greedy_p` (raw target softmax) switches on greedy
-    lenience: accept x when p(x) >= l * max(p), the paper's rule for argmax sampling.
-    """
+    """Algorithm 1's verification on the device, without a host sync: p [k+1, V] the target's adjusted
+    distributions, q [k, V] the drafter's, drafts [k] -> (n, t), [1] each. `greedy_p` (the raw softmax)
+    switches on greedy lenience: accept x when p(x) >= l * max(p)."""
     k = drafts.shape[0]
     rows = torch.arange(k, device=drafts.device)
     p_x, q_x = p[rows, drafts], q[rows, drafts]
@@ -134,25 +117,21 @@ def one_hot(drafts, vocab_size):
 
 
 def accept_greedy(logits, drafts):
-    """accept_and_resample at temperature 0 and lenience 1, in a handful of operations. p and q are
-    one-hot there, so a guess is accepted iff it is the target's argmax, and after a rejection
-    norm(max(0, p - q)) is p itself: t is the target's argmax right after the accepted guesses."""
+    """accept_and_resample at temperature 0 and lenience 1: with one-hot p and q a guess is accepted iff it
+    is the target's argmax, and t is the argmax after the accepted guesses."""
     return accept_choices(logits.argmax(-1), drafts)
 
 
 def accept_choices(choices, drafts):
-    """n, t ([1] each) when the target's token at each position is known, choices [k + 1]: the guesses
-    equal to it are accepted, and t is its token after them."""
+    """n, t ([1] each) from the target's token at each position, choices [k + 1]."""
     n = (drafts == choices[:-1]).long().cumprod(0).sum().view(1)
     return n, choices[n]
 
 
 @torch.inference_mode()
 def step(target, rows):
-    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (a lone request is a batch of one
-    row, in cache row 0; rows are in cache-row order). Each row verifies its own guesses with its own
-    sampling and generator; the guesses of all rows are drafted together and verified in one target
-    forward. Returns the rows that ended."""
+    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), each verified
+    with its own sampling and generator, all drafted together and scored in one forward. The rows that ended."""
     models = [target] + [getattr(row.drafter, "model", None) for row in rows]  # whose graphs a step may compile
     started, graphs = time.perf_counter(), graphs_met(*models)
     # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
@@ -195,8 +174,8 @@ def step(target, rows):
 
 
 def penalized(row, logits, proposal):
-    """A row's logits [k+1, vocab] with its penalties (sampling.penalize): each position's counts include
-    the guesses on its path, which precede it if they are accepted, the only case its p decides."""
+    """A row's logits with its penalties, each position counting the guesses on its path (they precede it
+    whenever its p decides)."""
     if row.counts is None:
         return logits
     k, parents = len(proposal.drafts), proposal.parents
@@ -205,8 +184,7 @@ def penalized(row, logits, proposal):
 
 
 def grammatical(row, forced, proposal):
-    """A row's Proposal under its grammar: the tokens it forces (no drafter was asked), or a chain cut
-    before its first guess the grammar forbids, which the target would reject: it costs no verification."""
+    """A row's Proposal under its grammar: the tokens it forces, or a chain cut before its first forbidden guess."""
     if forced:
         return Proposal(to_device(forced, proposal.drafts.device), None)
     if row.grammar is None or proposal.parents is not None:
@@ -216,14 +194,13 @@ def grammatical(row, forced, proposal):
 
 
 def constrained(row, logits, proposal):
-    """A row's logits [k+1, vocab] masked by its grammar at each position, after the guesses on its path."""
+    """A row's logits masked by its grammar at each position."""
     return logits if row.grammar is None else row.grammar.mask(logits, proposal.drafts, proposal.parents)
 
 
 def to_host(rows, logits, proposals, verdicts):
-    """The step's one host sync: each row's guesses with a chain's n and t, or a tree's choices (the
-    target's argmax at its root and each node, which a greedy walk follows), and the log-probabilities a
-    request asks for (scored), in one transfer. HostSteps."""
+    """The step's one host sync: each row's guesses with a chain's n and t, or a tree's choices, and the
+    log-probabilities a request asks for. HostSteps."""
     parts, asked, walked = [], [], []
     for row, p, x, v in zip(rows, logits, proposals, verdicts):
         walked.append(v is None and (row.sampling.greedy or row.noise is not None))
@@ -233,13 +210,9 @@ def to_host(rows, logits, proposals, verdicts):
         if asked[-1]:  # a sampled tree's tokens are known only after its walk (tree_logprobs)
             ids.append(scored(p, row.sampling, choices if v is None else emitted(x.drafts, v), row.request.logprobs))
         parts.append(ids)
-    host = torch.cat([part.view(-1) for row in parts for part in row]).tolist()
-    out, start = [], 0
+    host, out = iter(torch.cat([part.view(-1) for row in parts for part in row]).tolist()), []
     for row, wanted, x, known in zip(parts, asked, proposals, walked):
-        lists = []
-        for part in row:
-            lists.append(host[start:start + part.numel()])
-            start += part.numel()
+        lists = [list(islice(host, part.numel())) for part in row]
         logprobs = unpack(lists.pop(), len(x.drafts) + 1) if wanted else None
         if x.parents is None:
             out.append(HostStep(lists[1], lists[0][0], lists[2][0], None, logprobs))
@@ -249,23 +222,21 @@ def to_host(rows, logits, proposals, verdicts):
 
 
 def tree_choices(row, logits, parents):
-    """The target's token at a tree's root and each node, which a walk follows: its argmax when greedy;
-    coupled, its draw under the noise of the position there (a node at depth d draws the step's token d)."""
+    """The target's token at a tree's root and each node: its argmax, or coupled its draw under the noise
+    of that depth's position."""
     if row.sampling.greedy:
         return logits.argmax(-1)
     return sample(adjust(logits, row.sampling), row.noise, at=[0] + depths(parents))
 
 
 def emitted(drafts, verdict):
-    """[k + 1]: the token a chain emits at each position if it gets there: its guess, and t after the n
-    accepted guesses."""
+    """[k + 1]: the token a chain emits at each position if it gets there."""
     return torch.cat([drafts, verdict.t]).scatter(0, verdict.n, verdict.t)
 
 
 def scored(logits, sampling, tokens, k):
-    """[m, 2 + 2k] long, for the host transfer: at each row of logits [m, vocab], the token there
-    (tokens [m]), the log-probabilities (sampling.log_probs) of it and of the row's k most likely
-    tokens, as float32 bits, and those tokens."""
+    """[m, 2 + 2k] long for the host transfer: at each row the token there, the log-probabilities of it and
+    of the k most likely tokens (as float32 bits), and those tokens."""
     logprobs = log_probs(logits, sampling)
     top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     values = torch.cat([logprobs.gather(-1, tokens.view(-1, 1)), top.values], -1)
@@ -286,8 +257,7 @@ def unpack(host, m):
 
 
 def tree_logprobs(row, logits, got, tree):
-    """A TokenLogprob for each token of a tree's accepted path and t, when the request asks: a greedy
-    tree's from its transfer; a sampled tree's read now, as its walk has read the device already."""
+    """A TokenLogprob for each token of a tree's accepted path and t, when the request asks."""
     if row.request.logprobs is None:
         return None
     at = [0] + [1 + j for j in tree.path]  # the rows of logits that chose each token
@@ -298,10 +268,7 @@ def tree_logprobs(row, logits, got, tree):
 
 
 def verify(logits, drafts, q, sampling, lenience, generator, noise=None):
-    """One row's verification: logits [k+1, vocab] of the target at its k guesses `drafts` and one
-    beyond, q [k, vocab] (None: one-hot at the guesses); noise: a coupled row's. A ChainVerdict, its
-    overlap zero past the verified positions (None where p and q are one-hot: 1 at an accepted guess, 0
-    at a rejected one)."""
+    """One row's verification of its k guesses (q None: one-hot) -> ChainVerdict."""
     k = drafts.shape[0]
     if k == 0 and noise is None:  # no guesses: the target's own token, drawn as plain decoding draws it
         last = logits[-1]
@@ -321,8 +288,7 @@ def verify(logits, drafts, q, sampling, lenience, generator, noise=None):
 
 
 def seen(row, drafts, states, kept):
-    """What the target saw this step and keeps (Seen: the row's unseen tokens and its guesses at indices
-    `kept`), for a draft head or a request's on_states; else None."""
+    """Seen: the row's unseen tokens and its guesses at `kept`, with their states (None without states)."""
     if states is None:
         return None
     u, kept = len(row.unseen), to_device(kept, drafts.device)
@@ -330,12 +296,9 @@ def seen(row, drafts, states, kept):
 
 
 def score(target, rows, proposals):
-    """The target's logits [k+1, vocab] at each row's guesses and one beyond: a row that has just
-    joined has its prompt forward of its own (its prefill), the others one forward together, each at
-    its own positions, rows with fewer tokens padded (models/base.py, decode_rows). A tree's nodes
-    each attend to their own path (feed_parents). Also each row's hidden states [width, dim] at every
-    token fed when its drafter reads them (a draft head; an EAGLE-3 head's: those entering the layers it
-    reads, side by side) or its request's on_states does, else None."""
+    """The target's logits [k+1, vocab] at each row's guesses and one beyond, from a joining row's own
+    prefill and one forward for the others (trees: each node attending to its path), and each row's
+    hidden states at every token fed when something reads them (else None)."""
     logits = [None] * len(rows)
     hidden = rows[0].request.reads_states
     states = [None] * len(rows)

@@ -1,10 +1,6 @@
-"""When a request ends before max_new_tokens: at a stop token (the model's EOS, or the caller's
-stop_token_ids), which is kept as the last token, or where the text first contains a stop string,
-which is not: the output ends just before it, and no token after the one completing it is emitted,
-even when that token sits inside a run of accepted guesses.
-
-A stop string that is a special token's text (as "<|im_end|>") also stops at that token, which is kept
-as stop tokens are: the text leaves special tokens out, so it still ends just before the string."""
+"""When a request ends before max_new_tokens: at a stop token (kept as the last token), or where the text
+first contains a stop string (the output ends just before it, even inside a run of accepted guesses). A
+stop string that is a special token's text also stops at that token, kept as stop tokens are."""
 
 import functools
 import reprlib
@@ -15,7 +11,7 @@ from ..loading.tokenizer import IncrementalDecoder
 class Stop:
     def __init__(self, token_ids, strings=(), tokenizer=None):
         self.token_ids = set(token_ids)
-        self.strings = [s for s in strings]
+        self.strings = list(strings)
         if any(not isinstance(s, str) or not s for s in self.strings):
             raise ValueError(f"stop strings must be non-empty strings, got {reprlib.repr(strings)}")
         if self.strings and tokenizer is None:
@@ -29,15 +25,12 @@ class Stop:
     def cut(self, tokens):
         """A step's new tokens up to the first stop, and whether the request stops there."""
         for i, token in enumerate(tokens):
-            if token in self.token_ids:
-                return tokens[: i + 1], True
-            if self.text is not None and self.completes_a_string(token):
+            if token in self.token_ids or self.text is not None and self.completes_a_string(token):
                 return tokens[: i + 1], True
         return tokens, False
 
     def completes_a_string(self, token):
-        """Does the text, with this token, contain a stop string? Only its new end is searched: a string
-        found there ends within the token's text or the few characters before it."""
+        """Does the text, with this token, contain a stop string? Only its new end is searched."""
         start = max(len(self.text.text) - max(map(len, self.strings)), 0)
         self.text.push([token])
         found = [i for i in (self.text.text.find(s, start) for s in self.strings) if i >= 0]
@@ -46,15 +39,13 @@ class Stop:
         return bool(found)
 
     def held_back(self, text):
-        """How much of the end of `text` could still turn out to start a stop string: a stream holds
-        it back until the next tokens tell."""
+        """How much of the end of `text` could still start a stop string: a stream holds it back."""
         return max((partial.length(text) for partial in self.partial), default=0)
 
 
 def special_token_stops(tokenizer, strings):
-    """The ids of the special tokens that are stop strings. Their text is never in the output (special
-    tokens decode to nothing there), so a stop string holding one's text among other text could only
-    match that text written out in ordinary tokens: it is refused, rather than never matching."""
+    """The ids of the special tokens that are stop strings; a stop string holding one's text among other
+    text could never match (special tokens decode to nothing), so it is refused."""
     specials = {tokenizer.added[i]["content"]: i for i in tokenizer.special_ids}
     for string in strings:
         inside = None if string in specials else next((content for content in specials if content in string), None)
@@ -65,10 +56,8 @@ def special_token_stops(tokenizer, strings):
 
 
 class PartialMatch:
-    """The longest end of a growing text that is a proper prefix of `string`, followed as the text
-    grows (Knuth-Morris-Pratt): each new character costs O(1) amortized, where trying every prefix of
-    the string against the text's end costs O(len(string)²) per step (minutes per token for a stop
-    string of 100k characters)."""
+    """The longest end of a growing text that is a proper prefix of `string`, followed as the text grows
+    (Knuth-Morris-Pratt): O(1) amortized a character, where a long stop string would cost minutes a token."""
 
     def __init__(self, string):
         self.string = string
@@ -76,7 +65,7 @@ class PartialMatch:
 
     @functools.cached_property
     def borders(self):
-        """borders[n]: the length of the longest proper prefix of string[:n] that is also its suffix."""
+        """borders[n]: the longest proper prefix of string[:n] that is also its suffix."""
         string, borders, k = self.string, [0] * (len(self.string) + 1), 0
         for i in range(1, len(string)):
             while k and string[i] != string[k]:

@@ -1,29 +1,10 @@
-"""Token trees: a step's guesses as a tree instead of a chain (SpecInfer; the notes' Appendix A). The
-drafter offers several continuations at once, sharing their common prefixes; the target scores every
-node in one forward, each node attending to its own path only (models/kernels.py, TreeLayout), and
-greedy verification walks down from the root, following the child that equals the target's choice:
-
-    node = root                                  the target's last token, which it scores first
-    while some child of node is the target's choice at node:
-        node = that child                        an accepted guess
-    t = the target's choice at node              its own token, as after a rejection in a chain
-
-Every node's logits are bit for bit those a 1-token forward over its path gives, so the output is
-plain greedy decoding's token for token. Sampled verification tries a node's children in turn by
-recursive rejection (`sample_walk`: Algorithm 1's test and residual, once per child), which gives
-exactly the target's distribution. A chain is the tree whose every node has one child.
-
-A tree is given as its nodes' tokens in topological order and `parents`: node j hangs from node
-parents[j] (-1: from the root).
-
-Drafters with a distribution (draft models, EAGLE and Medusa heads) grow their trees as EAGLE-2 does
-(`Growth`): depth by depth, expanding the most probable new nodes, then keeping the drafter's own chain
-and the most probable other nodes. Greedy, their candidates are each node's most probable children,
-verified as fixed candidates; sampled, a draft model's or an EAGLE head's are draws from its q
-(`DrawnGrowth`: a chain of draws is accepted far more often than a node's most probable tokens
-are). `ngram`, whose successors cost nothing to rank, grows its tree most probable node first
-(`best_first`), and `lookup` orders its trie of earlier continuations so (`likeliest`): the first nodes
-of either are the likeliest tree of their size, which is what the policy chooses among.
+"""Token trees: a step's guesses as a tree instead of a chain (SpecInfer). The target scores every node in
+one forward, each attending to its own path (models/kernels.py, TreeLayout); greedy verification walks
+down from the root along the children equal to the target's choice (`walk`), sampled verification by
+recursive rejection (`sample_walk`), both exact. A tree is its nodes' tokens in topological order and
+`parents` (node j hangs from parents[j], -1: the root); a chain is a tree whose nodes have one child each.
+Drafters with a q grow trees as EAGLE-2 does (`Growth`, `DrawnGrowth`); ngram and lookup order theirs
+likeliest first (`best_first`, `likeliest`), so that a tree's first nodes are the likeliest tree of their size.
 """
 
 import heapq
@@ -36,15 +17,13 @@ import torch
 
 from .sampling import adjust, sample, sample_distinct
 
-# tree="auto": the most guesses the policy weighs a step's tree at (policy.py). With the token before
-# them, about the widest forward that costs a CPU what a 1-token step does; offered more, the policy
-# expects too much of the extra nodes and picks wider trees that accept less than they cost.
+# tree="auto": the most guesses the policy weighs a step's tree at (policy.py): with the token before them,
+# about the widest forward that costs a CPU what a 1-token step does.
 TREE_AUTO = 5
 
 
 def feed_parents(unseen, parents, guesses):
-    """The parents of a target feed: `unseen` tokens as a chain, then the tree's nodes (parents None:
-    `guesses` tokens as a chain)."""
+    """The parents of a target feed: `unseen` tokens as a chain, then the tree's nodes (None: a chain)."""
     if parents is None:
         return list(range(-1, unseen + guesses - 1))
     return list(range(-1, unseen - 1)) + [unseen - 1 if p < 0 else unseen + p for p in parents]
@@ -61,8 +40,8 @@ def ancestors(parents, device):
 
 
 class TreeVerdict(NamedTuple):
-    """A tree's verification: the accepted path (node indices, root first), the target's token after it,
-    and the tokens of the path's last node's children, all rejected, in order (none: it was a leaf)."""
+    """A tree's verification: the accepted path (node indices), the target's token after it, and the
+    rejected children of the path's last node."""
     path: list
     t: int
     rejected: list
@@ -74,9 +53,8 @@ def children_of(parents, at):
 
 
 def descend(nodes, parents, choose):
-    """Walk down from the root: choose(row, children) returns the child to follow, or (None, the
-    target's token there); row indexes the target's scores, 0 at the root, 1 + j at node j. Returns
-    the TreeVerdict."""
+    """Walk down from the root: choose(row, children) returns (the child to follow or None, the target's
+    token there); row is 0 at the root, 1 + j at node j. A TreeVerdict."""
     path, at = [], -1
     while True:
         children = children_of(parents, at)
@@ -88,24 +66,16 @@ def descend(nodes, parents, choose):
 
 
 def walk(nodes, parents, choices):
-    """Greedy verification of a tree: follow the child equal to the target's choice (choices[0] at the
-    root, choices[1 + j] at node j): a TreeVerdict."""
+    """Greedy verification: follow the child equal to the target's choice (choices[1 + j] at node j)."""
     return descend(nodes, parents, lambda row, children: (
         next((j for j in children if nodes[j] == choices[row]), None), choices[row]))
 
 
 def sample_walk(nodes, parents, p, generator, q=None):
-    """Sampled verification of a tree (SpecInfer's and Sequoia's recursive rejection). p [k + 1, vocab]:
-    the target's distribution at the root, then at each node. q: None when each node's children are
-    fixed candidates, distinct (lookup's, ngram's, Medusa's most probable); else q [k, vocab], the
-    drafter's distribution at the root, then at each node, from which that node's children were drawn
-    one after another without replacement, in their order (sample_distinct; DrawnGrowth). At a node, p'
-    and q' start as p and q there; each child x in turn is accepted with probability min(1, p'(x) /
-    q'(x)), else p' becomes norm(max(p' - q', 0)) (Algorithm 1's residual, which is 0 at x) and x leaves
-    q'; when none is accepted, t ~ p'. A fixed candidate is a draw from q' one-hot at it: accepted with
-    p'(x), else x leaves p'. Each step is Algorithm 1's, whose residual the next draw targets, so the
-    token that comes out has probability p exactly; nodes past q's rows are fixed candidates (mixed.py's).
-    Returns a TreeVerdict; draws come from `generator` in a fixed order (a row's as alone in a batch)."""
+    """Sampled verification (SpecInfer's recursive rejection): a node's children are tried in order, each by
+    Algorithm 1's test against the residual of the ones before, so the token out has p's distribution. q:
+    None, or the drafter's at the root and each node (children drawn from it, DrawnGrowth); a child past
+    q's rows, or any without q, is a fixed candidate (accepted with p'(x), else removed from p')."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'
         drawn_from = None if q is None or row >= len(q) or not children else q[row] / q[row].sum()  # q' (leaf: none)
@@ -127,9 +97,8 @@ def sample_walk(nodes, parents, p, generator, q=None):
 
 
 def add_path(tokens, parents, continuation, budget):
-    """Add a continuation below the root to a tree (tokens, parents: lists, changed in place), sharing
-    the nodes it has in common with the tree, until the tree has `budget` nodes. Returns the nodes the
-    continuation runs through, as far as the tree holds it."""
+    """Add a continuation below the root to a tree (lists, changed in place), sharing its common nodes,
+    until the tree has `budget` nodes. Returns the nodes it runs through."""
     at, path = -1, []
     for token in continuation:
         child = next((j for j in children_of(parents, at) if tokens[j] == token), None)
@@ -145,18 +114,13 @@ def add_path(tokens, parents, continuation, budget):
 
 
 def best_first(root, successors, depth, budget):
-    """A tree below token `root`, of at most `budget` nodes and `depth` deep, for a drafter that ranks
-    any token's successors for free: successors(token) lists (token, probability), most probable first.
-    The nodes come most probable first, a node's probability being the product along its path, so that
-    the first nodes of the tree are the likeliest tree of their size (the policy verifies such a
-    prefix); a node's children join in their rank order, the tree in topological order. Returns tokens
-    and parents (this module's form), and each node's probability given its parent's (how sure the
-    drafter is of it)."""
+    """A tree below token `root` of at most `budget` nodes, `depth` deep, most probable node first (a
+    path's product of probabilities), for a drafter whose successors(token) ranks (token, probability)
+    for free. Returns tokens, parents and each node's probability given its parent."""
     tokens, parents, levels, probabilities, shares = [], [], [], [], []  # per node; the root, -1, is at depth 0
     waiting, arrival = [], count()  # candidates: (-probability, arrival, parent, rank)
 
     def offer(parent, rank):
-        """The parent's rank-th successor becomes a candidate, if it has one and room below it."""
         ranked = successors(root if parent < 0 else tokens[parent])
         if rank < len(ranked) and (0 if parent < 0 else levels[parent]) < depth:
             probability = (1.0 if parent < 0 else probabilities[parent]) * ranked[rank][1]
@@ -177,11 +141,8 @@ def best_first(root, successors, depth, budget):
 
 
 def first_of(previewed, length, depth, budget):
-    """The tree of at most `budget` nodes, `depth` deep, that a drafter whose first nodes are its
-    likeliest tree of their size (best_first, likeliest) proposes, cut from the tree it previewed at
-    this step (the policy previews the largest, then the step proposes a part of it): previewed is
-    (context length, depth, budget, (tokens, parents, sure)) as the preview was made, or None. None
-    where that preview cannot give it (another context, or a smaller or shallower tree)."""
+    """The first `budget` nodes of the tree previewed at this step (previewed: (context length, depth,
+    budget, tree) or None), or None where that preview cannot give them."""
     if previewed is None:
         return None
     at, deep, size, (tokens, parents, sure) = previewed
@@ -191,10 +152,8 @@ def first_of(previewed, length, depth, budget):
 
 
 def likeliest(tokens, parents, sure, budget):
-    """A tree's `budget` most probable nodes, most probable first (best_first's order), a node's
-    probability being the product of `sure` (each node's given its parent) down its path: a
-    topological order, since no node is more probable than its parent (ties: the shallower first).
-    Returns tokens, parents and sure of those nodes, in that order."""
+    """A tree's `budget` most probable nodes, most probable first (ties: the shallower), a node's
+    probability the product of `sure` down its path: a topological order. Returns tokens, parents, sure."""
     probability, level = [], depths(parents)
     for parent, confidence in zip(parents, sure):
         probability.append((1.0 if parent < 0 else probability[parent]) * confidence)
@@ -213,7 +172,7 @@ def depths(parents):
 
 
 def chain_length(parents):
-    """How many of the first nodes form a chain from the root (a tree's first path, when it is first)."""
+    """How many of the first nodes form a chain from the root."""
     return next((j for j, parent in enumerate(parents) if parent != j - 1), len(parents))
 
 
@@ -223,9 +182,8 @@ def tree_or_chain(parents):
 
 
 def best_children(logits, sampling, width):
-    """The `width` most probable next tokens after each row of logits [..., vocab], and their
-    log-probabilities ([..., width] each): under the distribution the target's is adjusted to (the
-    draft's own when greedy, whose adjusted one is one-hot). Tokens it excludes get -inf."""
+    """The `width` most probable next tokens after each row of logits and their log-probabilities, under
+    the adjusted distribution (greedy: the draft's own, as the adjusted one is one-hot)."""
     if sampling.greedy:
         scores = logits.float().log_softmax(-1)
     else:
@@ -234,21 +192,9 @@ def best_children(logits, sampling, width):
 
 
 class Growth:
-    """A tree grown depth by depth (EAGLE-2's dynamic draft tree). A node's score is its path's
-    log-probability under the drafter, the sum of its ancestors' and its own. The spine, the drafter's
-    own chain (the root's most probable child, that node's, and so on: a greedy chain's guesses), is
-    always in the tree, so a greedy tree accepts no less than the chain of the same depth (ties in the
-    draft's rounding aside); EAGLE-2's
-    rule alone, the best nodes overall, would trade the chain's deep guesses for more probable shallow
-    ones and accept less behind a draft that is seldom wrong. The rest of the `budget` goes to the best
-    other nodes (`best`). At each depth the newest spine node and the best other new nodes, `width` in
-    all, are expanded (their children added by the caller), but only others that can still be among the
-    tree's: a node's descendants score no higher than it, so one already outranked by as many others as
-    the budget leaves room for can give the tree nothing.
-
-    Nodes rank by score, ties by index: a child never ranks before its parent (its log-probability is at
-    most 0, so its score at most its parent's, and its index is larger), so the best nodes include their
-    ancestors, and in rank order each follows its parent (a topological order)."""
+    """A tree grown depth by depth (EAGLE-2's dynamic draft tree), a node scored by its path's log-probability.
+    The spine, the drafter's greedy chain, always stays, so a tree accepts no less than the chain; the rest
+    of the `budget` goes to the best other nodes, ranked by score then index (so parents come first)."""
 
     def __init__(self, budget, width):
         self.budget, self.width = budget, width
@@ -257,7 +203,7 @@ class Growth:
         self.newest = []  # the nodes added since the last expansion
 
     def add(self, parent, tokens, log_probabilities):
-        """Children of node `parent` (-1: the root); those of probability zero are left out (never accepted)."""
+        """Children of node `parent` (-1: the root), but those of probability zero (never accepted)."""
         base, first = 0.0 if parent < 0 else self.scores[parent], len(self.tokens)
         for token, score in zip(tokens, log_probabilities):
             if score > -math.inf:
@@ -272,7 +218,6 @@ class Growth:
         return self.spine[-1] if self.spine else -1
 
     def spine_child(self, children):
-        """Which of the spine's new children continues it: the most probable."""
         return min(children, key=self.rank)
 
     def rank(self, node):
@@ -285,16 +230,15 @@ class Growth:
         return sorted((j for j in range(len(self.tokens)) if j not in spine), key=self.rank)[:room]
 
     def expand(self):
-        """The nodes to expand next: the newest spine node, and the newest depth's best others that can
-        still be in the tree, `expansions()` in all."""
+        """The newest spine node and the newest depth's best others that can still be in the tree."""
         hopeful = set(self.others())
         spine = [node for node in self.newest if node in self.spine]
         others = sorted((node for node in self.newest if node in hopeful), key=self.rank)
         self.newest = []
-        return (spine + others)[:self.expansions()]
+        return (spine + others)[:self.room()]
 
-    def expansions(self):
-        """How many nodes a depth expands."""
+    def room(self):
+        """How many nodes the next depth expands (a drawn tree: how many it may add)."""
         return self.width
 
     def chosen(self):
@@ -302,26 +246,16 @@ class Growth:
         return sorted(self.spine[:self.budget] + self.others(), key=self.rank)
 
     def best(self, chosen=None):
-        """The tree: tokens and parents (tree.py's form) of the chosen nodes (`chosen`, when the caller
-        has them already)."""
+        """The tree's tokens and parents."""
         chosen = self.chosen() if chosen is None else chosen
         place = {node: i for i, node in enumerate(chosen)}
         return [self.tokens[j] for j in chosen], [-1 if self.parents[j] < 0 else place[self.parents[j]] for j in chosen]
 
 
 class DrawnGrowth(Growth):
-    """A tree whose children are draws (sampled decoding), verified by recursive rejection (sample_walk
-    with q): each node's children are drawn from the drafter's q after its path without replacement, in
-    order. That is exact only if how many a node gets is settled before they are drawn: children kept or
-    pruned for what they turned out to be (Growth.best's rule) would bias the verified tokens. So the
-    budget is shared out depth by depth, before each depth's draws: at most `width` new nodes a depth,
-    one kept for each depth below so that the spine (the chain of each node's first draw) can reach
-    `depth`, and the slots go to the expanded nodes by score, a slot's score being its node's plus the
-    log of q's i-th largest probability for a node's i-th draw (what a draw there brings, roughly; q is
-    known before drawing, the draws are not). Every node drawn is in the tree, in the order drawn
-    (chosen). Top-k candidates of a sampled q would be verified as fixed candidates, each accepted with
-    p'(x) only: behind a draft that matches the target well, far less than a chain of draws (accepted
-    with Σ min(p, q)); a child drawn first is accepted as often as a chain's guess."""
+    """A tree whose children are draws from q without replacement (sampled decoding). Exact only if how many
+    children a node gets is settled before they are drawn, so each depth's slots are shared out first, by
+    score plus the log of q's i-th largest probability for an i-th draw; every drawn node stays, in order."""
 
     def __init__(self, budget, width, depth):
         super().__init__(budget, width)
@@ -329,17 +263,11 @@ class DrawnGrowth(Growth):
         self.q = {}  # node (-1: the root) -> the q its children were drawn from
 
     def room(self):
-        """How many nodes the next depth may add."""
         return max(min(self.width, self.budget - len(self.tokens) - (self.depths_left - 1)), 0)
 
-    def expansions(self):
-        """As many as the next depth has room for (no node is pruned, so every other one is hopeful)."""
-        return self.room()
-
     def draw(self, nodes, qs, generator):
-        """The next depth: children for each of `nodes` (expanded, -1: the root), drawn from its q in
-        qs [len(nodes), vocab] with `generator` (a coupled row's Noise: the race of the depth's position,
-        so that each node's first child is the draw a chain would guess there), in order."""
+        """The next depth: children for each of `nodes` (-1: the root) drawn from its row of qs with
+        `generator` (a coupled row's Noise: the depth's position, so a first child is a chain's draw)."""
         room, at = self.room(), self.depth - self.depths_left  # at: the drawn tokens' offset in the step
         self.depths_left -= 1
         if not room:
@@ -357,22 +285,17 @@ class DrawnGrowth(Growth):
                 self.add(node, drawn.tolist(), qs[n][drawn].log().tolist())
 
     def chosen(self):
-        """Every node, in the order drawn: parents before children, each node's children in the order
-        they were drawn, which sample_walk tries them in (by score, the most probable draw would go
-        first whatever was drawn first, and the verified tokens would be biased toward it)."""
+        """Every node, in the order drawn, which sample_walk tries them in (any other order would bias it)."""
         return list(range(len(self.tokens)))
 
     def spine_child(self, children):
-        """The first drawn: a draw from q, as a chain's guess is, so the spine is a chain of draws and
-        the tree accepts at least what that chain would (the most probable draw instead lost a chain's
-        tokens wherever an earlier draw was accepted and, off the spine, had no children)."""
+        """The first drawn, so that the spine is a chain of draws and accepts what that chain would."""
         return children[0]
 
     def slot_score(self, node, value):
         return (0.0 if node < 0 else self.scores[node]) + math.log(value)
 
     def q_rows(self, chosen):
-        """q [len(chosen), vocab] for sample_walk: the root's, then each chosen node's but the last
-        (which has no children: they come after it), zeros for a node without children."""
+        """q for sample_walk: the root's, then each chosen node's but the last, zeros where none was drawn."""
         root = self.q[-1]
         return torch.stack([root] + [self.q.get(node, torch.zeros_like(root)) for node in chosen[:-1]])

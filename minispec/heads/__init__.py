@@ -23,8 +23,7 @@ PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 def is_head_dir(path):
-    """Whether `path` is a draft head's folder (config.json of a head kind, or EAGLE's fc in its
-    weights) rather than a model checkpoint."""
+    """Whether `path` is a draft head's folder rather than a model checkpoint."""
     directory = Path(path).expanduser()
     try:
         hf = read_config(directory)
@@ -32,9 +31,8 @@ def is_head_dir(path):
         return False  # the checkpoint loader says what is wrong with it
     if "minispec_head" in hf or "medusa_num_heads" in hf:
         return True
-    # EAGLE's authors publish a Llama config of one layer, beside weights with fc and no tokenizer. A
-    # one-layer Llama draft model without tokenizer files has no fc; pickled weights are not read here,
-    # so such a folder counts as a head (whose loader says how to convert them).
+    # EAGLE's authors publish a one-layer Llama config beside weights with fc and no tokenizer; pickled
+    # weights are not read here, so such a folder counts as a head (whose loader says how to convert them)
     if hf.get("num_hidden_layers") != 1 or any(directory.glob("tokenizer*")):
         return False
     files = sorted(directory.glob("*.safetensors"))
@@ -45,8 +43,7 @@ def is_head_dir(path):
 
 
 def kind_of(hf, directory):
-    """"medusa", "eagle" or "eagle3", from config.json (minispec's own field, else what the published
-    configs hold: EAGLE-3's name a draft vocabulary or an Eagle3 architecture)."""
+    """"medusa", "eagle" or "eagle3", from config.json (minispec's own field, else the published configs')."""
     kind = hf.get("minispec_head")
     if kind is None:
         eagle3_config = "draft_vocab_size" in hf or "eagle3" in str(hf.get("architectures")).lower()
@@ -58,8 +55,8 @@ def kind_of(hf, directory):
 
 
 def check_size(kind, hf, target):
-    """A ValueError naming config.json's fields when the head they ask for needs more memory than is free:
-    refused before it is built (a billion Medusa heads, built as modules one by one, would take hours)."""
+    """A ValueError naming config.json's fields when the head they ask for needs more memory than is free,
+    before it is built."""
     dim, vocab, size = target.hidden_size, target.vocab_size, target.dtype.itemsize
     if kind == "medusa":
         n_heads, n_layers = medusa.config_from_hf(hf)
@@ -75,11 +72,8 @@ def check_size(kind, hf, target):
 
 
 def load_draft_head(path, target, quantize="auto"):
-    """The draft head in directory `path` (config.json and safetensors weights), for `target` (a loaded
-    minispec model: the head reads its states, embedding and output head), on the target's device.
-    quantize, for an EAGLE head's weights (models.quant): "int8" or "int4"; None: as they are, in the
-    target's dtype; "auto": int8 on a CPU or beside a quantized target, where a guess costs what the
-    head's bytes cost (int8 halves them at the same tokens a call), else as they are."""
+    """The draft head in directory `path` for `target`, on its device. quantize, for an EAGLE head: "int8",
+    "int4", None (the target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
     if quantize != "auto":
         quant.check_settings(quantize, quant.DEFAULT_GROUP_SIZE)
     directory = Path(path).expanduser()
@@ -122,8 +116,7 @@ def load_draft_head(path, target, quantize="auto"):
 
 
 def load_weights(head, directory, assign=False):
-    """The head folder's weights (published names) into `head`, in its target's dtype; `assign`: take
-    the tensors themselves (a head built on the meta device), else copy into the head's own."""
+    """The folder's weights into `head` in its target's dtype; `assign`: take the tensors themselves."""
     weights = KINDS[head.kind].convert_weights(read_weights(weight_files(directory)), head)
     if head.target.checkpoint_rows:
         cut_padding(head, weights, {}, head.target.checkpoint_rows)
@@ -133,9 +126,7 @@ def load_weights(head, directory, assign=False):
 
 
 def replace_whole(file, write):
-    """write(path) into a .partial file beside `file`, on the disk (fsync), then put it in `file`'s place:
-    a process killed at any moment, or a machine that goes down, never leaves half a file under the real
-    name."""
+    """write(path) into a .partial file, fsync, then rename it over `file`: never half a file under its name."""
     partial = Path(f"{file}.partial")
     write(partial)
     with open(partial, "rb+") as written:
@@ -144,8 +135,7 @@ def replace_whole(file, write):
 
 
 def save_draft_head(head, hf, directory):
-    """Write a head as load_draft_head reads it: config.json (`hf`, the published layout's fields) and
-    model.safetensors in the published tensor names."""
+    """Write a head as load_draft_head reads it: config.json (`hf`) and model.safetensors, published names."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: (tensor.detach().float() if tensor.is_floating_point() else tensor).contiguous()

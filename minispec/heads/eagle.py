@@ -1,19 +1,12 @@
 """EAGLE (Li, Wei, Zhang & Zhang, ICML 2024): the target drafts for itself at the feature level. One
-decoder layer of the target's shape predicts the target's next last hidden state f (what its output head
-reads) from the current one and the token that followed:
+decoder layer of the target's shape predicts the target's next last hidden state f from the current one
+and the token that followed, and the target's own output head reads it:
 
-    f̂_{i+1} = Layer(fc([embed(x_{i+1}), f_i]))     embed: the target's own token embedding
-    q_{i+2}  = softmax(target.logits(f̂_{i+1}))      the target's own output head
+    f̂_{i+1} = Layer(fc([embed(x_{i+1}), f_i])),    q_{i+2} = softmax(target.logits(f̂_{i+1}))
 
-The pairs (f_i, x_{i+1}) the target computed since the last step go through the layer's own KV cache;
-each guess then feeds (f̂, guess) back (decoding/drafters.py's loop, shared with draft models). After
-verification the guesses' pairs are rolled back: accepted ones return with the target's real states.
-A reduced draft vocabulary (EAGLE-3's idea) puts q on the N tokens the target says most, cutting the
-output head, most of a guess's cost; guesses are drawn from that q, so output stays exact.
-
-Checkpoints: EAGLE-1/2 heads as published (a one-layer Llama config with `bias` for fc; fc.* and
-layers.0.* in Hugging Face names, layer 0 without an input norm), and heads trained here (the same,
-with `minispec_draft_vocab` and the tensor `draft_vocab` when reduced).
+It drafts through drafters.py's loop, with its own KV cache; a reduced draft vocabulary (EAGLE-3's idea)
+cuts the output head, q then being zero outside it. Checkpoints: EAGLE-1/2 heads as published (fc.* and
+layers.0.* in Hugging Face names, no input norm in layer 0), and heads trained here.
 """
 
 import torch
@@ -28,8 +21,7 @@ from ..models.llama import Llama, LlamaConfig, TransformerBlock, convert_hf_weig
 
 
 class EagleHead(Llama):
-    """A one-layer Llama whose input is fc([embed(token), the target's state]) and whose output head is
-    the target's (Llama's caches, masks and RoPE, none of its embedding or head)."""
+    """A one-layer Llama over fc([embed(token), the target's state]), with the target's embedding and head."""
 
     kind = "eagle"
 
@@ -40,8 +32,7 @@ class EagleHead(Llama):
         self.layers = nn.ModuleList(TransformerBlock(config, None) for _ in range(config.n_layers))
         self.layers[0].attention_norm = nn.Identity()  # fc's output goes in as it is (EAGLE's layer 0)
         self.__dict__["target"] = target  # not a submodule: its weights are the target's, loaded once
-        # the target token ids q may be non-zero on (None: all); their rows of the target's output head
-        # are taken at the first use (reduced_head), after the ids are loaded
+        # the target token ids q may be non-zero on (None: all); their head rows are taken at first use
         self.register_buffer("draft_vocab", None if draft_vocab_size is None else
                              torch.zeros(draft_vocab_size, dtype=torch.long))
         self.__dict__["reduced"] = None
@@ -63,12 +54,12 @@ class EagleHead(Llama):
         return self.spread(self.reduced_head()(hidden).float())
 
     def spread(self, drafted):
-        """Logits over the draft vocabulary [..., N] -> over the target's, -inf outside it."""
+        """Logits over the draft vocabulary -> over the target's, -inf outside it."""
         logits = drafted.new_full((*drafted.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.draft_vocab, drafted)
 
     def reduced_head(self):
-        """A Linear holding the draft vocabulary's rows of the target's output head (head_rows)."""
+        """A Linear of the draft vocabulary's rows of the target's output head."""
         if self.reduced is None:
             reduced = nn.utils.skip_init(Linear, self.config.dim, len(self.draft_vocab), bias=False,
                                          device=self.device, dtype=self.dtype)
@@ -81,8 +72,7 @@ class EagleHead(Llama):
         return self.reduced
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None, inputs=None):
-        """The predicted next states of the pairs (inputs[:, j], tokens[:, j]). Without inputs (the
-        policy timing a guess) zeros stand in: the same work."""
+        """The predicted next states of the pairs (inputs[:, j], tokens[:, j]); zeros stand in for no inputs."""
         embedded = self.embed_tokens(tokens).to(self.dtype)
         inputs = torch.zeros_like(embedded) if inputs is None else inputs.to(self.dtype)
         x = self.blocks(self.layer_input(embedded, inputs), input_pos, layout, keys)
@@ -96,10 +86,8 @@ class EagleHead(Llama):
 
 
 def head_rows(target, ids=None):
-    """The rows of the target's output head for token ids (all: None) [n, dim], as the target computes
-    its logits. A head stored as a float matrix gives them as they are; any other (quantized, sharded)
-    gives its logits of the identity, which cost a forward of `dim` rows, which a one-shot run.py call
-    would pay before its first guess."""
+    """The rows of the target's output head for token ids (None: all) [n, dim]: the float weight, or for any
+    other head (quantized, sharded) its logits of the identity."""
     head = target.head
     if type(head) in (Linear, Embedding) and head.weight.is_floating_point():
         return head.weight if ids is None else head.weight[ids]
@@ -118,9 +106,7 @@ class EagleDrafter(ModelDrafter):
         self.unseen = None  # nothing to draft from before the target's first forward gives its states
 
     def accept(self, tokens, tokens_on_device, seen=None):
-        # seen: the tokens the target kept since the last step and its state at each; each state pairs
-        # with the token after it (the next one seen, then the target's own new token).
-        # Pairs still waiting from steps that drafted nothing (k = 0) go first.
+        # each state seen pairs with the token after it; pairs waiting from steps that drafted nothing go first
         fed, states = seen
         self.length -= self.fed_guesses  # the guesses' pairs held predicted states: the real ones follow
         new = torch.cat([fed[1:], tokens_on_device[-1:]])
@@ -130,8 +116,7 @@ class EagleDrafter(ModelDrafter):
 
 
 def llama_config(hf, target):
-    """The head's LlamaConfig, its vocabulary the target's (a ValueError, which the loader prefixes with
-    the folder)."""
+    """The head's LlamaConfig, its vocabulary the target's."""
     config = LlamaConfig.from_hf({"vocab_size": target.vocab_size, "max_position_embeddings": 1 << 20, **hf})
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"the head's vocab_size {config.vocab_size} is not the target's ({target.vocab_size})")
@@ -139,7 +124,7 @@ def llama_config(hf, target):
 
 
 def build(hf, target):
-    """The head for config.json `hf` (the loader builds it on the meta device), checked against `target`."""
+    """The head for config.json `hf`, checked against `target`."""
     config = llama_config(hf, target)
     if config.dim != target.hidden_size:
         raise ValueError(f"an EAGLE head of hidden_size {config.dim} cannot draft for {target.name}, whose "
@@ -158,15 +143,14 @@ def check_draft_vocab(head, source):
 
 
 def convert_weights(weights, head):
-    """Published names -> ours, for `head`: layers.0.* as in a Llama checkpoint (fused q/k/v and gate/up);
-    fc as it is; a copy of the target's embedding, which some heads carry, dropped (the target's is used)."""
+    """Published names -> ours: layers.0.* as a Llama's; a copy of the target's embedding dropped."""
     weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()
                if not name.endswith("embed_tokens.weight")}
     return convert_hf_weights(weights, head.config)
 
 
 def published(head):
-    """Our tensors under the published names (convert_weights' inverse): what train.py saves."""
+    """Our tensors under the published names (convert_weights' inverse)."""
     c, out = head.config, {}
     for name, tensor in head.state_dict().items():
         layer, _, rest = name.partition(".attention.")

@@ -1,35 +1,26 @@
-"""EAGLE-3 (Li, Wei, Zhang & Zhang, 2025): EAGLE's one-layer draft, reading states from inside the target.
+"""EAGLE-3 (Li, Wei, Zhang & Zhang, 2025): EAGLE's one-layer draft, reading the residual states entering
+three of the target's layers (2, L/2 and L-3 by default) and guessing through an output head of its own
+over a reduced draft vocabulary:
 
-Where EAGLE-1 (eagle.py) predicts the target's last state for the target's own output head, EAGLE-3
-fuses the residual states entering three of the target's layers (2, L/2 and L-3 of L by default) and
-guesses through an output head of its own, over a reduced draft vocabulary:
+    g_i = fc([h_i^low, h_i^mid, h_i^high]),  g'_{i+1} = g_i + Attn([norm(embed(x_{i+1})), norm(g_i)]) (+ MLP)
+    q_{i+2} = softmax(lm_head(norm(g'_{i+1})))     draft token d is the target's d + d2t[d]
 
-    g_i      = fc([h_i^low, h_i^mid, h_i^high])                   the target's states, fused (3d -> d)
-    g'_{i+1} = g_i + Attn([norm(embed(x_{i+1})), norm(g_i)])      (+ the layer's MLP, as any Llama layer)
-    q_{i+2}  = softmax(lm_head(norm(g'_{i+1})))                   over the draft vocabulary only
-
-The next guess reads g' where fused states would be, as EAGLE-1's reads f̂. A draft token d is the
-target's token d + d2t[d]. Checkpoints as their authors publish them (vLLM and SGLang read the same): a
-one-layer Llama config with `draft_vocab_size` (and `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`
-where they differ from the defaults); fc.weight, midlayer.* (q/k/v twice as wide, hidden_norm beside
-input_layernorm), norm.weight, lm_head.weight, d2t, t2d (not needed here) and, in a head narrower than
-its target, its own embed_tokens.weight.
+Checkpoints as their authors publish them (vLLM and SGLang read the same): fc, midlayer.* (q/k/v twice
+as wide, hidden_norm beside input_layernorm), norm, lm_head, d2t, t2d, and a narrower head's embed_tokens.
 """
 
 import torch
 from torch import nn
 
 from ..models.base import CachedLM, Embedding, Linear, RMSNorm, compile_region
-from ..models.checks import COUNT, FLAG, TABLE, check
+from ..models.checks import COUNT, FLAG, TABLE, Check, check, integer
 from ..models.llama import Llama, TransformerBlock, convert_hf_weights
 from . import eagle
 from .eagle import EagleDrafter, EagleHead
 
 
 class Eagle3Block(TransformerBlock):
-    """EAGLE-3's layer: its input is [embedding, state] side by side; attention reads both, each
-    normed on its own (attention_norm is the embedding's, hidden_norm the state's); the residual
-    stream is the state alone."""
+    """EAGLE-3's layer: attention reads [embedding, state], each normed on its own; the residual is the state."""
 
     def __init__(self, config, norm_before_residual):
         super().__init__(config, None)
@@ -58,8 +49,7 @@ class Eagle3Block(TransformerBlock):
 
 
 class Eagle3Head(EagleHead):
-    """An EAGLE-3 draft: fc over the target's tapped states, one Eagle3Block, its own norm and output
-    head over `draft_vocab` (target token ids; None: the whole vocabulary, in order)."""
+    """An EAGLE-3 draft: fc over the target's tapped states, an Eagle3Block, its own norm and output head."""
 
     kind = "eagle3"
 
@@ -70,8 +60,7 @@ class Eagle3Head(EagleHead):
         self.layers = nn.ModuleList([Eagle3Block(config, norm_before_residual)])
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = Linear(config.dim, draft_vocab_size, bias=False)
-        # a head as wide as its target embeds with the target's own table (the copy it may carry is
-        # dropped); a narrower one brings its own
+        # a head as wide as its target embeds with the target's table; a narrower one brings its own
         self.embedding = Embedding(config.vocab_size, config.dim) if config.dim != target.hidden_size else None
         self.__dict__["target"] = target
         self.register_buffer("draft_vocab", None if draft_vocab_size == target.vocab_size else
@@ -85,12 +74,11 @@ class Eagle3Head(EagleHead):
         return drafted if self.draft_vocab is None else self.spread(drafted)
 
     def layer_input(self, embedded, states):
-        """[embedding, state] side by side, as they are (Eagle3Block norms each): states are fused
-        target states (fuse) or the head's own earlier ones."""
+        """[embedding, state] side by side (Eagle3Block norms each)."""
         return torch.cat([embedded, states], dim=-1)
 
     def fuse(self, states):
-        """The target's tapped states [..., taps x target dim] -> the head's input [..., dim]."""
+        """The target's tapped states -> the head's input."""
         return self.fc(states.to(self.dtype))
 
     def drafter(self):
@@ -98,8 +86,7 @@ class Eagle3Head(EagleHead):
 
 
 class Eagle3Drafter(EagleDrafter):
-    """EagleDrafter's loop; the target's forwards return the states entering the head's tapped layers,
-    fused as they arrive."""
+    """EagleDrafter's loop on the states entering the tapped layers, fused as they arrive."""
 
     name = "eagle3"
 
@@ -113,15 +100,13 @@ class Eagle3Drafter(EagleDrafter):
 
 
 def default_taps(n_layers):
-    """The layers whose entering states EAGLE-3 reads when its config names none: 2, L/2 and L-3 (its
-    authors' choice, vLLM's and SGLang's default); None where those are not three layers of L."""
+    """EAGLE-3's default layers, 2, L/2 and L-3; None where those are not three layers of L."""
     taps = tuple(sorted({2, n_layers // 2, n_layers - 3}))
     return taps if len(taps) == 3 and taps[0] >= 0 and taps[-1] < n_layers else None
 
 
 def training_taps(n_layers):
-    """The layers a head trained here reads: EAGLE-3's default, or on targets too shallow for it the
-    first, middle and last layers' inputs that exist."""
+    """The layers a head trained here reads: the default, or on shallow targets the nearest that exist."""
     return default_taps(n_layers) or tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
 
 
@@ -136,11 +121,9 @@ def taps_from_hf(hf, target):
             raise ValueError(f"EAGLE-3 reads the states entering layers 2, L/2 and L-3, which are not three "
                              f"layers of {target.name}'s {n_layers}: name them in eagle_aux_hidden_state_layer_ids")
         return taps
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-            and len(set(ids)) == len(ids) and all(0 <= i < n_layers for i in ids)):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be distinct layer indices of {target.name} "
-                         f"(0..{n_layers - 1}), got {ids!r}")
-    return tuple(sorted(ids))
+    layers = Check(lambda v: isinstance(v, list) and v and all(map(integer(0, n_layers - 1), v))
+                   and len(set(v)) == len(v), f"must be distinct layer indices of {target.name} (0..{n_layers - 1})")
+    return tuple(sorted(layers("eagle_aux_hidden_state_layer_ids", ids)))
 
 
 def check_target(target):
@@ -149,8 +132,7 @@ def check_target(target):
 
 
 def build(hf, target):
-    """The head for config.json `hf` (on the current device: the loader builds it on meta); a ValueError
-    where it cannot draft for `target`."""
+    """The head for config.json `hf`; a ValueError where it cannot draft for `target`."""
     check_target(target)
     config = eagle.llama_config(hf, target)
     wide = check(hf, "target_hidden_size", COUNT, config.dim)
@@ -164,9 +146,7 @@ def build(hf, target):
 
 
 def convert_weights(weights, head):
-    """Published names -> ours, for `head` (built from the same config.json): midlayer.* as a Llama layer
-    0 (fused q/k/v and gate/up; hidden_norm kept); d2t's offsets as the target ids of the draft tokens;
-    t2d dropped; the embedding kept only where the head has its own."""
+    """Published names -> ours: midlayer.* as Llama layer 0, d2t's offsets as target ids, t2d dropped."""
     config = head.config
     weights = {name.removeprefix("model."): tensor for name, tensor in weights.items() if name != "t2d"}
     layer = {name.replace("midlayer.", "layers.0.", 1): weights.pop(name) for name in list(weights)
@@ -182,7 +162,7 @@ def convert_weights(weights, head):
 
 
 def published(head):
-    """Our tensors under the published names (convert_weights' inverse): what train.py saves."""
+    """Our tensors under the published names (convert_weights' inverse)."""
     out = {}
     for name, tensor in eagle.published(head).items():
         if name == "draft_vocab":

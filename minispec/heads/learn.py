@@ -1,16 +1,6 @@
-"""A draft head that keeps learning while the server uses it (online distillation, Liu et al. 2024). The
-target's forwards compute the head's states at every token anyway (a request's on_states); the Learner
-keeps the latest of them, a sequence per request, and trains a float copy of the head on them with the
-offline trainer's loss (training.py) between the engine's steps, copying the weights into the head that
-drafts after each training step. A step's guesses and their q thus come from one set of weights, and
-verification stays exact: the head only proposes.
-
-Budgets: the kept sequences take at most `buffer_mb` MiB (the oldest dropped first; a request keeps its
-last SEQUENCE tokens). Training runs between steps while training has taken at most `share` of the time
-since the learner started, and on while the server is idle, as long as traffic not yet learnt from is
-left (each kept token is learnt from about `passes` times), in the process's torch threads (--threads).
-The acceptance rate of every `window` requests is logged and kept for /health; the head is saved in its
-folder format (whole files only) when the server stops."""
+"""A draft head that keeps learning while the server uses it (online distillation, Liu et al. 2024): a float
+copy trains on the target's states of recent requests between the engine's steps, its weights copied into
+the drafting head after each step, so a step's guesses and q come from one set of weights (exact)."""
 
 import logging
 import time
@@ -24,8 +14,7 @@ from .training import eagle_loss, medusa_loss, padded_batch, training, update
 
 log = logging.getLogger("minispec.serve")
 
-# An EAGLE-3 head reads the states entering some layers, from which the target's p (its loss's label)
-# cannot be computed; EAGLE and Medusa heads read the last states, which give it.
+# EAGLE and Medusa heads read the last states, which give the target's p (the label); EAGLE-3's do not
 LOSSES = {"eagle": eagle_loss, "medusa": medusa_loss}
 SEQUENCE = 1024  # a request's last tokens kept: a one-layer head learns from recent context
 TOKENS_PER_BATCH = 512
@@ -33,13 +22,11 @@ PENDING = 1024  # requests under way whose states are kept (more: a lost request
 
 
 class Learner:
-    """Trains the head in folder `source` for `target` on the states serving computes, into folder `out`
-    (save). `head`: the float copy that drafts (the server's draft); `report()`: the progress so far."""
+    """Trains the head in folder `source` for `target` on serving's states, saving into folder `out`."""
 
     def __init__(self, target, source, out, share=0.25, buffer_mb=256, lr=1e-3, passes=4, window=100, seed=0):
         if target.quantization is not None or target.dtype == torch.float16 or target.tp is not None:
-            # the loss's labels come from the target's float output head; float16 gradients overflow; the
-            # ranks of a sharded target would draft with heads that differ
+            # labels need the float output head; float16 gradients overflow; shards' heads would differ
             raise ValueError("--learn-head trains on a float32 or bfloat16 target, whole in one process: load it "
                              "without --quantize, float16 or --tp")
         if not (0 < share <= 1 and buffer_mb > 0):
@@ -73,7 +60,7 @@ class Learner:
             self.pending.pop(next(iter(self.pending)))
 
     def finish(self, index, stats=None):
-        """Request `index` ended (stats: its statistics; None: cancelled): its sequence is kept."""
+        """Request `index` ended (stats None: cancelled): its sequence is kept."""
         pieces = self.pending.pop(index, None)
         if pieces:
             self.keep(torch.cat([t for t, _ in pieces]), torch.cat([s for _, s in pieces]))
@@ -101,16 +88,14 @@ class Learner:
             self.bytes -= len(old) * per_token
 
     def between_steps(self, idle):
-        """Train between the engine's steps (never inside one): a step while training has taken at most
-        `share` of the time so far, then more while idle() says no request waits."""
+        """A training step while training has taken at most `share` of the time, more while idle()."""
         if self.credit > 0 and self.seconds <= self.share * (time.monotonic() - self.started):
             self.step()
         while self.credit > 0 and idle():
             self.step()
 
     def step(self):
-        """One training step of the float copy on a random batch of the kept sequences, then its weights
-        into the head that drafts."""
+        """One step of the float copy on a random batch of kept sequences, then its weights into the head."""
         start, picked, size = time.monotonic(), [], 0
         for i in torch.randperm(len(self.kept), generator=self.generator).tolist():
             picked.append(self.kept[i])
@@ -130,8 +115,7 @@ class Learner:
         self.seconds += time.monotonic() - start
 
     def report(self):
-        """For /health: the acceptance rate of each window of requests so far (the last 100 windows, the
-        first's, and the current one's), and the training's share of the time and its buffer."""
+        """For /health: acceptance per window, training's share of the time and its buffer."""
         rates, (requests, accepted, verified) = list(self.rates), self.counts  # read once: the scheduler writes them
         elapsed = max(time.monotonic() - self.started, 1e-9)
         return {"acceptance": [round(rate, 4) for rate in rates], "first_acceptance": self.first, "window": self.window,
@@ -140,6 +124,6 @@ class Learner:
                 "buffer_mb": round(self.bytes / 2**20, 3)}
 
     def save(self):
-        """The head as it has learnt, into `out` (each file written whole, then renamed into place)."""
+        """The head as it has learnt, into `out`."""
         save_draft_head(self.student, self.hf, self.out)
         log.info("learning head: saved into %s after %d training steps", self.out, self.steps)

@@ -1,12 +1,10 @@
-"""Medusa (Cai et al. 2024), after blockwise parallel decoding (Stern, Shazeer & Uszkoreit 2018): K heads
-on the target's last hidden state f_i, head j guessing the token j + 1 places past the target's own:
+"""Medusa (Cai et al. 2024): K heads on the target's last hidden state f_i, head j guessing the token
+j + 1 places past the target's own, each guess drawn independently from its own q_j:
 
-    q_j = softmax(W_j · ResBlock_j(f_i)),  ResBlock(x) = x + SiLU(linear(x))     guess j ~ q_j: x_{i+2+j}
+    q_j = softmax(W_j · ResBlock_j(f_i)),  ResBlock(x) = x + SiLU(linear(x))
 
-Every guess comes from the one state: a small forward per guess and no cache; the guesses are drawn
-independently, each from its own q_j, which is all Algorithm 1 needs. Checkpoints: Medusa-1 heads as
-published (config.json with medusa_num_heads and medusa_num_layers; `{head}.{layer}.linear.*` and
-`{head}.{medusa_num_layers}.weight`, or the same under `medusa_head.` in a Medusa-2 model's files).
+Checkpoints: Medusa-1 heads as published (medusa_num_heads, medusa_num_layers; `{head}.{layer}.linear.*`
+and `{head}.{medusa_num_layers}.weight`, or under `medusa_head.` in a Medusa-2 model's files).
 """
 
 import torch
@@ -48,9 +46,8 @@ class MedusaHeads(nn.Module):
         return MedusaDrafter(self)
 
 
-# Candidates per head in a tree, and nodes expanded per depth: Medusa's own code builds its sparse trees
-# from each head's top 10 (TOPK = 10 in medusa/model/utils.py). Wider than a draft model's trees: expanding
-# costs no forward here (a node's children are its depth's head's candidates), only host work.
+# Candidates per head in a tree, and nodes expanded per depth, as Medusa's own top 10: expanding costs no
+# forward here, only host work.
 MEDUSA_TREE_WIDTH = 10
 
 
@@ -81,10 +78,8 @@ class MedusaDrafter:
         return sample(q, generator), q
 
     def propose_tree(self, k, budget, sampling):
-        """A tree of at most `budget` guesses, k deep, from the heads' best candidates: the node at depth
-        j + 1 is one of head j's `width` most probable tokens, its score the product of its path's head
-        probabilities (tree.Growth keeps the best; Medusa's trees are fixed in advance, these are chosen
-        per step). The candidates are not draws, so q is None (verified as fixed candidates)."""
+        """A tree of at most `budget` guesses, k deep: a node at depth j + 1 is one of head j's best tokens,
+        scored by its path's probability (tree.Growth). Fixed candidates, so q is None."""
         k = min(k, len(self.heads.heads), budget)
         if self.state is None or k == 0:
             return torch.zeros(0, dtype=torch.long, device=self.heads.target.device), None, None
@@ -113,9 +108,7 @@ def build(hf, target):
 
 
 def convert_weights(weights, heads):
-    """Published names -> ours: `{head}.*` (Medusa-1's own file) or `medusa_head.{head}.*` (in a
-    Medusa-2 model's files, beside the target's tensors, which are left out) -> `heads.{head}.*` (the
-    names say all: `heads`, the module they load into, is not needed)."""
+    """Published names -> ours: `{head}.*` or `medusa_head.{head}.*` -> `heads.{head}.*`."""
     out = {}
     for name, tensor in weights.items():
         name = name.removeprefix("medusa_head.")
@@ -125,5 +118,5 @@ def convert_weights(weights, heads):
 
 
 def published(heads):
-    """Our tensors under Medusa-1's names (convert_weights' inverse): what train.py saves."""
+    """Our tensors under Medusa-1's names (convert_weights' inverse)."""
     return {name.removeprefix("heads."): tensor for name, tensor in heads.state_dict().items()}

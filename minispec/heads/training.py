@@ -1,6 +1,5 @@
 """One training step of a draft head on the target's states, with its paper's loss (EAGLE-1's, Medusa-1's
-self-distillation; tools/train_heads.py explains them): what the offline trainer (tools/train_heads.py)
-and a head that learns while serving (learn.py) share."""
+self-distillation): what the offline trainer (tools/train_heads.py) and learn.py share."""
 
 from contextlib import contextmanager
 
@@ -20,7 +19,7 @@ class Uncached(torch.nn.Module):
 
 @contextmanager
 def training(head, length):
-    """The head's forwards with gradients; an EAGLE head's over whole sequences of up to `length` tokens."""
+    """The head's forwards with gradients, an EAGLE head's over whole sequences of up to `length` tokens."""
     layers = getattr(head, "layers", [])  # Medusa heads have no attention
     if layers:
         head.setup_caches(1, length)  # RoPE tables of `length` positions
@@ -37,8 +36,7 @@ def training(head, length):
 
 
 def padded_batch(sequences, records, group):
-    """A group's sequences padded to a whole number of key blocks (attention reads keys in blocks of
-    32): (tokens [b, T], states [b, T, dim], answer mask [b, T])."""
+    """A group's sequences padded to whole key blocks of 32: (tokens, states, answer mask)."""
     width = -(-max(len(sequences[i][0]) for i in group) // 32) * 32
     tokens = torch.zeros(len(group), width, dtype=torch.long)
     feats = torch.zeros(len(group), width, records[group[0]].shape[-1])
@@ -51,8 +49,7 @@ def padded_batch(sequences, records, group):
 
 
 def output_head(target, x, rows=None):
-    """target.logits(x) with gradients: the float weight itself (the packed kernel has no backward);
-    rows: only those tokens' logits."""
+    """target.logits(x) with gradients (the packed kernel has none); rows: only those tokens'."""
     weight = getattr(target.head, "weight", None)
     if weight is None or not weight.is_floating_point():
         raise ValueError(f"training a head needs {target.name} with float weights (load it without --quantize)")
@@ -60,21 +57,19 @@ def output_head(target, x, rows=None):
 
 
 def target_probabilities(target, states, rows=None):
-    """The target's distribution at its `states` (on token ids `rows` only, renormalized there), in
-    float32 also under training's bfloat16 autocast: the labels stay as the target computes them."""
+    """The target's distribution at `states` (on `rows` only), float32 even under autocast."""
     with torch.no_grad(), torch.autocast(states.device.type, enabled=False):
         return output_head(target, states, rows).softmax(-1)
 
 
 def soft_cross_entropy(logits, p):
-    """Cross-entropy of the head's `logits` against the target's probabilities `p` (the same tokens)."""
+    """Cross-entropy of `logits` against the target's probabilities `p`."""
     return -(p * logits.log_softmax(-1)).sum(-1)
 
 
 def predict_pairs(head, tokens, inputs, mask):
-    """An EAGLE head's states after the batch's pairs (inputs[:, i], x_{i+1}) at answer positions
-    [pairs, dim]; for each the answer's next token x_{i+2}, whether it has one (the last state of a
-    sequence has none), and the answer positions kept (mask[:, 1:])."""
+    """An EAGLE head's states after the pairs (inputs[:, i], x_{i+1}) at answer positions, the next token
+    x_{i+2} of each, whether it has one, and the positions kept."""
     width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
     predicted = head.features(F.pad(tokens[:, 1:], (0, 1)), torch.arange(width), keys=width,
                               inputs=F.pad(inputs, (0, 0, 0, 1)))[:, :-1]
@@ -83,17 +78,15 @@ def predict_pairs(head, tokens, inputs, mask):
 
 
 def accuracy_of(head, logits, chosen, scored):
-    """How often the head's top token (logits over its draft vocabulary) is the answer's next token."""
+    """How often the head's top token is the answer's next token."""
     said = logits.detach().argmax(-1)
     said = said if head.draft_vocab is None else head.draft_vocab[said]
     return (said == chosen)[scored].float().mean()
 
 
 def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
-    """EAGLE-1's loss over the batch's pairs (f_i + noise, x_{i+1}) -> f_{i+1}, answer positions only,
-    the target's p renormalized over the head's draft vocabulary (where its q lives). Accuracy: how
-    often the head's top token at f̂_{i+1} is the target's, which (greedy answers) is the answer's next
-    token x_{i+2}."""
+    """EAGLE-1's loss on (f_i + noise, x_{i+1}) -> f_{i+1} at answer positions (regression, and the
+    target's p over the draft vocabulary), and the head's top-token accuracy."""
     inputs = states[:, :-1]
     if noise:
         uniform = torch.rand(inputs.shape, generator=generator).to(inputs.device)
@@ -109,8 +102,7 @@ def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
 
 
 def medusa_loss(heads, tokens, states, mask, generator, noise=None):
-    """Medusa-1's self-distillation loss: head j at answer position i against the target at i + 1 + j
-    (on the states as they are: no noise)."""
+    """Medusa-1's self-distillation loss: head j at position i against the target at i + 1 + j."""
     total, correct = 0.0, []
     for j, module in enumerate(heads.heads):
         shift = j + 1
@@ -125,18 +117,15 @@ def medusa_loss(heads, tokens, states, mask, generator, noise=None):
 
 
 def bfloat16_products(device):
-    """Training's matrix products in bfloat16 (autocast; weights, optimizer and losses stay float32)
-    where the device computes bfloat16 natively, faster at the same losses. Elsewhere (emulated, slower)
-    as they are."""
+    """Training's matrix products in bfloat16 where the device computes it natively (weights stay float32)."""
     native = torch.cuda.is_bf16_supported() if device.type == "cuda" else \
         device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=native)
 
 
 def update(head, optimizer, loss_of, batch, generator):
-    """One step of `optimizer` on loss_of(head, *batch, generator) (batch: padded_batch's, on the
-    target's device); returns (loss, the head's next-token accuracy). A loss that is not finite changes
-    nothing: the caller says what to do."""
+    """One step of `optimizer` on loss_of(head, *batch, generator): (loss, accuracy); a loss that is not
+    finite changes nothing."""
     with bfloat16_products(head.target.device):  # one step each: autocast keeps its weight copies till it ends
         loss, accuracy = loss_of(head, *batch, generator)
     if torch.isfinite(loss):
