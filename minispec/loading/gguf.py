@@ -329,7 +329,7 @@ def hf_name(name, model_type):  # of a tensor that check_tensors accepted
 
 
 def hf_config(metadata, tensors):
-    """config.json's contents (as hub checkpoints write it), each metadata value checked, and the tensors against them."""
+    """config.json's contents (as hub checkpoints write it), each metadata value and tensor checked."""
     arch = meta(metadata, "general.architecture", TEXT)
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; minispec imports {', '.join(ARCHITECTURES)}")
@@ -641,8 +641,8 @@ def tokenizer_files(metadata, vocab_size):
     bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None
     eos = ids.get("eos_token") if meta(metadata, "tokenizer.ggml.add_eos_token", FLAG, False) else None
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": template_processor(tokens, bos, eos),
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer, "post_processor": template_processor(tokens, bos, eos),
         "decoder": BYTE_FALLBACK if gemma else
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
