@@ -193,8 +193,8 @@ BYTE_FALLBACK = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern":
 
 
 def flattened(spec, where, key, step):
-    """The steps of a normalizer or pre-tokenizer, each as step(kind, spec, where) rebuilds it, Sequences under
-    `key` flattened (so that steps nested deeper than the library's JSON reader goes still load)."""
+    """The steps of a normalizer, pre-tokenizer or post-processor, each as step(kind, spec, where) reads it,
+    Sequences under `key` flattened (so that steps nested deeper than the library's JSON reader goes still load)."""
     if spec is None:
         return []
     kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
@@ -284,7 +284,8 @@ class ByteLevelBPE(Tokenizer):
         self.lock = threading.Lock()  # encode_special_tokens is the library tokenizer's state, set per encode
         super().__init__(id_to_token, added, config, chat_template)  # added_token put the added tokens in
         self.literal_ids = {t["id"] for t in added if vocab.get(t["content"]) != t["id"]}  # beyond the model's vocab
-        self.prefix, self.suffix = self.template(spec.get("post_processor"), "post_processor")
+        parts = flattened(spec.get("post_processor"), "post_processor", "processors", self.template)
+        self.prefix, self.suffix = [i for p, _ in parts for i in p], [i for _, s in parts for i in s]
 
     @staticmethod
     def added_token(token, where, id_to_token):
@@ -295,17 +296,10 @@ class ByteLevelBPE(Tokenizer):
         flags = {flag: token.get(flag, False) for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}
         return {"id": i, "content": content, **flags}
 
-    def template(self, spec, where):
-        """(prefix ids, suffix ids) that the post-processor adds around a single sequence."""
-        if spec is None:
-            return [], []
-        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
+    def template(self, kind, spec, where):
+        """[(prefix ids, suffix ids)] that a post-processor step adds around a single sequence."""
         if kind == "ByteLevel":  # ByteLevel only adjusts offsets
-            return [], []
-        if kind == "Sequence":
-            steps = check(spec, "processors", LIST, where=f"{where}.")
-            parts = [self.template(s, f"{where}.processors[{k}]") for k, s in enumerate(steps)]
-            return [i for p, _ in parts for i in p], [i for _, s in parts for i in s]
+            return []
         if kind != "TemplateProcessing":
             raise UnsupportedTokenizer(f"post-processor {kind!r} is not supported")
         special_tokens = check(spec, "special_tokens", TABLE, where=f"{where}.")
@@ -321,7 +315,7 @@ class ByteLevelBPE(Tokenizer):
                 if TOKEN_ID(f"{where}.special_tokens.{name}.ids[{n}]", i) not in self.id_to_token:
                     raise ValueError(f"{where}.special_tokens.{name}.ids[{n}] is {i}, which is no token's id")
                 (suffix if seen_text else prefix).append(i)
-        return prefix, suffix
+        return [(prefix, suffix)]
 
     def encode_text(self, text, split_special_tokens):
         with self.lock:
