@@ -22,18 +22,17 @@ def load_models(args):
 
 def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
                           group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
-    """The target model, and the draft as generate() takes it: None for "none", "ngram"/"lookup"/"suffix"
-    and "int8"/"int4" (the target's own quantized copy, sharded as the target is) as they are, or a model
-    loaded like the target (same device, dtype; whole on every rank when the target is sharded over
-    `tp` processes), quantized as `draft_quantize` says."""
+    """The target model, and the draft as generate() takes it: None for "none", a model-free or self-draft
+    name as it is, or a model loaded like the target (whole on every rank of a sharded one), quantized as
+    `draft_quantize` says."""
     target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
                         tp=tp)
     return target, load_draft(draft, target, compile, draft_quantize, group_size)
 
 
 def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
-    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head, for it; "D,suffix":
-    both, in one tree, decoding/mixed.py)."""
+    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head; "D,suffix": both,
+    in one tree, decoding/mixed.py)."""
     if isinstance(draft, str) and "," in draft:
         return [load_draft(part, target, compile, None if part in MODEL_FREE_NAMES else draft_quantize, group_size)
                 for part in draft.split(",")]

@@ -1,8 +1,5 @@
-"""Chat prompts: messages rendered by the checkpoint's chat template, a Jinja program, as the reference
-(transformers' apply_chat_template) renders it: jinja2's sandbox with trim_blocks and lstrip_blocks, the
-loop controls extension, and the reference's globals and filters (raise_exception, strftime_now, its
-tojson, the {% generation %} block), given the messages, add_generation_prompt, bos_token, eos_token and
-any other variables the caller names (enable_thinking ...)."""
+"""Chat prompts: messages rendered by the checkpoint's chat template (a Jinja program) as the reference's
+apply_chat_template renders it: jinja2's sandbox with its options, extensions, globals and filters."""
 
 import datetime
 import functools
@@ -22,8 +19,8 @@ class ChatTemplateError(ValueError):
 
 
 class Generation(jinja2.ext.Extension):
-    """{% generation %} ... {% endgeneration %}: the reference marks the assistant's text with it (for
-    training masks); rendering, it is its body."""
+    """{% generation %} ... {% endgeneration %}: the reference's mark of the assistant's text (for training
+    masks); rendered, it is its body."""
 
     tags = {"generation"}
 
@@ -63,9 +60,8 @@ def compiled(template):
 
 
 def render(template, messages, add_generation_prompt=True, **variables):
-    """The text of `messages` ([{"role": ..., "content": ...}]) in the chat `template` (its Jinja source),
-    as the reference's apply_chat_template(messages, tokenize=False, ...) gives it; `variables` are the
-    template's other inputs (bos_token, eos_token, enable_thinking ...)."""
+    """The text of `messages` in the chat `template` (its Jinja source), as the reference's
+    apply_chat_template(messages, tokenize=False) gives it; `variables` are the template's other inputs."""
     if template is None:
         raise ChatTemplateError(NO_TEMPLATE)
     if not messages:
@@ -86,15 +82,12 @@ RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "tokenize
 
 
 def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=False, **variables):
-    """Token ids of a conversation ready for the assistant's answer. `conversation` is the user's text,
-    or the messages so far ([{"role": "system" | "user" | "assistant", "content": ...}], as apps keep
-    them); `system`, if given, goes first; `variables` go to the template (enable_thinking=False ...).
-    Special tokens come from the template, so none are added.
+    """Token ids of a conversation ready for the assistant's answer: `conversation` is the user's text or the
+    messages so far, after `system` if given; `variables` go to the template (enable_thinking=False ...),
+    which writes the special tokens: none are added.
 
-    A message's text is encoded as plain text: "<|im_end|>" typed in it is those characters, not the
-    token that ends a turn, so a user cannot write turns of their own (for messages without special
-    tokens' text, the ids are the reference's). special_tokens_in_content=True reads special tokens in
-    messages too, as the reference's apply_chat_template does."""
+    A message's text is plain text: "<|im_end|>" typed in it is those characters, not the token, so a user
+    cannot write turns of their own; special_tokens_in_content=True reads them as the reference does."""
     taken = next((name for name in variables if name in RESERVED), None)
     if taken is not None:
         raise ValueError(f"the chat template's variable {taken!r} is chat_prompt's to set")
@@ -117,9 +110,8 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
 
 
 def user_turn_start(tokenizer):
-    """Token ids of a chat up to where the user's first message starts (the template's default system
-    prompt, then the user's turn marker): what a chat model continues with a user's message of its
-    own (Magpie, Xu et al. 2024: how minispec.heads writes prompts to train on)."""
+    """Token ids of a chat up to where the user's first message starts, which a chat model continues with a
+    user's message of its own (Magpie: how minispec.heads writes prompts to train on)."""
     template = tokenizer.chat_template
     mark = next(free_characters(template or ""))
     text = render(template, [{"role": "user", "content": mark}], add_generation_prompt=False, **special_tokens(tokenizer))
@@ -155,8 +147,8 @@ def mapped(value, function):
 
 
 def masked_specials(template, messages, specials):
-    """{text: mask} for each special token's text in the messages: a character of its own, which the
-    template writes where it writes the text, and which is put back as plain text once rendered."""
+    """{text: mask} for each special token's text in the messages: a character of its own that the template
+    writes in its place, put back as plain text once rendered."""
     texts = []
     mapped(messages, texts.append)
     found = [special for special in specials if any(special in text for text in texts)]
@@ -164,8 +156,8 @@ def masked_specials(template, messages, specials):
 
 
 def encoded(tokenizer, text, specials, unmask):
-    """Token ids of a rendered chat: the template's special tokens as those tokens, the text between them
-    (with `unmask`'s characters put back: special tokens' text from the messages) as plain text."""
+    """Token ids of a rendered chat: the template's special tokens as those tokens, the text between them,
+    `unmask`'s characters put back, as plain text."""
     if not unmask:  # then this is what the reference does
         return tokenizer.encode(text, add_special_tokens=False)
     # Cut where the tokenizer cuts the text too: at the template's special tokens, with the spaces they strip.

@@ -1,13 +1,7 @@
-"""Import a llama.cpp GGUF file: read it, dequantize its tensors and write an ordinary checkpoint
-directory (config.json + model.safetensors + tokenizer files), once, so that later loads are plain
-safetensors loads through minispec.loading.checkpoint. Or, with keep_quantized, keep the quantized tensors as
-they are, in minispec.models.quant's stored form (int8 or int4 values with their scales and offsets),
-which dequantizes bit for bit to the same floats.
-
-The container (header, metadata, tensor infos, data offsets) is read by the `gguf` package, llama.cpp's
-own reader, and dequantized by it (gguf.quants: ggml's reference in numpy). Quantized types pack blocks of
-32 or 256 values with fp16 scales; the unpackers below give the blocks' integer values and scales, which
-a kept quantized tensor is stored as, and which dequantize bit for bit to gguf's values.
+"""Import a llama.cpp GGUF file once into an ordinary checkpoint folder (config.json, model.safetensors,
+tokenizer files), which later loads read as safetensors. The `gguf` package reads the container and
+dequantizes; with keep_quantized, quantized tensors keep their blocks instead, unpacked below into
+models.quant's stored form (integer values, scales, offsets), which dequantizes bit for bit to gguf's values.
 
     python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
@@ -30,19 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
 from .tokenizer import BYTE_FALLBACK, BYTE_LEVEL, SPACES
 from .weights import save_safetensors
 
-# ---------------------------------------------------------------------------------------------
-# Reading the file
-
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# Every value the header holds (a string, a number, an array item) is a few numpy objects in gguf's reader,
-# some 350 bytes: a file's count of them is bounded (700 MB), above a 262k-token vocabulary's 1.6 million.
+# Each header value is some 350 bytes of numpy objects in gguf's reader: bounded (700 MB), above a 262k-token
+# vocabulary's 1.6 million.
 MAX_HEADER_VALUES = 1 << 21
 
 
@@ -59,10 +50,8 @@ class BadFile(ValueError):
 
 
 class Reader(GGUFReader):
-    """gguf's reader, held to the file's bounds: a read past the end comes back short there, without a
-    word (a truncated file then fails anywhere later, or loops over an array count read as nothing). Its
-    tensor infos are kept as read (name, dims, type, offset): minispec makes its own views of the data,
-    and names a tensor of a type it cannot read only when that tensor is dequantized."""
+    """gguf's reader held to the file's bounds (its reads past the end come back short, without a word),
+    its tensor infos kept as read: minispec makes its own views, and refuses a type only when it is read."""
 
     def __init__(self, path):
         self.values = 0
@@ -103,8 +92,7 @@ def metadata_value(name, field):
 
 
 def read_gguf(path):
-    """Parse a GGUF file: (metadata dict, {name: GGUFTensor}). Tensor data stays memory-mapped
-    until `dequantize` touches it. Every problem with the file is a ValueError naming it."""
+    """(metadata dict, {name: GGUFTensor}), the data memory-mapped; every problem is a ValueError naming the file."""
     path = Path(path)
     with open(path, "rb") as file:
         magic, version = file.read(4), int.from_bytes(file.read(4).ljust(4, b"\0"), "little")
@@ -127,13 +115,6 @@ def read_gguf(path):
     return metadata, tensors
 
 
-def ggml_type_name(type_id):
-    try:
-        return GGMLQuantizationType(type_id).name
-    except ValueError:
-        return f"ggml type {type_id}"
-
-
 def tensor_views(reader):
     """{name: GGUFTensor} of the reader's tensor infos, each checked against the file's size."""
     if reader.alignment % 8:
@@ -147,10 +128,10 @@ def tensor_views(reader):
             raise BadFile(f"corrupt GGUF file (tensor {name!r} appears twice)")
         if len(dims) > 4:
             raise BadFile(f"corrupt GGUF file (tensor {name!r} has {len(dims)} dimensions)")
-        type_name = ggml_type_name(type_id)
-        raw = None
-        if block_size(type_name):  # unsupported types keep data=None; dequantize() names them
-            block, block_bytes = block_size(type_name)
+        kind = GGMLQuantizationType(type_id) if type_id in GGML_QUANT_SIZES else None
+        type_name, raw = f"ggml type {type_id}" if kind is None else kind.name, None
+        if type_name in (*FLOAT_TYPES, *QUANT_TYPES):  # the others keep data=None; dequantize() names them
+            block, block_bytes = GGML_QUANT_SIZES[kind]
             if dims and dims[0] % block:
                 raise BadFile(f"corrupt GGUF file (tensor {name!r} rows of {dims[0]} are not whole {type_name} blocks)")
             if offset % reader.alignment:
@@ -263,13 +244,6 @@ CHUNK_BLOCKS = 1 << 16  # unpack in chunks so temporaries stay small next to the
 PROGRESS_MIN_BYTES = 64 << 20  # files with less quantized data convert too fast to need progress lines
 
 
-def block_size(type_name):
-    """(values, bytes) per block of a type minispec reads; None for the others."""
-    if type_name in FLOAT_TYPES:
-        return 1, FLOAT_TYPES[type_name].itemsize
-    return QUANT_TYPES[type_name][:2] if type_name in QUANT_TYPES else None
-
-
 def check_supported(tensor):
     if tensor.data is None:
         raise ValueError(
@@ -325,27 +299,14 @@ def stored_form(tensor):
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture's name
-GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {  # blk.N.<key> -> model.layers.N.<value>
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{x}.{part}": f"self_attn.{x}_proj.{part}" for x in "qkv" for part in ("weight", "bias")},
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **{f"ffn_{x}.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")},
 }
 # Gemma 2 and 3: norms before and after attention and the MLP (ffn_norm comes before the MLP, Llama's after attention)
 GEMMA3_LAYER_NAMES = {**LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -359,19 +320,16 @@ def meta(metadata, key, kind, default=REQUIRED):
     return check(metadata, key, kind, default, "GGUF metadata ")
 
 
-def hf_name(name, model_type):
+def hf_name(name, model_type):  # of a tensor that check_tensors accepted
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     names = GEMMA3_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else LAYER_NAMES
-    match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if match and match[2] in names:
-        return f"model.layers.{match[1]}.{names[match[2]]}"
-    raise ValueError(f"unexpected tensor {name!r}: minispec maps only {'/'.join(ARCHITECTURES)} decoder tensors")
+    layer, kind = re.fullmatch(r"blk\.(\d+)\.(.+)", name).groups()
+    return f"model.layers.{layer}.{names[kind]}"
 
 
 def hf_config(metadata, tensors):
-    """config.json contents (Hugging Face layout, as hub checkpoints write it) for a GGUF model, each
-    metadata value checked, and the tensors checked against them (check_tensors)."""
+    """config.json's contents (as hub checkpoints write it), each metadata value and tensor checked."""
     arch = meta(metadata, "general.architecture", TEXT)
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; minispec imports {', '.join(ARCHITECTURES)}")
@@ -425,9 +383,8 @@ def hf_config(metadata, tensors):
 
 
 def check_tensors(tensors, config, head_dim):
-    """Every tensor the config implies present, with the shape it implies, and no other: a file that would
-    convert but not load is refused before anything is converted. block_count is checked against the
-    blocks the file holds before anything is sized by it."""
+    """Every tensor the config implies present, of the shape it implies, and no other, so that a file that would
+    convert but not load is refused first; block_count is checked against the file's blocks before it sizes anything."""
     n_layers, hidden, ffn, vocab = (config[key] for key in (
         "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size"))
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
@@ -462,11 +419,9 @@ def check_tensors(tensors, config, head_dim):
 
 
 def gemma_config(get, config, head_dim, arch):
-    """What llama.cpp's Gemma 2 and 3 read beyond the metadata: queries scaled by head_dim^-0.5, by
-    (hidden / heads)^-0.5 for the 27B models (46 and 62 layers). Gemma 2: the even layers sliding (window
-    4096 unless the file gives one), attention scores and logits soft-capped (by 50 and 30 unless it gives
-    caps). Gemma 3: every 6th layer global, the others sliding (when the file gives a window) with RoPE
-    base 10000."""
+    """What llama.cpp's Gemma 2 and 3 assume beyond the metadata: queries scaled by head_dim^-0.5 (by
+    (hidden / heads)^-0.5 in the 27B models), Gemma 2's even layers sliding and its soft-caps, Gemma 3's
+    every 6th layer global and the others sliding with RoPE base 10000."""
     n_layers, window = config["num_hidden_layers"], get("attention.sliding_window", COUNT, None)
     big = 46 if arch == "gemma2" else 62  # the 27B model's layers
     scalar = config["hidden_size"] // config["num_attention_heads"] if n_layers == big else head_dim
@@ -533,10 +488,9 @@ def llama3_factors(head_dim, theta, factor, original_context):
 
 
 def llama3_rope_scaling(freq_factors, head_dim, theta):
-    """Recover the HF llama3 rope_scaling that produced llama.cpp's rope_freqs tensor, assuming Meta's
-    low/high frequency factors: the scaling factor is the largest divisor, and the original context
-    length follows from any divisor between 1 and the factor (if there is none, any power of two that
-    separates the kept from the divided wavelengths gives the same divisors)."""
+    """The HF llama3 rope_scaling that made llama.cpp's rope_freqs tensor, with Meta's frequency factors: the
+    factor is the largest divisor; the original context follows from any divisor between 1 and it (without
+    one, any power of two between the kept and the divided wavelengths gives the same divisors)."""
     factor = max(freq_factors)
     if factor <= 1.0 + 1e-6:
         return None
@@ -557,8 +511,7 @@ def llama3_rope_scaling(freq_factors, head_dim, theta):
 
 
 def unpermute(weight, n_head):
-    """llama.cpp's converter reorders each q/k head from Hugging Face's rotate-half layout
-    (first half, second half) to interleaved pairs for ggml's rope; put the rows back."""
+    """Undo llama.cpp's reordering of each q/k head from rotate-half halves to ggml's interleaved pairs."""
     rows = weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
     return rows.transpose(1, 2).reshape(weight.shape)
 
@@ -586,9 +539,8 @@ def kept_quantized(tensors):
 
 
 def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False):
-    """{HF name: tensor}, dequantized (q/k rows un-permuted for llama), cast to `dtype` if given. With
-    `keep_quantized`, a quantized weight stays quantized (see kept_quantized): `<name>.qweight`,
-    `.scales` and `.offsets` instead of `<name>.weight`, rows un-permuted alike, never cast."""
+    """{HF name: tensor}, dequantized (llama's q/k rows un-permuted), cast to `dtype` if given; with
+    `keep_quantized`, kept_quantized's weights as `<name>.qweight`, `.scales`, `.offsets`, never cast."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     stored = kept_quantized(tensors) if keep_quantized else {}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
@@ -647,16 +599,16 @@ PRE_TOKENIZERS = {
 
 
 def merges_by_rank(tokens):
-    """BPE merges for a SentencePiece vocabulary that lists none (Gemma's): every split of a token into two
-    tokens, the earlier token's first and, within one, the longer left part first; the reference's order."""
+    """BPE merges for a SentencePiece vocabulary that lists none (Gemma's): every split of a token into two,
+    in the reference's order (earlier tokens first, then longer left parts)."""
     vocab = set(tokens)
     return [[token[:cut], token[cut:]] for token in tokens for cut in range(len(token) - 1, 0, -1)
             if token[:cut] in vocab and token[cut:] in vocab]
 
 
 def tokenizer_files(metadata, vocab_size):
-    """{file name: JSON content} for tokenizer.json and tokenizer_config.json; {} without a vocabulary.
-    `vocab_size`: the embedding's rows, which every token must have."""
+    """{file name: JSON content} of tokenizer.json and tokenizer_config.json ({} without a vocabulary), for
+    an embedding of `vocab_size` rows."""
     model = meta(metadata, "tokenizer.ggml.model", TEXT, None)
     if model is None:
         return {}
@@ -689,13 +641,8 @@ def tokenizer_files(metadata, vocab_size):
     bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None
     eos = ids.get("eos_token") if meta(metadata, "tokenizer.ggml.add_eos_token", FLAG, False) else None
     tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": template_processor(tokens, bos, eos),
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer, "post_processor": template_processor(tokens, bos, eos),
         "decoder": BYTE_FALLBACK if gemma else
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
@@ -705,13 +652,9 @@ def tokenizer_files(metadata, vocab_size):
             "merges": merges_by_rank(tokens) if gemma else meta(metadata, "tokenizer.ggml.merges", TEXTS, []),
         },
     }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bos is not None,
-        "add_eos_token": eos is not None,
-        "clean_up_tokenization_spaces": False,
-        **{name: tokens[i] for name, i in ids.items()},
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bos is not None,
+              "add_eos_token": eos is not None, "clean_up_tokenization_spaces": False,
+              **{name: tokens[i] for name, i in ids.items()}}
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = meta(metadata, "tokenizer.chat_template", TEXT)
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
@@ -719,14 +662,14 @@ def tokenizer_files(metadata, vocab_size):
 
 def template_processor(tokens, bos_id, eos_id):
     """A post-processor putting bos/eos (either may be None) around every encoded text."""
-    if bos_id is None and eos_id is None:
-        return None
     wrap = [i for i in (bos_id, eos_id) if i is not None]
+    if not wrap:
+        return None
 
     def template(sequence, type_id):
-        def special(i):
-            return [] if i is None else [{"SpecialToken": {"id": tokens[i], "type_id": type_id}}]
-        return special(bos_id) + [{"Sequence": {"id": sequence, "type_id": type_id}}] + special(eos_id)
+        return [{"Sequence": {"id": part, "type_id": type_id}} if part == sequence else
+                {"SpecialToken": {"id": tokens[part], "type_id": type_id}} for part in (bos_id, sequence, eos_id)
+                if part is not None]
 
     return {
         "type": "TemplateProcessing",
@@ -736,24 +679,16 @@ def template_processor(tokens, bos_id, eos_id):
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# Conversion
-
-# Written last into a converted folder, holding the SHA-256 of the GGUF file it was made from: a folder
-# without it (a copy cut short), or with another file's, is converted again (builtin.import_gguf).
+# Written last into a converted folder, holding the GGUF file's SHA-256: a folder without it (cut short), or
+# with another file's, is converted again (builtin.import_gguf).
 COMPLETE = "conversion-complete"
 
 
 def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False, check=None, source_hash=""):
-    """Write `out_dir` (config.json, model.safetensors, tokenizer files) from a GGUF file; returns it.
-
-    `dtype` (e.g. torch.bfloat16) casts every weight; by default F32/F16/BF16 tensors keep their
-    type and quantized ones are stored as the exact fp32 values they dequantize to, or, with
-    `keep_quantized`, as they are (hf_weights; `dtype` then casts the float ones only, and config.json
-    says so in its quantization_config). The directory is written under a temporary name (staging),
-    checked by `check` (a function of the folder: checkpoint.check_checkpoint, which loads it) and
-    renamed at the end, so a failure leaves nothing behind. `source_hash`, the file's SHA-256, goes into
-    the COMPLETE mark. Every problem with the file is a ValueError naming it."""
+    """Write `out_dir` from a GGUF file and return it. Weights keep their float type, or `dtype`'s; quantized
+    ones become the exact fp32 values they dequantize to, or stay quantized with `keep_quantized`. The folder
+    is staged, checked by `check` (checkpoint.check_checkpoint) and renamed at the end, so a failure leaves
+    nothing; `source_hash` goes into the COMPLETE mark. Every problem with the file is a ValueError naming it."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
@@ -789,10 +724,9 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
 
 @contextmanager
 def staging(target):
-    """A new folder beside `target` to build it in, .<name>.partial-<pid>-<random>, removed when the body
-    ends (the body renames it to `target` to keep it), fails, or SIGTERM arrives; if the process is
-    killed, by the next sweep_partials(target). The process holds a shared lock on the folder while its
-    partial exists, which the kernel releases however the process ends."""
+    """A new partial folder beside `target` to build it in (the body renames it to keep it), removed when the
+    body ends, fails or SIGTERM arrives, or by the next sweep_partials if the process is killed: the shared
+    lock held on the parent meanwhile is released by the kernel however the process ends."""
     target.parent.mkdir(parents=True, exist_ok=True)
     sweep_partials(target)
     folder = os.open(target.parent, os.O_RDONLY)
@@ -813,8 +747,8 @@ def staging(target):
 
 
 def sweep_partials(target):
-    """Remove the partials of `target` that killed processes left (staging), when no process is writing
-    one: whoever gets the folder's lock exclusively knows that every partial there is stale."""
+    """Remove the partials of `target` that killed processes left: whoever locks the folder exclusively knows
+    that no partial there is being written."""
     try:
         folder = os.open(target.parent, os.O_RDONLY)
     except OSError:  # no folder yet, or none this process may read: nothing it could sweep
@@ -828,9 +762,8 @@ def sweep_partials(target):
 
 
 def try_lock(fd, operation):
-    """fcntl.flock; False where another process holds a conflicting lock, or where the file system has no
-    such lock (NFS has no exclusive one on a folder): partials there are never swept, rather than swept
-    while they are written."""
+    """fcntl.flock; False where another process holds a conflicting lock or the file system has none (NFS on
+    a folder): partials are then never swept, rather than swept while they are written."""
     try:
         fcntl.flock(fd, operation)
         return True
@@ -840,10 +773,9 @@ def try_lock(fd, operation):
 
 @contextmanager
 def sigterm_raises():
-    """SIGTERM raises SystemExit in the body, so that its cleanup runs; by default it ends the process on
-    the spot. Only where the default is in place (a program's own handler is its own policy), and in the
-    main thread, where Python runs handlers. Yields `held`: a context that holds a SIGTERM arriving in it
-    (while a partial is made or removed, which it would cut in half) until its end."""
+    """SIGTERM raises SystemExit in the body so that its cleanup runs (only where the default handler is in
+    place, in the main thread). Yields `held`: a context that defers a SIGTERM until its end, so that no
+    partial is left half made or half removed."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield nullcontext
         return

@@ -5,7 +5,6 @@ from pathlib import Path
 
 from .weights import CheckpointError
 
-# What a checkpoint directory needs from the hub: configs, weights, tokenizer files.
 HUB_FILES = [
     "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "spiece.model",
@@ -14,10 +13,9 @@ HUB_FILES = [
 
 
 def download_from_hub(repo_id):
-    """Fetch only the files minispec needs; honours the hub cache, HF_HOME and HF_HUB_OFFLINE. Its progress
-    bars are shown on a terminal only: in a log they are lines of redraws."""
-    # Imported here, not with the package: with its HTTP stack it slows every run's start, and only a
-    # checkpoint given by its hub id needs it.
+    """Fetch only the files minispec needs (honouring the hub cache, HF_HOME and HF_HUB_OFFLINE), with progress
+    bars on a terminal only: in a log they are lines of redraws."""
+    # Imported here: its HTTP stack slows every start, and only a checkpoint given by its hub id needs it.
     from huggingface_hub import snapshot_download, utils
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -1,8 +1,6 @@
-"""The process group a tensor-parallel target runs in (`minispec.load(..., tp=N)`, `run.py --tp N`):
-checked before anything is loaded, then joined. One process per rank, started by torchrun (which sets
-RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address), or by a program that has already called
-torch.distributed.init_process_group. Backend: NCCL on CUDA (rank r on cuda:LOCAL_RANK), gloo on the
-CPU. The sharding itself is models/tp.py's.
+"""The process group a tensor-parallel target runs in (`minispec.load(..., tp=N)`, `run.py --tp N`), checked
+before anything is loaded, then joined: one process per rank, started by torchrun or by a program that has
+joined a group itself; NCCL on CUDA, gloo on the CPU. The sharding itself is models/tp.py's.
 """
 
 import atexit
@@ -43,8 +41,8 @@ def join_timeout():
 
 
 def launch(tp, device):
-    """(world size, this rank's torch.device) for a target of tp ranks on `device` ("cuda": the GPU of
-    the local rank), or a one-line ValueError for a setup that cannot run: nothing is joined yet."""
+    """(world size, this rank's torch.device) for a target of tp ranks on `device` ("cuda": the local rank's
+    GPU), or a one-line ValueError for a setup that cannot run: nothing is joined yet."""
     if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
         raise ValueError(f"tp must be an integer >= 1 (the number of processes the target is sharded over), got {tp!r}")
     try:
@@ -73,8 +71,7 @@ def launch(tp, device):
                              "this machine; use --device cpu (gloo)")
         count = torch.cuda.device_count()
         if device.index is None:  # each process its own GPU
-            # checked against the processes on this machine, not this rank's index alone, so that every
-            # rank stops with the same message
+            # checked against the processes on this machine, so that every rank stops with the same message
             local = env_int("LOCAL_WORLD_SIZE") or world
             if local > count:
                 raise ValueError(f"tp={tp}: {local} processes on this machine need a GPU each, but it has {count}")
@@ -85,14 +82,12 @@ def launch(tp, device):
 
 
 def join(device):
-    """The TensorParallel of this process: the default group (joined here when the launcher has not,
-    waiting at most MINISPEC_TP_TIMEOUT seconds for every rank), and for host values under NCCL a gloo
-    group beside it (made once)."""
+    """The TensorParallel of this process: the default group (joined here, waiting at most MINISPEC_TP_TIMEOUT
+    seconds for every rank, when the launcher has not), and under NCCL a gloo group beside it for host values."""
     global host_group, joined
     if not joined:
-        # Garbage in reference cycles still holding the collectives' objects, destroyed in the
-        # interpreter's teardown, aborted the process (std::terminate in gloo) in 2 to 4 runs out of 8
-        # under load, after its work was done; collected while the interpreter is whole, none did.
+        # Reference cycles holding the collectives' objects, destroyed in the interpreter's teardown, can
+        # abort the process (std::terminate in gloo) after its work is done; collected before, they do not.
         atexit.register(gc.collect)
     joined = True
     backend = BACKENDS[device.type]
@@ -120,10 +115,8 @@ joined = False  # whether this process has joined a process group
 
 
 def leave():
-    """Leave the process group, if this process joined one, at the end of a command line's run when
-    every rank has done its collectives: a barrier first, so that no rank closes its connections while
-    a peer still receives the end of the last collective. Not after a failure, when the others may be
-    anywhere (the process then just ends)."""
+    """Leave the process group at the end of a command line's run (not after a failure, when the others may be
+    anywhere): a barrier first, so that no rank closes its connections while a peer still receives."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

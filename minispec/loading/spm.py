@@ -1,6 +1,23 @@
-"""SentencePiece tokenizers (tokenizer.model, spiece.model), read only by checkpoints that have no
-byte-level tokenizer.json."""
-from .tokenizer import Tokenizer, added_token_matchers, split_added
+"""SentencePiece tokenizers (tokenizer.model, spiece.model), read only by checkpoints that have no byte-level
+tokenizer.json, and run by the sentencepiece library: converting one for `tokenizers`, as transformers does,
+needs protobuf to read its normalization rules."""
+import re
+
+from .tokenizer import Tokenizer
+
+# What an lstrip/rstrip token swallows beside it: Unicode's White_Space, as the reference (Python's \s also
+# holds U+001C..U+001F).
+WHITESPACE = "[\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*"
+
+
+def added_token_regex(tokens):
+    """One regex matching any of `tokens` (longest first: the reference's leftmost-longest search) with the
+    whitespace lstrip/rstrip tokens swallow; group k is tokens[k - 1]. None for no tokens."""
+    if not tokens:
+        return None
+    return re.compile("|".join(
+        f"({WHITESPACE if t.get('lstrip') else ''}{re.escape(t['content'])}{WHITESPACE if t.get('rstrip') else ''})"
+        for t in tokens))
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -31,7 +48,10 @@ class SentencePieceTokenizer(Tokenizer):
         id_to_token |= {i: t["content"] for i, t in added.items()}
         super().__init__(id_to_token, list(added.values()), config, chat_template)
         self.literal_ids = set(self.added)
-        self.matchers = added_token_matchers(list(added.values()))
+        tokens = sorted(added.values(), key=lambda t: -len(t["content"]))
+        plain = [t for t in tokens if not t.get("special")]
+        # what cuts added tokens out of the text: all of them, or with split_special_tokens the plain ones
+        self.matchers = {False: (added_token_regex(tokens), tokens), True: (added_token_regex(plain), plain)}
         own = {"bos_token_id": self.sp.bos_id(), "eos_token_id": self.sp.eos_id(), "pad_token_id": self.sp.pad_id()}
         for name, i in own.items():  # the model's own ids where the config names none
             if getattr(self, name) is None and i >= 0:
@@ -42,8 +62,12 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_text(self, text, split_special_tokens):
         # SentencePiece reads no special token's text as that token: split_special_tokens needs nothing more.
-        return [i for piece, token_id in split_added(text, *self.matchers[split_special_tokens])
-                for i in ([token_id] if token_id is not None else self.sp.encode(piece))]
+        regex, tokens = self.matchers[split_special_tokens]
+        ids, start = [], 0
+        for match in regex.finditer(text) if regex else ():
+            ids += self.sp.encode(text[start:match.start()]) + [tokens[match.lastindex - 1]["id"]]
+            start = match.end()
+        return ids + self.sp.encode(text[start:])
 
     def decode_run(self, ids):
         return self.sp.decode(ids)  # dropping the space of the run's first piece, as SentencePiece does

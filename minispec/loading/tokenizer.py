@@ -1,10 +1,6 @@
-"""Tokenizers: byte-level BPE read from tokenizer.json (GPT-2, SmolLM, Qwen2, Llama 3), run by the
-`tokenizers` library, which the reference itself runs; and SentencePiece models (Llama 1/2, Mistral, T5)
-run by the sentencepiece library (loading/spm.py), with the Hugging Face conventions around them: added/special tokens
-are cut out of the text first (longest match first), each stretch of text between them encoded on its
-own as Llama's "legacy" tokenizer does, and BOS/EOS added as the family's convention and
-tokenizer_config.json say. (Converting a SentencePiece model for `tokenizers`, as transformers does,
-needs protobuf to read the model's normalization rules.)
+"""Tokenizers: what minispec needs of one (Tokenizer), with the Hugging Face conventions around BOS/EOS and
+added tokens; byte-level BPE from tokenizer.json (GPT-2, SmolLM, Qwen2, Llama 3), checked, then run by the
+`tokenizers` library as the reference runs it. SentencePiece models are loading/spm.py's.
 """
 
 import hashlib
@@ -19,8 +15,7 @@ from ..models.checks import FLAG, LIST, TABLE, TEXT, Check, check, integer
 
 
 class UnsupportedTokenizer(ValueError):
-    """A tokenizer.json that is no byte-level BPE this module knows (the message names the part), or a
-    hostile one."""
+    """A tokenizer.json that is no byte-level BPE this module knows (the message names the part)."""
 
 
 def read_json(path):
@@ -40,8 +35,7 @@ TEXT_OR_LIST = Check(lambda v: isinstance(v, (str, list)), "must be a string or 
 
 
 def read_config(directory):
-    """special_tokens_map.json and tokenizer_config.json merged (the latter wins), each value this module
-    reads checked."""
+    """special_tokens_map.json and tokenizer_config.json merged (the latter wins), each value read checked."""
     config = {}
     for path in (directory / "special_tokens_map.json", directory / "tokenizer_config.json"):
         part = read_json(path)
@@ -78,8 +72,8 @@ def check_added_token(token, where):
 
 
 def read_chat_template(directory, config):
-    """chat_template.jinja (newer transformers) or tokenizer_config.json's "chat_template" (a string, or a
-    list of named templates of which "default" is the one applied), or None."""
+    """chat_template.jinja, or tokenizer_config.json's "chat_template" (a string, or named templates of which
+    "default" applies), or None."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         try:
@@ -97,54 +91,12 @@ def token_content(value):
     return value.get("content") if isinstance(value, dict) else value
 
 
-# --- Added tokens (SentencePiece) ----------------------------------------------------------------
-
-# What an lstrip/rstrip token swallows beside it: Unicode's White_Space, as the reference (Python's \s also
-# holds U+001C..U+001F).
-WHITESPACE = "[\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*"
-
-
-def added_token_regex(tokens):
-    """One regex matching any of the added tokens, longest first, as the reference's leftmost-longest
-    search; lstrip/rstrip tokens also swallow the whitespace beside them. Group k is tokens[k - 1]."""
-    if not tokens:
-        return None
-    return re.compile("|".join(
-        f"({WHITESPACE if t.get('lstrip') else ''}{re.escape(t['content'])}{WHITESPACE if t.get('rstrip') else ''})"
-        for t in tokens
-    ))
-
-
-def added_token_matchers(tokens):
-    """{split_special_tokens: (regex, tokens)}: what cuts added tokens out of the text, all of them or
-    (split_special_tokens=True) only those that are not special."""
-    tokens = sorted(tokens, key=lambda t: -len(t["content"]))
-    plain = [t for t in tokens if not t.get("special")]
-    return {False: (added_token_regex(tokens), tokens), True: (added_token_regex(plain), plain)}
-
-
-def split_added(text, regex, tokens):
-    """Yield (text, None) for stretches of ordinary text and (content, id) for each added token."""
-    start = 0
-    for match in regex.finditer(text) if regex else ():
-        if match.start() > start:
-            yield text[start : match.start()], None
-        token = tokens[match.lastindex - 1]
-        yield token["content"], token["id"]
-        start = match.end()
-    if start < len(text):
-        yield text[start:], None
-
-
-# --- Tokenizers ----------------------------------------------------------------------------------
-
-
 class Tokenizer:
-    """What minispec needs of a tokenizer. A subclass encodes (`encode_text`: without BOS/EOS) and
-    decodes a run of model tokens (`decode_run`); `literal_ids` are tokens whose text is their content."""
+    """What minispec needs of a tokenizer. A subclass encodes (`encode_text`: without BOS/EOS), decodes a run
+    of model tokens (`decode_run`) and names `literal_ids`, the tokens whose text is their content."""
 
     def __init__(self, id_to_token, added_tokens, config, chat_template):
-        """id_to_token: every id's token string; added_tokens: [{id, content, special, lstrip, rstrip}]."""
+        """id_to_token: every id's token string; added_tokens: [{id, content, special, lstrip, rstrip ...}]."""
         self.id_to_token = id_to_token
         self.added = {t["id"]: t for t in added_tokens}
         self.special_ids = {t["id"] for t in added_tokens if t.get("special")}
@@ -160,8 +112,8 @@ class Tokenizer:
         self.prefix, self.suffix = [], []  # ids that add_special_tokens puts around the text (BOS, EOS)
 
     def encode(self, text, add_special_tokens=True, split_special_tokens=False):
-        """Token ids of `text`. split_special_tokens: special tokens' text in it is encoded as ordinary
-        text, not as those tokens (the reference's option of that name), as for text from an untrusted user."""
+        """Token ids of `text`; split_special_tokens (the reference's option): special tokens' text in it is
+        plain text, as for text from an untrusted user."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         ids = self.encode_text(text, split_special_tokens)
@@ -200,12 +152,9 @@ class Tokenizer:
         return ids
 
 
-# Oniguruma, the reference's regex engine, backtracks: a repeated group that can match the same text in
-# several ways, as "(a+)+$" or "(a|aa)*$", takes time exponential in the text's length, until Oniguruma
-# gives up after 10^7 retries and the reference panics. Such a group holds a quantifier or an alternation;
-# real tokenizers' patterns (GPT-2's, Llama 3's, Qwen2's, GPT-4o's) repeat only characters and classes,
-# so a pattern with one is refused. (Overlapping quantifiers side by side, as in "\s*[\r\n]+", which real
-# patterns have, backtrack polynomially at worst.)
+# Oniguruma, the reference's regex engine, backtracks: a repeated group that can match the same text in several
+# ways, as "(a+)+$" or "(a|aa)*$", takes exponential time until the reference panics. Such a group holds a
+# quantifier or an alternation; real tokenizers' patterns repeat only characters and classes, so one is refused.
 REGEX_ATOM = re.compile(r"\\(?:[pP]\{[^}]*\}|.?)|\[\^?|\(\??|.", re.DOTALL)  # an escape, a class's or group's start
 
 
@@ -244,9 +193,8 @@ BYTE_FALLBACK = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern":
 
 
 def flattened(spec, where, key, step):
-    """The steps of a normalizer or pre-tokenizer (Sequences under `key` flattened, so that steps nested
-    deeper than the library's JSON reader goes still load), each as step(kind, spec, where) rebuilds it;
-    `where` is a step's path in the file, for messages."""
+    """The steps of a normalizer, pre-tokenizer or post-processor, each as step(kind, spec, where) reads it,
+    Sequences under `key` flattened (so that steps nested deeper than the library's JSON reader goes still load)."""
     if spec is None:
         return []
     kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
@@ -286,11 +234,9 @@ def pre_tokenizer_step(kind, spec, where):
 
 
 class ByteLevelBPE(Tokenizer):
-    """Byte-level BPE from a tokenizer.json, run by the `tokenizers` library; or SentencePiece-style BPE
-    (Gemma's, as a GGUF import writes it): spaces written "▁" by a normalizer, a byte outside the vocabulary
-    as its <0xNN> token (byte_fallback). The file is checked and rebuilt first, from the parts this module
-    knows, each with its defaults written out (the library wants every field), so that a bad file is a
-    one-line error naming its key."""
+    """Byte-level BPE from a tokenizer.json, or SentencePiece-style BPE (Gemma's, as a GGUF import writes it:
+    spaces as "▁", other bytes as <0xNN> tokens), run by the `tokenizers` library. The file is checked and
+    rebuilt from the parts this module knows first, so that a bad one is a one-line error naming its key."""
 
     def __init__(self, spec, config, chat_template):
         model = check(TABLE("its top level", spec), "model", TABLE)
@@ -338,7 +284,8 @@ class ByteLevelBPE(Tokenizer):
         self.lock = threading.Lock()  # encode_special_tokens is the library tokenizer's state, set per encode
         super().__init__(id_to_token, added, config, chat_template)  # added_token put the added tokens in
         self.literal_ids = {t["id"] for t in added if vocab.get(t["content"]) != t["id"]}  # beyond the model's vocab
-        self.prefix, self.suffix = self.template(spec.get("post_processor"), "post_processor")
+        parts = flattened(spec.get("post_processor"), "post_processor", "processors", self.template)
+        self.prefix, self.suffix = [i for p, _ in parts for i in p], [i for _, s in parts for i in s]
 
     @staticmethod
     def added_token(token, where, id_to_token):
@@ -349,17 +296,10 @@ class ByteLevelBPE(Tokenizer):
         flags = {flag: token.get(flag, False) for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}
         return {"id": i, "content": content, **flags}
 
-    def template(self, spec, where):
-        """(prefix ids, suffix ids) that the post-processor adds around a single sequence."""
-        if spec is None:
-            return [], []
-        kind = check(TABLE(where, spec), "type", TEXT, where=f"{where}.")
+    def template(self, kind, spec, where):
+        """[(prefix ids, suffix ids)] that a post-processor step adds around a single sequence."""
         if kind == "ByteLevel":  # ByteLevel only adjusts offsets
-            return [], []
-        if kind == "Sequence":
-            steps = check(spec, "processors", LIST, where=f"{where}.")
-            parts = [self.template(s, f"{where}.processors[{k}]") for k, s in enumerate(steps)]
-            return [i for p, _ in parts for i in p], [i for _, s in parts for i in s]
+            return []
         if kind != "TemplateProcessing":
             raise UnsupportedTokenizer(f"post-processor {kind!r} is not supported")
         special_tokens = check(spec, "special_tokens", TABLE, where=f"{where}.")
@@ -375,7 +315,7 @@ class ByteLevelBPE(Tokenizer):
                 if TOKEN_ID(f"{where}.special_tokens.{name}.ids[{n}]", i) not in self.id_to_token:
                     raise ValueError(f"{where}.special_tokens.{name}.ids[{n}] is {i}, which is no token's id")
                 (suffix if seen_text else prefix).append(i)
-        return prefix, suffix
+        return [(prefix, suffix)]
 
     def encode_text(self, text, split_special_tokens):
         with self.lock:
@@ -388,12 +328,10 @@ class ByteLevelBPE(Tokenizer):
 
 
 class IncrementalDecoder:
-    """The text of a growing sequence of token ids, a piece at a time, exactly as decoding the whole
-    sequence gives it: never a broken character. A character can span tokens (byte-level BPE splits
-    UTF-8 into bytes), and a token's text can depend on its neighbours (SentencePiece drops the space
-    of a sequence's first piece), so each push decodes a short window: the tokens since the last
-    emitted piece, with those of the piece before as context, and emits what the new tokens added,
-    holding it back while it ends in an incomplete character (U+FFFD)."""
+    """The text of a growing sequence of token ids a piece at a time, exactly as decoding the whole gives it.
+    A character can span tokens and a token's text can depend on its neighbours (SentencePiece drops a first
+    piece's space), so each push decodes the tokens since the last piece with the piece before as context,
+    and holds back text that ends in an incomplete character (U+FFFD)."""
 
     def __init__(self, tokenizer, skip_special_tokens=True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
@@ -405,21 +343,17 @@ class IncrementalDecoder:
     def decode(self, ids):
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def push(self, ids):
-        """Add token ids; the text they complete (possibly empty)."""
+    def push(self, ids, final=False):
+        """Add token ids; the text they complete (possibly empty), or with `final` all that is left."""
         self.ids.extend(ids)
         before = self.decode(self.ids[self.context:self.emitted])
         after = self.decode(self.ids[self.context:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""
-        self.context, self.emitted = self.emitted, len(self.ids)
+        self.context, self.emitted = len(self.ids) if final else self.emitted, len(self.ids)
         self.text += after[len(before):]
         return after[len(before):]
 
     def flush(self):
         """What is held back at the end of the sequence (an incomplete character decodes as U+FFFD)."""
-        before = self.decode(self.ids[self.context:self.emitted])
-        rest = self.decode(self.ids[self.context:])[len(before):]
-        self.context = self.emitted = len(self.ids)
-        self.text += rest
-        return rest
+        return self.push([], final=True)

@@ -1,15 +1,12 @@
-"""The one check of a value from outside: config.json, GGUF metadata, tokenizer files, settings and
-HTTP bodies. A kind (Check) is a test and the rule its error states; every refusal is one line,
-"{where}{name} {rule}, got {value}", raised as a SettingError naming the field. Checked before any use,
-a wrong type or an absurd size is that line rather than a traceback from deep inside a layer, a model
-silently built wrong, or memory exhausted building it."""
+"""The one check of a value from outside (config.json, GGUF metadata, tokenizer files, settings, HTTP bodies):
+a kind (Check) is a test and the rule its error states, and a refusal is one line, "{where}{name} {rule}, got
+{value}", raised as a SettingError naming the field, before a wrong value can build a model wrong or exhaust memory."""
 
 import math
 import reprlib
 from typing import Callable, NamedTuple
 
-# Weight-only quantization's modes and int4 group sizes (models/quant.py), here free of torch so that the
-# command lines offer them as flags before loading it.
+# Weight-only quantization's modes and int4 group sizes (models/quant.py), here free of torch for the command lines.
 QUANT_MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32  # GGUF's Q4 group; 64 runs as fast here but is less accurate
@@ -18,8 +15,8 @@ REQUIRED = object()  # check()'s default for the keys a mapping must have
 
 
 class SettingError(ValueError):
-    """A value refused before any work: `field` names it (a setting, a request's field, a config key,
-    "prompt"), whichever way it came in, so that callers name it without reading the message."""
+    """A value refused before any work; `field` names it (a setting, a request's field, a config key), so that
+    callers name it without reading the message."""
 
     def __init__(self, field, message):
         super().__init__(message)
@@ -62,8 +59,8 @@ class Check(NamedTuple):
 
 
 def check(mapping, key, kind, default=REQUIRED, where=""):
-    """mapping[key] checked to be `kind`, named `{where}{key}`. An absent key gives `default`, and so
-    does a null one (JSON's way of leaving a key unset) unless the key is REQUIRED."""
+    """mapping[key] checked to be `kind`, named `{where}{key}`; an absent or null key gives `default` unless
+    it is REQUIRED."""
     value = mapping.get(key)
     if value is None and default is not REQUIRED:
         return default

@@ -81,6 +81,11 @@ NEUTRAL = {
     "web_search_options": ((), "no web search"),
 }
 ROLES = ("system", "user", "assistant")
+ROLE = Check(lambda v: isinstance(v, str) and v in ROLES, f"must be one of {', '.join(ROLES)}")
+# a message's content: text, or content parts' text (joined by line breaks, as vLLM joins them)
+CONTENT = Check(lambda v: is_text(v) or isinstance(v, list) and all(
+    isinstance(part, dict) and part.get("type") == "text" and is_text(part.get("text")) for part in v),
+    "must be a string (of text: no lone surrogates) or a list of text parts ({'type': 'text', 'text': ...})")
 
 
 @dataclass
@@ -134,8 +139,7 @@ def parse(body, chat, scheduler, model_name):
 
 
 def best(outcomes, n):
-    """The n outcomes (scheduler.Outcome) of the highest total log-probability, best first, as best_of
-    ranks them."""
+    """The n outcomes (scheduler.Outcome) of the highest total log-probability, best first (best_of's ranking)."""
     return sorted(outcomes, key=lambda outcome: -sum(entry.logprob for entry in outcome.logprobs))[:n]
 
 
@@ -146,15 +150,20 @@ def check_fields(body, fields, prefix=""):
             raise invalid(f"unrecognized request argument: {prefix}{name}", prefix + name)
         if value is None:
             continue
-        try:
-            fields[name](prefix + name, value)
-        except SettingError as error:
-            raise invalid(str(error), error.field) from None
+        checked(fields[name], prefix + name, value)
         if name in NEUTRAL:
             neutral, why = NEUTRAL[name]
             # 0 is no False
             if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
                 raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
+
+
+def checked(kind, name, value):
+    """`value` checked to be `kind`, its refusal a bad request naming the field."""
+    try:
+        return kind(name, value)
+    except SettingError as error:
+        raise invalid(str(error), error.field) from None
 
 
 def grammar_of(body):
@@ -181,8 +190,8 @@ def logprobs_of(body, chat):
 
 
 def prompt_ids(target, prompt, max_text):
-    """A completion's prompt: text, encoded with special tokens' text as plain text (a prompt from the
-    network cannot write a special token by spelling it; send token ids for that), or token ids."""
+    """A completion's prompt: token ids, or text, in which special tokens' text is plain text (a prompt from
+    the network cannot write a special token by spelling it)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -198,9 +207,8 @@ def prompt_ids(target, prompt, max_text):
 
 
 def chat_ids(target, messages, max_text, variables):
-    """A chat's prompt in the target's chat template; the messages' text is plain text (their special
-    tokens' text cannot end a turn and write another). `variables`: chat_template_kwargs (vLLM's field),
-    the template's own variables, e.g. {"enable_thinking": false}."""
+    """A chat's prompt in the target's chat template, the messages' text plain text (it cannot end a turn and
+    write another); `variables`: chat_template_kwargs (vLLM's field), the template's own variables."""
     taken = next((name for name in variables if name in RESERVED), None)
     if taken is not None:
         raise invalid(f"chat_template_kwargs.{taken} is set by the server, not by a request",
@@ -219,25 +227,14 @@ def chat_ids(target, messages, max_text, variables):
 
 
 def checked_message(message, where):
-    if not isinstance(message, dict):
-        raise invalid(f"{where} must be an object with a role and content", where)
-    role, content = message.get("role"), message.get("content")
-    if not (isinstance(role, str) and role in ROLES):
-        raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {reprlib.repr(role)}", f"{where}.role")
+    checked(TABLE, where, message)
+    role = checked(ROLE, f"{where}.role", message.get("role"))
+    content = checked(CONTENT, f"{where}.content", message.get("content"))
     extra = next((key for key, value in message.items()
                   if key not in ("role", "content", "name") and value is not None), None)
     if extra is not None:
         raise invalid(f"{where}.{extra} is not supported", f"{where}.{extra}")
-    if isinstance(content, list):  # content parts: their text, joined by line breaks as vLLM joins them
-        if not all(isinstance(part, dict) and part.get("type") == "text" and is_text(part.get("text"))
-                   for part in content):
-            raise invalid(f"{where}.content parts must be text parts ({{'type': 'text', 'text': ...}})",
-                          f"{where}.content")
-        content = "\n".join(part["text"] for part in content)
-    if not is_text(content):
-        raise invalid(f"{where}.content must be a string (of text: no lone surrogates) or a list of text parts, got "
-                      f"{reprlib.repr(content)}", f"{where}.content")
-    return {"role": role, "content": content}
+    return {"role": role, "content": content if isinstance(content, str) else "\n".join(p["text"] for p in content)}
 
 
 def new_tokens(target, ids, asked, max_length, prompt_field, max_field):
@@ -313,8 +310,7 @@ class Reply:
         return self.chunk({"delta": {"role": "assistant", "content": ""}}, index=index)
 
     def piece(self, text, logprobs=None, index=0):
-        """A stream's chunk of text, with the log-probabilities of the tokens of its step (a step's
-        text may lag its tokens where it could begin a stop string)."""
+        """A stream's chunk of text, with the log-probabilities of its step's tokens (whose text may lag)."""
         return self.chunk({"delta": {"content": text}} if self.chat else {"text": text}, logprobs=logprobs, index=index)
 
     def ending(self, outcome, index=0):
