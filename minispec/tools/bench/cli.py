@@ -21,6 +21,7 @@ OWN_TABLES = {"one_shot": one_shot_benchmark, "threads_under_load": threads_benc
               "batch_sizes": batch_benchmark, "beams": beam_benchmark, "workloads": workloads_benchmark,
               "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark,
               "features": features_benchmark}
+SERVED = ("--workloads", "--tp-serve", "--serve-load")
 
 
 def parse_args(argv):
@@ -85,13 +86,17 @@ def parse_args(argv):
 
 def check(args):
     """A ValueError naming the flags that cannot go together or are out of range, before loading weights."""
-    served = args.workloads is not None or args.tp_serve or args.serve_load
-    own, several = args.batch_sizes or args.beams or args.one_shot or args.features or served, len(args.draft) > 1
+    own = [flag for flag, given in (
+        ("--workloads", args.workloads is not None), ("--tp-serve", args.tp_serve is not None),
+        ("--serve-load", args.serve_load), ("--features", args.features), ("--batch-sizes", args.batch_sizes),
+        ("--threads-under-load", args.threads_under_load), ("--beams", args.beams is not None),
+        ("--one-shot", args.one_shot)) if given]
+    several, first = len(args.draft) > 1, next(iter(own), None)
     alone = "without --batch-sizes, --beams, --one-shot, --features, --workloads and --tp-serve"
     problems = [
-        (served and (args.batch_sizes or args.beams or args.one_shot or args.threads_under_load
-                     or sum((args.workloads is not None, bool(args.tp_serve), args.serve_load)) > 1),
-         "--workloads, --tp-serve and --serve-load are benchmarks of their own: without the other benchmarks' flags"),
+        (len(own) > 1 and own != ["--beams", "--one-shot"],  # a beam search's requests may run in fresh processes
+         ("--workloads, --tp-serve and --serve-load are benchmarks of their own" if first in SERVED else
+          f"{first} is a benchmark of its own") + ": without the other benchmarks' flags"),
         (args.tp_serve is not None and args.tp_serve < 2, f"--tp-serve must be >= 2, got {args.tp_serve}"),
         (args.workloads is not None and args.requests < 2, f"--workloads needs --requests >= 2 (two halves), got "
                                                             f"{args.requests}"),
@@ -100,14 +105,9 @@ def check(args):
                                                           f"{args.memory_tokens}"),
         (any(g != "auto" and g < 1 for g in args.gamma), f"--gamma values must be >= 1 or 'auto', got {args.gamma}"),
         (args.beams is not None and args.beams < 1, f"--beams must be >= 1, got {args.beams}"),
-        (args.batch_sizes and (args.beams or args.one_shot), "--batch-sizes is a benchmark of its own: "
-                                                             "without --beams and --one-shot"),
-        (args.features and (args.batch_sizes or args.beams or args.one_shot or served or args.threads_under_load),
-         "--features is a benchmark of its own: without the other benchmarks' flags"),
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
-        (several and own and args.workloads is None, f"several --draft values are a benchmark of their own: {alone}"),
-        (args.threads_under_load and (own or several), f"--threads-under-load is a benchmark of its own: one --draft, "
-                                                       f"{alone}"),
+        (several and first not in (None, "--workloads"),
+         f"several --draft values are a benchmark of their own: {alone}"),
         (args.llama_cpp and (own or several), f"--llama-cpp goes with the main table: one --draft, {alone}"),
         (args.llama_cpp and (args.prompt_ids or args.temperature != 0),
          "--llama-cpp compares greedy decoding of text prompts: without --prompt-ids and --temperature"),
