@@ -1,8 +1,6 @@
-"""Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter
-(the first --gamma), in interleaved rounds. Per drafter: the speedup, whether greedy output is plain's,
-tokens per target call, acceptance by guess position (what a draft head is judged by) and a guess's
-cost against a target step. With --tree N each drafter also runs with trees, a row beside its chain's.
-"""
+"""Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter (the
+first --gamma; with --tree N also with trees), in interleaved rounds: speedups, acceptance by guess position
+(what a draft head is judged by) and a guess's cost against a target step."""
 
 from argparse import Namespace
 
@@ -10,7 +8,7 @@ import torch
 
 from minispec.loaders import load_draft, load_models
 
-from .benchmarks import minispec_runner, reported, sampling_of
+from .benchmarks import minispec_runner, reported, sampling_of, summed
 from .prompts import prompt_ids_of, read_prompts
 from .report import md_table
 from .timing import decode_steps, median_times, step_times, time_generation
@@ -46,11 +44,9 @@ def drafters_benchmark(args):
 
 
 def drafter_row(name, tree, spec, plain, cost, args):
-    """One drafter's row, as a chain (tree None) or with trees of up to `tree` guesses: `spec` is its
-    time_generation entry, `plain` plain decoding's, `cost` its guess_cost."""
+    """One drafter's row, as a chain (tree None) or with trees: `spec` and `plain` are time_generation's."""
     stats = spec["stats"]
-    verified_at = [sum(column) for column in zip(*(s["verified_at"] for s in stats))]
-    accepted_at = [sum(column) for column in zip(*(s["accepted_at"] for s in stats))]
+    verified_at, accepted_at = summed(stats, "verified_at"), summed(stats, "accepted_at")
     calls = sum(s["target_calls"] for s in stats)
     return {
         "draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
@@ -74,8 +70,7 @@ def against_chain(row, chain):
 
 
 def guess_cost(target, draft, prefix, generated, args):
-    """One guess's seconds over a 1-token target step's, timed in turns: a draft model's or head's
-    1-token forward, a Medusa head's guess on a state, a model-free drafter's proposal of one guess."""
+    """One guess's seconds over a 1-token target step's (a Medusa head's: its guess on a state)."""
     if getattr(draft, "kind", None) == "medusa":  # no cache: one head on one state
         state = torch.randn(target.hidden_size, dtype=target.dtype, device=target.device)
         steps = decode_steps(target, target.encode(prefix), [1])
