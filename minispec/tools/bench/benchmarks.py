@@ -44,14 +44,9 @@ def policy_summary(stats):
     """gamma="auto" over all requests, and the last request's cost model (it carries over between them)."""
     histogram = summed(stats, "guesses_histogram")
     steps = sum(histogram)
-    return {
-        "guesses_histogram": histogram,
-        "mean_guesses": sum(k * n for k, n in enumerate(histogram)) / steps,
-        "expected_tokens_per_call": sum(s["expected_tokens_per_call"] * s["target_calls"] for s in stats) / steps,
-        "cost_model": stats[-1]["cost_model"],
-        "alpha_estimate": stats[-1]["alpha_estimate"],
-        "acceptance_by_confidence": stats[-1]["acceptance_by_confidence"],
-    }
+    return {"guesses_histogram": histogram, "mean_guesses": sum(k * n for k, n in enumerate(histogram)) / steps,
+            "expected_tokens_per_call": sum(s["expected_tokens_per_call"] * s["target_calls"] for s in stats) / steps,
+            **{key: stats[-1][key] for key in ("cost_model", "alpha_estimate", "acceptance_by_confidence")}}
 
 
 def summed(stats, key):
@@ -66,12 +61,10 @@ def speculative_summary(stats):
     tokens, calls = sum(s["new_tokens"] for s in stats), sum(s["target_calls"] for s in stats)
     decode_calls = calls - len(stats)
     decode_tokens = tokens - sum(s["first_call_tokens"] for s in stats)
-    return {
-        "alpha": sum(s["alpha"] * s["verified"] for s in stats) / verified if verified else 0.0,
-        "acceptance_rate": sum(s["accepted"] for s in stats) / verified if verified else 0.0,
-        "tokens_per_target_call": tokens / calls,
-        "decode_tokens_per_target_call": decode_tokens / decode_calls if decode_calls else tokens / calls,
-    }
+    return {"alpha": sum(s["alpha"] * s["verified"] for s in stats) / verified if verified else 0.0,
+            "acceptance_rate": sum(s["accepted"] for s in stats) / verified if verified else 0.0,
+            "tokens_per_target_call": tokens / calls,
+            "decode_tokens_per_target_call": decode_tokens / decode_calls if decode_calls else tokens / calls}
 
 
 def minispec_runner(target, draft, gamma, args, tree=None):
@@ -102,25 +95,26 @@ def benchmark(args):
     timed = time_generation(runners, requests, args.repeats, device)
 
     ar = timed["minispec", None]
-    first = ar["outputs"][0]
+    first, generated = torch.tensor([prompts[0]], device=device), ar["outputs"][0]
     fixed = sorted({g for g in args.gamma if g != "auto"} | {1})  # "auto" rows use γ = 1's draft step
-    steps = step_times(target, draft, torch.tensor([prompts[0]], device=device), first[:len(first) // 2],
-                       fixed, sampling_of(args))
-    greedy = args.temperature == 0
+    steps = step_times(target, draft, first, generated[:len(generated) // 2], fixed, sampling_of(args))
+
+    def same(outputs):  # greedy decoders must all give plain greedy decoding's tokens
+        return outputs == ar["outputs"] if args.temperature == 0 else None
+
     result = {
         "settings": reported(args, target, prompts),
         "autoregressive": {key: ar[key] for key in TIMED},
         "prefill_s": statistics.mean(s["prefill_seconds"] for s in ar["stats"]),
-        "target_step_s": steps["target_step_s"],
-        "step_position": steps["position"],
+        "target_step_s": steps["target_step_s"], "step_position": steps["position"],
         "memory_bandwidth": bandwidth(target, steps["position"], steps["target_step_s"]),
         "draft_memory_bandwidth": steps["draft_bandwidth"],
         # A forward over n tokens reads what a 1-token step reads: n rows per weight read is the point.
         "forward_bandwidth": {n: bandwidth(target, steps["position"], s) for n, s in steps["forward_s"].items()},
         "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
         if args.memory_tokens else None,
-        "row_invariance_price": row_invariance_price(target, target.encode(torch.tensor([prompts[0]], device=device)))
-        if args.row_invariance_price else None,
+        "row_invariance_price": row_invariance_price(target, target.encode(first)) if args.row_invariance_price
+        else None,
         "rows": [],
     }
     for gamma in args.gamma:
@@ -132,7 +126,7 @@ def benchmark(args):
         row = {"gamma": gamma, **{key: spec[key] for key in TIMED}, **measured, "c": c,
                "speedup": spec["tokens_per_second"] / ar["tokens_per_second"], "decode_speedup": decode_speedup,
                "best_gamma": best, "best_gamma_predicted_speedup": best_speedup,
-               "identical_to_autoregressive": spec["outputs"] == ar["outputs"] if greedy else None,
+               "identical_to_autoregressive": same(spec["outputs"]),
                # other work on a shared machine only ever slows a run down: the fastest rounds are steadier
                **{f"per_prompt_speedup{fastest}": [a / s for a, s in zip(ar[f"request_seconds{fastest}"],
                                                                          spec[f"request_seconds{fastest}"])]
@@ -143,26 +137,21 @@ def benchmark(args):
         else:
             predicted = predicted_speedup(measured["alpha"], gamma, c)
             verify_cost = steps["verify_step_s"][gamma] / steps["target_step_s"]
-            row.update(
-                draft_step_s=steps["draft_step_s"][gamma], verify_step_s=steps["verify_step_s"][gamma],
-                verify_cost_ratio=verify_cost,
-                predicted_speedup=predicted, measured_over_predicted=decode_speedup / predicted,
-                measured_over_predicted_factors=ratio_factors(measured["alpha"], gamma, c, verify_cost,
-                                                              measured["decode_tokens_per_target_call"],
-                                                              decode_speedup))
+            factors = ratio_factors(measured["alpha"], gamma, c, verify_cost,
+                                    measured["decode_tokens_per_target_call"], decode_speedup)
+            row.update(draft_step_s=steps["draft_step_s"][gamma], verify_step_s=steps["verify_step_s"][gamma],
+                       verify_cost_ratio=verify_cost, predicted_speedup=predicted,
+                       measured_over_predicted=decode_speedup / predicted, measured_over_predicted_factors=factors)
         result["rows"].append(row)
     if args.llama_cpp:
         result["llama_cpp"] = peer(timed, result)
     if args.compare_reference:
         ref = timed["reference", None]
         result["reference"] = {
-            "autoregressive": {"tokens_per_second": ref["tokens_per_second"],
-                               "identical": ref["outputs"] == ar["outputs"] if greedy else None},
-            "assisted": [{"gamma": g, "tokens_per_second": timed["reference", g]["tokens_per_second"],
-                          "speedup": timed["reference", g]["tokens_per_second"] / ref["tokens_per_second"],
-                          "identical": timed["reference", g]["outputs"] == ar["outputs"] if greedy else None}
-                         for g in args.gamma if ("reference", g) in timed],
-        }
+            "autoregressive": {"tokens_per_second": ref["tokens_per_second"], "identical": same(ref["outputs"])},
+            "assisted": [{"gamma": g, "tokens_per_second": t["tokens_per_second"], "identical": same(t["outputs"]),
+                          "speedup": t["tokens_per_second"] / ref["tokens_per_second"]}
+                         for g in args.gamma if (t := timed.get(("reference", g)))]}
     return result
 
 
