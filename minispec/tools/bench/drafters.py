@@ -34,37 +34,31 @@ def drafters_benchmark(args):
     rows = []
     for name, draft in drafts.items():
         cost = guess_cost(target, draft, prefix, generated, args)
-        chain = drafter_row(name, None, timed[name], plain, cost, args)
-        rows.append(chain)
+        rows.append(drafter_row(name, timed[name], plain, cost, args))
         if (name, "tree") in timed:
-            rows.append(against_chain(drafter_row(name, args.tree, timed[name, "tree"], plain, cost, args), chain))
+            rows.append(drafter_row(name, timed[name, "tree"], plain, cost, args, chain=rows[-1]))
     result = {"settings": reported(args, target, prompts), "plain_tokens_per_second": plain["tokens_per_second"],
               "rows": rows}
     return result, drafters_table(result)
 
 
-def drafter_row(name, tree, spec, plain, cost, args):
-    """One drafter's row, as a chain (tree None) or with trees: `spec` and `plain` are time_generation's."""
-    stats = spec["stats"]
+def drafter_row(name, spec, plain, cost, args, chain=None):
+    """One drafter's row: `spec` and `plain` are time_generation's; with its `chain` row, the row of its trees."""
+    stats, tree = spec["stats"], args.tree if chain else None
     verified_at, accepted_at = summed(stats, "verified_at"), summed(stats, "accepted_at")
     calls = sum(s["target_calls"] for s in stats)
-    return {
-        "draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
-        "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
-        "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
-        "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / calls,
-        "mean_guesses": sum(s["proposed"] for s in stats) / calls,
-        # a step whose tree came out a chain is verified as one, and counts no nodes
-        "tree_nodes_per_call": sum(s.get("tree_nodes", 0) for s in stats) / calls if tree else None,
-        "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),
-        "acceptance_by_position": [a / v if v else None for a, v in zip(accepted_at, verified_at)],
-        "guess_cost": cost,
-        "outputs": spec["outputs"],
-    }
-
-
-def against_chain(row, chain):
-    """A tree's row with its tokens per target call and its speed over its chain's row."""
+    row = {"draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
+           "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
+           "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
+           "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / calls,
+           "mean_guesses": sum(s["proposed"] for s in stats) / calls,
+           # a step whose tree came out a chain is verified as one, and counts no nodes
+           "tree_nodes_per_call": sum(s.get("tree_nodes", 0) for s in stats) / calls if tree else None,
+           "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),
+           "acceptance_by_position": [a / v if v else None for a, v in zip(accepted_at, verified_at)],
+           "guess_cost": cost, "outputs": spec["outputs"]}
+    if chain is None:
+        return row
     return {**row, "tokens_per_target_call_vs_chain": row["tokens_per_target_call"] / chain["tokens_per_target_call"],
             "speed_vs_chain": row["tokens_per_second"] / chain["tokens_per_second"]}
 
