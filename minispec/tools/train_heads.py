@@ -146,10 +146,9 @@ def states_of(target, states, taps):
 
 
 def save_data(sequences, file):
-    tokens = torch.cat([s for s, _ in sequences])
-    lengths = torch.tensor([len(s) for s, _ in sequences])
-    starts = torch.tensor([a for _, a in sequences])
-    save_safetensors({"tokens": tokens, "lengths": lengths, "answer_starts": starts}, file)
+    tokens, starts = zip(*sequences)
+    save_safetensors({"tokens": torch.cat(tokens), "lengths": torch.tensor([len(t) for t in tokens]),
+                      "answer_starts": torch.tensor(starts)}, file)
 
 
 def load_data(file):
@@ -274,19 +273,25 @@ def new_head(kind, target, heads, draft_vocab=None):
         hf["minispec_draft_vocab"] = len(draft_vocab)
     module = eagle.build(hf, target).to(target.dtype)
     with torch.no_grad():
-        if draft_vocab is not None:
-            module.draft_vocab.copy_(draft_vocab)
-        module.fc.weight.zero_()
-        module.fc.weight[:, width:].copy_(torch.eye(width))
         module.fc.bias.zero_()
         if like is not None:  # the target's last layer, whose input is much like the states' neighbourhood
             last = target.layers[-1].state_dict()
             module.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("attention_norm")},
                                              strict=False)
-        # output projections zeroed: f̂_{i+1} = f_i, where the layer's whole output would swamp the normed states
-        module.layers[0].attention.wo.weight.zero_()
-        module.layers[0].feed_forward.w2.weight.zero_()
+        start_as_identity(module, draft_vocab)
     return module, hf
+
+
+def start_as_identity(module, draft_vocab):
+    """An EAGLE or EAGLE-3 head made to start as f̂_{i+1} = f_i: fc the identity on the last state, the
+    layer's output projections zeroed (its whole output would swamp the normed states); q on `draft_vocab`."""
+    width = module.fc.weight.shape[0]
+    if draft_vocab is not None:
+        module.draft_vocab.copy_(draft_vocab)
+    module.fc.weight.zero_()
+    module.fc.weight[:, -width:].copy_(torch.eye(width))
+    module.layers[0].attention.wo.weight.zero_()
+    module.layers[0].feed_forward.w2.weight.zero_()
 
 
 def new_eagle3(target, hf, draft_vocab):
@@ -296,20 +301,15 @@ def new_eagle3(target, hf, draft_vocab):
           "draft_vocab_size": target.vocab_size if draft_vocab is None else len(draft_vocab),
           "eagle_aux_hidden_state_layer_ids": list(taps), "tie_word_embeddings": False}
     module = eagle3.build(hf, target).to(target.dtype)
-    width, last, block = target.hidden_size, target.layers[-1], module.layers[0]
+    last, block = target.layers[-1], module.layers[0]
     with torch.no_grad():
-        if draft_vocab is not None:
-            module.draft_vocab.copy_(draft_vocab)
         block.load_state_dict({k: v for k, v in last.state_dict().items() if "wqkv" not in k}, strict=False)
         block.hidden_norm.weight.copy_(last.attention_norm.weight)
         # q/k/v read [embedding, state]: the last layer's own on each half, halved
         block.attention.wqkv.weight.copy_(torch.cat([last.attention.wqkv.weight] * 2, dim=1) / 2)
-        block.attention.wo.weight.zero_()  # the head starts as its highest tap, as EAGLE's starts as f_i
-        block.feed_forward.w2.weight.zero_()
-        module.fc.weight.zero_()
-        module.fc.weight[:, -width:].copy_(torch.eye(width))
         module.norm.weight.copy_(target.norm.weight)
         module.lm_head.weight.copy_(eagle.head_rows(target, draft_vocab))
+        start_as_identity(module, draft_vocab)  # as its highest tap
     return module, hf
 
 
@@ -320,10 +320,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     epochs = EPOCHS.get(kind) if epochs is None else epochs
     check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
     state = out / "training"
-    state.mkdir(exist_ok=True)
+    state.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
     data_file = state / "data.safetensors"
     taps = eagle3.training_taps(len(target.layers)) if kind == "eagle3" else None
     if data_file.is_file():  # a resumed run: its answers are kept, their states (gigabytes) are not
