@@ -66,7 +66,8 @@ def parse_args(argv):
                         help=own + "each feature (logprobs, penalties, a JSON schema, n, the couplings) plain and "
                                    "with --draft, against the same request without it")
     parser.add_argument("--one-shot", action="store_true",
-                        help=own + "every request in a fresh process, plain against each --gamma, per prompt")
+                        help=own + "every request in a fresh process, plain against each --gamma (with --beams: "
+                                   "beam search), per prompt")
     parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS),
                         help=own + "the server on generated traffic (all workloads when none is named), per --draft "
                                    "value and prefix-cache setting, beside 'none' and 'lookup'")
