@@ -1,23 +1,19 @@
-"""Training a draft head by self-distillation, a tool over minispec's public API:
+"""Training a draft head by self-distillation:
 
     python -m minispec.tools.train_heads --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
 
-writes the head into DIR, where `--draft DIR` finds it. The target answers a set of prompts, its hidden
-states are kept from the forwards that answer (generate's on_states), and the head learns what the
-target does next from them, with its paper's loss (p renormalized over a head's draft vocabulary):
+writes the head into DIR, where `--draft DIR` finds it. The target answers prompts, its states are kept
+from those forwards (generate's on_states), and the head learns from them with its paper's loss, only at
+positions inside the answers (p renormalized over a head's draft vocabulary):
 
-    EAGLE:  SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
-            over pairs (f_i + noise, x_{i+1}); the noise (EAGLE's uniform noise on the input states)
-            teaches the head to draft on from its own, imperfect, predicted states
-    Medusa: head j at position i: CE(softmax(target.logits(f_{i+1+j})), head_j(f_i))
-            (Medusa-1 with self-distillation: the target's own distribution as the label)
-    EAGLE-3: CE(softmax(target.logits(f_{i+1})), head.logits(g'_{i+1})) over pairs (fc(h_i), x_{i+1}),
-            h_i the states entering three of the target's layers (EAGLE-3: no state to regress to,
-            the head's own output head), and its training-time test: the same at the next guesses,
-            drafted on the head's own states g' as decoding drafts them (weights 0.8^j)
+    EAGLE:   SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
+             over pairs (f_i + noise, x_{i+1}); the noise teaches it to draft on from its own states
+    Medusa:  head j at position i: CE(softmax(target.logits(f_{i+1+j})), head_j(f_i))
+    EAGLE-3: CE(softmax(target.logits(f_{i+1})), head.logits(g'_{i+1})) over pairs (fc(h_i), x_{i+1}), h_i
+             the states entering three target layers, and the same at the next guesses drafted on its own
+             states g' (its training-time test, weights 0.8^j)
 
-Only positions inside the answers are learnt. A run resumes where an interrupted one stopped: the head
-is saved after every epoch, and DIR/training/ keeps the answers' token ids, the optimizer and the epochs.
+The head is saved after every epoch and DIR/training/ keeps what a resumed run needs.
 """
 
 import argparse
@@ -44,8 +40,7 @@ from minispec.loading.weights import DTYPES, save_safetensors
 from minispec.models.kernels import query_rows_mask
 from minispec.models.llama import LlamaConfig
 
-# What the target answers when no prompts file is given: templates over subjects, none of them the
-# subjects of docs/chat-prompts.txt (the prompts the bench measures heads on).
+# The default prompts: templates over subjects, none of them those of docs/chat-prompts.txt (the bench's).
 TEMPLATES = (
     "Explain {} in simple terms.", "Write a short story about {}.", "What are the pros and cons of {}?",
     "Give me five interesting facts about {}.", "Write a short poem about {}.", "How does {} work?",
@@ -75,35 +70,25 @@ SUBJECTS = (
     "regular expressions", "wolves", "budgeting", "the Amazon river", "space telescopes", "pottery",
     "video game design", "composting", "the periodic table",
 )
-PROMPT_TOKENS = 64  # the longest user message own_prompts keeps: a typical chat request fits well within it
-OWN_PROMPTS = 1000  # the messages own_prompts tries for (some run past the limit or repeat and are dropped)
-# An EAGLE head's reduced draft vocabulary: a model's answers use few of its tokens, so the most said ones
-# cover nearly all of them at a fraction of the whole vocabulary's cost.
-DRAFT_VOCAB = 8192
-HELD_OUT = 20  # every 20th answer is held out: its accuracy after each epoch tells learning from memorising
-# An EAGLE-3 epoch costs about twice an EAGLE one (its training-time test's second step): half the epochs.
-EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}
-# EAGLE-3's training-time test: the guesses a head learns to draft on its own states. A head trained on
-# its first guess alone drafts its second far worse, so two.
-TTT_STEPS = 2
+PROMPT_TOKENS = 64  # the longest user message own_prompts keeps
+OWN_PROMPTS = 1000  # the messages own_prompts tries for
+DRAFT_VOCAB = 8192  # answers use few tokens: the most said ones cover nearly all at a fraction of the cost
+HELD_OUT = 20  # every 20th answer is held out: its accuracy tells learning from memorising
+EPOCHS = {"eagle": 10, "eagle3": 5, "medusa": 5}  # an EAGLE-3 epoch costs about two EAGLE ones
+TTT_STEPS = 2  # guesses EAGLE-3 learns to draft on its own states: trained on one, its second is far worse
 
 
 def default_prompts(target, chat, generator, batch_size):
-    """What the target answers when no prompts are given: for a chat target, the templates over every
-    other subject (960) and about 800 messages it writes itself (own_prompts, from OWN_PROMPTS tries);
-    otherwise every subject under every template (1920). A chat target's own messages are closer to what
-    its users ask than templates are, and the mix of both trains a head at least as well as either."""
+    """Every template over every subject; for a chat target, every other subject and the messages it
+    writes itself (own_prompts), closer to what its users ask: the mix trains at least as well as either."""
     subjects = SUBJECTS[::2] if chat else SUBJECTS
     templated = [template.format(subject) for subject in subjects for template in TEMPLATES]
     return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size) if chat else templated
 
 
 def own_prompts(target, count, generator, batch_size):
-    """Up to `count` user messages the target writes itself (Magpie, Xu et al. 2024): a chat model
-    continued from the start of a user's turn writes what its chat training taught it users ask, over
-    more subjects and forms than templates reach. Sampled at temperature 1 among the 50 likeliest
-    tokens, a seed each from `generator`; a message not ended within PROMPT_TOKENS, and a repeat, is
-    dropped."""
+    """Up to `count` user messages the target writes, continued from the start of a user's turn (Magpie,
+    Xu et al. 2024), sampled (top-k 50); one not ended within PROMPT_TOKENS, and a repeat, is dropped."""
     start, tokenizer = user_turn_start(target.tokenizer), target.tokenizer
     ends = {*tokenizer.encode("<|im_end|>", add_special_tokens=False), tokenizer.eos_token_id}
     seeds = torch.randint(2**62, (count,), generator=generator).tolist()
@@ -120,9 +105,8 @@ def own_prompts(target, count, generator, batch_size):
 
 
 def answer(target, prompts, max_new_tokens, batch_size, chat, taps=None):
-    """The target's greedy answers, and its states over them from the same forwards: per prompt
-    answered with more than one token, (token ids of the prompt and the answer but its last token,
-    which no forward sees; where the answer starts), and its states there as `record` gives them."""
+    """Per prompt answered with more than one token: (the ids a forward saw, where the answer starts),
+    and the target's states there, from the forwards of its greedy answer."""
     ids = [chat_prompt(target.tokenizer, text) if chat else text for text in prompts]
     sequences, records = [], []
     seen = forwards(target, ids, max_new_tokens, batch_size, taps, "the target answers")
@@ -135,9 +119,8 @@ def answer(target, prompts, max_new_tokens, batch_size, chat, taps=None):
 
 
 def record(target, sequences, taps=None, batch_size=16):
-    """The target's states over the sequences, as `answer` keeps them while the target answers (for a
-    resumed run, whose answers are kept but not their states): the forward over each that generate
-    makes for a single new token."""
+    """The target's states over the sequences as `answer` keeps them, for a resumed run (only the
+    answers are kept): the forward generate makes for a single new token."""
     prompts = [tokens.tolist() for tokens, _ in sequences]
     return [states for _, states in forwards(target, prompts, 1, batch_size, taps, "recording the target's states")]
 
@@ -155,9 +138,7 @@ def forwards(target, prompts, max_new_tokens, batch_size, taps, what):
 
 
 def states_of(target, states, taps):
-    """The states a head learns from, [length, dim] (taps: [length, taps x dim + dim]), out of the
-    target's forwards' (its last state, or with taps the states entering them and the last layer's
-    output, which is normed as the last state is)."""
+    """The states a head learns from, [length, dim] (with taps: those states, then the normed last)."""
     if taps is not None:
         tapped, last = states.split([len(taps) * target.hidden_size, target.hidden_size], -1)
         states = torch.cat([tapped, target.norm(last.to(target.device)).cpu()], -1)
@@ -165,10 +146,9 @@ def states_of(target, states, taps):
 
 
 def save_data(sequences, file):
-    tokens = torch.cat([s for s, _ in sequences])
-    lengths = torch.tensor([len(s) for s, _ in sequences])
-    starts = torch.tensor([a for _, a in sequences])
-    save_safetensors({"tokens": tokens, "lengths": lengths, "answer_starts": starts}, file)
+    tokens, starts = zip(*sequences)
+    save_safetensors({"tokens": torch.cat(tokens), "lengths": torch.tensor([len(t) for t in tokens]),
+                      "answer_starts": torch.tensor(starts)}, file)
 
 
 def load_data(file):
@@ -201,12 +181,9 @@ def most_said(sequences, vocab_size, size):
 
 
 def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=None):
-    """EAGLE-3's loss with its training-time test: the head's q against the target's p at the answer's
-    next position over pairs (fc(tapped states at i), x_{i+1}) (step 0); then `steps` - 1 times more
-    the head drafts on from its own states as it does when decoding (step j: chain i's pair (its state
-    of step j - 1, x_{i+1+j}) at position i + j, predicting x_{i+2+j}), reading the target's pairs up
-    to i and its own chain (unrolled_attention). Step j's loss weighs 0.8^j (EAGLE-3's). states: the
-    tapped states, then the last state (record). Accuracy: the first guess's, as eagle_loss's."""
+    """EAGLE-3's loss: q against p over pairs (fc(tapped states at i), x_{i+1}), then `steps` - 1 more
+    steps drafted on the head's own states as decoding drafts (unrolled_attention), step j weighing
+    0.8^j; the accuracy is the first guess's."""
     steps = TTT_STEPS if steps is None else steps
     tapped, last = states.split([states.shape[-1] - head.config.dim, head.config.dim], -1)
     inputs = F.pad(head.fuse(tapped[:, :-1]), (0, 0, 0, 1))  # pair i's state; a pad pair: whole key blocks
@@ -234,8 +211,7 @@ def shifted(batch, by):
 @contextmanager
 def unrolled_attention(head):
     """attend_step(x, j): the head's layer over step j's pairs x [b, W, 2 dim] (chain i at position
-    i + j), attending to step 0's keys at positions <= i and to chain i's own keys of steps 1..j: the
-    keys and values of every step kept side by side, W apart (EAGLE-3's training-time test)."""
+    i + j), attending to step 0's keys at positions <= i and to chain i's own keys of steps 1..j."""
     block = head.layers[0]
     attention, cache = block.attention, block.attention.kv_cache
     kept = Unrolled()
@@ -271,11 +247,8 @@ class Unrolled(torch.nn.Module):
 
 
 def new_head(kind, target, heads, draft_vocab=None):
-    """A fresh head for `target` and its config.json: an EAGLE layer starts as the target's last layer
-    (a Llama target's) and fc as the identity on the state, its q on the token ids `draft_vocab` (None:
-    all); an EAGLE-3 head likewise (fc the identity on its highest tap, its norm and output head the
-    target's own, on the draft vocabulary's rows); Medusa heads start as Medusa's do (each ResBlock the
-    identity, each head the target's own output head)."""
+    """A fresh head for `target` and its config.json, starting as the identity on the state: EAGLE's
+    layers the target's last (a Llama's), Medusa's output heads the target's; q over `draft_vocab` (None: all)."""
     width = target.hidden_size
     if kind == "medusa":
         module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
@@ -300,21 +273,25 @@ def new_head(kind, target, heads, draft_vocab=None):
         hf["minispec_draft_vocab"] = len(draft_vocab)
     module = eagle.build(hf, target).to(target.dtype)
     with torch.no_grad():
-        if draft_vocab is not None:
-            module.draft_vocab.copy_(draft_vocab)
-        module.fc.weight.zero_()
-        module.fc.weight[:, width:].copy_(torch.eye(width))
         module.fc.bias.zero_()
         if like is not None:  # the target's last layer, whose input is much like the states' neighbourhood
             last = target.layers[-1].state_dict()
             module.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("attention_norm")},
                                              strict=False)
-        # ... with its output projections zeroed, so that the head starts as f̂_{i+1} = f_i: the final
-        # norm scales the states far below the residual stream the layer was made for, and the whole
-        # layer's output would swamp them
-        module.layers[0].attention.wo.weight.zero_()
-        module.layers[0].feed_forward.w2.weight.zero_()
+        start_as_identity(module, draft_vocab)
     return module, hf
+
+
+def start_as_identity(module, draft_vocab):
+    """An EAGLE or EAGLE-3 head made to start as f̂_{i+1} = f_i: fc the identity on the last state, the
+    layer's output projections zeroed (its whole output would swamp the normed states); q on `draft_vocab`."""
+    width = module.fc.weight.shape[0]
+    if draft_vocab is not None:
+        module.draft_vocab.copy_(draft_vocab)
+    module.fc.weight.zero_()
+    module.fc.weight[:, -width:].copy_(torch.eye(width))
+    module.layers[0].attention.wo.weight.zero_()
+    module.layers[0].feed_forward.w2.weight.zero_()
 
 
 def new_eagle3(target, hf, draft_vocab):
@@ -324,36 +301,28 @@ def new_eagle3(target, hf, draft_vocab):
           "draft_vocab_size": target.vocab_size if draft_vocab is None else len(draft_vocab),
           "eagle_aux_hidden_state_layer_ids": list(taps), "tie_word_embeddings": False}
     module = eagle3.build(hf, target).to(target.dtype)
-    width, last, block = target.hidden_size, target.layers[-1], module.layers[0]
+    last, block = target.layers[-1], module.layers[0]
     with torch.no_grad():
-        if draft_vocab is not None:
-            module.draft_vocab.copy_(draft_vocab)
         block.load_state_dict({k: v for k, v in last.state_dict().items() if "wqkv" not in k}, strict=False)
         block.hidden_norm.weight.copy_(last.attention_norm.weight)
         # q/k/v read [embedding, state]: the last layer's own on each half, halved
         block.attention.wqkv.weight.copy_(torch.cat([last.attention.wqkv.weight] * 2, dim=1) / 2)
-        block.attention.wo.weight.zero_()  # the head starts as its highest tap, as EAGLE's starts as f_i
-        block.feed_forward.w2.weight.zero_()
-        module.fc.weight.zero_()
-        module.fc.weight[:, -width:].copy_(torch.eye(width))
         module.norm.weight.copy_(target.norm.weight)
         module.lm_head.weight.copy_(eagle.head_rows(target, draft_vocab))
+        start_as_identity(module, draft_vocab)  # as its highest tap
     return module, hf
 
 
 def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    batch_size: answers generated at once (the same at any size: rows are invariant). draft_vocab: an
-    EAGLE head's q covers the target's that many most said tokens (0: all). epochs: None for the kind's
-    default (EPOCHS); 0 returns the untrained head, saving nothing."""
+    draft_vocab: q covers the that many most said tokens (0: all); epochs 0: the untrained head, unsaved."""
     epochs = EPOCHS.get(kind) if epochs is None else epochs
     check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
     state = out / "training"
-    state.mkdir(exist_ok=True)
+    state.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
     data_file = state / "data.safetensors"
     taps = eagle3.training_taps(len(target.layers)) if kind == "eagle3" else None
     if data_file.is_file():  # a resumed run: its answers are kept, their states (gigabytes) are not
@@ -376,11 +345,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
     longest = max(len(s) for s, _ in sequences) + 32 + TTT_STEPS  # RoPE's positions: whole key blocks, unrolled steps
     held = list(range(HELD_OUT - 1, len(sequences), HELD_OUT)) if len(sequences) >= 2 * HELD_OUT else []
     learn = sorted(set(range(len(sequences))) - set(held))
-    # every epoch groups the sequences afresh; about this many batches each (the cosine decay's length)
     steps_per_epoch = len(batch_groups(sequences, learn, tokens_per_batch))
     total, first = max(epochs * steps_per_epoch, 1), done * steps_per_epoch
-    # a linear warmup over the first 5% of the steps, then a cosine decay: at full rate from the start
-    # the first steps' large gradients throw a head far off
+    # a warmup over 5% of the steps, then a cosine decay: the first steps' large gradients throw a head off
     warmup = max(total // 20, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((first + step + 1) / warmup, 1) * 0.5 * (
         1 + math.cos(math.pi * min((first + step) / total, 1))))
@@ -412,8 +379,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
 
 
 def check_settings(target, kind, epochs, lr, heads, draft_vocab):
-    """A ValueError naming the setting, before minutes of answering, where training could only fail or
-    learn nothing."""
+    """A ValueError naming a setting training could only fail or learn nothing with, before answering."""
     if kind not in EPOCHS:
         raise ValueError(f"kind must be eagle, eagle3 or medusa, got {kind!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
@@ -436,11 +402,8 @@ def check_settings(target, kind, epochs, lr, heads, draft_vocab):
 
 def optimizer_tensors(optimizer):
     """AdamW's moments and step counts, by parameter index, as tensors (safetensors, not pickle)."""
-    out = {}
-    for i, state in enumerate(optimizer.state.values()):
-        for name, value in state.items():
-            out[f"{i}.{name}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
-    return out
+    return {f"{i}.{name}": value for i, state in optimizer.state_dict()["state"].items()
+            for name, value in state.items()}
 
 
 def resume(out, head, optimizer):

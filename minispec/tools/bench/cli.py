@@ -21,6 +21,7 @@ OWN_TABLES = {"one_shot": one_shot_benchmark, "threads_under_load": threads_benc
               "batch_sizes": batch_benchmark, "beams": beam_benchmark, "workloads": workloads_benchmark,
               "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark,
               "features": features_benchmark}
+SERVED = ("--workloads", "--tp-serve", "--serve-load")
 
 
 def parse_args(argv):
@@ -29,9 +30,8 @@ def parse_args(argv):
     add_model_flags(parser, None, nargs="+", required=True)
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompts", metavar="FILE",
-                         help="a prompts file as run.py's --prompts-file reads it (one text prompt a line, or JSON "
-                              "lines: strings or lists of token ids), or a built-in set: 'open', 'code' or "
-                              "'partial' (a summary and a code edit; default: 'open' and 'code')")
+                         help="a prompts file as run.py's --prompts-file reads it, or a built-in set: 'open', 'code' "
+                              "or 'partial' (a summary and a code edit; default: 'open' and 'code')")
     prompts.add_argument("--prompt-ids", type=token_ids, action="append",
                          help="a prompt as comma-separated token ids; repeat the flag for several prompts")
     parser.add_argument("--gamma", type=gamma_setting, nargs="+", default=["auto"],
@@ -42,51 +42,43 @@ def parse_args(argv):
                         help="always generate --max-new-tokens tokens (default on: equal-length runs)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported")
     parser.add_argument("--seeds", type=int, default=1, metavar="N",
-                        help="generate each prompt with seeds --seed .. --seed+N-1: sampled runs then average "
-                             "over N samples per prompt instead of timing one sample again and again")
+                        help="generate each prompt with seeds --seed .. --seed+N-1 (sampled runs average N samples)")
     parser.add_argument("--compare-reference", action="store_true",
                         help="also time the reference implementation (transformers) and compare its outputs")
     parser.add_argument("--chat", action="store_true",
                         help="wrap text prompts in the checkpoint's chat template (instruct models)")
     parser.add_argument("--memory-tokens", type=int, default=0, metavar="N",
-                        help="also compare peak memory of a 16-token and an N-token speculative generation "
-                             "(the first γ, the first prompt): it must not grow with the number of steps")
+                        help="also compare peak memory of a 16-token and an N-token speculative generation")
     parser.add_argument("--row-invariance-price", action="store_true",
-                        help="also time 1-, 4- and 9-token target forwards without row invariance (BLAS "
-                             "linears, unpadded attention rows) beside the usual ones")
+                        help="also time 1-, 4- and 9-token target forwards without row invariance")
     parser.add_argument("--llama-cpp", metavar="DIR",
-                        help="also run llama.cpp's plain, speculative (a GGUF --draft) and prompt-lookup decoding "
-                             "on the same GGUF --target and text prompts: its binaries in DIR (never a dependency)")
+                        help="also run llama.cpp's plain, speculative and prompt-lookup decoding of the same GGUF "
+                             "--target and text prompts: its binaries in DIR")
+    own = "instead of the main table: "
     parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
-                        help="instead of the main table: total new tokens/s of B requests decoded together (the "
-                             "prompts repeated to B), plain and speculative (the first --gamma), per B")
+                        help=own + "tokens/s of B requests decoded together, plain and speculative, per B")
     parser.add_argument("--beams", type=int, metavar="W",
-                        help="instead of the main table: beam search of width W, plain against speculative (each "
-                             "--gamma) per prompt, wall clock")
+                        help=own + "beam search of width W, plain against speculative (each --gamma) per prompt")
     parser.add_argument("--threads-under-load", action="store_true",
-                        help="instead of the main table: tokens/s with the default threads and with each --threads "
-                             "setting while another process keeps one core busy, each request in a fresh process "
-                             "(the first --gamma)")
+                        help=own + "tokens/s with the default threads and each --threads setting while another "
+                                   "process keeps one core busy, each request in a fresh process")
     parser.add_argument("--features", action="store_true",
-                        help="instead of the main table: each feature (logprobs, penalties, a JSON schema, n, the "
-                             "couplings) plain and with --draft, against the same request without it")
+                        help=own + "each feature (logprobs, penalties, a JSON schema, n, the couplings) plain and "
+                                   "with --draft, against the same request without it")
     parser.add_argument("--one-shot", action="store_true",
-                        help="instead of the main table: every request in a fresh process, as run.py runs it, "
-                             "plain against each --gamma (with --beams: beam search), per prompt")
+                        help=own + "every request in a fresh process, plain against each --gamma (with --beams: "
+                                   "beam search), per prompt")
     parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS),
-                        help="instead of the main table: the server (a process per workload, --draft value and "
-                             "prefix-cache setting) on generated traffic: an agent loop, edits of one file, summaries "
-                             "quoting sources, novel chat (all four when none is named); --draft's values beside "
-                             "'none' and 'lookup'")
+                        help=own + "the server on generated traffic (all workloads when none is named), per --draft "
+                                   "value and prefix-cache setting, beside 'none' and 'lookup'")
     parser.add_argument("--tp-serve", type=int, metavar="N",
-                        help="instead of the main table: the server over N processes (--tp N) against one process, "
-                             "for each --clients count")
+                        help=own + "the server over N processes (--tp N) against one, for each --clients count")
     parser.add_argument("--serve-load", action="store_true",
-                        help="instead of the main table: the server with --draft against --draft none, for each "
-                             "--clients count")
+                        help=own + "the server with --draft against --draft none, for each --clients count")
     parser.add_argument("--requests", type=int, default=8,
                         help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="--tp-serve, --serve-load: concurrent clients")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8],
+                        help="--tp-serve, --serve-load: concurrent clients")
     parser.add_argument("--json-out", default="bench.json", metavar="PATH")
     args = parser.parse_args(argv)
     check(args)
@@ -95,13 +87,17 @@ def parse_args(argv):
 
 def check(args):
     """A ValueError naming the flags that cannot go together or are out of range, before loading weights."""
-    served = args.workloads is not None or args.tp_serve or args.serve_load
-    own, several = args.batch_sizes or args.beams or args.one_shot or args.features or served, len(args.draft) > 1
+    own = [flag for flag, given in (
+        ("--workloads", args.workloads is not None), ("--tp-serve", args.tp_serve is not None),
+        ("--serve-load", args.serve_load), ("--features", args.features), ("--batch-sizes", args.batch_sizes),
+        ("--threads-under-load", args.threads_under_load), ("--beams", args.beams is not None),
+        ("--one-shot", args.one_shot)) if given]
+    several, first = len(args.draft) > 1, next(iter(own), None)
     alone = "without --batch-sizes, --beams, --one-shot, --features, --workloads and --tp-serve"
     problems = [
-        (served and (args.batch_sizes or args.beams or args.one_shot or args.threads_under_load
-                     or sum((args.workloads is not None, bool(args.tp_serve), args.serve_load)) > 1),
-         "--workloads, --tp-serve and --serve-load are benchmarks of their own: without the other benchmarks' flags"),
+        (len(own) > 1 and own != ["--beams", "--one-shot"],  # a beam search's requests may run in fresh processes
+         ("--workloads, --tp-serve and --serve-load are benchmarks of their own" if first in SERVED else
+          f"{first} is a benchmark of its own") + ": without the other benchmarks' flags"),
         (args.tp_serve is not None and args.tp_serve < 2, f"--tp-serve must be >= 2, got {args.tp_serve}"),
         (args.workloads is not None and args.requests < 2, f"--workloads needs --requests >= 2 (two halves), got "
                                                             f"{args.requests}"),
@@ -110,14 +106,9 @@ def check(args):
                                                           f"{args.memory_tokens}"),
         (any(g != "auto" and g < 1 for g in args.gamma), f"--gamma values must be >= 1 or 'auto', got {args.gamma}"),
         (args.beams is not None and args.beams < 1, f"--beams must be >= 1, got {args.beams}"),
-        (args.batch_sizes and (args.beams or args.one_shot), "--batch-sizes is a benchmark of its own: "
-                                                             "without --beams and --one-shot"),
-        (args.features and (args.batch_sizes or args.beams or args.one_shot or served or args.threads_under_load),
-         "--features is a benchmark of its own: without the other benchmarks' flags"),
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
-        (several and own and args.workloads is None, f"several --draft values are a benchmark of their own: {alone}"),
-        (args.threads_under_load and (own or several), f"--threads-under-load is a benchmark of its own: one --draft, "
-                                                       f"{alone}"),
+        (several and first not in (None, "--workloads"),
+         f"several --draft values are a benchmark of their own: {alone}"),
         (args.llama_cpp and (own or several), f"--llama-cpp goes with the main table: one --draft, {alone}"),
         (args.llama_cpp and (args.prompt_ids or args.temperature != 0),
          "--llama-cpp compares greedy decoding of text prompts: without --prompt-ids and --temperature"),

@@ -1,8 +1,6 @@
-"""Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter
-(the first --gamma), in interleaved rounds. Per drafter: the speedup, whether greedy output is plain's,
-tokens per target call, acceptance by guess position (what a draft head is judged by) and a guess's
-cost against a target step. With --tree N each drafter also runs with trees, a row beside its chain's.
-"""
+"""Drafters side by side (`--draft D1 D2 ...`): the same prompts decoded plainly and with each drafter (the
+first --gamma; with --tree N also with trees), in interleaved rounds: speedups, acceptance by guess position
+(what a draft head is judged by) and a guess's cost against a target step."""
 
 from argparse import Namespace
 
@@ -10,7 +8,7 @@ import torch
 
 from minispec.loaders import load_draft, load_models
 
-from .benchmarks import minispec_runner, reported, sampling_of
+from .benchmarks import minispec_runner, reported, sampling_of, summed
 from .prompts import prompt_ids_of, read_prompts
 from .report import md_table
 from .timing import decode_steps, median_times, step_times, time_generation
@@ -36,46 +34,37 @@ def drafters_benchmark(args):
     rows = []
     for name, draft in drafts.items():
         cost = guess_cost(target, draft, prefix, generated, args)
-        chain = drafter_row(name, None, timed[name], plain, cost, args)
-        rows.append(chain)
+        rows.append(drafter_row(name, timed[name], plain, cost, args))
         if (name, "tree") in timed:
-            rows.append(against_chain(drafter_row(name, args.tree, timed[name, "tree"], plain, cost, args), chain))
+            rows.append(drafter_row(name, timed[name, "tree"], plain, cost, args, chain=rows[-1]))
     result = {"settings": reported(args, target, prompts), "plain_tokens_per_second": plain["tokens_per_second"],
               "rows": rows}
     return result, drafters_table(result)
 
 
-def drafter_row(name, tree, spec, plain, cost, args):
-    """One drafter's row, as a chain (tree None) or with trees of up to `tree` guesses: `spec` is its
-    time_generation entry, `plain` plain decoding's, `cost` its guess_cost."""
-    stats = spec["stats"]
-    verified_at = [sum(column) for column in zip(*(s["verified_at"] for s in stats))]
-    accepted_at = [sum(column) for column in zip(*(s["accepted_at"] for s in stats))]
+def drafter_row(name, spec, plain, cost, args, chain=None):
+    """One drafter's row: `spec` and `plain` are time_generation's; with its `chain` row, the row of its trees."""
+    stats, tree = spec["stats"], args.tree if chain else None
+    verified_at, accepted_at = summed(stats, "verified_at"), summed(stats, "accepted_at")
     calls = sum(s["target_calls"] for s in stats)
-    return {
-        "draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
-        "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
-        "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
-        "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / calls,
-        "mean_guesses": sum(s["proposed"] for s in stats) / calls,
-        # a step whose tree came out a chain is verified as one, and counts no nodes
-        "tree_nodes_per_call": sum(s.get("tree_nodes", 0) for s in stats) / calls if tree else None,
-        "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),
-        "acceptance_by_position": [a / v if v else None for a, v in zip(accepted_at, verified_at)],
-        "guess_cost": cost,
-        "outputs": spec["outputs"],
-    }
-
-
-def against_chain(row, chain):
-    """A tree's row with its tokens per target call and its speed over its chain's row."""
+    row = {"draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
+           "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
+           "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
+           "tokens_per_target_call": sum(s["new_tokens"] for s in stats) / calls,
+           "mean_guesses": sum(s["proposed"] for s in stats) / calls,
+           # a step whose tree came out a chain is verified as one, and counts no nodes
+           "tree_nodes_per_call": sum(s.get("tree_nodes", 0) for s in stats) / calls if tree else None,
+           "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),
+           "acceptance_by_position": [a / v if v else None for a, v in zip(accepted_at, verified_at)],
+           "guess_cost": cost, "outputs": spec["outputs"]}
+    if chain is None:
+        return row
     return {**row, "tokens_per_target_call_vs_chain": row["tokens_per_target_call"] / chain["tokens_per_target_call"],
             "speed_vs_chain": row["tokens_per_second"] / chain["tokens_per_second"]}
 
 
 def guess_cost(target, draft, prefix, generated, args):
-    """One guess's seconds over a 1-token target step's, timed in turns: a draft model's or head's
-    1-token forward, a Medusa head's guess on a state, a model-free drafter's proposal of one guess."""
+    """One guess's seconds over a 1-token target step's (a Medusa head's: its guess on a state)."""
     if getattr(draft, "kind", None) == "medusa":  # no cache: one head on one state
         state = torch.randn(target.hidden_size, dtype=target.dtype, device=target.device)
         steps = decode_steps(target, target.encode(prefix), [1])

@@ -1,18 +1,15 @@
-"""llama.cpp as a peer in the bench (`--llama-cpp DIR`): its plain, speculative and prompt-lookup decoding
-of the same GGUF files, prompts, new tokens and threads, in the same rounds as minispec's decoders.
-Never a dependency: DIR holds binaries a user built (docs/results.md has the recipe). Each mode's figure
-is its decode phase as llama.cpp reports it, compared with minispec's decode tokens/s."""
+"""llama.cpp as a peer in the bench (`--llama-cpp DIR`, binaries a user built; never a dependency): its plain,
+speculative and prompt-lookup decoding of the same GGUF files and prompts in the same rounds as minispec's
+decoders, each mode's decode phase as llama.cpp reports it."""
 
 import re
 import subprocess
 import time
 from pathlib import Path
 
-# llama.cpp's programs for each mode: a plain completion, a draft model's speculation, and prompt lookup
-# (n-grams of the context: minispec's `lookup`).
 PROGRAMS = {"plain": "llama-completion", "speculative": "llama-speculative", "lookup": "llama-lookup"}
-# What they print when done, after a log prefix (a timestamp) or none: the completion its context's perf
-# line (the first token comes out of the prompt's forward), the other two their decode phase.
+# What they print when done: the completion its context's perf line (the first token comes out of the
+# prompt's forward), the other two their decode phase.
 EVAL_LINE = re.compile(r"\S+:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
 DECODED_LINE = re.compile(r"(?:^|\s)decoded\s+(\d+) tokens in\s+([\d.]+) seconds", re.M)
 RUN_SECONDS = 600  # one request, however slow the model: past this the peer is hung
@@ -21,10 +18,9 @@ RUN_SECONDS = 600  # one request, however slow the model: past this the peer is 
 def find_programs(directory):
     """{mode: path} of the programs found in DIR, DIR/bin or DIR/build/bin; the plain one is needed."""
     directory = Path(directory).expanduser()
-    found = {}
-    for mode, name in PROGRAMS.items():
-        found.update({mode: path for folder in (directory, directory / "bin", directory / "build" / "bin")
-                      if (path := folder / name).is_file() and mode not in found})
+    folders = (directory, directory / "bin", directory / "build" / "bin")
+    found = {mode: path for mode, name in PROGRAMS.items()
+             if (path := next((folder / name for folder in folders if (folder / name).is_file()), None))}
     if "plain" not in found:
         raise ValueError(f"--llama-cpp {directory}: no {PROGRAMS['plain']} in it, its bin/ or build/bin/ "
                          "(build llama.cpp's llama-completion, llama-speculative and llama-lookup targets)")
@@ -50,18 +46,14 @@ def decode_rate(program, arguments, mode):
     if done.returncode != 0 or found is None:
         last = output.strip().splitlines()[-1:] or ["no output"]
         raise ValueError(f"{program} failed (exit {done.returncode}): {last[0]}")
-    if mode == "plain":
-        milliseconds, runs = found.groups()
-        return int(runs), float(milliseconds) / 1e3
-    tokens, seconds = found.groups()
-    return int(tokens), float(seconds)
+    first, second = found.groups()  # plain: its milliseconds and runs; the others: tokens and seconds
+    return (int(second), float(first) / 1e3) if mode == "plain" else (int(first), float(second))
 
 
 def peer_runners(directory, target, draft, texts, max_new_tokens, threads, seed):
-    """{mode: run_one} for time_generation, beside minispec's own runners: run_one((prompt ids, seed))
-    runs that mode's program on texts[tuple(prompt ids)] (greedy, EOS ignored) and returns a placeholder
-    per new token, all but the decode time it reports counted as prefill (its process start and load
-    included). Speculative only with a draft GGUF file."""
+    """{mode: run_one} for time_generation: run_one((prompt ids, seed)) runs that mode's program on
+    texts[tuple(prompt ids)], a placeholder per new token, all but the decode time it reports counted as
+    prefill. Speculative only with a draft GGUF file."""
     programs = find_programs(directory)
     target, draft = check_files(target, draft)
     common = ["-m", target, "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "--ignore-eos",

@@ -1,6 +1,5 @@
 """Memory: the bytes a decode step reads and the bandwidth that achieves, against the device's measured
-read bandwidth and a GPU's datasheet peak; the peak tensor memory of a generation, which must not grow
-with its length."""
+read bandwidth and a GPU's datasheet peak; a generation's peak tensor memory, which must not grow with it."""
 
 import functools
 import re
@@ -12,28 +11,18 @@ from torch import nn
 from minispec import generate
 from minispec.models.quant import Int8Embedding
 
-# Peak DRAM bandwidth in bytes/s from vendor datasheets, matched against torch.cuda.get_device_name();
-# the first pattern that matches wins (so the specific variants come first).
+# Datasheet DRAM bandwidth in bytes/s by torch.cuda.get_device_name(): the first match wins, variants first.
 PEAK_BANDWIDTH = [
-    (r"\bh200\b", 4.8e12),
-    (r"\bh100\b.*pcie", 2.0e12),
-    (r"\bh100\b.*nvl", 3.9e12),
-    (r"\bh100\b", 3.35e12),  # SXM, HBM3
-    (r"\ba100\b.*80gb.*pcie", 1.935e12),
-    (r"\ba100\b.*80gb", 2.039e12),
-    (r"\ba100\b", 1.555e12),  # 40GB
-    (r"\bl40s\b", 0.864e12),
-    (r"\bl4\b", 0.3e12),
-    (r"\ba10g?\b", 0.6e12),
-    (r"\brtx 4090\b", 1.008e12),
+    (r"\bh200\b", 4.8e12), (r"\bh100\b.*pcie", 2.0e12), (r"\bh100\b.*nvl", 3.9e12), (r"\bh100\b", 3.35e12),
+    (r"\ba100\b.*80gb.*pcie", 1.935e12), (r"\ba100\b.*80gb", 2.039e12), (r"\ba100\b", 1.555e12),
+    (r"\bl40s\b", 0.864e12), (r"\bl4\b", 0.3e12), (r"\ba10g?\b", 0.6e12), (r"\brtx 4090\b", 1.008e12),
     (r"\bv100\b", 0.9e12),
 ]
 
 
 def decode_bytes(model, length):
-    """Bytes one decode step must read: every decoder weight once, as stored (not an encoder's: it runs
-    once per request), of an untied embedding table only the looked-up row, and one cache row's keys
-    and values over `length` positions."""
+    """Bytes one decode step must read: every decoder weight once as stored (not an encoder's; of an untied
+    embedding table the looked-up row), and one cache row's keys and values over `length` positions."""
     weights = 0
     modules = dict(model.named_modules())
     for name, tensor in model.state_dict().items():  # parameters and persistent buffers: the weights
@@ -52,16 +41,14 @@ def peak_bandwidth(device_name):
     return next((peak for pattern, peak in PEAK_BANDWIDTH if re.search(pattern, name)), None)
 
 
-# The streaming read: a buffer far larger than any cache (a CPU's last level holds tens of MB, an H100's
-# L2 50 MB), summed (one read of each byte; the adds cost far less than the loads on either device).
+# The streaming read: a sum over a buffer far larger than any cache (a CPU's last level, a GPU's L2).
 READ_BUFFER_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}
 READ_ROUNDS = 5
 
 
 @functools.cache
 def read_bandwidth(device):
-    """Bytes/s the device reads at, streaming: the fastest of READ_ROUNDS sums over a buffer of
-    READ_BUFFER_BYTES (with the threads torch uses, as a forward does). Measured once per process."""
+    """Bytes/s the device reads at, streaming: the fastest of READ_ROUNDS sums, once per process."""
     device = torch.device(device)
     size = READ_BUFFER_BYTES[device.type]
     if device.type == "cuda":  # a GPU holding a model beside it: a quarter of what is free at most
@@ -78,8 +65,8 @@ def read_bandwidth(device):
 
 
 def bandwidth(model, position, step_seconds):
-    """The bytes the model's decode step reads and the bandwidth it achieves, against the device's
-    measured read bandwidth and, on a GPU with a known datasheet, its peak."""
+    """The bytes the model's decode step reads and the bandwidth it achieves, against the measured limit
+    and a known GPU's peak."""
     cuda = model.device.type == "cuda"
     device_name = torch.cuda.get_device_name(model.device) if cuda else str(model.device)
     size = decode_bytes(model, position)
@@ -92,10 +79,9 @@ def bandwidth(model, position, step_seconds):
 
 
 def tensor_memory(device, fn):
-    """(peak, kept): bytes of tensors fn() allocates on `device`, the most alive at once while it runs
-    and those alive when it returns, counted from when it began (a tensor from before that it frees
-    counts as minus its size). CPU: torch.profiler's allocation events in time order, since the
-    process's resident set would hide a loop that keeps a few kilobytes a step."""
+    """(peak, kept): bytes of tensors fn() allocates on `device`, the most alive at once and those alive
+    when it returns (freeing an older tensor counts as minus its size). CPU: torch.profiler's allocation
+    events, since the resident set would hide a loop that keeps a few kilobytes a step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -105,8 +91,7 @@ def tensor_memory(device, fn):
         return torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    # The raw events, as torch's own parser reads them: the FunctionEvents it builds fold each
-    # allocation into the operator that made it, which loses the order within an operator.
+    # the raw events: FunctionEvents fold allocations into their operator, losing their order
     events = [event for event in prof.profiler.kineto_results.events()
               if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU]
     live = peak = 0
@@ -117,9 +102,8 @@ def tensor_memory(device, fn):
 
 
 def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):
-    """Tensor memory of a short and a long generation on the same caches: a lean loop allocates nothing
-    that grows with its steps, so the peaks differ only by attention over the longer context, and
-    after either it keeps nothing but what the next request replaces."""
+    """Tensor memory of a short and a long generation on the same caches: a lean loop's peaks differ only
+    by attention over the longer context, and it keeps nothing but what the next request replaces."""
     def run(n):
         return lambda: generate(target, prompt, draft=draft, gamma=gamma, max_new_tokens=n, ignore_eos=True)
 

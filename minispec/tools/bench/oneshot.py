@@ -1,15 +1,10 @@
-"""Requests each in a fresh process, as users of run.py make them, so that nothing a process learnt
-or allocated helps the next but what it left on disk (gamma="auto"'s costs: decoding/profiles.py).
+"""Requests each in a fresh process, as users of run.py make them, so that nothing a process learnt or
+allocated helps the next but what it left on disk (gamma="auto"'s costs: decoding/profiles.py).
 
---one-shot: plain decoding, each --gamma and each prompt take turns, round after round. The auto runs
-share a profiles folder made empty for the bench, so its first round is a first run on this machine
-and the later ones are later runs. A request's time is its generate call's; loading the models (a
-self-draft's quantized copy included) is reported apart.
-
---threads-under-load: tokens/s with the default number of threads and with each --threads setting,
-while another process keeps one core busy (OpenMP reads its wait policy, and torch sizes its thread
-pool, when a process starts). The goal: the default at least GOAL of the best setting, where OpenMP's
-spinning threads once made it 10-20x slower.
+--one-shot: plain decoding and each --gamma per prompt, round after round; the auto runs share a profiles
+folder made empty for the bench, so its first round is a first run on this machine. Loading is reported apart.
+--threads-under-load: tokens/s with the default threads and each --threads setting while another process
+keeps one core busy (OpenMP reads its wait policy, and torch sizes its thread pool, when a process starts).
 """
 
 import json
@@ -52,10 +47,6 @@ def run_request(spec):
             "guesses_histogram": out.stats.get("guesses_histogram")}
 
 
-def request_spec(args, prompt, **spec):
-    return {**{key: getattr(args, key) for key in SETTINGS}, "prompt": prompt, **spec}
-
-
 def in_fresh_process(spec, env):
     done = subprocess.run([sys.executable, "-m", "minispec.tools.bench.oneshot", json.dumps(spec)], env=env,
                           capture_output=True, text=True)
@@ -65,32 +56,37 @@ def in_fresh_process(spec, env):
     return json.loads(done.stdout)
 
 
-def one_shot_benchmark(args):
-    """Seconds per request, each in its own process: plain, then each --gamma, per prompt and round."""
-    configs = {"plain": None, **{str(g): g for g in args.gamma}}
+def fresh_rounds(args, configs, env, what):
+    """{(config, prompt index): a run per round}: each prompt in a fresh process with each config's
+    settings in turn, round after round, so that a slow phase of the machine hits all alike."""
     prompts = read_prompts(args)
     runs = {(name, i): [] for name in configs for i in range(len(prompts))}
-    with tempfile.TemporaryDirectory() as profiles, progress(len(runs) * args.repeats, "one-shot") as bar:
-        env = dict(os.environ, MINISPEC_PROFILES=profiles)
+    with progress(len(runs) * args.repeats, what) as bar:
         for _ in range(args.repeats):
             for i, prompt in enumerate(prompts):
-                for name, gamma in configs.items():
-                    spec = request_spec(args, prompt, draft=None if gamma is None else args.draft, gamma=gamma)
+                for name, config in configs.items():
+                    spec = {**{key: getattr(args, key) for key in SETTINGS}, "prompt": prompt, **config}
                     runs[name, i].append(in_fresh_process(spec, env))
                     bar.update(1)
+    return runs
+
+
+def one_shot_benchmark(args):
+    """Seconds per request, each in its own process: plain, then each --gamma, per prompt and round."""
+    configs = {"plain": dict(draft=None, gamma=None), **{str(g): dict(draft=args.draft, gamma=g) for g in args.gamma}}
+    with tempfile.TemporaryDirectory() as profiles:
+        runs = fresh_rounds(args, configs, dict(os.environ, MINISPEC_PROFILES=profiles), "one-shot")
     rows = []
-    for i in range(len(prompts)):
+    for i in range(len(runs) // len(configs)):
         plain = runs["plain", i]
         row = {"prompt": i + 1, "plain_seconds": statistics.median(r["seconds"] for r in plain),
                "load_seconds": statistics.median(r["load_seconds"] for r in plain), "configs": {}}
-        for name in configs:
-            if name == "plain":
-                continue
+        for name in list(configs)[1:]:
             done = runs[name, i]
             # auto's first run starts from nothing; later runs from what the runs before them kept
-            first, later = done[0]["seconds"], [r["seconds"] for r in done[1:]]
+            later = [r["seconds"] for r in done[1:]]
             row["configs"][name] = {
-                "seconds": statistics.median(r["seconds"] for r in done), "first_seconds": first,
+                "seconds": statistics.median(r["seconds"] for r in done), "first_seconds": done[0]["seconds"],
                 "later_seconds": statistics.median(later) if later else None,
                 "guesses_histograms": [r["guesses_histogram"] for r in done],
                 "identical": all(r["tokens"] == plain[0]["tokens"] for r in done + plain)
@@ -136,20 +132,21 @@ def one_core_busy():
 
 
 def threads_benchmark(args):
-    """Tokens/s of the default and of each --threads setting, one core busy, per round; medians."""
+    """Tokens/s of the default and of each --threads setting, one core busy, per round; medians. The
+    goal: the default at least GOAL of the best setting, where OpenMP's spinning threads made it far slower."""
     cpus = len(os.sched_getaffinity(0))
-    settings = {"default": None, **{str(n): n for n in range(1, cpus + 1)}}
-    prompts = read_prompts(args)
-    rates = {name: [] for name in settings}
+    configs = {name: dict(draft=args.draft, gamma=args.gamma[0], threads=threads)
+               for name, threads in {"default": None, **{str(n): n for n in range(1, cpus + 1)}}.items()}
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)  # the default as a user gets it: minispec's choice
-    with one_core_busy(), progress(args.repeats * len(settings) * len(prompts), "threads") as bar:
-        for _ in range(args.repeats):
-            for name, threads in settings.items():
-                done = [in_fresh_process(request_spec(args, prompt, draft=args.draft, gamma=args.gamma[0],
-                                                      threads=threads), env) for prompt in prompts]
-                bar.update(len(prompts))
-                rates[name].append(sum(len(d["tokens"]) for d in done) / sum(d["seconds"] for d in done))
+    with one_core_busy():
+        runs = fresh_rounds(args, configs, env, "threads")
+
+    def rate(name, r):  # round r's tokens/s over the prompts
+        done = [runs[key][r] for key in runs if key[0] == name]
+        return sum(len(d["tokens"]) for d in done) / sum(d["seconds"] for d in done)
+
+    rates = {name: [rate(name, r) for r in range(args.repeats)] for name in configs}
     medians = {name: statistics.median(r) for name, r in rates.items()}
     best = max(medians[str(n)] for n in range(1, cpus + 1))
     result = {"settings": vars(args), "cpus": cpus, "tokens_per_second": medians, "repeats": rates,

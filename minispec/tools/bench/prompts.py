@@ -13,20 +13,14 @@ CODE = '''def moving_average(values, window):
         result.append(total / window)
     return result'''
 
-
-# Two open-ended prompts and one that asks to rewrite code: the output then repeats much of the
-# prompt, which is where the model-free `lookup` drafter shines. `--prompts code` or `--prompts open`
-# picks one kind.
+# Open-ended prompts, and one whose answer repeats much of it: where the model-free `lookup` drafter shines.
 OPEN_PROMPTS = [
     "The history of the printing press begins in",
     "Question: Why is the sky blue? Explain it to a ten-year-old.\nAnswer:",
 ]
-
-
 CODE_PROMPTS = [
     f"Rewrite this Python function with type hints and a docstring, keeping its logic:\n\n{CODE}\n\nRewritten:\n",
 ]
-
 
 ARTICLE = ("The city council voted on Tuesday to extend the night bus service to the northern suburbs. The "
            "extension adds four routes, runs every thirty minutes between midnight and five in the morning, and "
@@ -53,9 +47,8 @@ NOTE = ("Hi Sam, the meeting moved to Thursday at 3 pm in room 204. Bring the bu
 PEOPLE = ("- Alice Moreau, engineer, Paris\n- Bob Tanaka, designer, Osaka\n- Carla Ruiz, manager, Madrid\n"
           "- Dev Patel, analyst, Leeds")
 
-# Answers that copy parts of their prompt, with changes: summaries, code edits, corrections, reformats.
-# Where the copy is partial, a guess often fails where two earlier passages part ways, which is what
-# lookup's and ngram's trees are for (issue 26's "partial copying" prompts).
+# Answers that copy parts of their prompt with changes: a guess often fails where two earlier passages
+# part ways, which is what lookup's and ngram's trees are for.
 PARTIAL_PROMPTS = [
     f"Summarize this article in three sentences, reusing its key phrases exactly:\n\n{ARTICLE}",
     f"Rename `values` to `samples` and `window` to `width` in this function, changing nothing else:\n\n{CODE}",
@@ -66,10 +59,7 @@ PARTIAL_PROMPTS = [
     f"Turn this list into a Markdown table with the columns Name, Role and City:\n\n{PEOPLE}",
 ]
 
-
 DEFAULT_PROMPTS = OPEN_PROMPTS + CODE_PROMPTS
-
-
 BUILTIN_PROMPTS = {"open": OPEN_PROMPTS, "code": CODE_PROMPTS, "partial": PARTIAL_PROMPTS}
 
 

@@ -1,5 +1,5 @@
-"""The reference implementation (transformers, a test-only dependency imported only here) on the same
-checkpoints and prompts: its generate and its assisted generation, as runners for timing.time_generation."""
+"""The reference implementation (transformers) on the same checkpoints and prompts: its generate and its
+assisted generation, as runners for timing.time_generation."""
 
 import torch
 
@@ -7,7 +7,7 @@ from minispec.loading.checkpoint import resolve_checkpoint
 
 
 def load_reference(name_or_path, device, dtype):
-    """The same checkpoint directory in transformers (imported only here: it is a test-only dependency)."""
+    """The same checkpoint directory in transformers (imported only here: a test-only dependency)."""
     try:
         import transformers
     except ImportError:
@@ -22,9 +22,8 @@ def load_reference(name_or_path, device, dtype):
 
 
 def reference_runner(model, args, gamma=None, draft=None):
-    """run_one for time_generation: the reference's generate with the same length and sampling settings.
-    gamma None: autoregressive; else assisted generation with `draft` (a reference model) or, without
-    one, prompt lookup (our `lookup` drafter's counterpart), γ guesses per step."""
+    """run_one for time_generation: the reference's generate with the same settings; with a γ assisted
+    generation with `draft` (a reference model) or, without one, prompt lookup (our `lookup`)."""
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.ignore_eos:
         # Generate through EOS like minispec does; min_new_tokens would forbid EOS, changing the tokens.
@@ -39,9 +38,8 @@ def reference_runner(model, args, gamma=None, draft=None):
         prompt, seed = request
         assist = {}
         if draft is not None:
-            # Exactly γ guesses per step like Algorithm 1; for "auto", its adaptive defaults (the
-            # heuristic schedule and a confidence threshold). The assistant's own generation_config
-            # holds these, so set them on every call.
+            # exactly γ guesses per step; for "auto", its adaptive defaults (set on every call: the
+            # assistant's own generation_config holds them)
             config = draft.generation_config
             if gamma == "auto":
                 config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "heuristic"
@@ -60,8 +58,7 @@ def reference_runner(model, args, gamma=None, draft=None):
 
 
 def reference_runners(args, device, dtype):
-    """{("reference", γ or None): run_one}: the reference's autoregressive and assisted generation
-    (none for `ngram`, which it lacks)."""
+    """{("reference", γ or None): run_one}: autoregressive and assisted (none for `ngram`: it lacks it)."""
     model = load_reference(args.target, device, dtype)
     runners = {("reference", None): reference_runner(model, args)}
     if args.draft == "ngram":

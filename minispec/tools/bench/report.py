@@ -37,57 +37,46 @@ def peer_line(peer):
 
 
 def markdown_table(result):
-    s = result["settings"]
+    """The main benchmark's report: its settings and single measurements, the table of γ rows, each fixed
+    γ's departure from Theorem 3.8 in factors, and the speedup per prompt."""
+    s, ar, rows = result["settings"], result["autoregressive"], result["rows"]
     seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
     weights = "".join(f", {role} {s[key]} weights"
                       for role, key in (("target", "quantize"), ("draft", "draft_quantize")) if s.get(key))
-    lines = [f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}{weights}"
-             f"{', compiled' if s['compile'] else ''}): {s['prompts']} prompts{seeds} x {s['max_new_tokens']} "
-             "new tokens, "
-             f"temperature {s['temperature']}{top_k_p(s)}, median of {s['repeats']}; "
-             f"step times at position {result['step_position']}", "",
-             f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
-             "decode speedup and Theorem 3.8 (predicted) leave it out", "",
-             f"warm-up pass over the prompts{' (compiling the graphs)' if s['compile'] else ''}: plain "
-             f"{result['autoregressive']['warmup_seconds']:.1f} s, then " + ", ".join(
-                 f"γ = {r['gamma']} {r['warmup_seconds']:.1f} s" for r in result["rows"]), ""]
-    bw = result["memory_bandwidth"]
-    if bw:
-        lines += [f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {read(bw)} ({bw['device_name']})", ""]
-    draft_bw = result["draft_memory_bandwidth"]
-    if draft_bw:
-        step_ms = draft_bw["bytes_per_step"] / draft_bw["achieved_bytes_per_s"] * 1e3
-        lines += [f"draft decode step: {step_ms:.2f} ms, {read(draft_bw)}", ""]
-    widths = result.get("forward_bandwidth")
-    if widths:
-        lines += ["target forward by tokens fed (ms, share of the measured read bandwidth): " + ", ".join(
-            f"{n}: {w['bytes_per_step'] / w['achieved_bytes_per_s'] * 1e3:.2f} ms {w['fraction_of_limit']:.0%}"
-            for n, w in widths.items()), ""]
-    memory = result["memory"]
-    if memory:
-        growth = f" (growth {memory['growth']:+.2%})" if memory["growth"] is not None else ""
-        lines += [f"peak memory: {memory['peak_short_bytes'] / 2**10:.1f} KiB of tensors alive at once while "
-                  f"generating {memory['short_tokens']} tokens, {memory['peak_long_bytes'] / 2**10:.1f} KiB for "
-                  f"{memory['long_tokens']}{growth}; kept after them: {memory['kept_short_bytes']} and "
-                  f"{memory['kept_long_bytes']} bytes", ""]
-    price = result.get("row_invariance_price")
-    if price:
-        lines += ["row invariance: target forward with / without (ms): " + ", ".join(
+    compiled = ", compiled" if s["compile"] else ""
+    bw, draft_bw, widths = result["memory_bandwidth"], result["draft_memory_bandwidth"], result.get("forward_bandwidth")
+    memory, price, reference = result["memory"], result.get("row_invariance_price"), result.get("reference")
+    growth = "" if not memory or memory["growth"] is None else f" (growth {memory['growth']:+.2%})"
+    paragraphs = [
+        f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}{weights}{compiled}): "
+        f"{s['prompts']} prompts{seeds} x {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
+        f"{top_k_p(s)}, median of {s['repeats']}; step times at position {result['step_position']}",
+        f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
+        "decode speedup and Theorem 3.8 (predicted) leave it out",
+        f"warm-up pass over the prompts{' (compiling the graphs)' if compiled else ''}: plain "
+        f"{ar['warmup_seconds']:.1f} s, then "
+        + ", ".join(f"γ = {r['gamma']} {r['warmup_seconds']:.1f} s" for r in rows),
+        bw and f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {read(bw)} ({bw['device_name']})",
+        draft_bw and f"draft decode step: {step_ms(draft_bw):.2f} ms, {read(draft_bw)}",
+        widths and "target forward by tokens fed (ms, share of the measured read bandwidth): " + ", ".join(
+            f"{n}: {step_ms(w):.2f} ms {w['fraction_of_limit']:.0%}" for n, w in widths.items()),
+        memory and f"peak memory: {memory['peak_short_bytes'] / 2**10:.1f} KiB of tensors alive at once while "
+        f"generating {memory['short_tokens']} tokens, {memory['peak_long_bytes'] / 2**10:.1f} KiB for "
+        f"{memory['long_tokens']}{growth}; "
+        f"kept after them: {memory['kept_short_bytes']} and {memory['kept_long_bytes']} bytes",
+        price and "row invariance: target forward with / without (ms): " + ", ".join(
             f"{n} tokens {price['with'][n] * 1e3:.1f} / {price['without'][n] * 1e3:.1f} "
-            f"({price['with'][n] / price['without'][n]:.2f}x)" for n in price["with"]), ""]
-    if result.get("llama_cpp"):
-        lines += [peer_line(result["llama_cpp"]), ""]
-    reference = result.get("reference")
-    assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else {}
-    if reference:
-        ref_ar = reference["autoregressive"]
-        lines += [f"reference autoregressive: {ref_ar['tokens_per_second']:.1f} tokens/s, "
-                  f"identical to minispec: {yes_no(ref_ar['identical'])}", ""]
+            f"({price['with'][n] / price['without'][n]:.2f}x)" for n in price["with"]),
+        result.get("llama_cpp") and peer_line(result["llama_cpp"]),
+        reference and f"reference autoregressive: {reference['autoregressive']['tokens_per_second']:.1f} tokens/s, "
+        f"identical to minispec: {yes_no(reference['autoregressive']['identical'])}"]
+    lines = [line for paragraph in paragraphs if paragraph for line in (paragraph, "")]
+    assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else None
     header = ["γ", "AR tok/s", "spec tok/s", "speedup", "decode speedup", "α", "accept", "tok/call", "c",
               "verify cost", "predicted", "meas/pred", "best γ", "pred. at best γ"]
     header += ["ref assisted tok/s", "ref speedup", "ref identical"] if reference else []
-    lines += md_table(header, (row_cells(result, r, assisted if reference else None) for r in result["rows"]))
-    fixed = [r for r in result["rows"] if r["gamma"] != "auto"]
+    lines += md_table(header, (row_cells(result, r, assisted) for r in rows))
+    fixed = [r for r in rows if r["gamma"] != "auto"]
     if fixed:
         lines += ["", "meas/pred = (tok/call after the prompt's forward ÷ i.i.d. expectation) × ((1 + γc) ÷ "
                   "(verify cost + γc)) × the rest (loop, syncs):"]
@@ -95,20 +84,23 @@ def markdown_table(result):
         f = r["measured_over_predicted_factors"]
         lines.append(f"- γ = {r['gamma']}: {f['tokens_per_call']:.2f} × {f['verify_cost']:.2f} × {f['loop']:.2f} "
                      f"= {r['measured_over_predicted']:.2f}")
-    for r in result["rows"]:
+    for r in rows:
         if r["gamma"] == "auto":
             lines += ["", f"auto: guesses per step {r['guesses_histogram']} (0, 1, ...), expected "
-                      f"{r['expected_tokens_per_call']:.2f} tokens per call, measured {r['tokens_per_target_call']:.2f}; "
-                      f"its prediction is section 3.5's best fixed γ; acceptance by the drafter's confidence "
-                      f"(0-0.2, ..., 0.8-1): " + ", ".join("-" if rate is None else f"{rate:.2f}"
-                                                           for rate in r["acceptance_by_confidence"])]
-    ar = result["autoregressive"]
+                      f"{r['expected_tokens_per_call']:.2f} tokens per call, measured "
+                      f"{r['tokens_per_target_call']:.2f}; its prediction is section 3.5's best fixed γ; acceptance "
+                      "by the drafter's confidence (0-0.2, ..., 0.8-1): " + ", ".join(
+                          "-" if rate is None else f"{rate:.2f}" for rate in r["acceptance_by_confidence"])]
     lines += ["", "speedup per prompt (end to end; median of the repeats / fastest against fastest):", ""]
-    lines += md_table(["prompt", "AR tok/s", *(f"γ = {r['gamma']}" for r in result["rows"])], (
+    lines += md_table(["prompt", "AR tok/s", *(f"γ = {r['gamma']}" for r in rows)], (
         [f"prompt {i + 1}", f"{len(tokens) / ar['request_seconds'][i]:.1f}",
-         *(f"{r['per_prompt_speedup'][i]:.2f}x / {r['per_prompt_speedup_fastest'][i]:.2f}x" for r in result["rows"])]
+         *(f"{r['per_prompt_speedup'][i]:.2f}x / {r['per_prompt_speedup_fastest'][i]:.2f}x" for r in rows)]
         for i, tokens in enumerate(ar["outputs"])))
     return "\n".join(lines)
+
+
+def step_ms(bandwidth):
+    return bandwidth["bytes_per_step"] / bandwidth["achieved_bytes_per_s"] * 1e3
 
 
 def row_cells(result, r, assisted):

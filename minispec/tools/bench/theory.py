@@ -10,11 +10,9 @@ def predicted_speedup(alpha, gamma, c):
 
 
 def ratio_factors(alpha, gamma, c, verify_cost, tokens_per_call, decode_speedup):
-    """Measured ÷ predicted as a product of three factors, to tell where a shortfall comes from:
-    the drafter's tokens per target call against the theorem's i.i.d. expectation
-    (1 - α^(γ+1)) / (1 - α); the theorem's cost of a call, 1 + γc target steps, against the measured
-    verify cost + γc; and the measured speedup against the one those tokens and costs imply, which
-    leaves what neither models: the loop's own work and host syncs."""
+    """Measured ÷ predicted as three factors, to tell where a shortfall comes from: tokens per target call
+    against the i.i.d. expectation (1 - α^(γ+1)) / (1 - α); the theorem's cost of a call, 1 + γc, against
+    the measured verify cost + γc; and what neither models (the loop's own work, host syncs)."""
     modelled = tokens_per_call / (verify_cost + gamma * c)
     return {"tokens_per_call": tokens_per_call / predicted_speedup(alpha, gamma, 0.0),
             "verify_cost": (1 + gamma * c) / (verify_cost + gamma * c), "loop": decode_speedup / modelled}

@@ -1,5 +1,4 @@
-"""Timing: decoders side by side in interleaved rounds, the prompt's forward apart from the decode
-phase, and the single forwards Theorem 3.8 is about (a target step, a verification, a draft step)."""
+"""Timing: decoders side by side in interleaved rounds, and the single forwards Theorem 3.8 is about."""
 
 import statistics
 import time
@@ -26,8 +25,8 @@ def synchronize(device):
 
 
 def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
-    """{name: median seconds of fn()} over `samples` rounds in which every fn runs once in turn, so
-    a slow phase of the machine hits all alike; `warmup` untimed rounds first (compilation, caches)."""
+    """{name: median seconds of fn()} over `samples` rounds in which every fn runs once in turn, after
+    `warmup` untimed rounds (compilation, caches)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -42,54 +41,50 @@ def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def time_generation(runners, requests, repeats, device):
-    """Decoders side by side: a warm-up pass over the requests each, then `repeats` rounds in which
-    every runner makes one timed pass in turn, so that machine drift hits all alike. run_one(request)
-    -> (generated ids, stats), whose "prefill_seconds" and "first_call_tokens" (where given) set the
-    decode phase apart. Returns {name: median tokens/s (and of the decode phase), each round's, each
-    request's median and fastest seconds, the warm-up's seconds, the last round's outputs and stats}."""
-    warmup_seconds = {}
-    bar = progress(len(runners) * (repeats + 1), "passes")
-    for name, run_one in runners.items():
+def time_pass(run_one, requests, device):
+    """run_one over the requests once: each one's (generated ids, stats) and seconds."""
+    results, seconds = [], []
+    for request in requests:
         synchronize(device)
         start = time.perf_counter()
-        for request in requests:
-            run_one(request)
+        results.append(run_one(request))
         synchronize(device)
-        warmup_seconds[name] = time.perf_counter() - start
-        bar.update(1)
-    rates = {name: [] for name in runners}
-    decode_rates = {name: [] for name in runners}
-    request_seconds = {name: [[] for _ in requests] for name in runners}
-    for _ in range(repeats):
-        last = {}
+        seconds.append(time.perf_counter() - start)
+    return results, seconds
+
+
+def time_generation(runners, requests, repeats, device):
+    """Decoders side by side: a warm-up pass over the requests each, then `repeats` rounds in which every
+    runner makes one timed pass in turn, so that machine drift hits all alike. run_one(request) ->
+    (generated ids, stats), whose "prefill_seconds" and "first_call_tokens" set the decode phase apart."""
+    bar = progress(len(runners) * (repeats + 1), "passes")
+    passes = {name: [] for name in runners}
+    for _ in range(repeats + 1):
         for name, run_one in runners.items():
-            results, seconds = [], 0.0
             SUFFIX_STORES.clear()  # the suffix drafter would guess what an earlier pass answered, whole
-            for i, request in enumerate(requests):
-                synchronize(device)
-                start = time.perf_counter()
-                results.append(run_one(request))
-                synchronize(device)
-                request_seconds[name][i].append(time.perf_counter() - start)
-                seconds += request_seconds[name][i][-1]
-            tokens = sum(len(tokens) for tokens, _ in results)
-            rates[name].append(tokens / seconds)
-            if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
-                decode_tokens = tokens - sum(stats["first_call_tokens"] for _, stats in results)
-                decode_seconds = seconds - sum(stats["prefill_seconds"] for _, stats in results)
-                decode_rates[name].append(decode_tokens / decode_seconds)
-            last[name] = results
+            passes[name].append(time_pass(run_one, requests, device))
             bar.update(1)
     bar.close()
-    return {name: {"tokens_per_second": statistics.median(rates[name]), "tokens_per_second_repeats": rates[name],
-                   "decode_tokens_per_second": statistics.median(decode_rates[name]) if decode_rates[name] else None,
-                   "decode_tokens_per_second_repeats": decode_rates[name],
-                   "request_seconds": [statistics.median(t) for t in request_seconds[name]],
-                   "request_seconds_fastest": [min(t) for t in request_seconds[name]],
-                   "warmup_seconds": warmup_seconds[name],
-                   "outputs": [tokens for tokens, _ in last[name]], "stats": [stats for _, stats in last[name]]}
-            for name in runners}
+    return {name: pass_rates(passes[name]) for name in runners}
+
+
+def pass_rates(passes):
+    """time_generation's figures for one runner from its passes, the first of them the warm-up."""
+    rates, decode_rates = [], []
+    for results, seconds in passes[1:]:
+        tokens = sum(len(tokens) for tokens, _ in results)
+        rates.append(tokens / sum(seconds))
+        if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
+            decode_tokens = tokens - sum(stats["first_call_tokens"] for _, stats in results)
+            decode_rates.append(decode_tokens / (sum(seconds) - sum(stats["prefill_seconds"] for _, stats in results)))
+    request_seconds = list(zip(*(seconds for _, seconds in passes[1:])))
+    last = passes[-1][0]
+    return {"tokens_per_second": statistics.median(rates), "tokens_per_second_repeats": rates,
+            "decode_tokens_per_second": statistics.median(decode_rates) if decode_rates else None,
+            "decode_tokens_per_second_repeats": decode_rates,
+            "request_seconds": [statistics.median(t) for t in request_seconds],
+            "request_seconds_fastest": [min(t) for t in request_seconds], "warmup_seconds": sum(passes[0][1]),
+            "outputs": [tokens for tokens, _ in last], "stats": [stats for _, stats in last]}
 
 
 def decode_steps(model, prefix, widths):
@@ -109,8 +104,7 @@ def decode_steps(model, prefix, widths):
 @torch.inference_mode()
 def step_times(target, draft, prompt_ids, generated, gammas, sampling):
     """Median seconds of the forwards Theorem 3.8 is about, with prompt + `generated` in the caches: a
-    1-token target step, a (γ+1)-token verification (and every width of FORWARD_WIDTHS), and a draft
-    step: a model's 1-token decode, or a model-free drafter's proposal of γ guesses over γ."""
+    target step, a verification (and FORWARD_WIDTHS) and a draft step (a model-free drafter's guess)."""
     if draft in SELF_DRAFT_MODES:  # the target's quantized copy: a model drafter
         draft = make_drafter(draft, target).model
     device = target.device
@@ -140,8 +134,8 @@ def step_times(target, draft, prompt_ids, generated, gammas, sampling):
 
 @torch.inference_mode()
 def row_invariance_price(target, prefix, widths=(1, 4, 9), rounds=3):
-    """Median seconds of target forwards over 1, 4 and 9 tokens with row invariance and without, in
-    interleaved rounds (the fastest round of each kept): {"with": {n: s}, "without": {n: s}}."""
+    """{"with": {n: s}, "without": {n: s}}: target forwards' seconds with row invariance and without,
+    the fastest of interleaved rounds."""
     steps = decode_steps(target, prefix, list(widths))
     times = {"with": {}, "without": {}}
     for _ in range(rounds):

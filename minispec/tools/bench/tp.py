@@ -3,11 +3,9 @@
     torchrun --standalone --nproc-per-node 2 -m minispec.tools.bench.tp --target CKPT --device cpu  # sharded
     python -m minispec.tools.bench.tp --target CKPT --device cpu --threads 2                       # one process
 
-Sharded, rank 0 prints one JSON object: the median time of one sum (the all-reduce a layer's attention
-and MLP each end with) over a decode step's rows, of the host broadcast that agrees gamma="auto"'s
-timings, and of broadcasting a draft's q for 3 guesses (what running the draft on rank 0 alone would
-send every step); then decode steps of 1 and 9 tokens, and the sums they hold (2 per layer). In one
-process: the decode steps alone.
+Rank 0 prints one JSON object: decode steps of 1 and 9 tokens and, sharded, the median time of one sum
+(the all-reduce ending a layer's attention and MLP), of agreeing gamma="auto"'s timings, and of
+broadcasting a draft's q for 3 guesses; the steps without their sums.
 """
 
 import argparse
