@@ -27,7 +27,7 @@ except ImportError as missing:  # the optional extra is not installed
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minispec.serve",
                                      description="An OpenAI-compatible HTTP server, speculative by default.")
-    add_model_flags(parser, draft_default="lookup", tensor_parallel=True)
+    add_model_flags(parser, draft_default="suffix", tensor_parallel=True)
     parser.add_argument("--gamma", type=gamma_setting, default="auto",
                         help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
     parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N", default="auto",
