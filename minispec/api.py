@@ -155,8 +155,7 @@ class Request:
         if settings.searching:
             from .decoding import beam  # read only by a call that asks for beams
             with named("beams" if settings.beams != 1 else "draft_beams"):
-                draft_beams = beam.check_settings(settings.beams, draft_beams, target, drafter, sampling,
-                                                  settings.lenience)
+                draft_beams = beam.check_settings(settings.beams, draft_beams, drafter, sampling, settings.lenience)
         texts = [settings.stop] if isinstance(settings.stop, str) else settings.stop or ()
         with named("stop"):
             stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids), texts, target.tokenizer)

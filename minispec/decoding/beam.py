@@ -24,7 +24,7 @@ from .drafters import ModelDrafter
 from .sampling import Sampling
 
 
-def check_settings(w, u, target, drafter, sampling, lenience):
+def check_settings(w, u, drafter, sampling, lenience):
     """Clear errors for what beam search cannot do (Settings checked each value). The draft's width u (0: none)."""
     if sampling != Sampling() or lenience != 1:
         raise ValueError("beam search is deterministic: it cannot be combined with sampling "
