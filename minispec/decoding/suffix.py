@@ -12,13 +12,13 @@ one-hot, reported as None).
 
 A store is kept beside gamma="auto"'s profiles (the folder MINISPEC_PROFILES names; "off" keeps none), in
 a file named by the target's vocabulary, so that a new process (a new replica of a server) starts from
-what the last one learnt: read when the store is made, written at exit and every SAVE_EVERY seconds while
-requests finish (on a thread of its own), whole (profiles.write_whole). Token ids as little-endian uint32s,
-never pickle: the file may come from anyone who can write the folder; one that is not whole, not this
-vocabulary's or larger than the budget is ignored with a note on stderr, and the store starts empty.
+what the last one learnt: read when the store is made; written whole (profiles.write_whole) when a server
+stops, when the target goes or the process exits, and every SAVE_EVERY seconds while requests finish, on
+a thread of its own. Token ids as little-endian uint32s, never pickle: anyone who can write the folder
+can write the file; one that is not whole, not this vocabulary's or larger than the budget is ignored
+with a note on stderr, and the store starts empty.
 """
 
-import atexit
 import hashlib
 import struct
 import sys
@@ -65,7 +65,15 @@ def store_for(target):
             for text in stored_texts(file, store.budget):
                 store.remember(text)
             store.file, store.saved = file, store.changes  # kept from now on
+            weakref.finalize(target, store.save)  # when the target goes, or at exit (a server's: after its shutdown)
     return store
+
+
+def save_stores():
+    """Save every kept store now: a server's shutdown does (uvicorn ends the process by the signal that
+    stopped it, which runs no exit hooks)."""
+    for store in list(STORES.values()):
+        store.save()
 
 
 def file_of(target):
@@ -187,13 +195,6 @@ def stored_texts(file, budget):
         print(f"minispec: ignoring the suffix store {file.path}: {error}", file=sys.stderr)
         return []
     return [list(tokens[end - n:end]) for n, end in zip(lengths, accumulate(lengths))]
-
-
-@atexit.register
-def save_stores():
-    """At exit (a server's too, after its shutdown): every kept store, for the next process."""
-    for store in list(STORES.values()):
-        store.save()
 
 
 def matched(text, end, context):
