@@ -6,10 +6,10 @@ is ignored with one line on stderr; two processes writing the same file never le
 
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -172,7 +172,6 @@ def serve(checkpoints, folder, *flags):
 
 
 def free_port():
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

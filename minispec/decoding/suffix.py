@@ -12,7 +12,7 @@ one-hot, reported as None).
 
 A store is kept beside gamma="auto"'s profiles (the folder MINISPEC_PROFILES names; "off" keeps none), in
 a file named by the target's vocabulary, so that a new process (a new replica of a server) starts from
-what the last one learnt: read when the store is made; written whole (profiles.write_whole) when a server
+what the last one learnt: read when the store is made; written whole (as profiles are) when a server
 stops, when the target goes or the process exits, and every SAVE_EVERY seconds while requests finish, on
 a thread of its own. Token ids as little-endian uint32s, never pickle: anyone who can write the folder
 can write the file; one that is not whole, not this vocabulary's or larger than the budget is ignored
@@ -20,8 +20,10 @@ with a note on stderr, and the store starts empty.
 """
 
 import hashlib
+import os
 import struct
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .lookup import TextDrafter, copy_after, trie_of
-from .profiles import folder, write_whole
+from .profiles import folder
 from .sampling import Sampling
 from .tree import children_of, likeliest
 
@@ -195,6 +197,22 @@ def stored_texts(file, budget):
         print(f"minispec: ignoring the suffix store {file.path}: {error}", file=sys.stderr)
         return []
     return [list(tokens[end - n:end]) for n, end in zip(lengths, accumulate(lengths))]
+
+
+def write_whole(path, data):
+    """A temporary file renamed over the old one: a process killed while writing, or another process
+    writing the same file, never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before it takes the old file's place
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def matched(text, end, context):
