@@ -67,7 +67,7 @@ def store_for(target):
             for text in stored_texts(file, store.budget):
                 store.remember(text)
             store.file, store.saved = file, store.changes  # kept from now on
-            weakref.finalize(target, store.save)  # when the target goes, or at exit (a server's: after its shutdown)
+            weakref.finalize(target, store.save)  # when the target goes, or at a library user's exit
     return store
 
 
