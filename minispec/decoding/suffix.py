@@ -9,14 +9,31 @@ node's confidence is its share of the occurrences through its parent times the m
 MATCH_MAX, as lookup's, so gamma="auto" and tree="auto" price it as they price lookup; the chain follows
 the surest child from the root, the tree is the trie's likeliest nodes. The guesses are deterministic (q
 one-hot, reported as None).
+
+A store is kept beside gamma="auto"'s profiles (the folder MINISPEC_PROFILES names; "off" keeps none), in
+a file named by the target's vocabulary, so that a new process (a new replica of a server) starts from
+what the last one learnt: read when the store is made; written whole (as profiles are) when a server
+stops, when the target goes or the process exits, and every SAVE_EVERY seconds while requests finish, on
+a thread of its own. Token ids as little-endian uint32s, never pickle: anyone who can write the folder
+can write the file; one that is not whole, not this vocabulary's or larger than the budget is ignored
+with a note on stderr, and the store starts empty.
 """
 
+import hashlib
+import os
+import struct
+import sys
+import tempfile
+import threading
+import time
 import weakref
 from collections import Counter, defaultdict, deque
-from itertools import islice
+from itertools import accumulate, islice
+from pathlib import Path
 from typing import NamedTuple
 
 from .lookup import TextDrafter, copy_after, trie_of
+from .profiles import folder
 from .sampling import Sampling
 from .tree import children_of, likeliest
 
@@ -26,12 +43,50 @@ STORE_TOKENS = 1 << 18
 MATCH_MAX = 16  # suffix tokens compared: a match this long is as sure as a match gets
 SCANNED = 64  # the latest occurrences of the context's last pair compared, in the store and in the request
 OCCURRENCES = 32  # the continuations counted: the longest matches, the request's own and the latest first
+SAVE_EVERY = 60.0  # seconds between saves while requests finish: what a process killed hard can lose
+MAGIC = b"minispec suffix store 1\n"
+HEADER = len(MAGIC) + 20 + 8  # the magic, the vocabulary's key, the counts of texts and of tokens
 
 STORES = weakref.WeakKeyDictionary()  # target -> its Store: token ids mean nothing under another vocabulary
 
 
+class StoreFile(NamedTuple):
+    """Where a store is kept between processes, and what its vocabulary is: its key and size."""
+    path: Path
+    key: bytes
+    vocab_size: int
+
+
 def store_for(target):
-    return STORES.setdefault(target, Store())
+    """The target's store; a new one starts from its file, if it has one."""
+    store = STORES.get(target)
+    if store is None:
+        store = STORES[target] = Store()
+        file = file_of(target)
+        if file is not None:
+            for text in stored_texts(file, store.budget):
+                store.remember(text)
+            store.file, store.saved = file, store.changes  # kept from now on
+            weakref.finalize(target, store.save)  # when the target goes, or at a library user's exit
+    return store
+
+
+def save_stores():
+    """Save every kept store now: a server's shutdown does (uvicorn ends the process by the signal that
+    stopped it, which runs no exit hooks)."""
+    for store in list(STORES.values()):
+        store.save()
+
+
+def file_of(target):
+    """A target's store file, named by its vocabulary (its tokenizer's, else its checkpoint's), or None:
+    stores not kept (MINISPEC_PROFILES=off), or a target with neither."""
+    tokenizer, where = getattr(target, "tokenizer", None), folder()
+    vocabulary = tokenizer.fingerprint if tokenizer is not None else getattr(target, "fingerprint", None)
+    if where is None or vocabulary is None:
+        return None
+    key = hashlib.sha256(f"{vocabulary} {target.vocab_size}".encode()).hexdigest()[:20]
+    return StoreFile(where / f"suffix-{key}.bin", key.encode(), target.vocab_size)
 
 
 class Place(NamedTuple):
@@ -82,12 +137,82 @@ class Store(Texts):
 
     def __init__(self, budget=STORE_TOKENS):
         super().__init__()
-        self.budget = budget
+        self.budget, self.file = budget, None  # file: a StoreFile once the store is kept
+        self.lock, self.writing = threading.Lock(), threading.Lock()  # the texts; one save at a time
+        self.changes, self.saved, self.saved_at = 0, 0, time.monotonic()
 
     def remember(self, tokens):
-        self.add(tokens[-self.budget:])
-        while self.size > self.budget:
-            self.drop_oldest()
+        with self.lock:  # a save's snapshot reads the texts on another thread
+            self.add(tokens[-self.budget:])
+            while self.size > self.budget:
+                self.drop_oldest()
+            self.changes += 1
+        if self.file is not None and time.monotonic() > self.saved_at + SAVE_EVERY:
+            self.saved_at = time.monotonic()
+            threading.Thread(target=self.save, daemon=True).start()  # the decoding thread goes on meanwhile
+
+    def save(self):
+        """Write the texts to the store's file, if they changed since the last save."""
+        with self.writing:
+            with self.lock:  # texts are never changed once added: a snapshot is the list of them
+                if self.file is None or self.changes == self.saved:
+                    return
+                texts, changes = list(self.texts), self.changes
+            lengths, tokens = [len(text) for text in texts], [token for text in texts for token in text]
+            counts = struct.pack(f"<II{len(lengths) + len(tokens)}I", len(lengths), len(tokens), *lengths, *tokens)
+            try:
+                write_whole(self.file.path, MAGIC + self.file.key + counts)
+            except OSError as error:
+                print(f"minispec: cannot keep the suffix store in {self.file.path}: {error.strerror or error}",
+                      file=sys.stderr)
+                self.file = None  # noted once
+            self.saved = changes
+
+
+def stored_texts(file, budget):
+    """The texts in a store's file, oldest first; none if there is no file or it cannot be used (noted)."""
+    try:
+        with open(file.path, "rb") as f:
+            data = f.read(HEADER + 8 * budget + 1)  # no more than a store of `budget` tokens takes
+        if len(data) > HEADER + 8 * budget:
+            raise ValueError(f"larger than a store of {budget} tokens")
+        if not data.startswith(MAGIC):
+            raise ValueError("not a suffix store")
+        if data[len(MAGIC):HEADER - 8] != file.key:
+            raise ValueError("another vocabulary's")
+        texts, count = struct.unpack_from("<II", data, HEADER - 8)
+        if count > budget:
+            raise ValueError(f"{count} tokens, more than a store keeps ({budget})")
+        if len(data) != HEADER + 4 * (texts + count):
+            raise ValueError("truncated, or longer than it says")
+        numbers = struct.unpack_from(f"<{texts + count}I", data, HEADER)
+        lengths, tokens = numbers[:texts], numbers[texts:]
+        if sum(lengths) != count:
+            raise ValueError("its texts' lengths are not its token count")
+        if tokens and max(tokens) >= file.vocab_size:
+            raise ValueError(f"token id {max(tokens)} is outside the vocabulary ({file.vocab_size} tokens)")
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as error:
+        print(f"minispec: ignoring the suffix store {file.path}: {error}", file=sys.stderr)
+        return []
+    return [list(tokens[end - n:end]) for n, end in zip(lengths, accumulate(lengths))]
+
+
+def write_whole(path, data):
+    """A temporary file renamed over the old one: a process killed while writing, or another process
+    writing the same file, never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before it takes the old file's place
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def matched(text, end, context):

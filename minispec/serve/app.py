@@ -61,6 +61,8 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
         scheduler.start()
         yield
         await run_in_threadpool(scheduler.stop, shutdown_timeout)
+        from ..decoding.suffix import save_stores  # draft="suffix"'s store, for the next replica; read only here
+        save_stores()
 
     routes = [Route("/v1/completions", guarded(completions), methods=["POST"]),
               Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
