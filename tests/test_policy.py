@@ -258,6 +258,10 @@ def test_one_sure_row_does_not_make_a_batch_pay_for_its_padding():
     assert together == [together[0]] * 4 and together[0] >= max(alone) and together[0] > min(alone)
     batched.choose(batch_of(rows, max_new_tokens=3))  # two tokens left: two guesses at most pay
     assert [row.guesses() for row in rows] == [2] * 4
+    rows = batch_of([adaptive(0.95, FLAT, 0.01) for _ in range(2)])
+    rows[1].stats["target_calls"] = 0  # it joins: its prompt's forward is its own, its guesses a tree's
+    batched.choose(rows)
+    assert rows[0].policy.guesses() > 0 and rows[1].policy.guesses() == 0
 
 
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():

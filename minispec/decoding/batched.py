@@ -7,16 +7,17 @@ at this width), and each row guesses up to k, since the padding pays for those g
 
 
 def choose(batch):
-    """Set `chosen` on the policies of the rows that share the step's forward. Those that joined have a
-    forward of their own, their prefill, and a grammar's rows may have their guesses forced, which asks
-    no policy: they choose alone."""
-    sharing = [row for row in batch if row.stats["target_calls"] and row.policy.verify is not None
-               and row.grammar is None]
-    if not sharing:
+    """Set `chosen` on the rows' policies (a grammar's rows may have their guesses forced, which asks no
+    policy: they choose alone). A row that joins decodes its prompt in a forward of its own, where its
+    guesses would cost little, but as a tree they would make every row's feed of the shared forward a
+    tree, a dearer forward: it guesses nothing."""
+    ruled = [row for row in batch if row.policy.verify is not None and row.grammar is None]
+    if not ruled:
         return
     # each row's gains, no longer than its remaining tokens allow it to guess
-    gains = [row.policy.gains()[:row.request.max_new_tokens - len(row.tokens)] for row in sharing]
-    lead = sharing[0].policy  # every row is the same pair's: one cost line prices the batch's forward
-    k = max(range(lead.k_max + 1), key=lambda k: sum(g[min(k, len(g) - 1)] for g in gains) / lead.seconds(k, len(batch)))
-    for row in sharing:
-        row.policy.chosen = k
+    gains = [row.policy.gains()[:row.request.max_new_tokens - len(row.tokens)] for row in ruled]
+    sharing = [g for row, g in zip(ruled, gains) if row.stats["target_calls"]]
+    lead = ruled[0].policy  # every row is the same pair's: one cost line prices the batch's forward
+    k = max(range(lead.k_max + 1), key=lambda k: sum(g[min(k, len(g) - 1)] for g in sharing) / lead.seconds(k, len(batch)))
+    for row in ruled:
+        row.policy.chosen = k if row.stats["target_calls"] else 0
