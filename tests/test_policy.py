@@ -14,7 +14,7 @@ from conftest import make_reference, save_reference
 from test_heads import KILLING, ROOT
 
 import minispec
-from minispec.decoding import costs, drafters, policy, profiles, rates
+from minispec.decoding import batched, costs, drafters, policy, profiles, rates
 from minispec.decoding.policy import AdaptiveGamma, Drafting, FixedGamma, make_policy
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
@@ -218,18 +218,50 @@ def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
     assert chooser.t_draft == pytest.approx(0.5, rel=0.05)
 
 
+def batch_of(choosers, max_new_tokens=64):
+    """Rows that share a step's forward, as batched.choose sees them."""
+    return [SimpleNamespace(policy=chooser, stats={"target_calls": 1}, grammar=None, tokens=[],
+                            request=SimpleNamespace(max_new_tokens=max_new_tokens)) for chooser in choosers]
+
+
 def test_a_wide_batch_prices_a_step_at_its_width_and_decodes_plain_where_guesses_do_not_pay():
     """A CPU's forward is compute-bound at a batch's width: each position costs half a 1-token step. One
     row gains from good guesses; 16 rows, whose one forward computes 16 positions per token each guesses,
-    gain nothing from them (a server's scheduler sets `width` to the rows of the next step)."""
+    gain nothing from them: the batch's rows choose plain steps together (batched.py)."""
     compute_bound = [0.5 + 0.5 * w for w in range(1, 10)]
     chooser = adaptive(0.8, compute_bound, 0.05)
     assert chooser.guesses() > 0
-    chooser.width = lambda: 16
-    assert chooser.seconds(0) == pytest.approx(0.5 + 0.5 * 16)  # the line goes on straight past width 9
-    assert chooser.guesses() == 0
-    chooser.width = lambda: 1
-    assert chooser.guesses() > 0
+    assert chooser.seconds(0, rows=16) == pytest.approx(0.5 + 0.5 * 16)  # the line goes on straight past width 9
+    sixteen = [adaptive(0.8, compute_bound, 0.05) for _ in range(16)]
+    batched.choose(batch_of(sixteen))
+    assert [row.guesses() for row in sixteen] == [0] * 16
+    alone = adaptive(0.8, compute_bound, 0.05)
+    batched.choose(batch_of([alone]))  # a batch of one row guesses as a lone request does
+    assert alone.guesses() == chooser.guesses() > 0
+
+
+def test_one_sure_row_does_not_make_a_batch_pay_for_its_padding():
+    """The batch's forward pads every row to the widest: a row whose guesses pay at its own share of the
+    cost makes the other rows pay for positions that gain them nothing. The rows choose one k for the
+    batch from all their gains: plain steps here, though the sure row alone, priced at the batch's
+    width, would guess; where guesses do pay, every row takes the batch's k, which the padding pays for."""
+    compute_bound = [0.5 + 0.5 * w for w in range(1, 10)]
+    rows = [adaptive(0.95, compute_bound, 0.05)] + [adaptive(0.05, compute_bound, 0.05) for _ in range(3)]
+    sure = rows[0]
+    assert max(range(9), key=lambda k: sure.expected(k) / sure.seconds(k, rows=4)) > 0
+    batched.choose(batch_of(rows))
+    assert [row.guesses() for row in rows] == [0] * 4
+    rows = [adaptive(0.95, FLAT, 0.01)] + [adaptive(0.05, FLAT, 0.01) for _ in range(3)]
+    alone = [row.guesses() for row in rows]
+    batched.choose(batch_of(rows))
+    together = [row.guesses() for row in rows]
+    assert together == [together[0]] * 4 and together[0] >= max(alone) and together[0] > min(alone)
+    batched.choose(batch_of(rows, max_new_tokens=3))  # two tokens left: two guesses at most pay
+    assert [row.guesses() for row in rows] == [2] * 4
+    rows = batch_of([adaptive(0.95, FLAT, 0.01) for _ in range(2)])
+    rows[1].stats["target_calls"] = 0  # it joins: its prompt's forward is its own, its guesses a tree's
+    batched.choose(rows)
+    assert rows[0].policy.guesses() > 0 and rows[1].policy.guesses() == 0
 
 
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():

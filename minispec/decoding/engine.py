@@ -222,6 +222,9 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
                 share_prompt(target, batch)
         if not batch:
             return
+        if len(batch) > 1 and hasattr(batch[0].policy, "chosen"):
+            from .batched import choose  # gamma="auto" in a batch: read only then
+            choose(batch)
         ended = step(target, batch)
         for row in batch:
             result = None

@@ -12,9 +12,10 @@ costs its steps measured (costs.py), both kept for the pair's next request and p
 - Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
   1-guess probe checks whether speculation pays again, where guesses that all survive would pay.
 - With tree="auto" (tree.py), a previewing drafter offers its tree every step and the policy verifies
-  its first nodes with the most expected tokens per second (`plan_tree`); a drafter whose trees cost
+  its first nodes with the most expected tokens per second (`tree_gains`); a drafter whose trees cost
   forwards to grow (a draft model, a head) takes the faster of chains and trees by their measured
   tokens per second, probing the other now and then (`choose_mode`).
+- In a batch, whose forward pads every row to its widest, the rows choose one k together (batched.py).
 
 Exactness is untouched: the policy only chooses how many guesses Algorithm 1 verifies, and in what shape.
 """
@@ -116,12 +117,11 @@ def stored_profile(profile):
 
 
 class AdaptiveGamma:
-    """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second, at the
-    batch's width: `width`, where a server's scheduler sets it, says how many rows the next step runs."""
+    """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second; in a
+    batch, the k its rows chose together (batched.py), set as `chosen` before the step."""
 
     def __init__(self, k_max):
-        self.k_max = k_max
-        self.width = lambda: 1
+        self.k_max, self.chosen = k_max, None
 
     def start(self, target, drafter, prompt_ids, beams=None, timed=True, tree=False):
         """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
@@ -174,27 +174,34 @@ class AdaptiveGamma:
             tokens.append(tokens[-1] + survive)
         return tokens
 
-    def verify_at(self, tokens):
-        """A verify of `tokens` a row at the batch's width: one target forward over rows × tokens positions.
-        Every row of a batch prices its guesses alike, so plain steps win once the batch's forward is
-        compute-bound and more positions cost about what they make."""
-        return self.verify(max(self.width(), 1) * tokens)
+    def seconds(self, k, rows=1):
+        """T(k) for `rows` rows that each feed k + 1 tokens: one target forward over rows × (k + 1)
+        positions, and draft steps that grow with the rows as the target's forward does."""
+        return k * self.t_draft * self.verify(rows) / self.verify(1) + self.verify(rows * (k + 1))
 
-    def seconds(self, k):
-        """T(k) at the batch's width: the draft's steps grow with the rows as the target's forward does."""
-        return k * self.t_draft * self.verify_at(1) / self.verify(1) + self.verify_at(k + 1)
-
-    def guesses(self):
-        self.tree_nodes = None
+    def gains(self):
+        """[E(0), E(1), ..] for this step: the expected tokens with k guesses (with previewed trees, the
+        tree's first k nodes), from the guesses its drafter previews, if it does."""
+        self.tree_nodes, self.confidences = None, []
         if self.drafting.preview_tree is not None:
-            return self.plan_tree()
+            return self.tree_gains()
         if self.drafting.preview is not None:  # checked every step: no probes needed
             self.previewed, self.confidences = self.drafting.preview(self.k_max)
-            return self.best_for(self.confidences) if self.verify is not None else 0
-        self.confidences = []
+            return self.expected_with(self.confidences)
+        return [self.expected(k) for k in range(self.k_max + 1)]
+
+    def guesses(self):
+        chosen, self.chosen = self.chosen, None  # the batch's, whose gains() previewed this step
+        gains = self.gains() if chosen is None else None
         if self.verify is None:  # a new pair: plain steps until one is timed
             return 0
-        best = max(range(self.k_max + 1), key=lambda k: self.expected(k) / self.seconds(k))
+        best = chosen if gains is None else max(range(len(gains)), key=lambda k: gains[k] / self.seconds(k))
+        if self.drafting.preview_tree is not None:
+            return self.take_tree(best)
+        if self.drafting.preview is not None:
+            return best
+        if chosen is not None:  # a batch's chains, probed as a lone row's are
+            return self.probed(chosen)
         mode = self.choose_mode() if self.drafting.branching else Mode("chain", False)
         if best == 0 and (self.trees_pay() or mode == ("tree", True)):
             best = 1  # measured, or due to be, whatever a's estimate says: a's is of a chain's first guess
@@ -206,11 +213,6 @@ class AdaptiveGamma:
             return 1
         # A drafter that reports confidences guesses on while keep_guessing says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
-
-    def best_for(self, sure):
-        """The k with the most expected tokens per second, for guesses whose confidences are known."""
-        tokens = self.expected_with(sure)
-        return max(range(len(tokens)), key=lambda k: tokens[k] / self.seconds(k))
 
     def probed(self, best):
         """best, or after profile.probe_after plain steps a 1-guess probe where guesses could pay at all.
@@ -247,30 +249,24 @@ class AdaptiveGamma:
                 return True
         return False
 
-    def plan_tree(self):
-        """The previewed tree's first nodes with the most expected tokens per second, up to k_max nodes
-        that form a chain or TREE_AUTO that branch: sets tree_nodes to their number (None: no guess) and
-        returns their depth. A node's expected contribution is the chance its whole path survives; a
-        forward is priced by its width, whatever its shape (tree steps time the same line)."""
+    def tree_gains(self):
+        """The expected tokens with the previewed tree's first 0, 1, .. nodes, up to k_max that form a
+        chain or TREE_AUTO that branch. A node's expected contribution is the chance its whole path
+        survives; a forward is priced by its width, whatever its shape (tree steps time the same line)."""
         _, parents, sure = self.previewed_tree = self.drafting.preview_tree(self.k_max, max(self.k_max, TREE_AUTO))
-        self.previewed, self.confidences = None, []
-        if self.verify is None:  # a new pair: plain steps until one is timed
-            return 0
-        chain, depth = chain_length(parents), depths(parents)
-        reach, expected = [], 1.0
-        best, self.planned, best_rate = 0, 1.0, 1.0 / self.verify_at(1)
-        for j, (parent, confidence) in enumerate(zip(parents, sure)):
-            nodes = j + 1
-            if nodes > max(chain, TREE_AUTO):  # a chain may be k_max long, a tree TREE_AUTO nodes
-                break
+        self.previewed, depth, reach, self.tree_expected = None, depths(parents), [], [1.0]
+        for j, (parent, confidence) in enumerate(zip(parents[:max(chain_length(parents), TREE_AUTO)], sure)):
             bins = self.profile.tree_confidence[depth[j] > 1]
             reach.append((1.0 if parent < 0 else reach[parent]) * self.survival(bins, confidence, depth[j] == 1))
-            expected += reach[-1]
-            rate = expected / self.verify_at(nodes + 1)
-            if rate > best_rate:
-                best, self.planned, best_rate = nodes, expected, rate
-        self.tree_nodes = best or None
-        return max(depth[:best], default=0)
+            self.tree_expected.append(self.tree_expected[-1] + reach[-1])
+        return self.tree_expected
+
+    def take_tree(self, nodes):
+        """The previewed tree's first `nodes` nodes (or all it has) as this step's: sets tree_nodes
+        (None: no guess) and returns their depth."""
+        nodes = min(nodes, len(self.tree_expected) - 1)
+        self.tree_nodes, self.planned = nodes or None, self.tree_expected[nodes]
+        return max(depths(self.previewed_tree[1])[:nodes], default=0)
 
     def learn_tree(self, emitted):
         """Every previewed node whose parent survived, against the tokens the target emitted: the node

@@ -208,8 +208,6 @@ class Scheduler:
         for job in jobs:
             index = next(self.indices)
             self.running[index] = job
-            if hasattr(job.request.policy, "width"):  # gamma="auto" prices its steps at the batch's width
-                job.request.policy.width = self.running.__len__
             if self.learner is not None:  # the head's states at the request's tokens, which the target computes
                 job.request.on_states = self.learner.record
             taken.append((index, job.request))
