@@ -561,6 +561,17 @@ class Decoder(CachedLM):
         return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
+def fuse_layers(weights, n_layers):
+    """Each layer's q/k/v and gate/up projections fused (with a GGUF import's qweight, scales and offsets, the
+    stored form of models/quant.py)."""
+    for i in range(n_layers):
+        for kind in ("weight", "bias", "qweight", "scales", "offsets"):
+            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+            fuse(weights, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
+            fuse(weights, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
+    return weights
+
+
 def fuse(weights, names, fused_name):
     """Concatenate checkpoint tensors along dim 0 into one of our fused tensors (when all are present)."""
     if all(name in weights for name in names):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Attention, Decoder, Family, Linear, compile_region, fuse
+from .base import Attention, Decoder, Family, Linear, compile_region, fuse_layers
 from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
 from .kernels import elementwise
 
@@ -240,12 +240,7 @@ def convert_hf_weights(weights, config):
         out[name.removeprefix("model.")] = tensor
     if config.tie_word_embeddings:
         out.pop("output.weight", None)
-    for i in range(config.n_layers):
-        for kind in ("weight", "bias", "qweight", "scales", "offsets"):
-            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-            fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
-            fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
-    return out
+    return fuse_layers(out, config.n_layers)
 
 
 FAMILY = Family(GemmaConfig, Gemma, convert_hf_weights)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import Attention, Decoder, Family, Linear, RMSNorm, compile_region, fuse
+from .base import Attention, Decoder, Family, Linear, RMSNorm, compile_region, fuse_layers
 from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
 from .kernels import elementwise
 
@@ -318,13 +318,7 @@ def convert_hf_weights(weights, config):
         out[name.removeprefix("model.")] = tensor
     if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
         out.pop("output.weight", None)
-    for i in range(config.n_layers):
-        # qweight, scales, offsets: a quantized weight of a GGUF import (models/quant.py's stored form)
-        for kind in ("weight", "bias", "qweight", "scales", "offsets"):
-            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-            fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
-            fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
-    return out
+    return fuse_layers(out, config.n_layers)
 
 
 FAMILY = Family(LlamaConfig, Llama, convert_hf_weights)
