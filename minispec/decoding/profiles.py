@@ -141,17 +141,7 @@ def save(key, profile):
         return
     text = json.dumps({"key": key, "profile": {name: getattr(profile, name) for name in FIELDS}})
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())  # on the disk before it takes the old file's place
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_whole(path, text.encode())
     except OSError as error:
         if not unwritable:
             print(f"minispec: cannot keep gamma='auto' costs in {path.parent}: {error.strerror or error}",
@@ -160,3 +150,19 @@ def save(key, profile):
 
 
 unwritable = False  # noted once a process
+
+
+def write_whole(path, data):
+    """A temporary file renamed over the old one: a process killed while writing, or another process
+    writing the same file, never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before it takes the old file's place
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise

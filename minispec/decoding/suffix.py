@@ -20,10 +20,8 @@ with a note on stderr, and the store starts empty.
 """
 
 import hashlib
-import os
 import struct
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -33,7 +31,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .lookup import TextDrafter, copy_after, trie_of
-from .profiles import folder
+from .profiles import folder, write_whole
 from .sampling import Sampling
 from .tree import children_of, likeliest
 
@@ -197,22 +195,6 @@ def stored_texts(file, budget):
         print(f"minispec: ignoring the suffix store {file.path}: {error}", file=sys.stderr)
         return []
     return [list(tokens[end - n:end]) for n, end in zip(lengths, accumulate(lengths))]
-
-
-def write_whole(path, data):
-    """A temporary file renamed over the old one: a process killed while writing, or another process
-    writing the same file, never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on the disk before it takes the old file's place
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 def matched(text, end, context):
