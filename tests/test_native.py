@@ -334,6 +334,35 @@ def test_attention_reads_positions_through_slots_in_position_order():
     assert torch.equal(alone, in_order[:, :, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [128, 64, 16, 24])  # tiles of 2, 4 and 8 rows; 24: one row at a time
+@pytest.mark.parametrize("n", [0, 1, 3])  # slots: none, one list for every row, one per token (a tree's)
+def test_attention_of_a_row_is_the_same_alone_as_in_a_tile_of_rows(dtype, d, n):
+    """Rows computed together share their keys' and values' loads: each row's numbers must still be, bit
+    for bit, what it gets alone. A prefill-shaped causal mask over grouped rows (3 heads x 7 tokens, rows
+    group-major), a value no row may read holding NaN, a row that may read nothing."""
+    generator = torch.Generator().manual_seed(d + n)
+    B, H, group, T, S = 2, 2, 3, 7, 48
+    R, P = group * T, 40
+    q = torch.randn(B, H, R, d, generator=generator)
+    k, v = (torch.randn(B, H, S, d, generator=generator).to(dtype) for _ in range(2))
+    positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36], [3, 9, 10, 20, 21, 22, 38]])
+    mask = kernels.additive(kernels.causal_mask(positions, P)).repeat(1, group, 1)[:, None].repeat(1, H, 1, 1)
+    mask[1, 0, 4] = float("-inf")  # reads nothing
+    slots = None
+    if n:
+        # position 39 in slot 47, the others in some 39 of slots 0..46
+        slots = torch.stack([torch.stack([torch.cat([torch.randperm(S - 1, generator=generator)[:P - 1],
+                                                     torch.tensor([S - 1])]) for _ in range(n)]) for _ in range(B)])
+    v[0, :, S - 1 if n else P - 1] = float("nan")  # position 39: read by no row of batch row 0
+    together = native.attend(q, k, v, mask, slots, d ** -0.5)
+    assert not together.isnan().any() and torch.equal(together[1, 0, 4], torch.zeros(d))
+    for r in range(R):
+        row_slots = None if slots is None else slots[:, r % n:r % n + 1].contiguous()
+        alone = native.attend(q[:, :, r:r + 1].contiguous(), k, v, mask[:, :, r:r + 1], row_slots, d ** -0.5)
+        assert torch.equal(alone, together[:, :, r:r + 1]), r
+
+
 def test_attention_refuses_what_it_cannot_read():
     q, k = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 32, 8)
     with pytest.raises(RuntimeError, match="mask must be float32"):
