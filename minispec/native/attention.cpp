@@ -246,6 +246,33 @@ void tiles(const Call& c, int64_t first, int64_t last) {
   }
 }
 
+struct Plan {
+  void (*run)(const Call&, int64_t first, int64_t last);  // `tiles`
+  int64_t rows;                                           // a tile's
+};
+
+// The tile for head dim 16 x CHUNKS and `group` rows reading the same slots: the fewest of 1, 2, 4 or 8
+// rows that hold them (a decode step's few rows pad no more than needed), at most 4 of d = 128.
+template <int CHUNKS, typename T>
+Plan plan_for(int64_t group) {
+  constexpr int most = CHUNKS == 8 ? 4 : 8;
+  if (group <= 1) return {tiles<CHUNKS, 1, T>, 1};
+  if (group <= 2) return {tiles<CHUNKS, 2, T>, 2};
+  if (group <= 4) return {tiles<CHUNKS, 4, T>, 4};
+  return {tiles<CHUNKS, most, T>, most};
+}
+
+template <typename T>
+Plan plan_of(int64_t d, int64_t group) {
+  switch (d % LANES ? 0 : d / LANES) {  // head dims of 16 x 1, 2, 4 or 8 (64 and 128 most) in tiles
+    case 8: return plan_for<8, T>(group);
+    case 4: return plan_for<4, T>(group);
+    case 2: return plan_for<2, T>(group);
+    case 1: return plan_for<1, T>(group);
+    default: return {tiles<0, 1, T>, 1};
+  }
+}
+
 // q [B, H, R, d] float32; k, v [B, H, S, d] float32, bfloat16 or float16; mask [B, H, R, P] float32
 // (additive: 0 or -inf, or a bias), P <= S; slots int64 [B, n, P] with R a multiple of n (query row r
 // is token r % n: grouped-query heads' rows group-major), or none.
@@ -278,27 +305,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Call c{q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
                mask.data_ptr<float>(), mask.stride(0), mask.stride(1), mask.stride(2), slot, n, H, R, d, P,
                static_cast<float>(scale), y.data_ptr<float>()};
+  const Plan plan = type == at::kFloat ? plan_of<float>(d, R / n)
+                    : type == at::kBFloat16 ? plan_of<c10::BFloat16>(d, R / n) : plan_of<c10::Half>(d, R / n);
   // tiles split between threads where each share is worth a thread's wake-up (tens of thousands of
   // multiply-adds)
-  const auto split = [&](void (*run)(const Call&, int64_t, int64_t), int64_t tile_rows) {
-    const int64_t count = B * H * n * ((R / n + tile_rows - 1) / tile_rows);
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d * tile_rows));
-    at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) { run(c, first, last); });
-  };
-  // Tiles by head dim: TILE x CHUNKS sums in registers (AVX-512 has 32), besides a key's CHUNKS vectors
-  const auto by_dim = [&](auto type) {
-    using T = decltype(type);
-    switch (d % LANES ? 0 : d / LANES) {
-      case 8: return split(tiles<8, 2, T>, 2);
-      case 4: return split(tiles<4, 4, T>, 4);
-      case 2: return split(tiles<2, 8, T>, 8);
-      case 1: return split(tiles<1, 8, T>, 8);
-      default: return split(tiles<0, 1, T>, 1);
-    }
-  };
-  if (type == at::kFloat) by_dim(float{});
-  else if (type == at::kBFloat16) by_dim(c10::BFloat16{});
-  else by_dim(c10::Half{});
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d * plan.rows));
+  at::parallel_for(0, B * H * n * ((R / n + plan.rows - 1) / plan.rows), grain,
+                   [&](int64_t first, int64_t last) { plan.run(c, first, last); });
   return y;
 }
 
