@@ -367,6 +367,10 @@ def test_attention_of_a_row_is_the_same_alone_as_in_a_tile_of_rows(dtype, d, n):
         row_slots = None if slots is None else slots[:, r % n:r % n + 1].contiguous()
         alone = native.attend(q[:, :, r:r + 1].contiguous(), k, v, mask[:, :, r:r + 1], row_slots, d ** -0.5)
         torch.testing.assert_close(alone, together[:, :, r:r + 1], rtol=0, atol=0, equal_nan=True)
+    for tokens in (2, 3):  # a head's rows in tiles of 2 and 4 (a decode step's few rows)
+        rows = tokens * max(n, 1)
+        fewer = native.attend(q[:, :, :rows].contiguous(), k, v, mask[:, :, :rows], slots, d ** -0.5)
+        torch.testing.assert_close(fewer, together[:, :, :rows], rtol=0, atol=0, equal_nan=True)
 
 
 def test_attention_refuses_what_it_cannot_read():
