@@ -194,8 +194,11 @@ void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t coun
   for (int i = 0; i < count; ++i) {
     float* y = c.out + ((b * c.H + h) * c.R + rows[i]) * c.d;
     std::memcpy(y, a[i], sizeof a[i]);
-    if (total[i] == 0.f) std::fill(y, y + c.d, 0.f);  // a row that may read nothing (a padded batch row): zeros, not NaN
-    else for (int64_t j = 0; j < c.d; ++j) y[j] /= total[i];
+    if (total[i] == 0.f) {  // a row that may read nothing (a padded batch row): zeros, not NaN
+      std::fill(y, y + c.d, 0.f);
+      continue;
+    }
+    for (int64_t j = 0; j < c.d; ++j) y[j] /= total[i];
   }
 }
 
