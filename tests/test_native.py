@@ -334,6 +334,45 @@ def test_attention_reads_positions_through_slots_in_position_order():
     assert torch.equal(alone, in_order[:, :, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [128, 64, 16, 24])  # tiles of 2, 4 and 8 rows; 24: one row at a time
+@pytest.mark.parametrize("n", [0, 1, 3])  # slots: none, one list for every row, one per token (a tree's)
+def test_attention_of_a_row_is_the_same_alone_as_in_a_tile_of_rows(dtype, d, n):
+    """Rows computed together share their keys' and values' loads: each row's numbers must still be, bit
+    for bit, what it gets alone. A prefill-shaped causal mask over grouped rows (3 heads x 7 tokens, rows
+    group-major), values holding NaN where no row or only some rows of a tile may read, a row that may read
+    nothing."""
+    generator = torch.Generator().manual_seed(d + n)
+    B, H, group, T, S = 2, 2, 3, 7, 48
+    R, P = group * T, 40
+    q = torch.randn(B, H, R, d, generator=generator)
+    k, v = (torch.randn(B, H, S, d, generator=generator).to(dtype) for _ in range(2))
+    positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36], [3, 9, 10, 20, 21, 22, 38]])
+    mask = kernels.additive(kernels.causal_mask(positions, P)).repeat(1, group, 1)[:, None].repeat(1, H, 1, 1)
+    mask[1, 0, 4] = float("-inf")  # reads nothing
+    slots = None
+    if n:  # positions 37 and 39 in slots 46 and 47, the others in some 38 of slots 0..45
+        def token_slots(base):
+            return torch.cat([base[:37], torch.tensor([S - 2]), base[37:38], torch.tensor([S - 1])])
+        slots = torch.stack([torch.stack([token_slots(torch.randperm(S - 2, generator=generator)[:P - 2])
+                                          for _ in range(n)]) for _ in range(B)])
+    at_37, at_39 = (S - 2, S - 1) if n else (37, 39)
+    v[0, :, at_39] = float("nan")  # read by no row of batch row 0
+    v[1, :, at_37] = float("nan")  # read by batch row 1's rows at position 38 only
+    together = native.attend(q, k, v, mask, slots, d ** -0.5)
+    reads_nan = torch.zeros(B, H, R, dtype=torch.bool)
+    reads_nan[1, :, T - 1::T] = True
+    assert torch.equal(together.isnan().any(-1), reads_nan) and torch.equal(together[1, 0, 4], torch.zeros(d))
+    for r in range(R):
+        row_slots = None if slots is None else slots[:, r % n:r % n + 1].contiguous()
+        alone = native.attend(q[:, :, r:r + 1].contiguous(), k, v, mask[:, :, r:r + 1], row_slots, d ** -0.5)
+        torch.testing.assert_close(alone, together[:, :, r:r + 1], rtol=0, atol=0, equal_nan=True)
+    for tokens in (2, 3):  # a head's rows in tiles of 2 and 4 (a decode step's few rows)
+        rows = tokens * max(n, 1)
+        fewer = native.attend(q[:, :, :rows].contiguous(), k, v, mask[:, :, :rows], slots, d ** -0.5)
+        torch.testing.assert_close(fewer, together[:, :, :rows], rtol=0, atol=0, equal_nan=True)
+
+
 def test_attention_refuses_what_it_cannot_read():
     q, k = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 32, 8)
     with pytest.raises(RuntimeError, match="mask must be float32"):

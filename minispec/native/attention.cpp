@@ -3,7 +3,8 @@
 //
 // Why: a decode step's attention is a handful of tiny products (a few query rows against a few hundred
 // keys), and attend_cache spells it in about twenty PyTorch operations a layer, each a few microseconds
-// of dispatch, more than their arithmetic. Here it is one loop per query row.
+// of dispatch, more than their arithmetic. Here it is one loop per tile of query rows, each key and value
+// loaded once for the tile (a prefill's or a verify's rows read the same keys).
 //
 // The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
 // and values at the positions it reads, taken in position order, never on the cache slots holding them
@@ -78,15 +79,8 @@ inline Vector exp16(Vector x) {
   return p * two_n;
 }
 
-// q . k over 16 x CHUNKS elements, q as vectors: the same instructions for every row and key.
-template <int CHUNKS, typename T>
-inline float dot_whole(const Vector* q, const T* k) {
-  Vector part = {};
-  for (int j = 0; j < CHUNKS; ++j) part += q[j] * vector_of(k + j * LANES);
-  return sum(part);
-}
-
-// q . k over d elements, the same instructions for every row and key.
+// q . k over d elements, the same instructions for every row and key (`tile` runs them for d = 16 x
+// CHUNKS: no `rest`).
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   Vector part = {};
@@ -95,16 +89,6 @@ inline float dot(const float* q, const T* k, int64_t d) {
   float rest = 0.f;
   for (; j < d; ++j) rest += q[j] * to_float(k[j]);
   return sum(part) + rest;
-}
-
-// acc[0, 16 x CHUNKS) = the sum over i of w[i] x from[i][...], i in order: CHUNKS independent sums in
-// registers, so that one position's products do not wait on the previous position's.
-template <int CHUNKS, typename T>
-inline void weighted_sum(const float* w, const T* const* from, int64_t read, float* acc) {
-  Vector a[CHUNKS] = {};
-  for (int64_t i = 0; i < read; ++i)
-    for (int j = 0; j < CHUNKS; ++j) a[j] += w[i] * vector_of(from[i] + j * LANES);
-  std::memcpy(acc, a, sizeof a);
 }
 
 struct Call {
@@ -121,45 +105,18 @@ struct Call {
   float* out;            // [B, H, R, d]
 };
 
-// out[p] = q . k at each position p < P that the mask lets the row read, 4 positions at a time: four
-// independent sums in flight, where one position's sum waited on its own chain of products (dot_whole,
-// the same numbers as dot). In a group of 4 with some readable, the others' products are computed too
-// (and dropped by the caller).
-template <int CHUNKS, typename T>
-inline void products(const float* q, const T* k, const int64_t* slots, int64_t ks, const float* mask, int64_t P,
-                     float* out) {
-  constexpr float none = -std::numeric_limits<float>::infinity();
-  Vector qv[CHUNKS];
-  std::memcpy(qv, q, sizeof qv);
-  int64_t p = 0;
-  for (; p + 4 <= P; p += 4) {
-    if (mask[p] == none && mask[p + 1] == none && mask[p + 2] == none && mask[p + 3] == none) continue;
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) out[p + u] = dot_whole<CHUNKS>(qv, k + (slots ? slots[p + u] : p + u) * ks);
-  }
-  for (; p < P; ++p)
-    if (mask[p] != none) out[p] = dot_whole<CHUNKS>(qv, k + (slots ? slots[p] : p) * ks);
-}
+constexpr float none = -std::numeric_limits<float>::infinity();
 
-template <typename T>
-void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<float>& sums,
-         std::vector<const T*>& from) {
-  const int64_t r = index % c.R, h = index / c.R % c.H, b = index / c.R / c.H;
-  const float* q = c.q + index * c.d;
-  const float* mask = c.mask + b * c.mb + h * c.mh + r * c.mr;
-  const int64_t* slots = c.slots ? c.slots + (b * c.n + r % c.n) * c.P : nullptr;
-  const T* k = static_cast<const T*>(c.k) + b * c.kb + h * c.kh;
-  const T* v = static_cast<const T*>(c.v) + b * c.kb + h * c.kh;
-  constexpr float none = -std::numeric_limits<float>::infinity();
-  switch (c.d % LANES ? 0 : c.d / LANES) {  // head dims of 16 x 1..8: products of 4 keys at a time
-    case 8: products<8>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
-    case 4: products<4>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
-    case 2: products<2>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
-    case 1: products<1>(q, k, slots, c.ks, mask, c.P, scores.data()); break;
-    default:
-      for (int64_t p = 0; p < c.P; ++p)
-        if (mask[p] != none) scores[p] = dot(q, k + (slots ? slots[p] : p) * c.ks, c.d);
-  }
+struct Scratch {
+  int64_t padded;             // P rounded up to whole vectors
+  std::vector<float> scores;  // a row's scores, then weights, at each position: padded floats a row
+  std::vector<uint8_t> read;  // the rows of a tile that read each position, one bit a row
+};
+
+// A row's scores from its products at the positions its mask lets it read (none elsewhere), turned into
+// weights exp(score - top) in place; returns their total, added in position order (0: the row reads
+// nothing). Bit `bit` of read[p] set where it reads p.
+inline float weights(const Call& c, const float* mask, float* scores, uint8_t* read, int bit) {
   float top = none;
   for (int64_t p = 0; p < c.P; ++p) {
     float s = none;
@@ -168,56 +125,155 @@ void row(const Call& c, int64_t index, std::vector<float>& scores, std::vector<f
       top = std::max(top, s);
     }
     scores[p] = s;
+    read[p] |= (s != none) << bit;
   }
-  float* y = c.out + index * c.d;
-  float* acc = sums.data();  // the row's weighted sum of values [d]
-  const int64_t whole = c.d / LANES * LANES;
-  std::fill(sums.begin(), sums.begin() + c.d, 0.f);
-  if (top == none) {  // a row that may read nothing (a padded batch row): zeros, not NaN
-    std::copy(acc, acc + c.d, y);
-    return;
-  }
-  // The weights, in position order; then each 16 of the d sums at a time over every position, so that
-  // they stay in a register (kept in memory across positions, each waited on its own store). Each sum
-  // still adds the positions in order: the same numbers either way.
-  float* weights = sums.data() + c.d;  // exp(score - top) at every position (masked ones unread)
+  if (top == none) return 0.f;
+  float total = 0.f;
   for (int64_t p = 0; p < c.P; p += LANES) {
     Vector x;
-    std::memcpy(&x, scores.data() + p, sizeof x);  // whole vectors: scores' last one is padded
+    std::memcpy(&x, scores + p, sizeof x);  // whole vectors: the last one is padded
     const Vector w = exp16(x - top);
-    std::memcpy(weights + p, &w, sizeof w);
+    std::memcpy(scores + p, &w, sizeof w);
+    for (int64_t u = p; u < std::min(p + LANES, c.P); ++u)
+      if (x[u - p] != none) total += w[u - p];
   }
-  float total = 0.f;
-  int64_t read = 0;  // positions not masked, their weights in scores[0, read) and value rows in `from`
+  return total;
+}
+
+// TILE rows of one (b, h) that read the same slots (rows[TILE]: a short tile repeats its last row), head
+// dim 16 x CHUNKS: each key and value loaded once for all of them. Each row's numbers are its own alone:
+// the same products (part += q x k by chunk, then sum), and its weighted sum adds the positions it reads
+// in order, skipping the others (a masked position's value may hold anything, even NaN).
+template <int CHUNKS, int TILE, typename T>
+void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t count, Scratch& s) {
+  const int64_t* slots = c.slots ? c.slots + (b * c.n + rows[0] % c.n) * c.P : nullptr;
+  const T* k = static_cast<const T*>(c.k) + b * c.kb + h * c.kh;
+  const T* v = static_cast<const T*>(c.v) + b * c.kb + h * c.kh;
+  const float* mask[TILE];
+  Vector q[TILE][CHUNKS];
+  float* scores[TILE];
+  uint8_t* read = s.read.data();
+  std::fill(read, read + c.P, 0);
+  for (int i = 0; i < TILE; ++i) {
+    mask[i] = c.mask + b * c.mb + h * c.mh + rows[i] * c.mr;
+    std::memcpy(q[i], c.q + ((b * c.H + h) * c.R + rows[i]) * c.d, sizeof q[i]);
+    scores[i] = s.scores.data() + i * s.padded;
+    for (int64_t p = 0; p < c.P; ++p) read[p] |= (mask[i][p] != none);
+  }
   for (int64_t p = 0; p < c.P; ++p) {
-    if (scores[p] == none) continue;
-    total += weights[p];
-    scores[read] = weights[p];
-    from[read++] = v + (slots ? slots[p] : p) * c.ks;
+    if (!read[p]) continue;
+    const T* key = k + (slots ? slots[p] : p) * c.ks;
+    Vector kv[CHUNKS];
+    for (int j = 0; j < CHUNKS; ++j) kv[j] = vector_of(key + j * LANES);
+    for (int i = 0; i < TILE; ++i) {
+      Vector part = {};
+      for (int j = 0; j < CHUNKS; ++j) part += q[i][j] * kv[j];
+      scores[i][p] = sum(part);
+    }
   }
-  switch (whole / LANES) {  // head dims of 16 x 1..8 (64 and 128 most), the sums unrolled
-    case 8: weighted_sum<8>(scores.data(), from.data(), read, acc); break;
-    case 4: weighted_sum<4>(scores.data(), from.data(), read, acc); break;
-    case 2: weighted_sum<2>(scores.data(), from.data(), read, acc); break;
-    case 1: weighted_sum<1>(scores.data(), from.data(), read, acc); break;
-    default:
-      for (int64_t j = 0; j < whole; j += LANES) {
-        Vector a = {};
-        for (int64_t i = 0; i < read; ++i) a += scores[i] * vector_of(from[i] + j);
-        std::memcpy(acc + j, &a, sizeof a);
-      }
+  std::fill(read, read + c.P, 0);
+  float total[TILE];
+  for (int i = 0; i < TILE; ++i) total[i] = weights(c, mask[i], scores[i], read, i);
+  Vector a[TILE][CHUNKS] = {};
+  constexpr unsigned all = (1u << TILE) - 1;
+  for (int64_t p = 0; p < c.P; ++p) {
+    const unsigned readers = read[p];
+    if (!readers) continue;
+    const T* value = v + (slots ? slots[p] : p) * c.ks;
+    Vector vv[CHUNKS];
+    for (int j = 0; j < CHUNKS; ++j) vv[j] = vector_of(value + j * LANES);
+    if (readers == all) {
+      for (int i = 0; i < TILE; ++i)
+        for (int j = 0; j < CHUNKS; ++j) a[i][j] += scores[i][p] * vv[j];
+    } else {
+      for (int i = 0; i < TILE; ++i)
+        if (readers >> i & 1)
+          for (int j = 0; j < CHUNKS; ++j) a[i][j] += scores[i][p] * vv[j];
+    }
   }
-  for (int64_t i = 0; i < read; ++i)
-    for (int64_t j = whole; j < c.d; ++j) acc[j] += scores[i] * to_float(from[i][j]);
-  for (int64_t j = 0; j < c.d; ++j) y[j] = acc[j] / total;
+  for (int i = 0; i < count; ++i) {
+    float* y = c.out + ((b * c.H + h) * c.R + rows[i]) * c.d;
+    std::memcpy(y, a[i], sizeof a[i]);
+    if (total[i] == 0.f) {  // a row that may read nothing (a padded batch row): zeros, not NaN
+      std::fill(y, y + c.d, 0.f);
+      continue;
+    }
+    for (int64_t j = 0; j < c.d; ++j) y[j] /= total[i];
+  }
+}
+
+// One row, any head dim (those of whole vectors go through `tile`).
+template <typename T>
+void row(const Call& c, int64_t b, int64_t h, int64_t r, Scratch& s) {
+  const int64_t* slots = c.slots ? c.slots + (b * c.n + r % c.n) * c.P : nullptr;
+  const T* k = static_cast<const T*>(c.k) + b * c.kb + h * c.kh;
+  const T* v = static_cast<const T*>(c.v) + b * c.kb + h * c.kh;
+  const float* q = c.q + ((b * c.H + h) * c.R + r) * c.d;
+  const float* mask = c.mask + b * c.mb + h * c.mh + r * c.mr;
+  float* scores = s.scores.data();
+  uint8_t* read = s.read.data();
+  std::fill(read, read + c.P, 0);
+  for (int64_t p = 0; p < c.P; ++p)
+    if (mask[p] != none) scores[p] = dot(q, k + (slots ? slots[p] : p) * c.ks, c.d);
+  const float total = weights(c, mask, scores, read, 0);
+  float* y = c.out + ((b * c.H + h) * c.R + r) * c.d;
+  std::fill(y, y + c.d, 0.f);
+  if (total == 0.f) return;  // a row that may read nothing: zeros
+  const int64_t whole = c.d / LANES * LANES;
+  for (int64_t j = 0; j < whole; j += LANES) {  // 16 sums at a time over every position, in a register
+    Vector a = {};
+    for (int64_t p = 0; p < c.P; ++p)
+      if (read[p]) a += scores[p] * vector_of(v + (slots ? slots[p] : p) * c.ks + j);
+    std::memcpy(y + j, &a, sizeof a);
+  }
+  for (int64_t p = 0; p < c.P; ++p)
+    if (read[p])
+      for (int64_t j = whole; j < c.d; ++j) y[j] += scores[p] * to_float(v[(slots ? slots[p] : p) * c.ks + j]);
+  for (int64_t j = 0; j < c.d; ++j) y[j] /= total;
+}
+
+// The rows of each (b, h) in tiles of TILE that read the same slots: rows t, t + n, t + 2n, ... of
+// token t (grouped-query heads' rows; every row when n is 1). Tiles numbered (b, h, t, part).
+template <int CHUNKS, int TILE, typename T>
+void tiles(const Call& c, int64_t first, int64_t last) {
+  Scratch s{(c.P + LANES - 1) / LANES * LANES, {}, std::vector<uint8_t>(c.P)};
+  s.scores.assign(TILE * s.padded, 0.f);
+  const int64_t group = c.R / c.n, parts = (group + TILE - 1) / TILE;
+  for (int64_t index = first; index < last; ++index) {
+    const int64_t part = index % parts, t = index / parts % c.n, bh = index / parts / c.n;
+    int64_t rows[TILE];
+    const int64_t count = std::min<int64_t>(TILE, group - part * TILE);
+    for (int i = 0; i < TILE; ++i) rows[i] = t + c.n * (part * TILE + std::min<int64_t>(i, count - 1));
+    if constexpr (CHUNKS == 0) row<T>(c, bh / c.H, bh % c.H, rows[0], s);
+    else tile<CHUNKS, TILE, T>(c, bh / c.H, bh % c.H, rows, count, s);
+  }
+}
+
+struct Plan {
+  void (*run)(const Call&, int64_t first, int64_t last);  // `tiles`
+  int64_t rows;                                           // a tile's
+};
+
+// The tile for head dim 16 x CHUNKS and `group` rows reading the same slots: the fewest of 1, 2, 4 or 8
+// rows that hold them (a decode step's few rows pad no more than needed), at most 4 of d = 128.
+template <int CHUNKS, typename T>
+Plan plan_for(int64_t group) {
+  constexpr int most = CHUNKS == 8 ? 4 : 8;
+  if (group <= 1) return {tiles<CHUNKS, 1, T>, 1};
+  if (group <= 2) return {tiles<CHUNKS, 2, T>, 2};
+  if (group <= 4) return {tiles<CHUNKS, 4, T>, 4};
+  return {tiles<CHUNKS, most, T>, most};
 }
 
 template <typename T>
-void rows(const Call& c, int64_t first, int64_t last) {
-  const int64_t padded = (c.P + LANES - 1) / LANES * LANES;
-  std::vector<float> scores(padded, 0.f), sums(c.d + padded);  // sums: a row's d sums, then its weights
-  std::vector<const T*> from(c.P);
-  for (int64_t i = first; i < last; ++i) row<T>(c, i, scores, sums, from);
+Plan plan_of(int64_t d, int64_t group) {
+  switch (d % LANES ? 0 : d / LANES) {  // head dims of 16 x 1, 2, 4 or 8 (64 and 128 most) in tiles
+    case 8: return plan_for<8, T>(group);
+    case 4: return plan_for<4, T>(group);
+    case 2: return plan_for<2, T>(group);
+    case 1: return plan_for<1, T>(group);
+    default: return {tiles<0, 1, T>, 1};
+  }
 }
 
 // q [B, H, R, d] float32; k, v [B, H, S, d] float32, bfloat16 or float16; mask [B, H, R, P] float32
@@ -252,14 +308,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Call c{q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
                mask.data_ptr<float>(), mask.stride(0), mask.stride(1), mask.stride(2), slot, n, H, R, d, P,
                static_cast<float>(scale), y.data_ptr<float>()};
-  // rows split between threads where each share is worth a thread's wake-up (tens of thousands of
+  const Plan plan = type == at::kFloat ? plan_of<float>(d, R / n)
+                    : type == at::kBFloat16 ? plan_of<c10::BFloat16>(d, R / n) : plan_of<c10::Half>(d, R / n);
+  // tiles split between threads where each share is worth a thread's wake-up (tens of thousands of
   // multiply-adds)
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d));
-  at::parallel_for(0, B * H * R, grain, [&](int64_t first, int64_t last) {
-    if (type == at::kFloat) rows<float>(c, first, last);
-    else if (type == at::kBFloat16) rows<c10::BFloat16>(c, first, last);
-    else rows<c10::Half>(c, first, last);
-  });
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d * plan.rows));
+  at::parallel_for(0, B * H * n * ((R / n + plan.rows - 1) / plan.rows), grain,
+                   [&](int64_t first, int64_t last) { plan.run(c, first, last); });
   return y;
 }
 
