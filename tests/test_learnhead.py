@@ -159,7 +159,7 @@ def test_only_heads_that_can_learn_are_taken(tiny, tmp_path):
     with pytest.raises(ValueError, match="load it without --quantize"):
         Learner(minispec.load(directory, quantize="int8"), tmp_path / "eagle3", tmp_path / "out")
     flags = ["--target", "t", "--learn-head", "o"]
-    with pytest.raises(ValueError, match="--draft lookup is not a head's folder"):
+    with pytest.raises(ValueError, match="--draft suffix is not a head's folder"):
         serve_main.check_flags(serve_main.parse_args(flags))
     with pytest.raises(ValueError, match="--learn-head drafts with the float head it trains"):
         serve_main.check_flags(serve_main.parse_args([*flags, "--draft", str(tmp_path / "eagle3"), "--draft-quantize",
