@@ -18,6 +18,9 @@ def choose(batch):
     gains = [row.policy.gains()[:row.request.max_new_tokens - len(row.tokens)] for row in ruled]
     sharing = [g for row, g in zip(ruled, gains) if row.stats["target_calls"]]
     lead = ruled[0].policy  # every row is the same pair's: one cost line prices the batch's forward
-    k = max(range(lead.k_max + 1), key=lambda k: sum(g[min(k, len(g) - 1)] for g in sharing) / lead.seconds(k, len(batch)))
+    def rate(k):  # the sharing rows' expected tokens per second of the padded forward
+        return sum(g[min(k, len(g) - 1)] for g in sharing) / lead.seconds(k, len(batch))
+
+    k = max(range(lead.k_max + 1), key=rate)
     for row in ruled:
         row.policy.chosen = k if row.stats["target_calls"] else 0
