@@ -180,7 +180,7 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
     beams, done = Beams.start(w, target.device), False
     stats = {"target_calls": 0, "draft_calls": 0, "beam_steps": 0, "proposed": 0, "verified": 0, "accepted": 0}
     while not done:
-        started, graphs = time.perf_counter(), graphs_met(target, draft)
+        started, graphs = time.perf_counter(), graphs_met()
         n = beams.tokens.shape[1]
         k = min(policy.guesses(), max_new_tokens - n - 1)  # the step that reaches max_new_tokens needs no guesses
         if k:
@@ -204,7 +204,7 @@ def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, m
             node = same.int().argmax(1)
             accepted += 1
         # untimed: the prompt's forward, and a step whose forwards compiled a graph first
-        timed = n and graphs_met(target, draft) == graphs
+        timed = n and graphs_met() == graphs
         policy.observe(k, accepted, [], drafted - started, time.perf_counter() - started if timed else None)
         stats["accepted"] += accepted
         stats["target_calls"] += 1

@@ -132,8 +132,7 @@ def accept_choices(choices, drafts):
 def step(target, rows):
     """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), each verified
     with its own sampling and generator, all drafted together and scored in one forward. The rows that ended."""
-    models = [target] + [getattr(row.drafter, "model", None) for row in rows]  # whose graphs a step may compile
-    started, graphs = time.perf_counter(), graphs_met(*models)
+    started, graphs = time.perf_counter(), graphs_met()
     # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
     # Tokens a row's grammar forces are its guesses, without asking its drafter (decoding/grammar.py).
     forced = [row.forced() for row in rows]
@@ -153,7 +152,7 @@ def step(target, rows):
                 for row, p, x in zip(rows, logits, proposals)]
     host = to_host(rows, logits, proposals, verdicts)
     # A step's time is the row's only when the forwards were its own, and none compiled a graph first.
-    timed = len(rows) == 1 and graphs_met(*models) == graphs
+    timed = len(rows) == 1 and graphs_met() == graphs
     timing = Timing(drafted - started, time.perf_counter() - started) if timed else None
     # Return prefix + [x_1..x_n, t]: both caches roll back to it; each target row has yet to see its t.
     ended = []

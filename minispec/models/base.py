@@ -252,7 +252,6 @@ class CachedLM(nn.Module):
         self.fingerprint = None  # set by the loader: the checkpoint's files (minispec.decoding.profiles)
         self.checkpoint_rows = None  # set by a loader that cut padding rows: the rows a head saved for it has
         self.compiled_forward = None  # set by compile()
-        self.graphs = 0  # how many graphs the compiled forward has compiled (decode_rows)
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
         self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
 

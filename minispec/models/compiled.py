@@ -11,11 +11,6 @@ def compiled_width(n):
     return 1 << (n - 1).bit_length()
 
 
-def graphs_compiled():
-    """How many graphs torch.compile has made in this process (dynamo's count)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 def compile_model(model, mode=None):
     """torch.compile the decode forward (prefill stays eager: prompt lengths vary): static shapes but for
     the token width (graph_feed), each graph compiled on first use; on CUDA the default mode captures
@@ -26,7 +21,6 @@ def compile_model(model, mode=None):
     torch.compiler.assume_constant_result(native_attention)
     mode = mode or ("reduce-overhead" if model.device.type == "cuda" else "default")
     model.compiled_forward = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
-    model.graphs = 0
     return model
 
 
@@ -63,8 +57,6 @@ def decode_compiled(model, feed, hidden):
         for tensor, dim in widthwise:
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
-    before = graphs_compiled()  # a forward that compiles is counted: decoding does not time its step
     out = model.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
     out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-    model.graphs += graphs_compiled() - before
     return out
