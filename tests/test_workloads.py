@@ -8,6 +8,8 @@ from test_bench import in_process, run_bench, served_dirs  # noqa: F401 (served_
 
 from minispec.serve.__main__ import parse_args
 from minispec.tools.bench import workloads
+from minispec.tools.bench.cli import parse_args as bench_args
+from minispec.tools.bench.served import server_flags
 from minispec.tools.bench.workloads import SOURCES, source, summaries
 
 
@@ -54,3 +56,14 @@ def test_summaries_served_on_a_tiny_model_cache_off_for_plain_and_the_best(serve
                                                                                                best != "suffix"]
     assert (runs[4]["vs_lookup"] is None) == (best == "suffix")
     assert "| summaries | `none` | off |" in table
+
+
+def test_the_bench_quantizes_only_drafts_that_load_a_model():
+    """--draft-quantize goes to the servers whose draft loads a model (alone or beside a cheap drafter):
+    the server refuses it with none, lookup or suffix, the baselines every workload runs."""
+    args = bench_args(["--target", "t", "--draft", "suffix", "d", "d,suffix", "--workloads", "--quantize", "int4",
+                       "--draft-quantize", "int4"])
+    quantized = {draft: "--draft-quantize=int4" in server_flags(args, draft)
+                 for draft in ("none", "lookup", "suffix", "d", "d,suffix")}
+    assert quantized == {"none": False, "lookup": False, "suffix": False, "d": True, "d,suffix": True}
+    assert all("--quantize=int4" in server_flags(args, draft) for draft in quantized)
