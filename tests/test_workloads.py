@@ -67,3 +67,4 @@ def test_the_bench_quantizes_only_drafts_that_load_a_model():
                  for draft in ("none", "lookup", "suffix", "d", "d,suffix")}
     assert quantized == {"none": False, "lookup": False, "suffix": False, "d": True, "d,suffix": True}
     assert all("--quantize=int4" in server_flags(args, draft) for draft in quantized)
+    assert workloads.label("/models/m.gguf,suffix") == "m.gguf,suffix" and workloads.label("none") == "none"

@@ -14,6 +14,7 @@ chat     ordinary chat: a new question each time
 """
 
 import statistics
+from pathlib import Path
 
 from .report import md_table, progress, yes_no
 from .served import sampling_fields, server_flags, serving, stream
@@ -117,9 +118,9 @@ def source(k):
     if k % 3 == 1:
         return (f"[{k + 1}] {city} approves the {plan} plan\nThe council of {city} approved the {plan} plan on "
                 f"Tuesday by {20 + k} votes to {k + 3}. The plan costs {k + 2} million euros a year and will {goal} "
-                f"from {2025 + k % 3}.\nCritics said the money would be better spent on {PLANS[(k + 1) % len(PLANS)][0]} "
-                f"services, and asked for a review after {k % 4 + 2} years.\nThe mayor said that \"{city} cannot wait "
-                f"another decade\" and promised a first report by March.")
+                f"from {2025 + k % 3}.\nCritics said the money would be better spent on "
+                f"{PLANS[(k + 1) % len(PLANS)][0]} services, and asked for a review after {k % 4 + 2} years.\nThe "
+                f"mayor said that \"{city} cannot wait another decade\" and promised a first report by March.")
     return (f"[{k + 1}] {product.lower()} {k % 4 + 2}.{k}.0 release notes\nFixed: `{product.lower()} sync` no longer "
             f"drops the last {k + 2} records of a batch when the connection resets (issue #{400 + 13 * k}).\nChanged: "
             f"the default timeout is now {k * 5 + 30} seconds instead of 30, and retries back off up to "
@@ -228,7 +229,7 @@ def workloads_table(args, results):
              f"{args.max_new_tokens} new tokens each, temperature {args.temperature}; one server process per row", ""]
     header = ["workload", "draft", "prefix cache", "s", "x plain", "x lookup", "x plain 1st / 2nd half",
               "mean TTFT ms", "TTFT cut", "tok/call 1st / 2nd half", "accept", "cached", "same as plain"]
-    rows = ([name, f"`{r['draft']}`", "on" if r["prefix_cache"] else "off", f"{r['seconds']:.2f}",
+    rows = ([name, f"`{label(r['draft'])}`", "on" if r["prefix_cache"] else "off", f"{r['seconds']:.2f}",
              f"{r['vs_plain']:.2f}x", "-" if r["vs_lookup"] is None else f"{r['vs_lookup']:.2f}x",
              " / ".join(f"{x:.2f}x" for x in r["halves_vs_plain"]), f"{r['mean_ttft'] * 1e3:.0f}",
              "-" if r["ttft_cut"] is None else f"{r['ttft_cut']:.2f}x",
@@ -241,9 +242,14 @@ def workloads_table(args, results):
               "over with it; cached: the prompts' tokens the prefix cache held", ""]
     for name, w in results.items():
         best, cut = w["best"]["vs_plain"], w["ttft_cut"]
-        lines.append(f"- {name}: best `{w['best']['draft']}` {best:.2f}x plain{goal(w, 'vs_plain', best)}; the prefix "
-                     f"cache cuts plain's mean TTFT {cut:.2f}x{goal(w, 'ttft_cut', cut)}")
+        lines.append(f"- {name}: best `{label(w['best']['draft'])}` {best:.2f}x plain{goal(w, 'vs_plain', best)}; "
+                     f"the prefix cache cuts plain's mean TTFT {cut:.2f}x{goal(w, 'ttft_cut', cut)}")
     return "\n".join(lines)
+
+
+def label(draft):
+    """A draft as the table names it: a model's file or folder name, not its path."""
+    return ",".join(Path(part).name for part in draft.split(","))
 
 
 def goal(workload, key, value):
