@@ -758,7 +758,7 @@ def test_workloads_serve_each_drafter_with_and_without_the_prefix_cache(served_d
                               "--workloads", "--requests", "2", "--threads", "1")
     drafts = ["none", "lookup", "suffix", served_dirs[1]]
     assert len(starts) == 4 * 4 * 2 and sum("--prefix-cache-mb=0" in flags for flags in starts) == 4 * 4
-    assert list(result["workloads"]) == ["agent", "code", "summary", "chat"]
+    assert list(result["workloads"]) == ["agent", "code", "summaries", "chat"]
     for name, w in result["workloads"].items():
         runs = w["runs"]
         assert [(r["draft"], r["prefix_cache"]) for r in runs] == [(d, c) for c in (True, False) for d in drafts]
@@ -794,7 +794,7 @@ def test_workloads_are_deterministic_and_repeat_themselves():
                           "and nothing else.") and "def clean_names(" in first
     assert "def clean_names_all(" in second and "In parse_dates, change the default limit from 10 to 15." in second
     assert second[:second.index("def clean_names")] == first[:first.index("def clean_names")]
-    summaries = [workloads.summary(i, [])[0]["content"] for i in range(2)]
+    summaries = [workloads.summaries(i, [])[1]["content"] for i in range(2)]
     assert workloads.source(1) in summaries[0] and workloads.source(1) in summaries[1]
     chats = [workloads.chat(i, [])[0]["content"] for i in range(32)]
     assert len(set(chats)) == 32

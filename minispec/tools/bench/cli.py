@@ -71,6 +71,9 @@ def parse_args(argv):
     parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS),
                         help=own + "the server on generated traffic (all workloads when none is named), per --draft "
                                    "value and prefix-cache setting, beside 'none' and 'lookup'")
+    parser.add_argument("--cache-off", choices=["all", "best"], default="all",
+                        help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
+                             "the fastest with it on (default all)")
     parser.add_argument("--tp-serve", type=int, metavar="N",
                         help=own + "the server over N processes (--tp N) against one, for each --clients count")
     parser.add_argument("--serve-load", action="store_true",

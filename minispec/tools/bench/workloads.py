@@ -8,11 +8,13 @@ that learns from earlier requests gains). The workloads are built here, with no 
 agent    an agent loop: one tool-call format; each turn resends the conversation, the model's last
          answer (a tool call: at most AGENT_TOKENS tokens) and the tool's result appended
 code     repeated edits of one file: the file as it now is, resent with a change to make and re-emit
-summary  summaries that quote their sources, which overlap from one request to the next
+summaries RAG: the documents retrieved for a question (reports, news, changelogs, each recurring across the
+         traffic), summarized quoting their key sentences and figures verbatim
 chat     ordinary chat: a new question each time
 """
 
 import statistics
+from pathlib import Path
 
 from .report import md_table, progress, yes_no
 from .served import sampling_fields, server_flags, serving, stream
@@ -99,20 +101,47 @@ CITIES = ["Lyon", "Porto", "Leeds", "Graz", "Turku", "Gdansk", "Bilbao", "Utrech
 PLANS = [("night bus", "run every thirty minutes after midnight"), ("bike lane", "connect the stations to the "
          "university"), ("library", "stay open until ten in the evening"), ("housing", "renovate two thousand flats"),
          ("harbour", "move freight traffic out of the centre"), ("school meal", "serve local produce every day")]
+PRODUCTS = ["Ledger", "Harbor", "Quill", "Atlas", "Relay", "Juniper"]
+SOURCES = 9  # the documents the retriever draws from: a report, a news article and a changelog in turn
 
 
 def source(k):
-    city, (plan, goal) = CITIES[k % len(CITIES)], PLANS[k % len(PLANS)]
-    return (f"Source {k + 1}: {city} approves the {plan} plan\nThe council of {city} approved the {plan} plan on "
-            f"Tuesday by {20 + k} votes to {k + 3}. The plan costs {k + 2} million euros a year and will {goal} "
-            f"from {2025 + k % 3}. Critics said the money would be better spent on {PLANS[(k + 1) % len(PLANS)][0]} "
-            f"services, and asked for a review after {k % 4 + 2} years.")
+    """Document k of the retrieval pool, three paragraphs: a quarterly report, a news article or a changelog."""
+    city, (plan, goal), product = CITIES[k % len(CITIES)], PLANS[k % len(PLANS)], PRODUCTS[k % len(PRODUCTS)]
+    if k % 3 == 0:
+        return (f"[{k + 1}] {product} Inc., report for the quarter {k % 4 + 1}\n{product} Inc. reported revenue of "
+                f"{120 + 7 * k} million euros, up {k + 4} percent on the year before, and an operating margin of "
+                f"{11 + k % 5}.{k % 10} percent.\nSubscriptions grew to {31 + k} thousand, while hardware sales fell "
+                f"{k % 6 + 2} percent as the {city} plant was retooled.\nThe board expects revenue between "
+                f"{125 + 7 * k} and {135 + 7 * k} million euros next quarter and proposed a dividend of 0.{k + 12} "
+                f"euros a share.")
+    if k % 3 == 1:
+        return (f"[{k + 1}] {city} approves the {plan} plan\nThe council of {city} approved the {plan} plan on "
+                f"Tuesday by {20 + k} votes to {k + 3}. The plan costs {k + 2} million euros a year and will {goal} "
+                f"from {2025 + k % 3}.\nCritics said the money would be better spent on "
+                f"{PLANS[(k + 1) % len(PLANS)][0]} services, and asked for a review after {k % 4 + 2} years.\nThe "
+                f"mayor said that \"{city} cannot wait another decade\" and promised a first report by March.")
+    return (f"[{k + 1}] {product.lower()} {k % 4 + 2}.{k}.0 release notes\nFixed: `{product.lower()} sync` no longer "
+            f"drops the last {k + 2} records of a batch when the connection resets (issue #{400 + 13 * k}).\nChanged: "
+            f"the default timeout is now {k * 5 + 30} seconds instead of 30, and retries back off up to "
+            f"{k + 3} times.\nRemoved: the `--legacy-{PLANS[k % len(PLANS)][0].replace(' ', '-')}` flag, deprecated "
+            f"since {k % 4 + 1}.0; use `--mode strict` instead.")
 
 
-def summary(i, answers):
-    sources = "\n\n".join(source((i + k) % len(CITIES)) for k in range(3))  # two shared with the request before
-    return [{"role": "user", "content": "Summarize these sources in four sentences, quoting the key sentence of "
-                                        f"each one verbatim in double quotes.\n\n{sources}"}]
+SUMMARY_SYSTEM = ("You answer questions from the documents retrieved for them, and from nothing else. Summarize "
+                  "each document in two sentences, quoting its key sentence and its figures verbatim in double "
+                  "quotes, then answer the question in one sentence citing the documents as [n].")
+QUESTIONS = ["What changed for users this quarter?", "Which decisions cost the most?", "What should we watch next?",
+             "What went wrong, and what was fixed?", "What do the numbers say about growth?"]
+
+
+def summaries(i, answers):
+    """RAG: the documents the retriever ranks for each question; a follow-up question (every other request)
+    gets the same top two again (the prompts share a prefix), and every document recurs over the traffic."""
+    picks = dict.fromkeys([i // 2 % SOURCES, (i // 2 * 4 + 1) % SOURCES, (7 * i + 5) % SOURCES])
+    documents = "\n\n".join(source(k) for k in picks)
+    return [{"role": "system", "content": SUMMARY_SYSTEM},
+            {"role": "user", "content": f"{documents}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}"}]
 
 
 TOPICS = ["tides", "compound interest", "photosynthesis", "jet lag", "sourdough starters", "the Roman calendar",
@@ -127,7 +156,7 @@ def chat(i, answers):
     return [{"role": "user", "content": ASKS[(i + i // len(TOPICS)) % len(ASKS)].format(TOPICS[i % len(TOPICS)])}]
 
 
-WORKLOADS = {"agent": agent, "code": code, "summary": summary, "chat": chat}
+WORKLOADS = {"agent": agent, "code": code, "summaries": summaries, "chat": chat}
 
 
 # --- the benchmark ------------------------------------------------------------------------------------
@@ -135,13 +164,15 @@ def workloads_benchmark(args):
     names = args.workloads or list(WORKLOADS)
     drafts = list(dict.fromkeys(["none", "lookup", *args.draft]))  # the baselines first
     results = {}
-    with progress(len(names) * len(drafts) * 2, "workloads") as bar:
+    with progress(len(names) * (len(drafts) + (len(drafts) if args.cache_off == "all" else 2)), "workloads") as bar:
         for name in names:
-            runs = []
-            for cache in (True, False):
-                for draft in drafts:
-                    runs.append(workload_run(args, name, draft, cache))
-                    bar.update(1)
+            def run(draft, cache):
+                result = workload_run(args, name, draft, cache)
+                bar.update(1)
+                return result
+            runs = [run(draft, True) for draft in drafts]
+            best = min(runs[1:], key=lambda r: r["seconds"])["draft"]  # "best": cache off for plain and it alone
+            runs += [run(draft, False) for draft in (drafts if args.cache_off == "all" else ["none", best])]
             results[name] = compared(name, runs, args.temperature)
     result = {"settings": vars(args), "workloads": results}
     return result, workloads_table(args, results)
@@ -177,15 +208,16 @@ def totals(answers):
 
 
 def compared(name, runs, temperature):
-    """Each run against plain (none, prefix cache on) and lookup (the same cache), and its own cache off."""
+    """Each run against plain (none, prefix cache on) and lookup (the same cache), and its own cache off
+    (None where that run was left out: --cache-off best)."""
     def find(draft, cache):
-        return next(r for r in runs if r["draft"] == draft and r["prefix_cache"] == cache)
+        return next((r for r in runs if r["draft"] == draft and r["prefix_cache"] == cache), None)
     plain = find("none", True)
     for r in runs:
         lookup, other = find("lookup", r["prefix_cache"]), find(r["draft"], not r["prefix_cache"])
-        r.update(vs_plain=plain["seconds"] / r["seconds"], vs_lookup=lookup["seconds"] / r["seconds"],
+        r.update(vs_plain=plain["seconds"] / r["seconds"], vs_lookup=lookup and lookup["seconds"] / r["seconds"],
                  halves_vs_plain=[p["seconds"] / h["seconds"] for p, h in zip(plain["halves"], r["halves"])],
-                 ttft_cut=other["mean_ttft"] / r["mean_ttft"] if r["prefix_cache"] else None,
+                 ttft_cut=other["mean_ttft"] / r["mean_ttft"] if r["prefix_cache"] and other else None,
                  identical_to_plain=r["texts"] == plain["texts"] if temperature == 0 else None)
     best = max((r for r in runs if r["prefix_cache"] and r["draft"] != "none"), key=lambda r: r["vs_plain"])
     return {"runs": runs, "best": {"draft": best["draft"], "vs_plain": best["vs_plain"]},
@@ -197,8 +229,8 @@ def workloads_table(args, results):
              f"{args.max_new_tokens} new tokens each, temperature {args.temperature}; one server process per row", ""]
     header = ["workload", "draft", "prefix cache", "s", "x plain", "x lookup", "x plain 1st / 2nd half",
               "mean TTFT ms", "TTFT cut", "tok/call 1st / 2nd half", "accept", "cached", "same as plain"]
-    rows = ([name, f"`{r['draft']}`", "on" if r["prefix_cache"] else "off", f"{r['seconds']:.2f}",
-             f"{r['vs_plain']:.2f}x", f"{r['vs_lookup']:.2f}x",
+    rows = ([name, f"`{label(r['draft'])}`", "on" if r["prefix_cache"] else "off", f"{r['seconds']:.2f}",
+             f"{r['vs_plain']:.2f}x", "-" if r["vs_lookup"] is None else f"{r['vs_lookup']:.2f}x",
              " / ".join(f"{x:.2f}x" for x in r["halves_vs_plain"]), f"{r['mean_ttft'] * 1e3:.0f}",
              "-" if r["ttft_cut"] is None else f"{r['ttft_cut']:.2f}x",
              " / ".join(f"{h['tokens_per_call']:.2f}" for h in r["halves"]),
@@ -210,9 +242,14 @@ def workloads_table(args, results):
               "over with it; cached: the prompts' tokens the prefix cache held", ""]
     for name, w in results.items():
         best, cut = w["best"]["vs_plain"], w["ttft_cut"]
-        lines.append(f"- {name}: best `{w['best']['draft']}` {best:.2f}x plain{goal(w, 'vs_plain', best)}; the prefix "
-                     f"cache cuts plain's mean TTFT {cut:.2f}x{goal(w, 'ttft_cut', cut)}")
+        lines.append(f"- {name}: best `{label(w['best']['draft'])}` {best:.2f}x plain{goal(w, 'vs_plain', best)}; "
+                     f"the prefix cache cuts plain's mean TTFT {cut:.2f}x{goal(w, 'ttft_cut', cut)}")
     return "\n".join(lines)
+
+
+def label(draft):
+    """A draft as the table names it: a model's file or folder name, not its path."""
+    return ",".join(Path(part).name for part in draft.split(","))
 
 
 def goal(workload, key, value):
