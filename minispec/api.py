@@ -115,25 +115,26 @@ def exclusive(*models):
 
 @dataclass
 class Request:
-    """One prompt's request: its settings, and what it decodes with (its own drafter and policy)."""
+    """One prompt's request: its settings, what they were made into (its own drafter and policy, its
+    sampling, stops, seed and grammar), and what it decodes with. A setting not made into something
+    else is read from `settings` (request.max_new_tokens is settings.max_new_tokens)."""
     target: object
     prompt_ids: torch.Tensor
+    settings: Settings
     drafter: object
     policy: object
     sampling: Sampling
     stop: Stop
-    max_new_tokens: int
     seed: int
-    lenience: float
-    beams: int
     draft_beams: int
-    searching: bool
     tree: object  # Settings.trees
-    on_states: object = None  # Settings'
     state_layers: tuple | None = None
-    logprobs: int | None = None  # Settings'
-    coupling: str = "gumbel"  # Settings'
-    grammar: object = None  # Settings' compiled: a decoding/grammar.py Matcher, or None
+    grammar: object = None  # Settings.grammar compiled: a decoding/grammar.py Matcher, or None
+
+    def __getattr__(self, name):  # only for names that are not fields
+        if name.startswith("__"):  # copy and pickle look for their hooks before `settings` exists
+            raise AttributeError(name)
+        return getattr(self.settings, name)
 
     @property
     def reads_states(self):
@@ -169,10 +170,8 @@ class Request:
         if settings.grammar is not None:
             from .decoding.grammar import compile_grammar  # the optional grammar engine: read only when asked for
             grammar = compile_grammar(settings.grammar, target)
-        return cls(target, prompt_tensor(target, prompt), drafter, policy, sampling, stop,
-                   settings.max_new_tokens, seed, settings.lenience, settings.beams, draft_beams, settings.searching,
-                   settings.trees, settings.on_states, state_layers_of(target, settings.state_layers),
-                   settings.logprobs, settings.coupling, grammar)
+        return cls(target, prompt_tensor(target, prompt), settings, drafter, policy, sampling, stop, seed, draft_beams,
+                   settings.trees, state_layers_of(target, settings.state_layers), grammar)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
