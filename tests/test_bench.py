@@ -300,6 +300,15 @@ def test_drafters_side_by_side(dirs, tmp_path, capsys):
                      r"[\d.]+ \|$", table, re.M)
 
 
+def test_drafters_quantize_only_the_draft_models(dirs, tmp_path, capsys):
+    """--draft-quantize beside a model-free drafter: the model is quantized, the model-free one runs as it is
+    (not refused as a model-free --draft with --draft-quantize alone is)."""
+    result, _ = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", dirs["gpt2"],
+                          "--draft-quantize", "int8", "--gamma", "2", "--repeats", "1", *PROMPT_FLAGS)
+    assert [row["draft"] for row in result["rows"]] == ["lookup", dirs["gpt2"]]
+    assert all(row["identical_to_plain"] is True for row in result["rows"])
+
+
 def test_drafters_with_a_tree_beside_their_chains(dirs, tmp_path, capsys):
     """--tree N: each drafter runs as a chain and with trees, in the same rounds, two rows: the tree's
     nodes per target call, and its tokens per call and speed over its chain's (the speedup column over

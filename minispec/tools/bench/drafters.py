@@ -6,6 +6,7 @@ from argparse import Namespace
 
 import torch
 
+from minispec.decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
 from minispec.loaders import load_draft, load_models
 
 from .benchmarks import minispec_runner, reported, sampling_of, summed
@@ -18,7 +19,9 @@ POSITIONS = 4  # acceptance is shown for the first guess positions
 
 def drafters_benchmark(args):
     target, _ = load_models(Namespace(**{**vars(args), "draft": "none", "draft_quantize": None}))
-    drafts = {name: load_draft(name, target, args.compile, args.draft_quantize, args.group_size) for name in args.draft}
+    # --draft-quantize is the draft models': not refused for a model-free name listed beside them
+    drafts = {name: load_draft(name, target, args.compile, None if name in MODEL_FREE_NAMES + SELF_DRAFT_MODES
+                               else args.draft_quantize, args.group_size) for name in args.draft}
     prompts = [prompt_ids_of(target, p, args.chat) for p in read_prompts(args)]
     gamma = args.gamma[0]
     runners = {"plain": minispec_runner(target, None, 1, args)}
