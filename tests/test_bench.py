@@ -309,6 +309,29 @@ def test_drafters_quantize_only_the_draft_models(dirs, tmp_path, capsys):
     assert all(row["identical_to_plain"] is True for row in result["rows"])
 
 
+def test_bench_prices_a_call_as_its_draft_forwards_and_a_verification_as_wide_as_its_guesses():
+    """The bench's cost columns: draft ms per call = forwards per call x a forward's ms; verify ms = a target
+    forward of 1 + guesses per call tokens, interpolated between the widths timed."""
+    from types import SimpleNamespace
+
+    from minispec.tools.bench.drafters import cost_cells, drafter_row
+    stats = [{"verified_at": [4, 2], "accepted_at": [2, 1], "target_calls": 8, "proposed": 6, "new_tokens": 12,
+              "draft_calls": 4}]
+    spec = {"stats": stats, "tokens_per_second": 12.0, "decode_tokens_per_second": 10.0, "outputs": [[1]],
+            "request_seconds": [1.0, 2.0]}
+    plain = {"tokens_per_second": 10.0, "outputs": [[1]], "request_seconds": [1.5, 2.0]}
+    cost = {"guess_cost": 0.4, "target_step_ms": 80.0, "forward_ms": {1: 80.0, 2: 84.0, 4: 90.0}, "draft_ms": 30.0,
+            "per_forward": True}
+    row = drafter_row("d", spec, plain, cost, SimpleNamespace(tree=None, temperature=0))
+    assert row["draft_forwards_per_call"] == 0.5 and row["draft_ms_per_call"] == 15.0
+    assert row["verify_ms_per_call"] == pytest.approx(83.0)  # 1.75 tokens: between the 1- and 2-token forwards
+    assert row["ms_per_call"] == pytest.approx(1.5 / 10.0 * 1e3)
+    assert row["speedup_by_request"] == [1.5, 1.0]
+    cells = cost_cells(row)
+    assert cells[4:7] == ["15.0 (0.19x)", "83.0 (1.04x)", "98.0 (1.23x)"]
+    assert cells[-2:] == [f"{1.5 * 80 / 98:.2f}x", f"{1.5 ** 0.5:.2f}x"]
+
+
 def test_drafters_with_a_tree_beside_their_chains(dirs, tmp_path, capsys):
     """--tree N: each drafter runs as a chain and with trees, in the same rounds, two rows: the tree's
     nodes per target call, and its tokens per call and speed over its chain's (the speedup column over
