@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,7 +29,7 @@ from ..models.checks import COUNT, check
 from .tokenizer import ByteLevelBPE, UnsupportedTokenizer, read_chat_template, read_json
 from .tokenizer import read_config as read_tokenizer_config
 from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
-                      release_file_pages, weight_files)
+                      release_file_pages, release_freed_memory, weight_files)
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
@@ -274,8 +275,10 @@ def check_checkpoint(directory):
     conversion is checked so before it is kept). Quantized weights in their stored form are then
     rewritten in the layout the native kernels read (pack_stored)."""
     if read_checkpoint(directory).stored:
+        release_freed_memory()  # the fused copies that reading made, before a load makes them again
         from .packed import pack_stored  # quantized checkpoints only
         pack_stored(directory, load_model(directory))
+        release_freed_memory()
         read_checkpoint(directory)
 
 
@@ -302,6 +305,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if stored:
         from .packed import unpacked_unless_taken  # quantized checkpoints only
         stored = unpacked_unless_taken(model, stored, device, tp)
+    mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     dtype = dtype or default_dtype(device)
     quantizing = bool(quantize or stored)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
@@ -309,12 +313,13 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     model.load_state_dict({k: v if quantizing else v.to(dtype) for k, v in weights.items()}, assign=True,
                           strict=not stored)
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
-    mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
         parallel.join(device).shard(model, stored)
     if quantizing:
         try:
-            for note in quantize_loaded(model, quantize, group_size, dtype, stored, device):
+            # what each layer's quantizing read, and reading fused, it reads no more: out of memory as it goes
+            layer_done = None if mapped else partial(release_file_pages, weight_files(directory))
+            for note in quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done):
                 log(f"{name_or_path}: {note}")
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
@@ -340,11 +345,12 @@ def install_backend(compile):
     native.install(compile)
 
 
-def quantize_loaded(model, quantize, group_size, dtype, stored, device):
+def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done=None):
     """The loaded model's weights quantized (`quantize`), or its checkpoint's quantized weights (`stored`)
     taken; the notes on layers kept otherwise."""
     from ..models import quant  # read only when a load quantizes
-    notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device)
+    notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device,
+                                 layer_done)
     # What stays float (norms, biases) is views of the checkpoint file, which would keep all of it
     # resident, several times the quantized model's memory. Copies in `dtype` let it go.
     for parameter in model.parameters():
@@ -360,16 +366,6 @@ def fingerprint(directory, quantize, group_size, tp=None):
     identities = "|".join(file_identity(file) for file in files)
     sharded = f"|tp{tp}" if tp is not None else ""  # a rank's costs are not a whole model's
     return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}{sharded}".encode()).hexdigest()[:20]
-
-
-def release_freed_memory():
-    """Hand the float weights' freed memory back to the system. glibc keeps freed heap memory for reuse,
-    and quantizing leaves small tensors between the freed float temporaries, which then stays resident
-    (nearly twice the quantized model's memory). Other C libraries: nothing to do."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def attach_special_tokens(model, hf_config, source):

@@ -195,8 +195,8 @@ def pack(q, scales, offsets):
     top 2 in two more vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
     [tiles, G, 16] float32 (float16 where all are float16 values: `fits_half`), or where they are
     steps times small integers (GGUF's K-quants: `two_level`)
-    int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
-    offsets'). Returns (qweight, scales, offsets, steps or None)."""
+    int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, S, 16] float16 (the scales', and the
+    offsets' where there are offsets: S = 2, else 1). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
     q = F.pad(q, (0, 0, 0, pad))
     tiles, K = q.shape[0] // TILE, q.shape[1]
@@ -215,7 +215,7 @@ def pack(q, scales, offsets):
     steps = None
     if all(level is not None for level in levels):
         (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
-        steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offsets is None else offset_steps], -1)
+        steps = torch.stack([scale_steps] + ([] if offsets is None else [offset_steps]), -1).half()
     one_level = torch.float16 if steps is None and all(t is None or fits_half(t) for t in (scales, offsets)) \
         else torch.float32
 
@@ -252,9 +252,10 @@ def six_bits(q):
 
 
 def two_level(values, group):
-    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float32 steps [N, K / 256],
+    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float16 steps [N, K / 256],
     each product exactly the value in float32 (as the kernel computes it); None where they are not such
-    (minispec's own quantizers, GGUF's Q4_0/Q4_1/Q8_0) or the layer's width is not in whole steps."""
+    (minispec's own quantizers, GGUF's Q4_0/Q4_1/Q8_0) or the layer's width is not in whole steps. A
+    GGUF K-quant's steps are its float16 super-block scales: the file's own bytes, no more."""
     N, G = values.shape
     if STEP_INPUTS % group or (G * group) % STEP_INPUTS:
         return None
@@ -265,7 +266,8 @@ def two_level(values, group):
     for multiplier in LARGEST_MULTIPLIERS:  # each step of 256 inputs the first that gives every value exactly
         step = largest / multiplier
         m = torch.where(step != 0, v / step, 0.0).round()
-        taken = ~found & ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True)
+        taken = ~found & ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True) \
+            & (step.half().float() == step)
         steps, multipliers = torch.where(taken, step, steps), torch.where(taken, m, multipliers)
         found |= taken
     if not found.all():
@@ -298,7 +300,7 @@ def rows_of(tokens, qweight, scales, offsets, steps):
         if steps is None:
             return table[tile, :, column].float()
         step = steps[tile, :, which, column].repeat_interleave(table.shape[1] // steps.shape[1], dim=-1)
-        return table[tile, :, column].float() * step
+        return table[tile, :, column].float() * step.float()
     return q, values(scales, 0), None if offsets is None else values(offsets, 1)
 
 
