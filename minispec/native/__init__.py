@@ -198,18 +198,12 @@ def pack(q, scales, offsets):
     int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, S, 16] float16 (the scales', and the
     offsets' where there are offsets: S = 2, else 1). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
-    q = F.pad(q, (0, 0, 0, pad))
-    tiles, K = q.shape[0] // TILE, q.shape[1]
-    # [tile, c, block, k, j] -> [tile, block, k, c, j]
-    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
+    tiles, K = (q.shape[0] + pad) // TILE, q.shape[1]
     bits = 4 if q.dtype == torch.uint8 else 5 if five_bits(q, offsets) else 6 if six_bits(q) else 8
-    if bits == 4:
-        q = q[:, :, :4] | (q[:, :, 4:] << 4)
-    elif bits < 8:  # vector k's top `width` bits at bits width·k on of the extra vectors, one bit string
-        u = (q.to(torch.int16) + stored_bias(bits, offsets)).to(torch.uint8)
-        width = bits - 4
-        extra = [sum(u[:, :, k] >> 4 << k * width % 8 for k in range(8) if k * width // 8 == p) for p in range(width)]
-        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(extra, 2)], 2)
+    packed = torch.empty(tiles, K // BLOCK, bits, TILE * 4, dtype=torch.uint8 if bits < 8 else q.dtype)
+    rows = max(TILE, CHUNK_ELEMENTS // K // TILE * TILE)  # a few rows at a time: temporaries of a chunk, not a head
+    for row in range(0, q.shape[0], rows):
+        packed[row // TILE:(row + rows) // TILE] = pack_values(q[row:row + rows], bits, offsets)
     group = K // scales.shape[1]
     levels = [two_level(t, group) for t in (scales, offsets) if t is not None]
     steps = None
@@ -222,8 +216,27 @@ def pack(q, scales, offsets):
     def tiled(t):  # [N, ...] -> [tiles, ..., 16]
         t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
         return t.movedim(1, -1).contiguous()
-    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.to(one_level))
-                              for t in (scales, offsets, steps)))
+    return (packed, *(None if t is None else tiled(t if steps is not None else t.to(one_level))
+                      for t in (scales, offsets, steps)))
+
+
+CHUNK_ELEMENTS = 1 << 22
+
+
+def pack_values(q, bits, offsets):
+    """pack's weight layout for rows of q, padded to whole tiles: [tiles, K / 32, `bits` vectors, 64]."""
+    q = F.pad(q, (0, 0, 0, -q.shape[0] % TILE))
+    tiles, K = q.shape[0] // TILE, q.shape[1]
+    # [tile, c, block, k, j] -> [tile, block, k, c, j]
+    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
+    if bits == 4:
+        return q[:, :, :4] | (q[:, :, 4:] << 4)
+    if bits < 8:  # vector k's top `width` bits at bits width·k on of the extra vectors, one bit string
+        u = (q.to(torch.int16) + stored_bias(bits, offsets)).to(torch.uint8)
+        width = bits - 4
+        extra = [sum(u[:, :, k] >> 4 << k * width % 8 for k in range(8) if k * width // 8 == p) for p in range(width)]
+        return torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(extra, 2)], 2)
+    return q
 
 
 def fits_half(values):
