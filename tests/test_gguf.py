@@ -469,6 +469,23 @@ def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkey
     assert len(list((tmp_path / "weights").iterdir())) == 2
 
 
+def test_a_conversion_in_an_older_layout_is_made_again(tmp_path, monkeypatch, capsys):
+    """A conversion whose mark holds the file's hash but not this minispec's layout (one made before its
+    steps were float16) is converted again, not loaded: its tensors would not be what the kernels read."""
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf", qtype=Q.Q4_1)
+    load_model(path, quantize="int4")
+    [folder] = (tmp_path / "weights").glob("model-*-quantized")
+    mark = folder / minigguf.COMPLETE
+    digest = mark.read_text().partition(" ")[0]
+    assert mark.read_text() == f"{digest} layout {minigguf.LAYOUT}"
+    mark.write_text(digest)  # an older minispec's mark
+    capsys.readouterr()
+    load_model(path, quantize="int4")
+    assert "converting it again" in capsys.readouterr().err
+    assert mark.read_text() == f"{digest} layout {minigguf.LAYOUT}"
+
+
 def test_a_gguf_rewritten_with_the_same_size_and_time_is_converted_again(tmp_path, monkeypatch):
     """A file rewritten in place with other weights of the same shapes, and its size and modification
     time put back, loads its new content, never the old content's conversion."""
