@@ -11,7 +11,6 @@ float weights, and a checkpoint holding quantized weights (a GGUF file imported 
 gives its own, as they are.
 """
 
-import ctypes
 import dataclasses
 import hashlib
 import importlib
@@ -305,7 +304,6 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if stored:
         from .packed import unpacked_unless_taken  # quantized checkpoints only
         stored = unpacked_unless_taken(model, stored, device, tp)
-    mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     dtype = dtype or default_dtype(device)
     quantizing = bool(quantize or stored)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
@@ -313,6 +311,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     model.load_state_dict({k: v if quantizing else v.to(dtype) for k, v in weights.items()}, assign=True,
                           strict=not stored)
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
+    mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
         parallel.join(device).shard(model, stored)
     if quantizing:
