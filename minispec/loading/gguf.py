@@ -712,7 +712,9 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
         tokenizer = tokenizer_files(metadata, config["vocab_size"])
     except ValueError as error:
         raise ValueError(f"{gguf_path}: {error}") from None
-    weights = hf_weights(tensors, config, dtype, progress, keep_quantized, gguf_path)
+    # a large file's pages dropped as each tensor is read (a small one's cost less than reading /proc/self/maps)
+    source = gguf_path if gguf_path.stat().st_size >= PROGRESS_MIN_BYTES else None
+    weights = hf_weights(tensors, config, dtype, progress, keep_quantized, source)
     if keep_quantized:
         config["quantization_config"] = {"quant_method": QUANT_METHOD}
 
