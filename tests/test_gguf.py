@@ -423,6 +423,35 @@ def test_a_kept_quantized_conversion_holds_the_kernels_layout_and_loads_mapped(t
     assert torch.equal(logits_of(load_model(path, quantize="int4"), PROMPT), logits_of(load_model(stored), PROMPT))
 
 
+@pytest.mark.skipif(not native.available(), reason="the kernels' layout is kept where they build")
+def test_a_k_quant_conversion_is_no_larger_than_its_file_and_exact(tmp_path, monkeypatch):
+    """A file of Q6_K tensors (a Q4_K_M file's head, v and down projections) converted into the kernels'
+    layout: its tensors take no more bytes than the file's (the super-block scales as the file's float16,
+    none for the offsets Q6_K has not), and the head, embedding and a layer unpack to exactly the values
+    the file dequantizes to."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    floats = read_gguf(model_to_gguf(reference, tmp_path / "floats.gguf"))[1]
+    rng = np.random.default_rng(3)
+    extra = {name: (random_k_blocks(Q.Q6_K, t.data.numel() // 4 // 256, rng).reshape(t.shape[0], -1), Q.Q6_K)
+             for name, t in floats.items() if len(t.shape) == 2}
+    path = model_to_gguf(reference, tmp_path / "model.gguf", extra_tensors=extra)
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    load_model(path, quantize="int4")
+    [converted] = (tmp_path / "weights").glob("model-*-quantized/model.safetensors")
+    header = 8 + int.from_bytes(converted.read_bytes()[:8], "little")
+    tensors = read_gguf(path)[1]
+    assert converted.stat().st_size - header <= sum(t.data.numel() * t.data.element_size() for t in tensors.values())
+    packed = quant.take_stored(load_file(converted))
+    for name, source in [("output", "output.weight"), ("tok_embeddings", "token_embd.weight"),
+                         ("layers.0.feed_forward.w2", "blk.0.ffn_down.weight")]:
+        assert packed[name]["packed_steps"].dtype == torch.float16, name
+        unpacked = native.unpack(packed[name], tensors[source].shape[0])
+        assert torch.equal(quant.dequantize(unpacked), dequantize(tensors[source])), name
+
+
 def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkeypatch):
     """Files of one name in two folders, and a file replaced in place, each load their own content's
     conversion: the converted folder is found by the file's SHA-256, not its name, size or time (the
@@ -438,6 +467,23 @@ def test_a_gguf_file_is_never_loaded_as_another_ones_conversion(tmp_path, monkey
     first.with_suffix(".new").replace(first)  # replaced in place: the same name and folder
     torch.testing.assert_close(logits_of(load_model(first), PROMPT), expected[second], atol=1e-4, rtol=0)
     assert len(list((tmp_path / "weights").iterdir())) == 2
+
+
+def test_a_conversion_in_an_older_layout_is_made_again(tmp_path, monkeypatch, capsys):
+    """A conversion whose mark holds the file's hash but not this minispec's layout (one made before its
+    steps were float16) is converted again, not loaded: its tensors would not be what the kernels read."""
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    path = model_to_gguf(make_reference("llama"), tmp_path / "model.gguf", qtype=Q.Q4_1)
+    load_model(path, quantize="int4")
+    [folder] = (tmp_path / "weights").glob("model-*-quantized")
+    mark = folder / minigguf.COMPLETE
+    digest = mark.read_text().partition(" ")[0]
+    assert mark.read_text() == f"{digest} layout {minigguf.LAYOUT}"
+    mark.write_text(digest)  # an older minispec's mark
+    capsys.readouterr()
+    load_model(path, quantize="int4")
+    assert "converting it again" in capsys.readouterr().err
+    assert mark.read_text() == f"{digest} layout {minigguf.LAYOUT}"
 
 
 def test_a_gguf_rewritten_with_the_same_size_and_time_is_converted_again(tmp_path, monkeypatch):

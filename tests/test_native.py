@@ -147,7 +147,9 @@ def test_k_quant_scales_are_packed_in_two_levels_with_the_same_results(form, mon
     generator = torch.Generator().manual_seed(5)
     q, scales, offsets, group = k_quant_like(form, 70, 512, generator)
     two = native.pack(q, scales, offsets)
-    assert two[1].dtype == torch.int8 and two[3].shape == (-(-70 // native.TILE), 2, 2, native.TILE)
+    steps = 2 if offsets is not None else 1  # the scales' step, and the offsets' where there are offsets
+    assert two[1].dtype == torch.int8 and two[3].shape == (-(-70 // native.TILE), 2, steps, native.TILE)
+    assert two[3].dtype == torch.float16  # a K-quant's super-block scales, as the file stores them
     monkeypatch.setattr(native, "two_level", lambda values, group: None)
     one = native.pack(q, scales, offsets)
     assert one[1].dtype == torch.float32 and one[3] is None

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import COMPLETE, convert_gguf, staging, sweep_partials
+from .gguf import COMPLETE, LAYOUT, convert_gguf, staging, sweep_partials
 from .hub import download_from_hub
 from .weights import CheckpointError, log, weights_dir
 
@@ -111,11 +111,13 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
 
 
 def made_from(folder):
-    """The SHA-256 of the GGUF file a conversion was made from (its gguf.COMPLETE mark); None without one."""
+    """The SHA-256 of the GGUF file a conversion was made from (its gguf.COMPLETE mark); None without one,
+    or where it is in another layout than this minispec's."""
     try:
-        return (folder / COMPLETE).read_text()
+        digest, _, layout = (folder / COMPLETE).read_text().partition(" layout ")
     except (OSError, UnicodeDecodeError):
         return None
+    return digest if layout == LAYOUT else None
 
 
 def size_mb(directory):

@@ -11,12 +11,12 @@ float weights, and a checkpoint holding quantized weights (a GGUF file imported 
 gives its own, as they are.
 """
 
-import ctypes
 import dataclasses
 import hashlib
 import importlib
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,7 +28,7 @@ from ..models.checks import COUNT, check
 from .tokenizer import ByteLevelBPE, UnsupportedTokenizer, read_chat_template, read_json
 from .tokenizer import read_config as read_tokenizer_config
 from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
-                      release_file_pages, weight_files)
+                      release_file_pages, release_freed_memory, weight_files)
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
@@ -274,8 +274,10 @@ def check_checkpoint(directory):
     conversion is checked so before it is kept). Quantized weights in their stored form are then
     rewritten in the layout the native kernels read (pack_stored)."""
     if read_checkpoint(directory).stored:
+        release_freed_memory()  # the fused copies that reading made, before a load makes them again
         from .packed import pack_stored  # quantized checkpoints only
         pack_stored(directory, load_model(directory))
+        release_freed_memory()
         read_checkpoint(directory)
 
 
@@ -314,7 +316,9 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         parallel.join(device).shard(model, stored)
     if quantizing:
         try:
-            for note in quantize_loaded(model, quantize, group_size, dtype, stored, device):
+            # what each layer's quantizing read, and reading fused, it reads no more: out of memory as it goes
+            layer_done = None if mapped else partial(release_file_pages, weight_files(directory))
+            for note in quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done):
                 log(f"{name_or_path}: {note}")
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
@@ -340,11 +344,12 @@ def install_backend(compile):
     native.install(compile)
 
 
-def quantize_loaded(model, quantize, group_size, dtype, stored, device):
+def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done=None):
     """The loaded model's weights quantized (`quantize`), or its checkpoint's quantized weights (`stored`)
     taken; the notes on layers kept otherwise."""
     from ..models import quant  # read only when a load quantizes
-    notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device)
+    notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device,
+                                 layer_done)
     # What stays float (norms, biases) is views of the checkpoint file, which would keep all of it
     # resident, several times the quantized model's memory. Copies in `dtype` let it go.
     for parameter in model.parameters():
@@ -360,16 +365,6 @@ def fingerprint(directory, quantize, group_size, tp=None):
     identities = "|".join(file_identity(file) for file in files)
     sharded = f"|tp{tp}" if tp is not None else ""  # a rank's costs are not a whole model's
     return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}{sharded}".encode()).hexdigest()[:20]
-
-
-def release_freed_memory():
-    """Hand the float weights' freed memory back to the system. glibc keeps freed heap memory for reuse,
-    and quantizing leaves small tensors between the freed float temporaries, which then stays resident
-    (nearly twice the quantized model's memory). Other C libraries: nothing to do."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def attach_special_tokens(model, hf_config, source):

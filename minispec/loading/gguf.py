@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
 from .tokenizer import BYTE_FALLBACK, BYTE_LEVEL, SPACES
-from .weights import save_safetensors
+from .weights import release_file_pages, release_freed_memory, save_safetensors
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Each header value is some 350 bytes of numpy objects in gguf's reader: bounded (700 MB), above a 262k-token
@@ -520,12 +520,18 @@ def unpermute(weight, n_head):
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
-def kept_quantized(tensors):
+def kept_quantized(tensors, source=None):
     """{GGUF name: stored form} of the weights a quantized import keeps quantized: every quantized 2-D
     tensor, with the projections fused into one layer brought to one form (quant.common_form; files
     such as Q4_K_M quantize v with Q6_K and q, k with Q4_K), or all dequantized when one of them is a
-    float tensor in the file."""
-    stored = {name: stored_form(t) for name, t in tensors.items() if t.type in QUANT_TYPES and len(t.shape) == 2}
+    float tensor in the file. `source`: the file, whose pages each tensor read are dropped from memory
+    as it goes (what stays resident is the output, not the output and the file)."""
+    stored = {}
+    for name, tensor in tensors.items():
+        if tensor.type in QUANT_TYPES and len(tensor.shape) == 2:
+            stored[name] = stored_form(tensor)
+            if source:
+                release_file_pages([source])
     layers = {match[1] for name in tensors if (match := re.fullmatch(r"blk\.(\d+)\..+", name))}
     for layer in layers:
         for kinds in FUSED:
@@ -538,11 +544,11 @@ def kept_quantized(tensors):
     return stored
 
 
-def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False):
+def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False, source=None):
     """{HF name: tensor}, dequantized (llama's q/k rows un-permuted), cast to `dtype` if given; with
     `keep_quantized`, kept_quantized's weights as `<name>.qweight`, `.scales`, `.offsets`, never cast."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    stored = kept_quantized(tensors) if keep_quantized else {}
+    stored = kept_quantized(tensors, source) if keep_quantized else {}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
     progress = progress and quantized_bytes >= PROGRESS_MIN_BYTES
     done, reported = 0, 0
@@ -561,6 +567,8 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
             if config["model_type"] in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's norm weights w as the 1 + w they scale by
             weights[target] = weight if dtype is None else weight.to(dtype)
+        if source and tensor.type in QUANT_TYPES and name not in stored:  # its pages: read, and copied
+            release_file_pages([source])
         if progress and tensor.type in QUANT_TYPES:
             done += tensor.data.numel()
             if done * 10 // quantized_bytes > reported:
@@ -682,6 +690,9 @@ def template_processor(tokens, bos_id, eos_id):
 # Written last into a converted folder, holding the GGUF file's SHA-256: a folder without it (cut short), or
 # with another file's, is converted again (builtin.import_gguf).
 COMPLETE = "conversion-complete"
+# The layout of the conversion's tensors, written into the mark after the hash: a conversion in another
+# one (before 2: the kernels' steps in float32) is made again.
+LAYOUT = "2"
 
 
 def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False, check=None, source_hash=""):
@@ -701,14 +712,17 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
         tokenizer = tokenizer_files(metadata, config["vocab_size"])
     except ValueError as error:
         raise ValueError(f"{gguf_path}: {error}") from None
-    weights = hf_weights(tensors, config, dtype, progress, keep_quantized)
+    # a large file's pages dropped as each tensor is read (a small one's cost less than reading /proc/self/maps)
+    source = gguf_path if gguf_path.stat().st_size >= PROGRESS_MIN_BYTES else None
+    weights = hf_weights(tensors, config, dtype, progress, keep_quantized, source)
     if keep_quantized:
         config["quantization_config"] = {"quant_method": QUANT_METHOD}
 
     with staging(out_dir) as staged:
         (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(weights, staged / "model.safetensors", metadata={"format": "pt"})
-        del weights  # before the check loads the folder again
+        del weights  # before the check loads the folder again, and given back to the system
+        release_freed_memory()
         for file_name, content in tokenizer.items():
             (staged / file_name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         try:
@@ -717,7 +731,7 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
         except ValueError as error:
             message = str(error).replace(str(staged), str(out_dir))  # the folder it would have been
             raise ValueError(f"{gguf_path}: its conversion does not load: {message}") from None
-        (staged / COMPLETE).write_text(source_hash)
+        (staged / COMPLETE).write_text(f"{source_hash} layout {LAYOUT}")
         staged.rename(out_dir)
     return out_dir
 

@@ -173,6 +173,9 @@ def check_packed(parts, shape):
     if not 0 <= weight.shape[0] * 16 - rows < 16 or weight.shape[1] * 32 != columns or weight.shape[3] != 64 \
             or scales.shape[0] != weight.shape[0] or scales.shape[1] == 0 or columns % scales.shape[1]:
         return f"packed {tuple(weight.shape)}, scales {tuple(scales.shape)} do not make a weight of shape {tuple(shape)}"
+    steps = parts.get("packed_steps")
+    if steps is not None and steps.dtype != torch.float16:
+        return f"packed_steps are {steps.dtype}, an older minispec's layout: convert the checkpoint again"
     return None
 
 
@@ -360,7 +363,8 @@ class Int8Embedding(Int8Linear):
 
 
 # --- quantizing a model -------------------------------------------------------------------------------
-def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.float32, stored=None, device=None):
+def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.float32, stored=None, device=None,
+                   layer_done=None):
     """Replace the model's linear layers and token embeddings by quantized ones, in place and one at a
     time, so that each float weight can be freed as soon as its quantized form exists.
 
@@ -369,7 +373,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     None) quantizes the float ones: linear layers per output channel (int8) or in groups of
     `group_size` (int4); token embeddings and the output head in int8 groups of HEAD_GROUP_SIZE in both
     modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer the int4 kernel cannot
-    take is int8 instead. Returns notes on those layers."""
+    take is int8 instead. `layer_done()` is called after each layer (the loader drops the file pages it
+    read). Returns notes on those layers."""
     stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)
@@ -394,6 +399,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
             elif is_int4(parts):
                 parts = widen_int4(parts)
             model.set_submodule(name, Int8Embedding(on(parts, target), dtype))
+            if layer_done:
+                layer_done()
             continue
         int4 = (mode == "int4" and module is not head) if parts is None else is_int4(parts)
         if int4:
@@ -409,6 +416,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
+        if layer_done:
+            layer_done()
     if stored:
         raise ValueError(f"quantized tensors for {', '.join(sorted(stored)[:5])}, which are not linear layers "
                          "or token embeddings of this model")

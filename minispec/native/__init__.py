@@ -195,35 +195,48 @@ def pack(q, scales, offsets):
     top 2 in two more vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
     [tiles, G, 16] float32 (float16 where all are float16 values: `fits_half`), or where they are
     steps times small integers (GGUF's K-quants: `two_level`)
-    int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, 2, 16] float32 (the scales', the
-    offsets'). Returns (qweight, scales, offsets, steps or None)."""
+    int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, S, 16] float16 (the scales', and the
+    offsets' where there are offsets: S = 2, else 1). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
-    q = F.pad(q, (0, 0, 0, pad))
-    tiles, K = q.shape[0] // TILE, q.shape[1]
-    # [tile, c, block, k, j] -> [tile, block, k, c, j]
-    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
+    tiles, K = (q.shape[0] + pad) // TILE, q.shape[1]
     bits = 4 if q.dtype == torch.uint8 else 5 if five_bits(q, offsets) else 6 if six_bits(q) else 8
-    if bits == 4:
-        q = q[:, :, :4] | (q[:, :, 4:] << 4)
-    elif bits < 8:  # vector k's top `width` bits at bits width·k on of the extra vectors, one bit string
-        u = (q.to(torch.int16) + stored_bias(bits, offsets)).to(torch.uint8)
-        width = bits - 4
-        extra = [sum(u[:, :, k] >> 4 << k * width % 8 for k in range(8) if k * width // 8 == p) for p in range(width)]
-        q = torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(extra, 2)], 2)
+    packed = torch.empty(tiles, K // BLOCK, bits, TILE * 4, dtype=torch.uint8 if bits < 8 else q.dtype)
+    rows = max(TILE, CHUNK_ELEMENTS // K // TILE * TILE)  # a few rows at a time: temporaries of a chunk, not a head
+    for row in range(0, q.shape[0], rows):
+        packed[row // TILE:(row + rows) // TILE] = pack_values(q[row:row + rows], bits, offsets)
     group = K // scales.shape[1]
     levels = [two_level(t, group) for t in (scales, offsets) if t is not None]
     steps = None
     if all(level is not None for level in levels):
         (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
-        steps = torch.stack([scale_steps, torch.zeros_like(scale_steps) if offsets is None else offset_steps], -1)
+        steps = torch.stack([scale_steps] + ([] if offsets is None else [offset_steps]), -1).half()
     one_level = torch.float16 if steps is None and all(t is None or fits_half(t) for t in (scales, offsets)) \
         else torch.float32
 
     def tiled(t):  # [N, ...] -> [tiles, ..., 16]
         t = F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)).view(tiles, TILE, *t.shape[1:])
         return t.movedim(1, -1).contiguous()
-    return (q.contiguous(), *(None if t is None else tiled(t if steps is not None else t.to(one_level))
-                              for t in (scales, offsets, steps)))
+    return (packed, *(None if t is None else tiled(t if steps is not None else t.to(one_level))
+                      for t in (scales, offsets, steps)))
+
+
+CHUNK_ELEMENTS = 1 << 22
+
+
+def pack_values(q, bits, offsets):
+    """pack's weight layout for rows of q, padded to whole tiles: [tiles, K / 32, `bits` vectors, 64]."""
+    q = F.pad(q, (0, 0, 0, -q.shape[0] % TILE))
+    tiles, K = q.shape[0] // TILE, q.shape[1]
+    # [tile, c, block, k, j] -> [tile, block, k, c, j]
+    q = q.view(tiles, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, K // BLOCK, 8, TILE * 4)
+    if bits == 4:
+        return q[:, :, :4] | (q[:, :, 4:] << 4)
+    if bits < 8:  # vector k's top `width` bits at bits width·k on of the extra vectors, one bit string
+        u = (q.to(torch.int16) + stored_bias(bits, offsets)).to(torch.uint8)
+        width = bits - 4
+        extra = [sum(u[:, :, k] >> 4 << k * width % 8 for k in range(8) if k * width // 8 == p) for p in range(width)]
+        return torch.cat([(u[:, :, :4] & 0x0F) | (u[:, :, 4:] & 0x0F) << 4, torch.stack(extra, 2)], 2)
+    return q
 
 
 def fits_half(values):
@@ -252,9 +265,10 @@ def six_bits(q):
 
 
 def two_level(values, group):
-    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float32 steps [N, K / 256],
+    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float16 steps [N, K / 256],
     each product exactly the value in float32 (as the kernel computes it); None where they are not such
-    (minispec's own quantizers, GGUF's Q4_0/Q4_1/Q8_0) or the layer's width is not in whole steps."""
+    (minispec's own quantizers, GGUF's Q4_0/Q4_1/Q8_0) or the layer's width is not in whole steps. A
+    GGUF K-quant's steps are its float16 super-block scales: the file's own bytes, no more."""
     N, G = values.shape
     if STEP_INPUTS % group or (G * group) % STEP_INPUTS:
         return None
@@ -265,7 +279,8 @@ def two_level(values, group):
     for multiplier in LARGEST_MULTIPLIERS:  # each step of 256 inputs the first that gives every value exactly
         step = largest / multiplier
         m = torch.where(step != 0, v / step, 0.0).round()
-        taken = ~found & ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True)
+        taken = ~found & ((m >= -128) & (m <= 127) & (m * step == v)).all(-1, keepdim=True) \
+            & (step.half().float() == step)
         steps, multipliers = torch.where(taken, step, steps), torch.where(taken, m, multipliers)
         found |= taken
     if not found.all():
@@ -298,7 +313,7 @@ def rows_of(tokens, qweight, scales, offsets, steps):
         if steps is None:
             return table[tile, :, column].float()
         step = steps[tile, :, which, column].repeat_interleave(table.shape[1] // steps.shape[1], dim=-1)
-        return table[tile, :, column].float() * step
+        return table[tile, :, column].float() * step.float()
     return q, values(scales, 0), None if offsets is None else values(offsets, 1)
 
 

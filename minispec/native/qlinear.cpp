@@ -34,9 +34,9 @@
 // float32 [tiles, G, 16], or float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 store them so:
 // a sixth fewer bytes for Q4_1, the same numbers); w = q * scale (+ offset) over groups of `group`
 // inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs'
-// step times small integers): scales, offsets int8 [tiles, G, 16] multipliers of steps float32
-// [tiles, K / 256, 2, 16] (the scales' step, the offsets'), each product exactly the float32 value it
-// replaces (minispec/native checks that when it packs), so both forms give the same numbers, the
+// step times small integers): scales, offsets int8 [tiles, G, 16] multipliers of steps float16
+// [tiles, K / 256, S, 16] (the scales' step, and the offsets' where there are offsets: S = 2, else 1;
+// float16 as the file stores them), each product exactly the float32 value it replaces (minispec/native checks that when it packs), so both forms give the same numbers, the
 // two-level one reading a fifth fewer bytes for Q4_K.
 
 #include <ATen/ATen.h>
@@ -131,24 +131,24 @@ struct Weight {
   const uint8_t* q;       // the tiles
   const void* scales;     // [tiles, G, 16]: float32, float16, or int8 multipliers of `steps`
   const void* offsets;    // the same, or null
-  const float* steps;     // [tiles, K / 256, 2, 16] (STEPPED) or null
+  const c10::Half* steps; // [tiles, K / 256, S, 16] (STEPPED; S = 2 with offsets, else 1) or null
   Table table;            // how scales and offsets are stored
-  int64_t groups, group;
+  int64_t groups, group, kinds;  // kinds: S, the steps per span (the scales', and the offsets' if any)
   const int32_t* lo;      // the group of each block's first 16 inputs
   const int32_t* hi;      // and of its last 16
 
   // Where group g's values for the tile's columns start.
   int64_t at(int64_t tile, int64_t g) const { return (tile * groups + g) * TILE; }
-  const float* step(int which, int64_t tile, int64_t g) const {
+  const c10::Half* step(int which, int64_t tile, int64_t g) const {
     const int64_t spans = groups * group / STEP_INPUTS;
-    return steps + ((tile * spans + g * group / STEP_INPUTS) * 2 + which) * TILE;
+    return steps + ((tile * spans + g * group / STEP_INPUTS) * kinds + which) * TILE;
   }
   // Column c's scale (which = 0) or offset (1) of group g.
   float value(int which, int64_t tile, int64_t g, int c) const {
     const void* values = which ? offsets : scales;
     if (table == HALVES) return static_cast<float>(static_cast<const c10::Half*>(values)[at(tile, g) + c]);
     if (table == FLOATS) return static_cast<const float*>(values)[at(tile, g) + c];
-    return static_cast<float>(static_cast<const int8_t*>(values)[at(tile, g) + c]) * step(which, tile, g)[c];
+    return static_cast<float>(static_cast<const int8_t*>(values)[at(tile, g) + c]) * static_cast<float>(step(which, tile, g)[c]);
   }
 };
 
@@ -287,7 +287,7 @@ inline V::F group_values(const Weight& w, int which, int64_t tile, int64_t g, in
   const int64_t at = w.at(tile, g) + part * V::COLUMNS;
   if (TABLE == FLOATS) return V::load_floats(static_cast<const float*>(table) + at);
   if (TABLE == HALVES) return V::halves_as_floats(static_cast<const c10::Half*>(table) + at);
-  return V::mul(V::bytes_as_floats(static_cast<const int8_t*>(table) + at), V::load_floats(w.step(which, tile, g) + part * V::COLUMNS));
+  return V::mul(V::bytes_as_floats(static_cast<const int8_t*>(table) + at), V::halves_as_floats(w.step(which, tile, g) + part * V::COLUMNS));
 }
 
 // One tile's columns for rows r0 .. r0 + R - 1.
@@ -410,7 +410,7 @@ void tiles_by_group(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_
 
 // x [M, K] float32; qweight int8, or uint8 of K / 2 (int4), 5K / 8 (5-bit) or 3K / 4 (6-bit) bytes a column, N / 16
 // tiles; scales, offsets [N / 16, G, 16]
-// float32 or float16, or int8 with steps [N / 16, K / 256, 2, 16] float32.
+// float32 or float16, or int8 with steps [N / 16, K / 256, 2 with offsets else 1, 16] float16.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
@@ -429,12 +429,13 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
                 "qlinear: offsets do not match scales");
     off = offsets->data_ptr();
   }
-  const float* step = nullptr;
+  const c10::Half* step = nullptr;
+  const int64_t kinds = off != nullptr ? 2 : 1;
   if (steps.has_value()) {
-    TORCH_CHECK(K % STEP_INPUTS == 0 && STEP_INPUTS % group == 0 && steps->scalar_type() == at::kFloat && steps->is_contiguous() &&
-                    steps->sizes() == at::IntArrayRef({tiles_n, K / STEP_INPUTS, 2, TILE}),
-                "qlinear: steps must be float32 [N / 16, K / 256, 2, 16], the group dividing 256");
-    step = steps->data_ptr<float>();
+    TORCH_CHECK(K % STEP_INPUTS == 0 && STEP_INPUTS % group == 0 && steps->scalar_type() == at::kHalf && steps->is_contiguous() &&
+                    steps->sizes() == at::IntArrayRef({tiles_n, K / STEP_INPUTS, kinds, TILE}),
+                "qlinear: steps must be float16 [N / 16, K / 256, 2 with offsets else 1, 16], the group dividing 256");
+    step = steps->data_ptr<at::Half>();
   }
   const int64_t blocks = K / BLOCK;
   const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, weight_bias(bits, off != nullptr), off != nullptr);
@@ -445,7 +446,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   }
   const Table table = step != nullptr ? STEPPED : table_type == at::kHalf ? HALVES : FLOATS;
   const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), off, step, table, groups, group,
-                 lo.data(), hi.data()};
+                 kinds, lo.data(), hi.data()};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   // tiles split between threads, a few at least per thread so that a wake-up is worth it

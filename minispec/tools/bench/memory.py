@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from minispec import generate
+from minispec.models.base import KVCache
 from minispec.models.quant import Int8Embedding
 
 # Datasheet DRAM bandwidth in bytes/s by torch.cuda.get_device_name(): the first match wins, variants first.
@@ -33,6 +34,20 @@ def decode_bytes(model, length):
         numel = tensor.numel() // owner.num_embeddings if looked_up else tensor.numel()  # a row's share
         weights += numel * tensor.element_size()
     return weights + model.kv_bytes_per_position() * length  # one request: one cache row
+
+
+BOUND_SLACK = 0.5e9  # bytes a process may hold beyond its weights and KV cache: torch, code, buffers
+
+
+def resident_bound(model, peak_rss):
+    """The process's peak resident bytes against its bound: the model's weights in the dtype they run in
+    (each tensor once, however many modules share it; the caches are no state), its KV caches as
+    allocated, and BOUND_SLACK."""
+    weights = sum(t.nbytes for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+    kv = sum(t.nbytes for m in model.modules() if isinstance(m, KVCache) for t in m.buffers())
+    bound = weights + kv + BOUND_SLACK
+    return {"weights_bytes": weights, "kv_bytes": kv, "peak_rss_bytes": peak_rss, "bound_bytes": bound,
+            "met": peak_rss <= bound}
 
 
 def peak_bandwidth(device_name):
