@@ -6,8 +6,9 @@ at this width), and each row guesses up to k, since the padding pays for those g
 
 The forward's price is the pair's cost line (costs.py, timed on lone rows), scaled to what the batch's
 own steps measured at that many rows: a wide forward is no line through narrow ones. Where guessing does
-not pay, the rows do not even look at their guesses for a while (previewing every row's guesses is no
-free work at a batch's width), a while that doubles as long as guessing keeps not paying.
+not pay at two looks in a row, the rows do not even look at their guesses for a while (previewing every
+row's guesses is no free work at a batch's width), a while that doubles as long as guessing keeps not
+paying.
 """
 
 import time
@@ -24,11 +25,12 @@ CELL_PRIOR = 1.0
 
 
 class Load:
-    """A pair's batch steps: decayed [seconds, steps] of the steps timed at each (rows, k), and how many
-    steps the rows rest (neither guess nor preview) before they look at their guesses again."""
+    """A pair's batch steps: decayed [seconds, steps] of the steps timed at each (rows, k), how many
+    steps the rows rest (neither guess nor preview) before they look at their guesses again, and whether
+    the last step looked and found guessing not paying."""
 
     def __init__(self):
-        self.cells, self.rest, self.back_off = {}, 0, 1
+        self.cells, self.rest, self.back_off, self.looked = {}, 0, 1, False
 
     def seconds(self, policy, rows, k):
         """T(k) for `rows` rows: the line's, scaled by this width's measured plain steps, then shrunk
@@ -93,9 +95,11 @@ def chosen(batch, ruled, load):
     for row in ruled:
         row.policy.chosen = k if row.stats["target_calls"] else 0
     if k:
-        load.back_off = 1
+        load.back_off, load.looked = 1, False
+    elif load.looked:  # the second look in a row, taught by the first's previews: guessing still does not pay
+        load.rest, load.back_off, load.looked = load.back_off, min(2 * load.back_off, PROBE_MAX), False
     else:
-        load.rest, load.back_off = load.back_off, min(2 * load.back_off, PROBE_MAX)
+        load.looked = True
     return k
 
 
