@@ -264,6 +264,47 @@ def test_one_sure_row_does_not_make_a_batch_pay_for_its_padding():
     assert rows[0].policy.guesses() > 0 and rows[1].policy.guesses() == 0
 
 
+def batch_steps(right, steps):
+    """16 rows of one pair whose previewing drafter is sure of every guess, decoded `steps` batch steps
+    with a CPU-like forward; right(step): whether its guesses are the target's tokens. Each step's k,
+    and how many rows looked at their guesses (previewed) in it."""
+    profile = adaptive(0.6, STEEP, 0.0).profile
+    ks, looks = [], []
+
+    def preview(k):
+        looks[-1] += 1
+        return [7 if right(len(ks)) else 8] * k, [0.9] * k
+
+    rows = [AdaptiveGamma(8) for _ in range(16)]
+    for row in rows:
+        row.start_from(profile, Drafting(preview=preview))
+    for _ in range(steps):
+        looks.append(0)
+        plan = batched.choose(batch_of(rows))
+        guesses = [row.guesses() for row in rows]
+        for row, k in zip(rows, guesses):
+            n = k if right(len(ks)) else 0
+            row.observe(k=k, n=n, emitted=[7] * (n + 1), draft_seconds=0.0, step_seconds=None)
+        plan.load.timed(plan, rows[0].seconds(plan.k, 16))  # as the line says: the measured scale is 1
+        ks.append(max(guesses))
+    return ks, looks
+
+
+def test_a_batch_whose_guesses_never_pay_stops_looking_at_them_and_comes_back_when_they_do():
+    """Previewing every row's guesses is host work at every step: where they never pay, a batch of 16
+    rows settles on plain steps and then looks at its guesses ever more rarely (two looks, then 1, 2, 4,
+    .. plain steps, up to PROBE_MAX); once its guesses are right again, it guesses again within two
+    back-offs (its rates, learnt wrong over many steps, take a look or two to turn). A drafter that is always right guesses at every step."""
+    ks, looks = batch_steps(lambda step: True, 50)
+    assert all(k > 0 for k in ks[2:]) and all(looks)  # from the second look on: the first taught the rates
+    ks, looks = batch_steps(lambda step: step >= 200, 600)
+    assert all(k == 0 for k in ks[10:200])
+    assert sum(1 for n in looks[100:200] if n) <= 2  # a pair of looks in 100 plain steps
+    assert all(n in (0, 16) for n in looks)  # a look previews every row once
+    back = next(step for step, k in enumerate(ks) if k and step >= 200)
+    assert back <= 200 + 2 * (profiles.PROBE_MAX + 2) and all(ks[back:])  # its rates take a look or two
+
+
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []

@@ -222,10 +222,13 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
                 share_prompt(target, batch)
         if not batch:
             return
+        plan, started = None, time.perf_counter()
         if len(batch) > 1 and hasattr(batch[0].policy, "chosen"):
-            from .batched import choose  # gamma="auto" in a batch: read only then
-            choose(batch)
+            from .batched import choose, timed  # gamma="auto" in a batch: read only then
+            plan, started = choose(batch), time.perf_counter()
         ended = step(target, batch)
+        if plan is not None:
+            timed(plan, started)
         for row in batch:
             result = None
             if row in ended:

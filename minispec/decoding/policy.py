@@ -121,7 +121,7 @@ class AdaptiveGamma:
     batch, the k its rows chose together (batched.py), set as `chosen` before the step."""
 
     def __init__(self, k_max):
-        self.k_max, self.chosen = k_max, None
+        self.k_max, self.chosen, self.resting = k_max, None, False
 
     def start(self, target, drafter, prompt_ids, beams=None, timed=True, tree=False):
         """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
@@ -190,7 +190,15 @@ class AdaptiveGamma:
             return self.expected_with(self.confidences)
         return [self.expected(k) for k in range(self.k_max + 1)]
 
+    def rest(self):
+        """A batch step that neither guesses nor looks at its guesses (batched.py backs off)."""
+        self.resting, self.tree_nodes, self.confidences = True, None, []
+        self.previewed = self.previewed_tree = None
+
     def guesses(self):
+        if self.resting:
+            self.resting = False
+            return 0
         chosen, self.chosen = self.chosen, None  # the batch's, whose gains() previewed this step
         gains = self.gains() if chosen is None else None
         if self.verify is None:  # a new pair: plain steps until one is timed
