@@ -53,8 +53,10 @@ inline Vector vector_of(const T* p) {
 inline Vector sums(const Vector* part) {
   Vector a[8], c[4], e[2];
   for (int u = 0; u < 8; ++u)  // v[i] + v[i + 8]: positions 2u and 2u + 1, 8 lanes each
-    a[u] = __builtin_shufflevector(part[2 * u], part[2 * u + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(part[2 * u], part[2 * u + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    a[u] = __builtin_shufflevector(part[2 * u], part[2 * u + 1],
+                                   0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(part[2 * u], part[2 * u + 1],
+                                   8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int u = 0; u < 4; ++u)  // a[j] + a[j + 4]: positions 4u..4u + 3, 4 lanes each
     c[u] = __builtin_shufflevector(a[2 * u], a[2 * u + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(a[2 * u], a[2 * u + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -124,9 +126,8 @@ struct Scratch {
 };
 
 // A row's scores from its products at the positions its mask lets it read (none elsewhere), turned into
-// weights exp(score - top) in place; returns their total, added in position order (0: the row reads
-// nothing). Bit `bit` of read[p] set where it reads p.
-inline float weights(const Call& c, const float* mask, float* scores, uint8_t* read, int bit) {
+// weights exp(score - top) in place. Bit `bit` of read[p] set where it reads p.
+inline void weights(const Call& c, const float* mask, float* scores, uint8_t* read, int bit) {
   float top = none;
   for (int64_t p = 0; p < c.P; ++p) {
     float s = none;
@@ -137,17 +138,23 @@ inline float weights(const Call& c, const float* mask, float* scores, uint8_t* r
     scores[p] = s;
     read[p] |= (s != none) << bit;
   }
-  if (top == none) return 0.f;
-  float total = 0.f;
+  if (top == none) return;
   for (int64_t p = 0; p < c.P; p += LANES) {
     Vector x;
     std::memcpy(&x, scores + p, sizeof x);  // whole vectors: the last one is padded
     const Vector w = exp16(x - top);
     std::memcpy(scores + p, &w, sizeof w);
-    for (int64_t u = p; u < std::min(p + LANES, c.P); ++u)
-      if (x[u - p] != none) total += w[u - p];
   }
-  return total;
+}
+
+// The totals of TILE rows' weights, each row's added in position order over the positions it reads (0:
+// it reads none), the rows' additions interleaved: one row's after another's waited on each add. Adding
+// 0 to a total of positive weights changes nothing, and a position a row does not read may hold anything.
+template <int TILE>
+inline void totals(float* const* weights, const uint8_t* read, int64_t P, float* total) {
+  for (int i = 0; i < TILE; ++i) total[i] = 0.f;
+  for (int64_t p = 0; p < P; ++p)
+    for (int i = 0; i < TILE; ++i) total[i] += read[p] >> i & 1 ? weights[i][p] : 0.f;
 }
 
 // TILE rows of one (b, h) that read the same slots (rows[TILE]: a short tile repeats its last row), head
@@ -189,24 +196,33 @@ void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t coun
     }
   }
   std::fill(read, read + c.P, 0);
+  for (int i = 0; i < TILE; ++i) weights(c, mask[i], scores[i], read, i);
   float total[TILE];
-  for (int i = 0; i < TILE; ++i) total[i] = weights(c, mask[i], scores[i], read, i);
-  Vector a[TILE][CHUNKS] = {};
+  totals<TILE>(scores, read, c.P, total);
+  Vector a[TILE][CHUNKS];
+  // WIDTH chunks of the values at a time, over every position: 8 sums in registers (enough to keep the
+  // multiply-adds busy), where all of them at once spilled
+  constexpr int WIDTH = TILE >= 8 ? 1 : std::min(CHUNKS, 8 / TILE);
   constexpr unsigned all = (1u << TILE) - 1;
-  for (int64_t p = 0; p < c.P; ++p) {
-    const unsigned readers = read[p];
-    if (!readers) continue;
-    const T* value = v + (slots ? slots[p] : p) * c.ks;
-    Vector vv[CHUNKS];
-    for (int j = 0; j < CHUNKS; ++j) vv[j] = vector_of(value + j * LANES);
-    if (readers == all) {
-      for (int i = 0; i < TILE; ++i)
-        for (int j = 0; j < CHUNKS; ++j) a[i][j] += scores[i][p] * vv[j];
-    } else {
-      for (int i = 0; i < TILE; ++i)
-        if (readers >> i & 1)
-          for (int j = 0; j < CHUNKS; ++j) a[i][j] += scores[i][p] * vv[j];
+  for (int first = 0; first < CHUNKS; first += WIDTH) {
+    Vector sum[TILE][WIDTH] = {};
+    for (int64_t p = 0; p < c.P; ++p) {
+      const unsigned readers = read[p];
+      if (!readers) continue;
+      const T* value = v + (slots ? slots[p] : p) * c.ks + first * LANES;
+      Vector vv[WIDTH];
+      for (int j = 0; j < WIDTH; ++j) vv[j] = vector_of(value + j * LANES);
+      if (readers == all) {
+        for (int i = 0; i < TILE; ++i)
+          for (int j = 0; j < WIDTH; ++j) sum[i][j] += scores[i][p] * vv[j];
+      } else {
+        for (int i = 0; i < TILE; ++i)
+          if (readers >> i & 1)
+            for (int j = 0; j < WIDTH; ++j) sum[i][j] += scores[i][p] * vv[j];
+      }
     }
+    for (int i = 0; i < TILE; ++i)
+      for (int j = 0; j < WIDTH; ++j) a[i][first + j] = sum[i][j];
   }
   for (int i = 0; i < count; ++i) {
     float* y = c.out + ((b * c.H + h) * c.R + rows[i]) * c.d;
@@ -239,7 +255,9 @@ void row(const Call& c, int64_t b, int64_t h, int64_t r, Scratch& s) {
     const Vector y = sums(part) + rest;
     std::memcpy(scores + p, &y, sizeof y);
   }
-  const float total = weights(c, mask, scores, read, 0);
+  weights(c, mask, scores, read, 0);
+  float total;
+  totals<1>(&scores, read, c.P, &total);
   float* y = c.out + ((b * c.H + h) * c.R + r) * c.d;
   std::fill(y, y + c.d, 0.f);
   if (total == 0.f) return;  // a row that may read nothing: zeros
