@@ -29,8 +29,6 @@ namespace {
 
 // 16 floats: one AVX-512 register, two AVX2 ones (GCC and Clang vector extensions, no intrinsics)
 typedef float Vector __attribute__((vector_size(64)));
-typedef float Half __attribute__((vector_size(32)));
-typedef float Quarter __attribute__((vector_size(16)));
 constexpr int LANES = 16;
 
 inline float to_float(float x) { return x; }
