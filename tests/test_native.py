@@ -375,6 +375,52 @@ def test_attention_of_a_row_is_the_same_alone_as_in_a_tile_of_rows(dtype, d, n):
         torch.testing.assert_close(fewer, together[:, :, :rows], rtol=0, atol=0, equal_nan=True)
 
 
+def canonical_scores(products):
+    """Scores from products [..., d] float32 as attention.cpp adds them: by lane over d's whole vectors
+    of 16 in order, the 16 lanes in a fixed tree (a[i] = v[i] + v[i + 8], c[j] = a[j] + a[j + 4],
+    (c0 + c2) + (c1 + c3)), then plus the products past the last whole vector, added in order."""
+    whole = products.shape[-1] // 16 * 16
+    v = torch.zeros(products.shape[:-1] + (16,))
+    for j in range(0, whole, 16):
+        v = v + products[..., j:j + 16]
+    a = v[..., :8] + v[..., 8:]
+    c = a[..., :4] + a[..., 4:]
+    rest = torch.zeros(products.shape[:-1])
+    for j in range(whole, products.shape[-1]):
+        rest = rest + products[..., j]
+    return ((c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3])) + rest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [24, 64, 128])  # one row at a time (a `rest`), tiles of 8 and 4 rows
+@pytest.mark.parametrize("n", [0, 3])  # slots: none, one per token (a tree's)
+def test_attention_adds_each_score_in_the_canonical_order(dtype, d, n):
+    """Every score the kernel computes is, bit for bit, canonical_scores' for 1..40 positions (whole
+    blocks of 16 and their tails), masks with holes, slots: its output equals its output from keys that
+    hold those scores as they are (row r's query the r-th unit vector, its score the r-th element of the
+    key it reads: products by 1 and by 0 add to it in any order), the same weights of the same values.
+    The products of 12-bit queries and 8-bit keys are exact: fused or not, the additions alone round."""
+    generator = torch.Generator().manual_seed(d + n)
+    B, H, R, S = 1, 2, 9, 48
+    mantissa, exponent = torch.frexp(torch.randn(B, H, R, d, generator=generator))
+    q = torch.ldexp(torch.round(mantissa * 2 ** 12) / 2 ** 12, exponent)
+    k = torch.randn(B, H, S, d, generator=generator).to(torch.bfloat16).to(dtype)
+    v = torch.randn(B, H, S, d, generator=generator).to(dtype)
+    units = torch.eye(R, d).expand(B, H, R, d).contiguous()
+    for P in range(1, 41):
+        mask = kernels.additive(torch.rand(B, H, R, P, generator=generator) < 0.7)
+        slots = torch.stack([torch.randperm(S, generator=generator)[:P] for _ in range(n)])[None] if n else None
+        read = (slots[:, torch.arange(R) % n] if n else torch.arange(P).expand(B, R, P))[:, None].expand(B, H, R, P)
+        keys = k.float()[torch.arange(B)[:, None, None, None], torch.arange(H)[:, None, None], read]  # [B, H, R, P, d]
+        scores = canonical_scores(q[:, :, :, None, :] * keys)
+        holding = torch.zeros(B, H, S, d)
+        holding[torch.arange(B)[:, None, None, None], torch.arange(H)[:, None, None], read,
+                torch.arange(R)[:, None].expand(R, P)] = scores
+        got = native.attend(q, k, v, mask, slots, d ** -0.5)
+        torch.testing.assert_close(got, native.attend(units, holding, v.float(), mask, slots, d ** -0.5),
+                                   rtol=0, atol=0, msg=lambda m: f"{P} positions: {m}")
+
+
 def test_attention_refuses_what_it_cannot_read():
     q, k = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 32, 8)
     with pytest.raises(RuntimeError, match="mask must be float32"):

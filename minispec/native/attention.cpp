@@ -29,8 +29,6 @@ namespace {
 
 // 16 floats: one AVX-512 register, two AVX2 ones (GCC and Clang vector extensions, no intrinsics)
 typedef float Vector __attribute__((vector_size(64)));
-typedef float Half __attribute__((vector_size(32)));
-typedef float Quarter __attribute__((vector_size(16)));
 constexpr int LANES = 16;
 
 inline float to_float(float x) { return x; }
@@ -46,11 +44,25 @@ inline Vector vector_of(const T* p) {
   return v;
 }
 
-inline float sum(Vector v) {  // the lanes added in halves: a fixed order, in registers
-  const Half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Quarter c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
+// The scores of 16 positions from their products by lane part[u]: each position's 16 lanes v added in a
+// fixed tree, a[i] = v[i] + v[i + 8], c[j] = a[j] + a[j + 4], then (c0 + c2) + (c1 + c3) (the canonical
+// order), the 16 positions' at once: each stage adds two positions' halves in one vector add, where one
+// position at a time took a horizontal add of its own. Lane u: position u's.
+inline Vector sums(const Vector* part) {
+  Vector a[8], c[4], e[2];
+  for (int u = 0; u < 8; ++u)  // v[i] + v[i + 8]: positions 2u and 2u + 1, 8 lanes each
+    a[u] = __builtin_shufflevector(part[2 * u], part[2 * u + 1],
+                                   0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(part[2 * u], part[2 * u + 1],
+                                   8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int u = 0; u < 4; ++u)  // a[j] + a[j + 4]: positions 4u..4u + 3, 4 lanes each
+    c[u] = __builtin_shufflevector(a[2 * u], a[2 * u + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * u], a[2 * u + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int u = 0; u < 2; ++u)  // c0 + c2, c1 + c3: positions 8u..8u + 7, 2 lanes each
+    e[u] = __builtin_shufflevector(c[2 * u], c[2 * u + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * u], c[2 * u + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // exp of 16 floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a polynomial, times
@@ -79,16 +91,14 @@ inline Vector exp16(Vector x) {
   return p * two_n;
 }
 
-// q . k over d elements, the same instructions for every row and key (`tile` runs them for d = 16 x
-// CHUNKS: no `rest`).
+// q . k over d elements: the products of whole vectors added by lane into `part` (its lanes then added
+// by `sums`), those past the last one into `rest`, the same instructions for every row and key (`tile`
+// runs them for d = 16 x CHUNKS: no `rest`).
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  Vector part = {};
+inline void products(const float* q, const T* k, int64_t d, Vector& part, float& rest) {
   int64_t j = 0;
   for (; j + LANES <= d; j += LANES) part += vector_of(q + j) * vector_of(k + j);
-  float rest = 0.f;
   for (; j < d; ++j) rest += q[j] * to_float(k[j]);
-  return sum(part) + rest;
 }
 
 struct Call {
@@ -114,9 +124,8 @@ struct Scratch {
 };
 
 // A row's scores from its products at the positions its mask lets it read (none elsewhere), turned into
-// weights exp(score - top) in place; returns their total, added in position order (0: the row reads
-// nothing). Bit `bit` of read[p] set where it reads p.
-inline float weights(const Call& c, const float* mask, float* scores, uint8_t* read, int bit) {
+// weights exp(score - top) in place. Bit `bit` of read[p] set where it reads p.
+inline void weights(const Call& c, const float* mask, float* scores, uint8_t* read, int bit) {
   float top = none;
   for (int64_t p = 0; p < c.P; ++p) {
     float s = none;
@@ -127,17 +136,23 @@ inline float weights(const Call& c, const float* mask, float* scores, uint8_t* r
     scores[p] = s;
     read[p] |= (s != none) << bit;
   }
-  if (top == none) return 0.f;
-  float total = 0.f;
+  if (top == none) return;
   for (int64_t p = 0; p < c.P; p += LANES) {
     Vector x;
     std::memcpy(&x, scores + p, sizeof x);  // whole vectors: the last one is padded
     const Vector w = exp16(x - top);
     std::memcpy(scores + p, &w, sizeof w);
-    for (int64_t u = p; u < std::min(p + LANES, c.P); ++u)
-      if (x[u - p] != none) total += w[u - p];
   }
-  return total;
+}
+
+// The totals of TILE rows' weights, each row's added in position order over the positions it reads (0:
+// it reads none), the rows' additions interleaved: one row's after another's waited on each add. Adding
+// 0 to a total of positive weights changes nothing, and a position a row does not read may hold anything.
+template <int TILE>
+inline void totals(float* const* weights, const uint8_t* read, int64_t P, float* total) {
+  for (int i = 0; i < TILE; ++i) total[i] = 0.f;
+  for (int64_t p = 0; p < P; ++p)
+    for (int i = 0; i < TILE; ++i) total[i] += read[p] >> i & 1 ? weights[i][p] : 0.f;
 }
 
 // TILE rows of one (b, h) that read the same slots (rows[TILE]: a short tile repeats its last row), head
@@ -160,36 +175,52 @@ void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t coun
     scores[i] = s.scores.data() + i * s.padded;
     for (int64_t p = 0; p < c.P; ++p) read[p] |= (mask[i][p] != none);
   }
-  for (int64_t p = 0; p < c.P; ++p) {
-    if (!read[p]) continue;
-    const T* key = k + (slots ? slots[p] : p) * c.ks;
-    Vector kv[CHUNKS];
-    for (int j = 0; j < CHUNKS; ++j) kv[j] = vector_of(key + j * LANES);
+  for (int64_t p = 0; p < c.P; p += LANES) {  // 16 positions at a time (a tile's scores are padded)
+    const int64_t end = std::min(p + LANES, c.P);
+    if (std::none_of(read + p, read + end, [](uint8_t r) { return r; })) continue;
+    Vector part[TILE][LANES];  // zeros where no row reads
+    for (int64_t u = p; u < p + LANES; ++u) {
+      for (int i = 0; i < TILE; ++i) part[i][u - p] = Vector{};
+      if (u >= end || !read[u]) continue;
+      const T* key = k + (slots ? slots[u] : u) * c.ks;
+      Vector kv[CHUNKS];
+      for (int j = 0; j < CHUNKS; ++j) kv[j] = vector_of(key + j * LANES);
+      for (int i = 0; i < TILE; ++i)
+        for (int j = 0; j < CHUNKS; ++j) part[i][u - p] += q[i][j] * kv[j];
+    }
     for (int i = 0; i < TILE; ++i) {
-      Vector part = {};
-      for (int j = 0; j < CHUNKS; ++j) part += q[i][j] * kv[j];
-      scores[i][p] = sum(part);
+      const Vector y = sums(part[i]);
+      std::memcpy(scores[i] + p, &y, sizeof y);
     }
   }
   std::fill(read, read + c.P, 0);
+  for (int i = 0; i < TILE; ++i) weights(c, mask[i], scores[i], read, i);
   float total[TILE];
-  for (int i = 0; i < TILE; ++i) total[i] = weights(c, mask[i], scores[i], read, i);
-  Vector a[TILE][CHUNKS] = {};
+  totals<TILE>(scores, read, c.P, total);
+  Vector a[TILE][CHUNKS];
+  // WIDTH chunks of the values at a time, over every position: 8 sums in registers (enough to keep the
+  // multiply-adds busy), where all of them at once spilled
+  constexpr int WIDTH = TILE >= 8 ? 1 : std::min(CHUNKS, 8 / TILE);
   constexpr unsigned all = (1u << TILE) - 1;
-  for (int64_t p = 0; p < c.P; ++p) {
-    const unsigned readers = read[p];
-    if (!readers) continue;
-    const T* value = v + (slots ? slots[p] : p) * c.ks;
-    Vector vv[CHUNKS];
-    for (int j = 0; j < CHUNKS; ++j) vv[j] = vector_of(value + j * LANES);
-    if (readers == all) {
-      for (int i = 0; i < TILE; ++i)
-        for (int j = 0; j < CHUNKS; ++j) a[i][j] += scores[i][p] * vv[j];
-    } else {
-      for (int i = 0; i < TILE; ++i)
-        if (readers >> i & 1)
-          for (int j = 0; j < CHUNKS; ++j) a[i][j] += scores[i][p] * vv[j];
+  for (int first = 0; first < CHUNKS; first += WIDTH) {
+    Vector sum[TILE][WIDTH] = {};
+    for (int64_t p = 0; p < c.P; ++p) {
+      const unsigned readers = read[p];
+      if (!readers) continue;
+      const T* value = v + (slots ? slots[p] : p) * c.ks + first * LANES;
+      Vector vv[WIDTH];
+      for (int j = 0; j < WIDTH; ++j) vv[j] = vector_of(value + j * LANES);
+      if (readers == all) {
+        for (int i = 0; i < TILE; ++i)
+          for (int j = 0; j < WIDTH; ++j) sum[i][j] += scores[i][p] * vv[j];
+      } else {
+        for (int i = 0; i < TILE; ++i)
+          if (readers >> i & 1)
+            for (int j = 0; j < WIDTH; ++j) sum[i][j] += scores[i][p] * vv[j];
+      }
     }
+    for (int i = 0; i < TILE; ++i)
+      for (int j = 0; j < WIDTH; ++j) a[i][first + j] = sum[i][j];
   }
   for (int i = 0; i < count; ++i) {
     float* y = c.out + ((b * c.H + h) * c.R + rows[i]) * c.d;
@@ -213,9 +244,18 @@ void row(const Call& c, int64_t b, int64_t h, int64_t r, Scratch& s) {
   float* scores = s.scores.data();
   uint8_t* read = s.read.data();
   std::fill(read, read + c.P, 0);
-  for (int64_t p = 0; p < c.P; ++p)
-    if (mask[p] != none) scores[p] = dot(q, k + (slots ? slots[p] : p) * c.ks, c.d);
-  const float total = weights(c, mask, scores, read, 0);
+  for (int64_t p = 0; p < c.P; p += LANES) {  // 16 positions at a time (the scores are padded)
+    Vector part[LANES] = {}, rest;
+    float tail[LANES] = {};
+    for (int64_t u = p; u < std::min(p + LANES, c.P); ++u)
+      if (mask[u] != none) products(q, k + (slots ? slots[u] : u) * c.ks, c.d, part[u - p], tail[u - p]);
+    std::memcpy(&rest, tail, sizeof rest);
+    const Vector y = sums(part) + rest;
+    std::memcpy(scores + p, &y, sizeof y);
+  }
+  weights(c, mask, scores, read, 0);
+  float total;
+  totals<1>(&scores, read, c.P, &total);
   float* y = c.out + ((b * c.H + h) * c.R + r) * c.d;
   std::fill(y, y + c.d, 0.f);
   if (total == 0.f) return;  // a row that may read nothing: zeros
