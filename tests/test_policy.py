@@ -294,7 +294,8 @@ def test_a_batch_whose_guesses_never_pay_stops_looking_at_them_and_comes_back_wh
     """Previewing every row's guesses is host work at every step: where they never pay, a batch of 16
     rows settles on plain steps and then looks at its guesses ever more rarely (two looks, then 1, 2, 4,
     .. plain steps, up to PROBE_MAX); once its guesses are right again, it guesses again within two
-    back-offs (its rates, learnt wrong over many steps, take a look or two to turn). A drafter that is always right guesses at every step."""
+    back-offs (its rates, learnt wrong over many steps, take a look or two to turn). A drafter that is
+    always right guesses at every step."""
     ks, looks = batch_steps(lambda step: True, 50)
     assert all(k > 0 for k in ks[2:]) and all(looks)  # from the second look on: the first taught the rates
     ks, looks = batch_steps(lambda step: step >= 200, 600)
