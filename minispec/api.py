@@ -127,7 +127,6 @@ class Request:
     stop: Stop
     seed: int
     draft_beams: int
-    tree: object  # Settings.trees
     state_layers: tuple | None = None
     grammar: object = None  # Settings.grammar compiled: a decoding/grammar.py Matcher, or None
 
@@ -171,7 +170,7 @@ class Request:
             from .decoding.grammar import compile_grammar  # the optional grammar engine: read only when asked for
             grammar = compile_grammar(settings.grammar, target)
         return cls(target, prompt_tensor(target, prompt), settings, drafter, policy, sampling, stop, seed, draft_beams,
-                   settings.trees, state_layers_of(target, settings.state_layers), grammar)
+                   state_layers_of(target, settings.state_layers), grammar)
 
     def decoder_length(self, model):
         """Tokens the model's decoder starts from: the prompt, or T5's one start token."""
@@ -277,7 +276,7 @@ def size_caches(requests, rows):
         # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
         # the context (near its end the engine offers smaller trees)
         longest = max(request.decoder_length(model) + request.max_new_tokens
-                      + (TREE_AUTO if request.tree == "auto" else request.tree or 0) for request in requests)
+                      + (TREE_AUTO if request.trees == "auto" else request.trees or 0) for request in requests)
         longest = min(longest, model.context_length or longest)
         check_memory(model, rows, longest, len(requests), tp=requests[0].target.tp)
         model.ensure_caches(rows, longest)

@@ -55,7 +55,7 @@ class Row:
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
             # a batch's steps are shared: not timed
-            self.policy.start(target, self.drafter, request.prompt_ids, timed=alone, tree=request.tree == "auto")
+            self.policy.start(target, self.drafter, request.prompt_ids, timed=alone, tree=request.trees == "auto")
             self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1),
                               verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
             self.overlap = torch.zeros((), device=target.device)  # Σ_x min(p, q) over verified positions
@@ -110,7 +110,7 @@ class Row:
     def tree_budget(self):
         """The most nodes this step's token tree may have: the request's `tree` (with "auto", the
         policy's choice for this step), or fewer where the cache row has less room left (None: a chain)."""
-        tree = self.policy.tree_nodes if self.request.tree == "auto" else self.request.tree
+        tree = self.policy.tree_nodes if self.request.trees == "auto" else self.request.trees
         if not tree:
             return None
         return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
@@ -222,7 +222,7 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
                 share_prompt(target, batch)
         if not batch:
             return
-        plan, started = None, time.perf_counter()
+        plan = None
         if len(batch) > 1 and hasattr(batch[0].policy, "chosen"):
             from .batched import choose, timed  # gamma="auto" in a batch: read only then
             plan, started = choose(batch), time.perf_counter()
