@@ -30,6 +30,11 @@ def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False
     return target, load_draft(draft, target, compile, draft_quantize, group_size)
 
 
+def loads_model(draft):
+    """Whether --draft names a model to load (alone, or as a part of "D,suffix"): what --draft-quantize is for."""
+    return any(part not in ("none", *MODEL_FREE_NAMES, *SELF_DRAFT_MODES) for part in draft.split(","))
+
+
 def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
     """--draft for a loaded target, as load_target_and_draft says (a head folder: the head; "D,suffix": both,
     in one tree, decoding/mixed.py)."""

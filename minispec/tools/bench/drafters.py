@@ -8,8 +8,8 @@ from argparse import Namespace
 import numpy
 import torch
 
-from minispec.decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
-from minispec.loaders import load_draft, load_models
+from minispec.decoding.drafters import MODEL_FREE_NAMES
+from minispec.loaders import load_draft, load_models, loads_model
 
 from .benchmarks import minispec_runner, reported, sampling_of, summed
 from .memory import decode_bytes
@@ -49,8 +49,8 @@ def drafters_benchmark(args):
 def load_drafts(args, target):
     """{name: draft as generate() takes it}; --draft-quantize is the draft models', not refused for a
     model-free name listed beside them."""
-    return {name: load_draft(name, target, args.compile, None if name in MODEL_FREE_NAMES + SELF_DRAFT_MODES
-                             else args.draft_quantize, args.group_size) for name in args.draft}
+    return {name: load_draft(name, target, args.compile, args.draft_quantize if loads_model(name) else None,
+                             args.group_size) for name in args.draft}
 
 
 def drafter_row(name, spec, plain, cost, args, chain=None):

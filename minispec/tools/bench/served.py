@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from minispec.decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
+from minispec.loaders import loads_model
 
 from .prompts import read_prompts
 from .report import md_table, yes_no
@@ -51,8 +51,7 @@ def free_port():
 def server_flags(args, draft, *more):
     """The server's flags for the bench's model flags and `draft` (its gamma; its tree only if --tree was given;
     --draft-quantize only if `draft` loads a model)."""
-    loads_none = all(part in ("none", *MODEL_FREE_NAMES, *SELF_DRAFT_MODES) for part in draft.split(","))
-    keys = [key for key in MODEL_FLAGS if getattr(args, key) and not (key == "draft_quantize" and loads_none)]
+    keys = [key for key in MODEL_FLAGS if getattr(args, key) and (key != "draft_quantize" or loads_model(draft))]
     flags = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in keys]  # the baselines load no draft
     tree = [f"--tree={args.tree}"] if args.tree else []
     return [*flags, f"--draft={draft}", f"--gamma={args.gamma[0]}", *tree, *(["--compile"] if args.compile else []),
