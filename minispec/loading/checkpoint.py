@@ -316,7 +316,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         parallel.join(device).shard(model, stored)
     if quantizing:
         try:
-            # what each layer's quantizing read, and reading fused, it reads no more: out of memory as it goes
+            # the file pages each replaced module read are read no more: dropped as quantizing goes
             layer_done = None if mapped else partial(release_file_pages, weight_files(directory))
             for note in quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done):
                 log(f"{name_or_path}: {note}")

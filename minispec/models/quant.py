@@ -373,8 +373,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     None) quantizes the float ones: linear layers per output channel (int8) or in groups of
     `group_size` (int4); token embeddings and the output head in int8 groups of HEAD_GROUP_SIZE in both
     modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer the int4 kernel cannot
-    take is int8 instead. `layer_done()` is called after each layer (the loader drops the file pages it
-    read). Returns notes on those layers."""
+    take is int8 instead. `layer_done()` is called after each module it replaces (the loader drops the
+    file pages that module read). Returns notes on those layers."""
     stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)

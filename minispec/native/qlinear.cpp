@@ -36,8 +36,9 @@
 // inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs'
 // step times small integers): scales, offsets int8 [tiles, G, 16] multipliers of steps float16
 // [tiles, K / 256, S, 16] (the scales' step, and the offsets' where there are offsets: S = 2, else 1;
-// float16 as the file stores them), each product exactly the float32 value it replaces (minispec/native checks that when it packs), so both forms give the same numbers, the
-// two-level one reading a fifth fewer bytes for Q4_K.
+// float16 as the file stores them), each product exactly the float32 value it replaces (minispec/native
+// checks that when it packs), so both forms give the same numbers, the two-level one reading a fifth fewer
+// bytes for Q4_K.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
