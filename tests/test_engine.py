@@ -50,6 +50,35 @@ def test_rows_that_finish_early_leave_and_others_take_their_place(targets):
         assert out.stats["target_calls"] == len(out.tokens)
 
 
+def test_a_row_that_ended_never_moves_and_a_move_copies_what_the_row_holds(targets):
+    """Each move copies a cache row: over a long context's row, as dear as a wide forward. Rows past the
+    batch's new end that go on fill its gaps; rows that ended stay where they are; a move copies the
+    positions the row holds, and leaves the rest of the destination's row alone."""
+    from types import SimpleNamespace
+    from minispec.decoding.engine import leave
+
+    class Caches:
+        def __init__(self):
+            self.moves = []
+
+        def move_row(self, source, destination, length=None):
+            self.moves.append((source, destination, length))
+
+    target, draft = Caches(), Caches()
+    batch = [SimpleNamespace(slot=i, length=10 + i, drafter=SimpleNamespace(length=20 + i, model=draft, row=i))
+             for i in range(6)]
+    rows = list(batch)
+    leave(batch, [rows[1], rows[3], rows[5]], [target, draft])  # 5, the last, ended too: 4 fills a gap
+    assert target.moves == [(4, 1, 14)] and draft.moves == [(4, 1, 24)]
+    assert batch == [rows[0], rows[4], rows[2]] and rows[4].slot == rows[4].drafter.row == 1
+    model = targets["llama"]
+    model.ensure_caches(2, 16)
+    cache = model.kv_caches()[0]
+    cache.k[0], cache.k[1] = 1.0, 2.0
+    model.move_row(0, 1, 3)
+    assert (cache.k[1, :, :3] == 1).all() and (cache.k[1, :, 3:] == 2).all()
+
+
 def test_tokens_come_to_the_callback_per_request_as_they_are_made(targets):
     got = {i: [] for i in range(len(PROMPTS))}
     out = minispec.generate(targets["gpt2"], PROMPTS, max_new_tokens=10, ignore_eos=True, batch_size=4,

@@ -5,7 +5,7 @@ and greedy, stop strings and streaming all run through this one loop:
     every step:  waiting requests take the free cache rows (continuous batching)
                  speculative.step: each row guesses (its own policy and generator), one target
                  forward over all rows, each row verifies its guesses (Algorithm 1) and rolls back
-                 rows that end (EOS, stop, max tokens) leave; the last row moves into the gap
+                 rows that end (EOS, stop, max tokens) leave; the last rows move into the gaps
 
 Rows do not see each other: every forward computes a row's tokens exactly as it would alone
 (row-invariant forwards, models/kernels.py), padding never writes past a row's own tokens, and each row
@@ -257,13 +257,14 @@ def cache_models(target, batch):
 
 
 def leave(batch, ended, models):
-    """Ended rows leave the batch; the last row moves into each gap, so the rows stay 0..len-1."""
-    for row in ended:
-        hole, last = row.slot, batch[-1]
-        if last is not row:
-            for model in models:
-                model.move_row(last.slot, hole)
-            batch[hole], last.slot = last, hole
-            if last.drafter is not None and last.drafter.model is not None:
-                last.drafter.row = hole
-        batch.pop()
+    """Ended rows leave the batch; rows that go on from past its new end move into the gaps, so the rows
+    stay 0..len-1. A move copies the positions the row holds, and no row that ended moves."""
+    kept = len(batch) - len(ended)
+    holes = [row.slot for row in ended if row.slot < kept]
+    for hole, row in zip(holes, [row for row in batch[kept:] if row not in ended]):
+        for model in models:  # the target's cache row, then a draft model's
+            model.move_row(row.slot, hole, row.length if model is models[0] else row.drafter.length)
+        batch[hole], row.slot = row, hole
+        if row.drafter is not None and row.drafter.model is not None:
+            row.drafter.row = hole
+    del batch[kept:]

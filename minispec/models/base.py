@@ -461,11 +461,13 @@ class CachedLM(nn.Module):
             for module in modules:
                 module.first_row = 0
 
-    def move_row(self, source, destination):
-        """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left)."""
+    def move_row(self, source, destination, length=None):
+        """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left):
+        its first `length` positions, those the row holds (None: all; a whole row of a long context costs
+        as much as a wide forward)."""
         for module in self.kv_caches():
-            module.k[destination] = module.k[source]
-            module.v[destination] = module.v[source]
+            module.k[destination, :, :length] = module.k[source, :, :length]
+            module.v[destination, :, :length] = module.v[source, :, :length]
 
     def keep(self, row, slots, length):
         """Keys and values of cache row `row` at `slots` (increasing, each >= its destination) moved to

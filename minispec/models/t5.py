@@ -299,8 +299,8 @@ class T5(CachedLM):
     def encode_row(self, row, prompt):
         return self.encode(prompt, row)
 
-    def move_row(self, source, destination):
-        super().move_row(source, destination)
+    def move_row(self, source, destination, length=None):
+        super().move_row(source, destination, length)
         for layer in self.decoder:
             attn = layer.cross_attn
             attn.memory_k[destination], attn.memory_v[destination] = attn.memory_k[source], attn.memory_v[source]
