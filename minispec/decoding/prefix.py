@@ -166,6 +166,6 @@ def share_prompt(target, batch):
         shared = first.unseen[:-1]
         target.decode_rows(Feed(shared.view(1, -1), [first.length]), first_row=first.slot, logits_for=1, eager=True)
         first.length, first.unseen = first.length + len(shared), first.unseen[-1:]
-    target.move_row(first.slot, row.slot)
+    target.move_row(first.slot, row.slot, first.length)  # the positions it holds, not the whole row
     row.length, row.unseen = first.length, first.unseen
     row.stats["shared_tokens"] = first.length

@@ -18,7 +18,7 @@ with its own length, which the caller holds:
     logits = model.decode_rows(Feed(tokens, lengths, widths))   # each row's tokens at its own positions
     logits = model.decode_rows(Feed(tokens, lengths, widths, parents))   # ... each row's a token tree
     model.keep(row, slots, length)              # a tree's accepted path moved into place as a chain
-    model.move_row(source, destination)         # a finished request's row taken by the last one
+    model.move_row(source, destination, length) # a row moved into a finished one's place: its first positions
 
 Draft heads (minispec/heads) read the target's last hidden state: `decode_rows(..., hidden=True)`
 returns (logits, hidden), computed by the same forward; `embed_tokens(tokens)` and `logits(hidden)` are
