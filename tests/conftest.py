@@ -220,7 +220,7 @@ def known_costs(monkeypatch):
 
     monkeypatch.setattr(policy, "stored_profile", stored_profile)
     monkeypatch.setattr(costs, "TIME_SMOOTHING", 0.0)
-    monkeypatch.setattr(policy.VerifyCost, "add", lambda self, width, seconds: None)
+    monkeypatch.setattr(policy.VerifyCost, "add", lambda self, width, seconds: 1.0)  # nothing rescaled
     monkeypatch.setattr(policy, "PROFILES", policy.weakref.WeakKeyDictionary())
 
 

@@ -4,6 +4,7 @@ steps, and end to end on tiny pairs whose α is controlled."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -216,6 +217,41 @@ def test_a_one_off_stall_barely_moves_the_timings_but_a_lasting_change_does():
     for _ in range(40):  # guessing really became 5x dearer: the estimate follows
         chooser.observe(k=1, n=1, emitted=[1, 2], draft_seconds=0.5, step_seconds=1.5)
     assert chooser.t_draft == pytest.approx(0.5, rel=0.05)
+
+
+def simulated_pair(chooser, steps, slow_steps, seed=0):
+    """A small draft on a CPU: a guess costs 0.45 of a plain step, a verify 3% more a token, 3 guesses in 4
+    survive (the draft sure of each, 0.8), and the first `slow_steps` steps take 10 times as long (a
+    machine busy at the start). chooser: AdaptiveGamma or FixedGamma. (tokens, seconds) of the rest."""
+    rng, made, seconds, regular = random.Random(seed), 0, 0.0, False
+    for step in range(steps):
+        k, slow = chooser.guesses(), 10.0 if step < slow_steps else 1.0
+        if k and chooser.keep_guessing:  # a draft that reads its confidence stops where keep_guessing says
+            k = next(i for i in range(1, k + 1) if i == k or not chooser.keep_guessing(i, 0.8))
+        n = next((i for i in range(k) if rng.random() >= 0.75), k)
+        feeds = k + (0 if regular or not k else 2)  # after plain steps the draft feeds what it skipped
+        draft = 0.045 * feeds * slow
+        step_seconds = draft + 0.1 * (1 + 0.03 * k) * slow
+        chooser.observe(k=k, n=n, emitted=[1] * (n + 1), draft_seconds=draft, step_seconds=step_seconds)
+        regular = k > 0
+        if step >= slow_steps:
+            made, seconds = made + n + 1, seconds + step_seconds
+    return made, seconds
+
+
+def test_costs_timed_while_the_machine_was_busy_do_not_lock_guessing_out():
+    """A pair's first steps timed on a busy machine priced its draft and its wider verifies 10 times
+    too dear; plain steps then showed the machine quick again, but told nothing of the draft or the
+    wider widths, which no guess measured any more. A plain step far faster than the line rescales
+    every cost, and a short run of rejections does not keep guessing out: gamma="auto" guesses on
+    most steps and is as fast as a fixed γ of 2."""
+    chooser = AdaptiveGamma(8)
+    shape = [0.0] + [1 + costs.PRIOR_SLOPE["cpu"] * (w - 1) for w in range(1, 10)]
+    chooser.start_from(profiles.PairProfile(), Drafting(early_stop=True), pair=costs.NewPair(shape, 0.35))
+    tokens, seconds = simulated_pair(chooser, 300, slow_steps=6)
+    fixed_tokens, fixed_seconds = simulated_pair(FixedGamma(2), 300, slow_steps=6)
+    assert sum(chooser.histogram[1:]) > 0.8 * 300
+    assert tokens / seconds >= 0.97 * fixed_tokens / fixed_seconds  # this draw's luck aside
 
 
 def batch_of(choosers, max_new_tokens=64):

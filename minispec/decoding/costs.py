@@ -211,9 +211,15 @@ class VerifyCost:
 
     def add(self, width, seconds):
         """A step verified `width` tokens in `seconds` (see OUTLIER); a step timed at 0 s or less (its
-        draft timed longer than the whole step, on a busy machine) measures nothing."""
+        draft timed longer than the whole step, on a busy machine) measures nothing. Returns the factor
+        by which every cost was rescaled (1.0: none): a plain step far faster than the line says shows
+        the line was timed in a slower moment (other work only ever slows a forward down), and steps
+        of one width alone would take many steps to bring down the rest of the line that they never time."""
         if seconds <= 0:
-            return
+            return 1.0
+        faster = seconds / self(width) if width == 1 else 1.0
+        faster = faster if faster < 1 / CORRECTION_MAX else 1.0
+        self.one *= faster
         y = min(seconds, OUTLIER * self(width)) / self.one
         self.sums = [s * TIME_DECAY for s in self.sums]
         self.add_point(self.extra(width), y, weight=1.0)
@@ -231,6 +237,7 @@ class VerifyCost:
             ratios[0] += ratio
             ratios[1] += 1.0
             self.every_width = corrected_mean(*(sum(column) for column in zip(*self.corrections.values())))
+        return faster
 
     def add_point(self, u, y, weight):
         for i, value in enumerate((1.0, u, u * u, y, u * y)):

@@ -27,7 +27,7 @@ from . import profiles
 from .costs import VerifyCost, agreed, calibrate, new_pair, reads_on_host, refined, time_draft, tp_of
 from .drafters import TREE_WIDTH
 from .profiles import PROBE_AFTER, PROBE_MAX, PairProfile
-from .rates import Rate, Seen, carried, count, shrunk
+from .rates import PRIOR_WEIGHT, Rate, Seen, carried, count, shrunk
 from ..models.checks import is_integer
 from ..settings import GAMMA_MAX
 from .tree import TREE_AUTO, chain_length, depths
@@ -350,6 +350,11 @@ class AdaptiveGamma:
                     self.later = Rate(self.first.value)
                 self.later.add(n - (n > 0), verified - 1)
             self.seen = Seen(*(x + y for x, y in zip(self.seen, (n > 0, 1, n - (n > 0), verified - 1))))
+        if not verified and self.drafting.preview is None:
+            # A drafter checked only when it guesses: a drifts back to the request's rate over all its
+            # guesses, or a short run of rejections would keep guessing out until a probe, many steps on.
+            seen = self.seen
+            self.first.move_towards(carried(seen.first_accepted, seen.first_verified, self.profile.first, PRIOR_WEIGHT))
         if verified <= 1 and self.later is not None:
             # Nothing checked after an accepted guess: b drifts to a (the i.i.d. model), or a low b
             # learnt on other text would keep a sure draft at one guess a step, never measuring b again.
@@ -367,11 +372,15 @@ class AdaptiveGamma:
             mode = self.profile.modes["plain" if not k else "tree" if nodes else "chain"]
             mode[:] = [x * MODE_DECAY + y for x, y in zip(mode, (tokens, step_seconds, 1))]
         measure_draft = self.drafting.measure_draft
-        if k and measure_draft and regular and not nodes:
+        # After plain steps a draft model also feeds the tokens it skipped: its time then bounds a guess's
+        # from above only, and is taken only where it brings the estimate down.
+        if k and measure_draft and not nodes and (regular or draft_seconds / k < self.t_draft):
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         if nodes and self.drafting.preview_tree is None:
             return  # a draft model's or head's tree: chosen by measured speed, and its k guesses took fewer drafts
-        self.verify.add((nodes or k) + 1, step_seconds - (draft_seconds if measure_draft else k * self.t_draft))
+        # the draft's cost measured in the same slower moment as the line: rescaled with it
+        self.t_draft *= self.verify.add((nodes or k) + 1, step_seconds - (draft_seconds if measure_draft
+                                                                          else k * self.t_draft))
 
     def finish(self):
         """Keep what this request learnt for the pair's next one; the statistics to report."""

@@ -41,9 +41,10 @@ class Seen(NamedTuple):
     later_verified: int = 0
 
 
-def carried(accepted, verified, prior):
-    """A pair's rate after a request that saw `accepted` of `verified`, from `prior`."""
-    return (accepted + prior * HISTORY_WEIGHT) / (verified + HISTORY_WEIGHT)
+def carried(accepted, verified, prior, weight=HISTORY_WEIGHT):
+    """A pair's rate after a request that saw `accepted` of `verified`, from `prior` (as if from `weight`
+    positions)."""
+    return (accepted + prior * weight) / (verified + weight)
 
 
 def bin_of(confidence):
