@@ -188,9 +188,10 @@ class Checkpoint(NamedTuple):
     tokenizer: object  # loading.tokenizer's, or None without tokenizer files
 
 
-def read_checkpoint(directory, world=None):
+def read_checkpoint(directory, world=None, dtype=None):
     """A checkpoint folder read and checked against the model its config describes (built on the meta
-    device): everything but placing the weights. `world`: the ranks of a tensor-parallel load."""
+    device): everything but placing the weights. `world`: the ranks of a tensor-parallel load; `dtype`: the
+    float weights cast to it as they are read, unless the checkpoint holds quantized weights."""
     hf_config = read_config(directory)
     model_type = hf_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
@@ -221,9 +222,9 @@ def read_checkpoint(directory, world=None):
                               f"({str(error).splitlines()[0]})") from error
     attach_special_tokens(model, hf_config, directory)  # before the weights are read: a bad id fails fast
     weights = read_weights(files)
-    check_finite(weights, directory)
+    check_finite(weights, directory, None if ours else dtype, files)
     try:
-        weights = convert(weights, config)
+        weights = convert_by_layer(weights, convert, config, config_class.LAYER_STACKS, files)
     except ValueError as error:  # the family's key mapping found tensors it cannot place
         raise CheckpointError(f"{directory}: {error}") from error
     stored = {}
@@ -260,13 +261,41 @@ def cut_padding(model, weights, stored, rows):
             stored[name] = {key: part[:kept] if part.shape[0] == rows else part for key, part in parts.items()}
 
 
-def check_finite(weights, source):
+# Bytes of the weight files a pass over them reads before it drops their pages (release_file_pages): a
+# pass that kept them would hold the whole file resident beside the copies it makes.
+RELEASE_BYTES = 64 << 20
+
+
+def check_finite(weights, source, dtype=None, files=()):
     """Every float tensor free of NaN and infinities, which would make every output NaN or garbage without
-    an error. A tensor's minimum and maximum are NaN or infinite if any value is; finding both reads it
-    once, about 0.2 s a GB on one core."""
+    an error, and cast to `dtype` if given (in place in `weights`). A tensor's minimum and maximum are NaN
+    or infinite if any value is; finding both reads it once, about 0.2 s a GB on one core."""
+    read = 0
     for name, tensor in weights.items():
         if tensor.is_floating_point() and tensor.numel() and not all(end.isfinite() for end in torch.aminmax(tensor)):
             raise CheckpointError(f"{source}: tensor {name} holds NaN or infinite values")
+        if dtype is not None and tensor.is_floating_point():
+            weights[name] = tensor.to(dtype)
+        read += tensor.nbytes
+        if read >= RELEASE_BYTES:
+            release_file_pages(files)
+            read = 0
+
+
+def convert_by_layer(weights, convert, config, stacks, files):
+    """The family's conversion (renames, fusions, transposes: each within a layer, which is why a cast
+    before it is exact) a layer at a time (a stack of LAYER_STACKS, a number), each layer's file pages
+    dropped once its copies are made; `weights` is emptied as it goes."""
+    layer = re.compile(rf"(?:^|\.)({'|'.join(map(re.escape, stacks.values()))})\.(\d+)\.")
+    layers = {}
+    for name in list(weights):
+        match = layer.search(name)
+        layers.setdefault(match and match.groups(), {})[name] = weights.pop(name)
+    converted = {}
+    for key in list(layers):
+        converted.update(convert(layers.pop(key), config))
+        release_file_pages(files)
+    return converted
 
 
 def check_checkpoint(directory):
@@ -300,16 +329,15 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         world, device = parallel.launch(tp, device)
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
-    _, _, model, weights, stored, tokenizer = read_checkpoint(directory, world)
+    dtype = dtype or default_dtype(device)
+    # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
+    # a float32 copy of a bfloat16 1.5B model's every weight first was 6 GB and half its load time.
+    _, _, model, weights, stored, tokenizer = read_checkpoint(directory, world, None if quantize else dtype)
     if stored:
         from .packed import unpacked_unless_taken  # quantized checkpoints only
         stored = unpacked_unless_taken(model, stored, device, tp)
-    dtype = dtype or default_dtype(device)
     quantizing = bool(quantize or stored)
-    # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
-    # a float32 copy of a bfloat16 1.5B model's every weight first was 6 GB and half its load time.
-    model.load_state_dict({k: v if quantizing else v.to(dtype) for k, v in weights.items()}, assign=True,
-                          strict=not stored)
+    model.load_state_dict(weights, assign=True, strict=not stored)
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
     mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
@@ -317,7 +345,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if quantizing:
         try:
             # the file pages each replaced module read are read no more: dropped as quantizing goes
-            layer_done = None if mapped else partial(release_file_pages, weight_files(directory))
+            layer_done = None if mapped else partial(release_load_memory, weight_files(directory))
             for note in quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done):
                 log(f"{name_or_path}: {note}")
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
@@ -332,6 +360,13 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     model.fingerprint = fingerprint(directory, quantize, group_size, tp)
     model.tokenizer = tokenizer
     return model.compile() if compile else model
+
+
+def release_load_memory(files):
+    """The weight files' pages and the heap memory freed, handed back to the system as a load goes: each
+    float weight quantized is freed, but glibc keeps what is freed between the small tensors made since."""
+    release_file_pages(files)
+    release_freed_memory()
 
 
 def install_backend(compile):

@@ -373,15 +373,19 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     None) quantizes the float ones: linear layers per output channel (int8) or in groups of
     `group_size` (int4); token embeddings and the output head in int8 groups of HEAD_GROUP_SIZE in both
     modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer the int4 kernel cannot
-    take is int8 instead. `layer_done()` is called after each module it replaces (the loader drops the
-    file pages that module read). Returns notes on those layers."""
+    take is int8 instead. `layer_done()` is called after each module it replaces and each chunk of rows it
+    quantizes (the loader drops the file pages read and hands back the memory freed). Returns notes on
+    those layers."""
     stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)
     mapped = False  # layers taken in the kernels' layout: views of the checkpoint file, left where they are
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, Embedding)):
-            continue
+    # By name: a list of the modules would keep every replaced float weight alive to the end. The token
+    # embedding and the head last: the temporaries of quantizing their many rows then meet fewest float weights.
+    last = {name for name, module in model.named_modules() if module is head or isinstance(module, Embedding)}
+    names = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, Embedding))]
+    for name in sorted(names, key=lambda name: name in last):
+        module = model.get_submodule(name)
         parts = stored.pop(name, None)
         if parts is None and mode is None:
             continue
@@ -393,7 +397,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
         target = torch.device(device) if device is not None else module.weight.device
         if isinstance(module, Embedding):
             if parts is None:
-                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim), dtype)
+                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim), dtype,
+                                      layer_done)
             elif is_int4(parts) and backend.current().takes_quantized(module.embedding_dim, group_size_of(parts), target):
                 parts = {**parts, "qweight": unpack_int4(parts["qweight"])}  # the kernels' layout keeps int4 as it is
             elif is_int4(parts):
@@ -411,8 +416,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                 int4 = False
         if parts is None:
             int8_group = head_group(module.in_features) if module is head else None
-            parts = (in_row_chunks(quantize_int4, module.weight, group_size, dtype) if int4 else
-                     in_row_chunks(quantize_int8, module.weight, int8_group, dtype))
+            parts = (in_row_chunks(quantize_int4, module.weight, group_size, dtype, layer_done) if int4 else
+                     in_row_chunks(quantize_int8, module.weight, int8_group, dtype, layer_done))
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
@@ -431,12 +436,17 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
 CHUNK_ELEMENTS = 1 << 22
 
 
-def in_row_chunks(quantize, weight, group_size, dtype):
+def in_row_chunks(quantize, weight, group_size, dtype, chunk_done=None):
     """quantize(weight, group_size), a few rows at a time: its float temporaries are then a few 16 MiB
     chunks, not a few copies of the largest weight (a 49152 x 576 head makes 113 MB ones). Each chunk
-    is rounded to `dtype` first: the weights the model's float form would hold, whatever the file's."""
+    is rounded to `dtype` first: the weights the model's float form would hold, whatever the file's.
+    `chunk_done()` after each (the loader drops the file pages it read: a head's are 113 MB)."""
     rows = max(1, CHUNK_ELEMENTS // weight.shape[1])
-    chunks = [quantize(weight[i:i + rows].to(dtype), group_size) for i in range(0, weight.shape[0], rows)]
+    chunks = []
+    for i in range(0, weight.shape[0], rows):
+        chunks.append(quantize(weight[i:i + rows].to(dtype), group_size))
+        if chunk_done:
+            chunk_done()
     return {key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]}
 
 

@@ -1,0 +1,102 @@
+"""A load's memory: the checkpoint file is not held resident beside the copies a load makes of it, a cast
+comes before the fusions that copy, and quantizing frees each float weight as it goes."""
+
+import json
+import re
+import sys
+import weakref
+
+import pytest
+import torch
+
+from minispec.loading import checkpoint
+from minispec.loading.checkpoint import load_model
+from minispec.loading.weights import save_safetensors
+from minispec.models import quant
+
+LAYERS, DIM, HIDDEN, VOCAB = 4, 256, 512, 1024
+LAYER_BYTES = (4 * DIM * DIM + 3 * DIM * HIDDEN) * 4  # a float32 layer's projections: 2.5 MiB
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """A float32 Llama checkpoint of a few MiB a layer (Hugging Face names: q/k/v and gate/up apart, which a
+    load fuses), no tokenizer."""
+    config = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": HIDDEN,
+              "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "max_position_embeddings": 64, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = {"model.embed_tokens.weight": (VOCAB, DIM), "model.norm.weight": (DIM,), "lm_head.weight": (VOCAB, DIM)}
+    for i in range(LAYERS):
+        layer = f"model.layers.{i}"
+        shapes.update({f"{layer}.self_attn.{p}_proj.weight": (DIM, DIM) for p in "qkvo"})
+        shapes.update({f"{layer}.mlp.{p}_proj.weight": (HIDDEN, DIM) for p in ("gate", "up")})
+        shapes.update({f"{layer}.mlp.down_proj.weight": (DIM, HIDDEN), f"{layer}.input_layernorm.weight": (DIM,),
+                       f"{layer}.post_attention_layernorm.weight": (DIM,)})
+    generator = torch.Generator().manual_seed(0)
+    save_safetensors({name: torch.randn(shape, generator=generator) * 0.05 for name, shape in shapes.items()},
+                     tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def resident_bytes(file):
+    """This process's resident bytes of the mappings of `file` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = line.split()[-1] == str(file.resolve())
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def watch_conversion(monkeypatch, file):
+    """[(resident bytes of `file`, {dtypes handed}) at each call of the Llama family's conversion]."""
+    family, seen = checkpoint.family("llama"), []
+
+    def convert(weights, config):
+        seen.append((resident_bytes(file), {tensor.dtype for tensor in weights.values()}))
+        return family.convert(weights, config)
+
+    monkeypatch.setattr(checkpoint, "family", lambda model_type: family._replace(convert=convert))
+    return seen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
+def test_a_load_holds_at_most_a_layer_of_the_file_resident(llama_dir, monkeypatch):
+    """Checking every tensor, then fusing every layer, with all of the file's pages kept resident, held the
+    whole file beside the fused copies: the pages go every RELEASE_BYTES of the check and after each layer."""
+    file = llama_dir / "model.safetensors"
+    seen = watch_conversion(monkeypatch, file)
+    monkeypatch.setattr(checkpoint, "RELEASE_BYTES", LAYER_BYTES)
+    assert file.stat().st_size > 4 * LAYER_BYTES
+    checkpoint.read_checkpoint(llama_dir)
+    assert len(seen) > LAYERS  # a conversion a layer
+    assert max(resident for resident, _ in seen) <= LAYER_BYTES
+    assert resident_bytes(file) <= LAYER_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_are_cast_before_the_fusions_copy_them_and_exactly(llama_dir, monkeypatch, dtype):
+    """A float32 copy of every fused weight, then its cast, held both at once; casting first gives the same
+    numbers."""
+    full = {name: tensor.to(dtype) for name, tensor in load_model(llama_dir).state_dict().items()}
+    seen = watch_conversion(monkeypatch, llama_dir / "model.safetensors")
+    cast = load_model(llama_dir, dtype=dtype).state_dict()
+    assert seen and all(dtypes == {dtype} for _, dtypes in seen)
+    assert cast.keys() == full.keys() and all(torch.equal(cast[name], full[name]) for name in full)
+
+
+def test_quantizing_frees_each_float_weight_as_it_goes(llama_dir):
+    """Each replaced float weight is freed once its module is done, and the token embedding and the head
+    come last, after every layer's weights have gone."""
+    model = load_model(llama_dir)
+    weights = {name: weakref.ref(module.weight) for name, module in model.named_modules()
+               if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+    alive = []  # the names of the float weights alive at each call of layer_done
+    quant.quantize_model(model, "int8",
+                         layer_done=lambda: alive.append({name for name, ref in weights.items() if ref() is not None}))
+    assert alive[-1] <= {"output"}  # the module at hand, the last
+    embedding_gone = next(names for names in alive if "tok_embeddings" not in names)
+    assert embedding_gone <= {"output"}
