@@ -342,6 +342,20 @@ def test_a_batch_whose_guesses_never_pay_stops_looking_at_them_and_comes_back_wh
     assert back <= 200 + 2 * (profiles.PROBE_MAX + 2) and all(ks[back:])  # its rates take a look or two
 
 
+def test_a_width_prices_guesses_it_has_not_timed_as_the_nearest_width_timed_them():
+    """The lone rows' line calls 48 positions nearly the price of 16 (FLAT); 16 rows measured k = 2 at
+    1.8 plain steps. When a row ends, 15 rows price k = 2 from that ratio, not from the line."""
+    chooser = adaptive(0.8, FLAT, 0.01)
+    load = batched.Load()
+    for _ in range(20):
+        load.timed(batched.Plan(load, 16, 0, 1.0), 1.0)
+        load.timed(batched.Plan(load, 16, 2, 1.8), 1.8)
+    assert load.seconds(chooser, 16, 2) / load.seconds(chooser, 16, 0) == pytest.approx(1.8, rel=0.05)
+    assert load.seconds(chooser, 15, 2) / load.seconds(chooser, 15, 0) == pytest.approx(1.8, rel=0.05)
+    assert chooser.seconds(2, 15) / chooser.seconds(0, 15) < 1.2  # what the line alone would say
+    assert load.seconds(chooser, 15, 3) == pytest.approx(chooser.seconds(3, 15))  # no width timed k = 3
+
+
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []

@@ -34,11 +34,17 @@ class Load:
 
     def seconds(self, policy, rows, k):
         """T(k) for `rows` rows: the line's, scaled by this width's measured plain steps, then shrunk
-        towards what (rows, k)'s own steps measured."""
+        towards what (rows, k)'s own steps measured. A k this width has not timed costs its plain step
+        times the ratio k measured at the nearest width that timed it: the lone rows' line bends nothing
+        like a wide forward, and a batch's width changes by a row at a time as its requests end."""
         line = policy.seconds(k, rows)
         plain = self.cells.get((rows, 0))
         if plain is not None:
             line *= plain[0] / plain[1] / policy.seconds(0, rows)
+        near = min((r for r, j in self.cells if j == k and (r, 0) in self.cells), key=lambda r: abs(r - rows),
+                   default=None)
+        if k and (rows, k) not in self.cells and near is not None:
+            line = self.seconds(policy, rows, 0) * self.seconds(policy, near, k) / self.seconds(policy, near, 0)
         seconds, steps = self.cells.get((rows, k), (0.0, 0.0))
         return (seconds + CELL_PRIOR * line) / (steps + CELL_PRIOR)
 
