@@ -498,7 +498,9 @@ void amx_rows(const Weight& w, int64_t tile, const int8_t* weights, const Rows& 
       acc[r] = accumulate<SIXTEEN>(acc[r], V::load(block + TILE * r), hi, s_lo, s_hi, d[r]);
     }
   }
-  finish<TABLE, TILE>(w, x, tile, 0, r0, M, acc, y, N);
+  V::F out[TILE];  // a copy: acc, whose address is never taken, stays in registers
+  for (int r = 0; r < TILE; ++r) out[r] = acc[r];
+  finish<TABLE, TILE>(w, x, tile, 0, r0, M, out, y, N);
 }
 
 // Tiles t0 .. t1 - 1 for all rows: a few tiles' weights unpacked at once, then read by every row tile.
