@@ -4,9 +4,9 @@
 // Why: PyTorch's int4 kernel converts every weight to float and is compute-bound on AVX2, so a 9-row
 // verify costs 5 single steps; its int8 kernel takes one call per group. Here, as llama.cpp does, each
 // row of x is quantized to int8 in blocks of 32 inputs (one float scale per block), and the weight's
-// 4- or 8-bit integers meet it in integer dot products (AVX-512 VNNI's dpbusd, or AVX2's maddubs: both
-// exact, so both give the same sums); floats come in once per block: acc += sum * (weight scale x the
-// row's block scale). A weight is read from memory once for all rows.
+// 4- or 8-bit integers meet it in integer dot products (AVX-512 VNNI's dpbusd, or AVX2's maddubs, or
+// from 16 rows on AMX's tiles: all exact, so all give the same sums); floats come in once per block:
+// acc += sum * (weight scale x the row's block scale). A weight is read from memory once for all rows.
 //
 // Output columns go in tiles of 16, one per 32-bit lane: a 64-byte weight vector holds 4 consecutive
 // inputs of each of the 16 columns, so the row's side of a product is those 4 inputs broadcast to every
@@ -498,9 +498,7 @@ void amx_rows(const Weight& w, int64_t tile, const int8_t* weights, const Rows& 
       acc[r] = accumulate<SIXTEEN>(acc[r], V::load(block + TILE * r), hi, s_lo, s_hi, d[r]);
     }
   }
-  V::F out[TILE];  // a copy: acc, whose address is never taken, stays in registers
-  for (int r = 0; r < TILE; ++r) out[r] = acc[r];
-  finish<TABLE, TILE>(w, x, tile, 0, r0, M, out, y, N);
+  finish<TABLE, TILE>(w, x, tile, 0, r0, M, acc, y, N);
 }
 
 // Tiles t0 .. t1 - 1 for all rows: a few tiles' weights unpacked at once, then read by every row tile.
