@@ -111,6 +111,32 @@ def test_every_row_computes_as_it_would_alone(form, threads):
         torch.set_num_threads(saved)
 
 
+AMX = {"amx_tile", "amx_int8"} <= set(native.cpu_flags().split())
+
+
+@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-INT8: every call takes the VNNI path")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_through_amx_tiles_are_bit_for_bit_those_of_one_row(form, threads):
+    """16 to 70 rows (a prefill's: AMX's tiles of 16 rows, whole and ragged) against each row alone (the
+    VNNI path): the same integer sums and float steps, so the same bits, for every weight format; 40
+    output columns (a partial tile) and 288 inputs (9 blocks) where the format's groups allow."""
+    generator = torch.Generator().manual_seed(11)
+    k = 512 if "_k" in form else 320 if form == "int4 g64" else 288
+    q, scales, offsets, group = stored(form, 40, k, generator)
+    packed = native.pack(q, scales, offsets)
+    x = torch.randn(70, k, generator=generator)
+    x[20, :32] = 0  # an all-zero block
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([native.qlinear(x[i:i + 1], *packed, group) for i in range(len(x))])
+        for rows in range(16, len(x) + 1):
+            assert torch.equal(native.qlinear(x[:rows], *packed, group), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("shape", [(70, 512), (49, 64), (64, 576), (3, 1536)])  # whole tiles of 32 and partial ones
 def test_the_float_kernel_computes_a_linear_layer(shape):
     """flinear.cpp: x @ w.T + b within float32 summation error of float64, for 0 to 30 rows (its blocks

@@ -4,9 +4,9 @@
 // Why: PyTorch's int4 kernel converts every weight to float and is compute-bound on AVX2, so a 9-row
 // verify costs 5 single steps; its int8 kernel takes one call per group. Here, as llama.cpp does, each
 // row of x is quantized to int8 in blocks of 32 inputs (one float scale per block), and the weight's
-// 4- or 8-bit integers meet it in integer dot products (AVX-512 VNNI's dpbusd, or AVX2's maddubs: both
-// exact, so both give the same sums); floats come in once per block: acc += sum * (weight scale x the
-// row's block scale). A weight is read from memory once for all rows.
+// 4- or 8-bit integers meet it in integer dot products (AVX-512 VNNI's dpbusd, or AVX2's maddubs, or
+// from 16 rows on AMX's tiles: all exact, so all give the same sums); floats come in once per block:
+// acc += sum * (weight scale x the row's block scale). A weight is read from memory once for all rows.
 //
 // Output columns go in tiles of 16, one per 32-bit lane: a 64-byte weight vector holds 4 consecutive
 // inputs of each of the 16 columns, so the row's side of a product is those 4 inputs broadcast to every
@@ -59,6 +59,11 @@
 #if defined(MINISPEC_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define MINISPEC_AVX512 1
 #endif
+#if defined(MINISPEC_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define MINISPEC_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -87,44 +92,55 @@ constexpr int32_t weight_bias(int bits, bool offsets) {
 #endif
 }
 
-// The rows of x, quantized.
+// The rows of x, quantized. Row m's block b is entry at(m, b): rows after rows, or for AMX the blocks of
+// 16 rows side by side, one tile to load (zero rows filling the last).
 struct Rows {
-  std::vector<int8_t> q;      // [M, K]: x ~ q * d, block by block
+  std::vector<int8_t> q;      // [M, blocks, 32]: x ~ q * d, block by block
   std::vector<float> d;       // [M, blocks]
   std::vector<int32_t> minus; // [M, blocks, 3]: -bias x the sum of q over the block, its first 16, its last 16,
                               // bias the weights' added one (weight_bias)
   std::vector<float> sums;    // [M, G]: x's float sums per weight group, left to right (the offsets' share)
+  int64_t blocks;
+  bool amx;                   // the products go through AMX's tiles
+  int64_t at(int64_t m, int64_t b) const { return amx ? ((m / TILE) * blocks + b) * TILE + m % TILE : m * blocks + b; }
 };
 
-Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias, bool with_sums) {
-  const int64_t blocks = K / BLOCK, groups = K / group;
-  Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
-            std::vector<int32_t>(bias ? M * blocks * 3 : 0), std::vector<float>(with_sums ? M * groups : 0)};
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* v = row + b * BLOCK;
-      float amax = 0.f;
-      for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-      rows.d[m * blocks + b] = d;
-      int8_t* q = rows.q.data() + m * K + b * BLOCK;
-      for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
-      if (bias) {
-        int32_t half[2] = {0, 0};
-        for (int i = 0; i < BLOCK; ++i) half[i / 16] += q[i];
-        int32_t* minus = rows.minus.data() + (m * blocks + b) * 3;
-        minus[0] = -bias * (half[0] + half[1]);
-        minus[1] = -bias * half[0];
-        minus[2] = -bias * half[1];
-      }
-    }
-    for (int64_t g = 0; with_sums && g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < group; ++i) s += row[g * group + i];
-      rows.sums[m * groups + g] = s;
+// Row m of x: its blocks' int8 values and scales, their sums times -bias, its float sums per group.
+void quantize_row(const float* row, int64_t m, int64_t K, int64_t group, int32_t bias, Rows& rows) {
+  const int64_t blocks = K / BLOCK;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = row + b * BLOCK;
+    float amax = 0.f;
+    for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    rows.d[rows.at(m, b)] = d;
+    int8_t* q = rows.q.data() + rows.at(m, b) * BLOCK;
+    for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+    if (bias) {
+      int32_t half[2] = {0, 0};
+      for (int i = 0; i < BLOCK; ++i) half[i / 16] += q[i];
+      int32_t* minus = rows.minus.data() + rows.at(m, b) * 3;
+      minus[0] = -bias * (half[0] + half[1]);
+      minus[1] = -bias * half[0];
+      minus[2] = -bias * half[1];
     }
   }
+  const int64_t groups = K / group;
+  for (int64_t g = 0; !rows.sums.empty() && g < groups; ++g) {
+    float s = 0.f;
+    for (int64_t i = 0; i < group; ++i) s += row[g * group + i];
+    rows.sums[m * groups + g] = s;
+  }
+}
+
+Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int32_t bias, bool with_sums, bool amx) {
+  const int64_t blocks = K / BLOCK, padded = amx ? (M + TILE - 1) / TILE * TILE : M;
+  Rows rows{std::vector<int8_t>(padded * K), std::vector<float>(padded * blocks),
+            std::vector<int32_t>(bias ? M * blocks * 3 : 0), std::vector<float>(with_sums ? padded * K / group : 0), blocks, amx};
+  // rows split between threads: a prefill's are many
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m) quantize_row(x + m * K, m, K, group, bias, rows);
+  });
   return rows;
 }
 
@@ -291,6 +307,33 @@ inline V::F group_values(const Weight& w, int which, int64_t tile, int64_t g, in
   return V::mul(V::bytes_as_floats(static_cast<const int8_t*>(table) + at), V::halves_as_floats(w.step(which, tile, g) + part * V::COLUMNS));
 }
 
+// The float step of a block, the same instructions for every row in every path (row invariance): acc +=
+// the integer sum times (scale x the row's block scale), two such with 16-input groups.
+template <bool SIXTEEN>
+inline V::F accumulate(V::F acc, V::I lo, V::I hi, V::F s_lo, V::F s_hi, float d) {
+  const V::F row_scale = V::broadcast(d);
+  acc = V::fma(V::floats(lo), V::mul(s_lo, row_scale), acc);
+  return SIXTEEN ? V::fma(V::floats(hi), V::mul(s_hi, row_scale), acc) : acc;
+}
+
+// Rows r0 .. r0 + R - 1 of a tile part's outputs, those below M stored: acc + the sum over groups of
+// offset x (the row's sum over the group).
+template <int TABLE, int R>
+inline void finish(const Weight& w, const Rows& x, int64_t tile, int part, int64_t r0, int64_t M, V::F* acc, float* y,
+                   int64_t N) {
+  if (w.offsets != nullptr) {
+    V::F share[R];
+    for (V::F& s : share) s = V::fzero();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const V::F offset = group_values<TABLE>(w, 1, tile, g, part);
+      for (int r = 0; r < R; ++r) share[r] = V::fma(offset, V::broadcast(x.sums[(r0 + r) * w.groups + g]), share[r]);
+    }
+    for (int r = 0; r < R; ++r) acc[r] = V::fadd(acc[r], share[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    if (r0 + r < M) V::store(y + (r0 + r) * N + tile * TILE + part * V::COLUMNS, acc[r]);
+}
+
 // One tile's columns for rows r0 .. r0 + R - 1.
 template <int BITS, bool SIXTEEN, int TABLE, int R>
 void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N) {
@@ -307,8 +350,8 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
       const V::F s_lo = group_values<TABLE>(w, 0, tile, w.lo[b], part);
       const V::F s_hi = SIXTEEN ? group_values<TABLE>(w, 0, tile, w.hi[b], part) : s_lo;
       for (int r = 0; r < R; ++r) {
-        const int64_t row_block = (r0 + r) * blocks + b;
-        const int8_t* xv = x.q.data() + (r0 + r) * K + b * BLOCK;
+        const int64_t row_block = x.at(r0 + r, b);
+        const int8_t* xv = x.q.data() + row_block * BLOCK;
         // four short chains, then summed: one long one would wait on each product
         V::I p[4];
         for (int c = 0; c < 4; ++c) {
@@ -322,22 +365,10 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
           lo = V::add(lo, V::broadcast(minus[SIXTEEN ? 1 : 0]));
           if (SIXTEEN) hi = V::add(hi, V::broadcast(minus[2]));
         }
-        const V::F d = V::broadcast(x.d[row_block]);
-        acc[r] = V::fma(V::floats(lo), V::mul(s_lo, d), acc[r]);
-        if (SIXTEEN) acc[r] = V::fma(V::floats(hi), V::mul(s_hi, d), acc[r]);
+        acc[r] = accumulate<SIXTEEN>(acc[r], lo, hi, s_lo, s_hi, x.d[row_block]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      V::F out = acc[r];
-      if (w.offsets != nullptr) {  // + sum over groups of offset x (the row's sum over the group)
-        const float* sums = x.sums.data() + (r0 + r) * w.groups;
-        V::F share = V::fzero();
-        for (int64_t g = 0; g < w.groups; ++g)
-          share = V::fma(group_values<TABLE>(w, 1, tile, g, part), V::broadcast(sums[g]), share);
-        out = V::fadd(out, share);
-      }
-      V::store(y + (r0 + r) * N + tile * TILE + part * V::COLUMNS, out);
-    }
+    finish<TABLE, R>(w, x, tile, part, r0, r0 + R, acc, y, N);
   }
 }
 #else
@@ -382,8 +413,119 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 }
 #endif
 
+#ifdef MINISPEC_AMX
+// Many rows (a prefill) through AMX: one TDPBSSD gives the integer sums of 16 rows x 16 columns over a
+// block of 32 inputs (or each 16-input half, SIXTEEN), exact as VNNI's, and the float steps follow row by
+// row through the same accumulate and finish, so a row's outputs never depend on the path that took it.
+// A block's packed vectors already are AMX's B layout for int8; narrower weights are unpacked to int8.
+constexpr int64_t AMX_ROWS = 16;              // fewer rows take VNNI
+constexpr int64_t UNPACKED_BYTES = 1 << 20;   // weights unpacked at once (half an L2), shared by all row tiles
+
+// Linux lends AMX's tile registers to a process that asks (once); where it refuses, VNNI serves.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// Tiles 0, 1: sums (16 rows x 16 int32); 2, 3: 16 rows of x, `inputs` each; 4, 5: the weights' vectors for them.
+void configure_tiles(int inputs) {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes[16];  // a row's
+    uint8_t rows[16];
+  } config{};
+  config.palette = 1;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = t < 4 ? 16 : inputs / 4;
+    config.bytes[t] = t == 2 || t == 3 ? inputs : 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A tile's weights as their int8 values, in the packed vectors' order.
+template <int BITS>
+void unpack_tile(const uint8_t* q, int64_t blocks, int32_t bias, int8_t* out) {
+  const V::I stored = _mm512_set1_epi8(static_cast<char>(bias));
+  for (int64_t b = 0; b < blocks; ++b) {
+    V::I u[8];
+    load_block<BITS>(q + b * BITS * TILE * 4, u, nullptr);
+    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(out + (b * 8 + k) * TILE * 4, _mm512_sub_epi8(u[k], stored));
+  }
+}
+
+// A block's integer sums of 16 rows of x (a tile of Rows) into sums [16, 16] (SIXTEEN: its first 16
+// inputs', and its last 16's into sums + 256).
+template <bool SIXTEEN>
+inline void block_sums(const int8_t* rows, const int8_t* weights, int32_t* sums) {
+  _tile_zero(0);
+  _tile_loadd(2, rows, BLOCK);
+  _tile_loadd(4, weights, TILE * 4);
+  _tile_dpbssd(0, 2, 4);
+  _tile_stored(0, sums, TILE * 4);
+  if (SIXTEEN) {
+    _tile_zero(1);
+    _tile_loadd(3, rows + 16, BLOCK);
+    _tile_loadd(5, weights + 4 * TILE * 4, TILE * 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(1, sums + TILE * TILE, TILE * 4);
+  }
+}
+
+// A tile's columns for rows r0 .. r0 + 15 (those below M stored), from its weights' int8 values. The sums
+// of the next few blocks are under way while a block's go into the floats: a tile's store takes a while
+// to be readable.
+template <bool SIXTEEN, int TABLE>
+void amx_rows(const Weight& w, int64_t tile, const int8_t* weights, const Rows& x, int64_t r0, int64_t M, int64_t K,
+              float* y, int64_t N) {
+  constexpr int AHEAD = 3;
+  const int64_t blocks = K / BLOCK;
+  alignas(64) int32_t sums[AHEAD + 1][2 * TILE * TILE];
+  const auto start = [&](int64_t b) {
+    if (b < blocks) block_sums<SIXTEEN>(x.q.data() + x.at(r0, b) * BLOCK, weights + b * BLOCK * TILE, sums[b % (AHEAD + 1)]);
+  };
+  V::F acc[TILE];
+  for (V::F& a : acc) a = V::fzero();
+  for (int64_t b = 0; b < AHEAD; ++b) start(b);
+  for (int64_t b = 0; b < blocks; ++b) {
+    start(b + AHEAD);
+    const int32_t* block = sums[b % (AHEAD + 1)];
+    const float* d = x.d.data() + x.at(r0, b);
+    const V::F s_lo = group_values<TABLE>(w, 0, tile, w.lo[b], 0);
+    const V::F s_hi = SIXTEEN ? group_values<TABLE>(w, 0, tile, w.hi[b], 0) : s_lo;
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; ++r) {
+      const V::I hi = SIXTEEN ? V::load(block + TILE * TILE + TILE * r) : V::zero();
+      acc[r] = accumulate<SIXTEEN>(acc[r], V::load(block + TILE * r), hi, s_lo, s_hi, d[r]);
+    }
+  }
+  finish<TABLE, TILE>(w, x, tile, 0, r0, M, acc, y, N);
+}
+
+// Tiles t0 .. t1 - 1 for all rows: a few tiles' weights unpacked at once, then read by every row tile.
+template <int BITS, bool SIXTEEN, int TABLE>
+void amx_tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
+  const int64_t values = K * TILE, at_once = std::max<int64_t>(1, UNPACKED_BYTES / values);
+  std::vector<int8_t> unpacked(BITS == 8 ? 0 : std::min(at_once, t1 - t0) * values);
+  configure_tiles(SIXTEEN ? 16 : 32);
+  for (int64_t first = t0; first < t1; first += at_once) {
+    const int64_t last = std::min(t1, first + at_once);
+    const int8_t* weights = BITS == 8 ? reinterpret_cast<const int8_t*>(w.q) + first * values : unpacked.data();
+    for (int64_t t = first; BITS != 8 && t < last; ++t)
+      unpack_tile<BITS>(w.q + t * values * BITS / 8, K / BLOCK, stored_bias(BITS, w.offsets != nullptr),
+                        unpacked.data() + (t - first) * values);
+    for (int64_t r0 = 0; r0 < M; r0 += TILE)
+      for (int64_t t = first; t < last; ++t)
+        amx_rows<SIXTEEN, TABLE>(w, t, weights + (t - first) * values, x, r0, M, K, y, N);
+  }
+  _tile_release();
+}
+#endif
+
 template <int BITS, bool SIXTEEN, int TABLE>
 void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
+#ifdef MINISPEC_AMX
+  if (x.amx) return amx_tiles<BITS, SIXTEEN, TABLE>(w, x, M, K, N, t0, t1, y);
+#endif
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m = 0; m < M; m += ROWS_AT_ONCE) {
       switch (std::min<int64_t>(ROWS_AT_ONCE, M - m)) {
@@ -439,7 +581,14 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     step = steps->data_ptr<at::Half>();
   }
   const int64_t blocks = K / BLOCK;
-  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, weight_bias(bits, off != nullptr), off != nullptr);
+#ifdef MINISPEC_AMX
+  const bool amx = M >= AMX_ROWS && amx_granted();
+#else
+  const bool amx = false;
+#endif
+  // AMX's products take the weights' values as they are: no bias to take back out
+  const int32_t bias = amx ? 0 : weight_bias(bits, off != nullptr);
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, group, bias, off != nullptr, amx);
   std::vector<int32_t> lo(blocks), hi(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
     lo[b] = static_cast<int32_t>(b * BLOCK / group);
