@@ -41,10 +41,11 @@ class Load:
         plain = self.cells.get((rows, 0))
         if plain is not None:
             line *= plain[0] / plain[1] / policy.seconds(0, rows)
-        near = min((r for r, j in self.cells if j == k and (r, 0) in self.cells), key=lambda r: abs(r - rows),
-                   default=None)
-        if k and (rows, k) not in self.cells and near is not None:
-            line = self.seconds(policy, rows, 0) * self.seconds(policy, near, k) / self.seconds(policy, near, 0)
+        if k and (rows, k) not in self.cells:
+            near = min((r for r, j in self.cells if j == k and (r, 0) in self.cells), key=lambda r: abs(r - rows),
+                       default=None)
+            if near is not None:
+                line = self.seconds(policy, rows, 0) * self.seconds(policy, near, k) / self.seconds(policy, near, 0)
         seconds, steps = self.cells.get((rows, k), (0.0, 0.0))
         return (seconds + CELL_PRIOR * line) / (steps + CELL_PRIOR)
 
