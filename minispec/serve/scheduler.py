@@ -4,9 +4,8 @@ queue, takes a free cache row at the next step, and leaves its row when it ends,
 goes; the others in the batch never notice (each row computes as it would alone), so every request
 gets what minispec.generate gives it alone.
 
-Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: ("text",
-piece, logprobs) per step, then ("end", piece, Outcome, logprobs), or ("error", status, message);
-logprobs: the step's tokens' TokenLogprobs, None unless the request asks."""
+Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: a News per
+step that adds text, the last one with the job's Outcome, or a Failed."""
 
 import ctypes
 import logging
@@ -14,6 +13,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from itertools import count
+from typing import NamedTuple
 
 from .. import api
 from ..decoding import engine
@@ -42,6 +42,20 @@ class Outcome:
     logprobs: list | None = None  # every token's TokenLogprob, when the request asks
 
 
+class News(NamedTuple):
+    """A step's news of a job: the text it adds, its tokens' TokenLogprobs (None unless the request
+    asks), and at the job's last step its Outcome (None before)."""
+    piece: str
+    logprobs: list | None
+    outcome: Outcome | None = None
+
+
+class Failed(NamedTuple):
+    """A job's end without an outcome: the HTTP status and why."""
+    status: int
+    message: str
+
+
 class Job:
     """One request on its way through the engine. `deliver(event)` hands an event to the handler that
     waits for it; it is called on the scheduler's thread, so it must be thread-safe."""
@@ -56,16 +70,16 @@ class Job:
         piece = self.text.push(tokens)
         if generation is None:
             if piece or logprobs:
-                self.deliver(("text", piece, logprobs))
+                self.deliver(News(piece, logprobs))
             return
         tokens, text, stop = generation.tokens, generation.text, self.request.stop
         stopped = stop.text_end is not None or tokens[-1] in stop.token_ids
         outcome = Outcome(text, len(tokens), "stop" if stopped else "length", generation.stats, generation.logprobs)
-        self.deliver(("end", piece + self.text.rest(text), outcome, logprobs))
+        self.deliver(News(piece + self.text.rest(text), logprobs, outcome))
 
     def fail(self, status, message):
         self.cancelled = True
-        self.deliver(("error", status, message))
+        self.deliver(Failed(status, message))
 
 
 class Scheduler:
