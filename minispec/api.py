@@ -10,11 +10,12 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .decoding import engine
+from .decoding.engine import Generation, Segment, Update, final_text
 from .decoding.drafters import make_drafter
 from .decoding.policy import BEAM_GAMMA_MAX, make_policy
 from .decoding.sampling import Sampling
@@ -36,24 +37,6 @@ def load(name_or_path, device="cpu", dtype=None, **options):
         dtype = DTYPES[Check(lambda name: name in DTYPES, f"must be a torch.dtype or one of {', '.join(DTYPES)}")(
             "dtype", dtype)]
     return load_model(name_or_path, device=device, dtype=dtype, **options)
-
-
-@dataclass
-class Generation:
-    tokens: list  # generated token ids, prompt excluded
-    text: str | None  # decoded tokens (None when the model has no tokenizer)
-    stats: dict
-    # (token ids, kind) in generation order, kind one of "target" (sampled by the target),
-    # "accepted" / "rejected" (draft tokens) or "corrected" (the target's replacement of a rejection).
-    # A "rejected" entry holds alternatives, not a sequence: a chain's rejected guess, or a token tree's
-    # every candidate rejected where its walk stopped (the children of its accepted path's last node).
-    trace: list = field(default_factory=list)
-    # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
-    sequences: list = field(default_factory=list)
-    scores: list = field(default_factory=list)
-    # With logprobs=k: a TokenLogprob for each token (its log-probability under the distribution it was
-    # drawn from, sampling.log_probs, and the k most likely tokens there), bit for bit plain decoding's.
-    logprobs: list | None = None
 
 
 def prompt_tensor(model, prompt):
@@ -286,24 +269,15 @@ def size_caches(requests, rows):
 @torch.inference_mode()
 def run(requests, rows, prefix_cache=None):
     """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
-    request as (request index, new tokens, their TokenLogprobs (None unless asked), segments of the
-    trace, generation): generation is None until the request's last step, then its Generation."""
-    target = requests[0].target
+    request, an engine.Update."""
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             for i, request in enumerate(requests):
                 generation = search(request)
-                yield i, generation.tokens, None, generation.trace, generation
+                yield Update(i, generation.tokens, None, generation.trace, generation)
             return
         size_caches(requests, rows)
-        for i, new_tokens, logprobs, segments, result in engine.decode(target, requests, rows,
-                                                                       prefixes=prefix_cache):
-            generation = None
-            if result is not None:
-                tokens, trace, stats, all_logprobs = result
-                generation = Generation(tokens, final_text(target, requests[i].stop, tokens), stats, trace,
-                                        logprobs=all_logprobs)
-            yield i, new_tokens, logprobs, segments, generation
+        yield from engine.decode(requests[0].target, requests, rows, prefixes=prefix_cache)
 
 
 def search(request):
@@ -331,14 +305,7 @@ def search(request):
                  draft_encoder_calls=(draft.encoder_calls if draft else 0) - encodes_before[1],
                  tokens_per_second=len(sequences[0]) / seconds if seconds > 0 else float("inf"))
     return Generation(sequences[0], final_text(target, request.stop, sequences[0]), stats,
-                      [(list(sequences[0]), "target")] if sequences[0] else [], sequences, scores)
-
-
-def final_text(target, stop, tokens):
-    text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
-    if text is not None and stop.text_end is not None:  # a stop string ended it: the text ends before it
-        text = stop.text.text[:stop.text_end]
-    return text
+                      [Segment(list(sequences[0]), "target")] if sequences[0] else [], sequences, scores)
 
 
 def with_settings(function):
@@ -383,10 +350,10 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     Check(lambda v: v is None or hasattr(v, "admit"), "must be a PrefixCache or None")("prefix_cache", prefix_cache)
     check_lengths(requests)
     generations = [None] * len(requests)
-    for i, tokens, _, _, generation in run(requests, min(batch_size or len(requests), len(requests)), prefix_cache):
+    for update in run(requests, min(batch_size or len(requests), len(requests)), prefix_cache):
         if on_tokens:
-            on_tokens(i, tokens)
-        generations[i] = generation or generations[i]
+            on_tokens(update.index, update.tokens)
+        generations[update.index] = update.generation or generations[update.index]
     if n > 1:
         generations = [generations[i:i + n] for i in range(0, len(generations), n)]
     return generations if batched else generations[0]
@@ -441,11 +408,12 @@ def stream(target, prompt, **settings):
 def chunks(request):
     text = TextStream(request)
     steps = run([request], 1)
-    for _, tokens, logprobs, segments, generation in steps:
-        yield Chunk(tokens, text.push(tokens), segments, logprobs=logprobs)
-        if generation is not None:
+    for update in steps:
+        yield Chunk(update.tokens, text.push(update.tokens), update.segments, logprobs=update.logprobs)
+        if update.generation is not None:
             steps.close()  # the models are free again before the last chunk is handed out
-            yield Chunk([], text.rest(generation.text), [], generation, None if logprobs is None else [])
+            yield Chunk([], text.rest(update.generation.text), [], update.generation,
+                        None if update.logprobs is None else [])
 
 
 class TextStream:

@@ -239,6 +239,9 @@ def test_stream_yields_each_step_and_its_text_joins_to_the_output(chatty, settin
     assert generation is not None and all(chunk.generation is None for chunk in chunks[:-1])
     assert generation.tokens == expected.tokens and generation.text == expected.text
     assert sum((chunk.tokens for chunk in chunks), []) == expected.tokens
+    # Segments, read by name: the ids not rejected are the output, in the trace as in the chunks
+    assert sum((s.ids for s in generation.trace if s.kind != "rejected"), []) == expected.tokens
+    assert sum((s.ids for chunk in chunks for s in chunk.segments if s.kind != "rejected"), []) == expected.tokens
     # (A character broken at a chunk's end would decode as U+FFFD there, unlike in the whole text.)
     assert "".join(chunk.text for chunk in chunks) == expected.text
     assert len(chunks) - 1 == generation.stats["target_calls"]  # one chunk per step, then the summary

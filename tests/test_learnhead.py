@@ -16,7 +16,7 @@ from minispec.decoding import engine
 from minispec.heads import save_draft_head
 from minispec.heads.learn import Learner
 from minispec.serve import __main__ as serve_main
-from minispec.serve.scheduler import Job, Scheduler
+from minispec.serve.scheduler import Failed, Job, Scheduler
 from minispec.tools import train_heads as train
 
 NEW_TOKENS = 48
@@ -44,13 +44,13 @@ class Recorded(Job):
         super().__init__(request, self.receive)
         self.tokens, self.ended, self.outcome = [], threading.Event(), None
 
-    def advance(self, tokens, logprobs, result):
+    def advance(self, tokens, logprobs, generation):
         self.tokens += tokens
-        super().advance(tokens, logprobs, result)
+        super().advance(tokens, logprobs, generation)
 
     def receive(self, event):
-        if event[0] != "text":
-            self.outcome = event[2]
+        if isinstance(event, Failed) or event.outcome is not None:  # its end
+            self.outcome = event if isinstance(event, Failed) else event.outcome
             self.ended.set()
 
 

@@ -17,6 +17,8 @@ distribution is the target's either way). T5 runs its encoder once per request, 
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +26,39 @@ from ..models.kernels import to_device
 from .drafters import Ask
 from .sampling import Counts
 from .speculative import Outcome, step
+
+
+class Segment(NamedTuple):
+    """A run of a trace: token ids of one kind, "target" (sampled by the target), "accepted" / "rejected"
+    (draft tokens) or "corrected" (the target's replacement of a rejection). A "rejected" segment holds
+    alternatives, not a sequence: a chain's rejected guess, or a token tree's every candidate rejected
+    where its walk stopped (the children of its accepted path's last node)."""
+    ids: list
+    kind: str
+
+
+@dataclass
+class Generation:
+    tokens: list  # generated token ids, prompt excluded
+    text: str | None  # decoded tokens (None when the model has no tokenizer)
+    stats: dict
+    trace: list = field(default_factory=list)  # Segments in generation order
+    # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
+    sequences: list = field(default_factory=list)
+    scores: list = field(default_factory=list)
+    # With logprobs=k: a TokenLogprob for each token (its log-probability under the distribution it was
+    # drawn from, sampling.log_probs, and the k most likely tokens there), bit for bit plain decoding's.
+    logprobs: list | None = None
+
+
+class Update(NamedTuple):
+    """A step's news of one request: its index, the step's new tokens, their TokenLogprobs (None unless
+    asked), the step's Segments, and its Generation at its last step (None before)."""
+    index: int
+    tokens: list
+    logprobs: list | None
+    segments: list
+    generation: Generation | None
 
 
 class Row:
@@ -151,16 +186,16 @@ class Row:
             for i in range(verified):  # the guess at each position: how far into a step guesses survive
                 stats["verified_at"][i] += 1
                 stats["accepted_at"][i] += i < emitted
-        segments = [(new_tokens[:n], "accepted")]
+        segments = [Segment(new_tokens[:n], "accepted")]
         if len(new_tokens) > n:  # the target's token was not cut off by a stop among the guesses
-            segments += [(rejected, "rejected")] if n < k else []
-            segments += [([new_tokens[n]], "corrected" if n < k else "target")]
-        self.new_tokens, self.segments = new_tokens, [(ids, kind) for ids, kind in segments if ids]
+            segments += [Segment(rejected, "rejected")] if n < k else []
+            segments += [Segment([new_tokens[n]], "corrected" if n < k else "target")]
+        self.new_tokens, self.segments = new_tokens, [segment for segment in segments if segment.ids]
         self.tokens += new_tokens
         add_segments(self.trace, self.segments)
 
     def finish(self):
-        """The request's statistics, complete (design.md, "What stats holds")."""
+        """The ended request's Generation, its statistics complete (design.md, "What stats holds")."""
         stats, seconds = self.stats, time.perf_counter() - self.started
         stats.update(new_tokens=len(self.tokens), seconds=seconds,
                      tokens_per_second=len(self.tokens) / seconds if seconds > 0 else float("inf"),
@@ -176,7 +211,8 @@ class Row:
             stats.update(self.policy.finish())
             if hasattr(self.drafter, "finish"):  # a drafter that learns from whole requests (decoding/suffix.py)
                 self.drafter.finish(self.tokens)
-        return stats
+        text = final_text(self.request.target, self.request.stop, self.tokens)
+        return Generation(self.tokens, text, stats, self.trace, logprobs=self.logprobs)
 
 
 def counts(target, request):
@@ -189,14 +225,23 @@ def counts(target, request):
 
 
 def add_segments(trace, segments):
-    """Append a step's (ids, kind) segments to a trace, one entry per run of the same kind."""
+    """Append a step's Segments to a trace, one Segment per run of the same kind."""
     for ids, kind in segments:
         if not ids:
             continue
-        if trace and trace[-1][1] == kind:
-            trace[-1][0].extend(ids)
+        if trace and trace[-1].kind == kind:
+            trace[-1].ids.extend(ids)
         else:
-            trace.append((list(ids), kind))
+            trace.append(Segment(list(ids), kind))
+
+
+def final_text(target, stop, tokens):
+    """The output's text: the tokens decoded, ending before the stop string that ended them (None
+    without a tokenizer)."""
+    text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
+    if text is not None and stop.text_end is not None:  # a stop string ended it: the text ends before it
+        text = stop.text.text[:stop.text_end]
+    return text
 
 
 @torch.inference_mode()
@@ -206,10 +251,8 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
     that arrive while others decode (the server's scheduler): an object whose take(free, wait) returns
     up to `free` (index, request) pairs, blocking while none is waiting if `wait` (the batch is empty),
     and returning none then only when no more will come. Between steps, rows for which
-    cancelled(index) is true leave at once, without news. Yields every step's news of each row as
-    (request index, new tokens, their TokenLogprobs (None unless asked), segments of the trace, result):
-    result is None until the request's last step, then its (tokens, trace, stats, logprobs). `prefixes`:
-    a decoding/prefix.py PrefixCache, which ended requests fill and new ones reuse."""
+    cancelled(index) is true leave at once, without news. Yields every step's news of each row, an
+    Update. `prefixes`: a decoding/prefix.py PrefixCache, which ended requests fill and new ones reuse."""
     source = requests if hasattr(requests, "take") else Waiting(requests)
     batch = []  # batch[i] lives in cache row i, of the target and of a draft model
     while True:
@@ -230,13 +273,13 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
         if plan is not None:
             timed(plan, started)
         for row in batch:
-            result = None
+            generation = None
             if row in ended:
                 row.stats["batch_size"] = rows
-                result = row.tokens, row.trace, row.finish(), row.logprobs
+                generation = row.finish()
                 if prefixes is not None:
                     prefixes.finish(row)
-            yield row.index, row.new_tokens, row.new_logprobs, row.segments, result
+            yield Update(row.index, row.new_tokens, row.new_logprobs, row.segments, generation)
         leave(batch, ended, cache_models(target, batch))
 
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .protocol import Reply, RequestError, best, parse
-from .scheduler import MALLOC_TRIM, Job, QueueFull, ShuttingDown
+from .scheduler import MALLOC_TRIM, Failed, Job, News, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
 
@@ -124,10 +124,10 @@ class Handlers:
         try:
             while len(outcomes) < len(jobs):
                 i, event = await events.get()
-                if event[0] == "end":
-                    outcomes[i] = event[2]
-                elif event[0] != "text":
+                if not isinstance(event, News):  # failed, or the client went (None)
                     break
+                if event.outcome is not None:
+                    outcomes[i] = event.outcome
         finally:  # also when this handler is cancelled (a shutdown's grace period is over)
             watcher.cancel()
             self.cancel(jobs)
@@ -137,8 +137,8 @@ class Handlers:
             if not parsed.logprobs:  # asked for ranking only
                 chosen = [replace(outcome, logprobs=None) for outcome in chosen]
             return JSONResponse(reply.whole(chosen, outcomes))
-        if event[0] == "error":
-            return error_response(server_error(event[2], event[1]))
+        if isinstance(event, Failed):
+            return error_response(server_error(event.message, event.status))
         return Response(status_code=499)  # the client went: nobody reads this
 
     async def stream(self, jobs, events, reply, include_usage):
@@ -153,17 +153,14 @@ class Handlers:
                     yield event_data({**reply.opening(i), **usage})
             while len(outcomes) < len(jobs):
                 i, event = await events.get()
-                if event[0] == "text":
-                    yield event_data({**reply.piece(*event[1:], index=i), **usage})
-                elif event[0] == "end":
-                    _, piece, outcome, logprobs = event
-                    if piece or logprobs:
-                        yield event_data({**reply.piece(piece, logprobs, index=i), **usage})
-                    yield event_data({**reply.ending(outcome, i), **usage})
-                    outcomes.append(outcome)
-                else:
-                    yield event_data(server_error(event[2], event[1]).body())
+                if isinstance(event, Failed):
+                    yield event_data(server_error(event.message, event.status).body())
                     break
+                if event.piece or event.logprobs:
+                    yield event_data({**reply.piece(event.piece, event.logprobs, index=i), **usage})
+                if event.outcome is not None:
+                    yield event_data({**reply.ending(event.outcome, i), **usage})
+                    outcomes.append(event.outcome)
             if include_usage and len(outcomes) == len(jobs):
                 yield event_data(reply.usage_chunk(outcomes))
         except Exception as error:  # a bug met by this request, after its headers were sent
@@ -223,11 +220,11 @@ def refuse_constant(name):
 
 
 async def report_disconnect(request, events):
-    """Put (None, ("gone",)) among the events when the client disconnects. (Once the body is read, an ASGI
+    """Put (None, None) among the events when the client disconnects. (Once the body is read, an ASGI
     server's receive() answers only that, when the client goes or the response is complete.)"""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    events.put_nowait((None, ("gone",)))
+    events.put_nowait((None, None))
 
 
 def check_key(request, api_key):

@@ -4,9 +4,8 @@ queue, takes a free cache row at the next step, and leaves its row when it ends,
 goes; the others in the batch never notice (each row computes as it would alone), so every request
 gets what minispec.generate gives it alone.
 
-Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: ("text",
-piece, logprobs) per step, then ("end", piece, Outcome, logprobs), or ("error", status, message);
-logprobs: the step's tokens' TokenLogprobs, None unless the request asks."""
+Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: a News per
+step that adds text, the last one with the job's Outcome, or a Failed."""
 
 import ctypes
 import logging
@@ -14,6 +13,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from itertools import count
+from typing import NamedTuple
 
 from .. import api
 from ..decoding import engine
@@ -42,6 +42,20 @@ class Outcome:
     logprobs: list | None = None  # every token's TokenLogprob, when the request asks
 
 
+class News(NamedTuple):
+    """A step's news of a job: the text it adds, its tokens' TokenLogprobs (None unless the request
+    asks), and at the job's last step its Outcome (None before)."""
+    piece: str
+    logprobs: list | None
+    outcome: Outcome | None = None
+
+
+class Failed(NamedTuple):
+    """A job's end without an outcome: the HTTP status and why."""
+    status: int
+    message: str
+
+
 class Job:
     """One request on its way through the engine. `deliver(event)` hands an event to the handler that
     waits for it; it is called on the scheduler's thread, so it must be thread-safe."""
@@ -51,23 +65,21 @@ class Job:
         self.text = api.TextStream(request)
         self.cancelled = False  # its client went, or it failed: its row leaves at the next step
 
-    def advance(self, tokens, logprobs, result):
-        """A step's news, read before the engine's next step (the text pieces depend on that)."""
+    def advance(self, tokens, logprobs, generation):
+        """A step's news (an engine.Update's), read before the engine's next step (the text pieces depend on it)."""
         piece = self.text.push(tokens)
-        if result is None:
+        if generation is None:
             if piece or logprobs:
-                self.deliver(("text", piece, logprobs))
+                self.deliver(News(piece, logprobs))
             return
-        tokens, _, stats, all_logprobs = result
-        stop = self.request.stop
-        text = api.final_text(self.request.target, stop, tokens)
+        tokens, text, stop = generation.tokens, generation.text, self.request.stop
         stopped = stop.text_end is not None or tokens[-1] in stop.token_ids
-        self.deliver(("end", piece + self.text.rest(text),
-                      Outcome(text, len(tokens), "stop" if stopped else "length", stats, all_logprobs), logprobs))
+        outcome = Outcome(text, len(tokens), "stop" if stopped else "length", generation.stats, generation.logprobs)
+        self.deliver(News(piece + self.text.rest(text), logprobs, outcome))
 
     def fail(self, status, message):
         self.cancelled = True
-        self.deliver(("error", status, message))
+        self.deliver(Failed(status, message))
 
 
 class Scheduler:
@@ -179,9 +191,8 @@ class Scheduler:
         """Run the engine until the server stops (True), or until it fails (False): then the requests in
         its batch fail, their state unknown, and the others go on in a new batch."""
         try:
-            for index, tokens, logprobs, _, result in engine.decode(self.target, self, self.rows, self.cancelled,
-                                                                    self.prefixes):
-                self.advance(index, tokens, logprobs, result)
+            for update in engine.decode(self.target, self, self.rows, self.cancelled, self.prefixes):
+                self.advance(update)
             return True
         except ShuttingDown:  # the tensor-parallel group failed, and close() has failed every job
             return True
@@ -228,19 +239,19 @@ class Scheduler:
                 self.learner.finish(index)
         return gone
 
-    def advance(self, index, tokens, logprobs, result):
-        job = self.running[index]
-        if result is not None:
-            del self.running[index]
+    def advance(self, update):
+        job = self.running[update.index]
+        if update.generation is not None:
+            del self.running[update.index]
             self.forget(job)
             if self.learner is not None:
-                self.learner.finish(index, result[2])
+                self.learner.finish(update.index, update.generation.stats)
         if job.cancelled:
             return  # nobody waits for its news; its row leaves before the next step
         try:
-            job.advance(tokens, logprobs, result)
+            job.advance(update.tokens, update.logprobs, update.generation)
         except Exception:  # this request's own processing: it fails alone
-            log.exception("request %d failed", index)
+            log.exception("request %d failed", update.index)
             self.forget(job)
             job.fail(500, "the server failed while processing this request (logged)")
 
