@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import os
 import re
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -275,7 +276,8 @@ def kept_weights(directory, model_type, dtype, files, read):
             save_safetensors(weights, partial_file, {"made_from": made_from})
             os.replace(partial_file, file)
         except OSError as error:
-            partial_file.unlink(missing_ok=True)
+            with suppress(OSError):  # no folder to hold it
+                partial_file.unlink()
             log(f"cannot keep the converted weights in {file} ({error}): they stay in memory")
             return weights, files
         weights.clear()  # the copies: from now on the file's pages
