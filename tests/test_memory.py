@@ -5,6 +5,7 @@ packed are pages of a file that packing drops."""
 import json
 import os
 import re
+import shutil
 import sys
 import weakref
 
@@ -127,7 +128,7 @@ def forward(model):
 def test_packed_weights_are_pages_of_a_kept_file_that_packing_drops(llama_dir, tmp_path, monkeypatch, dtype):
     """The copies a load made (fused, cast) stayed resident beside the packed copies that every product reads:
     kept in a file as converted, the weights are file pages, each dropped once packed. The same numbers;
-    the file is read again until the checkpoint changes."""
+    the file is read again until the checkpoint changes, and goes once its checkpoint has gone."""
     if not kernels.can_pack(dtype, torch.device("cpu")):
         pytest.skip(f"no packed {dtype} products on this CPU")
     monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
@@ -150,10 +151,15 @@ def test_packed_weights_are_pages_of_a_kept_file_that_packing_drops(llama_dir, t
         assert resident_bytes(kept) == 0
         assert torch.equal(forward(model), forward(in_memory))
         assert all(torch.equal(t, in_memory.state_dict()[name]) for name, t in model.state_dict().items())
+    other = shutil.copytree(llama_dir, tmp_path / "copy", ignore=shutil.ignore_patterns("weights"))
+    load_model(other, dtype=dtype)
+    assert len(list(kept.parent.iterdir())) == 2
+    shutil.rmtree(other)  # gone: its kept weights go at the next keeping
     os.utime(llama_dir / "model.safetensors", ns=(0, 0))  # the checkpoint changed: converted and kept again
     read.clear()
     load_model(llama_dir, dtype=dtype)
     assert read == [[llama_dir / "model.safetensors"]] + [[kept]]
+    assert list(kept.parent.iterdir()) == [kept]
 
 
 def test_weights_stay_in_memory_where_the_weights_folder_cannot_keep_them(llama_dir, tmp_path, monkeypatch, capfd):

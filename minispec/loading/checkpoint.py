@@ -268,13 +268,14 @@ def kept_weights(directory, model_type, dtype, files, read):
     file = weights_dir() / "kept" / f"{hashlib.sha256(f'{directory}|{dtype}'.encode()).hexdigest()[:20]}.safetensors"
     code = Path(importlib.import_module(f"minispec.models.{FAMILIES[model_type]}").__file__).read_bytes()
     made_from = f"{fingerprint(directory, None, None)}|{hashlib.sha256(code).hexdigest()[:20]}"
-    if kept_from(file) != made_from:
+    if kept_metadata(file).get("made_from") != made_from:
         weights = read(dtype)
         partial_file = file.with_name(f"{file.stem}.{os.getpid()}.partial")
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            save_safetensors(weights, partial_file, {"made_from": made_from})
+            save_safetensors(weights, partial_file, {"made_from": made_from, "directory": str(directory)})
             os.replace(partial_file, file)
+            sweep_kept(file.parent)
         except OSError as error:
             with suppress(OSError):  # no folder to hold it
                 partial_file.unlink()
@@ -285,13 +286,23 @@ def kept_weights(directory, model_type, dtype, files, read):
     return read_weights([file]), [file]
 
 
-def kept_from(file):
-    """What a kept weights file was made from (kept_weights), or None: missing, or not a whole file."""
+def kept_metadata(file):
+    """What a kept weights file was made from, and for which checkpoint folder (kept_weights); {} for a file
+    missing, or not whole."""
     try:
         with safe_open(file, "pt") as opened:
-            return (opened.metadata() or {}).get("made_from")
+            return opened.metadata() or {}
     except Exception:  # missing, or unreadable (safetensors' own error types): made again
-        return None
+        return {}
+
+
+def sweep_kept(folder):
+    """Delete the kept weights of checkpoint folders that are gone (a temporary one, a conversion redone)."""
+    for file in folder.glob("*.safetensors"):
+        directory = kept_metadata(file).get("directory")
+        if directory and not Path(directory).is_dir():
+            with suppress(OSError):
+                file.unlink()
 
 
 def to_tokenizer(config, tokenizer):
