@@ -170,4 +170,5 @@ def test_weights_stay_in_memory_where_the_weights_folder_cannot_keep_them(llama_
     model = load_model(llama_dir)
     assert "cannot keep the converted weights" in capfd.readouterr().err
     assert not list(tmp_path.glob("**/*.partial"))
-    assert torch.equal(model.output.weight, checkpoint.read_weights([llama_dir / "model.safetensors"])["lm_head.weight"])
+    stored = checkpoint.read_weights([llama_dir / "model.safetensors"])
+    assert torch.equal(model.output.weight, stored["lm_head.weight"])

@@ -277,10 +277,11 @@ def kept_weights(directory, model_type, dtype, files, read):
             os.replace(partial_file, file)
             sweep_kept(file.parent)
         except OSError as error:
-            with suppress(OSError):  # no folder to hold it
-                partial_file.unlink()
             log(f"cannot keep the converted weights in {file} ({error}): they stay in memory")
             return weights, files
+        finally:  # what an error or Ctrl-C left of it (once renamed, or with no folder, there is none)
+            with suppress(OSError):
+                partial_file.unlink()
         weights.clear()  # the copies: from now on the file's pages
         release_load_memory(files)
     return read_weights([file]), [file]
