@@ -472,11 +472,12 @@ def real_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real_model(real_gguf, tmp_path_factory):
+    weights = tmp_path_factory.mktemp("weights")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MINISPEC_WEIGHTS", str(tmp_path_factory.mktemp("weights")))
+        patch.setenv("MINISPEC_WEIGHTS", str(weights))
         directory = builtin.import_gguf(real_gguf, NAME)
-    model = minispec.load(directory, device="cpu")
-    shutil.rmtree(directory)  # 515 MB, loaded
+        model = minispec.load(directory, device="cpu")  # its kept weights too go into `weights`
+    shutil.rmtree(weights)  # 515 MB converted and as many kept, loaded (mapped: the kept file is read still)
     return model
 
 

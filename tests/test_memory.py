@@ -1,10 +1,15 @@
 """A load's memory: the checkpoint file is not held resident beside the copies a load makes of it, a cast
-comes before the fusions that copy, and quantizing frees each float weight as it goes."""
+comes before the fusions that copy, quantizing frees each float weight as it goes, and weights that run
+packed are pages of a file that packing drops."""
 
 import json
+import os
 import re
+import shutil
 import sys
 import weakref
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ import torch
 from minispec.loading import checkpoint
 from minispec.loading.checkpoint import load_model
 from minispec.loading.weights import save_safetensors
-from minispec.models import quant
+from minispec.models import kernels, quant
 
 LAYERS, DIM, HIDDEN, VOCAB = 4, 256, 512, 1024
 LAYER_BYTES = (4 * DIM * DIM + 3 * DIM * HIDDEN) * 4  # a float32 layer's projections: 2.5 MiB
@@ -49,6 +54,17 @@ def resident_bytes(file):
             elif inside and line.startswith("Rss:"):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def mapped_file(tensor):
+    """The file whose mapping holds the tensor's memory (/proc/self/maps), or None: anonymous memory."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(end, 16) for end in fields[0].split("-"))
+            if start <= tensor.data_ptr() < end:
+                return Path(fields[5]) if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
 
 
 def watch_conversion(monkeypatch, file):
@@ -100,3 +116,59 @@ def test_quantizing_frees_each_float_weight_as_it_goes(llama_dir):
     assert alive[-1] <= {"output"}  # the module at hand, the last
     embedding_gone = next(names for names in alive if "tok_embeddings" not in names)
     assert embedding_gone <= {"output"}
+
+
+def forward(model):
+    model.setup_caches(1, 16)
+    return model.prefill(torch.arange(1, 9)[None])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps: Linux")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_are_pages_of_a_kept_file_that_packing_drops(llama_dir, tmp_path, monkeypatch, dtype):
+    """The copies a load made (fused, cast) stayed resident beside the packed copies that every product reads:
+    kept in a file as converted, the weights are file pages, each dropped once packed. The same numbers;
+    the file is read again until the checkpoint changes, and goes once its checkpoint has gone."""
+    if not kernels.can_pack(dtype, torch.device("cpu")):
+        pytest.skip(f"no packed {dtype} products on this CPU")
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    in_memory = load_model(llama_dir, dtype=dtype)  # the checkpoint's few MiB: below KEEP_MIN_BYTES
+    assert all(mapped_file(tensor) != tmp_path / "weights" for tensor in in_memory.state_dict().values())
+    monkeypatch.setattr(checkpoint, "KEEP_MIN_BYTES", 0)
+    packing, pack = [], kernels.pack
+    monkeypatch.setattr(kernels, "pack", lambda weight, *rest: packing.append(resident_bytes(
+        mapped_file(weight))) or pack(weight, *rest))
+    read, read_weights = [], checkpoint.read_weights
+    monkeypatch.setattr(checkpoint, "read_weights", lambda files: read.append(files) or read_weights(files))
+    for made in (True, False):
+        read.clear(), packing.clear()
+        model = load_model(llama_dir, dtype=dtype)
+        files = {mapped_file(tensor) for tensor in model.state_dict().values()}
+        assert len(files) == 1 and files.pop().parent == tmp_path / "weights" / "kept"
+        kept = mapped_file(model.output.weight)
+        assert read == ([[llama_dir / "model.safetensors"]] if made else []) + [[kept]]
+        assert len(packing) >= 4 * LAYERS + 1 and max(packing) == 0  # each weight's pages gone before the next
+        assert resident_bytes(kept) == 0
+        assert torch.equal(forward(model), forward(in_memory))
+        assert all(torch.equal(t, in_memory.state_dict()[name]) for name, t in model.state_dict().items())
+    other = shutil.copytree(llama_dir, tmp_path / "copy", ignore=shutil.ignore_patterns("weights"))
+    load_model(other, dtype=dtype)
+    assert len(list(kept.parent.iterdir())) == 2
+    shutil.rmtree(other)  # gone: its kept weights go at the next keeping
+    os.utime(llama_dir / "model.safetensors", ns=(0, 0))  # the checkpoint changed: converted and kept again
+    read.clear()
+    load_model(llama_dir, dtype=dtype)
+    assert read == [[llama_dir / "model.safetensors"]] + [[kept]]
+    assert list(kept.parent.iterdir()) == [kept]
+
+
+def test_weights_stay_in_memory_where_the_weights_folder_cannot_keep_them(llama_dir, tmp_path, monkeypatch, capfd):
+    """A weights folder that cannot be written (here a file) costs the memory kept weights save, not the load."""
+    (tmp_path / "weights").write_text("")
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setattr(checkpoint, "KEEP_MIN_BYTES", 0)
+    model = load_model(llama_dir)
+    assert "cannot keep the converted weights" in capfd.readouterr().err
+    assert not list(tmp_path.glob("**/*.partial"))
+    stored = checkpoint.read_weights([llama_dir / "model.safetensors"])
+    assert torch.equal(model.output.weight, stored["lm_head.weight"])

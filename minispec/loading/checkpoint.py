@@ -16,19 +16,22 @@ import hashlib
 import importlib
 import os
 import re
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 
 from ..models import backend
 from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
+from ..models.kernels import can_pack
 from .tokenizer import ByteLevelBPE, UnsupportedTokenizer, read_chat_template, read_json
 from .tokenizer import read_config as read_tokenizer_config
 from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
-                      release_file_pages, release_freed_memory, weight_files)
+                      release_file_pages, release_freed_memory, save_safetensors, weight_files, weights_dir)
 
 # model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
 # its own family's code.
@@ -186,12 +189,14 @@ class Checkpoint(NamedTuple):
     weights: dict  # {name: tensor} in the model's names, checked against its shapes
     stored: dict  # quantized weights in models.quant's stored form, by layer name
     tokenizer: object  # loading.tokenizer's, or None without tokenizer files
+    files: list  # the safetensors files the weights are mapped from: the checkpoint's, or its kept weights'
 
 
-def read_checkpoint(directory, world=None, dtype=None):
+def read_checkpoint(directory, world=None, dtype=None, keep=False):
     """A checkpoint folder read and checked against the model its config describes (built on the meta
     device): everything but placing the weights. `world`: the ranks of a tensor-parallel load; `dtype`: the
-    float weights cast to it as they are read, unless the checkpoint holds quantized weights."""
+    float weights cast to it as they are read, unless the checkpoint holds quantized weights; `keep`: float
+    weights of KEEP_MIN_BYTES or more mapped from the file keeping them as converted (kept_weights)."""
     hf_config = read_config(directory)
     model_type = hf_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
@@ -221,12 +226,11 @@ def read_checkpoint(directory, world=None, dtype=None):
         raise CheckpointError(f"{directory}/config.json: its sizes make tensors too large for torch "
                               f"({str(error).splitlines()[0]})") from error
     attach_special_tokens(model, hf_config, directory)  # before the weights are read: a bad id fails fast
-    weights = read_weights(files)
-    check_finite(weights, directory, None if ours else dtype, files)
-    try:
-        weights = convert_by_layer(weights, convert, config, config_class.LAYER_STACKS, files)
-    except ValueError as error:  # the family's key mapping found tensors it cannot place
-        raise CheckpointError(f"{directory}: {error}") from error
+    read = partial(converted_weights, directory, files, convert, config, config_class.LAYER_STACKS)
+    if keep and not ours and sum(file.stat().st_size for file in files) >= KEEP_MIN_BYTES:
+        weights, files = kept_weights(directory, model_type, dtype, files, read)
+    else:
+        weights = read(None if ours else dtype)
     stored = {}
     if ours:
         from ..models import quant  # the stored forms, for a checkpoint that holds them
@@ -235,7 +239,71 @@ def read_checkpoint(directory, world=None, dtype=None):
         cut_padding(model, weights, stored, rows)
         model.checkpoint_rows = rows
     check_shapes(model, weights, directory, stored)
-    return Checkpoint(hf_config, model_type, model, weights, stored, tokenizer)
+    return Checkpoint(hf_config, model_type, model, weights, stored, tokenizer, files)
+
+
+def converted_weights(directory, files, convert, config, stacks, dtype):
+    """The checkpoint's tensors checked, cast to `dtype` and converted to the model's names and layout."""
+    weights = read_weights(files)
+    check_cast_and_release(weights, directory, dtype, files)
+    try:
+        return convert_by_layer(weights, convert, config, stacks, files)
+    except ValueError as error:  # the family's key mapping found tensors it cannot place
+        raise CheckpointError(f"{directory}: {error}") from error
+
+
+# Why keep converted weights in a file: products read the packed copies of the weights (models/kernels.py),
+# so the weights as the model holds them are read once, to pack them. Mapped from a file that holds them as
+# converted (fused, in the dtype they run in), they are file pages that packing drops, where the copies a
+# conversion or a cast makes would stay resident beside the packed copies. Below this size the memory saved
+# is not worth a second copy on disk.
+KEEP_MIN_BYTES = 64 << 20
+
+
+def kept_weights(directory, model_type, dtype, files, read):
+    """read(dtype)'s weights mapped from the weights folder's file keeping them, written (whole, or not at
+    all) at the first load and again once the checkpoint's files or the family's conversion code change;
+    and the files the weights map. Where that file cannot be written, read(dtype)'s weights, in memory."""
+    directory = Path(directory).resolve()
+    file = weights_dir() / "kept" / f"{hashlib.sha256(f'{directory}|{dtype}'.encode()).hexdigest()[:20]}.safetensors"
+    code = Path(importlib.import_module(f"minispec.models.{FAMILIES[model_type]}").__file__).read_bytes()
+    made_from = f"{fingerprint(directory, None, None)}|{hashlib.sha256(code).hexdigest()[:20]}"
+    if kept_metadata(file).get("made_from") != made_from:
+        weights = read(dtype)
+        partial_file = file.with_name(f"{file.stem}.{os.getpid()}.partial")
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            save_safetensors(weights, partial_file, {"made_from": made_from, "directory": str(directory)})
+            os.replace(partial_file, file)
+            sweep_kept(file.parent)
+        except OSError as error:
+            log(f"cannot keep the converted weights in {file} ({error}): they stay in memory")
+            return weights, files
+        finally:  # what an error or Ctrl-C left of it (once renamed, or with no folder, there is none)
+            with suppress(OSError):
+                partial_file.unlink()
+        weights.clear()  # the copies: from now on the file's pages
+        release_load_memory(files)
+    return read_weights([file]), [file]
+
+
+def kept_metadata(file):
+    """What a kept weights file was made from, and for which checkpoint folder (kept_weights); {} for a file
+    missing, or not whole."""
+    try:
+        with safe_open(file, "pt") as opened:
+            return opened.metadata() or {}
+    except Exception:  # missing, or unreadable (safetensors' own error types): made again
+        return {}
+
+
+def sweep_kept(folder):
+    """Delete the kept weights of checkpoint folders that are gone (a temporary one, a conversion redone)."""
+    for file in folder.glob("*.safetensors"):
+        directory = kept_metadata(file).get("directory")
+        if directory and not Path(directory).is_dir():
+            with suppress(OSError):
+                file.unlink()
 
 
 def to_tokenizer(config, tokenizer):
@@ -266,10 +334,11 @@ def cut_padding(model, weights, stored, rows):
 RELEASE_BYTES = 64 << 20
 
 
-def check_finite(weights, source, dtype=None, files=()):
+def check_cast_and_release(weights, source, dtype=None, files=()):
     """Every float tensor free of NaN and infinities, which would make every output NaN or garbage without
-    an error, and cast to `dtype` if given (in place in `weights`). A tensor's minimum and maximum are NaN
-    or infinite if any value is; finding both reads it once, about 0.2 s a GB on one core."""
+    an error, and cast to `dtype` if given (in place in `weights`), the files' pages dropped as it goes. A
+    tensor's minimum and maximum are NaN or infinite if any value is; finding both reads it once, about
+    0.2 s a GB on one core."""
     read = 0
     for name, tensor in weights.items():
         if tensor.is_floating_point() and tensor.numel() and not all(end.isfinite() for end in torch.aminmax(tensor)):
@@ -332,7 +401,9 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     dtype = dtype or default_dtype(device)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
     # a float32 copy of a bfloat16 1.5B model's every weight first was 6 GB and half its load time.
-    _, _, model, weights, stored, tokenizer = read_checkpoint(directory, world, None if quantize else dtype)
+    keep = quantize is None and tp is None and can_pack(dtype, device)  # packed: read once, then dropped
+    _, _, model, weights, stored, tokenizer, files = read_checkpoint(directory, world, None if quantize else dtype,
+                                                                     keep)
     if stored:
         from .packed import unpacked_unless_taken  # quantized checkpoints only
         stored = unpacked_unless_taken(model, stored, device, tp)
@@ -345,17 +416,17 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if quantizing:
         try:
             # the file pages each replaced module read are read no more: dropped as quantizing goes
-            layer_done = None if mapped else partial(release_load_memory, weight_files(directory))
+            layer_done = None if mapped else partial(release_load_memory, files)
             for note in quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done):
                 log(f"{name_or_path}: {note}")
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
     model = model.to(device=device).eval().requires_grad_(False)
-    if not mapped:  # what packing reads comes back as it reads it; what it does not (fused, cast) stays out
-        release_file_pages(weight_files(directory))
-    model = pack_linears(model)
+    if not mapped:  # each weight's pages come back as packing reads it, and go once it is packed
+        release_file_pages(files)
+    model = pack_linears(model, None if mapped else partial(release_file_pages, files))
     if not mapped:
-        release_file_pages(weight_files(directory))
+        release_file_pages(files)
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     model.fingerprint = fingerprint(directory, quantize, group_size, tp)
     model.tokenizer = tokenizer

@@ -143,10 +143,10 @@ class RMSNorm(nn.Module):
         return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def pack_linears(model):
+def pack_linears(model, packed_one=None):
     """Give every float Linear (and a tied head) a packed copy of its weight (kernels.pack), when the
-    model's dtype has a packed kernel here. The float weight stays: checkpoints, the self-draft and
-    `.to()` read it."""
+    model's dtype has a packed kernel here, calling packed_one() after each. The float weight stays:
+    checkpoints, the self-draft and `.to()` read it."""
     if not can_pack(model.dtype, model.device):
         return model
     weights = {}  # by address: a weight two modules share is packed once
@@ -155,7 +155,7 @@ def pack_linears(model):
         if is_linear and module.weight.dtype == model.dtype and not module.packed:
             weights[module.weight.data_ptr()] = module.weight
             module.packed = True
-    pack_together(list(weights.values()))
+    pack_together(list(weights.values()), packed_one)
     return model
 
 

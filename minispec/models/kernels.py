@@ -66,11 +66,14 @@ def pack(weight, packed=None):
     return packed
 
 
-def pack_together(weights):
-    """Pack a model's weights (pack), the backend's own kernel's copies then together in huge pages where
-    it has them: a decode step streams them all."""
+def pack_together(weights, packed_one=None):
+    """Pack a model's weights (pack), calling packed_one() after each (a load drops the file pages it read),
+    the backend's own kernel's copies then together in huge pages where it has them: a decode step streams
+    them all."""
     for weight in weights:
         pack(weight)
+        if packed_one is not None:
+            packed_one()
     own = [weight for weight in weights if own_kernel(weight.dtype)]
     backend.current().to_huge_pages([_PACKED[weight.data_ptr()][1] for weight in own],
                                     lambda i, moved: pack(own[i], moved))
