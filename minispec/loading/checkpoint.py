@@ -275,6 +275,8 @@ def kept_weights(directory, model_type, dtype, files, read):
             file.parent.mkdir(parents=True, exist_ok=True)
             save_safetensors(weights, partial_file, {"made_from": made_from, "directory": str(directory)})
             os.replace(partial_file, file)
+            log(f"kept the converted weights in {file} ({file.stat().st_size / 1e6:.0f} MB), which later loads map "
+                "as they are: memory holds the packed copy the products read")
             sweep_kept(file.parent)
         except OSError as error:
             log(f"cannot keep the converted weights in {file} ({error}): they stay in memory")
