@@ -69,7 +69,16 @@ namespace {
 
 constexpr int64_t BLOCK = 32;    // inputs per activation block
 constexpr int64_t TILE = 16;     // output columns computed together, one per 32-bit lane
-constexpr int ROWS_AT_ONCE = 4;  // rows sharing one unpacked weight block
+// Rows sharing one unpacked weight block, their accumulators in registers: AVX-512 has 32 of them, AVX2 16
+// (and its sign vectors besides).
+#ifdef MINISPEC_AVX512
+constexpr int ROWS_AT_ONCE = 8;
+#else
+constexpr int ROWS_AT_ONCE = 4;
+#endif
+// Blocks a tile's loop asks the memory for ahead of the one it reads: the hardware's own prefetching left a
+// decode step waiting on memory, so that every row more cost its arithmetic on top.
+constexpr int64_t AHEAD_BLOCKS = 16;
 constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
 enum Table { FLOATS, HALVES, STEPPED };  // how scales and offsets are stored: float32, float16, two levels
 
@@ -346,6 +355,7 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
     for (int r = 0; r < R; ++r) acc[r] = V::fzero();
     for (int64_t b = 0; b < blocks; ++b) {
       V::I u[8], sign[8];
+      for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(q + (b + AHEAD_BLOCKS) * bytes + line);
       load_block<BITS>(q + b * bytes, u, sign);
       const V::F s_lo = group_values<TABLE>(w, 0, tile, w.lo[b], part);
       const V::F s_hi = SIXTEEN ? group_values<TABLE>(w, 0, tile, w.hi[b], part) : s_lo;
@@ -521,21 +531,23 @@ void amx_tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, 
 }
 #endif
 
+// tile_rows for `rows` (1 .. R) rows from r0.
+template <int BITS, bool SIXTEEN, int TABLE, int R>
+void rows_through(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t K, float* y, int64_t N, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_through<BITS, SIXTEEN, TABLE, R - 1>(w, tile, x, r0, K, y, N, rows);
+  }
+  tile_rows<BITS, SIXTEEN, TABLE, R>(w, tile, x, r0, K, y, N);
+}
+
 template <int BITS, bool SIXTEEN, int TABLE>
 void tiles(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1, float* y) {
 #ifdef MINISPEC_AMX
   if (x.amx) return amx_tiles<BITS, SIXTEEN, TABLE>(w, x, M, K, N, t0, t1, y);
 #endif
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t m = 0; m < M; m += ROWS_AT_ONCE) {
-      switch (std::min<int64_t>(ROWS_AT_ONCE, M - m)) {
-        case 4: tile_rows<BITS, SIXTEEN, TABLE, 4>(w, t, x, m, K, y, N); break;
-        case 3: tile_rows<BITS, SIXTEEN, TABLE, 3>(w, t, x, m, K, y, N); break;
-        case 2: tile_rows<BITS, SIXTEEN, TABLE, 2>(w, t, x, m, K, y, N); break;
-        default: tile_rows<BITS, SIXTEEN, TABLE, 1>(w, t, x, m, K, y, N); break;
-      }
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m = 0; m < M; m += ROWS_AT_ONCE)
+      rows_through<BITS, SIXTEEN, TABLE, ROWS_AT_ONCE>(w, t, x, m, K, y, N, std::min<int64_t>(ROWS_AT_ONCE, M - m));
 }
 
 template <int BITS, bool SIXTEEN>
