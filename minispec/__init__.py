@@ -14,9 +14,11 @@ import warnings
 
 # Both before torch's first import. minispec never uses numpy, so torch's warning without it would only puzzle.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-# OpenMP's threads spin between parallel regions, which slows decoding badly where other processes hold
-# cores: waiting threads sleep instead, unless the user chose.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's idle threads spin 300,000 turns before they sleep, which slows decoding badly where other
+# processes hold cores; sleeping at once costs every one of a step's hundreds of short parallel regions a
+# wake-up. A short spin catches the next region on a free core and soon yields a busy one: unless the user chose.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "2000"
 
 # Each public name and the module it lives in, imported on first use: `import minispec` alone loads no
 # torch, so that the command lines answer --help and a bad flag at once.

@@ -600,11 +600,12 @@ def test_threads_under_load_runs_the_default_and_each_setting_beside_a_busy_core
 
     def spy(spec, env):
         busy.append(sum(1 for pid in os.listdir("/proc") if pid.isdigit() and spinning(pid)))
-        runs.append((spec["threads"], env.get("OMP_WAIT_POLICY")))
+        runs.append((spec["threads"], env.get("OMP_WAIT_POLICY") or env.get("GOMP_SPINCOUNT")))
         return in_fresh_process(spec, env)
 
     monkeypatch.setattr(oneshot, "in_fresh_process", spy)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     result, table = run_bench(tmp_path, capsys, "--target", dirs["gpt2"], "--draft", "lookup", "--threads-under-load",
                               "--gamma", "2", "--repeats", "1", *PROMPT_FLAGS[:2])
     cpus = len(os.sched_getaffinity(0))

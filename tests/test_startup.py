@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def in_fresh_python(code, **env):
     """What `code` prints in a new interpreter, run from the repository root (this checkout's minispec)."""
-    environment = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     environment.update(PYTHONPATH=str(ROOT), **env)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True, text=True,
                           timeout=300)
@@ -74,10 +74,12 @@ def test_public_names_come_from_import_and_dir():
         minispec.nothing  # noqa: B018
 
 
-def test_openmp_waits_passively_unless_the_user_chose():
-    code = "import json, os, minispec; print(json.dumps(os.environ.get('OMP_WAIT_POLICY')))"
-    assert in_fresh_python(code) == "PASSIVE"
-    assert in_fresh_python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+def test_openmp_spins_briefly_unless_the_user_chose():
+    code = ("import json, os, minispec; "
+            "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT')]))")
+    assert in_fresh_python(code) == [None, "2000"]
+    assert in_fresh_python(code, OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", None]
+    assert in_fresh_python(code, GOMP_SPINCOUNT="100") == [None, "100"]
 
 
 class Terminal(io.StringIO):

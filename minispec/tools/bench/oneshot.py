@@ -138,7 +138,8 @@ def threads_benchmark(args):
     configs = {name: dict(draft=args.draft, gamma=args.gamma[0], threads=threads)
                for name, threads in {"default": None, **{str(n): n for n in range(1, cpus + 1)}}.items()}
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)  # the default as a user gets it: minispec's choice
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the default as a user gets it: minispec's choice
+        env.pop(name, None)
     with one_core_busy():
         runs = fresh_rounds(args, configs, env, "threads")
 
