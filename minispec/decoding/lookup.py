@@ -9,7 +9,7 @@ import torch
 
 from ..models.kernels import to_device
 from .sampling import Sampling, adjust, sample
-from .tree import best_first, first_of, likeliest, tree_or_chain
+from .tree import KeptTree, PreviewedTree, best_first, first_of, likeliest, tree_or_chain
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
@@ -24,18 +24,18 @@ class TextDrafter:
         return to_device(self.preview(k)[0] if k else [], self.device), None
 
     def propose_tree(self, k, budget, sampling=None):
-        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
+        tokens, parents, _ = first_of(self.kept_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def previewed(self, tree, k, budget):
         """Keep a preview_tree's tree for propose_tree, which takes its first nodes."""
-        self.previewed_tree = (len(self.context), k, budget, tree)
+        self.kept_tree = KeptTree(len(self.context), k, budget, tree)
         return tree
 
 
 def trie_of(paths, most):
-    """The trie of `paths` ((tokens, match length) each, longest first): tokens, parents, and how sure of each
-    node a copying drafter is (its share of its parent's paths, times its longest match over `most`)."""
+    """The trie of `paths` ((tokens, match length) each, longest first): a PreviewedTree, how sure of each
+    node a copying drafter is its share of its parent's paths, times its longest match over `most`."""
     tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
     for path, matched in paths:
         at = -1
@@ -50,7 +50,7 @@ def trie_of(paths, most):
             visits[at] += 1
     sure = [visits[j] / (len(paths) if parent < 0 else visits[parent]) * longest[j] / most
             for j, parent in enumerate(parents)]
-    return tokens, parents, sure
+    return PreviewedTree(tokens, parents, sure)
 
 
 def copy_after(context, end, k):
@@ -70,7 +70,7 @@ class NgramDrafter(TextDrafter):
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
         self.context = prompt_ids.view(-1).tolist()
-        self.previewed_tree = None  # (context length, depth, budget, tree) of the last preview_tree
+        self.kept_tree = None  # the last preview_tree's KeptTree
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
         self.ranked = {}  # token (None: the unigrams) -> ranked_successors, until its counts change
@@ -148,7 +148,7 @@ class LookupDrafter(TextDrafter):
         self.device, self.max_ngram = device, max_ngram
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
-        self.context, self.previewed_tree = [], None  # previewed_tree: as NgramDrafter's
+        self.context, self.kept_tree = [], None  # kept_tree: as NgramDrafter's
         self.ends = defaultdict(list)  # n-gram -> end positions of its occurrences, oldest first
         self.extend(prompt_ids.view(-1).tolist())
 
