@@ -4,6 +4,7 @@ cache: both live on the host, and their guesses cost nothing but the verify posi
 
 from collections import Counter, defaultdict
 from itertools import islice
+from typing import NamedTuple
 
 import torch
 
@@ -14,6 +15,12 @@ from .tree import KeptTree, PreviewedTree, best_first, first_of, likeliest, tree
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
 
 
+class Preview(NamedTuple):
+    """A text drafter's next guesses and its confidence in each."""
+    guesses: list
+    confidences: list
+
+
 class TextDrafter:
     """What the drafters that read only the text share (suffix.py's too): no model or cache, and trees of
     fixed candidates, so a step proposes the first nodes of the tree it previewed."""
@@ -21,7 +28,7 @@ class TextDrafter:
     model, encoder_calls, reads_states, calls = None, 0, False, 0
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return to_device(self.preview(k)[0] if k else [], self.device), None
+        return to_device(self.preview(k).guesses if k else [], self.device), None
 
     def propose_tree(self, k, budget, sampling=None):
         tokens, parents, _ = first_of(self.kept_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
@@ -102,7 +109,7 @@ class NgramDrafter(TextDrafter):
             previous = min(counts, key=lambda token: (-counts[token], token))
             guesses.append(previous)
             shares.append(counts[previous] / counts.total())
-        return guesses, shares
+        return Preview(guesses, shares)
 
     def ranked_successors(self, token):
         """The tokens counted after `token` and their shares, most counted first; kept until the counts change."""
@@ -121,7 +128,7 @@ class NgramDrafter(TextDrafter):
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
-            return to_device(self.greedy_continuation(k)[0], self.device), None
+            return to_device(self.greedy_continuation(k).guesses, self.device), None
         if self.generator is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -183,7 +190,7 @@ class LookupDrafter(TextDrafter):
     def preview(self, k):
         """The guesses, the surer the longer the match they copy."""
         guesses, matched = self.continuation(k)
-        return guesses, [matched / self.max_ngram] * len(guesses)
+        return Preview(guesses, [matched / self.max_ngram] * len(guesses))
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.extend(tokens)

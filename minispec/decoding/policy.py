@@ -65,7 +65,7 @@ class Drafting(NamedTuple):
     """What a request's drafter lets gamma="auto" do."""
     early_stop: bool = False  # it reports its confidence in each guess and asks keep_guessing after each
     measure_draft: bool = True  # its time can be read for free: its steps time it
-    preview: Optional[Callable] = None  # preview(k): its next k guesses and its confidence in each (lists)
+    preview: Optional[Callable] = None  # preview(k): its next k guesses and its confidence in each (lookup.Preview)
     preview_tree: Optional[Callable] = None  # preview_tree(k, budget): its tree, a tree.PreviewedTree
     branching: bool = False  # trees it cannot preview, chosen by measured speed
 

@@ -30,7 +30,7 @@ from itertools import accumulate, islice
 from pathlib import Path
 from typing import NamedTuple
 
-from .lookup import TextDrafter, copy_after, trie_of
+from .lookup import Preview, TextDrafter, copy_after, trie_of
 from .profiles import folder, write_whole
 from .sampling import Sampling
 from .tree import children_of, likeliest
@@ -246,7 +246,7 @@ class SuffixDrafter(TextDrafter):
             at = max(children, key=lambda j: (sure[j], -j))
             guesses.append(tokens[at])
             confidences.append(sure[at])
-        return guesses, confidences
+        return Preview(guesses, confidences)
 
     def preview_tree(self, k, budget):
         """The trie's `budget` likeliest nodes (tree.likeliest)."""
