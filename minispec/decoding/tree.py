@@ -123,7 +123,8 @@ def best_first(root, successors, depth, budget):
     def offer(parent, rank):
         ranked = successors(root if parent < 0 else tokens[parent])
         if rank < len(ranked) and (0 if parent < 0 else levels[parent]) < depth:
-            probability = (1.0 if parent < 0 else probabilities[parent]) * ranked[rank][1]
+            _, share = ranked[rank]
+            probability = (1.0 if parent < 0 else probabilities[parent]) * share
             heapq.heappush(waiting, (-probability, next(arrival), parent, rank))
 
     offer(-1, 0)
@@ -292,7 +293,7 @@ class DrawnGrowth(Growth):
         slots = sorted((-self.slot_score(node, value), i, n) for n, (node, values) in enumerate(zip(nodes, largest))
                        for i, value in enumerate(values) if value > 0)
         # the spine's first draw always (the chain of draws goes on), then the best other slots
-        first = [slot for slot in slots if nodes[slot[2]] == self.spine_end() and slot[1] == 0]
+        first = [(minus_score, i, n) for minus_score, i, n in slots if nodes[n] == self.spine_end() and i == 0]
         counts = Counter(n for _, _, n in (first + [slot for slot in slots if slot not in first])[:room])
         for n, node in enumerate(nodes):
             if counts[n]:
