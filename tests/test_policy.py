@@ -17,6 +17,7 @@ from test_heads import KILLING, ROOT
 import minispec
 from minispec.decoding import batched, costs, drafters, policy, profiles, rates
 from minispec.decoding.policy import AdaptiveGamma, Drafting, FixedGamma, make_policy
+from minispec.decoding.tree import PreviewedTree
 
 PROMPT = [5, 17, 33, 8, 90, 41, 2, 63, 12, 77, 3, 54]
 
@@ -694,7 +695,8 @@ TREE = ([7, 8, 9, 20, 21], [-1, 0, 1, -1, 0], [0.5, 0.5, 0.5, 0.3, 0.3])
 
 def tree_chooser(t_verify, tree=TREE, alpha=0.5):
     chooser = adaptive(alpha, t_verify, 0.0)
-    chooser.start_from(chooser.profile, Drafting(preview=lambda k: ([], []), preview_tree=lambda k, budget: tree))
+    previewed = PreviewedTree(*tree)
+    chooser.start_from(chooser.profile, Drafting(preview=lambda k: ([], []), preview_tree=lambda k, budget: previewed))
     return chooser
 
 

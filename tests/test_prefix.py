@@ -3,13 +3,15 @@ computed reuses their keys and values, and its output is a cold run's, token for
 dtype, plainly and speculatively, batched; the cache keeps to its budget (least recently used
 evicted), counts its hits, and saves the prefill it claims to."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import make_reference, noisy_copy, save_reference
 from test_serve import alone, checkpoints, expected, serving  # noqa: F401 (fixtures)
 
 import minispec
-from minispec.decoding.prefix import BLOCK, PrefixCache
+from minispec.decoding.prefix import BLOCK, Node, PrefixCache
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GREEDY = {"max_new_tokens": 10, "ignore_eos": True}
@@ -144,3 +146,19 @@ def test_the_server_reuses_a_conversation_and_reports_it(checkpoints, alone):  #
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK
     assert second["choices"][0]["message"]["content"] == expected(alone, chat, max_new_tokens=12).text
+
+
+def test_a_models_tree_is_emptied_when_its_caches_change_dtype():
+    class Model:  # what root() reads: its caches' dtype and shapes
+        dtype = torch.float32
+
+        def kv_caches(self):
+            return [SimpleNamespace(k=torch.zeros(1, 2, 4, 8, dtype=self.dtype))]
+
+    model, cache = Model(), PrefixCache()
+    root = cache.root(model)
+    block = root.children[(1,)] = Node(root, (1,), torch.zeros(3))
+    cache.lru[block], cache.bytes = None, block.bytes
+    assert cache.root(model) is root
+    model.dtype = torch.bfloat16
+    assert cache.root(model) is not root and cache.bytes == 0 and not cache.lru and not root.children

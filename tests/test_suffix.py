@@ -79,9 +79,9 @@ def test_a_prompt_shorter_than_its_match_in_the_store():
 
 def test_the_request_itself_is_searched_as_lookup_searches_it():
     drafter = drafter_over([], [1, 2, 3, 1, 2])
-    assert drafter.preview(4)[0] == [3, 1, 2, 3]  # the copy runs on into its own guesses
+    assert drafter.preview(4).guesses == [3, 1, 2, 3]  # the copy runs on into its own guesses
     drafter.accept([3, 1], None)
-    assert drafter.preview(2)[0] == [2, 3]
+    assert drafter.preview(2).guesses == [2, 3]
     drafter.finish([3, 1, 7])  # the prompt and the output join the store
     assert list(drafter.store.texts) == [[1, 2, 3, 1, 2, 3, 1, 7]]
 

@@ -198,7 +198,7 @@ def test_lookup_is_as_sure_of_a_node_as_the_share_of_matches_through_it():
     tokens, parents, sure = drafter.preview_tree(2, 16)
     assert (tokens, parents) == ([7, 9, 11, 10, 8], [-1, -1, 0, 1, 0])
     assert sure == pytest.approx([2 / 3 * 2 / 3, 1 / 3 * 2 / 3, 1 / 2 * 2 / 3, 2 / 3, 1 / 2 * 2 / 3])
-    assert drafter.preview(1)[1] == [2 / 3]  # the chain's confidence in a lone match
+    assert drafter.preview(1).confidences == [2 / 3]  # the chain's confidence in a lone match
     assert drafter.preview_tree(2, 3)[:2] == ([7, 9, 11], [-1, -1, 0])  # a smaller budget: the first nodes
 
 

@@ -129,7 +129,8 @@ class ModelDrafter:
         self.tree = None  # the last proposal's tree: tokens, parents, and each node's slot past `length` or None
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return propose_together([Ask(self, k, sampling, generator, keep_guessing)])[0][:2]
+        proposal = propose_together([Ask(self, k, sampling, generator, keep_guessing)])[0]
+        return proposal.drafts, proposal.q
 
     def fed(self, n, logits, state):
         """n tokens went through the draft: the logits and (a head's) state for the next guess."""
@@ -353,7 +354,7 @@ def add_children(trees, scored):
             rows.append(logits)
     for tree, (nodes, rows) in drawing.items():
         tree.growth.draw(nodes, adjust(torch.stack(rows), tree.sampling), tree.generator)
-    scored = [entry for entry in scored if entry[0].sampling.greedy]
+    scored = [(tree, node, logits) for tree, node, logits in scored if tree.sampling.greedy]
     best = [best_children(logits, tree.sampling, tree.growth.width) for tree, _, logits in scored]
     if not best:
         return

@@ -4,14 +4,21 @@ cache: both live on the host, and their guesses cost nothing but the verify posi
 
 from collections import Counter, defaultdict
 from itertools import islice
+from typing import NamedTuple
 
 import torch
 
 from ..models.kernels import to_device
 from .sampling import Sampling, adjust, sample
-from .tree import best_first, first_of, likeliest, tree_or_chain
+from .tree import KeptTree, PreviewedTree, best_first, first_of, likeliest, tree_or_chain
 
 TREE_OCCURRENCES = 32  # the most earlier occurrences lookup's tree counts (LookupDrafter.preview_tree)
+
+
+class Preview(NamedTuple):
+    """A text drafter's next guesses and its confidence in each."""
+    guesses: list
+    confidences: list
 
 
 class TextDrafter:
@@ -21,21 +28,21 @@ class TextDrafter:
     model, encoder_calls, reads_states, calls = None, 0, False, 0
 
     def propose(self, k, sampling, generator, keep_guessing=None):
-        return to_device(self.preview(k)[0] if k else [], self.device), None
+        return to_device(self.preview(k).guesses if k else [], self.device), None
 
     def propose_tree(self, k, budget, sampling=None):
-        tokens, parents, _ = first_of(self.previewed_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
+        tokens, parents, _ = first_of(self.kept_tree, len(self.context), k, budget) or self.preview_tree(k, budget)
         return to_device(tokens, self.device), None, tree_or_chain(parents)
 
     def previewed(self, tree, k, budget):
         """Keep a preview_tree's tree for propose_tree, which takes its first nodes."""
-        self.previewed_tree = (len(self.context), k, budget, tree)
+        self.kept_tree = KeptTree(len(self.context), k, budget, tree)
         return tree
 
 
 def trie_of(paths, most):
-    """The trie of `paths` ((tokens, match length) each, longest first): tokens, parents, and how sure of each
-    node a copying drafter is (its share of its parent's paths, times its longest match over `most`)."""
+    """The trie of `paths` ((tokens, match length) each, longest first): a PreviewedTree, how sure of each
+    node a copying drafter is its share of its parent's paths, times its longest match over `most`."""
     tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
     for path, matched in paths:
         at = -1
@@ -50,7 +57,7 @@ def trie_of(paths, most):
             visits[at] += 1
     sure = [visits[j] / (len(paths) if parent < 0 else visits[parent]) * longest[j] / most
             for j, parent in enumerate(parents)]
-    return tokens, parents, sure
+    return PreviewedTree(tokens, parents, sure)
 
 
 def copy_after(context, end, k):
@@ -70,7 +77,7 @@ class NgramDrafter(TextDrafter):
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
         self.context = prompt_ids.view(-1).tolist()
-        self.previewed_tree = None  # (context length, depth, budget, tree) of the last preview_tree
+        self.kept_tree = None  # the last preview_tree's KeptTree
         self.unigrams, self.bigrams = Counter(), defaultdict(Counter)
         self.counted = 0  # context tokens already counted
         self.ranked = {}  # token (None: the unigrams) -> ranked_successors, until its counts change
@@ -102,7 +109,7 @@ class NgramDrafter(TextDrafter):
             previous = min(counts, key=lambda token: (-counts[token], token))
             guesses.append(previous)
             shares.append(counts[previous] / counts.total())
-        return guesses, shares
+        return Preview(guesses, shares)
 
     def ranked_successors(self, token):
         """The tokens counted after `token` and their shares, most counted first; kept until the counts change."""
@@ -121,7 +128,7 @@ class NgramDrafter(TextDrafter):
 
     def propose(self, k, sampling, generator, keep_guessing=None):
         if sampling.greedy:
-            return to_device(self.greedy_continuation(k)[0], self.device), None
+            return to_device(self.greedy_continuation(k).guesses, self.device), None
         if self.generator is None:
             seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -148,7 +155,7 @@ class LookupDrafter(TextDrafter):
         self.device, self.max_ngram = device, max_ngram
 
     def start(self, prompt_ids, sampling=Sampling(), row=0):
-        self.context, self.previewed_tree = [], None  # previewed_tree: as NgramDrafter's
+        self.context, self.kept_tree = [], None  # kept_tree: as NgramDrafter's
         self.ends = defaultdict(list)  # n-gram -> end positions of its occurrences, oldest first
         self.extend(prompt_ids.view(-1).tolist())
 
@@ -183,7 +190,7 @@ class LookupDrafter(TextDrafter):
     def preview(self, k):
         """The guesses, the surer the longer the match they copy."""
         guesses, matched = self.continuation(k)
-        return guesses, [matched / self.max_ngram] * len(guesses)
+        return Preview(guesses, [matched / self.max_ngram] * len(guesses))
 
     def accept(self, tokens, tokens_on_device, seen=None):
         self.extend(tokens)

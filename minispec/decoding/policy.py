@@ -65,8 +65,8 @@ class Drafting(NamedTuple):
     """What a request's drafter lets gamma="auto" do."""
     early_stop: bool = False  # it reports its confidence in each guess and asks keep_guessing after each
     measure_draft: bool = True  # its time can be read for free: its steps time it
-    preview: Optional[Callable] = None  # preview(k): its next k guesses and its confidence in each (lists)
-    preview_tree: Optional[Callable] = None  # preview_tree(k, budget): its tree (tokens, parents, confidences)
+    preview: Optional[Callable] = None  # preview(k): its next k guesses and its confidence in each (lookup.Preview)
+    preview_tree: Optional[Callable] = None  # preview_tree(k, budget): its tree, a tree.PreviewedTree
     branching: bool = False  # trees it cannot preview, chosen by measured speed
 
 
@@ -147,7 +147,7 @@ class AdaptiveGamma:
         self.keep_guessing = self._keep_guessing if drafting.early_stop else None
         self.tree_nodes = None  # with tree="auto": this step's tree budget (None: a chain), set by guesses()
         self.planned = None  # the planned tree's expected tokens
-        self.previewed, self.previewed_tree = None, None  # this step's previewed guesses, or tree
+        self.previewed, self.previewed_tree = None, None  # this step's previewed guesses, or PreviewedTree
         self.confidences = []  # the drafter's confidence in each guess of this step
         self.histogram = [0] * (self.k_max + 1)
         self.guessed_last_step, self.expected_tokens, self.seen = False, 0.0, Seen()
@@ -274,7 +274,7 @@ class AdaptiveGamma:
         (None: no guess) and returns their depth."""
         nodes = min(nodes, len(self.tree_expected) - 1)
         self.tree_nodes, self.planned = nodes or None, self.tree_expected[nodes]
-        return max(depths(self.previewed_tree[1])[:nodes], default=0)
+        return max(depths(self.previewed_tree.parents)[:nodes], default=0)
 
     def learn_tree(self, emitted):
         """Every previewed node whose parent survived, against the tokens the target emitted: the node

@@ -112,13 +112,13 @@ class PrefixCache:
         """The model's tree, emptied if its caches' dtype or shape changed since it was filled."""
         caches = model.kv_caches()
         layout = (caches[0].k.dtype, len(caches), tuple(caches[0].k.shape[1::2]))
-        known = self.roots.get(model)
-        if known is None or known[0] != layout:
-            if known is not None:
-                for child in list(known[1].children.values()):
-                    self.evict(child)
-            known = self.roots[model] = layout, Node(None, None, None)
-        return known[1]
+        known, root = self.roots.get(model, (None, None))  # its layout when filled, and its root
+        if known != layout:
+            for child in list(root.children.values()) if root is not None else ():
+                self.evict(child)
+            root = Node(None, None, None)
+            self.roots[model] = layout, root
+        return root
 
     def make_room(self, size, keep):
         """Evict the least recently used blocks until `size` more bytes fit; False where that would evict

@@ -30,7 +30,7 @@ from itertools import accumulate, islice
 from pathlib import Path
 from typing import NamedTuple
 
-from .lookup import TextDrafter, copy_after, trie_of
+from .lookup import Preview, TextDrafter, copy_after, trie_of
 from .profiles import folder, write_whole
 from .sampling import Sampling
 from .tree import children_of, likeliest
@@ -223,18 +223,18 @@ class SuffixDrafter(TextDrafter):
         self.own = Texts()
         self.context = self.own.add(prompt_ids.view(-1).tolist())
         self.prompt_length = len(self.context)
-        self.counted = self.previewed_tree = None  # this step's trie (counts), and its tree (as lookup's)
+        self.tries, self.kept_tree = {}, None  # {(context length, depth): this step's trie}; kept_tree: as lookup's
 
     def trie(self, k):
         """The continuations (k deep) of the OCCURRENCES places matching the longest suffixes, as a trie:
         tokens, parents, and each node's confidence. Kept for the step's other calls."""
-        if self.counted is not None and self.counted[:2] == (len(self.context), k):
-            return self.counted[2]
+        if (key := (len(self.context), k)) in self.tries:
+            return self.tries[key]
         # (the suffix itself is no place: nothing follows it yet)
         places = self.own.places(self.context) + self.store.places(self.context)
         places = sorted(places, key=lambda place: -place.matched)[:OCCURRENCES]
         trie = trie_of([(copy_from(place, self.context, k), place.matched) for place in places], MATCH_MAX)
-        self.counted = len(self.context), k, trie
+        self.tries = {key: trie}
         return trie
 
     def preview(self, k):
@@ -246,7 +246,7 @@ class SuffixDrafter(TextDrafter):
             at = max(children, key=lambda j: (sure[j], -j))
             guesses.append(tokens[at])
             confidences.append(sure[at])
-        return guesses, confidences
+        return Preview(guesses, confidences)
 
     def preview_tree(self, k, budget):
         """The trie's `budget` likeliest nodes (tree.likeliest)."""

@@ -116,14 +116,15 @@ def add_path(tokens, parents, continuation, budget):
 def best_first(root, successors, depth, budget):
     """A tree below token `root` of at most `budget` nodes, `depth` deep, most probable node first (a
     path's product of probabilities), for a drafter whose successors(token) ranks (token, probability)
-    for free. Returns tokens, parents and each node's probability given its parent."""
+    for free. A PreviewedTree, each node's confidence its probability given its parent."""
     tokens, parents, levels, probabilities, shares = [], [], [], [], []  # per node; the root, -1, is at depth 0
     waiting, arrival = [], count()  # candidates: (-probability, arrival, parent, rank)
 
     def offer(parent, rank):
         ranked = successors(root if parent < 0 else tokens[parent])
         if rank < len(ranked) and (0 if parent < 0 else levels[parent]) < depth:
-            probability = (1.0 if parent < 0 else probabilities[parent]) * ranked[rank][1]
+            _, share = ranked[rank]
+            probability = (1.0 if parent < 0 else probabilities[parent]) * share
             heapq.heappush(waiting, (-probability, next(arrival), parent, rank))
 
     offer(-1, 0)
@@ -137,30 +138,46 @@ def best_first(root, successors, depth, budget):
         shares.append(share)
         offer(len(tokens) - 1, 0)  # its first child, which a tie puts before its next sibling
         offer(parent, rank + 1)  # its next sibling, ranked after it
-    return tokens, parents, shares
+    return PreviewedTree(tokens, parents, shares)
 
 
-def first_of(previewed, length, depth, budget):
-    """The first `budget` nodes of the tree previewed at this step (previewed: (context length, depth,
-    budget, tree) or None), or None where that preview cannot give them."""
-    if previewed is None:
+class PreviewedTree(NamedTuple):
+    """A drafter's tree as preview_tree returns it: its nodes' tokens, parents, and its confidence in each."""
+    tokens: list
+    parents: list
+    confidences: list
+
+
+class KeptTree(NamedTuple):
+    """A text drafter's last preview_tree: at which context length, how deep, for what budget, and the tree."""
+    length: int
+    depth: int
+    budget: int
+    tree: PreviewedTree
+
+
+def first_of(kept, length, depth, budget):
+    """The first `budget` nodes of the tree kept at this step (a KeptTree or None), or None where that
+    preview cannot give them."""
+    if kept is None:
         return None
-    at, deep, size, (tokens, parents, sure) = previewed
-    if at != length or deep < depth or size < budget or max(depths(parents[:budget]), default=0) > depth:
+    tokens, parents, sure = kept.tree
+    if (kept.length != length or kept.depth < depth or kept.budget < budget
+            or max(depths(parents[:budget]), default=0) > depth):
         return None
-    return tokens[:budget], parents[:budget], sure[:budget]
+    return PreviewedTree(tokens[:budget], parents[:budget], sure[:budget])
 
 
 def likeliest(tokens, parents, sure, budget):
     """A tree's `budget` most probable nodes, most probable first (ties: the shallower), a node's
-    probability the product of `sure` down its path: a topological order. Returns tokens, parents, sure."""
+    probability the product of `sure` down its path: a topological order. A PreviewedTree."""
     probability, level = [], depths(parents)
     for parent, confidence in zip(parents, sure):
         probability.append((1.0 if parent < 0 else probability[parent]) * confidence)
     order = sorted(range(len(tokens)), key=lambda j: (-probability[j], level[j], j))[:budget]
     place = {j: i for i, j in enumerate(order)}
-    return ([tokens[j] for j in order], [-1 if parents[j] < 0 else place[parents[j]] for j in order],
-            [sure[j] for j in order])
+    return PreviewedTree([tokens[j] for j in order], [-1 if parents[j] < 0 else place[parents[j]] for j in order],
+                         [sure[j] for j in order])
 
 
 def depths(parents):
@@ -276,7 +293,7 @@ class DrawnGrowth(Growth):
         slots = sorted((-self.slot_score(node, value), i, n) for n, (node, values) in enumerate(zip(nodes, largest))
                        for i, value in enumerate(values) if value > 0)
         # the spine's first draw always (the chain of draws goes on), then the best other slots
-        first = [slot for slot in slots if nodes[slot[2]] == self.spine_end() and slot[1] == 0]
+        first = [(minus_score, i, n) for minus_score, i, n in slots if nodes[n] == self.spine_end() and i == 0]
         counts = Counter(n for _, _, n in (first + [slot for slot in slots if slot not in first])[:room])
         for n, node in enumerate(nodes):
             if counts[n]:
