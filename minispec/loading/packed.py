@@ -1,6 +1,5 @@
 """Quantized checkpoints in the native kernels' layout: a conversion rewritten once in it (pack_stored),
 so that a load maps it from the file as it is, and unpacked again where the kernels do not take it."""
-import os
 from pathlib import Path
 
 from ..models import backend
@@ -21,8 +20,7 @@ def pack_stored(directory, model):
         for key, tensor in module._buffers.items():
             if tensor is not None and key not in module._non_persistent_buffers_set:
                 tensors[prefix + ("packed_" if getattr(module, "native", False) else "") + key] = tensor
-    save_safetensors(tensors, Path(directory) / "model.safetensors.partial", metadata={"format": "pt"})
-    os.replace(Path(directory) / "model.safetensors.partial", Path(directory) / "model.safetensors")
+    save_safetensors(tensors, Path(directory) / "model.safetensors", metadata={"format": "pt"})
 
 
 def unpacked_unless_taken(model, stored, device, tp):

@@ -12,19 +12,11 @@ import threading
 import tokenizers
 
 from ..models.checks import FLAG, LIST, TABLE, TEXT, Check, check, integer
+from .weights import read_json
 
 
 class UnsupportedTokenizer(ValueError):
     """A tokenizer.json that is no byte-level BPE this module knows (the message names the part)."""
-
-
-def read_json(path):
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as error:  # also invalid UTF-8, and integers too long to convert
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
 
 
 MAX_EXTRA_IDS = 1000  # T5's sentinel tokens (<extra_id_N>): 100 in every T5; each is an added token
@@ -38,9 +30,8 @@ def read_config(directory):
     """special_tokens_map.json and tokenizer_config.json merged (the latter wins), each value read checked."""
     config = {}
     for path in (directory / "special_tokens_map.json", directory / "tokenizer_config.json"):
-        part = read_json(path)
+        part = read_json(path) if path.is_file() else {}
         try:
-            TABLE("its top level", part)
             for key in ("bos_token", "eos_token", "pad_token"):
                 if isinstance(check(part, key, TEXT_OR_TABLE, None), dict):
                     check(part[key], "content", TEXT, where=f"{key}.")

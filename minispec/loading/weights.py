@@ -1,11 +1,5 @@
-"""Checkpoint files, the bottom of the loading layer: reading a directory's config.json and
-safetensors weights, writing safetensors files, and the weights folder that conversions and stored
-costs are kept in.
-
-minispec writes safetensors itself (a few lines: the format is a length, a JSON header and the raw
-bytes), one tensor at a time from its own memory (a non-contiguous one through a copy of it alone);
-reading goes through the package.
-"""
+"""Checkpoint files, the bottom of the loading layer: a directory's config.json and safetensors weights,
+safetensors files written, and the weights folder that conversions and stored costs are kept in."""
 
 import ctypes
 import hashlib
@@ -13,14 +7,14 @@ import json
 import os
 import struct
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..models.checks import INDEX, TOKEN_IDS, check
+from ..models.checks import INDEX, TABLE, TOKEN_IDS, check
 from ..settings import DTYPE_NAMES
 
 
@@ -31,7 +25,7 @@ class CheckpointError(ValueError):
 def weights_dir():
     if os.environ.get("MINISPEC_WEIGHTS"):
         return Path(os.environ["MINISPEC_WEIGHTS"]).expanduser()
-    root = Path(__file__).resolve().parents[2]  # minispec/loading/builtin.py -> the checkout
+    root = Path(__file__).resolve().parents[2]  # minispec/loading/weights.py -> the checkout
     if (root / "weights").is_dir() and (root / "pyproject.toml").is_file():  # a checkout
         return root / "weights"
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "minispec"
@@ -53,19 +47,18 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def read_json(file):
+    """A JSON file holding an object, as a dict: a list where its keys should be would fail later with a
+    traceback. RecursionError: JSON nested thousands deep; ValueError: also invalid UTF-8."""
     try:
-        return json.loads(Path(file).read_text())
-    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested thousands deep
+        value = json.loads(Path(file).read_text(encoding="utf-8"))
+    except OSError as error:
         raise CheckpointError(f"cannot read {file}: {error}") from error
-
-
-def read_json_object(file):
-    """A JSON file holding an object, as a dict: a list or a number where a file's keys should be would
-    otherwise fail with a traceback wherever they are first looked up."""
-    value = read_json(file)
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object")
-    return value
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{file} is not valid JSON: {error}") from error
+    try:
+        return TABLE("its top level", value)
+    except ValueError as error:
+        raise CheckpointError(f"{file}: {error}") from None
 
 
 # The token ids minispec reads from config.json and generation_config.json.
@@ -78,11 +71,11 @@ def read_config(directory):
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    config = read_json_object(config_file)
+    config = read_json(config_file)
     check_token_ids(config, config_file)
     generation_file = Path(directory) / "generation_config.json"
     if generation_file.is_file():  # eos/bos ids there override the model config's, as in the reference
-        generation = read_json_object(generation_file)
+        generation = read_json(generation_file)
         check_token_ids(generation, generation_file)
         config.update({k: v for k, v in generation.items() if k.endswith("token_id") and v is not None})
     return config
@@ -101,12 +94,11 @@ def weight_files(directory):
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
         shards = sorted(set(map(str, weight_map.values())))
-        # A shard is a file of this folder: a path elsewhere ("../other/x", "/etc/shadow") would read, or
-        # probe for, files that are not the checkpoint's.
+        # a path elsewhere ("../other/x", "/etc/shadow") would read, or probe for, files not the checkpoint's
         outside = [shard for shard in shards if Path(shard).name != shard or shard in (".", "..")]
         if outside:
             raise CheckpointError(f"{index} names a shard outside its folder: {outside[0]!r}")
@@ -146,7 +138,6 @@ def read_dtypes(files):
 
 
 def read_weights(files):
-    """Every tensor of the safetensors `files` (weight_files)."""
     weights = {}
     for file in files:
         with reading(file):
@@ -158,9 +149,8 @@ MADV_DONTNEED = 4  # linux/mman.h
 
 
 def release_file_pages(files):
-    """Drop this process's resident pages of the files' mappings (safetensors maps what it reads):
-    what a load copied (fused, packed, cast) it reads no more, and a page still read comes back from the
-    page cache at its next read. Linux only; elsewhere nothing happens."""
+    """Drop this process's resident pages of the files' mappings: what a load copied it reads no more, and a
+    page still read comes back from the page cache. Linux only; elsewhere nothing happens."""
     names = {str(Path(file).resolve()) for file in files}
     try:
         with open("/proc/self/maps") as maps:
@@ -174,9 +164,8 @@ def release_file_pages(files):
 
 
 def release_freed_memory():
-    """Hand the float weights' freed memory back to the system. glibc keeps freed heap memory for reuse,
-    and quantizing leaves small tensors between the freed float temporaries, which then stays resident
-    (nearly twice the quantized model's memory). Other C libraries: nothing to do."""
+    """Hand freed heap memory back to the system: glibc keeps it for reuse, and the small tensors quantizing
+    leaves between freed float temporaries would keep it resident. Other C libraries: nothing to do."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -189,16 +178,13 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-
-
 ALIGN = 64  # bytes of a cache line
 
 
 def save_safetensors(tensors, file, metadata=None):
-    """Write {name: tensor} as a safetensors file: an 8-byte little-endian header length, the JSON
-    header (each tensor's dtype, shape and byte range; padded with spaces so that the data starts on a
-    cache line), then every tensor's bytes, back to back in header order: those of whole cache lines
-    first, so that a load mapping the file gets them on cache lines, as the kernels read them best."""
+    """Write {name: tensor} as a safetensors file, one tensor at a time from its own memory, whole (through a
+    partial file renamed at the end) or not at all. The header is padded, and tensors of whole cache lines
+    come first, so that a load mapping the file gets them on cache lines, as the kernels read them best."""
     if sys.byteorder != "little":  # the format is little-endian; torch's memory here would not be
         raise OSError("writing safetensors files needs a little-endian machine")
     tensors = dict(sorted(tensors.items(), key=lambda item: item[1].numel() * item[1].element_size() % ALIGN != 0))
@@ -213,10 +199,16 @@ def save_safetensors(tensors, file, metadata=None):
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % ALIGN)
-    with open(file, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
-        for tensor in tensors.values():
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.numel():  # a view of the tensor's memory as bytes: no copy
-                out.write((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
+    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as out:
+            out.write(struct.pack("<Q", len(encoded)))
+            out.write(encoded)
+            for tensor in tensors.values():
+                tensor = tensor.detach().to("cpu").contiguous()
+                if tensor.numel():  # a view of the tensor's memory as bytes: no copy
+                    out.write((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
+        os.replace(partial, file)
+    finally:  # what an error or Ctrl-C left of it (once renamed there is none)
+        with suppress(OSError):
+            partial.unlink()
