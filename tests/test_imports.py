@@ -40,7 +40,7 @@ TOOL_API = {"api", "cli", "loaders", "settings", "decoding.drafters", "decoding.
 # imported inside the function that needs them so that a float model's generate never reads them.
 # Families are imported by name (checkpoint.FAMILIES).
 LAZY = {"heads.__init__", "decoding.beam", "models.quant", "models.tp", "loading.parallel", "loading.gguf",
-        "loading.builtin", "loading.hub", "loading.chat", "native.__init__", "decoding.lookup",
+        "loading.builtin", "loading.chat", "native.__init__", "decoding.lookup",
         "decoding.suffix", "decoding.prefix", "decoding.noise", "decoding.grammar", "loading.packed", "models.compiled", "loading.spm", "serve.group", "heads.learn",
         "decoding.mixed", "decoding.batched"}
 CORE_LINES = 6000  # what `import minispec` and one float model's speculative generate read

@@ -130,7 +130,7 @@ def test_the_hubs_progress_bars_show_on_a_terminal_only(monkeypatch, tmp_path, t
     huggingface_hub = pytest.importorskip("huggingface_hub")
     from huggingface_hub import utils
 
-    from minispec.loading import hub
+    from minispec.loading import builtin
 
     seen = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **options: seen.append(
@@ -139,7 +139,7 @@ def test_the_hubs_progress_bars_show_on_a_terminal_only(monkeypatch, tmp_path, t
     disabled = utils.are_progress_bars_disabled()  # other tests' libraries may have turned them off
     utils.enable_progress_bars()
     try:
-        assert hub.download_from_hub("someone/model") == tmp_path
+        assert builtin.download_from_hub("someone/model") == tmp_path
         assert seen == [not terminal] and not utils.are_progress_bars_disabled()  # as they were after
     finally:
         if disabled:

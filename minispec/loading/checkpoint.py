@@ -130,10 +130,6 @@ def check_device(device):
     return device
 
 
-def default_dtype(device):
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def load_tokenizer(directory, model_type=""):
     """The tokenizer of a checkpoint directory (None without tokenizer files): tokenizer.json where it is a
     byte-level BPE, else the SentencePiece model beside it; `model_type` tells T5's where file names do not."""
@@ -219,13 +215,23 @@ def read_checkpoint(directory, world=None, dtype=None, keep=False):
 
 
 def converted_weights(directory, files, convert, config, stacks, dtype):
-    """The checkpoint's tensors checked, cast to `dtype` and converted to the model's names and layout."""
+    """The checkpoint's tensors checked, cast to `dtype` and converted by the family (within a layer, so a cast
+    before it is exact) a layer at a time, each layer's file pages dropped once its copies are made."""
     weights = read_weights(files)
     check_cast_and_release(weights, directory, dtype, files)
-    try:
-        return convert_by_layer(weights, convert, config, stacks, files)
-    except ValueError as error:  # the family's key mapping found tensors it cannot place
-        raise CheckpointError(f"{directory}: {error}") from error
+    layer = re.compile(rf"(?:^|\.)({'|'.join(map(re.escape, stacks.values()))})\.(\d+)\.")
+    layers = {}
+    for name in list(weights):
+        match = layer.search(name)
+        layers.setdefault(match and match.groups(), {})[name] = weights.pop(name)
+    converted = {}
+    for key in list(layers):
+        try:
+            converted.update(convert(layers.pop(key), config))
+        except ValueError as error:  # the family's key mapping found tensors it cannot place
+            raise CheckpointError(f"{directory}: {error}") from error
+        release_file_pages(files)
+    return converted
 
 
 # Products read packed copies of the weights, so the weights as converted (fused, cast) are read once, to
@@ -315,21 +321,6 @@ def check_cast_and_release(weights, source, dtype=None, files=()):
             read = 0
 
 
-def convert_by_layer(weights, convert, config, stacks, files):
-    """The family's conversion (within a layer, so a cast before it is exact) a layer at a time, each layer's
-    file pages dropped once its copies are made; `weights` is emptied as it goes."""
-    layer = re.compile(rf"(?:^|\.)({'|'.join(map(re.escape, stacks.values()))})\.(\d+)\.")
-    layers = {}
-    for name in list(weights):
-        match = layer.search(name)
-        layers.setdefault(match and match.groups(), {})[name] = weights.pop(name)
-    converted = {}
-    for key in list(layers):
-        converted.update(convert(layers.pop(key), config))
-        release_file_pages(files)
-    return converted
-
-
 def check_checkpoint(directory):
     """A folder read and checked as load_model reads it (a conversion, before it is kept), its quantized
     weights rewritten in the layout the native kernels read."""
@@ -356,7 +347,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         world, device = parallel.launch(tp, device)
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
-    dtype = dtype or default_dtype(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
     # a float32 copy of a bfloat16 1.5B model's every weight first was 6 GB and half its load time.
     keep = quantize is None and tp is None and can_pack(dtype, device)  # packed: read once, then dropped
@@ -365,13 +356,12 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if stored:
         from .packed import unpacked_unless_taken  # quantized checkpoints only
         stored = unpacked_unless_taken(model, stored, device, tp)
-    quantizing = bool(quantize or stored)
     model.load_state_dict(weights, assign=True, strict=not stored)
     del weights  # the model holds them now: quantizing frees each float weight as its layer is done
     mapped = any("packed_weight" in parts for parts in stored.values())  # read from the file every step
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
         parallel.join(device).shard(model, stored)
-    if quantizing:
+    if quantize or stored:
         try:
             # the file pages each replaced module read are read no more: dropped as quantizing goes
             layer_done = None if mapped else partial(release_load_memory, files)

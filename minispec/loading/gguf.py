@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from contextlib import contextmanager, nullcontext
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from tqdm import tqdm
 
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
 from ..models.quant import QUANT_METHOD, common_form, pack_int4
@@ -518,30 +518,27 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     stored = kept_quantized(tensors, source) if keep_quantized else {}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
-    progress = progress and quantized_bytes >= PROGRESS_MIN_BYTES
-    done, reported = 0, 0
+    bar = tqdm(total=quantized_bytes, bar_format="minispec: converted {percentage:.0f}% of {total_fmt}iB",
+               unit_scale=True, unit_divisor=1024, disable=not progress or quantized_bytes < PROGRESS_MIN_BYTES)
     weights = {}
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
             continue
-        target = hf_name(name, config["model_type"])
-        kind = name.split(".")[-2]
-        rows = partial(unpermute, n_head=heads[kind]) if config["model_type"] == "llama" and kind in heads else None
+        target, kind = hf_name(name, config["model_type"]), name.split(".")[-2]
+        llama_qk = config["model_type"] == "llama" and kind in heads
+        rows = partial(unpermute, n_head=heads[kind]) if llama_qk else (lambda weight: weight)
         if name in stored:
             prefix = target.removesuffix(".weight")
-            weights.update({f"{prefix}.{key}": rows(value) if rows else value for key, value in stored[name].items()})
+            weights.update({f"{prefix}.{key}": rows(value) for key, value in stored[name].items()})
         else:
-            weight = rows(dequantize(tensor)) if rows else dequantize(tensor)
+            weight = rows(dequantize(tensor))
             if config["model_type"] in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's norm weights w as the 1 + w they scale by
             weights[target] = weight if dtype is None else weight.to(dtype)
         if source and tensor.type in QUANT_TYPES and name not in stored:  # its pages: read, and copied
             release_file_pages([source])
-        if progress and tensor.type in QUANT_TYPES:
-            done += tensor.data.numel()
-            if done * 10 // quantized_bytes > reported:
-                reported = done * 10 // quantized_bytes
-                print(f"minispec: converted {reported * 10}% of {quantized_bytes >> 20} MiB", file=sys.stderr)
+        bar.update(tensor.data.numel() if tensor.type in QUANT_TYPES else 0)
+    bar.close()
     return weights
 
 

@@ -1,7 +1,5 @@
-"""The process group a tensor-parallel target runs in (`minispec.load(..., tp=N)`, `run.py --tp N`), checked
-before anything is loaded, then joined: one process per rank, started by torchrun or by a program that has
-joined a group itself; NCCL on CUDA, gloo on the CPU. The sharding itself is models/tp.py's.
-"""
+"""The process group a tensor-parallel target runs in (tp=N), checked before anything is loaded, then joined:
+one process per rank, started by torchrun; NCCL on CUDA, gloo on the CPU. The sharding is models/tp.py's."""
 
 import atexit
 import gc
@@ -15,8 +13,7 @@ import torch.distributed as dist
 from ..models.tp import TensorParallel
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
-# Seconds a rank waits for the others to join (MINISPEC_TP_TIMEOUT): a rank that never comes is an error,
-# not a hang; as long as torch's default, for ranks that load a large checkpoint first.
+# Seconds a rank waits for the others to join (MINISPEC_TP_TIMEOUT): torch's default, for ranks loading a large checkpoint
 JOIN_TIMEOUT = 600
 
 
@@ -29,7 +26,6 @@ def env_int(name):
 
 
 def join_timeout():
-    """MINISPEC_TP_TIMEOUT in seconds (default JOIN_TIMEOUT), checked."""
     value = os.environ.get("MINISPEC_TP_TIMEOUT", str(JOIN_TIMEOUT))
     try:
         seconds = float(value)
@@ -41,8 +37,8 @@ def join_timeout():
 
 
 def launch(tp, device):
-    """(world size, this rank's torch.device) for a target of tp ranks on `device` ("cuda": the local rank's
-    GPU), or a one-line ValueError for a setup that cannot run: nothing is joined yet."""
+    """(world size, this rank's torch.device; "cuda": the local rank's GPU), or a one-line ValueError for a setup
+    that cannot run: nothing is joined yet."""
     if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
         raise ValueError(f"tp must be an integer >= 1 (the number of processes the target is sharded over), got {tp!r}")
     try:
@@ -82,8 +78,8 @@ def launch(tp, device):
 
 
 def join(device):
-    """The TensorParallel of this process: the default group (joined here, waiting at most MINISPEC_TP_TIMEOUT
-    seconds for every rank, when the launcher has not), and under NCCL a gloo group beside it for host values."""
+    """The TensorParallel of this process: the default group (joined here if the launcher has not), and under
+    NCCL a gloo group beside it for host values."""
     global host_group, joined
     if not joined:
         # Reference cycles holding the collectives' objects, destroyed in the interpreter's teardown, can
@@ -115,8 +111,8 @@ joined = False  # whether this process has joined a process group
 
 
 def leave():
-    """Leave the process group at the end of a command line's run (not after a failure, when the others may be
-    anywhere): a barrier first, so that no rank closes its connections while a peer still receives."""
+    """Leave the process group at the end of a run: a barrier first, so that no rank closes its connections
+    while a peer still receives."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,7 +1,5 @@
-"""Tokenizers: what minispec needs of one (Tokenizer), with the Hugging Face conventions around BOS/EOS and
-added tokens; byte-level BPE from tokenizer.json (GPT-2, SmolLM, Qwen2, Llama 3), checked, then run by the
-`tokenizers` library as the reference runs it. SentencePiece models are loading/spm.py's.
-"""
+"""Tokenizers: what minispec needs of one (Tokenizer), and byte-level BPE from tokenizer.json, checked, then
+run by the `tokenizers` library as the reference runs it. SentencePiece models are loading/spm.py's."""
 
 import hashlib
 import json
@@ -53,7 +51,6 @@ def read_config(directory):
 
 
 def check_added_token(token, where):
-    """An added token as tokenizer.json and tokenizer_config.json store it: {content, special, lstrip ...}."""
     content = check(TABLE(where, token), "content", TEXT, where=f"{where}.")
     if not content:  # it would match everywhere
         raise ValueError(f"{where}.content is empty")
@@ -63,8 +60,7 @@ def check_added_token(token, where):
 
 
 def read_chat_template(directory, config):
-    """chat_template.jinja, or tokenizer_config.json's "chat_template" (a string, or named templates of which
-    "default" applies), or None."""
+    """chat_template.jinja, or tokenizer_config.json's "chat_template" (a string, or named ones), or None."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         try:
@@ -87,7 +83,6 @@ class Tokenizer:
     of model tokens (`decode_run`) and names `literal_ids`, the tokens whose text is their content."""
 
     def __init__(self, id_to_token, added_tokens, config, chat_template):
-        """id_to_token: every id's token string; added_tokens: [{id, content, special, lstrip, rstrip ...}]."""
         self.id_to_token = id_to_token
         self.added = {t["id"]: t for t in added_tokens}
         self.special_ids = {t["id"] for t in added_tokens if t.get("special")}
@@ -124,7 +119,6 @@ class Tokenizer:
         return "".join(out)
 
     def describe(self, i):
-        """Id i's token in words, for messages."""
         content = self.id_to_token.get(i)
         return "no token" if content is None else reprlib.repr(content) + " (special)" * (i in self.special_ids)
 
@@ -143,9 +137,8 @@ class Tokenizer:
         return ids
 
 
-# Oniguruma, the reference's regex engine, backtracks: a repeated group that can match the same text in several
-# ways, as "(a+)+$" or "(a|aa)*$", takes exponential time until the reference panics. Such a group holds a
-# quantifier or an alternation; real tokenizers' patterns repeat only characters and classes, so one is refused.
+# Oniguruma backtracks: a repeated group that can match the same text in several ways, as "(a+)+$", takes
+# exponential time. Such a group holds a quantifier or an alternation, which real tokenizers' patterns never repeat.
 REGEX_ATOM = re.compile(r"\\(?:[pP]\{[^}]*\}|.?)|\[\^?|\(\??|.", re.DOTALL)  # an escape, a class's or group's start
 
 
@@ -225,9 +218,8 @@ def pre_tokenizer_step(kind, spec, where):
 
 
 class ByteLevelBPE(Tokenizer):
-    """Byte-level BPE from a tokenizer.json, or SentencePiece-style BPE (Gemma's, as a GGUF import writes it:
-    spaces as "▁", other bytes as <0xNN> tokens), run by the `tokenizers` library. The file is checked and
-    rebuilt from the parts this module knows first, so that a bad one is a one-line error naming its key."""
+    """Byte-level BPE from a tokenizer.json, or SentencePiece-style BPE as a GGUF import writes Gemma's, run by
+    `tokenizers` once rebuilt from the parts checked here, so that a bad file is a one-line error naming its key."""
 
     def __init__(self, spec, config, chat_template):
         model = check(TABLE("its top level", spec), "model", TABLE)
@@ -319,10 +311,8 @@ class ByteLevelBPE(Tokenizer):
 
 
 class IncrementalDecoder:
-    """The text of a growing sequence of token ids a piece at a time, exactly as decoding the whole gives it.
-    A character can span tokens and a token's text can depend on its neighbours (SentencePiece drops a first
-    piece's space), so each push decodes the tokens since the last piece with the piece before as context,
-    and holds back text that ends in an incomplete character (U+FFFD)."""
+    """The text of a growing sequence of token ids a piece at a time, exactly as decoding the whole gives it:
+    each push decodes the new tokens with the piece before as context, and holds back an incomplete character."""
 
     def __init__(self, tokenizer, skip_special_tokens=True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
