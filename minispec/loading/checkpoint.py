@@ -72,8 +72,7 @@ def check_stored(expected, stored, source):
             raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
 
 
-# The safetensors dtypes of float weights. Anything else (integers, bools, 8-bit floats) is quantized
-# weights or no weights at all, which a cast to float would turn into wrong numbers without a word.
+# The safetensors dtypes of float weights: a cast would turn any other into wrong numbers without a word.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
@@ -348,8 +347,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     device = check_device(device)
     directory = resolve_checkpoint(name_or_path, keep_quantized=quantize is not None)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    # Quantizing takes the weights as stored (quantize_model rounds each chunk through `dtype` as it goes):
-    # a float32 copy of a bfloat16 1.5B model's every weight first was 6 GB and half its load time.
+    # Quantizing takes the weights as stored (rounding each chunk through `dtype`): a cast copy would double memory.
     keep = quantize is None and tp is None and can_pack(dtype, device)  # packed: read once, then dropped
     _, _, model, weights, stored, tokenizer, files = read_checkpoint(directory, world, None if quantize else dtype,
                                                                      keep)
@@ -400,8 +398,7 @@ def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_do
     from ..models import quant  # read only when a load quantizes
     notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device,
                                  layer_done)
-    # What stays float (norms, biases) is views of the checkpoint file, which would keep all of it
-    # resident, several times the quantized model's memory. Copies in `dtype` let it go.
+    # What stays float (norms, biases) is views of the checkpoint file: copies let the whole file go.
     for parameter in model.parameters():
         parameter.data = parameter.data.to(dtype, copy=True)
     release_freed_memory()

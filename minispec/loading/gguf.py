@@ -31,8 +31,7 @@ from .tokenizer import BYTE_FALLBACK, BYTE_LEVEL, SPACES
 from .weights import release_file_pages, release_freed_memory, save_safetensors
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# Each header value is some 350 bytes of numpy objects in gguf's reader: bounded (700 MB), above a 262k-token
-# vocabulary's 1.6 million.
+# Each header value is ~350 bytes of numpy objects in gguf's reader: bounded, above a 262k-token vocabulary's.
 MAX_HEADER_VALUES = 1 << 21
 
 
@@ -85,8 +84,7 @@ def metadata_value(name, field):
     if field.types[:2] == [GGUFValueType.ARRAY] * 2:  # as in llama.cpp; nesting recurses as deep as a file asks
         raise BadFile(f"corrupt GGUF file (an array of arrays in metadata {name!r})")
     value = field.contents()
-    # a float32 as the shortest decimal that is the same float32 (numpy prints that), so that an epsilon
-    # of 1e-6 reads back as 1e-6 rather than 9.999999974752427e-07
+    # a float32 as the shortest decimal that is the same float32: 1e-6, not 9.999999974752427e-07
     return float(str(np.float32(value))) if field.types == [GGUFValueType.FLOAT32] else value
 
 
@@ -596,8 +594,7 @@ def tokenizer_files(metadata, vocab_size):
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; minispec knows {', '.join(PRE_TOKENIZERS)}")
     normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
     spelled = meta(metadata, "tokenizer.ggml.tokens", TEXTS)
-    # Gemma: runs of whitespace with spaces are spelled with spaces in the file, with "▁"s by the tokenizer
-    # (its normalizer), as the reference reads them; they are then no added tokens.
+    # Gemma's whitespace tokens with spaces, as the reference reads them: in "▁"s (its normalizer's), not added tokens
     tokens = ["\u2581" * len(t) if gemma and " " in t and not t.strip() else t for t in spelled]
     if len(tokens) > vocab_size:
         raise ValueError(f"GGUF metadata tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..models.tp import TensorParallel
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
-# Seconds a rank waits for the others to join (MINISPEC_TP_TIMEOUT): torch's default, for ranks loading a large checkpoint
+# Seconds a rank waits for the others (MINISPEC_TP_TIMEOUT): torch's default, for ranks that load a large checkpoint
 JOIN_TIMEOUT = 600
 
 

@@ -178,6 +178,8 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
 ALIGN = 64  # bytes of a cache line
 
 
@@ -187,13 +189,13 @@ def save_safetensors(tensors, file, metadata=None):
     come first, so that a load mapping the file gets them on cache lines, as the kernels read them best."""
     if sys.byteorder != "little":  # the format is little-endian; torch's memory here would not be
         raise OSError("writing safetensors files needs a little-endian machine")
-    tensors = dict(sorted(tensors.items(), key=lambda item: item[1].numel() * item[1].element_size() % ALIGN != 0))
+    tensors = dict(sorted(tensors.items(), key=lambda item: item[1].nbytes % ALIGN != 0))
     header = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, tensor in tensors.items():
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"cannot write tensor {name}: dtype {tensor.dtype} has no safetensors name")
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.nbytes
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
@@ -207,7 +209,7 @@ def save_safetensors(tensors, file, metadata=None):
             for tensor in tensors.values():
                 tensor = tensor.detach().to("cpu").contiguous()
                 if tensor.numel():  # a view of the tensor's memory as bytes: no copy
-                    out.write((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
+                    out.write((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()))
         os.replace(partial, file)
     finally:  # what an error or Ctrl-C left of it (once renamed there is none)
         with suppress(OSError):
