@@ -1,7 +1,6 @@
-"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step
-at a time. They check the settings (`Settings`, once per call) and each prompt (`Request`), claim the
-models, size their caches, and hand the requests to the engine (minispec.decoding.engine), or to beam search.
-"""
+"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step at a time.
+They check the settings and each prompt (`Request`), claim the models, size their caches, and hand the requests
+to the engine (minispec.decoding.engine), or to beam search."""
 
 import functools
 import inspect
@@ -76,8 +75,8 @@ HOLDERS = weakref.WeakKeyDictionary()
 
 @contextmanager
 def exclusive(*models):
-    """Claim the models for one call, before it touches their caches, or fail at once if another call
-    has one; a stream releases them when it ends, is closed, or is garbage collected."""
+    """Claim the models for one call, or fail at once if another call has one; a stream releases them when it
+    ends, is closed, or is garbage collected."""
     with _claiming:
         for model in models:
             if HOLDERS.get(model) == threading.get_ident():
@@ -98,9 +97,8 @@ def exclusive(*models):
 
 @dataclass
 class Request:
-    """One prompt's request: its settings, what they were made into (its own drafter and policy, its
-    sampling, stops, seed and grammar), and what it decodes with. A setting not made into something
-    else is read from `settings` (request.max_new_tokens is settings.max_new_tokens)."""
+    """One prompt's request: its settings, and what they were made into (its own drafter and policy, sampling,
+    stops, seed, grammar); any other setting is read from `settings` (request.max_new_tokens)."""
     target: object
     prompt_ids: torch.Tensor
     settings: Settings
@@ -120,8 +118,7 @@ class Request:
 
     @property
     def reads_states(self):
-        """What the target's forwards return beside logits (decode_rows' `hidden`): a draft head's
-        states, or those on_states receives; False: none."""
+        """What the target's forwards return beside logits: a draft head's states, or on_states'; False: none."""
         if self.drafter is not None and self.drafter.reads_states:
             return self.drafter.reads_states
         return (self.state_layers or True) if self.on_states is not None else False
@@ -191,7 +188,7 @@ def named(name):
 
 
 def check_fits(model, prefix_length, max_new_tokens, role="target"):
-    """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
+    """The prompt alone, then prompt + new tokens, against the model's context."""
     context = model.context_length
     if context is not None and prefix_length > context:
         raise SettingError("prompt", f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
@@ -203,10 +200,9 @@ def check_fits(model, prefix_length, max_new_tokens, role="target"):
 
 
 def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
-    """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
-    `working` bytes beside them) do not fit in free memory. `remedy`: what the error tells to do where
-    the rows are not requests' (the server's flags), else `setting` is named; with `tp` the least memory
-    free on any rank decides, so that every rank stops, or none."""
+    """An error, before allocating, when `rows` cache rows of `max_seq_len` positions and `working` bytes do not
+    fit in free memory, naming `setting` (or telling the `remedy`: the server's flags); with `tp` the least free
+    on any rank decides, so that every rank stops, or none."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
@@ -268,8 +264,7 @@ def size_caches(requests, rows):
 
 @torch.inference_mode()
 def run(requests, rows, prefix_cache=None):
-    """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
-    request, an engine.Update."""
+    """Run checked requests `rows` at a time, yielding each step's engine.Update."""
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             for i, request in enumerate(requests):
@@ -366,7 +361,7 @@ def answers(seed, n):
 
 @contextmanager
 def naming_prompt(i):
-    """A batch's bad input says which prompt it is about (i None: a lone prompt)."""
+    """A batch's bad input names its prompt i (None: a lone prompt)."""
     try:
         yield
     except SettingError as error:
@@ -383,9 +378,8 @@ def is_batch(prompt):
 
 @dataclass
 class Chunk:
-    """One step of a stream: the tokens it added, the text they added, and the step's segments as in
-    Generation.trace (its rejected guess included, for colouring), and with logprobs=k the tokens'
-    TokenLogprobs. The last chunk also carries the whole Generation, stats included."""
+    """One step of a stream: its tokens, their text, its segments as in Generation.trace (rejected guesses too)
+    and with logprobs=k their TokenLogprobs; the last chunk also carries the whole Generation."""
     tokens: list
     text: str
     segments: list
@@ -417,10 +411,9 @@ def chunks(request):
 
 
 class TextStream:
-    """A request's output text a step at a time (stream's, and the server's): pieces that join to the
-    Generation's text, never a broken character, and never text past a stop string (text that may
-    begin one is held back until the next step tells). Push each step's tokens before the engine's next
-    step: the request's Stop has read exactly those then."""
+    """A request's output text a step at a time: pieces that join to the Generation's text, never a broken
+    character nor text that may begin a stop string. Push each step's tokens before the engine's next step:
+    the request's Stop has read exactly those then."""
 
     def __init__(self, request):
         tokenizer = request.target.tokenizer
@@ -429,7 +422,7 @@ class TextStream:
         self.sent = 0  # characters of text already handed out
 
     def push(self, tokens):
-        """The text a step's new tokens add that is safe to hand out ("" without a tokenizer)."""
+        """The text a step's tokens add that is safe to hand out ("" without a tokenizer)."""
         if self.text is None:
             return ""
         self.text.push(tokens)

@@ -78,6 +78,14 @@ def check_threads(args):
         raise ValueError(f"--threads must be between 1 and this machine's {cpus} CPUs, got {args.threads}")
 
 
+def check_counts(args, *flags):
+    """Each of these integer flags, where given, at least 1."""
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
 def tp_rank(args):
     """This process's rank with --tp (torchrun's RANK), else 0."""
     rank = os.environ.get("RANK", "0") if getattr(args, "tp", None) else "0"
