@@ -118,10 +118,6 @@ def render_pieces(pieces, colour):
                    f"[~{piece}~]" if kind == "rejected" else piece for piece, kind in pieces)
 
 
-def render_trace(trace, text, colour):
-    return render_pieces(segment_pieces(trace, text), colour) + text.flush()
-
-
 def until_stop(pieces, stops):
     """The pieces up to where the output's first stop string begins."""
     output = "".join(piece for piece, kind in pieces if kind != "rejected")

@@ -187,18 +187,6 @@ def named(name):
         raise SettingError(name, str(error)) from None
 
 
-def check_fits(model, prefix_length, max_new_tokens, role="target"):
-    """The prompt alone, then prompt + new tokens, against the model's context."""
-    context = model.context_length
-    if context is not None and prefix_length > context:
-        raise SettingError("prompt", f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
-                                     f"context of {context}")
-    if context is not None and prefix_length + max_new_tokens > context:
-        raise SettingError("max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) "
-                                             f"exceeds the {role} {model.name}'s context of {context} tokens; lower "
-                                             f"max_new_tokens to at most {context - prefix_length}")
-
-
 def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
     """An error, before allocating, when `rows` cache rows of `max_seq_len` positions and `working` bytes do not
     fit in free memory, naming `setting` (or telling the `remedy`: the server's flags); with `tp` the least free
@@ -242,11 +230,18 @@ def models_of(request):
 
 
 def check_lengths(requests):
-    """Every request against the target's and a draft model's context, naming the prompt in a batch."""
+    """Each request's prompt alone, then with its new tokens, against the target's and a draft model's context."""
     for i, request in enumerate(requests):
         with naming_prompt(i if len(requests) > 1 else None):
             for model, role in zip(models_of(request), ("target", "draft")):
-                check_fits(model, request.decoder_length(model), request.max_new_tokens, role)
+                start, new, context = request.decoder_length(model), request.max_new_tokens, model.context_length
+                if context is not None and start > context:
+                    raise SettingError("prompt", f"the prompt has {start} tokens, longer than the {role} "
+                                                 f"{model.name}'s context of {context}")
+                if context is not None and start + new > context:
+                    raise SettingError("max_new_tokens", f"prompt ({start} tokens) + max_new_tokens ({new}) exceeds "
+                                                         f"the {role} {model.name}'s context of {context} tokens; "
+                                                         f"lower max_new_tokens to at most {context - start}")
 
 
 def size_caches(requests, rows):

@@ -55,8 +55,7 @@ def kind_of(hf, directory):
 
 
 def check_size(kind, hf, target):
-    """A ValueError naming config.json's fields when the head they ask for needs more memory than is free,
-    before it is built."""
+    """A ValueError naming config.json's fields, before building, when their head needs more memory than is free."""
     dim, vocab, size = target.hidden_size, target.vocab_size, target.dtype.itemsize
     if kind == "medusa":
         n_heads, n_layers = medusa.config_from_hf(hf)
@@ -72,8 +71,8 @@ def check_size(kind, hf, target):
 
 
 def load_draft_head(path, target, quantize="auto"):
-    """The draft head in directory `path` for `target`, on its device. quantize, for an EAGLE head: "int8",
-    "int4", None (the target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
+    """The draft head in folder `path` for `target`; quantize, for an EAGLE head: "int8", "int4", None (the
+    target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
     if quantize != "auto":
         quant.check_settings(quantize, quant.DEFAULT_GROUP_SIZE)
     directory = Path(path).expanduser()

@@ -1,14 +1,11 @@
-"""The server on a tensor-parallel target (`torchrun --nproc-per-node N -m minispec.serve --tp N`): rank 0
-runs the HTTP side, the scheduler and every drafter (a self-draft, --draft int8/int4, is sharded too);
-the other ranks hold their shards and run, in lockstep, each call rank 0 makes on the sharded models
-(MIRRORED), which rank 0 broadcasts as a Call record before running it. What rank 0 decides on the host
-(admissions, drafts, verdicts, random draws) it decides alone, so nothing else crosses the group.
+"""The server on a tensor-parallel target (`torchrun --nproc-per-node N -m minispec.serve --tp N`): rank 0 runs
+the HTTP side, the scheduler and every drafter; the other ranks hold their shards and run, in lockstep, each call
+rank 0 makes on the sharded models (MIRRORED), broadcast as a Call record before it runs. What rank 0 decides on
+the host (admissions, drafts, verdicts, random draws) it decides alone, so nothing else crosses the group.
 
-Faults: every collective waits at most `timeout` seconds (--tp-timeout), and an idle rank 0 beats every
-third of that, so a dead or stalled rank is found within 4/3 `timeout`; followers count beats of their
-own in the group's store, so that rank 0 can name the lost ranks. Rank 0 then fails every request (503)
-and exits.
-"""
+Faults: every collective waits at most `timeout` seconds (--tp-timeout) and an idle rank 0 beats every third of
+that, so a lost rank is found within 4/3 `timeout`; followers count beats in the group's store, so that rank 0
+can name the lost ranks. Rank 0 then fails every request (503) and exits."""
 
 import logging
 import os
@@ -37,8 +34,7 @@ STORE_BEAT_SECONDS = 0.5  # how often a follower counts itself alive in the stor
 
 
 class Call(NamedTuple):
-    """One record broadcast from rank 0: `method` of sharded model `model` with these arguments (tensors
-    on the CPU), or "beat" (nothing to do) or "stop" (the server has stopped)."""
+    """`method` of sharded model `model` with these arguments (tensors on the CPU), or "beat" or "stop"."""
     method: str
     model: int = 0
     args: tuple = ()
@@ -46,8 +42,8 @@ class Call(NamedTuple):
 
 
 class Deciding(TensorParallel):
-    """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with
-    the other ranks (seeds, profiles, timings): they do not run the engine."""
+    """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with the
+    other ranks (seeds, profiles, timings), which do not run the engine."""
 
     def __init__(self, tp):
         self.__dict__.update(tp.__dict__)
@@ -88,8 +84,8 @@ def beat_key(rank):
 
 
 class Leader:
-    """Rank 0: mirrors the scheduler's calls on its sharded models to the other ranks, beats while idle,
-    and on a fault closes the scheduler and calls `on_failure(message)`."""
+    """Rank 0: mirrors the scheduler's calls on its sharded models, beats while idle, and on a fault closes the
+    scheduler and calls `on_failure(message)`."""
 
     def __init__(self, scheduler, timeout, on_failure=None):
         self.scheduler, self.timeout, self.on_failure = scheduler, timeout, on_failure
@@ -145,7 +141,7 @@ class Leader:
             self.broadcasts["seconds"] += self.sent - start
 
     def beat(self):
-        """A beat whenever no call has gone for a third of the timeout, so that a lost follower is found idle too."""
+        """A beat whenever no call has gone for a third of the timeout: a lost follower is found idle too."""
         while self.failure is None and not self.stopped:
             time.sleep(self.timeout / 3)
             with self.lock:
@@ -166,8 +162,7 @@ class Leader:
             self.on_failure(self.failure)
 
     def stop(self):
-        """The server has stopped: so do the followers (after a fault, or while the scheduler is still in a
-        call, their wait ends them)."""
+        """The followers stop too (after a fault, or while the scheduler is still in a call, their wait ends them)."""
         if self.failure is None and self.lock.acquire(timeout=self.timeout):
             try:
                 self.send(Call("stop"))

@@ -37,6 +37,7 @@ from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss,
                                      soft_cross_entropy, target_probabilities, training, update)
 from minispec.loading.chat import user_turn_start
 from minispec.loading.weights import DTYPES, save_safetensors
+from minispec.models.checks import Check, integer, is_number
 from minispec.models.kernels import query_rows_mask
 from minispec.models.llama import LlamaConfig
 
@@ -79,8 +80,8 @@ TTT_STEPS = 2  # guesses EAGLE-3 learns to draft on its own states: trained on o
 
 
 def default_prompts(target, chat, generator, batch_size):
-    """Every template over every subject; for a chat target, every other subject and the messages it
-    writes itself (own_prompts), closer to what its users ask: the mix trains at least as well as either."""
+    """Every template over every subject; for a chat target, every other subject and the messages it writes
+    itself (own_prompts), closer to what its users ask: the mix trains at least as well as either."""
     subjects = SUBJECTS[::2] if chat else SUBJECTS
     templated = [template.format(subject) for subject in subjects for template in TEMPLATES]
     return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size) if chat else templated
@@ -158,8 +159,7 @@ def load_data(file):
 
 
 def batch_groups(sequences, indices, tokens_per_batch, generator=None):
-    """The sequences at `indices` grouped into batches of about `tokens_per_batch` padded tokens,
-    shuffled by `generator` (None: in order)."""
+    """The sequences at `indices` in batches of about `tokens_per_batch` padded tokens, shuffled by `generator`."""
     groups, batch = [], []
     order = indices if generator is None else [indices[i] for i in torch.randperm(len(indices), generator=generator)]
     for index in order:
@@ -171,9 +171,8 @@ def batch_groups(sequences, indices, tokens_per_batch, generator=None):
 
 
 def most_said(sequences, vocab_size, size):
-    """The `size` token ids the target said most often in its answers, sorted: a head's reduced draft
-    vocabulary. Ties, and the tokens never said, go to the lower ids: a BPE vocabulary numbers its
-    tokens roughly from the most frequent (merges are learnt in order of frequency)."""
+    """The `size` token ids the target said most often in its answers, sorted: a head's draft vocabulary. Ties
+    go to the lower ids: a BPE vocabulary numbers its tokens roughly from the most frequent."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for tokens, start in sequences:
         counts += torch.bincount(tokens[start:], minlength=vocab_size)
@@ -247,8 +246,8 @@ class Unrolled(torch.nn.Module):
 
 
 def new_head(kind, target, heads, draft_vocab=None):
-    """A fresh head for `target` and its config.json, starting as the identity on the state: EAGLE's
-    layers the target's last (a Llama's), Medusa's output heads the target's; q over `draft_vocab` (None: all)."""
+    """A fresh head for `target` and its config.json, starting as the identity on the state: EAGLE's layer the
+    target's last (a Llama's), Medusa's output heads the target's; q over `draft_vocab` (None: all)."""
     width = target.hidden_size
     if kind == "medusa":
         module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
@@ -283,8 +282,8 @@ def new_head(kind, target, heads, draft_vocab=None):
 
 
 def start_as_identity(module, draft_vocab):
-    """An EAGLE or EAGLE-3 head made to start as f̂_{i+1} = f_i: fc the identity on the last state, the
-    layer's output projections zeroed (its whole output would swamp the normed states); q on `draft_vocab`."""
+    """An EAGLE or EAGLE-3 head made to start as f̂_{i+1} = f_i: fc the identity on the last state, the layer's
+    output projections zeroed (its output would swamp the normed states); q on `draft_vocab`."""
     width = module.fc.weight.shape[0]
     if draft_vocab is not None:
         module.draft_vocab.copy_(draft_vocab)
@@ -380,12 +379,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
 
 def check_settings(target, kind, epochs, lr, heads, draft_vocab):
     """A ValueError naming a setting training could only fail or learn nothing with, before answering."""
-    if kind not in EPOCHS:
-        raise ValueError(f"kind must be eagle, eagle3 or medusa, got {kind!r}")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    Check(lambda v: v in EPOCHS, "must be eagle, eagle3 or medusa")("kind", kind)
+    Check(integer(0), "must be an integer >= 0")("epochs", epochs)
+    Check(lambda v: is_number(v) and v > 0, "must be a number > 0")("lr", lr)
     if kind == "eagle3":
         eagle3.check_target(target)
     if target.quantization is not None:  # a head starts from the target's float weights (its layer, its head)
