@@ -16,7 +16,7 @@ import time
 
 # What the flags need, none of it torch, so that --help and a bad flag answer at once.
 import minispec
-from minispec.cli import (add_model_flags, add_setting_flags, check_counts, check_threads, exit_status,
+from minispec.cli import (AT_LEAST_ONE, add_model_flags, add_setting_flags, check_threads, check_values, exit_status,
                           read_prompts_file, settings_of, tp_rank)
 from minispec.settings import flag_type, token_ids
 
@@ -264,7 +264,7 @@ def check_flags(args):
             check_text(flag, text)
     minispec.Settings(draft=args.draft, **settings_of(args))
     check_threads(args)
-    check_counts(args, "--repeats", "--batch-size")
+    check_values(args, dict.fromkeys(("--repeats", "--batch-size"), AT_LEAST_ONE))
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
     if several and (args.show or args.compare):
         raise ValueError("--show and --compare take one prompt (--prompt once)")

@@ -8,8 +8,9 @@ import math
 import os
 import sys
 
-from ..cli import add_model_flags, add_setting_flags, check_counts, tp_rank
+from ..cli import AT_LEAST_ONE, add_model_flags, add_setting_flags, check_values, tp_rank
 from ..heads import is_head_dir
+from ..models.checks import Check
 from ..loaders import load_models
 from .scheduler import Scheduler
 
@@ -74,19 +75,15 @@ class Server(uvicorn.Server):
 
 
 def check_flags(args):
-    check_counts(args, "--batch-size", "--max-queue", "--max-model-len")
-    if not 0 <= args.prefix_cache_mb < math.inf:
-        raise ValueError(f"--prefix-cache-mb must be a number of MiB >= 0, got {args.prefix_cache_mb}")
-    if not 0 <= args.shutdown_timeout < math.inf:
-        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
-    if not 0 < args.tp_timeout < 1e6:
-        raise ValueError(f"--tp-timeout must be a number of seconds in (0, 1e6), got {args.tp_timeout}")
+    check_values(args, {**dict.fromkeys(("--batch-size", "--max-queue", "--max-model-len"), AT_LEAST_ONE),
+                        "--prefix-cache-mb": Check(lambda v: 0 <= v < math.inf, "must be a number of MiB >= 0"),
+                        "--shutdown-timeout": Check(lambda v: 0 <= v < math.inf, "must be a number of seconds >= 0"),
+                        "--tp-timeout": Check(lambda v: 0 < v < 1e6, "must be a number of seconds in (0, 1e6)"),
+                        "--port": Check(lambda v: 0 <= v <= 65535, "must be between 0 and 65535")})
     if args.learn_head is not None and not is_head_dir(args.draft):
         raise ValueError(f"--learn-head trains a draft head: --draft {args.draft} is not a head's folder")
     if args.learn_head is not None and args.draft_quantize is not None:
         raise ValueError("--learn-head drafts with the float head it trains: drop --draft-quantize")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
 
 
 def main(argv=None):

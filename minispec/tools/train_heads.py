@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from minispec import CheckpointError, chat_prompt, generate, load
 from minispec.api import prompt_tensor
-from minispec.cli import check_counts, read_prompts_file
+from minispec.cli import AT_LEAST_ONE, check_values, read_prompts_file
 from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
 from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss, medusa_loss, padded_batch,
                                      soft_cross_entropy, target_probabilities, training, update)
@@ -459,7 +459,8 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        check_counts(args, "--epochs")  # train(epochs=0) only returns the untrained head: nothing would be written
+        # train(epochs=0) only returns the untrained head: nothing would be written
+        check_values(args, {"--epochs": AT_LEAST_ONE})
         prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
         target = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
         train(target, args.out, args.kind, prompts, args.epochs, args.max_new_tokens, args.lr, args.heads,
