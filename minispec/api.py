@@ -75,8 +75,8 @@ HOLDERS = weakref.WeakKeyDictionary()
 
 @contextmanager
 def exclusive(*models):
-    """Claim the models for one call, or fail at once if another call has one; a stream releases them when it
-    ends, is closed, or is garbage collected."""
+    """Claim the models for one call, before it touches their caches, or fail at once if another call
+    has one; a stream releases them when it ends, is closed, or is garbage collected."""
     with _claiming:
         for model in models:
             if HOLDERS.get(model) == threading.get_ident():
@@ -356,7 +356,7 @@ def answers(seed, n):
 
 @contextmanager
 def naming_prompt(i):
-    """A batch's bad input names its prompt i (None: a lone prompt)."""
+    """A batch's bad input says which prompt it is about (i None: a lone prompt)."""
     try:
         yield
     except SettingError as error:
@@ -417,7 +417,7 @@ class TextStream:
         self.sent = 0  # characters of text already handed out
 
     def push(self, tokens):
-        """The text a step's tokens add that is safe to hand out ("" without a tokenizer)."""
+        """The text a step's new tokens add that is safe to hand out ("" without a tokenizer)."""
         if self.text is None:
             return ""
         self.text.push(tokens)

@@ -71,8 +71,8 @@ def check_size(kind, hf, target):
 
 
 def load_draft_head(path, target, quantize="auto"):
-    """The draft head in folder `path` for `target`; quantize, for an EAGLE head: "int8", "int4", None (the
-    target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
+    """The draft head in directory `path` for `target`, on its device. quantize, for an EAGLE head: "int8",
+    "int4", None (the target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
     if quantize != "auto":
         quant.check_settings(quantize, quant.DEFAULT_GROUP_SIZE)
     directory = Path(path).expanduser()

@@ -1,5 +1,5 @@
-"""One training step of a draft head on the target's states with its paper's loss (EAGLE-1's, Medusa-1's):
-what the offline trainer (tools/train_heads.py) and learn.py share."""
+"""One training step of a draft head on the target's states, with its paper's loss (EAGLE-1's, Medusa-1's
+self-distillation): what the offline trainer (tools/train_heads.py) and learn.py share."""
 
 from contextlib import contextmanager
 
@@ -68,8 +68,8 @@ def soft_cross_entropy(logits, p):
 
 
 def predict_pairs(head, tokens, inputs, mask):
-    """An EAGLE head's states after the pairs (inputs[:, i], x_{i+1}) at answer positions, each one's next token
-    x_{i+2}, whether it has one, and the positions kept."""
+    """An EAGLE head's states after the pairs (inputs[:, i], x_{i+1}) at answer positions, the next token
+    x_{i+2} of each, whether it has one, and the positions kept."""
     width = inputs.shape[1] + 1  # a whole number of key blocks again: one pad pair at the end
     predicted = head.features(F.pad(tokens[:, 1:], (0, 1)), torch.arange(width), keys=width,
                               inputs=F.pad(inputs, (0, 0, 0, 1)))[:, :-1]
@@ -85,8 +85,8 @@ def accuracy_of(head, logits, chosen, scored):
 
 
 def eagle_loss(head, tokens, states, mask, generator, noise=PAIR_NOISE):
-    """EAGLE-1's loss on (f_i + noise, x_{i+1}) -> f_{i+1} at answer positions (regression, and the target's p
-    over the draft vocabulary), and the head's top-token accuracy."""
+    """EAGLE-1's loss on (f_i + noise, x_{i+1}) -> f_{i+1} at answer positions (regression, and the
+    target's p over the draft vocabulary), and the head's top-token accuracy."""
     inputs = states[:, :-1]
     if noise:
         uniform = torch.rand(inputs.shape, generator=generator).to(inputs.device)
@@ -124,8 +124,8 @@ def bfloat16_products(device):
 
 
 def update(head, optimizer, loss_of, batch, generator):
-    """One step of `optimizer` on loss_of(head, *batch, generator) -> (loss, accuracy); a loss not finite changes
-    nothing."""
+    """One step of `optimizer` on loss_of(head, *batch, generator): (loss, accuracy); a loss that is not
+    finite changes nothing."""
     with bfloat16_products(head.target.device):  # one step each: autocast keeps its weight copies till it ends
         loss, accuracy = loss_of(head, *batch, generator)
     if torch.isfinite(loss):

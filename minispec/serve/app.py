@@ -208,8 +208,8 @@ def refuse_constant(name):
 
 
 async def report_disconnect(request, events):
-    """Put (None, None) among the events when the client disconnects (once the body is read, receive() answers
-    only that)."""
+    """Put (None, None) among the events when the client disconnects. (Once the body is read, an ASGI
+    server's receive() answers only that, when the client goes or the response is complete.)"""
     while (await request.receive())["type"] != "http.disconnect":
         pass
     events.put_nowait((None, None))

@@ -42,8 +42,8 @@ class Call(NamedTuple):
 
 
 class Deciding(TensorParallel):
-    """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with the
-    other ranks (seeds, profiles, timings), which do not run the engine."""
+    """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with
+    the other ranks (seeds, profiles, timings): they do not run the engine."""
 
     def __init__(self, tp):
         self.__dict__.update(tp.__dict__)
@@ -84,8 +84,8 @@ def beat_key(rank):
 
 
 class Leader:
-    """Rank 0: mirrors the scheduler's calls on its sharded models, beats while idle, and on a fault closes the
-    scheduler and calls `on_failure(message)`."""
+    """Rank 0: mirrors the scheduler's calls on its sharded models to the other ranks, beats while idle,
+    and on a fault closes the scheduler and calls `on_failure(message)`."""
 
     def __init__(self, scheduler, timeout, on_failure=None):
         self.scheduler, self.timeout, self.on_failure = scheduler, timeout, on_failure
@@ -141,7 +141,7 @@ class Leader:
             self.broadcasts["seconds"] += self.sent - start
 
     def beat(self):
-        """A beat whenever no call has gone for a third of the timeout: a lost follower is found idle too."""
+        """A beat whenever no call has gone for a third of the timeout, so that a lost follower is found idle too."""
         while self.failure is None and not self.stopped:
             time.sleep(self.timeout / 3)
             with self.lock:

@@ -205,8 +205,8 @@ def prompt_ids(target, prompt, max_text):
 
 
 def chat_ids(target, messages, max_text, variables):
-    """A chat's prompt in the target's chat template, the messages' text plain text (it cannot end a turn);
-    `variables`: chat_template_kwargs (vLLM's field), the template's own variables."""
+    """A chat's prompt in the target's chat template, the messages' text plain text (it cannot end a turn and
+    write another); `variables`: chat_template_kwargs (vLLM's field), the template's own variables."""
     taken = next((name for name in variables if name in RESERVED), None)
     if taken is not None:
         raise invalid(f"chat_template_kwargs.{taken} is set by the server, not by a request",
@@ -253,8 +253,8 @@ SPECULATIVE_STATS = ("gamma", "acceptance_rate", "alpha", "tokens_per_target_cal
 
 
 class Reply:
-    """The bodies and stream chunks of one request's reply, in the OpenAI shape, with minispec's `speculative`:
-    how the draft did."""
+    """The bodies and stream chunks of one request's reply, in the OpenAI shape; `speculative` is
+    minispec's field: how the draft did (design.md, "What stats holds")."""
 
     def __init__(self, chat, model_name, draft_name, prompt_tokens, tokenizer):
         self.chat, self.model_name, self.draft_name, self.prompt_tokens = chat, model_name, draft_name, prompt_tokens
@@ -282,8 +282,8 @@ class Reply:
                              "finish_reason": finish_reason}]}
 
     def logprobs(self, entries, index=0):
-        """OpenAI's logprobs of these TokenLogprobs (None: not asked): a chat's content list, or a completion's
-        parallel lists, whose top_logprobs also hold the token itself."""
+        """OpenAI's logprobs of a choice or chunk for these TokenLogprobs (None: not asked): a chat's
+        content list, or a completion's parallel lists, whose top_logprobs also hold the token itself."""
         if entries is None:
             return None
         if self.chat:

@@ -52,8 +52,8 @@ class Failed(NamedTuple):
 
 
 class Job:
-    """One request on its way through the engine; `deliver(event)`, called on the scheduler's thread, must be
-    thread-safe."""
+    """One request on its way through the engine. `deliver(event)` hands an event to the handler that
+    waits for it; it is called on the scheduler's thread, so it must be thread-safe."""
 
     def __init__(self, request, deliver):
         self.request, self.deliver = request, deliver
@@ -61,7 +61,7 @@ class Job:
         self.cancelled = False  # its client went, or it failed: its row leaves at the next step
 
     def advance(self, tokens, logprobs, generation):
-        """An engine.Update's news, read before the engine's next step (the text pieces depend on it)."""
+        """A step's news (an engine.Update's), read before the engine's next step (the text pieces depend on it)."""
         piece = self.text.push(tokens)
         if generation is None:
             if piece or logprobs:
@@ -178,8 +178,8 @@ class Scheduler:
                 self.learner.save()
 
     def decode_until_stopped(self):
-        """Run the engine until the server stops (True), or fails (False): then the batch's requests fail, their
-        state unknown, and the others go on in a new batch."""
+        """Run the engine until the server stops (True), or until it fails (False): then the requests in
+        its batch fail, their state unknown, and the others go on in a new batch."""
         try:
             for update in engine.decode(self.target, self, self.rows, self.cancelled, self.prefixes):
                 self.advance(update)
@@ -195,8 +195,8 @@ class Scheduler:
             return False
 
     def take(self, free, wait):
-        """engine.decode's source: up to `free` waiting jobs as (index, request), blocking while the batch is empty
-        (`wait`) until one comes or the server stops. A learning head trains here, between steps."""
+        """engine.decode's source: up to `free` waiting jobs as (index, request); while the batch is
+        empty (`wait`), blocks until one comes or the server stops. A learning head trains here, between steps."""
         if self.learner is not None:
             self.learner.between_steps(idle=lambda: wait and not self.waiting and not self.stopping)
         with self.changed:
@@ -247,8 +247,8 @@ class Scheduler:
 
 
 def text_bound(tokenizer, max_length):
-    """The most characters a text of `max_length` tokens can have: the longest token's each, 4x for a normalizer
-    that composes characters (None: no tokenizer)."""
+    """The most characters a text of `max_length` tokens can have: each token spells at most the longest
+    token's characters, 4x for a normalizer that composes characters (None: no tokenizer)."""
     return None if tokenizer is None else 4 * max(map(len, tokenizer.id_to_token.values())) * max_length
 
 

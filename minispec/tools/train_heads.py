@@ -80,8 +80,8 @@ TTT_STEPS = 2  # guesses EAGLE-3 learns to draft on its own states: trained on o
 
 
 def default_prompts(target, chat, generator, batch_size):
-    """Every template over every subject; for a chat target, every other subject and the messages it writes
-    itself (own_prompts), closer to what its users ask: the mix trains at least as well as either."""
+    """Every template over every subject; for a chat target, every other subject and the messages it
+    writes itself (own_prompts), closer to what its users ask: the mix trains at least as well as either."""
     subjects = SUBJECTS[::2] if chat else SUBJECTS
     templated = [template.format(subject) for subject in subjects for template in TEMPLATES]
     return templated + own_prompts(target, OWN_PROMPTS, generator, batch_size) if chat else templated
@@ -246,8 +246,8 @@ class Unrolled(torch.nn.Module):
 
 
 def new_head(kind, target, heads, draft_vocab=None):
-    """A fresh head for `target` and its config.json, starting as the identity on the state: EAGLE's layer the
-    target's last (a Llama's), Medusa's output heads the target's; q over `draft_vocab` (None: all)."""
+    """A fresh head for `target` and its config.json, starting as the identity on the state: EAGLE's
+    layers the target's last (a Llama's), Medusa's output heads the target's; q over `draft_vocab` (None: all)."""
     width = target.hidden_size
     if kind == "medusa":
         module = medusa.MedusaHeads(width, target.vocab_size, heads, 1, target).to(target.dtype)
@@ -282,8 +282,8 @@ def new_head(kind, target, heads, draft_vocab=None):
 
 
 def start_as_identity(module, draft_vocab):
-    """An EAGLE or EAGLE-3 head made to start as f̂_{i+1} = f_i: fc the identity on the last state, the layer's
-    output projections zeroed (its output would swamp the normed states); q on `draft_vocab`."""
+    """An EAGLE or EAGLE-3 head made to start as f̂_{i+1} = f_i: fc the identity on the last state, the
+    layer's output projections zeroed (its whole output would swamp the normed states); q on `draft_vocab`."""
     width = module.fc.weight.shape[0]
     if draft_vocab is not None:
         module.draft_vocab.copy_(draft_vocab)
