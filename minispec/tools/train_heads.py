@@ -37,7 +37,6 @@ from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss,
                                      soft_cross_entropy, target_probabilities, training, update)
 from minispec.loading.chat import user_turn_start
 from minispec.loading.weights import DTYPES, save_safetensors
-from minispec.models.checks import Check, integer, is_number
 from minispec.models.kernels import query_rows_mask
 from minispec.models.llama import LlamaConfig
 
@@ -379,9 +378,12 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
 
 def check_settings(target, kind, epochs, lr, heads, draft_vocab):
     """A ValueError naming a setting training could only fail or learn nothing with, before answering."""
-    Check(lambda v: v in EPOCHS, "must be eagle, eagle3 or medusa")("kind", kind)
-    Check(integer(0), "must be an integer >= 0")("epochs", epochs)
-    Check(lambda v: is_number(v) and v > 0, "must be a number > 0")("lr", lr)
+    if kind not in EPOCHS:
+        raise ValueError(f"kind must be eagle, eagle3 or medusa, got {kind!r}")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if kind == "eagle3":
         eagle3.check_target(target)
     if target.quantization is not None:  # a head starts from the target's float weights (its layer, its head)
