@@ -16,8 +16,8 @@ import time
 
 # What the flags need, none of it torch, so that --help and a bad flag answer at once.
 import minispec
-from minispec.cli import (add_model_flags, add_setting_flags, check_threads, exit_status, read_prompts_file,
-                          settings_of, tp_rank)
+from minispec.cli import (AT_LEAST_ONE, add_model_flags, add_setting_flags, check_threads, check_values, exit_status,
+                          read_prompts_file, settings_of, tp_rank)
 from minispec.settings import flag_type, token_ids
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
@@ -101,16 +101,13 @@ class TokenIds:
 
 
 def segment_pieces(segments, text):
-    """Trace segments (Generation.trace, or a stream chunk's) as (text, kind) pieces. `text` (an
-    IncrementalDecoder, or TokenIds) decodes the output as it grows, so a character split between
-    segments comes out whole; rejected guesses are decoded on their own, since they are not part of
-    the output."""
+    """Trace segments as (text, kind) pieces: `text` (an IncrementalDecoder, or TokenIds) decodes the output as it
+    grows, so a character split between segments comes out whole; rejected guesses, not output, alone."""
     return [(rejected_text(ids, text) if kind == "rejected" else text.push(ids), kind) for ids, kind in segments]
 
 
 def rejected_text(ids, text):
-    """A step's rejected candidates (Generation.trace: alternatives, a chain's one guess or a tree's
-    several), each decoded alone, as a|b|c, and a|b|c|… past SHOWN_CANDIDATES."""
+    """A step's rejected candidates (a chain's guess, a tree's several) as a|b|c, a|b|c|… past SHOWN_CANDIDATES."""
     shown = [text.decode([token]) for token in ids[:SHOWN_CANDIDATES]]
     return "|".join(shown + ["…"] * (len(ids) > SHOWN_CANDIDATES))
 
@@ -119,11 +116,6 @@ def render_pieces(pieces, colour):
     """Pieces coloured like Figure 1, or, without colour, each step's rejected guesses as [~text~]."""
     return "".join((COLOURS[kind] + piece + RESET if piece else piece) if colour else
                    f"[~{piece}~]" if kind == "rejected" else piece for piece, kind in pieces)
-
-
-def render_trace(trace, text, colour):
-    """A whole Generation.trace, as --show prints it."""
-    return render_pieces(segment_pieces(trace, text), colour) + text.flush()
 
 
 def until_stop(pieces, stops):
@@ -144,10 +136,8 @@ def until_stop(pieces, stops):
 
 
 def print_stream(chunks, tokenizer, show, stops=None):
-    """Print each chunk of minispec.stream as it comes: the text, or with --show each step coloured like
-    Figure 1 (special tokens included: they mark the end of an answer). With --show and stop strings the
-    output is printed whole at its end, up to the stop string: a step's text may begin one that only a
-    later step completes. Returns the Generation."""
+    """Print minispec.stream's chunks as they come, with --show coloured (special tokens included: they end an
+    answer), and with stop strings too whole at the end (a later step may complete one); returns the Generation."""
     from minispec.loading.tokenizer import IncrementalDecoder
 
     colour = show and sys.stdout.isatty()
@@ -235,21 +225,17 @@ def speedup(runs, baselines):
     return statistics.median(rates(runs)) / statistics.median(rates(baselines))
 
 
-def spread(runs):
-    """Runs' median tokens/s and their range: 41.2 tokens/s (40.1-43.0)."""
-    speeds = rates(runs)
-    return f"{statistics.median(speeds):.1f} tokens/s ({min(speeds):.1f}-{max(speeds):.1f})"
-
-
 def speedup_summary(runs, baselines):
-    """The --compare part of the summary: medians of the runs, with their spread."""
+    """--compare's speedup, and each side's median tokens/s and range: 41.2 tokens/s (40.1-43.0)."""
     same = all(run.tokens == runs[0].tokens for run in runs + baselines)
+    sides = [f"{statistics.median(rates(side)):.1f} tokens/s ({min(rates(side)):.1f}-{max(rates(side)):.1f})"
+             for side in (runs, baselines)]
     return (f"{speedup(runs, baselines):.2f}x the speed of decoding without the draft, median of {len(runs)} runs "
-            f"each: {spread(runs)} against {spread(baselines)}, {'same' if same else 'different'} output")
+            f"each: {sides[0]} against {sides[1]}, {'same' if same else 'different'} output")
 
 
 def print_batch(args, target, prompts, draft, settings):
-    """Several prompts: decoded together (minispec.generate with a list), each output printed in turn."""
+    """Several prompts, decoded together, each output printed in turn."""
     start = time.perf_counter()
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
     if settings["n"] > 1:  # each prompt's n answers, in turn
@@ -278,10 +264,7 @@ def check_flags(args):
             check_text(flag, text)
     minispec.Settings(draft=args.draft, **settings_of(args))
     check_threads(args)
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_values(args, dict.fromkeys(("--repeats", "--batch-size"), AT_LEAST_ONE))
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
     if several and (args.show or args.compare):
         raise ValueError("--show and --compare take one prompt (--prompt once)")
@@ -297,9 +280,8 @@ def check_text(flag, text):
 
 
 def rank_failed(error, rank):
-    """--tp: this rank failed. One line for what went wrong, from the rank it went wrong on; a rank whose
-    collective failed because another rank had gone says nothing (that rank has said it), and exits too
-    (under torchrun, which also stops the ranks still waiting)."""
+    """--tp: this rank failed: one line from the rank it went wrong on; a rank whose collective failed because
+    another had gone says nothing (that rank has said it), and exits too (torchrun then stops the others)."""
     from minispec.loading import parallel
 
     if not parallel.lost_peer(error):
@@ -309,8 +291,7 @@ def rank_failed(error, rank):
 
 
 def load_models(args):
-    """The models the flags name (minispec.loaders, which loads torch)."""
-    from minispec.loaders import load_models
+    from minispec.loaders import load_models  # torch's import: after the flags are checked
 
     return load_models(args)
 

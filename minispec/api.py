@@ -1,7 +1,6 @@
-"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step
-at a time. They check the settings (`Settings`, once per call) and each prompt (`Request`), claim the
-models, size their caches, and hand the requests to the engine (minispec.decoding.engine), or to beam search.
-"""
+"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step at a time.
+They check the settings and each prompt (`Request`), claim the models, size their caches, and hand the requests
+to the engine (minispec.decoding.engine), or to beam search."""
 
 import functools
 import inspect
@@ -98,9 +97,8 @@ def exclusive(*models):
 
 @dataclass
 class Request:
-    """One prompt's request: its settings, what they were made into (its own drafter and policy, its
-    sampling, stops, seed and grammar), and what it decodes with. A setting not made into something
-    else is read from `settings` (request.max_new_tokens is settings.max_new_tokens)."""
+    """One prompt's request: its settings, and what they were made into (its own drafter and policy, sampling,
+    stops, seed, grammar); any other setting is read from `settings` (request.max_new_tokens)."""
     target: object
     prompt_ids: torch.Tensor
     settings: Settings
@@ -120,8 +118,7 @@ class Request:
 
     @property
     def reads_states(self):
-        """What the target's forwards return beside logits (decode_rows' `hidden`): a draft head's
-        states, or those on_states receives; False: none."""
+        """What the target's forwards return beside logits: a draft head's states, or on_states'; False: none."""
         if self.drafter is not None and self.drafter.reads_states:
             return self.drafter.reads_states
         return (self.state_layers or True) if self.on_states is not None else False
@@ -190,23 +187,10 @@ def named(name):
         raise SettingError(name, str(error)) from None
 
 
-def check_fits(model, prefix_length, max_new_tokens, role="target"):
-    """Clear errors for lengths before any work: the prompt alone, then prompt + new tokens."""
-    context = model.context_length
-    if context is not None and prefix_length > context:
-        raise SettingError("prompt", f"the prompt has {prefix_length} tokens, longer than the {role} {model.name}'s "
-                                     f"context of {context}")
-    if context is not None and prefix_length + max_new_tokens > context:
-        raise SettingError("max_new_tokens", f"prompt ({prefix_length} tokens) + max_new_tokens ({max_new_tokens}) "
-                                             f"exceeds the {role} {model.name}'s context of {context} tokens; lower "
-                                             f"max_new_tokens to at most {context - prefix_length}")
-
-
 def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
-    """A clear error, before any allocation, when `rows` cache rows of `max_seq_len` positions (and
-    `working` bytes beside them) do not fit in free memory. `remedy`: what the error tells to do where
-    the rows are not requests' (the server's flags), else `setting` is named; with `tp` the least memory
-    free on any rank decides, so that every rank stops, or none."""
+    """An error, before allocating, when `rows` cache rows of `max_seq_len` positions and `working` bytes do not
+    fit in free memory, naming `setting` (or telling the `remedy`: the server's flags); with `tp` the least free
+    on any rank decides, so that every rank stops, or none."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
@@ -246,11 +230,18 @@ def models_of(request):
 
 
 def check_lengths(requests):
-    """Every request against the target's and a draft model's context, naming the prompt in a batch."""
+    """Each request's prompt alone, then with its new tokens, against the target's and a draft model's context."""
     for i, request in enumerate(requests):
         with naming_prompt(i if len(requests) > 1 else None):
             for model, role in zip(models_of(request), ("target", "draft")):
-                check_fits(model, request.decoder_length(model), request.max_new_tokens, role)
+                start, new, context = request.decoder_length(model), request.max_new_tokens, model.context_length
+                if context is not None and start > context:
+                    raise SettingError("prompt", f"the prompt has {start} tokens, longer than the {role} "
+                                                 f"{model.name}'s context of {context}")
+                if context is not None and start + new > context:
+                    raise SettingError("max_new_tokens", f"prompt ({start} tokens) + max_new_tokens ({new}) exceeds "
+                                                         f"the {role} {model.name}'s context of {context} tokens; "
+                                                         f"lower max_new_tokens to at most {context - start}")
 
 
 def size_caches(requests, rows):
@@ -268,8 +259,7 @@ def size_caches(requests, rows):
 
 @torch.inference_mode()
 def run(requests, rows, prefix_cache=None):
-    """Run checked requests (check_lengths too), `rows` at a time. Yields every step's news of each
-    request, an engine.Update."""
+    """Run checked requests `rows` at a time, yielding each step's engine.Update."""
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             for i, request in enumerate(requests):
@@ -383,9 +373,8 @@ def is_batch(prompt):
 
 @dataclass
 class Chunk:
-    """One step of a stream: the tokens it added, the text they added, and the step's segments as in
-    Generation.trace (its rejected guess included, for colouring), and with logprobs=k the tokens'
-    TokenLogprobs. The last chunk also carries the whole Generation, stats included."""
+    """One step of a stream: its tokens, their text, its segments as in Generation.trace (rejected guesses too)
+    and with logprobs=k their TokenLogprobs; the last chunk also carries the whole Generation."""
     tokens: list
     text: str
     segments: list
@@ -417,10 +406,9 @@ def chunks(request):
 
 
 class TextStream:
-    """A request's output text a step at a time (stream's, and the server's): pieces that join to the
-    Generation's text, never a broken character, and never text past a stop string (text that may
-    begin one is held back until the next step tells). Push each step's tokens before the engine's next
-    step: the request's Stop has read exactly those then."""
+    """A request's output text a step at a time: pieces that join to the Generation's text, never a broken
+    character nor text that may begin a stop string. Push each step's tokens before the engine's next step:
+    the request's Stop has read exactly those then."""
 
     def __init__(self, request):
         tokenizer = request.target.tokenizer

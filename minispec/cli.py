@@ -9,7 +9,7 @@ import stat
 import sys
 from dataclasses import fields
 
-from .models.checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES, is_integer
+from .models.checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES, Check, is_integer
 from .settings import DTYPE_NAMES, Settings
 
 
@@ -76,6 +76,17 @@ def check_threads(args):
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if args.threads is not None and not 1 <= args.threads <= cpus:
         raise ValueError(f"--threads must be between 1 and this machine's {cpus} CPUs, got {args.threads}")
+
+
+AT_LEAST_ONE = Check(lambda v: v >= 1, "must be >= 1")
+
+
+def check_values(args, rules):
+    """Each of these flags (--batch-size: args.batch_size), where given, checked by its Check."""
+    for flag, rule in rules.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            rule(flag, value)
 
 
 def tp_rank(args):

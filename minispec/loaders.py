@@ -16,18 +16,9 @@ def load_models(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_target_and_draft(args.target, args.draft, device, DTYPES.get(args.dtype), args.compile,
-                                 args.quantize, args.draft_quantize, args.group_size, getattr(args, "tp", None))
-
-
-def load_target_and_draft(target, draft, device="cpu", dtype=None, compile=False, quantize=None, draft_quantize=None,
-                          group_size=quant.DEFAULT_GROUP_SIZE, tp=None):
-    """The target model, and the draft as generate() takes it: None for "none", a model-free or self-draft
-    name as it is, or a model loaded like the target (whole on every rank of a sharded one), quantized as
-    `draft_quantize` says."""
-    target = load_model(target, device=device, dtype=dtype, compile=compile, quantize=quantize, group_size=group_size,
-                        tp=tp)
-    return target, load_draft(draft, target, compile, draft_quantize, group_size)
+    target = load_model(args.target, device=device, dtype=DTYPES.get(args.dtype), compile=args.compile,
+                        quantize=args.quantize, group_size=args.group_size, tp=getattr(args, "tp", None))
+    return target, load_draft(args.draft, target, args.compile, args.draft_quantize, args.group_size)
 
 
 def loads_model(draft):
@@ -36,8 +27,9 @@ def loads_model(draft):
 
 
 def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
-    """--draft for a loaded target, as load_target_and_draft says (a head folder: the head; "D,suffix": both,
-    in one tree, decoding/mixed.py)."""
+    """The draft as generate() takes it: None for "none", a model-free or self-draft name as it is, a head folder's
+    head, "D,suffix" both (one tree, decoding/mixed.py), or a model loaded like the target (whole on every rank of
+    a sharded one), quantized as `draft_quantize` says."""
     if isinstance(draft, str) and "," in draft:
         return [load_draft(part, target, compile, None if part in MODEL_FREE_NAMES else draft_quantize, group_size)
                 for part in draft.split(",")]

@@ -20,7 +20,7 @@ from torch import nn
 
 import minispec
 from minispec.tools.bench import memory
-from minispec.loaders import load_target_and_draft
+from minispec.loaders import load_draft
 from minispec.decoding import drafters
 from minispec.loading import builtin
 from minispec.loading.chat import chat_prompt
@@ -249,7 +249,7 @@ def test_bad_settings(reference_dirs):
     with pytest.raises(ValueError, match="group_size=48: int4 groups of 32, 64, 128 columns"):
         minispec.load(directory, quantize="int4", group_size=48)
     with pytest.raises(ValueError, match="--draft-quantize quantizes a draft model; --draft lookup loads none"):
-        load_target_and_draft(directory, "lookup", draft_quantize="int8")
+        load_draft("lookup", minispec.load(directory), draft_quantize="int8")
     with pytest.raises(ValueError, match="is quantized already"):
         minispec.generate(minispec.load(directory, quantize="int8"), [1, 2, 3], draft="int4")
 

@@ -150,12 +150,17 @@ def test_plain_and_show_output_without_tty(gpt2_dir, capsys):
     assert [int(x) for x in shown] == tokens
 
 
+def render_trace(trace, text, colour):
+    """A whole Generation.trace, as --show prints it."""
+    return run.render_pieces(run.segment_pieces(trace, text), colour) + text.flush()
+
+
 def test_render_trace_colours():
     trace = [([1, 2], "target"), ([3], "accepted"), ([4], "rejected"), ([5], "corrected")]
-    coloured = run.render_trace(trace, run.TokenIds(" "), colour=True)
+    coloured = render_trace(trace, run.TokenIds(" "), colour=True)
     assert coloured == ("\033[34m1 2\033[0m" "\033[32m 3\033[0m" "\033[31;9m4\033[0m" "\033[34m 5\033[0m")
-    assert run.render_trace(trace, run.TokenIds(" "), colour=False) == "1 2 3[~4~] 5"
-    assert run.render_trace(trace, run.TokenIds(","), colour=False) == "1,2,3[~4~],5"
+    assert render_trace(trace, run.TokenIds(" "), colour=False) == "1 2 3[~4~] 5"
+    assert render_trace(trace, run.TokenIds(","), colour=False) == "1,2,3[~4~],5"
 
 
 def test_render_trace_shows_a_trees_rejected_candidates():
@@ -163,8 +168,8 @@ def test_render_trace_shows_a_trees_rejected_candidates():
     alternatives a|b (at most SHOWN_CANDIDATES, then …), then the target's token."""
     trace = [([3], "accepted"), ([4, 6], "rejected"), ([5], "corrected"), ([7, 8, 9, 10], "rejected"),
              ([11], "corrected")]
-    assert run.render_trace(trace, run.TokenIds(" "), colour=False) == "3[~4|6~] 5[~7|8|9|…~] 11"
-    coloured = run.render_trace(trace[:3], run.TokenIds(" "), colour=True)
+    assert render_trace(trace, run.TokenIds(" "), colour=False) == "3[~4|6~] 5[~7|8|9|…~] 11"
+    coloured = render_trace(trace[:3], run.TokenIds(" "), colour=True)
     assert coloured == "\033[32m3\033[0m" "\033[31;9m4|6\033[0m" "\033[34m 5\033[0m"
 
 

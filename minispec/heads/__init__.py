@@ -55,8 +55,7 @@ def kind_of(hf, directory):
 
 
 def check_size(kind, hf, target):
-    """A ValueError naming config.json's fields when the head they ask for needs more memory than is free,
-    before it is built."""
+    """A ValueError naming config.json's fields, before building, when their head needs more memory than is free."""
     dim, vocab, size = target.hidden_size, target.vocab_size, target.dtype.itemsize
     if kind == "medusa":
         n_heads, n_layers = medusa.config_from_hf(hf)

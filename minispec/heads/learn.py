@@ -29,8 +29,6 @@ class Learner:
             # labels need the float output head; float16 gradients overflow; shards' heads would differ
             raise ValueError("--learn-head trains on a float32 or bfloat16 target, whole in one process: load it "
                              "without --quantize, float16 or --tp")
-        if not (0 < share <= 1 and buffer_mb > 0):
-            raise ValueError(f"the learning head needs a share in (0, 1] and buffer_mb > 0, got {share}, {buffer_mb}")
         self.head = load_draft_head(source, target, quantize=None)  # float: its weights change as it learns
         if self.head.kind not in LOSSES:
             raise ValueError(f"{source}: an {self.head.kind} head does not learn while serving (eagle and medusa "

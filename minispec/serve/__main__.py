@@ -8,9 +8,9 @@ import math
 import os
 import sys
 
-from ..settings import gamma_setting, tree_setting
-from ..cli import add_model_flags, tp_rank
+from ..cli import AT_LEAST_ONE, add_model_flags, add_setting_flags, check_values, tp_rank
 from ..heads import is_head_dir
+from ..models.checks import Check
 from ..loaders import load_models
 from .scheduler import Scheduler
 
@@ -28,12 +28,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minispec.serve",
                                      description="An OpenAI-compatible HTTP server, speculative by default.")
     add_model_flags(parser, draft_default="suffix", tensor_parallel=True)
-    parser.add_argument("--gamma", type=gamma_setting, default="auto",
-                        help="draft tokens guessed per target call, or 'auto' (the default): chosen before each step")
-    parser.add_argument("--tree", type=tree_setting, metavar="off|auto|N", default="auto",
-                        help="verify a token tree of up to N guesses per target call (any --draft: ngram, lookup, "
-                             "a model, int8/int4 or a head); 'auto' (the default): a tree or a chain each step, as "
-                             "expected faster; 'off': chains")
+    add_setting_flags(parser, ("gamma", "tree"))
     parser.add_argument("--batch-size", type=int, default=4, help="requests decoded together (cache rows); default 4")
     parser.add_argument("--max-model-len", type=int,
                         help="positions per request, prompt and completion together (default: the target's context, "
@@ -80,22 +75,15 @@ class Server(uvicorn.Server):
 
 
 def check_flags(args):
-    for flag, value in (("--batch-size", args.batch_size), ("--max-queue", args.max_queue),
-                        ("--max-model-len", 1 if args.max_model_len is None else args.max_model_len)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if not 0 <= args.prefix_cache_mb < math.inf:
-        raise ValueError(f"--prefix-cache-mb must be a number of MiB >= 0, got {args.prefix_cache_mb}")
-    if not 0 <= args.shutdown_timeout < math.inf:
-        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
-    if not 0 < args.tp_timeout < 1e6:
-        raise ValueError(f"--tp-timeout must be a number of seconds in (0, 1e6), got {args.tp_timeout}")
+    check_values(args, {**dict.fromkeys(("--batch-size", "--max-queue", "--max-model-len"), AT_LEAST_ONE),
+                        "--prefix-cache-mb": Check(lambda v: 0 <= v < math.inf, "must be a number of MiB >= 0"),
+                        "--shutdown-timeout": Check(lambda v: 0 <= v < math.inf, "must be a number of seconds >= 0"),
+                        "--tp-timeout": Check(lambda v: 0 < v < 1e6, "must be a number of seconds in (0, 1e6)"),
+                        "--port": Check(lambda v: 0 <= v <= 65535, "must be between 0 and 65535")})
     if args.learn_head is not None and not is_head_dir(args.draft):
         raise ValueError(f"--learn-head trains a draft head: --draft {args.draft} is not a head's folder")
     if args.learn_head is not None and args.draft_quantize is not None:
         raise ValueError("--learn-head drafts with the float head it trains: drop --draft-quantize")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
 
 
 def main(argv=None):

@@ -1,7 +1,6 @@
-"""The HTTP side: an ASGI app (Starlette) serving the OpenAI API's completions, chat completions and
-models endpoints, and /health, over one Scheduler. A handler checks its request (protocol.parse),
-queues a Job, and answers with the job's outcome, or streams it as server-sent events, a chunk per
-verified step; a client that goes away cancels its job."""
+"""The HTTP side: an ASGI app (Starlette) serving the OpenAI API's completions, chat completions and models, and
+/health, over one Scheduler. A handler checks its request (protocol.parse), queues Jobs, and answers with their
+outcome, or streams it as server-sent events, a chunk per verified step; a client that goes cancels its jobs."""
 
 import asyncio
 import json
@@ -30,9 +29,8 @@ TRIM_AFTER_BYTES = 2**16  # bodies after which release_memory runs
 
 
 def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=None):
-    """The app, which starts the scheduler when it starts and stops it (waiting at most
-    `shutdown_timeout` seconds for its thread) when it shuts down. api_key: the Bearer token every
-    request must carry (None: none needed)."""
+    """The app, which starts the scheduler with it and stops it (waiting at most `shutdown_timeout` seconds)
+    when it shuts down; api_key: the Bearer token every request must carry (None: none needed)."""
     if scheduler.target.tokenizer is None:
         raise ValueError(f"{scheduler.target.name} has no tokenizer files: the server reads and writes text")
     server = Handlers(scheduler, model_name, draft_name, body_bound(scheduler))
@@ -50,12 +48,6 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
                 return error_response(failure(error))
         return endpoint
 
-    async def completions(request):
-        return await server.complete(request, chat=False)
-
-    async def chat_completions(request):
-        return await server.complete(request, chat=True)
-
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
@@ -64,8 +56,9 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
         from ..decoding.suffix import save_stores  # draft="suffix"'s store, for the next replica; read only here
         save_stores()
 
-    routes = [Route("/v1/completions", guarded(completions), methods=["POST"]),
-              Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+    complete = server.complete
+    routes = [Route("/v1/completions", guarded(lambda request: complete(request, False)), methods=["POST"]),
+              Route("/v1/chat/completions", guarded(lambda request: complete(request, True)), methods=["POST"]),
               Route("/v1/models", guarded(server.models), methods=["GET"]),
               Route("/health", guarded(server.health), methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
@@ -117,8 +110,7 @@ class Handlers:
             self.scheduler.cancel(job)  # nothing happens to a job that has ended
 
     async def whole(self, request, jobs, events, reply, parsed):
-        """The reply in one body, once every answer ends (best_of: the n best of them); a client that
-        goes first cancels them."""
+        """The reply in one body once every answer ends (best_of: the n best); a client that goes cancels them."""
         watcher = asyncio.create_task(report_disconnect(request, events))
         outcomes = {}
         try:
@@ -142,9 +134,8 @@ class Handlers:
         return Response(status_code=499)  # the client went: nobody reads this
 
     async def stream(self, jobs, events, reply, include_usage):
-        """Server-sent events: a chunk per step that adds text, tagged by its answer's index, each answer's
-        ending, usage if asked, [DONE]. When the client goes, Starlette cancels this generator, and so the
-        jobs."""
+        """Server-sent events: a chunk per step that adds text, by answer, each answer's ending, usage if asked,
+        [DONE]. When the client goes, Starlette cancels this generator, and so the jobs."""
         usage = {"usage": None} if include_usage else {}  # as OpenAI: every chunk has it, the last one filled
         outcomes = []
         try:
@@ -179,10 +170,8 @@ class Handlers:
 
 
 def body_bound(scheduler):
-    """The largest body a request that fits the context can need: its text (scheduler.max_text
-    characters) at up to 12 bytes of JSON a character (an escaped surrogate pair), and 1 MiB for the
-    other fields. Larger ones are refused unread, never tokenized (which takes far more time and memory
-    than the body itself)."""
+    """The largest body a request that fits the context can need: scheduler.max_text characters at up to 12 bytes
+    of JSON each (an escaped surrogate pair), and 1 MiB for the other fields; larger ones are refused unread."""
     return 12 * scheduler.max_text + 2**20
 
 
@@ -203,9 +192,8 @@ async def read_json(request, max_body):
 
 
 def release_memory(size):
-    """Give the C heap's free pages back to the system after a large body, and at most once a second
-    otherwise. Bodies are parsed and tokenized on the thread pool's threads, each with its own glibc
-    arena, which keeps what they freed: without this the resident memory grows with every barrage."""
+    """Give the C heap's free pages back after a large body, else at most once a second: the thread pool's
+    threads, which parse and tokenize bodies, each keep what they freed in a glibc arena of their own."""
     global trimmed
     if MALLOC_TRIM is not None and (size > TRIM_AFTER_BYTES or time.monotonic() > trimmed + 1):
         MALLOC_TRIM(0)

@@ -1,14 +1,11 @@
-"""The server on a tensor-parallel target (`torchrun --nproc-per-node N -m minispec.serve --tp N`): rank 0
-runs the HTTP side, the scheduler and every drafter (a self-draft, --draft int8/int4, is sharded too);
-the other ranks hold their shards and run, in lockstep, each call rank 0 makes on the sharded models
-(MIRRORED), which rank 0 broadcasts as a Call record before running it. What rank 0 decides on the host
-(admissions, drafts, verdicts, random draws) it decides alone, so nothing else crosses the group.
+"""The server on a tensor-parallel target (`torchrun --nproc-per-node N -m minispec.serve --tp N`): rank 0 runs
+the HTTP side, the scheduler and every drafter; the other ranks hold their shards and run, in lockstep, each call
+rank 0 makes on the sharded models (MIRRORED), broadcast as a Call record before it runs. What rank 0 decides on
+the host (admissions, drafts, verdicts, random draws) it decides alone, so nothing else crosses the group.
 
-Faults: every collective waits at most `timeout` seconds (--tp-timeout), and an idle rank 0 beats every
-third of that, so a dead or stalled rank is found within 4/3 `timeout`; followers count beats of their
-own in the group's store, so that rank 0 can name the lost ranks. Rank 0 then fails every request (503)
-and exits.
-"""
+Faults: every collective waits at most `timeout` seconds (--tp-timeout) and an idle rank 0 beats every third of
+that, so a lost rank is found within 4/3 `timeout`; followers count beats in the group's store, so that rank 0
+can name the lost ranks. Rank 0 then fails every request (503) and exits."""
 
 import logging
 import os
@@ -37,8 +34,7 @@ STORE_BEAT_SECONDS = 0.5  # how often a follower counts itself alive in the stor
 
 
 class Call(NamedTuple):
-    """One record broadcast from rank 0: `method` of sharded model `model` with these arguments (tensors
-    on the CPU), or "beat" (nothing to do) or "stop" (the server has stopped)."""
+    """`method` of sharded model `model` with these arguments (tensors on the CPU), or "beat" or "stop"."""
     method: str
     model: int = 0
     args: tuple = ()
@@ -166,8 +162,7 @@ class Leader:
             self.on_failure(self.failure)
 
     def stop(self):
-        """The server has stopped: so do the followers (after a fault, or while the scheduler is still in a
-        call, their wait ends them)."""
+        """The followers stop too (after a fault, or while the scheduler is still in a call, their wait ends them)."""
         if self.failure is None and self.lock.acquire(timeout=self.timeout):
             try:
                 self.send(Call("stop"))

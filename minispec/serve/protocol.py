@@ -1,6 +1,5 @@
-"""The OpenAI API's shapes: a completion or chat request's JSON checked field by field into an
-api.Request (api's own checks included, their errors naming the request's field), and the bodies and
-stream chunks of the reply."""
+"""The OpenAI API's shapes: a completion or chat request's JSON checked field by field into api.Requests, their
+errors naming the request's field, and the bodies and stream chunks of the reply."""
 
 import reprlib
 import secrets
@@ -190,8 +189,7 @@ def logprobs_of(body, chat):
 
 
 def prompt_ids(target, prompt, max_text):
-    """A completion's prompt: token ids, or text, in which special tokens' text is plain text (a prompt from
-    the network cannot write a special token by spelling it)."""
+    """A completion's prompt: token ids, or text, special tokens' text in it plain text."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):

@@ -1,11 +1,7 @@
-"""The server's one decoding loop: a thread that holds the models for the server's life and runs the
-engine (minispec.decoding.engine.decode) over requests as they arrive. A request waits in a bounded
-queue, takes a free cache row at the next step, and leaves its row when it ends, fails, or its client
-goes; the others in the batch never notice (each row computes as it would alone), so every request
-gets what minispec.generate gives it alone.
-
-Handlers (another thread) hand in Jobs and get their news through each Job's `deliver`: a News per
-step that adds text, the last one with the job's Outcome, or a Failed."""
+"""The server's one decoding loop: a thread that holds the models for the server's life and runs the engine
+over requests as they arrive. A request waits in a bounded queue, takes a free cache row at the next step, and
+leaves it when it ends, fails, or its client goes; each row computes as it would alone, so every request gets
+what minispec.generate gives it. Handlers hand in Jobs and get a News per step, or a Failed, through `deliver`."""
 
 import ctypes
 import logging
@@ -43,8 +39,7 @@ class Outcome:
 
 
 class News(NamedTuple):
-    """A step's news of a job: the text it adds, its tokens' TokenLogprobs (None unless the request
-    asks), and at the job's last step its Outcome (None before)."""
+    """A step's text, its tokens' TokenLogprobs (None unless asked), and at the job's last step its Outcome."""
     piece: str
     logprobs: list | None
     outcome: Outcome | None = None
@@ -83,12 +78,10 @@ class Job:
 
 
 class Scheduler:
-    """Owns the target and draft: sizes their caches once, for `rows` requests of up to `max_length`
-    positions, and decodes every request in one engine.decode loop on its own thread. submit() queues
-    a job (at most `max_waiting` wait for a row); cancel() ends one at the next step. A prompt reuses
-    the keys and values of earlier requests' tokens it begins with, up to `prefix_cache_mb` MiB of them
-    (decoding/prefix.py; 0: none). `learner`: a heads/learn.py Learner, whose head is `draft`, trained
-    between steps on the requests' states and saved when the thread ends (None: the head stays as it is)."""
+    """Owns the target and draft, their caches sized once for `rows` requests of up to `max_length` positions,
+    and decodes every request in one engine.decode loop on its own thread; at most `max_waiting` jobs wait.
+    `prefix_cache_mb`: MiB of earlier requests' keys and values a prompt may reuse (0: none). `learner`: a
+    heads/learn.py Learner, whose head is `draft`, trained between steps and saved when the thread ends."""
 
     def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto",
                  prefix_cache_mb=512, learner=None):
@@ -129,8 +122,7 @@ class Scheduler:
             self.changed.notify()
 
     def cancel(self, job):
-        """End a job (any thread): a waiting one leaves the queue now, a running one its row at the next
-        step. Nothing happens to a job that has ended."""
+        """End a job (any thread): a waiting one leaves the queue now, a running one its row at the next step."""
         with self.changed:
             job.cancelled = True
             self.live.discard(job)
@@ -147,9 +139,8 @@ class Scheduler:
         deadline.start()
 
     def stop(self, timeout=None):
-        """Take no more jobs, and fail (503) those not ended yet: when a server shuts down, its handlers
-        have had their grace period (uvicorn's). Then wait for the thread, at most `timeout` seconds, and
-        stop the tensor-parallel group's other ranks, if any."""
+        """Fail (503) the jobs not ended yet (their handlers have had uvicorn's grace period), wait for the
+        thread at most `timeout` seconds, and stop a tensor-parallel group's other ranks."""
         self.close()
         if self.thread.is_alive():
             self.thread.join(timeout)
@@ -157,8 +148,7 @@ class Scheduler:
             self.group.stop()
 
     def close(self, failure=None):
-        """No new jobs, and every job not ended fails (503, with `failure` as the reason if given); take()
-        returns none from now on."""
+        """No new jobs, and every job not ended fails (503, `failure` the reason if given)."""
         with self.changed:
             self.stopping = True
             self.failure = self.failure or failure
@@ -263,8 +253,7 @@ def text_bound(tokenizer, max_length):
 
 
 def checked_length(models, max_model_len):
-    """The positions a request may fill (prompt and new tokens): --max-model-len, or the shortest of
-    the models' contexts."""
+    """The positions a request may fill: --max-model-len, or the shortest of the models' contexts."""
     contexts = [model.context_length for model in models if model.context_length is not None]
     if max_model_len is None:
         if not contexts:

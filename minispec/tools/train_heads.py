@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from minispec import CheckpointError, chat_prompt, generate, load
 from minispec.api import prompt_tensor
-from minispec.cli import read_prompts_file
+from minispec.cli import AT_LEAST_ONE, check_values, read_prompts_file
 from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
 from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss, medusa_loss, padded_batch,
                                      soft_cross_entropy, target_probabilities, training, update)
@@ -158,8 +158,7 @@ def load_data(file):
 
 
 def batch_groups(sequences, indices, tokens_per_batch, generator=None):
-    """The sequences at `indices` grouped into batches of about `tokens_per_batch` padded tokens,
-    shuffled by `generator` (None: in order)."""
+    """The sequences at `indices` in batches of about `tokens_per_batch` padded tokens, shuffled by `generator`."""
     groups, batch = [], []
     order = indices if generator is None else [indices[i] for i in torch.randperm(len(indices), generator=generator)]
     for index in order:
@@ -171,9 +170,8 @@ def batch_groups(sequences, indices, tokens_per_batch, generator=None):
 
 
 def most_said(sequences, vocab_size, size):
-    """The `size` token ids the target said most often in its answers, sorted: a head's reduced draft
-    vocabulary. Ties, and the tokens never said, go to the lower ids: a BPE vocabulary numbers its
-    tokens roughly from the most frequent (merges are learnt in order of frequency)."""
+    """The `size` token ids the target said most often in its answers, sorted: a head's draft vocabulary. Ties
+    go to the lower ids: a BPE vocabulary numbers its tokens roughly from the most frequent."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for tokens, start in sequences:
         counts += torch.bincount(tokens[start:], minlength=vocab_size)
@@ -462,11 +460,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    # train(epochs=0) only returns the untrained head: nothing would be written
-    if args.epochs is not None and args.epochs < 1:
-        print(f"minispec: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
-        return 2
     try:
+        # train(epochs=0) only returns the untrained head: nothing would be written
+        check_values(args, {"--epochs": AT_LEAST_ONE})
         prompts = read_prompts_file(args.prompts, "--prompts") if args.prompts else None
         target = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype))
         train(target, args.out, args.kind, prompts, args.epochs, args.max_new_tokens, args.lr, args.heads,
