@@ -140,8 +140,8 @@ def benchmark(args):
         "draft_memory_bandwidth": steps["draft_bandwidth"],
         # A forward over n tokens reads what a 1-token step reads: n rows per weight read is the point.
         "forward_bandwidth": {n: bandwidth(target, position, s) for n, s in steps["forward_s"].items()},
-        "memory": args.memory_tokens and memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens)
-        or None,
+        "memory": memory_growth(target, draft, args.gamma[0], prompts[0], args.memory_tokens) if args.memory_tokens
+        else None,
         "row_invariance_price": row_invariance_price(target, target.encode(first)) if args.row_invariance_price
         else None,
         "rows": [gamma_row(gamma, timed["minispec", gamma], ar, steps, args) for gamma in args.gamma]}
@@ -243,8 +243,8 @@ def batch_benchmark(args):
     first, base = min((r["batch"], r["plain_tokens_per_second"]) for r in rows)
     table = md_table([("batch", "{batch}"), ("plain tok/s", "{plain_tokens_per_second:.1f}"),
                       (f"x batch {first}", lambda r: f"{r['plain_tokens_per_second'] / base:.2f}x"),
-                      ("speculative tok/s", "{speculative_tokens_per_second:.1f}"),
-                      ("x plain", lambda r: f"{r['speculative_tokens_per_second'] / r['plain_tokens_per_second']:.2f}x"),
+                      ("speculative tok/s", "{speculative_tokens_per_second:.1f}"), ("x plain", lambda r:
+                       f"{r['speculative_tokens_per_second'] / r['plain_tokens_per_second']:.2f}x"),
                       ("same outputs", "{identical}")], rows)
     return {"settings": vars(args), "batches": rows}, "\n".join([title(args, target, *medians(args)), "", *table])
 

@@ -100,16 +100,19 @@ def check(args):
         (args.workloads is not None and args.requests < 2,
          f"--workloads needs --requests >= 2 (two halves), got {args.requests}"),
         (min(args.requests, *args.clients) < 1, "--requests and --clients must be >= 1"),
-        (args.memory_tokens and args.memory_tokens <= 16, f"--memory-tokens must be more than 16, got {args.memory_tokens}"),
+        (args.memory_tokens and args.memory_tokens <= 16,
+         f"--memory-tokens must be more than 16, got {args.memory_tokens}"),
         (any(g != "auto" and g < 1 for g in args.gamma), f"--gamma values must be >= 1 or 'auto', got {args.gamma}"),
         (args.beams is not None and args.beams < 1, f"--beams must be >= 1, got {args.beams}"),
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
-        (several and args.own not in (None, "workloads"), f"several --draft values are a benchmark of their own: {alone}"),
+        (several and args.own not in (None, "workloads"),
+         f"several --draft values are a benchmark of their own: {alone}"),
         (args.llama_cpp and (own or several), f"--llama-cpp goes with the main table: one --draft, {alone}"),
         (args.llama_cpp and (args.prompt_ids or args.temperature != 0),
          "--llama-cpp compares greedy decoding of text prompts: without --prompt-ids and --temperature"),
         (isinstance(args.tree, int) and args.tree < 1, f"--tree must be >= 1, got {args.tree}"),
-        (min(args.repeats, args.max_new_tokens, args.seeds) < 1, "--repeats, --max-new-tokens and --seeds must be >= 1"),
+        (min(args.repeats, args.max_new_tokens, args.seeds) < 1,
+         "--repeats, --max-new-tokens and --seeds must be >= 1"),
     ]
     message = next((message for wrong, message in problems if wrong), None)
     if message is not None:

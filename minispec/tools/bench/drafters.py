@@ -106,8 +106,8 @@ def call_costs(target, draft, prefix, generated, args):
                 "forward_ms": {1: times["target"] * 1e3}, "draft_ms": None, "per_forward": False}
     times = step_times(target, draft, prefix, generated, [1], Sampling(args.temperature, args.top_k, args.top_p))
     return {"guess_cost": times["draft_step_s"][1] / times["target_step_s"],
-            "target_step_ms": times["target_step_s"] * 1e3,
-            "forward_ms": {n: s * 1e3 for n, s in times["forward_s"].items()}, "draft_ms": times["draft_step_s"][1] * 1e3,
+            "target_step_ms": times["target_step_s"] * 1e3, "draft_ms": times["draft_step_s"][1] * 1e3,
+            "forward_ms": {n: s * 1e3 for n, s in times["forward_s"].items()},
             "per_forward": not isinstance(draft, str) or draft not in MODEL_FREE_NAMES,
             "target_bytes": decode_bytes(target, times["position"]),
             "draft_bytes": times["draft_bandwidth"] and times["draft_bandwidth"]["bytes_per_step"]}
@@ -118,11 +118,11 @@ def label(r):
 
 
 DRAFTER_COLUMNS = [
-    ("draft", label), ("tok/s", "{tokens_per_second:.1f}"),
-    ("speedup", "{speedup:.2f}x"), ("same as plain", "{identical_to_plain}"), ("tok/call", "{tokens_per_target_call:.2f}"),
+    ("draft", label), ("tok/s", "{tokens_per_second:.1f}"), ("speedup", "{speedup:.2f}x"),
+    ("same as plain", "{identical_to_plain}"), ("tok/call", "{tokens_per_target_call:.2f}"),
     ("guesses/call", "{mean_guesses:.2f}"), ("accept", "{acceptance_rate:.2f}"),
-    *((f"accept @{i + 1}", lambda r, i=i: cell("{rate:.2f}", {"rate": (r["acceptance_by_position"] + [None] * (i + 1))[i]}))
-      for i in range(POSITIONS)),
+    *((f"accept @{i + 1}", lambda r, i=i: cell("{rate:.2f}", {
+        "rate": (r["acceptance_by_position"] + [None] * POSITIONS)[i]})) for i in range(POSITIONS)),
     ("guess cost", "{guess_cost:.3f}")]
 TREE_COLUMNS = [("tree nodes/call", "{tree_nodes_per_call:.2f}"),  # "-" on a chain's row
                 ("tok/call vs chain", lambda r: f"{r['tokens_per_target_call_vs_chain']:.2f}x" if r["tree"] else "-"),

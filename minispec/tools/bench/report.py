@@ -41,8 +41,8 @@ def md_table(columns, rows):
 def title(args, target=None, *more):
     """A table's first line: the models, the request, and whatever `more` adds."""
     on = f" on {target.device} ({dtype_name(target)})" if target is not None else ""
-    return ", ".join([f"target `{args.target}`, draft `{args.draft}`{on}", f"{args.max_new_tokens} new tokens a request",
-                      *more])
+    return ", ".join([f"target `{args.target}`, draft `{args.draft}`{on}",
+                      f"{args.max_new_tokens} new tokens a request", *more])
 
 
 def dtype_name(model):
@@ -88,7 +88,8 @@ def markdown_table(result):
         f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
         "decode speedup and Theorem 3.8 (predicted) leave it out",
         f"warm-up pass over the prompts{' (compiling the graphs)' if compiled else ''}: plain "
-        f"{ar['warmup_seconds']:.1f} s, then " + ", ".join(f"γ = {r['gamma']} {r['warmup_seconds']:.1f} s" for r in rows),
+        f"{ar['warmup_seconds']:.1f} s, then "
+        + ", ".join(f"γ = {r['gamma']} {r['warmup_seconds']:.1f} s" for r in rows),
         bw and f"target decode step: {result['target_step_s'] * 1e3:.2f} ms, {read(bw)} ({bw['device_name']})",
         draft_bw and f"draft decode step: {step_ms(draft_bw):.2f} ms, {read(draft_bw)}",
         widths and "target forward by tokens fed (ms, share of the measured read bandwidth): " + ", ".join(
@@ -113,7 +114,8 @@ def markdown_table(result):
                ("best γ", "{best_gamma}"), ("pred. at best γ", "{best_gamma_predicted_speedup:.2f}x")]
     if reference:
         assisted = {a["gamma"]: a for a in reference["assisted"]}
-        columns += [(header, lambda r, column=column: cell(column, assisted.get(r["gamma"], {}))) for header, column in (
+        columns += [(header, lambda r, column=column: cell(column, assisted.get(r["gamma"], {})))
+                    for header, column in (
             ("ref assisted tok/s", "{tokens_per_second:.1f}"), ("ref speedup", "{speedup:.2f}x"),
             ("ref identical", "{identical}"))]
     lines += md_table(columns, rows)

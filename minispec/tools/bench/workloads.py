@@ -232,7 +232,8 @@ def workloads_table(args, results):
         ("mean TTFT ms", lambda r: f"{r['mean_ttft'] * 1e3:.0f}"),
         ("TTFT cut", "{ttft_cut:.2f}x"),
         ("tok/call 1st / 2nd half", lambda r: " / ".join(f"{h['tokens_per_call']:.2f}" for h in r["halves"])),
-        ("accept", "{acceptance_rate:.2f}"), ("cached", "{cached_share:.0%}"), ("same as plain", "{identical_to_plain}")],
+        ("accept", "{acceptance_rate:.2f}"), ("cached", "{cached_share:.0%}"),
+        ("same as plain", "{identical_to_plain}")],
         [{"workload": name, **r} for name, w in results.items() for r in w["runs"]])
     lines += ["", "x plain: against `none` with the prefix cache on (the server as shipped, without speculation); "
               "x lookup: against `lookup` with the same prefix cache; TTFT cut: mean TTFT without the prefix cache "
