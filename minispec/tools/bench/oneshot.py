@@ -1,11 +1,7 @@
-"""Requests each in a fresh process, as users of run.py make them, so that nothing a process learnt or
-allocated helps the next but what it left on disk (gamma="auto"'s costs: decoding/profiles.py).
-
---one-shot: plain decoding and each --gamma per prompt, round after round; the auto runs share a profiles
-folder made empty for the bench, so its first round is a first run on this machine. Loading is reported apart.
---threads-under-load: tokens/s with the default threads and each --threads setting while another process
-keeps one core busy (OpenMP reads its wait policy, and torch sizes its thread pool, when a process starts).
-"""
+"""Requests each in a fresh process, as users of run.py make them: nothing a process learnt helps the next
+but what it left on disk (gamma="auto"'s costs: decoding/profiles.py). --one-shot: plain and each --gamma
+per prompt, the auto runs from a profiles folder made empty for the bench; --threads-under-load: the default
+threads and each --threads setting beside a busy core (OpenMP reads its wait policy when a process starts)."""
 
 import json
 import os
