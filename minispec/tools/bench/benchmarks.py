@@ -234,7 +234,7 @@ def flat(outs):
 
 
 def batch_benchmark(args):
-    """Total new tokens per second of B requests at once, plain and speculative, for each B."""
+    """Tokens/s of B requests decoded together, plain and speculative, per B."""
     target, draft, prompts = models_and_prompts(args)
     rows = plain_and_speculative(args, target, draft, {
         b: ([[prompts[i % len(prompts)] for i in range(b)]], {"batch_size": b}) for b in args.batch_sizes})
@@ -254,8 +254,8 @@ def medians(args):
 
 
 def features_benchmark(args):
-    """Tokens/s of each FEATURES row plain and with --draft, against the same request without it (nothing
-    is given up under speculation), the median of --repeats rounds."""
+    """Each feature (logprobs, penalties, a JSON schema, n, the couplings) plain and with --draft, against the
+    same request without it."""
     target, draft, prompts = models_and_prompts(args)
     rows = plain_and_speculative(args, target, draft, {name: (prompts, extra) for name, extra in FEATURES.items()})
     rows = [{"feature": r["name"], "plain": r["plain"], "speculative": r["speculative"],
@@ -269,8 +269,8 @@ def features_benchmark(args):
 
 
 def beam_benchmark(args):
-    """Beam search, plain against speculative at each --gamma, per prompt: seconds per request, the
-    median and the fastest of --repeats rounds (other work on a shared machine only ever slows a run)."""
+    """Beam search of width W, plain against speculative (each --gamma) per prompt: the median and the
+    fastest request."""
     target, draft, prompts = models_and_prompts(args)
 
     def runner(**extra):

@@ -15,11 +15,16 @@ from .report import markdown_table
 from .served import serve_load_benchmark, tp_serve_benchmark
 from .workloads import WORKLOADS, workloads_benchmark
 
-# The benchmarks that replace the main table, each with its own table: the first flag given picks one (a
-# beam search's requests may run in fresh processes: --one-shot --beams).
-OWN_TABLES = {"workloads": workloads_benchmark, "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark,
-              "features": features_benchmark, "batch_sizes": batch_benchmark, "threads_under_load": threads_benchmark,
-              "one_shot": one_shot_benchmark, "beams": beam_benchmark}
+# The benchmarks that replace the main table, each with its own table and a flag (its docstring the flag's
+# help): the first flag given picks one (a beam search's requests may run in fresh processes: --one-shot --beams).
+OWN_TABLES = {"workloads": (workloads_benchmark, dict(nargs="*", choices=list(WORKLOADS))),
+              "tp_serve": (tp_serve_benchmark, dict(type=int, metavar="N")),
+              "serve_load": (serve_load_benchmark, dict(action="store_true")),
+              "features": (features_benchmark, dict(action="store_true")),
+              "batch_sizes": (batch_benchmark, dict(type=int, nargs="+", metavar="B")),
+              "threads_under_load": (threads_benchmark, dict(action="store_true")),
+              "one_shot": (one_shot_benchmark, dict(action="store_true")),
+              "beams": (beam_benchmark, dict(type=int, metavar="W"))}
 
 
 def parse_args(argv):
@@ -52,30 +57,12 @@ def parse_args(argv):
     parser.add_argument("--llama-cpp", metavar="DIR",
                         help="also run llama.cpp's plain, speculative and prompt-lookup decoding of the same GGUF "
                              "--target and text prompts: its binaries in DIR")
-    own = "instead of the main table: "
-    parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
-                        help=own + "tokens/s of B requests decoded together, plain and speculative, per B")
-    parser.add_argument("--beams", type=int, metavar="W",
-                        help=own + "beam search of width W, plain against speculative (each --gamma) per prompt")
-    parser.add_argument("--threads-under-load", action="store_true",
-                        help=own + "tokens/s with the default threads and each --threads setting while another "
-                                   "process keeps one core busy, each request in a fresh process")
-    parser.add_argument("--features", action="store_true",
-                        help=own + "each feature (logprobs, penalties, a JSON schema, n, the couplings) plain and "
-                                   "with --draft, against the same request without it")
-    parser.add_argument("--one-shot", action="store_true",
-                        help=own + "every request in a fresh process, plain against each --gamma (with --beams: "
-                                   "beam search), per prompt")
-    parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS),
-                        help=own + "the server on generated traffic (all workloads when none is named), per --draft "
-                                   "value and prefix-cache setting, beside 'none' and 'lookup'")
+    for name, (benchmark, options) in OWN_TABLES.items():
+        parser.add_argument("--" + name.replace("_", "-"), **options,
+                            help=" ".join(benchmark.__doc__.split()).rstrip(".") + " (instead of the main table)")
     parser.add_argument("--cache-off", choices=["all", "best"], default="all",
                         help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
                              "the fastest with it on (default all)")
-    parser.add_argument("--tp-serve", type=int, metavar="N",
-                        help=own + "the server over N processes (--tp N) against one, for each --clients count")
-    parser.add_argument("--serve-load", action="store_true",
-                        help=own + "the server with --draft against --draft none, for each --clients count")
     parser.add_argument("--requests", type=int, default=8,
                         help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8],
@@ -128,7 +115,7 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         if args.own is not None:
-            result, table = OWN_TABLES[args.own](args)
+            result, table = OWN_TABLES[args.own][0](args)
         elif isinstance(args.draft, list):
             result, table = drafters_benchmark(args)
         else:

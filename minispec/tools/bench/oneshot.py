@@ -67,7 +67,7 @@ def fresh_rounds(args, configs, env, what):
 
 
 def one_shot_benchmark(args):
-    """Seconds per request, each in its own process: plain, then each --gamma, per prompt and round."""
+    """Every request in a fresh process, plain against each --gamma (with --beams: beam search), per prompt."""
     configs = {"plain": dict(draft=None, gamma=None), **{str(g): dict(draft=args.draft, gamma=g) for g in args.gamma}}
     with tempfile.TemporaryDirectory() as profiles:
         runs = fresh_rounds(args, configs, dict(os.environ, MINISPEC_PROFILES=profiles), "one-shot")
@@ -119,8 +119,8 @@ def one_core_busy():
 
 
 def threads_benchmark(args):
-    """Tokens/s of the default and of each --threads setting, one core busy, per round; medians. The
-    goal: the default at least GOAL of the best setting, where OpenMP's spinning threads made it far slower."""
+    """Tokens/s with the default threads and each --threads setting while another process keeps one core
+    busy, each request in a fresh process (the goal: the default at least 0.8x the best setting's)."""
     cpus = len(os.sched_getaffinity(0))
     configs = {name: dict(draft=args.draft, gamma=args.gamma[0], threads=threads)
                for name, threads in {"default": None, **{str(n): n for n in range(1, cpus + 1)}}.items()}

@@ -149,7 +149,7 @@ def served_runs(args, configs):
 
 
 def tp_serve_benchmark(args):
-    """Tokens/s and latency of 1 and --tp-serve processes for each --clients count; broadcast time."""
+    """The server over N processes (--tp N) against one, for each --clients count."""
     runs, result = served_runs(args, [(args.draft, 1), (args.draft, args.tp_serve)])
     for i, run in enumerate(runs):  # one process's runs first, one per --clients count
         alone = runs[i % len(args.clients)]
@@ -167,7 +167,7 @@ def tp_serve_benchmark(args):
 
 
 def serve_load_benchmark(args):
-    """Tokens/s of the server with --draft and with --draft none, per --clients count."""
+    """The server with --draft against --draft none, for each --clients count."""
     runs, result = served_runs(args, [(args.draft, 1), ("none", 1)])
     n = len(args.clients)  # the runs with --draft, then as many with none
     rows = [{"clients": spec["clients"], "speculative": spec["tokens_per_second"], "plain": plain["tokens_per_second"],

@@ -161,6 +161,8 @@ WORKLOADS = {"agent": agent, "code": code, "summaries": summaries, "chat": chat}
 
 # --- the benchmark ------------------------------------------------------------------------------------
 def workloads_benchmark(args):
+    """The server on generated traffic (all workloads when none is named), per --draft value and prefix-cache
+    setting, beside 'none' and 'lookup'."""
     drafts = list(dict.fromkeys(["none", "lookup", *args.draft]))  # the baselines first
     results = {}
     with progress(len(args.workloads or WORKLOADS) * (len(drafts) + (len(drafts) if args.cache_off == "all" else 2)),
