@@ -246,11 +246,8 @@ def batch_benchmark(args):
                       ("speculative tok/s", "{speculative_tokens_per_second:.1f}"), ("x plain", lambda r:
                        f"{r['speculative_tokens_per_second'] / r['plain_tokens_per_second']:.2f}x"),
                       ("same outputs", "{identical}")], rows)
-    return {"settings": vars(args), "batches": rows}, "\n".join([title(args, target, *medians(args)), "", *table])
-
-
-def medians(args):
-    return f"gamma {args.gamma[0]}", f"median of {args.repeats}"
+    head = title(args, target, f"gamma {args.gamma[0]}", f"median of {args.repeats}")
+    return {"settings": vars(args), "batches": rows}, "\n".join([head, "", *table])
 
 
 def features_benchmark(args):
@@ -265,7 +262,8 @@ def features_benchmark(args):
                       ("speculative tok/s", "{speculative:.1f}"), ("x without it", "{speculative_cost:.2f}x"),
                       ("x plain", lambda r: f"{r['speculative'] / r['plain']:.2f}x"), ("same output", "{identical}")],
                      rows)
-    return {"settings": vars(args), "features": rows}, "\n".join([title(args, target, *medians(args)), "", *table])
+    head = title(args, target, f"gamma {args.gamma[0]}", f"median of {args.repeats}")
+    return {"settings": vars(args), "features": rows}, "\n".join([head, "", *table])
 
 
 def beam_benchmark(args):

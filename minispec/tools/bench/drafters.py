@@ -124,9 +124,8 @@ DRAFTER_COLUMNS = [
     *((f"accept @{i + 1}", lambda r, i=i: cell("{rate:.2f}", {
         "rate": (r["acceptance_by_position"] + [None] * POSITIONS)[i]})) for i in range(POSITIONS)),
     ("guess cost", "{guess_cost:.3f}")]
-TREE_COLUMNS = [("tree nodes/call", "{tree_nodes_per_call:.2f}"),  # "-" on a chain's row
-                ("tok/call vs chain", lambda r: f"{r['tokens_per_target_call_vs_chain']:.2f}x" if r["tree"] else "-"),
-                ("speed vs chain", lambda r: f"{r['speed_vs_chain']:.2f}x" if r["tree"] else "-")]
+TREE_COLUMNS = [("tree nodes/call", "{tree_nodes_per_call:.2f}"), ("tok/call vs chain",  # "-" on a chain's row
+                 "{tokens_per_target_call_vs_chain:.2f}x"), ("speed vs chain", "{speed_vs_chain:.2f}x")]
 COST_HEADER = ["draft", "tok/call", "draft forward ms", "forwards/call", "draft ms/call", "verify ms/call",
                "draft + verify ms", "measured ms/call", "predicted speedup", "speedup per request (geometric mean)"]
 

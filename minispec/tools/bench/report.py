@@ -109,8 +109,8 @@ def markdown_table(result):
                ("AR tok/s", f"{ar['tokens_per_second']:.1f}"), ("spec tok/s", "{tokens_per_second:.1f}"),
                ("speedup", "{speedup:.2f}x"), ("decode speedup", "{decode_speedup:.2f}x"), ("α", "{alpha:.2f}"),
                ("accept", "{acceptance_rate:.2f}"), ("tok/call", "{tokens_per_target_call:.2f}"), ("c", "{c:.3f}"),
-               ("verify cost", lambda r: f"{r['verify_cost_ratio']:.2f}" if "verify_cost_ratio" in r else "-"),
-               ("predicted", "{predicted_speedup:.2f}x"), ("meas/pred", "{measured_over_predicted:.2f}"),
+               ("verify cost", "{verify_cost_ratio:.2f}"), ("predicted", "{predicted_speedup:.2f}x"),
+               ("meas/pred", "{measured_over_predicted:.2f}"),
                ("best γ", "{best_gamma}"), ("pred. at best γ", "{best_gamma_predicted_speedup:.2f}x")]
     if reference:
         assisted = {a["gamma"]: a for a in reference["assisted"]}
