@@ -255,7 +255,7 @@ def features_benchmark(args):
     same request without it."""
     target, draft, prompts = models_and_prompts(args)
     rows = plain_and_speculative(args, target, draft, {name: (prompts, extra) for name, extra in FEATURES.items()})
-    rows = [{"feature": r["name"], "plain": r["plain"], "speculative": r["speculative"],
+    rows = [{"feature": r["name"], "plain": r["plain"], "speculative": r["speculative"],  # rows[0]: "none"
              "plain_cost": r["plain"] / rows[0]["plain"], "speculative_cost": r["speculative"] / rows[0]["speculative"],
              "identical": None if "temperature" in FEATURES[r["name"]] else r["identical"]} for r in rows]
     table = md_table([("feature", "{feature}"), ("plain tok/s", "{plain:.1f}"), ("x without it", "{plain_cost:.2f}x"),

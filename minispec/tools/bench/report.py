@@ -22,10 +22,11 @@ CELLS = Cells()
 
 
 def cell(column, row):
-    """A cell: a column's function of the row, or its format of the row's fields ("{speedup:.2f}x"), "-"
-    where one of them is None or missing."""
+    """A cell: a column's function of the row, or its format of the row's fields ("{speedup:.2f}x"); "-"
+    where the function gives None or a field is None or missing."""
     if callable(column):
-        return column(row)
+        value = column(row)
+        return "-" if value is None else CELLS.format_field(value, "")
     fields = [name for _, name, _, _ in CELLS.parse(column) if name]
     return "-" if any(row.get(name) is None for name in fields) else CELLS.format(column, **row)
 
