@@ -1,9 +1,7 @@
-"""--workloads: traffic that repeats itself, served. One server process (served.py) per workload,
-drafter and prefix-cache setting (on as shipped, off: --prefix-cache-mb 0) takes the workload's
---requests one after another, streamed: request time end to end (prefill included), time to first
-text, tokens per target call and acceptance, each drafter against plain decoding (--draft none, prefix
-cache on) and against lookup, and over the traffic's first half against its second (where a drafter
-that learns from earlier requests gains). The workloads are built here, with no network:
+"""--workloads: traffic that repeats itself, served. One server process (served.py) per workload, drafter
+and prefix-cache setting takes the workload's --requests one after another: request time end to end, time
+to first text, tokens per target call and acceptance, against plain (--draft none, prefix cache on) and
+lookup, and over the traffic's two halves (a drafter that learns from earlier requests gains in the second):
 
 agent    an agent loop: one tool-call format; each turn resends the conversation, the model's last
          answer (a tool call: at most AGENT_TOKENS tokens) and the tool's result appended
