@@ -18,7 +18,7 @@ import torch
 from conftest import make_reference, noisy_copy, save_reference, spread_init
 
 import minispec
-from minispec.tools.bench import benchmarks, features, llamacpp, memory, oneshot, report, served, theory, timing, workloads
+from minispec.tools.bench import benchmarks, llamacpp, memory, oneshot, report, served, timing, workloads
 from minispec.tools.bench import cli as bench_cli
 from minispec.tools.bench.prompts import read_prompts
 from minispec.decoding import drafters
@@ -61,37 +61,37 @@ def finite_numbers(value):
 # --- Theorem 3.8 and section 3.5 ----------------------------------------------------------------------
 def test_predicted_speedup_is_theorem_3_8():
     # α = 0.8, c = 0.05: γ = 1 -> (1 - 0.64) / (0.2 · 1.05) = 0.36 / 0.21; γ = 3 -> 0.5904 / 0.23
-    assert theory.predicted_speedup(0.8, 1, 0.05) == pytest.approx(0.36 / 0.21)
-    assert theory.predicted_speedup(0.8, 3, 0.05) == pytest.approx(0.5904 / 0.23)
-    assert theory.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)  # nothing accepted: pure draft cost
-    assert theory.predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the α -> 1 limit: (γ+1)/(γc+1)
-    assert theory.predicted_speedup(1 - 1e-12, 4, 0.25) == pytest.approx(5 / 2, rel=1e-6)  # continuous at 1
-    assert theory.predicted_speedup(0.6, 2, 0.0) == pytest.approx(1 + 0.6 + 0.36)  # c = 0: 1 + α + α²
+    assert benchmarks.predicted_speedup(0.8, 1, 0.05) == pytest.approx(0.36 / 0.21)
+    assert benchmarks.predicted_speedup(0.8, 3, 0.05) == pytest.approx(0.5904 / 0.23)
+    assert benchmarks.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)  # nothing accepted: pure draft cost
+    assert benchmarks.predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the α -> 1 limit: (γ+1)/(γc+1)
+    assert benchmarks.predicted_speedup(1 - 1e-12, 4, 0.25) == pytest.approx(5 / 2, rel=1e-6)  # continuous at 1
+    assert benchmarks.predicted_speedup(0.6, 2, 0.0) == pytest.approx(1 + 0.6 + 0.36)  # c = 0: 1 + α + α²
 
 
 def test_ratio_factors_multiply_to_measured_over_predicted():
     # α = 0.8, γ = 3, c = 0.1: i.i.d. tokens per call (1 - 0.8^4) / 0.2 = 2.952, predicted 2.952 / 1.3.
     # Measured: 2.5 tokens per call, a verify forward of 1.2 steps, decode speedup 1.5.
-    f = theory.ratio_factors(0.8, 3, 0.1, verify_cost=1.2, tokens_per_call=2.5, decode_speedup=1.5)
+    f = benchmarks.ratio_factors(0.8, 3, 0.1, verify_cost=1.2, tokens_per_call=2.5, decode_speedup=1.5)
     assert f["tokens_per_call"] == pytest.approx(2.5 / 2.952)
     assert f["verify_cost"] == pytest.approx(1.3 / 1.5)  # (1 + γc) / (verify cost + γc)
     assert f["loop"] == pytest.approx(1.5 / (2.5 / 1.5))  # measured / what 2.5 tokens per 1.5 steps imply
-    assert math.prod(f.values()) == pytest.approx(1.5 / theory.predicted_speedup(0.8, 3, 0.1))
+    assert math.prod(f.values()) == pytest.approx(1.5 / benchmarks.predicted_speedup(0.8, 3, 0.1))
 
 
 def test_best_gamma_maximizes_theorem_3_8():
     # α = 0.8, c = 0.05: 1 - 0.8^(γ+1) over 0.2(1 + 0.05γ) is 3.0396, 3.0823, 3.0921, 3.0780 at γ = 6..9.
-    gamma, speedup = theory.best_gamma(0.8, 0.05)
+    gamma, speedup = benchmarks.best_gamma(0.8, 0.05)
     assert gamma == 8
     assert speedup == pytest.approx((1 - 0.8**9) / (0.2 * 1.4))
     # α = 0.5, c = 0.3: γ = 1 gives 1.5 / 1.3 = 1.154 > γ = 2's 0.875 / 0.8 = 1.094.
-    assert theory.best_gamma(0.5, 0.3) == (1, pytest.approx(1.5 / 1.3))
+    assert benchmarks.best_gamma(0.5, 0.3) == (1, pytest.approx(1.5 / 1.3))
     # α < c: no γ helps (Corollary 3.9); the best is still γ = 1, at (1 + α) / (1 + c) < 1.
-    gamma, speedup = theory.best_gamma(0.1, 0.5)
+    gamma, speedup = benchmarks.best_gamma(0.1, 0.5)
     assert (gamma, speedup) == (1, pytest.approx(1.1 / 1.5))
     assert speedup < 1
     # A free drafter that is always right: the more guesses the better, up to the search limit.
-    assert theory.best_gamma(1.0, 0.0) == (16, pytest.approx(17.0))
+    assert benchmarks.best_gamma(1.0, 0.0) == (16, pytest.approx(17.0))
 
 
 def test_memory_bandwidth_helpers(dirs, tmp_path):
@@ -410,7 +410,7 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
         assert 1 <= row["tokens_per_target_call"] <= gamma + 1
         assert row["c"] == pytest.approx(row["draft_step_s"] / result["target_step_s"]) and row["c"] > 0
         assert row["verify_cost_ratio"] == pytest.approx(row["verify_step_s"] / result["target_step_s"])
-        assert row["predicted_speedup"] == pytest.approx(theory.predicted_speedup(row["alpha"], gamma, row["c"]))
+        assert row["predicted_speedup"] == pytest.approx(benchmarks.predicted_speedup(row["alpha"], gamma, row["c"]))
         assert row["decode_tokens_per_second"] > 0  # its arithmetic: test_time_generation_takes_the_prefill_out
         assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_second"] / ar["decode_tokens_per_second"])
         assert row["measured_over_predicted"] == pytest.approx(row["decode_speedup"] / row["predicted_speedup"])
@@ -418,7 +418,7 @@ def test_report_has_every_field(dirs, tmp_path, capsys, draft):
         assert 1 <= row["decode_tokens_per_target_call"] <= gamma + 1
         assert f"- γ = {gamma}: " in table
         assert (row["best_gamma"], row["best_gamma_predicted_speedup"]) == \
-            theory.best_gamma(row["alpha"], row["c"])
+            benchmarks.best_gamma(row["alpha"], row["c"])
         assert row["best_gamma_predicted_speedup"] >= row["predicted_speedup"]
         if draft == "same_weights":
             # Every guess accepted: each target call, the prefill too, yields γ + 1 tokens (fewer at the end).
@@ -898,11 +898,11 @@ def test_features_price_each_feature_plain_and_speculative_against_the_request_w
     result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "lookup", "--features",
                               "--repeats", "1", "--gamma", "2", "--prompts", "partial")
     rows = {row["feature"]: row for row in result["features"]}
-    assert list(rows) == list(features.FEATURES)
+    assert list(rows) == list(benchmarks.FEATURES)
     assert rows["none"]["plain_cost"] == rows["none"]["speculative_cost"] == 1.0
     for name, row in rows.items():
         assert row["plain"] > 0 and row["speculative"] > 0
-        assert row["identical"] is (None if "temperature" in features.FEATURES[name] else True), name
+        assert row["identical"] is (None if "temperature" in benchmarks.FEATURES[name] else True), name
     assert "| feature | plain tok/s | x without it | speculative tok/s | x without it | x plain | same output |" in table
 
 

@@ -8,20 +8,23 @@ from minispec.cli import add_model_flags, add_setting_flags
 from minispec.settings import Settings, gamma_setting, token_ids
 
 from . import llamacpp
-from .benchmarks import batch_benchmark, beam_benchmark, benchmark
+from .benchmarks import batch_benchmark, beam_benchmark, benchmark, features_benchmark
 from .drafters import drafters_benchmark
-from .features import features_benchmark
 from .oneshot import one_shot_benchmark, threads_benchmark
 from .report import markdown_table
 from .served import serve_load_benchmark, tp_serve_benchmark
 from .workloads import WORKLOADS, workloads_benchmark
 
-# The benchmarks that replace the main table, each with its own table: the first flag given picks one.
-OWN_TABLES = {"one_shot": one_shot_benchmark, "threads_under_load": threads_benchmark,
-              "batch_sizes": batch_benchmark, "beams": beam_benchmark, "workloads": workloads_benchmark,
-              "tp_serve": tp_serve_benchmark, "serve_load": serve_load_benchmark,
-              "features": features_benchmark}
-SERVED = ("--workloads", "--tp-serve", "--serve-load")
+# The benchmarks that replace the main table, each with its own table and a flag (its docstring the flag's
+# help): the first flag given picks one (a beam search's requests may run in fresh processes: --one-shot --beams).
+OWN_TABLES = {"workloads": (workloads_benchmark, dict(nargs="*", choices=list(WORKLOADS))),
+              "tp_serve": (tp_serve_benchmark, dict(type=int, metavar="N")),
+              "serve_load": (serve_load_benchmark, dict(action="store_true")),
+              "features": (features_benchmark, dict(action="store_true")),
+              "batch_sizes": (batch_benchmark, dict(type=int, nargs="+", metavar="B")),
+              "threads_under_load": (threads_benchmark, dict(action="store_true")),
+              "one_shot": (one_shot_benchmark, dict(action="store_true")),
+              "beams": (beam_benchmark, dict(type=int, metavar="W"))}
 
 
 def parse_args(argv):
@@ -54,30 +57,12 @@ def parse_args(argv):
     parser.add_argument("--llama-cpp", metavar="DIR",
                         help="also run llama.cpp's plain, speculative and prompt-lookup decoding of the same GGUF "
                              "--target and text prompts: its binaries in DIR")
-    own = "instead of the main table: "
-    parser.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
-                        help=own + "tokens/s of B requests decoded together, plain and speculative, per B")
-    parser.add_argument("--beams", type=int, metavar="W",
-                        help=own + "beam search of width W, plain against speculative (each --gamma) per prompt")
-    parser.add_argument("--threads-under-load", action="store_true",
-                        help=own + "tokens/s with the default threads and each --threads setting while another "
-                                   "process keeps one core busy, each request in a fresh process")
-    parser.add_argument("--features", action="store_true",
-                        help=own + "each feature (logprobs, penalties, a JSON schema, n, the couplings) plain and "
-                                   "with --draft, against the same request without it")
-    parser.add_argument("--one-shot", action="store_true",
-                        help=own + "every request in a fresh process, plain against each --gamma (with --beams: "
-                                   "beam search), per prompt")
-    parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS),
-                        help=own + "the server on generated traffic (all workloads when none is named), per --draft "
-                                   "value and prefix-cache setting, beside 'none' and 'lookup'")
+    for name, (benchmark, options) in OWN_TABLES.items():
+        parser.add_argument("--" + name.replace("_", "-"), **options,
+                            help=" ".join(benchmark.__doc__.split()).rstrip(".") + " (instead of the main table)")
     parser.add_argument("--cache-off", choices=["all", "best"], default="all",
                         help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
                              "the fastest with it on (default all)")
-    parser.add_argument("--tp-serve", type=int, metavar="N",
-                        help=own + "the server over N processes (--tp N) against one, for each --clients count")
-    parser.add_argument("--serve-load", action="store_true",
-                        help=own + "the server with --draft against --draft none, for each --clients count")
     parser.add_argument("--requests", type=int, default=8,
                         help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8],
@@ -90,27 +75,24 @@ def parse_args(argv):
 
 def check(args):
     """A ValueError naming the flags that cannot go together or are out of range, before loading weights."""
-    own = [flag for flag, given in (
-        ("--workloads", args.workloads is not None), ("--tp-serve", args.tp_serve is not None),
-        ("--serve-load", args.serve_load), ("--features", args.features), ("--batch-sizes", args.batch_sizes),
-        ("--threads-under-load", args.threads_under_load), ("--beams", args.beams is not None),
-        ("--one-shot", args.one_shot)) if given]
-    several, first = len(args.draft) > 1, next(iter(own), None)
+    own = [name for name in OWN_TABLES if getattr(args, name) not in (None, False)]  # []: every workload
+    args.own, several = next(iter(own), None), len(args.draft) > 1
+    flag = f"--{args.own}".replace("_", "-")
     alone = "without --batch-sizes, --beams, --one-shot, --features, --workloads and --tp-serve"
     problems = [
-        (len(own) > 1 and own != ["--beams", "--one-shot"],  # a beam search's requests may run in fresh processes
-         ("--workloads, --tp-serve and --serve-load are benchmarks of their own" if first in SERVED else
-          f"{first} is a benchmark of its own") + ": without the other benchmarks' flags"),
+        (len(own) > 1 and own != ["one_shot", "beams"],
+         ("--workloads, --tp-serve and --serve-load are benchmarks of their own" if args.own in list(OWN_TABLES)[:3]
+          else f"{flag} is a benchmark of its own") + ": without the other benchmarks' flags"),
         (args.tp_serve is not None and args.tp_serve < 2, f"--tp-serve must be >= 2, got {args.tp_serve}"),
-        (args.workloads is not None and args.requests < 2, f"--workloads needs --requests >= 2 (two halves), got "
-                                                            f"{args.requests}"),
+        (args.workloads is not None and args.requests < 2,
+         f"--workloads needs --requests >= 2 (two halves), got {args.requests}"),
         (min(args.requests, *args.clients) < 1, "--requests and --clients must be >= 1"),
-        (args.memory_tokens and args.memory_tokens <= 16, f"--memory-tokens must be more than 16, got "
-                                                          f"{args.memory_tokens}"),
+        (args.memory_tokens and args.memory_tokens <= 16,
+         f"--memory-tokens must be more than 16, got {args.memory_tokens}"),
         (any(g != "auto" and g < 1 for g in args.gamma), f"--gamma values must be >= 1 or 'auto', got {args.gamma}"),
         (args.beams is not None and args.beams < 1, f"--beams must be >= 1, got {args.beams}"),
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
-        (several and first not in (None, "--workloads"),
+        (several and args.own not in (None, "workloads"),
          f"several --draft values are a benchmark of their own: {alone}"),
         (args.llama_cpp and (own or several), f"--llama-cpp goes with the main table: one --draft, {alone}"),
         (args.llama_cpp and (args.prompt_ids or args.temperature != 0),
@@ -132,9 +114,8 @@ def check(args):
 def main(argv=None):
     try:
         args = parse_args(argv)
-        own = next((name for name in OWN_TABLES if getattr(args, name) not in (None, False)), None)  # []: --workloads
-        if own is not None:
-            result, table = OWN_TABLES[own](args)
+        if args.own is not None:
+            result, table = OWN_TABLES[args.own][0](args)
         elif isinstance(args.draft, list):
             result, table = drafters_benchmark(args)
         else:

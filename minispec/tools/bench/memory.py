@@ -2,6 +2,7 @@
 read bandwidth and a GPU's datasheet peak; a generation's peak tensor memory, which must not grow with it."""
 
 import functools
+import itertools
 import re
 import time
 
@@ -82,12 +83,9 @@ def read_bandwidth(device):
 def bandwidth(model, position, step_seconds):
     """The bytes the model's decode step reads and the bandwidth it achieves, against the measured limit
     and a known GPU's peak."""
-    cuda = model.device.type == "cuda"
-    device_name = torch.cuda.get_device_name(model.device) if cuda else str(model.device)
-    size = decode_bytes(model, position)
+    device_name = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else str(model.device)
+    size, limit, peak = decode_bytes(model, position), read_bandwidth(model.device), peak_bandwidth(device_name)
     achieved = size / step_seconds
-    limit = read_bandwidth(model.device)
-    peak = peak_bandwidth(device_name) if cuda else None
     return {"device_name": device_name, "bytes_per_step": size, "achieved_bytes_per_s": achieved,
             "limit_bytes_per_s": limit, "fraction_of_limit": achieved / limit,
             "peak_bytes_per_s": peak, "fraction_of_peak": achieved / peak if peak else None}
@@ -109,11 +107,8 @@ def tensor_memory(device, fn):
     # the raw events: FunctionEvents fold allocations into their operator, losing their order
     events = [event for event in prof.profiler.kineto_results.events()
               if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU]
-    live = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        live += event.nbytes()  # negative for a free
-        peak = max(peak, live)
-    return peak, live
+    sizes = [event.nbytes() for event in sorted(events, key=lambda event: event.start_ns())]  # a free's is negative
+    return max([0, *itertools.accumulate(sizes)]), sum(sizes)
 
 
 def memory_growth(target, draft, gamma, prompt, long_tokens, short_tokens=16):

@@ -1,11 +1,7 @@
-"""Requests each in a fresh process, as users of run.py make them, so that nothing a process learnt or
-allocated helps the next but what it left on disk (gamma="auto"'s costs: decoding/profiles.py).
-
---one-shot: plain decoding and each --gamma per prompt, round after round; the auto runs share a profiles
-folder made empty for the bench, so its first round is a first run on this machine. Loading is reported apart.
---threads-under-load: tokens/s with the default threads and each --threads setting while another process
-keeps one core busy (OpenMP reads its wait policy, and torch sizes its thread pool, when a process starts).
-"""
+"""Requests each in a fresh process, as users of run.py make them: nothing a process learnt helps the next
+but what it left on disk (gamma="auto"'s costs: decoding/profiles.py). --one-shot: plain and each --gamma
+per prompt, the auto runs from a profiles folder made empty for the bench; --threads-under-load: the default
+threads and each --threads setting beside a busy core (OpenMP reads its wait policy when a process starts)."""
 
 import json
 import os
@@ -18,12 +14,12 @@ from argparse import Namespace
 from contextlib import contextmanager
 
 from minispec import generate
-from minispec.loaders import load_models
 from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
+from minispec.loaders import load_models
 
 from .benchmarks import decoding_settings
 from .prompts import prompt_ids_of, read_prompts
-from .report import md_table, progress, yes_no
+from .report import md_table, progress, title
 
 SETTINGS = ("target", "device", "dtype", "compile", "quantize", "draft_quantize", "group_size", "threads", "chat",
             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "beams", "draft_beams")
@@ -37,10 +33,9 @@ def run_request(spec):
                                              "draft_quantize": spec["draft_quantize"] if spec["draft"] else None}))
     if draft in SELF_DRAFT_MODES:  # the target's quantized copy is made once per target: part of loading
         make_drafter(draft, target)
-    loaded = time.perf_counter() - start
+    loaded, start = time.perf_counter() - start, time.perf_counter()
     search = dict(beams=spec["beams"], draft_beams=spec["draft_beams"] if spec["draft"] else None) \
         if spec["beams"] else {}
-    start = time.perf_counter()
     out = generate(target, prompt_ids_of(target, spec["prompt"], spec["chat"]), draft=draft,
                    gamma=spec["gamma"] or "auto", seed=spec["seed"], **decoding_settings(Namespace(**spec)), **search)
     return {"load_seconds": loaded, "seconds": time.perf_counter() - start, "tokens": out.tokens,
@@ -72,7 +67,7 @@ def fresh_rounds(args, configs, env, what):
 
 
 def one_shot_benchmark(args):
-    """Seconds per request, each in its own process: plain, then each --gamma, per prompt and round."""
+    """Every request in a fresh process, plain against each --gamma (with --beams: beam search), per prompt."""
     configs = {"plain": dict(draft=None, gamma=None), **{str(g): dict(draft=args.draft, gamma=g) for g in args.gamma}}
     with tempfile.TemporaryDirectory() as profiles:
         runs = fresh_rounds(args, configs, dict(os.environ, MINISPEC_PROFILES=profiles), "one-shot")
@@ -83,8 +78,7 @@ def one_shot_benchmark(args):
                "load_seconds": statistics.median(r["load_seconds"] for r in plain), "configs": {}}
         for name in list(configs)[1:]:
             done = runs[name, i]
-            # auto's first run starts from nothing; later runs from what the runs before them kept
-            later = [r["seconds"] for r in done[1:]]
+            later = [r["seconds"] for r in done[1:]]  # auto's first run starts from nothing, later ones from it
             row["configs"][name] = {
                 "seconds": statistics.median(r["seconds"] for r in done), "first_seconds": done[0]["seconds"],
                 "later_seconds": statistics.median(later) if later else None,
@@ -92,25 +86,18 @@ def one_shot_benchmark(args):
                 "identical": all(r["tokens"] == plain[0]["tokens"] for r in done + plain)
                 if args.temperature == 0 else None}
         rows.append(row)
-    return {"settings": vars(args), "one_shot": rows}, one_shot_table(args, rows)
+    search = [f"beam search of width {args.beams}"] if args.beams else []
+    lines = [title(args, None, *search, f"each request in a fresh process, {args.repeats} rounds: seconds of the "
+                   "request (median; for auto, the first run and the median of the later ones) and x plain"), ""]
+    lines += md_table([("prompt", "{prompt}"), ("load s", "{load_seconds:.2f}"), ("plain s", "{plain_seconds:.2f}"),
+                       *((f"γ = {name}", lambda row, name=name: config_cell(name, row)) for name in list(configs)[1:]),
+                       ("same output", lambda row: None if args.temperature else
+                        all(c["identical"] for c in row["configs"].values()))], rows)
+    return {"settings": vars(args), "one_shot": rows}, "\n".join(lines)
 
 
-def one_shot_table(args, rows):
-    names = list(rows[0]["configs"])
-    search = f", beam search of width {args.beams}" if args.beams else ""
-    lines = [f"target `{args.target}`, draft `{args.draft}`{search}, {args.max_new_tokens} new tokens, each request "
-             f"in a fresh process, {args.repeats} rounds: seconds of the request (median; for auto, the first "
-             "run and the median of the later ones) and x plain", ""]
-
-    def cells(row):
-        same = None if args.temperature else all(c["identical"] for c in row["configs"].values())
-        return [row["prompt"], f"{row['load_seconds']:.2f}", f"{row['plain_seconds']:.2f}",
-                *(config_cell(name, row["configs"][name], row["plain_seconds"]) for name in names), yes_no(same)]
-    header = ["prompt", "load s", "plain s", *(f"γ = {name}" for name in names), "same output"]
-    return "\n".join(lines + md_table(header, map(cells, rows)))
-
-
-def config_cell(name, config, plain):
+def config_cell(name, row):
+    config, plain = row["configs"][name], row["plain_seconds"]
     if name == "auto" and config["later_seconds"] is not None:
         return (f"first {config['first_seconds']:.2f} ({plain / config['first_seconds']:.2f}x), "
                 f"later {config['later_seconds']:.2f} ({plain / config['later_seconds']:.2f}x)")
@@ -132,8 +119,8 @@ def one_core_busy():
 
 
 def threads_benchmark(args):
-    """Tokens/s of the default and of each --threads setting, one core busy, per round; medians. The
-    goal: the default at least GOAL of the best setting, where OpenMP's spinning threads made it far slower."""
+    """Tokens/s with the default threads and each --threads setting while another process keeps one core
+    busy, each request in a fresh process (the goal: the default at least 0.8x the best setting's)."""
     cpus = len(os.sched_getaffinity(0))
     configs = {name: dict(draft=args.draft, gamma=args.gamma[0], threads=threads)
                for name, threads in {"default": None, **{str(n): n for n in range(1, cpus + 1)}}.items()}
@@ -152,11 +139,10 @@ def threads_benchmark(args):
     best = max(medians[str(n)] for n in range(1, cpus + 1))
     result = {"settings": vars(args), "cpus": cpus, "tokens_per_second": medians, "repeats": rates,
               "default_over_best": medians["default"] / best, "goal": GOAL}
-    lines = [f"target `{args.target}`, draft `{args.draft}`, γ = {args.gamma[0]}, {args.max_new_tokens} new tokens, "
-             f"one of {cpus} CPUs held by a spinning process, each request in a fresh process, median of "
-             f"{args.repeats} rounds", ""]
-    lines += md_table(["threads", "tok/s", "x best"], ([name, f"{rate:.1f}", f"{rate / best:.2f}"]
-                                                      for name, rate in medians.items()))
+    lines = [title(args, None, f"γ = {args.gamma[0]}", f"one of {cpus} CPUs held by a spinning process, each "
+                   f"request in a fresh process, median of {args.repeats} rounds"), ""]
+    lines += md_table([("threads", "{threads}"), ("tok/s", "{rate:.1f}"), ("x best", "{x_best:.2f}")],
+                      [{"threads": name, "rate": rate, "x_best": rate / best} for name, rate in medians.items()])
     verdict = "meets" if result["default_over_best"] >= GOAL else "misses"
     lines += ["", f"default: {result['default_over_best']:.2f}x the best setting ({verdict} the goal of {GOAL}x)"]
     return result, "\n".join(lines)

@@ -33,24 +33,20 @@ def reference_runner(model, args, gamma=None, draft=None):
     if gamma is not None and draft is None:  # LookupDrafter's max_ngram; for "auto", the reference's usual 10
         settings.update(prompt_lookup_num_tokens=10 if gamma == "auto" else gamma, max_matching_ngram_size=3)
 
+    # with a draft model: exactly γ guesses per step; for "auto", its adaptive defaults (set on every call:
+    # the assistant's own generation_config holds them)
+    auto = gamma == "auto"
+    assist = dict(num_assistant_tokens=20 if auto else gamma, assistant_confidence_threshold=0.4 if auto else 0.0,
+                  num_assistant_tokens_schedule="heuristic" if auto else "constant")
+
     @torch.inference_mode()
     def run_one(request):
         prompt, seed = request
-        assist = {}
         if draft is not None:
-            # exactly γ guesses per step; for "auto", its adaptive defaults (set on every call: the
-            # assistant's own generation_config holds them)
-            config = draft.generation_config
-            if gamma == "auto":
-                config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "heuristic"
-                config.assistant_confidence_threshold = 0.4
-            else:
-                config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
-                config.assistant_confidence_threshold = 0.0
-            assist["assistant_model"] = draft
+            draft.generation_config.update(**assist)
         ids = torch.tensor([prompt], device=model.device)
         torch.manual_seed(seed)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **settings, **assist)[0].tolist()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, **settings)[0].tolist()
         # Decoder-only outputs repeat the prompt; encoder-decoder ones start with the decoder start token.
         return out[1 if model.config.is_encoder_decoder else len(prompt):], {}
 

@@ -1,5 +1,6 @@
-"""The benchmarks' results as markdown tables, and their progress while they run."""
+"""The benchmarks' tables in markdown, and their progress while they run."""
 
+import string
 import sys
 
 from tqdm import tqdm
@@ -10,10 +11,39 @@ def progress(total, what):
     return tqdm(total=total, desc=f"bench: {what}", unit="run", leave=False, disable=not sys.stderr.isatty())
 
 
-def md_table(header, rows):
-    """A markdown table's lines: the header, its rule, a line for each row of cells."""
-    lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in (header, *rows)]
-    return [lines[0], "|" + "---|" * len(header), *lines[1:]]
+class Cells(string.Formatter):
+    """str.format for a table's cells: a truth value as yes/NO."""
+
+    def format_field(self, value, spec):
+        return ("yes" if value else "NO") if isinstance(value, bool) else super().format_field(value, spec)
+
+
+CELLS = Cells()
+
+
+def cell(column, row):
+    """A cell: a column's function of the row, or its format of the row's fields ("{speedup:.2f}x"); "-"
+    where the function gives None or a field is None or missing."""
+    if callable(column):
+        value = column(row)
+        return "-" if value is None else CELLS.format_field(value, "")
+    fields = [name for _, name, _, _ in CELLS.parse(column) if name]
+    return "-" if any(row.get(name) is None for name in fields) else CELLS.format(column, **row)
+
+
+def md_table(columns, rows):
+    """A markdown table's lines: the headers of `columns` [(header, cell's column)], the rule, a line of
+    cells per row (a dict, or what the columns' functions read)."""
+    lines = ["| " + " | ".join(map(str, line)) + " |"
+             for line in ([header for header, _ in columns], *([cell(c, r) for _, c in columns] for r in rows))]
+    return [lines[0], "|" + "---|" * len(columns), *lines[1:]]
+
+
+def title(args, target=None, *more):
+    """A table's first line: the models, the request, and whatever `more` adds."""
+    on = f" on {target.device} ({dtype_name(target)})" if target is not None else ""
+    return ", ".join([f"target `{args.target}`, draft `{args.draft}`{on}",
+                      f"{args.max_new_tokens} new tokens a request", *more])
 
 
 def dtype_name(model):
@@ -28,6 +58,10 @@ def read(bandwidth):
             f"{bandwidth['fraction_of_limit']:.0%} of the {bandwidth['limit_bytes_per_s'] / 1e9:.1f} GB/s measured{peak}")
 
 
+def step_ms(bandwidth):
+    return bandwidth["bytes_per_step"] / bandwidth["achieved_bytes_per_s"] * 1e3
+
+
 def peer_line(peer):
     """llama.cpp's modes (bench/llamacpp.py) and minispec against them."""
     return (f"llama.cpp, {peer['threads']} threads, decode phase: " + ", ".join(
@@ -40,17 +74,18 @@ def markdown_table(result):
     """The main benchmark's report: its settings and single measurements, the table of γ rows, each fixed
     γ's departure from Theorem 3.8 in factors, and the speedup per prompt."""
     s, ar, rows = result["settings"], result["autoregressive"], result["rows"]
-    seeds = f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
     weights = "".join(f", {role} {s[key]} weights"
                       for role, key in (("target", "quantize"), ("draft", "draft_quantize")) if s.get(key))
-    compiled = ", compiled" if s["compile"] else ""
+    sampled = (f", top-k {s['top_k']}" if s["top_k"] else "") + (f", top-p {s['top_p']}" if s["top_p"] < 1 else "")
+    compiled, seeds = ", compiled" if s["compile"] else "", f" x {s['seeds']} seeds" if s["seeds"] > 1 else ""
     bw, draft_bw, widths = result["memory_bandwidth"], result["draft_memory_bandwidth"], result.get("forward_bandwidth")
     memory, price, reference = result["memory"], result.get("row_invariance_price"), result.get("reference")
     growth = "" if not memory or memory["growth"] is None else f" (growth {memory['growth']:+.2%})"
     paragraphs = [
         f"target `{s['target']}`, draft `{s['draft']}` on {s['device']} ({s['dtype']}{weights}{compiled}): "
         f"{s['prompts']} prompts{seeds} x {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
-        f"{top_k_p(s)}, median of {s['repeats']}; step times at position {result['step_position']}",
+        f"{sampled if s['temperature'] else ''}, median of {s['repeats']}; step times at position "
+        f"{result['step_position']}",
         f"prompt forward (prefill): {result['prefill_s'] * 1e3:.1f} ms per prompt; tok/s and speedup count it, "
         "decode speedup and Theorem 3.8 (predicted) leave it out",
         f"warm-up pass over the prompts{' (compiling the graphs)' if compiled else ''}: plain "
@@ -62,70 +97,44 @@ def markdown_table(result):
             f"{n}: {step_ms(w):.2f} ms {w['fraction_of_limit']:.0%}" for n, w in widths.items()),
         memory and f"peak memory: {memory['peak_short_bytes'] / 2**10:.1f} KiB of tensors alive at once while "
         f"generating {memory['short_tokens']} tokens, {memory['peak_long_bytes'] / 2**10:.1f} KiB for "
-        f"{memory['long_tokens']}{growth}; "
-        f"kept after them: {memory['kept_short_bytes']} and {memory['kept_long_bytes']} bytes",
+        f"{memory['long_tokens']}{growth}; kept after them: {memory['kept_short_bytes']} and "
+        f"{memory['kept_long_bytes']} bytes",
         price and "row invariance: target forward with / without (ms): " + ", ".join(
             f"{n} tokens {price['with'][n] * 1e3:.1f} / {price['without'][n] * 1e3:.1f} "
             f"({price['with'][n] / price['without'][n]:.2f}x)" for n in price["with"]),
         result.get("llama_cpp") and peer_line(result["llama_cpp"]),
         reference and f"reference autoregressive: {reference['autoregressive']['tokens_per_second']:.1f} tokens/s, "
-        f"identical to minispec: {yes_no(reference['autoregressive']['identical'])}"]
+        f"identical to minispec: {cell('{identical}', reference['autoregressive'])}"]
     lines = [line for paragraph in paragraphs if paragraph for line in (paragraph, "")]
-    assisted = {r["gamma"]: r for r in reference["assisted"]} if reference else None
-    header = ["γ", "AR tok/s", "spec tok/s", "speedup", "decode speedup", "α", "accept", "tok/call", "c",
-              "verify cost", "predicted", "meas/pred", "best γ", "pred. at best γ"]
-    header += ["ref assisted tok/s", "ref speedup", "ref identical"] if reference else []
-    lines += md_table(header, (row_cells(result, r, assisted) for r in rows))
+    columns = [("γ", lambda r: f"auto (mean {r['mean_guesses']:.1f})" if r["gamma"] == "auto" else r["gamma"]),
+               ("AR tok/s", f"{ar['tokens_per_second']:.1f}"), ("spec tok/s", "{tokens_per_second:.1f}"),
+               ("speedup", "{speedup:.2f}x"), ("decode speedup", "{decode_speedup:.2f}x"), ("α", "{alpha:.2f}"),
+               ("accept", "{acceptance_rate:.2f}"), ("tok/call", "{tokens_per_target_call:.2f}"), ("c", "{c:.3f}"),
+               ("verify cost", "{verify_cost_ratio:.2f}"), ("predicted", "{predicted_speedup:.2f}x"),
+               ("meas/pred", "{measured_over_predicted:.2f}"),
+               ("best γ", "{best_gamma}"), ("pred. at best γ", "{best_gamma_predicted_speedup:.2f}x")]
+    if reference:
+        assisted = {a["gamma"]: a for a in reference["assisted"]}
+        columns += [(header, lambda r, column=column: cell(column, assisted.get(r["gamma"], {})))
+                    for header, column in (
+            ("ref assisted tok/s", "{tokens_per_second:.1f}"), ("ref speedup", "{speedup:.2f}x"),
+            ("ref identical", "{identical}"))]
+    lines += md_table(columns, rows)
     fixed = [r for r in rows if r["gamma"] != "auto"]
     if fixed:
         lines += ["", "meas/pred = (tok/call after the prompt's forward ÷ i.i.d. expectation) × ((1 + γc) ÷ "
                   "(verify cost + γc)) × the rest (loop, syncs):"]
-    for r in fixed:
-        f = r["measured_over_predicted_factors"]
-        lines.append(f"- γ = {r['gamma']}: {f['tokens_per_call']:.2f} × {f['verify_cost']:.2f} × {f['loop']:.2f} "
-                     f"= {r['measured_over_predicted']:.2f}")
-    for r in rows:
-        if r["gamma"] == "auto":
-            lines += ["", f"auto: guesses per step {r['guesses_histogram']} (0, 1, ...), expected "
-                      f"{r['expected_tokens_per_call']:.2f} tokens per call, measured "
-                      f"{r['tokens_per_target_call']:.2f}; its prediction is section 3.5's best fixed γ; acceptance "
-                      "by the drafter's confidence (0-0.2, ..., 0.8-1): " + ", ".join(
-                          "-" if rate is None else f"{rate:.2f}" for rate in r["acceptance_by_confidence"])]
+    lines += [f"- γ = {r['gamma']}: " + " × ".join(f"{f:.2f}" for f in r["measured_over_predicted_factors"].values())
+              + f" = {r['measured_over_predicted']:.2f}" for r in fixed]
+    lines += ["\n" + f"auto: guesses per step {r['guesses_histogram']} (0, 1, ...), expected "
+              f"{r['expected_tokens_per_call']:.2f} tokens per call, measured {r['tokens_per_target_call']:.2f}; its "
+              "prediction is section 3.5's best fixed γ; acceptance by the drafter's confidence (0-0.2, ..., 0.8-1): "
+              + ", ".join("-" if rate is None else f"{rate:.2f}" for rate in r["acceptance_by_confidence"])
+              for r in rows if r["gamma"] == "auto"]
     lines += ["", "speedup per prompt (end to end; median of the repeats / fastest against fastest):", ""]
-    lines += md_table(["prompt", "AR tok/s", *(f"γ = {r['gamma']}" for r in rows)], (
-        [f"prompt {i + 1}", f"{len(tokens) / ar['request_seconds'][i]:.1f}",
-         *(f"{r['per_prompt_speedup'][i]:.2f}x / {r['per_prompt_speedup_fastest'][i]:.2f}x" for r in rows)]
-        for i, tokens in enumerate(ar["outputs"])))
+    per_prompt = [{"i": i, "rate": len(tokens) / ar["request_seconds"][i]} for i, tokens in enumerate(ar["outputs"])]
+    lines += md_table([("prompt", lambda p: f"prompt {p['i'] + 1}"), ("AR tok/s", "{rate:.1f}"), *(
+        (f"γ = {r['gamma']}", lambda p, r=r: f"{r['per_prompt_speedup'][p['i']]:.2f}x / "
+                                              f"{r['per_prompt_speedup_fastest'][p['i']]:.2f}x") for r in rows)],
+                      per_prompt)
     return "\n".join(lines)
-
-
-def step_ms(bandwidth):
-    return bandwidth["bytes_per_step"] / bandwidth["achieved_bytes_per_s"] * 1e3
-
-
-def row_cells(result, r, assisted):
-    """A γ's row of the main table; `assisted`: the reference's assisted rows by γ, where compared."""
-    gamma = f"auto (mean {r['mean_guesses']:.1f})" if r["gamma"] == "auto" else r["gamma"]
-    cells = [gamma, f"{result['autoregressive']['tokens_per_second']:.1f}", f"{r['tokens_per_second']:.1f}",
-             f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x", f"{r['alpha']:.2f}", f"{r['acceptance_rate']:.2f}",
-             f"{r['tokens_per_target_call']:.2f}", f"{r['c']:.3f}",
-             f"{r['verify_cost_ratio']:.2f}" if "verify_cost_ratio" in r else "-",
-             f"{r['predicted_speedup']:.2f}x", f"{r['measured_over_predicted']:.2f}", r["best_gamma"],
-             f"{r['best_gamma_predicted_speedup']:.2f}x"]
-    if assisted is None:
-        return cells
-    a = assisted.get(r["gamma"])
-    return cells + ([f"{a['tokens_per_second']:.1f}", f"{a['speedup']:.2f}x", yes_no(a["identical"])] if a
-                    else ["-", "-", "-"])
-
-
-def top_k_p(settings):
-    """", top-k 50, top-p 0.9" for the settings in force (greedy ignores both)."""
-    if not settings["temperature"]:
-        return ""
-    return (f", top-k {settings['top_k']}" if settings["top_k"] else "") + \
-        (f", top-p {settings['top_p']}" if settings["top_p"] < 1 else "")
-
-
-def yes_no(value):
-    return "n/a" if value is None else ("yes" if value else "NO")

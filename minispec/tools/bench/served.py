@@ -1,12 +1,6 @@
-"""Benchmarks of the server (python -m minispec.serve) as its clients see it, each configuration in a
-server process of its own, talked to over HTTP.
-
---tp-serve N: the target sharded over N processes (`--tp N`, gloo on the CPU) against one process, with
-1 and 8 (--clients) concurrent clients each sending --requests requests of the bench's prompts: tokens/s,
-p50/p99 request latency, and rank 0's seconds in broadcasting the calls its shards mirror (/health).
---serve-load: the server with --draft against the same server with --draft none, for each --clients count:
-whether speculation keeps paying as the batch fills (the goal: at least GOAL_UNDER_LOAD of plain at every width).
-"""
+"""The server (python -m minispec.serve) as its clients see it, each configuration a server process of its
+own talked to over HTTP: --tp-serve N (the target over N processes, `--tp N`, against one: tokens/s, p50/p99
+latency, rank 0's broadcast time) and --serve-load (--draft against --draft none as the batch fills)."""
 
 import http.client
 import json
@@ -25,7 +19,7 @@ from typing import NamedTuple
 from minispec.loaders import loads_model
 
 from .prompts import read_prompts
-from .report import md_table, yes_no
+from .report import md_table, title
 
 STARTUP_SECONDS = 600  # loading a large checkpoint (and its quantized copy) takes a while
 GOAL_UNDER_LOAD = 0.98  # of the plain server's tokens/s, at every number of clients
@@ -52,10 +46,9 @@ def server_flags(args, draft, *more):
     """The server's flags for the bench's model flags and `draft` (its gamma; its tree only if --tree was given;
     --draft-quantize only if `draft` loads a model)."""
     keys = [key for key in MODEL_FLAGS if getattr(args, key) and (key != "draft_quantize" or loads_model(draft))]
-    flags = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in keys]  # the baselines load no draft
-    tree = [f"--tree={args.tree}"] if args.tree else []
-    return [*flags, f"--draft={draft}", f"--gamma={args.gamma[0]}", *tree, *(["--compile"] if args.compile else []),
-            *map(str, more)]
+    return [*(f"--{key.replace('_', '-')}={getattr(args, key)}" for key in keys), f"--draft={draft}",
+            f"--gamma={args.gamma[0]}", *([f"--tree={args.tree}"] if args.tree else []),
+            *(["--compile"] if args.compile else []), *more]
 
 
 @contextmanager
@@ -139,49 +132,58 @@ def percentile(values, q):
     return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
 
 
-def tp_serve_benchmark(args):
-    """Tokens/s and latency of 1 and --tp-serve processes for each --clients count; broadcast time."""
-    prompts = read_prompts(args)
-    runs = []
-    for ranks in (1, args.tp_serve):
-        threads = args.threads or len(os.sched_getaffinity(0))
-        flags = server_flags(args, args.draft, f"--batch-size={max(args.clients)}")
-        flags = [f for f in flags if not f.startswith("--threads=")] + [f"--threads={max(threads // ranks, 1)}"]
+def served_runs(args, configs):
+    """clients_run for each --clients count on a server per config (draft, processes) with a batch as wide
+    as the most clients; with --tp-serve, each process its share of the threads."""
+    prompts, runs = read_prompts(args), []
+    for draft, ranks in configs:
+        flags = server_flags(args, draft, f"--batch-size={max(args.clients)}")
+        if args.tp_serve:
+            threads = args.threads or len(os.sched_getaffinity(0))
+            flags = [f for f in flags if not f.startswith("--threads=")] + [f"--threads={max(threads // ranks, 1)}"]
         with serving(flags, ranks) as address:
-            hello = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
-            stream(address, "/v1/completions", hello)  # the first call's setup is not the benchmark's
-            runs += [clients_run(address, args, prompts, ranks, clients) for clients in args.clients]
-    for run in runs:
-        alone = next(r for r in runs if r["processes"] == 1 and r["clients"] == run["clients"])
+            stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # setup
+            runs += [dict(clients_run(address, args, prompts, clients), processes=ranks, draft=draft)
+                     for clients in args.clients]
+    return runs, {"settings": {**vars(args), "prompts": len(prompts)}, "runs": runs}
+
+
+def tp_serve_benchmark(args):
+    """The server over N processes (--tp N) against one, for each --clients count."""
+    runs, result = served_runs(args, [(args.draft, 1), (args.draft, args.tp_serve)])
+    for i, run in enumerate(runs):  # one process's runs first, one per --clients count
+        alone = runs[i % len(args.clients)]
         run["identical_to_one_process"] = run["texts"] == alone["texts"] if args.temperature == 0 else None
-    result = {"settings": {**vars(args), "prompts": len(prompts)}, "runs": runs}
-    return result, tp_serve_table(args, runs)
+    lines = [title(args, None, f"--requests {args.requests} per client; the server over 1 and {args.tp_serve} "
+                   "processes"), ""]
+    lines += md_table([("processes", "{processes}"), ("clients", "{clients}"), ("requests", "{requests}"),
+                       ("tok/s", "{tokens_per_second:.1f}"), ("p50 s", "{p50_seconds:.2f}"),
+                       ("p99 s", "{p99_seconds:.2f}"), ("broadcast ms/forward", "{broadcast_ms_per_forward:.2f}"),
+                       ("broadcast share", "{broadcast_share:.1%}"),
+                       ("same as 1 process", "{identical_to_one_process}")], runs)
+    lines += ["", "broadcast: rank 0's seconds sending the calls the other ranks mirror (serve/group.py), per sharded "
+              "forward and as a share of the wall time; the sums inside a forward: python -m minispec.tools.bench.tp"]
+    return result, "\n".join(lines)
 
 
 def serve_load_benchmark(args):
-    """Tokens/s of the server with --draft and with --draft none (a batch as wide as the most --clients), per
-    --clients count."""
-    prompts, runs = read_prompts(args), []
-    for draft in (args.draft, "none"):
-        with serving(server_flags(args, draft, f"--batch-size={max(args.clients)}")) as address:
-            stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # setup
-            runs += [dict(clients_run(address, args, prompts, 1, clients), draft=draft) for clients in args.clients]
-    rows = []
-    for clients in args.clients:
-        spec, plain = (next(r for r in runs if r["clients"] == clients and r["draft"] == d) for d in (args.draft, "none"))
-        rows.append({"clients": clients, "speculative": spec["tokens_per_second"], "plain": plain["tokens_per_second"],
-                     "ratio": spec["tokens_per_second"] / plain["tokens_per_second"],
-                     "identical": spec["texts"] == plain["texts"] if args.temperature == 0 else None})
-    lines = [f"target `{args.target}`, the server with --draft {args.draft} against --draft none, --batch-size "
-             f"{max(args.clients)}, {args.max_new_tokens} new tokens a request, --requests {args.requests} per client", ""]
-    lines += md_table(["clients", f"{args.draft} tok/s", "none tok/s", "x plain", "same output"],
-                      ([r["clients"], f"{r['speculative']:.1f}", f"{r['plain']:.1f}", f"{r['ratio']:.2f}x",
-                        yes_no(r["identical"])] for r in rows))
+    """The server with --draft against --draft none, for each --clients count."""
+    runs, result = served_runs(args, [(args.draft, 1), ("none", 1)])
+    n = len(args.clients)  # the runs with --draft, then as many with none
+    rows = [{"clients": spec["clients"], "speculative": spec["tokens_per_second"], "plain": plain["tokens_per_second"],
+             "ratio": spec["tokens_per_second"] / plain["tokens_per_second"],
+             "identical": spec["texts"] == plain["texts"] if args.temperature == 0 else None}
+            for spec, plain in zip(runs[:n], runs[n:])]
+    lines = [title(args, None, f"the server against --draft none, --batch-size {max(args.clients)}, --requests "
+                   f"{args.requests} per client"), ""]
+    lines += md_table([("clients", "{clients}"), (f"{args.draft} tok/s", "{speculative:.1f}"),
+                       ("none tok/s", "{plain:.1f}"), ("x plain", "{ratio:.2f}x"), ("same output", "{identical}")],
+                      rows)
     lines += ["", f"the goal: at least {GOAL_UNDER_LOAD}x plain at every number of clients"]
-    return {"settings": {**vars(args), "prompts": len(prompts)}, "rows": rows, "runs": runs}, "\n".join(lines)
+    return {**result, "rows": rows}, "\n".join(lines)
 
 
-def clients_run(address, args, prompts, ranks, clients):
+def clients_run(address, args, prompts, clients):
     """`clients` threads, each sending --requests requests one after another (the prompts in turn)."""
     before = (health(address).get("tp") or {}).get("broadcasts")
     start = time.perf_counter()
@@ -191,7 +193,7 @@ def clients_run(address, args, prompts, ranks, clients):
     wall = time.perf_counter() - start
     after = (health(address).get("tp") or {}).get("broadcasts")
     latency = [a.seconds for a in answers]
-    run = {"processes": ranks, "clients": clients, "requests": len(answers), "seconds": wall,
+    run = {"clients": clients, "requests": len(answers), "seconds": wall,
            "tokens_per_second": sum(a.usage["completion_tokens"] for a in answers) / wall,
            "p50_seconds": percentile(latency, 50), "p99_seconds": percentile(latency, 99),
            "texts": [a.text for a in answers]}
@@ -200,18 +202,3 @@ def clients_run(address, args, prompts, ranks, clients):
         run.update(broadcasts=traffic, broadcast_ms_per_forward=traffic["seconds"] * 1e3 / max(traffic["forwards"], 1),
                    broadcast_share=traffic["seconds"] / wall)
     return run
-
-
-def tp_serve_table(args, runs):
-    lines = [f"target `{args.target}`, draft `{args.draft}`, {args.max_new_tokens} new tokens a request, "
-             f"--requests {args.requests} per client; the server over 1 and {args.tp_serve} processes", ""]
-    rows = ([r["processes"], r["clients"], r["requests"], f"{r['tokens_per_second']:.1f}", f"{r['p50_seconds']:.2f}",
-             f"{r['p99_seconds']:.2f}",
-             f"{r['broadcast_ms_per_forward']:.2f}" if "broadcasts" in r else "-",
-             f"{r['broadcast_share']:.1%}" if "broadcasts" in r else "-", yes_no(r["identical_to_one_process"])]
-            for r in runs)
-    lines += md_table(["processes", "clients", "requests", "tok/s", "p50 s", "p99 s", "broadcast ms/forward",
-                       "broadcast share", "same as 1 process"], rows)
-    lines += ["", "broadcast: rank 0's seconds sending the calls the other ranks mirror (serve/group.py), per sharded "
-              "forward and as a share of the wall time; the sums inside a forward: python -m minispec.tools.bench.tp"]
-    return "\n".join(lines)

@@ -19,9 +19,16 @@ STEP_SAMPLES = 25  # forwards timed per step-time median
 FORWARD_WIDTHS = (1, 2, 4, 8, 16)  # the target forwards timed besides the verifications: up to tree.TREE_AUTO + 1
 
 
-def synchronize(device):
-    if torch.device(device).type == "cuda":
+def timed(fn, device):
+    """fn()'s value and seconds, a GPU's queue drained before and after."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    value = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return value, time.perf_counter() - start
 
 
 def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
@@ -30,61 +37,43 @@ def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times = {name: [] for name in fns}
-    for _ in range(samples):
-        for name, fn in fns.items():
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def time_pass(run_one, requests, device):
-    """run_one over the requests once: each one's (generated ids, stats) and seconds."""
-    results, seconds = [], []
-    for request in requests:
-        synchronize(device)
-        start = time.perf_counter()
-        results.append(run_one(request))
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return results, seconds
+    times = [{name: timed(fn, device)[1] for name, fn in fns.items()} for _ in range(samples)]
+    return {name: statistics.median(t[name] for t in times) for name in fns}
 
 
 def time_generation(runners, requests, repeats, device):
     """Decoders side by side: a warm-up pass over the requests each, then `repeats` rounds in which every
     runner makes one timed pass in turn, so that machine drift hits all alike. run_one(request) ->
     (generated ids, stats), whose "prefill_seconds" and "first_call_tokens" set the decode phase apart."""
-    bar = progress(len(runners) * (repeats + 1), "passes")
     passes = {name: [] for name in runners}
-    for _ in range(repeats + 1):
-        for name, run_one in runners.items():
-            SUFFIX_STORES.clear()  # the suffix drafter would guess what an earlier pass answered, whole
-            passes[name].append(time_pass(run_one, requests, device))
-            bar.update(1)
-    bar.close()
+    with progress(len(runners) * (repeats + 1), "passes") as bar:
+        for _ in range(repeats + 1):
+            for name, run_one in runners.items():
+                SUFFIX_STORES.clear()  # the suffix drafter would guess what an earlier pass answered, whole
+                passes[name].append([timed(partial(run_one, request), device) for request in requests])
+                bar.update(1)
     return {name: pass_rates(passes[name]) for name in runners}
 
 
 def pass_rates(passes):
-    """time_generation's figures for one runner from its passes, the first of them the warm-up."""
+    """time_generation's figures for one runner from its passes [[((ids, stats), seconds) per request]], the
+    first of them the warm-up."""
     rates, decode_rates = [], []
-    for results, seconds in passes[1:]:
-        tokens = sum(len(tokens) for tokens, _ in results)
-        rates.append(tokens / sum(seconds))
-        if all("prefill_seconds" in stats for _, stats in results):  # the decode phase: after the prefill
-            decode_tokens = tokens - sum(stats["first_call_tokens"] for _, stats in results)
-            decode_rates.append(decode_tokens / (sum(seconds) - sum(stats["prefill_seconds"] for _, stats in results)))
-    request_seconds = list(zip(*(seconds for _, seconds in passes[1:])))
-    last = passes[-1][0]
+    for done in passes[1:]:
+        tokens, seconds = sum(len(ids) for (ids, _), _ in done), sum(s for _, s in done)
+        rates.append(tokens / seconds)
+        if all("prefill_seconds" in stats for (_, stats), _ in done):  # the decode phase: after the prefill
+            decode_rates.append((tokens - sum(stats["first_call_tokens"] for (_, stats), _ in done))
+                                / (seconds - sum(stats["prefill_seconds"] for (_, stats), _ in done)))
+    request_seconds = list(zip(*([s for _, s in done] for done in passes[1:])))
+    last = [result for result, _ in passes[-1]]
     return {"tokens_per_second": statistics.median(rates), "tokens_per_second_repeats": rates,
             "decode_tokens_per_second": statistics.median(decode_rates) if decode_rates else None,
             "decode_tokens_per_second_repeats": decode_rates,
             "request_seconds": [statistics.median(t) for t in request_seconds],
-            "request_seconds_fastest": [min(t) for t in request_seconds], "warmup_seconds": sum(passes[0][1]),
-            "outputs": [tokens for tokens, _ in last], "stats": [stats for _, stats in last]}
+            "request_seconds_fastest": [min(t) for t in request_seconds],
+            "warmup_seconds": sum(s for _, s in passes[0]),
+            "outputs": [ids for ids, _ in last], "stats": [stats for _, stats in last]}
 
 
 def decode_steps(model, prefix, widths):

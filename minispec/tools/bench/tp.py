@@ -16,26 +16,16 @@ import torch
 import torch.distributed as dist
 
 from minispec import load
-from minispec.loading.weights import DTYPES
+from minispec.settings import DTYPE_NAMES
 
 from .timing import decode_steps, median_times
-
-
-def median_seconds(work, repeats, model):
-    return median_times({"work": work}, model.device, repeats, warmup=5)["work"]
-
-
-def decode_seconds(model, widths, repeats):
-    """{width: median seconds of a decode step of that many tokens after a 32-token prompt}."""
-    prompt = model.encode(torch.arange(1, 33, device=model.device).view(1, -1))
-    return median_times(decode_steps(model, prompt, widths), model.device, repeats, warmup=5)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=DTYPES)
+    parser.add_argument("--dtype", choices=DTYPE_NAMES)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args(argv)
@@ -43,36 +33,36 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     sharded = dist.is_torchelastic_launched()
     world = int(os.environ["WORLD_SIZE"]) if sharded else None
-    model = load(args.target, device=args.device, dtype=DTYPES.get(args.dtype), tp=world)
+    model = load(args.target, device=args.device, dtype=args.dtype, tp=world)
+
+    def us(work, repeats=args.repeats * 4):  # median microseconds
+        return median_times({"work": work}, model.device, repeats, warmup=5)["work"] * 1e6
+
+    def step_ms():  # {width: median ms of a decode step of that many tokens after a 32-token prompt}
+        prompt = model.encode(torch.arange(1, 33, device=model.device).view(1, -1))
+        steps = median_times(decode_steps(model, prompt, (1, 9)), model.device, args.repeats, warmup=5)
+        return {width: seconds * 1e3 for width, seconds in steps.items()}
+
     with torch.inference_mode():
-        steps = decode_seconds(model, (1, 9), args.repeats)
-        report = {"processes": world or 1, "threads": torch.get_num_threads(),
-                  "step_ms": {w: s * 1e3 for w, s in steps.items()}}
+        report = {"processes": world or 1, "threads": torch.get_num_threads(), "step_ms": step_ms()}
         if sharded:
             tp, dim = model.tp, next(p for p in model.parameters() if p.dim() == 2).shape[1]
             # the modules whose output is summed (models/tp.py), each once a forward (decoder-only models)
             per_step = sum(1 for module in model.modules() if module._forward_hooks)
-            sums, plain = {}, {}
-            for rows in (1, 9):
-                partial = torch.randn(1, rows, dim, dtype=model.dtype, device=model.device)
-                sums[rows] = median_seconds(lambda: tp.sum(partial) + 0, args.repeats * 4, model)  # + 0: waits for it
-                # the same through torch.distributed's in-place all_reduce: what the functional form adds
-                plain[rows] = median_seconds(lambda: dist.all_reduce(partial.clone(), group=tp.group),
-                                             args.repeats * 4, model)
-            # the same steps with every sum skipped (wrong numbers, same work otherwise): a rank's own compute
-            tp.sum = lambda partial: partial
-            alone = decode_seconds(model, (1, 9), args.repeats)
+            partials = {rows: torch.randn(1, rows, dim, dtype=model.dtype, device=model.device) for rows in (1, 9)}
+            sums = {rows: us(lambda: tp.sum(partial) + 0) for rows, partial in partials.items()}  # + 0: waits for it
+            # the same through torch.distributed's in-place all_reduce: what the functional form adds
+            plain = {rows: us(lambda: dist.all_reduce(partial.clone(), group=tp.group))
+                     for rows, partial in partials.items()}
+            tp.sum = lambda partial: partial  # every sum skipped (wrong numbers, same work): a rank's own compute
+            alone = step_ms()
             del tp.sum
             dist.barrier()
             q = torch.rand(3, model.vocab_size, device=model.device)
-            report.update(
-                step_ms_without_sums={w: s * 1e3 for w, s in alone.items()},
-                sum_us={rows: s * 1e6 for rows, s in sums.items()},
-                all_reduce_us={rows: s * 1e6 for rows, s in plain.items()}, sums_per_step=per_step,
-                sums_ms_per_step={rows: per_step * s * 1e3 for rows, s in sums.items()},
-                agree_timings_us=median_seconds(lambda: tp.first_numbers([0.1, 0.2]), args.repeats * 4, model) * 1e6,
-                broadcast_q_us=median_seconds(lambda: dist.broadcast(q, tp.first, group=tp.group), args.repeats,
-                                              model) * 1e6)
+            report.update(step_ms_without_sums=alone, sum_us=sums, all_reduce_us=plain, sums_per_step=per_step,
+                          sums_ms_per_step={rows: per_step * s / 1e3 for rows, s in sums.items()},
+                          agree_timings_us=us(lambda: tp.first_numbers([0.1, 0.2])),
+                          broadcast_q_us=us(lambda: dist.broadcast(q, tp.first, group=tp.group), args.repeats))
         if not sharded or model.tp.rank == 0:
             print(json.dumps(report), flush=True)
     if sharded:

@@ -1,9 +1,7 @@
-"""--workloads: traffic that repeats itself, served. One server process (served.py) per workload,
-drafter and prefix-cache setting (on as shipped, off: --prefix-cache-mb 0) takes the workload's
---requests one after another, streamed: request time end to end (prefill included), time to first
-text, tokens per target call and acceptance, each drafter against plain decoding (--draft none, prefix
-cache on) and against lookup, and over the traffic's first half against its second (where a drafter
-that learns from earlier requests gains). The workloads are built here, with no network:
+"""--workloads: traffic that repeats itself, served. One server process (served.py) per workload, drafter
+and prefix-cache setting takes the workload's --requests one after another: request time end to end, time
+to first text, tokens per target call and acceptance, against plain (--draft none, prefix cache on) and
+lookup, and over the traffic's two halves (a drafter that learns from earlier requests gains in the second):
 
 agent    an agent loop: one tool-call format; each turn resends the conversation, the model's last
          answer (a tool call: at most AGENT_TOKENS tokens) and the tool's result appended
@@ -16,7 +14,7 @@ chat     ordinary chat: a new question each time
 import statistics
 from pathlib import Path
 
-from .report import md_table, progress, yes_no
+from .report import md_table, progress
 from .served import sampling_fields, server_flags, serving, stream
 
 GOALS = {"agent": {"vs_plain": 3.0, "ttft_cut": 3.0}, "code": {"vs_plain": 2.5}, "chat": {"vs_plain": 0.98}}
@@ -161,24 +159,22 @@ WORKLOADS = {"agent": agent, "code": code, "summaries": summaries, "chat": chat}
 
 # --- the benchmark ------------------------------------------------------------------------------------
 def workloads_benchmark(args):
-    names = args.workloads or list(WORKLOADS)
+    """The server on generated traffic (all workloads when none is named), per --draft value and prefix-cache
+    setting, beside 'none' and 'lookup'."""
     drafts = list(dict.fromkeys(["none", "lookup", *args.draft]))  # the baselines first
     results = {}
-    with progress(len(names) * (len(drafts) + (len(drafts) if args.cache_off == "all" else 2)), "workloads") as bar:
-        for name in names:
-            def run(draft, cache):
-                result = workload_run(args, name, draft, cache)
-                bar.update(1)
-                return result
-            runs = [run(draft, True) for draft in drafts]
+    with progress(len(args.workloads or WORKLOADS) * (len(drafts) + (len(drafts) if args.cache_off == "all" else 2)),
+                  "workloads") as bar:
+        for name in args.workloads or WORKLOADS:
+            runs = [workload_run(args, name, draft, True, bar) for draft in drafts]
             best = min(runs[1:], key=lambda r: r["seconds"])["draft"]  # "best": cache off for plain and it alone
-            runs += [run(draft, False) for draft in (drafts if args.cache_off == "all" else ["none", best])]
+            runs += [workload_run(args, name, draft, False, bar)
+                     for draft in (drafts if args.cache_off == "all" else ["none", best])]
             results[name] = compared(name, runs, args.temperature)
-    result = {"settings": vars(args), "workloads": results}
-    return result, workloads_table(args, results)
+    return {"settings": vars(args), "workloads": results}, workloads_table(args, results)
 
 
-def workload_run(args, name, draft, cache):
+def workload_run(args, name, draft, cache, bar):
     """One server for `draft` with the prefix cache on or off, the workload's requests one after another."""
     answers = []
     with serving(server_flags(args, draft, *([] if cache else ["--prefix-cache-mb=0"]))) as address:
@@ -189,9 +185,10 @@ def workload_run(args, name, draft, cache):
             if name == "agent":
                 body["max_tokens"] = min(body["max_tokens"], AGENT_TOKENS)
             answers.append(stream(address, "/v1/chat/completions", body))
+    bar.update(1)
     half = len(answers) // 2
-    return {"draft": draft, "prefix_cache": cache, **totals(answers), "halves": [totals(answers[:half]),
-                                                                              totals(answers[half:])],
+    return {"draft": draft, "prefix_cache": cache, **totals(answers),
+            "halves": [totals(answers[:half]), totals(answers[half:])],
             "requests": [{"seconds": a.seconds, "ttft": a.ttft, **a.usage, **a.speculative} for a in answers],
             "texts": [a.text for a in answers]}
 
@@ -227,16 +224,17 @@ def compared(name, runs, temperature):
 def workloads_table(args, results):
     lines = [f"target `{args.target}`, {args.requests} requests a workload one after another, up to "
              f"{args.max_new_tokens} new tokens each, temperature {args.temperature}; one server process per row", ""]
-    header = ["workload", "draft", "prefix cache", "s", "x plain", "x lookup", "x plain 1st / 2nd half",
-              "mean TTFT ms", "TTFT cut", "tok/call 1st / 2nd half", "accept", "cached", "same as plain"]
-    rows = ([name, f"`{label(r['draft'])}`", "on" if r["prefix_cache"] else "off", f"{r['seconds']:.2f}",
-             f"{r['vs_plain']:.2f}x", "-" if r["vs_lookup"] is None else f"{r['vs_lookup']:.2f}x",
-             " / ".join(f"{x:.2f}x" for x in r["halves_vs_plain"]), f"{r['mean_ttft'] * 1e3:.0f}",
-             "-" if r["ttft_cut"] is None else f"{r['ttft_cut']:.2f}x",
-             " / ".join(f"{h['tokens_per_call']:.2f}" for h in r["halves"]),
-             "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}", f"{r['cached_share']:.0%}",
-             yes_no(r["identical_to_plain"])] for name, w in results.items() for r in w["runs"])
-    lines += md_table(header, rows)
+    lines += md_table([
+        ("workload", "{workload}"), ("draft", lambda r: f"`{label(r['draft'])}`"),
+        ("prefix cache", lambda r: "on" if r["prefix_cache"] else "off"), ("s", "{seconds:.2f}"),
+        ("x plain", "{vs_plain:.2f}x"), ("x lookup", "{vs_lookup:.2f}x"),
+        ("x plain 1st / 2nd half", lambda r: " / ".join(f"{x:.2f}x" for x in r["halves_vs_plain"])),
+        ("mean TTFT ms", lambda r: f"{r['mean_ttft'] * 1e3:.0f}"),
+        ("TTFT cut", "{ttft_cut:.2f}x"),
+        ("tok/call 1st / 2nd half", lambda r: " / ".join(f"{h['tokens_per_call']:.2f}" for h in r["halves"])),
+        ("accept", "{acceptance_rate:.2f}"), ("cached", "{cached_share:.0%}"),
+        ("same as plain", "{identical_to_plain}")],
+        [{"workload": name, **r} for name, w in results.items() for r in w["runs"]])
     lines += ["", "x plain: against `none` with the prefix cache on (the server as shipped, without speculation); "
               "x lookup: against `lookup` with the same prefix cache; TTFT cut: mean TTFT without the prefix cache "
               "over with it; cached: the prompts' tokens the prefix cache held", ""]
