@@ -466,8 +466,75 @@ class Decoder(CachedLM):
         return {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
                 for w in set(self.config.windows)}
 
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
+        """... and with `taps` (layer indices), also the residual states entering those layers, side by
+        side: what an EAGLE-3 head reads (CachedLM.forward)."""
+        tapped = []
+        x = self.blocks(self.embed_tokens(tokens), input_pos, layout, keys, taps or (), tapped)
+        x = self.norm(x if last is None else x[:, x.shape[1] - last:])
+        return x if taps is None else (x, torch.cat(tapped, dim=-1))
+
+    def blocks(self, x, input_pos, layout, keys, taps=(), tapped=None):
+        """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
+        entering each layer listed in `taps` is appended to `tapped` (index n_layers: the last one's output)."""
+        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
+        masks = self.window_masks(positions, keys or self.cache_max_seq_len)
+        rope = self.rope(positions)  # (cos, sin) of the global layers, then of the sliding ones
+        fused = self.fused_layers(x)
+        if fused is not None:
+            x, *states = fused(x, input_pos, *rope[0], masks, layout, taps)
+            if states:
+                tapped.extend(states)
+            return x
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped.append(x)
+            window = layer.attention.window
+            x = layer(x, input_pos, *rope[window is not None], masks[window], layout)
+        if len(self.layers) in taps:  # the last layer's output (training an EAGLE-3 head reads it too)
+            tapped.append(x)
+        return x
+
+    def fused_layers(self, x):
+        """The backend's one call for every layer of this forward (a function of blocks' inputs); None: the modules."""
+        return None
+
+    def embed_tokens(self, tokens):
+        return self.tok_embeddings(tokens)
+
     def logits(self, hidden):
         return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
+
+
+def rope_cos_sin(inv_freq, max_seq_len, scale=1.0):
+    """cos and signed sin [max_seq_len, head_dim] in float32 of each pair's inverse frequency, times
+    `scale`: each angle's halves repeated, the sines' first half negated (apply_rope)."""
+    angles = torch.outer(torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+# A Llama-like checkpoint's Hugging Face names -> ours (Decoder's).
+DECODER_RENAMES = {
+    "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
+    ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
+    ".input_layernorm.": ".attention_norm.",
+    ".self_attn.q_norm.": ".attention.q_norm.", ".self_attn.k_norm.": ".attention.k_norm.",
+}
+
+
+def convert_decoder_weights(weights, config, renames):
+    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and the family's `renames`), q/k/v and
+    gate/up fused. Unknown keys pass through, so the loader reports them as unexpected."""
+    renames = DECODER_RENAMES | renames
+    out = {}
+    for name, tensor in weights.items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        out[name.removeprefix("model.")] = tensor
+    if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
+        out.pop("output.weight", None)
+    return fuse_layers(out, config.n_layers)
 
 
 def fuse_layers(weights, n_layers):

@@ -1,9 +1,6 @@
-"""A Llama model's decoder layers as layer.cpp's one call takes them: each layer's norms and linear
-layers' tensors, its KV cache and its numbers, laid out once (`LayerStack`) and laid out again only
-when a layer's weights or cache were replaced.
-
-Reads the model's modules without nn.Module's __getattr__ (`_modules`, `_parameters`, `__dict__`): the
-checks run every eager step, and in a small model's step that lookup is felt.
+"""A Llama model's decoder layers as layer.cpp's one call takes them, laid out once (`LayerStack`) and
+again only when a layer's weights or cache were replaced. Reads the modules without nn.Module's
+__getattr__ (`_modules`, `_parameters`, `__dict__`): the checks run every eager step, where it is felt.
 """
 
 from typing import NamedTuple
@@ -42,8 +39,7 @@ class LayerTensors(NamedTuple):
 
 
 def layer_tensors(layer):
-    """The layer's LayerTensors, or None where it cannot run as one call; a float weight's packed copy
-    is kernels.packed_weight's, which packs again a weight written since."""
+    """The layer's LayerTensors, or None where it cannot run as one call."""
     linears = linears_of(layer)
     laid = unpacked_tensors(layer, linears)
     if laid is None:
@@ -59,7 +55,7 @@ def layer_tensors(layer):
 
 def unpacked_tensors(layer, linears):
     """layer_tensors without the packed float weights (None in their places); None for a layer whose q
-    and k heads are normed (Qwen3), which layer.cpp does not do."""
+    and k heads are normed, which layer.cpp does not do."""
     norms = norm_weights(layer.norms())
     if norms is None or layer._modules["attention"]._modules.get("q_norm") is not None:
         return None
@@ -79,8 +75,7 @@ def unpacked_tensors(layer, linears):
 
 
 def norm_weights(norms):
-    """A layer's LayerNorms as layer.cpp takes them (the weights of the input's, the MLP's and a second
-    input's norm, whether that one is normed before the residual add), or None where it cannot."""
+    """A layer's LayerNorms as layer.cpp takes them, or None where it cannot."""
     modules = [norms.attention, norms.ffn, norms.hidden]
     if any(norm is not None and (type(norm) is not RMSNorm or norm.weight.dtype != torch.float32) for norm in modules):
         return None
@@ -88,11 +83,9 @@ def norm_weights(norms):
 
 
 class LayerStack:
-    """A model's layers laid out once for native.llama_layers (layer.cpp's flat lists): per layer its
-    norms and linear layers' tensors, its cache's k and v, and its numbers (norm_before_residual, the
-    linears' groups and widths, its heads, the index of the mask it reads in `windows`); and what it was
-    laid out from (`sources`, per layer: each linear layer's weight, whether packed, its packed copy, and
-    the cache's k and v)."""
+    """A model's layers as layer.cpp's flat lists (its tensors, caches and numbers), and what they were
+    laid out from (`sources`: per layer each linear's weight, whether packed, its packed copy, and the
+    cache's k and v)."""
 
     def __init__(self, model, layers):
         caches = [layer._modules["attention"]._modules["kv_cache"] for layer in model.layers]
@@ -111,10 +104,8 @@ class LayerStack:
         self.eps, self.scale, self.first_cache = model.config.norm_eps, model.config.head_dim ** -0.5, caches[0]
 
     def unchanged(self, model):
-        """Whether the model's layers still hold what the stack was laid out from, without laying out
-        every layer's tensors again (layer_tensors), which a small model's eager step feels. A
-        float weight written in place since is packed again here (kernels.packed_weight), and its new
-        copy fails the check."""
+        """Whether the model's layers still hold what the stack was laid out from (a float weight
+        written in place since is packed again by kernels.packed_weight, which fails the check)."""
         if len(model.layers) != len(self.sources):
             return False
         for layer, (weights, k, v) in zip(model.layers, self.sources):
@@ -129,8 +120,7 @@ class LayerStack:
 
 
 def stack_of(model):
-    """The model's LayerStack, laid out again when a layer's tensors or its cache were replaced; None
-    where a layer cannot run as one call."""
+    """The model's LayerStack (laid out again where anything was replaced); None where a layer cannot run."""
     stack = model.__dict__.get("_stack")
     if stack is not None and stack.unchanged(model):
         return stack
