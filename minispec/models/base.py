@@ -11,8 +11,8 @@
 
 Draft heads read `decode_rows(..., hidden=True)`'s (logits, hidden states), `embed_tokens` and `logits`.
 A family implements `setup_caches`, `features(tokens, input_pos, layout, keys, last)` (hidden states
-[batch, n, dim]), `embed_tokens(tokens)`, `logits(hidden)` (float32) and the properties `context_length`
-(None: no limit), `vocab_size` and `head` (a Linear, or the tied token Embedding). `features` attends
+[batch, n, dim]), `embed_tokens(tokens)`, `logits(hidden)` (float32), a `config` with vocab_size and the
+properties `context_length` (None: no limit) and `head` (a Linear, or the tied Embedding). `features` attends
 only to cache positions <= each query's position, through kernels.attend_cache, so entries past the
 current length are never read and rolling back needs no clearing.
 """
@@ -413,6 +413,10 @@ class CachedLM(nn.Module):
             module.reorder(beam_idx)
 
     @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    @property
     def hidden_size(self):
         """Width of the hidden states: what embed_tokens returns and the output head reads."""
         return self.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
@@ -441,10 +445,6 @@ class Decoder(CachedLM):
     @property
     def context_length(self):
         return self.config.max_seq_len
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
 
     @property
     def head(self):

@@ -1,16 +1,11 @@
-// minispec's attention over a KV cache for CPUs: what kernels.attend_cache computes, in one call.
-// Built with qlinear.cpp by minispec/native.
-//
-// Why: a decode step's attention is a handful of tiny products (a few query rows against a few hundred
-// keys), and attend_cache spells it in about twenty PyTorch operations a layer, each a few microseconds
-// of dispatch, more than their arithmetic. Here it is one loop per tile of query rows, each key and value
-// loaded once for the tile (a prefill's or a verify's rows read the same keys).
+// minispec's attention over a KV cache for CPUs: what kernels.attend_cache computes, in one call where it
+// takes about twenty PyTorch operations a layer, whose dispatch costs more than their arithmetic. One loop
+// per tile of query rows, each key and value loaded once for the tile.
 //
 // The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
-// and values at the positions it reads, taken in position order, never on the cache slots holding them
-// nor on how many rows or positions the call has. A token tree's node reads its ancestors from the
-// slots `slots` names, and gets the numbers it would get decoded alone along its path. Masked positions
-// (-inf) are skipped, so reading more positions than a row may see changes nothing.
+// and values at the positions it reads, in position order, never on the slots holding them (a tree's
+// node reads its ancestors from the slots `slots` names) nor on how many rows or positions the call has.
+// Masked positions (-inf) are skipped.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,11 +60,9 @@ inline Vector sums(const Vector* part) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// exp of 16 floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a polynomial, times
-// 2^n through the exponent's bits), within a few units in the last place of std::exp. Why: one std::exp
-// a position was a fifth of a verify's attention. Each lane's result depends on its own input only, so
-// a position's weight is the same in any block. Inputs below -87 (weights under 1e-38 next to the
-// row's top weight of 1; masked positions, which are not read) come out as 2^-126 x exp(r).
+// exp of 16 floats at once (Cephes' expf: x = n ln2 + r, exp(r) by a polynomial, times 2^n through the
+// exponent's bits), within a few units in the last place of std::exp, which was a fifth of a verify's
+// attention. Each lane depends on its own input only. Inputs below -87 come out as 2^-126 x exp(r).
 inline Vector exp16(Vector x) {
   typedef int32_t Ints __attribute__((vector_size(64)));
   const Vector low = Vector{} - 87.f, high = Vector{} + 88.f;
@@ -146,8 +139,7 @@ inline void weights(const Call& c, const float* mask, float* scores, uint8_t* re
 }
 
 // The totals of TILE rows' weights, each row's added in position order over the positions it reads (0:
-// it reads none), the rows' additions interleaved: one row's after another's waited on each add. Adding
-// 0 to a total of positive weights changes nothing, and a position a row does not read may hold anything.
+// none), the rows' additions interleaved (one row after another waited on each add).
 template <int TILE>
 inline void totals(float* const* weights, const uint8_t* read, int64_t P, float* total) {
   for (int i = 0; i < TILE; ++i) total[i] = 0.f;
@@ -358,10 +350,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return y;
 }
 
-// caches: every layer's k and v [rows, H, S, d] (any dtype); the keys and values of cache row `row` at
-// slots (increasing, each at or after its destination) moved to positions length, length + 1, ...: a
-// token tree's accepted path laid out as a chain (CachedLM.keep). One call for every layer, where PyTorch
-// operations take two per cache.
+// CachedLM.keep for every layer's k and v [rows, H, S, d] (any dtype) in one call: the keys and values of
+// cache row `row` at slots (increasing, each at or after its destination) moved to positions length, ....
 void keep(at::TensorList caches, int64_t row, at::IntArrayRef slots, int64_t length) {
   for (size_t i = 0; i < slots.size(); ++i)
     TORCH_CHECK(length + static_cast<int64_t>(i) <= slots[i] && (i == 0 || slots[i - 1] < slots[i]),
