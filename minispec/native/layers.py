@@ -25,11 +25,6 @@ def weight_of(linear):
     return linear._buffers.get("weight") if weight is None else weight
 
 
-def source_of(linear):
-    """What a layer's tensors are made from: the linear layer's weight and whether it is packed."""
-    return weight_of(linear), linear.__dict__.get("packed", False)
-
-
 class LayerTensors(NamedTuple):
     """A layer as layer.cpp takes it."""
     norms: tuple  # norm_weights
@@ -39,27 +34,12 @@ class LayerTensors(NamedTuple):
 
 
 def layer_tensors(layer):
-    """The layer's LayerTensors, or None where it cannot run as one call."""
-    linears = linears_of(layer)
-    laid = unpacked_tensors(layer, linears)
-    if laid is None:
-        return None
-    tensors = list(laid.tensors)
-    for i, (linear, group) in enumerate(zip(linears, laid.groups)):
-        if group == 0:
-            tensors[i * len(LINEAR_TENSORS)] = packed_weight(weight_of(linear))
-            if tensors[i * len(LINEAR_TENSORS)] is None:
-                return None  # converted to what no packed kernel takes
-    return laid._replace(tensors=tensors)
-
-
-def unpacked_tensors(layer, linears):
-    """layer_tensors without the packed float weights (None in their places); None for a layer whose q
-    and k heads are normed, which layer.cpp does not do."""
+    """The layer's LayerTensors, or None where it cannot run as one call (q and k heads normed, which
+    layer.cpp does not do, or a weight none of our kernels takes)."""
     norms = norm_weights(layer.norms())
     if norms is None or layer._modules["attention"]._modules.get("q_norm") is not None:
         return None
-    tensors, groups = [], []
+    linears, tensors, groups = linears_of(layer), [], []
     for linear in linears:
         if linear.bias is not None and linear.bias.dtype != torch.float32:
             return None
@@ -67,7 +47,10 @@ def unpacked_tensors(layer, linears):
             tensors += [getattr(linear, name) for name in LINEAR_TENSORS]
             groups.append(linear.group)
         elif getattr(linear, "packed", False) and linear.weight.dtype == torch.float32:
-            tensors += [None, None, None, None, linear.bias]  # the packed weight: layer_tensors
+            packed = packed_weight(linear.weight)  # packed again if written since
+            if packed is None:
+                return None  # converted to what no packed kernel takes
+            tensors += [packed, None, None, None, linear.bias]
             groups.append(0)
         else:
             return None
@@ -97,7 +80,8 @@ class LayerStack:
             self.tensors += [attention_norm, ffn_norm, hidden_norm, *linears]
             self.numbers += [int(before_residual), *groups, *features, attention.n_heads, attention.n_kv_heads,
                              self.windows.index(attention.window)]
-            weights = [(*source_of(linear), linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
+            weights = [(weight_of(linear), linear.__dict__.get("packed", False),
+                        linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
                        for i, (linear, group) in enumerate(zip(linears_of(layer), groups))]
             self.sources.append((weights, cache.k, cache.v))
         self.caches = [t for cache in caches for t in (cache.k, cache.v)]
