@@ -203,13 +203,17 @@ def attend(q, k, v, mask, scale=None):
     """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
     computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""
     rows = q.shape[-2]
-    if mask.dim() == 3:  # [batch, rows, s]: a mask per batch row, the same for every head
-        mask = mask.unsqueeze(1)
-    pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
-    if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-        mask = padded_rows(mask)
+    q, mask = padded_query(q, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :rows, :]
+
+
+def padded_query(q, mask):
+    """q [b, h, rows, d] and its mask [..., rows or 1, S] (or [b, rows, S]: every head's) with their rows
+    padded to whole row blocks (padded_rows: a mask the forward padded stays as it is)."""
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)
+    pad = -q.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
+    return (F.pad(q, (0, 0, 0, pad)), padded_rows(mask)) if pad else (q, mask)
 
 
 def causal_mask(input_pos, max_seq_len):
@@ -356,13 +360,8 @@ def attend_cache(q, k, v, mask, scale=None, layout=None, softcap=0.0):
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
     k, v = k[:, :, :S], v[:, :, :S]
-    if mask.dim() == 3:  # [batch, rows, S]: a mask per batch row, the same for every head
-        mask = mask.unsqueeze(1)
-    pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
-    if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-    if pad and mask.shape[-2] == rows:  # not padded by the forward yet (`padded_rows`)
-        mask = padded_rows(mask)
+    q, mask = padded_query(q, mask)
+    pad = q.shape[-2] - rows
     scores = q.float() @ k.float().transpose(-1, -2)  # each score alone: invariant to the key's slot
     if layout is not None:  # each token's keys in position order: its path, not its siblings'
         shape = (b, h, rows // layout.window.shape[1], pad, d, S)

@@ -125,8 +125,8 @@ def sliding_windows(hf, model_type, n_layers):
 
 def rope_settings(hf):
     """config.json's rope_theta, and its RoPE scaling: {rope_type, the parameters that type needs}."""
-    # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
-    # transformers >= 5: everything in rope_parameters. As in the reference, a rope_scaling replaces it whole.
+    # transformers < 5: rope_theta at top level, scaling in rope_scaling; >= 5: all in rope_parameters,
+    # which a rope_scaling replaces whole (as in the reference).
     scaling, parameters = check(hf, "rope_scaling", TABLE, {}), check(hf, "rope_parameters", TABLE, {})
     rope = scaling or parameters
     rope_theta = check(rope, "rope_theta", THETA, None) or check(hf, "rope_theta", THETA, 10000.0)
@@ -156,9 +156,8 @@ def rope_frequencies(config):
         smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq
     if scaling["rope_type"] == "yarn":
-        # YaRN (Peng et al. 2023): pairs that turn fewer than beta_slow times over the old context are
-        # slowed by `factor`, pairs that turn more than beta_fast times are kept, and a linear ramp in
-        # the pair index blends the two in between.
+        # YaRN: pairs turning fewer than beta_slow times over the old context are slowed by `factor`, more
+        # than beta_fast times kept, a linear ramp in the pair index between.
         old_context = scaling.get("original_max_position_embeddings") or config.max_seq_len
 
         def pair_turning(turns):  # the (fractional) pair index that turns `turns` times over the old context
@@ -224,11 +223,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    # Compiled, the layer's two halves around its cache write and attention are each traced and compiled
-    # once for every layer (nested compile regions), which halves the time to compile a forward; the
-    # write itself stays outside them, as a region would hand the written cache back as a copy. A
-    # region's output must be a tensor it computes: outputs that are views of its other tensors (a
-    # slice, even cloned) came out as garbage in this PyTorch (2.13, CPU); tests/test_compile.py checks.
+    # The halves around the cache write are compile regions, compiled once for every layer (the write
+    # stays outside: a region would hand the cache back as a copy); a region's outputs must not be views.
     def forward(self, x, input_pos, cos, sin, mask, layout):
         x = x + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
         return self.finish(x)

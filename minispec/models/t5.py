@@ -65,8 +65,7 @@ class T5Config:
         if buckets < 4 or distance <= buckets // 2:  # else the log-spaced buckets divide by zero or run backwards
             raise ValueError(f"relative_attention_num_buckets {buckets} and relative_attention_max_distance {distance} "
                              "do not make buckets: they need at least 4 buckets and a distance above half their number")
-        # Without decoder_start_token_id the reference's generate starts from bos_token_id; without that
-        # too it has no start, and T5's own convention is the pad token.
+        # Without decoder_start_token_id the reference starts from bos_token_id, else T5's pad token.
         keys = ("decoder_start_token_id", "bos_token_id", "pad_token_id")
         start = next((check(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
         if start >= vocab_size:
