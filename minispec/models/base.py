@@ -285,7 +285,7 @@ class CachedLM(nn.Module):
 
     def prefill(self, tokens, logits_for=None):
         """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
-        logits of the last `logits_for` positions (all when None): the head over a whole prompt is dear."""
+        logits of the last `logits_for` positions (all when None: the head over a prompt costs much)."""
         self.length = 0
         return self.decode(tokens, logits_for, eager=True) if tokens.shape[1] else None
 
@@ -467,8 +467,8 @@ class Decoder(CachedLM):
                 for w in set(self.config.windows)}
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
-        """... and with `taps` (layer indices), also the residual states entering those layers, side by
-        side: what an EAGLE-3 head reads (CachedLM.forward)."""
+        """The final hidden states, and with `taps` (layer indices) also the residual states entering those
+        layers, side by side: what an EAGLE-3 head reads (CachedLM.forward)."""
         tapped = []
         x = self.blocks(self.embed_tokens(tokens), input_pos, layout, keys, taps or (), tapped)
         x = self.norm(x if last is None else x[:, x.shape[1] - last:])

@@ -32,7 +32,6 @@ ROPE_VALUES = {
     "original_max_position_embeddings": COUNT, "beta_fast": POSITIVE, "beta_slow": POSITIVE,
     "attention_factor": POSITIVE, "mscale": NUMBER, "mscale_all_dim": NUMBER, "truncate": FLAG,
 }
-
 # The reference's defaults for keys config.json leaves out, where a null value means something else.
 ABSENT = {"mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
           "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096},

@@ -6,8 +6,8 @@ A quantized weight [out N, in K] is stored (in checkpoints, and as `dequantize` 
   int4: `qweight` uint8 [N, K / 2] of values 0..15, column 2i in the low nibble of byte i; w = q * scales + offsets;
 or in the backend's packed layout (PACKED_KEYS: native.pack's output), which a conversion keeps.
 
-Kernels: the backend's own where it takes the layer; elsewhere PyTorch's, with bfloat16 activations on
-CPU (with float32 ones its int8 and int4 kernels take slow paths); on CUDA int8 as gpt-fast does it.
+Kernels: the backend's own where it takes the layer; elsewhere PyTorch's, which compute in bfloat16 on
+CPU whatever the model's dtype (with float32 they take slow paths); on CUDA int8 as gpt-fast does it.
 """
 
 from collections import defaultdict
