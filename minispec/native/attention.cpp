@@ -39,10 +39,8 @@ inline Vector vector_of(const T* p) {
   return v;
 }
 
-// The scores of 16 positions from their products by lane part[u]: each position's 16 lanes v added in a
-// fixed tree, a[i] = v[i] + v[i + 8], c[j] = a[j] + a[j + 4], then (c0 + c2) + (c1 + c3) (the canonical
-// order), the 16 positions' at once: each stage adds two positions' halves in one vector add, where one
-// position at a time took a horizontal add of its own. Lane u: position u's.
+// The scores of 16 positions from their products by lane part[u] (lane u: position u's): each position's
+// 16 lanes added in a fixed tree (the canonical order), the 16 positions' at once, a stage a vector add.
 inline Vector sums(const Vector* part) {
   Vector a[8], c[4], e[2];
   for (int u = 0; u < 8; ++u)  // v[i] + v[i + 8]: positions 2u and 2u + 1, 8 lanes each
@@ -84,9 +82,8 @@ inline Vector exp16(Vector x) {
   return p * two_n;
 }
 
-// q . k over d elements: the products of whole vectors added by lane into `part` (its lanes then added
-// by `sums`), those past the last one into `rest`, the same instructions for every row and key (`tile`
-// runs them for d = 16 x CHUNKS: no `rest`).
+// q . k over d elements: whole vectors' products added by lane into `part` (then added by `sums`), those
+// past the last one into `rest`, the same instructions for every row and key.
 template <typename T>
 inline void products(const float* q, const T* k, int64_t d, Vector& part, float& rest) {
   int64_t j = 0;
@@ -147,10 +144,9 @@ inline void totals(float* const* weights, const uint8_t* read, int64_t P, float*
     for (int i = 0; i < TILE; ++i) total[i] += read[p] >> i & 1 ? weights[i][p] : 0.f;
 }
 
-// TILE rows of one (b, h) that read the same slots (rows[TILE]: a short tile repeats its last row), head
-// dim 16 x CHUNKS: each key and value loaded once for all of them. Each row's numbers are its own alone:
-// the same products (part += q x k by chunk, then sum), and its weighted sum adds the positions it reads
-// in order, skipping the others (a masked position's value may hold anything, even NaN).
+// TILE rows of one (b, h) that read the same slots (a short tile repeats its last row), head dim 16 x
+// CHUNKS: each key and value loaded once for all of them, each row's numbers its own alone (a position it
+// does not read is skipped: its value may hold anything, even NaN).
 template <int CHUNKS, int TILE, typename T>
 void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t count, Scratch& s) {
   const int64_t* slots = c.slots ? c.slots + (b * c.n + rows[0] % c.n) * c.P : nullptr;
@@ -287,7 +283,7 @@ struct Plan {
 };
 
 // The tile for head dim 16 x CHUNKS and `group` rows reading the same slots: the fewest of 1, 2, 4 or 8
-// rows that hold them (a decode step's few rows pad no more than needed), at most 4 of d = 128.
+// rows that hold them, at most 4 of d = 128.
 template <int CHUNKS, typename T>
 Plan plan_for(int64_t group) {
   constexpr int most = CHUNKS == 8 ? 4 : 8;
@@ -342,8 +338,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                static_cast<float>(scale), y.data_ptr<float>()};
   const Plan plan = type == at::kFloat ? plan_of<float>(d, R / n)
                     : type == at::kBFloat16 ? plan_of<c10::BFloat16>(d, R / n) : plan_of<c10::Half>(d, R / n);
-  // tiles split between threads where each share is worth a thread's wake-up (tens of thousands of
-  // multiply-adds)
+  // tiles split between threads where each share is worth a wake-up (tens of thousands of multiply-adds)
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d * plan.rows));
   at::parallel_for(0, B * H * n * ((R / n + plan.rows - 1) / plan.rows), grain,
                    [&](int64_t first, int64_t last) { plan.run(c, first, last); });

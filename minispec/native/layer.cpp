@@ -16,8 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-// PyTorch's elementwise operations round each product; a compiler contracting a * b + c into one
-// fused multiply-add would round once and differ from the modules in the last bit.
+// PyTorch's elementwise operations round each product, which a fused multiply-add would not.
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -66,8 +65,7 @@ at::Tensor rms_norm_rows(const at::Tensor& input, const at::Tensor& w, double ep
   return y;
 }
 
-// A linear layer: quantized (qweight, scales, offsets, steps in qlinear's packed form, group > 0), or
-// float32 (qweight in flinear's packed form, group 0).
+// A linear layer: quantized (qlinear's packed form, group > 0), or float32 (flinear's, group 0).
 struct Linear {
   at::Tensor qweight;
   Optional scales, offsets, steps, bias;
@@ -181,8 +179,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, 
   }
   float* stream = residual.data_ptr<float>();
 
-  // attention: q rotated into [B, n_kv_heads, group x T, hd] (a K/V head's query heads as extra rows,
-  // group-major, as llama.py's Attention lays them out), k rotated and v into the cache
+  // attention: q rotated into [B, n_kv_heads, group x T, hd] (as base.py's Attention), k and v into the cache
   const at::Tensor qkv = apply(l.qkv_proj, attention_input);
   at::Tensor q = at::empty({B, l.n_kv_heads, group * T, hd}, x.options());
   const float *projected = qkv.data_ptr<float>(), *cosines = f.cos.data_ptr<float>();
@@ -230,8 +227,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, 
 
   // SwiGLU: w2(silu(gate) * up), gate and up the two halves of w13's output
   const at::Tensor gu = apply(l.gate_up, rms_norm_rows(residual, l.ffn_norm, f.eps));
-  // PyTorch's silu, its rows padded as kernels.elementwise pads them (its vector loops' remainder rounds
-  // otherwise)
+  // PyTorch's silu, its rows padded as kernels.elementwise pads them
   const int64_t pad = (ELEMENTWISE_ROW_MULTIPLE - I % ELEMENTWISE_ROW_MULTIPLE) % ELEMENTWISE_ROW_MULTIPLE;
   at::Tensor activated = pad ? at::silu(at::constant_pad_nd(gu.narrow(1, 0, I), {0, pad})).narrow(1, 0, I).contiguous()
                              : at::silu(gu.narrow(1, 0, I)).contiguous();

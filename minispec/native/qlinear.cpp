@@ -401,9 +401,8 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 
 #ifdef MINISPEC_AMX
 // Many rows (a prefill) through AMX: one TDPBSSD gives the integer sums of 16 rows x 16 columns over a
-// block of 32 inputs (or each 16-input half, SIXTEEN), exact as VNNI's, and the float steps follow row by
-// row through the same accumulate and finish, so a row's outputs never depend on the path that took it.
-// A block's packed vectors already are AMX's B layout for int8; narrower weights are unpacked to int8.
+// block (exact, as VNNI's), the float steps following through the same accumulate and finish. A block's
+// packed vectors already are AMX's B layout for int8; narrower weights are unpacked to int8.
 constexpr int64_t AMX_ROWS = 16;              // fewer rows take VNNI
 constexpr int64_t UNPACKED_BYTES = 1 << 20;   // weights unpacked at once (half an L2), shared by all row tiles
 
@@ -457,9 +456,8 @@ inline void block_sums(const int8_t* rows, const int8_t* weights, int32_t* sums)
   }
 }
 
-// A tile's columns for rows r0 .. r0 + 15 (those below M stored), from its weights' int8 values. The sums
-// of the next few blocks are under way while a block's go into the floats: a tile's store takes a while
-// to be readable.
+// A tile's columns for rows r0 .. r0 + 15 (those below M stored), from its weights' int8 values, the next
+// few blocks' sums under way while a block's go into the floats (a tile's store takes a while).
 template <bool SIXTEEN, int TABLE>
 void amx_rows(const Weight& w, int64_t tile, const int8_t* weights, const Rows& x, int64_t r0, int64_t M, int64_t K,
               float* y, int64_t N) {
