@@ -141,15 +141,14 @@ def take_stored(parts, dim, sizes, rank, world, name):
     """The rank's slice of a stored quantized weight (models/quant.py) along its rows or columns."""
     if dim == 0:
         return {key: take(value, 0, sizes, rank, world) for key, value in parts.items()}
-    rows, packed = parts["qweight"].shape
-    columns = packed * 2 if parts["qweight"].dtype == torch.uint8 else packed
+    columns = parts["qweight"].shape[1] * (2 if parts["qweight"].dtype == torch.uint8 else 1)
     groups = parts["scales"].shape[1]
-    if groups == 1:  # a scale (and offset) per row: every slice of the row keeps it
-        return {key: take(value, 1, None, rank, world) if key == "qweight" else value for key, value in parts.items()}
-    if groups % world:
+    if groups > 1 and groups % world:
         raise ValueError(f"quantized weight {name}: its {groups} groups of {columns // groups} columns do not "
                          f"split evenly over tp={world}")
-    return {key: take(value, 1, None, rank, world) for key, value in parts.items()}
+    # one group (a scale and offset per row): every slice of the row keeps it
+    return {key: take(value, 1, None, rank, world) if key == "qweight" or groups > 1 else value
+            for key, value in parts.items()}
 
 
 def shard(model, tp, stored=None):
