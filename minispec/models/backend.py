@@ -1,35 +1,33 @@
-"""The one interface through which the models reach kernels that are not PyTorch's own operations.
-A backend is chosen once, at load: `PyTorch`, whose every hook declines, or minispec's native CPU
-kernels (minispec/native), a subclass. The models call `current()`'s hooks and compute with PyTorch's
-operations wherever a hook declines."""
+"""The one interface through which the models reach kernels that are not PyTorch's own operations. A
+backend is chosen once, at load: `PyTorch`, whose every hook declines, or minispec's native CPU kernels
+(minispec/native), a subclass. The models compute with PyTorch's operations wherever a hook declines."""
 
 
 class PyTorch:
     """PyTorch's operations everywhere: no kernel of a backend's own, no huge pages, no fused layers."""
 
     def float_kernel(self, dtype):
-        """Whether CPU products of this dtype run the backend's float kernel (float_pack, float_product)."""
+        """Whether CPU products of this dtype run float_product on float_pack'ed weights [N, K]."""
         return False
 
     def float_pack(self, weight):
-        """A float weight [N, K] in the layout float_product reads."""
         raise NotImplementedError
 
     def float_product(self, x, packed, bias, features):
-        """x [M, K] (contiguous) @ the float_pack'ed weight's transpose + bias -> [M, features]."""
+        """x [M, K] (contiguous) @ the packed weight's transpose + bias -> [M, features]."""
         raise NotImplementedError
 
     def attends(self):
-        """Whether attention over a KV cache on a CPU runs the backend's own kernel (attend)."""
+        """Whether attention over a KV cache on a CPU runs `attend`."""
         return False
 
     def attend(self, q, k, v, mask, slots, scale):
-        """kernels.attend_cache's attention of q [B, H, R, d] float32, every row alone; slots: the
-        cache slot of each position (trees, kernels.key_slots), or None."""
+        """kernels.attend_cache's attention of q [B, H, R, d] float32, every row alone; slots: the cache
+        slot of each position (trees, kernels.key_slots), or None."""
         raise NotImplementedError
 
     def rms_norm(self, x, weight, eps):
-        """RMSNorm of x by weight, each row alone; None where the backend has no kernel for these tensors."""
+        """RMSNorm of x by weight; None where the backend has no kernel for these tensors."""
         return None
 
     def keep(self, caches, row, slots, length):
@@ -37,11 +35,11 @@ class PyTorch:
         return False
 
     def takes_quantized(self, in_features, group, device):
-        """Whether the backend's quantized kernel takes a layer of this width and group size here."""
+        """Whether quantized_product takes a layer of this width and group size here."""
         return False
 
     def pack_quantized(self, q, scales, offsets):
-        """A stored quantized weight (models/quant.py) as the backend's kernel reads it: (weight, scales,
+        """A stored quantized weight (models/quant.py) as quantized_product reads it: (weight, scales,
         offsets, steps), a quantized layer's buffers."""
         raise NotImplementedError
 
@@ -50,8 +48,7 @@ class PyTorch:
         raise NotImplementedError
 
     def quantized_rows(self, tokens, weight, scales, offsets, steps):
-        """Rows `tokens` of a pack_quantized weight in the stored form: q [..., K], scales and offsets
-        [..., G] (a quantized token embedding's lookup)."""
+        """Rows `tokens` of a pack_quantized weight in the stored form (q, scales, offsets): an embedding's lookup."""
         raise NotImplementedError
 
     def fused_llama(self, model, x):

@@ -1,36 +1,20 @@
 """What every minispec model shares: the static KV cache and the one interface decoding code uses.
 
-Decoding code (minispec.decoding) drives any family through these calls only:
-
-    prefix = model.encode(prompt)    # T5: runs the encoder once, returns the decoder's start token;
-                                     # decoder-only models return the prompt unchanged
-    logits = model.prefill(prefix)   # empties the cache and fills it from position 0
-    logits = model.prefill(prefix, logits_for=1)   # the same, with logits for the last position only
+    prefix = model.encode(prompt)    # T5: runs the encoder once; decoder-only models return the prompt
+    logits = model.prefill(prefix, logits_for=1)   # empties the cache and fills it from position 0
     logits = model.decode(tokens)    # appends 1..k tokens at position `model.length`
     model.rollback(length)           # forget everything from `length` on: moves a pointer, copies nothing
     model.reorder_cache(beam_idx)    # beam search: beams live in the batch dimension
+    logits = model.decode_rows(Feed(tokens, lengths, widths[, parents]))  # a cache row per request, chains or trees
+    model.keep(row, slots, length)   # a tree's accepted path moved into place as a chain
+    model.move_row(source, destination, length)  # a row moved into a finished one's place
 
-Requests decoded together (minispec.decoding.engine; a lone request is a batch of one) each keep a cache row
-with its own length, which the caller holds:
-
-    model.prepare_batch(rows, longest_prompt)   # T5: cross-attention memory for `rows` prompts
-    start = model.encode_row(row, prompt)       # T5: the encoder's run, into that row of the memory
-    logits = model.decode_rows(Feed(tokens, lengths, widths))   # each row's tokens at its own positions
-    logits = model.decode_rows(Feed(tokens, lengths, widths, parents))   # ... each row's a token tree
-    model.keep(row, slots, length)              # a tree's accepted path moved into place as a chain
-    model.move_row(source, destination, length) # a row moved into a finished one's place: its first positions
-
-Draft heads (minispec/heads) read the target's last hidden state: `decode_rows(..., hidden=True)`
-returns (logits, hidden), computed by the same forward; `embed_tokens(tokens)` and `logits(hidden)` are
-the model's own token embedding and output head. An EAGLE-3 head reads states inside the model instead:
-`hidden=(i, j, ...)` returns the residual states entering those layers, side by side (Llama family).
-
-A family implements `setup_caches(batch_size, max_seq_len)`, `features(tokens, input_pos, layout, keys,
-last)`, `embed_tokens(tokens)`, `logits(hidden)` and the properties `context_length`, `vocab_size` and `head`;
-`features` writes
-keys/values at `input_pos` and attends only to cache positions <= each query's position (through
-kernels.attend_cache, which reads them in one canonical order), so entries past the current length are
-never read and rolling back needs no clearing.
+Draft heads read `decode_rows(..., hidden=True)`'s (logits, hidden states), `embed_tokens` and `logits`.
+A family implements `setup_caches`, `features(tokens, input_pos, layout, keys, last)` (hidden states
+[batch, n, dim]), `embed_tokens(tokens)`, `logits(hidden)` (float32), a `config` with vocab_size and the
+properties `context_length` (None: no limit) and `head` (a Linear, or the tied Embedding). `features` attends
+only to cache positions <= each query's position, through kernels.attend_cache, so entries past the
+current length are never read and rolling back needs no clearing.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -47,9 +31,8 @@ from .kernels import (attend_cache, can_pack, causal_mask, linear, pack_together
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
 PREFILL_CHUNK = 128
 
-# Marks a layer's part that torch.compile traces and compiles once for all the layers of a graph (the
-# families' TransformerBlock / Block); outside compiled code it calls the function. PyTorch before
-# nested compile regions existed compiles every layer's copy instead, which only takes longer.
+# Marks a layer's part that torch.compile compiles once for all the layers of a graph (older PyTorch:
+# once per layer, which only takes longer).
 compile_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
 
 
@@ -61,10 +44,8 @@ class Family(NamedTuple):
 
 
 class Feed(NamedTuple):
-    """What one decode_rows forward feeds: tokens [rows, n], row i at its own cache length lengths[i]
-    (host ints), its first widths[i] tokens its own (the rest repeat its last; None: all its own); each
-    row's token tree (parents, None: chains) and a draft head's inputs [rows, n, ...], padded as the
-    tokens are."""
+    """One decode_rows forward: tokens [rows, n], row i at cache length lengths[i] (host ints), its first
+    widths[i] tokens its own (None: all); each row's token tree (None: chains); a draft head's inputs."""
     tokens: torch.Tensor
     lengths: list
     widths: Optional[list] = None
@@ -76,8 +57,7 @@ class Feed(NamedTuple):
         return max(length + max(min(j, width), 1) for length, width in zip(self.lengths, self.widths))
 
     def input_pos(self):
-        """Each token's cache slot: a row's padding rewrites its last token's (a lone row's as a list,
-        which index_copy writes the cache with)."""
+        """Each token's cache slot: a row's padding rewrites its last token's."""
         n = self.tokens.shape[1]
         slots = [[length + min(j, max(width - 1, 0)) for j in range(n)]
                  for length, width in zip(self.lengths, self.widths)]
@@ -96,19 +76,15 @@ class KVCache(nn.Module):
     def __init__(self, batch_size, n_heads, max_seq_len, head_dim, dtype, device):
         super().__init__()
         shape = (batch_size, n_heads, max_seq_len, head_dim)
-        # Ordinary tensors even when allocated inside generate()'s inference mode, so that the model
-        # can still be driven (and compiled) outside it afterwards.
-        with torch.inference_mode(False):
+        with torch.inference_mode(False):  # usable (and compilable) outside generate()'s inference mode too
             self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     first_row = 0  # the cache row of the forward's batch row 0 (set by CachedLM.rows_from)
 
     def update(self, input_pos, k, v):
-        """Write k, v of shape [rows, heads, n, head_dim] into `rows` consecutive batch rows from
-        `first_row` (a forward may use fewer rows than the cache holds: speculative beam search verifies
-        as many hypotheses as a step drafted, a batch admits one request at a time), at positions
-        input_pos [n], or [rows, n] for a position per row (batched requests); return those rows."""
+        """Write k, v [rows, heads, n, head_dim] into the batch rows from `first_row`, at positions
+        input_pos [n] or [rows, n]; return those rows."""
         rows = slice(self.first_row, self.first_row + k.shape[0])
         if input_pos.dim() == 1:
             self.k[rows].index_copy_(2, input_pos, k)
@@ -127,8 +103,7 @@ class KVCache(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Scale-only layer norm (no mean subtraction, no bias) of Llama and T5. Statistics in float32
-    at least: bf16 sums of squares lose precision; the reference does the same."""
+    """Llama's and T5's layer norm, statistics in float32 at least (as the reference)."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -144,9 +119,8 @@ class RMSNorm(nn.Module):
 
 
 def pack_linears(model, packed_one=None):
-    """Give every float Linear (and a tied head) a packed copy of its weight (kernels.pack), when the
-    model's dtype has a packed kernel here, calling packed_one() after each. The float weight stays:
-    checkpoints, the self-draft and `.to()` read it."""
+    """Give every float Linear (and a tied head) a packed copy of its weight (kernels.pack) where a packed
+    kernel takes the model's dtype. The float weight stays: checkpoints and `.to()` read it."""
     if not can_pack(model.dtype, model.device):
         return model
     weights = {}  # by address: a weight two modules share is packed once
@@ -167,8 +141,7 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """A token embedding, which can also be the output head tied to it (GPT-2, tied Llamas):
-    `unembed(x)` is x @ weight.T. A quantized model swaps in a module with the same two calls."""
+    """A token embedding, which can also be the tied output head: `unembed(x)` is x @ weight.T."""
 
     packed = False  # set by pack_linears when the embedding is also the head
 
@@ -181,10 +154,8 @@ class Embedding(nn.Embedding):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x [B, T, heads, head_dim] by its positions' angles, cos and signed sin [T or B x T,
-    head_dim] (rope_tables); the pairs are (i, i + head_dim/2): x1·cos - x2·sin, x2·cos + x1·sin. The
-    halves swapped by one roll times the signed sines are rotate_half's (-x2, x1) times the sines, bit
-    for bit, in two operations fewer: an eager step of a small model is mostly such small operations."""
+    """Rotate x [B, T, heads, head_dim] by cos and signed sin [T or B x T, head_dim] (rope_tables): the
+    halves swapped by a roll times the signed sines are rotate_half's, bit for bit, in fewer operations."""
     wide = x.float()
     return (wide * cos.unsqueeze(-2) + wide.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-2)).type_as(x)
 
@@ -205,9 +176,8 @@ class Attention(nn.Module):
         self.kv_cache = None
 
     def project(self, x, cos, sin):
-        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one tensor, q and k rotated
-        (their heads in one call: the same per-element arithmetic as one call each). One new tensor: a
-        compile region's outputs come out wrong when they are views of its other tensors (TransformerBlock)."""
+        """x [B, T, dim] -> q, k, v [B, T, heads + 2 kv_heads, head_dim] in one new tensor, q and k rotated
+        (a compile region's outputs come out wrong when they are views of its other tensors)."""
         B, T, _ = x.shape
         kv_size = self.n_kv_heads * self.head_dim
         qk, v = self.wqkv(x).split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
@@ -223,9 +193,8 @@ class Attention(nn.Module):
         B, T = qkv.shape[:2]
         q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         k, v = self.kv_cache.update(input_pos, k, v)
-        # Grouped-query attention without copying the cache: the `group` query heads sharing a K/V head
-        # (consecutive heads) become extra query rows of that head, each block of T rows with the same
-        # mask (repeated so by query_rows_mask).
+        # Grouped-query attention without copying the cache: the query heads sharing a K/V head become
+        # extra query rows of that head (their mask repeated by query_rows_mask).
         q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads * T, self.head_dim)
         y = attend_cache(q, k, v, mask, self.scale, layout, self.softcap)
         y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
@@ -249,56 +218,22 @@ class CachedLM(nn.Module):
         self.eos_token_ids = ()
         self.pad_token_id = None
         self.name = type(self).__name__
-        self.fingerprint = None  # set by the loader: the checkpoint's files (minispec.decoding.profiles)
-        self.checkpoint_rows = None  # set by a loader that cut padding rows: the rows a head saved for it has
+        self.fingerprint = None  # set by the loader: the checkpoint's files
+        self.checkpoint_rows = None  # set by a loader that cut padding rows
         self.compiled_forward = None  # set by compile()
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes
         self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
 
-    # --- to implement in each family ------------------------------------------------------------
-    @property
-    def context_length(self):
-        """Longest sequence the model supports (None: no limit, e.g. T5's relative positions)."""
-        raise NotImplementedError
-
-    @property
-    def vocab_size(self):
-        raise NotImplementedError
-
-    @property
-    def head(self):
-        """The module computing the logits: a linear layer, or the token `Embedding` itself when the two
-        are tied (forward then calls its `unembed`)."""
-        raise NotImplementedError
-
     def setup_caches(self, batch_size, max_seq_len):
-        """Allocate every layer's KVCache; subclasses call super() to record the shape, then allocate
-        `cache_max_seq_len` positions: whole blocks of keys, as attention reads them (kernels.KEY_BLOCK)."""
+        """Record the caches' shape (a family then allocates every layer's KVCache of `cache_max_seq_len`
+        positions: whole blocks of keys, as attention reads them)."""
         self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, whole_blocks(max_seq_len), 0
         self._kv_caches = None  # the caches the subclass is about to make
 
-    def features(self, tokens, input_pos, layout=None, keys=None, last=None):
-        """tokens [batch, n] at positions input_pos [n] -> the last hidden state [batch, n, dim] (of the
-        last `last` positions only): what the output head multiplies. `layout`: the tokens form trees
-        (kernels.TreeLayout); `keys`: attend over the first `keys` cache positions only (a multiple of
-        KEY_BLOCK; None: all of them, static shapes for compiled graphs)."""
-        raise NotImplementedError
-
-    def embed_tokens(self, tokens):
-        """The token embedding: ids [...] -> [..., dim] (without position embeddings)."""
-        raise NotImplementedError
-
-    def logits(self, hidden):
-        """The output head: hidden states [..., dim] -> float32 logits [..., vocab]."""
-        raise NotImplementedError
-
     def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None, hidden=False, inputs=None):
-        """float32 logits [batch, n, vocab] of the tokens (features' arguments), or of the last
-        `logits_for` positions only; `hidden`: also their last hidden states [batch, n, dim], of every
-        position (draft heads read them), as a pair (logits, hidden); `hidden` a tuple of layer indices:
-        instead of the last states, those entering these layers, concatenated [batch, n, layers x dim]
-        (EAGLE-3's features). `inputs`: what a draft head reads beside each token (heads/eagle.py: the
-        target's hidden states); models take none."""
+        """float32 logits [batch, n, vocab] (of the last `logits_for` positions); `hidden`: the pair (logits,
+        hidden states of every position), or with a tuple of layer indices the states entering those
+        layers, side by side (EAGLE-3). `inputs`: what a draft head reads beside each token."""
         last = None if hidden else logits_for
         extra = ({} if inputs is None else {"inputs": inputs}) | ({"taps": hidden} if isinstance(hidden, tuple) else {})
         x = self.features(tokens, input_pos, layout, keys, last, **extra)
@@ -306,20 +241,16 @@ class CachedLM(nn.Module):
         logits = self.logits(x if logits_for is None or not hidden else x[:, x.shape[1] - logits_for:])
         return (logits, states) if hidden else logits
 
-    # --- the shared interface ---------------------------------------------------------------------
     def ensure_caches(self, batch_size, max_seq_len):
-        """Reuse the caches when they fit; otherwise allocate them, rounded up to a power of two (at
-        least 256 positions) so that later, slightly longer requests reuse them too: every new cache
-        shape costs an allocation and, when compiled, a recompilation."""
+        """Reuse the caches when they fit; otherwise allocate them, rounded up to a power of two so that
+        slightly longer requests reuse them too (a new shape costs an allocation and a recompilation)."""
         context = self.context_length
         if context is not None and max_seq_len > context:
             raise ValueError(
                 f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
                 f"{context} tokens; use a shorter prompt or fewer new tokens"
             )
-        # Fewer rows than the caches hold are fine: forwards use the first rows (speculative beam search
-        # and batches do so already), and a request of plain beam search after a speculative one would
-        # otherwise reallocate, and zero, every layer's cache.
+        # Fewer rows than the caches hold are fine: forwards use the first rows.
         if batch_size > self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
             self.setup_caches(batch_size, self.cache_length_for(max_seq_len))
             backend.current().in_huge_pages(self.kv_caches())  # read every step, as the weights are
@@ -342,20 +273,19 @@ class CachedLM(nn.Module):
         return compile_model(self, mode)
 
     def encode(self, prompt):
-        """Prepare a request; returns the tokens the decoder starts from (here: the prompt itself)."""
+        """The tokens the decoder starts from (here: the prompt itself)."""
         return prompt
 
     def prepare_batch(self, rows, longest_prompt):
-        """Room for `rows` requests decoded together (minispec.decoding.engine); T5 allocates its encoder memory."""
+        """Room for `rows` requests decoded together (T5's encoder memory)."""
 
     def encode_row(self, row, prompt):
-        """encode() for one request of a batch, into row `row` (here: the prompt itself)."""
+        """encode() for one request of a batch, into row `row`."""
         return prompt
 
     def prefill(self, tokens, logits_for=None):
         """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
-        logits of the last `logits_for` positions (all when None): callers need only the last few, and
-        the output head over a whole prompt costs as much as a small model's layers."""
+        logits of the last `logits_for` positions (all when None: the head over a prompt costs much)."""
         self.length = 0
         return self.decode(tokens, logits_for, eager=True) if tokens.shape[1] else None
 
@@ -377,11 +307,8 @@ class CachedLM(nn.Module):
         return logits
 
     def eager_forward(self, tokens, input_pos, logits_for, layout, ends, hidden=False, inputs=None):
-        """forward() in chunks of PREFILL_CHUNK tokens from the end (so a tree's nodes are all in the
-        last), each attending over the cache positions up to its last token only: a prompt's first
-        tokens do not pay for the keys of its last ones. Chunks change no number (row invariance).
-        ends(j): one past the last cache slot the first j tokens of any row write (host ints). `hidden`:
-        forward's pair (logits, hidden states of every position). `inputs`: forward's, [batch, n, ...]."""
+        """forward() in chunks of PREFILL_CHUNK tokens from the end (a tree's nodes all in the last), each
+        attending over the cache positions up to its last token only (Feed.ends); chunks change no number."""
         n = tokens.shape[1]
         cuts = [n - i for i in range(0, n, PREFILL_CHUNK)][::-1]  # each chunk's end
         out = []
@@ -402,23 +329,12 @@ class CachedLM(nn.Module):
         return min(whole_blocks(end), self.cache_max_seq_len)
 
     def decode_rows(self, feed, first_row=0, logits_for=None, eager=False, hidden=False):
-        """Append a Feed's tokens [rows, n] to `rows` cache rows from `first_row`, row i at its own length
-        lengths[i] (host ints, kept by the caller); returns logits [rows, n, vocab] (or of the last
-        `logits_for` positions). Only the first widths[i] tokens of row i are its own (default: all):
-        the rest repeat its last token at its last position, which recomputes that token exactly (each
-        row computes as it would alone), so nothing is written past a row's own tokens and a row near
-        the end of its cache limits no other row. A row with nothing to feed (width 0) gets one
-        placeholder at its length, past what it holds, which its next write there replaces; its logits
-        mean nothing. `eager`: skip the compiled forward (a width it would compile a graph for once).
-        `feed.parents`: the row's tokens form a tree (decoding/tree.py), token j of row i attached to token
-        parents[i][j] (-1: to the row's cached tokens); each token is then at its depth's position, its
-        keys and values in its slot, lengths[i] + j, and it attends to its ancestors only. A tree may
-        continue one that earlier forwards wrote just before lengths[i]: then parents[i] lists that
-        tree's nodes first, and the row's tokens are its last widths[i] (kernels.tree_layout).
-        `hidden`: return (logits, hidden states [rows, n, dim] of every token), for draft heads (a tuple
-        of layer indices: the states entering those layers, as forward's);
-        `feed.inputs`: forward's, [rows, n, ...], padded as the tokens are. The compiled forward takes
-        the feed through compiled.decode_compiled."""
+        """Append a Feed's tokens [rows, n] to the cache rows from `first_row`, each at its own length;
+        returns logits [rows, n, vocab] (or of the last `logits_for`). A row's tokens past its width repeat
+        its last token at its last position, which recomputes it exactly, so nothing is written past a
+        row's own tokens; a row of width 0 gets a placeholder at its length, its logits meaningless.
+        With `feed.parents` each row's tokens form a tree (kernels.tree_layout): each token at its depth's
+        position, attending to its ancestors only. `eager`: skip the compiled forward. `hidden`: forward's."""
         rows, n = feed.tokens.shape
         if feed.widths is None:
             feed = feed._replace(widths=[n] * rows)
@@ -435,9 +351,8 @@ class CachedLM(nn.Module):
 
     @staticmethod
     def padded(feeds):
-        """decode_rows' tokens and widths from each row's token ids (1-D, on the device; None: nothing
-        to feed): shorter rows repeat their last token, rows with nothing get a placeholder. The same
-        for a draft head's inputs beside them ([n, ...] per row)."""
+        """decode_rows' tokens and widths from each row's token ids (1-D; None: nothing to feed): shorter
+        rows repeat their last token, empty rows get a placeholder (a draft head's inputs alike)."""
         widths = [0 if feed is None else len(feed) for feed in feeds]
         if len(feeds) == 1 and widths[0]:
             return feeds[0].unsqueeze(0), widths
@@ -462,9 +377,7 @@ class CachedLM(nn.Module):
                 module.first_row = 0
 
     def move_row(self, source, destination, length=None):
-        """Copy cache row `source` into row `destination` (a batch closing the gap a finished request left):
-        its first `length` positions, those the row holds (None: all; a whole row of a long context costs
-        as much as a wide forward)."""
+        """Copy the first `length` positions (None: all) of cache row `source` into row `destination`."""
         for module in self.kv_caches():
             module.k[destination, :, :length] = module.k[source, :, :length]
             module.v[destination, :, :length] = module.v[source, :, :length]
@@ -484,8 +397,7 @@ class CachedLM(nn.Module):
             cache[row, :, length:length + len(slots)] = cache[row, :, index]
 
     def kv_caches(self):
-        """Every layer's KVCache, found once per setup_caches (a walk over the modules costs a tenth
-        of a millisecond, and keep runs every token tree step)."""
+        """Every layer's KVCache, found once per setup_caches (keep runs every tree step)."""
         found = self.__dict__.get("_kv_caches")
         if found is None:
             found = self._kv_caches = [module for module in self.modules() if isinstance(module, KVCache)]
@@ -499,6 +411,10 @@ class CachedLM(nn.Module):
     def reorder_cache(self, beam_idx):
         for module in self.kv_caches():
             module.reorder(beam_idx)
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
 
     @property
     def hidden_size(self):
@@ -515,10 +431,8 @@ class CachedLM(nn.Module):
 
 
 class Decoder(CachedLM):
-    """What the decoder-only families with grouped-query attention share (Llama, Gemma): a token embedding,
-    a block per entry of config.windows (its sliding window, None: full attention), a final norm, and a
-    head that is the embedding itself when the config ties them. config: vocab_size, dim, n_heads,
-    n_kv_heads, head_dim, max_seq_len, norm_eps, windows, tie_word_embeddings."""
+    """The decoder-only families with grouped-query attention (Llama, Gemma): a token embedding, a block
+    per entry of config.windows (its sliding window, None: full attention), a final norm and a head."""
 
     def __init__(self, config, block, norm):
         super().__init__()
@@ -526,16 +440,11 @@ class Decoder(CachedLM):
         self.tok_embeddings = Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(block(config, window) for window in config.windows)
         self.norm = norm(config.dim, config.norm_eps)
-        # A tied head reuses the embedding matrix in forward, so there is no second copy to load or keep.
         self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
 
     @property
     def context_length(self):
         return self.config.max_seq_len
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
 
     @property
     def head(self):
@@ -549,22 +458,87 @@ class Decoder(CachedLM):
                                                self.config.head_dim, self.dtype, self.device)
 
     def window_masks(self, positions, keys):
-        """{window: mask} for the layers' windows over `keys` cache positions, as Attention reads them
-        (query_rows_mask): a query at position p reads keys up to p, and with a window only those after
-        p - window."""
+        """{window: mask} over `keys` cache positions, as Attention reads them (query_rows_mask): a query
+        at position p reads keys up to p, and with a window only those after p - window."""
         causal = causal_mask(positions, keys)
         key_pos = torch.arange(keys, device=positions.device)
         group = self.config.n_heads // self.config.n_kv_heads
         return {w: query_rows_mask(causal if w is None else causal & (key_pos > positions[..., None] - w), group)
                 for w in set(self.config.windows)}
 
+    def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
+        """The final hidden states, and with `taps` (layer indices) also the residual states entering those
+        layers, side by side: what an EAGLE-3 head reads (CachedLM.forward)."""
+        tapped = []
+        x = self.blocks(self.embed_tokens(tokens), input_pos, layout, keys, taps or (), tapped)
+        x = self.norm(x if last is None else x[:, x.shape[1] - last:])
+        return x if taps is None else (x, torch.cat(tapped, dim=-1))
+
+    def blocks(self, x, input_pos, layout, keys, taps=(), tapped=None):
+        """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
+        entering each layer listed in `taps` is appended to `tapped` (index n_layers: the last one's output)."""
+        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
+        masks = self.window_masks(positions, keys or self.cache_max_seq_len)
+        rope = self.rope(positions)  # (cos, sin) of the global layers, then of the sliding ones
+        fused = self.fused_layers(x)
+        if fused is not None:
+            x, *states = fused(x, input_pos, *rope[0], masks, layout, taps)
+            if states:
+                tapped.extend(states)
+            return x
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped.append(x)
+            window = layer.attention.window
+            x = layer(x, input_pos, *rope[window is not None], masks[window], layout)
+        if len(self.layers) in taps:  # the last layer's output (training an EAGLE-3 head reads it too)
+            tapped.append(x)
+        return x
+
+    def fused_layers(self, x):
+        """The backend's one call for every layer of this forward (a function of blocks' inputs); None: the modules."""
+        return None
+
+    def embed_tokens(self, tokens):
+        return self.tok_embeddings(tokens)
+
     def logits(self, hidden):
         return (self.tok_embeddings.unembed(hidden) if self.output is None else self.output(hidden)).float()
 
 
+def rope_cos_sin(inv_freq, max_seq_len, scale=1.0):
+    """cos and signed sin [max_seq_len, head_dim] in float32 of each pair's inverse frequency, times
+    `scale`: each angle's halves repeated, the sines' first half negated (apply_rope)."""
+    angles = torch.outer(torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+# A Llama-like checkpoint's Hugging Face names -> ours (Decoder's).
+DECODER_RENAMES = {
+    "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
+    ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
+    ".input_layernorm.": ".attention_norm.",
+    ".self_attn.q_norm.": ".attention.q_norm.", ".self_attn.k_norm.": ".attention.k_norm.",
+}
+
+
+def convert_decoder_weights(weights, config, renames):
+    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and the family's `renames`), q/k/v and
+    gate/up fused. Unknown keys pass through, so the loader reports them as unexpected."""
+    renames = DECODER_RENAMES | renames
+    out = {}
+    for name, tensor in weights.items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        out[name.removeprefix("model.")] = tensor
+    if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
+        out.pop("output.weight", None)
+    return fuse_layers(out, config.n_layers)
+
+
 def fuse_layers(weights, n_layers):
-    """Each layer's q/k/v and gate/up projections fused (with a GGUF import's qweight, scales and offsets, the
-    stored form of models/quant.py)."""
+    """Each layer's q/k/v and gate/up projections fused (quantized ones' stored tensors too)."""
     for i in range(n_layers):
         for kind in ("weight", "bias", "qweight", "scales", "offsets"):
             attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"

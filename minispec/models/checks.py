@@ -85,5 +85,8 @@ TEXT = Check(lambda v: isinstance(v, str), "must be a string")
 TABLE = Check(lambda v: isinstance(v, dict), "must be an object")
 LIST = Check(lambda v: isinstance(v, list), "must be a list")
 TEXTS = list_of(TEXT, "strings")
+THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")  # a RoPE base: yarn divides by its log
+LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
+                    "must be a list of 'full_attention' and 'sliding_attention'")
 TOKEN_IDS = Check(lambda v: INDEX.test(v) or isinstance(v, list) and all(map(INDEX.test, v)),
                   "must be a token id (an integer from 0 to 2^31 - 1) or a list of them")

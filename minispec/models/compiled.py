@@ -1,20 +1,18 @@
-"""The compiled decode forward (CachedLM.compile): torch.compile's graphs and the feeds they take. Only a
-model loaded with compile=True reads this module."""
+"""The compiled decode forward (CachedLM.compile): torch.compile's graphs and the feeds they take."""
 import torch
 
 from .kernels import native_attention
 
 
 def compiled_width(n):
-    """On a GPU, the token width of the graph that decodes n tokens: the next power of two, since a graph
-    per width would be captured in the middle of requests, and padding costs less."""
+    """On a GPU, the token width of the graph that decodes n tokens: the next power of two (padding costs
+    less than capturing a graph per width in the middle of requests)."""
     return 1 << (n - 1).bit_length()
 
 
 def compile_model(model, mode=None):
-    """torch.compile the decode forward (prefill stays eager: prompt lengths vary): static shapes but for
-    the token width (graph_feed), each graph compiled on first use; on CUDA the default mode captures
-    CUDA graphs, removing small steps' launch overhead."""
+    """torch.compile the decode forward (prefill stays eager), static shapes but for the token width
+    (graph_feed); on CUDA the default mode captures CUDA graphs."""
     # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # marked here, not where it is defined: marking imports the compiler, which the package's import must not
@@ -25,10 +23,8 @@ def compile_model(model, mode=None):
 
 
 def graph_feed(model, feed):
-    """The feed as the compiled graphs take it. On a CPU one graph serves every width above 1, its token
-    dimension symbolic (a graph per width bucket is slow to compile), and a lone request's chain goes as
-    the tree it is, so that one graph serves both. On a GPU a graph per compiled_width, the rest padded
-    with the last token."""
+    """The feed as the compiled graphs take it: on a CPU one graph, its token width symbolic, for every width
+    above 1 (a lone request's chain as the tree it is); on a GPU a graph per compiled_width, padded."""
     rows, n = feed.tokens.shape
     if n > 1 and model.device.type == "cpu":
         if feed.parents is None and rows == 1:

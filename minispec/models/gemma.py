@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Attention, Decoder, Family, Linear, compile_region, fuse_layers
-from .checks import COUNT, FLAG, POSITIVE, TABLE, TEXT, Check, check, is_number
+from .base import Attention, Decoder, Family, Linear, compile_region, convert_decoder_weights, rope_cos_sin
+from .checks import COUNT, FLAG, LAYER_TYPES, POSITIVE, TABLE, TEXT, THETA, check
 from .kernels import elementwise
 
 # The reference's defaults (Gemma3TextConfig, Gemma2Config) for the keys a config.json may leave out.
@@ -23,9 +23,10 @@ ABSENT = {"gemma3": GEMMA3, "gemma2": {**GEMMA3, "max_position_embeddings": 8192
                                       "sliding_window_pattern": 2, "attn_logit_softcapping": 50.0,
                                       "final_logit_softcapping": 30.0}}
 SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # null: no capping, not the default
-THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")
-LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
-                    "must be a list of 'full_attention' and 'sliding_attention'")
+# Hugging Face names -> ours, beside base.DECODER_RENAMES; an image-text checkpoint's vision half left out.
+RENAMES = {".post_attention_layernorm.": ".post_attention_norm.", ".pre_feedforward_layernorm.": ".ffn_norm.",
+           ".post_feedforward_layernorm.": ".post_ffn_norm."}
+VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 @dataclass
@@ -119,13 +120,6 @@ def rope_settings(hf):
     return (theta, factor), local_theta
 
 
-def rope_tables(theta, factor, head_dim, max_seq_len, device):
-    """cos and signed sin [max_seq_len, head_dim] in float32, as llama.py's rope_tables lays them out."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim) / factor
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-
 
 class RMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back."""
@@ -187,26 +181,14 @@ class Gemma(Decoder):
         super().setup_caches(batch_size, max_seq_len)
         c = self.config
         for name, theta, factor in (("rope", c.rope_theta, c.rope_factor), ("local_rope", c.local_rope_theta, 1.0)):
-            cos, sin = rope_tables(theta, factor, c.head_dim, self.cache_max_seq_len, self.device)
+            pairs = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device)
+            cos, sin = rope_cos_sin(1.0 / theta ** (pairs / c.head_dim) / factor, self.cache_max_seq_len)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
 
-    def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
-        """... and with `taps`, the residual states entering those layers too (llama.py's Llama.features)."""
-        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        masks = self.window_masks(positions, keys or self.cache_max_seq_len)
-        rope = {None: (self.rope_cos[positions], self.rope_sin[positions]),
-                "local": (self.local_rope_cos[positions], self.local_rope_sin[positions])}
-        x, tapped = self.embed_tokens(tokens), []
-        for i, layer in enumerate(self.layers):
-            if i in (taps or ()):
-                tapped.append(x)
-            window = layer.attention.window
-            x = layer(x, input_pos, *rope[None if window is None else "local"], masks[window], layout)
-        if len(self.layers) in (taps or ()):
-            tapped.append(x)
-        x = self.norm(x if last is None else x[:, x.shape[1] - last:])
-        return x if taps is None else (x, torch.cat(tapped, dim=-1))
+    def rope(self, positions):
+        return ((self.rope_cos[positions], self.rope_sin[positions]),
+                (self.local_rope_cos[positions], self.local_rope_sin[positions]))
 
     def embed_tokens(self, tokens):
         x = self.tok_embeddings(tokens)
@@ -219,28 +201,14 @@ class Gemma(Decoder):
 
 
 def convert_hf_weights(weights, config):
-    """Hugging Face names -> ours, q/k/v and gate/up fused; an image-text checkpoint's vision tower and
-    projector left out. Unknown keys pass through, so the loader reports them as unexpected."""
-    renames = {
-        "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
-        ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
-        ".input_layernorm.": ".attention_norm.", ".post_attention_layernorm.": ".post_attention_norm.",
-        ".pre_feedforward_layernorm.": ".ffn_norm.", ".post_feedforward_layernorm.": ".post_ffn_norm.",
-        ".self_attn.q_norm.": ".attention.q_norm.", ".self_attn.k_norm.": ".attention.k_norm.",
-    }
-    out = {}
+    """Hugging Face names -> ours; an image-text checkpoint's text model (model.language_model.* or
+    language_model.model.*), its vision tower and projector left out."""
+    text = {}
     for name, tensor in weights.items():
-        # image-text checkpoints: model.language_model.* (transformers >= 5) or language_model.model.*
         name = name.replace("model.language_model.", "model.").replace("language_model.", "")
-        if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                            "model.multi_modal_projector.")):
-            continue
-        for old, new in renames.items():
-            name = name.replace(old, new)
-        out[name.removeprefix("model.")] = tensor
-    if config.tie_word_embeddings:
-        out.pop("output.weight", None)
-    return fuse_layers(out, config.n_layers)
+        if not name.startswith(VISION):
+            text[name] = tensor
+    return convert_decoder_weights(text, config, RENAMES)
 
 
 FAMILY = Family(GemmaConfig, Gemma, convert_hf_weights)

@@ -114,10 +114,6 @@ class GPT2(CachedLM):
         return self.config.n_positions
 
     @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    @property
     def head(self):
         return self.wte  # GPT-2's head is tied to the token embedding
 

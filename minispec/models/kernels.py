@@ -1,9 +1,6 @@
 """The kernels that make a forward row-invariant: every token's numbers are the same whether it is
-decoded alone, verified among γ + 1 tokens, or computed in a batch row beside others, so greedy
-speculative decoding (and every batch) gives exactly plain decoding's tokens, in float32 and bfloat16
-alike (docs/design.md, "Row invariance"; tests/test_rows.py guards it). The linear layers multiply
-through a backend's float32 kernel or oneDNN on a weight packed once; attention pads its query rows to
-full blocks.
+decoded alone, verified among γ + 1 tokens or computed in a batch row beside others, so greedy
+speculative decoding gives exactly plain decoding's tokens (docs/design.md, "Row invariance").
 """
 
 import functools
@@ -17,25 +14,18 @@ import torch.nn.functional as F
 from . import backend
 
 
-# Why packed weights on CPU: BLAS's float32 GEMM takes a 1-row product (a decode step) through a GEMV and
-# partial blocks of rows through other kernels, each summing in its own order, so a token's logits would
-# differ by rounding between a 1-token step and a k-token verify, and a near-tie could flip greedy's
-# argmax. A backend's own float32 kernel (minispec/native's flinear.cpp) sums every row alike whatever
-# the row count, on a weight packed once, and costs about the same from 1 to 8 rows; where there is
-# none, and for bfloat16 and float16, oneDNN's matmul over a weight packed for it does the same with
-# PACKED_MIN_ROWS and PACKED_MAX_ROWS below.
-# The packed weights, by the float weight's data_ptr: the op finds them from the weight it is given,
-# so compiled graphs hold no per-model constant and a target and its draft share graphs as before.
-# An entry lives as long as the weight's storage (not its Parameter, which outlives its data after
-# `.to()`, `.half()` or `param.data = ...`), so no stale copy stays alive, and none is found by a new
-# tensor that the allocator places at a freed address.
-_PACKED = {}  # data_ptr -> [the weight's version when packed, packed weight: flinear's, or an opaque oneDNN tensor]
+# Why packed weights on CPU: BLAS sums a 1-row product (a decode step) and partial blocks of rows in other
+# orders than full ones, so a token's logits would differ between a 1-token step and a k-token verify. A
+# backend's own float32 kernel sums every row alike; elsewhere oneDNN's matmul on a packed weight does,
+# with PACKED_MIN_ROWS and PACKED_MAX_ROWS below.
+# The packed weights, by the float weight's data_ptr (compiled graphs then hold no per-model constant),
+# each living as long as the weight's storage, so that no stale copy stays alive or is found again.
+_PACKED = {}  # data_ptr -> [the weight's version when packed, packed weight]
 
 
 def to_device(values, device, dtype=torch.long):
-    """Host numbers (a list) as a tensor on `device`, copied without a host sync: a blocking copy to a
-    GPU first waits for all the work queued before it, which would cost every forward a sync. From
-    pageable memory the driver takes the numbers before the call returns, so the list may go at once."""
+    """Host numbers (a list) as a tensor on `device`, copied without a host sync (a blocking copy to a
+    GPU waits for all the work queued before it)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
@@ -50,8 +40,7 @@ def own_kernel(dtype):
 
 
 def pack(weight, packed=None):
-    """Keep `packed` (by default the weight packed for its kernel) as the weight's packed copy, which goes
-    when the weight's storage does."""
+    """Keep `packed` (default: the weight packed for its kernel) as the weight's packed copy."""
     if packed is None:
         # oneDNN: 16 is the row count it plans the packing for; every row count then runs the same kernels
         packed = backend.current().float_pack(weight) if own_kernel(weight.dtype) else \
@@ -67,9 +56,8 @@ def pack(weight, packed=None):
 
 
 def pack_together(weights, packed_one=None):
-    """Pack a model's weights (pack), calling packed_one() after each (a load drops the file pages it read),
-    the backend's own kernel's copies then together in huge pages where it has them: a decode step streams
-    them all."""
+    """Pack a model's weights, calling packed_one() after each, the backend's own kernel's copies then
+    together in huge pages where it has them."""
     for weight in weights:
         pack(weight)
         if packed_one is not None:
@@ -84,23 +72,21 @@ def forget(key, entry):
         del _PACKED[key]
 
 
-# oneDNN takes a 1-row product through kernels of its own, which sum in another order than its products
-# of more rows, so a 1-token step and a k-token verify would round a token differently: every product
-# takes at least PACKED_MIN_ROWS rows, the rest zeros (4, not 2: 2-row products read the weights slowest).
+# oneDNN sums a 1-row product in another order than more rows: every product takes at least this many
+# rows, the rest zeros (not 2: 2-row products read the weights slowest).
 PACKED_MIN_ROWS = 4
-# On CPUs with AMX tiles oneDNN takes bfloat16 products of more than 32 rows through them, which sum in
-# another order than its products of 4 to 32 rows: longer products are cut into blocks of this many.
+# AMX sums bfloat16 products of more than 32 rows in another order: longer ones go in blocks of this many.
 PACKED_MAX_ROWS = 32
 
 
 def packed_weight(weight):
     """The weight's packed copy, packed again if it was written since; None where no packed kernel takes
-    it (moved off the CPU, or converted to a dtype none takes here, after loading)."""
+    it (moved off the CPU, or converted to another dtype, after loading)."""
     if not weight.is_cpu:
         return None
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
-    if version_packed != version(weight):  # new or written in place since it was packed (a test, a LoRA merge)
-        if not can_pack_on_cpu(weight.dtype):
+    if version_packed != version(weight):  # new or written in place since it was packed
+        if not can_pack(weight.dtype, weight.device):
             return None
         packed = pack(weight)
     return packed
@@ -130,8 +116,7 @@ def onednn_product(rows, packed, bias):
     return out[:n]
 
 
-# An op of its own for torch.compile (opaque, with a fake for tracing); eager calls the function itself:
-# the dispatcher's round trip into a Python op costs tens of µs a call, a tenth of a small model's step.
+# An op of its own for torch.compile; eager calls the function itself (a Python op's dispatch is dear).
 packed_linear = torch.library.custom_op("minispec::packed_linear", mutates_args=())(packed_product)
 
 
@@ -140,12 +125,9 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-# On CUDA, cuBLAS picks a GEMM kernel (tile shape, split-K) by the number of rows, so a row's sums depend
-# on how many rows share its product. Seen on an H100: float32 products of
-# 16 and 17+ rows differ, and bfloat16 ones of 64 and 65+ rows when K is 8192, so no padding to a multiple
-# keeps one kernel. Every CUDA product is therefore made of products of exactly CUDA_ROW_BLOCK rows (the
-# last block padded): one kernel for any width. 64 rows cost a bfloat16 decode step what 1 row costs,
-# since it is bound by reading the weight; a long prompt's prefill pays one weight read per 64 tokens.
+# cuBLAS picks a GEMM kernel by the number of rows, so a row's sums depend on how many rows share its
+# product: every CUDA product is made of products of exactly this many rows (the last padded), which cost
+# a weight-bound decode step what 1 row does.
 CUDA_ROW_BLOCK = 64
 
 
@@ -168,13 +150,8 @@ def in_row_blocks(product, x):
 
 
 def can_pack(dtype, device):
-    """Whether packed products run here for this dtype (float32 wherever the backend's kernel or oneDNN
-    runs; bfloat16 and float16 with oneDNN on CPUs with the instructions for them)."""
-    return device.type == "cpu" and can_pack_on_cpu(dtype)
-
-
-def can_pack_on_cpu(dtype):
-    return own_kernel(dtype) or onednn_packs(dtype)
+    """Whether packed products run here for this dtype (the backend's kernel, or oneDNN's)."""
+    return device.type == "cpu" and (own_kernel(dtype) or onednn_packs(dtype))
 
 
 @functools.cache
@@ -188,11 +165,8 @@ def onednn_packs(dtype):
         return False
 
 
-# Rows of an elementwise activation are padded to a multiple of this many elements. Why: PyTorch's CPU
-# loops take two vectors at a time (2 x 16 float32, 2 x 32 bfloat16 on AVX-512) and the buffer's
-# remainder through a scalar loop whose silu and tanh-gelu differ in the last bit, so a row whose width
-# is not a multiple of that lands in the remainder at some row counts and not at others. Real models'
-# widths are multiples of 64: no padding, no cost.
+# Rows of an elementwise activation are padded to a multiple of this many elements: PyTorch's CPU loops
+# take a buffer's remainder through a scalar loop whose silu and tanh-gelu differ in the last bit.
 ELEMENTWISE_ROW_MULTIPLE = 64
 
 
@@ -204,20 +178,15 @@ def elementwise(function, x):
     return function(F.pad(x, (0, pad)))[..., :x.shape[-1]]
 
 
-# Query rows of one attention call are padded to a multiple of this. Why: float32 SDPA on CPU runs its
-# score and value matmuls through BLAS, whose kernels take rows in blocks of 4 and compute a partial block
-# (1-3 rows: a 1-token decode step) in another order, so a token's numbers would depend on how many
-# tokens share its forward. Full blocks give every row the same arithmetic (docs/design.md, "Row
-# invariance"; tests/test_rows.py guards it). Costs a few zero rows of q. On CUDA, SDPA padded to 16
-# rows kept every row's numbers for 1 to 64 rows on an H100 (tests/test_cuda.py guards it).
+# Query rows of one attention call are padded to a multiple of this: BLAS takes rows in blocks of 4 and
+# computes a partial block in another order (on CUDA, SDPA's blocks are 16 rows).
 ATTENTION_ROW_BLOCK = 4
 CUDA_ATTENTION_ROW_BLOCK = 16
 
 
 def padded_rows(mask):
-    """A mask [..., rows, S] with its rows padded as attend and attend_cache pad q's (the last row
-    repeated: an all-masked row would be NaN); a model pads its additive mask once a forward, rather
-    than every layer."""
+    """A mask [..., rows, S] with its rows padded as attend pads q's (the last row repeated: an all-masked
+    row would be NaN), once a forward rather than every layer."""
     pad = -mask.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if mask.is_cuda else ATTENTION_ROW_BLOCK)
     if not pad or mask.shape[-2] == 1:
         return mask
@@ -225,9 +194,8 @@ def padded_rows(mask):
 
 
 def rows_as_read(mask):
-    """A model's additive mask made once a forward, as attend_cache reads it: its rows padded for
-    PyTorch's path (padded_rows); as they are for the backend's kernel, which takes each row alone, so a
-    compiled graph guards on no row count modulo the padding (one graph serves every width)."""
+    """A model's additive mask as attend_cache reads it: its rows padded for PyTorch's path, as they are
+    for the backend's kernel (which takes each row alone)."""
     return mask if mask.device.type == "cpu" and native_attention() else padded_rows(mask)
 
 
@@ -235,13 +203,17 @@ def attend(q, k, v, mask, scale=None):
     """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
     computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""
     rows = q.shape[-2]
-    if mask.dim() == 3:  # [batch, rows, s]: a mask per batch row, the same for every head
-        mask = mask.unsqueeze(1)
-    pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
-    if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-        mask = padded_rows(mask)
+    q, mask = padded_query(q, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :rows, :]
+
+
+def padded_query(q, mask):
+    """q [b, h, rows, d] and its mask [..., rows or 1, S] (or [b, rows, S]: every head's) with their rows
+    padded to whole row blocks (padded_rows: a mask the forward padded stays as it is)."""
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)
+    pad = -q.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
+    return (F.pad(q, (0, 0, 0, pad)), padded_rows(mask)) if pad else (q, mask)
 
 
 def causal_mask(input_pos, max_seq_len):
@@ -251,26 +223,21 @@ def causal_mask(input_pos, max_seq_len):
 
 
 def additive(mask):
-    """A boolean mask as the additive float32 one attend_cache takes: 0 where readable, -inf elsewhere
-    (made once per forward: every layer adds it as it is)."""
+    """A boolean mask as the additive float32 one attend_cache takes: 0 where readable, -inf elsewhere."""
     return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def query_rows_mask(mask, group):
-    """A boolean mask [..., n, keys] as Attention's rows read it: additive, repeated for the `group`
-    query heads sharing a K/V head (extra query rows of that head, Attention.forward), its rows as
-    attend_cache reads them (rows_as_read)."""
+    """A boolean mask [..., n, keys] as Attention reads it: additive, repeated for the `group` query heads
+    sharing a K/V head (extra query rows of that head), its rows as attend_cache reads them."""
     return rows_as_read(additive(mask.repeat(*[1] * (mask.dim() - 2), group, 1)))
 
 
 # Attention over a KV cache is computed in one canonical order, so that a token's numbers do not depend on
-# where in the cache its keys sit. Why: a token tree (decoding/tree.py) writes a node's ancestors to cache
-# slots scattered among its siblings', while decoded alone the same path lies at consecutive positions.
-# Softmax sums and the value product are reductions over keys, and every PyTorch kernel for them (SDPA,
-# BLAS, vectorized sums) adds keys in an order that depends on their slots: moved keys change the last bit.
-# So keys are taken in blocks of KEY_BLOCK positions: a block's exp-sum and value product come from one
-# fixed-shape kernel over its keys in position order, and blocks are added one after another (cumsum). A
-# tree's rows then need their own copy of only the one or two blocks that hold the tree (`TreeLayout`).
+# where in the cache its keys sit (a tree's node reads ancestors scattered among its siblings' slots). Keys
+# go in blocks of KEY_BLOCK positions: a block's exp-sum and value product come from one fixed-shape kernel
+# over its keys in position order, and blocks are added one after another (cumsum). A tree's rows then
+# need their own copy of only the one or two blocks that hold the tree (`TreeLayout`).
 KEY_BLOCK = 32
 
 
@@ -280,26 +247,20 @@ def whole_blocks(positions):
 
 
 class TreeLayout(NamedTuple):
-    """Where a forward's tokens sit when they form trees (one per batch row), built by `tree_layout`: a
-    token's position is its depth after the row's length, while its keys and values go to the next free
-    cache slot. Shared by every layer of the forward."""
+    """Where a forward's tokens sit when they form trees (one per batch row): a token's position is its
+    depth after the row's length, its keys and values in the next free cache slot."""
     positions: torch.Tensor  # [rows, n]: each token's position (RoPE, learned positions, masks)
     window: torch.Tensor  # [rows, n, W]: the cache slot holding each window position's key, for each token
     window_positions: torch.Tensor  # [rows, W]: those positions: whole blocks, the blocks that hold the trees
     first_block: int  # the window's first block in row 0 (the host knows it: no device sync to read it)
-    # attend_cache's index tensors, by attention shape: made by the forward's first layer, read by the
-    # others (the layers' index arithmetic cost a tree forward more than its attention did)
-    shared: dict
+    shared: dict  # attend_cache's index tensors, made by the forward's first layer for the others
 
 
 def tree_layout(lengths, parents, widths, n, cache_positions, device):
     """The TreeLayout of trees fed at cache slots lengths[r], lengths[r] + 1, ... of each row r: the
     row's widths[r] tokens are the last nodes of its tree parents[r], node j attached to node
-    parents[r][j] (-1: to the row's cached tokens; a chain is [-1, 0, 1, ...]). Nodes before them were
-    written by earlier forwards to the slots just before lengths[r], in order (a draft grows its tree
-    depth by depth); the tree starts after the row's cached tokens there. A row of fewer than n tokens
-    is padded as decode_rows pads it: its last token repeated in its slot (none: a placeholder at its
-    length)."""
+    parents[r][j] (-1: to the row's cached tokens); earlier nodes were written just before lengths[r].
+    Rows of fewer than n tokens are padded as decode_rows pads them."""
     blocks = cache_positions // KEY_BLOCK
     positions, first_block = [], []
     moved = []  # (row, token, position, slot) of each key read from another slot than its position's
@@ -341,9 +302,8 @@ def tree_layout(lengths, parents, widths, n, cache_positions, device):
 
 
 def tree_keys(layout, S):
-    """[rows, n, S]: the cache slot holding each of the first S positions' key, for each token: its
-    path's slots inside the window, every other position's own. Computed, not stored: in a compiled
-    graph it fuses into the gather that reads it, which then streams no [rows, n, S] index."""
+    """[rows, n, S]: the cache slot holding each of the first S positions' key, for each token (computed,
+    not stored: a compiled graph fuses it into the gather that reads it)."""
     rows, n, W = layout.window.shape
     position = torch.arange(S, device=layout.window.device)
     offset = position - layout.window_positions[:, :1]  # [rows, S]
@@ -364,8 +324,7 @@ class TreeIndices(NamedTuple):
 
 
 def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
-    """attend_cache's TreeIndices for q [b, h, group x n (+ pad), d] over S positions under `layout`
-    (made once a forward)."""
+    """attend_cache's TreeIndices for q [b, h, group x n (+ pad), d] over S positions under `layout`."""
     n, span = layout.window.shape[1:]
     row_block = CUDA_ATTENTION_ROW_BLOCK if layout.window.is_cuda else ATTENTION_ROW_BLOCK
     padded_group = group + -group % row_block
@@ -385,44 +344,30 @@ def tree_indices(layout, b, h, group, pad, d, S, compiling=False):
                        None if compiling else layout.first_block)
 
 
-# Decided once: compiled graphs hold whichever kernel eager runs (CachedLM.compile marks it so).
-def native_attention():
+def native_attention():  # decided once: compiled graphs hold whichever kernel eager runs
     """Whether attention over a CPU's cache runs the backend's own kernel."""
     return backend.current().attends()
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None, softcap=0.0):
-    """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] (S a multiple of KEY_BLOCK), in
-    the canonical order above; mask: additive float32 [..., rows or 1, S'] (`additive`, its rows padded
-    or not: `padded_rows`) by position, S' the positions read (a multiple of KEY_BLOCK, at most S). A
-    row's numbers are those of the same query alone, whatever the other rows and however many. With a
-    `layout` (trees), rows are read in groups of the layout's tokens (grouped-query heads: group-major).
-    On CPUs a backend's own kernel computes it in one call (the same canonical order, its own rounding),
-    except where gradients flow (training a draft head): it has no backward. `softcap` (Gemma 2): scores
-    become softcap * tanh(scores / softcap) before the mask, which the backend's kernel does not do."""
+    """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] in the canonical order above;
+    mask: additive float32 [..., rows or 1, S'] by position, S' <= S the positions read. With a `layout`
+    (trees), rows are read in groups of the layout's tokens. On CPUs a backend's own kernel computes it
+    in one call, except with gradients (it has no backward) or a `softcap` (Gemma 2's tanh capping)."""
     own = not softcap and not (torch.is_grad_enabled() and q.requires_grad)
     if q.device.type == "cpu" and native_attention() and own:
         return backend_attend(q, k, v, mask, scale, layout)
     b, h, rows, d = q.shape
     S = mask.shape[-1]  # the positions the forward reads: all the cache's, or its first blocks
     k, v = k[:, :, :S], v[:, :, :S]
-    if mask.dim() == 3:  # [batch, rows, S]: a mask per batch row, the same for every head
-        mask = mask.unsqueeze(1)
-    pad = -rows % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
-    if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-    if pad and mask.shape[-2] == rows:  # not padded by the forward yet (`padded_rows`)
-        mask = padded_rows(mask)
+    q, mask = padded_query(q, mask)
+    pad = q.shape[-2] - rows
     scores = q.float() @ k.float().transpose(-1, -2)  # each score alone: invariant to the key's slot
     if layout is not None:  # each token's keys in position order: its path, not its siblings'
         shape = (b, h, rows // layout.window.shape[1], pad, d, S)
-        if torch.compiler.is_compiling():  # a graph computes them once anyway (and holds no dict)
-            indices = tree_indices(layout, *shape, compiling=True)
-        else:
-            indices = layout.shared.get(shape) or layout.shared.setdefault(shape, tree_indices(layout, *shape))
+        indices = once_a_forward(layout, shape, lambda: tree_indices(layout, *shape, torch.compiler.is_compiling()))
         scores = scores.gather(-1, indices.scores)
-    # Out of place: the same numbers, and gradients can flow (training a draft head, tools/train_heads.py).
-    if scale != 1.0:
+    if scale != 1.0:  # out of place: gradients can flow (training a draft head)
         scores = scores * (scale if scale is not None else d ** -0.5)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -453,20 +398,23 @@ def backend_attend(q, k, v, mask, scale, layout):
 
 
 def key_slots(layout, width):
-    """tree_keys(layout, width) as a backend's attention kernel reads them: made once a forward (kept in
-    layout.shared for every layer; a compiled graph computes them once anyway)."""
+    """tree_keys(layout, width) as a backend's attention kernel reads them, made once a forward."""
+    return once_a_forward(layout, width, lambda: tree_keys(layout, width))
+
+
+def once_a_forward(layout, key, make):
+    """make(), kept in layout.shared for the forward's other layers (a compiled graph computes it once anyway)."""
     if torch.compiler.is_compiling():
-        return tree_keys(layout, width)
-    slots = layout.shared.get(width)
-    if slots is None:
-        slots = layout.shared[width] = tree_keys(layout, width)
-    return slots
+        return make()
+    found = layout.shared.get(key)
+    if found is None:
+        found = layout.shared[key] = make()
+    return found
 
 
 def tree_products(products, weights, values, indices):
     """Recompute the window's blocks of products [b, h, blocks, rows + pad, d] in place, per token from
-    its own path's values (the blocks outside the window hold the same keys for every token). weights:
-    [b, h, (rows + pad) x S]."""
+    its own path's values. weights: [b, h, (rows + pad) x S]."""
     b, h, _, _, d = products.shape
     _, _, window_blocks, group, n, _ = indices.blocks.shape
     if b == 1:  # one request: whole rows of d copied (a gather takes each number alone, 8x slower here)
@@ -486,8 +434,7 @@ def tree_products(products, weights, values, indices):
 
 @contextmanager
 def without_row_invariance(model):
-    """The model computing as it would without row invariance: BLAS linears and attention rows unpadded.
-    Only to measure what row invariance costs (minispec.tools.bench --row-invariance-price)."""
+    """The model without row invariance (BLAS linears, attention rows unpadded): what it costs, for the bench."""
     global ATTENTION_ROW_BLOCK
     packed = [module for module in model.modules() if getattr(module, "packed", False)]
     block = ATTENTION_ROW_BLOCK

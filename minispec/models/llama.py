@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import Attention, Decoder, Family, Linear, RMSNorm, compile_region, fuse_layers
-from .checks import COUNT, FLAG, INDEX, NUMBER, POSITIVE, TABLE, TEXT, Check, check, is_number
+from .base import Attention, Decoder, Family, Linear, RMSNorm, compile_region, convert_decoder_weights, rope_cos_sin
+from .checks import COUNT, FLAG, INDEX, LAYER_TYPES, NUMBER, POSITIVE, TABLE, TEXT, THETA, check
 from .kernels import elementwise
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
@@ -32,15 +32,12 @@ ROPE_VALUES = {
     "original_max_position_embeddings": COUNT, "beta_fast": POSITIVE, "beta_slow": POSITIVE,
     "attention_factor": POSITIVE, "mscale": NUMBER, "mscale_all_dim": NUMBER, "truncate": FLAG,
 }
-THETA = Check(lambda v: is_number(v) and v > 1, "must be a number above 1")  # yarn divides by log(rope_theta)
 # The reference's defaults for keys config.json leaves out, where a null value means something else.
 ABSENT = {"mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
           "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096},
           "qwen3": {"num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128}}
 # Keys the reference never reads for a model type (Qwen3's MLP has no bias, whatever mlp_bias says).
 UNREAD = {"qwen3": ("mlp_bias",)}
-LAYER_TYPES = Check(lambda v: isinstance(v, list) and all(t in ("full_attention", "sliding_attention") for t in v),
-                    "must be a list of 'full_attention' and 'sliding_attention'")
 
 
 @dataclass
@@ -127,8 +124,8 @@ def sliding_windows(hf, model_type, n_layers):
 
 def rope_settings(hf):
     """config.json's rope_theta, and its RoPE scaling: {rope_type, the parameters that type needs}."""
-    # transformers < 5: rope_theta at top level, scaling in rope_scaling (key "type" or "rope_type");
-    # transformers >= 5: everything in rope_parameters. As in the reference, a rope_scaling replaces it whole.
+    # transformers < 5: rope_theta at top level, scaling in rope_scaling; >= 5: all in rope_parameters,
+    # which a rope_scaling replaces whole (as in the reference).
     scaling, parameters = check(hf, "rope_scaling", TABLE, {}), check(hf, "rope_parameters", TABLE, {})
     rope = scaling or parameters
     rope_theta = check(rope, "rope_theta", THETA, None) or check(hf, "rope_theta", THETA, 10000.0)
@@ -158,9 +155,8 @@ def rope_frequencies(config):
         smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq
     if scaling["rope_type"] == "yarn":
-        # YaRN (Peng et al. 2023): pairs that turn fewer than beta_slow times over the old context are
-        # slowed by `factor`, pairs that turn more than beta_fast times are kept, and a linear ramp in
-        # the pair index blends the two in between.
+        # YaRN: pairs turning fewer than beta_slow times over the old context are slowed by `factor`, more
+        # than beta_fast times kept, a linear ramp in the pair index between.
         old_context = scaling.get("original_max_position_embeddings") or config.max_seq_len
 
         def pair_turning(turns):  # the (fractional) pair index that turns `turns` times over the old context
@@ -193,13 +189,8 @@ def rope_attention_factor(scaling):
 
 
 def rope_tables(config, max_seq_len, device):
-    """cos and signed sin of shape [max_seq_len, head_dim] in float32: the halves of each angle's
-    table repeated, the sines' first half negated (apply_rope)."""
-    inv_freq = rope_frequencies(config).to(device)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    scale = rope_attention_factor(config.rope_scaling)
-    cos, sin = angles.cos() * scale, angles.sin() * scale
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    """cos and signed sin [max_seq_len, head_dim] (base.rope_cos_sin) with the checkpoint's scaling."""
+    return rope_cos_sin(rope_frequencies(config).to(device), max_seq_len, rope_attention_factor(config.rope_scaling))
 
 
 class FeedForward(nn.Module):
@@ -231,11 +222,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    # Compiled, the layer's two halves around its cache write and attention are each traced and compiled
-    # once for every layer (nested compile regions), which halves the time to compile a forward; the
-    # write itself stays outside them, as a region would hand the written cache back as a copy. A
-    # region's output must be a tensor it computes: outputs that are views of its other tensors (a
-    # slice, even cloned) came out as garbage in this PyTorch (2.13, CPU); tests/test_compile.py checks.
+    # The halves around the cache write are compile regions, compiled once for every layer (the write
+    # stays outside: a region would hand the cache back as a copy); a region's outputs must not be views.
     def forward(self, x, input_pos, cos, sin, mask, layout):
         x = x + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
         return self.finish(x)
@@ -263,62 +251,17 @@ class Llama(Decoder):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
-        """... and with `taps` (layer indices), also the residual states entering those layers, side by
-        side: what an EAGLE-3 head reads (CachedLM.forward)."""
-        tapped = []
-        x = self.blocks(self.tok_embeddings(tokens), input_pos, layout, keys, taps or (), tapped)
-        x = self.norm(x if last is None else x[:, x.shape[1] - last:])
-        return x if taps is None else (x, torch.cat(tapped, dim=-1))
-
-    def blocks(self, x, input_pos, layout, keys, taps=(), tapped=None):
-        """The layers over embedded tokens x [batch, n, dim] (an EAGLE head's one layer too); the state
-        entering each layer listed in `taps` is appended to `tapped` (index n_layers: the last one's output)."""
-        positions = input_pos if layout is None else layout.positions  # a tree's tokens: their depths
-        masks = self.window_masks(positions, keys or self.cache_max_seq_len)  # Mistral's windows too
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        fused = self.fused_layers(x)
-        if fused is not None:
-            x, *states = fused(x, input_pos, cos, sin, masks, layout, taps)
-            if states:
-                tapped.extend(states)
-            return x
-        for i, layer in enumerate(self.layers):
-            if i in taps:
-                tapped.append(x)
-            x = layer(x, input_pos, cos, sin, masks[layer.attention.window], layout)
-        if len(self.layers) in taps:  # the last layer's output (training an EAGLE-3 head reads it too)
-            tapped.append(x)
-        return x
+    def rope(self, positions):
+        return ((self.rope_cos[positions], self.rope_sin[positions]),) * 2  # one table for every layer
 
     def fused_layers(self, x):
-        """The backend's one call for every layer of this forward (a function of blocks' inputs), where
-        it has one; None: the modules."""
         return backend.current().fused_llama(self, x)
-
-    def embed_tokens(self, tokens):
-        return self.tok_embeddings(tokens)
 
 
 def convert_hf_weights(weights, config):
-    """Hugging Face names -> ours; q/k/v and gate/up projections fused. Unknown keys pass through, so
-    the loader reports them as unexpected."""
-    renames = {
-        "model.embed_tokens.": "tok_embeddings.", "model.norm.": "norm.", "lm_head.": "output.",
-        ".self_attn.o_proj.": ".attention.wo.", ".mlp.down_proj.": ".feed_forward.w2.",
-        ".input_layernorm.": ".attention_norm.", ".post_attention_layernorm.": ".ffn_norm.",
-        ".self_attn.q_norm.": ".attention.q_norm.", ".self_attn.k_norm.": ".attention.k_norm.",
-    }
-    out = {}
-    for name, tensor in weights.items():
-        if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved RoPE frequencies; we recompute them
-            continue
-        for old, new in renames.items():
-            name = name.replace(old, new)
-        out[name.removeprefix("model.")] = tensor
-    if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
-        out.pop("output.weight", None)
-    return fuse_layers(out, config.n_layers)
+    """Hugging Face names -> ours (old checkpoints' saved RoPE frequencies left out: we recompute them)."""
+    weights = {name: tensor for name, tensor in weights.items() if not name.endswith("rotary_emb.inv_freq")}
+    return convert_decoder_weights(weights, config, {".post_attention_layernorm.": ".ffn_norm."})
 
 
 FAMILY = Family(LlamaConfig, Llama, convert_hf_weights)

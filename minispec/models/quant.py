@@ -1,26 +1,13 @@
 """Weight-only int8 and int4 quantization: quantized linear layers and token embeddings, and the
-functions that quantize, pack and dequantize weights. Pure torch; the loader and the self-draft use
-it, the model files do not (they see ordinary modules with the same calls).
+functions that quantize and dequantize weights. The model files never see it: the loader swaps modules.
 
-A quantized weight [out N, in K] has two forms:
+A quantized weight [out N, in K] is stored (in checkpoints, and as `dequantize` reads it) as
+  int8: `qweight` int8 [N, K], `scales` [N, K / group] and optional `offsets`; w = qweight * scales (+ offsets);
+  int4: `qweight` uint8 [N, K / 2] of values 0..15, column 2i in the low nibble of byte i; w = q * scales + offsets;
+or in the backend's packed layout (PACKED_KEYS: native.pack's output), which a conversion keeps.
 
-- stored, what checkpoints hold (a GGUF file kept quantized) and what `dequantize` reads:
-  int8: `qweight` int8 [N, K], `scales` [N, K / group] and optional `offsets` [N, K / group];
-        w = qweight * scales (+ offsets). One group per row (one scale per output channel) is
-        minispec's own int8; GGUF files have groups of 32 (Q8_0) or 16 (Q6_K).
-  int4: `qweight` uint8 [N, K / 2], values q in 0..15, column 2i in the low nibble of byte i and
-        column 2i + 1 in the high one; `scales`, `offsets` [N, K / group]; w = q * scales + offsets.
-- packed, what the kernels read, built from the stored form on the device it runs on. A conversion
-  keeps minispec/native's layout (`packed_weight`, `packed_scales`, `packed_offsets`, `packed_steps`:
-  native.pack's output), which a load on a CPU those kernels serve maps as it is, without repacking.
-
-Kernels. The backend's own where it has one that takes the layer (minispec/native's qlinear.cpp on x86
-CPUs: the input quantized to int8 in blocks of 32 and integer dot products, as llama.cpp does;
-memory-bound for a decode step); elsewhere PyTorch's, the fastest on a CPU: with bfloat16 activations, aten._weight_int8pack_mm and
-aten._weight_int4pack_mm_for_cpu (with float32 ones both take slow paths, and the dequantize-in-matmul
-graphs torch.compile makes on CPU were slower than a float32 matmul), so those layers compute in
-bfloat16 whatever the model's dtype. On CUDA: int8 as gpt-fast does it (the weight converted inside
-the matmul, which torch.compile fuses), int4 with aten._weight_int4pack_mm.
+Kernels: the backend's own where it takes the layer; elsewhere PyTorch's, which compute in bfloat16 on
+CPU whatever the model's dtype (with float32 they take slow paths); on CUDA int8 as gpt-fast does it.
 """
 
 from collections import defaultdict
@@ -34,8 +21,8 @@ from .base import Embedding
 from .checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES as MODES
 from .kernels import linear
 
-# Token embeddings and the output head, in both modes: int8 in groups of 32 columns. The head decides
-# every argmax: per-channel int8 there can change greedy tokens that groups of 32 keep.
+# Token embeddings and the output head, in both modes: int8 in groups of 32 columns (the head decides
+# every argmax, which per-channel int8 there can change).
 HEAD_GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -88,8 +75,7 @@ def weight_shape(parts):
 
 
 def dequantize(parts):
-    """The float32 weight [N, K] of a stored quantized weight: the plain path the kernels are tested
-    against. Multiply, then add, in float32, as ggml's reference does (GGUF imports match it bit for bit)."""
+    """The float32 weight [N, K] of a stored quantized weight: multiply, then add, as ggml's reference does."""
     q = unpack_int4(parts["qweight"]) if is_int4(parts) else parts["qweight"]
     rows, groups = parts["scales"].shape
     w = q.float().view(rows, groups, -1) * parts["scales"].float()[..., None]
@@ -99,8 +85,7 @@ def dequantize(parts):
 
 
 def widen_int4(parts):
-    """An int4 weight in the int8 form, exactly (the same q, scales and offsets): for an int4 layer
-    the int4 kernel cannot take, and for token embeddings, whose rows are looked up."""
+    """An int4 weight in the int8 form, exactly (for layers the int4 kernel cannot take, and embeddings)."""
     return {"qweight": unpack_int4(parts["qweight"]).to(torch.int8), "scales": parts["scales"],
             "offsets": parts["offsets"]}
 
@@ -110,9 +95,8 @@ def group_size_of(parts):
 
 
 def common_form(parts_list):
-    """Stored weights to be concatenated into one layer (a fused q/k/v projection), in one form: as they
-    are when they share it, else all int8 with offsets in the smallest group, exactly (an int4 value is
-    an int8 one, a scale repeats over the smaller groups it covers, and a missing offset is 0)."""
+    """Stored weights to be fused into one layer, in one form: as they are when they share it, else all
+    int8 with offsets in the smallest group, exactly."""
     forms = {(is_int4(p), group_size_of(p), p.get("offsets") is not None) for p in parts_list}
     if len(forms) == 1:
         return parts_list
@@ -143,8 +127,7 @@ def take_stored(weights):
 
 
 def check_stored(parts, shape):
-    """A one-line reason why stored tensors {qweight, scales[, offsets]} are not a quantized weight of
-    `shape` [N, K], or None."""
+    """A one-line reason why stored tensors are not a quantized weight of `shape` [N, K], or None."""
     if "packed_weight" in parts:
         return check_packed(parts, shape)
     qweight, scales, offsets = parts.get("qweight"), parts.get("scales"), parts.get("offsets")
@@ -164,8 +147,7 @@ def check_stored(parts, shape):
 
 
 def check_packed(parts, shape):
-    """check_stored for a weight in the kernels' layout: [tiles of 16 rows, K / 32 blocks, 4 to 8
-    vectors, 64 bytes], scales [tiles, groups, 16]."""
+    """check_stored for the kernels' layout: [tiles of 16 rows, K / 32, 4 to 8 vectors, 64], scales [tiles, G, 16]."""
     weight, scales = parts["packed_weight"], parts.get("packed_scales")
     rows, columns = shape
     if scales is None or weight.dim() != 4 or scales.dim() != 3 or weight.shape[2] not in (4, 5, 6, 8):
@@ -191,45 +173,17 @@ def int4_problem(out_features, in_features, group_size, device):
     return None
 
 
-# --- the modules --------------------------------------------------------------------------------------
-class Int8Linear(nn.Module):
-    """y = x @ (qweight * scales (+ offsets)).T + bias, from a stored int8 weight.
+class Quantized(nn.Module):
+    """What the quantized layers share: the backend's kernel, and the output's dtype, shape and bias."""
 
-    One scale per output channel (minispec's int8): aten._weight_int8pack_mm on CPU; on CUDA the int8
-    weight is converted inside the matmul, which torch.compile fuses (gpt-fast's int8). Groups of
-    scales (GGUF imports): on CPU one kernel call per group of columns, with the offsets' share added
-    as the per-group sums of x times the offsets; on CUDA the dequantized weight inside the matmul."""
-
-    def __init__(self, parts, bias=None, shape=None):
-        super().__init__()
-        if "packed_weight" in parts:  # the kernels' layout, as a conversion keeps it: taken as it is
-            self.take_packed(parts, bias, shape)
-            return
-        self.out_features, self.in_features = parts["qweight"].shape
-        qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
-        self.on_cpu = qweight.device.type == "cpu"
-        self.bias = bias
-        self.group = self.in_features // scales.shape[1]
-        self.native = backend.current().takes_quantized(self.in_features, self.group, qweight.device)
-        if self.native:
-            self.register_packed(qweight, scales, offsets)
-            return
-        if scales.shape[1] == 1 and offsets is None:
-            weight, scales = qweight, scales.view(-1)
-        else:  # [groups, N, group]: each group's columns contiguous, as _weight_int8pack_mm wants them
-            weight, scales = qweight.view(self.out_features, scales.shape[1], -1).transpose(0, 1), scales.t()
-        # Copies, never views: a checkpoint's tensors are views of its file, which they would keep resident.
-        copy = torch.contiguous_format
-        self.register_buffer("weight", weight.clone(memory_format=copy))
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
-        self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
-
-    def take_packed(self, parts, bias, shape):
-        """A weight of `shape` [N, K] in the layout the backend's kernel reads (PACKED_KEYS), as buffers."""
+    def take(self, q, scales, offsets, bias, shape):
+        """The layer's numbers; True where the backend's kernel takes it (its buffers then packed)."""
         self.out_features, self.in_features = shape
-        self.group, self.bias, self.on_cpu, self.native = self.in_features // parts["packed_scales"].shape[1], bias, True, True
-        for name in ("weight", "scales", "offsets", "steps"):
-            self.register_buffer(name, parts.get(f"packed_{name}"))
+        self.bias, self.on_cpu, self.group = bias, q.device.type == "cpu", shape[1] // scales.shape[1]
+        self.native = backend.current().takes_quantized(self.in_features, self.group, q.device)
+        if self.native:
+            self.register_packed(q, scales, offsets)
+        return self.native
 
     def register_packed(self, q, scales, offsets):
         """The buffers `weight`, `scales`, `offsets`, `steps` as the backend's kernel reads them."""
@@ -243,8 +197,41 @@ class Int8Linear(nn.Module):
                                                 self.group)
         if y.shape[1] != self.out_features:  # padded to whole tiles
             y = y[:, :self.out_features]
+        return self.output(y, x)
+
+    def output(self, y, x):
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(Quantized):
+    """y = x @ (qweight * scales (+ offsets)).T + bias, from a stored int8 weight: one scale per output
+    channel through aten._weight_int8pack_mm on CPU (on CUDA converted inside the matmul, as gpt-fast);
+    groups of scales one kernel call per group, the offsets' share from x's per-group sums."""
+
+    def __init__(self, parts, bias=None, shape=None):
+        super().__init__()
+        if "packed_weight" in parts:  # the kernels' layout, as a conversion keeps it: taken as it is
+            self.take_packed(parts, bias, shape)
+            return
+        qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
+        if self.take(qweight, scales, offsets, bias, qweight.shape):
+            return
+        if scales.shape[1] == 1 and offsets is None:
+            weight, scales = qweight, scales.view(-1)
+        else:  # [groups, N, group]: each group's columns contiguous, as _weight_int8pack_mm wants them
+            weight, scales = qweight.view(self.out_features, scales.shape[1], -1).transpose(0, 1), scales.t()
+        copy = torch.contiguous_format  # never views of a checkpoint's file, which they would keep resident
+        self.register_buffer("weight", weight.clone(memory_format=copy))
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
+        self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
+
+    def take_packed(self, parts, bias, shape):
+        """A weight of `shape` [N, K] in the layout the backend's kernel reads (PACKED_KEYS), as buffers."""
+        self.out_features, self.in_features = shape
+        self.group, self.bias, self.on_cpu, self.native = self.in_features // parts["packed_scales"].shape[1], bias, True, True
+        for name in ("weight", "scales", "offsets", "steps"):
+            self.register_buffer(name, parts.get(f"packed_{name}"))
 
     def grouped_weight(self):
         """The dequantized [N, K] weight of the grouped form, in the compute dtype (the CUDA path)."""
@@ -271,8 +258,7 @@ class Int8Linear(nn.Module):
                 y += F.linear(groups.float().sum(-1).t(), self.offsets)
         else:
             y = linear(rows, self.grouped_weight(), None, packed=False)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self.output(y, x)
 
 
 def int4pack_mm_cpu(x: torch.Tensor, weight: torch.Tensor, group: int,
@@ -290,22 +276,15 @@ def _(x, weight, group, scales_and_zeros):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-class Int4Linear(nn.Module):
-    """y = x @ (q * scales + offsets).T + bias, from a stored int4 weight, with PyTorch's int4 kernels
-    (tinygemm's layout): aten._weight_int4pack_mm_for_cpu on CPU, aten._weight_int4pack_mm on CUDA.
-    They compute (q - 8) * scale + zero, so zero = offset + 8 * scale."""
+class Int4Linear(Quantized):
+    """y = x @ (q * scales + offsets).T + bias, from a stored int4 weight, with PyTorch's int4 kernels,
+    which compute (q - 8) * scale + zero, so zero = offset + 8 * scale."""
 
     def __init__(self, parts, bias=None):
         super().__init__()
-        self.out_features, self.in_features = weight_shape(parts)
         scales, offsets = parts["scales"].float(), parts["offsets"].float()
-        self.group_size = self.group = self.in_features // scales.shape[1]
         q = unpack_int4(parts["qweight"])
-        self.on_cpu = q.device.type == "cpu"
-        self.bias = bias
-        self.native = backend.current().takes_quantized(self.in_features, self.group, q.device)
-        if self.native:
-            self.register_packed(q, scales, offsets)
+        if self.take(q, scales, offsets, bias, q.shape):
             return
         if self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -317,26 +296,21 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
 
-    register_packed, native_forward = Int8Linear.register_packed, Int8Linear.native_forward
-
     def forward(self, x):
         if self.native:
             return self.native_forward(x)
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        # Not in row blocks on CUDA (kernels.in_row_blocks): this kernel gave each row its 1-row product
-        # for 1 to 128 rows on an H100 unpadded, and 64 rows cost it 5 times what 1 row does.
+        # Not in row blocks on CUDA (kernels.in_row_blocks): this kernel keeps each row's numbers unpadded.
         if not self.on_cpu:
             mm = torch.ops.aten._weight_int4pack_mm
         else:
             mm = int4pack_mm_cpu_op if torch.compiler.is_compiling() else int4pack_mm_cpu
-        y = mm(rows, self.weight, self.group_size, self.scales_and_zeros)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self.output(mm(rows, self.weight, self.group, self.scales_and_zeros), x)
 
 
 class Int8Embedding(Int8Linear):
-    """A token embedding stored as int8 rows: a lookup dequantizes the rows it reads, and `unembed`, the
-    output head tied to the embedding (GPT-2, tied Llamas), is the int8 matmul."""
+    """A token embedding stored as int8 rows: a lookup dequantizes the rows it reads; `unembed`, the tied
+    output head, is the int8 matmul."""
 
     def __init__(self, parts, dtype, shape=None):
         super().__init__(parts, shape=shape)
@@ -366,22 +340,17 @@ class Int8Embedding(Int8Linear):
 def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.float32, stored=None, device=None,
                    layer_done=None):
     """Replace the model's linear layers and token embeddings by quantized ones, in place and one at a
-    time, so that each float weight can be freed as soon as its quantized form exists.
-
-    `stored`: {module name: stored tensors} a checkpoint holds quantized already; they are used as they
-    are, and popped (so that the caller's dict does not keep them alive). `mode` ("int8", "int4" or
-    None) quantizes the float ones: linear layers per output channel (int8) or in groups of
-    `group_size` (int4); token embeddings and the output head in int8 groups of HEAD_GROUP_SIZE in both
-    modes (llama.cpp's Q4 files, too, keep them at 6 to 8 bits). An int4 layer the int4 kernel cannot
-    take is int8 instead. `layer_done()` is called after each module it replaces and each chunk of rows it
-    quantizes (the loader drops the file pages read and hands back the memory freed). Returns notes on
-    those layers."""
+    time (each float weight freed as soon as its quantized form exists). `stored`: {module name: stored
+    tensors} a checkpoint holds, popped as they are used. `mode` quantizes the float ones: linear layers
+    per output channel (int8) or in groups of `group_size` (int4), embeddings and the head in int8 groups
+    of HEAD_GROUP_SIZE; an int4 layer the int4 kernel cannot take is int8 instead. `layer_done()` after
+    each module and chunk of rows. Returns notes on the layers kept int8."""
     stored = {} if stored is None else stored
     head = model.head
     fallbacks = defaultdict(list)
     mapped = False  # layers taken in the kernels' layout: views of the checkpoint file, left where they are
-    # By name: a list of the modules would keep every replaced float weight alive to the end. The token
-    # embedding and the head last: the temporaries of quantizing their many rows then meet fewest float weights.
+    # By name, not module (which would keep every float weight alive); the embedding and the head last,
+    # when the temporaries of quantizing their many rows meet fewest float weights.
     last = {name for name, module in model.named_modules() if module is head or isinstance(module, Embedding)}
     names = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, Embedding))]
     for name in sorted(names, key=lambda name: name in last):
@@ -437,10 +406,8 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 def in_row_chunks(quantize, weight, group_size, dtype, chunk_done=None):
-    """quantize(weight, group_size), a few rows at a time: its float temporaries are then a few 16 MiB
-    chunks, not a few copies of the largest weight (a 49152 x 576 head makes 113 MB ones). Each chunk
-    is rounded to `dtype` first: the weights the model's float form would hold, whatever the file's.
-    `chunk_done()` after each (the loader drops the file pages it read: a head's are 113 MB)."""
+    """quantize(weight, group_size) a few rows at a time (temporaries of a chunk, not of the largest
+    weight), each chunk rounded to `dtype` first: the weights the model's float form would hold."""
     rows = max(1, CHUNK_ELEMENTS // weight.shape[1])
     chunks = []
     for i in range(0, weight.shape[0], rows):
@@ -459,9 +426,8 @@ def on(parts, device):
 
 
 def quantized_copy(model, mode, group_size=DEFAULT_GROUP_SIZE):
-    """A second model of the same weights, quantized: built from the model's config, sharing its float
-    tensors that stay float (norms, biases, position tables), with its own quantized weights and, once
-    it decodes, its own KV caches. Compiled when the model is."""
+    """A second model of the same weights, quantized (the self-draft), sharing the float tensors that stay
+    float; compiled when the model is."""
     if model.quantization is not None:
         raise ValueError(f"{model.name} is quantized already; a quantized copy is made from a float model's "
                          "weights: load the target without quantize")

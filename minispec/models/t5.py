@@ -1,10 +1,8 @@
 """T5 (Raffel et al. 2020) and T5 v1.1 / Flan-T5: an encoder-decoder with RMS LayerNorm, no 1/sqrt(d)
 attention scaling and learned relative position buckets. v1.0: a ReLU feed-forward and a tied head
 (decoder output scaled by d_model^-0.5); v1.1: a gated GELU feed-forward and an untied, unscaled head.
-
-`encode` runs the encoder once per request and projects every decoder layer's cross-attention keys and
-values, into buffers padded to a power-of-two capacity with a mask over the prompt, so that a compiled
-decoder (`forward`) sees the same shapes whatever the prompt's length.
+`encode` runs the encoder once per request into cross-attention memory padded to a power of two, so that
+a compiled decoder sees the same shapes whatever the prompt's length.
 """
 
 import math
@@ -67,8 +65,7 @@ class T5Config:
         if buckets < 4 or distance <= buckets // 2:  # else the log-spaced buckets divide by zero or run backwards
             raise ValueError(f"relative_attention_num_buckets {buckets} and relative_attention_max_distance {distance} "
                              "do not make buckets: they need at least 4 buckets and a distance above half their number")
-        # Without decoder_start_token_id the reference's generate starts from bos_token_id; without that
-        # too it has no start, and T5's own convention is the pad token.
+        # Without decoder_start_token_id the reference starts from bos_token_id, else T5's pad token.
         keys = ("decoder_start_token_id", "bos_token_id", "pad_token_id")
         start = next((check(hf, key, INDEX) for key in keys if hf.get(key) is not None), 0)
         if start >= vocab_size:
@@ -80,8 +77,7 @@ class T5Config:
 
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
     """Bucket of each (key position - query position): exact for small distances, log-spaced up to
-    max_distance, one bucket beyond. Bidirectional (encoder) spends half the buckets on keys ahead;
-    unidirectional (decoder) maps every key ahead to distance 0 (they are masked anyway)."""
+    max_distance, one bucket beyond; the encoder's (bidirectional) spends half the buckets on keys ahead."""
     buckets = torch.zeros_like(relative_position)
     if bidirectional:
         num_buckets //= 2
@@ -97,8 +93,7 @@ def relative_position_bucket(relative_position, bidirectional, num_buckets, max_
 
 
 class SelfAttention(nn.Module):
-    """Multi-head attention without 1/sqrt(d) scaling (T5 folds it into the initialization): the
-    encoder's (no cache) or the decoder's (writes to `kv_cache` at input_pos) self-attention."""
+    """Multi-head attention without 1/sqrt(d) scaling: the encoder's (no cache) or the decoder's self-attention."""
 
     def __init__(self, config):
         super().__init__()
@@ -125,9 +120,8 @@ class SelfAttention(nn.Module):
 
 
 def reuse_or_copy(buffer, value):
-    """Copy `value` into `buffer` when the shapes match, so that every request hands a compiled graph
-    (and CUDA graphs) the same tensor; otherwise return a new buffer holding it. New buffers are normal
-    tensors, not inference tensors, so that they can be refilled both inside and outside inference_mode."""
+    """Copy `value` into `buffer` when the shapes match (a compiled graph then sees the same tensor), else a
+    new buffer holding it: not an inference tensor, so that it can be refilled outside inference_mode."""
     if buffer is not None and buffer.shape == value.shape:
         return buffer.copy_(value)
     with torch.inference_mode(False):
@@ -147,7 +141,7 @@ class CrossAttention(SelfAttention):
 
     def remember(self, encoder_out, row=None):
         """encoder_out [batch, capacity, d_model], zero-padded past the prompt; with `row`, one request's
-        [1, capacity, d_model] into that row of a batch's memory (allocated by T5.prepare_batch)."""
+        into that row of a batch's memory."""
         k, v = self.heads(self.k(encoder_out)), self.heads(self.v(encoder_out))
         if row is not None:
             self.memory_k[row], self.memory_v[row] = k[0], v[0]
@@ -207,7 +201,6 @@ class T5(CachedLM):
         super().__init__()
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model)  # shared by encoder, decoder (and tied head)
-        # One relative position bias table per stack (the reference keeps it in the stack's first layer).
         self.encoder_position_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
         self.encoder = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.encoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
@@ -220,10 +213,6 @@ class T5(CachedLM):
         self.register_buffer("memory_mask", None, persistent=False)
 
     context_length = None  # relative positions: no hard limit
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
 
     @property
     def head(self):
@@ -265,9 +254,8 @@ class T5(CachedLM):
         return self.encoder_norm(x)
 
     def encode(self, prompt, row=None):
-        """Run the encoder once over `prompt` [batch, len]; keep each decoder layer's cross-attention
-        keys/values (with `row`, one request's [1, len] into that row of a batch's memory, allocated by
-        prepare_batch, the others untouched); return the decoder's start token [batch, 1]."""
+        """Run the encoder once over `prompt` [batch, len] into each decoder layer's cross-attention memory
+        (with `row`, into that row of a batch's); return the decoder's start token [batch, 1]."""
         x, n = self.run_encoder(prompt), prompt.shape[1]
         # Padded to a power of two, and never shrunk, so that later prompts reuse the same buffers (and graphs).
         held = 0 if self.memory_mask is None else self.memory_mask.shape[-1]
@@ -283,8 +271,7 @@ class T5(CachedLM):
         return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, device=prompt.device)
 
     def prepare_batch(self, rows, longest_prompt):
-        """Batched requests: cross-attention memory for `rows` prompts of up to `longest_prompt` tokens,
-        each filled by encode_row."""
+        """Cross-attention memory for `rows` prompts of up to `longest_prompt` tokens, each filled by encode_row."""
         capacity = max(64, 1 << (longest_prompt - 1).bit_length())
         held = self.memory_mask
         if held is not None and held.shape[0] >= rows and held.shape[-1] >= capacity:

@@ -1,17 +1,9 @@
 """Tensor parallelism (Megatron-LM's, as gpt-fast's tp.py does it): a model built and loaded whole is
-sharded in place over the ranks of a torch.distributed process group.
-
-- Attention by heads (whole grouped-query groups), with the KV cache; MLPs by width. A projection that
-  keeps input columns (attention output, MLP down: "row-parallel") computes a partial sum, which the
-  module it ends sums over the ranks through functional collectives, so that a compiled forward holds
-  it; the hook sits on that module because quantizing replaces the projections after sharding. Those
-  projections' biases stay on rank 0, added once.
-- Everything else is replicated, so every rank holds the same residual stream and logits, bit for bit,
-  and with the same seeds takes the same decisions.
-- Each element's sum depends on its partials only, never on the forward's rows (row invariance): an
-  all-reduce of 2 ranks gives that; with more, the partials are gathered and added in rank order.
-
-Shard before quantizing: `shard` slices float weights and a checkpoint's stored quantized weights.
+sharded in place over the ranks of a torch.distributed process group. Attention by heads, with the KV
+cache; MLPs by width. A projection that keeps input columns computes a partial sum, which the module
+it ends sums over the ranks (a hook on that module, which quantizing after sharding keeps); its bias
+stays on rank 0. Everything else is replicated, so every rank holds the same logits, bit for bit.
+Each element's sum depends on its partials only, never on the forward's rows (row invariance).
 """
 
 import torch
@@ -24,8 +16,7 @@ ALL_REDUCE_MAX_RANKS = 2  # beyond, an all-reduce's order of adding depends on t
 
 
 class TensorParallel:
-    """A model's place in its tensor-parallel group: its rank, the number of ranks, the group its forwards
-    sum over, and a group for values on the host (gloo: no device sync; the same group on a CPU)."""
+    """A model's place in its tensor-parallel group, and a group for values on the host (no device sync)."""
 
     def __init__(self, group, host_group=None):
         self.group, self.host_group = group, host_group or group
@@ -43,8 +34,7 @@ class TensorParallel:
         return total
 
     def from_first(self, *values):
-        """Rank 0's values (picklable) as a list, on every rank, so that what the host decides from values
-        that differ by rank (a profile file, a fresh seed) is decided alike."""
+        """Rank 0's values (picklable) as a list on every rank, so that the host decides alike everywhere."""
         values = list(values)
         dist.broadcast_object_list(values, src=self.first, group=self.host_group)
         return values
@@ -65,10 +55,9 @@ class TensorParallel:
         return int(tensor)
 
 
-# A family's plan yields (kind, what, detail): ("heads", an attention, its head-count attributes) divided by
-# the ranks; ("rows" or "columns", a projection's name, its fused parts' sizes or None): its weight sliced
-# along output or input features, each fused part alone; ("table", T5's relative position table's name,
-# None): its heads' columns; ("sum", a module, None): its output summed over the ranks.
+# A family's plan yields (kind, what, detail): ("heads", an attention, its head-count attributes);
+# ("rows" or "columns", a projection's name, its fused parts' sizes or None): its weight sliced along
+# output or input features; ("table", T5's position table's name, None); ("sum", a module, None).
 
 
 def llama_plan(model):
@@ -122,8 +111,7 @@ PLANS = {"Llama": llama_plan, "Gemma": llama_plan, "GPT2": gpt2_plan, "T5": t5_p
 
 
 def check_divisible(config, world):
-    """A ValueError, before anything is loaded, when `world` ranks cannot split the model's (key/value)
-    heads and MLP width evenly."""
+    """A ValueError, before anything is loaded, when `world` ranks cannot split the heads and MLP evenly."""
     family = type(config).__name__
     if family in ("LlamaConfig", "GemmaConfig"):
         heads = "key/value heads" if config.n_kv_heads != config.n_heads else "attention heads"
@@ -140,8 +128,8 @@ def check_divisible(config, world):
 
 
 def take(tensor, dim, parts, rank, world):
-    """Rank `rank`'s slice of each part (sizes `parts` along `dim`, None: one part) of `tensor`, as a
-    new contiguous tensor (never a view: the whole tensor, or the checkpoint file it maps, can go)."""
+    """Rank `rank`'s slice of each part (sizes `parts` along `dim`, None: one part) of `tensor`, a copy
+    (never a view: the whole tensor, or the file it maps, can go)."""
     slices = []
     for part in tensor.split(parts or [tensor.shape[dim]], dim):
         size = part.shape[dim] // world
@@ -150,25 +138,22 @@ def take(tensor, dim, parts, rank, world):
 
 
 def take_stored(parts, dim, sizes, rank, world, name):
-    """The rank's slice of a stored quantized weight (models/quant.py: qweight int8 [N, K] or packed
-    int4 uint8 [N, K / 2], scales and offsets [N, K / group]) along the weight's rows or columns."""
+    """The rank's slice of a stored quantized weight (models/quant.py) along its rows or columns."""
     if dim == 0:
         return {key: take(value, 0, sizes, rank, world) for key, value in parts.items()}
-    rows, packed = parts["qweight"].shape
-    columns = packed * 2 if parts["qweight"].dtype == torch.uint8 else packed
+    columns = parts["qweight"].shape[1] * (2 if parts["qweight"].dtype == torch.uint8 else 1)
     groups = parts["scales"].shape[1]
-    if groups == 1:  # a scale (and offset) per row: every slice of the row keeps it
-        return {key: take(value, 1, None, rank, world) if key == "qweight" else value for key, value in parts.items()}
-    if groups % world:
+    if groups > 1 and groups % world:
         raise ValueError(f"quantized weight {name}: its {groups} groups of {columns // groups} columns do not "
                          f"split evenly over tp={world}")
-    return {key: take(value, 1, None, rank, world) for key, value in parts.items()}
+    # one group (a scale and offset per row): every slice of the row keeps it
+    return {key: take(value, 1, None, rank, world) if key == "qweight" or groups > 1 else value
+            for key, value in parts.items()}
 
 
 def shard(model, tp, stored=None):
-    """Shard `model` (loaded whole, maybe still on the meta device) in place for rank tp.rank, its sums
-    registered and model.tp set; `stored`: {module name: a checkpoint's stored quantized tensors},
-    replaced by the rank's slices."""
+    """Shard `model` (maybe still on the meta device) in place for rank tp.rank; `stored`: {module name:
+    a checkpoint's stored quantized tensors}, replaced by the rank's slices."""
     plan = PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"tensor parallelism does not know the model {type(model).__name__}")
@@ -194,8 +179,7 @@ def shard(model, tp, stored=None):
 
 
 def shard_linear(linear, kind, sizes, rank, world):
-    """A Linear's weight (and bias) replaced by the rank's slice: output features ("rows") or input
-    features ("columns", the bias then on rank 0 only)."""
+    """A Linear's weight (and bias) replaced by the rank's slice of output ("rows") or input features."""
     dim = 0 if kind == "rows" else 1
     linear.weight = nn.Parameter(take(linear.weight, dim, sizes, rank, world), requires_grad=False)
     linear.out_features, linear.in_features = linear.weight.shape

@@ -1,17 +1,12 @@
-"""minispec's own CPU kernels, for quantized linear layers (qlinear.cpp beside this file), for float32
-ones (flinear.cpp), for attention over a KV cache (attention.cpp) and for a Llama model's layers
-(layer.cpp), compiled at first use with the machine's C++ compiler (the toolchain torch.compile needs
-on CPU too), for this machine's instruction set, and cached; with the weights and caches in huge pages
-(pages.py). They serve the models as a backend (`Native`, models/backend.py's interface), which a
-load installs (`install`). Where they cannot be built (no compiler, no x86, a failed build, or
-MINISPEC_NATIVE=0), `available()` is False and the models keep PyTorch's operations.
+"""minispec's own CPU kernels: quantized and float32 products (qlinear.cpp, flinear.cpp), attention over a
+KV cache (attention.cpp) and a Llama model's layers in one call (layer.cpp), compiled at first use for
+this machine's instruction set and cached, with weights and caches in huge pages (pages.py). They serve
+the models as a backend (`Native`, models/backend.py's interface), which a load installs. Where they
+cannot be built (no compiler, no x86, a failed build, or MINISPEC_NATIVE=0), `available()` is False.
 
-Why kernels of our own: PyTorch's int4 kernel for CPUs converts
-every weight to float and is compute-bound on AVX2, its int8 one takes one call per group, and no
-released package ships faster ones for x86; oneDNN's float32 product costs a quarter more from its
-7th row on, where a tree's verify wants 8-12 (flinear.cpp); a decode step's attention is about twenty
-tiny PyTorch operations a layer, whose dispatch costs more than their arithmetic; and an eager step of
-a small model spends as much in the small operations between its products as in the products.
+Why: PyTorch's CPU int4 kernel is compute-bound on AVX2 and its int8 one takes a call per group; oneDNN's
+float32 product costs more from its 7th row on; and an eager step of a small model spends as much in
+dispatching small operations (attention's, a layer's) as in their arithmetic.
 """
 
 import functools
@@ -66,8 +61,7 @@ def compiler():
 
 
 def cxx_standard():
-    """The C++ standard torch's headers need: C++20 from torch 2.14 on (ATen.h refuses to compile under
-    C++17 there), C++17 before."""
+    """The C++ standard torch's headers need: C++20 from torch 2.14 on, C++17 before."""
     major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
     return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
 
@@ -89,8 +83,7 @@ def library_path(cxx):
 
 
 def build(cxx, path):
-    """Compile into a temporary file beside `path`, then rename it there: a build cut short never
-    leaves a library that a later load would take."""
+    """Compile into a temporary file beside `path`, then rename it there (a build cut short leaves none)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
     os.close(fd)
@@ -120,8 +113,7 @@ def build_seconds_file(path):
 
 
 def compile_showing_progress(command, estimate):
-    """(exit status, stderr) of the compiler; on a terminal, a bar of its seconds against the estimate.
-    Past BUILD_SECONDS the compiler is killed (subprocess.TimeoutExpired)."""
+    """(exit status, stderr) of the compiler, killed past BUILD_SECONDS; on a terminal, a progress bar."""
     bar = tqdm(total=round(estimate), desc="minispec: building CPU kernels", unit="s", leave=False,
                disable=not sys.stderr.isatty(), bar_format="{desc}: {n:.0f} of about {total} s |{bar}|")
     with bar, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as process:
@@ -169,34 +161,26 @@ def available():
 TILE = 16  # output columns the kernel computes together
 BLOCK = 32  # inputs per block
 STEP_INPUTS = 256  # inputs sharing a step in the two-level form: a GGUF K-quant's super-block
-# A K-quant super-block's scales (and mins) are its fp16 step times small integers: 6-bit ones, the
-# largest 63, in Q4_K and Q5_K; signed 8-bit ones, the largest in magnitude -128, in Q6_K (llama.cpp's
-# quantizers). The step is found from the largest value and checked: any other file stays in one level.
+# A K-quant super-block's scales are its fp16 step times small integers, the largest 63 (Q4_K, Q5_K) or
+# -128 (Q6_K): the step is found from the largest value, and checked.
 LARGEST_MULTIPLIERS = (63, -128, 127)
 
 
 @functools.cache
 def load(path):
     torch.ops.load_library(path)
-    torch.library.register_fake("minispec_native::qlinear")(qlinear_shape)  # for torch.compile's tracing
+    torch.library.register_fake("minispec_native::qlinear")(  # for torch.compile's tracing
+        lambda x, qweight, scales, offsets, steps, group: x.new_empty(x.shape[0], scales.shape[0] * TILE))
     torch.library.register_fake("minispec_native::flinear")(
         lambda x, packed, bias, features: x.new_empty(x.shape[0], features))
     torch.library.register_fake("minispec_native::attend")(lambda q, k, v, mask, slots, scale: torch.empty_like(q))
 
 
 def pack(q, scales, offsets):
-    """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets
-    [N, G]) in the kernel's layout (qlinear.cpp): N padded to whole tiles of 16 columns (zero weights);
-    per tile and block of 32 inputs, vectors k = 0..7 whose byte 4c + j is column c's input 4k + j,
-    int4 ones two to a byte (k = 0..3 in the low nibbles, 4..7 in the high ones), int8 ones that fit 5
-    bits (GGUF's Q5_0, Q5_1, Q5_K: `five_bits`) as value + 16 (0..31 as they are where there are
-    offsets), their low 4 bits as int4's and their fifth in one more vector (vector k's at bit k), int8
-    ones that fit 6 bits (GGUF's Q6_K: `six_bits`) as value + 32, their low 4 bits as int4's and their
-    top 2 in two more vectors (vector 4p + i's at bits 2i of the p-th); scales and offsets
-    [tiles, G, 16] float32 (float16 where all are float16 values: `fits_half`), or where they are
-    steps times small integers (GGUF's K-quants: `two_level`)
-    int8 multipliers [tiles, G, 16] and their steps [tiles, K / 256, S, 16] float16 (the scales', and the
-    offsets' where there are offsets: S = 2, else 1). Returns (qweight, scales, offsets, steps or None)."""
+    """A stored weight (q: int8 [N, K], or uint8 [N, K] of values 0..15 for int4; scales, offsets [N, G])
+    in qlinear.cpp's layout (described there): 4, 5, 6 or 8 bits a value, whichever holds them all;
+    scales and offsets float32 or float16 [tiles, G, 16], or int8 multipliers of float16 steps where they
+    are such (`two_level`). Returns (qweight, scales, offsets, steps or None)."""
     pad = -q.shape[0] % TILE
     tiles, K = (q.shape[0] + pad) // TILE, q.shape[1]
     bits = 4 if q.dtype == torch.uint8 else 5 if five_bits(q, offsets) else 6 if six_bits(q) else 8
@@ -240,35 +224,29 @@ def pack_values(q, bits, offsets):
 
 
 def fits_half(values):
-    """Whether every value is a float16 one (GGUF's Q4_0, Q4_1 and Q8_0 store their scales so): the
-    kernel then reads them as float16, the same numbers in half the bytes."""
+    """Whether every value is a float16 one (the kernel then reads half the bytes)."""
     return bool(torch.equal(values.to(torch.float16).float(), values.float()))
 
 
 def stored_bias(bits, offsets):
-    """What the packed layout adds to a 5- or 6-bit weight's values (qlinear.cpp's stored_bias): 6-bit
-    ones are stored + 32, 5-bit ones + 16 unless the weight has offsets (then they are 0..31)."""
+    """What the packed layout adds to a 5- or 6-bit weight's values (qlinear.cpp's stored_bias)."""
     return 32 if bits == 6 else 16 if bits == 5 and offsets is None else 0
 
 
 def five_bits(q, offsets):
-    """Whether an int8 weight's values all fit 5 bits: -16..15 without offsets (GGUF's Q5_0), 0..31 with
-    them (Q5_1, Q5_K). The kernel then reads 5/8 of the bytes for the same numbers."""
+    """Whether an int8 weight's values all fit 5 bits: -16..15 without offsets, 0..31 with them."""
     low, high = (0, 31) if offsets is not None else (-16, 15)
     return q.dtype == torch.int8 and q.numel() > 0 and low <= q.min() and q.max() <= high
 
 
 def six_bits(q):
-    """Whether an int8 weight's values all fit 6 bits, -32..31 (GGUF's Q6_K): the kernel then reads 3/4
-    of the bytes for the same numbers."""
+    """Whether an int8 weight's values all fit 6 bits, -32..31."""
     return q.dtype == torch.int8 and q.numel() > 0 and -32 <= q.min() and q.max() <= 31
 
 
 def two_level(values, group):
-    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float16 steps [N, K / 256],
-    each product exactly the value in float32 (as the kernel computes it); None where they are not such
-    (minispec's own quantizers, GGUF's Q4_0/Q4_1/Q8_0) or the layer's width is not in whole steps. A
-    GGUF K-quant's steps are its float16 super-block scales: the file's own bytes, no more."""
+    """values [N, G] (scales or offsets) as int8 multipliers [N, G] times float16 steps [N, K / 256], each
+    product exactly the value in float32; None where they are not such (GGUF's K-quants are)."""
     N, G = values.shape
     if STEP_INPUTS % group or (G * group) % STEP_INPUTS:
         return None
@@ -318,9 +296,8 @@ def rows_of(tokens, qweight, scales, offsets, steps):
 
 
 def unpack(packed, rows):
-    """The stored form (models/quant.py's) of a weight's first `rows` rows in the kernels' layout (pack's
-    output, as a conversion keeps it: {packed_weight, packed_scales, packed_offsets, packed_steps}), the
-    same numbers: for a load these kernels do not serve (another device, a sharded model, PyTorch's kernels)."""
+    """The stored form (models/quant.py's) of the first `rows` rows of a weight in the kernels' layout, as a
+    conversion keeps it: for a load these kernels do not serve."""
     weight = packed["packed_weight"]
     q, scales, offsets = rows_of(torch.arange(rows), weight, packed["packed_scales"], packed.get("packed_offsets"),
                                  packed.get("packed_steps"))
@@ -335,9 +312,6 @@ def qlinear(x, qweight, scales, offsets, steps, group):
     return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, steps, group)
 
 
-def qlinear_shape(x, qweight, scales, offsets, steps, group):
-    return x.new_empty(x.shape[0], scales.shape[0] * TILE)
-
 
 def float_pack(weight):
     """A float32 weight [N, K] in flinear.cpp's layout: [N / its tile, K, tile], padded with zeros."""
@@ -350,25 +324,20 @@ def float_product(x, packed, bias, features):
 
 
 def attend(q, k, v, mask, slots, scale):
-    """Attention of q [B, H, R, d] float32 over a KV cache k, v [B, H, S, d] with an additive float32
-    mask [B, H, R, P] by position (any strides: expanded is fine), in kernels.attend_cache's canonical
-    order; slots int64 [B, n, P]: the cache slot of each position for query row r's token r % n (a
-    tree's), or None (position p in slot p). -> [B, H, R, d] float32."""
+    """Attention of q [B, H, R, d] float32 over a KV cache k, v [B, H, S, d] with an additive float32 mask
+    [B, H, R, P], in kernels.attend_cache's canonical order; slots int64 [B, n, P]: the cache slot of each
+    position for query row r's token r % n (a tree's), or None. -> [B, H, R, d] float32."""
     return torch.ops.minispec_native.attend(q, k, v, mask, slots, scale)
 
 
 def keep(caches, row, slots, length):
-    """Move the keys and values of cache row `row` at `slots` (increasing, each at or after its
-    destination) to positions length, length + 1, ... in every cache of `caches` (k and v tensors
-    [rows, H, S, d] on the CPU, any dtype), in place."""
+    """CachedLM.keep's move in every cache of `caches` (k and v tensors [rows, H, S, d] on the CPU)."""
     torch.ops.minispec_native.keep(caches, row, slots, length)
 
 
 def llama_layers(x, stack, cos, sin, first_row, input_pos, masks, slots, scale, taps=()):
-    """A Llama model's decoder layers over x [B, T, D] float32 in one call (layer.cpp): `stack` their
-    tensors, KV caches (written at input_pos, from cache row first_row) and numbers, as
-    layers.py's LayerStack lays them out; masks: the attention masks the layers read (by the
-    stack's index). -> [the last layer's output, then the state entering each layer in `taps`]."""
+    """A Llama model's decoder layers over x [B, T, D] float32 in one call (layer.cpp), as layers.py's
+    LayerStack lays them out. -> [the last layer's output, then the state entering each layer in `taps`]."""
     return torch.ops.minispec_native.llama_layers(x, stack.tensors, stack.caches, stack.numbers, stack.eps, cos, sin,
                                                    first_row, input_pos, masks, slots, scale, sorted(taps))
 
@@ -381,8 +350,8 @@ def run_layers(stack, x, input_pos, cos, sin, masks, layout, taps):
 
 
 class Native(PyTorch):
-    """The models' backend (models/backend.py) through these kernels, where they take the tensors:
-    on a CPU, float32 for the float ones, and not where gradients flow (they have no backward)."""
+    """The models' backend through these kernels, where they take the tensors: on a CPU, float32 for the
+    float ones, and not where gradients flow (they have no backward)."""
 
     float_pack, float_product, attend = staticmethod(float_pack), staticmethod(float_product), staticmethod(attend)
     pack_quantized, quantized_product, quantized_rows = staticmethod(pack), staticmethod(qlinear), staticmethod(rows_of)
@@ -398,8 +367,7 @@ class Native(PyTorch):
         if torch.compiler.is_compiling() or training or x.dtype != torch.float32 or weight.dtype != torch.float32 \
                 or x.device.type != "cpu":
             return None
-        # one call (layer.cpp), the same as the one-call layer computes: PyTorch's norm is seven
-        # operations, which in an eager step of a small model cost more than their arithmetic
+        # one call, as the one-call layer computes it, where PyTorch's norm is seven operations
         return torch.ops.minispec_native.rms_norm(x, weight, eps)
 
     def keep(self, caches, row, slots, length):
@@ -411,9 +379,8 @@ class Native(PyTorch):
         return device.type == "cpu" and takes(in_features, group)
 
     def fused_llama(self, model, x):
-        """layer.cpp's one call for every layer, where the forward can run that way: eagerly, in float32,
-        on a CPU, with this attention kernel (which it calls), every layer's weights quantized for
-        qlinear or packed for flinear, not sharded (the sums across ranks hook the modules)."""
+        """layer.cpp's one call for every layer, where the forward can: eager, float32, on a CPU, with this
+        attention kernel, every layer's weights ours, not sharded (the sums across ranks hook the modules)."""
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or model.tp is not None \
                 or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
             return None
@@ -436,12 +403,10 @@ def choose():
 
 
 def install(compile=False):
-    """Choose the models' backend (loading.checkpoint.load_model, at every load; `compile`: the load
-    compiles its model)."""
+    """Choose the models' backend (at every load; `compile`: the load compiles its model)."""
     if backend.use(choose()) is NATIVE and compile and torch._inductor.config.cpp.vec_isa_ok is None:
-        # Inductor finds the vector instructions it may use by building and loading test programs, in
-        # every process, which takes seconds. These kernels, built for -march=native by the same
-        # toolchain, have answered that already; the CPU's flags still pick the set.
+        # Inductor checks its vector instructions by building test programs, seconds a process: these
+        # kernels, built by the same toolchain, have answered that already.
         torch._inductor.config.cpp.vec_isa_ok = True
 
 

@@ -1,16 +1,11 @@
-// minispec's attention over a KV cache for CPUs: what kernels.attend_cache computes, in one call.
-// Built with qlinear.cpp by minispec/native.
-//
-// Why: a decode step's attention is a handful of tiny products (a few query rows against a few hundred
-// keys), and attend_cache spells it in about twenty PyTorch operations a layer, each a few microseconds
-// of dispatch, more than their arithmetic. Here it is one loop per tile of query rows, each key and value
-// loaded once for the tile (a prefill's or a verify's rows read the same keys).
+// minispec's attention over a KV cache for CPUs: what kernels.attend_cache computes, in one call where it
+// takes about twenty PyTorch operations a layer, whose dispatch costs more than their arithmetic. One loop
+// per tile of query rows, each key and value loaded once for the tile.
 //
 // The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
-// and values at the positions it reads, taken in position order, never on the cache slots holding them
-// nor on how many rows or positions the call has. A token tree's node reads its ancestors from the
-// slots `slots` names, and gets the numbers it would get decoded alone along its path. Masked positions
-// (-inf) are skipped, so reading more positions than a row may see changes nothing.
+// and values at the positions it reads, in position order, never on the slots holding them (a tree's
+// node reads its ancestors from the slots `slots` names) nor on how many rows or positions the call has.
+// Masked positions (-inf) are skipped.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,10 +39,8 @@ inline Vector vector_of(const T* p) {
   return v;
 }
 
-// The scores of 16 positions from their products by lane part[u]: each position's 16 lanes v added in a
-// fixed tree, a[i] = v[i] + v[i + 8], c[j] = a[j] + a[j + 4], then (c0 + c2) + (c1 + c3) (the canonical
-// order), the 16 positions' at once: each stage adds two positions' halves in one vector add, where one
-// position at a time took a horizontal add of its own. Lane u: position u's.
+// The scores of 16 positions from their products by lane part[u] (lane u: position u's): each position's
+// 16 lanes added in a fixed tree (the canonical order), the 16 positions' at once, a stage a vector add.
 inline Vector sums(const Vector* part) {
   Vector a[8], c[4], e[2];
   for (int u = 0; u < 8; ++u)  // v[i] + v[i + 8]: positions 2u and 2u + 1, 8 lanes each
@@ -65,11 +58,9 @@ inline Vector sums(const Vector* part) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// exp of 16 floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a polynomial, times
-// 2^n through the exponent's bits), within a few units in the last place of std::exp. Why: one std::exp
-// a position was a fifth of a verify's attention. Each lane's result depends on its own input only, so
-// a position's weight is the same in any block. Inputs below -87 (weights under 1e-38 next to the
-// row's top weight of 1; masked positions, which are not read) come out as 2^-126 x exp(r).
+// exp of 16 floats at once (Cephes' expf: x = n ln2 + r, exp(r) by a polynomial, times 2^n through the
+// exponent's bits), within a few units in the last place of std::exp, which was a fifth of a verify's
+// attention. Each lane depends on its own input only. Inputs below -87 come out as 2^-126 x exp(r).
 inline Vector exp16(Vector x) {
   typedef int32_t Ints __attribute__((vector_size(64)));
   const Vector low = Vector{} - 87.f, high = Vector{} + 88.f;
@@ -91,9 +82,8 @@ inline Vector exp16(Vector x) {
   return p * two_n;
 }
 
-// q . k over d elements: the products of whole vectors added by lane into `part` (its lanes then added
-// by `sums`), those past the last one into `rest`, the same instructions for every row and key (`tile`
-// runs them for d = 16 x CHUNKS: no `rest`).
+// q . k over d elements: whole vectors' products added by lane into `part` (then added by `sums`), those
+// past the last one into `rest`, the same instructions for every row and key.
 template <typename T>
 inline void products(const float* q, const T* k, int64_t d, Vector& part, float& rest) {
   int64_t j = 0;
@@ -146,8 +136,7 @@ inline void weights(const Call& c, const float* mask, float* scores, uint8_t* re
 }
 
 // The totals of TILE rows' weights, each row's added in position order over the positions it reads (0:
-// it reads none), the rows' additions interleaved: one row's after another's waited on each add. Adding
-// 0 to a total of positive weights changes nothing, and a position a row does not read may hold anything.
+// none), the rows' additions interleaved (one row after another waited on each add).
 template <int TILE>
 inline void totals(float* const* weights, const uint8_t* read, int64_t P, float* total) {
   for (int i = 0; i < TILE; ++i) total[i] = 0.f;
@@ -155,10 +144,9 @@ inline void totals(float* const* weights, const uint8_t* read, int64_t P, float*
     for (int i = 0; i < TILE; ++i) total[i] += read[p] >> i & 1 ? weights[i][p] : 0.f;
 }
 
-// TILE rows of one (b, h) that read the same slots (rows[TILE]: a short tile repeats its last row), head
-// dim 16 x CHUNKS: each key and value loaded once for all of them. Each row's numbers are its own alone:
-// the same products (part += q x k by chunk, then sum), and its weighted sum adds the positions it reads
-// in order, skipping the others (a masked position's value may hold anything, even NaN).
+// TILE rows of one (b, h) that read the same slots (a short tile repeats its last row), head dim 16 x
+// CHUNKS: each key and value loaded once for all of them, each row's numbers its own alone (a position it
+// does not read is skipped: its value may hold anything, even NaN).
 template <int CHUNKS, int TILE, typename T>
 void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t count, Scratch& s) {
   const int64_t* slots = c.slots ? c.slots + (b * c.n + rows[0] % c.n) * c.P : nullptr;
@@ -295,7 +283,7 @@ struct Plan {
 };
 
 // The tile for head dim 16 x CHUNKS and `group` rows reading the same slots: the fewest of 1, 2, 4 or 8
-// rows that hold them (a decode step's few rows pad no more than needed), at most 4 of d = 128.
+// rows that hold them, at most 4 of d = 128.
 template <int CHUNKS, typename T>
 Plan plan_for(int64_t group) {
   constexpr int most = CHUNKS == 8 ? 4 : 8;
@@ -350,18 +338,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                static_cast<float>(scale), y.data_ptr<float>()};
   const Plan plan = type == at::kFloat ? plan_of<float>(d, R / n)
                     : type == at::kBFloat16 ? plan_of<c10::BFloat16>(d, R / n) : plan_of<c10::Half>(d, R / n);
-  // tiles split between threads where each share is worth a thread's wake-up (tens of thousands of
-  // multiply-adds)
+  // tiles split between threads where each share is worth a wake-up (tens of thousands of multiply-adds)
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, P * d * plan.rows));
   at::parallel_for(0, B * H * n * ((R / n + plan.rows - 1) / plan.rows), grain,
                    [&](int64_t first, int64_t last) { plan.run(c, first, last); });
   return y;
 }
 
-// caches: every layer's k and v [rows, H, S, d] (any dtype); the keys and values of cache row `row` at
-// slots (increasing, each at or after its destination) moved to positions length, length + 1, ...: a
-// token tree's accepted path laid out as a chain (CachedLM.keep). One call for every layer, where PyTorch
-// operations take two per cache.
+// CachedLM.keep for every layer's k and v [rows, H, S, d] (any dtype) in one call: the keys and values of
+// cache row `row` at slots (increasing, each at or after its destination) moved to positions length, ....
 void keep(at::TensorList caches, int64_t row, at::IntArrayRef slots, int64_t length) {
   for (size_t i = 0; i < slots.size(); ++i)
     TORCH_CHECK(length + static_cast<int64_t>(i) <= slots[i] && (i == 0 || slots[i - 1] < slots[i]),

@@ -1,22 +1,14 @@
-// minispec's float32 matmul for CPUs: y = x @ w.T + bias for 1 to a few dozen rows of x (a decode step, a
-// verify, a tree, a batch), on a weight packed once by flinear_pack. Built at first use by minispec/native
-// and cached.
+// minispec's float32 matmul for CPUs: y = x @ w.T + bias for 1 to a few dozen rows of x, on a weight packed
+// once by flinear_pack. Built at first use by minispec/native and cached.
 //
-// Why not oneDNN: its packed matmul costs a quarter more from its 7th row on, which caps a verify's
-// width, and a call costs tens of microseconds around its arithmetic. Here a weight tile is read from
-// memory once for all rows: the rows go through it in blocks of up to ROWS_AT_ONCE, each block's
-// accumulators held in registers, and the tile (K x TILE floats) stays in the core's L2 cache for the
-// next block. A decode step is bound by reading the weights, so more rows are free until the arithmetic
-// catches up.
+// Why not oneDNN: its packed matmul costs a quarter more from its 7th row on, and tens of microseconds a
+// call. Here a weight tile is read from memory once for all rows, which go through it in blocks of up to
+// ROWS_AT_ONCE, their accumulators in registers, the tile staying in L2 for the next block.
 //
-// Row invariance (docs/design.md): every output is one chain of fused multiply-adds over k = 0..K-1 in
-// order, from zero, then + bias, whatever the row count, the row's place in its block, the number of
-// threads (they split the tiles, never K) or the instruction set (AVX-512, AVX2 and the scalar loop
-// compute the same chain, lane by lane). So a token's numbers are the same decoded alone or verified
-// among others, and no minimum row count is needed (oneDNN's 1-row kernels summed in another order).
+// Row invariance: every output is one chain of fused multiply-adds over k = 0..K-1 in order, then + bias,
+// whatever the row count, the threads (they split the tiles, never K) or the instruction set.
 //
-// Layout: tiles of TILE output columns, tile t holding packed[t][k][c] = w[t * TILE + c][k] (K rows of
-// TILE floats, read in order), the last tile's missing columns zero.
+// Layout: tile t holds packed[t][k][c] = w[t * TILE + c][k], the last tile's missing columns zero.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,8 +57,7 @@ inline Lanes fma(Lanes a, Lanes b, Lanes c) { return std::fma(a, b, c); }
 inline void store(float* p, Lanes v) { *p = v; }
 #endif
 constexpr int64_t WIDTH = TILE / VECTORS;  // floats a vector
-// Inputs (rows of a tile) the loop asks the memory for ahead of the one it reads, about 4 KiB: the
-// hardware's own prefetching left a decode step waiting on memory.
+// Inputs (rows of a tile) prefetched ahead of the one read, about 4 KiB: the hardware's own left a step waiting.
 constexpr int64_t AHEAD_INPUTS = 4096 / (TILE * 4);
 
 // R rows of x (row stride K) through one tile: y[r][0..columns) = the rows' sums, + bias.

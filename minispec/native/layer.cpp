@@ -1,19 +1,11 @@
-// A Llama model's decoder layers for CPUs in one call, float32 or with quantized weights: what each of
-// models/llama.py's TransformerBlocks computes (RMSNorm, q/k/v projection, RoPE, the cache write, attention, output
-// projection, RMSNorm, SwiGLU MLP, the two residual adds), its products through qlinear.cpp's kernel
-// (quantized weights) or flinear.cpp's (float32), its attention through attention.cpp's; and RMSNorm
-// alone, which the modules use too. Built with them by minispec/native.
+// A Llama model's decoder layers for CPUs in one call, float32 or quantized: what models/llama.py's
+// TransformerBlocks compute, products through qlinear.cpp's or flinear.cpp's kernel, attention through
+// attention.cpp's; and RMSNorm alone, which the modules use too. Why: an eager decode step of a small
+// model is mostly PyTorch's small operations between its products, each a few microseconds of dispatch.
 //
-// Why: an eager decode step of a small quantized model is mostly PyTorch's small operations between its
-// products (dozens a layer, each a few microseconds of dispatch; RMSNorm alone is seven), not the
-// products. Here they are loops over a few hundred floats, and the layers follow one another in C++
-// rather than each paying a call from Python.
-//
-// The same numbers as the modules, bit for bit (tests/test_native.py): RMSNorm is this file's in both,
-// silu is PyTorch's, and the rest is the modules' arithmetic in their order, products and sums rounded
-// one at a time (no fused multiply-adds: the pragma below). Row invariance (docs/design.md) holds as
-// there: every row's norm, rotation and activation is a loop over that row alone, and the two kernels
-// are row-invariant.
+// The same numbers as the modules, bit for bit: RMSNorm is this file's in both, silu is PyTorch's, and
+// the rest is the modules' arithmetic in their order, each product rounded (no fused multiply-adds).
+// Every row's norm, rotation and activation is a loop over that row alone: row invariance holds.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,8 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-// PyTorch's elementwise operations round each product; a compiler contracting a * b + c into one
-// fused multiply-add would round once and differ from the modules in the last bit.
+// PyTorch's elementwise operations round each product, which a fused multiply-add would not.
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -74,8 +65,7 @@ at::Tensor rms_norm_rows(const at::Tensor& input, const at::Tensor& w, double ep
   return y;
 }
 
-// A linear layer: quantized (qweight, scales, offsets, steps in qlinear's packed form, group > 0), or
-// float32 (qweight in flinear's packed form, group 0).
+// A linear layer: quantized (qlinear's packed form, group > 0), or float32 (flinear's, group 0).
 struct Linear {
   at::Tensor qweight;
   Optional scales, offsets, steps, bias;
@@ -129,11 +119,9 @@ void add_rows(float* stream, const at::Tensor& y, int64_t M, int64_t D) {
     for (int64_t i = 0; i < D; ++i) stream[m * D + i] += rows[m * N + i];
 }
 
-// One layer: its norms (attention_norm none for EAGLE-1's first layer, which takes its input as it is;
-// hidden_norm for EAGLE-3's layer, whose x [B, T, 2D] is [embedding, state] side by side, each normed on
-// its own for attention (attention_norm the embedding's), the state (normed with norm_before_residual)
-// the residual stream: heads/eagle3.py), its four linear layers wqkv, wo, w13, w2, its heads and its
-// cache k_cache, v_cache [rows, n_kv_heads, S, head_dim] float32, and the mask its attention reads.
+// One layer: its norms (attention_norm none for EAGLE-1's layer; hidden_norm for EAGLE-3's, whose x
+// [B, T, 2D] is [embedding, state], each normed for attention, the state the residual: heads/eagle3.py),
+// its linear layers, heads, cache [rows, n_kv_heads, S, head_dim] float32 and attention mask.
 struct Layer {
   Optional attention_norm;
   at::Tensor ffn_norm;
@@ -145,10 +133,8 @@ struct Layer {
   at::Tensor mask;
 };
 
-// What a forward shares between its layers: cos, sin [T or B x T, head_dim] (RoPE's tables at the
-// tokens' positions, sin's first half negated: llama.py's rope_tables); input_pos int64 [T] or [B, T]:
-// where each token's key and value go, the forward's batch row b at cache row first_row + b; slots:
-// attention.cpp's.
+// What a forward shares between its layers: cos, sin [T or B x T, head_dim] (llama.py's rope_tables at
+// the tokens' positions); input_pos int64 [T] or [B, T], batch row b at cache row first_row + b; slots.
 struct Forward {
   const at::Tensor& cos;
   const at::Tensor& sin;
@@ -158,10 +144,8 @@ struct Forward {
   double eps, scale;
 };
 
-// x [B, T, D] float32 (EAGLE-3's [B, T, 2D]), the layer's input and residual stream -> its output [B, T, D].
-// owned: x is the previous layer's output, which nothing else reads: the residual adds go into it.
-// A layer's mask is additive float32 [R, P] or [B, R, P], R = T x (n_heads / n_kv_heads) (llama.py's
-// query_rows_mask).
+// x [B, T, D] float32 (EAGLE-3's [B, T, 2D]) -> the layer's output [B, T, D]. owned: nothing else reads
+// x, so the residual adds go into it. The mask: additive float32 [R, P] or [B, R, P] (query_rows_mask).
 at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, bool owned) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llama_layers: x must be float32 [B, T, D]");
   const int64_t B = x.size(0), T = x.size(1), M = B * T, D = l.hidden_norm.has_value() ? x.size(2) / 2 : x.size(2);
@@ -195,8 +179,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, 
   }
   float* stream = residual.data_ptr<float>();
 
-  // attention: q rotated into [B, n_kv_heads, group x T, hd] (a K/V head's query heads as extra rows,
-  // group-major, as llama.py's Attention lays them out), k rotated and v into the cache
+  // attention: q rotated into [B, n_kv_heads, group x T, hd] (as base.py's Attention), k and v into the cache
   const at::Tensor qkv = apply(l.qkv_proj, attention_input);
   at::Tensor q = at::empty({B, l.n_kv_heads, group * T, hd}, x.options());
   const float *projected = qkv.data_ptr<float>(), *cosines = f.cos.data_ptr<float>();
@@ -244,8 +227,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, 
 
   // SwiGLU: w2(silu(gate) * up), gate and up the two halves of w13's output
   const at::Tensor gu = apply(l.gate_up, rms_norm_rows(residual, l.ffn_norm, f.eps));
-  // PyTorch's silu, its rows padded as kernels.elementwise pads them (its vector loops' remainder rounds
-  // otherwise)
+  // PyTorch's silu, its rows padded as kernels.elementwise pads them
   const int64_t pad = (ELEMENTWISE_ROW_MULTIPLE - I % ELEMENTWISE_ROW_MULTIPLE) % ELEMENTWISE_ROW_MULTIPLE;
   at::Tensor activated = pad ? at::silu(at::constant_pad_nd(gu.narrow(1, 0, I), {0, pad})).narrow(1, 0, I).contiguous()
                              : at::silu(gu.narrow(1, 0, I)).contiguous();
@@ -261,13 +243,9 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& l, const Forward& f, 
 constexpr int64_t TENSORS_PER_LAYER = 3 + 4 * PER_LINEAR;  // attention_norm, ffn_norm, hidden_norm, 4 linears
 constexpr int64_t NUMBERS_PER_LAYER = 12;  // norm_before_residual, 4 groups, 4 widths, n_heads, n_kv_heads, mask
 
-// Every layer of a stack in one call, so that a forward crosses from Python once, not once a layer.
-// tensors: per layer, TENSORS_PER_LAYER of them: its norms, then wqkv's, wo's, w13's and w2's (qweight,
-// scales, offsets, steps, bias: Linear above); caches: per layer its k and v; numbers: per layer
-// NUMBERS_PER_LAYER: norm_before_residual, the linears' groups (0: float32) and output widths, its heads,
-// and which of `masks` its attention reads (a sliding window's, or the causal one). taps: the layers
-// whose input state is returned too (the number of layers: the last one's output), in increasing order.
-// -> [the last layer's output, the tapped states].
+// Every layer of a stack in one call (native/layers.py lays them out): per layer TENSORS_PER_LAYER tensors,
+// its k and v caches, NUMBERS_PER_LAYER numbers (the last: which of `masks` it reads). taps: the layers
+// whose input state is returned too, in increasing order. -> [the last layer's output, the tapped states].
 std::vector<at::Tensor> llama_layers(const at::Tensor& x, const c10::List<Optional>& tensors, at::TensorList caches,
                                      at::IntArrayRef numbers, double eps, const at::Tensor& cos, const at::Tensor& sin,
                                      int64_t first_row, const at::Tensor& input_pos, at::TensorList masks,

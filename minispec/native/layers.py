@@ -1,9 +1,6 @@
-"""A Llama model's decoder layers as layer.cpp's one call takes them: each layer's norms and linear
-layers' tensors, its KV cache and its numbers, laid out once (`LayerStack`) and laid out again only
-when a layer's weights or cache were replaced.
-
-Reads the model's modules without nn.Module's __getattr__ (`_modules`, `_parameters`, `__dict__`): the
-checks run every eager step, and in a small model's step that lookup is felt.
+"""A Llama model's decoder layers as layer.cpp's one call takes them, laid out once (`LayerStack`) and
+again only when a layer's weights or cache were replaced. Reads the modules without nn.Module's
+__getattr__ (`_modules`, `_parameters`, `__dict__`): the checks run every eager step, where it is felt.
 """
 
 from typing import NamedTuple
@@ -28,11 +25,6 @@ def weight_of(linear):
     return linear._buffers.get("weight") if weight is None else weight
 
 
-def source_of(linear):
-    """What a layer's tensors are made from: the linear layer's weight and whether it is packed."""
-    return weight_of(linear), linear.__dict__.get("packed", False)
-
-
 class LayerTensors(NamedTuple):
     """A layer as layer.cpp takes it."""
     norms: tuple  # norm_weights
@@ -42,28 +34,12 @@ class LayerTensors(NamedTuple):
 
 
 def layer_tensors(layer):
-    """The layer's LayerTensors, or None where it cannot run as one call; a float weight's packed copy
-    is kernels.packed_weight's, which packs again a weight written since."""
-    linears = linears_of(layer)
-    laid = unpacked_tensors(layer, linears)
-    if laid is None:
-        return None
-    tensors = list(laid.tensors)
-    for i, (linear, group) in enumerate(zip(linears, laid.groups)):
-        if group == 0:
-            tensors[i * len(LINEAR_TENSORS)] = packed_weight(weight_of(linear))
-            if tensors[i * len(LINEAR_TENSORS)] is None:
-                return None  # converted to what no packed kernel takes
-    return laid._replace(tensors=tensors)
-
-
-def unpacked_tensors(layer, linears):
-    """layer_tensors without the packed float weights (None in their places); None for a layer whose q
-    and k heads are normed (Qwen3), which layer.cpp does not do."""
+    """The layer's LayerTensors, or None where it cannot run as one call (q and k heads normed, which
+    layer.cpp does not do, or a weight none of our kernels takes)."""
     norms = norm_weights(layer.norms())
     if norms is None or layer._modules["attention"]._modules.get("q_norm") is not None:
         return None
-    tensors, groups = [], []
+    linears, tensors, groups = linears_of(layer), [], []
     for linear in linears:
         if linear.bias is not None and linear.bias.dtype != torch.float32:
             return None
@@ -71,7 +47,10 @@ def unpacked_tensors(layer, linears):
             tensors += [getattr(linear, name) for name in LINEAR_TENSORS]
             groups.append(linear.group)
         elif getattr(linear, "packed", False) and linear.weight.dtype == torch.float32:
-            tensors += [None, None, None, None, linear.bias]  # the packed weight: layer_tensors
+            packed = packed_weight(linear.weight)  # packed again if written since
+            if packed is None:
+                return None  # converted to what no packed kernel takes
+            tensors += [packed, None, None, None, linear.bias]
             groups.append(0)
         else:
             return None
@@ -79,8 +58,7 @@ def unpacked_tensors(layer, linears):
 
 
 def norm_weights(norms):
-    """A layer's LayerNorms as layer.cpp takes them (the weights of the input's, the MLP's and a second
-    input's norm, whether that one is normed before the residual add), or None where it cannot."""
+    """A layer's LayerNorms as layer.cpp takes them, or None where it cannot."""
     modules = [norms.attention, norms.ffn, norms.hidden]
     if any(norm is not None and (type(norm) is not RMSNorm or norm.weight.dtype != torch.float32) for norm in modules):
         return None
@@ -88,11 +66,9 @@ def norm_weights(norms):
 
 
 class LayerStack:
-    """A model's layers laid out once for native.llama_layers (layer.cpp's flat lists): per layer its
-    norms and linear layers' tensors, its cache's k and v, and its numbers (norm_before_residual, the
-    linears' groups and widths, its heads, the index of the mask it reads in `windows`); and what it was
-    laid out from (`sources`, per layer: each linear layer's weight, whether packed, its packed copy, and
-    the cache's k and v)."""
+    """A model's layers as layer.cpp's flat lists (its tensors, caches and numbers), and what they were
+    laid out from (`sources`: per layer each linear's weight, whether packed, its packed copy, and the
+    cache's k and v)."""
 
     def __init__(self, model, layers):
         caches = [layer._modules["attention"]._modules["kv_cache"] for layer in model.layers]
@@ -104,17 +80,16 @@ class LayerStack:
             self.tensors += [attention_norm, ffn_norm, hidden_norm, *linears]
             self.numbers += [int(before_residual), *groups, *features, attention.n_heads, attention.n_kv_heads,
                              self.windows.index(attention.window)]
-            weights = [(*source_of(linear), linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
+            weights = [(weight_of(linear), linear.__dict__.get("packed", False),
+                        linears[i * len(LINEAR_TENSORS)] if group == 0 else None)
                        for i, (linear, group) in enumerate(zip(linears_of(layer), groups))]
             self.sources.append((weights, cache.k, cache.v))
         self.caches = [t for cache in caches for t in (cache.k, cache.v)]
         self.eps, self.scale, self.first_cache = model.config.norm_eps, model.config.head_dim ** -0.5, caches[0]
 
     def unchanged(self, model):
-        """Whether the model's layers still hold what the stack was laid out from, without laying out
-        every layer's tensors again (layer_tensors), which a small model's eager step feels. A
-        float weight written in place since is packed again here (kernels.packed_weight), and its new
-        copy fails the check."""
+        """Whether the model's layers still hold what the stack was laid out from (a float weight
+        written in place since is packed again by kernels.packed_weight, which fails the check)."""
         if len(model.layers) != len(self.sources):
             return False
         for layer, (weights, k, v) in zip(model.layers, self.sources):
@@ -129,8 +104,7 @@ class LayerStack:
 
 
 def stack_of(model):
-    """The model's LayerStack, laid out again when a layer's tensors or its cache were replaced; None
-    where a layer cannot run as one call."""
+    """The model's LayerStack (laid out again where anything was replaced); None where a layer cannot run."""
     stack = model.__dict__.get("_stack")
     if stack is not None and stack.unchanged(model):
         return stack

@@ -1,11 +1,6 @@
-"""A model's weights in 2 MiB pages (Linux): a quantized model's buffers, or the packed copies a float32
-model's products read (kernels.pack_together), moved into one anonymous mapping that the kernel is
-asked to back with transparent huge pages (madvise(MADV_HUGEPAGE), which most distributions' default
-"madvise" setting honours only where asked).
-
-Why: a decode step streams every weight once, and with 4 KiB pages each 4 KiB read is also a walk of
-the page tables. PyTorch allocates each buffer apart, mostly in ordinary pages; weights, packed copies and
-KV caches in huge pages save most of those walks.
+"""A model's weights and KV caches in 2 MiB pages (Linux): moved into one anonymous mapping advised
+MADV_HUGEPAGE. Why: a decode step streams every weight once, and with 4 KiB pages each read is also a
+walk of the page tables.
 """
 
 import ctypes
@@ -29,10 +24,8 @@ def advise_huge_pages(address, length):
 
 
 def in_huge_pages(modules):
-    """Move the contiguous CPU buffers of `modules` (a model's, or its KV caches) into one mapping in huge
-    pages, each over a part of it, the same numbers in the same shapes; a buffer two modules share stays
-    shared. Returns the bytes moved: 0 off Linux, where the kernel refuses, or where there is less than
-    a page to move."""
+    """Move the contiguous CPU buffers of `modules` into one mapping in huge pages (a shared buffer stays
+    shared). Returns the bytes moved: 0 off Linux, where refused, or for less than a page."""
     owners = {}  # id(tensor) -> (tensor, [(module, name), ...])
     for module in modules:
         for name, tensor in module._buffers.items():
@@ -48,9 +41,8 @@ def in_huge_pages(modules):
 
 
 def to_huge_pages(tensors, place):
-    """Copy contiguous CPU `tensors` into one mapping in huge pages, each over a part of it, handing each
-    copy to place(i, copy) to put where tensor i was; the list's entries are dropped as they are copied.
-    Returns the bytes moved, as in_huge_pages."""
+    """Copy contiguous CPU `tensors` into one mapping in huge pages, handing each copy to place(i, copy),
+    the list's entries dropped as they are copied. Returns the bytes moved, as in_huge_pages."""
     if not sys.platform.startswith("linux"):
         return 0
     sizes = [-(-tensor.nbytes // ALIGN) * ALIGN for tensor in tensors]
@@ -68,13 +60,12 @@ def to_huge_pages(tensors, place):
     offset = start
     for i, size in enumerate(sizes):
         tensor, tensors[i] = tensors[i], None  # nothing here holds it once its place lets go
-        # A storage of its own over its part of the mapping (each keeps the mapping alive), not a view
-        # of one tensor: torch.compile refuses a graph whose inputs alias one another.
+        # A storage of its own over its part, not a view of one tensor: torch.compile refuses aliased inputs.
         moved = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset).view(tensor.shape)
         moved.copy_(tensor)  # pages are taken as they are first written: huge ones, as advised
         place(i, moved)
         del tensor  # freed now, unless something else holds it: a load's peak grows by a tensor, not a model
         if size >= TRIM_BYTES and MALLOC_TRIM is not None:
-            MALLOC_TRIM(0)  # glibc keeps freed heap memory, which would make that a second copy of the model
+            MALLOC_TRIM(0)  # glibc keeps freed heap memory: a second copy of the model
         offset += size
     return total

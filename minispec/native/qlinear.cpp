@@ -1,44 +1,26 @@
-// minispec's quantized matmul for CPUs: y = x @ w.T with w int4, 5-bit, 6-bit or int8 in groups, 1 to a few dozen
-// rows of x (a decode step, a verify, a batch). Built at first use by minispec/native and cached.
+// minispec's quantized matmul for CPUs: y = x @ w.T with w int4, 5-bit, 6-bit or int8 in groups, for 1 to a
+// few dozen rows of x. Built at first use by minispec/native and cached.
 //
-// Why: PyTorch's int4 kernel converts every weight to float and is compute-bound on AVX2, so a 9-row
-// verify costs 5 single steps; its int8 kernel takes one call per group. Here, as llama.cpp does, each
-// row of x is quantized to int8 in blocks of 32 inputs (one float scale per block), and the weight's
-// 4- or 8-bit integers meet it in integer dot products (AVX-512 VNNI's dpbusd, or AVX2's maddubs, or
-// from 16 rows on AMX's tiles: all exact, so all give the same sums); floats come in once per block:
-// acc += sum * (weight scale x the row's block scale). A weight is read from memory once for all rows.
+// As llama.cpp does, each row of x is quantized to int8 in blocks of 32 inputs (a float scale a block),
+// and meets the weight's integers in exact integer dot products (AVX-512 VNNI, AVX2, or from 16 rows on
+// AMX: all give the same sums); floats come in once a block: acc += sum * (weight scale x row scale). A
+// weight is read from memory once for all rows. Output columns go in tiles of 16, one per 32-bit lane:
+// a 64-byte weight vector holds 4 consecutive inputs of each column, so the row's side is those 4 inputs
+// broadcast (no shuffle, no horizontal sums). A block's first 16 and last 16 inputs go to two integer
+// sums, one when the groups are 32 or more inputs wide, two when they are 16 (GGUF's Q6_K).
 //
-// Output columns go in tiles of 16, one per 32-bit lane: a 64-byte weight vector holds 4 consecutive
-// inputs of each of the 16 columns, so the row's side of a product is those 4 inputs broadcast to every
-// lane (a load, no shuffle), no horizontal sums are needed, and a row's quantized inputs are stored
-// once (K bytes: a layer as wide as an MLP's down projection keeps them in L1 beside the weights).
-// With AVX-512 a tile is one vector, with AVX2 two of 8 columns, one after the other: the 512-bit form
-// takes half the instructions per weight, which a verify of several rows, compute-bound, gains from.
-// Eight such products cover a block of 32 inputs: the first 16 (vectors 0..3) and the last 16 (4..7)
-// go to two integer sums, which are one when the weight's groups are 32 or more inputs wide and two
-// when they are 16 (GGUF's Q6_K).
-//
-// Row invariance: a row's numbers never depend on the other rows: its quantization, its integer sums
-// and its float accumulation (block after block, one lane per column) are the same instructions
-// whether it is decoded alone or verified among others.
+// Row invariance: a row's quantization, integer sums and float accumulation are the same instructions
+// whether it is decoded alone or among others.
 //
 // The weight's layout (minispec/native packs it): tile after tile, block after block, the vectors
-// k = 0..7 of 64 bytes whose byte 4c + j is column c's input 4k + j (int8), or four of 64 bytes holding
-// vector k in their low nibbles and k + 4 in their high ones (int4, values 0..15), or those four and one
-// more holding the values' fifth bits, vector k's at bit k (5-bit: GGUF's Q5_0, values -16..15 stored as
-// value + 16, or with offsets Q5_1's and Q5_K's 0..31 as they are: 5/8 of int8's bytes), or those four
-// and two more holding the values' top two bits, vector 4p + i's at bits 2i of the p-th (6-bit: int8
-// values -32..31, GGUF's Q6_K, stored as value + 32, with 3/4 of int8's bytes). Where a stored value is
-// value + bias, the rows' sums times -bias restore the integer sums int8's would give, bit for bit the
-// same numbers. scales, offsets:
-// float32 [tiles, G, 16], or float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 store them so:
-// a sixth fewer bytes for Q4_1, the same numbers); w = q * scale (+ offset) over groups of `group`
-// inputs (16, or a multiple of 32). Or in two levels, as GGUF's K-quants store them (each 256 inputs'
-// step times small integers): scales, offsets int8 [tiles, G, 16] multipliers of steps float16
-// [tiles, K / 256, S, 16] (the scales' step, and the offsets' where there are offsets: S = 2, else 1;
-// float16 as the file stores them), each product exactly the float32 value it replaces (minispec/native
-// checks that when it packs), so both forms give the same numbers, the two-level one reading a fifth fewer
-// bytes for Q4_K.
+// k = 0..7 of 64 bytes whose byte 4c + j is column c's input 4k + j (int8); or four vectors holding k in
+// their low nibbles and k + 4 in their high ones (int4, 0..15), with one more holding each value's fifth
+// bit, vector k's at bit k (5-bit: -16..15 stored + 16, or with offsets 0..31), or two more holding the
+// top two bits, vector 4p + i's at bits 2i of the p-th (6-bit: -32..31 stored + 32); the rows' sums times
+// -bias take a stored bias back out, bit for bit. scales, offsets: float32 or float16 [tiles, G, 16] over
+// groups of `group` inputs (16, or a multiple of 32); or as GGUF's K-quants store them, int8 multipliers
+// of float16 steps [tiles, K / 256, S, 16] (S = 2 with offsets, else 1), each product exactly the float32
+// value it replaces (checked when packed).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -69,27 +51,22 @@ namespace {
 
 constexpr int64_t BLOCK = 32;    // inputs per activation block
 constexpr int64_t TILE = 16;     // output columns computed together, one per 32-bit lane
-// Rows sharing one unpacked weight block, their accumulators in registers: AVX-512 has 32 of them, AVX2 16
-// (and its sign vectors besides).
+// Rows sharing one unpacked weight block, their accumulators in registers (AVX-512 has 32, AVX2 16).
 #ifdef MINISPEC_AVX512
 constexpr int ROWS_AT_ONCE = 8;
 #else
 constexpr int ROWS_AT_ONCE = 4;
 #endif
-// Blocks a tile's loop asks the memory for ahead of the one it reads: the hardware's own prefetching left a
-// decode step waiting on memory, so that every row more cost its arithmetic on top.
+// Blocks a tile's loop prefetches ahead of the one it reads: the hardware's own left a step waiting on memory.
 constexpr int64_t AHEAD_BLOCKS = 16;
 constexpr int64_t STEP_INPUTS = 256;  // inputs sharing a step in the two-level form (a K-quant's super-block)
 enum Table { FLOATS, HALVES, STEPPED };  // how scales and offsets are stored: float32, float16, two levels
 
-// What the packed layout adds to a weight's value: 6-bit values are stored + 32, 5-bit ones + 16 unless
-// the weight has offsets (then they are 0..31 as they are).
+// What the packed layout adds to a weight's value: 6-bit + 32, 5-bit + 16 unless it has offsets.
 constexpr int32_t stored_bias(int bits, bool offsets) { return bits == 6 ? 32 : bits == 5 && !offsets ? 16 : 0; }
 
-// What a weight's byte adds to its value in the dot products, which the rows' sums times it take back
-// out (Rows::minus): int8 goes in as w + 128 where VNNI's dot product wants unsigned weights (plain AVX2
-// moves w's sign onto the rows instead), 5- and 6-bit as stored in the vector code; the portable code
-// takes the values as they are.
+// What a weight's byte adds to its value in the dot products, which Rows::minus takes back out: int8 goes
+// in as w + 128 where VNNI wants unsigned weights, 5- and 6-bit as stored; the portable code adds none.
 constexpr int32_t weight_bias(int bits, bool offsets) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(MINISPEC_VNNI)
   return bits == 8 ? 128 : stored_bias(bits, offsets);
@@ -102,7 +79,7 @@ constexpr int32_t weight_bias(int bits, bool offsets) {
 }
 
 // The rows of x, quantized. Row m's block b is entry at(m, b): rows after rows, or for AMX the blocks of
-// 16 rows side by side, one tile to load (zero rows filling the last).
+// 16 rows side by side (zero rows filling the last).
 struct Rows {
   std::vector<int8_t> q;      // [M, blocks, 32]: x ~ q * d, block by block
   std::vector<float> d;       // [M, blocks]
@@ -179,8 +156,7 @@ struct Weight {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The vector code, written once over V: 16 columns a vector with AVX-512 (one vector per tile and
-// input quad: half the instructions per weight of 256-bit vectors), else 8 (the tile in two parts).
+// The vector code, written once over V: 16 columns a vector with AVX-512, else 8 (a tile in two parts).
 #ifdef MINISPEC_AVX512
 struct V {
   using I = __m512i;
@@ -256,8 +232,8 @@ inline void add_top_bits(const V::I* extra, V::I* u) {
   u[K] = V::with(u[K], V::template top_bits<K * W % 8, W>(extra[K * W / 8]));
 }
 
-// A tile part's eight weight vectors of a block, as unsigned bytes (int8: w + 128 with VNNI, |w|
-// without, the signed ones in `sign` for the rows to take w's sign; 5- and 6-bit: as stored).
+// A tile part's eight weight vectors of a block, as unsigned bytes (int8: w + 128 with VNNI, else |w|
+// with w in `sign` for the rows to take its sign; 5- and 6-bit: as stored).
 template <int BITS>
 inline void load_block(const uint8_t* q, V::I* u, V::I* sign) {
   if (BITS != 8) {
@@ -425,9 +401,8 @@ void tile_rows(const Weight& w, int64_t tile, const Rows& x, int64_t r0, int64_t
 
 #ifdef MINISPEC_AMX
 // Many rows (a prefill) through AMX: one TDPBSSD gives the integer sums of 16 rows x 16 columns over a
-// block of 32 inputs (or each 16-input half, SIXTEEN), exact as VNNI's, and the float steps follow row by
-// row through the same accumulate and finish, so a row's outputs never depend on the path that took it.
-// A block's packed vectors already are AMX's B layout for int8; narrower weights are unpacked to int8.
+// block (exact, as VNNI's), the float steps following through the same accumulate and finish. A block's
+// packed vectors already are AMX's B layout for int8; narrower weights are unpacked to int8.
 constexpr int64_t AMX_ROWS = 16;              // fewer rows take VNNI
 constexpr int64_t UNPACKED_BYTES = 1 << 20;   // weights unpacked at once (half an L2), shared by all row tiles
 
@@ -481,9 +456,8 @@ inline void block_sums(const int8_t* rows, const int8_t* weights, int32_t* sums)
   }
 }
 
-// A tile's columns for rows r0 .. r0 + 15 (those below M stored), from its weights' int8 values. The sums
-// of the next few blocks are under way while a block's go into the floats: a tile's store takes a while
-// to be readable.
+// A tile's columns for rows r0 .. r0 + 15 (those below M stored), from its weights' int8 values, the next
+// few blocks' sums under way while a block's go into the floats (a tile's store takes a while).
 template <bool SIXTEEN, int TABLE>
 void amx_rows(const Weight& w, int64_t tile, const int8_t* weights, const Rows& x, int64_t r0, int64_t M, int64_t K,
               float* y, int64_t N) {
@@ -563,9 +537,8 @@ void tiles_by_group(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_
   else tiles_of<BITS, false>(w, x, M, K, N, t0, t1, y);
 }
 
-// x [M, K] float32; qweight int8, or uint8 of K / 2 (int4), 5K / 8 (5-bit) or 3K / 4 (6-bit) bytes a column, N / 16
-// tiles; scales, offsets [N / 16, G, 16]
-// float32 or float16, or int8 with steps [N / 16, K / 256, 2 with offsets else 1, 16] float16.
+// x [M, K] float32; qweight int8, or uint8 of K / 2 (int4), 5K / 8 (5-bit) or 3K / 4 (6-bit) bytes a column,
+// N / 16 tiles; scales, offsets [N / 16, G, 16] float32 or float16, or int8 with steps (above).
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
