@@ -17,8 +17,7 @@ CELL_PRIOR = 1.0
 
 
 class Load:
-    """A pair's batch steps: decayed [seconds, steps] at each (rows, k), steps left to rest, and whether
-    the last step looked and found guessing not paying."""
+    """A pair's batch steps: decayed [seconds, steps] per (rows, k), steps left to rest, the last look's verdict."""
 
     def __init__(self):
         self.cells, self.rest, self.back_off, self.looked = {}, 0, 1, False

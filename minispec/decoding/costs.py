@@ -60,8 +60,7 @@ def agreed(tp, seconds):
 
 
 def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
-    """{name: the fastest of `rounds` runs of forward()} after an untimed one; runs interleave, so that one
-    busy moment does not skew one width."""
+    """{name: the fastest of `rounds` interleaved runs of forward()}, after an untimed one."""
     def run(forward):
         if device.type == "cuda":
             torch.cuda.synchronize(device)

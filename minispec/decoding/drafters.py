@@ -45,9 +45,8 @@ class Proposal(NamedTuple):
     parents: Optional[list] = None
 
 
-# draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
-SELF_DRAFT_MODES = ("int8", "int4")  # models.quant's MODES
-SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
+SELF_DRAFT_MODES = ("int8", "int4")  # draft="int8"/"int4": the target's own quantized copy (models.quant's MODES)
+SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}, made on first use
 
 
 def make_drafter(draft, target):
@@ -190,8 +189,7 @@ def catch_up(drafter):
 
 
 def propose_together(asks):
-    """Each row's Proposal (one Ask per cache row), a chain or a tree, from draft forwards all rows share; each
-    draws from its own generator, so it guesses what it would alone."""
+    """Each row's Proposal (one Ask per cache row) from shared draft forwards, each row drawing as it would alone."""
     drafters = [ask.drafter for ask in asks]
     model = drafters[0].model
     for drafter in drafters:
@@ -289,8 +287,7 @@ class DraftTree:
 
 
 def draft_trees(model, drafters, asks):
-    """EAGLE-2's dynamic draft tree for each Ask, one draft forward a depth over every row's expanded nodes:
-    {id(drafter): Proposal}."""
+    """EAGLE-2's dynamic draft tree for each Ask, one shared draft forward a depth: {id(drafter): Proposal}."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])

@@ -132,8 +132,7 @@ class Row:
         return len(self.tokens) >= self.request.max_new_tokens
 
     def tree_budget(self):
-        """The most nodes this step's tree may have (the request's or the policy's, within the row's room),
-        or None: a chain."""
+        """The most nodes this step's tree may have, within the row's room (None: a chain)."""
         tree = self.policy.tree_nodes if self.request.trees == "auto" else self.request.trees
         if not tree:
             return None

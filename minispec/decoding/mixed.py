@@ -61,8 +61,7 @@ class MixedDrafter:
         return [ask.drafter.merge(proposal, chain) for ask, proposal, (chain, _) in zip(asks, inner, chains)]
 
     def merge(self, proposal, chain):
-        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room); q stays the
-        model's nodes'."""
+        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room)."""
         self.chain = None
         if not chain:
             return proposal

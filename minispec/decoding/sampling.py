@@ -46,8 +46,7 @@ class Counts(NamedTuple):
 
 
 def penalize(logits, sampling, generated, prompt):
-    """logits penalized as vLLM does (repetition, then frequency and presence) by generated [..., vocab]
-    counts and the prompt's tokens."""
+    """logits penalized as vLLM does (repetition, then frequency and presence)."""
     logits = logits.float()
     if sampling.repetition_penalty != 1:
         r = sampling.repetition_penalty
@@ -71,8 +70,7 @@ def adjust(logits, sampling):
 
 
 def log_probs(logits, sampling):
-    """The log-probabilities a token is reported with: of the distribution it is drawn from, but greedy's
-    the logits' own log-softmax."""
+    """The log-probabilities reported: of the distribution drawn from (greedy: the logits' own)."""
     return processed(logits, sampling).log_softmax(-1)
 
 

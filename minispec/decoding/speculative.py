@@ -223,8 +223,7 @@ def emitted(drafts, verdict):
 
 
 def scored(logits, sampling, tokens, k):
-    """[m, 2 + 2k] long for the host transfer: each row's token, its and the top k's log-probabilities (float32
-    bits), and the top k."""
+    """[m, 2 + 2k] long for the host: each row's token, its and the top k's log-probabilities (bits), the top k."""
     logprobs = log_probs(logits, sampling)
     top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     values = torch.cat([logprobs.gather(-1, tokens.view(-1, 1)), top.values], -1)

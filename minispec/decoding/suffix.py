@@ -210,8 +210,7 @@ class SuffixDrafter(TextDrafter):
         self.tries, self.kept_tree = {}, None  # {(context length, depth): this step's trie}; kept_tree: as lookup's
 
     def trie(self, k):
-        """The trie of what follows the OCCURRENCES places matching the longest suffixes (k deep), kept for
-        the step's other calls."""
+        """The trie of what follows the OCCURRENCES best-matching places, k deep (kept for the step)."""
         if (key := (len(self.context), k)) in self.tries:
             return self.tries[key]
         # (the suffix itself is no place: nothing follows it yet)

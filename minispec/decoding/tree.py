@@ -35,8 +35,7 @@ def ancestors(parents, device):
 
 
 class TreeVerdict(NamedTuple):
-    """A tree's verification: the accepted path (node indices), the target's token after it, and the
-    rejected children of the path's last node."""
+    """A tree's verification: the accepted path (node indices), the target's token t, the rejected children."""
     path: list
     t: int
     rejected: list
@@ -189,8 +188,7 @@ def tree_or_chain(parents):
 
 
 def best_children(logits, sampling, width):
-    """The `width` most probable next tokens after each row of logits and their log-probabilities (greedy:
-    under the draft's own distribution, as the adjusted one is one-hot)."""
+    """The `width` likeliest next tokens after each row of logits and their log-probabilities (greedy: raw)."""
     if sampling.greedy:
         scores = logits.float().log_softmax(-1)
     else:
