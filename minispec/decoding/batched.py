@@ -4,7 +4,6 @@ pair's line scaled to the batch's own measured steps. Where guessing does not pa
 rest (do not even preview) for a while that doubles as long as it keeps not paying.
 """
 
-import time
 import weakref
 from typing import NamedTuple
 
@@ -93,8 +92,3 @@ def chosen(batch, ruled, load):
     else:
         load.looked = True
     return k
-
-
-def timed(plan, started):
-    """Time a planned step that began at `started` (perf_counter)."""
-    plan.load.timed(plan, time.perf_counter() - started)

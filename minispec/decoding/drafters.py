@@ -1,13 +1,10 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1, through one small interface:
 
-    start(prompt_ids, sampling, row)                 a new request, in cache row `row`
-    propose(k, sampling, rng, keep_guessing)         <= k guesses and their q [k', vocab] (None: one-hot);
-                                                     keep_guessing(i, confidence) may stop it early
-    accept(tokens, tokens_on_device, seen)           the tokens the target kept; `seen`: for drafters that
-                                                     read the target's states (reads_states), Seen
-    calls, encoder_calls, name, model, preview       statistics; what drafts; preview(k): the next guesses
-                                                     and how sure of each, free (or None)
-    weights (optional)                               trained weights whose costs gamma="auto" keeps apart
+    start(prompt_ids, sampling, row)            a new request, in cache row `row`
+    propose(k, sampling, rng, keep_guessing)    <= k guesses and their q [k', vocab] (None: one-hot)
+    accept(tokens, tokens_on_device, seen)      the tokens the target kept (seen: its states, if reads_states)
+    calls, encoder_calls, name, model, preview  statistics; what drafts; preview(k): free next guesses (or None)
+    weights (optional)                          trained weights whose costs gamma="auto" keeps apart
 
 Any q keeps the output exact, as long as each guess is drawn from the q reported.
 """

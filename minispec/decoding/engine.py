@@ -79,7 +79,6 @@ class Row:
         self.forcing = []  # this step's guesses forced by the grammar
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
-            # a batch's steps are shared: not timed
             self.policy.start(target, self.drafter, request.prompt_ids, timed=alone, tree=request.trees == "auto")
             self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1),
                               verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
@@ -244,11 +243,11 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
             return
         plan = None
         if len(batch) > 1 and hasattr(batch[0].policy, "chosen"):
-            from .batched import choose, timed  # gamma="auto" in a batch: read only then
+            from .batched import choose  # gamma="auto" in a batch: read only then
             plan, started = choose(batch), time.perf_counter()
         ended = step(target, batch)
         if plan is not None:
-            timed(plan, started)
+            plan.load.timed(plan, time.perf_counter() - started)
         for row in batch:
             generation = None
             if row in ended:
