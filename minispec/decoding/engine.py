@@ -6,7 +6,7 @@ length (a lone request is a batch of one). Every kind of decoding runs through t
                  rows that end (EOS, stop, max tokens) leave; the last rows move into the gaps
 
 Forwards are row-invariant and each row draws from its own generator, so a request's output is what it
-gives decoded alone (sampled with "auto", other γ but the same distribution).
+gives alone, token for token for a seed ("auto" in a batch may choose other γ: the same distribution).
 """
 
 import time
@@ -35,12 +35,9 @@ class Generation:
     text: str | None  # decoded tokens (None when the model has no tokenizer)
     stats: dict
     trace: list = field(default_factory=list)  # Segments in generation order
-    # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
-    sequences: list = field(default_factory=list)
-    scores: list = field(default_factory=list)
-    # With logprobs=k: a TokenLogprob for each token (its log-probability under the distribution it was
-    # drawn from, sampling.log_probs, and the k most likely tokens there), bit for bit plain decoding's.
-    logprobs: list | None = None
+    sequences: list = field(default_factory=list)  # beam search's w final hypotheses, best first
+    scores: list = field(default_factory=list)  # and their scores (sum of log-probs / length)
+    logprobs: list | None = None  # with logprobs=k: a speculative.TokenLogprob for each token
 
 
 class Update(NamedTuple):

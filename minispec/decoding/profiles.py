@@ -18,8 +18,7 @@ from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA
 VERSION = 9  # of the files' contents: files of another version, whose costs were other kernels', are ignored
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
           "modes")
-# Steps before a probe of what the costs say not to do (guessing, the mode behind), doubled up to PROBE_MAX
-# after each probe that finds it still does not pay.
+# Steps before a probe of what does not pay (guessing, the mode behind), doubled up to PROBE_MAX while it does not.
 PROBE_AFTER, PROBE_MAX = 8, 128
 
 

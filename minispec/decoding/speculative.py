@@ -125,8 +125,7 @@ def step(target, rows):
     """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), drafted together
     and scored in one forward, each verified with its own sampling and generator. The rows that ended."""
     started, graphs = time.perf_counter(), graphs_met()
-    # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
-    # Tokens a row's grammar forces are its guesses, without asking its drafter (decoding/grammar.py).
+    # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses; or the grammar's).
     forced = [row.forced() for row in rows]
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
         proposals = [Proposal(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
@@ -137,8 +136,7 @@ def step(target, rows):
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
     logits = [constrained(row, penalized(row, p, x), x) for row, p, x in zip(rows, logits, proposals)]
-    # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
-    # A tree is walked on the host instead (tree.py), so it brings its choices there (tree_choices).
+    # Determine the number of accepted guesses n, and t ~ p', on the device (a tree: walked on the host).
     verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
                 else None
                 for row, p, x in zip(rows, logits, proposals)]
@@ -285,9 +283,7 @@ def seen(row, drafts, states, kept):
 def score(target, rows, proposals):
     """Each row's target logits [k+1, vocab] (a joining row's from its own prefill, the others' from one
     forward) and, when something reads them, its hidden states at every token fed (else None)."""
-    logits = [None] * len(rows)
-    hidden = rows[0].request.reads_states
-    states = [None] * len(rows)
+    logits, states, hidden = [None] * len(rows), [None] * len(rows), rows[0].request.reads_states
     drafts = [x.drafts for x in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]
     trees = any(x.parents is not None for x in proposals)  # then every row's feed is a tree
