@@ -1,17 +1,9 @@
-"""One γ for the rows of a batch under gamma="auto". Their shared target forward pads every row to the
-widest row's tokens, so one row's guesses make every row pay for rows × (k + 1) positions, a cost no
-row's own choice sees. Before each shared step the batch takes the k with the most expected tokens of
-all its rows together per second of that forward (k = 0, plain decoding, where guessing does not pay
-at this width), and each row guesses up to k, since the padding pays for those guesses anyway.
-
-The forward's price is the pair's cost line (costs.py, timed on lone rows), scaled to what the batch's
-own steps measured at that many rows: a wide forward is no line through narrow ones. Where guessing does
-not pay at two looks in a row, the rows do not even look at their guesses for a while (previewing every
-row's guesses is no free work at a batch's width), a while that doubles as long as guessing keeps not
-paying.
+"""One γ for a batch's rows under gamma="auto": the shared forward pads every row to the widest, so the
+batch takes the k with the most expected tokens of all rows per second of that forward, priced by the
+pair's line scaled to the batch's own measured steps. Where guessing does not pay twice in a row, the rows
+rest (do not even preview) for a while that doubles as long as it keeps not paying.
 """
 
-import time
 import weakref
 from typing import NamedTuple
 
@@ -19,24 +11,19 @@ from .costs import OUTLIER
 from .profiles import PROBE_MAX
 
 DECAY = 0.9  # per timed step at the same rows and k, so that a cell follows its last ~10 steps
-# A cell's measured seconds are shrunk towards the scaled line as if by this many steps: one step timed
-# in a busy moment must not price its k out for good, as it would never be timed again.
+# A cell's seconds are shrunk towards the line as if by this many steps: one busy step must not price k out.
 CELL_PRIOR = 1.0
 
 
 class Load:
-    """A pair's batch steps: decayed [seconds, steps] of the steps timed at each (rows, k), how many
-    steps the rows rest (neither guess nor preview) before they look at their guesses again, and whether
-    the last step looked and found guessing not paying."""
+    """A pair's batch steps: decayed [seconds, steps] per (rows, k), steps left to rest, the last look's verdict."""
 
     def __init__(self):
         self.cells, self.rest, self.back_off, self.looked = {}, 0, 1, False
 
     def seconds(self, policy, rows, k):
-        """T(k) for `rows` rows: the line's, scaled by this width's measured plain steps, then shrunk
-        towards what (rows, k)'s own steps measured. A k this width has not timed costs its plain step
-        times the ratio k measured at the nearest width that timed it: the lone rows' line bends nothing
-        like a wide forward, and a batch's width changes by a row at a time as its requests end."""
+        """T(k) for `rows` rows: the line scaled by this width's plain steps (an untimed k: by k's ratio at
+        the nearest width that timed it), shrunk towards (rows, k)'s own steps."""
         line = policy.seconds(k, rows)
         plain = self.cells.get((rows, 0))
         if plain is not None:
@@ -67,11 +54,8 @@ LOADS = weakref.WeakKeyDictionary()  # a pair's profile -> its Load
 
 
 def choose(batch):
-    """Set `chosen` on the rows' policies (a grammar's rows may have their guesses forced, which asks no
-    policy: they choose alone). A row that joins decodes its prompt in a forward of its own, where its
-    guesses would cost little, but as a tree they would make every row's feed of the shared forward a
-    tree, a dearer forward: it guesses nothing. Returns the Plan to time, or None: a step in which a row
-    joins or a grammar forces guesses is no measure of the width's forwards."""
+    """Set `chosen` on the rows' policies (a grammar's rows choose alone; a joining row guesses nothing).
+    Returns the Plan to time, or None where a row joins or a grammar rules: no measure of the width."""
     ruled = [row for row in batch if row.policy.verify is not None and row.grammar is None]
     if not ruled:
         return None
@@ -108,8 +92,3 @@ def chosen(batch, ruled, load):
     else:
         load.looked = True
     return k
-
-
-def timed(plan, started):
-    """Time a planned step that began at `started` (perf_counter)."""
-    plan.load.timed(plan, time.perf_counter() - started)

@@ -1,9 +1,5 @@
-"""Beam search, and speculative beam search (Leviathan et al. 2023, Appendix A.4) with identical results.
-
-Beam search follows transformers' (length_penalty=1.0, early_stopping=True, do_sample=False): the best w
-extensions of the running beams that end (EOS, max_new_tokens) join a pool scored by sum / length, the
-others run on, until the pool holds w. Beams live in the batch dimension of the static KV cache.
-Speculative beam search, one iteration (one target forward):
+"""Beam search as transformers' (length_penalty=1.0, early_stopping=True), beams in the KV cache's batch
+dimension, and speculative beam search (Leviathan et al. 2023, Appendix A.4), one target forward:
 
     H_1..H_k = draft beam search of width u >= w for k <= γ steps, from the target's beams B_0
     target logits at every node of the trie B_0 ∪ H_1 ∪ ... ∪ H_k, in ONE batched forward
@@ -25,7 +21,7 @@ from .sampling import Sampling
 
 
 def check_settings(w, u, drafter, sampling, lenience):
-    """Clear errors for what beam search cannot do (Settings checked each value). The draft's width u (0: none)."""
+    """Clear errors for what beam search cannot do. The draft's width u (0: none)."""
     if sampling != Sampling() or lenience != 1:
         raise ValueError("beam search is deterministic: it cannot be combined with sampling "
                          "(temperature, top_k, top_p) or lenience")
@@ -43,8 +39,7 @@ def check_settings(w, u, drafter, sampling, lenience):
 
 
 def working_bytes(rows, length, vocab):
-    """Beam search's largest temporaries besides the KV cache: PrefixCache.logits' row comparisons (9 bytes
-    per pair and position) and a step's rows × vocab float32 sums."""
+    """Beam search's largest temporaries: PrefixCache.logits' row comparisons and a step's float32 sums."""
     return rows * rows * length * 9 + rows * vocab * 12
 
 
@@ -81,8 +76,7 @@ def beam_step(beams, logits, stop_ids, max_new_tokens):
 
 
 class PrefixCache:
-    """A model's static KV cache whose batch rows hold known sequences: new ones reuse the row holding their
-    longest prefix (reordered, rolled back) and feed only the rest."""
+    """A static KV cache whose rows hold known sequences: a new one reuses its longest cached prefix's row."""
 
     def __init__(self, model, prefix, batch_size, max_new_tokens):
         self.model, self.prefix = model, prefix  # prefix [1, p]: what the decoder starts from (model.encode)
@@ -129,8 +123,7 @@ def beam_search(model, prefix, w, max_new_tokens, stop_ids):
 
 
 def draft_beam_search(cache, beams, u, k, stop_ids):
-    """The draft's beam search of width u for k steps from the target's beams: the kept hypotheses after
-    each step (none ends in EOS, as the target's running beams never do)."""
+    """The draft's beam search of width u for k steps from the target's beams: the hypotheses after each."""
     tokens, scores, kept = beams.tokens, beams.scores, []
     pad = torch.arange(u, device=tokens.device)
     for _ in range(k):
@@ -144,8 +137,7 @@ def draft_beam_search(cache, beams, u, k, stop_ids):
 
 
 def trie_rows(roots, kept, batch_size):
-    """The trie of hypotheses (the target's beams, then the draft's kept ones) as batch rows for one forward,
-    a row per leaf holding its whole path; and for each depth the row holding each node."""
+    """The trie of hypotheses as batch rows for one forward (a row per leaf), and each depth's node rows."""
     levels = [roots] + kept
     depth = len(kept)
     rows, where = [levels[-1]], [torch.arange(len(levels[-1]), device=roots.device)]
@@ -165,15 +157,13 @@ def trie_rows(roots, kept, batch_size):
 
 @torch.inference_mode()
 def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
-    """Beam search of width w, guessed by the draft with width u for as many steps a target forward as
-    `policy` says. (finished, stats), finished exactly as beam_search's."""
+    """Beam search of width w guessed by the draft with width u: (finished, stats), as beam_search's."""
     draft = drafter.model
 
     def draft_cache():
         return PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
 
-    # the draft's cache and wide rows only once the policy guesses: a request that never does costs what
-    # plain beam search does
+    # the draft's cache and wide rows only once the policy guesses
     verify = PrefixCache(target, prefix, w, max_new_tokens)
     guess = None if reads_on_host(drafter) else draft_cache()  # on a GPU the policy times a draft step first
     policy.start(target, drafter, prompt_ids, beams=(w, u))

@@ -1,8 +1,6 @@
-"""What a speculative step costs, as gamma="auto" prices it (policy.py): T(k) = k·t_draft + t_verify(k + 1),
-t_verify(w) being a target forward over w tokens, which on a CPU grows with w. Both come from the steps
-decoding takes anyway, each timed by its own wall time (the step's one host sync). A batch's steps are
-shared and time nothing, so a pair new to a batch is timed up front (`calibrate`), as is a draft
-model's step on a GPU, where reading its time would be a host sync.
+"""What a speculative step costs (policy.py): T(k) = k·t_draft + t_verify(k + 1), both from the wall time of
+steps decoding takes anyway; a pair new to a batch (whose steps are shared) and a GPU draft model's step
+(whose time would need a host sync) are timed up front (`calibrate`, `time_draft`).
 """
 
 import itertools
@@ -12,42 +10,33 @@ from typing import NamedTuple
 
 import torch
 
-# A new pair prices a verify over x token positions at t·(1 + PRIOR_SLOPE·(x − x₀)), t being its first
-# plain step over x₀: dearer than a CPU's forwards cost, so that a new pair starts careful; a GPU's
-# forwards cost about the same at these widths. Other devices: as on a CPU.
+# A new pair prices a verify over x positions at t·(1 + PRIOR_SLOPE·(x − x₀)) from its first plain step (t
+# over x₀): dearer than a CPU's forwards, so it starts careful. Other devices: as a CPU.
 PRIOR_SLOPE = {"cpu": 0.1, "cuda": 0.01}
 TIME_SMOOTHING = 0.1  # weight of each step's timing in the running average of t_draft (~10 steps)
 TIME_DECAY = 0.9  # per step, so that the verify costs follow the last ~10 steps
 SHAPE_PRIOR = 0.1  # how firmly the widths keep the line's ratios while steps at one width cannot tell
-# A 1-token verify never costs less than this share of the line's own: a fit to steps timed in a busy
-# moment could reach 0 or below, pricing guesses as free (and dividing by zero).
-LEVEL_MIN = 0.01
-# A width's own correction to the line starts at none, as if from this many steps on the line, and
-# follows the last ~20 steps of any width, since trees that vary the width time each one seldom.
+LEVEL_MIN = 0.01  # a 1-token verify's least share of the line's: a fit to busy moments must not price it free
+# A width's own correction starts at none, as if from this many steps, and follows the last ~20 steps.
 CORRECTION_PRIOR, CORRECTION_DECAY = 1.0, 0.95
 CORRECTION_MAX = 1.5  # a step further off the line than this either way is a stall, not a width's shape
-# A step's timing counts as at most this many times the running average: a one-off stall (a graph
-# compiled, another process on the cores) must not price guessing out for good, while a lasting
-# change still comes through within a few steps.
-OUTLIER = 3.0
+OUTLIER = 3.0  # a step counts at most this many times the average: a one-off stall must not price guessing out
 CALIBRATION_ROUNDS = 3  # the fastest of this many runs: other work only ever slows a forward down
 
 
 class NewPair(NamedTuple):
-    """How a pair that has timed nothing prices its costs from its first timed step, a plain one."""
-    shape: list  # each verify width's time over that step's, index w (0 unused): the PRIOR_SLOPE line
-    draft_ratio: float  # a guess's time over that step's: the draft's weights over the target's
+    """A new pair's costs over its first timed (plain) step's: each verify width's (index w), and a guess's."""
+    shape: list  # the PRIOR_SLOPE line (index 0 unused)
+    draft_ratio: float  # the draft's weight bytes over the target's
 
 
 def reads_on_host(drafter):
-    """Whether a draft's time and its confidence in a guess can be read for free: not on a GPU, where
-    reading them would be a host sync."""
+    """Whether a draft's time and confidence are free to read (on a GPU they would be a host sync)."""
     return drafter.model is None or drafter.model.device.type == "cpu"
 
 
 def graphs_met():
-    """How many graphs torch.compile has made in this process: a step that adds one compiled it first,
-    a cost no later step pays again, so its time is no measure of the costs."""
+    """Graphs torch.compile has made: a step that adds one paid a one-off cost, so it is not timed."""
     utils = sys.modules.get("torch._dynamo.utils")  # not imported until something compiles
     return utils.counters["stats"]["unique_graphs"] if utils else 0
 
@@ -57,14 +46,12 @@ def weight_bytes(model):
 
 
 def tp_of(target):
-    """The target's tensor-parallel group, None when it is whole (or a stand-in without one, in tests)."""
+    """The target's tensor-parallel group, or None."""
     return getattr(target, "tp", None)
 
 
 def agreed(tp, seconds):
-    """Timings taken on this rank (a list or a {name: seconds} dict), as rank 0 took them when the target
-    is sharded over processes (tp: its group, None when it is not): choices made from each rank's own
-    timings would send the ranks different ways."""
+    """Timings (a list or a dict) as rank 0 took them, so that every rank of a sharded target chooses alike."""
     if tp is None:
         return seconds
     if isinstance(seconds, dict):
@@ -73,9 +60,7 @@ def agreed(tp, seconds):
 
 
 def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
-    """{name: the fastest of `rounds` runs of forward(), in seconds}: one untimed run each first (it may
-    allocate or compile), then rounds in which each runs once in turn, so that one busy moment does not
-    skew a single width."""
+    """{name: the fastest of `rounds` interleaved runs of forward()}, after an untimed one."""
     def run(forward):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -95,8 +80,7 @@ def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
 
 
 def decode_at_end(model, token, rows, width):
-    """A function that decodes `rows` batch rows of `width` tokens past the cache's length and rolls
-    back: what the cache holds is untouched."""
+    """A forward of `rows` rows of `width` tokens past the cache's length, rolled back after."""
     length = model.length
     tokens = token.view(1, 1).expand(rows, width)
 
@@ -108,8 +92,7 @@ def decode_at_end(model, token, rows, width):
 
 
 def calibrate(profile, target, drafter, token, k_max, beams=None):
-    """Time a verification of k = 0..k_max guesses (a target forward over k + 1 tokens; with beams =
-    (w, u), of w + u·k hypotheses at once) and a guess of a draft model (a draft beam step of u)."""
+    """Time a verify of k = 0..k_max guesses (with beams (w, u): of w + u·k hypotheses) and a draft model's guess."""
     w, u = beams or (1, 0)
     rows = [max(w + u * k, 1) for k in range(k_max + 1)]
     target.rollback(0)  # the request's prefill resets the cache anyway
@@ -117,11 +100,10 @@ def calibrate(profile, target, drafter, token, k_max, beams=None):
     if drafter.model is not None:  # its cache may hold the prompt already: decode_at_end keeps that
         forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
     seconds = agreed(tp_of(target), fastest(forwards, target.device))
-    # Steps rescale the widths together, so noise in one width's timing would stay in the shape for
-    # good: a line through them, in the token positions each forward computes, averages it away.
+    # steps rescale all widths together, so one width's noise would stay: a line averages it away
     profile.t_verify = [0.0] + straight_line([r * (k + 1) for k, r in enumerate(rows)],
                                              [seconds[k] for k in range(k_max + 1)])
-    # A host-side drafter's cost is measured on its first steps with guesses (refined takes the first).
+    # a host drafter's cost is measured on its first steps with guesses
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
 
 
@@ -144,8 +126,7 @@ def new_pair(target, drafter, k_max, beams, draft_timed):
 
 
 def straight_line(xs, ys):
-    """The least-squares line a + b·x (b >= 0) through the points, at each x, and no lower than the
-    lowest y."""
+    """The least-squares line a + b·x (b >= 0) through the points at each x, no lower than the lowest y."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     spread = sum((x - mean_x) ** 2 for x in xs)
@@ -154,33 +135,23 @@ def straight_line(xs, ys):
 
 
 def refined(average, seconds):
-    """The running average of t_draft after one more step (see OUTLIER); the first (average 0,
-    nothing measured yet) is taken as it is."""
+    """The running average of t_draft after one more step (see OUTLIER); the first is taken as it is."""
     if average <= 0:
         return seconds
     return average + TIME_SMOOTHING * (min(seconds, OUTLIER * average) - average)
 
 
 class VerifyCost:
-    """t_verify(w), seconds of a target forward over w tokens: the pair's line through the widths (as
-    calibrated, or as its last request left it), refitted to every step's own time.
+    """t_verify(w), seconds of a target forward over w tokens: the pair's line, refitted at every step.
 
-    In units of the line's 1-token time, a w-token verify costs level + slope·u(w), u(w) being what the
-    line adds over one token. Both are fitted by least squares to the steps, recent ones weighing more,
-    the line itself counting as a memory's worth of steps at its two ends, with a penalty on slope −
-    level: steps all at one width rescale every width at once (a width refined alone, timed in a slow
-    moment, would never be chosen again, so never corrected), and steps spread over widths bend the
-    line, so a calibration that got the slope wrong is put right.
-
-    What no line holds (a CPU's products may cost the same over a few rows and jump at the next), each
-    width's steps correct: its steps' time over the line's, decayed at every step of any width so that
-    a width timed in a slow moment drifts back, and relative to all the widths' steps together, so that
-    plain steps alone do not make guesses look dearer while the line catches up with a faster machine.
-    line() keeps the corrections as the next request's shape."""
+    In units of the 1-token time a w-token verify costs level + slope·u(w), u(w) the line's excess over
+    one token, both fitted by decayed least squares with a penalty on slope − level, so steps at one width
+    rescale every width at once and steps spread over widths bend the line. Each width's steps also
+    correct it (a CPU's cost may jump at one width), relative to all widths' steps together."""
 
     def __init__(self, line):
         self.one = line[1]
-        # u(w), never below a narrower width's: a wider forward never costs less than a narrower one
+        # u(w), never below a narrower width's
         self.added = [0.0] + list(itertools.accumulate((max(t / self.one - 1.0, 0.0) for t in line[1:]), max))
         self.sums = [0.0] * 5  # decayed sums over the steps of 1, u, u², y, u·y
         for u in (0.0, self.added[-1]):
@@ -210,11 +181,8 @@ class VerifyCost:
         return [0.0] + [self(w) for w in range(1, len(self.added))]
 
     def add(self, width, seconds):
-        """A step verified `width` tokens in `seconds` (see OUTLIER); a step timed at 0 s or less (its
-        draft timed longer than the whole step, on a busy machine) measures nothing. Returns the factor
-        by which every cost was rescaled (1.0: none): a plain step far faster than the line says shows
-        the line was timed in a slower moment (other work only ever slows a forward down), and steps
-        of one width alone would take many steps to bring down the rest of the line that they never time."""
+        """A step verified `width` tokens in `seconds` (<= 0: a busy moment, nothing measured). Returns the
+        factor every cost was rescaled by: a plain step far faster than the line shows it was timed slow."""
         if seconds <= 0:
             return 1.0
         faster = seconds / self(width) if width == 1 else 1.0

@@ -1,13 +1,10 @@
 """Drafters: whatever proposes the γ guesses of Algorithm 1, through one small interface:
 
-    start(prompt_ids, sampling, row)                 a new request, in cache row `row`
-    propose(k, sampling, rng, keep_guessing)         <= k guesses and their q [k', vocab] (None: one-hot);
-                                                     keep_guessing(i, confidence) may stop it early
-    accept(tokens, tokens_on_device, seen)           the tokens the target kept; `seen`: for drafters that
-                                                     read the target's states (reads_states), Seen
-    calls, encoder_calls, name, model, preview       statistics; what drafts; preview(k): the next guesses
-                                                     and how sure of each, free (or None)
-    weights (optional)                               trained weights whose costs gamma="auto" keeps apart
+    start(prompt_ids, sampling, row)            a new request, in cache row `row`
+    propose(k, sampling, rng, keep_guessing)    <= k guesses and their q [k', vocab] (None: one-hot)
+    accept(tokens, tokens_on_device, seen)      the tokens the target kept (seen: its states, if reads_states)
+    calls, encoder_calls, name, model, preview  statistics; what drafts; preview(k): free next guesses (or None)
+    weights (optional)                          trained weights whose costs gamma="auto" keeps apart
 
 Any q keeps the output exact, as long as each guess is drawn from the q reported.
 """
@@ -35,25 +32,23 @@ class Ask(NamedTuple):
     counts: Optional[Counts] = None  # a penalized row's (engine.Row), which a draft model's chain q is penalized by
     noise: object = None  # a coupled row's noise.Noise: a draft model guesses under the target's noise
     grammar: Optional[object] = None  # a constrained row's grammar.Matcher, which a draft model's chain q is masked by
-    depth: Optional[int] = None  # the deepest path any drafter may add (γ's most, and the tokens left to make)
+    depth: Optional[int] = None  # the deepest path any drafter may add (γ's most, or the tokens left)
 
 
 class Proposal(NamedTuple):
-    """A drafter's guesses: a chain's drafts [k] each drawn from q [k, vocab] (None: one-hot at them), or
-    a tree's nodes in topological order (parents: tree.py's form; None for a chain)."""
+    """A drafter's guesses: drafts [k] drawn from q [k, vocab] (None: one-hot), a tree's if parents is not None."""
     drafts: torch.Tensor
     q: Optional[torch.Tensor]
     parents: Optional[list] = None
 
 
-# draft="int8"/"int4": the target's own quantized copy, made on first use and kept while the target lives.
-SELF_DRAFT_MODES = ("int8", "int4")  # models.quant's MODES
-SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}
+SELF_DRAFT_MODES = ("int8", "int4")  # draft="int8"/"int4": the target's own quantized copy (models.quant's MODES)
+SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}, made on first use
 
 
 def make_drafter(draft, target):
-    """A drafter for `draft`: a loaded model, a draft head, "ngram", "lookup", "suffix", "int8" / "int4" (the
-    target quantized, built once per target), or a list of two (mixed.py)."""
+    """A drafter for `draft`: a model, a draft head, "ngram", "lookup", "suffix", "int8" / "int4" (the target
+    quantized, once per target), or a list of two (mixed.py)."""
     if isinstance(draft, (list, tuple)):
         from . import mixed  # [model, "suffix"]: both in one tree, an optional drafter read when asked for
         return mixed.MixedDrafter([make_drafter(part, target) for part in draft], target)
@@ -105,8 +100,7 @@ def check_same_vocabulary(target, draft):
 
 
 class ModelDrafter:
-    """A smaller model M_q guessing for one request in row `row` of its KV cache; a batch's rows guess
-    together (propose_together), and EAGLE heads draft through the same loop."""
+    """A smaller model M_q guessing for one request in row `row` of its KV cache (EAGLE heads too)."""
 
     name, preview = "model", None
     # a draft head's: the target's states it reads (True: the last; a tuple of layers: those entering them)
@@ -148,8 +142,7 @@ class ModelDrafter:
         self.next_logits = None  # known only after the unseen tokens go through the model
 
     def keep_path(self, accepted):
-        """After a tree: the accepted path's fed nodes move into place after the row's length instead of
-        going through the draft again (each attended to its path at its depth's position). How many."""
+        """After a tree: the accepted path's fed nodes move into place after the row's length. How many."""
         if self.tree is None:
             return 0
         tokens, parents, slots = self.tree
@@ -164,8 +157,7 @@ class ModelDrafter:
         return len(kept)
 
 
-# More unseen tokens than this (the prompt, plain steps) go through a row's own eager forward: a compiled
-# draft would compile a graph for every other width, and pad a batch's rows to the longest.
+# More unseen tokens than this go through a row's own eager forward: no graph per width, no padding.
 CATCH_UP_TOGETHER = 2
 
 
@@ -194,8 +186,7 @@ def catch_up(drafter):
 
 
 def propose_together(asks):
-    """Each row's Proposal (asks: one per cache row, in order), a chain or with a tree budget a tree, from
-    draft forwards all rows share; each row draws from its own generator, so it guesses what it would alone."""
+    """Each row's Proposal (one Ask per cache row) from shared draft forwards, each row drawing as it would alone."""
     drafters = [ask.drafter for ask in asks]
     model = drafters[0].model
     for drafter in drafters:
@@ -267,14 +258,12 @@ def penalized(logits, sampling, counts, guesses):
     return penalize(logits, sampling, generated, counts.prompt)
 
 
-# Children per node, and nodes expanded per depth, of a draft model's tree: on a CPU every fed token costs,
-# and wider trees stop paying for their draft forwards.
-TREE_WIDTH = 4
+TREE_WIDTH = 4  # children per node and nodes expanded per depth: wider trees stop paying for their forwards
 
 
 class DraftTree:
-    """One row's tree while the draft grows it, and its fed nodes in the order of their cache slots past the
-    row's length, with their parents there and (a head) each one's predicted state."""
+    """One row's growing tree, its fed nodes in cache-slot order past the row's length, their parents there
+    and (a head) their predicted states."""
 
     def __init__(self, ask):
         drafter, sampling, budget = ask.drafter, ask.sampling, ask.tree
@@ -295,9 +284,7 @@ class DraftTree:
 
 
 def draft_trees(model, drafters, asks):
-    """EAGLE-2's dynamic draft tree for each Ask: one draft forward a depth over every row's expanded nodes,
-    each attending to its own path past the row's length; a node's best children (greedy, q None) or draws
-    from q (DrawnGrowth). {id(drafter): Proposal}."""
+    """EAGLE-2's dynamic draft tree for each Ask, one shared draft forward a depth: {id(drafter): Proposal}."""
     heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
@@ -344,8 +331,7 @@ def draft_trees(model, drafters, asks):
 
 
 def add_children(trees, scored):
-    """Children for a depth's expanded nodes, scored: (tree, node, logits after it): the best ones when
-    greedy, in one host transfer; draws from q when sampled."""
+    """Children for scored (tree, node, logits after it): the best (greedy, one host transfer), else draws."""
     drawing = {}  # tree -> its expanded nodes and the logits after each
     for tree, node, logits in scored:
         if not tree.sampling.greedy:

@@ -1,18 +1,12 @@
 """The decoding engine: requests decoded together, each in a row of the static KV caches with its own
-length; a lone request is a batch of one row. Plain and speculative decoding, every drafter, sampling
-and greedy, stop strings and streaming all run through this one loop:
+length (a lone request is a batch of one). Every kind of decoding runs through this one loop:
 
     every step:  waiting requests take the free cache rows (continuous batching)
-                 speculative.step: each row guesses (its own policy and generator), one target
-                 forward over all rows, each row verifies its guesses (Algorithm 1) and rolls back
+                 speculative.step: each row guesses, one target forward over all rows, each verifies
                  rows that end (EOS, stop, max tokens) leave; the last rows move into the gaps
 
-Rows do not see each other: every forward computes a row's tokens exactly as it would alone
-(row-invariant forwards, models/kernels.py), padding never writes past a row's own tokens, and each row
-draws from its own generator in the order a lone request does. So each request's output is what it
-gives decoded alone: the same tokens when greedy, and when sampling the same tokens for the same seed
-(with a fixed γ: "auto" may choose other lengths in a batch, whose forwards cost otherwise; the
-distribution is the target's either way). T5 runs its encoder once per request, into its row.
+Forwards are row-invariant and each row draws from its own generator, so a request's output is what it
+gives alone, token for token for a seed ("auto" in a batch may choose other γ: the same distribution).
 """
 
 import time
@@ -29,10 +23,8 @@ from .speculative import Outcome, step
 
 
 class Segment(NamedTuple):
-    """A run of a trace: token ids of one kind, "target" (sampled by the target), "accepted" / "rejected"
-    (draft tokens) or "corrected" (the target's replacement of a rejection). A "rejected" segment holds
-    alternatives, not a sequence: a chain's rejected guess, or a token tree's every candidate rejected
-    where its walk stopped (the children of its accepted path's last node)."""
+    """A run of a trace: token ids of one kind, "target", "accepted", "rejected" (alternatives, not a
+    sequence: a tree's every child rejected where its walk stopped) or "corrected"."""
     ids: list
     kind: str
 
@@ -43,17 +35,13 @@ class Generation:
     text: str | None  # decoded tokens (None when the model has no tokenizer)
     stats: dict
     trace: list = field(default_factory=list)  # Segments in generation order
-    # Beam search only: the w final hypotheses, best first, and their scores (sum of log-probs / length).
-    sequences: list = field(default_factory=list)
-    scores: list = field(default_factory=list)
-    # With logprobs=k: a TokenLogprob for each token (its log-probability under the distribution it was
-    # drawn from, sampling.log_probs, and the k most likely tokens there), bit for bit plain decoding's.
-    logprobs: list | None = None
+    sequences: list = field(default_factory=list)  # beam search's w final hypotheses, best first
+    scores: list = field(default_factory=list)  # and their scores (sum of log-probs / length)
+    logprobs: list | None = None  # with logprobs=k: a speculative.TokenLogprob for each token
 
 
 class Update(NamedTuple):
-    """A step's news of one request: its index, the step's new tokens, their TokenLogprobs (None unless
-    asked), the step's Segments, and its Generation at its last step (None before)."""
+    """A step's news of one request; generation: its Generation at its last step (None before)."""
     index: int
     tokens: list
     logprobs: list | None
@@ -62,8 +50,7 @@ class Update(NamedTuple):
 
 
 class Row:
-    """A request in the batch: its settings, its random stream, its output so far, its statistics, and
-    its target cache row's length (the drafter keeps its own)."""
+    """A request in the batch: its settings, random stream, output, statistics and target cache row length."""
 
     def __init__(self, index, request, slot, target, alone, prefixes=None):
         self.index, self.request, self.slot = index, request, slot
@@ -89,7 +76,6 @@ class Row:
         self.forcing = []  # this step's guesses forced by the grammar
         if self.drafter:
             self.drafter.start(request.prompt_ids, self.sampling, slot)
-            # a batch's steps are shared: not timed
             self.policy.start(target, self.drafter, request.prompt_ids, timed=alone, tree=request.trees == "auto")
             self.stats.update(proposed=0, accepted=0, verified=0, accepted_lengths=[0] * (self.policy.k_max + 1),
                               verified_at=[0] * self.policy.k_max, accepted_at=[0] * self.policy.k_max)
@@ -98,8 +84,7 @@ class Row:
             prefixes.admit(self)
 
     def ask(self):
-        """What this step asks the drafter: γ as the policy chooses, never drafting past max_new_tokens
-        (nothing when the grammar forces this step's guesses)."""
+        """This step's Ask: γ as the policy chooses, never past max_new_tokens (none when the grammar forces)."""
         most = 0 if self.forcing else min(self.policy.k_max, self.request.max_new_tokens - len(self.tokens) - 1)
         return Ask(self.drafter, 0 if self.forcing else min(self.policy.guesses(), most), self.sampling, self.generator,
                    self.policy.keep_guessing, self.tree_budget(), self.counts, self.noise, self.grammar, most)
@@ -143,19 +128,15 @@ class Row:
         return len(self.tokens) >= self.request.max_new_tokens
 
     def tree_budget(self):
-        """The most nodes this step's token tree may have: the request's `tree` (with "auto", the
-        policy's choice for this step), or fewer where the cache row has less room left (None: a chain)."""
+        """The most nodes this step's tree may have, within the row's room (None: a chain)."""
         tree = self.policy.tree_nodes if self.request.trees == "auto" else self.request.trees
         if not tree:
             return None
         return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
     def advance_tree(self, nodes, parents, verdict, timing, seen=None, logprobs=None):
-        """Take a verified tree step (tree.py's TreeVerdict: the accepted path of node indices, the
-        target's token t, and the path's last node's children, all rejected). The path's keys
-        and values become a chain after the root in the target's cache row; then it is the step of a
-        chain whose guesses are the path and the first rejected child (what the statistics count),
-        whose trace shows every rejected child. logprobs: Outcome's."""
+        """Take a verified tree step (a TreeVerdict): the path's keys and values become a chain after the root,
+        and then it is the step of a chain of the path and its first rejected child."""
         path, t, rejected = verdict
         root = self.length - len(nodes) - 1  # the root's slot: the last token fed before the nodes
         self.request.target.keep(self.slot, [root + 1 + j for j in path], root + 1)
@@ -167,10 +148,7 @@ class Row:
                                     logprobs))
 
     def count(self, guesses, n, new_tokens, rejected):
-        """Count a step into the statistics, and its segments of the trace, coloured like the paper's
-        Figure 1: accepted guesses, the rejected candidates (a chain's one guess; a tree's children of
-        the node its walk stopped at, alternatives to each other), then the target's own token
-        ("corrected" after a rejection, "target" after full acceptance or without guesses)."""
+        """Count a step into the statistics and its Segments into the trace, coloured like the paper's Figure 1."""
         k, stats = len(guesses), self.stats
         if not stats["target_calls"]:
             stats["first_call_tokens"] = len(new_tokens)  # out of the prompt's forward
@@ -216,8 +194,7 @@ class Row:
 
 
 def counts(target, request):
-    """A penalized request's Counts, on the device: nothing generated yet, and its prompt's tokens (an
-    encoder's prompt is not the decoder's: none)."""
+    """A penalized request's Counts: nothing generated yet, and its prompt's tokens (an encoder's: none)."""
     prompt = torch.zeros(target.vocab_size, dtype=torch.bool, device=target.device)
     if not target.is_encoder_decoder:
         prompt[request.prompt_ids.view(-1).to(target.device)] = True
@@ -236,8 +213,7 @@ def add_segments(trace, segments):
 
 
 def final_text(target, stop, tokens):
-    """The output's text: the tokens decoded, ending before the stop string that ended them (None
-    without a tokenizer)."""
+    """The tokens decoded, ending before the stop string that ended them (None without a tokenizer)."""
     text = target.tokenizer.decode(tokens, skip_special_tokens=True) if target.tokenizer else None
     if text is not None and stop.text_end is not None:  # a stop string ended it: the text ends before it
         text = stop.text.text[:stop.text_end]
@@ -246,13 +222,10 @@ def final_text(target, stop, tokens):
 
 @torch.inference_mode()
 def decode(target, requests, rows, cancelled=None, prefixes=None):
-    """Decode checked requests (api.Request, all with the same kind of drafter, or none) at most `rows`
-    at a time, the models' caches already sized for them. `requests` is a list, or a source of requests
-    that arrive while others decode (the server's scheduler): an object whose take(free, wait) returns
-    up to `free` (index, request) pairs, blocking while none is waiting if `wait` (the batch is empty),
-    and returning none then only when no more will come. Between steps, rows for which
-    cancelled(index) is true leave at once, without news. Yields every step's news of each row, an
-    Update. `prefixes`: a decoding/prefix.py PrefixCache, which ended requests fill and new ones reuse."""
+    """Decode checked requests (api.Request, one kind of drafter) at most `rows` at a time, yielding each
+    row's Update every step. `requests`: a list, or a source whose take(free, wait) returns up to `free`
+    (index, request) pairs, blocking if `wait` and returning none then only when no more will come.
+    Rows whose cancelled(index) is true leave without news; `prefixes`: a prefix.PrefixCache."""
     source = requests if hasattr(requests, "take") else Waiting(requests)
     batch = []  # batch[i] lives in cache row i, of the target and of a draft model
     while True:
@@ -267,11 +240,11 @@ def decode(target, requests, rows, cancelled=None, prefixes=None):
             return
         plan = None
         if len(batch) > 1 and hasattr(batch[0].policy, "chosen"):
-            from .batched import choose, timed  # gamma="auto" in a batch: read only then
+            from .batched import choose  # gamma="auto" in a batch: read only then
             plan, started = choose(batch), time.perf_counter()
         ended = step(target, batch)
         if plan is not None:
-            timed(plan, started)
+            plan.load.timed(plan, time.perf_counter() - started)
         for row in batch:
             generation = None
             if row in ended:
@@ -300,8 +273,7 @@ def cache_models(target, batch):
 
 
 def leave(batch, ended, models):
-    """Ended rows leave the batch; rows that go on from past its new end move into the gaps, so the rows
-    stay 0..len-1. A move copies the positions the row holds, and no row that ended moves."""
+    """Ended rows leave; rows past the new end move into the gaps, so rows stay 0..len-1."""
     kept = len(batch) - len(ended)
     holes = [row.slot for row in ended if row.slot < kept]
     for hole, row in zip(holes, [row for row in batch[kept:] if row not in ended]):

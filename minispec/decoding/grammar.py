@@ -1,8 +1,6 @@
-"""Structured output (Settings.grammar: a JSON Schema, a regular expression, a Lark or GBNF grammar, or
-OpenAI's response_format) through llguidance, the optional extra minispec[grammar]. At every position a
-step scores, the tokens the grammar forbids after that position's path get -inf logits: a forbidden guess
-has p = 0 and is rejected, so positions after it are never read. A draft model's q is masked alike, and
-tokens the grammar forces are the step's guesses.
+"""Structured output (a JSON Schema, regex, Lark or GBNF grammar, or OpenAI's response_format) through the
+optional llguidance: tokens the grammar forbids after a position's path get -inf logits (a forbidden guess
+has p = 0), a draft's q is masked alike, and tokens the grammar forces are the step's guesses.
 """
 
 import json
@@ -119,8 +117,7 @@ class Matcher:
         return self.matcher.compute_logit_bias()[:self.vocab_size].translate(ALLOWED)
 
     def mask(self, logits, guesses, parents):
-        """logits [m+1, vocab] at a step's root and guesses, -inf where the grammar forbids a token after that
-        position's path (a position whose path it forbids is left as it is)."""
+        """logits [m+1, vocab] at a step's root and guesses, -inf where the grammar forbids a token there."""
         rows = [self.allowed_after(path) or b"\1" * self.vocab_size for path in paths(guesses.tolist(), parents)]
         return masked(logits, rows)
 

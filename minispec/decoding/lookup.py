@@ -1,6 +1,5 @@
-"""The drafters that read only the text: paper 3.6's bigram model (ngram) and prompt lookup (lookup), which
-copies what followed the latest earlier occurrence of the context's last tokens. Neither has weights or a
-cache: both live on the host, and their guesses cost nothing but the verify positions."""
+"""The drafters that read only the text, on the host: paper 3.6's bigram model (ngram) and prompt lookup
+(lookup), which copies what followed the latest earlier occurrence of the context's last tokens."""
 
 from collections import Counter, defaultdict
 from itertools import islice
@@ -22,8 +21,7 @@ class Preview(NamedTuple):
 
 
 class TextDrafter:
-    """What the drafters that read only the text share (suffix.py's too): no model or cache, and trees of
-    fixed candidates, so a step proposes the first nodes of the tree it previewed."""
+    """What the text drafters share (suffix.py's too): no model or cache; a step's tree is its preview's first nodes."""
 
     model, encoder_calls, reads_states, calls = None, 0, False, 0
 
@@ -41,8 +39,8 @@ class TextDrafter:
 
 
 def trie_of(paths, most):
-    """The trie of `paths` ((tokens, match length) each, longest first): a PreviewedTree, how sure of each
-    node a copying drafter is its share of its parent's paths, times its longest match over `most`."""
+    """The trie of `paths` ((tokens, match length) each) as a PreviewedTree: a node's confidence is its share
+    of its parent's paths times its longest match over `most`."""
     tokens, parents, visits, longest, nodes = [], [], [], [], {}  # nodes: (parent, token) -> node
     for path, matched in paths:
         at = -1
@@ -67,8 +65,7 @@ def copy_after(context, end, k):
 
 
 class NgramDrafter(TextDrafter):
-    """Paper 3.6's simplest M_q: bigram counts of the context (unigrams for an unseen token), q their
-    normalization, sampled on the host with its own generator seeded from the caller's."""
+    """Paper 3.6's simplest M_q: the context's bigram counts (unigrams after an unseen token), normalized."""
 
     name = "ngram"
 
@@ -146,8 +143,8 @@ class NgramDrafter(TextDrafter):
 
 
 class LookupDrafter(TextDrafter):
-    """Paper 3.6's copy heuristic (prompt lookup): what followed the latest earlier occurrence of the
-    context's longest suffix (up to `max_ngram` tokens), copied on past the context's end as LZ77 does."""
+    """Prompt lookup: what followed the latest earlier occurrence of the context's longest suffix (up to
+    `max_ngram` tokens), copied on past the context's end as LZ77 does."""
 
     name = "lookup"
 
@@ -166,7 +163,6 @@ class LookupDrafter(TextDrafter):
             for n in range(1, min(self.max_ngram, end + 1) + 1):
                 self.ends[tuple(self.context[end + 1 - n:])].append(end)
 
-
     def continuation(self, k):
         """The k guesses, and the length of the match they copy (0: none)."""
         for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1):
@@ -176,8 +172,8 @@ class LookupDrafter(TextDrafter):
         return [], 0
 
     def preview_tree(self, k, budget):
-        """A tree of at most `budget` guesses, k deep, likeliest first: the trie of what followed up to
-        TREE_OCCURRENCES earlier occurrences of the suffix, longest suffixes and latest first."""
+        """The likeliest `budget` nodes, k deep, of the trie of what followed the suffix's latest
+        TREE_OCCURRENCES earlier occurrences, longest suffixes first."""
         paths = {}  # end -> (what followed, n): a longer suffix's occurrence ends where a shorter one's does
         earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))

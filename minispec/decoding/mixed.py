@@ -1,7 +1,6 @@
-"""draft=[model, "suffix"]: a model's (or head's) guesses and a cheap drafter's ("lookup", "suffix") in one
-token tree. The cheap chain runs up to its first guess less than HALF sure: none, the model guesses alone;
-a sure first guess, the cheap chain alone; else both in one tree, the cheap tokens fixed candidates after
-the model's draws (tree.sample_walk keeps that exact). The policy prices the mix apart (`mixed_with`).
+"""draft=[model, "suffix"]: a model's (or head's) guesses and a cheap drafter's chain, up to its first guess
+under HALF sure, in one tree (the cheap tokens fixed candidates after the model's draws: exact); a SURE first
+cheap guess goes alone. The policy prices the mix apart (`mixed_with`).
 """
 
 from ..models.kernels import to_device
@@ -62,8 +61,7 @@ class MixedDrafter:
         return [ask.drafter.merge(proposal, chain) for ask, proposal, (chain, _) in zip(asks, inner, chains)]
 
     def merge(self, proposal, chain):
-        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room); q stays the
-        model's nodes'."""
+        """The model's proposal and the cheap chain in one tree of at most max(its nodes, room)."""
         self.chain = None
         if not chain:
             return proposal

@@ -8,8 +8,7 @@ from .sampling import exponential
 
 
 class Noise:
-    """A seeded row's races by position: the one at output position t comes from (seed, t) alone, whoever
-    draws there. `start`: the step's first position; a step's races are kept until its verification."""
+    """A seeded row's races: the one at output position t from (seed, t) alone, kept until verified."""
 
     def __init__(self, seed, vocab_size, device):
         self.seed, self.vocab_size, self.device = seed, vocab_size, device

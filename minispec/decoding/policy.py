@@ -1,23 +1,10 @@
-"""How many guesses each speculative step makes: a fixed γ (Algorithm 1 as written), or γ = "auto",
-chosen before every step (paper section 3.5, per step) as the k in 0..γ_max with the most expected
-tokens per second, E(k) / T(k): E from the rates of the pair's verified guesses (rates.py), T from the
-costs its steps measured (costs.py), both kept for the pair's next request and process (profiles.py).
-
-- A drafter whose guesses cost nothing to preview (lookup; ngram when greedy) is checked every step,
-  guessing or not: its preview against the tokens the target emitted is exactly what verification
-  would have found, so its rates stay current without spending a forward, and a step takes the k that
-  pays most for these very guesses, each priced by its confidence bin.
-- A draft model that reads its confidence in each guess for free (on a CPU) stops early once one more
-  guess costs more time than it is expected to gain (`keep_guessing`).
-- Other drafters are checked only when they guess, so after k = 0 has been chosen for a while a
-  1-guess probe checks whether speculation pays again, where guesses that all survive would pay.
-- With tree="auto" (tree.py), a previewing drafter offers its tree every step and the policy verifies
-  its first nodes with the most expected tokens per second (`tree_gains`); a drafter whose trees cost
-  forwards to grow (a draft model, a head) takes the faster of chains and trees by their measured
-  tokens per second, probing the other now and then (`choose_mode`).
-- In a batch, whose forward pads every row to its widest, the rows choose one k together (batched.py).
-
-Exactness is untouched: the policy only chooses how many guesses Algorithm 1 verifies, and in what shape.
+"""How many guesses each speculative step makes: a fixed γ (Algorithm 1 as written), or γ = "auto": before
+every step the k in 0..γ_max with the most expected tokens per second, E(k) / T(k), E from the pair's
+acceptance rates (rates.py), T from its measured step costs (costs.py), both kept for the pair's next
+request (profiles.py). A drafter that previews for free is priced on the very guesses it previews; a CPU
+draft model stops early (`keep_guessing`); others get 1-guess probes after plain steps. With tree="auto" a
+previewed tree is cut to its best prefix (`tree_gains`); trees that cost forwards race chains (`choose_mode`).
+The policy only chooses how many guesses Algorithm 1 verifies, and in what shape: exactness is untouched.
 """
 
 import weakref
@@ -33,17 +20,14 @@ from ..settings import GAMMA_MAX
 from .tree import TREE_AUTO, chain_length, depths
 
 BEAM_GAMMA_MAX = 4  # fewer draft beam steps in speculative beam search, each verifying w + u·k rows
-# Per step of each kind (chain, tree, plain), so that their tokens per second follow the last ~30 such
-# steps: a step makes 1 to k + 1 tokens, and over fewer a short run of rejections would price a mode out.
-MODE_DECAY = 0.97
-MODE_EVIDENCE = 8  # decayed steps of the mode not preferred before its probes grow apart: a few may lose by chance
+MODE_DECAY = 0.97  # per step of a mode: over fewer than ~30 steps a run of rejections would price it out
+MODE_EVIDENCE = 8  # decayed steps of the mode behind before its probes grow apart: a few may lose by chance
 
 
 class FixedGamma:
     """γ guesses every step: the paper's Algorithm 1 as written."""
 
-    keep_guessing = None
-    tree_nodes = None  # tree="auto" under a fixed γ verifies chains: the paper's Algorithm 1 as written
+    keep_guessing = tree_nodes = None  # tree="auto" under a fixed γ verifies chains
 
     def __init__(self, gamma):
         self.k_max = gamma
@@ -77,7 +61,7 @@ class Mode(NamedTuple):
 
 
 def drafting(drafter, beams, tree):
-    """Drafting for a request's drafter (beams: speculative beam search's (w, u); tree: tree="auto")."""
+    """beams: speculative beam search's (w, u); tree: tree="auto"."""
     on_host = reads_on_host(drafter)
     preview = drafter.preview if beams is None else None
     preview_tree = getattr(drafter, "preview_tree", None) if tree and preview is not None else None
@@ -91,7 +75,6 @@ PROFILES = weakref.WeakKeyDictionary()
 
 def profile_for(target, drafter, beams, k_max):
     """The pair's profile: as this process left it, else as the last process here did, else new."""
-    # what drafts: a draft model, a model-free drafter's own weights (Medusa heads), or its name alone
     owner = drafter.model if drafter.model is not None else getattr(drafter, "weights", None)
     key = (drafter.name if owner is None else id(owner), beams) + getattr(drafter, "mixed_with", ())  # mixed.py
     pairs = PROFILES.setdefault(target, {})
@@ -112,21 +95,19 @@ def profile_for(target, drafter, beams, k_max):
 
 
 def stored_profile(profile):
-    """Fill a new profile from the pair's file, if there is one (tests replace this)."""
+    """Fill a new profile from the pair's file (tests replace this)."""
     profiles.load(profile.key, profile)
 
 
 class AdaptiveGamma:
-    """γ = "auto": before each step, the k in 0..k_max with the most expected tokens per second; in a
-    batch, the k its rows chose together (batched.py), set as `chosen` before the step."""
+    """γ = "auto": the k in 0..k_max with the most expected tokens per second (a batch's: `chosen`)."""
 
     def __init__(self, k_max):
         self.k_max, self.chosen, self.resting = k_max, None, False
 
     def start(self, target, drafter, prompt_ids, beams=None, timed=True, tree=False):
-        """A new request; beams = (w, u) for speculative beam search, whose steps verify w + u·k
-        hypotheses and whose draft steps each extend u. timed: whether its steps will be timed (not
-        in a batch, whose steps are shared). tree: whether the policy chooses token trees too."""
+        """A new request; beams: speculative beam search's (w, u); timed: whether its steps are timed (not
+        a batch's, which are shared); tree: whether the policy chooses token trees too."""
         profile = profile_for(target, drafter, beams, self.k_max)
         token = prompt_ids[0, -1]
         if profile.t_verify is None and not timed:
@@ -137,8 +118,7 @@ class AdaptiveGamma:
                         new_pair(target, drafter, self.k_max, beams, profile.t_draft is not None))
 
     def start_from(self, profile, drafting, tp=None, pair=None):
-        """start's second half, from the pair's profile (tests start here). tp: the target's tensor-
-        parallel group, whose rank 0's timings every rank takes; pair: a costs.NewPair."""
+        """start's second half (tests start here); tp: the target's group, whose rank 0's timings all take."""
         self.profile, self.drafting, self.tp, self.pair = profile, drafting, tp, pair
         self.verify = None if profile.t_verify is None else VerifyCost(profile.t_verify)  # None: nothing timed
         self.t_draft = profile.t_draft  # None: nothing timed
@@ -147,7 +127,7 @@ class AdaptiveGamma:
         self.keep_guessing = self._keep_guessing if drafting.early_stop else None
         self.tree_nodes = None  # with tree="auto": this step's tree budget (None: a chain), set by guesses()
         self.planned = None  # the planned tree's expected tokens
-        self.previewed, self.previewed_tree = None, None  # this step's previewed guesses, or PreviewedTree
+        self.previewed = self.previewed_tree = None  # this step's previewed guesses, or PreviewedTree
         self.confidences = []  # the drafter's confidence in each guess of this step
         self.histogram = [0] * (self.k_max + 1)
         self.guessed_last_step, self.expected_tokens, self.seen = False, 0.0, Seen()
@@ -158,12 +138,11 @@ class AdaptiveGamma:
         return 1.0 + a * (k if b >= 1 else (1 - b ** k) / (1 - b))
 
     def later_rate(self):
-        """b, or a while no guess after an accepted one has been verified for this pair."""
+        """b, or a until a guess after an accepted one is verified."""
         return self.first.value if self.later is None else self.later.value
 
     def survival(self, bins, confidence, first):
-        """The chance that a guess this sure survives, given that the guesses before it did: its bin's
-        rate in `bins`, shrunk towards the rate of any guess in its place (a if first, else b)."""
+        """The chance a guess this sure survives after those before it did: its bin's rate, shrunk to a or b."""
         return shrunk(bins, confidence, self.first.value if first else self.later_rate())
 
     def expected_with(self, sure):
@@ -175,13 +154,11 @@ class AdaptiveGamma:
         return tokens
 
     def seconds(self, k, rows=1):
-        """T(k) for `rows` rows that each feed k + 1 tokens: one target forward over rows × (k + 1)
-        positions, and draft steps that grow with the rows as the target's forward does."""
+        """T(k) for `rows` rows that each feed k + 1 tokens; draft steps grow with rows as a verify does."""
         return k * self.t_draft * self.verify(rows) / self.verify(1) + self.verify(rows * (k + 1))
 
     def gains(self):
-        """[E(0), E(1), ..] for this step: the expected tokens with k guesses (with previewed trees, the
-        tree's first k nodes), from the guesses its drafter previews, if it does."""
+        """[E(0), E(1), ..] for this step, from the drafter's previewed guesses or tree if it has them."""
         self.tree_nodes, self.confidences = None, []
         if self.drafting.preview_tree is not None:
             return self.tree_gains()
@@ -214,17 +191,13 @@ class AdaptiveGamma:
         if best == 0 and (self.trees_pay() or mode == ("tree", True)):
             best = 1  # measured, or due to be, whatever a's estimate says: a's is of a chain's first guess
         best = self.probed(best)
-        if best and mode.name == "tree":
-            # The drafter's TREE_WIDTH likeliest first guesses, one depth: every depth more costs a draft
-            # forward, which deeper trees did not bring back.
+        if best and mode.name == "tree":  # one depth of TREE_WIDTH first guesses: deeper ones did not pay
             self.tree_nodes = TREE_WIDTH
             return 1
-        # A drafter that reports confidences guesses on while keep_guessing says so, up to k_max.
         return self.k_max if best and self.keep_guessing else best
 
     def probed(self, best):
-        """best, or after profile.probe_after plain steps a 1-guess probe where guesses could pay at all.
-        Plain steps count across requests: many short ones must not lock a pair out of speculating."""
+        """best, or after probe_after plain steps (across requests) a 1-guess probe where guesses could pay."""
         profile = self.profile
         if best:  # speculation pays again: should it stop, probe soon
             profile.plain_steps, profile.probe_after = 0, PROBE_AFTER
@@ -240,10 +213,8 @@ class AdaptiveGamma:
         return any((k + 1) * self.seconds(0) > self.seconds(k) for k in range(1, self.k_max + 1))
 
     def _keep_guessing(self, i, confidence):
-        """After guess i (1-based) with the draft's probability `confidence` of it: guess once more?
-        Yes while more guesses, each as likely as any after an accepted one, are expected to make more
-        tokens per second than the step so far. Looking past the next one: a CPU's verify costs may
-        jump at some width and be flat after it, where one guess more would not pay but three would."""
+        """Guess once more after guess i (1-based), `confidence` sure? Yes while some more guesses, each as
+        likely as b, pay: a CPU's verify may jump at one width, so one more may not pay where three do."""
         self.confidences.append(confidence)
         if i >= self.k_max:
             return False
@@ -258,9 +229,8 @@ class AdaptiveGamma:
         return False
 
     def tree_gains(self):
-        """The expected tokens with the previewed tree's first 0, 1, .. nodes, up to k_max that form a
-        chain or TREE_AUTO that branch. A node's expected contribution is the chance its whole path
-        survives; a forward is priced by its width, whatever its shape (tree steps time the same line)."""
+        """The expected tokens with the previewed tree's first 0, 1, .. nodes (up to k_max in a chain or
+        TREE_AUTO branching): each node adds the chance its path survives."""
         _, parents, sure = self.previewed_tree = self.drafting.preview_tree(self.k_max, max(self.k_max, TREE_AUTO))
         self.previewed, depth, reach, self.tree_expected = None, depths(parents), [], [1.0]
         for j, (parent, confidence) in enumerate(zip(parents[:max(chain_length(parents), TREE_AUTO)], sure)):
@@ -270,15 +240,13 @@ class AdaptiveGamma:
         return self.tree_expected
 
     def take_tree(self, nodes):
-        """The previewed tree's first `nodes` nodes (or all it has) as this step's: sets tree_nodes
-        (None: no guess) and returns their depth."""
+        """The previewed tree's first `nodes` nodes as this step's (tree_nodes); returns their depth."""
         nodes = min(nodes, len(self.tree_expected) - 1)
         self.tree_nodes, self.planned = nodes or None, self.tree_expected[nodes]
         return max(depths(self.previewed_tree.parents)[:nodes], default=0)
 
     def learn_tree(self, emitted):
-        """Every previewed node whose parent survived, against the tokens the target emitted: the node
-        survives iff its token is the one emitted at its depth (exact for any verification)."""
+        """Count each previewed node whose parent survived: it survives iff the target emitted it there."""
         tokens, parents, sure = self.previewed_tree
         survived = []
         for token, parent, confidence, depth in zip(tokens, parents, sure, depths(parents)):
@@ -288,18 +256,14 @@ class AdaptiveGamma:
                 count(self.profile.tree_confidence[depth > 1], confidence, survived[-1])
 
     def trees_pay(self):
-        """Whether a branching drafter's tree steps measured more tokens per second than plain steps did:
-        both wall-clock times of whole steps, so alike (the cost model's plain step is a fit)."""
+        """Whether a branching drafter's tree steps measured more tokens per second than plain steps."""
         (tokens, seconds, _), (plain_tokens, plain_seconds, _) = self.profile.modes["tree"], self.profile.modes["plain"]
         return (self.drafting.branching and seconds > 0 and plain_seconds > 0
                 and tokens / seconds > plain_tokens / plain_seconds)
 
     def choose_mode(self):
-        """A branching drafter's step: Mode(whichever of "tree" and "chain" measured the more tokens per
-        second in steps with guesses, False), or Mode(the other, True) once profile.mode_probe_after
-        steps of any kind have passed since it was last tried: counting plain steps too, a tree that
-        measured slow once is tried again while a's estimate keeps chains out. The interval doubles
-        only once the other has MODE_EVIDENCE steps to its name, as a few steps may lose by chance."""
+        """Mode(the faster of "tree" and "chain", False), or Mode(the other, True) after mode_probe_after
+        steps of any kind; the interval doubles once the other has MODE_EVIDENCE steps to its name."""
         profile = self.profile
         (chain_tokens, chain_seconds, _), (tree_tokens, tree_seconds, _) = profile.modes["chain"], profile.modes["tree"]
         preferred = "tree" if tree_seconds and (not chain_seconds or
@@ -316,10 +280,8 @@ class AdaptiveGamma:
         return Mode(other, True)
 
     def observe(self, k, n, emitted, draft_seconds, step_seconds, nodes=0):
-        """A step made k guesses, the target accepted n and emitted `emitted` (host ids; a stop may cut
-        them short); it took step_seconds (None for the prompt's forward, which also verified the
-        first guesses), draft_seconds of them drafting. nodes: the tree's guesses, 0 for a chain (a
-        tree's k guesses are its accepted path and the first rejected child)."""
+        """A step of k guesses (a tree's: its path and first rejected child; nodes: all it had) accepted n
+        and emitted `emitted` in step_seconds (None: the prompt's forward), draft_seconds drafting."""
         self.histogram[k] += 1
         previewed = self.previewed is not None
         if self.previewed_tree is not None:
@@ -334,9 +296,7 @@ class AdaptiveGamma:
         else:
             verified = min(n + 1, k)
         self.learn_rates(n, verified)
-        # A draft model feeds the tokens it has not seen at its next guess: one or two after a step with
-        # guesses, but after plain steps (or the prompt) many, a cost that is no guess's: timed as one,
-        # it would make probes look so dear that guessing could never pay again.
+        # After plain steps a draft model feeds the many tokens it skipped: no guess's cost.
         regular, self.guessed_last_step = self.guessed_last_step, k > 0
         if step_seconds is not None:
             self.learn_costs(k, len(emitted), nodes, regular, *agreed(self.tp, [draft_seconds, step_seconds]))
@@ -351,13 +311,11 @@ class AdaptiveGamma:
                 self.later.add(n - (n > 0), verified - 1)
             self.seen = Seen(*(x + y for x, y in zip(self.seen, (n > 0, 1, n - (n > 0), verified - 1))))
         if not verified and self.drafting.preview is None:
-            # A drafter checked only when it guesses: a drifts back to the request's rate over all its
-            # guesses, or a short run of rejections would keep guessing out until a probe, many steps on.
+            # a drifts back to the request's rate: a run of rejections must not keep guessing out till a probe
             seen = self.seen
             self.first.move_towards(carried(seen.first_accepted, seen.first_verified, self.profile.first, PRIOR_WEIGHT))
         if verified <= 1 and self.later is not None:
-            # Nothing checked after an accepted guess: b drifts to a (the i.i.d. model), or a low b
-            # learnt on other text would keep a sure draft at one guess a step, never measuring b again.
+            # b drifts to a: a low b learnt on other text would keep a sure draft at one guess for good
             self.later.move_towards(self.first.value)
         for j, confidence in enumerate(self.confidences[:verified]):
             count(self.profile.confidence, confidence, j < n)
@@ -372,8 +330,7 @@ class AdaptiveGamma:
             mode = self.profile.modes["plain" if not k else "tree" if nodes else "chain"]
             mode[:] = [x * MODE_DECAY + y for x, y in zip(mode, (tokens, step_seconds, 1))]
         measure_draft = self.drafting.measure_draft
-        # After plain steps a draft model also feeds the tokens it skipped: its time then bounds a guess's
-        # from above only, and is taken only where it brings the estimate down.
+        # after plain steps the draft's time also fed skipped tokens: only an upper bound on a guess's
         if k and measure_draft and not nodes and (regular or draft_seconds / k < self.t_draft):
             self.t_draft = refined(self.t_draft, draft_seconds / k)
         if nodes and self.drafting.preview_tree is None:
@@ -395,8 +352,7 @@ class AdaptiveGamma:
             profile.t_draft = self.t_draft
         profiles.save(profile.key, profile)
         steps = sum(self.histogram)
-        # the pair's rate per bin of the drafter's confidence (0-0.2, ..., 0.8-1), None before any guess;
-        # with previewed trees, their nodes' (each given its parent survived), at every depth
+        # the rate per confidence bin (0-0.2, ..., 0.8-1); with previewed trees, their nodes' at every depth
         bins = profile.confidence if self.drafting.preview_tree is None else [
             (a + c, v + w) for (a, v), (c, w) in zip(*profile.tree_confidence)]
         return {

@@ -1,9 +1,6 @@
-"""Prefix caching: a request whose prompt begins with tokens an earlier request computed copies their
-keys and values instead of recomputing them. They are stored on the CPU in whole blocks of BLOCK tokens,
-in a tree per model whose paths are the token sequences seen, least recently used evicted past the budget.
-The forwards are row-invariant, so the output is a cold run's token for token. Rows of one prompt that
-join together share its forward (share_prompt). Skipped: encoder-decoder models, tensor-parallel shards,
-and requests that read the states of every prompt token."""
+"""Prefix caching: a prompt's stored keys and values, in CPU blocks of BLOCK tokens in a tree per model (LRU
+evicted), are copied instead of recomputed: row-invariant forwards make the output a cold run's. Rows of one
+prompt that join together share its forward. Not for encoder-decoders, TP shards or states readers."""
 
 import threading
 import weakref
@@ -41,8 +38,7 @@ class PrefixCache:
         self.lock = threading.Lock()  # one cache may serve decoding threads of different models
 
     def admit(self, row):
-        """A request joining the batch: its cache rows take the stored prefix of its prompt (but its last
-        token, whose logits are needed); counted in stats["cached_tokens"]."""
+        """A joining request's cache rows take its prompt's stored prefix (stats["cached_tokens"])."""
         request, drafter, cached = row.request, row.drafter, 0
         prompt = request.prompt_ids.view(-1).tolist()[:-1]  # the last token is computed: its logits are needed
         if not request.reads_states and usable(request.target):
@@ -121,8 +117,7 @@ class PrefixCache:
         return root
 
     def make_room(self, size, keep):
-        """Evict the least recently used blocks until `size` more bytes fit; False where that would evict
-        the path being extended (`keep` and before)."""
+        """Evict the least recently used blocks until `size` more bytes fit; False if `keep`'s path would go."""
         path = set()
         while keep is not None:
             path.add(keep)
@@ -151,8 +146,7 @@ def usable(model):
 
 
 def share_prompt(target, batch):
-    """The newest row, when a row that has not stepped holds the same prompt (n answers), copies its keys
-    and values after the prompt but its last token goes through once."""
+    """The newest row copies an unstepped row's keys and values of the same prompt (n answers), fed once."""
     row = batch[-1]
     if row.request.reads_states or len(row.unseen) < 2:  # states of every prompt token wanted; T5's one token
         return

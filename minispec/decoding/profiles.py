@@ -1,12 +1,6 @@
-"""What gamma="auto" learns about a (target, drafter) pair on this machine (`PairProfile`), kept on disk
-between processes: each run.py call is a fresh process, and without this every one would start from nothing.
-
-One small JSON file a pair, in the folder MINISPEC_PROFILES names (default: `profiles/` in the weights
-folder; "off" keeps nothing), named by a hash of everything the costs depend on: both models'
-checkpoints (their files' paths, sizes and times) and quantization, dtype, device, compilation, the
-thread count, torch's version, the drafter and the beam shape. A changed checkpoint or setting is then
-another file. Files are written whole (a temporary file renamed over the old one), so a killed process
-leaves the last complete one; a file that cannot be read is ignored, with a note on stderr.
+"""What gamma="auto" learns about a (target, drafter) pair (`PairProfile`), kept between processes (each
+run.py call is one): a JSON file a pair in MINISPEC_PROFILES (default: `profiles/` in the weights folder;
+"off" keeps nothing), named by a hash of all the costs depend on, written whole; a bad file is ignored (noted).
 """
 
 import hashlib
@@ -24,9 +18,7 @@ from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA
 VERSION = 9  # of the files' contents: files of another version, whose costs were other kernels', are ignored
 FIELDS = ("t_verify", "t_draft", "first", "later", "plain_steps", "probe_after", "confidence", "tree_confidence",
           "modes")
-# Steps before a probe of what the costs say not to do (guessing, or the mode not preferred): soon
-# enough to notice a change, and doubled after each probe that finds it still does not pay, up to
-# PROBE_MAX, so that a pair where it never pays spends little on probes.
+# Steps before a probe of what does not pay (guessing, the mode behind), doubled up to PROBE_MAX while it does not.
 PROBE_AFTER, PROBE_MAX = 8, 128
 
 
@@ -36,17 +28,13 @@ class PairProfile:
     def __init__(self):
         self.t_verify = None  # seconds of a target forward over w tokens, index w (0 unused): a line
         self.t_draft = None  # seconds per guess
-        # a and b (rates.py); b is None until a guess after an accepted one has been verified: till then
-        # a stands in for it. A prior of its own would lock a sure draft out: were a second guess not
-        # worth its cost at that prior, none would be made, and b never measured.
+        # a and b (rates.py); b is None (a stands in) until measured: a prior of its own could lock it out
         self.first, self.later = DEFAULT_ALPHA, None
         self.plain_steps, self.probe_after = 0, PROBE_AFTER  # steps without guesses since the last probe
-        # decayed [accepted, verified] guesses per bin of the drafter's confidence (rates.py): the chains',
-        # and the previewed tree nodes' at depth 1 and deeper
+        # decayed [accepted, verified] per confidence bin: the chains', and previewed tree nodes' at depth 1 and deeper
         self.confidence = [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)]
         self.tree_confidence = [[[0.0, 0.0] for _ in range(CONFIDENCE_BINS)] for _ in range(2)]
-        # decayed [tokens, seconds, steps] of the steps with guesses verified as chains and as trees, and
-        # of plain steps (tree="auto" with a drafter whose trees cannot be previewed)
+        # decayed [tokens, seconds, steps] of chain, tree and plain steps (a branching drafter's choice)
         self.modes = {"chain": [0.0, 0.0, 0.0], "tree": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]}
         self.mode_steps, self.mode_probe_after, self.preferred = 0, PROBE_AFTER, "chain"
         self.key = None  # of the pair's file (pair_key); None: kept in this process only
@@ -69,7 +57,7 @@ def identity(model):
 
 
 def pair_key(target, drafter, beams, k_max):
-    """The key of a pair's file (a dict), or None for models loaded otherwise than from a checkpoint."""
+    """The key of a pair's file (a dict), or None for models not loaded from a checkpoint."""
     draft, weights = drafter.model, getattr(drafter, "weights", None)  # weights: Medusa heads'
     if target.fingerprint is None or any(m is not None and m.fingerprint is None for m in (draft, weights)):
         return None
@@ -134,7 +122,7 @@ def check(values, widths):
 
 
 def save(key, profile):
-    """Write the pair's file whole, replacing the last; a folder that cannot be written is noted once."""
+    """Write the pair's file whole; a folder that cannot be written is noted once."""
     global unwritable
     path = path_of(key)
     if path is None:
@@ -153,8 +141,7 @@ unwritable = False  # noted once a process
 
 
 def write_whole(path, data):
-    """A temporary file renamed over the old one: a process killed while writing, or another process
-    writing the same file, never leaves half a file."""
+    """A temporary file renamed over the old one: no writer ever leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
     try:

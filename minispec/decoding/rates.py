@@ -42,8 +42,7 @@ class Seen(NamedTuple):
 
 
 def carried(accepted, verified, prior, weight=HISTORY_WEIGHT):
-    """A pair's rate after a request that saw `accepted` of `verified`, from `prior` (as if from `weight`
-    positions)."""
+    """A pair's rate after a request saw `accepted` of `verified`, from `prior` (as if `weight` positions)."""
     return (accepted + prior * weight) / (verified + weight)
 
 

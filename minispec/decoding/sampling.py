@@ -1,7 +1,5 @@
-"""Standardized sampling (paper section 2.2): argmax, temperature, top-k, top-p and min-p become "sample
-from an adjusted distribution", applied alike to the draft's q and the target's p. Penalties change the
-target's logits first, each position counting the guesses before it (`path_counts`), which precede it
-whenever its p is used, so penalized speculative decoding stays exact.
+"""Standardized sampling (paper section 2.2): every setting becomes "sample from an adjusted distribution",
+alike for q and p. Penalties count the guesses on each position's path (`path_counts`): exact.
 """
 
 import math
@@ -48,8 +46,7 @@ class Counts(NamedTuple):
 
 
 def penalize(logits, sampling, generated, prompt):
-    """logits penalized as vLLM does (repetition, then frequency and presence) by generated [..., vocab]
-    counts and the prompt's tokens."""
+    """logits penalized as vLLM does (repetition, then frequency and presence)."""
     logits = logits.float()
     if sampling.repetition_penalty != 1:
         r = sampling.repetition_penalty
@@ -73,8 +70,7 @@ def adjust(logits, sampling):
 
 
 def log_probs(logits, sampling):
-    """The log-probabilities a token is reported with: of the distribution it is drawn from, but greedy's
-    the logits' own log-softmax."""
+    """The log-probabilities reported: of the distribution drawn from (greedy: the logits' own)."""
     return processed(logits, sampling).log_softmax(-1)
 
 
@@ -96,8 +92,8 @@ def processed(logits, sampling):
     return logits
 
 
-# torch.sort is slow on a CPU and top-p seldom keeps more than a few hundred tokens: a CPU looks for the
-# cutoff among the most likely first, sorting whole only the rows that fall short (a host read, so GPUs sort).
+# torch.sort is slow on a CPU and top-p seldom keeps more than a few hundred tokens: a CPU looks among the
+# likeliest first, sorting only rows that fall short (a host read, so GPUs sort).
 TOP_P_CANDIDATES = 256
 
 
@@ -127,9 +123,8 @@ def kept_minimum(ordered, mass, top_p):
 
 
 def sample(probs, generator=None, at=0):
-    """One token per row of probs [..., vocab], without a host sync: argmax(p / E), E ~ Exponential(1), the
-    exponential race (Gumbel-max). generator: a torch.Generator, or a Noise, whose races are those of the
-    step's positions `at` (the first row's offset, or a list)."""
+    """One token per row of probs [..., vocab], without a host sync: argmax(p / E), E ~ Exponential(1).
+    generator: a torch.Generator, or a Noise (races at the step's positions `at`: an offset or a list)."""
     return (probs / race(probs, generator, at)).argmax(-1)
 
 

@@ -12,13 +12,10 @@
         t ~ p'(x),  prefix + [x_1..x_n, t]
 
 This yields 1 to γ+1 tokens per target forward, with exactly the target's distribution (Appendix A.1).
-Greedy is the same algorithm with one-hot p and q: the output equals target-only greedy token for token
-(`accept_greedy` compares argmaxes). Lenience l (Appendix A.5) accepts with min(1, p / (l·q)); l = 1 is exact.
-Coupling "gumbel" (the default) draws each output position from the seed and the position alone (noise.py),
-the target's token argmax(p / E) and a guess accepted iff it equals it, so the output is the same with any
-drafter, γ, tree or batch. `step` runs the loop body for every row of a batch at once (engine.py), each in
-its own rows of the static KV caches, rolled back after each step by moving length pointers; a row may
-guess a tree (tree.py), which the target scores in the same forward and the host walks.
+Greedy is the same with one-hot p and q (`accept_greedy` compares argmaxes). Lenience l (Appendix A.5)
+accepts with min(1, p / (l·q)). Coupling "gumbel" draws each position from the seed and the position alone
+(noise.py), accepting a guess iff it is the target's draw. `step` runs every row of a batch at once; a row
+may guess a tree (tree.py), scored in the same forward and walked on the host.
 """
 
 import math
@@ -38,8 +35,7 @@ from .tree import ancestors, depths, feed_parents, sample_walk, walk
 
 
 class ChainVerdict(NamedTuple):
-    """A chain's verification on the device: n and t ([1] each), and Σ_x min(p, q) at each verified
-    position (None where p and q are one-hot)."""
+    """A chain's verification on the device: n and t ([1] each), Σ_x min(p, q) per verified position (or None)."""
     n: torch.Tensor
     t: torch.Tensor
     overlap: Optional[torch.Tensor]
@@ -58,7 +54,7 @@ class Timing(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """One row's verified step, as Row.advance takes it; a tree's is the chain of its accepted path."""
+    """One row's verified step for Row.advance; a tree's is the chain of its accepted path."""
     n: int  # accepted guesses
     guesses: list  # host ids: a chain's, or a tree's accepted path and its first rejected child
     t: int  # the target's token after the accepted guesses
@@ -72,8 +68,7 @@ class Outcome(NamedTuple):
 
 
 class TokenLogprob(NamedTuple):
-    """An output token's log-probability (sampling.log_probs) and the k most likely (token,
-    log-probability) pairs there, best first, without -inf ones."""
+    """An output token's log-probability (sampling.log_probs) and the k likeliest (token, log-probability)."""
     token: int
     logprob: float
     top: list
@@ -89,9 +84,8 @@ class HostStep(NamedTuple):
 
 
 def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
-    """Algorithm 1's verification on the device, without a host sync: p [k+1, V] the target's adjusted
-    distributions, q [k, V] the drafter's, drafts [k] -> (n, t), [1] each. `greedy_p` (the raw softmax)
-    switches on greedy lenience: accept x when p(x) >= l * max(p)."""
+    """Algorithm 1's verification without a host sync: p [k+1, V], q [k, V], drafts [k] -> (n, t), [1] each.
+    `greedy_p` (the raw softmax) switches on greedy lenience: accept x when p(x) >= l * max(p)."""
     k = drafts.shape[0]
     rows = torch.arange(k, device=drafts.device)
     p_x, q_x = p[rows, drafts], q[rows, drafts]
@@ -100,8 +94,7 @@ def accept_and_resample(p, q, drafts, lenience, generator, greedy_p=None):
     accepted = r * lenience * q_x < p_x
     if greedy_p is not None:
         accepted = greedy_p[rows, drafts] >= lenience * greedy_p[:k].amax(-1)
-    # The leading run of acceptances, as a 1-element tensor: indexing with a 0-dim tensor would read
-    # it on the host, a hidden device sync.
+    # a 1-element tensor: indexing with a 0-dim one would be a hidden host sync
     n = accepted.long().cumprod(0).sum().view(1)
     # p' = norm(max(0, p_{n+1} - q_{n+1})); with q_{γ+1} := 0 this is p_{γ+1} when all were accepted.
     p_next, q_next = p[n], torch.cat([q, q.new_zeros(1, q.shape[1])])[n]
@@ -117,8 +110,7 @@ def one_hot(drafts, vocab_size):
 
 
 def accept_greedy(logits, drafts):
-    """accept_and_resample at temperature 0 and lenience 1: with one-hot p and q a guess is accepted iff it
-    is the target's argmax, and t is the argmax after the accepted guesses."""
+    """accept_and_resample with one-hot p and q: a guess is accepted iff it is the target's argmax."""
     return accept_choices(logits.argmax(-1), drafts)
 
 
@@ -130,11 +122,10 @@ def accept_choices(choices, drafts):
 
 @torch.inference_mode()
 def step(target, rows):
-    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), each verified
-    with its own sampling and generator, all drafted together and scored in one forward. The rows that ended."""
+    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), drafted together
+    and scored in one forward, each verified with its own sampling and generator. The rows that ended."""
     started, graphs = time.perf_counter(), graphs_met()
-    # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses).
-    # Tokens a row's grammar forces are its guesses, without asking its drafter (decoding/grammar.py).
+    # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses; or the grammar's).
     forced = [row.forced() for row in rows]
     if rows[0].drafter is None:  # plain decoding: every step is the target's own token
         proposals = [Proposal(torch.zeros(0, dtype=torch.long, device=target.device), None)] * len(rows)
@@ -145,8 +136,7 @@ def step(target, rows):
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
     logits = [constrained(row, penalized(row, p, x), x) for row, p, x in zip(rows, logits, proposals)]
-    # Determine the number of accepted guesses n, and t ~ p' (the adjusted distribution), on the device.
-    # A tree is walked on the host instead (tree.py), so it brings its choices there (tree_choices).
+    # Determine the number of accepted guesses n, and t ~ p', on the device (a tree: walked on the host).
     verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
                 else None
                 for row, p, x in zip(rows, logits, proposals)]
@@ -173,8 +163,7 @@ def step(target, rows):
 
 
 def penalized(row, logits, proposal):
-    """A row's logits with its penalties, each position counting the guesses on its path (they precede it
-    whenever its p decides)."""
+    """A row's logits with its penalties, each position counting the guesses on its path."""
     if row.counts is None:
         return logits
     k, parents = len(proposal.drafts), proposal.parents
@@ -198,8 +187,7 @@ def constrained(row, logits, proposal):
 
 
 def to_host(rows, logits, proposals, verdicts):
-    """The step's one host sync: each row's guesses with a chain's n and t, or a tree's choices, and the
-    log-probabilities a request asks for. HostSteps."""
+    """The step's one host sync: each row's HostStep."""
     parts, asked, walked = [], [], []
     for row, p, x, v in zip(rows, logits, proposals, verdicts):
         walked.append(v is None and (row.sampling.greedy or row.noise is not None))
@@ -221,8 +209,7 @@ def to_host(rows, logits, proposals, verdicts):
 
 
 def tree_choices(row, logits, parents):
-    """The target's token at a tree's root and each node: its argmax, or coupled its draw under the noise
-    of that depth's position."""
+    """The target's token at a tree's root and each node: its argmax, or (coupled) its draw there."""
     if row.sampling.greedy:
         return logits.argmax(-1)
     return sample(adjust(logits, row.sampling), row.noise, at=[0] + depths(parents))
@@ -234,8 +221,7 @@ def emitted(drafts, verdict):
 
 
 def scored(logits, sampling, tokens, k):
-    """[m, 2 + 2k] long for the host transfer: at each row the token there, the log-probabilities of it and
-    of the k most likely tokens (as float32 bits), and those tokens."""
+    """[m, 2 + 2k] long for the host: each row's token, its and the top k's log-probabilities (bits), the top k."""
     logprobs = log_probs(logits, sampling)
     top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     values = torch.cat([logprobs.gather(-1, tokens.view(-1, 1)), top.values], -1)
@@ -295,12 +281,9 @@ def seen(row, drafts, states, kept):
 
 
 def score(target, rows, proposals):
-    """The target's logits [k+1, vocab] at each row's guesses and one beyond, from a joining row's own
-    prefill and one forward for the others (trees: each node attending to its path), and each row's
-    hidden states at every token fed when something reads them (else None)."""
-    logits = [None] * len(rows)
-    hidden = rows[0].request.reads_states
-    states = [None] * len(rows)
+    """Each row's target logits [k+1, vocab] (a joining row's from its own prefill, the others' from one
+    forward) and, when something reads them, its hidden states at every token fed (else None)."""
+    logits, states, hidden = [None] * len(rows), [None] * len(rows), rows[0].request.reads_states
     drafts = [x.drafts for x in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]
     trees = any(x.parents is not None for x in proposals)  # then every row's feed is a tree

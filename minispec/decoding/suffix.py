@@ -1,22 +1,11 @@
-"""draft="suffix": prompt lookup across requests, after SuffixDecoding (Oliaro et al.). Real traffic
-repeats itself (agent loops resending their conversation, the same code edited again), which lookup,
-seeing only the current request, cannot use. Each target has one Store in the process: the prompt and
-output of every request that finished (the server's traffic, a library user's earlier calls), at most
-STORE_TOKENS tokens, the oldest request evicted first. At each step the drafter finds where the
-context's last two tokens occurred, in the store and in the request itself, measures how long a suffix
-of the context each occurrence matches, and counts what followed the longest matches in a trie. A
-node's confidence is its share of the occurrences through its parent times the match length over
-MATCH_MAX, as lookup's, so gamma="auto" and tree="auto" price it as they price lookup; the chain follows
-the surest child from the root, the tree is the trie's likeliest nodes. The guesses are deterministic (q
-one-hot, reported as None).
+"""draft="suffix": prompt lookup across requests, after SuffixDecoding (Oliaro et al.): real traffic repeats
+itself. Each target has one Store of finished requests' prompts and outputs (at most STORE_TOKENS, oldest
+evicted first); a step counts, in a trie, what followed the places in the store and the request that match
+the longest suffix of the context, each node as sure as lookup's would be (so the policy prices it alike).
 
-A store is kept beside gamma="auto"'s profiles (the folder MINISPEC_PROFILES names; "off" keeps none), in
-a file named by the target's vocabulary, so that a new process (a new replica of a server) starts from
-what the last one learnt: read when the store is made; written whole (as profiles are) when a server
-stops, when the target goes or the process exits, and every SAVE_EVERY seconds while requests finish, on
-a thread of its own. Token ids as little-endian uint32s, never pickle: anyone who can write the folder
-can write the file; one that is not whole, not this vocabulary's or larger than the budget is ignored
-with a note on stderr, and the store starts empty.
+The store is kept beside the profiles (MINISPEC_PROFILES) in a file named by the vocabulary, written whole
+when a server stops, the target goes or every SAVE_EVERY seconds: little-endian uint32 ids, never pickle; a
+file that is not whole, not this vocabulary's or over the budget is ignored with a note.
 """
 
 import hashlib
@@ -35,8 +24,7 @@ from .profiles import folder, write_whole
 from .sampling import Sampling
 from .tree import children_of, likeliest
 
-# The store's budget. A token costs its int, a list slot and an entry in the pair index, and a pair seen
-# for the first time a key and a list: ~250 bytes a token in all (~60 MiB at this budget) on varied text.
+# The store's budget: ~250 bytes a token with the pair index (~60 MiB) on varied text.
 STORE_TOKENS = 1 << 18
 MATCH_MAX = 16  # suffix tokens compared: a match this long is as sure as a match gets
 SCANNED = 64  # the latest occurrences of the context's last pair compared, in the store and in the request
@@ -70,15 +58,13 @@ def store_for(target):
 
 
 def save_stores():
-    """Save every kept store now: a server's shutdown does (uvicorn ends the process by the signal that
-    stopped it, which runs no exit hooks)."""
+    """Save every kept store now (a server's shutdown: uvicorn's signal runs no exit hooks)."""
     for store in list(STORES.values()):
         store.save()
 
 
 def file_of(target):
-    """A target's store file, named by its vocabulary (its tokenizer's, else its checkpoint's), or None:
-    stores not kept (MINISPEC_PROFILES=off), or a target with neither."""
+    """A target's store file, named by its tokenizer's (else its checkpoint's) fingerprint, or None."""
     tokenizer, where = getattr(target, "tokenizer", None), folder()
     vocabulary = tokenizer.fingerprint if tokenizer is not None else getattr(target, "fingerprint", None)
     if where is None or vocabulary is None:
@@ -88,8 +74,7 @@ def file_of(target):
 
 
 class Place(NamedTuple):
-    """An occurrence of the context's last pair: its text, where its second token is, how long a suffix
-    of the context ends there."""
+    """An occurrence of the context's last pair: its text, its second token's place, the suffix matched."""
     text: list
     end: int
     matched: int
@@ -206,8 +191,7 @@ def matched(text, end, context):
 
 
 def copy_from(place, context, k):
-    """Up to k tokens after a place; in the context itself a copy that runs into its end goes on copying
-    its own guesses, as lookup's does."""
+    """Up to k tokens after a place (in the context itself, copied on as lookup's)."""
     return copy_after(context, place.end, k) if place.text is context else place.text[place.end + 1:place.end + 1 + k]
 
 
@@ -226,8 +210,7 @@ class SuffixDrafter(TextDrafter):
         self.tries, self.kept_tree = {}, None  # {(context length, depth): this step's trie}; kept_tree: as lookup's
 
     def trie(self, k):
-        """The continuations (k deep) of the OCCURRENCES places matching the longest suffixes, as a trie:
-        tokens, parents, and each node's confidence. Kept for the step's other calls."""
+        """The trie of what follows the OCCURRENCES best-matching places, k deep (kept for the step)."""
         if (key := (len(self.context), k)) in self.tries:
             return self.tries[key]
         # (the suffix itself is no place: nothing follows it yet)
@@ -238,8 +221,7 @@ class SuffixDrafter(TextDrafter):
         return trie
 
     def preview(self, k):
-        """The chain: from the root, each node's surest child (ties: the one counted first), and the
-        confidence in each."""
+        """The chain of each node's surest child (ties: the first counted) from the root."""
         tokens, parents, sure = self.trie(k)
         guesses, confidences, at = [], [], -1
         while (children := children_of(parents, at)):

@@ -1,10 +1,7 @@
-"""Token trees: a step's guesses as a tree instead of a chain (SpecInfer). The target scores every node in
-one forward, each attending to its own path (models/kernels.py, TreeLayout); greedy verification walks
-down from the root along the children equal to the target's choice (`walk`), sampled verification by
-recursive rejection (`sample_walk`), both exact. A tree is its nodes' tokens in topological order and
-`parents` (node j hangs from parents[j], -1: the root); a chain is a tree whose nodes have one child each.
-Drafters with a q grow trees as EAGLE-2 does (`Growth`, `DrawnGrowth`); ngram and lookup order theirs
-likeliest first (`best_first`, `likeliest`), so that a tree's first nodes are the likeliest tree of their size.
+"""Token trees (SpecInfer): a tree is its nodes' tokens in topological order and `parents` (-1: the root),
+scored in one forward, each node attending to its path, and verified exactly by `walk` (greedy) or
+`sample_walk` (recursive rejection). Drafters with a q grow trees as EAGLE-2 does (`Growth`,
+`DrawnGrowth`); text drafters order theirs likeliest first (`best_first`, `likeliest`).
 """
 
 import heapq
@@ -17,9 +14,7 @@ import torch
 
 from .sampling import adjust, sample, sample_distinct
 
-# tree="auto": the most guesses the policy weighs a step's tree at (policy.py): with the token before them,
-# about the widest forward that costs a CPU what a 1-token step does.
-TREE_AUTO = 5
+TREE_AUTO = 5  # tree="auto": the most branching nodes the policy weighs (about a CPU's free verify width)
 
 
 def feed_parents(unseen, parents, guesses):
@@ -40,8 +35,7 @@ def ancestors(parents, device):
 
 
 class TreeVerdict(NamedTuple):
-    """A tree's verification: the accepted path (node indices), the target's token after it, and the
-    rejected children of the path's last node."""
+    """A tree's verification: the accepted path (node indices), the target's token t, the rejected children."""
     path: list
     t: int
     rejected: list
@@ -53,8 +47,8 @@ def children_of(parents, at):
 
 
 def descend(nodes, parents, choose):
-    """Walk down from the root: choose(row, children) returns (the child to follow or None, the target's
-    token there); row is 0 at the root, 1 + j at node j. A TreeVerdict."""
+    """Walk down from the root: choose(row: 0 at the root, 1 + j at node j, children) returns (the child to
+    follow or None, the target's token there). A TreeVerdict."""
     path, at = [], -1
     while True:
         children = children_of(parents, at)
@@ -72,10 +66,9 @@ def walk(nodes, parents, choices):
 
 
 def sample_walk(nodes, parents, p, generator, q=None):
-    """Sampled verification (SpecInfer's recursive rejection): a node's children are tried in order, each by
-    Algorithm 1's test against the residual of the ones before, so the token out has p's distribution. q:
-    None, or the drafter's at the root and each node (children drawn from it, DrawnGrowth); a child past
-    q's rows, or any without q, is a fixed candidate (accepted with p'(x), else removed from p')."""
+    """Sampled verification (recursive rejection): each child is tried by Algorithm 1's test against the
+    residual of those before, so the token out has p's distribution. q: the drafter's at the root and each
+    node, or None; a child without q's row is a fixed candidate (accepted with p'(x), else removed from p')."""
     def choose(row, children):
         remaining = p[row] / p[row].sum()  # p'
         drawn_from = None if q is None or row >= len(q) or not children else q[row] / q[row].sum()  # q' (leaf: none)
@@ -97,8 +90,7 @@ def sample_walk(nodes, parents, p, generator, q=None):
 
 
 def add_path(tokens, parents, continuation, budget):
-    """Add a continuation below the root to a tree (lists, changed in place), sharing its common nodes,
-    until the tree has `budget` nodes. Returns the nodes it runs through."""
+    """Add a continuation below the root to a tree (in place) while it has under `budget` nodes. Its nodes."""
     at, path = -1, []
     for token in continuation:
         child = next((j for j in children_of(parents, at) if tokens[j] == token), None)
@@ -114,9 +106,8 @@ def add_path(tokens, parents, continuation, budget):
 
 
 def best_first(root, successors, depth, budget):
-    """A tree below token `root` of at most `budget` nodes, `depth` deep, most probable node first (a
-    path's product of probabilities), for a drafter whose successors(token) ranks (token, probability)
-    for free. A PreviewedTree, each node's confidence its probability given its parent."""
+    """A PreviewedTree below token `root` of at most `budget` nodes, `depth` deep, most probable first, from
+    successors(token): ranked (token, probability) pairs."""
     tokens, parents, levels, probabilities, shares = [], [], [], [], []  # per node; the root, -1, is at depth 0
     waiting, arrival = [], count()  # candidates: (-probability, arrival, parent, rank)
 
@@ -149,7 +140,7 @@ class PreviewedTree(NamedTuple):
 
 
 class KeptTree(NamedTuple):
-    """A text drafter's last preview_tree: at which context length, how deep, for what budget, and the tree."""
+    """A text drafter's last preview_tree, at a context length, depth and budget."""
     length: int
     depth: int
     budget: int
@@ -157,8 +148,7 @@ class KeptTree(NamedTuple):
 
 
 def first_of(kept, length, depth, budget):
-    """The first `budget` nodes of the tree kept at this step (a KeptTree or None), or None where that
-    preview cannot give them."""
+    """The first `budget` nodes of the KeptTree, or None where it cannot give them."""
     if kept is None:
         return None
     tokens, parents, sure = kept.tree
@@ -169,8 +159,7 @@ def first_of(kept, length, depth, budget):
 
 
 def likeliest(tokens, parents, sure, budget):
-    """A tree's `budget` most probable nodes, most probable first (ties: the shallower), a node's
-    probability the product of `sure` down its path: a topological order. A PreviewedTree."""
+    """A PreviewedTree of the `budget` most probable nodes (the product of `sure` down a path), most first."""
     probability, level = [], depths(parents)
     for parent, confidence in zip(parents, sure):
         probability.append((1.0 if parent < 0 else probability[parent]) * confidence)
@@ -199,8 +188,7 @@ def tree_or_chain(parents):
 
 
 def best_children(logits, sampling, width):
-    """The `width` most probable next tokens after each row of logits and their log-probabilities, under
-    the adjusted distribution (greedy: the draft's own, as the adjusted one is one-hot)."""
+    """The `width` likeliest next tokens after each row of logits and their log-probabilities (greedy: raw)."""
     if sampling.greedy:
         scores = logits.float().log_softmax(-1)
     else:
@@ -209,9 +197,8 @@ def best_children(logits, sampling, width):
 
 
 class Growth:
-    """A tree grown depth by depth (EAGLE-2's dynamic draft tree), a node scored by its path's log-probability.
-    The spine, the drafter's greedy chain, always stays, so a tree accepts no less than the chain; the rest
-    of the `budget` goes to the best other nodes, ranked by score then index (so parents come first)."""
+    """EAGLE-2's dynamic draft tree, a node scored by its path's log-probability: the spine (the greedy chain)
+    always stays, so it accepts no less than the chain; the rest of `budget` goes to the best other nodes."""
 
     def __init__(self, budget, width):
         self.budget, self.width = budget, width
@@ -270,9 +257,8 @@ class Growth:
 
 
 class DrawnGrowth(Growth):
-    """A tree whose children are draws from q without replacement (sampled decoding). Exact only if how many
-    children a node gets is settled before they are drawn, so each depth's slots are shared out first, by
-    score plus the log of q's i-th largest probability for an i-th draw; every drawn node stays, in order."""
+    """Children drawn from q without replacement: exact only if each node's count is settled before the draws,
+    so a depth's slots are shared out first, by score plus the log of q's i-th largest for an i-th draw."""
 
     def __init__(self, budget, width, depth):
         super().__init__(budget, width)
@@ -283,8 +269,7 @@ class DrawnGrowth(Growth):
         return max(min(self.width, self.budget - len(self.tokens) - (self.depths_left - 1)), 0)
 
     def draw(self, nodes, qs, generator):
-        """The next depth: children for each of `nodes` (-1: the root) drawn from its row of qs with
-        `generator` (a coupled row's Noise: the depth's position, so a first child is a chain's draw)."""
+        """The next depth: children for each of `nodes` (-1: the root) drawn from its row of qs."""
         room, at = self.room(), self.depth - self.depths_left  # at: the drawn tokens' offset in the step
         self.depths_left -= 1
         if not room:
