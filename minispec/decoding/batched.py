@@ -4,8 +4,9 @@ row's own choice sees. Before each shared step the batch takes the k with the mo
 all its rows together per second of that forward (k = 0, plain decoding, where guessing does not pay
 at this width), and each row guesses up to k, since the padding pays for those guesses anyway.
 
-The forward's price is the pair's cost line (costs.py, timed on lone rows), scaled to what the batch's
-own steps measured at that many rows: a wide forward is no line through narrow ones. Where guessing does
+The forward's price is what the batch's own steps measured at that many rows: its plain step, plus a
+price for each position the guesses add, from the pair's cost line (costs.py, timed on lone rows) or the
+nearest width's steps with guesses, whichever is dearer: a wide forward is no line through narrow ones. Where guessing does
 not pay at two looks in a row, the rows do not even look at their guesses for a while (previewing every
 row's guesses is no free work at a batch's width), a while that doubles as long as guessing keeps not
 paying.
@@ -33,21 +34,30 @@ class Load:
         self.cells, self.rest, self.back_off, self.looked = {}, 0, 1, False
 
     def seconds(self, policy, rows, k):
-        """T(k) for `rows` rows: the line's, scaled by this width's measured plain steps, then shrunk
-        towards what (rows, k)'s own steps measured. A k this width has not timed costs its plain step
-        times the ratio k measured at the nearest width that timed it: the lone rows' line bends nothing
-        like a wide forward, and a batch's width changes by a row at a time as its requests end."""
-        line = policy.seconds(k, rows)
-        plain = self.cells.get((rows, 0))
-        if plain is not None:
-            line *= plain[0] / plain[1] / policy.seconds(0, rows)
-        if k and (rows, k) not in self.cells:
-            near = min((r for r, j in self.cells if j == k and (r, 0) in self.cells), key=lambda r: abs(r - rows),
-                       default=None)
-            if near is not None:
-                line = self.seconds(policy, rows, 0) * self.seconds(policy, near, k) / self.seconds(policy, near, 0)
+        """T(k) for `rows` rows: what this width's steps at k measured, shrunk towards the estimate."""
         seconds, steps = self.cells.get((rows, k), (0.0, 0.0))
-        return (seconds + CELL_PRIOR * line) / (steps + CELL_PRIOR)
+        return (seconds + CELL_PRIOR * self.estimate(policy, rows, k)) / (steps + CELL_PRIOR)
+
+    def estimate(self, policy, rows, k):
+        """The width's plain step (as timed, else the line's) and a price for each of the rows × k positions
+        it adds: the line's, or what the nearest width that timed guesses paid per position, whichever is
+        dearer. A CPU's wide forward grows with its positions far more steeply than lone rows' few tokens
+        show, so a width times one k too cheap at most, which then prices all of its guesses."""
+        plain = self.mean(rows, 0, policy.seconds(0, rows))
+        if not k:
+            return plain
+        per_position = (policy.seconds(k, rows) - policy.seconds(0, rows)) / (rows * k)
+        timed = [(r, j) for r, j in self.cells if j and (r, 0) in self.cells]
+        if timed:
+            near = min(abs(r - rows) for r, j in timed)
+            per_position = max([per_position] + [(self.mean(r, j) - self.mean(r, 0)) / (r * j)
+                                                 for r, j in timed if abs(r - rows) == near])
+        return plain + per_position * rows * k
+
+    def mean(self, rows, k, default=None):
+        """The decayed mean of the steps timed at (rows, k), or `default` where none was."""
+        seconds, steps = self.cells.get((rows, k), (default, 1.0))
+        return seconds / steps
 
     def timed(self, plan, seconds):
         """The planned step took `seconds` (at most OUTLIER times its price: a stall is no width's cost)."""
