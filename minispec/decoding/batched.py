@@ -6,10 +6,10 @@ at this width), and each row guesses up to k, since the padding pays for those g
 
 The forward's price is what the batch's own steps measured at that many rows: its plain step, plus a
 price for each position the guesses add, from the pair's cost line (costs.py, timed on lone rows) or the
-nearest width's steps with guesses, whichever is dearer: a wide forward is no line through narrow ones. Where guessing does
-not pay at two looks in a row, the rows do not even look at their guesses for a while (previewing every
-row's guesses is no free work at a batch's width), a while that doubles as long as guessing keeps not
-paying.
+nearest width's steps with guesses, whichever is dearer: a wide forward is no line through narrow
+ones. Where guessing does not pay at two looks in a row, the rows do not even look at their guesses for
+a while (previewing every row's guesses is no free work at a batch's width), a while that doubles as
+long as guessing keeps not paying.
 """
 
 import time
