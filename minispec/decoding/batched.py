@@ -40,13 +40,14 @@ class Load:
 
     def estimate(self, policy, rows, k):
         """The width's plain step (as timed, else the line's) and a price for each of the rows × k positions
-        it adds: the line's, or what the nearest width that timed guesses paid per position, whichever is
-        dearer. A CPU's wide forward grows with its positions far more steeply than lone rows' few tokens
+        it adds: the line's (scaled as the plain step is), or what the nearest width that timed guesses paid
+        per position, whichever is dearer. A CPU's wide forward grows with its positions far more steeply than lone rows' few tokens
         show, so a width times one k too cheap at most, which then prices all of its guesses."""
-        plain = self.mean(rows, 0, policy.seconds(0, rows))
+        line = policy.seconds(0, rows)
+        plain = self.mean(rows, 0, line)
         if not k:
             return plain
-        per_position = (policy.seconds(k, rows) - policy.seconds(0, rows)) / (rows * k)
+        per_position = (policy.seconds(k, rows) - line) * plain / line / (rows * k)  # the line, at this width's scale
         timed = [(r, j) for r, j in self.cells if j and (r, 0) in self.cells]
         if timed:
             near = min(abs(r - rows) for r, j in timed)
