@@ -47,7 +47,8 @@ class Load:
         plain = self.mean(rows, 0, line)
         if not k:
             return plain
-        per_position = (policy.seconds(k, rows) - line) * plain / line / (rows * k)  # the line, at this width's scale
+        # the line's price per position, at this width's scale as its plain step measured it
+        per_position = (policy.seconds(k, rows) - line) * plain / line / (rows * k)
         timed = [(r, j) for r, j in self.cells if j and (r, 0) in self.cells]
         if timed:
             near = min(abs(r - rows) for r, j in timed)
