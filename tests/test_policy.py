@@ -345,7 +345,8 @@ def test_a_batch_whose_guesses_never_pay_stops_looking_at_them_and_comes_back_wh
 
 def test_a_width_prices_guesses_it_has_not_timed_as_the_nearest_width_timed_them():
     """The lone rows' line calls 48 positions nearly the price of 16 (FLAT); 16 rows measured k = 2 at
-    1.8 plain steps. When a row ends, 15 rows price k = 2 from that ratio, not from the line."""
+    1.8 plain steps. When a row ends, 15 rows price k = 2 and k = 3 at the price per position that
+    16 rows paid, not from the line."""
     chooser = adaptive(0.8, FLAT, 0.01)
     load = batched.Load()
     for _ in range(20):
@@ -354,7 +355,21 @@ def test_a_width_prices_guesses_it_has_not_timed_as_the_nearest_width_timed_them
     assert load.seconds(chooser, 16, 2) / load.seconds(chooser, 16, 0) == pytest.approx(1.8, rel=0.05)
     assert load.seconds(chooser, 15, 2) / load.seconds(chooser, 15, 0) == pytest.approx(1.8, rel=0.05)
     assert chooser.seconds(2, 15) / chooser.seconds(0, 15) < 1.2  # what the line alone would say
-    assert load.seconds(chooser, 15, 3) == pytest.approx(chooser.seconds(3, 15))  # no width timed k = 3
+    per_position = 0.8 / 32  # what each of 16 rows' 2 extra positions cost
+    assert load.seconds(chooser, 15, 3) == pytest.approx(load.seconds(chooser, 15, 0) + per_position * 45)
+
+
+def test_a_wide_batch_that_timed_one_k_prices_every_wider_k_from_it():
+    """The lone rows' line (FLAT) calls 16 rows' guesses nearly free, but each position a step adds
+    costs a tenth of a plain step there. Once one step with guesses is timed, every k is priced at
+    that price per position, not from the line: a batch does not time each k at a loss in turn."""
+    chooser = adaptive(0.8, FLAT, 0.01)
+    load = batched.Load()
+    load.timed(batched.Plan(load, 16, 0, 1.0), 1.0)
+    load.timed(batched.Plan(load, 16, 1, 1.0), 1.0 + 0.1 * 16)
+    for k in range(2, 9):
+        assert load.seconds(chooser, 16, k) == pytest.approx(1.0 + 0.1 * 16 * k, rel=0.05)
+        assert chooser.seconds(k, 16) < 1.1  # what the line alone would say
 
 
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():

@@ -1,7 +1,7 @@
 """One γ for a batch's rows under gamma="auto": the shared forward pads every row to the widest, so the
-batch takes the k with the most expected tokens of all rows per second of that forward, priced by the
-pair's line scaled to the batch's own measured steps. Where guessing does not pay twice in a row, the rows
-rest (do not even preview) for a while that doubles as long as it keeps not paying.
+batch takes the k with the most expected tokens of all rows per second of that forward: its plain step as
+the batch measured it, plus a price for each position the guesses add. Where guessing does not pay twice
+in a row, the rows rest (do not even preview) for a while that doubles as long as it keeps not paying.
 """
 
 import weakref
@@ -11,7 +11,7 @@ from .costs import OUTLIER
 from .profiles import PROBE_MAX
 
 DECAY = 0.9  # per timed step at the same rows and k, so that a cell follows its last ~10 steps
-# A cell's seconds are shrunk towards the line as if by this many steps: one busy step must not price k out.
+# A cell's seconds are shrunk towards the estimate as if by this many steps: one busy step must not price k out.
 CELL_PRIOR = 1.0
 
 
@@ -22,19 +22,32 @@ class Load:
         self.cells, self.rest, self.back_off, self.looked = {}, 0, 1, False
 
     def seconds(self, policy, rows, k):
-        """T(k) for `rows` rows: the line scaled by this width's plain steps (an untimed k: by k's ratio at
-        the nearest width that timed it), shrunk towards (rows, k)'s own steps."""
-        line = policy.seconds(k, rows)
-        plain = self.cells.get((rows, 0))
-        if plain is not None:
-            line *= plain[0] / plain[1] / policy.seconds(0, rows)
-        if k and (rows, k) not in self.cells:
-            near = min((r for r, j in self.cells if j == k and (r, 0) in self.cells), key=lambda r: abs(r - rows),
-                       default=None)
-            if near is not None:
-                line = self.seconds(policy, rows, 0) * self.seconds(policy, near, k) / self.seconds(policy, near, 0)
+        """T(k) for `rows` rows: what this width's steps at k measured, shrunk towards the estimate."""
         seconds, steps = self.cells.get((rows, k), (0.0, 0.0))
-        return (seconds + CELL_PRIOR * line) / (steps + CELL_PRIOR)
+        return (seconds + CELL_PRIOR * self.estimate(policy, rows, k)) / (steps + CELL_PRIOR)
+
+    def estimate(self, policy, rows, k):
+        """The width's plain step (as timed, else the line's) and a price for each of the rows × k positions
+        it adds: the line's (scaled as the plain step is), or what the nearest width that timed guesses paid
+        per position, whichever is dearer. A CPU's wide forward grows with its positions far more steeply
+        than lone rows' few tokens show: a width times one k too cheap at most, which then prices the rest."""
+        line = policy.seconds(0, rows)
+        plain = self.mean(rows, 0, line)
+        if not k:
+            return plain
+        # the line's price per position, at this width's scale as its plain step measured it
+        per_position = (policy.seconds(k, rows) - line) * plain / line / (rows * k)
+        timed = [(r, j) for r, j in self.cells if j and (r, 0) in self.cells]
+        if timed:
+            near = min(abs(r - rows) for r, j in timed)
+            per_position = max([per_position] + [(self.mean(r, j) - self.mean(r, 0)) / (r * j)
+                                                 for r, j in timed if abs(r - rows) == near])
+        return plain + per_position * rows * k
+
+    def mean(self, rows, k, default=None):
+        """The decayed mean of the steps timed at (rows, k), or `default` where none was."""
+        seconds, steps = self.cells.get((rows, k), (default, 1.0))
+        return seconds / steps
 
     def timed(self, plan, seconds):
         """The planned step took `seconds` (at most OUTLIER times its price: a stall is no width's cost)."""
