@@ -143,15 +143,19 @@ def test_a_host_drafters_cost_is_measured_from_its_steps():
 def test_calibrated_widths_lie_on_a_line_through_their_timings(monkeypatch, beams):
     """Steps rescale all widths together, so noise in one width's calibration would stay for good: a
     3-token verify timed below a 2-token one. Calibration fits a line in the token positions each
-    forward computes (k + 1 tokens, of w + u·k rows with beams)."""
+    forward computes (k + 1 tokens, of w + u·k rows with beams), through three widths: the first, the
+    middle and the last (a line needs no more, and each width timed is four forwards)."""
     w, u = beams or (1, 0)
     positions = [(w + u * k) * (k + 1) for k in range(5)]
     noise = [0.0, 0.2, -0.2, 0.0, 0.0]
     timed = {k: 1.0 + 0.1 * x + noise[k] for k, x in enumerate(positions)}
-    monkeypatch.setattr(costs, "fastest", lambda forwards, device: dict(timed, draft=0.3))
+    widths = []
+    monkeypatch.setattr(costs, "fastest",
+                        lambda forwards, device: widths.append(sorted(forwards)) or dict(timed, draft=0.3))
     target = SimpleNamespace(rollback=lambda length: None, length=0, device=torch.device("cpu"))
     profile = profiles.PairProfile()
     costs.calibrate(profile, target, SimpleNamespace(model=None), torch.tensor(5), 4, beams)
+    assert widths == [[0, 2, 4]]
     fitted = profile.t_verify[1:]
     assert all(a < b for a, b in zip(fitted, fitted[1:]))  # the 2-3 inversion is gone
     assert fitted == pytest.approx([1.0 + 0.1 * x for x in positions], abs=0.1)

@@ -92,17 +92,19 @@ def decode_at_end(model, token, rows, width):
 
 
 def calibrate(profile, target, drafter, token, k_max, beams=None):
-    """Time a verify of k = 0..k_max guesses (with beams (w, u): of w + u·k hypotheses) and a draft model's guess."""
+    """Time verifies of 0, k_max / 2 and k_max guesses (with beams (w, u): of w + u·k hypotheses), whose line
+    prices every k, and a draft model's guess."""
     w, u = beams or (1, 0)
     rows = [max(w + u * k, 1) for k in range(k_max + 1)]
     target.rollback(0)  # the request's prefill resets the cache anyway
-    forwards = {k: decode_at_end(target, token, rows[k], k + 1) for k in range(k_max + 1)}
+    timed = sorted({0, k_max // 2, k_max})  # three widths: a line is fitted through them anyway
+    forwards = {k: decode_at_end(target, token, rows[k], k + 1) for k in timed}
     if drafter.model is not None:  # its cache may hold the prompt already: decode_at_end keeps that
         forwards["draft"] = decode_at_end(drafter.model, token.to(drafter.model.device), max(u, 1), 1)
     seconds = agreed(tp_of(target), fastest(forwards, target.device))
     # steps rescale all widths together, so one width's noise would stay: a line averages it away
-    profile.t_verify = [0.0] + straight_line([r * (k + 1) for k, r in enumerate(rows)],
-                                             [seconds[k] for k in range(k_max + 1)])
+    positions = [r * (k + 1) for k, r in enumerate(rows)]
+    profile.t_verify = [0.0] + straight_line([positions[k] for k in timed], [seconds[k] for k in timed], positions)
     # a host drafter's cost is measured on its first steps with guesses
     profile.t_draft = seconds["draft"] if drafter.model is not None else 0.0
 
@@ -125,13 +127,14 @@ def new_pair(target, drafter, k_max, beams, draft_timed):
     return NewPair([0.0] + [1 + slope * (x - positions[0]) for x in positions], ratio)
 
 
-def straight_line(xs, ys):
-    """The least-squares line a + b·x (b >= 0) through the points at each x, no lower than the lowest y."""
+def straight_line(xs, ys, at=None):
+    """The least-squares line a + b·x (b >= 0) through the points, at each x of `at` (default: xs), no lower
+    than the lowest y."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     spread = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
-    return [max(mean_y + max(slope, 0.0) * (x - mean_x), min(ys)) for x in xs]
+    return [max(mean_y + max(slope, 0.0) * (x - mean_x), min(ys)) for x in (xs if at is None else at)]
 
 
 def refined(average, seconds):
