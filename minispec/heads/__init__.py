@@ -4,7 +4,6 @@ as `python -m minispec.tools.train_heads` writes it; the head drafts as `generat
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -12,7 +11,8 @@ from safetensors import SafetensorError, safe_open
 
 from ..api import available_memory
 from ..loading.checkpoint import check_shapes, cut_padding
-from ..loading.weights import CheckpointError, file_identity, read_config, read_weights, save_safetensors, weight_files
+from ..loading.weights import (CheckpointError, file_identity, read_config, read_weights, save_safetensors, weight_files,
+                               write_whole)
 from ..models import quant
 from ..models.base import CachedLM, pack_linears
 from ..models.checks import COUNT, check
@@ -124,21 +124,12 @@ def load_weights(head, directory, assign=False):
                          assign=assign)
 
 
-def replace_whole(file, write):
-    """write(path) into a .partial file, fsync, then rename it over `file`: never half a file under its name."""
-    partial = Path(f"{file}.partial")
-    write(partial)
-    with open(partial, "rb+") as written:
-        os.fsync(written.fileno())
-    partial.replace(file)
-
-
 def save_draft_head(head, hf, directory):
     """Write a head as load_draft_head reads it: config.json (`hf`) and model.safetensors, published names."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: (tensor.detach().float() if tensor.is_floating_point() else tensor).contiguous()
                for name, tensor in KINDS[head.kind].published(head).items()}
-    replace_whole(directory / "model.safetensors", lambda file: save_safetensors(tensors, file))
+    save_safetensors(tensors, directory / "model.safetensors", sync=True)
     config = json.dumps({**hf, "minispec_head": head.kind}, indent=2) + "\n"
-    replace_whole(directory / "config.json", lambda file: file.write_text(config))
+    write_whole(directory / "config.json", lambda file: file.write_text(config), sync=True)

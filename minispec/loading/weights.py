@@ -183,10 +183,25 @@ SAFETENSORS_DTYPES = {
 ALIGN = 64  # bytes of a cache line
 
 
-def save_safetensors(tensors, file, metadata=None):
-    """Write {name: tensor} as a safetensors file, one tensor at a time from its own memory, whole (through a
-    partial file renamed at the end) or not at all. The header is padded, and tensors of whole cache lines
-    come first, so that a load mapping the file gets them on cache lines, as the kernels read them best."""
+def write_whole(file, write, sync=False):
+    """write(path) into a partial file beside `file`, then renamed over it: never half a file under its name, and
+    nothing left of it when write fails. `sync`: on the disk before it takes the old file's place."""
+    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.partial")
+    try:
+        write(partial)
+        if sync:
+            with open(partial, "rb+") as written:
+                os.fsync(written.fileno())
+        os.replace(partial, file)
+    finally:  # what an error or Ctrl-C left of it (once renamed there is none)
+        with suppress(OSError):
+            partial.unlink()
+
+
+def save_safetensors(tensors, file, metadata=None, sync=False):
+    """Write {name: tensor} as a safetensors file, one tensor at a time from its own memory, whole (write_whole)
+    or not at all. The header is padded, and tensors of whole cache lines come first, so that a load mapping
+    the file gets them on cache lines, as the kernels read them best."""
     if sys.byteorder != "little":  # the format is little-endian; torch's memory here would not be
         raise OSError("writing safetensors files needs a little-endian machine")
     tensors = dict(sorted(tensors.items(), key=lambda item: item[1].nbytes % ALIGN != 0))
@@ -201,16 +216,14 @@ def save_safetensors(tensors, file, metadata=None):
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % ALIGN)
-    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.partial")
-    try:
-        with open(partial, "wb") as out:
+
+    def write(path):
+        with open(path, "wb") as out:
             out.write(struct.pack("<Q", len(encoded)))
             out.write(encoded)
             for tensor in tensors.values():
                 tensor = tensor.detach().to("cpu").contiguous()
                 if tensor.numel():  # a view of the tensor's memory as bytes: no copy
                     out.write((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()))
-        os.replace(partial, file)
-    finally:  # what an error or Ctrl-C left of it (once renamed there is none)
-        with suppress(OSError):
-            partial.unlink()
+
+    write_whole(file, write, sync)

@@ -32,11 +32,11 @@ from tqdm import tqdm
 from minispec import CheckpointError, chat_prompt, generate, load
 from minispec.api import prompt_tensor
 from minispec.cli import AT_LEAST_ONE, check_values, read_prompts_file
-from minispec.heads import eagle, eagle3, load_weights, medusa, replace_whole, save_draft_head
+from minispec.heads import eagle, eagle3, load_weights, medusa, save_draft_head
 from minispec.heads.training import (accuracy_of, bfloat16_products, eagle_loss, medusa_loss, padded_batch,
                                      soft_cross_entropy, target_probabilities, training, update)
 from minispec.loading.chat import user_turn_start
-from minispec.loading.weights import DTYPES, save_safetensors
+from minispec.loading.weights import DTYPES, save_safetensors, write_whole
 from minispec.models.kernels import query_rows_mask
 from minispec.models.llama import LlamaConfig
 
@@ -148,7 +148,7 @@ def states_of(target, states, taps):
 def save_data(sequences, file):
     tokens, starts = zip(*sequences)
     save_safetensors({"tokens": torch.cat(tokens), "lengths": torch.tensor([len(t) for t in tokens]),
-                      "answer_starts": torch.tensor(starts)}, file)
+                      "answer_starts": torch.tensor(starts)}, file, sync=True)
 
 
 def load_data(file):
@@ -333,7 +333,7 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         chat = chat and target.tokenizer is not None and target.tokenizer.chat_template is not None
         prompts = prompts or default_prompts(target, chat, generator, batch_size)
         sequences, records = answer(target, prompts, max_new_tokens, batch_size, chat, taps)
-        replace_whole(data_file, lambda file: save_data(sequences, file))
+        save_data(sequences, data_file)
     reduced = kind != "medusa" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
@@ -370,9 +370,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
                 sys.stderr.write(f"epoch {epoch + 1}/{epochs}: next-token accuracy on the {len(held)} held-out "
                                  f"answers {sum(scores) / len(scores):.2f}\n")
         save_draft_head(head, hf, out)
-        replace_whole(state / "optimizer.safetensors", lambda file: save_safetensors(optimizer_tensors(optimizer), file))
+        save_safetensors(optimizer_tensors(optimizer), state / "optimizer.safetensors", sync=True)
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
-        replace_whole(state / "progress.json", lambda file: file.write_text(progress_text))
+        write_whole(state / "progress.json", lambda file: file.write_text(progress_text), sync=True)
     return head
 
 
