@@ -108,6 +108,14 @@ def builtin_model():
         pytest.skip(f"the built-in model cannot be fetched here: {error}")
 
 
+README_LINES = 250  # a newcomer's five-minute read: figures and history belong in docs/
+
+
+def test_the_readme_is_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_LINES, f"README.md has {lines} lines, more than {README_LINES}"
+
+
 def test_the_readme_has_python_examples():
     assert readme_python_blocks()
 
