@@ -376,6 +376,19 @@ def test_a_wide_batch_that_timed_one_k_prices_every_wider_k_from_it():
         assert chooser.seconds(k, 16) < 1.1  # what the line alone would say
 
 
+def test_a_width_that_timed_guesses_before_any_plain_step_prices_every_k_from_them():
+    """A batch's first regular step may guess: its rows' plain steps were the prompt's or a joining row's, which
+    are not timed. That one step prices every other k at its width against the line's plain step, so the
+    batch does not time each k once, at a loss, before it times k = 0."""
+    chooser = adaptive(0.8, FLAT, 0.01)
+    load = batched.Load()
+    plain = chooser.seconds(0, 4)
+    load.timed(batched.Plan(load, 4, 3, plain), plain + 0.1 * 12)
+    for k in (1, 2, 4, 8):
+        assert load.seconds(chooser, 4, k) == pytest.approx(plain + 0.1 * 4 * k, rel=0.05)
+        assert chooser.seconds(k, 4) < plain + 0.1 * 4 * k / 2  # what the line alone would say
+
+
 def test_a_probe_follows_a_run_of_plain_steps_and_backs_off_while_probes_fail():
     chooser = adaptive(0.05, STEEP, 0.5)
     choices = []

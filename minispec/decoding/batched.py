@@ -37,10 +37,11 @@ class Load:
             return plain
         # the line's price per position, at this width's scale as its plain step measured it
         per_position = (policy.seconds(k, rows) - line) * plain / line / (rows * k)
-        timed = [(r, j) for r, j in self.cells if j and (r, 0) in self.cells]
+        # a width's first steps with guesses may come before any of its plain ones: the line's plain step then
+        timed = [(r, j) for r, j in self.cells if j]
         if timed:
             near = min(abs(r - rows) for r, j in timed)
-            per_position = max([per_position] + [(self.mean(r, j) - self.mean(r, 0)) / (r * j)
+            per_position = max([per_position] + [(self.mean(r, j) - self.mean(r, 0, policy.seconds(0, r))) / (r * j)
                                                  for r, j in timed if abs(r - rows) == near])
         return plain + per_position * rows * k
 
