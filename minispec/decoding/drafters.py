@@ -185,21 +185,20 @@ def feed(model, drafters, feeds, inputs=None, first_row=None):
 def propose_together(asks):
     """Each row's Proposal (one Ask per cache row) from shared draft forwards, each row drawing as it would alone."""
     drafters = [ask.drafter for ask in asks]
-    model = drafters[0].model
+    model, heads = drafters[0].model, bool(drafters[0].reads_states)  # a head's own forwards return its states
     for drafter in drafters:
         drafter.fed_guesses, drafter.tree = 0, None
     going = [ask for ask in asks if ask.k > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
-    catch_up_all(model, drafters, [ask.drafter for ask in going])
+    catch_up_all(model, drafters, [ask.drafter for ask in going], heads)
     going = [ask for ask in going if ask.drafter.next_logits is not None]  # a head before the target's first states
-    proposals = draft_chains(model, drafters, [ask for ask in going if not ask.tree])
-    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask.tree]))
+    proposals = draft_chains(model, drafters, [ask for ask in going if not ask.tree], heads)
+    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask.tree], heads))
     empty = Proposal(torch.zeros(0, dtype=torch.long, device=model.device), None)
     return [proposals.get(id(d), empty) for d in drafters]
 
 
-def catch_up_all(model, drafters, waiting):
+def catch_up_all(model, drafters, waiting, heads):
     """The `waiting` rows' unseen tokens through the draft: a few in one shared forward, more alone."""
-    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     waiting = [d for d in waiting if d.unseen is not None]
     for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
         feed(model, [drafter], [drafter.unseen], [drafter.unseen_states] if heads else None, drafter.row)
@@ -211,9 +210,8 @@ def catch_up_all(model, drafters, waiting):
             drafter.unseen = drafter.unseen_states = None
 
 
-def draft_chains(model, drafters, going):
+def draft_chains(model, drafters, going, heads):
     """Algorithm 1's chains for the Asks `going`: {id(drafter): Proposal}, each guess drawn from q."""
-    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     drafts, qs = {id(ask.drafter): [] for ask in going}, {id(ask.drafter): [] for ask in going}
     while going:
         still = []
@@ -280,9 +278,8 @@ class DraftTree:
         return self.drafter.state if parent < 0 else self.states[parent]
 
 
-def draft_trees(model, drafters, asks):
+def draft_trees(model, drafters, asks, heads):
     """EAGLE-2's dynamic draft tree for each Ask, one shared draft forward a depth: {id(drafter): Proposal}."""
-    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
     for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):
