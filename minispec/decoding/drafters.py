@@ -161,51 +161,47 @@ class ModelDrafter:
 CATCH_UP_TOGETHER = 2
 
 
-def feed(model, drafters, feeds, inputs=None):
-    """One draft forward of feeds[i] (or None) at each row's length, a head's inputs[i] beside them."""
+def forward(model, feeds, lengths, parents=None, inputs=None, hidden=False, **options):
+    """One decode_rows over each row's feed (1-D ids; None: nothing) at its length, a tree's parents and a head's
+    inputs beside them: (logits, hidden states or None)."""
     tokens, widths = model.padded(feeds)
-    lengths = [d.length for d in drafters]
-    if inputs is None:
-        logits, states = model.decode_rows(Feed(tokens, lengths, widths)), None
-    else:  # a row's padding repeats its last token: the last column is every row's last token
-        feed = Feed(tokens, lengths, widths, inputs=model.padded(inputs)[0])
-        logits, states = model.decode_rows(feed, logits_for=1, hidden=True)
+    inputs = None if inputs is None else model.padded(inputs)[0]
+    out = model.decode_rows(Feed(tokens, lengths, widths, parents, inputs), hidden=hidden, **options)
+    return out if hidden else (out, None)
+
+
+def feed(model, drafters, feeds, inputs=None, first_row=None):
+    """One draft forward of feeds[i] (or None) at each row's length, a head's inputs[i] beside them; with
+    `first_row`, one row's alone, eager (its width varies from step to step)."""
+    alone, heads = first_row is not None, inputs is not None
+    last = alone or heads  # only the last position's logits are computed
+    logits, states = forward(model, feeds, [d.length for d in drafters], inputs=inputs, hidden=heads,
+                             first_row=first_row or 0, logits_for=1 if last else None, eager=alone)
     for i, (drafter, f) in enumerate(zip(drafters, feeds)):
         if f is not None:
-            drafter.fed(len(f), logits[i, -1 if states is not None else len(f) - 1],
-                        None if states is None else states[i, -1])
-
-
-def catch_up(drafter):
-    """A row's unseen tokens through the draft, alone, in one eager forward."""
-    model, inputs = drafter.model, drafter.unseen_states
-    feed = Feed(drafter.unseen.view(1, -1), [drafter.length], inputs=None if inputs is None else inputs[None])
-    out = model.decode_rows(feed, first_row=drafter.row, logits_for=1, eager=True, hidden=inputs is not None)
-    logits, states = out if inputs is not None else (out, None)
-    drafter.fed(len(drafter.unseen), logits[0, -1], None if states is None else states[0, -1])
+            drafter.fed(len(f), logits[i, -1 if last else len(f) - 1], None if states is None else states[i, -1])
 
 
 def propose_together(asks):
     """Each row's Proposal (one Ask per cache row) from shared draft forwards, each row drawing as it would alone."""
     drafters = [ask.drafter for ask in asks]
-    model = drafters[0].model
+    model, heads = drafters[0].model, bool(drafters[0].reads_states)  # a head's own forwards return its states
     for drafter in drafters:
         drafter.fed_guesses, drafter.tree = 0, None
     going = [ask for ask in asks if ask.k > 0]  # k = 0: the tokens accepted meanwhile wait in `unseen`
-    catch_up_all(model, drafters, [ask.drafter for ask in going])
+    catch_up_all(model, drafters, [ask.drafter for ask in going], heads)
     going = [ask for ask in going if ask.drafter.next_logits is not None]  # a head before the target's first states
-    proposals = draft_chains(model, drafters, [ask for ask in going if not ask.tree])
-    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask.tree]))
+    proposals = draft_chains(model, drafters, [ask for ask in going if not ask.tree], heads)
+    proposals.update(draft_trees(model, drafters, [ask for ask in going if ask.tree], heads))
     empty = Proposal(torch.zeros(0, dtype=torch.long, device=model.device), None)
     return [proposals.get(id(d), empty) for d in drafters]
 
 
-def catch_up_all(model, drafters, waiting):
+def catch_up_all(model, drafters, waiting, heads):
     """The `waiting` rows' unseen tokens through the draft: a few in one shared forward, more alone."""
-    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     waiting = [d for d in waiting if d.unseen is not None]
     for drafter in [d for d in waiting if len(d.unseen) > CATCH_UP_TOGETHER]:
-        catch_up(drafter)
+        feed(model, [drafter], [drafter.unseen], [drafter.unseen_states] if heads else None, drafter.row)
         drafter.unseen = drafter.unseen_states = None
     if any(d.unseen is not None for d in waiting):
         feed(model, drafters, [d.unseen if d in waiting else None for d in drafters],
@@ -214,9 +210,8 @@ def catch_up_all(model, drafters, waiting):
             drafter.unseen = drafter.unseen_states = None
 
 
-def draft_chains(model, drafters, going):
+def draft_chains(model, drafters, going, heads):
     """Algorithm 1's chains for the Asks `going`: {id(drafter): Proposal}, each guess drawn from q."""
-    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     drafts, qs = {id(ask.drafter): [] for ask in going}, {id(ask.drafter): [] for ask in going}
     while going:
         still = []
@@ -283,9 +278,8 @@ class DraftTree:
         return self.drafter.state if parent < 0 else self.states[parent]
 
 
-def draft_trees(model, drafters, asks):
+def draft_trees(model, drafters, asks, heads):
     """EAGLE-2's dynamic draft tree for each Ask, one shared draft forward a depth: {id(drafter): Proposal}."""
-    heads = bool(drafters[0].reads_states)  # the head's own forwards return its states
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
     add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
     for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):
@@ -306,10 +300,7 @@ def draft_trees(model, drafters, asks):
                 parents[i] = tree.fed_parents
                 if heads:
                     inputs[i] = torch.stack([tree.input_of(j) for j in nodes])
-        tokens, widths = model.padded(feeds)
-        feed = Feed(tokens, lengths, widths, parents=parents, inputs=model.padded(inputs)[0] if heads else None)
-        out = model.decode_rows(feed, hidden=heads)
-        logits, states = out if heads else (out, None)
+        logits, states = forward(model, feeds, lengths, parents, inputs if heads else None, heads)
         scored = []
         for i, drafter in enumerate(drafters):
             tree, nodes = trees.get(id(drafter)), expanding.get(id(drafter))

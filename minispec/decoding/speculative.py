@@ -26,10 +26,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..models.base import Feed
 from ..models.kernels import to_device
 from .costs import graphs_met
-from .drafters import Proposal, propose_all
+from .drafters import Proposal, forward, propose_all
 from .sampling import adjust, log_probs, path_counts, penalize, sample
 from .tree import ancestors, depths, feed_parents, sample_walk, walk
 
@@ -293,16 +292,14 @@ def score(target, rows, proposals):
     widths = [len(feed) if row.stats["target_calls"] else 0 for row, feed in zip(rows, feeds)]
     for i, row in enumerate(rows):
         if not widths[i]:  # eager: prompt lengths vary from request to request
-            feed = Feed(feeds[i].view(1, -1), [row.length], parents=None if parents[i] is None else [parents[i]])
-            out = target.decode_rows(feed, first_row=i, logits_for=len(drafts[i]) + 1, eager=True, hidden=hidden)
-            logits[i], states[i] = (out[0][0], out[1][0]) if hidden else (out[0], None)
+            out, fed_states = forward(target, [feeds[i]], [row.length], None if parents[i] is None else [parents[i]],
+                                      hidden=hidden, first_row=i, logits_for=len(drafts[i]) + 1, eager=True)
+            logits[i], states[i] = out[0], None if fed_states is None else fed_states[0]
             row.length += len(feeds[i])
     if any(widths):
-        tokens, _ = target.padded([feed if w else None for feed, w in zip(feeds, widths)])
-        feed = Feed(tokens, [row.length for row in rows], widths,
-                    parents=[p if w else [] for p, w in zip(parents, widths)] if trees else None)
-        out = target.decode_rows(feed, hidden=hidden)
-        out, fed_states = out if hidden else (out, None)
+        out, fed_states = forward(target, [feed if w else None for feed, w in zip(feeds, widths)],
+                                  [row.length for row in rows],
+                                  [p if w else [] for p, w in zip(parents, widths)] if trees else None, hidden=hidden)
         for i, (row, w) in enumerate(zip(rows, widths)):
             if w:
                 logits[i] = out[i, :w]
