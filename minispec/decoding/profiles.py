@@ -7,12 +7,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..loading.weights import weights_dir
+from ..loading.weights import weights_dir, write_whole
 from .rates import CONFIDENCE_BINS, DEFAULT_ALPHA
 
 VERSION = 9  # of the files' contents: files of another version, whose costs were other kernels', are ignored
@@ -129,7 +128,7 @@ def save(key, profile):
         return
     text = json.dumps({"key": key, "profile": {name: getattr(profile, name) for name in FIELDS}})
     try:
-        write_whole(path, text.encode())
+        write_whole(path, lambda file: file.write_text(text), sync=True)
     except OSError as error:
         if not unwritable:
             print(f"minispec: cannot keep gamma='auto' costs in {path.parent}: {error.strerror or error}",
@@ -138,18 +137,3 @@ def save(key, profile):
 
 
 unwritable = False  # noted once a process
-
-
-def write_whole(path, data):
-    """A temporary file renamed over the old one: no writer ever leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on the disk before it takes the old file's place
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise

@@ -19,8 +19,9 @@ from itertools import accumulate, islice
 from pathlib import Path
 from typing import NamedTuple
 
+from ..loading.weights import write_whole
 from .lookup import Preview, TextDrafter, copy_after, trie_of
-from .profiles import folder, write_whole
+from .profiles import folder
 from .sampling import Sampling
 from .tree import children_of, likeliest
 
@@ -144,7 +145,8 @@ class Store(Texts):
             lengths, tokens = [len(text) for text in texts], [token for text in texts for token in text]
             counts = struct.pack(f"<II{len(lengths) + len(tokens)}I", len(lengths), len(tokens), *lengths, *tokens)
             try:
-                write_whole(self.file.path, MAGIC + self.file.key + counts)
+                data = MAGIC + self.file.key + counts
+                write_whole(self.file.path, lambda file: file.write_bytes(data), sync=True)
             except OSError as error:
                 print(f"minispec: cannot keep the suffix store in {self.file.path}: {error.strerror or error}",
                       file=sys.stderr)

@@ -7,6 +7,7 @@ import json
 import os
 import struct
 import sys
+import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -184,9 +185,11 @@ ALIGN = 64  # bytes of a cache line
 
 
 def write_whole(file, write, sync=False):
-    """write(path) into a partial file beside `file`, then renamed over it: never half a file under its name, and
-    nothing left of it when write fails. `sync`: on the disk before it takes the old file's place."""
-    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.partial")
+    """write(path) into a partial file beside `file` (its folder made), then renamed over it: never half a file
+    under its name, and nothing left of it when write fails. `sync`: on the disk before it takes the old file's
+    place. The partial file is the writing thread's own: processes and threads may write one file at once."""
+    Path(file).parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
         write(partial)
         if sync:
