@@ -203,7 +203,7 @@ def test_time_generation_takes_the_prefill_out(monkeypatch):
     """On a fake clock: 2 prompts, each 10 tokens in 3 s of which the prefill took 2 s and gave 4
     tokens -> 20 tokens / 6 s end to end, (20 - 8) tokens / (6 - 4) s in the decode phase."""
     now = [0.0]
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(memory.time, "perf_counter", lambda: now[0])
 
     def runner(stats):
         def run_one(prompt):

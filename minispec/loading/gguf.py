@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, TokenType, quants
 from tqdm import tqdm
 
 from ..models.checks import COUNT, FLAG, INTEGER, POSITIVE, REQUIRED, TEXT, TEXTS, Check, check, integer, list_of
@@ -543,7 +543,6 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: the GGUF vocabulary, merges and special tokens as a Hugging Face tokenizer.json
 
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp token types: plain, special and other added tokens
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                   "pad_token": "padding_token_id"}  # tokenizer_config.json name -> tokenizer.ggml key
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -599,13 +598,13 @@ def tokenizer_files(metadata, vocab_size):
     if len(tokens) > vocab_size:
         raise ValueError(f"GGUF metadata tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
                          f"has {vocab_size} rows")
-    types = meta(metadata, "tokenizer.ggml.token_type", list_of(INTEGER, "integers"), [NORMAL] * len(tokens))
+    types = meta(metadata, "tokenizer.ggml.token_type", list_of(INTEGER, "integers"), [TokenType.NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise ValueError(f"GGUF metadata tokenizer.ggml.token_type holds {len(types)} types for {len(tokens)} tokens")
     added = [
         {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": kind == CONTROL}
-        for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED) and tokens[i] == spelled[i]
+         "normalized": False, "special": kind == TokenType.CONTROL}
+        for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and tokens[i] == spelled[i]
     ]
     ids = token_ids(metadata, SPECIAL_TOKENS, len(tokens))
     bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None

@@ -57,9 +57,9 @@ def parse_args(argv):
     parser.add_argument("--llama-cpp", metavar="DIR",
                         help="also run llama.cpp's plain, speculative and prompt-lookup decoding of the same GGUF "
                              "--target and text prompts: its binaries in DIR")
-    for name, (benchmark, options) in OWN_TABLES.items():
+    for name, (run, options) in OWN_TABLES.items():
         parser.add_argument("--" + name.replace("_", "-"), **options,
-                            help=" ".join(benchmark.__doc__.split()).rstrip(".") + " (instead of the main table)")
+                            help=" ".join(run.__doc__.split()).rstrip(".") + " (instead of the main table)")
     parser.add_argument("--cache-off", choices=["all", "best"], default="all",
                         help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
                              "the fastest with it on (default all)")

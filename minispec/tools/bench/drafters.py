@@ -12,7 +12,7 @@ from minispec import Sampling
 from minispec.decoding.drafters import MODEL_FREE_NAMES
 from minispec.loaders import load_draft, load_models, loads_model
 
-from .benchmarks import minispec_runner, reported, summed
+from .benchmarks import minispec_runner, reported, same, summed
 from .memory import decode_bytes
 from .prompts import prompt_ids_of, read_prompts
 from .report import cell, md_table
@@ -76,7 +76,7 @@ def drafter_row(name, spec, plain, cost, args, chain=None):
     row = {"draft": name, "tree": tree, "tokens_per_second": spec["tokens_per_second"],
            "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
            "speedup_by_request": [p / s for p, s in zip(plain["request_seconds"], spec["request_seconds"])],
-           "identical_to_plain": spec["outputs"] == plain["outputs"] if args.temperature == 0 else None,
+           "identical_to_plain": same(spec, plain, args),
            "tokens_per_target_call": tokens_per_call, "mean_guesses": guesses,
            "tree_nodes_per_call": nodes,  # a step whose tree came out a chain is verified as one: no nodes
            "acceptance_rate": sum(accepted_at) / max(sum(verified_at), 1),

@@ -57,6 +57,18 @@ def peak_bandwidth(device_name):
     return next((peak for pattern, peak in PEAK_BANDWIDTH if re.search(pattern, name)), None)
 
 
+def timed(fn, device):
+    """fn()'s value and seconds, a GPU's queue drained before and after."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    value = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return value, time.perf_counter() - start
+
+
 # The streaming read: a sum over a buffer far larger than any cache (a CPU's last level, a GPU's L2).
 READ_BUFFER_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}
 READ_ROUNDS = 5
@@ -70,13 +82,7 @@ def read_bandwidth(device):
     if device.type == "cuda":  # a GPU holding a model beside it: a quarter of what is free at most
         size = min(size, torch.cuda.mem_get_info(device)[0] // 4)
     buffer = torch.ones(size // 4, device=device)  # written: pages mapped before timing
-    fastest = float("inf")
-    for _ in range(READ_ROUNDS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        buffer.sum().item()  # .item(): waits for the sum on a GPU
-        fastest = min(fastest, time.perf_counter() - start)
+    fastest = min(timed(buffer.sum, device)[1] for _ in range(READ_ROUNDS))
     return buffer.numel() * 4 / fastest
 
 

@@ -1,7 +1,6 @@
 """Timing: decoders side by side in interleaved rounds, and the single forwards Theorem 3.8 is about."""
 
 import statistics
-import time
 from contextlib import nullcontext
 from functools import partial
 
@@ -12,23 +11,11 @@ from minispec.decoding.drafters import SELF_DRAFT_MODES, make_drafter
 from minispec.models.base import CachedLM
 from minispec.models.kernels import without_row_invariance
 
-from .memory import bandwidth
+from .memory import bandwidth, timed
 from .report import progress
 
 STEP_SAMPLES = 25  # forwards timed per step-time median
 FORWARD_WIDTHS = (1, 2, 4, 8, 16)  # the target forwards timed besides the verifications: up to tree.TREE_AUTO + 1
-
-
-def timed(fn, device):
-    """fn()'s value and seconds, a GPU's queue drained before and after."""
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    value = fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return value, time.perf_counter() - start
 
 
 def median_times(fns, device, samples=STEP_SAMPLES, warmup=3):
