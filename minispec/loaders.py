@@ -39,5 +39,8 @@ def load_draft(draft, target, compile=False, draft_quantize=None, group_size=qua
         return None if draft == "none" else draft
     if is_head_dir(draft):  # a draft head trained for this target (minispec/heads)
         return load_draft_head(draft, target, draft_quantize or "auto")
-    return load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
-                      group_size=group_size)
+    model = load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
+                       group_size=group_size)
+    if draft_quantize == "int4":
+        quant.int4_head(model, group_size)
+    return model

@@ -275,6 +275,24 @@ def test_decode_bytes_counts_quantized_bytes(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa"])
+def test_an_int4_draft_has_an_int4_head_and_decodes_the_targets_greedy(gentle_dirs, kind):
+    """--draft-quantize int4 makes a draft's output head int4 too (untied from a tied embedding, which stays
+    int8 for lookups): its logits stay within int4's error of the int8 head's, it is costed as another pair,
+    and speculative greedy output is still the target's."""
+    target = minispec.load(gentle_dirs[kind])
+    int8_head = minispec.load(gentle_dirs[kind], quantize="int4")
+    draft = load_draft(str(gentle_dirs[kind]), target, draft_quantize="int4")
+    assert isinstance(int8_head.head, quant.Int8Linear) and isinstance(draft.head, quant.Int4Linear)
+    assert isinstance(draft.tok_embeddings, quant.Int8Embedding) and draft.fingerprint != int8_head.fingerprint
+    with_int4, with_int8 = logits(draft), logits(int8_head)
+    assert 0 < (with_int4 - with_int8).abs().max() <= 0.3 * with_int8.abs().max()
+    prompt = [5, 17, 33, 8, 90, 41]
+    plain = minispec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+    out = minispec.generate(target, prompt, draft=draft, gamma=3, max_new_tokens=24, ignore_eos=True)
+    assert out.tokens == plain.tokens and out.stats["accepted"] > 0
+
+
 # The target's own quantized copy as the draft
 
 @pytest.mark.parametrize("mode", quant.MODES)

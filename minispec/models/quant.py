@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import Embedding
+from .base import Decoder, Embedding
 from .checks import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_MODES as MODES
 from .kernels import linear
 
@@ -318,22 +318,41 @@ class Int8Embedding(Int8Linear):
         self.output_dtype = dtype  # the model's: what a float embedding would return
 
     def forward(self, tokens):
-        if self.native:
-            q, scales, offsets = backend.current().quantized_rows(tokens.reshape(-1), self.weight, self.scales,
-                                                                  self.offsets, self.steps)
-            rows = dequantize({"qweight": q, "scales": scales, "offsets": offsets})
-            return rows.view(*tokens.shape, self.embedding_dim).to(self.output_dtype)
-        if self.weight.dim() == 2:
-            rows = self.weight[tokens].float() * self.scales[tokens].float()[..., None]
-        else:  # weight [groups, vocab, group]: gather the tokens' rows of every group
-            q = self.weight[:, tokens].movedim(0, -2)
-            rows = q.float() * self.scales[:, tokens].movedim(0, -1).float()[..., None]
-            if self.offsets is not None:
-                rows = rows + self.offsets[tokens][..., None]
-            rows = rows.flatten(-2)
-        return rows.to(self.output_dtype)
+        return weight_rows(self, tokens).to(self.output_dtype)
 
     unembed = Int8Linear.forward
+
+
+def weight_rows(module, tokens):
+    """The float32 rows `tokens` (output channels) of an Int8Linear's weight, [*tokens.shape, in_features]."""
+    if module.native:
+        q, scales, offsets = backend.current().quantized_rows(tokens.reshape(-1), module.weight, module.scales,
+                                                              module.offsets, module.steps)
+        rows = dequantize({"qweight": q, "scales": scales, "offsets": offsets})
+        return rows.view(*tokens.shape, module.in_features)
+    if module.weight.dim() == 2:
+        return module.weight[tokens].float() * module.scales[tokens].float()[..., None]
+    # weight [groups, vocab, group]: gather the tokens' rows of every group
+    rows = module.weight[:, tokens].movedim(0, -2).float() * module.scales[:, tokens].movedim(0, -1).float()[..., None]
+    if module.offsets is not None:
+        rows = rows + module.offsets[tokens][..., None]
+    return rows.flatten(-2)
+
+
+def int4_head(model, group_size=DEFAULT_GROUP_SIZE):
+    """A draft's output head in int4 groups, a chunk of rows at a time: its guesses need not be the target's
+    numbers, and its int8 head (vocabulary x width) is a large share of a small draft's step. Unchanged where
+    the head is not int8, the int4 kernel cannot take it, or the family has no head apart from its embedding."""
+    head = model.head
+    if not isinstance(model, Decoder) or not isinstance(head, Int8Linear):
+        return
+    device = head.scales.device
+    if int4_problem(head.out_features, head.in_features, group_size, device):
+        return
+    rows = torch.arange(head.out_features, device=device).split(CHUNK_ELEMENTS // head.in_features)
+    chunks = [quantize_int4(weight_rows(head, ids), group_size) for ids in rows]
+    model.output = Int4Linear({key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]})
+    model.fingerprint = model.fingerprint and f"{model.fingerprint} int4 head {group_size}"
 
 
 # --- quantizing a model -------------------------------------------------------------------------------
