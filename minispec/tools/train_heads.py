@@ -416,15 +416,16 @@ def resume(out, head, optimizer):
         if progress["kind"] != head.kind or not (isinstance(done, int) and done >= 0):
             raise ValueError(f"{progress_file} is a {progress['kind']} head's, not this {head.kind} head's")
         load_weights(head, out)  # copied in: the optimizer holds these parameters
-        saved = load_file(out / "training" / "optimizer.safetensors")
+        state = {}
+        for name, value in load_file(out / "training" / "optimizer.safetensors").items():
+            index, key = name.split(".", 1)
+            state.setdefault(int(index), {})[key] = value
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        for i, parameter in enumerate(parameters):
-            state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}
-            if not state or any(value.dim() and value.shape != parameter.shape for value in state.values()):
-                raise ValueError(f"{out}/training/optimizer.safetensors is another head's (parameter {i})")
-            optimizer.state[parameter] = state
-        if len({name.split(".", 1)[0] for name in saved}) != len(parameters):
-            raise ValueError(f"{out}/training/optimizer.safetensors is another head's (its parameter count)")
+        if sorted(state) != list(range(len(parameters))) or any(
+                value.dim() and value.shape != parameters[i].shape for i in state for value in state[i].values()):
+            raise ValueError(f"{out}/training/optimizer.safetensors is another head's")
+        # onto the parameters' devices (the file's tensors load on the CPU)
+        optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
     return done
 
 
