@@ -109,24 +109,25 @@ class Scheduler:
     def start(self):
         self.thread.start()
 
-    def submit(self, job):
-        """Queue a job for the next free row (any thread)."""
+    def submit(self, *jobs):
+        """Queue a request's jobs for the next free rows, all or none (any thread)."""
         with self.changed:
             if self.stopping:
                 raise ShuttingDown(self.failure or "the server is shutting down")
-            if len(self.waiting) >= self.max_waiting:
+            if len(self.waiting) + len(jobs) > self.max_waiting:
                 raise QueueFull
-            self.waiting.append(job)
-            self.live.add(job)
+            self.waiting.extend(jobs)
+            self.live.update(jobs)
             self.changed.notify()
 
-    def cancel(self, job):
-        """End a job (any thread): a waiting one leaves the queue now, a running one its row at the next step."""
+    def cancel(self, *jobs):
+        """End jobs (any thread): a waiting one leaves the queue now, a running one its row at the next step."""
         with self.changed:
-            job.cancelled = True
-            self.live.discard(job)
-            if job in self.waiting:
-                self.waiting.remove(job)
+            for job in jobs:
+                job.cancelled = True
+                self.live.discard(job)
+                if job in self.waiting:
+                    self.waiting.remove(job)
 
     def drain(self, timeout):
         """Shutting down: take no new jobs; those under way have `timeout` seconds to end, then fail (503)."""
