@@ -178,11 +178,10 @@ def most_said(sequences, vocab_size, size):
     return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
 
 
-def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=None):
+def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=TTT_STEPS):
     """EAGLE-3's loss: q against p over pairs (fc(tapped states at i), x_{i+1}), then `steps` - 1 more
     steps drafted on the head's own states as decoding drafts (unrolled_attention), step j weighing
     0.8^j; the accuracy is the first guess's."""
-    steps = TTT_STEPS if steps is None else steps
     tapped, last = states.split([states.shape[-1] - head.config.dim, head.config.dim], -1)
     inputs = F.pad(head.fuse(tapped[:, :-1]), (0, 0, 0, 1))  # pair i's state; a pad pair: whole key blocks
     total, accuracy = 0.0, None
