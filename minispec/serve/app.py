@@ -9,6 +9,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -79,15 +80,13 @@ class Handlers:
             release_memory(size)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
-        def delivery(i):
-            def deliver(event):  # on the scheduler's thread: the event, with the answer it is of
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, (i, event))
-                except RuntimeError:  # the event loop has closed: nobody waits any more
-                    pass
-            return deliver
+        def deliver(i, event):  # on the scheduler's thread: the event, with the answer it is of
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (i, event))
+            except RuntimeError:  # the event loop has closed: nobody waits any more
+                pass
 
-        jobs = [Job(one, delivery(i)) for i, one in enumerate(parsed.requests)]
+        jobs = [Job(one, partial(deliver, i)) for i, one in enumerate(parsed.requests)]
         try:
             self.scheduler.submit(*jobs)
         except QueueFull:
