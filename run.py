@@ -257,9 +257,8 @@ def logprobs_json(out):
 
 
 def check_flags(args):
-    system = [args.system] if args.system is not None else []
-    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
-        for text in texts:
+    for flag, texts in (("--prompt", args.prompt), ("--stop", args.stop), ("--system", [args.system])):
+        for text in filter(None, texts or ()):  # "" and None: nothing to check
             check_text(flag, text)
     minispec.Settings(draft=args.draft, **settings_of(args))
     check_threads(args)
