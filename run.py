@@ -166,13 +166,12 @@ def print_stream(chunks, tokenizer, show, stops=None):
 def prompts_for(args, target):
     """([prompts as generate() takes them], whether they are chat prompts)."""
     if args.prompt_ids is not None:
-        if args.chat:
-            raise ValueError("--chat needs the prompt as text (--prompt)")
-        return [args.prompt_ids], False
-    texts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, "--prompts-file")
+        texts = [args.prompt_ids]
+    else:
+        texts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, "--prompts-file")
     if any(not isinstance(text, str) for text in texts):
         if args.chat:
-            raise ValueError("--chat needs the prompts as text")
+            raise ValueError("--chat needs the prompt as text (--prompt, or a prompts file of text lines)")
         return texts, False
     chat = chat_setting(args, target)
     return [minispec.chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt,
@@ -258,9 +257,8 @@ def logprobs_json(out):
 
 
 def check_flags(args):
-    system = [args.system] if args.system is not None else []
-    for flag, texts in (("--prompt", args.prompt or []), ("--stop", args.stop or []), ("--system", system)):
-        for text in texts:
+    for flag, texts in (("--prompt", args.prompt), ("--stop", args.stop), ("--system", [args.system])):
+        for text in filter(None, texts or ()):  # "" and None: nothing to check
             check_text(flag, text)
     minispec.Settings(draft=args.draft, **settings_of(args))
     check_threads(args)

@@ -323,7 +323,9 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     prefix_cache: a decoding.prefix.PrefixCache, whose earlier prompts' keys and values a prompt that
     begins alike reuses (stats["cached_tokens"]).
     """
-    batched = is_batch(prompt)
+    # a list of texts, token lists or tensors is a batch; any other list is one prompt's ids
+    batched = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple,
+                                                                                           torch.Tensor))
     seed = settings.get("seed")
     seeds = seed if batched and isinstance(seed, (list, tuple)) else None
     if seeds is not None and len(seeds) != len(prompt):
@@ -363,12 +365,6 @@ def naming_prompt(i):
         if i is None:
             raise
         raise SettingError(error.field, f"prompt {i}: {error}") from None
-
-
-def is_batch(prompt):
-    """A list of texts, token lists or tensors is a batch; any other list is one prompt's ids."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple,
-                                                                                       torch.Tensor))
 
 
 @dataclass

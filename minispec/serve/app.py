@@ -9,6 +9,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -79,24 +80,19 @@ class Handlers:
             release_memory(size)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
-        def delivery(i):
-            def deliver(event):  # on the scheduler's thread: the event, with the answer it is of
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, (i, event))
-                except RuntimeError:  # the event loop has closed: nobody waits any more
-                    pass
-            return deliver
+        def deliver(i, event):  # on the scheduler's thread: the event, with the answer it is of
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (i, event))
+            except RuntimeError:  # the event loop has closed: nobody waits any more
+                pass
 
-        jobs = [Job(one, delivery(i)) for i, one in enumerate(parsed.requests)]
+        jobs = [Job(one, partial(deliver, i)) for i, one in enumerate(parsed.requests)]
         try:
-            for job in jobs:
-                self.scheduler.submit(job)
+            self.scheduler.submit(*jobs)
         except QueueFull:
-            self.cancel(jobs)
             raise RequestError(429, f"{self.scheduler.max_waiting} requests are waiting already; retry later",
                                kind="rate_limit_error", code="rate_limit_exceeded") from None
         except ShuttingDown as error:
-            self.cancel(jobs)
             raise server_error(str(error), 503) from None
         reply = Reply(chat, self.model_name, self.draft_name, parsed.requests[0].prompt_ids.shape[1],
                       self.scheduler.target.tokenizer)
@@ -104,10 +100,6 @@ class Handlers:
             return StreamingResponse(self.stream(jobs, events, reply, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self.whole(request, jobs, events, reply, parsed)
-
-    def cancel(self, jobs):
-        for job in jobs:
-            self.scheduler.cancel(job)  # nothing happens to a job that has ended
 
     async def whole(self, request, jobs, events, reply, parsed):
         """The reply in one body once every answer ends (best_of: the n best); a client that goes cancels them."""
@@ -122,7 +114,7 @@ class Handlers:
                     outcomes[i] = event.outcome
         finally:  # also when this handler is cancelled (a shutdown's grace period is over)
             watcher.cancel()
-            self.cancel(jobs)
+            self.scheduler.cancel(*jobs)
         if len(outcomes) == len(jobs):
             outcomes = [outcomes[i] for i in range(len(jobs))]
             chosen = best(outcomes, parsed.n) if len(jobs) > parsed.n else outcomes
@@ -158,7 +150,7 @@ class Handlers:
             log.exception("streaming a reply failed")
             yield event_data(failure(error).body())
         finally:
-            self.cancel(jobs)
+            self.scheduler.cancel(*jobs)
         yield "data: [DONE]\n\n"
 
     async def models(self, request):

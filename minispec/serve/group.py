@@ -87,7 +87,7 @@ class Leader:
     """Rank 0: mirrors the scheduler's calls on its sharded models to the other ranks, beats while idle,
     and on a fault closes the scheduler and calls `on_failure(message)`."""
 
-    def __init__(self, scheduler, timeout, on_failure=None):
+    def __init__(self, scheduler, timeout, on_failure):
         self.scheduler, self.timeout, self.on_failure = scheduler, timeout, on_failure
         self.models = sharded(scheduler.models)
         self.tp = self.models[0].tp
@@ -158,8 +158,7 @@ class Leader:
         self.failure = f"tp: {lost_ranks(self.tp)} (the collective failed: {first_line(error)})"
         log.error("%s; stopping the server", self.failure)
         self.scheduler.close(self.failure)
-        if self.on_failure is not None:
-            self.on_failure(self.failure)
+        self.on_failure(self.failure)
 
     def stop(self):
         """The followers stop too (after a fault, or while the scheduler is still in a call, their wait ends them)."""

@@ -124,16 +124,15 @@ def parse(body, chat, scheduler, model_name):
     logprobs = logprobs_of(body, chat)
     grammar_field, grammar = grammar_of(body)
     try:
-        settings = api.Settings(**{"temperature": 1.0, **given, "max_new_tokens": max_tokens},  # OpenAI's temperature
-                                logprobs=0 if logprobs is None and best_of > n else logprobs, grammar=grammar,
-                                draft=scheduler.draft, gamma=scheduler.gamma, tree=scheduler.tree)
+        # OpenAI's default temperature (1) and the request's settings over the server's (its draft, gamma and tree)
+        settings = replace(scheduler.settings, **{"temperature": 1.0, **given, "max_new_tokens": max_tokens},
+                           logprobs=0 if logprobs is None and best_of > n else logprobs, grammar=grammar)
         requests = [api.Request.from_settings(target, ids, replace(settings, seed=seed))
                     for seed in api.answers(settings.seed, best_of)]
     except SettingError as error:  # named by its request's field (none: the server's own settings)
         names = {"prompt": prompt_field, "max_new_tokens": max_field, "grammar": grammar_field,
-                 "logprobs": "top_logprobs" if chat else "logprobs",
-                 **{setting: name for name, setting in SETTINGS.items() if setting != "max_new_tokens"}}
-        raise invalid(str(error), names.get(error.field)) from None
+                 "logprobs": "top_logprobs" if chat else "logprobs"}  # the other settings are named as their fields
+        raise invalid(str(error), names.get(error.field, error.field if error.field in SETTINGS else None)) from None
     return Parsed(requests, n, bool(body.get("stream")), bool(options.get("include_usage")), logprobs is not None)
 
 

@@ -85,11 +85,10 @@ class Scheduler:
 
     def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto",
                  prefix_cache_mb=512, learner=None):
-        drafting = api.Settings(draft=draft, gamma=gamma, tree=tree).drafting  # checks gamma and tree
-        self.target, self.draft, self.gamma, self.rows, self.max_waiting = target, draft, gamma, rows, max_waiting
-        self.tree, self.learner = tree, learner
+        self.settings = api.Settings(draft=draft, gamma=gamma, tree=tree)  # every request's, with its own fields
+        self.target, self.rows, self.max_waiting, self.learner = target, rows, max_waiting, learner
         self.prefixes = PrefixCache(prefix_cache_mb) if prefix_cache_mb else None
-        draft_model = make_drafter(draft, target).model if drafting else None  # builds an int8/int4 copy once
+        draft_model = make_drafter(draft, target).model if self.settings.drafting else None  # an int8/int4 copy once
         self.models = [target] + ([draft_model] if draft_model is not None else [])
         self.max_length = checked_length(self.models, max_model_len)
         self.max_text = text_bound(target.tokenizer, self.max_length)
@@ -110,24 +109,25 @@ class Scheduler:
     def start(self):
         self.thread.start()
 
-    def submit(self, job):
-        """Queue a job for the next free row (any thread)."""
+    def submit(self, *jobs):
+        """Queue a request's jobs for the next free rows, all or none (any thread)."""
         with self.changed:
             if self.stopping:
                 raise ShuttingDown(self.failure or "the server is shutting down")
-            if len(self.waiting) >= self.max_waiting:
+            if len(self.waiting) + len(jobs) > self.max_waiting:
                 raise QueueFull
-            self.waiting.append(job)
-            self.live.add(job)
+            self.waiting.extend(jobs)
+            self.live.update(jobs)
             self.changed.notify()
 
-    def cancel(self, job):
-        """End a job (any thread): a waiting one leaves the queue now, a running one its row at the next step."""
+    def cancel(self, *jobs):
+        """End jobs (any thread): a waiting one leaves the queue now, a running one its row at the next step."""
         with self.changed:
-            job.cancelled = True
-            self.live.discard(job)
-            if job in self.waiting:
-                self.waiting.remove(job)
+            for job in jobs:
+                job.cancelled = True
+                self.live.discard(job)
+                if job in self.waiting:
+                    self.waiting.remove(job)
 
     def drain(self, timeout):
         """Shutting down: take no new jobs; those under way have `timeout` seconds to end, then fail (503)."""

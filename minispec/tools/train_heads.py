@@ -178,11 +178,10 @@ def most_said(sequences, vocab_size, size):
     return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
 
 
-def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=None):
+def eagle3_loss(head, tokens, states, mask, generator, noise=None, steps=TTT_STEPS):
     """EAGLE-3's loss: q against p over pairs (fc(tapped states at i), x_{i+1}), then `steps` - 1 more
     steps drafted on the head's own states as decoding drafts (unrolled_attention), step j weighing
     0.8^j; the accuracy is the first guess's."""
-    steps = TTT_STEPS if steps is None else steps
     tapped, last = states.split([states.shape[-1] - head.config.dim, head.config.dim], -1)
     inputs = F.pad(head.fuse(tapped[:, :-1]), (0, 0, 0, 1))  # pair i's state; a pad pair: whole key blocks
     total, accuracy = 0.0, None
@@ -416,15 +415,16 @@ def resume(out, head, optimizer):
         if progress["kind"] != head.kind or not (isinstance(done, int) and done >= 0):
             raise ValueError(f"{progress_file} is a {progress['kind']} head's, not this {head.kind} head's")
         load_weights(head, out)  # copied in: the optimizer holds these parameters
-        saved = load_file(out / "training" / "optimizer.safetensors")
+        state = {}
+        for name, value in load_file(out / "training" / "optimizer.safetensors").items():
+            index, key = name.split(".", 1)
+            state.setdefault(int(index), {})[key] = value
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        for i, parameter in enumerate(parameters):
-            state = {name.split(".", 1)[1]: value for name, value in saved.items() if name.split(".", 1)[0] == str(i)}
-            if not state or any(value.dim() and value.shape != parameter.shape for value in state.values()):
-                raise ValueError(f"{out}/training/optimizer.safetensors is another head's (parameter {i})")
-            optimizer.state[parameter] = state
-        if len({name.split(".", 1)[0] for name in saved}) != len(parameters):
-            raise ValueError(f"{out}/training/optimizer.safetensors is another head's (its parameter count)")
+        if sorted(state) != list(range(len(parameters))) or any(
+                value.dim() and value.shape != parameters[i].shape for i in state for value in state[i].values()):
+            raise ValueError(f"{out}/training/optimizer.safetensors is another head's")
+        # onto the parameters' devices (the file's tensors load on the CPU)
+        optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
     return done
 
 
