@@ -56,7 +56,8 @@ def add_model_flags(parser, draft_default, tensor_parallel=False, **draft):
     parser.add_argument("--quantize", choices=QUANT_MODES,
                         help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
                              "tensors as they are)")
-    parser.add_argument("--draft-quantize", choices=QUANT_MODES, help="the same for a draft model")
+    parser.add_argument("--draft-quantize", choices=QUANT_MODES,
+                        help="the same for a draft model (int4: its output head too)")
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE,
                         help="columns per int4 scale")
     parser.add_argument("--device", help="default: cuda where a GPU is, else cpu")

@@ -314,15 +314,15 @@ class IncrementalDecoder:
     """The text of a growing sequence of token ids a piece at a time, exactly as decoding the whole gives it:
     each push decodes the new tokens with the piece before as context, and holds back an incomplete character."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skip_special_tokens=True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids = []
         self.context = 0  # ids[context:emitted] were decoded before: they give the window its context
         self.emitted = 0  # ids before this have their text emitted
         self.text = ""
 
     def decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids, final=False):
         """Add token ids; the text they complete (possibly empty), or with `final` all that is left."""
