@@ -131,8 +131,9 @@ def parse(body, chat, scheduler, model_name):
                     for seed in api.answers(settings.seed, best_of)]
     except SettingError as error:  # named by its request's field (none: the server's own settings)
         names = {"prompt": prompt_field, "max_new_tokens": max_field, "grammar": grammar_field,
-                 "logprobs": "top_logprobs" if chat else "logprobs"}  # the other settings are named as their fields
-        raise invalid(str(error), names.get(error.field, error.field if error.field in SETTINGS else None)) from None
+                 "logprobs": "top_logprobs" if chat else "logprobs",
+                 **{setting: name for name, setting in SETTINGS.items() if setting != "max_new_tokens"}}
+        raise invalid(str(error), names.get(error.field)) from None
     return Parsed(requests, n, bool(body.get("stream")), bool(options.get("include_usage")), logprobs is not None)
 
 
