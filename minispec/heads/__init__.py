@@ -11,8 +11,8 @@ from safetensors import SafetensorError, safe_open
 
 from ..api import available_memory
 from ..loading.checkpoint import check_shapes, cut_padding
-from ..loading.weights import (CheckpointError, file_identity, read_config, read_weights, save_safetensors, weight_files,
-                               write_whole)
+from ..loading.weights import (CheckpointError, file_identity, read_config, read_weights, save_safetensors,
+                               weight_files, write_whole)
 from ..models import quant
 from ..models.base import CachedLM, pack_linears
 from ..models.checks import COUNT, check

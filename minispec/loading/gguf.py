@@ -604,7 +604,8 @@ def tokenizer_files(metadata, vocab_size):
     added = [
         {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": kind == TokenType.CONTROL}
-        for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and tokens[i] == spelled[i]
+        for i, kind in enumerate(types)
+        if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and tokens[i] == spelled[i]
     ]
     ids = token_ids(metadata, SPECIAL_TOKENS, len(tokens))
     bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None

@@ -417,7 +417,9 @@ def resume(out, head, optimizer):
         load_weights(head, out)  # copied in: the optimizer holds these parameters
         state = {}
         for name, value in load_file(out / "training" / "optimizer.safetensors").items():
-            index, key = name.split(".", 1)
+            index, _, key = name.partition(".")  # "<parameter index>.<its state's name>"
+            if not index.isdigit() or not key:
+                raise ValueError(f"{out}/training/optimizer.safetensors is another head's")
             state.setdefault(int(index), {})[key] = value
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         if sorted(state) != list(range(len(parameters))) or any(
