@@ -6,7 +6,7 @@ from .cli import check_threads
 from .decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
 from .heads import is_head_dir, load_draft_head
 from .loading.checkpoint import load_model
-from .loading.weights import DTYPES
+from .loading.weights import DTYPES, release_freed_memory, release_tensor_pages
 from .models import quant
 
 
@@ -42,5 +42,9 @@ def load_draft(draft, target, compile=False, draft_quantize=None, group_size=qua
     model = load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                        group_size=group_size)
     if draft_quantize == "int4":
+        head = model.head
         quant.int4_head(model, group_size)
+        if model.head is not head:  # the int8 head's file pages, read to requantize it, and the temporaries
+            release_tensor_pages(head.buffers())
+            release_freed_memory()
     return model

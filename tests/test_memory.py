@@ -16,6 +16,7 @@ import torch
 
 from minispec.loading import checkpoint
 from minispec.loading.checkpoint import load_model
+from minispec.loading import weights
 from minispec.loading.weights import save_safetensors
 from minispec.models import kernels, quant
 
@@ -172,3 +173,19 @@ def test_weights_stay_in_memory_where_the_weights_folder_cannot_keep_them(llama_
     assert not list(tmp_path.glob("**/*.partial"))
     stored = checkpoint.read_weights([llama_dir / "model.safetensors"])
     assert torch.equal(model.output.weight, stored["lm_head.weight"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
+def test_a_replaced_modules_file_pages_go_and_anonymous_memory_is_never_dropped(tmp_path):
+    """release_tensor_pages drops the resident pages of tensors mapped from a file (they read back the same,
+    from the page cache) and leaves a tensor in anonymous memory as it is: dropping its pages would zero it."""
+    file = tmp_path / "weights.safetensors"
+    save_safetensors({"mapped": torch.arange(1 << 20, dtype=torch.float32)}, file)
+    mapped = torch.from_file(str(file), shared=True, size=file.stat().st_size, dtype=torch.uint8)
+    anonymous = torch.arange(1 << 20, dtype=torch.float32)
+    expected_mapped, expected_anonymous = mapped.clone(), anonymous.clone()
+    assert mapped_file(mapped) == file.resolve() and mapped_file(anonymous) is None
+    assert resident_bytes(file) >= file.stat().st_size - 4096  # read in full by the clone
+    weights.release_tensor_pages([mapped, anonymous])
+    assert resident_bytes(file) <= 4096  # at most the page it shares with the header
+    assert torch.equal(anonymous, expected_anonymous) and torch.equal(mapped, expected_mapped)

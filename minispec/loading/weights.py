@@ -153,15 +153,40 @@ def release_file_pages(files):
     """Drop this process's resident pages of the files' mappings: what a load copied it reads no more, and a
     page still read comes back from the page cache. Linux only; elsewhere nothing happens."""
     names = {str(Path(file).resolve()) for file in files}
+    drop_pages(lambda path, start, end: [(start, end)] if path in names else [])
+
+
+def release_tensor_pages(tensors):
+    """Drop the resident pages of tensors mapped from a file (what a replaced module read): as
+    release_file_pages, for the whole pages inside each tensor. Memory not mapped from a file is left alone."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in tensors]
+
+    def inside(path, start, end):
+        if not path.startswith("/"):  # anonymous: dropping its pages would zero them
+            return []
+        overlaps = [(max(start, -(-low // PAGE) * PAGE), min(end, high // PAGE * PAGE)) for low, high in spans]
+        return [(low, high) for low, high in overlaps if low < high]
+
+    drop_pages(inside)
+
+
+PAGE = 4096
+
+
+def drop_pages(spans_of):
+    """madvise(MADV_DONTNEED) the spans [(start, end)] that spans_of(path, start, end) returns for each mapping
+    of /proc/self/maps. Linux only; elsewhere nothing happens."""
     try:
         with open("/proc/self/maps") as maps:
-            spans = [line.split()[0].split("-") for line in maps if line.split()[-1] in names]
+            mappings = [line.split() for line in maps]
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    for start, end in spans:
-        libc.madvise(int(start, 16), int(end, 16) - int(start, 16), MADV_DONTNEED)
+    for fields in mappings:
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        for low, high in spans_of(fields[-1] if len(fields) > 5 else "", start, end):
+            libc.madvise(low, high - low, MADV_DONTNEED)
 
 
 def release_freed_memory():

@@ -349,7 +349,8 @@ def int4_head(model, group_size=DEFAULT_GROUP_SIZE):
     device = head.scales.device
     if int4_problem(head.out_features, head.in_features, group_size, device):
         return
-    rows = torch.arange(head.out_features, device=device).split(CHUNK_ELEMENTS // head.in_features)
+    # chunks small enough that their temporaries are reused from the heap, not mapped and faulted in afresh
+    rows = torch.arange(head.out_features, device=device).split(HEAD_CHUNK_ELEMENTS // head.in_features)
     chunks = [quantize_int4(weight_rows(head, ids), group_size) for ids in rows]
     model.output = Int4Linear({key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]})
     model.fingerprint = model.fingerprint and f"{model.fingerprint} int4 head {group_size}"
@@ -422,6 +423,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
 
 
 CHUNK_ELEMENTS = 1 << 22
+HEAD_CHUNK_ELEMENTS = 1 << 18
 
 
 def in_row_chunks(quantize, weight, group_size, dtype, chunk_done=None):

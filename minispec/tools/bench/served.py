@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,14 @@ def sampling_fields(args):
             "top_p": args.top_p, "seed": args.seed, "ignore_eos": args.ignore_eos}
 
 
+def request(address, args, prompt):
+    """One streamed request for `prompt`: a chat's user message with --chat (text prompts only)."""
+    if args.chat and isinstance(prompt, str):
+        return stream(address, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": prompt}], **sampling_fields(args)})
+    return stream(address, "/v1/completions", {"prompt": prompt, **sampling_fields(args)})
+
+
 def percentile(values, q):
     """The nearest-rank percentile (the largest value for p99 of fewer than 100)."""
     ordered = sorted(values)
@@ -167,29 +176,52 @@ def tp_serve_benchmark(args):
 
 
 def serve_load_benchmark(args):
-    """The server with --draft against --draft none, for each --clients count."""
-    runs, result = served_runs(args, [(args.draft, 1), ("none", 1)])
-    n = len(args.clients)  # the runs with --draft, then as many with none
-    rows = [{"clients": spec["clients"], "speculative": spec["tokens_per_second"], "plain": plain["tokens_per_second"],
-             "ratio": spec["tokens_per_second"] / plain["tokens_per_second"],
-             "identical": spec["texts"] == plain["texts"] if args.temperature == 0 else None}
-            for spec, plain in zip(runs[:n], runs[n:])]
+    """The server with --draft against --draft none, for each --clients count: --repeats rounds, each on a
+    fresh pair of servers both up at once, the two sides interleaved (which goes first alternates), so that
+    a slower minute of the machine falls on both; the median ratio and its range."""
+    n, runs = len(args.clients), []
+    for repeat in range(args.repeats):
+        flags = [server_flags(args, draft, f"--batch-size={max(args.clients)}") for draft in (args.draft, "none")]
+        with serving(flags[0]) as speculative, serving(flags[1]) as plain:
+            addresses = {args.draft: speculative, "none": plain}
+            for address in addresses.values():
+                stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # setup
+            sent = 0  # each run's prompts follow the last run's: a server's drafter never saw them
+            for i, clients in enumerate(args.clients):
+                order = [args.draft, "none"][::1 if (repeat + i) % 2 == 0 else -1]
+                done = {draft: dict(clients_run(addresses[draft], args, read_prompts(args), clients, sent),
+                                    processes=1, draft=draft, repeat=repeat) for draft in order}
+                runs += [done[args.draft], done["none"]]
+                sent += clients * args.requests
+    rows = [load_row(clients, runs[2 * i::2 * n], runs[2 * i + 1::2 * n], args) for i, clients in enumerate(args.clients)]
     lines = [title(args, None, f"the server against --draft none, --batch-size {max(args.clients)}, --requests "
-                   f"{args.requests} per client"), ""]
+                   f"{args.requests} per client, {args.repeats} rounds of fresh servers (median, range)"), ""]
     lines += md_table([("clients", "{clients}"), (f"{args.draft} tok/s", "{speculative:.1f}"),
-                       ("none tok/s", "{plain:.1f}"), ("x plain", "{ratio:.2f}x"), ("same output", "{identical}")],
-                      rows)
+                       ("none tok/s", "{plain:.1f}"), ("x plain", "{ratio:.2f}x ({low:.2f}-{high:.2f})"),
+                       ("same output", "{identical}")], rows)
     lines += ["", f"the goal: at least {GOAL_UNDER_LOAD}x plain at every number of clients"]
-    return {**result, "rows": rows}, "\n".join(lines)
+    settings = {**vars(args), "prompts": len(read_prompts(args))}
+    return {"settings": settings, "runs": runs, "rows": rows}, "\n".join(lines)
 
 
-def clients_run(address, args, prompts, clients):
-    """`clients` threads, each sending --requests requests one after another (the prompts in turn)."""
+def load_row(clients, speculative, plain, args):
+    """One --clients count's row over the rounds: median tokens/s of each side, the median ratio and range."""
+    ratios = sorted(s["tokens_per_second"] / p["tokens_per_second"] for s, p in zip(speculative, plain))
+    return {"clients": clients, "speculative": statistics.median(s["tokens_per_second"] for s in speculative),
+            "plain": statistics.median(p["tokens_per_second"] for p in plain), "ratio": statistics.median(ratios),
+            "low": ratios[0], "high": ratios[-1],
+            "identical": all(s["texts"] == p["texts"] for s, p in zip(speculative, plain))
+            if args.temperature == 0 else None}
+
+
+def clients_run(address, args, prompts, clients, first=0):
+    """`clients` threads, each sending --requests requests one after another (the prompts in turn from
+    `first`; with --chat as a user's message)."""
     before = (health(address).get("tp") or {}).get("broadcasts")
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        answers = list(pool.map(lambda i: stream(address, "/v1/completions", {
-            "prompt": prompts[i % len(prompts)], **sampling_fields(args)}), range(clients * args.requests)))
+        answers = list(pool.map(lambda i: request(address, args, prompts[(first + i) % len(prompts)]),
+                                range(clients * args.requests)))
     wall = time.perf_counter() - start
     after = (health(address).get("tp") or {}).get("broadcasts")
     latency = [a.seconds for a in answers]
