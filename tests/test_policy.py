@@ -259,6 +259,26 @@ def test_costs_timed_while_the_machine_was_busy_do_not_lock_guessing_out():
     assert tokens / seconds >= 0.97 * fixed_tokens / fixed_seconds  # this draw's luck aside
 
 
+def test_a_short_run_of_rejections_does_not_rest_a_draft_that_pays_on_the_request():
+    """A CPU pair near break-even (a guess 0.39 of a step, each verified token 11% more: guessing pays above
+    a = 0.5): four rejected first guesses after a run of accepted ones pull a, which follows ~10 positions,
+    under break-even, and a resting draft learns nothing of a until a probe. It rests only where a is below
+    break-even by more than half a standard error of the request's evidence, or the request's rate so far
+    says so: a draft that fails on the request still rests."""
+    cpu = [1.0 + 0.11 * w for w in range(9)]
+    chooser = adaptive(0.75, cpu, 0.39, confident_drafter=True)
+    for n in [1, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0]:
+        assert chooser.guesses() > 0
+        chooser.observe(k=1, n=n, emitted=[1] * (n + 1), draft_seconds=0.39, step_seconds=1.5)
+    assert chooser.expected(1) / chooser.seconds(1) < 1 / chooser.seconds(0)  # a alone says: rest
+    assert chooser.guesses() > 0
+    failing, made = adaptive(0.75, cpu, 0.39, confident_drafter=True), []
+    for _ in range(30):
+        made.append(min(failing.guesses(), 1))
+        failing.observe(k=made[-1], n=0, emitted=[1], draft_seconds=0.39 * made[-1], step_seconds=1.0 + 0.5 * made[-1])
+    assert sum(made[:3]) >= 1 and sum(made[3:]) <= 3  # the probes after plain steps only
+
+
 def batch_of(choosers, max_new_tokens=64):
     """Rows that share a step's forward, as batched.choose sees them."""
     return [SimpleNamespace(policy=chooser, stats={"target_calls": 1}, grammar=None, tokens=[],

@@ -22,6 +22,7 @@ from .tree import TREE_AUTO, chain_length, depths
 BEAM_GAMMA_MAX = 4  # fewer draft beam steps in speculative beam search, each verifying w + u·k rows
 MODE_DECAY = 0.97  # per step of a mode: over fewer than ~30 steps a run of rejections would price it out
 MODE_EVIDENCE = 8  # decayed steps of the mode behind before its probes grow apart: a few may lose by chance
+HOPE = 0.5  # standard errors a may be above its estimate before a draft rests (hopeful_best)
 
 
 class FixedGamma:
@@ -132,9 +133,9 @@ class AdaptiveGamma:
         self.histogram = [0] * (self.k_max + 1)
         self.guessed_last_step, self.expected_tokens, self.seen = False, 0.0, Seen()
 
-    def expected(self, k):
-        """E(k): expected new tokens of a step with k guesses."""
-        a, b = self.first.value, self.later_rate()
+    def expected(self, k, a=None):
+        """E(k): expected new tokens of a step with k guesses (were the first guess's rate `a`)."""
+        a, b = self.first.value if a is None else a, self.later_rate()
         return 1.0 + a * (k if b >= 1 else (1 - b ** k) / (1 - b))
 
     def later_rate(self):
@@ -188,6 +189,7 @@ class AdaptiveGamma:
         if chosen is not None:  # a batch's chains, probed as a lone row's are
             return self.probed(chosen)
         mode = self.choose_mode() if self.drafting.branching else Mode("chain", False)
+        best = best or self.hopeful_best()
         if best == 0 and (self.trees_pay() or mode == ("tree", True)):
             best = 1  # measured, or due to be, whatever a's estimate says: a's is of a chain's first guess
         best = self.probed(best)
@@ -195,6 +197,15 @@ class AdaptiveGamma:
             self.tree_nodes = TREE_WIDTH
             return 1
         return self.k_max if best and self.keep_guessing else best
+
+    def hopeful_best(self):
+        """The best k were a up to HOPE standard errors higher, but no higher than the request's rate so far
+        (from the pair's): a short run of rejections must not rest a draft that pays on the request, since
+        resting learns nothing of a."""
+        a, seen = self.first.value, self.seen
+        error = (a * (1 - a) / (self.first.verified + seen.first_verified)) ** 0.5
+        hopeful = max(a, min(a + HOPE * error, carried(seen.first_accepted, seen.first_verified, self.profile.first)))
+        return max(range(self.k_max + 1), key=lambda k: self.expected(k, hopeful) / self.seconds(k))
 
     def probed(self, best):
         """best, or after probe_after plain steps (across requests) a 1-guess probe where guesses could pay."""
