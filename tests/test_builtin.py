@@ -31,7 +31,8 @@ import minispec
 from minispec.loading import builtin
 from minispec.loading import gguf as minigguf
 from minispec.loading.chat import chat_prompt
-from minispec.loading.checkpoint import CheckpointError, check_checkpoint, load_model
+from minispec.loading.checkpoint import CheckpointError, check_checkpoint, fingerprint, load_model
+from minispec.loading.weights import SOURCE_STAMP
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -90,6 +91,32 @@ def test_gguf_file_converted_once(weights, tiny_gguf, monkeypatch, capsys):
 
     monkeypatch.setattr(builtin, "convert_gguf", must_not_convert)
     torch.testing.assert_close(logits(load_model(str(tiny_gguf))), expected, atol=0, rtol=0)
+
+
+def test_a_gguf_file_is_hashed_again_only_once_it_was_written(weights, tiny_gguf, tmp_path, monkeypatch):
+    """Hashing a 1 GB GGUF file at every load takes a second: its conversion records the file's stamp (path,
+    size, times, inode) when found to be the file's, and a load whose file has that stamp still takes the
+    hash recorded. A file rewritten, even to its size with its modification time set back, is hashed again
+    and converted again; a recorded stamp that is not valid JSON is as none."""
+    source = tmp_path / "Tiny-Llama.Q8_0.gguf"
+    shutil.copy(tiny_gguf, source)
+    load_model(source)
+    hashed, sha256 = [], builtin.sha256
+    monkeypatch.setattr(builtin, "sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    first = logits(load_model(source))
+    assert hashed == []
+    out = weights / f"Tiny-Llama.Q8_0-{sha256(source)[:16]}"
+    assert (out / SOURCE_STAMP).is_file() and fingerprint(out, None, None) == load_model(source).fingerprint
+    times, data = source.stat(), bytearray(source.read_bytes())
+    data[-5] ^= 0x01  # a value of the last tensor
+    source.write_bytes(data)
+    os.utime(source, ns=(times.st_atime_ns, times.st_mtime_ns))
+    second = logits(load_model(source))
+    assert hashed == [source.name] and not torch.equal(first, second)
+    assert sorted(p.name for p in weights.iterdir()) == sorted([out.name, f"Tiny-Llama.Q8_0-{sha256(source)[:16]}"])
+    (weights / f"Tiny-Llama.Q8_0-{sha256(source)[:16]}" / SOURCE_STAMP).write_text("{not json")
+    load_model(source)
+    assert hashed == [source.name] * 2
 
 
 def test_missing_gguf_file(weights, tmp_path):

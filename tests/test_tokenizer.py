@@ -5,7 +5,9 @@ the sentencepiece library plus the Hugging Face BOS/EOS conventions (transformer
 SentencePiece models here: that needs protobuf)."""
 
 import copy
+import gc
 import json
+import shutil
 import time
 import unicodedata
 
@@ -14,6 +16,7 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from minispec.loading import checkpoint
 from minispec.loading.checkpoint import load_tokenizer
 from minispec.loading.spm import SentencePieceTokenizer
 from minispec.loading.tokenizer import ByteLevelBPE, IncrementalDecoder
@@ -168,6 +171,26 @@ def test_byte_level_attributes(byte_level_dirs, name):
 def test_fingerprints_differ(byte_level_dirs):
     prints = {load_tokenizer(directory).fingerprint for directory in byte_level_dirs.values()}
     assert len(prints) == len(byte_level_dirs)
+
+
+def test_folders_with_the_same_tokenizer_files_share_one_tokenizer(byte_level_dirs, tmp_path):
+    """A draft's tokenizer files are usually its target's, and checking a large vocabulary costs a second: while
+    a tokenizer is alive, a folder whose tokenizer files are the same bytes gets it again; a byte changed in
+    any of them, or none alive, and the folder's own files are read and checked."""
+    source = byte_level_dirs["qwen2"]
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(source, copy_dir)
+    first = load_tokenizer(source)
+    assert load_tokenizer(copy_dir) is first
+    (copy_dir / "chat_template.jinja").write_text("{{ 'changed' }}")
+    changed = load_tokenizer(copy_dir)
+    assert changed is not first and changed.chat_template == "{{ 'changed' }}" != first.chat_template
+    spec = json.loads((copy_dir / "tokenizer.json").read_text())
+    (copy_dir / "tokenizer.json").write_text(json.dumps(spec, indent=1))  # the same tokenizer in other bytes
+    assert load_tokenizer(copy_dir) is not changed
+    del changed
+    gc.collect()
+    assert all(t.chat_template != "{{ 'changed' }}" for t in checkpoint.TOKENIZERS.values())  # held by no model: gone
 
 
 def test_llama3_bos_from_post_processor(byte_level_dirs):

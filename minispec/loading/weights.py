@@ -147,6 +147,7 @@ def read_weights(files):
 
 
 MADV_DONTNEED = 4  # linux/mman.h
+SOURCE_STAMP = "source-stamp.json"  # in a GGUF file's conversion: the file's stamp when last found its own
 
 
 def release_file_pages(files):
