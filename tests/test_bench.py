@@ -872,7 +872,8 @@ def test_tp_serve_compares_the_sharded_server_with_one_process(served_dirs, tmp_
             "same as 1 process |") in table
 
 
-def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(served_dirs, tmp_path, capsys, monkeypatch):
+def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(served_dirs, tmp_path, capsys,
+                                                                             monkeypatch):
     """--serve-load: per round a fresh server with --draft and one with --draft none, both up at once with a
     batch as wide as the most clients; for each --clients count the two run one after the other, which goes
     first alternating, each run on the prompts after the last run's; per count the median ratio, its range,
@@ -892,15 +893,18 @@ def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(ser
         (sides[address], clients, first)) or clients_run(address, args, prompts, clients, first))
     result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "lookup", "--serve-load",
                               "--clients", "1", "3", "--requests", "2", "--repeats", "2")
-    assert [("--draft=lookup" in flags, "--draft=none" in flags) for flags in starts] == [(True, False), (False, True)] * 2
+    sides = [("--draft=lookup" in flags, "--draft=none" in flags) for flags in starts]
+    assert sides == [(True, False), (False, True)] * 2
     assert all("--batch-size=3" in flags for flags in starts)
     assert [(r["draft"], r["clients"], r["requests"], r["repeat"]) for r in result["runs"]] == [
-        (draft, clients, 2 * clients, repeat) for repeat in (0, 1) for clients in (1, 3) for draft in ("lookup", "none")]
+        (draft, clients, 2 * clients, repeat)
+        for repeat in (0, 1) for clients in (1, 3) for draft in ("lookup", "none")]
     assert calls == [("lookup", 1, 0), ("none", 1, 0), ("none", 3, 2), ("lookup", 3, 2),
                      ("none", 1, 0), ("lookup", 1, 0), ("lookup", 3, 2), ("none", 3, 2)]
     for row in result["rows"]:
         assert row["low"] <= row["ratio"] <= row["high"] and row["identical"]
-    ratios = [s["tokens_per_second"] / p["tokens_per_second"] for s, p in zip(result["runs"][0::4], result["runs"][1::4])]
+    runs = result["runs"]
+    ratios = [s["tokens_per_second"] / p["tokens_per_second"] for s, p in zip(runs[0::4], runs[1::4])]
     assert result["rows"][0]["ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
     assert [row["clients"] for row in result["rows"]] == [1, 3]
     assert "| clients | lookup tok/s | none tok/s | x plain | same output |" in table and "0.98x plain" in table

@@ -97,7 +97,8 @@ def resolve(name_or_path, keep_quantized=False, check=None):
 def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=None):
     """The checkpoint converted from a GGUF file on first use: weights/<name>/, or weights/<file stem>-<its
     SHA-256>[-quantized]/. It is found again only by the hash of the file's content (`digest`, if the caller
-    has it) in its gguf.COMPLETE mark, and kept only once `check` has loaded it."""
+    has it; else the one recorded while the file is unwritten since) in its gguf.COMPLETE mark, and kept only
+    once `check` has loaded it."""
     gguf_path, suffix = Path(gguf_path).expanduser(), "-quantized" if keep_quantized else ""
     try:
         stamp = stamp_of(gguf_path)

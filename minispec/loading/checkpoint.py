@@ -140,8 +140,8 @@ TOKENIZERS = weakref.WeakValueDictionary()
 
 
 def load_tokenizer(directory, model_type=""):
-    """The tokenizer of a checkpoint directory (None without tokenizer files): tokenizer.json where it is a
-    byte-level BPE, else the SentencePiece model beside it; `model_type` tells T5's where file names do not."""
+    """The tokenizer of a checkpoint directory (None without tokenizer files), shared with every folder whose
+    TOKENIZER_FILES are the same bytes while a model holds it (read_tokenizer)."""
     directory = Path(directory)
     digest = hashlib.sha256(model_type.encode())
     for name in TOKENIZER_FILES:
@@ -159,6 +159,8 @@ def load_tokenizer(directory, model_type=""):
 
 
 def read_tokenizer(directory, model_type):
+    """tokenizer.json where it is a byte-level BPE, else the SentencePiece model beside it, checked; `model_type`
+    tells T5's where file names do not."""
     config = read_tokenizer_config(directory)
     chat_template = read_chat_template(directory, config)
     sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)

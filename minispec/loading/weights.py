@@ -4,6 +4,7 @@ safetensors files written, and the weights folder that conversions and stored co
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import struct
 import sys
@@ -165,13 +166,11 @@ def release_tensor_pages(tensors):
     def inside(path, start, end):
         if not path.startswith("/"):  # anonymous: dropping its pages would zero them
             return []
-        overlaps = [(max(start, -(-low // PAGE) * PAGE), min(end, high // PAGE * PAGE)) for low, high in spans]
+        page = mmap.PAGESIZE
+        overlaps = [(max(start, -(-low // page) * page), min(end, high // page * page)) for low, high in spans]
         return [(low, high) for low, high in overlaps if low < high]
 
     drop_pages(inside)
-
-
-PAGE = 4096
 
 
 def drop_pages(spans_of):

@@ -193,7 +193,8 @@ def serve_load_benchmark(args):
                                     processes=1, draft=draft, repeat=repeat) for draft in order}
                 runs += [done[args.draft], done["none"]]
                 sent += clients * args.requests
-    rows = [load_row(clients, runs[2 * i::2 * n], runs[2 * i + 1::2 * n], args) for i, clients in enumerate(args.clients)]
+    rows = [load_row(clients, runs[2 * i::2 * n], runs[2 * i + 1::2 * n], args)
+            for i, clients in enumerate(args.clients)]
     lines = [title(args, None, f"the server against --draft none, --batch-size {max(args.clients)}, --requests "
                    f"{args.requests} per client, {args.repeats} rounds of fresh servers (median, range)"), ""]
     lines += md_table([("clients", "{clients}"), (f"{args.draft} tok/s", "{speculative:.1f}"),
