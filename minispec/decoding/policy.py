@@ -189,7 +189,7 @@ class AdaptiveGamma:
         if chosen is not None:  # a batch's chains, probed as a lone row's are
             return self.probed(chosen)
         mode = self.choose_mode() if self.drafting.branching else Mode("chain", False)
-        best = best or self.hopeful_best()
+        best = best or (self.hopeful_best() if self.keep_guessing else 0)
         if best == 0 and (self.trees_pay() or mode == ("tree", True)):
             best = 1  # measured, or due to be, whatever a's estimate says: a's is of a chain's first guess
         best = self.probed(best)
@@ -200,8 +200,8 @@ class AdaptiveGamma:
 
     def hopeful_best(self):
         """The best k were a up to HOPE standard errors higher, but no higher than the request's rate so far
-        (from the pair's): a short run of rejections must not rest a draft that pays on the request, since
-        resting learns nothing of a."""
+        (from the pair's): a short run of rejections must not rest a CPU draft model that pays on the request,
+        since resting learns nothing of a and its first guess is cheap (beams' guesses are whole beam steps)."""
         a, seen = self.first.value, self.seen
         error = (a * (1 - a) / (self.first.verified + seen.first_verified)) ** 0.5
         hopeful = max(a, min(a + HOPE * error, carried(seen.first_accepted, seen.first_verified, self.profile.first)))
