@@ -10,13 +10,13 @@ import json
 import shutil
 import time
 import unicodedata
+import weakref
 
 import pytest
 import sentencepiece
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from minispec.loading import checkpoint
 from minispec.loading.checkpoint import load_tokenizer
 from minispec.loading.spm import SentencePieceTokenizer
 from minispec.loading.tokenizer import ByteLevelBPE, IncrementalDecoder
@@ -175,8 +175,9 @@ def test_fingerprints_differ(byte_level_dirs):
 
 def test_folders_with_the_same_tokenizer_files_share_one_tokenizer(byte_level_dirs, tmp_path):
     """A draft's tokenizer files are usually its target's, and checking a large vocabulary costs a second: while
-    a tokenizer is alive, a folder whose tokenizer files are the same bytes gets it again; a byte changed in
-    any of them, or none alive, and the folder's own files are read and checked."""
+    a tokenizer is alive, a folder whose vocabulary and settings are the same bytes gets it again (with its own
+    chat template, where that differs, the vocabulary still shared); a byte changed in the vocabulary's file, or
+    none alive, and the folder's own files are read and checked."""
     source = byte_level_dirs["qwen2"]
     copy_dir = tmp_path / "copy"
     shutil.copytree(source, copy_dir)
@@ -184,13 +185,16 @@ def test_folders_with_the_same_tokenizer_files_share_one_tokenizer(byte_level_di
     assert load_tokenizer(copy_dir) is first
     (copy_dir / "chat_template.jinja").write_text("{{ 'changed' }}")
     changed = load_tokenizer(copy_dir)
-    assert changed is not first and changed.chat_template == "{{ 'changed' }}" != first.chat_template
+    assert changed.chat_template == "{{ 'changed' }}" != first.chat_template and changed.tokenizer is first.tokenizer
+    assert load_tokenizer(source).chat_template == first.chat_template
     spec = json.loads((copy_dir / "tokenizer.json").read_text())
     (copy_dir / "tokenizer.json").write_text(json.dumps(spec, indent=1))  # the same tokenizer in other bytes
-    assert load_tokenizer(copy_dir) is not changed
-    del changed
+    other = load_tokenizer(copy_dir)
+    assert other.tokenizer is not first.tokenizer and other.chat_template == "{{ 'changed' }}"
+    gone = weakref.ref(first)
+    del first, changed, other
     gc.collect()
-    assert all(t.chat_template != "{{ 'changed' }}" for t in checkpoint.TOKENIZERS.values())  # held by no model: gone
+    assert gone() is None  # the cache holds no tokenizer alive
 
 
 def test_llama3_bos_from_post_processor(byte_level_dirs):

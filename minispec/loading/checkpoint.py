@@ -2,9 +2,11 @@
 weights, and build the matching minispec model (its family's models.base.Family, registered in FAMILIES),
 quantized at load if asked, or with the quantized weights a checkpoint holds."""
 
+import copy
 import dataclasses
 import hashlib
 import importlib
+import json
 import os
 import re
 import weakref
@@ -131,38 +133,43 @@ def check_device(device):
     return device
 
 
-# The files load_tokenizer reads: folders whose files are the same bytes share one tokenizer
-TOKENIZER_FILES = ("special_tokens_map.json", "tokenizer_config.json", "chat_template.jinja", "tokenizer.json",
-                   "tokenizer.model", "spiece.model")
-# A checked tokenizer by a digest of its folder's TOKENIZER_FILES and model type, while a model holds it: a
-# draft's is usually its target's, and checking a large vocabulary again costs a second.
+# The files that with tokenizer_config.json's settings (but its chat template) make a tokenizer
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model")
+# A checked tokenizer by a digest of those and the model type, while a model holds it: a draft's is usually its
+# target's, and checking a large vocabulary again costs a second.
 TOKENIZERS = weakref.WeakValueDictionary()
 
 
 def load_tokenizer(directory, model_type=""):
-    """The tokenizer of a checkpoint directory (None without tokenizer files), shared with every folder whose
-    TOKENIZER_FILES are the same bytes while a model holds it (read_tokenizer)."""
+    """The tokenizer of a checkpoint directory (None without tokenizer files), its vocabulary checked once while a
+    model holds one alike (read_tokenizer), its chat template its own."""
     directory = Path(directory)
-    digest = hashlib.sha256(model_type.encode())
-    for name in TOKENIZER_FILES:
+    config = read_tokenizer_config(directory)
+    chat_template = read_chat_template(directory, config)
+    settings = json.dumps({key: value for key, value in config.items() if key != "chat_template"}, sort_keys=True)
+    digest = hashlib.sha256(f"{model_type}\0{settings}".encode())
+    for name in VOCABULARY_FILES:
         path = directory / name
         try:
             digest.update(b"\0%s\0%s" % (name.encode(), path.read_bytes() if path.is_file() else b"none"))
         except OSError as error:
             raise CheckpointError(f"cannot read {path}: {error}") from error
-    tokenizer = TOKENIZERS.get(digest.digest())
-    if tokenizer is None:
-        tokenizer = read_tokenizer(directory, model_type)
-        if tokenizer is not None:
-            TOKENIZERS[digest.digest()] = tokenizer
+    shared = TOKENIZERS.get(digest.digest())
+    if shared is None:
+        shared = read_tokenizer(directory, model_type, config, chat_template)
+        if shared is None:
+            return None
+        TOKENIZERS[digest.digest()] = shared
+    if shared.chat_template == chat_template:
+        return shared
+    tokenizer = copy.copy(shared)  # the checked vocabulary and the library's tokenizer shared (read only)
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def read_tokenizer(directory, model_type):
+def read_tokenizer(directory, model_type, config, chat_template):
     """tokenizer.json where it is a byte-level BPE, else the SentencePiece model beside it, checked; `model_type`
     tells T5's where file names do not."""
-    config = read_tokenizer_config(directory)
-    chat_template = read_chat_template(directory, config)
     sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)
     spec_file = directory / "tokenizer.json"
     if spec_file.is_file():
