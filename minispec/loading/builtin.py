@@ -101,7 +101,7 @@ def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=N
     once `check` has loaded it."""
     gguf_path, suffix = Path(gguf_path).expanduser(), "-quantized" if keep_quantized else ""
     try:
-        stamp = stamp_of(gguf_path)
+        stamp = None if digest else stamp_of(gguf_path)  # a caller that knows the hash needs none recorded
         digest = digest or recorded_digest(gguf_path, stamp, suffix) or sha256(gguf_path)
     except OSError as error:
         raise CheckpointError(f"cannot read {gguf_path}: {error}") from error
@@ -222,7 +222,10 @@ def recorded_digest(gguf_path, stamp, suffix):
 
 
 def record_stamp(out, stamp):
-    """Note the stamp the source had when its conversion `out` was found to be its own (recorded_digest)."""
+    """Note the stamp the source had when its conversion `out` was found to be its own (recorded_digest); None:
+    nothing to note."""
+    if stamp is None:
+        return
     with suppress(OSError, ValueError):
         if json.loads((out / SOURCE_STAMP).read_text()) == stamp:
             return
