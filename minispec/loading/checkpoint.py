@@ -154,12 +154,13 @@ def load_tokenizer(directory, model_type=""):
             digest.update(b"\0%s\0%s" % (name.encode(), path.read_bytes() if path.is_file() else b"none"))
         except OSError as error:
             raise CheckpointError(f"cannot read {path}: {error}") from error
-    shared = TOKENIZERS.get(digest.digest())
+    key = digest.digest()
+    shared = TOKENIZERS.get(key)
     if shared is None:
         shared = read_tokenizer(directory, model_type, config, chat_template)
         if shared is None:
             return None
-        TOKENIZERS[digest.digest()] = shared
+        TOKENIZERS[key] = shared
     if shared.chat_template == chat_template:
         return shared
     tokenizer = copy.copy(shared)  # the checked vocabulary and the library's tokenizer shared (read only)

@@ -179,7 +179,7 @@ def serve_load_benchmark(args):
     """The server with --draft against --draft none, for each --clients count: --repeats rounds, each on a
     fresh pair of servers both up at once, the two sides interleaved (which goes first alternates), so that
     a slower minute of the machine falls on both; the median ratio and its range."""
-    n, runs = len(args.clients), []
+    n, runs, prompts = len(args.clients), [], read_prompts(args)
     for repeat in range(args.repeats):
         flags = [server_flags(args, draft, f"--batch-size={max(args.clients)}") for draft in (args.draft, "none")]
         with serving(flags[0]) as speculative, serving(flags[1]) as plain:
@@ -189,7 +189,7 @@ def serve_load_benchmark(args):
             sent = 0  # each run's prompts follow the last run's: a server's drafter never saw them
             for i, clients in enumerate(args.clients):
                 order = [args.draft, "none"][::1 if (repeat + i) % 2 == 0 else -1]
-                done = {draft: dict(clients_run(addresses[draft], args, read_prompts(args), clients, sent),
+                done = {draft: dict(clients_run(addresses[draft], args, prompts, clients, sent),
                                     processes=1, draft=draft, repeat=repeat) for draft in order}
                 runs += [done[args.draft], done["none"]]
                 sent += clients * args.requests
@@ -201,7 +201,7 @@ def serve_load_benchmark(args):
                        ("none tok/s", "{plain:.1f}"), ("x plain", "{ratio:.2f}x ({low:.2f}-{high:.2f})"),
                        ("same output", "{identical}")], rows)
     lines += ["", f"the goal: at least {GOAL_UNDER_LOAD}x plain at every number of clients"]
-    settings = {**vars(args), "prompts": len(read_prompts(args))}
+    settings = {**vars(args), "prompts": len(prompts)}
     return {"settings": settings, "runs": runs, "rows": rows}, "\n".join(lines)
 
 
