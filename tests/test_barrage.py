@@ -203,21 +203,22 @@ def settle(url):
     time.sleep(0.5)
 
 
-def test_a_prompt_longer_than_the_context_can_spell_is_refused_untokenized(checkpoints):  # noqa: F811
+def test_a_prompt_longer_than_the_context_can_spell_is_refused_untokenized(checkpoints, monkeypatch):  # noqa: F811
     """Tokenizing the barrage's 900,000-character prompt took tens of MiB, which stayed resident."""
     target = minispec.load(checkpoints[0])
     scheduler = SimpleNamespace(target=target, max_length=CONTEXT, max_text=text_bound(target.tokenizer, CONTEXT))
-    target.tokenizer.encode = lambda *args, **options: pytest.fail("the prompt was tokenized")
+    # monkeypatch puts it back: loads of one tokenizer share one object, which later tests use
+    monkeypatch.setattr(target.tokenizer, "encode", lambda *args, **options: pytest.fail("the prompt was tokenized"))
     with pytest.raises(RequestError, match="more than this server's context can hold") as refused:
         parse({"prompt": "y" * (scheduler.max_text + 1)}, False, scheduler, "model")
     assert refused.value.body()["error"]["code"] == "context_length_exceeded"
 
 
-def test_messages_longer_than_the_context_can_spell_are_refused_unrendered(checkpoints):  # noqa: F811
+def test_messages_longer_than_the_context_can_spell_are_refused_unrendered(checkpoints, monkeypatch):  # noqa: F811
     """The same bound for a chat's messages, summed, before the template renders them."""
     target = minispec.load(checkpoints[0])
     scheduler = SimpleNamespace(target=target, max_length=CONTEXT, max_text=text_bound(target.tokenizer, CONTEXT))
-    target.tokenizer.encode = lambda *args, **options: pytest.fail("the messages were tokenized")
+    monkeypatch.setattr(target.tokenizer, "encode", lambda *args, **options: pytest.fail("the messages were tokenized"))
     half = "y" * (scheduler.max_text // 2 + 1)
     messages = [{"role": "user", "content": half}, {"role": "assistant", "content": "ok"},
                 {"role": "user", "content": half}]
