@@ -295,7 +295,7 @@ def new_eagle3(target, hf, draft_vocab):
 def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    draft_vocab: q covers the that many most said tokens (0: all); epochs 0: the untrained head, unsaved."""
+    draft_vocab: q covers that many most said tokens (0: all); epochs 0: the untrained head, unsaved."""
     epochs = EPOCHS.get(kind) if epochs is None else epochs
     check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
