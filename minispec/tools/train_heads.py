@@ -1,20 +1,8 @@
-"""Training a draft head by self-distillation:
-
-    python -m minispec.tools.train_heads --target T --out DIR [--kind eagle|eagle3|medusa] [--prompts FILE] ...
-
-writes the head into DIR, where `--draft DIR` finds it. The target answers prompts, its states are kept
-from those forwards (generate's on_states), and the head learns from them with its paper's loss, only at
-positions inside the answers (p renormalized over a head's draft vocabulary):
-
-    EAGLE:   SmoothL1(f̂_{i+1}, f_{i+1}) + 0.1 · CE(softmax(target.logits(f_{i+1})), target.logits(f̂_{i+1}))
-             over pairs (f_i + noise, x_{i+1}); the noise teaches it to draft on from its own states
-    Medusa:  head j at position i: CE(softmax(target.logits(f_{i+1+j})), head_j(f_i))
-    EAGLE-3: CE(softmax(target.logits(f_{i+1})), head.logits(g'_{i+1})) over pairs (fc(h_i), x_{i+1}), h_i
-             the states entering three target layers, and the same at the next guesses drafted on its own
-             states g' (its training-time test, weights 0.8^j)
-
-The head is saved after every epoch and DIR/training/ keeps what a resumed run needs.
-"""
+"""Training a draft head by self-distillation (`python -m minispec.tools.train_heads --help`): the target
+answers prompts, its states are kept from those forwards (generate's on_states), and the head learns from them
+with its paper's loss at positions inside the answers (EAGLE, Medusa: heads/training.py, EAGLE's noise on the
+input states teaching it to draft on from its own; EAGLE-3: eagle3_loss). The head is saved into DIR after every
+epoch, where `--draft DIR` finds it; DIR/training/ keeps what a resumed run needs."""
 
 import argparse
 import json
@@ -143,12 +131,6 @@ def states_of(target, states, taps):
         tapped, last = states.split([len(taps) * target.hidden_size, target.hidden_size], -1)
         states = torch.cat([tapped, target.norm(last.to(target.device)).cpu()], -1)
     return states.float()
-
-
-def save_data(sequences, file):
-    tokens, starts = zip(*sequences)
-    save_safetensors({"tokens": torch.cat(tokens), "lengths": torch.tensor([len(t) for t in tokens]),
-                      "answer_starts": torch.tensor(starts)}, file, sync=True)
 
 
 def load_data(file):
@@ -313,7 +295,7 @@ def new_eagle3(target, hf, draft_vocab):
 def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=128, lr=2e-3, heads=4,
           batch_size=64, tokens_per_batch=512, chat=True, seed=0, draft_vocab=DRAFT_VOCAB):
     """Train a draft head for `target` into folder `out` (resuming what is there); returns the head.
-    draft_vocab: q covers the that many most said tokens (0: all); epochs 0: the untrained head, unsaved."""
+    draft_vocab: q covers that many most said tokens (0: all); epochs 0: the untrained head, unsaved."""
     epochs = EPOCHS.get(kind) if epochs is None else epochs
     check_settings(target, kind, epochs, lr, heads, draft_vocab)
     out = Path(out)
@@ -332,7 +314,9 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
         chat = chat and target.tokenizer is not None and target.tokenizer.chat_template is not None
         prompts = prompts or default_prompts(target, chat, generator, batch_size)
         sequences, records = answer(target, prompts, max_new_tokens, batch_size, chat, taps)
-        save_data(sequences, data_file)
+        tokens, starts = zip(*sequences)
+        save_safetensors({"tokens": torch.cat(tokens), "lengths": torch.tensor([len(t) for t in tokens]),
+                          "answer_starts": torch.tensor(starts)}, data_file, sync=True)
     reduced = kind != "medusa" and 0 < draft_vocab < target.vocab_size
     head, hf = new_head(kind, target, heads, most_said(sequences, target.vocab_size, draft_vocab) if reduced else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
@@ -369,7 +353,10 @@ def train(target, out, kind="eagle", prompts=None, epochs=None, max_new_tokens=1
                 sys.stderr.write(f"epoch {epoch + 1}/{epochs}: next-token accuracy on the {len(held)} held-out "
                                  f"answers {sum(scores) / len(scores):.2f}\n")
         save_draft_head(head, hf, out)
-        save_safetensors(optimizer_tensors(optimizer), state / "optimizer.safetensors", sync=True)
+        # AdamW's moments and step counts by parameter index, as tensors: safetensors, not pickle
+        moments = {f"{i}.{name}": value for i, kept in optimizer.state_dict()["state"].items()
+                   for name, value in kept.items()}
+        save_safetensors(moments, state / "optimizer.safetensors", sync=True)
         progress_text = json.dumps({"epochs_done": epoch + 1, "kind": kind}) + "\n"
         write_whole(state / "progress.json", lambda file: file.write_text(progress_text), sync=True)
     return head
@@ -395,12 +382,6 @@ def check_settings(target, kind, epochs, lr, heads, draft_vocab):
     if target.dtype == torch.float16:  # its gradients under- and overflow without loss scaling: NaN heads
         raise ValueError("training in float16 is not supported: train in float32 or bfloat16 (--dtype); the "
                          "head then drafts for a float16 target too")
-
-
-def optimizer_tensors(optimizer):
-    """AdamW's moments and step counts, by parameter index, as tensors (safetensors, not pickle)."""
-    return {f"{i}.{name}": value for i, state in optimizer.state_dict()["state"].items()
-            for name, value in state.items()}
 
 
 def resume(out, head, optimizer):
@@ -440,7 +421,7 @@ def resuming(out):
                               "afresh") from None
 
 
-def parse_args(argv):
+def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minispec.tools.train_heads",
                                      description="Train a draft head for a target (resumes an interrupted run).")
     parser.add_argument("--target", required=True, help="the target, as run.py's --target")
@@ -457,11 +438,7 @@ def parse_args(argv):
                         help="EAGLE, EAGLE-3: the head guesses among the target's N most said tokens (0: all)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--no-chat", action="store_true", help="answer the prompts as raw text, not chat turns")
-    return parser.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         # train(epochs=0) only returns the untrained head: nothing would be written
         check_values(args, {"--epochs": AT_LEAST_ONE})

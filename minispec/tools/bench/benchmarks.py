@@ -1,6 +1,5 @@
-"""Decoders side by side against the paper's Theorem 3.8 (benchmark), requests decoded together
-(batch_benchmark), beam search (beam_benchmark), each feature's price (features_benchmark), and what
-the bench's benchmarks share."""
+"""The main table against the paper's Theorem 3.8 (with the reference implementation, transformers, beside it
+when asked), the batch, beam and feature benchmarks, and what the bench's benchmarks share."""
 
 import statistics
 import time
@@ -9,11 +8,11 @@ import torch
 
 from minispec import Sampling, chat_prompt, generate
 from minispec.loaders import load_models
+from minispec.loading.checkpoint import resolve_checkpoint
 
 from . import llamacpp
 from .memory import bandwidth, memory_growth
 from .prompts import prompt_ids_of, read_prompts
-from .reference import reference_runners
 from .report import dtype_name, md_table, title
 from .timing import row_invariance_price, step_times, time_generation
 
@@ -57,19 +56,16 @@ def best_gamma(alpha, c, max_gamma=16):
 
 
 def reported(args, target, prompts):
-    """The settings a benchmark's JSON and table report."""
     return {**{key: getattr(args, key) for key in REPORTED}, "gammas": args.gamma, "device": str(target.device),
             "dtype": dtype_name(target), "prompts": len(prompts)}
 
 
 def decoding_settings(args):
-    """The flags' settings that every decoder of a benchmark shares."""
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, ignore_eos=args.ignore_eos)
 
 
-def summed(stats, key):
-    """A list-valued stat summed position by position over the requests."""
+def summed(stats, key):  # a list-valued stat, position by position over the requests
     return [sum(column) for column in zip(*(s[key] for s in stats))]
 
 
@@ -95,8 +91,7 @@ def policy_summary(stats):
 
 
 def minispec_runner(target, draft, gamma, args, tree=None):
-    """run_one for time_generation: one (prompt ids, seed) request through generate; its prefill ends
-    when the first step's tokens reach on_tokens, and the decode phase Theorem 3.8 is about follows."""
+    """run_one for time_generation: its prefill ends when the first step's tokens reach on_tokens."""
     settings = dict(decoding_settings(args), tree=tree if draft else None)
 
     def run_one(request):
@@ -115,8 +110,7 @@ def models_and_prompts(args):
 
 
 def benchmark(args):
-    """The main table: plain decoding and each --gamma (and the peers asked for) in the same rounds, with
-    the single forwards Theorem 3.8 prices timed at one position."""
+    """The main table: plain decoding, each --gamma and the peers asked for, in the same rounds."""
     target, draft, prompts = models_and_prompts(args)
     runners = {("minispec", None): minispec_runner(target, None, 1, args),
                **{("minispec", g): minispec_runner(target, draft, g, args, args.tree) for g in args.gamma}}
@@ -162,8 +156,65 @@ def same(timed, plain, args):
     return timed["outputs"] == plain["outputs"] if args.temperature == 0 else None
 
 
+def load_reference(name_or_path, device, dtype):
+    """The same checkpoint directory in transformers (imported only here: a test-only dependency)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--compare-reference needs the reference implementation: pip install transformers") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    directory = resolve_checkpoint(name_or_path)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    # .to(dtype) too: versions before `dtype=` was accepted ignore it and load float32.
+    return auto.from_pretrained(directory, dtype=dtype).to(device=device, dtype=dtype).eval()
+
+
+def reference_runner(model, args, gamma=None, draft=None):
+    """run_one for time_generation: the reference's generate with the same settings; with a γ assisted
+    generation with `draft` (a reference model) or, without one, prompt lookup (our `lookup`)."""
+    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    if args.ignore_eos:
+        # Generate through EOS like minispec does; min_new_tokens would forbid EOS, changing the tokens.
+        settings.update(eos_token_id=None, pad_token_id=0)
+    if args.temperature > 0:
+        settings.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if gamma is not None and draft is None:  # LookupDrafter's max_ngram; for "auto", the reference's usual 10
+        settings.update(prompt_lookup_num_tokens=10 if gamma == "auto" else gamma, max_matching_ngram_size=3)
+
+    # with a draft model: exactly γ guesses per step; for "auto", its adaptive defaults (set on every call:
+    # the assistant's own generation_config holds them)
+    auto = gamma == "auto"
+    assist = dict(num_assistant_tokens=20 if auto else gamma, assistant_confidence_threshold=0.4 if auto else 0.0,
+                  num_assistant_tokens_schedule="heuristic" if auto else "constant")
+
+    @torch.inference_mode()
+    def run_one(request):
+        prompt, seed = request
+        if draft is not None:
+            draft.generation_config.update(**assist)
+        ids = torch.tensor([prompt], device=model.device)
+        torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, **settings)[0].tolist()
+        # Decoder-only outputs repeat the prompt; encoder-decoder ones start with the decoder start token.
+        return out[1 if model.config.is_encoder_decoder else len(prompt):], {}
+
+    return run_one
+
+
+def reference_runners(args, device, dtype):
+    """{("reference", γ or None): run_one}: autoregressive and assisted (none for `ngram`: it lacks it)."""
+    model = load_reference(args.target, device, dtype)
+    runners = {("reference", None): reference_runner(model, args)}
+    if args.draft == "ngram":
+        return runners
+    draft = None if args.draft == "lookup" else load_reference(args.draft, device, dtype)
+    runners.update({("reference", g): reference_runner(model, args, g, draft) for g in args.gamma})
+    return runners
+
+
 def gamma_row(gamma, spec, ar, steps, args):
-    """A --gamma's row: its speed against plain decoding and against Theorem 3.8's prediction."""
     measured = speculative_summary(spec["stats"])
     c = steps["draft_step_s"][1 if gamma == "auto" else gamma] / steps["target_step_s"]
     decode_speedup = spec["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
@@ -210,8 +261,8 @@ def peer(timed, result):
 
 
 def plain_and_speculative(args, target, draft, variants):
-    """Rows {"name", "plain", "speculative" (tokens/s), "identical"} for variants {name: (prompts or batches
-    of them, generate's extra settings)}, each timed plain and with --draft, in turns."""
+    """Rows {"name", "plain", "speculative" (tokens/s), "identical"} for variants {name: (prompts or batches of
+    them, generate's extra settings)}, each timed plain and with --draft, in turns."""
     def runner(batches, extra):
         def run_one(_):
             outs = flat([generate(target, batch, seed=args.seed, **{**decoding_settings(args), **extra})
@@ -228,8 +279,7 @@ def plain_and_speculative(args, target, draft, variants):
              "identical": timed[name, "plain"]["stats"] == timed[name, "speculative"]["stats"]} for name in variants]
 
 
-def flat(outs):
-    """generate's answers as one list: a batch's and n answers each included."""
+def flat(outs):  # generate's answers as one list: a batch's and n answers each included
     return [o for out in outs for o in (flat(out) if isinstance(out, list) else [out])]
 
 

@@ -11,24 +11,20 @@ def progress(total, what):
     return tqdm(total=total, desc=f"bench: {what}", unit="run", leave=False, disable=not sys.stderr.isatty())
 
 
-class Cells(string.Formatter):
-    """str.format for a table's cells: a truth value as yes/NO."""
-
-    def format_field(self, value, spec):
-        return ("yes" if value else "NO") if isinstance(value, bool) else super().format_field(value, spec)
-
-
-CELLS = Cells()
+def yes_no(value):
+    return ("yes" if value else "NO") if isinstance(value, bool) else value
 
 
 def cell(column, row):
-    """A cell: a column's function of the row, or its format of the row's fields ("{speedup:.2f}x"); "-"
-    where the function gives None or a field is None or missing."""
+    """A cell: a column's function of the row, or its format of the row's fields ("{speedup:.2f}x"), a truth
+    value as yes/NO; "-" where the function gives None or a field is None or missing."""
     if callable(column):
         value = column(row)
-        return "-" if value is None else CELLS.format_field(value, "")
-    fields = [name for _, name, _, _ in CELLS.parse(column) if name]
-    return "-" if any(row.get(name) is None for name in fields) else CELLS.format(column, **row)
+        return "-" if value is None else str(yes_no(value))
+    fields = [name for _, name, _, _ in string.Formatter().parse(column) if name]
+    if any(row.get(name) is None for name in fields):
+        return "-"
+    return column.format(**{name: yes_no(value) for name, value in row.items()})
 
 
 def md_table(columns, rows):

@@ -141,25 +141,17 @@ def percentile(values, q):
     return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
 
 
-def served_runs(args, configs):
-    """clients_run for each --clients count on a server per config (draft, processes) with a batch as wide
-    as the most clients; with --tp-serve, each process its share of the threads."""
-    prompts, runs = read_prompts(args), []
-    for draft, ranks in configs:
-        flags = server_flags(args, draft, f"--batch-size={max(args.clients)}")
-        if args.tp_serve:
-            threads = args.threads or len(os.sched_getaffinity(0))
-            flags = [f for f in flags if not f.startswith("--threads=")] + [f"--threads={max(threads // ranks, 1)}"]
-        with serving(flags, ranks) as address:
-            stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # setup
-            runs += [dict(clients_run(address, args, prompts, clients), processes=ranks, draft=draft)
-                     for clients in args.clients]
-    return runs, {"settings": {**vars(args), "prompts": len(prompts)}, "runs": runs}
-
-
 def tp_serve_benchmark(args):
     """The server over N processes (--tp N) against one, for each --clients count."""
-    runs, result = served_runs(args, [(args.draft, 1), (args.draft, args.tp_serve)])
+    prompts, runs = read_prompts(args), []
+    threads = args.threads or len(os.sched_getaffinity(0))
+    for ranks in (1, args.tp_serve):  # a batch as wide as the most clients; each process its share of the threads
+        flags = [flag for flag in server_flags(args, args.draft, f"--batch-size={max(args.clients)}")
+                 if not flag.startswith("--threads=")]
+        with serving([*flags, f"--threads={max(threads // ranks, 1)}"], ranks) as address:
+            stream(address, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # setup
+            runs += [dict(clients_run(address, args, prompts, clients), processes=ranks, draft=args.draft)
+                     for clients in args.clients]
     for i, run in enumerate(runs):  # one process's runs first, one per --clients count
         alone = runs[i % len(args.clients)]
         run["identical_to_one_process"] = run["texts"] == alone["texts"] if args.temperature == 0 else None
@@ -172,7 +164,7 @@ def tp_serve_benchmark(args):
                        ("same as 1 process", "{identical_to_one_process}")], runs)
     lines += ["", "broadcast: rank 0's seconds sending the calls the other ranks mirror (serve/group.py), per sharded "
               "forward and as a share of the wall time; the sums inside a forward: python -m minispec.tools.bench.tp"]
-    return result, "\n".join(lines)
+    return {"settings": {**vars(args), "prompts": len(prompts)}, "runs": runs}, "\n".join(lines)
 
 
 def serve_load_benchmark(args):
