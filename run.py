@@ -211,7 +211,6 @@ def rates(runs):
 
 
 def speedup(runs, baselines):
-    """--compare's speedup: the median speed with the draft over the median without."""
     return statistics.median(rates(runs)) / statistics.median(rates(baselines))
 
 
@@ -225,7 +224,6 @@ def speedup_summary(runs, baselines):
 
 
 def print_batch(args, target, prompts, draft, settings):
-    """Several prompts, decoded together, each output printed in turn."""
     start = time.perf_counter()
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
     if settings["n"] > 1:  # each prompt's n answers, in turn

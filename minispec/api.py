@@ -239,7 +239,6 @@ def check_lengths(requests):
 
 
 def size_caches(requests, rows):
-    """Room in each model for `rows` requests at once."""
     for model in models_of(requests[0]):
         # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
         # the context (near its end the engine offers smaller trees)

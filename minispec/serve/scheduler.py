@@ -212,7 +212,6 @@ class Scheduler:
         return taken
 
     def forget(self, job):
-        """A job that has ended (or failed) leaves `live`."""
         with self.changed:
             self.live.discard(job)
 
