@@ -51,8 +51,7 @@ class Failed(NamedTuple):
 
 
 class Job:
-    """One request on its way through the engine; `deliver(event)`, called on the scheduler's thread, must be
-    thread-safe."""
+    """One request in the engine; `deliver(event)`, called on the scheduler's thread, must be thread-safe."""
 
     def __init__(self, request, deliver):
         self.request, self.deliver = request, deliver
