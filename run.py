@@ -2,9 +2,6 @@
 
     python run.py                       # the demo: DEFAULT_ARGS below (fetches SmolLM2-135M-Instruct once)
     python run.py --target gpt2-large --draft gpt2 --prompt "Once upon a time" --show
-    python run.py --target ./ckpt --draft lookup --prompt-ids 1,2,3 --json
-    python run.py --target ./ckpt --draft ./small,suffix --prompt-ids 1,2,3 --json   # both guess in one tree
-    python run.py --target ./ckpt --draft ./small --beams 4 --draft-beams 8 --gamma 3 --prompt-ids 1,2,3 --json
 """
 
 import argparse
@@ -173,13 +170,18 @@ def prompts_for(args, target):
         if args.chat:
             raise ValueError("--chat needs the prompt as text (--prompt, or a prompts file of text lines)")
         return texts, False
-    chat = chat_setting(args, target)
+    tokenizer = target.tokenizer
+    chat = args.chat if args.chat is not None else bool(tokenizer and tokenizer.chat_template)
+    if chat and tokenizer is None:
+        raise ValueError(f"--chat: {target.name} has no tokenizer files")
+    for flag, given in (("--system", args.system is not None), ("--chat-template-kwargs", args.chat_template_kwargs)):
+        if given and not chat:
+            raise ValueError(f"{flag} needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
     return [minispec.chat_prompt(target.tokenizer, text, args.system, args.special_tokens_in_prompt,
                                  **args.chat_template_kwargs) if chat else text for text in texts], chat
 
 
 def template_variables(text):
-    """--chat-template-kwargs: a JSON object of the template's variables."""
     variables = flag_type(json.loads, "a JSON object")(text)
     if not isinstance(variables, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
@@ -189,17 +191,6 @@ def template_variables(text):
     if taken is not None:
         raise argparse.ArgumentTypeError(f"{taken!r} is set by run.py, not a template variable to give")
     return variables
-
-
-def chat_setting(args, target):
-    tokenizer = target.tokenizer
-    chat = args.chat if args.chat is not None else bool(tokenizer and tokenizer.chat_template)
-    if chat and tokenizer is None:
-        raise ValueError(f"--chat: {target.name} has no tokenizer files")
-    for flag, given in (("--system", args.system is not None), ("--chat-template-kwargs", args.chat_template_kwargs)):
-        if given and not chat:
-            raise ValueError(f"{flag} needs a chat prompt (a checkpoint with a chat template, and not --no-chat)")
-    return chat
 
 
 def summary(stats):
@@ -220,7 +211,6 @@ def rates(runs):
 
 
 def speedup(runs, baselines):
-    """--compare's speedup: the median speed with the draft over the median without."""
     return statistics.median(rates(runs)) / statistics.median(rates(baselines))
 
 
@@ -234,7 +224,6 @@ def speedup_summary(runs, baselines):
 
 
 def print_batch(args, target, prompts, draft, settings):
-    """Several prompts, decoded together, each output printed in turn."""
     start = time.perf_counter()
     outs = minispec.generate(target, prompts, draft=draft, batch_size=args.batch_size, **settings)
     if settings["n"] > 1:  # each prompt's n answers, in turn
@@ -275,17 +264,6 @@ def check_text(flag, text):
     except UnicodeEncodeError as error:
         raise ValueError(f"{flag} is not UTF-8 text: byte {ord(text[error.start]) - 0xDC00:#04x} at character "
                          f"{error.start}") from None
-
-
-def rank_failed(error, rank):
-    """--tp: this rank failed: one line from the rank it went wrong on; a rank whose collective failed because
-    another had gone says nothing (that rank has said it), and exits too (torchrun then stops the others)."""
-    from minispec.loading import parallel
-
-    if not parallel.lost_peer(error):
-        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"error: rank {rank}: {type(error).__name__}: {line}", file=sys.__stderr__, flush=True)
-    return 1
 
 
 def load_models(args):
@@ -336,7 +314,13 @@ def main(argv=None):
     except Exception as error:
         if not args.tp:
             raise
-        return rank_failed(error, rank)
+        # one line from the rank it went wrong on; a rank whose collective failed because another had gone says
+        # nothing (that one has), and exits too (torchrun then stops the others)
+        from minispec.loading import parallel
+        if not parallel.lost_peer(error):
+            line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            print(f"error: rank {rank}: {type(error).__name__}: {line}", file=sys.__stderr__, flush=True)
+        return 1
     parallel.leave()
 
     if args.json:

@@ -1,12 +1,4 @@
-"""minispec: a minimal, fast PyTorch inference engine for speculative decoding.
-
-    import minispec
-    target = minispec.load("path/or/hub-id", device="cpu")
-    draft = minispec.load("smaller/checkpoint")           # or "ngram" / "lookup"
-    draft = minispec.load_draft_head("head/dir", target)  # or a draft head trained for the target
-    out = minispec.generate(target, "Once upon a time", draft=draft, gamma=5, max_new_tokens=64)
-    out.tokens, out.text, out.stats
-"""
+"""minispec: a minimal, fast PyTorch inference engine for speculative decoding (README.md shows its use)."""
 
 import importlib.util
 import os
@@ -14,9 +6,8 @@ import warnings
 
 # Both before torch's first import. minispec never uses numpy, so torch's warning without it would only puzzle.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-# OpenMP's idle threads spin 300,000 turns before they sleep, which slows decoding badly where other
-# processes hold cores; sleeping at once costs every one of a step's hundreds of short parallel regions a
-# wake-up. A short spin catches the next region on a free core and soon yields a busy one: unless the user chose.
+# OpenMP's idle threads spin 300,000 turns before sleeping, slowing decoding where other processes hold cores;
+# sleeping at once costs each of a step's many short parallel regions a wake-up. A short spin, unless the user chose.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "2000"
 

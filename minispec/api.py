@@ -1,6 +1,5 @@
-"""The public entry points: `generate(target, prompt, draft=...)` and `stream(...)`, the same a step at a time.
-They check the settings and each prompt (`Request`), claim the models, size their caches, and hand the requests
-to the engine (minispec.decoding.engine), or to beam search."""
+"""generate() and stream(): check the settings and prompts (`Request`), claim the models, size their caches,
+and hand the requests to the engine (minispec.decoding.engine), or to beam search."""
 
 import functools
 import inspect
@@ -28,8 +27,7 @@ from .models.llama import Llama
 from .settings import GAMMA_MAX, Settings
 
 
-# minispec.load: load_model (its documentation and signature, as help() shows them), whose dtype may
-# also be given by its name ("float32"), as the reference implementation takes it.
+# load_model (its help() too), whose dtype may also be a name ("float32"), as the reference implementation takes it
 @functools.wraps(load_model)
 def load(name_or_path, device="cpu", dtype=None, **options):
     if isinstance(dtype, str):
@@ -39,7 +37,7 @@ def load(name_or_path, device="cpu", dtype=None, **options):
 
 
 def prompt_tensor(model, prompt):
-    """A prompt given as text, a list of ids or a 1-D tensor of them -> LongTensor [1, n] on the model's device."""
+    """A prompt's text, ids or 1-D tensor of them -> LongTensor [1, n] on the model's device."""
     with named("prompt"):
         if isinstance(prompt, str):
             if model.tokenizer is None:
@@ -67,16 +65,15 @@ def prompt_tensor(model, prompt):
         return ids
 
 
-# A model's KV cache holds its requests' rows, so a model runs one generate() call at a time: HOLDERS
-# names the thread of the call under way, by model, and this lock makes checking and marking atomic.
+# A model's KV cache holds its requests' rows, so a model runs one call at a time: HOLDERS names the thread
+# of each model's call under way; the lock makes checking and marking atomic.
 _claiming = threading.Lock()
 HOLDERS = weakref.WeakKeyDictionary()
 
 
 @contextmanager
 def exclusive(*models):
-    """Claim the models for one call, before it touches their caches, or fail at once if another call
-    has one; a stream releases them when it ends, is closed, or is garbage collected."""
+    """Claim the models before a call touches their caches, or fail at once if another call has one."""
     with _claiming:
         for model in models:
             if HOLDERS.get(model) == threading.get_ident():
@@ -97,8 +94,7 @@ def exclusive(*models):
 
 @dataclass
 class Request:
-    """One prompt's request: its settings, and what they were made into (its own drafter and policy, sampling,
-    stops, seed, grammar); any other setting is read from `settings` (request.max_new_tokens)."""
+    """One prompt's request: its settings and what they were made into; other settings read through (.n)."""
     target: object
     prompt_ids: torch.Tensor
     settings: Settings
@@ -109,7 +105,7 @@ class Request:
     seed: int
     draft_beams: int
     state_layers: tuple | None = None
-    grammar: object = None  # Settings.grammar compiled: a decoding/grammar.py Matcher, or None
+    grammar: object = None  # a decoding/grammar.py Matcher
 
     def __getattr__(self, name):  # only for names that are not fields
         if name.startswith("__"):  # copy and pickle look for their hooks before `settings` exists
@@ -158,7 +154,6 @@ class Request:
 
 
 def state_layers_of(target, layers):
-    """generate()'s state_layers checked against the target: None, or a tuple of layer indices."""
     if layers is None:
         return None
     if not isinstance(target, Llama):
@@ -188,9 +183,8 @@ def named(name):
 
 
 def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, tp=None, setting="max_new_tokens"):
-    """An error, before allocating, when `rows` cache rows of `max_seq_len` positions and `working` bytes do not
-    fit in free memory, naming `setting` (or telling the `remedy`: the server's flags); with `tp` the least free
-    on any rank decides, so that every rank stops, or none."""
+    """An error naming `setting` (or the server's `remedy`), before allocating, when `rows` cache rows of
+    `max_seq_len` positions and `working` bytes do not fit; with `tp` the least free on any rank decides."""
     fits = rows <= model.cache_batch_size and model.cache_length_for(max_seq_len) <= model.cache_max_seq_len
     per_position = model.kv_bytes_per_position()
     per_row = 0 if fits else per_position * model.cache_length_for(max_seq_len)
@@ -213,7 +207,7 @@ def check_memory(model, rows, max_seq_len, requests=1, working=0, remedy=None, t
 
 
 def available_memory(device):
-    """Free bytes for new tensors on the device (None where unknown)."""
+    """Free bytes on the device (None where unknown)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -230,7 +224,7 @@ def models_of(request):
 
 
 def check_lengths(requests):
-    """Each request's prompt alone, then with its new tokens, against the target's and a draft model's context."""
+    """Each request's prompt, then with its new tokens, against the target's and a draft model's context."""
     for i, request in enumerate(requests):
         with naming_prompt(i if len(requests) > 1 else None):
             for model, role in zip(models_of(request), ("target", "draft")):
@@ -245,7 +239,6 @@ def check_lengths(requests):
 
 
 def size_caches(requests, rows):
-    """Room in each model for `rows` requests at once, checked against free memory before allocating."""
     for model in models_of(requests[0]):
         # a token tree's nodes take cache slots past the accepted tokens: room for a whole tree, within
         # the context (near its end the engine offers smaller trees)
@@ -259,7 +252,7 @@ def size_caches(requests, rows):
 
 @torch.inference_mode()
 def run(requests, rows, prefix_cache=None):
-    """Run checked requests `rows` at a time, yielding each step's engine.Update."""
+    """Each step's engine.Update of checked requests decoded `rows` at a time."""
     with exclusive(*models_of(requests[0])):
         if requests[0].searching:  # beam search: its beams are its batch; the requests run one by one
             for i, request in enumerate(requests):
@@ -271,7 +264,7 @@ def run(requests, rows, prefix_cache=None):
 
 
 def search(request):
-    """A request of (speculative) beam search; its result is known only at the end."""
+    """A request of (speculative) beam search, known only at the end."""
     from .decoding import beam  # read only by a call that asks for beams
     target, drafter = request.target, request.drafter
     start = time.perf_counter()
@@ -299,7 +292,7 @@ def search(request):
 
 
 def with_settings(function):
-    """`function(..., **settings)` shown (inspect, help()) with Settings' fields as its keywords and defaults."""
+    """`function(..., **settings)` shown by help() with Settings' fields as its keywords."""
     signature = inspect.signature(function)
     keywords = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default)
                 for spec in fields(Settings)]
@@ -310,19 +303,14 @@ def with_settings(function):
 
 @with_settings
 def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=None, **settings):
-    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
-    "int8"/"int4": the target itself, quantized). The settings are minispec.Settings' fields as keywords;
-    an invalid one raises SettingError (a ValueError) naming its `field`.
+    """Generate from `target`, speculatively when `draft` is given; the settings are minispec.Settings' fields
+    (a bad one raises SettingError naming its `field`). Greedy output is target-only greedy decoding's, sampled
+    output has the target's distribution (unless lenience < 1); stats["seed"] reproduces the call.
 
-    Greedy output is token-identical to target-only greedy decoding; sampled output has exactly the
-    target's distribution (unless lenience < 1). stats["seed"] reproduces the call. A list of prompts
-    returns a list of Generations, each what its prompt gives alone, decoded `batch_size` (default: all)
-    at a time; seed may then be a list, one per prompt. n > 1: a list of n Generations of the prompt.
-    on_tokens(i, tokens) gets each step's new tokens of prompt i (answer i * n + j with n answers).
-    on_states(i, tokens, states) gets the target's hidden states (for training draft heads).
-    prefix_cache: a decoding.prefix.PrefixCache, whose earlier prompts' keys and values a prompt that
-    begins alike reuses (stats["cached_tokens"]).
-    """
+    A list of prompts returns a Generation each, decoded `batch_size` (default: all) at a time, seed then
+    perhaps a list; n > 1: a list of n Generations. on_tokens(i, tokens) gets each step's new tokens of prompt
+    (or answer) i; on_states(i, tokens, states) the target's hidden states; prefix_cache: a PrefixCache
+    (minispec.decoding.prefix) whose earlier prompts' keys and values a prompt beginning alike reuses."""
     # a list of texts, token lists or tensors is a batch; any other list is one prompt's ids
     batched = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple,
                                                                                            torch.Tensor))
@@ -352,13 +340,13 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
 
 
 def answers(seed, n):
-    """The seeds of a prompt's n answers: the seed, then seeds mixed from it (None: each draws its own)."""
+    """The seeds of a prompt's n answers: the seed, then seeds mixed from it."""
     return [seed if j == 0 or seed is None else (seed * 0x9E3779B97F4A7C15 + j) % 2**63 for j in range(n)]
 
 
 @contextmanager
 def naming_prompt(i):
-    """A batch's bad input says which prompt it is about (i None: a lone prompt)."""
+    """A batch's bad input names its prompt."""
     try:
         yield
     except SettingError as error:
@@ -369,8 +357,7 @@ def naming_prompt(i):
 
 @dataclass
 class Chunk:
-    """One step of a stream: its tokens, their text, its segments as in Generation.trace (rejected guesses too)
-    and with logprobs=k their TokenLogprobs; the last chunk also carries the whole Generation."""
+    """One step of a stream (segments as Generation.trace's); the last chunk also carries the whole Generation."""
     tokens: list
     text: str
     segments: list
@@ -380,8 +367,7 @@ class Chunk:
 
 @with_settings
 def stream(target, prompt, **settings):
-    """generate(), a step at a time: `for chunk in stream(...)` gets each step's Chunk as soon as the
-    step is verified (TextStream's text). Settings are checked here, before the first chunk is asked for."""
+    """generate(), a Chunk per step as soon as it is verified; the settings are checked here, not at the first."""
     settings = Settings.of("stream", settings)
     if settings.n != 1:
         raise SettingError("n", "stream() streams one answer: n must be 1 (generate() returns n answers)")
@@ -402,9 +388,8 @@ def chunks(request):
 
 
 class TextStream:
-    """A request's output text a step at a time: pieces that join to the Generation's text, never a broken
-    character nor text that may begin a stop string. Push each step's tokens before the engine's next step:
-    the request's Stop has read exactly those then."""
+    """A request's text a step at a time, never a broken character nor what may begin a stop string. Push each
+    step's tokens before the engine's next step: the request's Stop has read exactly those then."""
 
     def __init__(self, request):
         tokenizer = request.target.tokenizer
@@ -413,7 +398,7 @@ class TextStream:
         self.sent = 0  # characters of text already handed out
 
     def push(self, tokens):
-        """The text a step's new tokens add that is safe to hand out ("" without a tokenizer)."""
+        """The text a step's tokens add that is safe to hand out ("" without a tokenizer)."""
         if self.text is None:
             return ""
         self.text.push(tokens)

@@ -1,6 +1,5 @@
-"""What the command lines (run.py, minispec.tools.bench and minispec.serve) share: the flags that choose
-the models and the settings, and reading a prompts file. Free of torch, so that --help and a bad flag
-answer at once; minispec/loaders.py loads what the flags name."""
+"""The command lines' shared flags and prompts file, free of torch so that --help and a bad flag answer at once
+(minispec/loaders.py loads what the flags name)."""
 
 import json
 import os
@@ -27,8 +26,7 @@ def settings_of(args):
 
 
 def exit_status(main):
-    """main()'s exit status, where Ctrl-C ends it with 130 and one line, and a closed stdout (a pipe into
-    `head`) quietly, as other command-line tools end."""
+    """main()'s exit status: Ctrl-C ends it with 130 and one line, a closed stdout (`| head`) quietly."""
     try:
         return main()
     except KeyboardInterrupt:
@@ -41,8 +39,7 @@ def exit_status(main):
 
 
 def add_model_flags(parser, draft_default, tensor_parallel=False, **draft):
-    """The flags that say which models to load, and how (loaders.load_models reads them); tensor_parallel:
-    also --tp; draft: --draft's own argparse options."""
+    """The flags loaders.load_models reads; tensor_parallel: also --tp; draft: --draft's own argparse options."""
     parser.add_argument("--target", required=True,
                         help="checkpoint directory, .gguf file, built-in name (smollm2-135m-instruct) or Hugging "
                              "Face hub id")
@@ -91,12 +88,11 @@ def check_values(args, rules):
 
 
 def tp_rank(args):
-    """This process's rank with --tp (torchrun's RANK), else 0."""
     rank = os.environ.get("RANK", "0") if getattr(args, "tp", None) else "0"
     return int(rank) if rank.isdigit() else 0  # a bad RANK: loading says so
 
 
-# A prompts file's bounds, checked before it is read: its bytes, and its prompts (each a request).
+# A prompts file's bounds, checked before it is read.
 PROMPTS_FILE_MAX_BYTES = 64 * 2**20
 PROMPTS_MAX = 10_000
 

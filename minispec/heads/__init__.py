@@ -1,6 +1,5 @@
-"""Draft heads: small trained modules on the target's own hidden states that guess for it (eagle.py,
-eagle3.py, medusa.py). `load_draft_head(path, target)` reads a head's folder, as its authors publish it or
-as `python -m minispec.tools.train_heads` writes it; the head drafts as `generate(..., draft=head)`."""
+"""Draft heads: small trained modules on the target's own hidden states that guess for it. `load_draft_head`
+reads a head's folder, as its authors publish it or as `python -m minispec.tools.train_heads` writes it."""
 
 import hashlib
 import json
@@ -71,8 +70,8 @@ def check_size(kind, hf, target):
 
 
 def load_draft_head(path, target, quantize="auto"):
-    """The draft head in directory `path` for `target`, on its device. quantize, for an EAGLE head: "int8",
-    "int4", None (the target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
+    """The draft head in folder `path` for `target`. quantize, for an EAGLE head: "int8", "int4", None (the
+    target's dtype), or "auto": int8 on a CPU or beside a quantized target."""
     if quantize != "auto":
         quant.check_settings(quantize, quant.DEFAULT_GROUP_SIZE)
     directory = Path(path).expanduser()

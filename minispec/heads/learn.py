@@ -122,6 +122,5 @@ class Learner:
                 "buffer_mb": round(self.bytes / 2**20, 3)}
 
     def save(self):
-        """The head as it has learnt, into `out`."""
         save_draft_head(self.student, self.hf, self.out)
         log.info("learning head: saved into %s after %d training steps", self.out, self.steps)

@@ -63,7 +63,6 @@ def target_probabilities(target, states, rows=None):
 
 
 def soft_cross_entropy(logits, p):
-    """Cross-entropy of `logits` against the target's probabilities `p`."""
     return -(p * logits.log_softmax(-1)).sum(-1)
 
 

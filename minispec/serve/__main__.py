@@ -1,6 +1,5 @@
-"""python -m minispec.serve --target T [--draft D] [--host 127.0.0.1] [--port 8000] ...: the OpenAI API
-over one target (and its draft), with uvicorn. On a target sharded over N processes:
-torchrun --nproc-per-node N -m minispec.serve --tp N ... (rank 0 serves, the others follow: group.py)."""
+"""python -m minispec.serve --target T [--draft D] ...: the OpenAI API over one target (and its draft), with
+uvicorn; sharded: torchrun --nproc-per-node N -m minispec.serve --tp N ... (rank 0 serves: group.py)."""
 
 import argparse
 import logging
@@ -61,9 +60,8 @@ def parse_args(argv=None):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, which on SIGTERM or Ctrl-C also drains the scheduler: the requests under way get
-    `shutdown_timeout` seconds to finish, then end with an error (503) their clients can read, before
-    uvicorn, a moment later, gives up on their connections."""
+    """uvicorn's server, which on SIGTERM or Ctrl-C drains the scheduler: the requests under way get
+    `shutdown_timeout` seconds, then a 503 their clients can read before uvicorn drops their connections."""
 
     def __init__(self, app, scheduler, shutdown_timeout, **options):
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + 5, **options))

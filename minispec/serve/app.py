@@ -1,6 +1,6 @@
-"""The HTTP side: an ASGI app (Starlette) serving the OpenAI API's completions, chat completions and models, and
-/health, over one Scheduler. A handler checks its request (protocol.parse), queues Jobs, and answers with their
-outcome, or streams it as server-sent events, a chunk per verified step; a client that goes cancels its jobs."""
+"""The HTTP side: a Starlette app serving the OpenAI API's completions, chat completions and models, and /health,
+over one Scheduler. A handler queues its request's Jobs and answers with their outcome, or streams it as
+server-sent events, a chunk per verified step; a client that goes cancels its jobs."""
 
 import asyncio
 import json
@@ -23,15 +23,15 @@ from .scheduler import MALLOC_TRIM, Failed, Job, News, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
 
-# Prompts are bounded by the context, but a body is read (and a prompt tokenized) before it is checked: a
-# bound keeps a client from filling the memory. The bound is also what the context can hold (body_bound).
+# A body is read (and a prompt tokenized) before it is checked against the context: a bound keeps a client from
+# filling the memory (body_bound: also what the context can hold).
 MAX_BODY_BYTES = 16 * 2**20
 TRIM_AFTER_BYTES = 2**16  # bodies after which release_memory runs
 
 
 def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=None):
-    """The app, which starts the scheduler with it and stops it (waiting at most `shutdown_timeout` seconds)
-    when it shuts down; api_key: the Bearer token every request must carry (None: none needed)."""
+    """The app, which starts the scheduler and stops it (waiting at most `shutdown_timeout` seconds);
+    api_key: the Bearer token every request must carry (None: none needed)."""
     if scheduler.target.tokenizer is None:
         raise ValueError(f"{scheduler.target.name} has no tokenizer files: the server reads and writes text")
     server = Handlers(scheduler, model_name, draft_name, body_bound(scheduler))
@@ -66,8 +66,6 @@ def build_app(scheduler, model_name, draft_name, api_key=None, shutdown_timeout=
 
 
 class Handlers:
-    """The endpoints, over one scheduler."""
-
     def __init__(self, scheduler, model_name, draft_name, max_body):
         self.scheduler, self.model_name, self.draft_name, self.max_body = scheduler, model_name, draft_name, max_body
         self.started = int(time.time())
@@ -102,7 +100,7 @@ class Handlers:
         return await self.whole(request, jobs, events, reply, parsed)
 
     async def whole(self, request, jobs, events, reply, parsed):
-        """The reply in one body once every answer ends (best_of: the n best); a client that goes cancels them."""
+        """The reply in one body once every answer ends (best_of: the n best)."""
         watcher = asyncio.create_task(report_disconnect(request, events))
         outcomes = {}
         try:
@@ -126,8 +124,8 @@ class Handlers:
         return Response(status_code=499)  # the client went: nobody reads this
 
     async def stream(self, jobs, events, reply, include_usage):
-        """Server-sent events: a chunk per step that adds text, by answer, each answer's ending, usage if asked,
-        [DONE]. When the client goes, Starlette cancels this generator, and so the jobs."""
+        """Server-sent events: each step's text by answer, each answer's ending, usage if asked, [DONE]. When the
+        client goes, Starlette cancels this generator, and so the jobs."""
         usage = {"usage": None} if include_usage else {}  # as OpenAI: every chunk has it, the last one filled
         outcomes = []
         try:
@@ -162,8 +160,8 @@ class Handlers:
 
 
 def body_bound(scheduler):
-    """The largest body a request that fits the context can need: scheduler.max_text characters at up to 12 bytes
-    of JSON each (an escaped surrogate pair), and 1 MiB for the other fields; larger ones are refused unread."""
+    """The largest body a request that fits the context can need: max_text characters at up to 12 bytes of JSON
+    each (an escaped surrogate pair), and 1 MiB for the other fields."""
     return 12 * scheduler.max_text + 2**20
 
 
@@ -200,8 +198,7 @@ def refuse_constant(name):
 
 
 async def report_disconnect(request, events):
-    """Put (None, None) among the events when the client disconnects. (Once the body is read, an ASGI
-    server's receive() answers only that, when the client goes or the response is complete.)"""
+    """(None, None) among the events when the client goes (once the body is read, receive() answers only that)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
     events.put_nowait((None, None))
@@ -218,7 +215,7 @@ def server_error(message, status=500):
 
 
 def failure(error):
-    """A bug's error, as the client sees it: the kind of exception, not its text (the log has that)."""
+    """A bug's error as the client sees it: the kind of exception, not its text (the log has that)."""
     return server_error(f"the server failed on this request ({type(error).__name__}, logged)")
 
 

@@ -1,7 +1,6 @@
-"""The server on a tensor-parallel target (`torchrun --nproc-per-node N -m minispec.serve --tp N`): rank 0 runs
-the HTTP side, the scheduler and every drafter; the other ranks hold their shards and run, in lockstep, each call
-rank 0 makes on the sharded models (MIRRORED), broadcast as a Call record before it runs. What rank 0 decides on
-the host (admissions, drafts, verdicts, random draws) it decides alone, so nothing else crosses the group.
+"""The server on a tensor-parallel target: rank 0 runs the HTTP side, the scheduler and every drafter; the other
+ranks run, in lockstep, each call rank 0 makes on the sharded models (MIRRORED), broadcast as a Call record
+before it runs. What rank 0 decides on the host (admissions, drafts, verdicts, draws) crosses nothing.
 
 Faults: every collective waits at most `timeout` seconds (--tp-timeout) and an idle rank 0 beats every third of
 that, so a lost rank is found within 4/3 `timeout`; followers count beats in the group's store, so that rank 0
@@ -42,8 +41,8 @@ class Call(NamedTuple):
 
 
 class Deciding(TensorParallel):
-    """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with
-    the other ranks (seeds, profiles, timings): they do not run the engine."""
+    """Rank 0's place in a served group: it alone decides what the engine would otherwise agree on with the
+    other ranks (seeds, profiles, timings): they do not run the engine."""
 
     def __init__(self, tp):
         self.__dict__.update(tp.__dict__)
@@ -84,8 +83,8 @@ def beat_key(rank):
 
 
 class Leader:
-    """Rank 0: mirrors the scheduler's calls on its sharded models to the other ranks, beats while idle,
-    and on a fault closes the scheduler and calls `on_failure(message)`."""
+    """Rank 0: mirrors the scheduler's calls on its sharded models to the other ranks, beats while idle, and on a
+    fault closes the scheduler and calls `on_failure(message)`."""
 
     def __init__(self, scheduler, timeout, on_failure):
         self.scheduler, self.timeout, self.on_failure = scheduler, timeout, on_failure

@@ -1,5 +1,4 @@
-"""The OpenAI API's shapes: a completion or chat request's JSON checked field by field into api.Requests, their
-errors naming the request's field, and the bodies and stream chunks of the reply."""
+"""The OpenAI API's shapes: a request's JSON checked field by field into api.Requests, and the reply's bodies."""
 
 import reprlib
 import secrets
@@ -177,8 +176,7 @@ def grammar_of(body):
 
 
 def logprobs_of(body, chat):
-    """The logprobs setting a request asks for: a completion's logprobs=k, a chat's logprobs: true with
-    top_logprobs=k (0 when absent)."""
+    """A completion's logprobs=k, or a chat's logprobs: true with top_logprobs=k (0 when absent)."""
     if not chat:
         return body.get("logprobs")
     if not body.get("logprobs"):
@@ -253,8 +251,7 @@ SPECULATIVE_STATS = ("gamma", "acceptance_rate", "alpha", "tokens_per_target_cal
 
 
 class Reply:
-    """The bodies and stream chunks of one request's reply, in the OpenAI shape; `speculative` is
-    minispec's field: how the draft did (design.md, "What stats holds")."""
+    """One request's reply bodies and stream chunks; `speculative` is minispec's field: how the draft did."""
 
     def __init__(self, chat, model_name, draft_name, prompt_tokens, tokenizer):
         self.chat, self.model_name, self.draft_name, self.prompt_tokens = chat, model_name, draft_name, prompt_tokens

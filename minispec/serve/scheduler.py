@@ -1,7 +1,6 @@
-"""The server's one decoding loop: a thread that holds the models for the server's life and runs the engine
-over requests as they arrive. A request waits in a bounded queue, takes a free cache row at the next step, and
-leaves it when it ends, fails, or its client goes; each row computes as it would alone, so every request gets
-what minispec.generate gives it. Handlers hand in Jobs and get a News per step, or a Failed, through `deliver`."""
+"""The server's one decoding loop: a thread that holds the models for the server's life and runs the engine over
+requests as they arrive, each in a free cache row from the next step until it ends, fails, or its client goes;
+each row computes as it would alone (minispec.generate's output). A Job gets a News per step, or a Failed."""
 
 import ctypes
 import logging
@@ -52,8 +51,7 @@ class Failed(NamedTuple):
 
 
 class Job:
-    """One request on its way through the engine. `deliver(event)` hands an event to the handler that
-    waits for it; it is called on the scheduler's thread, so it must be thread-safe."""
+    """One request in the engine; `deliver(event)`, called on the scheduler's thread, must be thread-safe."""
 
     def __init__(self, request, deliver):
         self.request, self.deliver = request, deliver
@@ -79,9 +77,8 @@ class Job:
 
 class Scheduler:
     """Owns the target and draft, their caches sized once for `rows` requests of up to `max_length` positions,
-    and decodes every request in one engine.decode loop on its own thread; at most `max_waiting` jobs wait.
-    `prefix_cache_mb`: MiB of earlier requests' keys and values a prompt may reuse (0: none). `learner`: a
-    heads/learn.py Learner, whose head is `draft`, trained between steps and saved when the thread ends."""
+    and decodes every request in one engine.decode loop on its own thread. `prefix_cache_mb`: MiB of earlier
+    requests' keys and values (0: none); `learner`: a heads/learn.py Learner whose head is `draft`."""
 
     def __init__(self, target, draft, gamma="auto", rows=4, max_model_len=None, max_waiting=64, tree="auto",
                  prefix_cache_mb=512, learner=None):
@@ -139,12 +136,12 @@ class Scheduler:
         deadline.start()
 
     def stop(self, timeout=None):
-        """Fail (503) the jobs not ended yet (their handlers have had uvicorn's grace period), wait for the
-        thread at most `timeout` seconds, and stop a tensor-parallel group's other ranks."""
+        """Fail (503) the jobs not ended yet (uvicorn's grace period is over), wait for the thread at most
+        `timeout` seconds, and stop a tensor-parallel group's other ranks."""
         self.close()
         if self.thread.is_alive():
             self.thread.join(timeout)
-        if self.group is not None:  # the other ranks of a tensor-parallel target stop too
+        if self.group is not None:
             self.group.stop()
 
     def close(self, failure=None):
@@ -164,7 +161,6 @@ class Scheduler:
         learning = {} if self.learner is None else {"learning": self.learner.report()}
         return {"running": len(self.running), "waiting": len(self.waiting), **group, **learning}
 
-    # --- the scheduler's thread ---------------------------------------------------------------------
     def serve(self):
         try:
             with api.exclusive(*self.models):  # for the server's life: nothing else touches their caches
@@ -178,8 +174,8 @@ class Scheduler:
                 self.learner.save()
 
     def decode_until_stopped(self):
-        """Run the engine until the server stops (True), or until it fails (False): then the requests in
-        its batch fail, their state unknown, and the others go on in a new batch."""
+        """Run the engine until the server stops (True) or it fails (False: the batch's requests fail, their
+        state unknown, and the others go on in a new batch)."""
         try:
             for update in engine.decode(self.target, self, self.rows, self.cancelled, self.prefixes):
                 self.advance(update)
@@ -215,7 +211,6 @@ class Scheduler:
         return taken
 
     def forget(self, job):
-        """A job that has ended (or failed) leaves `live`."""
         with self.changed:
             self.live.discard(job)
 
@@ -247,8 +242,8 @@ class Scheduler:
 
 
 def text_bound(tokenizer, max_length):
-    """The most characters a text of `max_length` tokens can have: each token spells at most the longest
-    token's characters, 4x for a normalizer that composes characters (None: no tokenizer)."""
+    """The most characters a text of `max_length` tokens can have: the longest token's each, 4x for a normalizer
+    that composes characters (None: no tokenizer)."""
     return None if tokenizer is None else 4 * max(map(len, tokenizer.id_to_token.values())) * max_length
 
 
