@@ -59,8 +59,8 @@ def agreed(tp, seconds):
     return tp.first_numbers(seconds)
 
 
-def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
-    """{name: the fastest of `rounds` interleaved runs of forward()}, after an untimed one."""
+def fastest(forwards, device):
+    """{name: the fastest of CALIBRATION_ROUNDS interleaved runs of forward()}, after an untimed one."""
     def run(forward):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -73,7 +73,7 @@ def fastest(forwards, device, rounds=CALIBRATION_ROUNDS):
     for forward in forwards.values():
         forward()
     best = dict.fromkeys(forwards, float("inf"))
-    for _ in range(rounds):
+    for _ in range(CALIBRATION_ROUNDS):
         for name, forward in forwards.items():
             best[name] = min(best[name], run(forward))
     return best
@@ -128,8 +128,7 @@ def new_pair(target, drafter, k_max, beams, draft_timed):
 
 
 def straight_line(xs, ys, at=None):
-    """The least-squares line a + b·x (b >= 0) through the points, at each x of `at` (default: xs), no lower
-    than the lowest y."""
+    """The least-squares line a + b·x (b >= 0, never below the lowest y) through the points, at `at` (default: xs)."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     spread = sum((x - mean_x) ** 2 for x in xs)
@@ -205,8 +204,7 @@ class VerifyCost:
             for ratios in self.corrections.values():
                 ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]
             ratios = self.corrections.setdefault(width, [0.0, 0.0])
-            ratios[0] += ratio
-            ratios[1] += 1.0
+            ratios[:] = [ratios[0] + ratio, ratios[1] + 1.0]
             self.every_width = corrected_mean(*(sum(column) for column in zip(*self.corrections.values())))
         return faster
 

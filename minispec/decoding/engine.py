@@ -170,7 +170,11 @@ class Row:
             segments += [Segment([new_tokens[n]], "corrected" if n < k else "target")]
         self.new_tokens, self.segments = new_tokens, [segment for segment in segments if segment.ids]
         self.tokens += new_tokens
-        add_segments(self.trace, self.segments)
+        for ids, kind in self.segments:  # one Segment per run of the same kind
+            if self.trace and self.trace[-1].kind == kind:
+                self.trace[-1].ids.extend(ids)
+            else:
+                self.trace.append(Segment(list(ids), kind))
 
     def finish(self):
         """The ended request's Generation, its statistics complete (design.md, "What stats holds")."""
@@ -199,17 +203,6 @@ def counts(target, request):
     if not target.is_encoder_decoder:
         prompt[request.prompt_ids.view(-1).to(target.device)] = True
     return Counts(torch.zeros(target.vocab_size, device=target.device), prompt)
-
-
-def add_segments(trace, segments):
-    """Append a step's Segments to a trace, one Segment per run of the same kind."""
-    for ids, kind in segments:
-        if not ids:
-            continue
-        if trace and trace[-1].kind == kind:
-            trace[-1].ids.extend(ids)
-        else:
-            trace.append(Segment(list(ids), kind))
 
 
 def final_text(target, stop, tokens):

@@ -121,8 +121,7 @@ def accept_choices(choices, drafts):
 
 @torch.inference_mode()
 def step(target, rows):
-    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), drafted together
-    and scored in one forward, each verified with its own sampling and generator. The rows that ended."""
+    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order): the rows that ended."""
     started, graphs = time.perf_counter(), graphs_met()
     # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses; or the grammar's).
     forced = [row.forced() for row in rows]
@@ -134,7 +133,7 @@ def step(target, rows):
     drafted = time.perf_counter()
     # Run M_p in parallel: p_1..p_{γ+1} in one forward over every row's unseen tokens and guesses.
     logits, states = score(target, rows, proposals)
-    logits = [constrained(row, penalized(row, p, x), x) for row, p, x in zip(rows, logits, proposals)]
+    logits = [constrained(row, p, x) for row, p, x in zip(rows, logits, proposals)]
     # Determine the number of accepted guesses n, and t ~ p', on the device (a tree: walked on the host).
     verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
                 else None
@@ -161,13 +160,14 @@ def step(target, rows):
     return ended
 
 
-def penalized(row, logits, proposal):
-    """A row's logits with its penalties, each position counting the guesses on its path."""
-    if row.counts is None:
-        return logits
-    k, parents = len(proposal.drafts), proposal.parents
-    paths = torch.ones(k, k, device=logits.device).tril() if parents is None else ancestors(parents, logits.device)
-    return penalize(logits, row.sampling, path_counts(row.counts.generated, proposal.drafts, paths), row.counts.prompt)
+def constrained(row, logits, proposal):
+    """A row's logits with its penalties (each position counting the guesses on its path) and its grammar's mask."""
+    if row.counts is not None:
+        k, parents = len(proposal.drafts), proposal.parents
+        paths = torch.ones(k, k, device=logits.device).tril() if parents is None else ancestors(parents, logits.device)
+        generated = path_counts(row.counts.generated, proposal.drafts, paths)
+        logits = penalize(logits, row.sampling, generated, row.counts.prompt)
+    return logits if row.grammar is None else row.grammar.mask(logits, proposal.drafts, proposal.parents)
 
 
 def grammatical(row, forced, proposal):
@@ -180,11 +180,6 @@ def grammatical(row, forced, proposal):
     return Proposal(proposal.drafts[:n], None if proposal.q is None else proposal.q[:n])
 
 
-def constrained(row, logits, proposal):
-    """A row's logits masked by its grammar at each position."""
-    return logits if row.grammar is None else row.grammar.mask(logits, proposal.drafts, proposal.parents)
-
-
 def to_host(rows, logits, proposals, verdicts):
     """The step's one host sync: each row's HostStep."""
     parts, asked, walked = [], [], []
@@ -194,7 +189,9 @@ def to_host(rows, logits, proposals, verdicts):
         ids = [v.n, x.drafts, v.t] if v is not None else [choices, x.drafts]
         asked.append(row.request.logprobs is not None and (v is not None or walked[-1]))
         if asked[-1]:  # a sampled tree's tokens are known only after its walk (tree_logprobs)
-            ids.append(scored(p, row.sampling, choices if v is None else emitted(x.drafts, v), row.request.logprobs))
+            # a chain's: the token it emits at each position if it gets there
+            tokens = choices if v is None else torch.cat([x.drafts, v.t]).scatter(0, v.n, v.t)
+            ids.append(scored(p, row.sampling, tokens, row.request.logprobs))
         parts.append(ids)
     host, out = iter(torch.cat([part.view(-1) for row in parts for part in row]).tolist()), []
     for row, wanted, x, known in zip(parts, asked, proposals, walked):
@@ -212,11 +209,6 @@ def tree_choices(row, logits, parents):
     if row.sampling.greedy:
         return logits.argmax(-1)
     return sample(adjust(logits, row.sampling), row.noise, at=[0] + depths(parents))
-
-
-def emitted(drafts, verdict):
-    """[k + 1]: the token a chain emits at each position if it gets there."""
-    return torch.cat([drafts, verdict.t]).scatter(0, verdict.n, verdict.t)
 
 
 def scored(logits, sampling, tokens, k):
