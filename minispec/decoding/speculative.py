@@ -121,7 +121,8 @@ def accept_choices(choices, drafts):
 
 @torch.inference_mode()
 def step(target, rows):
-    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order): the rows that ended."""
+    """Algorithm 1's SpeculativeDecodingStep for every row of a batch (in cache-row order), drafted together and
+    scored in one forward, each verified with its own sampling and generator. The rows that ended."""
     started, graphs = time.perf_counter(), graphs_met()
     # Sample γ guesses x_1..x_γ from M_q autoregressively (γ as each row's policy chooses; or the grammar's).
     forced = [row.forced() for row in rows]
