@@ -35,6 +35,7 @@ log = logging.getLogger("minispec")
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("qlinear.cpp", "flinear.cpp", "attention.cpp", "layer.cpp"))
+HEADER = Path(__file__).with_name("native.h")  # what they include: part of the build's key too
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # and cxx_standard()
 BUILD_SECONDS = 600  # a hung compiler must not hang a load
 # A first build's time (seconds), before this machine has timed one: a quiet machine's, a busy one's.
@@ -77,7 +78,8 @@ def build_command(cxx, out):
 
 
 def library_path(cxx):
-    parts = (*(source.read_text() for source in SOURCES), torch.__version__, cxx, " ".join(FLAGS), cpu_flags())
+    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    parts = (*texts, torch.__version__, cxx, " ".join(FLAGS), cpu_flags())
     key = hashlib.sha256(b"\0".join(part.encode() for part in parts)).hexdigest()[:16]
     return cache_dir() / f"kernels-{key}.so"
 
@@ -164,6 +166,7 @@ STEP_INPUTS = 256  # inputs sharing a step in the two-level form: a GGUF K-quant
 # A K-quant super-block's scales are its fp16 step times small integers, the largest 63 (Q4_K, Q5_K) or
 # -128 (Q6_K): the step is found from the largest value, and checked.
 LARGEST_MULTIPLIERS = (63, -128, 127)
+CHUNK_ELEMENTS = 1 << 22  # pack's temporaries: a few rows of a weight at a time, not a whole head
 
 
 @functools.cache
@@ -185,15 +188,14 @@ def pack(q, scales, offsets):
     tiles, K = (q.shape[0] + pad) // TILE, q.shape[1]
     bits = 4 if q.dtype == torch.uint8 else 5 if five_bits(q, offsets) else 6 if six_bits(q) else 8
     packed = torch.empty(tiles, K // BLOCK, bits, TILE * 4, dtype=torch.uint8 if bits < 8 else q.dtype)
-    rows = max(TILE, CHUNK_ELEMENTS // K // TILE * TILE)  # a few rows at a time: temporaries of a chunk, not a head
+    rows = max(TILE, CHUNK_ELEMENTS // K // TILE * TILE)
     for row in range(0, q.shape[0], rows):
         packed[row // TILE:(row + rows) // TILE] = pack_values(q[row:row + rows], bits, offsets)
-    group = K // scales.shape[1]
-    levels = [two_level(t, group) for t in (scales, offsets) if t is not None]
+    levels = [two_level(t, K // scales.shape[1]) for t in (scales, offsets) if t is not None]
     steps = None
     if all(level is not None for level in levels):
-        (scales, scale_steps), (offsets, offset_steps) = levels[0], levels[1] if offsets is not None else (None, None)
-        steps = torch.stack([scale_steps] + ([] if offsets is None else [offset_steps]), -1).half()
+        scales, offsets = levels[0][0], None if offsets is None else levels[1][0]
+        steps = torch.stack([level_steps for _, level_steps in levels], -1).half()
     one_level = torch.float16 if steps is None and all(t is None or fits_half(t) for t in (scales, offsets)) \
         else torch.float32
 
@@ -202,9 +204,6 @@ def pack(q, scales, offsets):
         return t.movedim(1, -1).contiguous()
     return (packed, *(None if t is None else tiled(t if steps is not None else t.to(one_level))
                       for t in (scales, offsets, steps)))
-
-
-CHUNK_ELEMENTS = 1 << 22
 
 
 def pack_values(q, bits, offsets):
@@ -312,7 +311,6 @@ def qlinear(x, qweight, scales, offsets, steps, group):
     return torch.ops.minispec_native.qlinear(x, qweight, scales, offsets, steps, group)
 
 
-
 def float_pack(weight):
     """A float32 weight [N, K] in flinear.cpp's layout: [N / its tile, K, tile], padded with zeros."""
     return torch.ops.minispec_native.flinear_pack(weight.detach())
@@ -335,18 +333,13 @@ def keep(caches, row, slots, length):
     torch.ops.minispec_native.keep(caches, row, slots, length)
 
 
-def llama_layers(x, stack, cos, sin, first_row, input_pos, masks, slots, scale, taps=()):
-    """A Llama model's decoder layers over x [B, T, D] float32 in one call (layer.cpp), as layers.py's
-    LayerStack lays them out. -> [the last layer's output, then the state entering each layer in `taps`]."""
-    return torch.ops.minispec_native.llama_layers(x, stack.tensors, stack.caches, stack.numbers, stack.eps, cos, sin,
-                                                   first_row, input_pos, masks, slots, scale, sorted(taps))
-
-
-def run_layers(stack, x, input_pos, cos, sin, masks, layout, taps):
-    """Llama.blocks' layers through llama_layers: masks by window, as Llama.blocks makes them."""
+def llama_layers(stack, x, input_pos, cos, sin, masks, layout, taps):
+    """Llama.blocks' layers over x [B, T, D] float32 in one call (layer.cpp), as layers.py's LayerStack lays
+    them out, masks by window. -> [the last layer's output, then the state entering each layer in `taps`]."""
     slots = None if layout is None else kernels.key_slots(layout, next(iter(masks.values())).shape[-1])
-    return llama_layers(x, stack, cos, sin, stack.first_cache.first_row, input_pos, [masks[w] for w in stack.windows],
-                        slots, stack.scale, taps)
+    return torch.ops.minispec_native.llama_layers(
+        x, stack.tensors, stack.caches, stack.numbers, stack.eps, cos, sin, stack.first_cache.first_row, input_pos,
+        [masks[w] for w in stack.windows], slots, stack.scale, sorted(taps))
 
 
 class Native(PyTorch):
@@ -385,7 +378,7 @@ class Native(PyTorch):
                 or (torch.is_grad_enabled() and x.requires_grad) or not kernels.native_attention():
             return None
         stack = stack_of(model)
-        return None if stack is None else functools.partial(run_layers, stack)
+        return None if stack is None else functools.partial(llama_layers, stack)
 
     def in_huge_pages(self, modules):
         return pages.in_huge_pages(modules)

@@ -7,28 +7,18 @@
 // node reads its ancestors from the slots `slots` names) nor on how many rows or positions the call has.
 // Masked positions (-inf) are skipped.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
-#include <cmath>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
 #include <limits>
-#include <vector>
 
+#include "native.h"
+
+namespace minispec {
 namespace {
 
-// 16 floats: one AVX-512 register, two AVX2 ones (GCC and Clang vector extensions, no intrinsics)
-typedef float Vector __attribute__((vector_size(64)));
-constexpr int LANES = 16;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
 
 template <typename T>
 inline Vector vector_of(const T* p) {
@@ -304,11 +294,13 @@ Plan plan_of(int64_t d, int64_t group) {
   }
 }
 
+}  // namespace
+
 // q [B, H, R, d] float32; k, v [B, H, S, d] float32, bfloat16 or float16; mask [B, H, R, P] float32
 // (additive: 0 or -inf, or a bias), P <= S; slots int64 [B, n, P] with R a multiple of n (query row r
 // is token r % n: grouped-query heads' rows group-major), or none.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                  const c10::optional<at::Tensor>& slots, double scale) {
+                  const Optional& slots, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attend: q must be float32 [B, H, R, d], contiguous");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), d = q.size(3);
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() && k.scalar_type() == v.scalar_type() &&
@@ -366,7 +358,7 @@ void keep(at::TensorList caches, int64_t row, at::IntArrayRef slots, int64_t len
   }
 }
 
-}  // namespace
+}  // namespace minispec
 
 TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor? slots, float scale) -> Tensor");
@@ -374,6 +366,6 @@ TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
-  m.impl("attend", &attend);
-  m.impl("keep", &keep);
+  m.impl("attend", &minispec::attend);
+  m.impl("keep", &minispec::keep);
 }

@@ -10,22 +10,14 @@
 //
 // Layout: tile t holds packed[t][k][c] = w[t * TILE + c][k], the last tile's missing columns zero.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include "native.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
+namespace minispec {
 namespace {
-
-using Optional = c10::optional<at::Tensor>;
 
 #if defined(__AVX512F__)
 // 32 columns: two 16-float vectors; 12 rows: 24 accumulators, two weight vectors and a broadcast row
@@ -97,6 +89,8 @@ void rows_through(const float* w, const float* x, int64_t K, const float* bias, 
   tile_rows<R>(w, x, K, bias, columns, y, N);
 }
 
+}  // namespace
+
 // w [N, K] float32 -> [ceil(N / TILE), K, TILE], the layout above.
 at::Tensor flinear_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "flinear_pack: w must be float32 [N, K]");
@@ -135,7 +129,7 @@ at::Tensor flinear(const at::Tensor& x, const at::Tensor& packed, const Optional
   return y;
 }
 
-}  // namespace
+}  // namespace minispec
 
 TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
   m.def("flinear_pack(Tensor w) -> Tensor");
@@ -143,6 +137,6 @@ TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
-  m.impl("flinear_pack", &flinear_pack);
-  m.impl("flinear", &flinear);
+  m.impl("flinear_pack", &minispec::flinear_pack);
+  m.impl("flinear", &minispec::flinear);
 }

@@ -7,14 +7,7 @@
 // the rest is the modules' arithmetic in their order, each product rounded (no fused multiply-adds).
 // Every row's norm, rotation and activation is a loop over that row alone: row invariance holds.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include "native.h"
 
 // PyTorch's elementwise operations round each product, which a fused multiply-add would not.
 #if defined(__clang__)
@@ -23,14 +16,11 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+namespace minispec {
 namespace {
 
-typedef float Vector __attribute__((vector_size(64)));  // 16 floats, as attention.cpp
-constexpr int64_t LANES = 16;
 constexpr int64_t PER_LINEAR = 5;  // qweight, scales, offsets, steps, bias
 constexpr int64_t ELEMENTWISE_ROW_MULTIPLE = 64;  // kernels.py's
-
-using Optional = c10::optional<at::Tensor>;
 
 // y = w * (x * rsqrt(mean(x^2) + eps)) over one row of D floats, as RMSNorm computes it.
 void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
@@ -81,17 +71,8 @@ Linear linear_at(const c10::List<Optional>& tensors, int64_t first, int64_t i, i
 
 // x [M, K] -> [M, N (quantized: padded to tiles)], the first `features` columns with the bias added.
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
-  if (l.group == 0) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("minispec_native::flinear", "")
-                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t)>();
-    return op.call(x, l.qweight, l.bias, l.features);
-  }
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("minispec_native::qlinear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&,
-                                         const Optional&, int64_t)>();
-  at::Tensor y = op.call(x, l.qweight, *l.scales, l.offsets, l.steps, l.group);
+  if (l.group == 0) return flinear(x, l.qweight, l.bias, l.features);
+  at::Tensor y = qlinear(x, l.qweight, *l.scales, l.offsets, l.steps, l.group);
   if (l.bias.has_value()) {
     const float* bias = l.bias->data_ptr<float>();
     float* out = y.data_ptr<float>();
@@ -100,15 +81,6 @@ at::Tensor apply(const Linear& l, const at::Tensor& x) {
       for (int64_t n = 0; n < l.features; ++n) out[m * N + n] += bias[n];
   }
   return y;
-}
-
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                  const Optional& slots, double scale) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("minispec_native::attend", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const Optional&, double)>();
-  return op.call(q, k, v, mask, slots, scale);
 }
 
 // stream [M, D] += y's first D columns (y [M, N >= D]: a product padded to the kernel's tiles).
@@ -274,6 +246,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x, const c10::List<Option
 }
 
 }  // namespace
+}  // namespace minispec
 
 TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -283,6 +256,6 @@ TORCH_LIBRARY_FRAGMENT(minispec_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
-  m.impl("rms_norm", &rms_norm_rows);
-  m.impl("llama_layers", &llama_layers);
+  m.impl("rms_norm", &minispec::rms_norm_rows);
+  m.impl("llama_layers", &minispec::llama_layers);
 }

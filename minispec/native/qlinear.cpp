@@ -22,15 +22,9 @@
 // of float16 steps [tiles, K / 256, S, 16] (S = 2 with offsets, else 1), each product exactly the float32
 // value it replaces (checked when packed).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include "native.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -47,6 +41,7 @@
 #include <unistd.h>
 #endif
 
+namespace minispec {
 namespace {
 
 constexpr int64_t BLOCK = 32;    // inputs per activation block
@@ -537,10 +532,12 @@ void tiles_by_group(const Weight& w, const Rows& x, int64_t M, int64_t K, int64_
   else tiles_of<BITS, false>(w, x, M, K, N, t0, t1, y);
 }
 
+}  // namespace
+
 // x [M, K] float32; qweight int8, or uint8 of K / 2 (int4), 5K / 8 (5-bit) or 3K / 4 (6-bit) bytes a column,
 // N / 16 tiles; scales, offsets [N / 16, G, 16] float32 or float16, or int8 with steps (above).
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& steps, int64_t group) {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const Optional& offsets,
+                   const Optional& steps, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qlinear: x must be float32 [M, K], contiguous");
   const auto table_type = steps.has_value() ? at::kChar : scales.scalar_type() == at::kHalf ? at::kHalf : at::kFloat;
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == TILE && scales.scalar_type() == table_type && scales.is_contiguous(),
@@ -594,12 +591,12 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   return y;
 }
 
-}  // namespace
+}  // namespace minispec
 
 TORCH_LIBRARY(minispec_native, m) {
   m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? steps, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minispec_native, CPU, m) {
-  m.impl("qlinear", &qlinear);
+  m.impl("qlinear", &minispec::qlinear);
 }
