@@ -95,12 +95,6 @@ class KVCache(nn.Module):
             self.v[rows].scatter_(2, index, v)
         return self.k[rows], self.v[rows]
 
-    def reorder(self, beam_idx):
-        """Batch row i becomes row beam_idx[i], for the first len(beam_idx) rows."""
-        rows = len(beam_idx)
-        self.k[:rows] = self.k.index_select(0, beam_idx)
-        self.v[:rows] = self.v.index_select(0, beam_idx)
-
 
 class RMSNorm(nn.Module):
     """Llama's and T5's layer norm, statistics in float32 at least (as the reference)."""
@@ -246,10 +240,8 @@ class CachedLM(nn.Module):
         slightly longer requests reuse them too (a new shape costs an allocation and a recompilation)."""
         context = self.context_length
         if context is not None and max_seq_len > context:
-            raise ValueError(
-                f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
-                f"{context} tokens; use a shorter prompt or fewer new tokens"
-            )
+            raise ValueError(f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
+                             f"{context} tokens; use a shorter prompt or fewer new tokens")
         # Fewer rows than the caches hold are fine: forwards use the first rows.
         if batch_size > self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
             self.setup_caches(batch_size, self.cache_length_for(max_seq_len))
@@ -272,16 +264,15 @@ class CachedLM(nn.Module):
         from .compiled import compile_model  # the compiler's part: read only by a compiled load
         return compile_model(self, mode)
 
-    def encode(self, prompt):
-        """The tokens the decoder starts from (here: the prompt itself)."""
+    def encode(self, prompt, row=None):
+        """The tokens the decoder starts from (here: the prompt itself); with `row`, one request's of a batch."""
         return prompt
 
     def prepare_batch(self, rows, longest_prompt):
         """Room for `rows` requests decoded together (T5's encoder memory)."""
 
     def encode_row(self, row, prompt):
-        """encode() for one request of a batch, into row `row`."""
-        return prompt
+        return self.encode(prompt, row)
 
     def prefill(self, tokens, logits_for=None):
         """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
@@ -294,10 +285,8 @@ class CachedLM(nn.Module):
         the last `logits_for`). The compiled forward when there is one, unless `eager` (a prompt)."""
         n = tokens.shape[1]
         if self.length + n > self.cache_max_seq_len:
-            raise ValueError(
-                f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
-                f"{self.cache_max_seq_len} positions"
-            )
+            raise ValueError(f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
+                             f"{self.cache_max_seq_len} positions")
         if self.compiled_forward is not None and not eager and logits_for is None:
             logits = self.decode_rows(Feed(tokens, [self.length]))  # its graphs
         else:
@@ -409,8 +398,10 @@ class CachedLM(nn.Module):
         self.length = length
 
     def reorder_cache(self, beam_idx):
+        """Batch row i becomes row beam_idx[i], for the first len(beam_idx) rows."""
         for module in self.kv_caches():
-            module.reorder(beam_idx)
+            for cache in (module.k, module.v):
+                cache[:len(beam_idx)] = cache.index_select(0, beam_idx)
 
     @property
     def vocab_size(self):
@@ -524,8 +515,9 @@ DECODER_RENAMES = {
 
 
 def convert_decoder_weights(weights, config, renames):
-    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and the family's `renames`), q/k/v and
-    gate/up fused. Unknown keys pass through, so the loader reports them as unexpected."""
+    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and the family's `renames`), each layer's
+    q/k/v and gate/up fused (quantized ones' stored tensors too). Unknown keys pass through, so the loader
+    reports them as unexpected."""
     renames = DECODER_RENAMES | renames
     out = {}
     for name, tensor in weights.items():
@@ -534,17 +526,12 @@ def convert_decoder_weights(weights, config, renames):
         out[name.removeprefix("model.")] = tensor
     if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
         out.pop("output.weight", None)
-    return fuse_layers(out, config.n_layers)
-
-
-def fuse_layers(weights, n_layers):
-    """Each layer's q/k/v and gate/up projections fused (quantized ones' stored tensors too)."""
-    for i in range(n_layers):
+    for i in range(config.n_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
         for kind in ("weight", "bias", "qweight", "scales", "offsets"):
-            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-            fuse(weights, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
-            fuse(weights, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
-    return weights
+            fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
+            fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
+    return out
 
 
 def fuse(weights, names, fused_name):

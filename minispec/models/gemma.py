@@ -120,7 +120,6 @@ def rope_settings(hf):
     return (theta, factor), local_theta
 
 
-
 class RMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back."""
 
