@@ -18,13 +18,14 @@ current length are never read and rolling back needs no clearing.
 """
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from . import backend
-from .kernels import (attend_cache, can_pack, causal_mask, linear, pack_together, query_rows_mask,
+from .kernels import (attend_cache, can_pack, causal_mask, elementwise, linear, pack_together, query_rows_mask,
                       to_device, tree_layout, whole_blocks)
 
 
@@ -193,6 +194,20 @@ class Attention(nn.Module):
         y = attend_cache(q, k, v, mask, self.scale, layout, self.softcap)
         y = y.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
         return self.wo(y)
+
+
+class GatedMLP(nn.Module):
+    """A Llama or Gemma layer's MLP: w2(act(gate) * up), with gate and up fused into w13."""
+
+    def __init__(self, config, act, bias=False):
+        super().__init__()
+        self.act = act
+        self.w13 = Linear(config.dim, 2 * config.intermediate_size, bias=bias)
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(elementwise(self.act, gate) * up)
 
 
 class CachedLM(nn.Module):
@@ -419,6 +434,22 @@ class CachedLM(nn.Module):
     @property
     def dtype(self):
         return next(self.parameters()).dtype
+
+
+@dataclass
+class DecoderConfig:
+    """The sizes a Decoder family's config (Llama's, Gemma's) starts with."""
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_seq_len: int
+
+    # config.json's layer count -> the checkpoint's name for the stack of layers (checkpoint.check_layer_counts)
+    LAYER_STACKS = {"num_hidden_layers": "layers"}
 
 
 class Decoder(CachedLM):
