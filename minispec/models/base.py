@@ -546,9 +546,8 @@ DECODER_RENAMES = {
 
 
 def convert_decoder_weights(weights, config, renames):
-    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and the family's `renames`), each layer's
-    q/k/v and gate/up fused (quantized ones' stored tensors too). Unknown keys pass through, so the loader
-    reports them as unexpected."""
+    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and `renames`), q/k/v and gate/up fused (stored
+    quantized tensors too). Unknown keys pass through, so the loader reports them as unexpected."""
     renames = DECODER_RENAMES | renames
     out = {}
     for name, tensor in weights.items():
