@@ -18,13 +18,14 @@ current length are never read and rolling back needs no clearing.
 """
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from . import backend
-from .kernels import (attend_cache, can_pack, causal_mask, linear, pack_together, query_rows_mask,
+from .kernels import (attend_cache, can_pack, causal_mask, elementwise, linear, pack_together, query_rows_mask,
                       to_device, tree_layout, whole_blocks)
 
 
@@ -94,12 +95,6 @@ class KVCache(nn.Module):
             self.k[rows].scatter_(2, index, k)
             self.v[rows].scatter_(2, index, v)
         return self.k[rows], self.v[rows]
-
-    def reorder(self, beam_idx):
-        """Batch row i becomes row beam_idx[i], for the first len(beam_idx) rows."""
-        rows = len(beam_idx)
-        self.k[:rows] = self.k.index_select(0, beam_idx)
-        self.v[:rows] = self.v.index_select(0, beam_idx)
 
 
 class RMSNorm(nn.Module):
@@ -201,6 +196,20 @@ class Attention(nn.Module):
         return self.wo(y)
 
 
+class GatedMLP(nn.Module):
+    """A Llama or Gemma layer's MLP: w2(act(gate) * up), with gate and up fused into w13."""
+
+    def __init__(self, config, act, bias=False):
+        super().__init__()
+        self.act = act
+        self.w13 = Linear(config.dim, 2 * config.intermediate_size, bias=bias)
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(elementwise(self.act, gate) * up)
+
+
 class CachedLM(nn.Module):
     """Base of every minispec model: the decoding interface on top of a family's `forward`."""
 
@@ -246,10 +255,8 @@ class CachedLM(nn.Module):
         slightly longer requests reuse them too (a new shape costs an allocation and a recompilation)."""
         context = self.context_length
         if context is not None and max_seq_len > context:
-            raise ValueError(
-                f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
-                f"{context} tokens; use a shorter prompt or fewer new tokens"
-            )
+            raise ValueError(f"{self.name}: a sequence of {max_seq_len} tokens does not fit the model's context of "
+                             f"{context} tokens; use a shorter prompt or fewer new tokens")
         # Fewer rows than the caches hold are fine: forwards use the first rows.
         if batch_size > self.cache_batch_size or max_seq_len > self.cache_max_seq_len:
             self.setup_caches(batch_size, self.cache_length_for(max_seq_len))
@@ -272,16 +279,15 @@ class CachedLM(nn.Module):
         from .compiled import compile_model  # the compiler's part: read only by a compiled load
         return compile_model(self, mode)
 
-    def encode(self, prompt):
-        """The tokens the decoder starts from (here: the prompt itself)."""
+    def encode(self, prompt, row=None):
+        """The tokens the decoder starts from (here: the prompt itself); with `row`, one request's of a batch."""
         return prompt
 
     def prepare_batch(self, rows, longest_prompt):
         """Room for `rows` requests decoded together (T5's encoder memory)."""
 
     def encode_row(self, row, prompt):
-        """encode() for one request of a batch, into row `row`."""
-        return prompt
+        return self.encode(prompt, row)
 
     def prefill(self, tokens, logits_for=None):
         """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
@@ -294,10 +300,8 @@ class CachedLM(nn.Module):
         the last `logits_for`). The compiled forward when there is one, unless `eager` (a prompt)."""
         n = tokens.shape[1]
         if self.length + n > self.cache_max_seq_len:
-            raise ValueError(
-                f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
-                f"{self.cache_max_seq_len} positions"
-            )
+            raise ValueError(f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
+                             f"{self.cache_max_seq_len} positions")
         if self.compiled_forward is not None and not eager and logits_for is None:
             logits = self.decode_rows(Feed(tokens, [self.length]))  # its graphs
         else:
@@ -409,8 +413,10 @@ class CachedLM(nn.Module):
         self.length = length
 
     def reorder_cache(self, beam_idx):
+        """Batch row i becomes row beam_idx[i], for the first len(beam_idx) rows."""
         for module in self.kv_caches():
-            module.reorder(beam_idx)
+            for cache in (module.k, module.v):
+                cache[:len(beam_idx)] = cache.index_select(0, beam_idx)
 
     @property
     def vocab_size(self):
@@ -428,6 +434,22 @@ class CachedLM(nn.Module):
     @property
     def dtype(self):
         return next(self.parameters()).dtype
+
+
+@dataclass
+class DecoderConfig:
+    """The sizes a Decoder family's config (Llama's, Gemma's) starts with."""
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_seq_len: int
+
+    # config.json's layer count -> the checkpoint's name for the stack of layers (checkpoint.check_layer_counts)
+    LAYER_STACKS = {"num_hidden_layers": "layers"}
 
 
 class Decoder(CachedLM):
@@ -524,8 +546,8 @@ DECODER_RENAMES = {
 
 
 def convert_decoder_weights(weights, config, renames):
-    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and the family's `renames`), q/k/v and
-    gate/up fused. Unknown keys pass through, so the loader reports them as unexpected."""
+    """A Llama-like checkpoint's names -> ours (DECODER_RENAMES and `renames`), q/k/v and gate/up fused (stored
+    quantized tensors too). Unknown keys pass through, so the loader reports them as unexpected."""
     renames = DECODER_RENAMES | renames
     out = {}
     for name, tensor in weights.items():
@@ -534,17 +556,12 @@ def convert_decoder_weights(weights, config, renames):
         out[name.removeprefix("model.")] = tensor
     if config.tie_word_embeddings:  # tied checkpoints may or may not carry a copy of the embedding
         out.pop("output.weight", None)
-    return fuse_layers(out, config.n_layers)
-
-
-def fuse_layers(weights, n_layers):
-    """Each layer's q/k/v and gate/up projections fused (quantized ones' stored tensors too)."""
-    for i in range(n_layers):
+    for i in range(config.n_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
         for kind in ("weight", "bias", "qweight", "scales", "offsets"):
-            attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-            fuse(weights, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
-            fuse(weights, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
-    return weights
+            fuse(out, [f"{attn}.{p}_proj.{kind}" for p in "qkv"], f"layers.{i}.attention.wqkv.{kind}")
+            fuse(out, [f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"], f"layers.{i}.feed_forward.w13.{kind}")
+    return out
 
 
 def fuse(weights, names, fused_name):

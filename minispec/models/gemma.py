@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Attention, Decoder, Family, Linear, compile_region, convert_decoder_weights, rope_cos_sin
+from .base import (Attention, Decoder, DecoderConfig, Family, GatedMLP, compile_region, convert_decoder_weights,
+                   rope_cos_sin)
 from .checks import COUNT, FLAG, LAYER_TYPES, POSITIVE, TABLE, TEXT, THETA, check
-from .kernels import elementwise
 
 # The reference's defaults (Gemma3TextConfig, Gemma2Config) for the keys a config.json may leave out.
 GEMMA3 = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
@@ -30,15 +30,7 @@ VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "mod
 
 
 @dataclass
-class GemmaConfig:
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_seq_len: int
+class GemmaConfig(DecoderConfig):
     norm_eps: float
     rope_theta: float  # global layers'
     rope_factor: float  # global layers' linear RoPE scaling: positions divided by it
@@ -50,8 +42,6 @@ class GemmaConfig:
     attention_softcap: float = 0.0  # attn_logit_softcapping (0: none): the same on attention scores
     qk_norm: bool = True  # Gemma 3's per-head q and k RMSNorm (Gemma 2 has none)
     tie_word_embeddings: bool = True
-
-    LAYER_STACKS = {"num_hidden_layers": "layers"}
 
     @classmethod
     def from_hf(cls, hf):
@@ -120,7 +110,6 @@ def rope_settings(hf):
     return (theta, factor), local_theta
 
 
-
 class RMSNorm(nn.Module):
     """Gemma's RMSNorm: scales by (1 + weight), the product in float32 before the cast back."""
 
@@ -135,19 +124,6 @@ class RMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-class FeedForward(nn.Module):
-    """w2(gelu_tanh(gate) * up), gate and up fused into w13."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.w13 = Linear(config.dim, 2 * config.intermediate_size, bias=False)
-        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
-
-    def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(elementwise(partial(F.gelu, approximate="tanh"), gate) * up)
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, config, window):
         super().__init__()
@@ -156,7 +132,7 @@ class TransformerBlock(nn.Module):
                                    config.attention_softcap)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = GatedMLP(config, partial(F.gelu, approximate="tanh"))
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     # compile regions around the cache write, as llama.py's TransformerBlock has them

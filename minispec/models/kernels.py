@@ -24,8 +24,7 @@ _PACKED = {}  # data_ptr -> [the weight's version when packed, packed weight]
 
 
 def to_device(values, device, dtype=torch.long):
-    """Host numbers (a list) as a tensor on `device`, copied without a host sync (a blocking copy to a
-    GPU waits for all the work queued before it)."""
+    """Host numbers as a tensor on `device`, without a host sync (a blocking copy waits for all queued GPU work)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 

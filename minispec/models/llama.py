@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend
-from .base import Attention, Decoder, Family, Linear, RMSNorm, compile_region, convert_decoder_weights, rope_cos_sin
+from .base import (Attention, Decoder, DecoderConfig, Family, GatedMLP, RMSNorm, compile_region,
+                   convert_decoder_weights, rope_cos_sin)
 from .checks import COUNT, FLAG, INDEX, LAYER_TYPES, NUMBER, POSITIVE, TABLE, TEXT, THETA, check
-from .kernels import elementwise
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
 ROPE_TYPES = {
@@ -41,15 +41,7 @@ UNREAD = {"qwen3": ("mlp_bias",)}
 
 
 @dataclass
-class LlamaConfig:
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_seq_len: int
+class LlamaConfig(DecoderConfig):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)  # rope_type plus its parameters (factor, ...)
@@ -59,9 +51,6 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     windows: tuple = ()  # per layer: sliding-window size, or None for full causal attention
     qk_norm: bool = False  # Qwen3: each q and k head RMS-normed (its own weights) before RoPE
-
-    # config.json's layer count -> the checkpoint's name for the stack of layers (checkpoint.check_layer_counts)
-    LAYER_STACKS = {"num_hidden_layers": "layers"}
 
     @classmethod
     def from_hf(cls, hf):
@@ -193,19 +182,6 @@ def rope_tables(config, max_seq_len, device):
     return rope_cos_sin(rope_frequencies(config).to(device), max_seq_len, rope_attention_factor(config.rope_scaling))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(gate) * up), with gate and up fused into w13."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.w13 = Linear(config.dim, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.w2 = Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
-
-    def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(elementwise(F.silu, gate) * up)
-
-
 class LayerNorms(NamedTuple):
     """A layer's norms (TransformerBlock.norms)."""
     attention: Optional[nn.Module]  # None: the input goes in as it is (EAGLE-1's layer)
@@ -220,7 +196,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, window, RMSNorm, config.out_bias)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = GatedMLP(config, F.silu, config.mlp_bias)  # SwiGLU
 
     # The halves around the cache write are compile regions, compiled once for every layer (the write
     # stays outside: a region would hand the cache back as a copy); a region's outputs must not be views.

@@ -176,20 +176,17 @@ def int4_problem(out_features, in_features, group_size, device):
 class Quantized(nn.Module):
     """What the quantized layers share: the backend's kernel, and the output's dtype, shape and bias."""
 
-    def take(self, q, scales, offsets, bias, shape):
-        """The layer's numbers; True where the backend's kernel takes it (its buffers then packed)."""
+    def take(self, q, scales, offsets, bias, shape, packed=None):
+        """The layer's numbers; True where the backend's kernel takes it: its buffers `weight`, `scales`,
+        `offsets`, `steps` then as that kernel reads them (`packed`: already so, as a conversion keeps them)."""
         self.out_features, self.in_features = shape
         self.bias, self.on_cpu, self.group = bias, q.device.type == "cpu", shape[1] // scales.shape[1]
-        self.native = backend.current().takes_quantized(self.in_features, self.group, q.device)
+        self.native = packed is not None or backend.current().takes_quantized(self.in_features, self.group, q.device)
         if self.native:
-            self.register_packed(q, scales, offsets)
+            packed = packed or backend.current().pack_quantized(q, scales, offsets)
+            for name, tensor in zip(("weight", "scales", "offsets", "steps"), packed):
+                self.register_buffer(name, tensor)
         return self.native
-
-    def register_packed(self, q, scales, offsets):
-        """The buffers `weight`, `scales`, `offsets`, `steps` as the backend's kernel reads them."""
-        packed = backend.current().pack_quantized(q, scales, offsets)
-        for name, tensor in zip(("weight", "scales", "offsets", "steps"), packed):
-            self.register_buffer(name, tensor)
 
     def native_forward(self, x):
         rows = x.reshape(-1, self.in_features).float()
@@ -212,7 +209,8 @@ class Int8Linear(Quantized):
     def __init__(self, parts, bias=None, shape=None):
         super().__init__()
         if "packed_weight" in parts:  # the kernels' layout, as a conversion keeps it: taken as it is
-            self.take_packed(parts, bias, shape)
+            packed = [parts.get(key) for key in PACKED_KEYS]
+            self.take(packed[0], packed[1], None, bias, shape, packed)
             return
         qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
         if self.take(qweight, scales, offsets, bias, qweight.shape):
@@ -225,20 +223,6 @@ class Int8Linear(Quantized):
         self.register_buffer("weight", weight.clone(memory_format=copy))
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=copy))
         self.register_buffer("offsets", None if offsets is None else offsets.float().clone(memory_format=copy))
-
-    def take_packed(self, parts, bias, shape):
-        """A weight of `shape` [N, K] in the layout the backend's kernel reads (PACKED_KEYS), as buffers."""
-        self.out_features, self.in_features = shape
-        self.group, self.bias, self.on_cpu, self.native = self.in_features // parts["packed_scales"].shape[1], bias, True, True
-        for name in ("weight", "scales", "offsets", "steps"):
-            self.register_buffer(name, parts.get(f"packed_{name}"))
-
-    def grouped_weight(self):
-        """The dequantized [N, K] weight of the grouped form, in the compute dtype (the CUDA path)."""
-        w = self.weight.to(COMPUTE_DTYPE) * self.scales[..., None]
-        if self.offsets is not None:
-            w = w + self.offsets.t()[..., None].to(COMPUTE_DTYPE)
-        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
 
     def forward(self, x):
         if self.native:
@@ -256,8 +240,11 @@ class Int8Linear(Quantized):
                 y += torch.ops.aten._weight_int8pack_mm(groups[i], self.weight[i], self.scales[i])
             if self.offsets is not None:
                 y += F.linear(groups.float().sum(-1).t(), self.offsets)
-        else:
-            y = linear(rows, self.grouped_weight(), None, packed=False)
+        else:  # CUDA: the grouped weight dequantized in the compute dtype
+            w = self.weight.to(COMPUTE_DTYPE) * self.scales[..., None]
+            if self.offsets is not None:
+                w = w + self.offsets.t()[..., None].to(COMPUTE_DTYPE)
+            y = linear(rows, w.transpose(0, 1).reshape(self.out_features, self.in_features), None, packed=False)
         return self.output(y, x)
 
 
@@ -366,6 +353,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
     of HEAD_GROUP_SIZE; an int4 layer the int4 kernel cannot take is int8 instead. `layer_done()` after
     each module and chunk of rows. Returns notes on the layers kept int8."""
     stored = {} if stored is None else stored
+    layer_done = layer_done or (lambda: None)
     head = model.head
     fallbacks = defaultdict(list)
     mapped = False  # layers taken in the kernels' layout: views of the checkpoint file, left where they are
@@ -386,15 +374,13 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
         target = torch.device(device) if device is not None else module.weight.device
         if isinstance(module, Embedding):
             if parts is None:
-                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim), dtype,
-                                      layer_done)
+                parts = in_row_chunks(quantize_int8, module.weight, head_group(module.embedding_dim), dtype, layer_done)
             elif is_int4(parts) and backend.current().takes_quantized(module.embedding_dim, group_size_of(parts), target):
                 parts = {**parts, "qweight": unpack_int4(parts["qweight"])}  # the kernels' layout keeps int4 as it is
             elif is_int4(parts):
                 parts = widen_int4(parts)
             model.set_submodule(name, Int8Embedding(on(parts, target), dtype))
-            if layer_done:
-                layer_done()
+            layer_done()
             continue
         int4 = (mode == "int4" and module is not head) if parts is None else is_int4(parts)
         if int4:
@@ -410,8 +396,7 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
-        if layer_done:
-            layer_done()
+        layer_done()
     if stored:
         raise ValueError(f"quantized tensors for {', '.join(sorted(stored)[:5])}, which are not linear layers "
                          "or token embeddings of this model")
@@ -426,15 +411,14 @@ CHUNK_ELEMENTS = 1 << 22
 HEAD_CHUNK_ELEMENTS = 1 << 18
 
 
-def in_row_chunks(quantize, weight, group_size, dtype, chunk_done=None):
+def in_row_chunks(quantize, weight, group_size, dtype, chunk_done):
     """quantize(weight, group_size) a few rows at a time (temporaries of a chunk, not of the largest
     weight), each chunk rounded to `dtype` first: the weights the model's float form would hold."""
     rows = max(1, CHUNK_ELEMENTS // weight.shape[1])
     chunks = []
     for i in range(0, weight.shape[0], rows):
         chunks.append(quantize(weight[i:i + rows].to(dtype), group_size))
-        if chunk_done:
-            chunk_done()
+        chunk_done()
     return {key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]}
 
 

@@ -283,9 +283,6 @@ class T5(CachedLM):
                 attn.memory_k, attn.memory_v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
             self.memory_mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=self.device)
 
-    def encode_row(self, row, prompt):
-        return self.encode(prompt, row)
-
     def move_row(self, source, destination, length=None):
         super().move_row(source, destination, length)
         for layer in self.decoder:
