@@ -43,7 +43,7 @@ def load_draft(draft, target, compile=False, draft_quantize=None, group_size=qua
                        group_size=group_size)
     if draft_quantize == "int4":
         head = model.head
-        quant.int4_head(model, group_size)
+        quant.int4_head(model)
         if model.head is not head:  # the int8 head's file pages, read to requantize it, and the temporaries
             release_tensor_pages(head.buffers())
             release_freed_memory()

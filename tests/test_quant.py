@@ -284,6 +284,8 @@ def test_an_int4_draft_has_an_int4_head_and_decodes_the_targets_greedy(gentle_di
     int8_head = minispec.load(gentle_dirs[kind], quantize="int4")
     draft = load_draft(str(gentle_dirs[kind]), target, draft_quantize="int4")
     assert isinstance(int8_head.head, quant.Int8Linear) and isinstance(draft.head, quant.Int4Linear)
+    widest = max(size for size in quant.GROUP_SIZES if draft.head.in_features % size == 0)
+    assert draft.head.group == widest and (kind == "llama" or widest > quant.DEFAULT_GROUP_SIZE)
     assert isinstance(draft.tok_embeddings, quant.Int8Embedding) and draft.fingerprint != int8_head.fingerprint
     with_int4, with_int8 = logits(draft), logits(int8_head)
     assert 0 < (with_int4 - with_int8).abs().max() <= 0.3 * with_int8.abs().max()

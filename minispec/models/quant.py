@@ -326,15 +326,19 @@ def weight_rows(module, tokens):
     return rows.flatten(-2)
 
 
-def int4_head(model, group_size=DEFAULT_GROUP_SIZE):
+def int4_head(model):
     """A draft's output head in int4 groups, a chunk of rows at a time: its guesses need not be the target's
-    numbers, and its int8 head (vocabulary x width) is a large share of a small draft's step. Unchanged where
-    the head is not int8, the int4 kernel cannot take it, or the family has no head apart from its embedding."""
+    numbers, and its int8 head (vocabulary x width) is a large share of a small draft's step. The widest groups
+    the kernel takes: a group's scale and offset cost more of the head's time than its narrower groups save in
+    agreement with the target. Unchanged where the head is not int8, the int4 kernel cannot take it, or the
+    family has no head apart from its embedding."""
     head = model.head
     if not isinstance(model, Decoder) or not isinstance(head, Int8Linear):
         return
     device = head.scales.device
-    if int4_problem(head.out_features, head.in_features, group_size, device):
+    group_size = next((size for size in sorted(GROUP_SIZES, reverse=True)
+                       if not int4_problem(head.out_features, head.in_features, size, device)), None)
+    if group_size is None:
         return
     # chunks small enough that their temporaries are reused from the heap, not mapped and faulted in afresh
     rows = torch.arange(head.out_features, device=device).split(HEAD_CHUNK_ELEMENTS // head.in_features)
