@@ -49,8 +49,14 @@ def resolve_checkpoint(name_or_path, keep_quantized=False):
 def check_shapes(model, weights, source, stored=None):
     """The checkpoint's tensors (and its quantized weights, `stored`) against the model's."""
     expected = model.state_dict()
-    if stored:
-        check_stored(expected, stored, source)
+    if stored:  # against the float shapes, which the quantized weights take out of `expected`
+        from ..models import quant  # only a checkpoint holding quantized weights reads their forms
+        for name, parts in stored.items():
+            if f"{name}.weight" not in expected:
+                raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
+            problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
+            if problem:
+                raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"{source}: weights lack tensor(s) {', '.join(missing[:5])}")
@@ -63,17 +69,6 @@ def check_shapes(model, weights, source, stored=None):
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but the config "
                 f"implies {tuple(expected[name].shape)}"
             )
-
-
-def check_stored(expected, stored, source):
-    """The quantized weights against the model's float shapes, which they take out of `expected`."""
-    from ..models import quant  # only a checkpoint holding quantized weights reads their forms
-    for name, parts in stored.items():
-        if f"{name}.weight" not in expected:
-            raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
-        problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
-        if problem:
-            raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
 
 
 # The safetensors dtypes of float weights: a cast would turn any other into wrong numbers without a word.
