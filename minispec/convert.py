@@ -5,7 +5,6 @@ converts on first use too):
 """
 
 import argparse
-import sys
 
 from .loading.checkpoint import check_checkpoint
 from .loading.gguf import convert_gguf
@@ -24,8 +23,7 @@ def main(argv=None):
         out = convert_gguf(args.gguf, args.out_dir, dtype=DTYPES.get(args.dtype), keep_quantized=args.keep_quantized,
                            check=check_checkpoint)
     except (ValueError, OSError) as error:  # a problem with the input or the output folder, not a bug
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {error}\n")
     print(out)
 
 

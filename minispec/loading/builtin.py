@@ -222,8 +222,7 @@ def recorded_digest(gguf_path, stamp, suffix):
 
 
 def record_stamp(out, stamp):
-    """Note the stamp the source had when its conversion `out` was found to be its own (recorded_digest); None:
-    nothing to note."""
+    """Note the stamp the source had when its conversion `out` was found to be its own (recorded_digest)."""
     if stamp is None:
         return
     with suppress(OSError, ValueError):

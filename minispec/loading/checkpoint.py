@@ -49,8 +49,14 @@ def resolve_checkpoint(name_or_path, keep_quantized=False):
 def check_shapes(model, weights, source, stored=None):
     """The checkpoint's tensors (and its quantized weights, `stored`) against the model's."""
     expected = model.state_dict()
-    if stored:
-        check_stored(expected, stored, source)
+    if stored:  # against the float shapes, which the quantized weights take out of `expected`
+        from ..models import quant  # only a checkpoint holding quantized weights reads their forms
+        for name, parts in stored.items():
+            if f"{name}.weight" not in expected:
+                raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
+            problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
+            if problem:
+                raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"{source}: weights lack tensor(s) {', '.join(missing[:5])}")
@@ -63,17 +69,6 @@ def check_shapes(model, weights, source, stored=None):
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but the config "
                 f"implies {tuple(expected[name].shape)}"
             )
-
-
-def check_stored(expected, stored, source):
-    """The quantized weights against the model's float shapes, which they take out of `expected`."""
-    from ..models import quant  # only a checkpoint holding quantized weights reads their forms
-    for name, parts in stored.items():
-        if f"{name}.weight" not in expected:
-            raise CheckpointError(f"{source}: unexpected quantized tensor(s) {name}.{', '.join(sorted(parts))}")
-        problem = quant.check_stored(parts, expected.pop(f"{name}.weight").shape)
-        if problem:
-            raise CheckpointError(f"{source}: quantized weight {name}: {problem}")
 
 
 # The safetensors dtypes of float weights: a cast would turn any other into wrong numbers without a word.
@@ -192,8 +187,6 @@ def read_tokenizer(directory, model_type, config, chat_template):
 
 
 class Checkpoint(NamedTuple):
-    hf_config: dict  # config.json, with generation_config.json's token ids
-    model_type: str
     model: torch.nn.Module  # on the meta device, its special token ids attached
     weights: dict  # {name: tensor} in the model's names, checked against its shapes
     stored: dict  # quantized weights in models.quant's stored form, by layer name
@@ -221,7 +214,11 @@ def read_checkpoint(directory, world=None, dtype=None, keep=False):
     except ValueError as error:
         raise CheckpointError(f"{directory}/config.json: {error}") from error
     tokenizer = load_tokenizer(directory, model_type)
-    rows, config = config.vocab_size, to_tokenizer(config, tokenizer)
+    rows = config.vocab_size
+    # An embedding padded past the tokenizer's ids is cut to them: the model never outputs an id without a
+    # token, and models of one tokenizer score the same ids.
+    if tokenizer is not None and 0 < tokenizer.n_ids < rows:
+        config = dataclasses.replace(config, vocab_size=tokenizer.n_ids)
     if world is not None:
         from ..models import tp  # sharding: read only by a tensor-parallel load
         tp.check_divisible(config, world)  # the same on every rank: each exits with it
@@ -246,7 +243,7 @@ def read_checkpoint(directory, world=None, dtype=None, keep=False):
         cut_padding(model, weights, stored, rows)
         model.checkpoint_rows = rows
     check_shapes(model, weights, directory, stored)
-    return Checkpoint(hf_config, model_type, model, weights, stored, tokenizer, files)
+    return Checkpoint(model, weights, stored, tokenizer, files)
 
 
 def converted_weights(directory, files, convert, config, stacks, dtype):
@@ -316,14 +313,6 @@ def sweep_kept(folder):
                 file.unlink()
 
 
-def to_tokenizer(config, tokenizer):
-    """The config with vocab_size cut to the ids its tokenizer has, where the embedding is padded: the model
-    never outputs an id without a token, and models of one tokenizer score the same ids."""
-    if tokenizer is None or not 0 < tokenizer.n_ids < config.vocab_size:
-        return config
-    return dataclasses.replace(config, vocab_size=tokenizer.n_ids)
-
-
 def cut_padding(model, weights, stored, rows):
     """The tensors of `rows` rows that the model cut to its tokenizer holds fewer of, as views of their first rows."""
     expected = model.state_dict()
@@ -375,7 +364,11 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         from ..models import quant  # read only when a load quantizes
         group_size = quant.DEFAULT_GROUP_SIZE if group_size is None else group_size
         quant.check_settings(quantize, group_size)
-    install_backend(compile)
+    if os.environ.get("MINISPEC_NATIVE", "1") == "0":  # PyTorch's operations, not minispec's native CPU kernels
+        backend.use(backend.PYTORCH)
+    else:
+        from .. import native  # the layer above models that plugs into models/backend.py
+        native.install(compile)
     world = None
     if tp is not None:  # before check_device: NCCL without GPUs gets its own message
         from . import parallel  # sharding: read only by a tensor-parallel load
@@ -385,8 +378,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     # Quantizing takes the weights as stored (rounding each chunk through `dtype`): a cast copy would double memory.
     keep = quantize is None and tp is None and can_pack(dtype, device)  # packed: read once, then dropped
-    _, _, model, weights, stored, tokenizer, files = read_checkpoint(directory, world, None if quantize else dtype,
-                                                                     keep)
+    model, weights, stored, tokenizer, files = read_checkpoint(directory, world, None if quantize else dtype, keep)
     if stored:
         from .packed import unpacked_unless_taken  # quantized checkpoints only
         stored = unpacked_unless_taken(model, stored, device, tp)
@@ -396,13 +388,20 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
     if tp is not None:  # the rank's slices, before quantizing them and before moving to the device
         parallel.join(device).shard(model, stored)
     if quantize or stored:
+        from ..models import quant  # read only when a load quantizes
+        # the file pages each replaced module read are read no more: dropped as quantizing goes
+        layer_done = None if mapped else partial(release_load_memory, files)
         try:
-            # the file pages each replaced module read are read no more: dropped as quantizing goes
-            layer_done = None if mapped else partial(release_load_memory, files)
-            for note in quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done):
-                log(f"{name_or_path}: {note}")
+            notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored,
+                                         device, layer_done)
         except ValueError as error:  # quantized tensors for a module that takes none (a position table)
             raise CheckpointError(f"{directory}: {error}") from error
+        # What stays float (norms, biases) is views of the checkpoint file: copies let the whole file go.
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(dtype, copy=True)
+        release_freed_memory()
+        for note in notes:
+            log(f"{name_or_path}: {note}")
     model = model.to(device=device).eval().requires_grad_(False)
     if not mapped:  # each weight's pages come back as packing reads it, and go once it is packed
         release_file_pages(files)
@@ -418,27 +417,6 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
 def release_load_memory(files):
     release_file_pages(files)
     release_freed_memory()
-
-
-def install_backend(compile):
-    """minispec's native CPU kernels, unless MINISPEC_NATIVE=0 keeps PyTorch's operations."""
-    if os.environ.get("MINISPEC_NATIVE", "1") == "0":
-        backend.use(backend.PYTORCH)
-        return
-    from .. import native  # the layer above models that plugs into models/backend.py
-    native.install(compile)
-
-
-def quantize_loaded(model, quantize, group_size, dtype, stored, device, layer_done=None):
-    """The model's weights quantized, or its checkpoint's quantized weights taken; notes on layers kept float."""
-    from ..models import quant  # read only when a load quantizes
-    notes = quant.quantize_model(model, quantize, group_size or quant.DEFAULT_GROUP_SIZE, dtype, stored, device,
-                                 layer_done)
-    # What stays float (norms, biases) is views of the checkpoint file: copies let the whole file go.
-    for parameter in model.parameters():
-        parameter.data = parameter.data.to(dtype, copy=True)
-    release_freed_memory()
-    return notes
 
 
 def fingerprint(directory, quantize, group_size, tp=None):

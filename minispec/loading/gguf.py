@@ -1,9 +1,7 @@
 """Import a llama.cpp GGUF file once into an ordinary checkpoint folder (config.json, model.safetensors,
 tokenizer files). The `gguf` package reads the container and dequantizes; with keep_quantized, quantized
-tensors are unpacked below into models.quant's stored form, which dequantizes bit for bit to gguf's values.
-
-    python -m minispec.convert model.Q8_0.gguf ./model-dir [--keep-quantized]
-"""
+tensors are unpacked below into models.quant's stored form, which dequantizes bit for bit to gguf's values
+(the command line: minispec/convert.py)."""
 
 import fcntl
 import glob
@@ -151,31 +149,30 @@ def _f16(blocks, start):  # the fp16 scale stored at byte `start` of every block
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs):  # 4-bit values packed two per byte: all low nibbles first, then all high ones
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def _bits(qh):  # little-endian bit field [n, k] bytes -> [n, 8k] of 0/1
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((qh.unsqueeze(-1) >> shifts) & 1).flatten(1)
+def _fields(packed, runs, bits):
+    """ggml's packed values of `bits` bits in [n, bytes] uint8: each of `runs` runs of bytes holds its values' low
+    bits, then their next bits, and so on."""
+    n, size = packed.shape
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(-1, 1)
+    return ((packed.reshape(n, runs, 1, size // runs) >> shifts) & ((1 << bits) - 1)).reshape(n, size * 8 // bits)
 
 
 def unpack_q4_0(blocks):  # d(2) qs(16): d * (q - 8)
     d = _f16(blocks, 0)
-    return _nibbles(blocks[:, 2:]), d, -8 * d
+    return _fields(blocks[:, 2:], 1, 4), d, -8 * d
 
 
 def unpack_q4_1(blocks):  # d(2) m(2) qs(16): d * q + m
-    return _nibbles(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2)
+    return _fields(blocks[:, 4:], 1, 4), _f16(blocks, 0), _f16(blocks, 2)
 
 
-def unpack_q5_0(blocks):  # d(2) qh(4) qs(16): d * (q - 16), q's fifth bit from qh
-    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
+def unpack_q5_0(blocks):  # d(2) qh(4) qs(16): d * (q - 16), q's fifth bit from qh (bit i of the little-endian u32)
+    q = _fields(blocks[:, 6:], 1, 4) | (_fields(blocks[:, 2:6], 4, 1) << 4)
     return q.to(torch.int8) - 16, _f16(blocks, 0), None
 
 
 def unpack_q5_1(blocks):  # d(2) m(2) qh(4) qs(16): d * q + m
-    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+    q = _fields(blocks[:, 8:], 1, 4) | (_fields(blocks[:, 4:8], 4, 1) << 4)
     return q, _f16(blocks, 0), _f16(blocks, 2)
 
 
@@ -183,33 +180,21 @@ def unpack_q8_0(blocks):  # d(2) qs(32 x int8): d * q
     return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks, 0), None
 
 
-def _k_low_nibbles(qs):  # 128 bytes -> 256 values: each 32-byte chunk holds two sub-blocks of 32
-    n = qs.shape[0]
-    shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
-    return ((qs.reshape(n, 4, 1, 32) >> shifts) & 0x0F).reshape(n, 256)
-
-
 def _k_scales_offsets(blocks):  # (d * scale) * q - dmin * min for each of the 8 sub-blocks of 32
     sc, mn = (torch.from_numpy(x).float() for x in quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy()))
     return _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mn)
 
 
-def unpack_q4_k(blocks):  # d(2) dmin(2) scales(12) qs(128)
-    return _k_low_nibbles(blocks[:, 16:]), *_k_scales_offsets(blocks)
+def unpack_q4_k(blocks):  # d(2) dmin(2) scales(12) qs(128): each 32 bytes hold two sub-blocks of 32
+    return _fields(blocks[:, 16:], 4, 4), *_k_scales_offsets(blocks)
 
 
 def unpack_q5_k(blocks):  # d(2) dmin(2) scales(12) qh(32) qs(128); sub-block i takes bit i of qh
-    n = blocks.shape[0]
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = ((blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1).reshape(n, 256)
-    return _k_low_nibbles(blocks[:, 48:]) | (high << 4), *_k_scales_offsets(blocks)
+    return _fields(blocks[:, 48:], 4, 4) | (_fields(blocks[:, 16:48], 1, 1) << 4), *_k_scales_offsets(blocks)
 
 
 def unpack_q6_k(blocks):  # ql(128) qh(64) scales(16 x int8) d(2): (d * scale) * (q - 32), 16 sub-blocks of 16
-    n = blocks.shape[0]
-    low = (blocks[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
-    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
-    q = (low.reshape(n, 256) | (high.reshape(n, 256) << 4)).to(torch.int8) - 32
+    q = (_fields(blocks[:, :128], 2, 4) | (_fields(blocks[:, 128:192], 2, 2) << 4)).to(torch.int8) - 32
     return q, _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float(), None
 
 
@@ -345,7 +330,7 @@ def hf_config(metadata, tensors):
         config.update(gemma_config(get, config, head_dim, arch))
     check_tensors(tensors, config, head_dim)
     config["model_type"] = MODEL_TYPES.get(arch, arch)
-    config["rope_scaling"] = rope_scaling(metadata, arch, tensors, head_dim)
+    config["rope_scaling"] = rope_scaling(metadata, arch, tensors, head_dim, config["rope_theta"])
     config.update(special_token_ids(metadata, config["vocab_size"]))
     return config
 
@@ -425,9 +410,8 @@ def special_token_ids(metadata, vocab_size):
     return ids
 
 
-def rope_scaling(metadata, arch, tensors, head_dim):
+def rope_scaling(metadata, arch, tensors, head_dim, theta):
     if ROPE_FREQS in tensors:
-        theta = meta(metadata, f"{arch}.rope.freq_base", POSITIVE, 10000.0)
         return llama3_rope_scaling(dequantize(tensors[ROPE_FREQS]).tolist(), head_dim, theta)
     kind = meta(metadata, f"{arch}.rope.scaling.type", TEXT, "none")
     factor = meta(metadata, f"{arch}.rope.scaling.factor", POSITIVE, 1.0)

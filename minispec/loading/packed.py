@@ -7,9 +7,8 @@ from .weights import save_safetensors
 
 
 def pack_stored(directory, model):
-    """Rewrite a checkpoint's quantized weights in the kernels' layout (models.quant's packed form), the
-    form a load then maps from the file as it is: packing them at every load cost most of its time, and
-    the stored form's float32 scales made the file larger than the GGUF it came from."""
+    """Rewrite a checkpoint's quantized weights in the kernels' layout (models.quant's packed form): packing them
+    at every load took most of its time, and the stored form's float32 scales made the file larger."""
     if any(hasattr(module, "native") and not module.native for module in model.modules()):
         return  # no kernels here, or a layer they do not take: PyTorch's layout, which no load reads from a file
     tensors = {}

@@ -73,11 +73,6 @@ def read_chat_template(directory, config):
     return template
 
 
-def token_content(value):
-    """A special token as tokenizer_config.json stores it: a string, an AddedToken dict, or null."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
 class Tokenizer:
     """What minispec needs of a tokenizer. A subclass encodes (`encode_text`: without BOS/EOS), decodes a run
     of model tokens (`decode_run`) and names `literal_ids`, the tokens whose text is their content."""
@@ -87,9 +82,10 @@ class Tokenizer:
         self.added = {t["id"]: t for t in added_tokens}
         self.special_ids = {t["id"] for t in added_tokens if t.get("special")}
         token_to_id = {token: i for i, token in id_to_token.items()}
+        # each as tokenizer_config.json stores it: a string, an AddedToken dict, or null
+        specials = [config.get(key) for key in ("bos_token", "eos_token", "pad_token")]
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (
-            token_to_id.get(token_content(config.get(key))) for key in ("bos_token", "eos_token", "pad_token")
-        )
+            token_to_id.get(token.get("content") if isinstance(token, dict) else token) for token in specials)
         self.chat_template = chat_template
         self.vocab_size = len(id_to_token)
         self.n_ids = max(id_to_token, default=-1) + 1  # the logits a model needs: ids past it have no token

@@ -126,8 +126,7 @@ def reading(file):
 
 
 def read_dtypes(files):
-    """{tensor name: safetensors dtype name} from the files' headers alone: what a checkpoint holds,
-    known before any tensor is read."""
+    """{tensor name: safetensors dtype name} from the files' headers alone, before any tensor is read."""
     dtypes = {}
     for file in files:
         with reading(file), safe_open(file, "pt") as opened:
@@ -174,8 +173,7 @@ def release_tensor_pages(tensors):
 
 
 def drop_pages(spans_of):
-    """madvise(MADV_DONTNEED) the spans [(start, end)] that spans_of(path, start, end) returns for each mapping
-    of /proc/self/maps. Linux only; elsewhere nothing happens."""
+    """madvise(MADV_DONTNEED) the spans [(start, end)] that spans_of(path, start, end) gives for each mapping."""
     try:
         with open("/proc/self/maps") as maps:
             mappings = [line.split() for line in maps]
@@ -192,10 +190,8 @@ def drop_pages(spans_of):
 def release_freed_memory():
     """Hand freed heap memory back to the system: glibc keeps it for reuse, and the small tensors quantizing
     leaves between freed float temporaries would keep it resident. Other C libraries: nothing to do."""
-    try:
+    with suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # torch dtype -> the safetensors header's name for it
