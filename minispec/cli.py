@@ -54,7 +54,7 @@ def add_model_flags(parser, draft_default, tensor_parallel=False, **draft):
                         help="weight-only quantization of the target at load (a .gguf file keeps its own quantized "
                              "tensors as they are)")
     parser.add_argument("--draft-quantize", choices=QUANT_MODES,
-                        help="the same for a draft model (int4: its output head too)")
+                        help="the same for a draft model (int4: its output head and a .gguf file's layers too)")
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE,
                         help="columns per int4 scale")
     parser.add_argument("--device", help="default: cuda where a GPU is, else cpu")

@@ -42,9 +42,9 @@ def load_draft(draft, target, compile=False, draft_quantize=None, group_size=qua
     model = load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                        group_size=group_size)
     if draft_quantize == "int4":
-        head = model.head
-        quant.int4_head(model)
-        if model.head is not head:  # the int8 head's file pages, read to requantize it, and the temporaries
-            release_tensor_pages(head.buffers())
+        replaced = quant.int4_draft(model)
+        for module in replaced:  # the int8 layers' file pages, read to requantize them, and the temporaries
+            release_tensor_pages(module.buffers())
+        if replaced:
             release_freed_memory()
     return model

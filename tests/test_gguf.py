@@ -19,6 +19,7 @@ from gguf import GGUFValueType, GGUFWriter, TokenType, quants
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+import minispec
 from conftest import TINY_CONFIGS, gemma_init, make_reference, spread_init
 from minispec.loading import gguf as minigguf
 from minispec.loading.checkpoint import load_model
@@ -385,6 +386,31 @@ def test_keep_quantized_model(tmp_path, monkeypatch):
     [kept_folder] = (tmp_path / "weights").glob("model-*-quantized")
     assert (kept_folder / "config.json").is_file()
     assert isinstance(quantized.layers[1].feed_forward.w13, quant.Int4Linear)  # the float one, quantized
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa"])
+def test_an_int4_draft_from_a_gguf_file_runs_every_layer_in_int4(kind, tmp_path, monkeypatch):
+    """--draft-quantize int4 on a GGUF draft requantizes the layers the file keeps in its own types (here Q8_0)
+    and its head to int4 in the widest groups the width divides into, its logits within int4's error of the
+    kept ones, the tied embedding int8 for lookups; speculative greedy output is still the target's."""
+    from minispec.loaders import load_draft
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    path = model_to_gguf(spread_init(make_reference(kind), seed=0, gain=1.0), tmp_path / "model.gguf", qtype=Q.Q8_0)
+    kept, target = load_model(path, quantize="int4"), load_model(path)
+    draft = load_draft(str(path), target, draft_quantize="int4")
+    linears = [m for m in draft.modules() if isinstance(m, quant.Quantized) and not isinstance(m, quant.Int8Embedding)]
+    assert {type(m) for m in linears} == {quant.Int4Linear}
+    assert all(m.group == max(size for size in quant.GROUP_SIZES if m.in_features % size == 0) for m in linears)
+    assert max(m.group for m in linears) > quant.DEFAULT_GROUP_SIZE
+    assert len(linears) == 4 * len(draft.layers) + 1 and isinstance(draft.tok_embeddings, quant.Int8Embedding)
+    assert {type(m) for m in kept.modules() if isinstance(m, quant.Quantized)} == {quant.Int8Linear, quant.Int8Embedding}
+    assert draft.fingerprint != kept.fingerprint
+    with_int4, with_kept = logits_of(draft, PROMPT), logits_of(kept, PROMPT)
+    assert 0 < (with_int4 - with_kept).abs().max() <= 0.3 * with_kept.abs().max()
+    prompt = [5, 17, 33, 8, 90, 41]
+    plain = minispec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+    out = minispec.generate(target, prompt, draft=draft, gamma=3, max_new_tokens=24, ignore_eos=True)
+    assert out.tokens == plain.tokens and out.stats["accepted"] > 0
 
 
 def mapped_from(tensor, file):

@@ -326,25 +326,35 @@ def weight_rows(module, tokens):
     return rows.flatten(-2)
 
 
-def int4_head(model):
-    """A draft's output head in int4 groups, a chunk of rows at a time: its guesses need not be the target's
-    numbers, and its int8 head (vocabulary x width) is a large share of a small draft's step. The widest groups
-    the kernel takes: a group's scale and offset cost more of the head's time than its narrower groups save in
-    agreement with the target. Unchanged where the head is not int8, the int4 kernel cannot take it, or the
-    family has no head apart from its embedding."""
-    head = model.head
-    if not isinstance(model, Decoder) or not isinstance(head, Int8Linear):
-        return
-    device = head.scales.device
-    group_size = next((size for size in sorted(GROUP_SIZES, reverse=True)
-                       if not int4_problem(head.out_features, head.in_features, size, device)), None)
-    if group_size is None:
-        return
-    # chunks small enough that their temporaries are reused from the heap, not mapped and faulted in afresh
-    rows = torch.arange(head.out_features, device=device).split(HEAD_CHUNK_ELEMENTS // head.in_features)
-    chunks = [quantize_int4(weight_rows(head, ids), group_size) for ids in rows]
-    model.output = Int4Linear({key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]})
-    model.fingerprint = model.fingerprint and f"{model.fingerprint} int4 head {group_size}"
+def int4_draft(model):
+    """A draft's int8 layers (those a GGUF file keeps in its own types, and the output head) in int4, each a chunk
+    of rows at a time from its dequantized rows: a draft's guesses need not be the target's numbers, and uniform
+    int4 reads fewer bytes at less work per byte than the GGUF's mixed types. The widest groups the kernel takes:
+    a group's scale and offset cost more time than narrower groups gain in agreement with the target. Layers the
+    int4 kernel cannot take, and embeddings (a tied head's too), stay as they are. Returns the replaced layers."""
+    if not isinstance(model, Decoder):
+        return []
+    replaced = []
+    layers = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, Int8Linear) and not isinstance(module, Int8Embedding)]
+    if isinstance(model.head, Int8Embedding):  # a tied head: its own int4 copy, the embedding kept for lookups
+        layers.append(("output", model.head))
+    for name, module in layers:
+        device = module.scales.device
+        group_size = next((size for size in sorted(GROUP_SIZES, reverse=True)
+                           if not int4_problem(module.out_features, module.in_features, size, device)), None)
+        if group_size is None:
+            continue
+        # chunks small enough that their temporaries are reused from the heap, not mapped and faulted in afresh
+        rows = torch.arange(module.out_features, device=device).split(HEAD_CHUNK_ELEMENTS // module.in_features)
+        chunks = [quantize_int4(weight_rows(module, ids), group_size) for ids in rows]
+        parent, _, attribute = name.rpartition(".")  # setattr: a tied model's `output` is None, not a module
+        setattr(model.get_submodule(parent), attribute,
+                Int4Linear({key: torch.cat([chunk[key] for chunk in chunks]) for key in chunks[0]}, module.bias))
+        replaced.append(module)
+    if replaced:
+        model.fingerprint = model.fingerprint and f"{model.fingerprint} int4 draft"
+    return replaced
 
 
 # --- quantizing a model -------------------------------------------------------------------------------
