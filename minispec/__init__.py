@@ -7,7 +7,8 @@ import warnings
 # Both before torch's first import. minispec never uses numpy, so torch's warning without it would only puzzle.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 # OpenMP's idle threads spin 300,000 turns before sleeping, slowing decoding where other processes hold cores;
-# sleeping at once costs each of a step's many short parallel regions a wake-up. A short spin, unless the user chose.
+# sleeping at once costs each of a step's many short parallel regions a wake-up. A short spin catches the next
+# region on a free core and soon yields a busy one, unless the user chose.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "2000"
 

@@ -73,7 +73,8 @@ HOLDERS = weakref.WeakKeyDictionary()
 
 @contextmanager
 def exclusive(*models):
-    """Claim the models before a call touches their caches, or fail at once if another call has one."""
+    """Claim the models before a call touches their caches, or fail at once if another call has one; a stream
+    releases them when it ends, is closed, or is garbage collected."""
     with _claiming:
         for model in models:
             if HOLDERS.get(model) == threading.get_ident():
@@ -303,8 +304,9 @@ def with_settings(function):
 
 @with_settings
 def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=None, **settings):
-    """Generate from `target`, speculatively when `draft` is given; the settings are minispec.Settings' fields
-    (a bad one raises SettingError naming its `field`). Greedy output is target-only greedy decoding's, sampled
+    """Generate from `target`, speculatively when `draft` is given (a model, "ngram", "lookup", "suffix", or
+    "int8"/"int4": the target itself, quantized); the settings are minispec.Settings' fields (a bad one raises
+    SettingError naming its `field`). Greedy output is target-only greedy decoding's, sampled
     output has the target's distribution (unless lenience < 1); stats["seed"] reproduces the call.
 
     A list of prompts returns a Generation each, decoded `batch_size` (default: all) at a time, seed then
@@ -357,7 +359,8 @@ def naming_prompt(i):
 
 @dataclass
 class Chunk:
-    """One step of a stream (segments as Generation.trace's); the last chunk also carries the whole Generation."""
+    """One step of a stream: its tokens, their text, its segments as in Generation.trace (rejected guesses too)
+    and with logprobs=k their TokenLogprobs; the last chunk also carries the whole Generation."""
     tokens: list
     text: str
     segments: list

@@ -81,7 +81,9 @@ def is_word(value, *words):
 
 @dataclass(frozen=True)
 class Settings:
-    """The settings of a generate() or stream() call, checked once before any work (SettingError names a bad one)."""
+    """The settings of a generate() or stream() call: the one list, each with its default, its check and its
+    help, from which run.py's flags and the server's fields are made. Checked once, before any work (SettingError
+    names a bad one)."""
     draft: object = setting(None, None)  # a model or a drafter's name: run.py's --draft loads it
     gamma: object = setting("auto", Check(lambda v: is_word(v, "auto") or integer(1, GAMMA_LIMIT)(v), "(draft "
                                           f"tokens per step) must be 'auto' or an integer in [1, {GAMMA_LIMIT}]"),

@@ -204,7 +204,8 @@ class VerifyCost:
             for ratios in self.corrections.values():
                 ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]
             ratios = self.corrections.setdefault(width, [0.0, 0.0])
-            ratios[:] = [ratios[0] + ratio, ratios[1] + 1.0]
+            ratios[0] += ratio
+            ratios[1] += 1.0
             self.every_width = corrected_mean(*(sum(column) for column in zip(*self.corrections.values())))
         return faster
 

@@ -52,7 +52,8 @@ def bin_of(confidence):
 
 def count(bins, confidence, survived):
     counts = bins[bin_of(confidence)]
-    counts[:] = [counts[0] * DECAY + survived, counts[1] * DECAY + 1]
+    counts[0] = counts[0] * DECAY + survived
+    counts[1] = counts[1] * DECAY + 1
 
 
 def shrunk(bins, confidence, prior):

@@ -173,7 +173,8 @@ def release_tensor_pages(tensors):
 
 
 def drop_pages(spans_of):
-    """madvise(MADV_DONTNEED) the spans [(start, end)] that spans_of(path, start, end) gives for each mapping."""
+    """madvise(MADV_DONTNEED) the spans [(start, end)] that spans_of(path, start, end) gives for each mapping
+    (Linux only; elsewhere nothing happens)."""
     try:
         with open("/proc/self/maps") as maps:
             mappings = [line.split() for line in maps]
