@@ -1,5 +1,6 @@
-"""The main table against the paper's Theorem 3.8 (with the reference implementation, transformers, beside it
-when asked), the batch, beam and feature benchmarks, and what the bench's benchmarks share."""
+"""Decoders side by side against the paper's Theorem 3.8 (benchmark), requests decoded together
+(batch_benchmark), beam search (beam_benchmark), each feature's price (features_benchmark), and what
+the bench's benchmarks share."""
 
 import statistics
 import time
@@ -8,11 +9,11 @@ import torch
 
 from minispec import Sampling, chat_prompt, generate
 from minispec.loaders import load_models
-from minispec.loading.checkpoint import resolve_checkpoint
 
 from . import llamacpp
 from .memory import bandwidth, memory_growth
 from .prompts import prompt_ids_of, read_prompts
+from .reference import reference_runners
 from .report import dtype_name, md_table, title
 from .timing import row_invariance_price, step_times, time_generation
 
@@ -154,64 +155,6 @@ def benchmark(args):
 def same(timed, plain, args):
     """Whether a greedy decoder gave plain greedy decoding's tokens (None when sampled: not comparable)."""
     return timed["outputs"] == plain["outputs"] if args.temperature == 0 else None
-
-
-def load_reference(name_or_path, device, dtype):
-    """The same checkpoint directory in transformers (imported only here: a test-only dependency)."""
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("--compare-reference needs the reference implementation: pip install transformers") from None
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    directory = resolve_checkpoint(name_or_path)
-    config = transformers.AutoConfig.from_pretrained(directory)
-    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
-    # .to(dtype) too: versions before `dtype=` was accepted ignore it and load float32.
-    return auto.from_pretrained(directory, dtype=dtype).to(device=device, dtype=dtype).eval()
-
-
-def reference_runner(model, args, gamma=None, draft=None):
-    """run_one for time_generation: the reference's generate with the same settings; with a γ assisted
-    generation with `draft` (a reference model) or, without one, prompt lookup (our `lookup`)."""
-    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
-    if args.ignore_eos:
-        # Generate through EOS like minispec does; min_new_tokens would forbid EOS, changing the tokens.
-        settings.update(eos_token_id=None, pad_token_id=0)
-    if args.temperature > 0:
-        settings.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if gamma is not None and draft is None:  # LookupDrafter's max_ngram; for "auto", the reference's usual 10
-        settings.update(prompt_lookup_num_tokens=10 if gamma == "auto" else gamma, max_matching_ngram_size=3)
-
-    # with a draft model: exactly γ guesses per step; for "auto", its adaptive defaults (set on every call:
-    # the assistant's own generation_config holds them)
-    auto = gamma == "auto"
-    assist = dict(num_assistant_tokens=20 if auto else gamma, assistant_confidence_threshold=0.4 if auto else 0.0,
-                  num_assistant_tokens_schedule="heuristic" if auto else "constant")
-
-    @torch.inference_mode()
-    def run_one(request):
-        prompt, seed = request
-        if draft is not None:
-            draft.generation_config.update(**assist)
-        ids = torch.tensor([prompt], device=model.device)
-        torch.manual_seed(seed)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, **settings)[0].tolist()
-        # Decoder-only outputs repeat the prompt; encoder-decoder ones start with the decoder start token.
-        return out[1 if model.config.is_encoder_decoder else len(prompt):], {}
-
-    return run_one
-
-
-def reference_runners(args, device, dtype):
-    """{("reference", γ or None): run_one}: autoregressive and assisted (none for `ngram`: it lacks it)."""
-    model = load_reference(args.target, device, dtype)
-    runners = {("reference", None): reference_runner(model, args)}
-    if args.draft == "ngram":
-        return runners
-    draft = None if args.draft == "lookup" else load_reference(args.draft, device, dtype)
-    runners.update({("reference", g): reference_runner(model, args, g, draft) for g in args.gamma})
-    return runners
 
 
 def gamma_row(gamma, spec, ar, steps, args):
