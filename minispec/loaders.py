@@ -5,7 +5,7 @@ import torch
 from .cli import check_threads
 from .decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
 from .heads import is_head_dir, load_draft_head
-from .loading.checkpoint import load_model
+from .loading.checkpoint import kept_int4_draft, load_model
 from .loading.weights import DTYPES, release_freed_memory, release_tensor_pages
 from .models import quant
 
@@ -42,7 +42,7 @@ def load_draft(draft, target, compile=False, draft_quantize=None, group_size=qua
     model = load_model(draft, device=target.device, dtype=target.dtype, compile=compile, quantize=draft_quantize,
                        group_size=group_size)
     if draft_quantize == "int4":
-        replaced = quant.int4_draft(model)
+        replaced = kept_int4_draft(model)
         for module in replaced:  # the int8 layers' file pages, read to requantize them, and the temporaries
             release_tensor_pages(module.buffers())
         if replaced:

@@ -413,6 +413,32 @@ def test_an_int4_draft_from_a_gguf_file_runs_every_layer_in_int4(kind, tmp_path,
     assert out.tokens == plain.tokens and out.stats["accepted"] > 0
 
 
+def test_an_int4_draft_is_kept_and_mapped_by_later_loads(tmp_path, monkeypatch):
+    """The int4 draft's layers, made once, are kept in the weights folder: a later load maps them from that
+    file instead of requantizing (the same logits), and a draft file changed since is requantized again."""
+    from minispec.loaders import load_draft
+    from minispec.loading import checkpoint
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setattr(checkpoint, "KEEP_MIN_BYTES", 0)
+    path = model_to_gguf(spread_init(make_reference("llama"), seed=0, gain=1.0), tmp_path / "model.gguf", qtype=Q.Q8_0)
+    target = load_model(path)
+    first = load_draft(str(path), target, draft_quantize="int4")
+    if not first.head.native:
+        pytest.skip("the native kernels' layout is what a kept draft holds")
+    [kept] = [f for f in (tmp_path / "weights" / "kept").glob("*.safetensors")
+              if checkpoint.kept_metadata(f).get("made_from", "").startswith(first.fingerprint.split()[0])]
+    made = []
+    monkeypatch.setattr(quant, "int4_draft", lambda model: made.append(model) or [])
+    again = load_draft(str(path), target, draft_quantize="int4")
+    assert not made and again.fingerprint == first.fingerprint
+    linears = [m for m in again.modules() if isinstance(m, quant.Int4Linear)]
+    assert len(linears) == 4 * len(again.layers) + 1 and all(mapped_from(m.weight, kept) for m in linears)
+    assert torch.equal(logits_of(again, PROMPT), logits_of(first, PROMPT))
+    model_to_gguf(spread_init(make_reference("llama"), seed=1, gain=1.0), path, qtype=Q.Q8_0)  # another file
+    load_draft(str(path), target, draft_quantize="int4")  # converted again, so requantized again
+    assert len(made) == 1
+
+
 def mapped_from(tensor, file):
     """Whether the tensor's memory lies in this process's mapping of `file`."""
     with open("/proc/self/maps") as maps:

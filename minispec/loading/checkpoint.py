@@ -295,6 +295,55 @@ def kept_weights(directory, model_type, dtype, files, read):
     return read_weights([file]), [file]
 
 
+def kept_int4_draft(model):
+    """quant.int4_draft(model) (returning the layers it replaced), its int4 layers kept in a file of the weights
+    folder that later loads map as they are: requantizing costs seconds a load. Written again once the draft's
+    files or the code that quantizes and packs them change; not kept for a small draft, or where the kernels
+    do not take them (another device or backend), whose layout no load reads from a file."""
+    from .. import native  # the packed layout's writer: its code decides whether a kept file is current
+    from ..models import quant
+    file = weights_dir() / "kept" / f"{hashlib.sha256(f'{model.directory}|int4 draft'.encode()).hexdigest()[:20]}.safetensors"
+    code = b"".join(Path(module.__file__).read_bytes() for module in (quant, native))
+    made_from = f"{model.fingerprint}|{hashlib.sha256(code).hexdigest()[:20]}"
+    fingerprint = model.fingerprint
+    if kept_metadata(file).get("made_from") != made_from:
+        replaced = quant.int4_draft(model)
+        made = {name: module for name, module in model.named_modules() if isinstance(module, quant.Int4Linear)}
+        tensors = {f"{name}.packed_{key}": getattr(module, key) for name, module in made.items()
+                   for key in ("weight", "scales", "offsets", "steps") if getattr(module, key, None) is not None}
+        if not made or not all(module.native for module in made.values()) or \
+                sum(t.nbytes for t in tensors.values()) < KEEP_MIN_BYTES:
+            return replaced
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            save_safetensors(tensors, file, {"made_from": made_from, "directory": str(model.directory)})
+            sweep_kept(file.parent)
+        except OSError as error:
+            log(f"cannot keep the int4 draft in {file} ({error}): it is made again at each load")
+            return replaced
+        del tensors, made  # from now on the file's pages
+    else:
+        replaced = []
+    layers = {}
+    for name, parts in quant.take_stored(read_weights([file])).items():
+        parent, _, attribute = name.rpartition(".")
+        old = getattr(model.get_submodule(parent), attribute)  # None: a tied model's own head (int4_draft)
+        shape = (model.head.out_features, model.head.in_features) if old is None else (old.out_features,
+                                                                                      old.in_features)
+        problem = quant.check_stored(parts, shape)
+        if problem:  # the file is not this model's after all: made again at the next load
+            file.unlink(missing_ok=True)
+            raise CheckpointError(f"{file}: {problem}; load the draft again")
+        layers[name] = (old, quant.Int4Linear(parts, None if old is None else old.bias, shape))
+    for name, (old, layer) in layers.items():
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, layer)
+        if old is not None and not isinstance(old, quant.Int4Linear):
+            replaced.append(old)
+    model.fingerprint = fingerprint and f"{fingerprint} int4 draft"
+    return replaced
+
+
 def kept_metadata(file):
     """What a kept weights file was made from, and for which checkpoint folder; {} for a file missing."""
     try:
@@ -410,6 +459,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         release_file_pages(files)
     model.name = str(name_or_path) if not Path(name_or_path).expanduser().is_dir() else Path(directory).name
     model.fingerprint = fingerprint(directory, quantize, group_size, tp)
+    model.directory = Path(directory).resolve()
     model.tokenizer = tokenizer
     return model.compile() if compile else model
 

@@ -228,6 +228,7 @@ class CachedLM(nn.Module):
         self.pad_token_id = None
         self.name = type(self).__name__
         self.fingerprint = None  # set by the loader: the checkpoint's files
+        self.directory = None  # set by the loader: the checkpoint folder read (a GGUF file's conversion)
         self.checkpoint_rows = None  # set by a loader that cut padding rows
         self.compiled_forward = None  # set by compile()
         self.quantization = None  # set by models.quant.quantize_model: mode, group size, notes

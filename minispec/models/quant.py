@@ -188,6 +188,13 @@ class Quantized(nn.Module):
                 self.register_buffer(name, tensor)
         return self.native
 
+    def take_packed(self, parts, bias, shape):
+        """take() for parts in the kernels' layout (a conversion's, a kept int4 draft's); False for others."""
+        if "packed_weight" not in parts:
+            return False
+        packed = [parts.get(key) for key in PACKED_KEYS]
+        return self.take(packed[0], packed[1], None, bias, shape, packed)
+
     def native_forward(self, x):
         rows = x.reshape(-1, self.in_features).float()
         y = backend.current().quantized_product(rows.contiguous(), self.weight, self.scales, self.offsets, self.steps,
@@ -208,9 +215,7 @@ class Int8Linear(Quantized):
 
     def __init__(self, parts, bias=None, shape=None):
         super().__init__()
-        if "packed_weight" in parts:  # the kernels' layout, as a conversion keeps it: taken as it is
-            packed = [parts.get(key) for key in PACKED_KEYS]
-            self.take(packed[0], packed[1], None, bias, shape, packed)
+        if self.take_packed(parts, bias, shape):  # the kernels' layout, as a conversion keeps it: taken as it is
             return
         qweight, scales, offsets = parts["qweight"], parts["scales"], parts.get("offsets")
         if self.take(qweight, scales, offsets, bias, qweight.shape):
@@ -267,8 +272,10 @@ class Int4Linear(Quantized):
     """y = x @ (q * scales + offsets).T + bias, from a stored int4 weight, with PyTorch's int4 kernels,
     which compute (q - 8) * scale + zero, so zero = offset + 8 * scale."""
 
-    def __init__(self, parts, bias=None):
+    def __init__(self, parts, bias=None, shape=None):
         super().__init__()
+        if self.take_packed(parts, bias, shape):
+            return
         scales, offsets = parts["scales"].float(), parts["offsets"].float()
         q = unpack_int4(parts["qweight"])
         if self.take(q, scales, offsets, bias, q.shape):
