@@ -103,35 +103,61 @@ struct Scratch {
   std::vector<uint8_t> read;  // the rows of a tile that read each position, one bit a row
 };
 
-// A row's scores from its products at the positions its mask lets it read (none elsewhere), turned into
-// weights exp(score - top) in place. Bit `bit` of read[p] set where it reads p.
+typedef int32_t Ints __attribute__((vector_size(64)));
+typedef uint8_t Bytes __attribute__((vector_size(16)));
+
+// A vector's 16 lanes added in a fixed tree.
+inline float lane_sum(Vector x) {
+  Vector y = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  y += __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  y += __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return y[0] + y[1];
+}
+
+// A row's scores from its products at the positions its mask lets it read, turned into weights
+// exp(score - top) in place, 0 elsewhere (the padding past P too). Bit `bit` of read[p] set where it reads p.
 inline void weights(const Call& c, const float* mask, float* scores, uint8_t* read, int bit) {
-  float top = none;
-  for (int64_t p = 0; p < c.P; ++p) {
-    float s = none;
-    if (mask[p] != none) {
-      s = (c.scale != 1.f ? scores[p] * c.scale : scores[p]) + mask[p];
-      top = std::max(top, s);
-    }
-    scores[p] = s;
-    read[p] |= (s != none) << bit;
+  const Vector nothing = Vector{} + none;
+  Vector top = nothing;
+  for (int64_t p = 0; p < c.P; p += LANES) {  // 16 positions at a time (the scores are padded)
+    const int64_t n = std::min<int64_t>(LANES, c.P - p);
+    Vector m = nothing, x;
+    std::memcpy(&m, mask + p, n * sizeof(float));
+    std::memcpy(&x, scores + p, sizeof x);
+    Vector s = (c.scale != 1.f ? x * c.scale : x) + m;
+    s = m != nothing ? s : nothing;
+    top = s > top ? s : top;
+    std::memcpy(scores + p, &s, sizeof s);
+    const Bytes reads = __builtin_convertvector((s != nothing) & (1 << bit), Bytes);
+    uint8_t r[LANES];
+    std::memcpy(r, read + p, n);
+    for (int u = 0; u < n; ++u) r[u] |= reads[u];
+    std::memcpy(read + p, r, n);
   }
-  if (top == none) return;
+  float most = none;
+  for (int u = 0; u < LANES; ++u) most = top[u] > most ? top[u] : most;
   for (int64_t p = 0; p < c.P; p += LANES) {
     Vector x;
-    std::memcpy(&x, scores + p, sizeof x);  // whole vectors: the last one is padded
-    const Vector w = exp16(x - top);
-    std::memcpy(scores + p, &w, sizeof w);
+    std::memcpy(&x, scores + p, sizeof x);
+    const Vector w = most == none ? Vector{} : exp16(x - most);
+    x = x != nothing ? w : Vector{};
+    std::memcpy(scores + p, &x, sizeof x);
   }
 }
 
-// The totals of TILE rows' weights, each row's added in position order over the positions it reads (0:
-// none), the rows' additions interleaved (one row after another waited on each add).
+// The totals of TILE rows' weights, each row's in 16 sums by position modulo 16 (weights 0 where it reads
+// nothing), then lane_sum.
 template <int TILE>
-inline void totals(float* const* weights, const uint8_t* read, int64_t P, float* total) {
-  for (int i = 0; i < TILE; ++i) total[i] = 0.f;
-  for (int64_t p = 0; p < P; ++p)
-    for (int i = 0; i < TILE; ++i) total[i] += read[p] >> i & 1 ? weights[i][p] : 0.f;
+inline void totals(float* const* weights, int64_t P, float* total) {
+  for (int i = 0; i < TILE; ++i) {
+    Vector t = {};
+    for (int64_t p = 0; p < P; p += LANES) {
+      Vector w;
+      std::memcpy(&w, weights[i] + p, sizeof w);
+      t += w;
+    }
+    total[i] = lane_sum(t);
+  }
 }
 
 // TILE rows of one (b, h) that read the same slots (a short tile repeats its last row), head dim 16 x
@@ -156,29 +182,29 @@ void tile(const Call& c, int64_t b, int64_t h, const int64_t* rows, int64_t coun
   for (int64_t p = 0; p < c.P; p += LANES) {  // 16 positions at a time (a tile's scores are padded)
     const int64_t end = std::min(p + LANES, c.P);
     if (std::none_of(read + p, read + end, [](uint8_t r) { return r; })) continue;
-    Vector part[TILE][LANES];  // zeros where no row reads
+    Vector keys[LANES][CHUNKS];  // as float32 once for the tile; zeros where no row reads
     for (int64_t u = p; u < p + LANES; ++u) {
-      for (int i = 0; i < TILE; ++i) part[i][u - p] = Vector{};
-      if (u >= end || !read[u]) continue;
-      const T* key = k + (slots ? slots[u] : u) * c.ks;
-      Vector kv[CHUNKS];
-      for (int j = 0; j < CHUNKS; ++j) kv[j] = vector_of(key + j * LANES);
-      for (int i = 0; i < TILE; ++i)
-        for (int j = 0; j < CHUNKS; ++j) part[i][u - p] += q[i][j] * kv[j];
+      const T* key = u < end && read[u] ? k + (slots ? slots[u] : u) * c.ks : nullptr;
+      for (int j = 0; j < CHUNKS; ++j) keys[u - p][j] = key ? vector_of(key + j * LANES) : Vector{};
     }
-    for (int i = 0; i < TILE; ++i) {
-      const Vector y = sums(part[i]);
+    for (int i = 0; i < TILE; ++i) {  // a row at a time: its 16 sums stay in registers
+      Vector part[LANES];
+      for (int u = 0; u < LANES; ++u) {
+        part[u] = Vector{};
+        for (int j = 0; j < CHUNKS; ++j) part[u] += q[i][j] * keys[u][j];
+      }
+      const Vector y = sums(part);
       std::memcpy(scores[i] + p, &y, sizeof y);
     }
   }
   std::fill(read, read + c.P, 0);
   for (int i = 0; i < TILE; ++i) weights(c, mask[i], scores[i], read, i);
   float total[TILE];
-  totals<TILE>(scores, read, c.P, total);
+  totals<TILE>(scores, c.P, total);
   Vector a[TILE][CHUNKS];
-  // WIDTH chunks of the values at a time, over every position: 8 sums in registers (enough to keep the
-  // multiply-adds busy), where all of them at once spilled
-  constexpr int WIDTH = TILE >= 8 ? 1 : std::min(CHUNKS, 8 / TILE);
+  // WIDTH chunks of the values at a time, over every position: 16 sums in registers, where all of them at
+  // once spilled
+  constexpr int WIDTH = std::min(CHUNKS, 16 / TILE);
   constexpr unsigned all = (1u << TILE) - 1;
   for (int first = 0; first < CHUNKS; first += WIDTH) {
     Vector sum[TILE][WIDTH] = {};
@@ -233,7 +259,7 @@ void row(const Call& c, int64_t b, int64_t h, int64_t r, Scratch& s) {
   }
   weights(c, mask, scores, read, 0);
   float total;
-  totals<1>(&scores, read, c.P, &total);
+  totals<1>(&scores, c.P, &total);
   float* y = c.out + ((b * c.H + h) * c.R + r) * c.d;
   std::fill(y, y + c.d, 0.f);
   if (total == 0.f) return;  // a row that may read nothing: zeros
