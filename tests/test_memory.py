@@ -175,6 +175,20 @@ def test_weights_stay_in_memory_where_the_weights_folder_cannot_keep_them(llama_
     assert torch.equal(model.output.weight, stored["lm_head.weight"])
 
 
+def test_an_int4_draft_stays_in_memory_where_the_weights_folder_cannot_keep_it(llama_dir, tmp_path, monkeypatch,
+                                                                                capfd):
+    """A weights folder that cannot be written costs the int4 draft's requantizing at each load, not the load."""
+    from minispec.loaders import load_draft
+    (tmp_path / "weights").write_text("")
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setattr(checkpoint, "KEEP_MIN_BYTES", 0)
+    target = load_model(llama_dir, quantize="int8")
+    draft = load_draft(str(llama_dir), target, draft_quantize="int4")
+    assert isinstance(draft.head, quant.Int4Linear) and draft.fingerprint.endswith("int4 draft")
+    assert ("cannot keep the int4 draft" in capfd.readouterr().err) == draft.head.native
+    assert not list(tmp_path.glob("**/*.partial"))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
 def test_a_replaced_modules_file_pages_go_and_anonymous_memory_is_never_dropped(tmp_path):
     """release_tensor_pages drops the resident pages of tensors mapped from a file (they read back the same,
