@@ -175,6 +175,24 @@ def test_weights_stay_in_memory_where_the_weights_folder_cannot_keep_them(llama_
     assert torch.equal(model.output.weight, stored["lm_head.weight"])
 
 
+def test_an_int4_draft_keeps_only_the_layers_it_requantized(llama_dir, tmp_path, monkeypatch):
+    """A float checkpoint loaded int4 as a draft: its layers are quantized from the file at each load as a
+    target's are; only the head int4_draft made is kept, and a later load maps it (same logits)."""
+    from minispec.loaders import load_draft
+    monkeypatch.setenv("MINISPEC_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setattr(checkpoint, "KEEP_MIN_BYTES", 0)
+    target = load_model(llama_dir, quantize="int8")
+    first = load_draft(str(llama_dir), target, draft_quantize="int4")
+    if not first.head.native:
+        pytest.skip("the native kernels' layout is what a kept draft holds")
+    [kept] = (tmp_path / "weights" / "kept").glob("*.safetensors")  # quantized loads keep no float weights
+    assert {name.rpartition(".")[0] for name in checkpoint.read_weights([kept])} == {"output"}
+    again = load_draft(str(llama_dir), target, draft_quantize="int4")
+    tokens = torch.tensor([[5, 17, 33, 8]])
+    first.setup_caches(1, 16), again.setup_caches(1, 16)
+    assert torch.equal(first.prefill(tokens), again.prefill(tokens))
+
+
 def test_an_int4_draft_stays_in_memory_where_the_weights_folder_cannot_keep_it(llama_dir, tmp_path, monkeypatch,
                                                                                 capfd):
     """A weights folder that cannot be written costs the int4 draft's requantizing at each load, not the load."""

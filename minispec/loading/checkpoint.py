@@ -276,7 +276,7 @@ def kept_weights(directory, model_type, dtype, files, read):
     """(weights, the files they map): read(dtype)'s weights kept in a file of the weights folder, written again
     once the checkpoint's files or the family's code change; in memory where that file cannot be written."""
     directory = Path(directory).resolve()
-    file = weights_dir() / "kept" / f"{hashlib.sha256(f'{directory}|{dtype}'.encode()).hexdigest()[:20]}.safetensors"
+    file = kept_file(f"{directory}|{dtype}")
     code = Path(importlib.import_module(f"minispec.models.{FAMILIES[model_type]}").__file__).read_bytes()
     made_from = f"{fingerprint(directory, None, None)}|{hashlib.sha256(code).hexdigest()[:20]}"
     if kept_metadata(file).get("made_from") != made_from:
@@ -302,13 +302,15 @@ def kept_int4_draft(model):
     do not take them (another device or backend), whose layout no load reads from a file."""
     from .. import native  # the packed layout's writer: its code decides whether a kept file is current
     from ..models import quant
-    file = weights_dir() / "kept" / f"{hashlib.sha256(f'{model.directory}|int4 draft'.encode()).hexdigest()[:20]}.safetensors"
+    file = kept_file(f"{model.directory}|int4 draft")
     code = b"".join(Path(module.__file__).read_bytes() for module in (quant, native))
     made_from = f"{model.fingerprint}|{hashlib.sha256(code).hexdigest()[:20]}"
     fingerprint = model.fingerprint
     if kept_metadata(file).get("made_from") != made_from:
+        int4 = set(filter(lambda module: isinstance(module, quant.Int4Linear), model.modules()))  # quantized at load
         replaced = quant.int4_draft(model)
-        made = {name: module for name, module in model.named_modules() if isinstance(module, quant.Int4Linear)}
+        made = {name: module for name, module in model.named_modules()
+                if isinstance(module, quant.Int4Linear) and module not in int4}
         tensors = {f"{name}.packed_{key}": getattr(module, key) for name, module in made.items()
                    for key in ("weight", "scales", "offsets", "steps") if getattr(module, key, None) is not None}
         if not made or not all(module.native for module in made.values()) or \
@@ -342,6 +344,11 @@ def kept_int4_draft(model):
             replaced.append(old)
     model.fingerprint = fingerprint and f"{fingerprint} int4 draft"
     return replaced
+
+
+def kept_file(key):
+    """The weights folder's file keeping what `key` names (a checkpoint folder, and what of it is kept)."""
+    return weights_dir() / "kept" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
 
 
 def kept_metadata(file):
