@@ -2,10 +2,10 @@
 // takes about twenty PyTorch operations a layer, whose dispatch costs more than their arithmetic. One loop
 // per tile of query rows, each key and value loaded once for the tile.
 //
-// The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
-// and values at the positions it reads, in position order, never on the slots holding them (a tree's
-// node reads its ancestors from the slots `slots` names) nor on how many rows or positions the call has.
-// Masked positions (-inf) are skipped.
+// Its own canonical order (as kernels.py's, KEY_BLOCK, has one): a row's result depends only on its query
+// and on the keys and values at the positions it reads, each added by its position, never on the slots
+// holding them (a tree's node reads its ancestors from the slots `slots` names) nor on how many rows or
+// positions the call has. Masked positions (-inf) are skipped.
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
