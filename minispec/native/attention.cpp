@@ -2,10 +2,10 @@
 // takes about twenty PyTorch operations a layer, whose dispatch costs more than their arithmetic. One loop
 // per tile of query rows, each key and value loaded once for the tile.
 //
-// Its own canonical order (as kernels.py's, KEY_BLOCK, has one): a row's result depends only on its query
-// and on the keys and values at the positions it reads, each added by its position, never on the slots
-// holding them (a tree's node reads its ancestors from the slots `slots` names) nor on how many rows or
-// positions the call has. Masked positions (-inf) are skipped.
+// The canonical order (kernels.py, KEY_BLOCK): a row's result depends only on its query and on the keys
+// and values at the positions it reads, in position order, never on the slots holding them (a tree's
+// node reads its ancestors from the slots `slots` names) nor on how many rows or positions the call has.
+// Masked positions (-inf) are skipped.
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -103,16 +103,7 @@ struct Scratch {
   std::vector<uint8_t> read;  // the rows of a tile that read each position, one bit a row
 };
 
-typedef int32_t Ints __attribute__((vector_size(64)));
 typedef uint8_t Bytes __attribute__((vector_size(16)));
-
-// A vector's 16 lanes added in a fixed tree.
-inline float lane_sum(Vector x) {
-  Vector y = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  y += __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  y += __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  return y[0] + y[1];
-}
 
 // A row's scores from its products at the positions its mask lets it read, turned into weights
 // exp(score - top) in place, 0 elsewhere (the padding past P too). Bit `bit` of read[p] set where it reads p.
@@ -145,19 +136,13 @@ inline void weights(const Call& c, const float* mask, float* scores, uint8_t* re
   }
 }
 
-// The totals of TILE rows' weights, each row's in 16 sums by position modulo 16 (weights 0 where it reads
-// nothing), then lane_sum.
+// The totals of TILE rows' weights, each row's added in position order (a weight is 0 where it reads
+// nothing), the rows' additions interleaved (one row after another waited on each add).
 template <int TILE>
 inline void totals(float* const* weights, int64_t P, float* total) {
-  for (int i = 0; i < TILE; ++i) {
-    Vector t = {};
-    for (int64_t p = 0; p < P; p += LANES) {
-      Vector w;
-      std::memcpy(&w, weights[i] + p, sizeof w);
-      t += w;
-    }
-    total[i] = lane_sum(t);
-  }
+  for (int i = 0; i < TILE; ++i) total[i] = 0.f;
+  for (int64_t p = 0; p < P; ++p)
+    for (int i = 0; i < TILE; ++i) total[i] += weights[i][p];
 }
 
 // TILE rows of one (b, h) that read the same slots (a short tile repeats its last row), head dim 16 x
