@@ -905,11 +905,17 @@ def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(ser
                      ("none", 1, 0), ("lookup", 1, 0), ("lookup", 3, 2), ("none", 3, 2)]
     for row in result["rows"]:
         assert row["low"] <= row["ratio"] <= row["high"] and row["identical"]
+        assert row["low"] <= row["mean_low"] <= row["mean"] <= row["mean_high"] <= row["high"]
     runs = result["runs"]
     ratios = [s["tokens_per_second"] / p["tokens_per_second"] for s, p in zip(runs[0::4], runs[1::4])]
     assert result["rows"][0]["ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
+    assert result["rows"][0]["mean"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5)
     assert [row["clients"] for row in result["rows"]] == [1, 3]
-    assert "| clients | lookup tok/s | none tok/s | x plain | same output |" in table and "0.98x plain" in table
+    assert [0 <= row["guessed_share"] <= 1 for row in result["rows"]] == [True, True]
+    assert sum(r["guessed_share"] for r in runs if r["draft"] == "lookup") > 0
+    assert all(r["guessed_share"] == 0 for r in runs if r["draft"] == "none")
+    assert ("| clients | lookup tok/s | none tok/s | x plain | geometric mean (95% interval) | lookup steps guessed "
+            "| same output |" in table and "0.98x plain" in table)
 
 
 def test_features_price_each_feature_plain_and_speculative_against_the_request_without_it(served_dirs, tmp_path,

@@ -326,20 +326,20 @@ def kept_int4_draft(model):
         del tensors, made  # from now on the file's pages
     else:
         replaced = []
-    layers = {}
+    layers = []  # (holder, attribute, old layer, int4 layer): every one checked before any is replaced
     for name, parts in quant.take_stored(read_weights([file])).items():
         parent, _, attribute = name.rpartition(".")
-        old = getattr(model.get_submodule(parent), attribute)  # None: a tied model's own head (int4_draft)
+        holder = model.get_submodule(parent)
+        old = getattr(holder, attribute)  # None: a tied model's own head (int4_draft)
         shape = (model.head.out_features, model.head.in_features) if old is None else (old.out_features,
                                                                                       old.in_features)
         problem = quant.check_stored(parts, shape)
         if problem:  # the file is not this model's after all: made again at the next load
             file.unlink(missing_ok=True)
             raise CheckpointError(f"{file}: {problem}; load the draft again")
-        layers[name] = (old, quant.Int4Linear(parts, None if old is None else old.bias, shape))
-    for name, (old, layer) in layers.items():
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, layer)
+        layers.append((holder, attribute, old, quant.Int4Linear(parts, None if old is None else old.bias, shape)))
+    for holder, attribute, old, layer in layers:
+        setattr(holder, attribute, layer)
         if old is not None and not isinstance(old, quant.Int4Linear):
             replaced.append(old)
     model.fingerprint = fingerprint and f"{fingerprint} int4 draft"
