@@ -307,6 +307,34 @@ def test_a_request_arriving_mid_run_joins_the_batch_at_the_next_step(checkpoints
     assert steps.steps_of(a)[:3] == [0, 1, 2] and steps.steps_of(b)[0] == 1
 
 
+RELEASE = """
+import os, time, torch
+from minispec.serve.scheduler import release_openmp_workers
+threads = lambda: len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+alone = threads()
+torch.ones(1 << 23).add_(1)  # a parallel region: this thread's OpenMP workers start
+with_workers = threads()
+release_openmp_workers()
+deadline = time.monotonic() + 10  # the workers' exits are the kernel's to finish
+while threads() > alone and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(alone, with_workers, threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
+def test_the_loading_threads_openmp_workers_end_when_the_scheduler_starts(checkpoints, monkeypatch):
+    """Idle OpenMP workers beside the scheduler's make libgomp cut its spin-waits short (each step slower)."""
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True)
+    alone, with_workers, released = map(int, out.stdout.split())
+    assert with_workers > alone and released == alone
+    calls = []
+    monkeypatch.setattr(scheduler_module, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
+    with serving(checkpoints):
+        assert len(calls) == 1
+
+
 def test_a_full_queue_is_refused_with_429_and_retry_after(checkpoints, monkeypatch):
     steps = Steps(monkeypatch)
     body = {"prompt": PROMPTS[0], "max_tokens": 4}
