@@ -203,7 +203,8 @@ def serve_load_benchmark(args):
 
 
 def load_row(clients, speculative, plain, args):
-    """One --clients count's row over the rounds: median tokens/s of each side, the median ratio and range."""
+    """One --clients count's row over the rounds: median tokens/s of each side, the median ratio and range, the
+    geometric mean ratio and its interval, and the share of the speculative side's steps that guessed."""
     ratios = sorted(s["tokens_per_second"] / p["tokens_per_second"] for s, p in zip(speculative, plain))
     mean, (below, above) = geometric_mean(ratios), interval(ratios)
     return {"clients": clients, "speculative": statistics.median(s["tokens_per_second"] for s in speculative),
