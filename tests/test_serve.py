@@ -308,31 +308,66 @@ def test_a_request_arriving_mid_run_joins_the_batch_at_the_next_step(checkpoints
 
 
 RELEASE = """
-import os, time, torch
-from minispec.serve.scheduler import release_openmp_workers
+import os, sys, threading, time, torch
+import minispec.api
+from minispec.api import release_openmp_workers
 threads = lambda: len(os.listdir("/proc/self/task"))
+
+def settled(count):  # the workers' exits are the kernel's to finish
+    deadline = time.monotonic() + 10
+    while threads() > count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
+def region():  # a parallel region: the calling thread's OpenMP workers start (a tiny model makes none)
+    torch.ones(1 << 23).add_(1)
+
+def decode(*args, **options):
+    region()
+    yield from real_decode(*args, **options)
+
 torch.set_num_threads(2)
+real_load, real_decode = minispec.api.load_model, minispec.api.engine.decode
+minispec.api.load_model = lambda *args, **options: (region(), real_load(*args, **options))[1]
+minispec.api.engine.decode = decode
 alone = threads()
-torch.ones(1 << 23).add_(1)  # a parallel region: this thread's OpenMP workers start
+region()
 with_workers = threads()
 release_openmp_workers()
-deadline = time.monotonic() + 10  # the workers' exits are the kernel's to finish
-while threads() > alone and time.monotonic() < deadline:
-    time.sleep(0.01)
-print(alone, with_workers, threads())
+released = settled(alone)
+target = minispec.api.load(sys.argv[1])  # its parallel regions' workers end with it
+loaded = settled(alone)
+generated, counted = threading.Event(), threading.Event()
+
+def generate():  # then stays: a thread's pool would end with the thread anyway
+    minispec.api.generate(target, [1, 2, 3], max_new_tokens=4)
+    generated.set()
+    counted.wait()
+
+worker = threading.Thread(target=generate)
+worker.start()
+generated.wait()
+print(alone, with_workers, released, loaded, settled(alone + 1))  # + the worker itself
+counted.set()
+worker.join()
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
-def test_the_loading_threads_openmp_workers_end_when_the_scheduler_starts(checkpoints, monkeypatch):
-    """Idle OpenMP workers beside the scheduler's make libgomp cut its spin-waits short (each step slower)."""
-    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True)
-    alone, with_workers, released = map(int, out.stdout.split())
-    assert with_workers > alone and released == alone
+def test_no_idle_openmp_workers_stay_beside_the_thread_that_decodes(checkpoints, monkeypatch):
+    """Idle OpenMP workers of another thread make libgomp cut its spin-waits short (each step slower): a load
+    and a generate end theirs, and so does the thread that loaded a server's models when its scheduler starts."""
+    out = subprocess.run([sys.executable, "-c", RELEASE, str(checkpoints[0])], capture_output=True, text=True,
+                         timeout=300, check=True)
+    alone, with_workers, released, loaded, generated = map(int, out.stdout.split())
+    assert with_workers > alone and released == loaded == alone and generated == alone + 1
     calls = []
-    monkeypatch.setattr(scheduler_module, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
-    with serving(checkpoints):
+    monkeypatch.setattr(minispec.api, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
+    app, scheduler = make_app(checkpoints)
+    calls.clear()
+    with TestClient(app):
         assert len(calls) == 1
+    assert not scheduler.thread.is_alive()
 
 
 def test_a_full_queue_is_refused_with_429_and_retry_after(checkpoints, monkeypatch):

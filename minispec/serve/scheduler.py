@@ -16,24 +16,8 @@ from ..decoding.drafters import make_drafter
 from ..decoding.prefix import PrefixCache
 
 MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
-OMP_PAUSE_HARD = 2  # omp_pause_resource_all's kind that ends the calling thread's idle workers
 
 log = logging.getLogger("minispec.serve")
-
-
-def release_openmp_workers():
-    """End this thread's idle OpenMP workers (GNU libgomp's, torch's on Linux; elsewhere nothing). Left beside
-    the decoding thread's own, they make libgomp count more threads than cores, which cuts its spin-waits
-    short: each parallel region of a step then waits for its workers to wake, about a fifth of the step."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(maxsplit=5)[5].strip() for line in maps if "libgomp" in line}
-    except OSError:
-        return
-    for path in sorted(paths):
-        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # libgomp of GCC 9 and later
-        if pause is not None:
-            pause(OMP_PAUSE_HARD)
 
 
 class QueueFull(Exception):
@@ -120,7 +104,7 @@ class Scheduler:
         self.thread = threading.Thread(target=self.serve, name="minispec-scheduler", daemon=True)
 
     def start(self):
-        release_openmp_workers()  # the loading thread's: from now on the scheduler's thread decodes
+        api.release_openmp_workers()  # the loading thread's: from now on the scheduler's thread decodes
         self.thread.start()
 
     def submit(self, *jobs):
