@@ -49,11 +49,14 @@ def release_openmp_workers():
     of a step then waits for sleeping workers, about a fifth of the step. The next region makes them again."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split(maxsplit=5)[5].strip() for line in maps if "libgomp" in line}
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libgomp" in line}
     except OSError:
         return
     for path in sorted(paths):
-        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # libgomp of GCC 9 and later
+        try:
+            pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # libgomp of GCC 9 and later
+        except OSError:  # no library there now (replaced since it was loaded: "... (deleted)")
+            continue
         if pause is not None:
             pause(OMP_PAUSE_HARD)
 

@@ -370,6 +370,15 @@ def test_no_idle_openmp_workers_stay_beside_the_thread_that_decodes(checkpoints,
     assert not scheduler.thread.is_alive()
 
 
+def test_releasing_openmp_workers_passes_over_a_library_file_that_is_gone(tmp_path, monkeypatch):
+    maps = tmp_path / "maps"  # a libgomp replaced on disk since it was loaded, and a short line naming one
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /gone/libgomp.so.1 (deleted)\n7f02-7f03 rw-p 0 0 libgomp\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *args, **options: real_open(
+        maps if path == "/proc/self/maps" else path, *args, **options))
+    minispec.api.release_openmp_workers()  # no error: nothing to release there
+
+
 def test_a_full_queue_is_refused_with_429_and_retry_after(checkpoints, monkeypatch):
     steps = Steps(monkeypatch)
     body = {"prompt": PROMPTS[0], "max_tokens": 4}
