@@ -918,6 +918,15 @@ def test_serve_load_compares_the_speculative_server_with_plain_at_each_width(ser
             "| same output |" in table and "0.98x plain" in table)
 
 
+def test_the_steps_guessed_are_read_from_auto_histograms_and_a_fixed_gamma():
+    def answer(**speculative):
+        return served.Answer("", 1.0, 0.1, {}, speculative)
+    assert served.guessed_steps(answer(gamma="auto", guesses_histogram=[7, 2, 1], target_calls=10)) == (3, 10)
+    assert served.guessed_steps(answer(gamma=2, guesses_histogram=None, target_calls=8)) == (8, 8)
+    assert served.guessed_steps(answer(gamma=None, guesses_histogram=None, target_calls=8)) == (0, 8)
+    assert served.guessed_steps(answer()) == (0, 0)
+
+
 def test_features_price_each_feature_plain_and_speculative_against_the_request_without_it(served_dirs, tmp_path,
                                                                                            capsys):
     """--features: every feature of a request (logprobs, penalties, a JSON schema, n, the couplings) timed plain

@@ -206,7 +206,7 @@ def load_row(clients, speculative, plain, args):
     """One --clients count's row over the rounds: median tokens/s of each side, the median ratio and range, the
     geometric mean ratio and its interval, and the share of the speculative side's steps that guessed."""
     ratios = sorted(s["tokens_per_second"] / p["tokens_per_second"] for s, p in zip(speculative, plain))
-    mean, (below, above) = geometric_mean(ratios), interval(ratios)
+    mean, (below, above) = statistics.geometric_mean(ratios), interval(ratios)
     return {"clients": clients, "speculative": statistics.median(s["tokens_per_second"] for s in speculative),
             "guessed_share": statistics.fmean(s["guessed_share"] for s in speculative),
             "plain": statistics.median(p["tokens_per_second"] for p in plain), "ratio": statistics.median(ratios),
@@ -215,16 +215,23 @@ def load_row(clients, speculative, plain, args):
             if args.temperature == 0 else None}
 
 
-def geometric_mean(ratios):
-    return math.exp(statistics.fmean(math.log(r) for r in ratios))
-
-
 def interval(ratios):
     """A 95% bootstrap interval of the rounds' geometric mean ratio: a round's two servers differ by more
     than the engines do on a shared machine, so only many rounds tell a 2% loss from noise."""
     draw = random.Random(0)
-    means = sorted(geometric_mean(draw.choices(ratios, k=len(ratios))) for _ in range(RESAMPLES))
+    means = sorted(statistics.geometric_mean(draw.choices(ratios, k=len(ratios))) for _ in range(RESAMPLES))
     return means[int(0.025 * RESAMPLES)], means[int(0.975 * RESAMPLES) - 1]
+
+
+def guessed_steps(answer):
+    """(the steps that asked for guesses, all steps) of one answer: gamma="auto"'s histogram of k, else every
+    step under a fixed gamma and none without a draft."""
+    speculative = answer.speculative
+    histogram = speculative.get("guesses_histogram")
+    if histogram:
+        return sum(histogram[1:]), sum(histogram)
+    steps = speculative.get("target_calls", 0)
+    return (steps if isinstance(speculative.get("gamma"), int) and speculative["gamma"] > 0 else 0), steps
 
 
 def clients_run(address, args, prompts, clients, first=0):
@@ -238,11 +245,10 @@ def clients_run(address, args, prompts, clients, first=0):
     wall = time.perf_counter() - start
     after = (health(address).get("tp") or {}).get("broadcasts")
     latency = [a.seconds for a in answers]
-    # the share of the requests' steps that guessed (gamma="auto"; a fixed gamma's: all), summed over requests
-    histograms = [a.speculative["guesses_histogram"] for a in answers if "guesses_histogram" in a.speculative]
-    steps = sum(map(sum, histograms))
+    counts = [guessed_steps(answer) for answer in answers]
+    guessed, steps = sum(g for g, _ in counts), sum(n for _, n in counts)
     run = {"clients": clients, "requests": len(answers), "seconds": wall,
-           "guessed_share": sum(sum(h[1:]) for h in histograms) / steps if steps else 0.0,
+           "guessed_share": guessed / steps if steps else 0.0,
            "tokens_per_second": sum(a.usage["completion_tokens"] for a in answers) / wall,
            "p50_seconds": percentile(latency, 50), "p99_seconds": percentile(latency, 99),
            "texts": [a.text for a in answers]}
