@@ -1,7 +1,8 @@
 """--workloads: traffic that repeats itself, served. One server process (served.py) per workload, drafter
-and prefix-cache setting takes the workload's --requests one after another: request time end to end, time
-to first text, tokens per target call and acceptance, against plain (--draft none, prefix cache on) and
-lookup, and over the traffic's two halves (a drafter that learns from earlier requests gains in the second):
+and prefix-cache setting, all up at once, takes the workload's --requests one after another (request i
+goes to each server in turn): request time end to end, time to first text, tokens per target call and
+acceptance, against plain (--draft none, prefix cache on) and lookup, and over the traffic's two halves
+(a drafter that learns from earlier requests gains in the second):
 
 agent    an agent loop: one tool-call format; each turn resends the conversation, the model's last
          answer (a tool call: at most AGENT_TOKENS tokens) and the tool's result appended
@@ -12,6 +13,7 @@ chat     ordinary chat: a new question each time
 """
 
 import statistics
+from contextlib import ExitStack
 from pathlib import Path
 
 from .report import md_table, progress
@@ -166,26 +168,39 @@ def workloads_benchmark(args):
     with progress(len(args.workloads or WORKLOADS) * (len(drafts) + (len(drafts) if args.cache_off == "all" else 2)),
                   "workloads") as bar:
         for name in args.workloads or WORKLOADS:
-            runs = [workload_run(args, name, draft, True, bar) for draft in drafts]
-            best = min(runs[1:], key=lambda r: r["seconds"])["draft"]  # "best": cache off for plain and it alone
-            runs += [workload_run(args, name, draft, False, bar)
-                     for draft in (drafts if args.cache_off == "all" else ["none", best])]
+            if args.cache_off == "all":
+                runs = workload_runs(args, name, [(draft, cache) for cache in (True, False) for draft in drafts], bar)
+            else:  # "best": cache off for plain and the fastest drafter alone, known once the others ran
+                runs = workload_runs(args, name, [(draft, True) for draft in drafts] + [("none", False)], bar)
+                best = min(runs[1:len(drafts)], key=lambda r: r["seconds"])["draft"]
+                runs += workload_runs(args, name, [(best, False)], bar)
             results[name] = compared(name, runs, args.temperature)
     return {"settings": vars(args), "workloads": results}, workloads_table(args, results)
 
 
-def workload_run(args, name, draft, cache, bar):
-    """One server for `draft` with the prefix cache on or off, the workload's requests one after another."""
-    answers = []
-    with serving(server_flags(args, draft, *([] if cache else ["--prefix-cache-mb=0"]))) as address:
+def workload_runs(args, name, rows, bar):
+    """A server for each row (draft, prefix cache on), all up at once, each taking the workload's requests one
+    after another: request i goes to every server in turn, the first one rotating, so that a slower minute of
+    a shared machine falls on every row alike rather than on whichever ran then."""
+    answers = [[] for _ in rows]
+    with ExitStack() as servers:
+        addresses = [servers.enter_context(serving(server_flags(args, draft, *([] if cache else
+                                                                               ["--prefix-cache-mb=0"]))))
+                     for draft, cache in rows]
         hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0}
-        stream(address, "/v1/chat/completions", hello)  # the first call's setup is not the workload's
+        for address in addresses:
+            stream(address, "/v1/chat/completions", hello)  # the first call's setup is not the workload's
         for i in range(args.requests):
-            body = {"messages": WORKLOADS[name](i, [a.text for a in answers]), **sampling_fields(args)}
-            if name == "agent":
-                body["max_tokens"] = min(body["max_tokens"], AGENT_TOKENS)
-            answers.append(stream(address, "/v1/chat/completions", body))
-    bar.update(1)
+            for j in [(i + k) % len(rows) for k in range(len(rows))]:
+                body = {"messages": WORKLOADS[name](i, [a.text for a in answers[j]]), **sampling_fields(args)}
+                if name == "agent":
+                    body["max_tokens"] = min(body["max_tokens"], AGENT_TOKENS)
+                answers[j].append(stream(addresses[j], "/v1/chat/completions", body))
+    bar.update(len(rows))
+    return [run_of(draft, cache, row) for (draft, cache), row in zip(rows, answers)]
+
+
+def run_of(draft, cache, answers):
     half = len(answers) // 2
     return {"draft": draft, "prefix_cache": cache, **totals(answers),
             "halves": [totals(answers[:half]), totals(answers[half:])],
@@ -223,7 +238,8 @@ def compared(name, runs, temperature):
 
 def workloads_table(args, results):
     lines = [f"target `{args.target}`, {args.requests} requests a workload one after another, up to "
-             f"{args.max_new_tokens} new tokens each, temperature {args.temperature}; one server process per row", ""]
+             f"{args.max_new_tokens} new tokens each, temperature {args.temperature}; one server process per row, "
+             "the rows' servers taking each request in turn", ""]
     lines += md_table([
         ("workload", "{workload}"), ("draft", lambda r: f"`{label(r['draft'])}`"),
         ("prefix cache", lambda r: "on" if r["prefix_cache"] else "off"), ("s", "{seconds:.2f}"),
