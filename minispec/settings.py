@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from .models.checks import Check, SettingError, integer, is_integer, is_number, is_text
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a model loads in (loading/weights.py's DTYPES)
-GAMMA_MAX = 8  # "auto" chooses among 0..GAMMA_MAX guesses: the longest fixed γ it was measured against
+GAMMA_MAX = 16  # "auto" chooses among 0..GAMMA_MAX guesses: chains copied from a prompt or earlier text run long
 TREE_MAX = 64  # the most guesses a step's token tree may hold (decoding/tree.py)
 # Below this a temperature is refused, not rounded to greedy: dividing logits by it overflows towards
 # 1e-38 (every token id 0), and well above that sampling is already greedy but for float ties.
