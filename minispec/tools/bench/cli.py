@@ -62,7 +62,8 @@ def parse_args(argv):
                             help=" ".join(run.__doc__.split()).rstrip(".") + " (instead of the main table)")
     parser.add_argument("--cache-off", choices=["all", "best"], default="all",
                         help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
-                             "the fastest with it on (default all)")
+                             "the fastest with it on (default all; a pass's servers are up at once: 'best' "
+                             "holds fewer)")
     parser.add_argument("--requests", type=int, default=8,
                         help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8],
