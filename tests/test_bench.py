@@ -528,6 +528,7 @@ def test_top_k_and_top_p_reach_every_decoder(dirs, tmp_path, capsys):
     (["--features", "--beams", "2"], "--features is a benchmark of its own"),
     (["--tp-serve", "1"], "--tp-serve must be >= 2"),
     (["--tp-serve", "2", "--clients", "0"], "--requests and --clients must be >= 1"),
+    (["--workloads", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
 ])
 def test_bad_input_is_named(dirs, tmp_path, capsys, flags, message):
     device = [] if "--device" in flags else ["--device", "cpu"]

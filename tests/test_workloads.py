@@ -73,3 +73,7 @@ def test_the_bench_quantizes_only_drafts_that_load_a_model():
     assert quantized == {"none": False, "lookup": False, "suffix": False, "d": True, "d,suffix": True}
     assert all("--quantize=int4" in server_flags(args, draft) for draft in quantized)
     assert workloads.label("/models/m.gguf,suffix") == "m.gguf,suffix" and workloads.label("none") == "none"
+    # servers up at once each hold a KV cache for their context: --max-model-len goes to every one, if given
+    assert not any(flag.startswith("--max-model-len") for flag in server_flags(args, "none"))
+    args = bench_args(["--target", "t", "--draft", "suffix", "--workloads", "--max-model-len", "4096"])
+    assert "--max-model-len=4096" in server_flags(args, "suffix")

@@ -64,6 +64,9 @@ def parse_args(argv):
                         help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
                              "the fastest with it on (default all; a pass's servers are up at once: 'best' "
                              "holds fewer)")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="--workloads, --serve-load, --tp-serve: each server's context (default the model's): "
+                             "servers up at once each hold KV cache for it")
     parser.add_argument("--requests", type=int, default=8,
                         help="--workloads: requests per workload; --tp-serve: requests per client (default 8)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8],
@@ -88,6 +91,8 @@ def check(args):
         (args.workloads is not None and args.requests < 2,
          f"--workloads needs --requests >= 2 (two halves), got {args.requests}"),
         (min(args.requests, *args.clients) < 1, "--requests and --clients must be >= 1"),
+        (args.max_model_len is not None and args.max_model_len < 1,
+         f"--max-model-len must be >= 1, got {args.max_model_len}"),
         (args.memory_tokens and args.memory_tokens <= 16,
          f"--memory-tokens must be more than 16, got {args.memory_tokens}"),
         (any(g != "auto" and g < 1 for g in args.gamma), f"--gamma values must be >= 1 or 'auto', got {args.gamma}"),

@@ -26,7 +26,7 @@ from .report import md_table, title
 STARTUP_SECONDS = 600  # loading a large checkpoint (and its quantized copy) takes a while
 GOAL_UNDER_LOAD = 0.98  # of the plain server's tokens/s, at every number of clients
 RESAMPLES = 10_000  # bootstrap resamples of the rounds for the geometric mean's 95% interval
-MODEL_FLAGS = ("target", "device", "dtype", "quantize", "draft_quantize", "group_size", "threads")
+MODEL_FLAGS = ("target", "device", "dtype", "quantize", "draft_quantize", "group_size", "threads", "max_model_len")
 
 
 class Answer(NamedTuple):
