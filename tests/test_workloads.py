@@ -3,6 +3,7 @@ docs/results.md): the server drafts with `suffix` when no draft is given, which 
 on the agent loop, the code edits and novel chat."""
 
 import re
+from contextlib import contextmanager
 
 from test_bench import in_process, run_bench, served_dirs  # noqa: F401 (served_dirs: a fixture)
 
@@ -41,10 +42,18 @@ def test_summaries_served_on_a_tiny_model_cache_off_for_plain_and_the_best(serve
     the fastest of them with it off; at temperature 0 every server answers alike; the cache holds the
     system prompt and the shared first document. The servers of a pass are up at once and take each
     request in turn, the first server rotating, so that the machine's slower minutes fall on all alike."""
-    starts, calls, stream = [], [], workloads.stream
+    starts, calls, up, stream = [], [], {}, workloads.stream
     fake = in_process()
-    monkeypatch.setattr(workloads, "serving", lambda flags: starts.append(flags) or fake(flags))
-    monkeypatch.setattr(workloads, "stream", lambda address, *rest: calls.append(address) or stream(address, *rest))
+
+    @contextmanager
+    def serving(flags):  # the servers up now by address, each as its start's index (a port may come back)
+        starts.append(flags)
+        with fake(flags) as address:
+            up[address] = len(starts) - 1
+            yield address
+
+    monkeypatch.setattr(workloads, "serving", serving)
+    monkeypatch.setattr(workloads, "stream", lambda address, *rest: calls.append(up[address]) or stream(address, *rest))
     result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", "suffix", "--workloads",
                               "summaries", "--requests", "4", "--threads", "1", "--cache-off", "best")
     runs = result["workloads"]["summaries"]["runs"]
@@ -58,9 +67,9 @@ def test_summaries_served_on_a_tiny_model_cache_off_for_plain_and_the_best(serve
                                                                                                best != "suffix"]
     assert (runs[4]["vs_lookup"] is None) == (best == "suffix")
     assert "| summaries | `none` | off |" in table
-    first = calls[:4]  # the first pass: the three drafters and plain without the cache, each said hello
-    assert len(set(first)) == 4 and calls[4:20] == [first[(i + k) % 4] for i in range(4) for k in range(4)]
-    assert len(set(calls[20:])) == 1 and len(calls) == 20 + 5 and calls[20] not in first
+    # the first pass: the three drafters and plain without the cache, each said hello; then the fifth alone
+    assert calls[:4] == [0, 1, 2, 3] and calls[4:20] == [(i + k) % 4 for i in range(4) for k in range(4)]
+    assert calls[20:] == [4] * 5
 
 
 def test_the_bench_quantizes_only_drafts_that_load_a_model():
