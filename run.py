@@ -17,8 +17,7 @@ from minispec.cli import (AT_LEAST_ONE, add_model_flags, add_setting_flags, chec
                           read_prompts_file, settings_of, tp_rank)
 from minispec.settings import flag_type, token_ids
 
-# ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through),
-# the target's own tokens blue.
+# ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through), the target's blue.
 COLOURS = {"accepted": "\033[32m", "rejected": "\033[31;9m", "corrected": "\033[34m", "target": "\033[34m"}
 RESET = "\033[0m"
 # A token tree's rejected candidates shown at a step, as alternatives a|b|c: more would bury the output.

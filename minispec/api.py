@@ -8,7 +8,7 @@ import secrets
 import threading
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -43,22 +43,19 @@ def load(name_or_path, device="cpu", dtype=None, **options):
 
 
 def release_openmp_workers():
-    """End this thread's idle OpenMP workers (libgomp's, torch's on Linux; elsewhere nothing), so that only the
-    thread decoding has them. Two threads' pools (a model loaded on one thread and used on another, a server's
-    scheduler) make libgomp count more threads than cores and cut its spin-waits short: each parallel region
-    of a step then waits for sleeping workers, about a fifth of the step. The next region makes them again."""
+    """End this thread's idle OpenMP workers (libgomp's, torch's on Linux; elsewhere nothing; the next region makes
+    them again): two threads' pools (a model loaded on one thread and used on another, a server's scheduler) make
+    libgomp cut its spin-waits short, and each parallel region then waits for sleeping workers."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libgomp" in line}
     except OSError:
         return
     for path in sorted(paths):
-        try:
+        with suppress(OSError):  # no library there now (replaced since it was loaded: "... (deleted)")
             pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # libgomp of GCC 9 and later
-        except OSError:  # no library there now (replaced since it was loaded: "... (deleted)")
-            continue
-        if pause is not None:
-            pause(OMP_PAUSE_HARD)
+            if pause is not None:
+                pause(OMP_PAUSE_HARD)
 
 
 def prompt_tensor(model, prompt):
@@ -236,12 +233,11 @@ def available_memory(device):
     """Free bytes on the device (None where unknown)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
+    with suppress(OSError, KeyError, ValueError):
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
         return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
+    return None
 
 
 def models_of(request):

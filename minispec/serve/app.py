@@ -7,7 +7,7 @@ import json
 import logging
 import secrets
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import replace
 from functools import partial
 
@@ -79,10 +79,8 @@ class Handlers:
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
 
         def deliver(i, event):  # on the scheduler's thread: the event, with the answer it is of
-            try:
+            with suppress(RuntimeError):  # the event loop has closed: nobody waits any more
                 loop.call_soon_threadsafe(events.put_nowait, (i, event))
-            except RuntimeError:  # the event loop has closed: nobody waits any more
-                pass
 
         jobs = [Job(one, partial(deliver, i)) for i, one in enumerate(parsed.requests)]
         try:

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import suppress
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -229,8 +230,6 @@ def follow(models, timeout):
 def count_beats(rank, stopped):
     """A follower's sign of life in the store, for rank 0 to read when a collective fails."""
     store = distributed_c10d._get_default_store()
-    try:
+    with suppress(Exception):  # the store has gone, with rank 0's launcher: the main loop's wait fails soon too
         while not stopped.wait(STORE_BEAT_SECONDS):
             store.add(beat_key(rank), 1)
-    except Exception:  # the store has gone, with rank 0's launcher: the main loop's wait fails soon too
-        return

@@ -151,8 +151,7 @@ def check_fields(body, fields, prefix=""):
         checked(fields[name], prefix + name, value)
         if name in NEUTRAL:
             neutral, why = NEUTRAL[name]
-            # 0 is no False
-            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):  # 0 is no False
                 raise invalid(f"{name}={reprlib.repr(value)} is not supported ({why})", name)
 
 
