@@ -54,5 +54,4 @@ def decode_compiled(model, feed, hidden):
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
     out = model.compiled_forward(tokens, input_pos, None, layout, None, hidden, inputs)
-    out = (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
-    return out
+    return (out[0][:, :fed], out[1][:, :fed]) if hidden else out[:, :fed]
