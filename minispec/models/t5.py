@@ -318,9 +318,8 @@ class T5(CachedLM):
         super().reorder_cache(beam_idx)
         if self.encoder_batch_size > 1:  # one prompt per row: its encoder states follow the row
             for layer in self.decoder:
-                attn = layer.cross_attn
-                attn.memory_k.copy_(attn.memory_k.index_select(0, beam_idx))
-                attn.memory_v.copy_(attn.memory_v.index_select(0, beam_idx))
+                for memory in (layer.cross_attn.memory_k, layer.cross_attn.memory_v):
+                    memory.copy_(memory.index_select(0, beam_idx))
 
 
 # The sublayers of HF's "{stack}.block.N.layer.{i}", in order, and HF's names of their modules (each with a
