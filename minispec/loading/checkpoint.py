@@ -166,7 +166,7 @@ def load_tokenizer(directory, model_type=""):
 def read_tokenizer(directory, model_type, config, chat_template):
     """tokenizer.json where it is a byte-level BPE, else the SentencePiece model beside it, checked; `model_type`
     tells T5's where file names do not."""
-    sentencepiece_file = next((directory / n for n in ("tokenizer.model", "spiece.model") if (directory / n).is_file()), None)
+    sentencepiece_file = next((directory / n for n in VOCABULARY_FILES[1:] if (directory / n).is_file()), None)
     spec_file = directory / "tokenizer.json"
     if spec_file.is_file():
         spec = read_json(spec_file)
@@ -266,9 +266,8 @@ def converted_weights(directory, files, convert, config, stacks, dtype):
     return converted
 
 
-# Products read packed copies of the weights, so the weights as converted (fused, cast) are read once, to
-# pack them: mapped from a file keeping them, they are pages that packing drops, not copies that stay
-# resident. Below this size the memory saved is not worth a second copy on disk.
+# Products read packed copies, so the converted weights are read once, to pack them: mapped from a kept file,
+# they are pages that packing drops, not resident copies. Below this size a second copy on disk is not worth it.
 KEEP_MIN_BYTES = 64 << 20
 
 
@@ -281,8 +280,7 @@ def kept_weights(directory, model_type, dtype, files, read):
     made_from = f"{fingerprint(directory, None, None)}|{hashlib.sha256(code).hexdigest()[:20]}"
     if kept_metadata(file).get("made_from") != made_from:
         weights = read(dtype)
-        try:
-            file.parent.mkdir(parents=True, exist_ok=True)
+        try:  # save_safetensors makes the folder
             save_safetensors(weights, file, {"made_from": made_from, "directory": str(directory)})
             log(f"kept the converted weights in {file} ({file.stat().st_size / 1e6:.0f} MB), which later loads map "
                 "as they are: memory holds the packed copy the products read")
@@ -297,9 +295,8 @@ def kept_weights(directory, model_type, dtype, files, read):
 
 def kept_int4_draft(model):
     """quant.int4_draft(model) (returning the layers it replaced), its int4 layers kept in a file of the weights
-    folder that later loads map as they are: requantizing costs seconds a load. Written again once the draft's
-    files or the code that quantizes and packs them change; not kept for a small draft, or where the kernels
-    do not take them (another device or backend), whose layout no load reads from a file."""
+    folder that later loads map rather than quantize again. Written again once the draft's files or the code that
+    quantizes and packs them change; not kept for a small draft, or where the kernels do not take them."""
     from .. import native  # the packed layout's writer: its code decides whether a kept file is current
     from ..models import quant
     file = kept_file(f"{model.directory}|int4 draft")
@@ -317,7 +314,6 @@ def kept_int4_draft(model):
                 sum(t.nbytes for t in tensors.values()) < KEEP_MIN_BYTES:
             return replaced
         try:
-            file.parent.mkdir(parents=True, exist_ok=True)
             save_safetensors(tensors, file, {"made_from": made_from, "directory": str(model.directory)})
             sweep_kept(file.parent)
         except OSError as error:

@@ -102,9 +102,13 @@ class Tokenizer:
         return self.prefix + ids + self.suffix if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens=False):
+        ids = [int(i) for i in ids]
+        unknown = [i for i in ids if i not in self.id_to_token]
+        if unknown:
+            raise ValueError(f"token id {unknown[0]} is not in the tokenizer's vocabulary ({self.vocab_size} ids)")
         # Runs of model tokens are decoded together: a character's bytes may span several tokens.
         out, run = [], []
-        for i in self.check_ids(ids) + [None]:
+        for i in ids + [None]:
             if i is None or i in self.literal_ids:
                 out.append(self.decode_run(run))
                 run = []
@@ -124,13 +128,6 @@ class Tokenizer:
             return tokenizer.id_to_token.get(i), i in tokenizer.special_ids
         ids = self.id_to_token.keys() | other.id_to_token.keys()
         return min((i for i in ids if entry(self, i) != entry(other, i)), default=None)
-
-    def check_ids(self, ids):
-        ids = [int(i) for i in ids]
-        unknown = [i for i in ids if i not in self.id_to_token]
-        if unknown:
-            raise ValueError(f"token id {unknown[0]} is not in the tokenizer's vocabulary ({self.vocab_size} ids)")
-        return ids
 
 
 # Oniguruma backtracks: a repeated group that can match the same text in several ways, as "(a+)+$", takes

@@ -117,8 +117,7 @@ def weight_files(directory):
 
 @contextmanager
 def reading(file):
-    """safetensors' errors for a malformed file (truncated, a header that is not JSON or whose offsets
-    run past the end...) as one CheckpointError naming the file."""
+    """safetensors' errors for a malformed file (truncated, a bad header...) as one CheckpointError naming it."""
     try:
         yield
     except Exception as error:  # safetensors raises its own error types for corrupt files
@@ -173,8 +172,7 @@ def release_tensor_pages(tensors):
 
 
 def drop_pages(spans_of):
-    """madvise(MADV_DONTNEED) the spans [(start, end)] that spans_of(path, start, end) gives for each mapping
-    (Linux only; elsewhere nothing happens)."""
+    """madvise(MADV_DONTNEED) the spans that spans_of(path, start, end) gives for each mapping (Linux only)."""
     try:
         with open("/proc/self/maps") as maps:
             mappings = [line.split() for line in maps]
