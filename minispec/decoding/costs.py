@@ -163,11 +163,8 @@ class VerifyCost:
         self.every_width = 1.0  # the same over all widths' steps (kept by add: a tree plan prices many widths)
 
     def __call__(self, width):
-        return self.on_line(width) * self.correction(width)
-
-    def correction(self, width):
-        """The width's steps' time over the line's, over the same for all widths' steps (shape only)."""
-        return corrected_mean(*self.corrections.get(width, (0.0, 0.0))) / self.every_width
+        """The line, times the width's steps' time over the line's over the same for all widths' (shape only)."""
+        return self.on_line(width) * (corrected_mean(*self.corrections.get(width, (0.0, 0.0))) / self.every_width)
 
     def on_line(self, width):
         return self.one * (self.level + self.slope * self.extra(width))

@@ -281,7 +281,7 @@ class DraftTree:
 def draft_trees(model, drafters, asks, heads):
     """EAGLE-2's dynamic draft tree for each Ask, one shared draft forward a depth: {id(drafter): Proposal}."""
     trees = {id(ask.drafter): DraftTree(ask) for ask in asks}
-    add_children(trees, [(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
+    add_children([(tree, -1, tree.drafter.next_logits) for tree in trees.values()])
     for depth in range(1, max((tree.depth for tree in trees.values()), default=0)):
         expanding = {key: tree.growth.expand()[:max(tree.room - len(tree.fed), 0)] for key, tree in trees.items()
                      if depth < tree.depth}
@@ -309,7 +309,7 @@ def draft_trees(model, drafters, asks, heads):
                 scored += [(tree, node, logits[i, j]) for j, node in enumerate(nodes)]
                 if heads:
                     tree.states.update((node, states[i, j]) for j, node in enumerate(nodes))
-        add_children(trees, scored)
+        add_children(scored)
     out = {}
     for key, tree in trees.items():
         chosen, slots = tree.growth.chosen(), {node: slot for slot, node in enumerate(tree.fed)}
@@ -321,7 +321,7 @@ def draft_trees(model, drafters, asks, heads):
     return out
 
 
-def add_children(trees, scored):
+def add_children(scored):
     """Children for scored (tree, node, logits after it): the best (greedy, one host transfer), else draws."""
     drawing = {}  # tree -> its expanded nodes and the logits after each
     for tree, node, logits in scored:

@@ -134,7 +134,7 @@ class Row:
             return None
         return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
 
-    def advance_tree(self, nodes, parents, verdict, timing, seen=None, logprobs=None):
+    def advance_tree(self, nodes, verdict, timing, seen=None, logprobs=None):
         """Take a verified tree step (a TreeVerdict): the path's keys and values become a chain after the root,
         and then it is the step of a chain of the path and its first rejected child."""
         path, t, rejected = verdict

@@ -112,10 +112,6 @@ class Matcher:
         """A row's own matcher: a request's may be decoded more than once."""
         return Matcher(self.matcher.deep_copy(), self.vocab_size)
 
-    def allowed(self):
-        """The tokens the grammar allows next: a byte each, 1 or 0."""
-        return self.matcher.compute_logit_bias()[:self.vocab_size].translate(ALLOWED)
-
     def mask(self, logits, guesses, parents):
         """logits [m+1, vocab] at a step's root and guesses, -inf where the grammar forbids a token there."""
         rows = [self.allowed_after(path) or b"\1" * self.vocab_size for path in paths(guesses.tolist(), parents)]
@@ -127,11 +123,11 @@ class Matcher:
         return logits if allowed is None else masked(logits, [allowed])[0]
 
     def allowed_after(self, path):
-        """allowed() after the tokens of `path`, or None where the grammar forbids them."""
+        """The tokens the grammar allows after `path` (a byte each, 1 or 0), or None where it forbids the path."""
         if self.matcher.validate_tokens(path) < len(path):
             return None
         self.matcher.consume_tokens(path)
-        allowed = self.allowed()
+        allowed = self.matcher.compute_logit_bias()[:self.vocab_size].translate(ALLOWED)
         self.matcher.rollback(len(path))
         return allowed
 
@@ -149,7 +145,7 @@ class Matcher:
 
 
 def masked(logits, rows):
-    """logits [m, vocab] -> -inf where rows (allowed() bytes) hold 0."""
+    """logits [m, vocab] -> -inf where rows (allowed_after's bytes) hold 0."""
     allowed = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.bool).view(len(rows), -1)
     return torch.where(allowed.to(logits.device), logits, float("-inf"))
 

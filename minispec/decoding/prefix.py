@@ -44,9 +44,8 @@ class PrefixCache:
         if not request.reads_states and usable(request.target):
             cached = self.restore(request.target, row.slot, prompt)
             row.length, row.unseen = cached, row.unseen[cached:]
-            model = drafter.model if drafter is not None else None
-            if model is not None and usable(model):
-                drafter.length = self.restore(model, drafter.row, prompt)
+            if drafter is not None and usable(drafter.model):
+                drafter.length = self.restore(drafter.model, drafter.row, prompt)
                 drafter.unseen = drafter.unseen[drafter.length:]
         row.stats["cached_tokens"] = cached
 
@@ -58,9 +57,8 @@ class PrefixCache:
             return
         # a row that stopped holds its last step's rejected guesses past its kept tokens: not stored
         self.store(request.target, row.slot, tokens[:row.length])
-        model = drafter.model if drafter is not None else None
-        if model is not None and usable(model):  # a draft's tree nodes lie past its length
-            self.store(model, drafter.row, tokens[:drafter.length])
+        if drafter is not None and usable(drafter.model):  # a draft's tree nodes lie past its length
+            self.store(drafter.model, drafter.row, tokens[:drafter.length])
 
     def restore(self, model, row, tokens):
         """Copy the longest stored prefix of `tokens` into the model's cache row `row`; its length."""
@@ -141,8 +139,8 @@ class PrefixCache:
 
 
 def usable(model):
-    """Whether the model's cache holds plain keys and values per position of its tokens."""
-    return not model.is_encoder_decoder and model.tp is None
+    """Whether there is a model whose cache holds plain keys and values per position of its tokens."""
+    return model is not None and not model.is_encoder_decoder and model.tp is None
 
 
 def share_prompt(target, batch):

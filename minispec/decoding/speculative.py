@@ -136,9 +136,8 @@ def step(target, rows):
     logits, states = score(target, rows, proposals)
     logits = [constrained(row, p, x) for row, p, x in zip(rows, logits, proposals)]
     # Determine the number of accepted guesses n, and t ~ p', on the device (a tree: walked on the host).
-    verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise) if x.parents is None
-                else None
-                for row, p, x in zip(rows, logits, proposals)]
+    verdicts = [verify(p, x.drafts, x.q, row.sampling, row.lenience, row.generator, row.noise)
+                if x.parents is None else None for row, p, x in zip(rows, logits, proposals)]
     host = to_host(rows, logits, proposals, verdicts)
     # A step's time is the row's only when the forwards were its own, and none compiled a graph first.
     timed = len(rows) == 1 and graphs_met() == graphs
@@ -154,7 +153,7 @@ def step(target, rows):
         else:
             tree = walk(got.guesses, x.parents, got.choices) if got.choices is not None else \
                 sample_walk(got.guesses, x.parents, adjust(p, row.sampling), row.generator, x.q)
-            done = row.advance_tree(got.guesses, x.parents, tree, timing, seen(row, x.drafts, state, tree.path),
+            done = row.advance_tree(got.guesses, tree, timing, seen(row, x.drafts, state, tree.path),
                                     tree_logprobs(row, p, got, tree))
         if done:
             ended.append(row)
