@@ -290,25 +290,22 @@ def draft_trees(model, drafters, asks, heads):
             break
         feeds, parents, inputs = [None] * len(drafters), [[]] * len(drafters), [None] * len(drafters)
         lengths = [d.length for d in drafters]
-        for i, drafter in enumerate(drafters):
-            tree, nodes = trees.get(id(drafter)), expanding.get(id(drafter))
-            if nodes:
-                lengths[i] += len(tree.fed)
-                feeds[i] = to_device([tree.growth.tokens[j] for j in nodes], model.device)
-                tree.fed_parents += [tree.slot_of(tree.growth.parents[j]) for j in nodes]
-                tree.fed += nodes
-                parents[i] = tree.fed_parents
-                if heads:
-                    inputs[i] = torch.stack([tree.input_of(j) for j in nodes])
+        growing = [(i, trees[id(d)], expanding[id(d)]) for i, d in enumerate(drafters) if id(d) in expanding]
+        for i, tree, nodes in growing:
+            lengths[i] += len(tree.fed)
+            feeds[i] = to_device([tree.growth.tokens[j] for j in nodes], model.device)
+            tree.fed_parents += [tree.slot_of(tree.growth.parents[j]) for j in nodes]
+            tree.fed += nodes
+            parents[i] = tree.fed_parents
+            if heads:
+                inputs[i] = torch.stack([tree.input_of(j) for j in nodes])
         logits, states = forward(model, feeds, lengths, parents, inputs if heads else None, heads)
         scored = []
-        for i, drafter in enumerate(drafters):
-            tree, nodes = trees.get(id(drafter)), expanding.get(id(drafter))
-            if nodes:
-                drafter.calls += 1
-                scored += [(tree, node, logits[i, j]) for j, node in enumerate(nodes)]
-                if heads:
-                    tree.states.update((node, states[i, j]) for j, node in enumerate(nodes))
+        for i, tree, nodes in growing:
+            tree.drafter.calls += 1
+            scored += [(tree, node, logits[i, j]) for j, node in enumerate(nodes)]
+            if heads:
+                tree.states.update((node, states[i, j]) for j, node in enumerate(nodes))
         add_children(scored)
     out = {}
     for key, tree in trees.items():
