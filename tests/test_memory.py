@@ -6,7 +6,9 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
+import time
 import weakref
 
 from pathlib import Path
@@ -221,3 +223,23 @@ def test_a_replaced_modules_file_pages_go_and_anonymous_memory_is_never_dropped(
     weights.release_tensor_pages([mapped, anonymous])
     assert resident_bytes(file) <= 4096  # at most the page it shares with the header
     assert torch.equal(anonymous, expected_anonymous) and torch.equal(mapped, expected_mapped)
+
+
+def test_what_a_killed_writer_left_of_a_kept_file_goes_at_the_next_keeping(tmp_path):
+    """A kept file is written whole or not at all, but a writer killed (SIGKILL, out of memory) cannot remove its
+    partial file, the size of the model's weights: a keeping removes those whose process is gone, and no other."""
+    folder = tmp_path / "kept"
+    script = ("import sys, time; from pathlib import Path; from minispec.loading.weights import write_whole\n"
+              "write_whole(Path(sys.argv[1]), lambda p: (p.write_bytes(b'x'), time.sleep(60)))")
+    writer = subprocess.Popen([sys.executable, "-c", script, str(folder / "a.safetensors")])
+    deadline = time.monotonic() + 60
+    while not list(folder.glob("*.partial")) and time.monotonic() < deadline and writer.poll() is None:
+        time.sleep(0.05)
+    writer.kill()
+    writer.wait()
+    [left] = folder.glob("*.partial")
+    writing = folder / f"b.safetensors.{os.getpid()}.1.partial"  # this process's: still being written
+    other = folder / "notes.partial"
+    writing.write_bytes(b"x"), other.write_bytes(b"x")
+    checkpoint.sweep_kept(folder)
+    assert not left.exists() and writing.exists() and other.exists()

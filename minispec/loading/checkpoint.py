@@ -357,12 +357,28 @@ def kept_metadata(file):
 
 
 def sweep_kept(folder):
-    """Delete the kept weights of checkpoint folders that are gone (a temporary one, a conversion redone)."""
+    """Delete the kept weights of checkpoint folders that are gone (a temporary one, a conversion redone), and the
+    partial files of writers killed before they could remove them (write_whole names them by process)."""
     for file in folder.glob("*.safetensors"):
         directory = kept_metadata(file).get("directory")
         if directory and not Path(directory).is_dir():
             with suppress(OSError):
                 file.unlink()
+    for partial in folder.glob("*.safetensors.*.*.partial"):
+        with suppress(OSError, ValueError):
+            if not running(int(partial.name.split(".")[-3])):
+                partial.unlink()
+
+
+def running(pid):
+    """Whether process `pid` exists (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return pid > 0
 
 
 def cut_padding(model, weights, stored, rows):
