@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -592,7 +593,10 @@ def test_one_shot_runs_each_request_in_a_fresh_process(dirs, tmp_path, capsys, m
         assert row["plain_seconds"] > 0 and row["load_seconds"] > 0
         assert set(row["configs"]) == {"auto", "2"} and all(c["identical"] for c in row["configs"].values())
         assert row["configs"]["auto"]["first_seconds"] > 0 and row["configs"]["auto"]["later_seconds"] > 0
-    assert "| prompt | load s | plain s | γ = auto | γ = 2 | same output |" in table and "first " in table
+        # the process as a user's shell sees it: python's start, imports, load and request; torch alone is ~200 MiB
+        assert row["wall_seconds"] > row["load_seconds"] + row["plain_seconds"] and row["peak_mib"] > 200
+    assert "| prompt | load s | plain s | plain wall s | peak MiB | γ = auto | γ = 2 | same output |" in table
+    assert "first " in table
 
 
 def test_threads_under_load_runs_the_default_and_each_setting_beside_a_busy_core(dirs, tmp_path, capsys, monkeypatch):
@@ -694,6 +698,70 @@ def test_llama_cpp_peer_runs_each_mode_on_the_same_files_and_prompts_in_turn_wit
     assert sum(call.endswith("-p first prompt") for call in peers) == 12
     assert all("-no-cnv" in call for call in peers if call.startswith("llama-completion"))
     assert set(llamacpp.peer_runners(tmp_path, target, "lookup", texts, 16, 2, 0)) == {"plain", "lookup"}
+
+
+def test_a_measured_run_is_its_process_wall_and_its_own_peak_memory(tmp_path):
+    """--one-shot times a call as a user's shell does (process start to exit) and reads that process's own
+    peak resident memory, not the largest of every child so far; a hung one is ended at the limit."""
+    big = "x = bytearray(300 << 20); x[::4096] = b'1' * len(x[::4096]); import time; time.sleep(0.2); print('big')"
+    code, out, err, wall, peak = oneshot.run_measured([sys.executable, "-c", big])
+    assert (code, out, err) == (0, "big\n", "") and wall >= 0.2 and peak >= 300
+    code, out, _, _, small = oneshot.run_measured([sys.executable, "-c", "import sys; print('small'); sys.exit(3)"])
+    assert (code, out) == (3, "small\n") and small < 100
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="took more than 0.5 s"):
+        oneshot.run_measured([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+    assert time.perf_counter() - start < 10
+
+
+def test_one_shot_calls_llama_completion_on_the_same_prompt_in_turn(tmp_path, capsys, monkeypatch):
+    """--one-shot --llama-cpp: after minispec's calls of each prompt, llama-completion is called once on the
+    same prompt as minispec read it (a chat turn spelled out), greedy, EOS ignored, the same new tokens; the
+    table sets a plain call's wall time and peak memory beside llama.cpp's, and the geometric mean of their
+    ratio against the goal."""
+    fake_llama_cpp(tmp_path)
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    prompts, prompts_file = ["Say hello.", "Name a colour."], tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(prompts) + "\n")
+    runs = []
+
+    def in_fresh_process(spec, env):
+        runs.append(spec)
+        with (tmp_path / "calls.txt").open("a") as f:
+            f.write("minispec\n")
+        return {"load_seconds": 0.5, "seconds": 1.0, "tokens": [1, 2], "guesses_histogram": None,
+                "text": f"<turn>{spec['prompt']}</turn>", "wall_seconds": 2.0 + len(runs), "peak_mib": 700.0}
+    monkeypatch.setattr(oneshot, "in_fresh_process", in_fresh_process)
+    result, table = run_bench(tmp_path, capsys, "--target", str(target), "--draft", "lookup", "--one-shot",
+                              "--gamma", "2", "--repeats", "2", "--prompts", str(prompts_file), "--chat",
+                              "--llama-cpp", str(tmp_path))
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2 * len(prompts) * 3  # rounds x prompts x (plain, γ = 2, llama.cpp)
+    for i, call in enumerate(calls[2::3]):
+        assert call.startswith(f"llama-completion -m {target} -n {NEW_TOKENS} -t {torch.get_num_threads()} "
+                               "--temp 0 --ignore-eos")
+        assert "-no-cnv --no-display-prompt" in call and call.endswith(f"-p <turn>{prompts[i % len(prompts)]}</turn>")
+    rows = result["one_shot"]
+    assert [row["wall_seconds"] for row in rows] == [(3 + 7) / 2, (5 + 9) / 2]  # the plain runs' medians
+    assert all(row["peak_mib"] == 700.0 and 0 < row["llama_cpp"]["wall_seconds"] < 5 for row in rows)
+    assert result["wall_over_llama_cpp"] == pytest.approx(statistics.geometric_mean(
+        row["wall_seconds"] / row["llama_cpp"]["wall_seconds"] for row in rows))
+    assert "| prompt | load s | plain s | plain wall s | peak MiB | llama.cpp wall s | llama.cpp MiB | x llama.cpp |" \
+        in table and "the goal of at most 1.3x" in table
+
+
+def test_llama_cpp_without_a_folder_is_found_on_path_or_skipped(tmp_path, capsys, monkeypatch):
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    flags = ["--target", str(target), "--draft", "lookup", "--one-shot", "--prompts", "partial", "--llama-cpp"]
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert bench_cli.parse_args(flags).llama_cpp is None
+    assert "no llama-completion on PATH: llama.cpp skipped" in capsys.readouterr().err
+    fake_llama_cpp(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "build" / "bin"))
+    assert bench_cli.parse_args(flags).llama_cpp == ""
+    assert llamacpp.find_programs("")["plain"] == tmp_path / "build" / "bin" / "llama-completion"
 
 
 def test_llama_cpp_peer_failures_are_named(tmp_path):

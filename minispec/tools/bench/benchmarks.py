@@ -117,7 +117,7 @@ def benchmark(args):
                **{("minispec", g): minispec_runner(target, draft, g, args, args.tree) for g in args.gamma}}
     if args.compare_reference:
         runners.update(reference_runners(args, target.device, target.dtype))
-    if args.llama_cpp:  # in the same rounds as minispec's runners: a machine's drift hits both alike
+    if args.llama_cpp is not None:  # in the same rounds as minispec's runners: a machine's drift hits both alike
         runners.update({("llama.cpp", mode): run_one for mode, run_one in peer_runners(args, target, prompts).items()})
     requests = [(prompt, args.seed + i) for prompt in prompts for i in range(args.seeds)]
     timed = time_generation(runners, requests, args.repeats, target.device)
@@ -140,7 +140,7 @@ def benchmark(args):
         "row_invariance_price": row_invariance_price(target, target.encode(first)) if args.row_invariance_price
         else None,
         "rows": [gamma_row(gamma, timed["minispec", gamma], ar, steps, args) for gamma in args.gamma]}
-    if args.llama_cpp:
+    if args.llama_cpp is not None:
         result["llama_cpp"] = peer(timed, result)
     if args.compare_reference:
         ref = timed["reference", None]

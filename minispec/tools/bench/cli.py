@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shutil
 import sys
 
 from minispec.cli import add_model_flags, add_setting_flags
@@ -54,9 +55,10 @@ def parse_args(argv):
                         help="also compare peak memory of a 16-token and an N-token speculative generation")
     parser.add_argument("--row-invariance-price", action="store_true",
                         help="also time 1-, 4- and 9-token target forwards without row invariance")
-    parser.add_argument("--llama-cpp", metavar="DIR",
+    parser.add_argument("--llama-cpp", metavar="DIR", nargs="?", const="",
                         help="also run llama.cpp's plain, speculative and prompt-lookup decoding of the same GGUF "
-                             "--target and text prompts: its binaries in DIR")
+                             "--target and text prompts (with --one-shot: llama-completion, one call a request): "
+                             "its binaries in DIR, or on PATH without DIR (skipped where none is)")
     for name, (run, options) in OWN_TABLES.items():
         parser.add_argument("--" + name.replace("_", "-"), **options,
                             help=" ".join(run.__doc__.split()).rstrip(".") + " (instead of the main table)")
@@ -100,8 +102,9 @@ def check(args):
         (args.batch_sizes and min(args.batch_sizes) < 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}"),
         (several and args.own not in (None, "workloads"),
          f"several --draft values are a benchmark of their own: {alone}"),
-        (args.llama_cpp and (own or several), f"--llama-cpp goes with the main table: one --draft, {alone}"),
-        (args.llama_cpp and (args.prompt_ids or args.temperature != 0),
+        (args.llama_cpp is not None and (own not in ([], ["one_shot"]) or several),
+         f"--llama-cpp goes with the main table or --one-shot: one --draft, {alone}"),
+        (args.llama_cpp is not None and (args.prompt_ids or args.temperature != 0),
          "--llama-cpp compares greedy decoding of text prompts: without --prompt-ids and --temperature"),
         (isinstance(args.tree, int) and args.tree < 1, f"--tree must be >= 1, got {args.tree}"),
         (min(args.repeats, args.max_new_tokens, args.seeds) < 1,
@@ -111,9 +114,13 @@ def check(args):
     if message is not None:
         raise ValueError(message)
     args.draft = args.draft if several or args.workloads is not None else args.draft[0]
-    if args.llama_cpp:
+    if args.llama_cpp is not None:
         llamacpp.check_files(args.target, args.draft)
-        llamacpp.find_programs(args.llama_cpp)
+        if args.llama_cpp == "" and shutil.which(llamacpp.PROGRAMS["plain"]) is None:
+            print(f"--llama-cpp: no {llamacpp.PROGRAMS['plain']} on PATH: llama.cpp skipped", file=sys.stderr)
+            args.llama_cpp = None
+        else:
+            llamacpp.find_programs(args.llama_cpp)
     Settings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # bad sampling fails before loading
 
 

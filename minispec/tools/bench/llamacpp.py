@@ -1,8 +1,9 @@
-"""llama.cpp as a peer in the bench (`--llama-cpp DIR`, binaries a user built; never a dependency): its plain,
+"""llama.cpp as a peer in the bench (`--llama-cpp [DIR]`, binaries a user built; never a dependency): its plain,
 speculative and prompt-lookup decoding of the same GGUF files and prompts in the same rounds as minispec's
 decoders, each mode's decode phase as llama.cpp reports it."""
 
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +17,13 @@ RUN_SECONDS = 600  # one request, however slow the model: past this the peer is 
 
 
 def find_programs(directory):
-    """{mode: path} of the programs found in DIR, DIR/bin or DIR/build/bin; the plain one is needed."""
+    """{mode: path} of the programs found in DIR, DIR/bin or DIR/build/bin (on PATH where DIR is ""); the
+    plain one is needed."""
+    if not directory:
+        found = {mode: Path(path) for mode, name in PROGRAMS.items() if (path := shutil.which(name))}
+        if "plain" not in found:
+            raise ValueError(f"--llama-cpp: no {PROGRAMS['plain']} on PATH")
+        return found
     directory = Path(directory).expanduser()
     folders = (directory, directory / "bin", directory / "build" / "bin")
     found = {mode: path for mode, name in PROGRAMS.items()
@@ -50,16 +57,23 @@ def decode_rate(program, arguments, mode):
     return (int(second), float(first) / 1e3) if mode == "plain" else (int(first), float(second))
 
 
+def common_arguments(target, max_new_tokens, threads, seed):
+    """What every mode is given: greedy, EOS ignored, minispec's new tokens and threads."""
+    return ["-m", str(target), "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "--ignore-eos",
+            "-s", str(seed), "-c", "4096"]
+
+
+PLAIN = ["-no-cnv", "--no-display-prompt"]  # the prompt as given (a chat turn already spelled out), not echoed
+
+
 def peer_runners(directory, target, draft, texts, max_new_tokens, threads, seed):
     """{mode: run_one} for time_generation: run_one((prompt ids, seed)) runs that mode's program on
     texts[tuple(prompt ids)], a placeholder per new token, all but the decode time it reports counted as
     prefill. Speculative only with a draft GGUF file."""
     programs = find_programs(directory)
     target, draft = check_files(target, draft)
-    common = ["-m", target, "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "--ignore-eos",
-              "-s", str(seed), "-c", "4096"]
-    extra = {"plain": ["-no-cnv", "--no-display-prompt"], "lookup": [],
-             "speculative": ["-md", draft] if draft else None}
+    common = common_arguments(target, max_new_tokens, threads, seed)
+    extra = {"plain": PLAIN, "lookup": [], "speculative": ["-md", draft] if draft else None}
 
     def runner(mode, program):
         def run_one(request):
