@@ -19,7 +19,8 @@ TOP_K = Check(integer(0), "must be an integer >= 0 (0 = off)")
 TOP_P = Check(lambda v: is_number(v) and 0 < v <= 1, "must be a number in (0, 1]")
 MIN_P = Check(lambda v: is_number(v) and 0 <= v <= 1, "must be a number in [0, 1] (0 = off)")
 PENALTY = Check(lambda v: is_number(v) and -2 <= v <= 2, "must be a number in [-2, 2] (0 = off)")
-REPETITION_PENALTY = Check(lambda v: is_number(v) and v > 0, "must be a number > 0 (1 = off)")
+# Logits are divided or multiplied by it in float32: past these bounds a logit becomes infinite (NaN once sampled).
+REPETITION_PENALTY = Check(lambda v: is_number(v) and 0.01 <= v <= 100, "must be a number in [0.01, 100] (1 = off)")
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 GAMMA_LIMIT = 64  # a fixed γ's bound: a step verifies γ + 1 positions in one forward; no acceptance pays more
 LOGPROBS_MAX = 20  # the most alternatives a token's log-probabilities list (OpenAI's bound)

@@ -170,7 +170,9 @@ def test_sampled_speculative_output_is_the_penalized_targets(vocab16, case):  # 
 
 @pytest.mark.parametrize("field, value, message", [
     ("presence_penalty", 2.5, "in [-2, 2]"), ("frequency_penalty", float("nan"), "in [-2, 2]"),
-    ("repetition_penalty", 0, "> 0"), ("repetition_penalty", "2", "> 0"), ("min_p", 1.5, "in [0, 1]"),
+    ("repetition_penalty", 0, "in [0.01, 100]"), ("repetition_penalty", "2", "in [0.01, 100]"),
+    ("repetition_penalty", 2**64, "in [0.01, 100]"), ("repetition_penalty", 5e-324, "in [0.01, 100]"),
+    ("min_p", 1.5, "in [0, 1]"),
 ])
 def test_bad_values_are_named(models, field, value, message):
     with pytest.raises(minispec.SettingError) as error:
