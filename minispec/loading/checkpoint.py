@@ -24,9 +24,9 @@ from ..models.checks import COUNT, check
 from ..models.kernels import can_pack
 from .tokenizer import ByteLevelBPE, UnsupportedTokenizer, read_chat_template, read_json
 from .tokenizer import read_config as read_tokenizer_config
-from .weights import (SOURCE_STAMP, CheckpointError, file_identity, log, read_config, read_dtypes,
-                      read_weights, release_file_pages, release_freed_memory, save_safetensors, weight_files,
-                      weights_dir)
+from .weights import (SOURCE_STAMP, CheckpointError, abandoned_partials, file_identity, log, read_config,
+                      read_dtypes, read_weights, release_file_pages, release_freed_memory, save_safetensors,
+                      weight_files, weights_dir)
 
 # model_type -> the module in minispec/models that reads it, imported on first use
 FAMILIES = {"gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "llama": "llama",
@@ -358,27 +358,15 @@ def kept_metadata(file):
 
 def sweep_kept(folder):
     """Delete the kept weights of checkpoint folders that are gone (a temporary one, a conversion redone), and the
-    partial files of writers killed before they could remove them (write_whole names them by process)."""
+    partial files of writers killed before they could remove them."""
     for file in folder.glob("*.safetensors"):
         directory = kept_metadata(file).get("directory")
         if directory and not Path(directory).is_dir():
             with suppress(OSError):
                 file.unlink()
-    for partial in folder.glob("*.safetensors.*.*.partial"):
-        with suppress(OSError, ValueError):
-            if not running(int(partial.name.split(".")[-3])):
-                partial.unlink()
-
-
-def running(pid):
-    """Whether process `pid` exists (another user's too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return pid > 0
+    for left in abandoned_partials(folder):
+        with suppress(OSError):
+            left.unlink()
 
 
 def cut_padding(model, weights, stored, rows):

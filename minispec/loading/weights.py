@@ -204,12 +204,35 @@ SAFETENSORS_DTYPES = {
 ALIGN = 64  # bytes of a cache line
 
 
+PARTIAL = ".partial"  # write_whole's files: <name>.<process id>.<thread id>.partial
+
+
+def abandoned_partials(folder):
+    """write_whole's partial files in `folder` whose writing process is gone: killed (SIGKILL, out of memory)
+    before it could remove them."""
+    for partial in Path(folder).glob(f"*.*.*{PARTIAL}"):
+        with suppress(ValueError):
+            if not running(int(partial.name.split(".")[-3])):
+                yield partial
+
+
+def running(pid):
+    """Whether process `pid` exists (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return pid > 0
+
+
 def write_whole(file, write, sync=False):
     """write(path) into a partial file beside `file` (its folder made), then renamed over it: never half a file
     under its name, and nothing left of it when write fails. `sync`: on the disk before it takes the old file's
     place. The partial file is the writing thread's own: processes and threads may write one file at once."""
     Path(file).parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.{threading.get_ident()}.partial")
+    partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.{threading.get_ident()}{PARTIAL}")
     try:
         write(partial)
         if sync:

@@ -6,9 +6,9 @@ threads and each --threads setting beside a busy core (OpenMP reads its wait pol
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
-import signal
 import tempfile
 import time
 from argparse import Namespace
