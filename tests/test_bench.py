@@ -749,6 +749,12 @@ def test_one_shot_calls_llama_completion_on_the_same_prompt_in_turn(tmp_path, ca
         row["wall_seconds"] / row["llama_cpp"]["wall_seconds"] for row in rows))
     assert "| prompt | load s | plain s | plain wall s | peak MiB | llama.cpp wall s | llama.cpp MiB | x llama.cpp |" \
         in table and "the goal of at most 1.3x" in table
+    (tmp_path / "calls.txt").unlink()  # stopping at EOS on one side stops it on the other
+    run_bench(tmp_path, capsys, "--target", str(target), "--draft", "none", "--one-shot", "--repeats", "1",
+              "--prompts", str(prompts_file), "--llama-cpp", str(tmp_path), "--no-ignore-eos")
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    peers = [call for call in calls if call.startswith("llama-completion")]
+    assert len(peers) == len(prompts) and not any("--ignore-eos" in call for call in peers)
 
 
 def test_llama_cpp_without_a_folder_is_found_on_path_or_skipped(tmp_path, capsys, monkeypatch):

@@ -188,7 +188,7 @@ def peer_runners(args, target, prompts):
     texts = {tuple(ids): target.tokenizer.decode(chat_prompt(target.tokenizer, p)) if args.chat else p
              for ids, p in zip(prompts, read_prompts(args))}
     return llamacpp.peer_runners(args.llama_cpp, args.target, args.draft, texts, args.max_new_tokens,
-                                 torch.get_num_threads(), args.seed)
+                                 torch.get_num_threads(), args.seed, args.ignore_eos)
 
 
 def peer(timed, result):

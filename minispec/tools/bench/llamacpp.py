@@ -57,22 +57,22 @@ def decode_rate(program, arguments, mode):
     return (int(second), float(first) / 1e3) if mode == "plain" else (int(first), float(second))
 
 
-def common_arguments(target, max_new_tokens, threads, seed):
-    """What every mode is given: greedy, EOS ignored, minispec's new tokens and threads."""
-    return ["-m", str(target), "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "--ignore-eos",
-            "-s", str(seed), "-c", "4096"]
+def common_arguments(target, max_new_tokens, threads, seed, ignore_eos=True):
+    """What every mode is given: greedy, EOS ignored as minispec ignores it, minispec's new tokens and threads."""
+    return ["-m", str(target), "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0",
+            *(["--ignore-eos"] if ignore_eos else []), "-s", str(seed), "-c", "4096"]
 
 
 PLAIN = ["-no-cnv", "--no-display-prompt"]  # the prompt as given (a chat turn already spelled out), not echoed
 
 
-def peer_runners(directory, target, draft, texts, max_new_tokens, threads, seed):
+def peer_runners(directory, target, draft, texts, max_new_tokens, threads, seed, ignore_eos=True):
     """{mode: run_one} for time_generation: run_one((prompt ids, seed)) runs that mode's program on
     texts[tuple(prompt ids)], a placeholder per new token, all but the decode time it reports counted as
     prefill. Speculative only with a draft GGUF file."""
     programs = find_programs(directory)
     target, draft = check_files(target, draft)
-    common = common_arguments(target, max_new_tokens, threads, seed)
+    common = common_arguments(target, max_new_tokens, threads, seed, ignore_eos)
     extra = {"plain": PLAIN, "lookup": [], "speculative": ["-md", draft] if draft else None}
 
     def runner(mode, program):

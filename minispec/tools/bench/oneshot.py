@@ -100,7 +100,8 @@ def in_fresh_process(spec, env):
 
 def llama_completion(args, program, text):
     """llama.cpp's plain decoding of the same prompt, as one call of its own program: its wall and peak."""
-    arguments = llamacpp.common_arguments(args.target, args.max_new_tokens, torch.get_num_threads(), args.seed)
+    arguments = llamacpp.common_arguments(args.target, args.max_new_tokens, torch.get_num_threads(), args.seed,
+                                          args.ignore_eos)
     code, out, err, wall, peak = run_measured([str(program), *arguments, *llamacpp.PLAIN, "-p", text])
     if code:
         last = (out + err).strip().splitlines()[-1:] or ["no output"]
