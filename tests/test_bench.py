@@ -842,6 +842,7 @@ def in_process(counted=None):
     this process, one rank whatever `ranks` says; with `counted`, its /health reports that group's state."""
     from test_serve import uvicorn_serving
 
+    from minispec.heads.learn import Learner
     from minispec.loaders import load_models
     from minispec.serve import __main__ as serve_main
     from minispec.serve.app import build_app
@@ -851,8 +852,9 @@ def in_process(counted=None):
     def serving(flags, ranks=1):
         args = serve_main.parse_args(flags)
         target, draft = load_models(args)
-        scheduler = Scheduler(target, draft, args.gamma, args.batch_size, args.max_model_len, args.max_queue,
-                              args.tree, args.prefix_cache_mb)
+        learner = None if args.learn_head is None else Learner(target, args.draft, args.learn_head)
+        scheduler = Scheduler(target, learner.head if learner else draft, args.gamma, args.batch_size,
+                              args.max_model_len, args.max_queue, args.tree, args.prefix_cache_mb, learner)
         scheduler.group = counted if ranks > 1 else None
         with uvicorn_serving(build_app(scheduler, args.target, args.draft), scheduler) as (url, _):
             yield url.removeprefix("http://")
@@ -893,6 +895,39 @@ def test_workloads_serve_each_drafter_with_and_without_the_prefix_cache(served_d
             "TTFT cut | tok/call 1st / 2nd half | accept | cached | same as plain |") in table
     assert re.search(r"^- agent: best `.+` [\d.]+x plain \(goal ≥ 3.0x: (meets|misses)\); the prefix cache cuts "
                      r"plain's mean TTFT [\d.]+x \(goal ≥ 3.0x: (meets|misses)\)$", table, re.M)
+
+
+def test_workloads_serve_a_draft_head_as_it_learns_in_a_pass_of_its_own(served_dirs, tmp_path, capsys, monkeypatch):
+    """--workloads --learn-head: a draft head among --draft serves frozen beside the others and, in a pass of
+    its own after them, with the server's --learn-head (its learnt head saved into a folder of the bench's);
+    both answer as plain does, and the learner's report comes with its row."""
+    from minispec.heads import save_draft_head
+    from minispec.tools import train_heads
+
+    head_dir = tmp_path / "head"
+    save_draft_head(*train_heads.new_head("eagle", minispec.load(served_dirs[0]), 3), head_dir)
+    passes = []
+    fake = in_process()
+
+    @contextmanager
+    def serving(flags):
+        passes.append(flags)
+        with fake(flags) as address:
+            yield address
+    monkeypatch.setattr(workloads, "serving", serving)
+    result, table = run_bench(tmp_path, capsys, "--target", served_dirs[0], "--draft", str(head_dir), "--workloads",
+                              "code", "--requests", "2", "--threads", "1", "--cache-off", "best", "--learn-head")
+    learning = [flags for flags in passes if any(f.startswith("--learn-head=") for f in flags)]
+    assert len(passes) == 3 + 2 + 1 and passes[-1] in learning and len(learning) == 1  # the last pass's, alone
+    assert f"--draft={head_dir}" in learning[0] and "--prefix-cache-mb=0" not in learning[0]
+    runs = result["workloads"]["code"]["runs"]
+    assert [r["draft"] for r in runs][-1] == workloads.LEARNING + str(head_dir) and "learning" not in runs[2]
+    learnt = runs[-1]
+    assert learnt["identical_to_plain"] is True and runs[2]["identical_to_plain"] is True
+    assert learnt["learning"]["training_steps"] > 0 and learnt["acceptance_rate"] is not None
+    assert "| code | `head, learning` | on |" in table
+    with pytest.raises(ValueError, match="--learn-head goes with --workloads"):
+        bench_cli.parse_args(["--target", served_dirs[0], "--draft", "lookup", "--learn-head"])
 
 
 def test_workloads_are_deterministic_and_repeat_themselves():

@@ -66,6 +66,9 @@ def parse_args(argv):
                         help="--workloads: the drafters also run with the prefix cache off: all, or only 'none' and "
                              "the fastest with it on (default all; a pass's servers are up at once: 'best' "
                              "holds fewer)")
+    parser.add_argument("--learn-head", action="store_true",
+                        help="--workloads: each draft head among --draft also serves as it learns from the traffic "
+                             "(the server's --learn-head), in a pass of its own")
     parser.add_argument("--max-model-len", type=int, metavar="N",
                         help="--workloads, --serve-load, --tp-serve: each server's context (default the model's): "
                              "servers up at once each hold KV cache for it")
@@ -93,6 +96,7 @@ def check(args):
         (args.workloads is not None and args.requests < 2,
          f"--workloads needs --requests >= 2 (two halves), got {args.requests}"),
         (min(args.requests, *args.clients) < 1, "--requests and --clients must be >= 1"),
+        (args.learn_head and args.workloads is None, "--learn-head goes with --workloads"),
         (args.max_model_len is not None and args.max_model_len < 1,
          f"--max-model-len must be >= 1, got {args.max_model_len}"),
         (args.memory_tokens and args.memory_tokens <= 16,

@@ -2,7 +2,9 @@
 and prefix-cache setting, all up at once, takes the workload's --requests one after another (request i
 goes to each server in turn): request time end to end, time to first text, tokens per target call and
 acceptance, against plain (--draft none, prefix cache on) and lookup, and over the traffic's two halves
-(a drafter that learns from earlier requests gains in the second):
+(a drafter that learns from earlier requests gains in the second). With --learn-head, each draft head
+also serves as it learns from the traffic (the server's --learn-head), in a pass of its own after the others:
+
 
 agent    an agent loop: one tool-call format; each turn resends the conversation, the model's last
          answer (a tool call: at most AGENT_TOKENS tokens) and the tool's result appended
@@ -13,15 +15,19 @@ chat     ordinary chat: a new question each time
 """
 
 import statistics
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from minispec.heads import is_head_dir
+
 from .report import md_table, progress
-from .served import sampling_fields, server_flags, serving, stream
+from .served import health, sampling_fields, server_flags, serving, stream
 
 GOALS = {"agent": {"vs_plain": 3.0, "ttft_cut": 3.0}, "code": {"vs_plain": 2.5}, "chat": {"vs_plain": 0.98}}
 # An agent's answer is a tool call, one line: longer answers would only fill the context, turn after turn.
 AGENT_TOKENS = 128
+LEARNING = "learning:"  # a row's draft: the head after it, learning while it serves
 
 # --- the workloads: messages(i, answers) -> request i's chat; answers: the texts of the requests before --
 AGENT_SYSTEM = ("You are a coding agent in a Python repository. Each turn, call exactly one tool, answering with "
@@ -164,9 +170,10 @@ def workloads_benchmark(args):
     """The server on generated traffic (all workloads when none is named), per --draft value and prefix-cache
     setting, beside 'none' and 'lookup'."""
     drafts = list(dict.fromkeys(["none", "lookup", *args.draft]))  # the baselines first
+    learning = [LEARNING + draft for draft in drafts if args.learn_head and is_head_dir(draft)]
     results = {}
-    with progress(len(args.workloads or WORKLOADS) * (len(drafts) + (len(drafts) if args.cache_off == "all" else 2)),
-                  "workloads") as bar:
+    servers = len(drafts) + (len(drafts) if args.cache_off == "all" else 2) + len(learning)
+    with progress(len(args.workloads or WORKLOADS) * servers, "workloads") as bar:
         for name in args.workloads or WORKLOADS:
             if args.cache_off == "all":
                 runs = workload_runs(args, name, [(draft, cache) for cache in (True, False) for draft in drafts], bar)
@@ -174,6 +181,8 @@ def workloads_benchmark(args):
                 runs = workload_runs(args, name, [(draft, True) for draft in drafts] + [("none", False)], bar)
                 best = min(runs[1:len(drafts)], key=lambda r: r["seconds"])["draft"]
                 runs += workload_runs(args, name, [(best, False)], bar)
+            if learning:  # alone: a learner trains while idle, which would take the other servers' cores
+                runs += workload_runs(args, name, [(draft, True) for draft in learning], bar)
             results[name] = compared(name, runs, args.temperature)
     return {"settings": vars(args), "workloads": results}, workloads_table(args, results)
 
@@ -184,9 +193,12 @@ def workload_runs(args, name, rows, bar):
     a shared machine falls on every row alike rather than on whichever ran then."""
     answers = [[] for _ in rows]
     with ExitStack() as servers:
-        addresses = [servers.enter_context(serving(server_flags(args, draft, *([] if cache else
-                                                                               ["--prefix-cache-mb=0"]))))
-                     for draft, cache in rows]
+        def flags(draft, cache):
+            more = [] if cache else ["--prefix-cache-mb=0"]
+            if draft.startswith(LEARNING):  # the learnt head is saved where it goes with the server
+                more.append(f"--learn-head={servers.enter_context(tempfile.TemporaryDirectory())}")
+            return server_flags(args, draft.removeprefix(LEARNING), *more)
+        addresses = [servers.enter_context(serving(flags(draft, cache))) for draft, cache in rows]
         hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0}
         for address in addresses:
             stream(address, "/v1/chat/completions", hello)  # the first call's setup is not the workload's
@@ -196,13 +208,14 @@ def workload_runs(args, name, rows, bar):
                 if name == "agent":
                     body["max_tokens"] = min(body["max_tokens"], AGENT_TOKENS)
                 answers[j].append(stream(addresses[j], "/v1/chat/completions", body))
+        learnt = [(health(address) or {}).get("learning") for address in addresses]  # the learners' reports
     bar.update(len(rows))
-    return [run_of(draft, cache, row) for (draft, cache), row in zip(rows, answers)]
+    return [run_of(draft, cache, row, report) for (draft, cache), row, report in zip(rows, answers, learnt)]
 
 
-def run_of(draft, cache, answers):
+def run_of(draft, cache, answers, learning=None):
     half = len(answers) // 2
-    return {"draft": draft, "prefix_cache": cache, **totals(answers),
+    return {"draft": draft, "prefix_cache": cache, **totals(answers), **({"learning": learning} if learning else {}),
             "halves": [totals(answers[:half]), totals(answers[half:])],
             "requests": [{"seconds": a.seconds, "ttft": a.ttft, **a.usage, **a.speculative} for a in answers],
             "texts": [a.text for a in answers]}
@@ -263,7 +276,8 @@ def workloads_table(args, results):
 
 def label(draft):
     """A draft as the table names it: a model's file or folder name, not its path."""
-    return ",".join(Path(part).name for part in draft.split(","))
+    named = ",".join(Path(part).name for part in draft.removeprefix(LEARNING).split(","))
+    return f"{named}, learning" if draft.startswith(LEARNING) else named
 
 
 def goal(workload, key, value):
