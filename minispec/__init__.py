@@ -12,6 +12,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "2000"
 
+from . import cpus  # its clock starts here: how busy other processes keep the CPUs is judged at the first load
+
 # Each public name and the module it lives in, imported on first use: `import minispec` alone loads no
 # torch, so that the command lines answer --help and a bad flag at once.
 PUBLIC = {"load": "api", "generate": "api", "stream": "api", "Generation": "api", "Chunk": "api",

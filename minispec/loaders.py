@@ -2,6 +2,7 @@
 
 import torch
 
+from . import cpus
 from .cli import check_threads
 from .decoding.drafters import MODEL_FREE_NAMES, SELF_DRAFT_MODES
 from .heads import is_head_dir, load_draft_head
@@ -14,6 +15,7 @@ def load_models(args):
     """(target, draft as generate() takes it), as add_model_flags' flags say; --threads is checked first."""
     check_threads(args)
     if args.threads is not None:
+        cpus.chosen = True
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_model(args.target, device=device, dtype=DTYPES.get(args.dtype), compile=args.compile,

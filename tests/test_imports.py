@@ -22,6 +22,7 @@ LAYERS = {  # by the top-level module or subpackage
     "native": 1,  # implements models/backend.py's interface; loading installs it
     "loading": 2,
     "settings": 0,  # torch-free: the command lines check flags before loading torch
+    "cpus": 0,  # torch-free: `import minispec` starts its clock
     "decoding": 3,
     "api": 4,
     "__init__": 5, "cli": 5, "convert": 5, "heads": 5, "loaders": 5,

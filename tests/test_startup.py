@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import minispec
+from minispec import cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,6 +81,52 @@ def test_openmp_spins_briefly_unless_the_user_chose():
     assert in_fresh_python(code) == [None, "2000"]
     assert in_fresh_python(code, OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", None]
     assert in_fresh_python(code, GOMP_SPINCOUNT="100") == [None, "100"]
+
+
+def test_other_processes_busy_cores_are_judged_from_the_time_since_import(monkeypatch):
+    """cpus.free_cpus: this process's CPUs less those other processes held more than half the time since
+    `start`, its own time not counted; none for too short a time to tell."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    start = (100.0, 5.0, 10.0)  # busy seconds of the CPUs, this process's CPU seconds, the clock
+
+    def after(others, own=1.0, seconds=1.0):
+        return cpus.free_cpus(start, (start[0] + others + own, start[1] + own, start[2] + seconds))
+    assert [after(x) for x in (0.0, 0.4, 0.5, 0.6, 1.4, 1.6, 9.0)] == [4, 4, 4, 3, 3, 2, 1]
+    assert after(1.0, own=3.0) == 3 and after(1.0, seconds=2.0) == 4  # its own threads; averaged over the time
+    assert after(1.0, seconds=0.1) is None and cpus.free_cpus(None, start) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one held, one free")
+def test_a_core_another_process_spins_on_is_not_free():
+    cpu = max(os.sched_getaffinity(0))
+    spin = f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nend = time.time() + 1.0\nwhile time.time() < end:\n    pass"
+    start = cpus.sample()
+    subprocess.run([sys.executable, "-c", spin], check=True, timeout=60)
+    assert cpus.free_cpus(start) <= len(os.sched_getaffinity(0)) - 1
+
+
+def test_the_first_load_takes_the_free_cpus_unless_the_user_chose(monkeypatch, reference_dirs):
+    import torch
+
+    from minispec.loading import checkpoint
+
+    directory, threads = reference_dirs["llama"][1], torch.get_num_threads()  # the suite's own: one
+    monkeypatch.setattr(cpus, "free_cpus", lambda: 1)
+    try:
+        for chosen, env, expected in [(False, None, 1), (True, None, 2), (False, "2", 2)]:
+            torch.set_num_threads(2)
+            checkpoint.default_threads.cache_clear()
+            monkeypatch.setattr(cpus, "chosen", chosen)
+            if env is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            minispec.load(directory)
+            minispec.load(directory)
+            assert torch.get_num_threads() == expected, (chosen, env)
+    finally:
+        torch.set_num_threads(threads)
+        checkpoint.default_threads.cache_clear()
 
 
 class Terminal(io.StringIO):

@@ -4,6 +4,7 @@ quantized at load if asked, or with the quantized weights a checkpoint holds."""
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from .. import cpus
 from ..models import backend
 from ..models.base import Family, pack_linears
 from ..models.checks import COUNT, check
@@ -412,6 +414,16 @@ def check_checkpoint(directory):
         read_checkpoint(directory)
 
 
+@functools.cache
+def default_threads():
+    """Once a process, at its first load: torch's threads cut to the CPUs other processes left free (cpus.py),
+    unless the user chose them (OMP_NUM_THREADS, --threads; torch.set_num_threads after the load)."""
+    free = None if cpus.chosen or "OMP_NUM_THREADS" in os.environ else cpus.free_cpus()
+    if free is not None and free < torch.get_num_threads():
+        log(f"other processes keep some of its CPUs busy: {free} thread{'s' * (free > 1)} (--threads to choose)")
+        torch.set_num_threads(free)
+
+
 def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=None, group_size=None, tp=None):
     """A checkpoint loaded into its minispec model, tokenizer and special token ids attached. quantize="int8"
     or "int4" quantizes the weights (int4 in groups of `group_size` columns; a GGUF file keeps its own).
@@ -420,6 +432,7 @@ def load_model(name_or_path, device="cpu", dtype=None, compile=False, quantize=N
         from ..models import quant  # read only when a load quantizes
         group_size = quant.DEFAULT_GROUP_SIZE if group_size is None else group_size
         quant.check_settings(quantize, group_size)
+    default_threads()
     if os.environ.get("MINISPEC_NATIVE", "1") == "0":  # PyTorch's operations, not minispec's native CPU kernels
         backend.use(backend.PYTORCH)
     else:
