@@ -13,8 +13,8 @@ import time
 
 # What the flags need, none of it torch, so that --help and a bad flag answer at once.
 import minispec
-from minispec.cli import (AT_LEAST_ONE, add_model_flags, add_setting_flags, check_threads, check_values, exit_status,
-                          read_prompts_file, settings_of, tp_rank)
+from minispec.cli import (AT_LEAST_ONE, add_model_flags, add_setting_flags, check_threads, check_values, exit_now,
+                          exit_status, read_prompts_file, settings_of, tp_rank)
 from minispec.settings import flag_type, token_ids
 
 # ANSI colours of the paper's Figure 1: accepted guesses green, rejected ones red (struck through), the target's blue.
@@ -336,4 +336,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    exit_now(exit_status(main))

@@ -5,6 +5,7 @@ The tiny checkpoints have no tokenizer files, so prompts are given as --prompt-i
 import dataclasses
 import inspect
 import json
+import os
 import re
 import signal
 import statistics
@@ -370,6 +371,20 @@ def test_a_prompts_file_beyond_its_bounds_is_refused_unread(gpt2_dir, tmp_path, 
     monkeypatch.setattr(cli, "PROMPTS_FILE_MAX_BYTES", 4)
     assert run.main(["--target", gpt2_dir, "--device", "cpu", "--prompts-file", str(path)]) == 2
     assert capsys.readouterr().err == f"error: --prompts-file {path}: larger than 0 MiB\n"
+
+
+def test_a_run_exits_without_the_teardown_once_its_exit_hooks_ran(gpt2_dir, tmp_path):
+    """run.py ends with os._exit (cli.exit_now) after a load: its output whole, its status, and what the exit hooks
+    keep (the suffix drafter's store, saved by a finalizer at exit) all there."""
+    flags = ["--target", gpt2_dir, "--device", "cpu", *PROMPT_FLAG, "--max-new-tokens", "8", "--ignore-eos"]
+    done = subprocess.run([sys.executable, "run.py", *flags, "--draft", "suffix", "--json"], cwd=ROOT, timeout=300,
+                          capture_output=True, text=True, env={**os.environ, "MINISPEC_PROFILES": str(tmp_path)})
+    assert done.returncode == 0 and len(json.loads(done.stdout)["tokens"]) == 8, done.stderr
+    assert len([path for path in tmp_path.iterdir() if path.name.startswith("suffix-")]) == 1
+    code = ("import atexit, sys, torch; from minispec.cli import exit_now; atexit.register(print, 'hook', flush=True); "
+            "sys.stdout.write('unflushed'); exit_now(3)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (3, "unflushedhook\n"), done.stderr
 
 
 # run.py with each step of its stream slowed down, so that a signal surely comes mid-generation.
