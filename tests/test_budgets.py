@@ -1,6 +1,7 @@
-"""Memory stays within its budgets over 10,000 requests: the prefix cache's blocks (decoding/prefix.py)
-and the suffix drafter's store (decoding/suffix.py), fed the traffic a server sees (conversations that
-grow turn by turn, a shared system prompt, one-off prompts), the data structures alone."""
+"""Memory stays within its budgets over 10,000 requests: the prefix cache's blocks (decoding/prefix.py),
+some with a draft head's states, and the suffix drafter's store (decoding/suffix.py), fed the traffic a
+server sees (conversations that grow turn by turn, a shared system prompt, one-off prompts), the data
+structures alone."""
 
 import random
 import tracemalloc
@@ -56,13 +57,18 @@ def test_the_prefix_cache_keeps_to_its_budget_over_10000_requests():
     hits = 0
     for i, tokens in enumerate(traffic()):
         model = models[i % 2]
-        hits += cache.restore(model, 0, tokens[:-1]) > 0
-        cache.store(model, 0, tokens)
+        head = i % 5 == 0  # a draft head's request: the target's states stored beside its blocks, and read
+        taps, states = (True, torch.randn(len(tokens), 8)) if head else (None, None)
+        length, restored = cache.restore(model, 0, tokens[:-1], taps)
+        hits += length > 0
+        assert (restored is not None and len(restored) == length) if head and length else restored is None
+        cache.store(model, 0, tokens, taps, states)
         assert cache.bytes <= cache.budget
     nodes = [node for model in models for node in reachable(cache.root(model))]
     # every block the trees hold is counted, and nothing evicted is still held
     assert set(nodes) == set(cache.lru) and len(nodes) == len(cache.lru)
     assert cache.bytes == sum(node.bytes for node in nodes) > cache.budget / 2  # it was full, and evicted
+    assert any(node.states is not None for node in nodes) and any(node.states is None for node in nodes)
     assert hits > REQUESTS / 4  # the traffic repeats itself: the cache was used, not only filled
 
 

@@ -532,6 +532,50 @@ def test_an_eagle_tree_accepts_more_per_target_call_than_its_chain(vocab16_heads
     assert per_call[1] > 1.2 * per_call[0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "eagle+lookup"])
+def test_a_prefix_hit_drafts_with_a_head_as_a_cold_run(gqa_heads, kind, dtype):
+    """A head's request reuses stored blocks: the target's states there, stored beside them, reach the head
+    with its first states, so every prompt (the conversation's next turn, all of a stored prompt, part of a
+    block) gets a cold run's tokens and the same guesses, accepted alike, in chains and trees."""
+    from minispec.decoding.prefix import BLOCK, PrefixCache
+    target, heads = gqa_heads[dtype]
+    draft = [heads["eagle"], "lookup"] if kind == "eagle+lookup" else heads[kind]
+    base = torch.randint(2, 90, (3 * BLOCK + 5,), generator=torch.Generator().manual_seed(3)).tolist()
+    for shape in ({"gamma": 3, "tree": "off"}, {"gamma": 3, "tree": 8}):
+        settings = {"draft": draft, "max_new_tokens": 16, "ignore_eos": True, **shape}
+        cache = PrefixCache()
+        first = minispec.generate(target, base, prefix_cache=cache, **settings)
+        prompts = [base + first.tokens + [7, 8], base, base[:2 * BLOCK + 3] + [9, 9]]
+        for prompt, cached in zip(prompts, [len(base) + len(first.tokens) - 1, len(base) - 1, 2 * BLOCK]):
+            cold = minispec.generate(target, prompt, **settings)
+            warm = minispec.generate(target, prompt, prefix_cache=cache, **settings)
+            assert warm.stats["cached_tokens"] == cached // BLOCK * BLOCK > 0, shape
+            assert warm.tokens == cold.tokens, shape
+            assert warm.trace == cold.trace, shape  # the same guesses, rejected ones too
+            assert [warm.stats[key] for key in ("proposed", "accepted", "draft_calls")] == \
+                [cold.stats[key] for key in ("proposed", "accepted", "draft_calls")], shape
+        assert cache.bytes == sum(node.bytes for node in cache.lru) <= cache.budget
+
+
+def test_blocks_a_plain_request_stored_take_a_heads_states_when_it_passes(gqa_heads):
+    """A plain request's blocks hold no states: a head's request over them computes its prompt, and stores
+    the states it computed into them, so the next one reuses them; a plain request reuses either."""
+    from minispec.decoding.prefix import BLOCK, PrefixCache
+    target, heads = gqa_heads[torch.float32]
+    prompt, cache = torch.randint(2, 90, (2 * BLOCK + 3,), generator=torch.Generator().manual_seed(4)).tolist(), PrefixCache()
+    settings = {"draft": heads["eagle"], "gamma": 3, "max_new_tokens": 8, "ignore_eos": True}
+    minispec.generate(target, prompt, prefix_cache=cache, max_new_tokens=1)
+    plain_bytes = cache.bytes
+    assert minispec.generate(target, prompt, prefix_cache=cache, **settings).stats["cached_tokens"] == 0
+    states = 2 * BLOCK * target.hidden_size * 4  # float32 states at two blocks' tokens
+    assert cache.bytes == plain_bytes + states
+    warm = minispec.generate(target, prompt, prefix_cache=cache, **settings)
+    assert warm.stats["cached_tokens"] == 2 * BLOCK
+    assert warm.tokens == minispec.generate(target, prompt, **settings).tokens
+    assert minispec.generate(target, prompt, prefix_cache=cache, max_new_tokens=8).stats["cached_tokens"] == 2 * BLOCK
+
+
 def test_an_eagle_head_keeps_the_pairs_of_a_step_that_drafted_nothing(gqa_heads):
     """gamma="auto" may choose a plain step (k = 0): the pairs the target gave meanwhile wait, and the
     next proposal feeds them all (they were dropped, leaving the head's positions behind the text's)."""

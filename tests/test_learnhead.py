@@ -115,6 +115,21 @@ def test_a_learning_head_drafts_better_as_it_serves_and_stays_exact(tiny, tmp_pa
     assert after == acceptance(target, learner.head, prompts) and after > before + 0.25, (before, after)
 
 
+def test_a_learning_heads_server_reuses_stored_prefixes(tiny, tmp_path):
+    """With the prefix cache on, a learning head's request over a stored prompt copies its blocks (the head
+    reads the target's states stored beside them) and still answers as plain greedy."""
+    target, prompts, _ = tiny
+    learner = Learner(target, untrained_head(target, "eagle", tmp_path / "head"), tmp_path / "out", share=1.0)
+    prompt = (prompts[0] + prompts[1]) * 4  # 40 tokens: two whole blocks before its last
+    plain = minispec.generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens
+    scheduler = Scheduler(target, learner.head, 3, 2, 128, 64, "off", 64, learner)
+    scheduler.start()
+    jobs = [serve(scheduler, target, learner.head, prompt) for _ in range(3)]
+    scheduler.stop(30)
+    assert [job.tokens for job in jobs] == [plain] * 3
+    assert [job.outcome.stats["cached_tokens"] for job in jobs] == [0, 32, 32] and learner.steps > 0
+
+
 def test_a_head_served_without_a_learner_never_changes(tiny, tmp_path):
     """Off by default: a scheduler (or generate) drafting with a head leaves its weights as loaded, asks
     no states beyond the head's, and reports no learning."""

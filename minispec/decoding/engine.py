@@ -71,6 +71,7 @@ class Row:
         self.unseen = target.encode_row(slot, request.prompt_ids).view(-1)  # tokens its cache row has not seen
         self.stats["encoder_calls"] = target.encoder_calls - before
         self.length = 0  # positions its target cache row holds
+        self.states = None  # the target's states at its tokens, when the prefix cache stores them for a draft head
         self.counts = counts(target, request) if self.sampling.penalized else None
         self.grammar = None if request.grammar is None else request.grammar.copy()  # decoding/grammar.py
         self.forcing = []  # this step's guesses forced by the grammar
@@ -111,9 +112,11 @@ class Row:
         if step.logprobs is not None:
             self.new_logprobs = step.logprobs[:len(new_tokens)]
             self.logprobs += self.new_logprobs
-        if self.request.on_states is not None:  # the tokens of the output fed so far: not those after a stop
-            fed = len(self.unseen) + len(new_tokens) - 1
+        fed = len(self.unseen) + len(new_tokens) - 1  # the tokens of the output fed so far: not those after a stop
+        if self.request.on_states is not None:
             self.request.on_states(self.index, step.seen.tokens[:fed], step.seen.states[:fed])
+        if self.states is not None:
+            self.states.append(step.seen.states[:fed])
         if stopped:
             return True
         if self.grammar is not None:

@@ -34,7 +34,8 @@ class MixedDrafter:
         self.mixed_with = (self.cheap.name,)  # gamma="auto" prices the mix apart from the model (policy, profiles)
 
     calls, encoder_calls = forwarded("calls"), forwarded("encoder_calls")
-    row, length, unseen = forwarded("row"), forwarded("length"), forwarded("unseen")  # the engine's, the prefix cache's
+    # the engine's and the prefix cache's
+    row, length, unseen, held = forwarded("row"), forwarded("length"), forwarded("unseen"), forwarded("held")
 
     def start(self, prompt_ids, sampling, row=0):
         self.main.start(prompt_ids, sampling, row)

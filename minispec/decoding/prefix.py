@@ -1,10 +1,13 @@
 """Prefix caching: a prompt's stored keys and values, in CPU blocks of BLOCK tokens in a tree per model (LRU
-evicted), are copied instead of recomputed: row-invariant forwards make the output a cold run's. Rows of one
-prompt that join together share its forward. Not for encoder-decoders, TP shards or states readers."""
+evicted), are copied instead of recomputed: row-invariant forwards make the output a cold run's. A draft head
+reads the target's states at every token: they are stored beside the blocks, and fed to it as a cold run's
+would be. Rows of one prompt that join together share its forward. Not for encoder-decoders, TP shards or an
+on_states caller (who asked for the states of every token)."""
 
 import threading
 import weakref
 from collections import OrderedDict
+from itertools import takewhile
 
 import torch
 
@@ -14,15 +17,17 @@ BLOCK = 16  # tokens per stored block: what a prompt shares is reused up to its 
 
 
 class Node:
-    """A stored block: its tokens and their keys and values [layers, 2, heads, BLOCK, head_dim] on the CPU."""
-    __slots__ = ("parent", "tokens", "children", "kv")
+    """A stored block: its tokens and their keys and values [layers, 2, heads, BLOCK, head_dim] on the CPU, and
+    the target's states there [BLOCK, width] for a draft head that reads `taps` (drafters.py's reads_states)."""
+    __slots__ = ("parent", "tokens", "children", "kv", "taps", "states")
 
-    def __init__(self, parent, tokens, kv):
+    def __init__(self, parent, tokens, kv, taps=None, states=None):
         self.parent, self.tokens, self.children, self.kv = parent, tokens, {}, kv
+        self.taps, self.states = taps, states
 
     @property
     def bytes(self):
-        return self.kv.numel() * self.kv.element_size() if self.kv is not None else 0
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.states) if t is not None)
 
 
 class PrefixCache:
@@ -38,40 +43,50 @@ class PrefixCache:
         self.lock = threading.Lock()  # one cache may serve decoding threads of different models
 
     def admit(self, row):
-        """A joining request's cache rows take its prompt's stored prefix (stats["cached_tokens"])."""
+        """A joining request's cache rows take its prompt's stored prefix (stats["cached_tokens"]); a draft
+        head, the target's states there, fed to it with the target's first states (heads/eagle.py)."""
         request, drafter, cached = row.request, row.drafter, 0
         prompt = request.prompt_ids.view(-1).tolist()[:-1]  # the last token is computed: its logits are needed
-        if not request.reads_states and usable(request.target):
-            cached = self.restore(request.target, row.slot, prompt)
+        taps = head_taps(request)
+        if caching(request):
+            cached, states = self.restore(request.target, row.slot, prompt, taps)
             row.length, row.unseen = cached, row.unseen[cached:]
-            if drafter is not None and usable(drafter.model):
-                drafter.length = self.restore(drafter.model, drafter.row, prompt)
+            if taps is not None:  # the row keeps the states at its tokens, for finish() to store
+                row.states = [] if states is None else [states]
+                drafter.held = None if states is None else (request.prompt_ids.view(-1)[1:cached + 1], states)
+            elif drafter is not None and usable(drafter.model):
+                drafter.length = self.restore(drafter.model, drafter.row, prompt)[0]
                 drafter.unseen = drafter.unseen[drafter.length:]
         row.stats["cached_tokens"] = cached
 
     def finish(self, row):
         """An ended request's blocks that each cache row holds for sure are stored."""
         request, drafter = row.request, row.drafter
-        tokens = request.prompt_ids.view(-1).tolist() + row.tokens[:-1]
-        if request.reads_states or not usable(request.target):
+        if not caching(request):
             return
+        tokens, taps = request.prompt_ids.view(-1).tolist() + row.tokens[:-1], head_taps(request)
         # a row that stopped holds its last step's rejected guesses past its kept tokens: not stored
-        self.store(request.target, row.slot, tokens[:row.length])
-        if drafter is not None and usable(drafter.model):  # a draft's tree nodes lie past its length
+        states = None if taps is None else torch.cat(row.states) if row.states else None
+        self.store(request.target, row.slot, tokens[:row.length], taps, states)
+        if taps is None and drafter is not None and usable(drafter.model):  # tree nodes lie past its length
             self.store(drafter.model, drafter.row, tokens[:drafter.length])
 
-    def restore(self, model, row, tokens):
-        """Copy the longest stored prefix of `tokens` into the model's cache row `row`; its length."""
+    def restore(self, model, row, tokens, taps=None):
+        """Copy the longest stored prefix of `tokens` (with `taps`: whose blocks hold those states) into the
+        model's cache row `row`: its length, and the states there (a tensor, or None)."""
         with self.lock:
             chain = self.stored(model, tokens)
+            if taps is not None:
+                chain = list(takewhile(lambda node: node.taps == taps, chain))
             if not chain:
-                return 0
+                return 0, None
             kv = torch.cat([node.kv for node in chain], dim=3).to(model.device)
+            states = None if taps is None else torch.cat([node.states for node in chain]).to(model.device)
         length = len(chain) * BLOCK
         for cache, layer in zip(model.kv_caches(), kv):
             cache.k[row, :, :length] = layer[0]
             cache.v[row, :, :length] = layer[1]
-        return length
+        return length, states
 
     def stored(self, model, tokens):
         """The stored blocks `tokens` begins with, marked as used (parents first: never older than a child)."""
@@ -84,23 +99,38 @@ class PrefixCache:
             self.lru.move_to_end(node)
         return chain
 
-    def store(self, model, row, tokens):
-        """Store the whole blocks of `tokens` (held in cache row `row`) not stored yet."""
+    def store(self, model, row, tokens, taps=None, states=None):
+        """Store the whole blocks of `tokens` (held in cache row `row`) not stored yet, with the target's
+        `states` at them for a head reading `taps`; stored blocks without those states take them."""
         with self.lock:
             chain, blocks = self.stored(model, tokens), len(tokens) // BLOCK
+            for i, node in enumerate(chain if states is not None else ()):
+                # a block evicted to make room for an earlier one's states ends the chain
+                if node not in self.lru or node.taps != taps and not self.give_states(node, taps, block_of(states, i)):
+                    return  # what follows a block without the states is of no use to a head
             if len(chain) == blocks:
                 return
             node, start, caches = chain[-1] if chain else self.root(model), len(chain) * BLOCK, model.kv_caches()
             kv = torch.stack([torch.stack([c.k[row, :, start:blocks * BLOCK], c.v[row, :, start:blocks * BLOCK]])
                               for c in caches]).cpu()
-            for i, part in enumerate(kv.split(BLOCK, dim=3)):
-                part = part.clone()  # its own storage, freed when it is evicted
-                if not self.make_room(part.numel() * part.element_size(), node):
+            for i, part in enumerate(kv.split(BLOCK, dim=3), len(chain)):
+                key = tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
+                held = block_of(states, i)  # its own storage, freed when it is evicted
+                child = Node(node, key, part.clone(), *((None, None) if held is None else (taps, held)))
+                if not self.make_room(child.bytes, node):
                     return
-                key = tuple(tokens[start + i * BLOCK:start + (i + 1) * BLOCK])
-                node.children[key] = node = Node(node, key, part)
+                node.children[key] = node = child
                 self.lru[node] = None
                 self.bytes += node.bytes
+
+    def give_states(self, node, taps, states):
+        """A stored block takes a head's states (None: none to give); False if they did not fit."""
+        if states is None or not self.make_room(states.numel() * states.element_size(), node):
+            return False
+        self.bytes -= node.bytes
+        node.taps, node.states = taps, states
+        self.bytes += node.bytes
+        return True
 
     def root(self, model):
         """The model's tree, emptied if its caches' dtype or shape changed since it was filled."""
@@ -141,6 +171,26 @@ class PrefixCache:
 def usable(model):
     """Whether there is a model whose cache holds plain keys and values per position of its tokens."""
     return model is not None and not model.is_encoder_decoder and model.tp is None
+
+
+def caching(request):
+    """Whether a request takes and gives stored blocks: its target's cache holds them, and no on_states caller
+    wants states at every prompt token (a draft head gets them from the blocks; a learner, at what it computes)."""
+    head = request.drafter is not None and bool(request.drafter.reads_states)
+    return usable(request.target) and (request.on_states is None or head)
+
+
+def head_taps(request):
+    """The states a request's draft head reads at every token (drafters.py's reads_states), else None."""
+    drafter = request.drafter
+    return drafter.reads_states if drafter is not None and drafter.reads_states and drafter.model is not None else None
+
+
+def block_of(states, i):
+    """Block i's rows of `states` [tokens, width] as a CPU tensor of its own; None where they do not reach."""
+    if states is None or len(states) < (i + 1) * BLOCK:
+        return None
+    return states[i * BLOCK:(i + 1) * BLOCK].cpu().clone()
 
 
 def share_prompt(target, batch):

@@ -104,15 +104,24 @@ class EagleDrafter(ModelDrafter):
     def start(self, prompt_ids, sampling=None, row=0):
         super().start(prompt_ids, row=row)
         self.unseen = None  # nothing to draft from before the target's first forward gives its states
+        self.held = None  # a stored prefix's pairs (decoding/prefix.py): they go first, with the first states
 
     def accept(self, tokens, tokens_on_device, seen=None):
         # each state seen pairs with the token after it; pairs waiting from steps that drafted nothing go first
         fed, states = seen
         self.length -= self.fed_guesses  # the guesses' pairs held predicted states: the real ones follow
         new = torch.cat([fed[1:], tokens_on_device[-1:]])
+        if self.held is not None:  # then the pairs are those of a cold run's prompt, and fed as its are
+            new, states = torch.cat([self.held[0].to(new.device), new]), torch.cat([self.held[1], states])
+            self.held = None
+        states = self.inputs(states)
         self.unseen = new if self.unseen is None else torch.cat([self.unseen, new])
         self.unseen_states = states if self.unseen_states is None else torch.cat([self.unseen_states, states])
         self.next_logits = None
+
+    def inputs(self, states):
+        """The target's states -> what the head reads beside each token."""
+        return states
 
 
 def llama_config(hf, target):

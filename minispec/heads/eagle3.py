@@ -94,9 +94,8 @@ class Eagle3Drafter(EagleDrafter):
         super().__init__(head)
         self.reads_states = head.taps  # what the target's forwards return beside their logits
 
-    def accept(self, tokens, tokens_on_device, seen=None):
-        fed, states = seen
-        super().accept(tokens, tokens_on_device, (fed, self.model.fuse(states)))
+    def inputs(self, states):
+        return self.model.fuse(states)
 
 
 def default_taps(n_layers):
