@@ -161,10 +161,8 @@ def print_stream(chunks, tokenizer, show, stops=None):
 
 def prompts_for(args, target):
     """([prompts as generate() takes them], whether they are chat prompts)."""
-    if args.prompt_ids is not None:
-        texts = [args.prompt_ids]
-    else:
-        texts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, "--prompts-file")
+    texts = ([args.prompt_ids] if args.prompt_ids is not None
+             else args.prompt or read_prompts_file(args.prompts_file, "--prompts-file"))
     if any(not isinstance(text, str) for text in texts):
         if args.chat:
             raise ValueError("--chat needs the prompt as text (--prompt, or a prompts file of text lines)")
@@ -247,22 +245,17 @@ def logprobs_json(out):
 def check_flags(args):
     for flag, texts in (("--prompt", args.prompt), ("--stop", args.stop), ("--system", [args.system])):
         for text in filter(None, texts or ()):  # "" and None: nothing to check
-            check_text(flag, text)
+            try:  # text from the command line that is not UTF-8 reaches Python as lone surrogates (PEP 383)
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"{flag} is not UTF-8 text: byte {ord(text[error.start]) - 0xDC00:#04x} at "
+                                 f"character {error.start}") from None
     minispec.Settings(draft=args.draft, **settings_of(args))
     check_threads(args)
     check_values(args, dict.fromkeys(("--repeats", "--batch-size"), AT_LEAST_ONE))
     several = len(args.prompt or []) > 1 or args.prompts_file is not None
     if several and (args.show or args.compare):
         raise ValueError("--show and --compare take one prompt (--prompt once)")
-
-
-def check_text(flag, text):
-    """Text from the command line that is not UTF-8 reaches Python as lone surrogates (PEP 383)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"{flag} is not UTF-8 text: byte {ord(text[error.start]) - 0xDC00:#04x} at character "
-                         f"{error.start}") from None
 
 
 def load_models(args):
@@ -272,8 +265,7 @@ def load_models(args):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv or DEFAULT_ARGS)
+    args = parse_args((sys.argv[1:] if argv is None else argv) or DEFAULT_ARGS)
     settings = settings_of(args)
     baseline_settings = {**settings, "draft_beams": None, "tree": None}
     rank = tp_rank(args)

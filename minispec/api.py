@@ -28,9 +28,6 @@ from .models.llama import Llama
 from .settings import GAMMA_MAX, Settings
 
 
-OMP_PAUSE_HARD = 2  # omp_pause_resource_all's kind that ends the calling thread's idle workers
-
-
 # load_model (its help() too), whose dtype may also be a name ("float32"), as the reference implementation takes it
 @functools.wraps(load_model)
 def load(name_or_path, device="cpu", dtype=None, **options):
@@ -43,9 +40,8 @@ def load(name_or_path, device="cpu", dtype=None, **options):
 
 
 def release_openmp_workers():
-    """End this thread's idle OpenMP workers (libgomp's, torch's on Linux; elsewhere nothing; the next region makes
-    them again): two threads' pools (a model loaded on one thread and used on another, a server's scheduler) make
-    libgomp cut its spin-waits short, and each parallel region then waits for sleeping workers."""
+    """End this thread's idle OpenMP workers (libgomp's; the next region makes them again): with two threads' pools
+    libgomp cuts its spin-waits short, and each parallel region then waits for sleeping workers."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libgomp" in line}
@@ -55,7 +51,7 @@ def release_openmp_workers():
         with suppress(OSError):  # no library there now (replaced since it was loaded: "... (deleted)")
             pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # libgomp of GCC 9 and later
             if pause is not None:
-                pause(OMP_PAUSE_HARD)
+                pause(2)  # omp_pause_hard: the calling thread's idle workers end
 
 
 def prompt_tensor(model, prompt):
@@ -156,8 +152,11 @@ class Request:
             with named("beams" if settings.beams != 1 else "draft_beams"):
                 draft_beams = beam.check_settings(settings.beams, draft_beams, drafter, sampling, settings.lenience)
         texts = [settings.stop] if isinstance(settings.stop, str) else settings.stop or ()
+        token = Check(integer(0, target.vocab_size - 1), f"must be token ids in [0, {target.vocab_size})")
+        ids = [] if settings.ignore_eos else list(target.eos_token_ids)
         with named("stop"):
-            stop = Stop(stop_ids(target, settings.ignore_eos, settings.stop_token_ids), texts, target.tokenizer)
+            stop = Stop(ids + [token("stop_token_ids", t) for t in settings.stop_token_ids or ()], texts,
+                        target.tokenizer)
         seed = secrets.randbits(63) if settings.seed is None else settings.seed
         if settings.seed is None and target.tp is not None:  # ranks draw alike only from one seed: rank 0's
             seed = target.tp.from_first(seed)[0]
@@ -186,12 +185,6 @@ def state_layers_of(target, layers):
     Check(lambda v: isinstance(v, (list, tuple)) and bool(v) and all(integer(0, count)(i) for i in v),
           f"must be a list of layer indices in [0, {count}]")("state_layers", layers)
     return tuple(layers)
-
-
-def stop_ids(target, ignore_eos, extra):
-    ids = [] if ignore_eos else list(target.eos_token_ids)
-    check = Check(integer(0, target.vocab_size - 1), f"must be token ids in [0, {target.vocab_size})")
-    return ids + [check("stop_token_ids", token) for token in extra or ()]
 
 
 @contextmanager
@@ -241,8 +234,7 @@ def available_memory(device):
 
 
 def models_of(request):
-    draft = request.drafter.model if request.drafter else None
-    return [request.target] + ([draft] if draft is not None else [])
+    return [model for model in (request.target, request.drafter and request.drafter.model) if model is not None]
 
 
 def check_lengths(requests):
@@ -340,8 +332,7 @@ def generate(target, prompt, *, batch_size=None, on_tokens=None, prefix_cache=No
     # a list of texts, token lists or tensors is a batch; any other list is one prompt's ids
     batched = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple,
                                                                                            torch.Tensor))
-    seed = settings.get("seed")
-    seeds = seed if batched and isinstance(seed, (list, tuple)) else None
+    seeds = settings.get("seed") if batched and isinstance(settings.get("seed"), (list, tuple)) else None
     if seeds is not None and len(seeds) != len(prompt):
         raise SettingError("seed", f"seed: a list of seeds needs one per prompt, got {len(seeds)} for {len(prompt)} "
                                    "prompts")

@@ -41,9 +41,8 @@ def exit_status(main):
 
 
 def exit_now(status):
-    """Ends the process with `status` once the atexit handlers ran (the suffix store's save among them) and
-    stdout and stderr are flushed, without the interpreter's teardown: freeing a loaded model object by object
-    took half a second of a one-shot call."""
+    """Ends the process with `status` once the atexit handlers ran and stdout and stderr are flushed, skipping the
+    interpreter's teardown: freeing a loaded model object by object took half a second of a one-shot call."""
     if "torch" not in sys.modules:  # --help, a bad flag: nothing heavy to tear down
         sys.exit(status)
     atexit._run_exitfuncs()

@@ -29,13 +29,12 @@ def loads_model(draft):
 
 
 def load_draft(draft, target, compile=False, draft_quantize=None, group_size=quant.DEFAULT_GROUP_SIZE):
-    """The draft as generate() takes it: None for "none", a model-free or self-draft name as it is, a head folder's
-    head, "D,suffix" both (one tree, decoding/mixed.py), or a model loaded like the target (whole on every rank of
-    a sharded one), quantized as `draft_quantize` says."""
+    """The draft as generate() takes it: None for "none", a name as it is, a head folder's head, "D,suffix" both
+    (decoding/mixed.py), or a model loaded like the target (whole on every rank), quantized as `draft_quantize` says."""
     if isinstance(draft, str) and "," in draft:
         return [load_draft(part, target, compile, None if part in MODEL_FREE_NAMES else draft_quantize, group_size)
                 for part in draft.split(",")]
-    if draft in (None, "none") or draft in MODEL_FREE_NAMES or draft in SELF_DRAFT_MODES:
+    if draft in (None, "none", *MODEL_FREE_NAMES, *SELF_DRAFT_MODES):
         if draft_quantize is not None:
             raise ValueError(f"--draft-quantize quantizes a draft model; --draft {draft} loads none")
         return None if draft == "none" else draft

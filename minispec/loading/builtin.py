@@ -50,8 +50,7 @@ HUB_FILES = [
 
 
 def download_from_hub(repo_id):
-    """Fetch only the files minispec needs (honouring the hub cache, HF_HOME and HF_HUB_OFFLINE), with progress
-    bars on a terminal only: in a log they are lines of redraws."""
+    """Fetch only the files minispec needs, with progress bars on a terminal only: in a log they are redraws."""
     # Imported here: its HTTP stack slows every start, and only a checkpoint given by its hub id needs it.
     from huggingface_hub import snapshot_download, utils
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -75,8 +74,7 @@ def download_from_hub(repo_id):
 
 
 def resolve(name_or_path, keep_quantized=False, check=None):
-    """A local checkpoint directory for what is not one: a .gguf file (converted once into the weights
-    folder, its quantized tensors kept quantized if asked), a built-in name, or a hub id to fetch."""
+    """A local checkpoint directory for what is not one: a .gguf file (converted once), a built-in name or a hub id."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -94,10 +92,9 @@ def resolve(name_or_path, keep_quantized=False, check=None):
 
 
 def import_gguf(gguf_path, name=None, keep_quantized=False, check=None, digest=None):
-    """The checkpoint converted from a GGUF file on first use: weights/<name>/, or weights/<file stem>-<its
-    SHA-256>[-quantized]/. It is found again only by the hash of the file's content (`digest`, if the caller
-    has it; else the one recorded while the file is unwritten since) in its gguf.COMPLETE mark, and kept only
-    once `check` has loaded it."""
+    """The checkpoint converted from a GGUF file on first use (weights/<name or stem-SHA-256>[-quantized]/), found
+    again only by the hash of the file's content (`digest`, or the one recorded while the file is unchanged) in
+    its gguf.COMPLETE mark, and kept only once `check` has loaded it."""
     gguf_path, suffix = Path(gguf_path).expanduser(), "-quantized" if keep_quantized else ""
     try:
         stamp = None if digest else stamp_of(gguf_path)  # a caller that knows the hash needs none recorded

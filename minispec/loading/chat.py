@@ -19,8 +19,7 @@ class ChatTemplateError(ValueError):
 
 
 class Generation(jinja2.ext.Extension):
-    """{% generation %} ... {% endgeneration %}: the reference's mark of the assistant's text (for training
-    masks); rendered, it is its body."""
+    """{% generation %}...{% endgeneration %}, the reference's mark of the assistant's text (for training): its body."""
 
     tags = {"generation"}
 
@@ -54,8 +53,7 @@ def compiled(template):
 
 
 def render(template, messages, add_generation_prompt=True, **variables):
-    """The text of `messages` in the chat `template` (its Jinja source), as the reference's
-    apply_chat_template(messages, tokenize=False) gives it; `variables` are the template's other inputs."""
+    """The text of `messages` in the chat `template` (Jinja source) as the reference's apply_chat_template gives it."""
     if template is None:
         raise ChatTemplateError(NO_TEMPLATE)
     if not messages:
@@ -104,8 +102,7 @@ def chat_prompt(tokenizer, conversation, system=None, special_tokens_in_content=
 
 
 def user_turn_start(tokenizer):
-    """Token ids of a chat up to where the user's first message starts, which a chat model continues with a
-    user's message of its own (Magpie: how minispec.heads writes prompts to train on)."""
+    """Token ids of a chat up to the user's first message, which a chat model continues with one of its own (Magpie)."""
     template = tokenizer.chat_template
     mark = next(free_characters(template or ""))
     text = render(template, [{"role": "user", "content": mark}], add_generation_prompt=False, **special_tokens(tokenizer))
@@ -136,8 +133,7 @@ def mapped(value, function):
 
 
 def masked_specials(template, messages, specials):
-    """{text: mask} for each special token's text in the messages: a character of its own that the template
-    writes in its place, put back as plain text once rendered."""
+    """{text: mask}: a character of its own for each special token's text in the messages, plain text once rendered."""
     texts = []
     mapped(messages, texts.append)
     found = [special for special in specials if any(special in text for text in texts)]
@@ -145,8 +141,7 @@ def masked_specials(template, messages, specials):
 
 
 def encoded(tokenizer, text, specials, unmask):
-    """Token ids of a rendered chat: the template's special tokens as those tokens, the text between them,
-    `unmask`'s characters put back, as plain text."""
+    """Token ids of a rendered chat: the template's special tokens as tokens, the text between them as plain text."""
     if not unmask:  # then this is what the reference does
         return tokenizer.encode(text, add_special_tokens=False)
     # Cut where the tokenizer cuts the text too: at the template's special tokens, with the spaces they strip.

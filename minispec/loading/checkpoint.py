@@ -67,10 +67,8 @@ def check_shapes(model, weights, source, stored=None):
         raise CheckpointError(f"{source}: unexpected tensor(s) {', '.join(unexpected[:5])}")
     for name, tensor in weights.items():
         if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"{source}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but the config "
-                f"implies {tuple(expected[name].shape)}"
-            )
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but "
+                                  f"the config implies {tuple(expected[name].shape)}")
 
 
 # The safetensors dtypes of float weights: a cast would turn any other into wrong numbers without a word.
@@ -166,8 +164,7 @@ def load_tokenizer(directory, model_type=""):
 
 
 def read_tokenizer(directory, model_type, config, chat_template):
-    """tokenizer.json where it is a byte-level BPE, else the SentencePiece model beside it, checked; `model_type`
-    tells T5's where file names do not."""
+    """tokenizer.json where it is a byte-level BPE, else the SentencePiece model beside it (`model_type` tells T5's)."""
     sentencepiece_file = next((directory / n for n in VOCABULARY_FILES[1:] if (directory / n).is_file()), None)
     spec_file = directory / "tokenizer.json"
     if spec_file.is_file():
@@ -202,9 +199,8 @@ def read_checkpoint(directory, world=None, dtype=None, keep=False):
     hf_config = read_config(directory)
     model_type = hf_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
-        raise CheckpointError(
-            f"{directory}: unknown model_type {model_type!r}; minispec supports {', '.join(sorted(FAMILIES))}"
-        )
+        raise CheckpointError(f"{directory}: unknown model_type {model_type!r}; minispec supports "
+                              f"{', '.join(sorted(FAMILIES))}")
     config_class, model_class, convert = family(model_type)
     files = weight_files(directory)
     dtypes = read_dtypes(files)
@@ -277,9 +273,8 @@ def kept_weights(directory, model_type, dtype, files, read):
     """(weights, the files they map): read(dtype)'s weights kept in a file of the weights folder, written again
     once the checkpoint's files or the family's code change; in memory where that file cannot be written."""
     directory = Path(directory).resolve()
-    file = kept_file(f"{directory}|{dtype}")
-    code = Path(importlib.import_module(f"minispec.models.{FAMILIES[model_type]}").__file__).read_bytes()
-    made_from = f"{fingerprint(directory, None, None)}|{hashlib.sha256(code).hexdigest()[:20]}"
+    file, made_from = kept_file(f"{directory}|{dtype}", fingerprint(directory, None, None),
+                                [importlib.import_module(f"minispec.models.{FAMILIES[model_type]}")])
     if kept_metadata(file).get("made_from") != made_from:
         weights = read(dtype)
         try:  # save_safetensors makes the folder
@@ -301,9 +296,7 @@ def kept_int4_draft(model):
     quantizes and packs them change; not kept for a small draft, or where the kernels do not take them."""
     from .. import native  # the packed layout's writer: its code decides whether a kept file is current
     from ..models import quant
-    file = kept_file(f"{model.directory}|int4 draft")
-    code = b"".join(Path(module.__file__).read_bytes() for module in (quant, native))
-    made_from = f"{model.fingerprint}|{hashlib.sha256(code).hexdigest()[:20]}"
+    file, made_from = kept_file(f"{model.directory}|int4 draft", model.fingerprint, (quant, native))
     fingerprint = model.fingerprint
     if kept_metadata(file).get("made_from") != made_from:
         int4 = set(filter(lambda module: isinstance(module, quant.Int4Linear), model.modules()))  # quantized at load
@@ -344,9 +337,11 @@ def kept_int4_draft(model):
     return replaced
 
 
-def kept_file(key):
-    """The weights folder's file keeping what `key` names (a checkpoint folder, and what of it is kept)."""
-    return weights_dir() / "kept" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+def kept_file(key, source, modules):
+    """(the weights folder's file keeping what `key` names, what it is made from: `source` and `modules`' code)."""
+    code = b"".join(Path(module.__file__).read_bytes() for module in modules)
+    made_from = f"{source}|{hashlib.sha256(code).hexdigest()[:20]}"
+    return weights_dir() / "kept" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors", made_from
 
 
 def kept_metadata(file):
@@ -359,16 +354,12 @@ def kept_metadata(file):
 
 
 def sweep_kept(folder):
-    """Delete the kept weights of checkpoint folders that are gone (a temporary one, a conversion redone), and the
-    partial files of writers killed before they could remove them."""
-    for file in folder.glob("*.safetensors"):
-        directory = kept_metadata(file).get("directory")
-        if directory and not Path(directory).is_dir():
-            with suppress(OSError):
-                file.unlink()
-    for left in abandoned_partials(folder):
+    """Delete the kept weights of checkpoint folders that are gone, and the partial files of killed writers."""
+    gone = [file for file in folder.glob("*.safetensors")
+            if (directory := kept_metadata(file).get("directory")) and not Path(directory).is_dir()]
+    for file in gone + list(abandoned_partials(folder)):
         with suppress(OSError):
-            left.unlink()
+            file.unlink()
 
 
 def cut_padding(model, weights, stored, rows):
@@ -404,8 +395,7 @@ def check_cast_and_release(weights, source, dtype=None, files=()):
 
 
 def check_checkpoint(directory):
-    """A folder read and checked as load_model reads it (a conversion, before it is kept), its quantized
-    weights rewritten in the layout the native kernels read."""
+    """A conversion read and checked as load_model reads it, its quantized weights rewritten in the kernels' layout."""
     if read_checkpoint(directory).stored:
         release_freed_memory()  # the fused copies that reading made, before a load makes them again
         from .packed import pack_stored  # quantized checkpoints only

@@ -13,7 +13,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -206,10 +206,8 @@ PROGRESS_MIN_BYTES = 64 << 20  # files with less quantized data convert too fast
 
 def check_supported(tensor):
     if tensor.data is None:
-        raise ValueError(
-            f"tensor {tensor.name!r} uses unsupported quantization type {tensor.type}; "
-            f"minispec reads {', '.join([*FLOAT_TYPES, *QUANT_TYPES])}"
-        )
+        raise ValueError(f"tensor {tensor.name!r} uses unsupported quantization type {tensor.type}; "
+                         f"minispec reads {', '.join([*FLOAT_TYPES, *QUANT_TYPES])}")
 
 
 def dequantize(tensor):
@@ -391,13 +389,9 @@ def gemma_config(get, config, head_dim, arch):
 
 def token_ids(metadata, keys, vocab_size):
     """{name: id} of the special tokens in the metadata ({name: tokenizer.ggml key}), each a token of the vocabulary."""
-    ids = {}
-    for name, key in keys.items():
-        key = f"tokenizer.ggml.{key}"
-        if key in metadata:
-            ids[name] = meta(metadata, key, Check(integer(0, vocab_size - 1),
-                                                  f"must be a token id from 0 to {vocab_size - 1}"))
-    return ids
+    token_id = Check(integer(0, vocab_size - 1), f"must be a token id from 0 to {vocab_size - 1}")
+    return {name: meta(metadata, f"tokenizer.ggml.{key}", token_id) for name, key in keys.items()
+            if f"tokenizer.ggml.{key}" in metadata}
 
 
 def special_token_ids(metadata, vocab_size):
@@ -428,17 +422,6 @@ def rope_scaling(metadata, arch, tensors, head_dim, theta):
 LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR = 1.0, 4.0  # Meta's Llama 3 rope scaling values, the same for every 3.x
 
 
-def llama3_factors(head_dim, theta, factor, original_context):
-    """Per-frequency divisors of Llama 3 rope scaling, computed as llama.cpp's converter does."""
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelength = 2 * math.pi * theta ** (i / head_dim)
-        smooth = (original_context / wavelength - LOW_FREQ_FACTOR) / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR)
-        smooth = min(max(smooth, 0.0), 1.0)  # 0: long wavelengths, divided by factor; 1: short ones, kept
-        out.append(1 / ((1 - smooth) / factor + smooth))
-    return out
-
-
 def llama3_rope_scaling(freq_factors, head_dim, theta):
     """The HF llama3 rope_scaling that made llama.cpp's rope_freqs tensor, with Meta's frequency factors: the
     factor is the largest divisor; the original context follows from any divisor between 1 and it (without
@@ -455,7 +438,10 @@ def llama3_rope_scaling(freq_factors, head_dim, theta):
     else:
         kept = [w for w, f in zip(wavelengths, freq_factors) if f < 1 + 1e-6]
         original = 2 ** math.ceil(math.log2(HIGH_FREQ_FACTOR * max(kept, default=0.25)))
-    expected = llama3_factors(head_dim, theta, factor, original)
+    # the divisors those give, as llama.cpp's converter computes them (smooth 0: long wavelengths, divided by factor)
+    smooth = [min(max((original / w - LOW_FREQ_FACTOR) / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR), 0.0), 1.0)
+              for w in wavelengths]
+    expected = [1 / ((1 - s) / factor + s) for s in smooth]
     if len(freq_factors) != head_dim // 2 or any(abs(a - b) > 1e-3 * b for a, b in zip(freq_factors, expected)):
         raise ValueError("GGUF rope_freqs.weight is not Llama 3 rope scaling (low/high frequency factors 1 and 4)")
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": LOW_FREQ_FACTOR,
@@ -495,32 +481,30 @@ def kept_quantized(tensors, source=None):
 
 
 def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False, source=None):
-    """{HF name: tensor}, dequantized (llama's q/k rows un-permuted) and cast to `dtype` if given, or kept
-    quantized as `<name>.qweight`, `.scales`, `.offsets`."""
+    """{HF name: tensor}: dequantized, cast to `dtype` if given, or kept quantized (<name>.qweight, .scales...)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     stored = kept_quantized(tensors, source) if keep_quantized else {}
     quantized_bytes = sum(t.data.numel() for t in tensors.values() if t.type in QUANT_TYPES)
-    bar = tqdm(total=quantized_bytes, bar_format="minispec: converted {percentage:.0f}% of {total_fmt}iB",
-               unit_scale=True, unit_divisor=1024, disable=not progress or quantized_bytes < PROGRESS_MIN_BYTES)
     weights = {}
-    for name, tensor in tensors.items():
-        if name == ROPE_FREQS:
-            continue
-        target, kind = hf_name(name, config["model_type"]), name.split(".")[-2]
-        llama_qk = config["model_type"] == "llama" and kind in heads
-        rows = partial(unpermute, n_head=heads[kind]) if llama_qk else (lambda weight: weight)
-        if name in stored:
-            prefix = target.removesuffix(".weight")
-            weights.update({f"{prefix}.{key}": rows(value) for key, value in stored[name].items()})
-        else:
-            weight = rows(dequantize(tensor))
-            if config["model_type"] in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
-                weight = weight - 1  # llama.cpp stores Gemma's norm weights w as the 1 + w they scale by
-            weights[target] = weight if dtype is None else weight.to(dtype)
-        if source and tensor.type in QUANT_TYPES and name not in stored:  # its pages: read, and copied
-            release_file_pages([source])
-        bar.update(tensor.data.numel() if tensor.type in QUANT_TYPES else 0)
-    bar.close()
+    with tqdm(total=quantized_bytes, bar_format="minispec: converted {percentage:.0f}% of {total_fmt}iB",
+              unit_scale=True, unit_divisor=1024, disable=not progress or quantized_bytes < PROGRESS_MIN_BYTES) as bar:
+        for name, tensor in tensors.items():
+            if name == ROPE_FREQS:
+                continue
+            target, kind = hf_name(name, config["model_type"]), name.split(".")[-2]
+            llama_qk = config["model_type"] == "llama" and kind in heads
+            rows = partial(unpermute, n_head=heads[kind]) if llama_qk else (lambda weight: weight)
+            if name in stored:
+                prefix = target.removesuffix(".weight")
+                weights.update({f"{prefix}.{key}": rows(value) for key, value in stored[name].items()})
+            else:
+                weight = rows(dequantize(tensor))
+                if config["model_type"] in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
+                    weight = weight - 1  # llama.cpp stores Gemma's norm weights w as the 1 + w they scale by
+                weights[target] = weight if dtype is None else weight.to(dtype)
+            if source and tensor.type in QUANT_TYPES and name not in stored:  # its pages: read, and copied
+                release_file_pages([source])
+            bar.update(tensor.data.numel() if tensor.type in QUANT_TYPES else 0)
     return weights
 
 
@@ -529,13 +513,12 @@ def hf_weights(tensors, config, dtype=None, progress=False, keep_quantized=False
 
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                   "pad_token": "padding_token_id"}  # tokenizer_config.json name -> tokenizer.ggml key
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def split_then_bytes(regex):
+def split_then_bytes(digits):
+    """Llama 3's and Qwen2's pre-tokenizer: their regexes differ only in the digits a piece takes."""
+    regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + digits +
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
     split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
     return {"type": "Sequence", "pretokenizers": [split, {**BYTE_LEVEL, "use_regex": False}]}
 
@@ -545,8 +528,8 @@ PRE_TOKENIZERS = {
     "gpt-2": (None, BYTE_LEVEL),
     "smollm": (None, {"type": "Sequence",
                       "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]}),
-    "qwen2": ({"type": "NFC"}, split_then_bytes(QWEN2_REGEX)),
-    "llama-bpe": (None, split_then_bytes(LLAMA3_REGEX)),
+    "qwen2": ({"type": "NFC"}, split_then_bytes("")),
+    "llama-bpe": (None, split_then_bytes("{1,3}")),
     # Gemma's SentencePiece vocabulary (tokenizer.ggml.model 'llama'): spaces as "▁", bytes outside it as <0xNN>
     "gemma": (SPACES, {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}),
 }
@@ -561,8 +544,7 @@ def merges_by_rank(tokens):
 
 
 def tokenizer_files(metadata, vocab_size):
-    """{file name: JSON content} of tokenizer.json and tokenizer_config.json ({} without a vocabulary), for
-    an embedding of `vocab_size` rows."""
+    """{file name: JSON content} of tokenizer.json and tokenizer_config.json ({} without a vocabulary)."""
     model = meta(metadata, "tokenizer.ggml.model", TEXT, None)
     if model is None:
         return {}
@@ -585,12 +567,9 @@ def tokenizer_files(metadata, vocab_size):
     types = meta(metadata, "tokenizer.ggml.token_type", list_of(INTEGER, "integers"), [TokenType.NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise ValueError(f"GGUF metadata tokenizer.ggml.token_type holds {len(types)} types for {len(tokens)} tokens")
-    added = [
-        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": kind == TokenType.CONTROL}
-        for i, kind in enumerate(types)
-        if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and tokens[i] == spelled[i]
-    ]
+    added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": kind == TokenType.CONTROL} for i, kind in enumerate(types)
+             if kind in (TokenType.CONTROL, TokenType.USER_DEFINED) and tokens[i] == spelled[i]]
     ids = token_ids(metadata, SPECIAL_TOKENS, len(tokens))
     bos = ids.get("bos_token") if meta(metadata, "tokenizer.ggml.add_bos_token", FLAG, False) else None
     eos = ids.get("eos_token") if meta(metadata, "tokenizer.ggml.add_eos_token", FLAG, False) else None
@@ -685,45 +664,41 @@ def staging(target):
     body ends, fails or SIGTERM arrives, or by the next sweep_partials if the process is killed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     sweep_partials(target)
-    folder = os.open(target.parent, os.O_RDONLY)
-    try:
-        try_lock(folder, fcntl.LOCK_SH)  # released however the process ends; waits only while another sweeps
-        with sigterm_raises() as held:
-            staged = None
-            try:
-                with held():
-                    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
-                yield staged
-            finally:
-                with held():
-                    if staged:
-                        shutil.rmtree(staged, ignore_errors=True)
-    finally:
-        os.close(folder)  # and with it the lock
+    # the lock: released however the process ends; waits only while another sweeps
+    with locked(target.parent, fcntl.LOCK_SH), sigterm_raises() as held:
+        staged = None
+        try:
+            with held():
+                staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+            yield staged
+        finally:
+            with held():
+                if staged:
+                    shutil.rmtree(staged, ignore_errors=True)
 
 
 def sweep_partials(target):
     """Remove the partials of `target` that killed processes left, while no process writes one (the lock)."""
+    # OSError: no folder yet, or none this process may read: nothing it could sweep
+    with suppress(OSError), locked(target.parent, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
+        for stale in target.parent.glob(glob.escape(f".{target.name}.partial-") + "*") if held else ():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def locked(folder, operation):
+    """Whether fcntl.flock took `folder`'s lock, held through the body; False where another process holds it or the
+    file system has none (partials are then never swept, rather than swept while they are written)."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        folder = os.open(target.parent, os.O_RDONLY)
-    except OSError:  # no folder yet, or none this process may read: nothing it could sweep
-        return
-    try:
-        if try_lock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB):
-            for stale in target.parent.glob(glob.escape(f".{target.name}.partial-") + "*"):
-                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            fcntl.flock(fd, operation)
+            held = True
+        except OSError:
+            held = False
+        yield held
     finally:
-        os.close(folder)
-
-
-def try_lock(fd, operation):
-    """fcntl.flock; False where another process holds the lock or the file system has none (partials are then
-    never swept, rather than swept while they are written)."""
-    try:
-        fcntl.flock(fd, operation)
-        return True
-    except OSError:
-        return False
+        os.close(fd)  # and with it the lock
 
 
 @contextmanager
@@ -733,23 +708,20 @@ def sigterm_raises():
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield nullcontext
         return
-    holding, pending = [False], []
 
     def terminate(signum, frame):
-        if holding[0]:
-            pending.append(signum)
-            return
         raise SystemExit(128 + signum)  # the exit status of a process SIGTERM ended
 
     @contextmanager
     def held():
-        holding[0] = True
+        pending = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
         try:
             yield
         finally:
-            holding[0] = False
+            signal.signal(signal.SIGTERM, terminate)
             if pending:
-                raise SystemExit(128 + pending[0])
+                terminate(pending[0], None)
 
     signal.signal(signal.SIGTERM, terminate)
     try:

@@ -14,8 +14,7 @@ def pack_stored(directory, model):
     tensors = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        for key, tensor in module.named_parameters(prefix=name, recurse=False):
-            tensors[key] = tensor
+        tensors.update(module.named_parameters(prefix=name, recurse=False))
         for key, tensor in module._buffers.items():
             if tensor is not None and key not in module._non_persistent_buffers_set:
                 tensors[prefix + ("packed_" if getattr(module, "native", False) else "") + key] = tensor
@@ -23,8 +22,7 @@ def pack_stored(directory, model):
 
 
 def unpacked_unless_taken(model, stored, device, tp):
-    """The checkpoint's quantized weights, those in the kernels' layout unpacked to the stored form where
-    these kernels do not take them as they are (another device or backend, a sharded model)."""
+    """The quantized weights, those in the kernels' layout unpacked where these kernels do not take them as they are."""
     shapes = {name: model.get_submodule(name).weight.shape for name in stored}
     if all("packed_weight" not in parts or tp is None and backend.current().takes_quantized(
             shapes[name][1], shapes[name][1] // parts["packed_scales"].shape[1], device)

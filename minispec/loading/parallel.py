@@ -37,8 +37,7 @@ def join_timeout():
 
 
 def launch(tp, device):
-    """(world size, this rank's torch.device; "cuda": the local rank's GPU), or a one-line ValueError for a setup
-    that cannot run: nothing is joined yet."""
+    """(world size, this rank's device: "cuda" is the local rank's GPU), or a one-line ValueError; none joined yet."""
     if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
         raise ValueError(f"tp must be an integer >= 1 (the number of processes the target is sharded over), got {tp!r}")
     try:
@@ -78,14 +77,12 @@ def launch(tp, device):
 
 
 def join(device):
-    """The TensorParallel of this process: the default group (joined here if the launcher has not), and under
-    NCCL a gloo group beside it for host values."""
-    global host_group, joined
-    if not joined:
-        # Reference cycles holding the collectives' objects, destroyed in the interpreter's teardown, can
-        # abort the process (std::terminate in gloo) after its work is done; collected before, they do not.
-        atexit.register(gc.collect)
-    joined = True
+    """This process's TensorParallel: the default group (joined if not yet), under NCCL a gloo one for host values."""
+    global host_group
+    # Reference cycles holding the collectives' objects, destroyed in the interpreter's teardown, can
+    # abort the process (std::terminate in gloo) after its work is done; collected before, they do not.
+    atexit.unregister(gc.collect)  # registered once, however often the process joins
+    atexit.register(gc.collect)
     backend = BACKENDS[device.type]
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -107,12 +104,10 @@ def join(device):
 
 
 host_group = None
-joined = False  # whether this process has joined a process group
 
 
 def leave():
-    """Leave the process group at the end of a run: a barrier first, so that no rank closes its connections
-    while a peer still receives."""
+    """Leave the process group after a barrier, so that no rank closes its connections while a peer receives."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -12,19 +12,16 @@ WHITESPACE = "[\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*
 
 def added_token_regex(tokens):
     """One regex matching any of `tokens` (longest first: the reference's leftmost-longest search) with the
-    whitespace lstrip/rstrip tokens swallow; group k is tokens[k - 1]. None for no tokens."""
-    if not tokens:
-        return None
+    whitespace lstrip/rstrip tokens swallow; group k is tokens[k - 1]. For no tokens, one that never matches."""
     return re.compile("|".join(
         f"({WHITESPACE if t.get('lstrip') else ''}{re.escape(t['content'])}{WHITESPACE if t.get('rstrip') else ''})"
-        for t in tokens))
+        for t in tokens) or "(?!)")
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model (tokenizer.model, spiece.model) with the Hugging Face conventions:
-    Llama-style models add BOS, T5 appends EOS; added tokens (tokenizer_config.json's
-    added_tokens_decoder, T5's <extra_id_N>, and the model's control symbols) are cut out of the text
-    first, each stretch of text between them encoded on its own as Llama's "legacy" tokenizer does."""
+    """A SentencePiece model with the Hugging Face conventions: Llama-style models add BOS, T5 appends EOS; added
+    tokens (added_tokens_decoder, T5's <extra_id_N>, the model's control symbols) are cut out of the text first,
+    each stretch of text between them encoded on its own as Llama's "legacy" tokenizer does."""
 
     def __init__(self, model_file, config, chat_template, t5):
         import sentencepiece
@@ -64,7 +61,7 @@ class SentencePieceTokenizer(Tokenizer):
         # SentencePiece reads no special token's text as that token: split_special_tokens needs nothing more.
         regex, tokens = self.matchers[split_special_tokens]
         ids, start = [], 0
-        for match in regex.finditer(text) if regex else ():
+        for match in regex.finditer(text):
             ids += self.sp.encode(text[start:match.start()]) + [tokens[match.lastindex - 1]["id"]]
             start = match.end()
         return ids + self.sp.encode(text[start:])

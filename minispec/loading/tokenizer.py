@@ -94,8 +94,7 @@ class Tokenizer:
         self.prefix, self.suffix = [], []  # ids that add_special_tokens puts around the text (BOS, EOS)
 
     def encode(self, text, add_special_tokens=True, split_special_tokens=False):
-        """Token ids of `text`; split_special_tokens (the reference's option): special tokens' text in it is
-        plain text, as for text from an untrusted user."""
+        """Token ids of `text`; split_special_tokens: special tokens' text in it is plain text (an untrusted user's)."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         ids = self.encode_text(text, split_special_tokens)
@@ -196,10 +195,9 @@ def pre_tokenizer_step(kind, spec, where):
         behavior = check(spec, "behavior", TEXT, where=f"{where}.")
         if behavior not in ("Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"):
             raise UnsupportedTokenizer(f"Split behavior {behavior!r} is not supported")
-        if "Regex" in pattern:
-            pattern = {"Regex": check_regex(check(pattern, "Regex", TEXT, where=f"{where}.pattern."))}
-        else:
-            pattern = {"String": check(pattern, "String", TEXT, where=f"{where}.pattern.")}
+        key = "Regex" if "Regex" in pattern else "String"
+        text = check(pattern, key, TEXT, where=f"{where}.pattern.")
+        pattern = {key: check_regex(text) if key == "Regex" else text}
         return [{"type": kind, "pattern": pattern, "behavior": behavior,
                  "invert": check(spec, "invert", FLAG, False, f"{where}.")}]
     if kind == "Digits":

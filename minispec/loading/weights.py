@@ -38,8 +38,7 @@ def log(message):
 
 
 def file_identity(path):
-    """A short hash of a file's absolute path, size and modification time: another file, or this one
-    rewritten, gets another (but for one rewritten with the same size and time)."""
+    """A short hash of a file's absolute path, size and mtime, which a rewrite changes (unless of the same both)."""
     stat = path.stat()
     return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
 
@@ -63,32 +62,29 @@ def read_json(file):
         raise CheckpointError(f"{file}: {error}") from None
 
 
-# The token ids minispec reads from config.json and generation_config.json.
-TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-
-
 def read_config(directory):
     """config.json, with generation_config.json's token ids in place of its own. The ids are checked to
     be ids here, where the file they come from is known; load_model checks them against the vocabulary."""
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    config = read_json(config_file)
-    check_token_ids(config, config_file)
+    config = read_token_ids(config_file)
     generation_file = Path(directory) / "generation_config.json"
     if generation_file.is_file():  # eos/bos ids there override the model config's, as in the reference
-        generation = read_json(generation_file)
-        check_token_ids(generation, generation_file)
+        generation = read_token_ids(generation_file)
         config.update({k: v for k, v in generation.items() if k.endswith("token_id") and v is not None})
     return config
 
 
-def check_token_ids(config, file):
-    for key in TOKEN_ID_KEYS:
+def read_token_ids(file):
+    """A config file, the token ids minispec reads from it checked."""
+    config = read_json(file)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         try:  # eos may be a list: generation stops at any of them
             check(config, key, TOKEN_IDS if key == "eos_token_id" else INDEX, None)
         except ValueError as error:
             raise CheckpointError(f"{file}: {error}") from None
+    return config
 
 
 def weight_files(directory):
@@ -208,8 +204,7 @@ PARTIAL = ".partial"  # write_whole's files: <name>.<process id>.<thread id>.par
 
 
 def abandoned_partials(folder):
-    """write_whole's partial files in `folder` whose writing process is gone: killed (SIGKILL, out of memory)
-    before it could remove them."""
+    """write_whole's partial files in `folder` whose writing process was killed before it could remove them."""
     for partial in Path(folder).glob(f"*.*.*{PARTIAL}"):
         with suppress(ValueError):
             if not running(int(partial.name.split(".")[-3])):
@@ -228,9 +223,8 @@ def running(pid):
 
 
 def write_whole(file, write, sync=False):
-    """write(path) into a partial file beside `file` (its folder made), then renamed over it: never half a file
-    under its name, and nothing left of it when write fails. `sync`: on the disk before it takes the old file's
-    place. The partial file is the writing thread's own: processes and threads may write one file at once."""
+    """write(path) into a partial file of the writing thread's own beside `file` (writers may race), then renamed
+    over it (`sync`: once on the disk): never half a file under its name, nothing left of it when write fails."""
     Path(file).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(file).with_name(f"{Path(file).name}.{os.getpid()}.{threading.get_ident()}{PARTIAL}")
     try:
@@ -256,10 +250,9 @@ def save_safetensors(tensors, file, metadata=None, sync=False):
     for name, tensor in tensors.items():
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"cannot write tensor {name}: dtype {tensor.dtype} has no safetensors name")
-        size = tensor.nbytes
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % ALIGN)
 

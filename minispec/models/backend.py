@@ -22,8 +22,7 @@ class PyTorch:
         return False
 
     def attend(self, q, k, v, mask, slots, scale):
-        """kernels.attend_cache's attention of q [B, H, R, d] float32, every row alone; slots: the cache
-        slot of each position (trees, kernels.key_slots), or None."""
+        """attend_cache of q [B, H, R, d] float32, every row alone; slots: each position's slot (trees) or None."""
         raise NotImplementedError
 
     def rms_norm(self, x, weight, eps):
@@ -39,8 +38,7 @@ class PyTorch:
         return False
 
     def pack_quantized(self, q, scales, offsets):
-        """A stored quantized weight (models/quant.py) as quantized_product reads it: (weight, scales,
-        offsets, steps), a quantized layer's buffers."""
+        """A stored quantized weight as quantized_product reads it: a layer's (weight, scales, offsets, steps)."""
         raise NotImplementedError
 
     def quantized_product(self, x, weight, scales, offsets, steps, group):

@@ -19,6 +19,7 @@ current length are never read and rolling back needs no clearing.
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple, Optional
 
 import torch
@@ -32,8 +33,7 @@ from .kernels import (attend_cache, can_pack, causal_mask, elementwise, linear, 
 # Eager forwards over more tokens (prompts) run in chunks of this many (CachedLM.eager_forward).
 PREFILL_CHUNK = 128
 
-# Marks a layer's part that torch.compile compiles once for all the layers of a graph (older PyTorch:
-# once per layer, which only takes longer).
+# Marks a layer's part that torch.compile compiles once for all the layers (older PyTorch: once per layer).
 compile_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
 
 
@@ -66,9 +66,8 @@ class Feed(NamedTuple):
 
     def layout(self, positions):
         """The trees' TreeLayout over `positions` cache positions (None: chains)."""
-        if self.parents is None:
-            return None
-        return tree_layout(self.lengths, self.parents, self.widths, self.tokens.shape[1], positions, self.tokens.device)
+        return None if self.parents is None else tree_layout(self.lengths, self.parents, self.widths,
+                                                             self.tokens.shape[1], positions, self.tokens.device)
 
 
 class KVCache(nn.Module):
@@ -84,8 +83,7 @@ class KVCache(nn.Module):
     first_row = 0  # the cache row of the forward's batch row 0 (set by CachedLM.rows_from)
 
     def update(self, input_pos, k, v):
-        """Write k, v [rows, heads, n, head_dim] into the batch rows from `first_row`, at positions
-        input_pos [n] or [rows, n]; return those rows."""
+        """Write k, v [rows, heads, n, head_dim] at input_pos [n] or [rows, n] of the rows from `first_row`."""
         rows = slice(self.first_row, self.first_row + k.shape[0])
         if input_pos.dim() == 1:
             self.k[rows].index_copy_(2, input_pos, k)
@@ -156,9 +154,8 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention of a Llama or Gemma layer over its KVCache: q, k and v from one fused
-    projection, each q and k head RMS-normed by `norm` first where the config has qk_norm, and rotated;
-    scores scaled by `scale` (None: head_dim^-0.5) and soft-capped by `softcap` (0: not)."""
+    """A Llama or Gemma layer's grouped-query attention over its KVCache, q, k and v from one fused projection
+    (q and k heads normed first where config.qk_norm); scores scaled by `scale`, soft-capped by `softcap` (0: not)."""
 
     def __init__(self, config, window, norm, out_bias, scale=None, softcap=0.0):
         super().__init__()
@@ -219,13 +216,9 @@ class CachedLM(nn.Module):
         super().__init__()
         self.length = 0  # number of valid positions in the KV caches
         self.encoder_calls = 0  # stays 0 for decoder-only models
-        self.cache_batch_size = 0
-        self.cache_max_seq_len = 0
+        self.cache_batch_size = self.cache_max_seq_len = 0
         # Set by the loader (minispec.loading.checkpoint.load_model): tokenizer and special token ids.
-        self.tokenizer = None
-        self.bos_token_id = None
-        self.eos_token_ids = ()
-        self.pad_token_id = None
+        self.tokenizer, self.bos_token_id, self.eos_token_ids, self.pad_token_id = None, None, (), None
         self.name = type(self).__name__
         self.fingerprint = None  # set by the loader: the checkpoint's files
         self.directory = None  # set by the loader: the checkpoint folder read (a GGUF file's conversion)
@@ -235,15 +228,13 @@ class CachedLM(nn.Module):
         self.tp = None  # set by models.tp.shard: this rank's place in a tensor-parallel group
 
     def setup_caches(self, batch_size, max_seq_len):
-        """Record the caches' shape (a family then allocates every layer's KVCache of `cache_max_seq_len`
-        positions: whole blocks of keys, as attention reads them)."""
+        """Record the caches' shape: whole blocks of keys, as attention reads them (a family allocates them)."""
         self.cache_batch_size, self.cache_max_seq_len, self.length = batch_size, whole_blocks(max_seq_len), 0
         self._kv_caches = None  # the caches the subclass is about to make
 
     def forward(self, tokens, input_pos, logits_for=None, layout=None, keys=None, hidden=False, inputs=None):
-        """float32 logits [batch, n, vocab] (of the last `logits_for` positions); `hidden`: the pair (logits,
-        hidden states of every position), or with a tuple of layer indices the states entering those
-        layers, side by side (EAGLE-3). `inputs`: what a draft head reads beside each token."""
+        """float32 logits [batch, n, vocab] (of the last `logits_for`); `hidden`: (logits, every position's states,
+        or with layer indices those entering them: EAGLE-3). `inputs`: what a draft head reads beside each token."""
         last = None if hidden else logits_for
         extra = ({} if inputs is None else {"inputs": inputs}) | ({"taps": hidden} if isinstance(hidden, tuple) else {})
         x = self.features(tokens, input_pos, layout, keys, last, **extra)
@@ -291,23 +282,17 @@ class CachedLM(nn.Module):
         return self.encode(prompt, row)
 
     def prefill(self, tokens, logits_for=None):
-        """Start a sequence: the cache then holds exactly `tokens` (which may be empty). Returns the
-        logits of the last `logits_for` positions (all when None: the head over a prompt costs much)."""
+        """Start a sequence of exactly `tokens` (maybe none): logits of the last `logits_for` positions (None: all)."""
         self.length = 0
         return self.decode(tokens, logits_for, eager=True) if tokens.shape[1] else None
 
     def decode(self, tokens, logits_for=None, eager=False):
-        """Append tokens [batch, n] at position `length`; returns their logits [batch, n, vocab] (or of
-        the last `logits_for`). The compiled forward when there is one, unless `eager` (a prompt)."""
+        """Append tokens [batch, n] at position `length`: decode_rows of one length for every row."""
         n = tokens.shape[1]
         if self.length + n > self.cache_max_seq_len:
             raise ValueError(f"{self.name}: writing {n} tokens at position {self.length} overflows the KV cache of "
                              f"{self.cache_max_seq_len} positions")
-        if self.compiled_forward is not None and not eager and logits_for is None:
-            logits = self.decode_rows(Feed(tokens, [self.length]))  # its graphs
-        else:
-            input_pos = torch.arange(self.length, self.length + n, device=tokens.device)
-            logits = self.eager_forward(tokens, input_pos, logits_for, None, lambda j: self.length + j)
+        logits = self.decode_rows(Feed(tokens, [self.length]), logits_for=logits_for, eager=eager)
         self.length += n
         return logits
 
@@ -319,10 +304,8 @@ class CachedLM(nn.Module):
         out = []
         for start, end in zip([0] + cuts[:-1], cuts):
             wanted = None if logits_for is None else min(end - start, max(logits_for - (n - end), 0))
-            last = None  # earlier chunks: a chain
-            if layout is not None and end == n:
-                last = layout._replace(positions=layout.positions[:, start:], window=layout.window[:, start:],
-                                       shared={})
+            last = None if layout is None or end < n else layout._replace(  # earlier chunks: a chain
+                positions=layout.positions[:, start:], window=layout.window[:, start:], shared={})
             out.append(self.forward(tokens[:, start:end], input_pos[..., start:end], wanted, last,
                                     self.keys_for(ends(end)), hidden, None if inputs is None else inputs[:, start:end]))
         if len(out) == 1:
@@ -334,12 +317,10 @@ class CachedLM(nn.Module):
         return min(whole_blocks(end), self.cache_max_seq_len)
 
     def decode_rows(self, feed, first_row=0, logits_for=None, eager=False, hidden=False):
-        """Append a Feed's tokens [rows, n] to the cache rows from `first_row`, each at its own length;
-        returns logits [rows, n, vocab] (or of the last `logits_for`). A row's tokens past its width repeat
-        its last token at its last position, which recomputes it exactly, so nothing is written past a
-        row's own tokens; a row of width 0 gets a placeholder at its length, its logits meaningless.
-        With `feed.parents` each row's tokens form a tree (kernels.tree_layout): each token at its depth's
-        position, attending to its ancestors only. `eager`: skip the compiled forward. `hidden`: forward's."""
+        """Append a Feed's tokens [rows, n] to the cache rows from `first_row`, each at its own length: logits
+        [rows, n, vocab] (of the last `logits_for`). Padding past a row's width recomputes its last token exactly,
+        so nothing is written past a row's own tokens (width 0: a placeholder, its logits meaningless). With
+        `feed.parents`, trees (kernels.tree_layout). `eager`: skip the compiled forward; `hidden`: forward's."""
         rows, n = feed.tokens.shape
         if feed.widths is None:
             feed = feed._replace(widths=[n] * rows)
@@ -363,10 +344,8 @@ class CachedLM(nn.Module):
             return feeds[0].unsqueeze(0), widths
         fed = [feed for feed in feeds if feed is not None]
         flat = torch.cat(fed + [fed[0].new_zeros(1, *fed[0].shape[1:])])  # the placeholder last
-        index, offset, width = [], 0, max(widths)
-        for w in widths:
-            index.append([offset + min(j, w - 1) if w else len(flat) - 1 for j in range(width)])
-            offset += w
+        index = [[offset + min(j, w - 1) if w else len(flat) - 1 for j in range(max(widths))]
+                 for offset, w in zip(accumulate(widths, initial=0), widths)]
         return flat[to_device(index, flat.device)], widths
 
     @contextmanager
@@ -392,10 +371,8 @@ class CachedLM(nn.Module):
         positions length, length + 1, ...: a tree's accepted path laid out as a chain."""
         moved = next((i for i, slot in enumerate(slots) if slot != length + i), len(slots))
         slots, length = slots[moved:], length + moved  # a path's first nodes may be in place already
-        if not slots:
-            return
         caches = [cache for module in self.kv_caches() for cache in (module.k, module.v)]
-        if backend.current().keep(caches, row, slots, length):  # one call, not two PyTorch operations a cache
+        if not slots or backend.current().keep(caches, row, slots, length):  # one call, not two operations a cache
             return
         index = to_device(slots, self.device)
         for cache in caches:
@@ -454,8 +431,7 @@ class DecoderConfig:
 
 
 class Decoder(CachedLM):
-    """The decoder-only families with grouped-query attention (Llama, Gemma): a token embedding, a block
-    per entry of config.windows (its sliding window, None: full attention), a final norm and a head."""
+    """Llama's and Gemma's decoder: an embedding, a block per config.windows entry (None: full attention), a head."""
 
     def __init__(self, config, block, norm):
         super().__init__()
@@ -481,8 +457,7 @@ class Decoder(CachedLM):
                                                self.config.head_dim, self.dtype, self.device)
 
     def window_masks(self, positions, keys):
-        """{window: mask} over `keys` cache positions, as Attention reads them (query_rows_mask): a query
-        at position p reads keys up to p, and with a window only those after p - window."""
+        """{window: mask} over `keys` positions as Attention reads them: keys up to a query's p, after p - window."""
         causal = causal_mask(positions, keys)
         key_pos = torch.arange(keys, device=positions.device)
         group = self.config.n_heads // self.config.n_kv_heads
@@ -490,8 +465,7 @@ class Decoder(CachedLM):
                 for w in set(self.config.windows)}
 
     def features(self, tokens, input_pos, layout=None, keys=None, last=None, taps=None):
-        """The final hidden states, and with `taps` (layer indices) also the residual states entering those
-        layers, side by side: what an EAGLE-3 head reads (CachedLM.forward)."""
+        """The final hidden states, and with `taps` the states entering those layers side by side (EAGLE-3's)."""
         tapped = []
         x = self.blocks(self.embed_tokens(tokens), input_pos, layout, keys, taps or (), tapped)
         x = self.norm(x if last is None else x[:, x.shape[1] - last:])
@@ -530,8 +504,7 @@ class Decoder(CachedLM):
 
 
 def rope_cos_sin(inv_freq, max_seq_len, scale=1.0):
-    """cos and signed sin [max_seq_len, head_dim] in float32 of each pair's inverse frequency, times
-    `scale`: each angle's halves repeated, the sines' first half negated (apply_rope)."""
+    """cos and signed sin [max_seq_len, head_dim] float32 of the pairs' inverse frequencies, times `scale`."""
     angles = torch.outer(torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos() * scale, angles.sin() * scale
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)

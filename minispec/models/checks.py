@@ -59,8 +59,7 @@ class Check(NamedTuple):
 
 
 def check(mapping, key, kind, default=REQUIRED, where=""):
-    """mapping[key] checked to be `kind`, named `{where}{key}`; an absent or null key gives `default` unless
-    it is REQUIRED."""
+    """mapping[key] checked to be `kind`, named `{where}{key}`; absent or null: `default`, unless REQUIRED."""
     value = mapping.get(key)
     if value is None and default is not REQUIRED:
         return default

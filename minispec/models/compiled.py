@@ -5,14 +5,12 @@ from .kernels import native_attention
 
 
 def compiled_width(n):
-    """On a GPU, the token width of the graph that decodes n tokens: the next power of two (padding costs
-    less than capturing a graph per width in the middle of requests)."""
+    """On a GPU, the token width of n tokens' graph: the next power of two (padding costs less than more graphs)."""
     return 1 << (n - 1).bit_length()
 
 
 def compile_model(model, mode=None):
-    """torch.compile the decode forward (prefill stays eager), static shapes but for the token width
-    (graph_feed); on CUDA the default mode captures CUDA graphs."""
+    """torch.compile the decode forward (prefill stays eager), static but for the token width; CUDA graphs on CUDA."""
     # one cache entry per (width, cache shape); the default limit of 8 would fall back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # marked here, not where it is defined: marking imports the compiler, which the package's import must not

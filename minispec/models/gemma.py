@@ -77,8 +77,7 @@ class GemmaConfig(DecoderConfig):
 
 
 def sliding_windows(hf, n_layers):
-    """Each layer's window (None: global), from layer_types or else sliding_window_pattern (every
-    pattern-th layer global), as the reference reads them."""
+    """Each layer's window (None: global), from layer_types or else sliding_window_pattern (every pattern-th global)."""
     layer_types = check(hf, "layer_types", LAYER_TYPES, None)
     if layer_types is None:
         pattern = check(hf, "sliding_window_pattern", COUNT, 6)
@@ -90,9 +89,8 @@ def sliding_windows(hf, n_layers):
 
 
 def rope_settings(hf):
-    """((theta, linear factor) of the global layers, theta of the sliding ones), from rope_parameters by
-    layer type (transformers >= 5; Gemma 2's: one for all), updated by rope_scaling, or from older
-    configs' rope_theta, rope_scaling and rope_local_base_freq."""
+    """((theta, linear factor) of the global layers, theta of the sliding ones): from rope_parameters by layer type
+    (transformers >= 5; Gemma 2: one for all) and rope_scaling, or rope_theta and rope_local_base_freq."""
     parameters = check(hf, "rope_parameters", TABLE, {})
     if "full_attention" not in parameters and "sliding_attention" not in parameters:  # Gemma 2's: every layer's
         parameters = {"full_attention": parameters, "sliding_attention": parameters}
@@ -177,14 +175,11 @@ class Gemma(Decoder):
 
 
 def convert_hf_weights(weights, config):
-    """Hugging Face names -> ours; an image-text checkpoint's text model (model.language_model.* or
-    language_model.model.*), its vision tower and projector left out."""
-    text = {}
-    for name, tensor in weights.items():
-        name = name.replace("model.language_model.", "model.").replace("language_model.", "")
-        if not name.startswith(VISION):
-            text[name] = tensor
-    return convert_decoder_weights(text, config, RENAMES)
+    """Hugging Face names -> ours: an image-text checkpoint's text model, without its vision tower and projector."""
+    renamed = ((name.replace("model.language_model.", "model.").replace("language_model.", ""), tensor)
+               for name, tensor in weights.items())
+    return convert_decoder_weights({name: tensor for name, tensor in renamed if not name.startswith(VISION)}, config,
+                                   RENAMES)
 
 
 FAMILY = Family(GemmaConfig, Gemma, convert_hf_weights)

@@ -88,8 +88,7 @@ class Block(nn.Module):
 
     # compile regions around the cache write, as llama.py's TransformerBlock has them
     def forward(self, x, input_pos, mask, layout):
-        x = x + self.attn(self.project(x), input_pos, mask, layout)
-        return self.finish(x)
+        return self.finish(x + self.attn(self.project(x), input_pos, mask, layout))
 
     @compile_region
     def project(self, x):
@@ -142,8 +141,7 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 
 
 def convert_hf_weights(weights, config):
-    """HF GPT-2 keys -> ours: drop the `transformer.` prefix (absent in the original openai-community/gpt2
-    files), drop the causal-mask buffers and the tied lm_head, and transpose Conv1D's [in, out] weights."""
+    """HF GPT-2 keys -> ours: no `transformer.` prefix, mask buffers or tied lm_head; Conv1D's [in, out] turned."""
     out = {}
     for name, tensor in weights.items():
         name = name.removeprefix("transformer.")

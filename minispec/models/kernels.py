@@ -55,8 +55,7 @@ def pack(weight, packed=None):
 
 
 def pack_together(weights, packed_one=None):
-    """Pack a model's weights, calling packed_one() after each, the backend's own kernel's copies then
-    together in huge pages where it has them."""
+    """Pack weights (packed_one() after each), the backend kernel's copies then together in huge pages."""
     for weight in weights:
         pack(weight)
         if packed_one is not None:
@@ -79,8 +78,7 @@ PACKED_MAX_ROWS = 32
 
 
 def packed_weight(weight):
-    """The weight's packed copy, packed again if it was written since; None where no packed kernel takes
-    it (moved off the CPU, or converted to another dtype, after loading)."""
+    """The weight's packed copy (repacked if written since); None where no packed kernel takes it (moved, converted)."""
     if not weight.is_cpu:
         return None
     version_packed, packed = _PACKED.get(weight.data_ptr(), (None, None))
@@ -96,13 +94,13 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
-    if own_kernel(weight.dtype):
-        out = backend.current().float_product(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias, weight.shape[0])
-        return out.view(*x.shape[:-1], weight.shape[0])
     flat = x.reshape(rows, x.shape[-1])
-    if rows <= PACKED_MAX_ROWS:
-        return onednn_product(flat, packed, bias).view(*x.shape[:-1], weight.shape[0])
-    out = torch.cat([onednn_product(block, packed, bias) for block in flat.split(PACKED_MAX_ROWS)])
+    if own_kernel(weight.dtype):
+        out = backend.current().float_product(flat.contiguous(), packed, bias, weight.shape[0])
+    elif rows <= PACKED_MAX_ROWS:
+        out = onednn_product(flat, packed, bias)
+    else:
+        out = torch.cat([onednn_product(block, packed, bias) for block in flat.split(PACKED_MAX_ROWS)])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -193,22 +191,19 @@ def padded_rows(mask):
 
 
 def rows_as_read(mask):
-    """A model's additive mask as attend_cache reads it: its rows padded for PyTorch's path, as they are
-    for the backend's kernel (which takes each row alone)."""
+    """A model's additive mask as attend_cache reads it: rows padded for PyTorch's path, not the backend kernel's."""
     return mask if mask.device.type == "cpu" and native_attention() else padded_rows(mask)
 
 
 def attend(q, k, v, mask, scale=None):
-    """scaled_dot_product_attention of q [b, h, rows, d] over k, v [b, h, s, d], with each query row
-    computed as it would be alone. mask: boolean or additive, [..., rows or 1, s]."""
+    """SDPA of q [b, h, rows, d] over k, v [b, h, s, d], each row computed as alone; mask [..., rows or 1, s]."""
     rows = q.shape[-2]
     q, mask = padded_query(q, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :rows, :]
 
 
 def padded_query(q, mask):
-    """q [b, h, rows, d] and its mask [..., rows or 1, S] (or [b, rows, S]: every head's) with their rows
-    padded to whole row blocks (padded_rows: a mask the forward padded stays as it is)."""
+    """q [b, h, rows, d] and its mask [..., rows or 1, S] (or [b, rows, S]) padded to whole row blocks (padded_rows)."""
     if mask.dim() == 3:
         mask = mask.unsqueeze(1)
     pad = -q.shape[-2] % (CUDA_ATTENTION_ROW_BLOCK if q.is_cuda else ATTENTION_ROW_BLOCK)
@@ -216,8 +211,7 @@ def padded_query(q, mask):
 
 
 def causal_mask(input_pos, max_seq_len):
-    """Boolean [..., n, max_seq_len] for input_pos [..., n]: query i may read cache position j iff
-    j <= input_pos[..., i]."""
+    """Boolean [..., n, max_seq_len]: query i may read cache position j iff j <= input_pos[..., i]."""
     return torch.arange(max_seq_len, device=input_pos.device) <= input_pos[..., None]
 
 
@@ -349,10 +343,9 @@ def native_attention():  # decided once: compiled graphs hold whichever kernel e
 
 
 def attend_cache(q, k, v, mask, scale=None, layout=None, softcap=0.0):
-    """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] in the canonical order above;
-    mask: additive float32 [..., rows or 1, S'] by position, S' <= S the positions read. With a `layout`
-    (trees), rows are read in groups of the layout's tokens. On CPUs a backend's own kernel computes it
-    in one call, except with gradients (it has no backward) or a `softcap` (Gemma 2's tanh capping)."""
+    """Attention of q [b, h, rows, d] over a KV cache k, v [b, h, S, d] in the canonical order above; mask: additive
+    float32 [..., rows or 1, S' <= S] by position; `layout`: trees. On CPUs a backend's own kernel computes it in
+    one call, except with gradients (it has no backward) or a `softcap` (Gemma 2's tanh capping)."""
     own = not softcap and not (torch.is_grad_enabled() and q.requires_grad)
     if q.device.type == "cpu" and native_attention() and own:
         return backend_attend(q, k, v, mask, scale, layout)
@@ -412,8 +405,7 @@ def once_a_forward(layout, key, make):
 
 
 def tree_products(products, weights, values, indices):
-    """Recompute the window's blocks of products [b, h, blocks, rows + pad, d] in place, per token from
-    its own path's values. weights: [b, h, (rows + pad) x S]."""
+    """Recompute the window's blocks of products [b, h, blocks, rows + pad, d] in place from each token's path."""
     b, h, _, _, d = products.shape
     _, _, window_blocks, group, n, _ = indices.blocks.shape
     if b == 1:  # one request: whole rows of d copied (a gather takes each number alone, 8x slower here)
@@ -436,10 +428,9 @@ def without_row_invariance(model):
     """The model without row invariance (BLAS linears, attention rows unpadded): what it costs, for the bench."""
     global ATTENTION_ROW_BLOCK
     packed = [module for module in model.modules() if getattr(module, "packed", False)]
-    block = ATTENTION_ROW_BLOCK
+    block, ATTENTION_ROW_BLOCK = ATTENTION_ROW_BLOCK, 1
     for module in packed:
         module.packed = False
-    ATTENTION_ROW_BLOCK = 1
     try:
         yield
     finally:

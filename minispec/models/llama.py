@@ -1,9 +1,8 @@
 """Llama 1/2/3 and its close relatives: Mistral (sliding-window attention), Qwen2 (q/k/v bias), Qwen3
 (per-head RMSNorm on q and k), SmolLM.
 
-Pre-norm decoder: RMSNorm -> attention with rotary position embeddings (RoPE) -> RMSNorm -> SwiGLU MLP.
-Multi-head and grouped-query attention share one code path (a K/V head serves `n_heads // n_kv_heads`
-query heads). Layout follows gpt-fast: q/k/v projections (and gate/up) are fused into one matmul each.
+Pre-norm decoder: RMSNorm -> grouped-query attention with RoPE -> RMSNorm -> SwiGLU MLP. Layout follows
+gpt-fast: q/k/v projections (and gate/up) are fused into one matmul each.
 """
 
 import math
@@ -20,12 +19,9 @@ from .base import (Attention, Decoder, DecoderConfig, Family, GatedMLP, RMSNorm,
 from .checks import COUNT, FLAG, INDEX, LAYER_TYPES, NUMBER, POSITIVE, TABLE, TEXT, THETA, check
 
 # The RoPE scalings supported, and the parameters each needs from the checkpoint's config.
-ROPE_TYPES = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor",),
-}
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor",)}
 # Every RoPE parameter the code below reads, and what it must be.
 ROPE_VALUES = {
     "factor": POSITIVE, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
@@ -67,31 +63,21 @@ class LlamaConfig(DecoderConfig):
             raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
         attention_bias = not (qwen2 or mistral) and check(hf, "attention_bias", FLAG, False)
         return cls(
-            vocab_size=check(hf, "vocab_size", COUNT),
-            dim=dim,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=check(hf, "head_dim", COUNT, dim // n_heads),
+            vocab_size=check(hf, "vocab_size", COUNT), dim=dim, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=n_kv_heads, head_dim=check(hf, "head_dim", COUNT, dim // n_heads),
             intermediate_size=check(hf, "intermediate_size", COUNT),
-            max_seq_len=check(hf, "max_position_embeddings", COUNT),
-            norm_eps=check(hf, "rms_norm_eps", POSITIVE, 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope,
+            max_seq_len=check(hf, "max_position_embeddings", COUNT), norm_eps=check(hf, "rms_norm_eps", POSITIVE, 1e-6),
+            rope_theta=float(rope_theta), rope_scaling=rope,
             qkv_bias=qwen2 or attention_bias,  # Qwen2's q/k/v always have a bias, its output projection none
-            out_bias=attention_bias,
-            mlp_bias=not (qwen2 or mistral) and check(hf, "mlp_bias", FLAG, False),
+            out_bias=attention_bias, mlp_bias=not (qwen2 or mistral) and check(hf, "mlp_bias", FLAG, False),
             tie_word_embeddings=check(hf, "tie_word_embeddings", FLAG, False),
-            windows=sliding_windows(hf, model_type, n_layers),
-            qk_norm=model_type == "qwen3",
-        )
+            windows=sliding_windows(hf, model_type, n_layers), qk_norm=model_type == "qwen3")
 
 
 def sliding_windows(hf, model_type, n_layers):
-    """Each layer's sliding-window size, or None for full attention, as the reference reads them: Llama has
-    none; Mistral slides every layer by sliding_window, or the layers layer_types names (the reference
-    reads such a config as Ministral's); Qwen2 and Qwen3 only when use_sliding_window is set, in the
-    layers layer_types names or else from max_window_layers on."""
+    """Each layer's sliding window (None: full attention), as the reference reads them: Llama has none; Mistral
+    slides every layer, or those layer_types names (read as Ministral's); Qwen2 and Qwen3 only with
+    use_sliding_window, in the layers layer_types names or else from max_window_layers on."""
     if model_type not in ("mistral", "qwen2", "qwen3"):
         return (None,) * n_layers
     window = check(hf, "sliding_window", COUNT, None)  # checked even when unused, as the reference checks it
@@ -201,8 +187,7 @@ class TransformerBlock(nn.Module):
     # The halves around the cache write are compile regions, compiled once for every layer (the write
     # stays outside: a region would hand the cache back as a copy); a region's outputs must not be views.
     def forward(self, x, input_pos, cos, sin, mask, layout):
-        x = x + self.attention(self.project(x, cos, sin), input_pos, mask, layout)
-        return self.finish(x)
+        return self.finish(x + self.attention(self.project(x, cos, sin), input_pos, mask, layout))
 
     @compile_region
     def project(self, x, cos, sin):

@@ -95,8 +95,7 @@ def group_size_of(parts):
 
 
 def common_form(parts_list):
-    """Stored weights to be fused into one layer, in one form: as they are when they share it, else all
-    int8 with offsets in the smallest group, exactly."""
+    """Stored weights to fuse in one form: as they are if they share one, else exactly int8 in the smallest group."""
     forms = {(is_int4(p), group_size_of(p), p.get("offsets") is not None) for p in parts_list}
     if len(forms) == 1:
         return parts_list
@@ -177,8 +176,7 @@ class Quantized(nn.Module):
     """What the quantized layers share: the backend's kernel, and the output's dtype, shape and bias."""
 
     def take(self, q, scales, offsets, bias, shape, packed=None):
-        """The layer's numbers; True where the backend's kernel takes it: its buffers `weight`, `scales`,
-        `offsets`, `steps` then as that kernel reads them (`packed`: already so, as a conversion keeps them)."""
+        """The layer's numbers; True where the backend's kernel takes it, its buffers then in that kernel's layout."""
         self.out_features, self.in_features = shape
         self.bias, self.on_cpu, self.group = bias, q.device.type == "cpu", shape[1] // scales.shape[1]
         self.native = packed is not None or backend.current().takes_quantized(self.in_features, self.group, q.device)
@@ -209,9 +207,8 @@ class Quantized(nn.Module):
 
 
 class Int8Linear(Quantized):
-    """y = x @ (qweight * scales (+ offsets)).T + bias, from a stored int8 weight: one scale per output
-    channel through aten._weight_int8pack_mm on CPU (on CUDA converted inside the matmul, as gpt-fast);
-    groups of scales one kernel call per group, the offsets' share from x's per-group sums."""
+    """y = x @ (qweight * scales (+ offsets)).T + bias: on CPU aten._weight_int8pack_mm, a call per group of scales
+    (the offsets' share from x's group sums); on CUDA the weight converted inside the matmul, as gpt-fast does."""
 
     def __init__(self, parts, bias=None, shape=None):
         super().__init__()
@@ -269,8 +266,7 @@ def _(x, weight, group, scales_and_zeros):
 
 
 class Int4Linear(Quantized):
-    """y = x @ (q * scales + offsets).T + bias, from a stored int4 weight, with PyTorch's int4 kernels,
-    which compute (q - 8) * scale + zero, so zero = offset + 8 * scale."""
+    """y = x @ (q * scales + offsets).T + bias by PyTorch's int4 kernels, which compute (q - 8) * scale + zero."""
 
     def __init__(self, parts, bias=None, shape=None):
         super().__init__()
@@ -286,25 +282,21 @@ class Int4Linear(Quantized):
             tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4) | q[:, 1::2], tiles)
         self.register_buffer("weight", packed)
-        zeros = offsets + 8 * scales
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
+        scales_and_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(COMPUTE_DTYPE))
 
     def forward(self, x):
         if self.native:
             return self.native_forward(x)
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         # Not in row blocks on CUDA (kernels.in_row_blocks): this kernel keeps each row's numbers unpadded.
-        if not self.on_cpu:
-            mm = torch.ops.aten._weight_int4pack_mm
-        else:
-            mm = int4pack_mm_cpu_op if torch.compiler.is_compiling() else int4pack_mm_cpu
+        mm = (torch.ops.aten._weight_int4pack_mm if not self.on_cpu else
+              int4pack_mm_cpu_op if torch.compiler.is_compiling() else int4pack_mm_cpu)
         return self.output(mm(rows, self.weight, self.group, self.scales_and_zeros), x)
 
 
 class Int8Embedding(Int8Linear):
-    """A token embedding stored as int8 rows: a lookup dequantizes the rows it reads; `unembed`, the tied
-    output head, is the int8 matmul."""
+    """An int8 token embedding: a lookup dequantizes the rows it reads; `unembed` (a tied head) is the int8 matmul."""
 
     def __init__(self, parts, dtype, shape=None):
         super().__init__(parts, shape=shape)
@@ -334,11 +326,10 @@ def weight_rows(module, tokens):
 
 
 def int4_draft(model):
-    """A draft's int8 layers (those a GGUF file keeps in its own types, and the output head) in int4, each a chunk
-    of rows at a time from its dequantized rows: a draft's guesses need not be the target's numbers, and uniform
-    int4 reads fewer bytes at less work per byte than the GGUF's mixed types. The widest groups the kernel takes:
-    a group's scale and offset cost more time than narrower groups gain in agreement with the target. Layers the
-    int4 kernel cannot take, and embeddings (a tied head's too), stay as they are. Returns the replaced layers."""
+    """A draft's int8 layers (a GGUF's own types, and the head) in int4, a chunk of rows at a time: a draft need not
+    compute the target's numbers, and int4 reads fewer bytes at less work per byte. In the widest groups the kernel
+    takes (narrower ones cost more time than they gain in agreement); layers it cannot take, and embeddings (a tied
+    head's too), stay as they are. Returns the replaced layers."""
     if not isinstance(model, Decoder):
         return []
     replaced = []
@@ -367,12 +358,10 @@ def int4_draft(model):
 # --- quantizing a model -------------------------------------------------------------------------------
 def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.float32, stored=None, device=None,
                    layer_done=None):
-    """Replace the model's linear layers and token embeddings by quantized ones, in place and one at a
-    time (each float weight freed as soon as its quantized form exists). `stored`: {module name: stored
-    tensors} a checkpoint holds, popped as they are used. `mode` quantizes the float ones: linear layers
-    per output channel (int8) or in groups of `group_size` (int4), embeddings and the head in int8 groups
-    of HEAD_GROUP_SIZE; an int4 layer the int4 kernel cannot take is int8 instead. `layer_done()` after
-    each module and chunk of rows. Returns notes on the layers kept int8."""
+    """Replace the linear layers and token embeddings by quantized ones, one at a time (each float weight freed
+    as soon as its quantized form exists): `stored`'s {module name: stored tensors} (popped), else `mode`'s (the
+    head and embeddings int8 in groups of HEAD_GROUP_SIZE, int4 layers the kernel cannot take int8).
+    `layer_done()` after each module and chunk of rows. Returns notes on the layers kept int8."""
     stored = {} if stored is None else stored
     layer_done = layer_done or (lambda: None)
     head = model.head
@@ -411,9 +400,8 @@ def quantize_model(model, mode=None, group_size=DEFAULT_GROUP_SIZE, dtype=torch.
                 fallbacks[problem].append(name)
                 int4 = False
         if parts is None:
-            int8_group = head_group(module.in_features) if module is head else None
-            parts = (in_row_chunks(quantize_int4, module.weight, group_size, dtype, layer_done) if int4 else
-                     in_row_chunks(quantize_int8, module.weight, int8_group, dtype, layer_done))
+            group = group_size if int4 else head_group(module.in_features) if module is head else None
+            parts = in_row_chunks(quantize_int4 if int4 else quantize_int8, module.weight, group, dtype, layer_done)
         elif is_int4(parts) and not int4:
             parts = widen_int4(parts)
         model.set_submodule(name, (Int4Linear if int4 else Int8Linear)(on(parts, target), module.bias))
@@ -433,8 +421,7 @@ HEAD_CHUNK_ELEMENTS = 1 << 18
 
 
 def in_row_chunks(quantize, weight, group_size, dtype, chunk_done):
-    """quantize(weight, group_size) a few rows at a time (temporaries of a chunk, not of the largest
-    weight), each chunk rounded to `dtype` first: the weights the model's float form would hold."""
+    """quantize(weight, group_size) a chunk of rows at a time (a chunk's temporaries), in the model's `dtype`."""
     rows = max(1, CHUNK_ELEMENTS // weight.shape[1])
     chunks = []
     for i in range(0, weight.shape[0], rows):
@@ -452,8 +439,7 @@ def on(parts, device):
 
 
 def quantized_copy(model, mode, group_size=DEFAULT_GROUP_SIZE):
-    """A second model of the same weights, quantized (the self-draft), sharing the float tensors that stay
-    float; compiled when the model is."""
+    """A quantized copy (the self-draft) sharing the float tensors that stay float; compiled when the model is."""
     if model.quantization is not None:
         raise ValueError(f"{model.name} is quantized already; a quantized copy is made from a float model's "
                          "weights: load the target without quantize")

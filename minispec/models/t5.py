@@ -119,9 +119,12 @@ class SelfAttention(nn.Module):
         return self.output(attend_cache(q, k, v, mask, scale=1.0, layout=layout))
 
 
-def reuse_or_copy(buffer, value):
-    """Copy `value` into `buffer` when the shapes match (a compiled graph then sees the same tensor), else a
-    new buffer holding it: not an inference tensor, so that it can be refilled outside inference_mode."""
+def reuse_or_copy(buffer, value, row=None):
+    """`value` copied into `buffer` (with `row`: its row 0 into that row) where it fits, so that a compiled graph sees
+    the same tensor; else a new buffer holding it, not an inference tensor (refilled outside inference_mode)."""
+    if row is not None:
+        buffer[row] = value[0]
+        return buffer
     if buffer is not None and buffer.shape == value.shape:
         return buffer.copy_(value)
     with torch.inference_mode(False):
@@ -140,13 +143,9 @@ class CrossAttention(SelfAttention):
     first_row = 0  # batched requests: the memory row of the forward's batch row 0 (CachedLM.rows_from)
 
     def remember(self, encoder_out, row=None):
-        """encoder_out [batch, capacity, d_model], zero-padded past the prompt; with `row`, one request's
-        into that row of a batch's memory."""
+        """Keys and values of encoder_out [batch, capacity, d_model] (zeros past the prompt); `row`: into that row."""
         k, v = self.heads(self.k(encoder_out)), self.heads(self.v(encoder_out))
-        if row is not None:
-            self.memory_k[row], self.memory_v[row] = k[0], v[0]
-        else:
-            self.memory_k, self.memory_v = reuse_or_copy(self.memory_k, k), reuse_or_copy(self.memory_v, v)
+        self.memory_k, self.memory_v = reuse_or_copy(self.memory_k, k, row), reuse_or_copy(self.memory_v, v, row)
 
     def forward(self, x, memory_mask):
         rows = x.shape[0]
@@ -164,8 +163,7 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[config.activation]
         self.gated = config.gated
         if config.gated:
-            self.wi_0 = Linear(config.d_model, config.d_ff, bias=False)
-            self.wi_1 = Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_0, self.wi_1 = (Linear(config.d_model, config.d_ff, bias=False) for _ in range(2))
         else:
             self.wi = Linear(config.d_model, config.d_ff, bias=False)
         self.wo = Linear(config.d_ff, config.d_model, bias=False)
@@ -231,8 +229,7 @@ class T5(CachedLM):
                                                self.config.d_kv, self.dtype, self.device)
 
     def position_bias(self, table, query_pos, key_pos, bidirectional):
-        """Additive attention bias [1 or rows, heads, n, len(key_pos)] for query_pos [n] or [rows, n],
-        shared by all layers of a stack."""
+        """Additive bias [1 or rows, heads, n, len(key_pos)] for query_pos [n] or [rows, n], for a stack's layers."""
         c = self.config
         buckets = relative_position_bucket(key_pos - query_pos[..., None], bidirectional,
                                            c.relative_attention_num_buckets, c.relative_attention_max_distance)
@@ -264,10 +261,7 @@ class T5(CachedLM):
         for layer in self.decoder:
             layer.cross_attn.remember(x, row)
         in_prompt = (torch.arange(capacity, device=prompt.device) < n).view(1, 1, 1, capacity)
-        if row is None:
-            self.memory_mask = reuse_or_copy(self.memory_mask, in_prompt)
-        else:
-            self.memory_mask[row] = in_prompt[0]
+        self.memory_mask = reuse_or_copy(self.memory_mask, in_prompt, row)
         return torch.full((prompt.shape[0], 1), self.config.decoder_start_token_id, device=prompt.device)
 
     def prepare_batch(self, rows, longest_prompt):

@@ -28,10 +28,7 @@ class TensorParallel:
         if self.world <= ALL_REDUCE_MAX_RANKS:
             return funcol.all_reduce(partial, "sum", self.group)
         parts = funcol.all_gather_single(partial.unsqueeze(0), 0, self.group)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
+        return sum(parts[1:], parts[0])  # in rank order: ((p0 + p1) + p2) + ...
 
     def from_first(self, *values):
         """Rank 0's values (picklable) as a list on every rank, so that the host decides alike everywhere."""
@@ -128,8 +125,7 @@ def check_divisible(config, world):
 
 
 def take(tensor, dim, parts, rank, world):
-    """Rank `rank`'s slice of each part (sizes `parts` along `dim`, None: one part) of `tensor`, a copy
-    (never a view: the whole tensor, or the file it maps, can go)."""
+    """Rank `rank`'s slice of each part (sizes `parts` along `dim`; None: one) of `tensor`, a copy: the whole can go."""
     slices = []
     for part in tensor.split(parts or [tensor.shape[dim]], dim):
         size = part.shape[dim] // world
@@ -152,13 +148,11 @@ def take_stored(parts, dim, sizes, rank, world, name):
 
 
 def shard(model, tp, stored=None):
-    """Shard `model` (maybe still on the meta device) in place for rank tp.rank; `stored`: {module name:
-    a checkpoint's stored quantized tensors}, replaced by the rank's slices."""
+    """Shard `model` (maybe on the meta device) and `stored`'s quantized tensors {module name: parts} for tp.rank."""
     plan = PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"tensor parallelism does not know the model {type(model).__name__}")
     check_divisible(model.config, tp.world)
-    stored = {} if stored is None else stored
     rank, world = tp.rank, tp.world
     for kind, what, detail in plan(model):
         if kind == "heads":
@@ -172,7 +166,7 @@ def shard(model, tp, stored=None):
             what.register_forward_hook(lambda module, args, output: tp.sum(output))
         else:
             shard_linear(model.get_submodule(what), kind, detail, rank, world)
-            if what in stored:
+            if stored is not None and what in stored:
                 stored[what] = take_stored(stored[what], 0 if kind == "rows" else 1, detail, rank, world, what)
     model.tp = tp
     return model
@@ -183,8 +177,7 @@ def shard_linear(linear, kind, sizes, rank, world):
     dim = 0 if kind == "rows" else 1
     linear.weight = nn.Parameter(take(linear.weight, dim, sizes, rank, world), requires_grad=False)
     linear.out_features, linear.in_features = linear.weight.shape
-    if linear.bias is not None:
-        if dim == 0:
-            linear.bias = nn.Parameter(take(linear.bias, 0, sizes, rank, world), requires_grad=False)
-        elif rank != 0:
-            linear.bias = None
+    if linear.bias is not None and dim == 0:
+        linear.bias = nn.Parameter(take(linear.bias, 0, sizes, rank, world), requires_grad=False)
+    elif rank != 0:  # a partial sum's bias: added once, on rank 0
+        linear.bias = None

@@ -42,12 +42,6 @@ BUILD_SECONDS = 600  # a hung compiler must not hang a load
 FIRST_BUILD_SECONDS = (20, 80)
 
 
-def cache_dir():
-    root = os.environ.get("MINISPEC_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                              os.path.expanduser("~/.cache"), "minispec")
-    return Path(root) / "kernels"
-
-
 def cpu_flags():
     """What -march=native builds for: the kernel is cached per instruction set, not per file."""
     try:
@@ -81,7 +75,9 @@ def library_path(cxx):
     texts = [path.read_text() for path in (*SOURCES, HEADER)]
     parts = (*texts, torch.__version__, cxx, " ".join(FLAGS), cpu_flags())
     key = hashlib.sha256(b"\0".join(part.encode() for part in parts)).hexdigest()[:16]
-    return cache_dir() / f"kernels-{key}.so"
+    root = os.environ.get("MINISPEC_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                              os.path.expanduser("~/.cache"), "minispec")
+    return Path(root) / "kernels" / f"kernels-{key}.so"
 
 
 def build(cxx, path):
@@ -295,8 +291,7 @@ def rows_of(tokens, qweight, scales, offsets, steps):
 
 
 def unpack(packed, rows):
-    """The stored form (models/quant.py's) of the first `rows` rows of a weight in the kernels' layout, as a
-    conversion keeps it: for a load these kernels do not serve."""
+    """A packed weight's first `rows` rows in models/quant.py's stored form: for a load these kernels do not serve."""
     weight = packed["packed_weight"]
     q, scales, offsets = rows_of(torch.arange(rows), weight, packed["packed_scales"], packed.get("packed_offsets"),
                                  packed.get("packed_steps"))
@@ -343,8 +338,7 @@ def llama_layers(stack, x, input_pos, cos, sin, masks, layout, taps):
 
 
 class Native(PyTorch):
-    """The models' backend through these kernels, where they take the tensors: on a CPU, float32 for the
-    float ones, and not where gradients flow (they have no backward)."""
+    """The models' backend through these kernels where they take the tensors: CPU, float32, no gradients."""
 
     float_pack, float_product, attend = staticmethod(float_pack), staticmethod(float_product), staticmethod(attend)
     pack_quantized, quantized_product, quantized_rows = staticmethod(pack), staticmethod(qlinear), staticmethod(rows_of)

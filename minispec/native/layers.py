@@ -34,8 +34,7 @@ class LayerTensors(NamedTuple):
 
 
 def layer_tensors(layer):
-    """The layer's LayerTensors, or None where it cannot run as one call (q and k heads normed, which
-    layer.cpp does not do, or a weight none of our kernels takes)."""
+    """The layer's LayerTensors, or None where layer.cpp cannot run it (q and k norms, or a weight we cannot take)."""
     norms = norm_weights(layer.norms())
     if norms is None or layer._modules["attention"]._modules.get("q_norm") is not None:
         return None
@@ -66,9 +65,8 @@ def norm_weights(norms):
 
 
 class LayerStack:
-    """A model's layers as layer.cpp's flat lists (its tensors, caches and numbers), and what they were
-    laid out from (`sources`: per layer each linear's weight, whether packed, its packed copy, and the
-    cache's k and v)."""
+    """A model's layers as layer.cpp's flat lists (tensors, caches, numbers), and what they were laid out from
+    (`sources`: per layer each linear's weight, whether packed, its packed copy, and the cache's k and v)."""
 
     def __init__(self, model, layers):
         caches = [layer._modules["attention"]._modules["kv_cache"] for layer in model.layers]
@@ -88,8 +86,7 @@ class LayerStack:
         self.eps, self.scale, self.first_cache = model.config.norm_eps, model.config.head_dim ** -0.5, caches[0]
 
     def unchanged(self, model):
-        """Whether the model's layers still hold what the stack was laid out from (a float weight
-        written in place since is packed again by kernels.packed_weight, which fails the check)."""
+        """Whether the layers still hold what the stack was laid out from (a weight written since is repacked)."""
         if len(model.layers) != len(self.sources):
             return False
         for layer, (weights, k, v) in zip(model.layers, self.sources):

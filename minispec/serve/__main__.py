@@ -111,12 +111,11 @@ def main(argv=None):
         logging.getLogger("minispec.serve").warning("listening on %s without --api-key: whoever reaches it can "
                                                     "use it", args.host)
     server = Server(app, scheduler, args.shutdown_timeout, host=args.host, port=args.port)
-    leader = None
-    if target.tp is not None:
-        leader = group.Leader(scheduler, args.tp_timeout, on_failure=lambda _: setattr(server, "should_exit", True))
+    if target.tp is not None:  # a fault of the group closes the scheduler with its reason
+        group.Leader(scheduler, args.tp_timeout, on_failure=lambda _: setattr(server, "should_exit", True))
     server.run()  # on SIGTERM, the scheduler's stop also stops the other ranks (group.Leader.stop)
-    if leader is not None and leader.failure is not None:
-        print(f"error: {leader.failure}", file=sys.stderr)
+    if scheduler.failure is not None:
+        print(f"error: {scheduler.failure}", file=sys.stderr)
         return 1
     return 0 if server.started else 1  # uvicorn has logged why it could not start
 

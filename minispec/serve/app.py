@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .protocol import Reply, RequestError, best, parse
+from .protocol import Reply, RequestError, parse
 from .scheduler import MALLOC_TRIM, Failed, Job, News, QueueFull, ShuttingDown
 
 log = logging.getLogger("minispec.serve")
@@ -113,7 +113,9 @@ class Handlers:
             self.scheduler.cancel(*jobs)
         if len(outcomes) == len(jobs):
             outcomes = [outcomes[i] for i in range(len(jobs))]
-            chosen = best(outcomes, parsed.n) if len(jobs) > parsed.n else outcomes
+            chosen = outcomes
+            if len(jobs) > parsed.n:  # best_of: the n answers of the highest total log-probability, best first
+                chosen = sorted(outcomes, key=lambda outcome: -sum(e.logprob for e in outcome.logprobs))[:parsed.n]
             if not parsed.logprobs:  # asked for ranking only
                 chosen = [replace(outcome, logprobs=None) for outcome in chosen]
             return JSONResponse(reply.whole(chosen, outcomes))
@@ -128,8 +130,8 @@ class Handlers:
         outcomes = []
         try:
             if reply.chat:
-                for i in range(len(jobs)):
-                    yield event_data({**reply.opening(i), **usage})
+                for i in range(len(jobs)):  # who speaks
+                    yield event_data({**reply.chunk({"delta": {"role": "assistant", "content": ""}}, index=i), **usage})
             while len(outcomes) < len(jobs):
                 i, event = await events.get()
                 if isinstance(event, Failed):

@@ -31,6 +31,7 @@ MIRRORED = ("prefill", "decode", "decode_rows", "rollback", "move_row", "keep", 
             "ensure_caches")
 FORWARDS = ("prefill", "decode", "decode_rows", "encode_row")  # the mirrored calls that run a sharded forward
 STORE_BEAT_SECONDS = 0.5  # how often a follower counts itself alive in the store
+BEATS = "minispec/serve/beats/"  # + a follower's rank: the store's key of its beats
 
 
 class Call(NamedTuple):
@@ -77,10 +78,6 @@ def moved(value, device):
     if isinstance(value, dict):
         return {key: moved(part, device) for key, part in value.items()}
     return value
-
-
-def beat_key(rank):
-    return f"minispec/serve/beats/{rank}"
 
 
 class Leader:
@@ -176,9 +173,9 @@ def lost_ranks(tp):
     store = distributed_c10d._get_default_store()
     ranks = range(1, tp.world)
     try:
-        before = [store.add(beat_key(rank), 0) for rank in ranks]
+        before = [store.add(f"{BEATS}{rank}", 0) for rank in ranks]
         time.sleep(3 * STORE_BEAT_SECONDS)
-        after = [store.add(beat_key(rank), 0) for rank in ranks]
+        after = [store.add(f"{BEATS}{rank}", 0) for rank in ranks]
     except Exception as error:  # the store went with rank 0's launcher
         return f"a rank was lost (the group's store failed too: {first_line(error)})"
     lost = [rank for rank, old, new in zip(ranks, before, after) if old == new]
@@ -232,4 +229,4 @@ def count_beats(rank, stopped):
     store = distributed_c10d._get_default_store()
     with suppress(Exception):  # the store has gone, with rank 0's launcher: the main loop's wait fails soon too
         while not stopped.wait(STORE_BEAT_SECONDS):
-            store.add(beat_key(rank), 1)
+            store.add(f"{BEATS}{rank}", 1)

@@ -4,6 +4,7 @@ import reprlib
 import secrets
 import time
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from .. import api
 from ..loading.chat import RESERVED, ChatTemplateError, chat_prompt
@@ -136,11 +137,6 @@ def parse(body, chat, scheduler, model_name):
     return Parsed(requests, n, bool(body.get("stream")), bool(options.get("include_usage")), logprobs is not None)
 
 
-def best(outcomes, n):
-    """The n outcomes (scheduler.Outcome) of the highest total log-probability, best first (best_of's ranking)."""
-    return sorted(outcomes, key=lambda outcome: -sum(entry.logprob for entry in outcome.logprobs))[:n]
-
-
 def check_fields(body, fields, prefix=""):
     """Every field known, of its type (null is every field's default), and at its neutral value if it has one."""
     for name, value in body.items():
@@ -168,10 +164,8 @@ def grammar_of(body):
     given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None]
     if len(given) > 1:
         raise invalid(f"give one of {' and '.join(given)}: each constrains the output", given[1])
-    if not given:
-        return "response_format", None
-    value = body[given[0]]
-    return given[0], value if given[0] == "response_format" else {GUIDED[given[0]]: value}
+    field = given[0] if given else "response_format"
+    return field, {GUIDED[field]: body[field]} if field in GUIDED else body.get(field)
 
 
 def logprobs_of(body, chat):
@@ -287,10 +281,8 @@ class Reply:
                                  "top_logprobs": [self.token(*pair) for pair in e.top]} for e in entries],
                     "refusal": None}
         texts = [self.tokenizer.decode([e.token]) for e in entries]
-        offsets = []
-        for text in texts:
-            offsets.append(self.offsets.get(index, 0))
-            self.offsets[index] = offsets[-1] + len(text)
+        offsets = list(accumulate(map(len, texts), initial=self.offsets.get(index, 0)))
+        self.offsets[index] = offsets.pop()
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self.tokenizer.decode([token]): value for token, value in [*e.top, e[:2]]}
                                  for e in entries], "text_offset": offsets}
@@ -298,10 +290,6 @@ class Reply:
     def token(self, token, logprob):
         text = self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def opening(self, index=0):
-        """A chat stream's first chunk of a choice: who speaks."""
-        return self.chunk({"delta": {"role": "assistant", "content": ""}}, index=index)
 
     def piece(self, text, logprobs=None, index=0):
         """A stream's chunk of text, with the log-probabilities of its step's tokens (whose text may lag)."""

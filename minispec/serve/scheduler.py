@@ -165,8 +165,7 @@ class Scheduler:
     def serve(self):
         try:
             with api.exclusive(*self.models):  # for the server's life: nothing else touches their caches
-                while not self.decode_until_stopped():
-                    pass
+                self.decode()
         except Exception:
             log.exception("the scheduler failed")
         finally:  # however the thread ends, no request is left waiting for it
@@ -174,22 +173,22 @@ class Scheduler:
             if self.learner is not None:  # on this thread: no training step is under way
                 self.learner.save()
 
-    def decode_until_stopped(self):
-        """Run the engine until the server stops (True) or it fails (False: the batch's requests fail, their
-        state unknown, and the others go on in a new batch)."""
-        try:
-            for update in engine.decode(self.target, self, self.rows, self.cancelled, self.prefixes):
-                self.advance(update)
-            return True
-        except ShuttingDown:  # the tensor-parallel group failed, and close() has failed every job
-            return True
-        except Exception:
-            log.exception("decoding failed; failing the %d request(s) in the batch", len(self.running))
-            for job in self.running.values():
-                self.forget(job)
-                job.fail(500, "the server failed while decoding this request (logged)")
-            self.running.clear()
-            return False
+    def decode(self):
+        """Run the engine until the server stops; when it fails, the batch's requests fail (their state unknown)
+        and the others go on in a new batch."""
+        while True:
+            try:
+                for update in engine.decode(self.target, self, self.rows, self.cancelled, self.prefixes):
+                    self.advance(update)
+                return
+            except ShuttingDown:  # the tensor-parallel group failed, and close() has failed every job
+                return
+            except Exception:
+                log.exception("decoding failed; failing the %d request(s) in the batch", len(self.running))
+                for job in self.running.values():
+                    self.forget(job)
+                    job.fail(500, "the server failed while decoding this request (logged)")
+                self.running.clear()
 
     def take(self, free, wait):
         """engine.decode's source: up to `free` waiting jobs as (index, request); while the batch is
@@ -202,14 +201,12 @@ class Scheduler:
             while wait and not self.waiting and not self.stopping:
                 self.changed.wait()
             jobs = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        taken = []
-        for job in jobs:
-            index = next(self.indices)
-            self.running[index] = job
-            if self.learner is not None:  # the head's states at the request's tokens, which the target computes
+        taken = {next(self.indices): job for job in jobs}
+        self.running.update(taken)
+        if self.learner is not None:  # the head's states at the request's tokens, which the target computes
+            for job in jobs:
                 job.request.on_states = self.learner.record
-            taken.append((index, job.request))
-        return taken
+        return [(index, job.request) for index, job in taken.items()]
 
     def forget(self, job):
         with self.changed:
@@ -250,12 +247,11 @@ def text_bound(tokenizer, max_length):
 
 def checked_length(models, max_model_len):
     """The positions a request may fill: --max-model-len, or the shortest of the models' contexts."""
-    contexts = [model.context_length for model in models if model.context_length is not None]
+    model = min((m for m in models if m.context_length is not None), key=lambda m: m.context_length, default=None)
+    if max_model_len is None and model is None:
+        raise ValueError(f"--max-model-len is needed: {models[0].name} has no context limit")
     if max_model_len is None:
-        if not contexts:
-            raise ValueError(f"--max-model-len is needed: {models[0].name} has no context limit")
-        return min(contexts)
-    if contexts and max_model_len > min(contexts):
-        model = min((m for m in models if m.context_length is not None), key=lambda m: m.context_length)
+        return model.context_length
+    if model is not None and max_model_len > model.context_length:
         raise ValueError(f"--max-model-len {max_model_len} exceeds {model.name}'s context of {model.context_length}")
     return max_model_len
