@@ -1,7 +1,6 @@
 """One γ for a batch's rows under gamma="auto": the shared forward pads every row to the widest, so the
-batch takes the k with the most expected tokens of all rows per second of that forward: its plain step as
-the batch measured it, plus a price for each position the guesses add. Where guessing does not pay twice
-in a row, the rows rest (do not even preview) for a while that doubles as long as it keeps not paying.
+batch takes the k with the most expected tokens of all rows per second of that forward. Where guessing does
+not pay twice in a row, the rows rest (do not even preview) for a while that doubles while it keeps not paying.
 """
 
 import weakref
@@ -27,10 +26,9 @@ class Load:
         return (seconds + CELL_PRIOR * self.estimate(policy, rows, k)) / (steps + CELL_PRIOR)
 
     def estimate(self, policy, rows, k):
-        """The width's plain step (as timed, else the line's) and a price for each of the rows × k positions
-        it adds: the line's (scaled as the plain step is), or what the nearest width that timed guesses paid
-        per position, whichever is dearer. A CPU's wide forward grows with its positions far more steeply
-        than lone rows' few tokens show: a width times one k too cheap at most, which then prices the rest."""
+        """The width's plain step (as timed, else the line's) plus, per each of the rows × k positions it adds,
+        the dearer of the line's price (scaled as the plain step is) and what the nearest width that timed
+        guesses paid: a CPU's wide forward grows more steeply than lone rows' few tokens show."""
         line = policy.seconds(0, rows)
         plain = self.mean(rows, 0, line)
         if not k:

@@ -141,15 +141,13 @@ def trie_rows(roots, kept, batch_size):
     levels = [roots] + kept
     depth = len(kept)
     rows, where = [levels[-1]], [torch.arange(len(levels[-1]), device=roots.device)]
-    n_rows = len(levels[-1])
     for j in reversed(range(depth)):
         is_parent = (levels[j + 1][:, None, :-1] == levels[j][None]).all(-1)  # [children, nodes]
         row = where[0][is_parent.int().argmax(0)]  # a node lies on its first child's row
         leaves = ~is_parent.any(0)  # the draft dropped these: each needs a row of its own
-        n_leaves = int(leaves.sum())
-        row[leaves] = torch.arange(n_rows, n_rows + n_leaves, device=row.device)
+        n_rows = sum(map(len, rows))
+        row[leaves] = torch.arange(n_rows, n_rows + int(leaves.sum()), device=row.device)
         rows.append(F.pad(levels[j][leaves], (0, depth - j)))
-        n_rows += n_leaves
         where.insert(0, row)
     rows = torch.cat(rows)
     return torch.cat([rows, rows[:1].expand(batch_size - len(rows), -1)]), where
@@ -158,10 +156,8 @@ def trie_rows(roots, kept, batch_size):
 @torch.inference_mode()
 def speculative_beam_search(target, drafter, prefix, prompt_ids, w, u, policy, max_new_tokens, stop_ids):
     """Beam search of width w guessed by the draft with width u: (finished, stats), as beam_search's."""
-    draft = drafter.model
-
     def draft_cache():
-        return PrefixCache(draft, draft.encode(prompt_ids.to(draft.device)), u, max_new_tokens)
+        return PrefixCache(drafter.model, drafter.model.encode(prompt_ids.to(drafter.model.device)), u, max_new_tokens)
 
     # the draft's cache and wide rows only once the policy guesses
     verify = PrefixCache(target, prefix, w, max_new_tokens)

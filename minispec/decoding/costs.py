@@ -61,21 +61,17 @@ def agreed(tp, seconds):
 
 def fastest(forwards, device):
     """{name: the fastest of CALIBRATION_ROUNDS interleaved runs of forward()}, after an untimed one."""
-    def run(forward):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        forward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     for forward in forwards.values():
         forward()
     best = dict.fromkeys(forwards, float("inf"))
     for _ in range(CALIBRATION_ROUNDS):
         for name, forward in forwards.items():
-            best[name] = min(best[name], run(forward))
+            sync(device)
+            start = time.perf_counter()
+            forward()
+            sync(device)
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -144,12 +140,10 @@ def refined(average, seconds):
 
 
 class VerifyCost:
-    """t_verify(w), seconds of a target forward over w tokens: the pair's line, refitted at every step.
-
-    In units of the 1-token time a w-token verify costs level + slope·u(w), u(w) the line's excess over
-    one token, both fitted by decayed least squares with a penalty on slope − level, so steps at one width
-    rescale every width at once and steps spread over widths bend the line. Each width's steps also
-    correct it (a CPU's cost may jump at one width), relative to all widths' steps together."""
+    """t_verify(w), seconds of a target forward over w tokens, refitted at every step: in 1-token units,
+    level + slope·u(w) (u(w): the line's excess over one token), fitted by decayed least squares with a penalty
+    on slope − level, so steps at one width rescale every width and steps over many widths bend the line. Each
+    width's steps also correct it (a CPU's cost may jump at one width), relative to all widths' together."""
 
     def __init__(self, line):
         self.one = line[1]
@@ -201,8 +195,7 @@ class VerifyCost:
             for ratios in self.corrections.values():
                 ratios[:] = [ratios[0] * CORRECTION_DECAY, ratios[1] * CORRECTION_DECAY]
             ratios = self.corrections.setdefault(width, [0.0, 0.0])
-            ratios[0] += ratio
-            ratios[1] += 1.0
+            ratios[:] = [ratios[0] + ratio, ratios[1] + 1.0]
             self.every_width = corrected_mean(*(sum(column) for column in zip(*self.corrections.values())))
         return faster
 

@@ -11,6 +11,7 @@ Any q keeps the output exact, as long as each guess is drawn from the q reported
 
 import sys
 import weakref
+from itertools import islice
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -47,8 +48,7 @@ SELF_DRAFTS = weakref.WeakKeyDictionary()  # target -> {mode: copy}, made on fir
 
 
 def make_drafter(draft, target):
-    """A drafter for `draft`: a model, a draft head, "ngram", "lookup", "suffix", "int8" / "int4" (the target
-    quantized, once per target), or a list of two (mixed.py)."""
+    """A drafter for `draft`: a model, a draft head, a text drafter, the target quantized, or a list of two."""
     if isinstance(draft, (list, tuple)):
         from . import mixed  # [model, "suffix"]: both in one tree, an optional drafter read when asked for
         return mixed.MixedDrafter([make_drafter(part, target) for part in draft], target)
@@ -162,8 +162,7 @@ CATCH_UP_TOGETHER = 2
 
 
 def forward(model, feeds, lengths, parents=None, inputs=None, hidden=False, **options):
-    """One decode_rows over each row's feed (1-D ids; None: nothing) at its length, a tree's parents and a head's
-    inputs beside them: (logits, hidden states or None)."""
+    """One decode_rows over each row's feed (1-D ids or None) at its length: (logits, hidden states or None)."""
     tokens, widths = model.padded(feeds)
     inputs = None if inputs is None else model.padded(inputs)[0]
     out = model.decode_rows(Feed(tokens, lengths, widths, parents, inputs), hidden=hidden, **options)
@@ -171,8 +170,7 @@ def forward(model, feeds, lengths, parents=None, inputs=None, hidden=False, **op
 
 
 def feed(model, drafters, feeds, inputs=None, first_row=None):
-    """One draft forward of feeds[i] (or None) at each row's length, a head's inputs[i] beside them; with
-    `first_row`, one row's alone, eager (its width varies from step to step)."""
+    """One draft forward of feeds[i] (or None) at each row's length; `first_row`: its row alone, eager."""
     alone, heads = first_row is not None, inputs is not None
     last = alone or heads  # only the last position's logits are computed
     logits, states = forward(model, feeds, [d.length for d in drafters], inputs=inputs, hidden=heads,
@@ -227,9 +225,10 @@ def draft_chains(model, drafters, going, heads):
             else:
                 q.append(adjust(logits, sampling))
                 guesses.append(sample(q[-1], ask.noise or ask.generator, at=len(guesses)))
-            keep = ask.keep_guessing
-            if keep and not keep(len(guesses), confidence(logits, q, guesses[-1], sampling)):
-                continue
+            if ask.keep_guessing:  # the draft's probability of its guess (a host read: for CPUs, where it is free)
+                sure = float(logits.float().softmax(-1).max()) if sampling.greedy else float(q[-1][guesses[-1]])
+                if not ask.keep_guessing(len(guesses), sure):
+                    continue
             if len(guesses) < ask.k:  # the last guess is never fed: the target decides what follows it
                 still.append(ask)
         going = still
@@ -257,25 +256,16 @@ TREE_WIDTH = 4  # children per node and nodes expanded per depth: wider trees st
 
 
 class DraftTree:
-    """One row's growing tree, its fed nodes in cache-slot order past the row's length, their parents there
-    and (a head) their predicted states."""
+    """One row's growing tree: its fed nodes in cache-slot order past the row's length, their parents, states."""
 
     def __init__(self, ask):
-        drafter, sampling, budget = ask.drafter, ask.sampling, ask.tree
-        self.drafter, self.sampling, self.generator = drafter, sampling, ask.noise or ask.generator
-        self.depth = min(ask.k, budget)  # a node deeper than the budget would need more ancestors than it allows
-        width = min(TREE_WIDTH, budget)
-        self.growth = Growth(budget, width) if sampling.greedy else DrawnGrowth(budget, width, self.depth)
+        self.drafter, self.sampling, self.generator = ask.drafter, ask.sampling, ask.noise or ask.generator
+        self.depth = min(ask.k, ask.tree)  # a node deeper than the budget would need more ancestors than it allows
+        width = min(TREE_WIDTH, ask.tree)
+        self.growth = Growth(ask.tree, width) if ask.sampling.greedy else DrawnGrowth(ask.tree, width, self.depth)
         self.fed, self.fed_parents, self.states = [], [], {}
         # the expanded nodes' slots, past the row's length: its cache row's room (the budget is the target's)
-        self.room = drafter.model.cache_max_seq_len - drafter.length
-
-    def slot_of(self, node):
-        return -1 if node < 0 else self.fed.index(node)
-
-    def input_of(self, node):
-        parent = self.growth.parents[node]
-        return self.drafter.state if parent < 0 else self.states[parent]
+        self.room = ask.drafter.model.cache_max_seq_len - ask.drafter.length
 
 
 def draft_trees(model, drafters, asks, heads):
@@ -292,13 +282,14 @@ def draft_trees(model, drafters, asks, heads):
         lengths = [d.length for d in drafters]
         growing = [(i, trees[id(d)], expanding[id(d)]) for i, d in enumerate(drafters) if id(d) in expanding]
         for i, tree, nodes in growing:
+            up = [tree.growth.parents[j] for j in nodes]
             lengths[i] += len(tree.fed)
             feeds[i] = to_device([tree.growth.tokens[j] for j in nodes], model.device)
-            tree.fed_parents += [tree.slot_of(tree.growth.parents[j]) for j in nodes]
+            tree.fed_parents += [-1 if parent < 0 else tree.fed.index(parent) for parent in up]
             tree.fed += nodes
             parents[i] = tree.fed_parents
-            if heads:
-                inputs[i] = torch.stack([tree.input_of(j) for j in nodes])
+            if heads:  # a node reads its parent's predicted state (the root: the drafter's)
+                inputs[i] = torch.stack([tree.drafter.state if parent < 0 else tree.states[parent] for parent in up])
         logits, states = forward(model, feeds, lengths, parents, inputs if heads else None, heads)
         scored = []
         for i, tree, nodes in growing:
@@ -320,24 +311,21 @@ def draft_trees(model, drafters, asks, heads):
 
 def add_children(scored):
     """Children for scored (tree, node, logits after it): the best (greedy, one host transfer), else draws."""
-    drawing = {}  # tree -> its expanded nodes and the logits after each
+    drawing = {}  # tree -> (an expanded node, the logits after it) for each
     for tree, node, logits in scored:
         if not tree.sampling.greedy:
-            nodes, rows = drawing.setdefault(tree, ([], []))
-            nodes.append(node)
-            rows.append(logits)
-    for tree, (nodes, rows) in drawing.items():
+            drawing.setdefault(tree, []).append((node, logits))
+    for tree, pairs in drawing.items():
+        nodes, rows = zip(*pairs)
         tree.growth.draw(nodes, adjust(torch.stack(rows), tree.sampling), tree.generator)
     scored = [(tree, node, logits) for tree, node, logits in scored if tree.sampling.greedy]
     best = [best_children(logits, tree.sampling, tree.growth.width) for tree, _, logits in scored]
     if not best:
         return
-    host = torch.cat([torch.cat([values.double(), indices.double()]) for values, indices in best]).tolist()
-    start = 0
+    host = iter(torch.cat([torch.cat([values.double(), indices.double()]) for values, indices in best]).tolist())
     for (tree, node, _), (values, _) in zip(scored, best):
-        w = len(values)
-        tree.growth.add(node, [int(t) for t in host[start + w:start + 2 * w]], host[start:start + w])
-        start += 2 * w
+        scores = list(islice(host, len(values)))
+        tree.growth.add(node, [int(t) for t in islice(host, len(values))], scores)
 
 
 def propose_all(asks):
@@ -354,13 +342,6 @@ def propose_all(asks):
 def generator_of(ask):
     """A coupled row's Noise for a `positional` drafter (Medusa's heads), else the row's generator."""
     return ask.noise if ask.noise is not None and getattr(ask.drafter, "positional", False) else ask.generator
-
-
-def confidence(logits, qs, guess, sampling):
-    """The draft's probability of its own guess (a host read: for CPUs, where it costs nothing)."""
-    if sampling.greedy:
-        return float(logits.float().softmax(-1).max())
-    return float(qs[-1][guess])
 
 
 MODEL_FREE_NAMES = ("ngram", "lookup", "suffix")  # decoding/lookup.py's and decoding/suffix.py's

@@ -133,9 +133,7 @@ class Row:
     def tree_budget(self):
         """The most nodes this step's tree may have, within the row's room (None: a chain)."""
         tree = self.policy.tree_nodes if self.request.trees == "auto" else self.request.trees
-        if not tree:
-            return None
-        return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen))
+        return min(tree, self.request.target.cache_max_seq_len - self.length - len(self.unseen)) if tree else None
 
     def advance_tree(self, nodes, verdict, timing, seen=None, logprobs=None):
         """Take a verified tree step (a TreeVerdict): the path's keys and values become a chain after the root,

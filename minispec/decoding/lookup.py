@@ -172,8 +172,7 @@ class LookupDrafter(TextDrafter):
         return [], 0
 
     def preview_tree(self, k, budget):
-        """The likeliest `budget` nodes, k deep, of the trie of what followed the suffix's latest
-        TREE_OCCURRENCES earlier occurrences, longest suffixes first."""
+        """The likeliest `budget` nodes, k deep, of the trie of what followed the suffix's latest occurrences."""
         paths = {}  # end -> (what followed, n): a longer suffix's occurrence ends where a shorter one's does
         earlier = ((n, end) for n in range(min(self.max_ngram, len(self.context) - 1), 0, -1)
                    for end in islice(reversed(self.ends.get(tuple(self.context[-n:]), ())), 1, None))

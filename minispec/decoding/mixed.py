@@ -43,10 +43,6 @@ class MixedDrafter:
         # prompt tokens the target's cache row does not hold (an encoder's: its decoder starts from one token)
         self.encoded = prompt_ids.shape[-1] - 1 if self.target.is_encoder_decoder else 0
 
-    def room(self):
-        """The target cache row's free slots: the most nodes a step may verify."""
-        return self.target.cache_max_seq_len - (len(self.cheap.context) - self.encoded)
-
     def cheap_chain(self, depth):
         """The step's cheap chain (host ids) and whether the model sits it out."""
         guesses, sure = self.cheap.preview(depth) if depth > 0 else ([], [])
@@ -70,7 +66,8 @@ class MixedDrafter:
         m = len(tokens)
         self.chain = list(tokens) if proposal.parents is None else None
         parents = list(range(-1, m - 1)) if proposal.parents is None else list(proposal.parents)
-        add_path(tokens, parents, chain, max(m, self.room()))
+        room = self.target.cache_max_seq_len - (len(self.cheap.context) - self.encoded)  # the target row's free slots
+        add_path(tokens, parents, chain, max(m, room))
         if len(tokens) == m:  # the model had drafted the chain already
             return proposal
         drafts = to_device(tokens, proposal.drafts.device)  # with q, a tree even if a chain: the model's rows

@@ -83,10 +83,9 @@ def profile_for(target, drafter, beams, k_max):
     if profile is None or (owner is not None and profile.model() is not owner):
         profile = pairs[key] = PairProfile()
         profile.model = weakref.ref(owner) if owner is not None else None
-        profile.key = profiles.pair_key(target, drafter, beams, k_max)
         tp = tp_of(target)
-        if tp is not None and tp.rank != 0:
-            profile.key = None  # rank 0 reads and writes the pair's file; the others take what it read
+        # rank 0 reads and writes the pair's file; the others take what it read
+        profile.key = profiles.pair_key(target, drafter, beams, k_max) if tp is None or tp.rank == 0 else None
         stored_profile(profile)
         if tp is not None:
             values = tp.from_first(*(getattr(profile, name) for name in profiles.FIELDS))
@@ -199,9 +198,8 @@ class AdaptiveGamma:
         return self.k_max if best and self.keep_guessing else best
 
     def hopeful_best(self):
-        """The best k were a up to HOPE standard errors higher, but no higher than the request's rate so far
-        (from the pair's): a short run of rejections must not rest a CPU draft model that pays on the request,
-        since resting learns nothing of a and its first guess is cheap (beams' guesses are whole beam steps)."""
+        """The best k were a up to HOPE standard errors higher (at most the request's rate so far): a short run
+        of rejections must not rest a CPU draft model that pays, since resting learns nothing of a."""
         a, seen = self.first.value, self.seen
         error = (a * (1 - a) / (self.first.verified + seen.first_verified)) ** 0.5
         hopeful = max(a, min(a + HOPE * error, carried(seen.first_accepted, seen.first_verified, self.profile.first)))
@@ -303,10 +301,7 @@ class AdaptiveGamma:
         if previewed:  # the preview against what the target emitted
             compared = min(len(self.previewed), len(emitted))
             n = next((i for i in range(compared) if self.previewed[i] != emitted[i]), compared)
-            verified = min(n + 1, compared)
-        else:
-            verified = min(n + 1, k)
-        self.learn_rates(n, verified)
+        self.learn_rates(n, min(n + 1, compared if previewed else k))
         # After plain steps a draft model feeds the many tokens it skipped: no guess's cost.
         regular, self.guessed_last_step = self.guessed_last_step, k > 0
         if step_seconds is not None:

@@ -52,8 +52,7 @@ def bin_of(confidence):
 
 def count(bins, confidence, survived):
     counts = bins[bin_of(confidence)]
-    counts[0] = counts[0] * DECAY + survived
-    counts[1] = counts[1] * DECAY + 1
+    counts[:] = [counts[0] * DECAY + survived, counts[1] * DECAY + 1]
 
 
 def shrunk(bins, confidence, prior):

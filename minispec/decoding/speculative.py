@@ -272,8 +272,7 @@ def seen(row, drafts, states, kept):
 
 
 def score(target, rows, proposals):
-    """Each row's target logits [k+1, vocab] (a joining row's from its own prefill, the others' from one
-    forward) and, when something reads them, its hidden states at every token fed (else None)."""
+    """Each row's target logits [k+1, vocab] and hidden states at the tokens fed (None unless something reads them)."""
     logits, states, hidden = [None] * len(rows), [None] * len(rows), rows[0].request.reads_states
     drafts = [x.drafts for x in proposals]
     feeds = [torch.cat([row.unseen, d]) if len(d) else row.unseen for row, d in zip(rows, drafts)]

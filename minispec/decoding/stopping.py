@@ -10,14 +10,12 @@ from ..loading.tokenizer import IncrementalDecoder
 
 class Stop:
     def __init__(self, token_ids, strings=(), tokenizer=None):
-        self.token_ids = set(token_ids)
         self.strings = list(strings)
         if any(not isinstance(s, str) or not s for s in self.strings):
             raise ValueError(f"stop strings must be non-empty strings, got {reprlib.repr(strings)}")
         if self.strings and tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer files, to read the text")
-        if self.strings:
-            self.token_ids |= special_token_stops(tokenizer, self.strings)
+        self.token_ids = set(token_ids) | (special_token_stops(tokenizer, self.strings) if self.strings else set())
         self.text = IncrementalDecoder(tokenizer) if self.strings else None
         self.text_end = None  # where the text ends when a stop string ended it
         self.partial = [PartialMatch(s) for s in self.strings]
@@ -66,14 +64,16 @@ class PartialMatch:
     @functools.cached_property
     def borders(self):
         """borders[n]: the longest proper prefix of string[:n] that is also its suffix."""
-        string, borders, k = self.string, [0] * (len(self.string) + 1), 0
-        for i in range(1, len(string)):
-            while k and string[i] != string[k]:
-                k = borders[k]
-            if string[i] == string[k]:
-                k += 1
-            borders[i + 1] = k
+        borders, k = [0] * (len(self.string) + 1), 0
+        for i in range(1, len(self.string)):
+            k = borders[i + 1] = self.matched_after(k, self.string[i], borders)
         return borders
+
+    def matched_after(self, k, char, borders):
+        """How much of the string a matched prefix of length k followed by `char` leaves matched."""
+        while k and char != self.string[k]:
+            k = borders[k]
+        return k + 1 if char == self.string[k] else k
 
     def length(self, text):
         """The length of the longest end of `text` that is a proper prefix of the string."""
@@ -82,10 +82,7 @@ class PartialMatch:
         if len(text) - start >= len(string):  # only the last len(string) - 1 characters can matter
             start, k = len(text) - len(string) + 1, 0
         for char in text[start:]:
-            while k and char != string[k]:
-                k = borders[k]
-            if char == string[k]:
-                k += 1
+            k = self.matched_after(k, char, borders)
             if k == len(string):  # the whole string: what of it is still a prefix
                 k = borders[k]
         self.text, self.matched = text, k

@@ -149,13 +149,10 @@ class KeptTree(NamedTuple):
 
 def first_of(kept, length, depth, budget):
     """The first `budget` nodes of the KeptTree, or None where it cannot give them."""
-    if kept is None:
+    if (kept is None or kept.length != length or kept.depth < depth or kept.budget < budget
+            or max(depths(kept.tree.parents[:budget]), default=0) > depth):
         return None
-    tokens, parents, sure = kept.tree
-    if (kept.length != length or kept.depth < depth or kept.budget < budget
-            or max(depths(parents[:budget]), default=0) > depth):
-        return None
-    return PreviewedTree(tokens[:budget], parents[:budget], sure[:budget])
+    return PreviewedTree(*(part[:budget] for part in kept.tree))
 
 
 def likeliest(tokens, parents, sure, budget):
@@ -189,10 +186,7 @@ def tree_or_chain(parents):
 
 def best_children(logits, sampling, width):
     """The `width` likeliest next tokens after each row of logits and their log-probabilities (greedy: raw)."""
-    if sampling.greedy:
-        scores = logits.float().log_softmax(-1)
-    else:
-        scores = adjust(logits, sampling).log()
+    scores = logits.float().log_softmax(-1) if sampling.greedy else adjust(logits, sampling).log()
     return scores.topk(min(width, scores.shape[-1]), dim=-1)
 
 
@@ -275,7 +269,8 @@ class DrawnGrowth(Growth):
         if not room:
             return
         largest = qs.topk(min(room, qs.shape[-1]), dim=-1).values.tolist()
-        slots = sorted((-self.slot_score(node, value), i, n) for n, (node, values) in enumerate(zip(nodes, largest))
+        base = [0.0 if node < 0 else self.scores[node] for node in nodes]
+        slots = sorted((-(base[n] + math.log(value)), i, n) for n, values in enumerate(largest)
                        for i, value in enumerate(values) if value > 0)
         # the spine's first draw always (the chain of draws goes on), then the best other slots
         first = [(minus_score, i, n) for minus_score, i, n in slots if nodes[n] == self.spine_end() and i == 0]
@@ -293,9 +288,6 @@ class DrawnGrowth(Growth):
     def spine_child(self, children):
         """The first drawn, so that the spine is a chain of draws and accepts what that chain would."""
         return children[0]
-
-    def slot_score(self, node, value):
-        return (0.0 if node < 0 else self.scores[node]) + math.log(value)
 
     def q_rows(self, chosen):
         """q for sample_walk: the root's, then each chosen node's but the last, zeros where none was drawn."""

@@ -78,15 +78,13 @@ class MedusaDrafter:
         return sample(q, generator), q
 
     def propose_tree(self, k, budget, sampling):
-        """A tree of at most `budget` guesses, k deep: a node at depth j + 1 is one of head j's best tokens,
-        scored by its path's probability (tree.Growth). Fixed candidates, so q is None."""
+        """A tree of <= `budget` fixed candidates (q None), k deep: depth j + 1 holds head j's best (tree.Growth)."""
         k = min(k, len(self.heads.heads), budget)
         if self.state is None or k == 0:
             return torch.zeros(0, dtype=torch.long, device=self.heads.target.device), None, None
         self.calls += 1
         growth = Growth(budget, min(MEDUSA_TREE_WIDTH, budget))
-        scores, tokens = best_children(self.heads(self.state, k), sampling, growth.width)
-        scores, tokens = scores.tolist(), tokens.tolist()
+        scores, tokens = (part.tolist() for part in best_children(self.heads(self.state, k), sampling, growth.width))
         growth.add(-1, tokens[0], scores[0])
         for depth in range(1, k):
             for node in growth.expand():  # every node of a depth has the same candidates: the head's
@@ -109,12 +107,8 @@ def build(hf, target):
 
 def convert_weights(weights, heads):
     """Published names -> ours: `{head}.*` or `medusa_head.{head}.*` -> `heads.{head}.*`."""
-    out = {}
-    for name, tensor in weights.items():
-        name = name.removeprefix("medusa_head.")
-        if name.split(".", 1)[0].isdigit():
-            out[f"heads.{name}"] = tensor
-    return out
+    names = {name.removeprefix("medusa_head."): tensor for name, tensor in weights.items()}
+    return {f"heads.{name}": tensor for name, tensor in names.items() if name.split(".", 1)[0].isdigit()}
 
 
 def published(heads):
