@@ -66,7 +66,8 @@ class PrefixCache:
             return
         tokens, taps = request.prompt_ids.view(-1).tolist() + row.tokens[:-1], head_taps(request)
         # a row that stopped holds its last step's rejected guesses past its kept tokens: not stored
-        states = None if taps is None else torch.cat(row.states) if row.states else None
+        # on the CPU in one copy, where its blocks are stored
+        states = torch.cat(row.states).cpu() if taps is not None and row.states else None
         self.store(request.target, row.slot, tokens[:row.length], taps, states)
         if taps is None and drafter is not None and usable(drafter.model):  # tree nodes lie past its length
             self.store(drafter.model, drafter.row, tokens[:drafter.length])
@@ -116,7 +117,7 @@ class PrefixCache:
             for i, part in enumerate(kv.split(BLOCK, dim=3), len(chain)):
                 key = tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
                 held = block_of(states, i)  # its own storage, freed when it is evicted
-                child = Node(node, key, part.clone(), *((None, None) if held is None else (taps, held)))
+                child = Node(node, key, part.clone(), None if held is None else taps, held)
                 if not self.make_room(child.bytes, node):
                     return
                 node.children[key] = node = child
@@ -187,10 +188,10 @@ def head_taps(request):
 
 
 def block_of(states, i):
-    """Block i's rows of `states` [tokens, width] as a CPU tensor of its own; None where they do not reach."""
+    """Block i's rows of `states` [tokens, width] (on the CPU) as a tensor of its own; None where they do not reach."""
     if states is None or len(states) < (i + 1) * BLOCK:
         return None
-    return states[i * BLOCK:(i + 1) * BLOCK].cpu().clone()
+    return states[i * BLOCK:(i + 1) * BLOCK].clone()
 
 
 def share_prompt(target, batch):

@@ -68,16 +68,16 @@ def read_config(directory):
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    config = read_token_ids(config_file)
+    config = read_config_file(config_file)
     generation_file = Path(directory) / "generation_config.json"
     if generation_file.is_file():  # eos/bos ids there override the model config's, as in the reference
-        generation = read_token_ids(generation_file)
+        generation = read_config_file(generation_file)
         config.update({k: v for k, v in generation.items() if k.endswith("token_id") and v is not None})
     return config
 
 
-def read_token_ids(file):
-    """A config file, the token ids minispec reads from it checked."""
+def read_config_file(file):
+    """A config file's JSON, the token ids minispec reads from it checked to be ids."""
     config = read_json(file)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         try:  # eos may be a list: generation stops at any of them
