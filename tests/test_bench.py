@@ -891,10 +891,34 @@ def test_workloads_serve_each_drafter_with_and_without_the_prefix_cache(served_d
                 cached = [q["prompt_tokens_details"]["cached_tokens"] for q in r["requests"]]
                 assert r["cached_share"] > 0.3 and cached[1] > cached[0] + 100, cached
         assert w["best"]["draft"] in drafts[1:] and w["ttft_cut"] == runs[0]["ttft_cut"]
+        assert 0 < w["ceiling"] < math.inf
     assert ("| workload | draft | prefix cache | s | x plain | x lookup | x plain 1st / 2nd half | mean TTFT ms | "
             "TTFT cut | tok/call 1st / 2nd half | accept | cached | same as plain |") in table
-    assert re.search(r"^- agent: best `.+` [\d.]+x plain \(goal ≥ 3.0x: (meets|misses)\); the prefix cache cuts "
-                     r"plain's mean TTFT [\d.]+x \(goal ≥ 3.0x: (meets|misses)\)$", table, re.M)
+    assert re.search(r"^- agent: best `.+` [\d.]+x plain \(goal ≥ 3.0x: (meets|misses)\), a drafter right about "
+                     r"every answer [\d.]+x; the prefix cache cuts plain's mean TTFT [\d.]+x \(goal ≥ 3.0x: "
+                     r"(meets|misses)\)$", table, re.M)
+
+
+def test_the_workloads_ceiling_verifies_each_answer_in_one_forward_after_plains_first_text(monkeypatch):
+    """The ceiling: plain's seconds over each request's time to first text plus one forward of its answer's
+    tokens at its prompt's length (an untimed forward first)."""
+    calls = []
+
+    class Target:
+        device = "cpu"
+
+        def ensure_caches(self, rows, length):
+            calls.append(("room", rows, length))
+
+        def decode_rows(self, feed, eager):
+            calls.append((feed.tokens.shape, feed.lengths, eager))
+
+    monkeypatch.setattr(workloads, "timed", lambda fn, device: (fn(), 0.5))
+    plain = {"seconds": 10.0, "requests": [{"ttft": 1.0, "prompt_tokens": 100, "completion_tokens": 8},
+                                           {"ttft": 2.0, "prompt_tokens": 300, "completion_tokens": 5}]}
+    assert workloads.ceiling(Target(), plain) == 10.0 / (1.5 + 2.5)
+    assert calls == [("room", 1, 305), ((1, 5), [300], True), ("room", 1, 108), ((1, 8), [100], True),
+                     ("room", 1, 305), ((1, 5), [300], True)]
 
 
 def test_workloads_serve_a_draft_head_as_it_learns_in_a_pass_of_its_own(served_dirs, tmp_path, capsys, monkeypatch):
